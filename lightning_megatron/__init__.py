@@ -1,0 +1,14 @@
+"""lightning-megatron: Megatron-LM-style 3D parallelism for PyTorch Lightning.
+
+Importing the package registers ``Trainer(strategy="megatron_3d")``.
+"""
+
+from lightning_megatron import data, models, parallel, tensor_parallel
+from lightning_megatron.parallel import ParallelConfig, ParallelState
+from lightning_megatron.strategy import Megatron3DStrategy, register
+
+__version__ = "0.1.0"
+
+register()
+
+__all__ = ["Megatron3DStrategy", "ParallelConfig", "ParallelState", "data", "models", "parallel", "tensor_parallel"]

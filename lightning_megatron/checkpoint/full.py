@@ -1,0 +1,54 @@
+"""Full (consolidated) state dicts: global names, global unpadded shapes, any layout.
+
+Saving gathers each tensor-parallel shard into its global tensor; loading cuts this
+rank's shard back out. A checkpoint written at one tensor-parallel size therefore loads
+at any other. (Per-rank sharded checkpoints, which never gather, are a separate feature.)
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from lightning_megatron.tensor_parallel.sharding import shard_of
+
+
+def _gather(local: Tensor, dim: int, group: Optional[dist.ProcessGroup]) -> Tensor:
+    if group is None:
+        return local
+    parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, local.contiguous(), group=group)
+    return torch.cat(parts, dim=dim)
+
+
+def gather_full_state_dict(module: nn.Module, group: Optional[dist.ProcessGroup]) -> dict[str, Any]:
+    """Every rank returns the full state dict on the CPU (a collective over ``group``, the tp group)."""
+    full: dict[str, Any] = {}
+    for name, value in module.state_dict(keep_vars=True).items():
+        shard = shard_of(value) if isinstance(value, Tensor) else None
+        if shard is None:
+            full[name] = value.detach().cpu() if isinstance(value, Tensor) else value
+            continue
+        gathered = _gather(value.detach(), shard.dim, group if shard.world > 1 else None)
+        full[name] = gathered.narrow(shard.dim, 0, shard.global_shape[shard.dim]).cpu().clone()
+    return full
+
+
+def local_state_dict_from_full(module: nn.Module, full: Mapping[str, Any]) -> dict[str, Any]:
+    """This rank's shards of a full state dict, ready for ``module.load_state_dict``."""
+    local = dict(full)
+    for name, value in module.state_dict(keep_vars=True).items():
+        shard = shard_of(value) if isinstance(value, Tensor) else None
+        if shard is None or name not in full:
+            continue
+        saved = full[name]
+        if tuple(saved.shape) != shard.global_shape:
+            raise ValueError(
+                f"Checkpoint tensor {name!r} has shape {tuple(saved.shape)} but the model expects the global shape "
+                f"{shard.global_shape}. The checkpoint belongs to a model of another size."
+            )
+        local[name] = shard.local_slice(saved)
+    return local

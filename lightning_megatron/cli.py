@@ -1,0 +1,49 @@
+"""The ``lightning-megatron`` command.
+
+``fit``/``validate``/``test``/``predict`` go to LightningCLI over the GPT model and the data
+module (``--config configs/gpt-tiny.yaml``); the other subcommands are tools around
+training (data preprocessing, tokenizers, checkpoints) registered in ``TOOLS``.
+
+Example::
+
+    lightning-megatron fit --config configs/gpt-tiny.yaml --trainer.max_steps=100
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Callable, Optional, Sequence
+
+from lightning.pytorch.cli import LightningCLI
+
+import lightning_megatron  # noqa: F401  (registers the "megatron_3d" strategy)
+from lightning_megatron.data import GPTDataModule
+from lightning_megatron.models import GPT
+
+# name -> (one-line help, main(argv) function); each tool parses its own arguments.
+TOOLS: dict[str, tuple[str, Callable[[Sequence[str]], None]]] = {}
+
+
+def run_lightning_cli(args: Optional[Sequence[str]] = None) -> LightningCLI:
+    return LightningCLI(
+        GPT,
+        GPTDataModule,
+        subclass_mode_model=False,
+        seed_everything_default=1234,
+        save_config_kwargs={"overwrite": True},
+        args=args,
+    )
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in TOOLS:
+        TOOLS[argv[0]][1](argv[1:])
+        return
+    if argv and argv[0] in ("-h", "--help") and TOOLS:
+        print("Tools: " + "; ".join(f"{name}: {help_}" for name, (help_, _) in TOOLS.items()))
+    run_lightning_cli(argv)
+
+
+if __name__ == "__main__":
+    main()

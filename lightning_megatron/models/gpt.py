@@ -1,0 +1,252 @@
+"""GPT: a pre-norm decoder in the style of GPT-2 and Megatron-LM, as a LightningModule.
+
+``GPTModel`` is plain PyTorch (readable like nanoGPT); ``GPT`` adds the training recipe
+(per-token loss, AdamW, warmup + cosine) and declares what tensor parallelism may split.
+Under ``Megatron3DStrategy`` the model is built on the meta device in ``configure_model``
+and only this rank's shards are ever materialised.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, replace
+from typing import Any, Optional, Union
+
+import lightning as L
+import torch
+from torch import Tensor, nn
+from torchmetrics import MeanMetric
+
+from lightning_megatron.models.transformer import TransformerLayer, layer_tensor_parallel_plan
+from lightning_megatron.parallel.initialize import INIT_STD, default_initializer, initialize_parameters
+
+IGNORE_INDEX = -100
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    """Sizes of a GPT model. ``ffn_hidden_size`` defaults to ``4 * hidden_size``."""
+
+    vocab_size: int = 257
+    max_seq_length: int = 128
+    hidden_size: int = 64
+    num_layers: int = 4
+    num_heads: int = 4
+    ffn_hidden_size: Optional[int] = None
+    dropout: float = 0.0
+    attention_dropout: float = 0.0
+    layer_norm_eps: float = 1e-5
+
+    def __post_init__(self) -> None:
+        if self.hidden_size % self.num_heads != 0:
+            raise ValueError(
+                f"hidden_size={self.hidden_size} is not divisible by num_heads={self.num_heads}: "
+                f"each head needs hidden_size / num_heads channels."
+            )
+
+    @property
+    def ffn_size(self) -> int:
+        return self.ffn_hidden_size or 4 * self.hidden_size
+
+    @classmethod
+    def from_name(cls, name: str, **overrides: Any) -> "GPTConfig":
+        """A preset by name (see ``GPT_PRESETS``), optionally with some fields changed."""
+        if name not in GPT_PRESETS:
+            raise ValueError(f"Unknown GPT preset {name!r}. Available presets: {', '.join(sorted(GPT_PRESETS))}.")
+        return replace(GPT_PRESETS[name], **overrides)
+
+    def validate_tensor_parallel_size(self, tensor_parallel_size: int) -> None:
+        """Fail with the numbers and a fix when the model cannot be split ``tensor_parallel_size`` ways."""
+        tp = tensor_parallel_size
+        problems = []
+        if self.num_heads % tp:
+            problems.append(f"num_heads={self.num_heads}")
+        if self.ffn_size % tp:
+            problems.append(f"ffn_hidden_size={self.ffn_size}")
+        if problems:
+            divisors = [d for d in range(1, self.num_heads + 1) if self.num_heads % d == 0 and self.ffn_size % d == 0]
+            raise ValueError(
+                f"tensor_parallel_size={tp} does not divide {' and '.join(problems)}: every rank must hold whole "
+                f"attention heads and an equal share of the MLP. Use a tensor_parallel_size in {divisors}."
+            )
+
+    def num_parameters(self) -> int:
+        h, layers = self.hidden_size, self.num_layers
+        per_layer = 4 * h + (3 * h * h + 3 * h) + (h * h + h) + 2 * h * self.ffn_size + self.ffn_size + h
+        return self.vocab_size * h + self.max_seq_length * h + layers * per_layer + 2 * h
+
+
+# Megatron-LM paper (Shoeybi et al. 2019), table 1: hidden, heads, layers; vocab 51,200, sequence 1024.
+GPT_PRESETS: dict[str, GPTConfig] = {
+    "gpt-tiny": GPTConfig(),
+    "gpt2-124m": GPTConfig(vocab_size=50257, max_seq_length=1024, hidden_size=768, num_layers=12, num_heads=12, dropout=0.1, attention_dropout=0.1),
+    **{
+        name: GPTConfig(vocab_size=51200, max_seq_length=1024, hidden_size=h, num_heads=heads, num_layers=layers, dropout=0.1, attention_dropout=0.1)
+        for name, (h, heads, layers) in {
+            "gpt-1.2b": (1536, 16, 40),
+            "gpt-2.5b": (1920, 20, 54),
+            "gpt-4.2b": (2304, 24, 64),
+            "gpt-8.3b": (3072, 32, 72),
+        }.items()
+    },
+}
+
+
+class GPTEmbedding(nn.Module):
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.wpe = nn.Embedding(config.max_seq_length, config.hidden_size)
+        self.drop = nn.Dropout(config.dropout)
+
+    def forward(self, input_ids: Tensor) -> Tensor:
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+        return self.drop(self.wte(input_ids) + self.wpe(positions))
+
+
+class GPTModel(nn.Module):
+    """Token ids ``[B, S]`` -> logits ``[B, S, V]`` (``V/tp`` under tensor parallelism)."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embedding = GPTEmbedding(config)
+        self.blocks = nn.ModuleList(
+            TransformerLayer(
+                config.hidden_size,
+                config.num_heads,
+                config.ffn_size,
+                dropout=config.dropout,
+                attention_dropout=config.attention_dropout,
+                causal=True,
+                layer_norm_eps=config.layer_norm_eps,
+            )
+            for _ in range(config.num_layers)
+        )
+        self.ln_f = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head.weight = self.embedding.wte.weight
+        self.loss_fn = nn.CrossEntropyLoss(reduction="sum", ignore_index=IGNORE_INDEX)
+        if not self.embedding.wte.weight.is_meta:
+            initialize_parameters(self, seed=torch.initial_seed())
+
+    def initialize_parameter(self, name: str, tensor: Tensor, generator: torch.Generator) -> None:
+        """GPT-2 init; output projections of residual branches scaled by 1/sqrt(2 * layers) (Radford et al. 2019)."""
+        if name.endswith(("attn.proj.weight", "mlp.proj.weight")):
+            tensor.normal_(0.0, INIT_STD / math.sqrt(2 * self.config.num_layers), generator=generator)
+        else:
+            default_initializer(name, tensor, generator)
+
+    @staticmethod
+    def tensor_parallel_plan() -> dict[str, str]:
+        return {
+            "embedding.wte": "vocab",
+            "embedding": "sequence_scatter",
+            **layer_tensor_parallel_plan("blocks.*"),
+            "ln_f": "sequence_parallel",
+            "lm_head": "vocab",
+            "loss_fn": "vocab",
+        }
+
+    def forward(self, input_ids: Tensor) -> Tensor:
+        if input_ids.shape[1] > self.config.max_seq_length:
+            raise ValueError(
+                f"Sequence length {input_ids.shape[1]} exceeds max_seq_length={self.config.max_seq_length} of the model."
+            )
+        x = self.embedding(input_ids)
+        for block in self.blocks:
+            x = block(x)
+        return self.lm_head(self.ln_f(x))
+
+    def loss(self, input_ids: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
+        """``(sum of token losses, number of counted tokens)``; labels of ``-100`` are ignored."""
+        logits = self(input_ids)
+        loss_sum = self.loss_fn(logits.flatten(0, 1), labels.flatten())
+        return loss_sum, (labels != IGNORE_INDEX).sum()
+
+
+class GPT(L.LightningModule):
+    """A GPT LightningModule to train as is or to subclass.
+
+    Example::
+
+        model = GPT(GPTConfig.from_name("gpt-tiny"))
+        trainer = L.Trainer(strategy=Megatron3DStrategy(tensor_parallel_size=2), devices=2)
+
+    ``training_step`` returns ``{"loss", "num_tokens"}``: the strategy uses ``num_tokens`` to
+    make the loss a per-token mean over the whole global batch, across micro-batches and
+    data-parallel ranks.
+    """
+
+    def __init__(
+        self,
+        config: Union[GPTConfig, str] = "gpt-tiny",
+        *,
+        learning_rate: float = 1e-3,
+        min_learning_rate: float = 1e-4,
+        weight_decay: float = 0.1,
+        betas: tuple[float, float] = (0.9, 0.95),
+        warmup_steps: int = 20,
+    ) -> None:
+        super().__init__()
+        self.config = GPTConfig.from_name(config) if isinstance(config, str) else config
+        self.save_hyperparameters({"config": asdict(self.config), "learning_rate": learning_rate,
+                                   "min_learning_rate": min_learning_rate, "weight_decay": weight_decay,
+                                   "betas": betas, "warmup_steps": warmup_steps})
+        self.learning_rate, self.min_learning_rate = learning_rate, min_learning_rate
+        self.weight_decay, self.betas, self.warmup_steps = weight_decay, betas, warmup_steps
+        self.model: Optional[GPTModel] = None
+        self.val_loss = MeanMetric()
+
+    def configure_model(self) -> None:
+        if self.model is None:
+            self.model = GPTModel(self.config)
+
+    def tensor_parallel_plan(self) -> dict[str, str]:
+        return {f"model.{pattern}": style for pattern, style in GPTModel.tensor_parallel_plan().items()}
+
+    def validate_parallel_config(self, parallel_config) -> None:
+        self.config.validate_tensor_parallel_size(parallel_config.tensor_parallel_size)
+
+    def forward(self, input_ids: Tensor) -> Tensor:
+        return self.model(input_ids)
+
+    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> dict[str, Tensor]:
+        loss_sum, num_tokens = self.model.loss(batch["input_ids"], batch["labels"])
+        loss = loss_sum / num_tokens.clamp(min=1)
+        self.log("train_loss", loss, prog_bar=True, sync_dist=True)
+        return {"loss": loss, "num_tokens": num_tokens}
+
+    def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
+        loss_sum, num_tokens = self.model.loss(batch["input_ids"], batch["labels"])
+        self.val_loss.update(loss_sum / num_tokens.clamp(min=1), weight=num_tokens)
+
+    def on_validation_epoch_end(self) -> None:
+        loss = self.val_loss.compute()
+        self.val_loss.reset()
+        self.log("val_loss", loss, prog_bar=True)
+        self.log("val_perplexity", loss.exp())
+
+    def configure_optimizers(self):
+        decay = [p for p in self.parameters() if p.dim() >= 2]
+        no_decay = [p for p in self.parameters() if p.dim() < 2]
+        optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": self.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=self.learning_rate,
+            betas=self.betas,
+        )
+        total_steps = max(int(self.trainer.estimated_stepping_batches), 1) if self._trainer is not None else 1
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, self._lr_factor(total_steps))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def _lr_factor(self, total_steps: int):
+        floor = self.min_learning_rate / self.learning_rate
+        warmup = self.warmup_steps
+
+        def factor(step: int) -> float:
+            if step < warmup:
+                return (step + 1) / warmup
+            progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
+            return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+        return factor

@@ -1,0 +1,86 @@
+"""Transformer building blocks in plain PyTorch: no process groups in sight.
+
+Under tensor parallelism the strategy swaps ``qkv``/``fc`` for column-parallel and
+``proj`` for row-parallel layers. The fused ``qkv`` output is laid out head by head
+(``[head, (q, k, v), head_dim]``), so a contiguous column split hands each rank whole
+heads, and ``SelfAttention`` reads its local head count from its weight.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, hidden_size: int, num_heads: int, *, attention_dropout: float, causal: bool) -> None:
+        super().__init__()
+        self.head_dim = hidden_size // num_heads
+        self.attention_dropout, self.causal = attention_dropout, causal
+        self.qkv = nn.Linear(hidden_size, 3 * hidden_size)
+        self.proj = nn.Linear(hidden_size, hidden_size)
+
+    def forward(self, x: Tensor, attention_mask: Optional[Tensor] = None) -> Tensor:
+        qkv = self.qkv(x)
+        batch, seq = qkv.shape[:2]  # the full sequence, also when x is a sequence-parallel chunk
+        local_heads = self.qkv.weight.shape[0] // (3 * self.head_dim)
+        q, k, v = qkv.view(batch, seq, local_heads, 3, self.head_dim).permute(3, 0, 2, 1, 4).unbind(0)
+        y = F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=attention_mask,
+            dropout_p=self.attention_dropout if self.training else 0.0,
+            is_causal=self.causal and attention_mask is None,
+        )
+        return self.proj(y.transpose(1, 2).reshape(batch, seq, local_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden_size: int, ffn_hidden_size: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(hidden_size, ffn_hidden_size)
+        self.proj = nn.Linear(ffn_hidden_size, hidden_size)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.proj(F.gelu(self.fc(x), approximate="tanh"))
+
+
+class TransformerLayer(nn.Module):
+    """Pre-norm layer: ``x + drop(attn(ln(x)))`` then ``x + drop(mlp(ln(x)))``."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        ffn_hidden_size: int,
+        *,
+        dropout: float,
+        attention_dropout: float,
+        causal: bool,
+        layer_norm_eps: float = 1e-5,
+    ) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(hidden_size, eps=layer_norm_eps)
+        self.attn = SelfAttention(hidden_size, num_heads, attention_dropout=attention_dropout, causal=causal)
+        self.ln_2 = nn.LayerNorm(hidden_size, eps=layer_norm_eps)
+        self.mlp = MLP(hidden_size, ffn_hidden_size)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x: Tensor, attention_mask: Optional[Tensor] = None) -> Tensor:
+        x = x + self.drop(self.attn(self.ln_1(x), attention_mask))
+        return x + self.drop(self.mlp(self.ln_2(x)))
+
+
+def layer_tensor_parallel_plan(prefix: str) -> dict[str, str]:
+    """The plan of every ``TransformerLayer`` under ``prefix`` (e.g. ``"blocks.*"``)."""
+    return {
+        prefix: "sequence_parallel",
+        f"{prefix}.attn": "sharded_dropout",
+        f"{prefix}.attn.qkv": "column",
+        f"{prefix}.attn.proj": "row",
+        f"{prefix}.mlp.fc": "column",
+        f"{prefix}.mlp.proj": "row",
+    }

@@ -1,0 +1,53 @@
+"""Gradient clipping by the true global norm of a model split over tensor-parallel ranks.
+
+``torch.nn.utils.clip_grad_norm_`` sees one rank's shards and would clip each rank by a
+different factor. Here each element of the global model is counted exactly once: sharded
+parameters on every rank, replicated ones on tensor-parallel rank 0 only; the squares are
+then summed over the model-parallel group. After the data-parallel reduction every dp
+rank holds the same gradients, so no dp reduction is needed.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from lightning_megatron.tensor_parallel.sharding import shard_of
+
+
+def global_grad_norm(
+    params: Iterable[nn.Parameter], *, model_parallel_group: Optional[dist.ProcessGroup], is_first_tensor_rank: bool
+) -> Tensor:
+    """The L2 norm of all gradients of the global model, identical on every rank."""
+    squares = None
+    for param in params:
+        if param.grad is None or (shard_of(param) is None and not is_first_tensor_rank):
+            continue
+        term = param.grad.detach().float().pow(2).sum()
+        squares = term if squares is None else squares + term
+    if squares is None:
+        squares = torch.zeros((), dtype=torch.float32)
+    squares = squares.double()
+    if model_parallel_group is not None:
+        dist.all_reduce(squares, group=model_parallel_group)
+    return squares.sqrt().float()
+
+
+def clip_grads_by_global_norm(
+    params: Iterable[nn.Parameter],
+    max_norm: float,
+    *,
+    model_parallel_group: Optional[dist.ProcessGroup],
+    is_first_tensor_rank: bool,
+) -> Tensor:
+    """Scale gradients so their global norm is at most ``max_norm``; returns the norm before clipping."""
+    params = [p for p in dict.fromkeys(params) if p.grad is not None]
+    norm = global_grad_norm(params, model_parallel_group=model_parallel_group, is_first_tensor_rank=is_first_tensor_rank)
+    clip_coef = max_norm / (float(norm) + 1e-6)
+    if clip_coef < 1.0:
+        for param in params:
+            param.grad.detach().mul_(clip_coef)
+    return norm

@@ -1,0 +1,102 @@
+"""The parallel layout: how many ways the model and the data are split.
+
+All validation that does not need the model lives here, so that a bad layout is
+reported by every rank with the same message before any process group exists.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+SUPPORTED_PIPELINE_SIZE = 1  # pipelining arrives with the pipeline issue; the mesh already has the axis
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Sizes of the three parallel dimensions and the features layered on them.
+
+    ``world_size == tensor_parallel_size * pipeline_parallel_size * data_parallel_size``.
+
+    Example::
+
+        >>> ParallelConfig(tensor_parallel_size=2, data_parallel_size=4).world_size
+        8
+    """
+
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    data_parallel_size: int = 1
+    sequence_parallel: bool = False
+    zero_stage: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}.")
+        if self.pipeline_parallel_size != SUPPORTED_PIPELINE_SIZE:
+            raise ValueError(
+                f"pipeline_parallel_size={self.pipeline_parallel_size} is not supported yet: this release runs "
+                f"pipeline_parallel_size=1 only. Use tensor or data parallelism to spread the model."
+            )
+        if self.zero_stage != 0:
+            raise ValueError(
+                f"zero_stage={self.zero_stage} is not supported yet: this release runs zero_stage=0 (plain data "
+                f"parallelism). Use zero_stage=0."
+            )
+        if self.sequence_parallel and self.tensor_parallel_size == 1:
+            raise ValueError(
+                "sequence_parallel=True needs tensor_parallel_size > 1: it splits the sequence over the "
+                "tensor-parallel group. Set tensor_parallel_size or turn sequence_parallel off."
+            )
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size * self.data_parallel_size
+
+    @classmethod
+    def for_world(
+        cls,
+        world_size: int,
+        *,
+        tensor_parallel_size: int = 1,
+        pipeline_parallel_size: int = 1,
+        data_parallel_size: int | str = "auto",
+        sequence_parallel: bool = False,
+        zero_stage: int = 0,
+    ) -> "ParallelConfig":
+        """Build a config for ``world_size`` processes; ``data_parallel_size="auto"`` takes what is left."""
+        model_parallel = tensor_parallel_size * pipeline_parallel_size
+        if world_size % model_parallel != 0:
+            raise ValueError(
+                f"The world size ({world_size} processes) is not a multiple of tensor_parallel_size * "
+                f"pipeline_parallel_size = {tensor_parallel_size} * {pipeline_parallel_size} = {model_parallel}. "
+                f"Launch a multiple of {model_parallel} processes (devices * num_nodes) or change the sizes."
+            )
+        if data_parallel_size == "auto":
+            data_parallel_size = world_size // model_parallel
+        config = cls(
+            tensor_parallel_size=tensor_parallel_size,
+            pipeline_parallel_size=pipeline_parallel_size,
+            data_parallel_size=data_parallel_size,  # type: ignore[arg-type]
+            sequence_parallel=sequence_parallel,
+            zero_stage=zero_stage,
+        )
+        if config.world_size != world_size:
+            raise ValueError(
+                f"tensor_parallel_size * pipeline_parallel_size * data_parallel_size = {tensor_parallel_size} * "
+                f"{pipeline_parallel_size} * {data_parallel_size} = {config.world_size}, but {world_size} processes "
+                f"were launched. Set data_parallel_size='auto' or launch {config.world_size} processes."
+            )
+        return config
+
+    def rank_of(self, *, pipeline_rank: int, data_rank: int, tensor_rank: int) -> int:
+        """Global rank of a coordinate: tensor-parallel is innermost, so a TP group sits on one node."""
+        return (pipeline_rank * self.data_parallel_size + data_rank) * self.tensor_parallel_size + tensor_rank
+
+    def coordinates_of(self, rank: int) -> tuple[int, int, int]:
+        """``(pipeline_rank, data_rank, tensor_rank)`` of a global rank; the inverse of :meth:`rank_of`."""
+        tensor_rank = rank % self.tensor_parallel_size
+        data_rank = (rank // self.tensor_parallel_size) % self.data_parallel_size
+        pipeline_rank = rank // (self.tensor_parallel_size * self.data_parallel_size)
+        return pipeline_rank, data_rank, tensor_rank

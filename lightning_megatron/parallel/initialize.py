@@ -1,0 +1,107 @@
+"""Layout-invariant parameter initialisation.
+
+A parameter's initial value depends only on the seed and its global name
+(``blocks.7.mlp.fc.weight``), never on tp/pp/dp: each rank builds the full parameter
+from a generator seeded by the name, then keeps its own shard. Modules may define
+``initialize_parameter(name, tensor, generator)`` to choose the distribution of their
+parameters (names are then relative to that module); others get
+:func:`default_initializer`.
+
+Params on the meta device are materialised on ``device``; real params are overwritten in
+place, so a single-process model and every parallel layout start identical.
+"""
+
+from __future__ import annotations
+
+import zlib
+from typing import Callable, Optional
+
+import torch
+from torch import Tensor, nn
+
+from lightning_megatron.tensor_parallel.sharding import shard_of
+
+Initializer = Callable[[str, Tensor, torch.Generator], None]
+INIT_STD = 0.02
+_TAGS = ("tensor_shard", "sequence_parallel_grad")
+
+
+def parameter_seed(seed: int, name: str) -> int:
+    """A stable seed per (run seed, global name): crc32 is identical on every machine and Python run."""
+    return (seed * 0x9E3779B1 + zlib.crc32(name.encode())) % (2**63 - 1)
+
+
+def default_initializer(name: str, tensor: Tensor, generator: torch.Generator) -> None:
+    """GPT-2's scheme: weights ~ N(0, 0.02); biases zero; other vectors (norm gains) one."""
+    if tensor.dim() >= 2:
+        tensor.normal_(0.0, INIT_STD, generator=generator)
+    elif name.endswith("bias"):
+        tensor.zero_()
+    else:
+        tensor.fill_(1.0)
+
+
+def _is_within(name: str, prefix: str) -> bool:
+    return prefix == "" or name == prefix or name.startswith(prefix + ".")
+
+
+def _owners(root: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Outermost submodules (the root included) that define their own ``initialize_parameter``."""
+    owners: list[tuple[str, nn.Module]] = []
+    for name, module in root.named_modules():
+        if hasattr(module, "initialize_parameter") and not any(_is_within(name, o) for o, _ in owners):
+            owners.append((name, module))
+    return owners
+
+
+def _local_values(param: Tensor, name: str, seed: int, initializer: Initializer) -> Tensor:
+    shard = shard_of(param)
+    global_shape = shard.global_shape if shard is not None else tuple(param.shape)
+    full = torch.empty(global_shape, dtype=torch.float32)
+    generator = torch.Generator().manual_seed(parameter_seed(seed, name))
+    initializer(name, full, generator)
+    return full if shard is None else shard.local_slice(full)
+
+
+def initialize_parameters(
+    root: nn.Module, seed: int, device: Optional[torch.device | str] = None, *, only_meta: bool = False
+) -> None:
+    """Give every parameter of ``root`` its layout-invariant initial value (see the module docstring).
+
+    ``only_meta=True`` materialises meta parameters and leaves real ones (e.g. loaded weights) alone.
+    """
+    done: dict[int, nn.Parameter] = {}
+    plans: list[tuple[str, nn.Module, Initializer]] = [
+        (prefix, owner, owner.initialize_parameter) for prefix, owner in _owners(root)
+    ]
+    plans.append(("", root, default_initializer))
+    for prefix, owner, initializer in plans:
+        for module_name, module in owner.named_modules(remove_duplicate=False):
+            for param_name, param in list(module.named_parameters(recurse=False)):
+                if id(param) in done:
+                    setattr(module, param_name, done[id(param)])
+                    continue
+                if only_meta and not param.is_meta:
+                    done[id(param)] = param
+                    continue
+                name = f"{module_name}.{param_name}" if module_name else param_name
+                values = _local_values(param, name, seed, initializer)
+                target_device = device if device is not None else (None if param.is_meta else param.device)
+                if param.is_meta:
+                    new = nn.Parameter(values.to(device=target_device, dtype=param.dtype), requires_grad=param.requires_grad)
+                    for tag in _TAGS:
+                        if hasattr(param, tag):
+                            setattr(new, tag, getattr(param, tag))
+                    setattr(module, param_name, new)
+                else:
+                    with torch.no_grad():
+                        param.copy_(values)
+                    new = param
+                done[id(param)] = new
+                done[id(new)] = new
+    meta_buffers = [name for name, buffer in root.named_buffers() if buffer.is_meta]
+    if meta_buffers:
+        raise RuntimeError(
+            f"Buffers {meta_buffers} are still on the meta device after initialisation. Create buffers outside the "
+            f"meta context (for example in forward) or register them with persistent=False and fill them in setup."
+        )

@@ -1,0 +1,85 @@
+"""Process groups of one parallel layout, built from a DeviceMesh ("pp", "dp", "tp").
+
+A ``ParallelState`` is an ordinary object handed to whatever needs a group, not a
+module-level global as in Megatron-LM: several layouts can then live side by side in
+one set of processes (which is how the tests sweep layouts without relaunching).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from lightning_megatron.parallel.config import ParallelConfig
+
+MESH_DIM_NAMES = ("pp", "dp", "tp")
+
+
+@dataclass
+class ParallelState:
+    """The layout, the mesh, and this process's coordinates in it.
+
+    With a single process and no initialised default group, ``mesh`` and the groups are
+    ``None`` and every collective in the package becomes a no-op.
+    """
+
+    config: ParallelConfig
+    device: torch.device
+    mesh: Optional[DeviceMesh] = None
+
+    @classmethod
+    def create(cls, config: ParallelConfig, device: torch.device | str) -> "ParallelState":
+        device = torch.device(device)
+        if not dist.is_available() or not dist.is_initialized():
+            if config.world_size != 1:
+                raise RuntimeError(
+                    f"The layout needs {config.world_size} processes but torch.distributed is not initialised. "
+                    f"Launch with torchrun or Lightning's Trainer(devices=...)."
+                )
+            return cls(config=config, device=device)
+        if dist.get_world_size() != config.world_size:
+            raise ValueError(
+                f"The layout tp={config.tensor_parallel_size} x pp={config.pipeline_parallel_size} x "
+                f"dp={config.data_parallel_size} needs {config.world_size} processes, but the world has "
+                f"{dist.get_world_size()}. Change the sizes or the number of processes."
+            )
+        shape = (config.pipeline_parallel_size, config.data_parallel_size, config.tensor_parallel_size)
+        mesh = init_device_mesh(device.type, shape, mesh_dim_names=MESH_DIM_NAMES)
+        return cls(config=config, device=device, mesh=mesh)
+
+    def group(self, dim: str) -> Optional[dist.ProcessGroup]:
+        """The process group along one mesh dimension, or ``None`` when it has a single member."""
+        if self.mesh is None or self.mesh[dim].size() == 1:
+            return None
+        return self.mesh.get_group(dim)
+
+    @property
+    def tensor_parallel_group(self) -> Optional[dist.ProcessGroup]:
+        return self.group("tp")
+
+    @property
+    def data_parallel_group(self) -> Optional[dist.ProcessGroup]:
+        return self.group("dp")
+
+    @property
+    def pipeline_parallel_group(self) -> Optional[dist.ProcessGroup]:
+        return self.group("pp")
+
+    def _local_rank(self, dim: str) -> int:
+        return 0 if self.mesh is None else self.mesh.get_local_rank(dim)
+
+    @property
+    def tensor_parallel_rank(self) -> int:
+        return self._local_rank("tp")
+
+    @property
+    def data_parallel_rank(self) -> int:
+        return self._local_rank("dp")
+
+    @property
+    def pipeline_parallel_rank(self) -> int:
+        return self._local_rank("pp")

@@ -1,0 +1,360 @@
+"""``Megatron3DStrategy``: Megatron-LM's tensor + data parallelism inside Lightning's Trainer.
+
+The strategy owns the layout (a ``ParallelState`` over a ("pp", "dp", "tp") DeviceMesh),
+applies the model's ``tensor_parallel_plan()``, materialises only this rank's shards,
+reduces gradients over the data-parallel group (bucketed, overlapped with backward), and
+clips by the global norm. Importing ``lightning_megatron`` registers it as ``"megatron_3d"``.
+
+Lightning contracts honoured here (lightning 2.6): ``is_distributed`` (else ``sync_dist``
+and sampler injection switch off), ``distributed_sampler_kwargs`` over dp only,
+``reduce`` over dp by default, ``reduce_boolean_decision`` over the world, gradient
+clipping replaced by the global-norm version.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import asdict
+from datetime import timedelta
+from typing import Any, Callable, Generator, Mapping, Optional, Union
+
+import lightning as L
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.distributed import _distributed_is_initialized, _init_dist_connection, _sync_ddp_if_available
+from lightning.fabric.utilities.distributed import _get_default_process_group_backend_for_device
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch.strategies import ParallelStrategy
+from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
+from torch import Tensor
+from torch.optim import Optimizer
+from torchmetrics import Metric
+
+from lightning_megatron.optim.clip import clip_grads_by_global_norm
+from lightning_megatron.optim.grad_sync import DEFAULT_BUCKET_SIZE_MB, GradientSynchronizer
+from lightning_megatron.parallel.config import ParallelConfig
+from lightning_megatron.parallel.initialize import initialize_parameters
+from lightning_megatron.parallel.random import TensorParallelRNG
+from lightning_megatron.parallel.state import ParallelState
+from lightning_megatron.checkpoint.full import gather_full_state_dict, local_state_dict_from_full
+from lightning_megatron.tensor_parallel.plan import parallelize
+
+LAYOUT_KEY = "megatron_3d_layout"
+
+
+class Megatron3DStrategy(ParallelStrategy):
+    """Tensor, pipeline and data parallelism in the style of Megatron-LM.
+
+    Args:
+        tensor_parallel_size: ranks that split each layer (Megatron's column/row split); keep it within a node.
+        pipeline_parallel_size: pipeline stages (only 1 in this release).
+        data_parallel_size: model replicas; ``"auto"`` takes ``world_size / (tp * pp)``.
+        sequence_parallel: also split LayerNorm/dropout activations along the sequence over tp.
+        zero_stage: ZeRO sharding of optimizer state over dp (only 0 in this release).
+        bucket_size_mb: size of the gradient buckets reduced over dp while backward runs.
+        pad_vocab_to_multiple_of: the vocabulary is padded to a multiple of ``tp * this`` (Megatron: 128).
+
+    Example::
+
+        trainer = L.Trainer(devices=8, strategy=Megatron3DStrategy(tensor_parallel_size=4))
+    """
+
+    strategy_name = "megatron_3d"
+
+    def __init__(
+        self,
+        tensor_parallel_size: int = 1,
+        pipeline_parallel_size: int = 1,
+        data_parallel_size: Union[int, str] = "auto",
+        sequence_parallel: bool = False,
+        zero_stage: int = 0,
+        *,
+        bucket_size_mb: float = DEFAULT_BUCKET_SIZE_MB,
+        pad_vocab_to_multiple_of: int = 128,
+        process_group_backend: Optional[str] = None,
+        timeout: Optional[timedelta] = default_pg_timeout,
+        accelerator=None,
+        parallel_devices: Optional[list[torch.device]] = None,
+        cluster_environment=None,
+        checkpoint_io=None,
+        precision_plugin=None,
+    ) -> None:
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
+        if data_parallel_size != "auto" and (not isinstance(data_parallel_size, int) or data_parallel_size < 1):
+            raise ValueError(f"data_parallel_size must be a positive integer or 'auto', got {data_parallel_size!r}.")
+        if pad_vocab_to_multiple_of < 1:
+            raise ValueError(f"pad_vocab_to_multiple_of must be >= 1, got {pad_vocab_to_multiple_of}.")
+        # Validate what can be validated before any process exists.
+        ParallelConfig(
+            tensor_parallel_size=tensor_parallel_size,
+            pipeline_parallel_size=pipeline_parallel_size,
+            data_parallel_size=1 if data_parallel_size == "auto" else data_parallel_size,
+            sequence_parallel=sequence_parallel,
+            zero_stage=zero_stage,
+        )
+        self._requested = dict(
+            tensor_parallel_size=tensor_parallel_size,
+            pipeline_parallel_size=pipeline_parallel_size,
+            data_parallel_size=data_parallel_size,
+            sequence_parallel=sequence_parallel,
+            zero_stage=zero_stage,
+        )
+        self.bucket_size_mb = bucket_size_mb
+        self.pad_vocab_to_multiple_of = pad_vocab_to_multiple_of
+        self._process_group_backend = process_group_backend
+        self._timeout = timeout
+        self.num_nodes = 1
+        self._parallel_state: Optional[ParallelState] = None
+        self._rng: Optional[TensorParallelRNG] = None
+        self._grad_sync: Optional[GradientSynchronizer] = None
+        self._seed = 0
+        self._blocking_sync = False
+        self._micro_batch_weight: Tensor | float = 1.0
+        self._step_tokens: Tensor | float = 0.0
+
+    # ------------------------------------------------------------------ layout
+    @property
+    def parallel_state(self) -> ParallelState:
+        if self._parallel_state is None:
+            raise RuntimeError("The parallel layout exists only after the Trainer has set up the processes.")
+        return self._parallel_state
+
+    @property
+    def parallel_config(self) -> ParallelConfig:
+        return self.parallel_state.config
+
+    @property
+    def is_distributed(self) -> bool:
+        return True
+
+    @property
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        state = self.parallel_state
+        return {"num_replicas": state.config.data_parallel_size, "rank": state.data_parallel_rank}
+
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if not self.cluster_environment.creates_processes_externally:
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        self.set_world_ranks()
+        config = ParallelConfig.for_world(self.world_size, **self._requested)
+        validate = getattr(self.lightning_module, "validate_parallel_config", None)
+        if validate is not None:
+            validate(config)  # every rank raises the same error before any collective
+        reset_seed()
+        backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
+        self._process_group_backend = backend
+        kwargs: dict[str, Any] = {"timeout": self._timeout}
+        if self.root_device.type != "cpu":
+            kwargs["device_id"] = self.root_device
+        _init_dist_connection(self.cluster_environment, backend, **kwargs)
+        self._parallel_state = ParallelState.create(config, self.root_device)
+        # One seed for the whole job: replicated weights and replicated dropout must agree across ranks.
+        self._seed = self.broadcast(torch.initial_seed() % (2**63 - 1))
+        torch.manual_seed(self._seed)
+        self._rng = TensorParallelRNG(self._seed, self._parallel_state.tensor_parallel_rank, self.root_device)
+        rank_zero_info(
+            f"Megatron3DStrategy: tp={config.tensor_parallel_size} pp={config.pipeline_parallel_size} "
+            f"dp={config.data_parallel_size} sequence_parallel={config.sequence_parallel} on {self.world_size} processes"
+        )
+
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = self.global_rank
+
+    @contextlib.contextmanager
+    def model_sharded_context(self) -> Generator[None, None, None]:
+        """``configure_model`` builds on the meta device: no rank ever holds the full model."""
+        with torch.device("meta"):
+            yield
+
+    def setup(self, trainer: "L.Trainer") -> None:
+        assert self.accelerator is not None
+        self.accelerator.setup(trainer)
+        module = self.lightning_module
+        plan = module.tensor_parallel_plan() if hasattr(module, "tensor_parallel_plan") else {}
+        parallelize(module, plan, self.parallel_state, rng=self._rng, pad_vocab_to_multiple_of=self.pad_vocab_to_multiple_of)
+        if any(p.is_meta for p in module.parameters()):
+            initialize_parameters(module, self._seed, device=self.root_device, only_meta=True)
+        self.model = self.precision_plugin.convert_module(module)
+        self.model_to_device()
+        self._sync_metrics_over_data_parallel()
+        self.barrier()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+            self._grad_sync = GradientSynchronizer(
+                [p for p in module.parameters() if p.requires_grad],
+                data_parallel_group=self.parallel_state.data_parallel_group,
+                tensor_parallel_group=self.parallel_state.tensor_parallel_group,
+                bucket_size_mb=self.bucket_size_mb,
+            )
+        self.setup_precision_plugin()
+        # Lightning's clip_grad_norm_ would clip each rank by its own shards' norm.
+        self.precision_plugin.clip_grad_by_norm = self.clip_grad_by_global_norm
+
+    def _sync_metrics_over_data_parallel(self) -> None:
+        """torchmetrics sync over the world by default; model replicas are the dp group."""
+        if self.parallel_state.mesh is None:
+            return
+        group = self.parallel_state.mesh.get_group("dp")
+        for metric in self.lightning_module.modules():
+            if isinstance(metric, Metric):
+                metric.process_group = group
+
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    # ------------------------------------------------------------------ training step
+    @contextlib.contextmanager
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Lightning wraps every micro-batch but the last of an accumulation window in this."""
+        self._blocking_sync = True
+        try:
+            yield
+        finally:
+            self._blocking_sync = False
+
+    def training_step(self, *args: Any, **kwargs: Any):
+        if self._grad_sync is not None:
+            self._grad_sync.start_micro_batch(sync=not self._blocking_sync)
+        output = super().training_step(*args, **kwargs)
+        tokens = output.get("num_tokens") if isinstance(output, Mapping) else None
+        self._micro_batch_weight = tokens.detach() if isinstance(tokens, Tensor) else 1.0
+        self._step_tokens = self._step_tokens + self._micro_batch_weight
+        return output
+
+    def backward(self, closure_loss: Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any) -> Tensor:
+        """Backward on the micro-batch's token *sum*: Lightning divided by accumulate_grad_batches, undo that.
+
+        The gradient buffers are divided by the global token count in ``optimizer_step``,
+        which makes the loss a per-token mean over the whole global batch.
+        """
+        scale = self._micro_batch_weight * self.lightning_module.trainer.accumulate_grad_batches
+        return super().backward(closure_loss * scale, optimizer, *args, **kwargs)
+
+    def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model=None, **kwargs: Any) -> Any:
+        def closure_then_reduce_grads() -> Any:
+            result = closure()
+            if self._grad_sync is not None:
+                tokens = self._step_tokens
+                tokens = tokens if isinstance(tokens, Tensor) else torch.tensor(float(tokens))
+                self._grad_sync.finish(tokens)
+            self._step_tokens = 0.0
+            return result
+
+        output = super().optimizer_step(optimizer, closure_then_reduce_grads, model, **kwargs)
+        if self._grad_sync is not None:
+            self._grad_sync.zero()
+        return output
+
+    def clip_grad_by_global_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> Tensor:
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        state = self.parallel_state
+        return clip_grads_by_global_norm(
+            params,
+            float(clip_val),
+            model_parallel_group=state.tensor_parallel_group,
+            is_first_tensor_rank=state.tensor_parallel_rank == 0,
+        )
+
+    # ------------------------------------------------------------------ collectives
+    def barrier(self, name: Optional[str] = None) -> None:
+        if _distributed_is_initialized():
+            dist.barrier()
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not _distributed_is_initialized():
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src)
+        return box[0]
+
+    def reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Union[dist.ReduceOp, str]] = "mean") -> Any:
+        """Reduce over the data-parallel group by default: tp/pp ranks of one replica hold the same value."""
+        if not isinstance(tensor, Tensor):
+            return tensor
+        if group is None:
+            group = self.parallel_state.data_parallel_group
+            if group is None:
+                return tensor
+        return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        if not _distributed_is_initialized():
+            return decision
+        votes = torch.tensor(int(decision), device=self.root_device)
+        dist.all_reduce(votes)
+        return bool(votes == self.world_size) if all else bool(votes)
+
+    def teardown(self) -> None:
+        if self._grad_sync is not None:
+            self._grad_sync.remove()
+            self._grad_sync = None
+        assert self.cluster_environment is not None
+        self.cluster_environment.teardown()
+        super().teardown()
+
+    # ------------------------------------------------------------------ checkpoints
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """Full tensors under global names (unpadded), gathered over tp: loadable at any layout."""
+        return gather_full_state_dict(self.lightning_module, self.parallel_state.tensor_parallel_group)
+
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        local = local_state_dict_from_full(self.lightning_module, checkpoint["state_dict"])
+        self.lightning_module.load_state_dict(local, strict=strict)
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Optional[Any] = None) -> None:
+        checkpoint[LAYOUT_KEY] = asdict(self.parallel_config)
+        super().save_checkpoint(checkpoint, filepath, storage_options)
+
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        """Optimizer state is restored only where rank 0's copy is every rank's: tp=1 at the saved tp.
+
+        Sharded, layout-free optimizer checkpoints are the sharded-checkpoint feature's job.
+        """
+        saved = checkpoint.get(LAYOUT_KEY, {})
+        if self.parallel_config.tensor_parallel_size != 1 or saved.get("tensor_parallel_size", 1) != 1:
+            rank_zero_warn(
+                "Megatron3DStrategy: this checkpoint's optimizer state is not restored under tensor parallelism "
+                "(saved tp={}, now tp={}); the weights and the trainer state are. The optimizer starts fresh.".format(
+                    saved.get("tensor_parallel_size", "?"), self.parallel_config.tensor_parallel_size
+                )
+            )
+            return
+        super().load_optimizer_state_dict(checkpoint)
+
+
+def register() -> None:
+    """Register ``"megatron_3d"`` with Lightning's strategy registry (idempotent)."""
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    if Megatron3DStrategy.strategy_name not in StrategyRegistry:
+        StrategyRegistry.register(
+            Megatron3DStrategy.strategy_name,
+            Megatron3DStrategy,
+            description="Megatron-LM style tensor + data parallelism (lightning-megatron)",
+        )

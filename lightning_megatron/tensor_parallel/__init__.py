@@ -1,0 +1,37 @@
+"""Megatron-style tensor parallelism: communication operators, parallel layers, cross-entropy, plans."""
+
+from lightning_megatron.tensor_parallel.cross_entropy import VocabParallelCrossEntropy, vocab_parallel_cross_entropy
+from lightning_megatron.tensor_parallel.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    VocabParallelHead,
+)
+from lightning_megatron.tensor_parallel.mappings import (
+    copy_to_tensor_parallel,
+    gather_from_sequence,
+    gather_from_tensor_parallel,
+    reduce_from_tensor_parallel,
+    reduce_scatter_to_sequence,
+    scatter_to_sequence,
+)
+from lightning_megatron.tensor_parallel.plan import STYLES, parallelize
+from lightning_megatron.tensor_parallel.sharding import TensorShard
+
+__all__ = [
+    "ColumnParallelLinear",
+    "RowParallelLinear",
+    "STYLES",
+    "TensorShard",
+    "VocabParallelCrossEntropy",
+    "VocabParallelEmbedding",
+    "VocabParallelHead",
+    "copy_to_tensor_parallel",
+    "gather_from_sequence",
+    "gather_from_tensor_parallel",
+    "parallelize",
+    "reduce_from_tensor_parallel",
+    "reduce_scatter_to_sequence",
+    "scatter_to_sequence",
+    "vocab_parallel_cross_entropy",
+]

@@ -1,0 +1,186 @@
+"""Megatron-LM's tensor-parallel layers (Shoeybi et al. 2019, section 3).
+
+A ``ColumnParallelLinear`` splits the output features, a ``RowParallelLinear`` the input
+features; a column layer followed by a row layer needs one all-reduce in the forward
+pass (g) and one in the backward pass (f). With ``sequence_parallel=True`` the
+activations outside those pairs are split along the sequence, and the all-reduces become
+all-gather / reduce-scatter pairs of the same volume (Korthikanti et al. 2022).
+
+Shapes follow ``nn.Linear``/``nn.Embedding``; activations are ``[batch, sequence, ...]``.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from lightning_megatron.tensor_parallel.mappings import (
+    copy_to_tensor_parallel,
+    gather_from_sequence,
+    gather_from_tensor_parallel,
+    reduce_from_tensor_parallel,
+    reduce_scatter_to_sequence,
+)
+from lightning_megatron.tensor_parallel.sharding import make_shard, new_parameter
+
+Group = Optional[dist.ProcessGroup]
+
+
+def mark_sequence_parallel_grad(param: nn.Parameter) -> None:
+    """A replicated parameter applied to sequence chunks gets partial gradients: sum them over tp."""
+    param.sequence_parallel_grad = True
+
+
+class ColumnParallelLinear(nn.Module):
+    """``y = x A^T + b`` with ``A`` split along its rows (the output features) over the group."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        *,
+        group: Group = None,
+        sequence_parallel: bool = False,
+        gather_output: bool = False,
+        pad_to_multiple_of: int = 1,
+        device=None,
+        dtype=None,
+    ) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.group, self.sequence_parallel, self.gather_output = group, sequence_parallel, gather_output
+        shard = make_shard(group, dim=0, global_shape=(out_features, in_features), pad_to_multiple_of=pad_to_multiple_of)
+        self.weight = new_parameter(shard, None, device=device, dtype=dtype)
+        if bias:
+            bias_shard = make_shard(group, dim=0, global_shape=(out_features,), pad_to_multiple_of=pad_to_multiple_of)
+            self.bias = new_parameter(bias_shard, None, device=device, dtype=dtype)
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = gather_from_sequence(x, self.group) if self.sequence_parallel else copy_to_tensor_parallel(x, self.group)
+        y = F.linear(x, self.weight, self.bias)
+        return gather_from_tensor_parallel(y, self.group) if self.gather_output else y
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, local_out={self.weight.shape[0]}"
+
+
+class RowParallelLinear(nn.Module):
+    """``y = x A^T + b`` with ``A`` split along its columns; the input arrives already split."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        *,
+        group: Group = None,
+        sequence_parallel: bool = False,
+        device=None,
+        dtype=None,
+    ) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.group, self.sequence_parallel = group, sequence_parallel
+        shard = make_shard(group, dim=1, global_shape=(out_features, in_features))
+        self.weight = new_parameter(shard, None, device=device, dtype=dtype)
+        if bias:
+            self.bias = new_parameter(None, (out_features,), device=device, dtype=dtype)
+            if sequence_parallel:
+                mark_sequence_parallel_grad(self.bias)
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = F.linear(x, self.weight)
+        if self.sequence_parallel:
+            y = reduce_scatter_to_sequence(y, self.group)
+        else:
+            y = reduce_from_tensor_parallel(y, self.group)
+        # The bias is added once, after the reduction, not once per rank.
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, local_in={self.weight.shape[1]}"
+
+
+class VocabParallelEmbedding(nn.Module):
+    """An embedding table split along the vocabulary; each rank looks up the ids it owns.
+
+    The vocabulary is padded to a multiple of ``tp * pad_to_multiple_of`` (Megatron's
+    ``make_vocab_size_divisible_by``): the padding rows are never looked up, never
+    predicted, and never written to checkpoints, which keep the true vocabulary size.
+    """
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        *,
+        group: Group = None,
+        pad_to_multiple_of: int = 128,
+        device=None,
+        dtype=None,
+    ) -> None:
+        super().__init__()
+        self.num_embeddings, self.embedding_dim, self.group = num_embeddings, embedding_dim, group
+        shard = make_shard(group, dim=0, global_shape=(num_embeddings, embedding_dim), pad_to_multiple_of=pad_to_multiple_of)
+        self.vocab_start = shard.rank * shard.local_size
+        self.weight = new_parameter(shard, None, device=device, dtype=dtype)
+
+    def forward(self, ids: Tensor) -> Tensor:
+        if self.group is None:
+            return F.embedding(ids, self.weight)
+        local_size = self.weight.shape[0]
+        outside = (ids < self.vocab_start) | (ids >= self.vocab_start + local_size)
+        local_ids = (ids - self.vocab_start).masked_fill(outside, 0)
+        out = F.embedding(local_ids, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        return reduce_from_tensor_parallel(out, self.group)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, local_rows={self.weight.shape[0]}"
+
+
+class VocabParallelHead(ColumnParallelLinear):
+    """The output projection onto a vocab-parallel embedding's rows; its logits stay split.
+
+    Logits of padding rows are set to ``-inf`` so that no softmax ever predicts them.
+    Feed the result to ``VocabParallelCrossEntropy``, or gather it for generation.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        num_embeddings: int,
+        bias: bool = False,
+        *,
+        group: Group = None,
+        sequence_parallel: bool = False,
+        pad_to_multiple_of: int = 128,
+        device=None,
+        dtype=None,
+    ) -> None:
+        super().__init__(
+            in_features,
+            num_embeddings,
+            bias,
+            group=group,
+            sequence_parallel=sequence_parallel,
+            pad_to_multiple_of=pad_to_multiple_of,
+            device=device,
+            dtype=dtype,
+        )
+        self.real_local_size = self.weight.tensor_shard.real_local_size()
+
+    def forward(self, x: Tensor) -> Tensor:
+        logits = super().forward(x)
+        if self.real_local_size == logits.shape[-1]:
+            return logits
+        padding = torch.arange(logits.shape[-1], device=logits.device) >= self.real_local_size
+        return logits.masked_fill(padding, float("-inf"))

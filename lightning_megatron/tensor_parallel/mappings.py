@@ -1,0 +1,172 @@
+"""The communication operators of Megatron-LM (Shoeybi et al. 2019, Korthikanti et al. 2022).
+
+Each operator is an autograd function whose backward is the conjugate collective of its
+forward, so a layer states its communication once and the gradient follows:
+
+=============================  ======================  ======================
+operator                       forward                 backward
+=============================  ======================  ======================
+``copy_to_tensor_parallel``    identity            (f) all-reduce
+``reduce_from_tensor_parallel`` all-reduce          (g) identity
+``gather_from_sequence``       all-gather(seq)         reduce-scatter(seq)
+``reduce_scatter_to_sequence`` reduce-scatter(seq)     all-gather(seq)
+``scatter_to_sequence``        keep own chunk(seq)     all-gather(seq)
+``gather_from_tensor_parallel`` all-gather(last dim)   keep own chunk
+=============================  ======================  ======================
+
+``group=None`` means a group of one: every operator is then the identity. Collectives
+are looked up on ``torch.distributed`` at call time, so a test can count them.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+Group = Optional[dist.ProcessGroup]
+
+
+def _all_reduce(x: Tensor, group: Group) -> Tensor:
+    # In place is safe: every caller passes a fresh matmul output or a fresh gradient.
+    dist.all_reduce(x, group=group)
+    return x
+
+
+def _gather_into(out: Tensor, x: Tensor, group: Group) -> None:
+    # torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor to *_single.
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(out, x, group=group)
+
+
+def _scatter_into(out: Tensor, x: Tensor, group: Group) -> None:
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    scatter(out, x, group=group)
+
+
+def _all_gather(x: Tensor, group: Group, dim: int) -> Tensor:
+    world = dist.get_world_size(group)
+    x = x.movedim(dim, 0).contiguous()
+    out = x.new_empty((world * x.shape[0], *x.shape[1:]))
+    _gather_into(out, x, group)
+    return out.movedim(0, dim)
+
+
+def _reduce_scatter(x: Tensor, group: Group, dim: int) -> Tensor:
+    world = dist.get_world_size(group)
+    if x.shape[dim] % world != 0:
+        raise ValueError(
+            f"Sequence parallelism splits dimension {dim} of size {x.shape[dim]} over {world} ranks, which does not "
+            f"divide. Use a sequence length divisible by tensor_parallel_size={world}."
+        )
+    x = x.movedim(dim, 0).contiguous()
+    out = x.new_empty((x.shape[0] // world, *x.shape[1:]))
+    _scatter_into(out, x, group)
+    return out.movedim(0, dim)
+
+
+def _own_chunk(x: Tensor, group: Group, dim: int) -> Tensor:
+    world = dist.get_world_size(group)
+    if x.shape[dim] % world != 0:
+        raise ValueError(
+            f"Cannot split dimension {dim} of size {x.shape[dim]} over {world} tensor-parallel ranks. "
+            f"Use a size divisible by tensor_parallel_size={world}."
+        )
+    return x.chunk(world, dim=dim)[dist.get_rank(group)].contiguous()
+
+
+class _CopyToTensorParallel(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, group: Group) -> Tensor:
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return _all_reduce(grad.contiguous(), ctx.group), None
+
+
+class _ReduceFromTensorParallel(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, group: Group) -> Tensor:
+        return _all_reduce(x.contiguous(), group)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return grad, None
+
+
+class _GatherFromSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, group: Group, dim: int) -> Tensor:
+        ctx.group, ctx.dim = group, dim
+        return _all_gather(x, group, dim)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return _reduce_scatter(grad, ctx.group, ctx.dim), None, None
+
+
+class _ReduceScatterToSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, group: Group, dim: int) -> Tensor:
+        ctx.group, ctx.dim = group, dim
+        return _reduce_scatter(x, group, dim)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return _all_gather(grad, ctx.group, ctx.dim), None, None
+
+
+class _ScatterToSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, group: Group, dim: int) -> Tensor:
+        ctx.group, ctx.dim = group, dim
+        return _own_chunk(x, group, dim)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return _all_gather(grad, ctx.group, ctx.dim), None, None
+
+
+class _GatherFromTensorParallel(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, group: Group) -> Tensor:
+        ctx.group = group
+        return _all_gather(x, group, x.dim() - 1)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return _own_chunk(grad, ctx.group, grad.dim() - 1), None
+
+
+def copy_to_tensor_parallel(x: Tensor, group: Group) -> Tensor:
+    """Megatron's f: enter a tensor-parallel region with a replicated input."""
+    return x if group is None else _CopyToTensorParallel.apply(x, group)
+
+
+def reduce_from_tensor_parallel(x: Tensor, group: Group) -> Tensor:
+    """Megatron's g: leave a tensor-parallel region by summing the partial outputs."""
+    return x if group is None else _ReduceFromTensorParallel.apply(x, group)
+
+
+def gather_from_sequence(x: Tensor, group: Group, dim: int = 1) -> Tensor:
+    """Sequence-parallel f: rebuild the full sequence before a column-parallel layer."""
+    return x if group is None else _GatherFromSequence.apply(x, group, dim)
+
+
+def reduce_scatter_to_sequence(x: Tensor, group: Group, dim: int = 1) -> Tensor:
+    """Sequence-parallel g: sum partial outputs and keep only this rank's sequence chunk."""
+    return x if group is None else _ReduceScatterToSequence.apply(x, group, dim)
+
+
+def scatter_to_sequence(x: Tensor, group: Group, dim: int = 1) -> Tensor:
+    """Enter the sequence-parallel region from a replicated tensor (no communication forward)."""
+    return x if group is None else _ScatterToSequence.apply(x, group, dim)
+
+
+def gather_from_tensor_parallel(x: Tensor, group: Group) -> Tensor:
+    """Concatenate last-dimension shards, e.g. vocab-parallel logits for generation."""
+    return x if group is None else _GatherFromTensorParallel.apply(x, group)

@@ -1,0 +1,202 @@
+"""``parallelize(module, plan)``: turn a plain PyTorch model into a tensor-parallel one.
+
+A model states *what* can be split by returning a plan from ``tensor_parallel_plan()``:
+module-name patterns (``*`` matches one name component) mapped to styles:
+
+==================== =====================================================================
+style                effect
+==================== =====================================================================
+``"column"``         ``nn.Linear`` -> :class:`ColumnParallelLinear` (output features split)
+``"row"``            ``nn.Linear`` -> :class:`RowParallelLinear` (input features split)
+``"vocab"``          ``nn.Embedding`` -> :class:`VocabParallelEmbedding`, ``nn.Linear`` ->
+                     :class:`VocabParallelHead` (logits stay split), ``nn.CrossEntropyLoss``
+                     -> :class:`VocabParallelCrossEntropy`
+``"sequence_scatter"`` the module's output enters the sequence-parallel region: it is split
+                     along the sequence when sequence parallelism is on
+``"sequence_parallel"`` the module runs on sequence chunks when sequence parallelism is on:
+                     its replicated parameters get their gradients summed over tp, and its
+                     dropout draws from the per-rank stream
+``"sharded_dropout"`` the module's dropout acts on tensor-parallel shards (local attention
+                     heads), so it draws from the per-rank stream
+==================== =====================================================================
+
+Swapped layers keep the parameter names of the layers they replace, so a parameter's
+global name (and hence its initial value and its checkpoint key) does not depend on
+the layout. Tied parameters (GPT's input and output embeddings) stay tied.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Mapping, Optional
+
+from torch import nn
+
+from lightning_megatron.parallel.random import TensorParallelRNG
+from lightning_megatron.parallel.state import ParallelState
+from lightning_megatron.tensor_parallel.cross_entropy import VocabParallelCrossEntropy
+from lightning_megatron.tensor_parallel.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    VocabParallelHead,
+    mark_sequence_parallel_grad,
+)
+from lightning_megatron.tensor_parallel.mappings import scatter_to_sequence
+from lightning_megatron.tensor_parallel.sharding import shard_of
+
+SWAP_STYLES = ("column", "row", "vocab")
+REGION_STYLES = ("sequence_scatter", "sequence_parallel", "sharded_dropout")
+STYLES = SWAP_STYLES + REGION_STYLES
+
+
+def _matches(pattern: str, name: str) -> bool:
+    pattern_parts, name_parts = pattern.split("."), name.split(".")
+    return len(pattern_parts) == len(name_parts) and all(p in ("*", n) for p, n in zip(pattern_parts, name_parts))
+
+
+def _styles_by_module(module: nn.Module, plan: Mapping[str, str]) -> dict[str, list[str]]:
+    found: dict[str, list[str]] = {}
+    for pattern, style in plan.items():
+        if style not in STYLES:
+            raise ValueError(f"Unknown tensor-parallel style {style!r} for {pattern!r}. Valid styles: {', '.join(STYLES)}.")
+        names = [name for name, _ in module.named_modules() if name and _matches(pattern, name)]
+        if not names:
+            raise ValueError(
+                f"The tensor-parallel plan entry {pattern!r} matches no submodule of {type(module).__name__}. "
+                f"Check the name against `[n for n, _ in model.named_modules()]`."
+            )
+        for name in names:
+            found.setdefault(name, []).append(style)
+    return found
+
+
+def _swap(old: nn.Module, style: str, name: str, state: ParallelState, vocab_multiple: int) -> nn.Module:
+    group, sequence_parallel = state.tensor_parallel_group, state.config.sequence_parallel
+    factory_kwargs = {"device": "meta"}
+    if isinstance(old, nn.Linear) and style in ("column", "row", "vocab"):
+        has_bias = old.bias is not None
+        if style == "column":
+            return ColumnParallelLinear(old.in_features, old.out_features, has_bias, group=group,
+                                        sequence_parallel=sequence_parallel, **factory_kwargs)
+        if style == "row":
+            return RowParallelLinear(old.in_features, old.out_features, has_bias, group=group,
+                                     sequence_parallel=sequence_parallel, **factory_kwargs)
+        return VocabParallelHead(old.in_features, old.out_features, has_bias, group=group,
+                                 sequence_parallel=sequence_parallel, pad_to_multiple_of=vocab_multiple, **factory_kwargs)
+    if isinstance(old, nn.Embedding) and style == "vocab":
+        if old.padding_idx is not None or old.max_norm is not None or old.sparse:
+            raise ValueError(f"{name}: VocabParallelEmbedding supports plain embeddings only (no padding_idx, max_norm, sparse).")
+        return VocabParallelEmbedding(old.num_embeddings, old.embedding_dim, group=group,
+                                      pad_to_multiple_of=vocab_multiple, **factory_kwargs)
+    if isinstance(old, nn.CrossEntropyLoss) and style == "vocab":
+        if old.weight is not None or old.label_smoothing:
+            raise ValueError(f"{name}: the vocab-parallel cross-entropy supports no class weights or label smoothing.")
+        return VocabParallelCrossEntropy(group=group, ignore_index=old.ignore_index, reduction=old.reduction)
+    raise ValueError(
+        f"{name}: style {style!r} cannot be applied to {type(old).__name__}. 'column' and 'row' take nn.Linear; "
+        f"'vocab' takes nn.Embedding, nn.Linear (the output head) or nn.CrossEntropyLoss."
+    )
+
+
+def _copy_existing_values(old: nn.Module, new: nn.Module) -> None:
+    """A module built with real weights (not on meta) keeps them: each rank takes its shard."""
+    for param_name, new_param in new.named_parameters(recurse=False):
+        old_param = getattr(old, param_name)
+        if old_param.is_meta:
+            continue
+        shard = shard_of(new_param)
+        values = old_param.detach() if shard is None else shard.local_slice(old_param.detach())
+        setattr(new, param_name, nn.Parameter(values.clone(), requires_grad=old_param.requires_grad))
+        if shard is not None:
+            getattr(new, param_name).tensor_shard = shard
+        if getattr(new_param, "sequence_parallel_grad", False):
+            mark_sequence_parallel_grad(getattr(new, param_name))
+
+
+def _run_in_fork(module: nn.Module, rng: TensorParallelRNG) -> None:
+    """Wrap the module's forward in the per-rank random stream."""
+    stack: list[contextlib.ExitStack] = []
+
+    def enter(_module, _args):
+        exits = contextlib.ExitStack()
+        exits.enter_context(rng.fork())
+        stack.append(exits)
+
+    def leave(_module, _args, _output):
+        stack.pop().close()
+
+    module.register_forward_pre_hook(enter)
+    module.register_forward_hook(leave, always_call=True)
+
+
+def _scatter_output(group) -> Callable:
+    def hook(_module, _args, output):
+        return scatter_to_sequence(output, group)
+
+    return hook
+
+
+def _set_submodule(root: nn.Module, name: str, new: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    setattr(root.get_submodule(parent_name) if parent_name else root, child, new)
+
+
+def parallelize(
+    module: nn.Module,
+    plan: Mapping[str, str],
+    state: ParallelState,
+    *,
+    rng: Optional[TensorParallelRNG] = None,
+    pad_vocab_to_multiple_of: int = 128,
+) -> nn.Module:
+    """Apply ``plan`` to ``module`` in place for the layout in ``state``; returns ``module``.
+
+    Example::
+
+        plan = {"mlp.fc": "column", "mlp.proj": "row"}
+        parallelize(model, plan, state)
+    """
+    styles = _styles_by_module(module, plan)
+    tied: dict[int, list[tuple[str, str]]] = {}
+    for module_name, owner in module.named_modules(remove_duplicate=False):
+        for param_name, param in owner.named_parameters(recurse=False):
+            tied.setdefault(id(param), []).append((module_name, param_name))
+
+    for name, module_styles in styles.items():
+        swap_styles = [s for s in module_styles if s in SWAP_STYLES]
+        if len(swap_styles) > 1:
+            raise ValueError(f"{name} has more than one layer style in the plan: {swap_styles}.")
+        if swap_styles:
+            old = module.get_submodule(name)
+            new = _swap(old, swap_styles[0], name, state, pad_vocab_to_multiple_of)
+            _copy_existing_values(old, new)
+            _set_submodule(module, name, new)
+
+    for names in tied.values():
+        if len(names) < 2:
+            continue
+        first_module, first_param = names[0]
+        shared = getattr(module.get_submodule(first_module), first_param)
+        for module_name, param_name in names[1:]:
+            owner = module.get_submodule(module_name)
+            if getattr(owner, param_name).shape != shared.shape:
+                raise ValueError(
+                    f"{module_name}.{param_name} is tied to {first_module}.{first_param} but the plan splits them "
+                    f"differently ({tuple(getattr(owner, param_name).shape)} vs {tuple(shared.shape)}): give both the same style."
+                )
+            setattr(owner, param_name, shared)
+
+    group, sequence_parallel = state.tensor_parallel_group, state.config.sequence_parallel
+    for name, module_styles in styles.items():
+        target = module.get_submodule(name)
+        if "sequence_scatter" in module_styles and sequence_parallel:
+            target.register_forward_hook(_scatter_output(group))
+        if "sequence_parallel" in module_styles and sequence_parallel:
+            for param in target.parameters():
+                if shard_of(param) is None:
+                    mark_sequence_parallel_grad(param)
+        forks = "sharded_dropout" in module_styles or ("sequence_parallel" in module_styles and sequence_parallel)
+        if forks and rng is not None:
+            _run_in_fork(target, rng)
+    return module

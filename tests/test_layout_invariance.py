@@ -1,0 +1,50 @@
+"""The core invariant: every layout gives the single-process losses and weights (fp32, dropout off)."""
+
+import pytest
+import torch
+
+from launch import launch
+from workers.gpt_setup import CLIP, CONFIG, SEED, batches, optimizer
+from lightning_megatron.models import GPTModel
+
+LAYOUTS = {
+    2: ["tp2-dp1", "tp2-dp1-sp-mb2", "tp1-dp2-mb2"],
+    4: ["tp2-dp2", "tp2-dp2-sp-mb2", "tp4-dp1", "tp4-dp1-sp"],
+}
+LOSS_TOL, WEIGHT_TOL = 1e-5, 1e-5
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """Plain PyTorch, one process, the whole global batch, torch's own clipping."""
+    torch.manual_seed(SEED)
+    model = GPTModel(CONFIG)
+    opt = optimizer(model.parameters())
+    losses = []
+    for input_ids, labels in batches():
+        loss_sum, tokens = model.loss(input_ids, labels)
+        loss = loss_sum / tokens
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("world", sorted(LAYOUTS))
+def test_layouts_match_single_process(world, reference, tmp_path):
+    launch("layout_invariance.py", world, tmp_path, ",".join(LAYOUTS[world]))
+    ref_losses, ref_weights = reference
+    for layout in LAYOUTS[world]:
+        result = torch.load(tmp_path / f"{layout}.pt", weights_only=True)
+        loss_dev = max(abs(a - b) for a, b in zip(result["losses"], ref_losses))
+        assert len(result["losses"]) == len(ref_losses)
+        assert loss_dev < LOSS_TOL, f"{layout}: losses {result['losses']} vs reference {ref_losses}"
+        assert result["weights"].keys() == ref_weights.keys()
+        weight_dev = {k: (result["weights"][k] - ref_weights[k]).abs().max().item() for k in ref_weights}
+        worst = max(weight_dev, key=weight_dev.get)
+        print(f"{layout}: worst loss deviation {loss_dev:.2e}, worst weight deviation {weight_dev[worst]:.2e} ({worst})")
+        for k in sorted(weight_dev, key=weight_dev.get)[-4:]:
+            print("   ", k, f"{weight_dev[k]:.2e}")
+        assert weight_dev[worst] < WEIGHT_TOL, f"{layout}: {worst} deviates by {weight_dev[worst]:.2e}"

@@ -1,0 +1,91 @@
+"""Megatron3DStrategy inside Lightning's Trainer, against a plain single-process Lightning run."""
+
+import json
+
+import lightning as L
+import pytest
+import torch
+
+from launch import launch
+from workers.trainer_setup import datamodule, model, trainer_kwargs
+import lightning_megatron  # noqa: F401
+from lightning_megatron import Megatron3DStrategy
+
+FIT = {"tp": 2, "sp": True, "accumulate": 2, "clip": 0.5, "steps": 5}
+
+
+def plain_lightning_run(options):
+    """Lightning's default single-device strategy: no tensor parallelism, no dp, our model unchanged."""
+    L.seed_everything(options.get("seed", 7))
+    losses = []
+
+    class RecordLosses(L.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            losses.append(float(outputs["loss"]))
+
+    trainer = L.Trainer(accelerator="cpu", devices=1, callbacks=[RecordLosses()], **trainer_kwargs(options))
+    gpt = model(options)
+    trainer.fit(gpt, datamodule=datamodule(options))
+    return losses, float(trainer.callback_metrics["val_loss"]), {k: v.detach() for k, v in gpt.state_dict().items()}
+
+
+@pytest.fixture(scope="module")
+def fit_tp2_dp2(tmp_path_factory):
+    out = tmp_path_factory.mktemp("fit")
+    results, _ = launch("trainer_fit.py", 4, out, json.dumps(FIT))
+    return out, results
+
+
+def test_fit_tp2_dp2_sequence_parallel_matches_plain_lightning(fit_tp2_dp2):
+    out, results = fit_tp2_dp2
+    ref_losses, ref_val, ref_weights = plain_lightning_run(FIT)
+    assert len(results) == 4
+    assert all(result["sampler_replicas"] == 2 for result in results), "the sampler must split over dp only"
+    # Ranks are (dp, tp) = (0,0), (0,1), (1,0), (1,1). Lightning reports micro-batch losses; the two dp
+    # ranks' micro-batches hold exactly the samples of the reference micro-batch (equal token counts).
+    per_rank = torch.tensor([r["losses"] for r in results])
+    assert per_rank.shape[1] == len(ref_losses) == FIT["steps"] * FIT["accumulate"]
+    assert torch.equal(per_rank[0], per_rank[1]), "the two tp ranks of a replica must see the same loss"
+    dp_mean = (per_rank[0] + per_rank[2]) / 2
+    assert torch.allclose(dp_mean, torch.tensor(ref_losses), atol=1e-5), (dp_mean, ref_losses)
+    assert abs(results[0]["val_loss"] - ref_val) < 1e-5
+
+    weights = torch.load(out / "weights.pt", weights_only=True)
+    assert weights.keys() == ref_weights.keys()
+    worst = max((weights[k] - ref_weights[k]).abs().max().item() for k in ref_weights)
+    assert worst < 1e-5, f"weights deviate by {worst:.2e}"
+
+
+def test_checkpoint_is_layout_free_and_loads_without_unpickling(fit_tp2_dp2):
+    out, _ = fit_tp2_dp2
+    checkpoint = torch.load(out / "last.ckpt", weights_only=True)
+    weights = torch.load(out / "weights.pt", weights_only=True)
+    assert checkpoint["megatron_3d_layout"]["tensor_parallel_size"] == 2
+    gpt = model(FIT)
+    gpt.configure_model()
+    gpt.load_state_dict(checkpoint["state_dict"])  # a plain single-process model takes it as is
+    for name, value in gpt.state_dict().items():
+        assert torch.equal(value, weights[name]), name
+
+
+def test_heads_not_divisible_fails_on_every_rank_before_any_collective(tmp_path):
+    results, _ = launch("trainer_fit.py", 2, tmp_path, json.dumps({"tp": 2, "hidden": 48, "heads": 3}))
+    assert len(results) == 2
+    for result in results:
+        assert "tensor_parallel_size=2 does not divide num_heads=3" in result["error"]
+        assert "Use a tensor_parallel_size in [1, 3]" in result["error"]
+        assert result["distributed_initialized"] is False
+
+
+def test_world_size_not_multiple_of_tp_fails_before_launch():
+    gpt = model({})
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=Megatron3DStrategy(tensor_parallel_size=2),
+                        max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False)
+    with pytest.raises(ValueError, match=r"world size \(1 processes\) is not a multiple of .* = 2"):
+        trainer.fit(gpt, datamodule=datamodule({}))
+
+
+def test_registered_by_name():
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy="megatron_3d", logger=False)
+    assert isinstance(trainer.strategy, Megatron3DStrategy)
+    assert trainer._accelerator_connector.is_distributed

@@ -1,0 +1,51 @@
+"""A full ``Trainer.fit`` under ``Megatron3DStrategy``, launched by torchrun.
+
+argv: OUT_DIR JSON_OPTIONS. Rank r writes rank{r}.json with its per-step training losses,
+the validation loss and the error it raised (if any); rank 0 also saves the gathered
+weights to weights.pt and a Lightning checkpoint to last.ckpt.
+"""
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import lightning as L
+import torch
+import torch.distributed as dist
+
+from trainer_setup import datamodule, model, trainer_kwargs
+from lightning_megatron import Megatron3DStrategy
+
+out_dir, options = Path(sys.argv[1]), json.loads(sys.argv[2])
+rank = int(os.environ["RANK"])
+losses = []
+
+
+class RecordLosses(L.Callback):
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        losses.append(float(outputs["loss"]))
+
+
+L.seed_everything(options.get("seed", 7))
+strategy = Megatron3DStrategy(
+    tensor_parallel_size=options["tp"], sequence_parallel=options.get("sp", False), bucket_size_mb=0.01
+)
+trainer = L.Trainer(accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]), strategy=strategy,
+                    callbacks=[RecordLosses()], **trainer_kwargs(options))
+try:
+    trainer.fit(model(options), datamodule=datamodule(options))
+except (ValueError, RuntimeError) as error:
+    result = {"error": str(error), "distributed_initialized": dist.is_initialized()}
+    (out_dir / f"rank{rank}.json").write_text(json.dumps(result))
+    sys.exit(0)
+
+weights = trainer.strategy.lightning_module_state_dict()
+trainer.save_checkpoint(out_dir / "last.ckpt")
+if rank == 0:
+    torch.save(weights, out_dir / "weights.pt")
+result = {"losses": losses, "val_loss": float(trainer.callback_metrics["val_loss"]),
+          "sampler_replicas": trainer.strategy.distributed_sampler_kwargs["num_replicas"]}
+(out_dir / f"rank{rank}.json").write_text(json.dumps(result))
+dist.barrier()
+os._exit(0)  # skip gloo's C++ teardown (see the other workers)

@@ -1,0 +1,22 @@
+"""Model, data and Trainer options shared by the Trainer worker and its single-process reference."""
+
+from lightning_megatron.data import GPTDataModule
+from lightning_megatron.models import GPT, GPTConfig
+
+
+def model(options: dict) -> GPT:
+    config = GPTConfig(vocab_size=257, max_seq_length=32, hidden_size=options.get("hidden", 32),
+                       num_layers=2, num_heads=options.get("heads", 4))
+    return GPT(config, learning_rate=3e-3, warmup_steps=2)
+
+
+def datamodule(options: dict) -> GPTDataModule:
+    return GPTDataModule(seq_length=32, global_batch_size=8, max_files=24, seed=3)
+
+
+def trainer_kwargs(options: dict) -> dict:
+    steps = options.get("steps", 5)
+    return dict(max_steps=steps, accumulate_grad_batches=options.get("accumulate", 1),
+                gradient_clip_val=options.get("clip", 0.5), limit_val_batches=2, val_check_interval=steps,
+                num_sanity_val_steps=0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                enable_model_summary=False)
