@@ -36,3 +36,8 @@ def test_transformer_layer_issues_exactly_the_papers_collectives(layer_results):
         assert _by_kind(plain["backward"]) == {"all_reduce": 2}
         assert _by_kind(sequence_parallel["forward"]) == {"all_gather": 2, "reduce_scatter": 2}
         assert _by_kind(sequence_parallel["backward"]) == {"all_gather": 2, "reduce_scatter": 2}
+
+
+def test_dropout_masks_agree_in_replicated_regions_and_differ_in_sharded_ones(layer_results):
+    for result in layer_results:
+        assert result["same_dropout_mask"] == {"replicated": True, "heads": False, "chunks": False}

@@ -11,6 +11,11 @@ from dataclasses import dataclass
 SUPPORTED_PIPELINE_SIZE = 1  # pipelining arrives with the pipeline issue; the mesh already has the axis
 
 
+def _check_positive(name: str, value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}.")
+
+
 @dataclass(frozen=True)
 class ParallelConfig:
     """Sizes of the three parallel dimensions and the features layered on them.
@@ -31,9 +36,7 @@ class ParallelConfig:
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}.")
+            _check_positive(name, getattr(self, name))
         if self.pipeline_parallel_size != SUPPORTED_PIPELINE_SIZE:
             raise ValueError(
                 f"pipeline_parallel_size={self.pipeline_parallel_size} is not supported yet: this release runs "
@@ -66,6 +69,8 @@ class ParallelConfig:
         zero_stage: int = 0,
     ) -> "ParallelConfig":
         """Build a config for ``world_size`` processes; ``data_parallel_size="auto"`` takes what is left."""
+        _check_positive("tensor_parallel_size", tensor_parallel_size)
+        _check_positive("pipeline_parallel_size", pipeline_parallel_size)
         model_parallel = tensor_parallel_size * pipeline_parallel_size
         if world_size % model_parallel != 0:
             raise ValueError(

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_megatron.models.transformer import TransformerLayer, layer_tensor_parallel_plan
-from lightning_megatron.parallel import ParallelConfig, ParallelState
+from lightning_megatron.parallel import ParallelConfig, ParallelState, TensorParallelRNG
 from lightning_megatron.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -157,6 +157,18 @@ for layout, layer_state in (("tp", state), ("tp_sp", sp_state)):
             setattr(dist, name, originals[name])
     layer_counts[layout] = {"forward": forward_counts, "backward": backward_counts}
 
-(out_dir / f"rank{rank}.json").write_text(json.dumps({"errors": errors, "counts": layer_counts}))
+# Dropout streams: replicated regions draw the same mask on every tp rank, sharded regions differ.
+seed_generator = TensorParallelRNG(99, state.tensor_parallel_rank, torch.device("cpu"))
+torch.manual_seed(5)
+regions = nn.ModuleDict({"replicated": nn.Dropout(0.5), "heads": nn.Dropout(0.5), "chunks": nn.Dropout(0.5)})
+parallelize(regions, {"heads": "sharded_dropout", "chunks": "sequence_parallel"}, sp_state, rng=seed_generator)
+same_mask = {}
+for name, dropout in regions.items():
+    mask = (dropout(torch.ones(64)) == 0).float()
+    masks = [torch.empty_like(mask) for _ in range(world)]
+    dist.all_gather(masks, mask, group=group)
+    same_mask[name] = all(torch.equal(masks[0], m) for m in masks)
+
+(out_dir / f"rank{rank}.json").write_text(json.dumps({"errors": errors, "counts": layer_counts, "same_dropout_mask": same_mask}))
 dist.barrier()
 os._exit(0)  # skip gloo's C++ teardown: with several meshes alive it aborts at random (torch 2.13)

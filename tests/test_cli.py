@@ -1,0 +1,42 @@
+"""The ``lightning-megatron`` command: config parsing and the default run, as a user types them."""
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_megatron.cli import main
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIG = REPO / "configs" / "gpt-tiny.yaml"
+
+
+def test_print_config_parses_and_overrides(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", str(CONFIG), "--trainer.max_steps=7", "--print_config"])
+    assert exit_info.value.code == 0
+    printed = capsys.readouterr().out
+    assert "max_steps: 7" in printed
+    assert "lightning_megatron.Megatron3DStrategy" in printed
+    assert "tensor_parallel_size: 2" in printed
+
+
+def test_default_run_trains_with_tensor_parallelism_and_saves_a_layout_free_checkpoint(tmp_path):
+    executable = shutil.which("lightning-megatron")
+    assert executable, "install the package (pip install -e .) so the lightning-megatron command exists"
+    result = subprocess.run(
+        [executable, "fit", "--config", str(CONFIG), "--trainer.max_steps=4", "--trainer.val_check_interval=4",
+         "--trainer.limit_val_batches=2", "--data.max_files=40", f"--trainer.default_root_dir={tmp_path}"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-5000:]
+    assert "tp=2 pp=1 dp=1" in result.stdout + result.stderr
+    checkpoints = list(tmp_path.rglob("*.ckpt"))
+    assert len(checkpoints) == 1, checkpoints
+    checkpoint = torch.load(checkpoints[0], weights_only=True)
+    assert checkpoint["global_step"] == 4
+    assert checkpoint["megatron_3d_layout"]["tensor_parallel_size"] == 2
+    # Full global shapes: the vocabulary is stored unpadded.
+    assert checkpoint["state_dict"]["model.embedding.wte.weight"].shape == (257, 64)
