@@ -18,10 +18,15 @@ from lightning.pytorch.cli import LightningCLI
 
 import lightning_megatron  # noqa: F401  (registers the "megatron_3d" strategy)
 from lightning_megatron.data import GPTDataModule
+from lightning_megatron.data.preprocess import main as preprocess_main
+from lightning_megatron.data.preprocess import train_tokenizer_main
 from lightning_megatron.models import GPT
 
 # name -> (one-line help, main(argv) function); each tool parses its own arguments.
-TOOLS: dict[str, tuple[str, Callable[[Sequence[str]], None]]] = {}
+TOOLS: dict[str, tuple[str, Callable[[Sequence[str]], None]]] = {
+    "preprocess": ("tokenise a .jsonl/.txt file into a Megatron .bin/.idx dataset", preprocess_main),
+    "train-tokenizer": ("train a byte-level BPE tokenizer.json on .jsonl/.txt files", train_tokenizer_main),
+}
 
 
 def run_lightning_cli(args: Optional[Sequence[str]] = None) -> LightningCLI:

@@ -1,9 +1,15 @@
-"""``Megatron3DStrategy``: Megatron-LM's tensor + data parallelism inside Lightning's Trainer.
+"""``Megatron3DStrategy``: Megatron-LM's tensor, pipeline and data parallelism in Lightning's Trainer.
 
 The strategy owns the layout (a ``ParallelState`` over a ("pp", "dp", "tp") DeviceMesh),
-applies the model's ``tensor_parallel_plan()``, materialises only this rank's shards,
-reduces gradients over the data-parallel group (bucketed, overlapped with backward), and
-clips by the global norm. Importing ``lightning_megatron`` registers it as ``"megatron_3d"``.
+applies the model's ``tensor_parallel_plan()``, keeps this rank's pipeline stages of the
+model's ``pipeline_blocks()``, materialises only this rank's shards, reduces gradients over
+the data-parallel group (bucketed, overlapped with backward), and clips by the global norm.
+Importing ``lightning_megatron`` registers it as ``"megatron_3d"``.
+
+Under pipeline parallelism the root model's ``loss(*inputs, labels)`` runs the pipeline
+schedule (forward and backward of every micro-batch), so the LightningModule's
+``training_step`` is unchanged and Lightning's own backward is skipped
+(``fit_loop._skip_backward``, as NeMo does).
 
 Lightning contracts honoured here (lightning 2.6): ``is_distributed`` (else ``sync_dist``
 and sampler injection switch off), ``distributed_sampler_kwargs`` over dp only,
@@ -39,7 +45,11 @@ from lightning_megatron.parallel.config import ParallelConfig
 from lightning_megatron.parallel.initialize import initialize_parameters
 from lightning_megatron.parallel.random import TensorParallelRNG
 from lightning_megatron.parallel.state import ParallelState
-from lightning_megatron.checkpoint.full import gather_full_state_dict, local_state_dict_from_full
+from lightning_megatron.checkpoint.full import gather_full_state_dict, local_state_dict_from_full, merge_pipeline_stages
+from lightning_megatron.pipeline.layout import PipelineLayout, check_schedule
+from lightning_megatron.pipeline.runner import PipelineRunner
+from lightning_megatron.pipeline.stage import split_for_pipeline
+from lightning_megatron.pipeline.timeline import TimelineRecorder
 from lightning_megatron.tensor_parallel.plan import parallelize
 
 LAYOUT_KEY = "megatron_3d_layout"
@@ -50,10 +60,14 @@ class Megatron3DStrategy(ParallelStrategy):
 
     Args:
         tensor_parallel_size: ranks that split each layer (Megatron's column/row split); keep it within a node.
-        pipeline_parallel_size: pipeline stages (only 1 in this release).
+        pipeline_parallel_size: pipeline ranks; the model needs ``pipeline_blocks()``.
         data_parallel_size: model replicas; ``"auto"`` takes ``world_size / (tp * pp)``.
         sequence_parallel: also split LayerNorm/dropout activations along the sequence over tp.
         zero_stage: ZeRO sharding of optimizer state over dp (only 0 in this release).
+        virtual_pipeline_size: stages per pipeline rank (interleaved 1F1B when > 1).
+        pipeline_schedule: ``"1f1b"``, ``"interleaved_1f1b"`` or ``"gpipe"`` (torch.distributed.pipelining).
+        micro_batch_size: samples per pipeline micro-batch; the per-rank batch is cut into micro-batches.
+        pipeline_layers_per_stage: layers of each of the ``pp * vpp`` stages (default: even).
         bucket_size_mb: size of the gradient buckets reduced over dp while backward runs.
         pad_vocab_to_multiple_of: the vocabulary is padded to a multiple of ``tp * this`` (Megatron: 128).
 
@@ -72,6 +86,10 @@ class Megatron3DStrategy(ParallelStrategy):
         sequence_parallel: bool = False,
         zero_stage: int = 0,
         *,
+        virtual_pipeline_size: int = 1,
+        pipeline_schedule: str = "1f1b",
+        micro_batch_size: int = 1,
+        pipeline_layers_per_stage: Optional[list[int]] = None,
         bucket_size_mb: float = DEFAULT_BUCKET_SIZE_MB,
         pad_vocab_to_multiple_of: int = 128,
         process_group_backend: Optional[str] = None,
@@ -91,6 +109,9 @@ class Megatron3DStrategy(ParallelStrategy):
         )
         if data_parallel_size != "auto" and (not isinstance(data_parallel_size, int) or data_parallel_size < 1):
             raise ValueError(f"data_parallel_size must be a positive integer or 'auto', got {data_parallel_size!r}.")
+        if micro_batch_size < 1:
+            raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}.")
+        check_schedule(pipeline_schedule, virtual_pipeline_size)
         if pad_vocab_to_multiple_of < 1:
             raise ValueError(f"pad_vocab_to_multiple_of must be >= 1, got {pad_vocab_to_multiple_of}.")
         # Validate what can be validated before any process exists.
@@ -100,6 +121,7 @@ class Megatron3DStrategy(ParallelStrategy):
             data_parallel_size=1 if data_parallel_size == "auto" else data_parallel_size,
             sequence_parallel=sequence_parallel,
             zero_stage=zero_stage,
+            virtual_pipeline_size=virtual_pipeline_size,
         )
         self._requested = dict(
             tensor_parallel_size=tensor_parallel_size,
@@ -107,7 +129,11 @@ class Megatron3DStrategy(ParallelStrategy):
             data_parallel_size=data_parallel_size,
             sequence_parallel=sequence_parallel,
             zero_stage=zero_stage,
+            virtual_pipeline_size=virtual_pipeline_size,
+            pipeline_layers_per_stage=tuple(pipeline_layers_per_stage) if pipeline_layers_per_stage else None,
         )
+        self.pipeline_schedule = pipeline_schedule
+        self.micro_batch_size = micro_batch_size
         self.bucket_size_mb = bucket_size_mb
         self.pad_vocab_to_multiple_of = pad_vocab_to_multiple_of
         self._process_group_backend = process_group_backend
@@ -116,6 +142,8 @@ class Megatron3DStrategy(ParallelStrategy):
         self._parallel_state: Optional[ParallelState] = None
         self._rng: Optional[TensorParallelRNG] = None
         self._grad_sync: Optional[GradientSynchronizer] = None
+        self._pipeline: Optional[PipelineRunner] = None
+        self.pipeline_recorder: Optional[TimelineRecorder] = None
         self._seed = 0
         self._blocking_sync = False
         self._micro_batch_weight: Tensor | float = 1.0
@@ -172,11 +200,15 @@ class Megatron3DStrategy(ParallelStrategy):
         self._parallel_state = ParallelState.create(config, self.root_device)
         # One seed for the whole job: replicated weights and replicated dropout must agree across ranks.
         self._seed = self.broadcast(torch.initial_seed() % (2**63 - 1))
-        torch.manual_seed(self._seed)
+        # Dropout in different pipeline stages must not repeat the same masks (Megatron: +100 per stage).
+        torch.manual_seed(self._seed + 100 * self._parallel_state.pipeline_parallel_rank)
         self._rng = TensorParallelRNG(self._seed, self._parallel_state.tensor_parallel_rank, self.root_device)
         rank_zero_info(
             f"Megatron3DStrategy: tp={config.tensor_parallel_size} pp={config.pipeline_parallel_size} "
-            f"dp={config.data_parallel_size} sequence_parallel={config.sequence_parallel} on {self.world_size} processes"
+            f"dp={config.data_parallel_size} sequence_parallel={config.sequence_parallel}"
+            + (f" vpp={config.virtual_pipeline_size} schedule={self.pipeline_schedule} micro_batch_size="
+               f"{self.micro_batch_size}" if config.pipeline_parallel_size > 1 else "")
+            + f" on {self.world_size} processes"
         )
 
     def set_world_ranks(self) -> None:
@@ -197,23 +229,78 @@ class Megatron3DStrategy(ParallelStrategy):
         module = self.lightning_module
         plan = module.tensor_parallel_plan() if hasattr(module, "tensor_parallel_plan") else {}
         parallelize(module, plan, self.parallel_state, rng=self._rng, pad_vocab_to_multiple_of=self.pad_vocab_to_multiple_of)
+        stage_modules = self._split_pipeline_stages(module)
         if any(p.is_meta for p in module.parameters()):
             initialize_parameters(module, self._seed, device=self.root_device, only_meta=True)
         self.model = self.precision_plugin.convert_module(module)
         self.model_to_device()
+        if stage_modules:
+            self._start_pipeline(module, stage_modules, trainer)
         self._sync_metrics_over_data_parallel()
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
+            params = [p for p in module.parameters() if p.requires_grad]
+            state = self.parallel_state
             self._grad_sync = GradientSynchronizer(
-                [p for p in module.parameters() if p.requires_grad],
-                data_parallel_group=self.parallel_state.data_parallel_group,
-                tensor_parallel_group=self.parallel_state.tensor_parallel_group,
+                params,
+                data_parallel_group=state.data_parallel_group,
+                partial_grad_groups=[
+                    ([p for p in params if getattr(p, "sequence_parallel_grad", False)], state.tensor_parallel_group),
+                    ([p for p in params if getattr(p, "pipeline_tied", False)], state.embedding_group),
+                ],
                 bucket_size_mb=self.bucket_size_mb,
             )
         self.setup_precision_plugin()
         # Lightning's clip_grad_norm_ would clip each rank by its own shards' norm.
         self.precision_plugin.clip_grad_by_norm = self.clip_grad_by_global_norm
+
+    def _split_pipeline_stages(self, module) -> list:
+        """Keep only this rank's pipeline stages of the model (before anything is materialised)."""
+        config = self.parallel_config
+        if config.pipeline_parallel_size == 1:
+            return []
+        if not hasattr(module, "pipeline_blocks"):
+            raise TypeError(
+                f"pipeline_parallel_size={config.pipeline_parallel_size} needs {type(module).__name__} to define "
+                f"pipeline_blocks() (see lightning_megatron.pipeline.PipelineBlocks)."
+            )
+        blocks = module.pipeline_blocks()
+        root = module.get_submodule(blocks.root) if blocks.root else module
+        layout = PipelineLayout(
+            num_layers=len(root.get_submodule(blocks.layers)),
+            pipeline_parallel_size=config.pipeline_parallel_size,
+            virtual_pipeline_size=config.virtual_pipeline_size,
+            layers_per_stage=config.pipeline_layers_per_stage,
+        )
+        self._pipeline_layout, self._pipeline_blocks = layout, blocks
+        local_stages = layout.stages_of_rank(self.parallel_state.pipeline_parallel_rank)
+        return split_for_pipeline(root, blocks, layout.stage_layers(), local_stages)
+
+    def _start_pipeline(self, module, stage_modules: list, trainer: "L.Trainer") -> None:
+        blocks, layout = self._pipeline_blocks, self._pipeline_layout
+        root = module.get_submodule(blocks.root) if blocks.root else module
+        state = self.parallel_state
+        self.pipeline_recorder = TimelineRecorder(state.pipeline_parallel_rank)
+        local_stages = layout.stages_of_rank(state.pipeline_parallel_rank)
+        self._pipeline = PipelineRunner(
+            stage_modules,
+            local_stages,
+            num_stages=layout.num_stages,
+            group=state.pipeline_parallel_group,
+            device=self.root_device,
+            schedule=self.pipeline_schedule,
+            micro_batch_size=self.micro_batch_size,
+            loss_module=root.get_submodule(blocks.loss) if layout.num_stages - 1 in local_stages else None,
+            recorder=self.pipeline_recorder,
+            before_backward=self._before_pipeline_backward,
+        )
+        root.loss = self._pipeline.loss  # the model's loss() now runs the schedule
+        trainer.fit_loop._skip_backward = True  # the schedule already ran every backward
+
+    def _before_pipeline_backward(self, micro_batches: int) -> None:
+        if self._grad_sync is not None:
+            self._grad_sync.start_micro_batch(sync=not self._blocking_sync, backward_passes=micro_batches)
 
     def _sync_metrics_over_data_parallel(self) -> None:
         """torchmetrics sync over the world by default; model replicas are the dp group."""
@@ -277,7 +364,7 @@ class Megatron3DStrategy(ParallelStrategy):
         return clip_grads_by_global_norm(
             params,
             float(clip_val),
-            model_parallel_group=state.tensor_parallel_group,
+            model_parallel_group=state.model_parallel_group,
             is_first_tensor_rank=state.tensor_parallel_rank == 0,
         )
 
@@ -320,8 +407,10 @@ class Megatron3DStrategy(ParallelStrategy):
 
     # ------------------------------------------------------------------ checkpoints
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        """Full tensors under global names (unpadded), gathered over tp: loadable at any layout."""
-        return gather_full_state_dict(self.lightning_module, self.parallel_state.tensor_parallel_group)
+        """Full tensors under global names (unpadded), gathered over tp and pp: loadable at any layout."""
+        state = self.parallel_state
+        full = gather_full_state_dict(self.lightning_module, state.tensor_parallel_group)
+        return merge_pipeline_stages(full, state.pipeline_parallel_group)
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         local = local_state_dict_from_full(self.lightning_module, checkpoint["state_dict"])

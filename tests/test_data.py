@@ -77,7 +77,7 @@ def test_global_batch_is_the_same_for_every_dp_size():
     config = dict(seq_length=32, global_batch_size=8, max_files=20, val_fraction=0.1)
     single = _datamodule(1, 0, **config)
     ranks = [_datamodule(2, r, **config) for r in range(2)]
-    assert single.micro_batch_size == 8 and [dm.micro_batch_size for dm in ranks] == [4, 4]
+    assert single.per_rank_batch_size == 8 and [dm.per_rank_batch_size for dm in ranks] == [4, 4]
     assert single.vocab_size == 257
 
     for name in ("train_dataloader", "val_dataloader"):
@@ -108,7 +108,7 @@ def test_global_batch_not_divisible_by_dp_raises():
 
 def test_without_trainer_data_module_is_single_process():
     dm = GPTDataModule(global_batch_size=4, seq_length=16, max_files=3, val_fraction=0.3)
-    assert (dm.data_parallel_size, dm.data_parallel_rank, dm.micro_batch_size) == (1, 0, 4)
+    assert (dm.data_parallel_size, dm.data_parallel_rank, dm.per_rank_batch_size) == (1, 0, 4)
     dm.setup("fit")
     batch = next(iter(dm.train_dataloader()))
     assert batch["input_ids"].shape == batch["labels"].shape == (4, 16)

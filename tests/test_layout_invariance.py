@@ -8,8 +8,11 @@ from workers.gpt_setup import CLIP, CONFIG, SEED, batches, optimizer
 from lightning_megatron.models import GPTModel
 
 LAYOUTS = {
-    2: ["tp2-dp1", "tp2-dp1-sp-mb2", "tp1-dp2-mb2"],
-    4: ["tp2-dp2", "tp2-dp2-sp-mb2", "tp4-dp1", "tp4-dp1-sp"],
+    2: ["tp2-dp1", "tp2-dp1-sp-mb2", "tp1-dp2-mb2", "pp2-tp1-dp1-mb4", "pp2-tp1-dp1-mb4-gpipe",
+        "pp2-vpp2-tp1-dp1-mb4"],
+    4: ["tp2-dp2", "tp2-dp2-sp-mb2", "tp4-dp1", "tp4-dp1-sp", "pp4-tp1-dp1-mb8", "pp2-tp2-dp1-sp-mb2",
+        "pp2-tp1-dp2-mb2"],
+    8: ["pp2-tp2-dp2-mb2", "pp2-vpp2-tp2-dp2-sp-mb4"],
 }
 LOSS_TOL, WEIGHT_TOL = 1e-5, 1e-5
 
@@ -48,3 +51,15 @@ def test_layouts_match_single_process(world, reference, tmp_path):
         for k in sorted(weight_dev, key=weight_dev.get)[-4:]:
             print("   ", k, f"{weight_dev[k]:.2e}")
         assert weight_dev[worst] < WEIGHT_TOL, f"{layout}: {worst} deviates by {weight_dev[worst]:.2e}"
+
+
+def test_gpipe_and_1f1b_give_identical_results(tmp_path_factory):
+    """Same micro-batches, same per-micro-batch backward: the schedule only reorders work."""
+    directories = sorted(tmp_path_factory.getbasetemp().glob("test_layouts_match_single_proc*"))
+    found = [d for d in directories if (d / "pp2-tp1-dp1-mb4-gpipe.pt").exists()]
+    assert found, "run together with test_layouts_match_single_process[2]"
+    one_f_one_b = torch.load(found[0] / "pp2-tp1-dp1-mb4.pt", weights_only=True)
+    gpipe = torch.load(found[0] / "pp2-tp1-dp1-mb4-gpipe.pt", weights_only=True)
+    assert one_f_one_b["losses"] == gpipe["losses"]
+    for name, value in one_f_one_b["weights"].items():
+        assert torch.equal(value, gpipe["weights"][name]), name

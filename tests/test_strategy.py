@@ -12,6 +12,8 @@ import lightning_megatron  # noqa: F401
 from lightning_megatron import Megatron3DStrategy
 
 FIT = {"tp": 2, "sp": True, "accumulate": 2, "clip": 0.5, "steps": 5}
+PIPELINE_FIT = {"tp": 2, "pp": 2, "sp": True, "accumulate": 2, "clip": 0.5, "steps": 4, "micro_batch_size": 2,
+                "layers": 4, "timeline": True}
 
 
 def plain_lightning_run(options):
@@ -54,6 +56,25 @@ def test_fit_tp2_dp2_sequence_parallel_matches_plain_lightning(fit_tp2_dp2):
     assert weights.keys() == ref_weights.keys()
     worst = max((weights[k] - ref_weights[k]).abs().max().item() for k in ref_weights)
     assert worst < 1e-5, f"weights deviate by {worst:.2e}"
+
+
+def test_fit_pp2_tp2_dp2_matches_plain_lightning(tmp_path):
+    """8 ranks: the pipeline schedule inside Lightning's loop, with tp, sequence parallel, dp and accumulation."""
+    results, _ = launch("trainer_fit.py", 8, tmp_path, json.dumps(PIPELINE_FIT))
+    ref_losses, ref_val, ref_weights = plain_lightning_run(PIPELINE_FIT)
+    per_rank = torch.tensor([r["losses"] for r in results])
+    # rank = (pp * dp_size + dp) * tp_size + tp: every rank of a replica reports the replica's loss.
+    replica0, replica1 = per_rank[[0, 1, 4, 5]], per_rank[[2, 3, 6, 7]]
+    assert (replica0 == replica0[0]).all() and (replica1 == replica1[0]).all()
+    assert torch.allclose((replica0[0] + replica1[0]) / 2, torch.tensor(ref_losses), atol=1e-5)
+    assert all(abs(r["val_loss"] - ref_val) < 1e-5 for r in results), "every rank logs the last stage's val loss"
+    weights = torch.load(tmp_path / "weights.pt", weights_only=True)
+    assert weights.keys() == ref_weights.keys()
+    worst = max((weights[k] - ref_weights[k]).abs().max().item() for k in ref_weights)
+    assert worst < 1e-5, f"weights deviate by {worst:.2e}"
+    bubble = results[0]["bubble"]
+    assert (tmp_path / "timeline.png").stat().st_size > 10_000
+    assert 0.0 < bubble["measured"] < 1.0 and bubble["theory"] == pytest.approx(1 / 3)  # p=2, m=2: (1/2)/(1+1/2)
 
 
 def test_checkpoint_is_layout_free_and_loads_without_unpickling(fit_tp2_dp2):

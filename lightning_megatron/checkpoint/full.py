@@ -37,12 +37,27 @@ def gather_full_state_dict(module: nn.Module, group: Optional[dist.ProcessGroup]
     return full
 
 
+def merge_pipeline_stages(state: dict[str, Any], group: Optional[dist.ProcessGroup]) -> dict[str, Any]:
+    """Each pipeline stage holds some keys; every rank gets their union (a collective over ``group``)."""
+    if group is None:
+        return state
+    parts: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(parts, state, group=group)
+    merged: dict[str, Any] = {}
+    for part in parts:
+        merged.update(part)
+    return merged
+
+
 def local_state_dict_from_full(module: nn.Module, full: Mapping[str, Any]) -> dict[str, Any]:
-    """This rank's shards of a full state dict, ready for ``module.load_state_dict``."""
-    local = dict(full)
+    """This rank's entries (its pipeline stage, its tensor-parallel shards) of a full state dict."""
+    local: dict[str, Any] = {}
     for name, value in module.state_dict(keep_vars=True).items():
+        if name not in full:
+            continue  # load_state_dict(strict=True) reports it as missing
         shard = shard_of(value) if isinstance(value, Tensor) else None
-        if shard is None or name not in full:
+        if shard is None:
+            local[name] = full[name]
             continue
         saved = full[name]
         if tuple(saved.shape) != shard.global_shape:

@@ -9,7 +9,10 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from lightning_megatron.data.corpus import ByteTokenizer, load_stdlib_token_documents
+from lightning_megatron.data.corpus import load_stdlib_token_documents
+from lightning_megatron.data.indexed import IndexedDataset
+from lightning_megatron.data.preprocess import metadata_file, read_metadata
+from lightning_megatron.data.tokenizers import Tokenizer, check_vocab_fits, load_tokenizer
 
 
 class PackedTokenDataset(Dataset):
@@ -48,20 +51,36 @@ class PackedTokenDataset(Dataset):
 
 
 class GPTDataModule(L.LightningDataModule):
-    """Next-token prediction on the Python standard library's source, byte-tokenised.
+    """Next-token prediction on a preprocessed indexed dataset, or by default on the Python
+    standard library's source, byte-tokenised.
 
     Args:
         seq_length: tokens per sample.
         global_batch_size: samples per optimizer step summed over all data-parallel ranks;
             each rank loads ``global_batch_size // data_parallel_size`` of them.
-        val_fraction: share of documents (files) held out for validation; at least one.
-        max_files: use only the first ``max_files`` stdlib files (all when ``None``).
+        val_fraction: share of documents held out for validation; at least one.
+        max_files: use only the first ``max_files`` stdlib files (all when ``None``); built-in
+            corpus only.
         seed: seed of the document split and of the training sample order.
         num_workers: DataLoader worker processes.
+        data_prefix: a Megatron-LM indexed dataset ``PREFIX.bin``/``PREFIX.idx`` (written by
+            ``lightning-megatron preprocess`` or Megatron-LM's tools) instead of the built-in
+            corpus. Each document of the dataset is one document here; a trailing
+            end-of-document id (``--append-eos``) is dropped because packing adds one. Like the
+            built-in corpus, the tokens are read into memory once in ``setup``.
+        tokenizer: ``"byte"`` or a ``tokenizer.json``: the tokenizer the data was made with,
+            which gives :attr:`vocab_size` and the end-of-document id. By default the one that
+            ``preprocess`` recorded in ``PREFIX.meta.json`` (``"byte"`` for the built-in corpus);
+            needed for indexed data made by other tools.
 
     Example::
 
         trainer.fit(model, datamodule=GPTDataModule(seq_length=256, global_batch_size=32))
+        # after `lightning-megatron preprocess --input corpus.jsonl --tokenizer byte --output-prefix data/corpus`
+        trainer.fit(model, datamodule=GPTDataModule(data_prefix="data/corpus"))
+
+    ``setup`` checks that every token id of the data is below :attr:`vocab_size` and, when the
+    trainer's model has a ``config.vocab_size``, that the tokenizer's vocabulary fits the model.
 
     Every loader gets a :class:`~torch.utils.data.DistributedSampler` built here, even at
     dp=1, because the global batch of step k must be the same samples whatever the
@@ -83,20 +102,53 @@ class GPTDataModule(L.LightningDataModule):
         max_files: int | None = None,
         seed: int = 1234,
         num_workers: int = 0,
+        data_prefix: str | None = None,
+        tokenizer: str | None = None,
     ) -> None:
         super().__init__()
+        if data_prefix is not None and max_files is not None:
+            raise ValueError(
+                f"max_files={max_files} selects files of the built-in corpus and cannot be combined with "
+                f"data_prefix={data_prefix!r}; leave max_files unset."
+            )
         self.seq_length = seq_length
         self.global_batch_size = global_batch_size
         self.val_fraction = val_fraction
         self.max_files = max_files
         self.seed = seed
         self.num_workers = num_workers
-        self.tokenizer = ByteTokenizer()
+        self.data_prefix = data_prefix
+        self.tokenizer = self._load_tokenizer(tokenizer)
         self.train_dataset: PackedTokenDataset | None = None
         self.val_dataset: PackedTokenDataset | None = None
 
+    def _load_tokenizer(self, spec: str | None) -> Tokenizer:
+        """The tokenizer the data was made with: ``spec``, else the one ``preprocess`` recorded."""
+        if self.data_prefix is None:
+            if spec not in (None, "byte"):
+                raise ValueError(
+                    f"The built-in corpus is byte-tokenised; tokenizer={spec!r} needs preprocessed data: run "
+                    f"`lightning-megatron preprocess --tokenizer {spec} ...` and pass data_prefix."
+                )
+            return load_tokenizer("byte")
+        metadata = read_metadata(self.data_prefix)
+        if spec is None and metadata is None:
+            raise ValueError(
+                f"data_prefix={self.data_prefix!r} has no {metadata_file(self.data_prefix).name} naming its tokenizer "
+                f"(it was not written by `lightning-megatron preprocess`); pass tokenizer='byte' or the path of the "
+                f"tokenizer.json the data was made with."
+            )
+        tokenizer = load_tokenizer(spec if spec is not None else metadata["tokenizer"])
+        if metadata is not None and tokenizer.vocab_size != metadata["vocab_size"]:
+            raise ValueError(
+                f"tokenizer={spec!r} has {tokenizer.vocab_size} ids but data_prefix={self.data_prefix!r} was made with "
+                f"{metadata['tokenizer']!r} ({metadata['vocab_size']} ids); pass that tokenizer or leave tokenizer unset."
+            )
+        return tokenizer
+
     @property
     def vocab_size(self) -> int:
+        """Ids the data's tokenizer can produce: the least ``vocab_size`` a model for this data needs."""
         return self.tokenizer.vocab_size
 
     @property
@@ -108,10 +160,11 @@ class GPTDataModule(L.LightningDataModule):
         return self._data_parallel()[1]
 
     @property
-    def micro_batch_size(self) -> int:
+    def per_rank_batch_size(self) -> int:
         """Samples per DataLoader batch on this rank: the global batch split over dp.
 
-        The strategy may cut this batch further into pipeline micro-batches.
+        The strategy may cut this batch further into pipeline micro-batches (Megatron's "micro
+        batch"), hence not that name.
         """
         dp_size = self.data_parallel_size
         if self.global_batch_size % dp_size:
@@ -129,24 +182,41 @@ class GPTDataModule(L.LightningDataModule):
         return kwargs["num_replicas"], kwargs["rank"]
 
     def setup(self, stage: str | None = None) -> None:
-        """Tokenise the corpus once and split it by document, so no file is in both splits."""
-        self.micro_batch_size  # fail fast on a global batch that does not divide over dp
+        """Load the documents once and split them, so no document is in both splits."""
+        self.per_rank_batch_size  # fail fast on a global batch that does not divide over dp
+        model_config = getattr(getattr(self.trainer, "lightning_module", None), "config", None)
+        if getattr(model_config, "vocab_size", None) is not None:
+            check_vocab_fits(tokenizer_vocab_size=self.vocab_size, model_vocab_size=model_config.vocab_size)
         if self.train_dataset is not None:
             return
-        documents = load_stdlib_token_documents(self.max_files)
+        documents = self._load_documents()
         order = np.random.default_rng(self.seed).permutation(len(documents))
         documents = [documents[i] for i in order]
         num_val = max(1, round(self.val_fraction * len(documents)))
         self.train_dataset = self._dataset(documents[:-num_val], "train", self.global_batch_size)
         self.val_dataset = self._dataset(documents[-num_val:], "validation", self.data_parallel_size)
 
+    def _load_documents(self) -> list[np.ndarray]:
+        if self.data_prefix is None:
+            return load_stdlib_token_documents(self.max_files)
+        dataset = IndexedDataset(self.data_prefix)
+        eos = self.tokenizer.eos_id
+        documents = (dataset.document(i) for i in range(dataset.num_documents))
+        return [doc[:-1] if len(doc) and doc[-1] == eos else doc for doc in documents]
+
     def _dataset(self, documents: list[np.ndarray], split: str, min_samples: int) -> PackedTokenDataset:
         dataset = PackedTokenDataset(documents, eos_id=self.tokenizer.eos_id, seq_length=self.seq_length)
+        source = f"max_files={self.max_files}" if self.data_prefix is None else f"data_prefix={self.data_prefix!r}"
         if len(dataset) < min_samples:
             raise ValueError(
                 f"The {split} split has {len(dataset)} samples of {self.seq_length + 1} tokens but needs at least "
-                f"{min_samples}; use more files (max_files={self.max_files}), a shorter seq_length, a smaller "
+                f"{min_samples}; use more data ({source}), a shorter seq_length, a smaller "
                 f"global_batch_size, or another val_fraction ({self.val_fraction})."
+            )
+        if len(dataset.tokens) and dataset.tokens.max() >= self.vocab_size:
+            raise ValueError(
+                f"The {split} split ({source}) holds token id {dataset.tokens.max()} but the tokenizer has only "
+                f"{self.vocab_size} ids; the data was made with another tokenizer: pass that one as tokenizer=."
             )
         return dataset
 
@@ -170,7 +240,7 @@ class GPTDataModule(L.LightningDataModule):
         )
         return DataLoader(
             dataset,
-            batch_size=self.micro_batch_size,
+            batch_size=self.per_rank_batch_size,
             sampler=sampler,
             num_workers=self.num_workers,
             drop_last=train,

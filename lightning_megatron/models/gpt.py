@@ -19,6 +19,8 @@ from torchmetrics import MeanMetric
 
 from lightning_megatron.models.transformer import TransformerLayer, layer_tensor_parallel_plan
 from lightning_megatron.parallel.initialize import INIT_STD, default_initializer, initialize_parameters
+from lightning_megatron.pipeline.blocks import PipelineBlocks
+from lightning_megatron.pipeline.layout import PipelineLayout
 
 IGNORE_INDEX = -100
 
@@ -111,8 +113,10 @@ class GPTModel(nn.Module):
         super().__init__()
         self.config = config
         self.embedding = GPTEmbedding(config)
-        self.blocks = nn.ModuleList(
-            TransformerLayer(
+        # A dict keyed "0", "1", ... (not a list): a pipeline stage keeps only its layers, and their
+        # parameter names (blocks.7.mlp.fc.weight) stay global.
+        self.blocks = nn.ModuleDict({
+            str(index): TransformerLayer(
                 config.hidden_size,
                 config.num_heads,
                 config.ffn_size,
@@ -121,8 +125,8 @@ class GPTModel(nn.Module):
                 causal=True,
                 layer_norm_eps=config.layer_norm_eps,
             )
-            for _ in range(config.num_layers)
-        )
+            for index in range(config.num_layers)
+        })
         self.ln_f = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.lm_head.weight = self.embedding.wte.weight
@@ -148,13 +152,17 @@ class GPTModel(nn.Module):
             "loss_fn": "vocab",
         }
 
+    @staticmethod
+    def pipeline_blocks() -> PipelineBlocks:
+        return PipelineBlocks(first=("embedding",), layers="blocks", last=("ln_f", "lm_head"), loss="loss_fn")
+
     def forward(self, input_ids: Tensor) -> Tensor:
         if input_ids.shape[1] > self.config.max_seq_length:
             raise ValueError(
                 f"Sequence length {input_ids.shape[1]} exceeds max_seq_length={self.config.max_seq_length} of the model."
             )
         x = self.embedding(input_ids)
-        for block in self.blocks:
+        for block in self.blocks.values():
             x = block(x)
         return self.lm_head(self.ln_f(x))
 
@@ -205,8 +213,17 @@ class GPT(L.LightningModule):
     def tensor_parallel_plan(self) -> dict[str, str]:
         return {f"model.{pattern}": style for pattern, style in GPTModel.tensor_parallel_plan().items()}
 
+    def pipeline_blocks(self) -> PipelineBlocks:
+        return GPTModel.pipeline_blocks().under("model")
+
     def validate_parallel_config(self, parallel_config) -> None:
         self.config.validate_tensor_parallel_size(parallel_config.tensor_parallel_size)
+        PipelineLayout(
+            num_layers=self.config.num_layers,
+            pipeline_parallel_size=parallel_config.pipeline_parallel_size,
+            virtual_pipeline_size=parallel_config.virtual_pipeline_size,
+            layers_per_stage=parallel_config.pipeline_layers_per_stage,
+        )
 
     def forward(self, input_ids: Tensor) -> Tensor:
         return self.model(input_ids)

@@ -39,17 +39,25 @@ class SelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, hidden_size: int, ffn_hidden_size: int) -> None:
+    """``proj(gelu(fc(x)))``; ``gelu_approximate`` is torch's: ``"tanh"`` (GPT-2) or ``"none"`` (exact erf, BERT)."""
+
+    def __init__(self, hidden_size: int, ffn_hidden_size: int, *, gelu_approximate: str = "tanh") -> None:
         super().__init__()
         self.fc = nn.Linear(hidden_size, ffn_hidden_size)
         self.proj = nn.Linear(ffn_hidden_size, hidden_size)
+        self.gelu_approximate = gelu_approximate
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.proj(F.gelu(self.fc(x), approximate="tanh"))
+        return self.proj(F.gelu(self.fc(x), approximate=self.gelu_approximate))
 
 
 class TransformerLayer(nn.Module):
-    """Pre-norm layer: ``x + drop(attn(ln(x)))`` then ``x + drop(mlp(ln(x)))``."""
+    """Pre-norm layer: ``x + drop(attn(ln(x)))`` then ``x + drop(mlp(ln(x)))``.
+
+    ``norm_position="post"`` gives the original Transformer/BERT order,
+    ``ln(x + drop(attn(x)))`` then ``ln(x + drop(mlp(x)))``; pre-norm is what lets deep
+    models train stably (Megatron-LM's BERT finding), post-norm matches Hugging Face BERT.
+    """
 
     def __init__(
         self,
@@ -61,15 +69,23 @@ class TransformerLayer(nn.Module):
         attention_dropout: float,
         causal: bool,
         layer_norm_eps: float = 1e-5,
+        norm_position: str = "pre",
+        gelu_approximate: str = "tanh",
     ) -> None:
         super().__init__()
+        if norm_position not in ("pre", "post"):
+            raise ValueError(f"norm_position must be 'pre' or 'post', got {norm_position!r}.")
+        self.post_norm = norm_position == "post"
         self.ln_1 = nn.LayerNorm(hidden_size, eps=layer_norm_eps)
         self.attn = SelfAttention(hidden_size, num_heads, attention_dropout=attention_dropout, causal=causal)
         self.ln_2 = nn.LayerNorm(hidden_size, eps=layer_norm_eps)
-        self.mlp = MLP(hidden_size, ffn_hidden_size)
+        self.mlp = MLP(hidden_size, ffn_hidden_size, gelu_approximate=gelu_approximate)
         self.drop = nn.Dropout(dropout)
 
     def forward(self, x: Tensor, attention_mask: Optional[Tensor] = None) -> Tensor:
+        if self.post_norm:
+            x = self.ln_1(x + self.drop(self.attn(x, attention_mask)))
+            return self.ln_2(x + self.drop(self.mlp(x)))
         x = x + self.drop(self.attn(self.ln_1(x), attention_mask))
         return x + self.drop(self.mlp(self.ln_2(x)))
 

@@ -2,8 +2,9 @@
 
 ``torch.nn.utils.clip_grad_norm_`` sees one rank's shards and would clip each rank by a
 different factor. Here each element of the global model is counted exactly once: sharded
-parameters on every rank, replicated ones on tensor-parallel rank 0 only; the squares are
-then summed over the model-parallel group. After the data-parallel reduction every dp
+parameters on every rank, replicated ones on tensor-parallel rank 0 only, and an embedding
+tied across pipeline stages on the first stage only; the squares are then summed over the
+model-parallel group (tp x pp). After the data-parallel reduction every dp
 rank holds the same gradients, so no dp reduction is needed.
 """
 
@@ -25,6 +26,8 @@ def global_grad_norm(
     squares = None
     for param in params:
         if param.grad is None or (shard_of(param) is None and not is_first_tensor_rank):
+            continue
+        if hasattr(param, "tied_names"):  # the last stage's copy of a tied embedding
             continue
         term = param.grad.detach().float().pow(2).sum()
         squares = term if squares is None else squares + term

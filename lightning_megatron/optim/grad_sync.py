@@ -42,8 +42,13 @@ class GradientSynchronizer:
     """Owns the gradient buffers of ``params`` and their reduction over ``data_parallel_group``.
 
     Per optimizer step: ``start_micro_batch(sync=...)`` before each micro-batch's backward
-    (``sync=True`` for the last one), ``finish(num_tokens)`` before the optimizer reads
-    gradients, ``zero()`` after the step.
+    (``sync=True`` for the last one; ``backward_passes`` when a pipeline schedule runs several
+    backwards in one go), ``finish(num_tokens)`` before the optimizer reads gradients,
+    ``zero()`` after the step.
+
+    ``partial_grad_groups`` lists parameters whose gradients are partial sums over some other
+    group (replicated parameters under sequence parallelism: the tp group; embeddings tied
+    across the first and last pipeline stage: the embedding group); they are summed there.
     """
 
     def __init__(
@@ -51,15 +56,16 @@ class GradientSynchronizer:
         params: Sequence[nn.Parameter],
         *,
         data_parallel_group: Optional[dist.ProcessGroup],
-        tensor_parallel_group: Optional[dist.ProcessGroup] = None,
+        partial_grad_groups: Sequence[tuple[Sequence[nn.Parameter], dist.ProcessGroup]] = (),
         bucket_size_mb: float = DEFAULT_BUCKET_SIZE_MB,
     ) -> None:
         if bucket_size_mb <= 0:
             raise ValueError(f"bucket_size_mb must be positive, got {bucket_size_mb}.")
         self.data_parallel_group = data_parallel_group
-        self.tensor_parallel_group = tensor_parallel_group
+        self.partial_grad_groups = [(list(params_), group) for params_, group in partial_grad_groups if params_]
         self.params = [p for p in dict.fromkeys(params) if p.requires_grad]
         self.sync = True
+        self.backward_passes = 1
         self.buckets: list[_Bucket] = []
         self._bucket_of: dict[int, _Bucket] = {}
         self._view_of: dict[int, Tensor] = {}
@@ -97,7 +103,7 @@ class GradientSynchronizer:
         param.grad = None
         bucket = self._bucket_of[id(param)]
         bucket.ready += 1
-        if self.sync and bucket.ready == len(bucket.params):
+        if self.sync and bucket.ready == len(bucket.params) * self.backward_passes:
             self._launch(bucket)
 
     def _launch(self, bucket: _Bucket) -> None:
@@ -105,9 +111,9 @@ class GradientSynchronizer:
         if self.data_parallel_group is not None:
             bucket.handle = dist.all_reduce(bucket.buffer, group=self.data_parallel_group, async_op=True)
 
-    def start_micro_batch(self, *, sync: bool) -> None:
+    def start_micro_batch(self, *, sync: bool, backward_passes: int = 1) -> None:
         """Begin a micro-batch; ``sync=True`` lets buckets reduce as soon as they are complete."""
-        self.sync = sync
+        self.sync, self.backward_passes = sync, backward_passes
         for bucket in self.buckets:
             bucket.ready = 0
 
@@ -126,26 +132,22 @@ class GradientSynchronizer:
             if bucket.handle is not None:
                 bucket.handle.wait()
                 bucket.handle = None
-        self._sum_sequence_parallel_grads()
+        self._sum_partial_grads()
         scale = 1.0 / max(float(num_tokens), 1.0)
         for bucket in self.buckets:
             bucket.buffer.mul_(scale)
             for param, view in zip(bucket.params, bucket.views):
                 param.grad = view if view.dtype == param.dtype else view.to(param.dtype)
 
-    def _sum_sequence_parallel_grads(self) -> None:
-        """Replicated parameters applied to sequence chunks hold partial sums: add them up over tp."""
-        if self.tensor_parallel_group is None:
-            return
-        views = [self._view_of[id(p)] for p in self.params if getattr(p, "sequence_parallel_grad", False)]
-        if not views:
-            return
-        flat = torch.cat([v.reshape(-1) for v in views])
-        dist.all_reduce(flat, group=self.tensor_parallel_group)
-        offset = 0
-        for view in views:
-            view.copy_(flat[offset : offset + view.numel()].view_as(view))
-            offset += view.numel()
+    def _sum_partial_grads(self) -> None:
+        for params, group in self.partial_grad_groups:
+            views = [self._view_of[id(p)] for p in params]
+            flat = torch.cat([v.reshape(-1) for v in views])
+            dist.all_reduce(flat, group=group)
+            offset = 0
+            for view in views:
+                view.copy_(flat[offset : offset + view.numel()].view_as(view))
+                offset += view.numel()
 
     def zero(self) -> None:
         """Reset the buffers after the optimizer step; ``param.grad`` is dropped so the next backward starts clean."""

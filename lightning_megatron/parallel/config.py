@@ -7,9 +7,7 @@ reported by every rank with the same message before any process group exists.
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-SUPPORTED_PIPELINE_SIZE = 1  # pipelining arrives with the pipeline issue; the mesh already has the axis
-
+from typing import Optional
 
 def _check_positive(name: str, value: object) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -33,14 +31,17 @@ class ParallelConfig:
     data_parallel_size: int = 1
     sequence_parallel: bool = False
     zero_stage: int = 0
+    virtual_pipeline_size: int = 1
+    pipeline_layers_per_stage: Optional[tuple[int, ...]] = None
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
             _check_positive(name, getattr(self, name))
-        if self.pipeline_parallel_size != SUPPORTED_PIPELINE_SIZE:
+        _check_positive("virtual_pipeline_size", self.virtual_pipeline_size)
+        if self.virtual_pipeline_size > 1 and self.pipeline_parallel_size == 1:
             raise ValueError(
-                f"pipeline_parallel_size={self.pipeline_parallel_size} is not supported yet: this release runs "
-                f"pipeline_parallel_size=1 only. Use tensor or data parallelism to spread the model."
+                f"virtual_pipeline_size={self.virtual_pipeline_size} interleaves stages across pipeline ranks, but "
+                f"pipeline_parallel_size=1. Set pipeline_parallel_size > 1 or virtual_pipeline_size=1."
             )
         if self.zero_stage != 0:
             raise ValueError(
@@ -67,6 +68,8 @@ class ParallelConfig:
         data_parallel_size: int | str = "auto",
         sequence_parallel: bool = False,
         zero_stage: int = 0,
+        virtual_pipeline_size: int = 1,
+        pipeline_layers_per_stage: Optional[tuple[int, ...]] = None,
     ) -> "ParallelConfig":
         """Build a config for ``world_size`` processes; ``data_parallel_size="auto"`` takes what is left."""
         _check_positive("tensor_parallel_size", tensor_parallel_size)
@@ -86,6 +89,8 @@ class ParallelConfig:
             data_parallel_size=data_parallel_size,  # type: ignore[arg-type]
             sequence_parallel=sequence_parallel,
             zero_stage=zero_stage,
+            virtual_pipeline_size=virtual_pipeline_size,
+            pipeline_layers_per_stage=pipeline_layers_per_stage,
         )
         if config.world_size != world_size:
             raise ValueError(

@@ -23,7 +23,7 @@ from lightning_megatron.tensor_parallel.sharding import shard_of
 
 Initializer = Callable[[str, Tensor, torch.Generator], None]
 INIT_STD = 0.02
-_TAGS = ("tensor_shard", "sequence_parallel_grad")
+_TAGS = ("tensor_shard", "sequence_parallel_grad", "pipeline_tied", "tied_names")
 
 
 def parameter_seed(seed: int, name: str) -> int:
@@ -52,6 +52,14 @@ def _owners(root: nn.Module) -> list[tuple[str, nn.Module]]:
         if hasattr(module, "initialize_parameter") and not any(_is_within(name, o) for o, _ in owners):
             owners.append((name, module))
     return owners
+
+
+def _original_name(param: Tensor, name: str) -> str:
+    """A tied copy on another pipeline stage is initialised as the parameter it copies."""
+    tied = getattr(param, "tied_names", None)
+    if tied is not None and name.endswith(tied[0]):
+        return name[: len(name) - len(tied[0])] + tied[1]
+    return name
 
 
 def _local_values(param: Tensor, name: str, seed: int, initializer: Initializer) -> Tensor:
@@ -85,6 +93,7 @@ def initialize_parameters(
                     done[id(param)] = param
                     continue
                 name = f"{module_name}.{param_name}" if module_name else param_name
+                name = _original_name(param, name)
                 values = _local_values(param, name, seed, initializer)
                 target_device = device if device is not None else (None if param.is_meta else param.device)
                 if param.is_meta:

@@ -30,6 +30,8 @@ class ParallelState:
     config: ParallelConfig
     device: torch.device
     mesh: Optional[DeviceMesh] = None
+    model_parallel_group: Optional[dist.ProcessGroup] = None
+    embedding_group: Optional[dist.ProcessGroup] = None
 
     @classmethod
     def create(cls, config: ParallelConfig, device: torch.device | str) -> "ParallelState":
@@ -49,13 +51,19 @@ class ParallelState:
             )
         shape = (config.pipeline_parallel_size, config.data_parallel_size, config.tensor_parallel_size)
         mesh = init_device_mesh(device.type, shape, mesh_dim_names=MESH_DIM_NAMES)
-        return cls(config=config, device=device, mesh=mesh)
+        model_parallel_group, embedding_group = _model_parallel_and_embedding_groups(config)
+        return cls(config=config, device=device, mesh=mesh, model_parallel_group=model_parallel_group,
+                   embedding_group=embedding_group)
 
     def group(self, dim: str) -> Optional[dist.ProcessGroup]:
         """The process group along one mesh dimension, or ``None`` when it has a single member."""
         if self.mesh is None or self.mesh[dim].size() == 1:
             return None
         return self.mesh.get_group(dim)
+
+    @property
+    def is_first_pipeline_stage_rank(self) -> bool:
+        return self.pipeline_parallel_rank == 0
 
     @property
     def tensor_parallel_group(self) -> Optional[dist.ProcessGroup]:
@@ -83,3 +91,28 @@ class ParallelState:
     @property
     def pipeline_parallel_rank(self) -> int:
         return self._local_rank("pp")
+
+
+def _model_parallel_and_embedding_groups(config: ParallelConfig):
+    """Groups that are not mesh dimensions; every rank creates every group, in the same order.
+
+    The model-parallel group (all tp x pp ranks of one replica) sums squared gradient norms;
+    the embedding group (first and last pipeline stage of one (dp, tp) coordinate) sums the
+    gradients of the embedding tied across them.
+    """
+    tp, pp, dp = config.tensor_parallel_size, config.pipeline_parallel_size, config.data_parallel_size
+    rank = dist.get_rank()
+    model_parallel_group = embedding_group = None
+    for d in range(dp):
+        ranks = [config.rank_of(pipeline_rank=p, data_rank=d, tensor_rank=t) for p in range(pp) for t in range(tp)]
+        group = dist.new_group(ranks)
+        if rank in ranks and len(ranks) > 1:
+            model_parallel_group = group
+    if pp > 1:
+        for d in range(dp):
+            for t in range(tp):
+                ranks = [config.rank_of(pipeline_rank=p, data_rank=d, tensor_rank=t) for p in (0, pp - 1)]
+                group = dist.new_group(ranks)
+                if rank in ranks:
+                    embedding_group = group
+    return model_parallel_group, embedding_group

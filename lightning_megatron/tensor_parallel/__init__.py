@@ -1,5 +1,6 @@
 """Megatron-style tensor parallelism: communication operators, parallel layers, cross-entropy, plans."""
 
+from lightning_megatron.tensor_parallel.argmax import Argmax, VocabParallelArgmax, vocab_parallel_argmax
 from lightning_megatron.tensor_parallel.cross_entropy import VocabParallelCrossEntropy, vocab_parallel_cross_entropy
 from lightning_megatron.tensor_parallel.layers import (
     ColumnParallelLinear,
@@ -11,6 +12,7 @@ from lightning_megatron.tensor_parallel.mappings import (
     copy_to_tensor_parallel,
     gather_from_sequence,
     gather_from_tensor_parallel,
+    gather_sequence_to_replicated,
     reduce_from_tensor_parallel,
     reduce_scatter_to_sequence,
     scatter_to_sequence,
@@ -19,19 +21,23 @@ from lightning_megatron.tensor_parallel.plan import STYLES, parallelize
 from lightning_megatron.tensor_parallel.sharding import TensorShard
 
 __all__ = [
+    "Argmax",
     "ColumnParallelLinear",
     "RowParallelLinear",
     "STYLES",
     "TensorShard",
+    "VocabParallelArgmax",
     "VocabParallelCrossEntropy",
     "VocabParallelEmbedding",
     "VocabParallelHead",
     "copy_to_tensor_parallel",
     "gather_from_sequence",
     "gather_from_tensor_parallel",
+    "gather_sequence_to_replicated",
     "parallelize",
     "reduce_from_tensor_parallel",
     "reduce_scatter_to_sequence",
     "scatter_to_sequence",
+    "vocab_parallel_argmax",
     "vocab_parallel_cross_entropy",
 ]

@@ -12,6 +12,7 @@ operator                       forward                 backward
 ``reduce_scatter_to_sequence`` reduce-scatter(seq)     all-gather(seq)
 ``scatter_to_sequence``        keep own chunk(seq)     all-gather(seq)
 ``gather_from_tensor_parallel`` all-gather(last dim)   keep own chunk
+``gather_sequence_to_replicated`` all-gather(seq)      keep own chunk(seq)
 =============================  ======================  ======================
 
 ``group=None`` means a group of one: every operator is then the identity. Collectives
@@ -131,6 +132,17 @@ class _ScatterToSequence(torch.autograd.Function):
         return _all_gather(grad, ctx.group, ctx.dim), None, None
 
 
+class _GatherSequenceToReplicated(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, group: Group, dim: int) -> Tensor:
+        ctx.group, ctx.dim = group, dim
+        return _all_gather(x, group, dim)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return _own_chunk(grad, ctx.group, ctx.dim), None, None
+
+
 class _GatherFromTensorParallel(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, group: Group) -> Tensor:
@@ -165,6 +177,16 @@ def reduce_scatter_to_sequence(x: Tensor, group: Group, dim: int = 1) -> Tensor:
 def scatter_to_sequence(x: Tensor, group: Group, dim: int = 1) -> Tensor:
     """Enter the sequence-parallel region from a replicated tensor (no communication forward)."""
     return x if group is None else _ScatterToSequence.apply(x, group, dim)
+
+
+def gather_sequence_to_replicated(x: Tensor, group: Group, dim: int = 1) -> Tensor:
+    """Leave the sequence-parallel region into a replicated computation (BERT's pooler on [CLS]).
+
+    Every rank then computes the same function of the full sequence, so each already holds the
+    whole gradient: backward keeps this rank's chunk instead of reduce-scattering (which would
+    count it ``tp`` times). Megatron-LM: ``tensor_parallel_output_grad=False``.
+    """
+    return x if group is None else _GatherSequenceToReplicated.apply(x, group, dim)
 
 
 def gather_from_tensor_parallel(x: Tensor, group: Group) -> Tensor:

@@ -10,7 +10,8 @@ style                effect
 ``"row"``            ``nn.Linear`` -> :class:`RowParallelLinear` (input features split)
 ``"vocab"``          ``nn.Embedding`` -> :class:`VocabParallelEmbedding`, ``nn.Linear`` ->
                      :class:`VocabParallelHead` (logits stay split), ``nn.CrossEntropyLoss``
-                     -> :class:`VocabParallelCrossEntropy`
+                     -> :class:`VocabParallelCrossEntropy`, :class:`Argmax` ->
+                     :class:`VocabParallelArgmax`
 ``"sequence_scatter"`` the module's output enters the sequence-parallel region: it is split
                      along the sequence when sequence parallelism is on
 ``"sequence_parallel"`` the module runs on sequence chunks when sequence parallelism is on:
@@ -18,6 +19,9 @@ style                effect
                      dropout draws from the per-rank stream
 ``"sharded_dropout"`` the module's dropout acts on tensor-parallel shards (local attention
                      heads), so it draws from the per-rank stream
+``"sequence_gather"`` the module's input leaves the sequence-parallel region: it is
+                     all-gathered along the sequence when sequence parallelism is on, for a
+                     replicated module that needs every position (BERT's pooler reads [CLS])
 ==================== =====================================================================
 
 Swapped layers keep the parameter names of the layers they replace, so a parameter's
@@ -34,6 +38,7 @@ from torch import nn
 
 from lightning_megatron.parallel.random import TensorParallelRNG
 from lightning_megatron.parallel.state import ParallelState
+from lightning_megatron.tensor_parallel.argmax import Argmax, VocabParallelArgmax
 from lightning_megatron.tensor_parallel.cross_entropy import VocabParallelCrossEntropy
 from lightning_megatron.tensor_parallel.layers import (
     ColumnParallelLinear,
@@ -42,11 +47,11 @@ from lightning_megatron.tensor_parallel.layers import (
     VocabParallelHead,
     mark_sequence_parallel_grad,
 )
-from lightning_megatron.tensor_parallel.mappings import scatter_to_sequence
+from lightning_megatron.tensor_parallel.mappings import gather_sequence_to_replicated, scatter_to_sequence
 from lightning_megatron.tensor_parallel.sharding import shard_of
 
 SWAP_STYLES = ("column", "row", "vocab")
-REGION_STYLES = ("sequence_scatter", "sequence_parallel", "sharded_dropout")
+REGION_STYLES = ("sequence_scatter", "sequence_parallel", "sharded_dropout", "sequence_gather")
 STYLES = SWAP_STYLES + REGION_STYLES
 
 
@@ -93,9 +98,11 @@ def _swap(old: nn.Module, style: str, name: str, state: ParallelState, vocab_mul
         if old.weight is not None or old.label_smoothing:
             raise ValueError(f"{name}: the vocab-parallel cross-entropy supports no class weights or label smoothing.")
         return VocabParallelCrossEntropy(group=group, ignore_index=old.ignore_index, reduction=old.reduction)
+    if isinstance(old, Argmax) and style == "vocab":
+        return VocabParallelArgmax(group=group)
     raise ValueError(
         f"{name}: style {style!r} cannot be applied to {type(old).__name__}. 'column' and 'row' take nn.Linear; "
-        f"'vocab' takes nn.Embedding, nn.Linear (the output head) or nn.CrossEntropyLoss."
+        f"'vocab' takes nn.Embedding, nn.Linear (the output head), nn.CrossEntropyLoss or Argmax."
     )
 
 
@@ -133,6 +140,13 @@ def _run_in_fork(module: nn.Module, rng: TensorParallelRNG) -> None:
 def _scatter_output(group) -> Callable:
     def hook(_module, _args, output):
         return scatter_to_sequence(output, group)
+
+    return hook
+
+
+def _gather_input(group) -> Callable:
+    def hook(_module, args):
+        return (gather_sequence_to_replicated(args[0], group), *args[1:])
 
     return hook
 
@@ -192,6 +206,8 @@ def parallelize(
         target = module.get_submodule(name)
         if "sequence_scatter" in module_styles and sequence_parallel:
             target.register_forward_hook(_scatter_output(group))
+        if "sequence_gather" in module_styles and sequence_parallel:
+            target.register_forward_pre_hook(_gather_input(group))
         if "sequence_parallel" in module_styles and sequence_parallel:
             for param in target.parameters():
                 if shard_of(param) is None:

@@ -8,7 +8,7 @@ SEED = 1234
 STEPS = 5
 GLOBAL_BATCH = 8
 SEQ = 16
-CONFIG = GPTConfig(vocab_size=257, max_seq_length=SEQ, hidden_size=32, num_layers=2, num_heads=4)
+CONFIG = GPTConfig(vocab_size=257, max_seq_length=SEQ, hidden_size=32, num_layers=4, num_heads=4)
 LR, WEIGHT_DECAY, CLIP = 1e-2, 0.1, 0.5
 
 

@@ -1,9 +1,10 @@
 """Train the tiny GPT for a few steps under several layouts over the same processes.
 
-argv: OUT_DIR LAYOUTS, where LAYOUTS is a comma list of ``tp{T}-dp{D}[-sp][-mb{M}]``
-(M micro-batches per step). For each layout, rank 0 writes the losses and the full
-(gathered) weights to ``{layout}.pt``; the pytest process compares them with a
-single-process reference.
+argv: OUT_DIR LAYOUTS, where LAYOUTS is a comma list of
+``[pp{P}-][vpp{V}-]tp{T}-dp{D}[-sp][-mb{M}][-gpipe]``: M micro-batches per step (without
+pipelining, a loop of backward passes; with it, the schedule's micro-batches). For each
+layout, rank 0 writes the losses and the full (gathered) weights to ``{layout}.pt``; the
+pytest process compares them with a single-process reference.
 """
 
 import json
@@ -15,58 +16,102 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from gpt_setup import CLIP, CONFIG, SEED, batches, optimizer
-from lightning_megatron.checkpoint import gather_full_state_dict
+from gpt_setup import CLIP, CONFIG, GLOBAL_BATCH, SEED, batches, optimizer
+from lightning_megatron.checkpoint import gather_full_state_dict, merge_pipeline_stages
 from lightning_megatron.models import GPTModel
 from lightning_megatron.optim import GradientSynchronizer, clip_grads_by_global_norm
 from lightning_megatron.parallel import ParallelConfig, ParallelState, TensorParallelRNG
 from lightning_megatron.parallel.initialize import initialize_parameters
+from lightning_megatron.pipeline import PipelineLayout
+from lightning_megatron.pipeline.runner import PipelineRunner
+from lightning_megatron.pipeline.stage import split_for_pipeline
 from lightning_megatron.tensor_parallel import parallelize
 
-out_dir, layouts = Path(sys.argv[1]), sys.argv[2].split(",")
-dist.init_process_group("gloo")
-rank = dist.get_rank()
-summary = {}
+LAYOUT = re.compile(r"(?:pp(\d+)-)?(?:vpp(\d+)-)?tp(\d+)-dp(\d+)(-sp)?(?:-mb(\d+))?(-gpipe)?")
 
-for layout in layouts:
-    match = re.fullmatch(r"tp(\d+)-dp(\d+)(-sp)?(?:-mb(\d+))?", layout)
-    tp, dp, sp, micro_batches = int(match[1]), int(match[2]), bool(match[3]), int(match[4] or 1)
-    state = ParallelState.create(ParallelConfig(tensor_parallel_size=tp, data_parallel_size=dp, sequence_parallel=sp), "cpu")
-    tp_group, dp_group = state.tensor_parallel_group, state.data_parallel_group
 
+def build(state: ParallelState, virtual: int, schedule: str, micro_batches: int):
+    """The model as the strategy builds it: meta, tensor-parallel plan, pipeline split, materialise."""
     with torch.device("meta"):
         model = GPTModel(CONFIG)
     rng = TensorParallelRNG(SEED, state.tensor_parallel_rank, torch.device("cpu"))
     parallelize(model, GPTModel.tensor_parallel_plan(), state, rng=rng)
+    runner = None
+    pp = state.config.pipeline_parallel_size
+    if pp > 1:
+        layout = PipelineLayout(num_layers=CONFIG.num_layers, pipeline_parallel_size=pp, virtual_pipeline_size=virtual)
+        local = layout.stages_of_rank(state.pipeline_parallel_rank)
+        stages = split_for_pipeline(model, GPTModel.pipeline_blocks(), layout.stage_layers(), local)
     initialize_parameters(model, SEED, device="cpu", only_meta=True)
+    if pp > 1:
+        per_rank = GLOBAL_BATCH // state.config.data_parallel_size
+        runner = PipelineRunner(stages, local, num_stages=layout.num_stages, group=state.pipeline_parallel_group,
+                                device=torch.device("cpu"), schedule=schedule,
+                                micro_batch_size=per_rank // micro_batches,
+                                loss_module=model.loss_fn if layout.num_stages - 1 in local else None)
+    return model, runner
+
+
+def train(layout: str) -> tuple[list[float], dict]:
+    match = LAYOUT.fullmatch(layout)
+    pp, virtual, tp, dp = int(match[1] or 1), int(match[2] or 1), int(match[3]), int(match[4])
+    sp, micro_batches = bool(match[5]), int(match[6] or 1)
+    schedule = "gpipe" if match[7] else ("interleaved_1f1b" if virtual > 1 else "1f1b")
+    config = ParallelConfig(tensor_parallel_size=tp, pipeline_parallel_size=pp, data_parallel_size=dp,
+                            sequence_parallel=sp, virtual_pipeline_size=virtual)
+    state = ParallelState.create(config, "cpu")
+    model, runner = build(state, virtual, schedule, micro_batches)
     params = list(model.parameters())
     opt = optimizer(params)
-    sync = GradientSynchronizer(params, data_parallel_group=dp_group, tensor_parallel_group=tp_group, bucket_size_mb=0.01)
+    sync = GradientSynchronizer(
+        params, data_parallel_group=state.data_parallel_group, bucket_size_mb=0.01,
+        partial_grad_groups=[
+            ([p for p in params if getattr(p, "sequence_parallel_grad", False)], state.tensor_parallel_group),
+            ([p for p in params if getattr(p, "pipeline_tied", False)], state.embedding_group),
+        ],
+    )
+    if runner is not None:
+        runner.before_backward = lambda n: sync.start_micro_batch(sync=True, backward_passes=n)
 
     losses = []
     for input_ids, labels in batches():
-        local = slice(state.data_parallel_rank * len(input_ids) // dp, (state.data_parallel_rank + 1) * len(input_ids) // dp)
-        step_sum, step_tokens = torch.zeros(()), torch.zeros((), dtype=torch.long)
-        for i, (ids, lbl) in enumerate(zip(input_ids[local].chunk(micro_batches), labels[local].chunk(micro_batches))):
-            sync.start_micro_batch(sync=i == micro_batches - 1)
-            loss_sum, tokens = model.loss(ids, lbl)
-            loss_sum.backward()
-            step_sum, step_tokens = step_sum + loss_sum.detach(), step_tokens + tokens
+        rows = slice(state.data_parallel_rank * GLOBAL_BATCH // dp, (state.data_parallel_rank + 1) * GLOBAL_BATCH // dp)
+        if runner is not None:
+            step_sum, step_tokens = runner.loss(input_ids[rows], labels[rows])
+        else:
+            step_sum, step_tokens = torch.zeros(()), torch.zeros((), dtype=torch.long)
+            chunks = list(zip(input_ids[rows].chunk(micro_batches), labels[rows].chunk(micro_batches)))
+            for i, (ids, lbl) in enumerate(chunks):
+                sync.start_micro_batch(sync=i == len(chunks) - 1)
+                loss_sum, tokens = model.loss(ids, lbl)
+                loss_sum.backward()
+                step_sum, step_tokens = step_sum + loss_sum.detach(), step_tokens + tokens
         sync.finish(step_tokens)
-        clip_grads_by_global_norm(params, CLIP, model_parallel_group=tp_group, is_first_tensor_rank=state.tensor_parallel_rank == 0)
+        clip_grads_by_global_norm(params, CLIP, model_parallel_group=state.model_parallel_group,
+                                  is_first_tensor_rank=state.tensor_parallel_rank == 0)
         opt.step()
         sync.zero()
-        totals = torch.stack([step_sum, step_tokens.float()])
-        if dp_group is not None:
-            dist.all_reduce(totals, group=dp_group)
+        totals = torch.stack([step_sum.detach().float(), step_tokens.float()])
+        if state.data_parallel_group is not None:
+            dist.all_reduce(totals, group=state.data_parallel_group)
         losses.append((totals[0] / totals[1]).item())
 
-    weights = gather_full_state_dict(model, tp_group)
+    weights = merge_pipeline_stages(gather_full_state_dict(model, state.tensor_parallel_group),
+                                    state.pipeline_parallel_group)
     sync.remove()
-    if rank == 0:
-        torch.save({"losses": losses, "weights": weights}, out_dir / f"{layout}.pt")
-    summary[layout] = losses
+    return losses, weights
 
-(out_dir / f"rank{rank}.json").write_text(json.dumps(summary))
-dist.barrier()
-os._exit(0)  # skip gloo's C++ teardown: with several meshes alive it aborts at random (torch 2.13)
+
+if __name__ == "__main__":
+    out_dir, layouts = Path(sys.argv[1]), sys.argv[2].split(",")
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    summary = {}
+    for layout in layouts:
+        losses, weights = train(layout)
+        if rank == 0:
+            torch.save({"losses": losses, "weights": weights}, out_dir / f"{layout}.pt")
+        summary[layout] = losses
+    (out_dir / f"rank{rank}.json").write_text(json.dumps(summary))
+    dist.barrier()
+    os._exit(0)  # skip gloo's C++ teardown: with several meshes alive it aborts at random (torch 2.13)

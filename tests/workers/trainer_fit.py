@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from trainer_setup import datamodule, model, trainer_kwargs
 from lightning_megatron import Megatron3DStrategy
+from lightning_megatron.callbacks import PipelineTimeline
 
 out_dir, options = Path(sys.argv[1]), json.loads(sys.argv[2])
 rank = int(os.environ["RANK"])
@@ -29,10 +30,15 @@ class RecordLosses(L.Callback):
 
 L.seed_everything(options.get("seed", 7))
 strategy = Megatron3DStrategy(
-    tensor_parallel_size=options["tp"], sequence_parallel=options.get("sp", False), bucket_size_mb=0.01
+    tensor_parallel_size=options["tp"], sequence_parallel=options.get("sp", False), bucket_size_mb=0.01,
+    pipeline_parallel_size=options.get("pp", 1), micro_batch_size=options.get("micro_batch_size", 1),
 )
+callbacks = [RecordLosses()]
+if options.get("timeline"):
+    timeline = PipelineTimeline(step=1, path=str(out_dir / "timeline.png"))
+    callbacks.append(timeline)
 trainer = L.Trainer(accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]), strategy=strategy,
-                    callbacks=[RecordLosses()], **trainer_kwargs(options))
+                    callbacks=callbacks, **trainer_kwargs(options))
 try:
     trainer.fit(model(options), datamodule=datamodule(options))
 except (ValueError, RuntimeError) as error:
@@ -46,6 +52,8 @@ if rank == 0:
     torch.save(weights, out_dir / "weights.pt")
 result = {"losses": losses, "val_loss": float(trainer.callback_metrics["val_loss"]),
           "sampler_replicas": trainer.strategy.distributed_sampler_kwargs["num_replicas"]}
+if options.get("timeline"):
+    result["bubble"] = {"measured": timeline.measured, "theory": timeline.theory}
 (out_dir / f"rank{rank}.json").write_text(json.dumps(result))
 dist.barrier()
 os._exit(0)  # skip gloo's C++ teardown (see the other workers)

@@ -6,7 +6,7 @@ from lightning_megatron.models import GPT, GPTConfig
 
 def model(options: dict) -> GPT:
     config = GPTConfig(vocab_size=257, max_seq_length=32, hidden_size=options.get("hidden", 32),
-                       num_layers=2, num_heads=options.get("heads", 4))
+                       num_layers=options.get("layers", 2), num_heads=options.get("heads", 4))
     return GPT(config, learning_rate=3e-3, warmup_steps=2)
 
 

@@ -1,0 +1,129 @@
+"""Measured vs theoretical pipeline bubble, with synthetic stages of known cost, on the CPU.
+
+Each stage sleeps a fixed time per micro-batch (forward ``t``, backward ``2t``, split over
+the virtual stages of a rank), so the schedule alone decides the idle time. The table
+compares the measured bubble (share of the step a rank computes nothing) with theory:
+``(p-1)/m`` of the ideal time for 1F1B and GPipe, divided by ``v`` when interleaved.
+
+    python benchmarks/pipeline_bubble.py                 # 4 ranks, 8 micro-batches
+    python benchmarks/pipeline_bubble.py --ranks 4 --micro-batches 16 --plot docs/pipeline_timeline.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_megatron.pipeline.runner import PipelineRunner
+from lightning_megatron.pipeline.timeline import TimelineRecorder, measured_bubble, render, theoretical_bubble
+
+SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2)]
+
+
+class _Sleep(torch.autograd.Function):
+    """Identity whose forward and backward each take a fixed wall time, like a stage of known cost."""
+
+    @staticmethod
+    def forward(ctx, x, forward_s, backward_s):
+        ctx.backward_s = backward_s
+        time.sleep(forward_s)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(ctx.backward_s)
+        return grad, None, None
+
+
+class SyntheticStage(nn.Module):
+    def __init__(self, forward_s: float) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(()))
+        self.forward_s = forward_s
+
+    def forward(self, x):
+        return _Sleep.apply(x * self.scale, self.forward_s, 2 * self.forward_s)
+
+
+class SumLoss(nn.Module):
+    def forward(self, output, target):
+        return (output * 0 + target.unsqueeze(-1).float()).sum()
+
+
+def worker(args) -> None:
+    dist.init_process_group("gloo")
+    rank, ranks = dist.get_rank(), dist.get_world_size()
+    results = {}
+    for schedule, virtual in SCHEDULES:
+        num_stages = ranks * virtual
+        stage_ids = [rank + v * ranks for v in range(virtual)]
+        recorder = TimelineRecorder(rank)
+        runner = PipelineRunner(
+            [SyntheticStage(args.stage_ms / 1e3 / virtual) for _ in stage_ids], stage_ids, num_stages=num_stages,
+            group=dist.group.WORLD, device=torch.device("cpu"), schedule=schedule, micro_batch_size=1,
+            loss_module=SumLoss(), recorder=recorder,
+        )
+        inputs = torch.ones(args.micro_batches, 8)
+        labels = torch.zeros(args.micro_batches, dtype=torch.long)
+        runner.loss(inputs, labels)  # warm-up: shape inference and buffers
+        dist.barrier()
+        recorder.active = True
+        runner.loss(inputs, labels)
+        recorder.active = False
+        gathered = [None] * ranks
+        dist.all_gather_object(gathered, recorder.events)
+        events = [e for part in gathered for e in part]
+        if rank == 0:
+            results[schedule] = {
+                "virtual": virtual,
+                "measured": measured_bubble(events),
+                "theory": theoretical_bubble(ranks, args.micro_batches, virtual),
+            }
+            if args.plot and schedule == args.plot_schedule:
+                render(events, Path(args.plot), title=f"{schedule}, pp={ranks}, vpp={virtual}",
+                       theory=results[schedule]["theory"])
+    if rank == 0:
+        Path(args.out).write_text(json.dumps(results))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--ranks", type=int, default=4)
+    parser.add_argument("--micro-batches", type=int, default=8)
+    parser.add_argument("--stage-ms", type=float, default=20.0, help="forward time of one rank's stages per micro-batch")
+    parser.add_argument("--plot", default="", help="write the timeline of --plot-schedule to this PNG")
+    parser.add_argument("--plot-schedule", default="1f1b")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--out", default="", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        worker(args)
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "bubble.json"
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.ranks}",
+                   __file__, "--worker", f"--out={out}", f"--micro-batches={args.micro_batches}",
+                   f"--stage-ms={args.stage_ms}", f"--plot={args.plot}", f"--plot-schedule={args.plot_schedule}"]
+        subprocess.run(command, check=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+        results = json.loads(out.read_text())
+    print(f"pipeline bubble, p={args.ranks}, m={args.micro_batches}, stage forward {args.stage_ms} ms, backward 2x")
+    print(f"{'schedule':<18}{'v':>3}{'measured':>11}{'theory':>9}{'diff (points)':>15}")
+    for schedule, row in results.items():
+        diff = 100 * (row["measured"] - row["theory"])
+        print(f"{schedule:<18}{row['virtual']:>3}{row['measured']:>11.1%}{row['theory']:>9.1%}{diff:>+15.1f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,242 @@
+"""Megatron-LM's indexed dataset: token sequences in a ``.bin`` file, described by an ``.idx`` file.
+
+The files are byte-compatible with ``megatron/core/datasets/indexed_dataset.py``
+(``MMapIndexedDataset``), so data tokenised here trains in Megatron-LM and data tokenised
+by Megatron-LM's ``tools/preprocess_data.py`` trains here. Both files are memory-mapped:
+opening a dataset of any size reads only its header.
+
+Layout (little-endian; ``n`` sequences, ``d`` documents)::
+
+    .idx  b"MMIDIDX\\x00\\x00"   9-byte magic
+          <Q  version = 1
+          <B  dtype code (see DTYPE_CODES)
+          <Q  n, the sequence count
+          <Q  d + 1, the length of document_indices
+          int32[n]     sequence lengths, in tokens
+          int64[n]     sequence pointers, in bytes from the start of the .bin
+          int64[d + 1] document indices: document k is sequences [doc[k], doc[k + 1]),
+                       so the array starts at 0 and ends at n
+    .bin  the sequences' tokens, back to back, in the dtype of the code
+
+A document may hold several sequences (Megatron splits BERT data into sentences); data
+written by :class:`IndexedDatasetWriter` has one sequence per document.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from collections.abc import Iterable
+from pathlib import Path
+from types import TracebackType
+
+import numpy as np
+from numpy.typing import DTypeLike
+
+INDEX_MAGIC = b"MMIDIDX\x00\x00"
+INDEX_VERSION = 1
+#: Megatron-LM's dtype codes; the code is stored in the .idx header.
+DTYPE_CODES: dict[int, np.dtype] = {
+    1: np.dtype(np.uint8),
+    2: np.dtype(np.int8),
+    3: np.dtype(np.int16),
+    4: np.dtype(np.int32),
+    5: np.dtype(np.int64),
+    6: np.dtype(np.float64),
+    7: np.dtype(np.float32),
+    8: np.dtype(np.uint16),
+}
+_CODE_OF_DTYPE = {dtype: code for code, dtype in DTYPE_CODES.items()}
+# magic, version, dtype code, sequence count, document-index count
+_HEADER = struct.Struct("<9sQBQQ")
+
+
+def index_file(prefix: str | os.PathLike) -> Path:
+    return Path(f"{os.fspath(prefix)}.idx")
+
+
+def data_file(prefix: str | os.PathLike) -> Path:
+    return Path(f"{os.fspath(prefix)}.bin")
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """The dtype Megatron-LM stores a vocabulary's tokens in: uint16 below 65,500 ids, else int32."""
+    return np.dtype(np.uint16 if vocab_size < 65500 else np.int32)
+
+
+class IndexedDatasetWriter:
+    """Writes documents to ``prefix.bin`` and, on :meth:`finalize`, their index to ``prefix.idx``.
+
+    Both files are written under temporary names and renamed into place by :meth:`finalize`,
+    the ``.idx`` last, so a crash or an error never leaves a half-written dataset behind a
+    valid-looking index. Used as a context manager it finalizes on success and deletes the
+    temporary files on an exception.
+
+    Example::
+
+        >>> with IndexedDatasetWriter(prefix, dtype=np.uint16) as writer:  # doctest: +SKIP
+        ...     writer.add_document([72, 105, 256])
+    """
+
+    def __init__(self, prefix: str | os.PathLike, *, dtype: DTypeLike) -> None:
+        self.dtype = np.dtype(dtype)
+        if self.dtype not in _CODE_OF_DTYPE:
+            supported = ", ".join(str(d) for d in DTYPE_CODES.values())
+            raise ValueError(f"dtype {self.dtype} has no Megatron-LM dtype code; use one of: {supported}.")
+        self.prefix = os.fspath(prefix)
+        self._bin_tmp = data_file(f"{self.prefix}.tmp")
+        self._idx_tmp = index_file(f"{self.prefix}.tmp")
+        self._bin = open(self._bin_tmp, "wb")
+        self._lengths: list[int] = []
+        self._closed = False
+
+    @property
+    def num_documents(self) -> int:
+        return len(self._lengths)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self._lengths)
+
+    def add_document(self, tokens: Iterable[int] | np.ndarray) -> None:
+        """Append one document as one sequence; values that the dtype cannot hold are refused."""
+        if self._closed:
+            raise RuntimeError(f"The writer for {self.prefix} is already finalized or aborted.")
+        array = np.asarray(tokens)
+        if array.ndim != 1:
+            raise ValueError(f"A document must be a 1-D sequence of tokens, got shape {array.shape}.")
+        if array.size > np.iinfo(np.int32).max:
+            raise ValueError(f"A document of {array.size} tokens exceeds the int32 length field of the .idx format.")
+        if array.size and self.dtype.kind in "iu" and array.dtype != self.dtype:
+            info = np.iinfo(self.dtype)
+            low, high = array.min(), array.max()
+            if low < info.min or high > info.max:
+                raise ValueError(
+                    f"Token values {low}..{high} do not fit the dataset dtype {self.dtype} ({info.min}..{info.max}); "
+                    f"write the dataset with a wider dtype."
+                )
+        self._bin.write(array.astype(self.dtype, copy=False).tobytes(order="C"))
+        self._lengths.append(int(array.size))
+
+    def finalize(self) -> None:
+        """Write the index and move both files into place (``.bin`` first, then ``.idx``)."""
+        if self._closed:
+            raise RuntimeError(f"The writer for {self.prefix} is already finalized or aborted.")
+        self._closed = True
+        self._bin.close()
+        lengths = np.array(self._lengths, dtype=np.int32)
+        pointers = np.zeros(len(lengths), dtype=np.int64)
+        np.cumsum(lengths[:-1], dtype=np.int64, out=pointers[1:])
+        pointers *= self.dtype.itemsize
+        document_indices = np.arange(len(lengths) + 1, dtype=np.int64)
+        header = _HEADER.pack(INDEX_MAGIC, INDEX_VERSION, _CODE_OF_DTYPE[self.dtype], len(lengths), len(document_indices))
+        with open(self._idx_tmp, "wb") as f:
+            f.write(header)
+            f.write(lengths.tobytes())
+            f.write(pointers.tobytes())
+            f.write(document_indices.tobytes())
+        os.replace(self._bin_tmp, data_file(self.prefix))
+        os.replace(self._idx_tmp, index_file(self.prefix))
+
+    def abort(self) -> None:
+        """Delete the temporary files; the dataset at ``prefix`` (if any) is left as it was."""
+        self._closed = True
+        self._bin.close()
+        self._bin_tmp.unlink(missing_ok=True)
+        self._idx_tmp.unlink(missing_ok=True)
+
+    def __enter__(self) -> IndexedDatasetWriter:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if exc_type is None:
+            self.finalize()
+        else:
+            self.abort()
+
+
+class IndexedDataset:
+    """A read-only, memory-mapped Megatron-LM indexed dataset: ``dataset[i]`` is sequence ``i``.
+
+    The header, the sizes of both files and the document indices are checked on opening, so
+    a truncated, mismatched or foreign file fails here with its path, not later as garbage
+    tokens.
+
+    Example::
+
+        >>> ds = IndexedDataset("data/wiki_text_document")  # doctest: +SKIP
+        >>> len(ds), ds.dtype, ds[0][:5]                      # doctest: +SKIP
+        (1000, dtype('uint16'), memmap([ 464, 3290,  286,  262, 1578], dtype=uint16))
+    """
+
+    def __init__(self, prefix: str | os.PathLike) -> None:
+        self.prefix = os.fspath(prefix)
+        idx_path, bin_path = index_file(prefix), data_file(prefix)
+        for path in (idx_path, bin_path):
+            if not path.is_file():
+                raise FileNotFoundError(
+                    f"Indexed dataset file {path} does not exist; a dataset at prefix {self.prefix!r} needs both "
+                    f"{idx_path.name} and {bin_path.name} (write them with `lightning-megatron preprocess`)."
+                )
+        index = np.memmap(idx_path, dtype=np.uint8, mode="r") if idx_path.stat().st_size else np.empty(0, np.uint8)
+        if len(index) < _HEADER.size:
+            raise ValueError(f"{idx_path} is {len(index)} bytes, shorter than the {_HEADER.size}-byte header.")
+        magic, version, code, count, index_count = _HEADER.unpack(index[: _HEADER.size].tobytes())
+        if magic != INDEX_MAGIC:
+            raise ValueError(f"{idx_path} starts with {magic!r}, not the indexed-dataset magic {INDEX_MAGIC!r}.")
+        if version != INDEX_VERSION:
+            raise ValueError(f"{idx_path} has index version {version}; only version {INDEX_VERSION} is supported.")
+        if code not in DTYPE_CODES:
+            raise ValueError(f"{idx_path} has dtype code {code}; known codes are {sorted(DTYPE_CODES)}.")
+        expected = _HEADER.size + 12 * count + 8 * index_count
+        if len(index) != expected:
+            raise ValueError(
+                f"{idx_path} is {len(index)} bytes but its header ({count} sequences, {index_count} document "
+                f"indices) implies {expected}; the index is truncated or not a plain-text Megatron index."
+            )
+        self.dtype: np.dtype = DTYPE_CODES[code]
+        offset = _HEADER.size
+        self.sequence_lengths: np.ndarray = index[offset : offset + 4 * count].view(np.int32)
+        offset += 4 * count
+        self.sequence_pointers: np.ndarray = index[offset : offset + 8 * count].view(np.int64)
+        offset += 8 * count
+        self.document_indices: np.ndarray = index[offset:].view(np.int64)
+        docs = self.document_indices
+        if len(docs) == 0 or docs[0] != 0 or docs[-1] != count or np.any(np.diff(docs) < 0):
+            raise ValueError(f"{idx_path} has invalid document indices: they must rise from 0 to {count}.")
+
+        num_bytes = int(self.sequence_lengths.sum(dtype=np.int64)) * self.dtype.itemsize
+        bin_size = bin_path.stat().st_size
+        if bin_size != num_bytes:
+            raise ValueError(
+                f"Index/bin mismatch: {idx_path} describes {num_bytes} bytes of {self.dtype} tokens but {bin_path} "
+                f"is {bin_size} bytes; the .bin is truncated or belongs to another index. Re-run the preprocessing."
+            )
+        self._tokens = np.memmap(bin_path, dtype=self.dtype, mode="r") if bin_size else np.empty(0, self.dtype)
+
+    def __len__(self) -> int:
+        return len(self.sequence_lengths)
+
+    @property
+    def num_documents(self) -> int:
+        return len(self.document_indices) - 1
+
+    def __getitem__(self, index: int) -> np.ndarray:
+        """The tokens of sequence ``index`` (a read-only view into the memory-mapped ``.bin``)."""
+        if not -len(self) <= index < len(self):
+            raise IndexError(f"sequence {index} out of range for {len(self)} sequences in {self.prefix}")
+        start = int(self.sequence_pointers[index]) // self.dtype.itemsize
+        return self._tokens[start : start + int(self.sequence_lengths[index])]
+
+    def document(self, index: int) -> np.ndarray:
+        """The tokens of document ``index``: its sequences, which lie back to back in the ``.bin``."""
+        if not 0 <= index < self.num_documents:
+            raise IndexError(f"document {index} out of range for {self.num_documents} documents in {self.prefix}")
+        first, end = int(self.document_indices[index]), int(self.document_indices[index + 1])
+        if first == end:
+            return self._tokens[:0]
+        start = int(self.sequence_pointers[first]) // self.dtype.itemsize
+        length = int(self.sequence_lengths[first:end].sum(dtype=np.int64))
+        return self._tokens[start : start + length]

@@ -1,0 +1,170 @@
+"""Tokenizers: the built-in byte tokenizer, Hugging Face ``tokenizer.json`` files, and BPE training.
+
+Everything that turns text into ids goes through the small :class:`Tokenizer` protocol, so
+preprocessing and the data modules work the same with any of them. The Hugging Face
+``tokenizers`` library is optional (``pip install 'lightning-megatron[hf]'``) and imported
+only when a ``tokenizer.json`` is loaded or trained; the byte tokenizer needs nothing.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from pathlib import Path
+from types import ModuleType
+from typing import Protocol, runtime_checkable
+
+from lightning_megatron.data.corpus import ByteTokenizer
+
+#: The end-of-document token that :func:`train_bpe_tokenizer` adds (GPT-2's spelling).
+DEFAULT_EOS_TOKEN = "<|endoftext|>"
+# End-of-document tokens of common tokenizer.json files, tried in order when none is named:
+# GPT-2 and ours, Llama 3, Llama 2 / T5 / BART, Gemma.
+_KNOWN_EOS_TOKENS = (DEFAULT_EOS_TOKEN, "<|end_of_text|>", "</s>", "<eos>")
+
+
+@runtime_checkable
+class Tokenizer(Protocol):
+    """What preprocessing and the data modules need from a tokenizer.
+
+    ``vocab_size`` counts every id the tokenizer can produce (special tokens included), so a
+    model whose embedding has at least that many rows can take all of its output.
+    """
+
+    vocab_size: int
+    eos_id: int
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: Iterable[int]) -> str: ...
+
+
+def _import_tokenizers() -> ModuleType:
+    try:
+        import tokenizers
+    except ImportError as error:
+        raise ImportError(
+            "Hugging Face tokenizer files need the optional `tokenizers` package: "
+            "pip install 'lightning-megatron[hf]'  (or use the built-in tokenizer: 'byte')."
+        ) from error
+    return tokenizers
+
+
+class HFTokenizer:
+    """A Hugging Face ``tokenizer.json``, read with the ``tokenizers`` library.
+
+    Args:
+        path: the ``tokenizer.json`` file.
+        eos_token: the end-of-document token; by default the first of ``<|endoftext|>``,
+            ``<|end_of_text|>``, ``</s>``, ``<eos>`` that the vocabulary has.
+
+    ``encode`` adds no special tokens (documents are separated by ``eos_id`` when packed);
+    ``decode`` drops them.
+
+    Example::
+
+        >>> tok = HFTokenizer("tokenizer.json")      # doctest: +SKIP
+        >>> tok.decode(tok.encode("def f(x):"))      # doctest: +SKIP
+        'def f(x):'
+    """
+
+    def __init__(self, path: str | os.PathLike, *, eos_token: str | None = None) -> None:
+        tokenizers = _import_tokenizers()
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise FileNotFoundError(f"Tokenizer file {self.path} does not exist.")
+        self._tokenizer = tokenizers.Tokenizer.from_file(str(self.path))
+        candidates = (eos_token,) if eos_token is not None else _KNOWN_EOS_TOKENS
+        ids = [self._tokenizer.token_to_id(token) for token in candidates]
+        found = [(token, i) for token, i in zip(candidates, ids) if i is not None]
+        if not found:
+            raise ValueError(
+                f"{self.path} has none of the end-of-document tokens {list(candidates)}; pass "
+                f"HFTokenizer(path, eos_token=...) with the token its documents end with."
+            )
+        self.eos_token, self.eos_id = found[0]
+        self.vocab_size: int = self._tokenizer.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str) -> list[int]:
+        return self._tokenizer.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self._tokenizer.decode([int(i) for i in ids], skip_special_tokens=True)
+
+
+def load_tokenizer(spec: str | os.PathLike) -> Tokenizer:
+    """``"byte"`` for :class:`ByteTokenizer`, else the path of a Hugging Face ``tokenizer.json``.
+
+    Example::
+
+        >>> load_tokenizer("byte").vocab_size
+        257
+    """
+    if os.fspath(spec) == "byte":
+        return ByteTokenizer()
+    if not Path(spec).is_file():
+        raise FileNotFoundError(
+            f"Tokenizer {os.fspath(spec)!r} is neither 'byte' nor an existing tokenizer.json file; "
+            f"train one with `lightning-megatron train-tokenizer`."
+        )
+    return HFTokenizer(spec)
+
+
+def check_vocab_fits(*, tokenizer_vocab_size: int, model_vocab_size: int) -> None:
+    """Fail when the tokenizer can produce ids that the model's embedding has no row for.
+
+    A larger model vocabulary is fine (Megatron pads it for tensor parallelism); a smaller one
+    would index out of range on the first batch that holds a high id, usually deep inside an
+    embedding kernel with an unhelpful message, so the sizes are compared up front.
+    """
+    if tokenizer_vocab_size > model_vocab_size:
+        raise ValueError(
+            f"The tokenizer has {tokenizer_vocab_size} ids but the model's vocab_size is {model_vocab_size}: ids "
+            f"{model_vocab_size}..{tokenizer_vocab_size - 1} have no embedding row. Build the model with "
+            f"vocab_size >= {tokenizer_vocab_size} (e.g. GPTConfig(vocab_size=datamodule.vocab_size)) or use the "
+            f"tokenizer the model was made for."
+        )
+
+
+def train_bpe_tokenizer(
+    texts: Iterable[str],
+    *,
+    vocab_size: int,
+    output_path: str | os.PathLike,
+    eos_token: str = DEFAULT_EOS_TOKEN,
+) -> HFTokenizer:
+    """Train a byte-level BPE tokenizer on ``texts`` offline and save it as a ``tokenizer.json``.
+
+    Byte-level (as GPT-2) means the 256 byte values are in the vocabulary from the start, so
+    any text is encodable and nothing maps to an unknown token; ``eos_token`` is added as a
+    special token that separates documents. The file is written under a temporary name and
+    renamed, so an interrupted run never leaves a broken tokenizer behind.
+
+    Example::
+
+        >>> tok = train_bpe_tokenizer(["def f(x): return x"] * 100, vocab_size=300,
+        ...                           output_path="tokenizer.json")  # doctest: +SKIP
+    """
+    tokenizers = _import_tokenizers()
+    minimum = 256 + 1
+    if vocab_size < minimum:
+        raise ValueError(
+            f"vocab_size={vocab_size} is too small for a byte-level BPE: it needs at least {minimum} ids "
+            f"(256 bytes and {eos_token!r})."
+        )
+    byte_level = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer = tokenizers.Tokenizer(tokenizers.models.BPE())
+    tokenizer.pre_tokenizer = byte_level
+    tokenizer.decoder = tokenizers.decoders.ByteLevel()
+    trainer = tokenizers.trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[eos_token],
+        initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(texts, trainer)
+    output_path = Path(output_path)
+    tmp = output_path.with_name(output_path.name + ".tmp")
+    tokenizer.save(str(tmp))
+    os.replace(tmp, output_path)
+    return HFTokenizer(output_path, eos_token=eos_token)

@@ -1,0 +1,392 @@
+"""BERT: a bidirectional encoder trained by masked-language modelling, as a LightningModule.
+
+``BERTModel`` is plain PyTorch: word + position + token-type embeddings, the shared
+``TransformerLayer`` without a causal mask (padding masked instead), the masked-LM head tied to
+the word embeddings, and an optional sentence-order head on the [CLS] position. ``BERT`` adds
+the training recipe and declares what tensor parallelism may split.
+
+``norm_position="pre"`` (the default) is Megatron-LM's BERT: LayerNorm before each sublayer and
+a final LayerNorm, which the Megatron-LM paper (Shoeybi et al. 2019, section 5.3) found is what
+lets BERT grow past BERT-Large without diverging. ``"post"`` is the original BERT (and Hugging
+Face's ``BertModel``): LayerNorm after each residual sum and on the embeddings.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, replace
+from typing import Any, NamedTuple, Optional, Union
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torchmetrics import MeanMetric
+
+from lightning_megatron.models.optim_recipe import adamw_warmup_cosine
+from lightning_megatron.models.transformer import TransformerLayer, layer_tensor_parallel_plan
+from lightning_megatron.parallel.initialize import INIT_STD, default_initializer, initialize_parameters
+from lightning_megatron.tensor_parallel.argmax import Argmax
+
+IGNORE_INDEX = -100
+NORM_POSITIONS = ("pre", "post")
+GELU_APPROXIMATIONS = ("none", "tanh")
+
+
+@dataclass(frozen=True)
+class BERTConfig:
+    """Sizes of a BERT model. ``ffn_hidden_size`` defaults to ``4 * hidden_size``.
+
+    The default (``bert-tiny``) vocabulary is the byte tokenizer's 257 ids plus [PAD], [CLS],
+    [SEP] and [MASK] (``lightning_megatron.data.bert.BYTE_SPECIAL_TOKENS``), so it trains on
+    the built-in corpus. ``gelu_approximate`` is torch's: ``"none"`` is the exact erf GELU of
+    BERT and Megatron-LM, ``"tanh"`` GPT-2's approximation. ``binary_head`` adds the
+    sentence-order head (Megatron-LM's BERT; original BERT's next-sentence head has the same shape).
+    """
+
+    vocab_size: int = 261
+    max_seq_length: int = 512
+    type_vocab_size: int = 2
+    hidden_size: int = 64
+    num_layers: int = 2
+    num_heads: int = 4
+    ffn_hidden_size: Optional[int] = None
+    dropout: float = 0.0
+    attention_dropout: float = 0.0
+    layer_norm_eps: float = 1e-5
+    norm_position: str = "pre"
+    gelu_approximate: str = "none"
+    binary_head: bool = True
+
+    def __post_init__(self) -> None:
+        if self.hidden_size % self.num_heads != 0:
+            raise ValueError(
+                f"hidden_size={self.hidden_size} is not divisible by num_heads={self.num_heads}: "
+                f"each head needs hidden_size / num_heads channels."
+            )
+        if self.norm_position not in NORM_POSITIONS:
+            raise ValueError(
+                f"norm_position={self.norm_position!r} is not one of {NORM_POSITIONS}: 'pre' is Megatron-LM's BERT, "
+                f"'post' the original BERT (Hugging Face)."
+            )
+        if self.gelu_approximate not in GELU_APPROXIMATIONS:
+            raise ValueError(
+                f"gelu_approximate={self.gelu_approximate!r} is not one of {GELU_APPROXIMATIONS} "
+                f"(torch.nn.functional.gelu's `approximate`)."
+            )
+
+    @property
+    def ffn_size(self) -> int:
+        return self.ffn_hidden_size or 4 * self.hidden_size
+
+    @classmethod
+    def from_name(cls, name: str, **overrides: Any) -> "BERTConfig":
+        """A preset by name (see ``BERT_PRESETS``), optionally with some fields changed."""
+        if name not in BERT_PRESETS:
+            raise ValueError(f"Unknown BERT preset {name!r}. Available presets: {', '.join(sorted(BERT_PRESETS))}.")
+        return replace(BERT_PRESETS[name], **overrides)
+
+    def validate_tensor_parallel_size(self, tensor_parallel_size: int) -> None:
+        """Fail with the numbers and a fix when the model cannot be split ``tensor_parallel_size`` ways."""
+        tp = tensor_parallel_size
+        problems = [f"{name}={value}" for name, value in (("num_heads", self.num_heads), ("ffn_hidden_size", self.ffn_size))
+                    if value % tp]
+        if problems:
+            divisors = [d for d in range(1, self.num_heads + 1) if self.num_heads % d == 0 and self.ffn_size % d == 0]
+            raise ValueError(
+                f"tensor_parallel_size={tp} does not divide {' and '.join(problems)}: every rank must hold whole "
+                f"attention heads and an equal share of the MLP. Use a tensor_parallel_size in {divisors}."
+            )
+
+
+# Megatron-LM paper (Shoeybi et al. 2019), section 5.3: hidden, heads, layers. The vocabulary is BERT's
+# 30,522 WordPiece ids as published; the strategy pads it to a multiple of tp * 128 at run time
+# (Megatron-LM pads the same vocabulary to 30,592 ahead of time), and the padding is never predicted.
+BERT_PRESETS: dict[str, BERTConfig] = {
+    "bert-tiny": BERTConfig(),
+    **{
+        name: BERTConfig(vocab_size=30522, hidden_size=h, num_heads=heads, num_layers=layers, dropout=0.1,
+                         attention_dropout=0.1)
+        for name, (h, heads, layers) in {
+            "bert-base": (768, 12, 12),
+            "bert-large": (1024, 16, 24),
+            "bert-1.3b": (2048, 32, 24),
+            "bert-3.9b": (2560, 40, 48),
+        }.items()
+    },
+}
+
+
+class BERTOutput(NamedTuple):
+    logits: Tensor  # [B, S, V] masked-LM logits ([B, S, V/tp] under tensor parallelism)
+    binary_logits: Optional[Tensor]  # [B, 2] sentence-order logits, None without the binary head
+
+
+class BERTLoss(NamedTuple):
+    """Sums over one batch; the training objective is ``loss_sum / num_tokens``."""
+
+    loss_sum: Tensor  # masked-LM loss summed over masked tokens, plus the weighted sentence-order loss
+    num_tokens: Tensor  # masked tokens: the count the strategy averages over, across micro-batches and dp
+    mlm_loss_sum: Tensor
+    num_correct: Tensor  # masked tokens whose most likely id (over the full vocabulary) is the label
+    sentence_order_loss: Optional[Tensor]  # mean over samples, detached, for logging
+
+
+class BERTEmbedding(nn.Module):
+    """Word + position + token-type embeddings; post-norm BERT also normalises their sum."""
+
+    def __init__(self, config: BERTConfig) -> None:
+        super().__init__()
+        self.word_embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.position_embeddings = nn.Embedding(config.max_seq_length, config.hidden_size)
+        self.token_type_embeddings = nn.Embedding(config.type_vocab_size, config.hidden_size)
+        post = config.norm_position == "post"
+        self.norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps) if post else None
+        self.drop = nn.Dropout(config.dropout)
+
+    def forward(self, input_ids: Tensor, token_type_ids: Tensor) -> Tensor:
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+        x = self.word_embeddings(input_ids) + self.token_type_embeddings(token_type_ids) + self.position_embeddings(positions)
+        return self.drop(x if self.norm is None else self.norm(x))
+
+
+class MaskedLMHead(nn.Module):
+    """dense -> GELU -> LayerNorm -> ``decoder``, whose weight BERTModel ties to the word embeddings.
+
+    The decoder keeps BERT's per-token output bias; under tensor parallelism it is split (and
+    padded) with the vocabulary, like the weight.
+    """
+
+    def __init__(self, config: BERTConfig) -> None:
+        super().__init__()
+        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+        self.norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.decoder = nn.Linear(config.hidden_size, config.vocab_size)
+        self.gelu_approximate = config.gelu_approximate
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.decoder(self.norm(F.gelu(self.dense(x), approximate=self.gelu_approximate)))
+
+
+class Pooler(nn.Module):
+    """``tanh(dense(h[CLS]))``: the summary of the sequence that the sentence-order head classifies."""
+
+    def __init__(self, hidden_size: int) -> None:
+        super().__init__()
+        self.dense = nn.Linear(hidden_size, hidden_size)
+
+    def forward(self, hidden_states: Tensor) -> Tensor:
+        return torch.tanh(self.dense(hidden_states[:, 0]))
+
+
+class BERTModel(nn.Module):
+    """Token ids ``[B, S]`` -> :class:`BERTOutput` (masked-LM logits, optional sentence-order logits).
+
+    ``attention_mask`` is ``[B, S]`` with 1 for real tokens and 0 for padding (Hugging Face's
+    convention); padded keys are never attended to. ``token_type_ids`` default to 0 (segment A).
+    """
+
+    def __init__(self, config: BERTConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embeddings = BERTEmbedding(config)
+        # Keyed "0", "1", ... like GPTModel.blocks: parameter names stay blocks.7.mlp.fc.weight.
+        self.blocks = nn.ModuleDict({
+            str(index): TransformerLayer(
+                config.hidden_size,
+                config.num_heads,
+                config.ffn_size,
+                dropout=config.dropout,
+                attention_dropout=config.attention_dropout,
+                causal=False,
+                layer_norm_eps=config.layer_norm_eps,
+                norm_position=config.norm_position,
+                gelu_approximate=config.gelu_approximate,
+            )
+            for index in range(config.num_layers)
+        })
+        pre = config.norm_position == "pre"
+        self.ln_f = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps) if pre else None
+        self.mlm_head = MaskedLMHead(config)
+        self.mlm_head.decoder.weight = self.embeddings.word_embeddings.weight
+        self.pooler = Pooler(config.hidden_size) if config.binary_head else None
+        self.binary_head = nn.Linear(config.hidden_size, 2) if config.binary_head else None
+        self.loss_fn = nn.CrossEntropyLoss(reduction="sum", ignore_index=IGNORE_INDEX)
+        self.argmax = Argmax()
+        if not self.embeddings.word_embeddings.weight.is_meta:
+            initialize_parameters(self, seed=torch.initial_seed())
+
+    def initialize_parameter(self, name: str, tensor: Tensor, generator: torch.Generator) -> None:
+        """N(0, 0.02) weights, zero biases, unit LayerNorm gains (BERT); residual-branch output
+        projections scaled by 1/sqrt(2 * layers), as Megatron-LM initialises its BERT and GPT."""
+        if name.endswith(("attn.proj.weight", "mlp.proj.weight")):
+            tensor.normal_(0.0, INIT_STD / math.sqrt(2 * self.config.num_layers), generator=generator)
+        else:
+            default_initializer(name, tensor, generator)
+
+    @staticmethod
+    def tensor_parallel_plan(config: BERTConfig) -> dict[str, str]:
+        """What may be split. Under sequence parallelism the pooler gathers the sequence back,
+        because [CLS] lives in tensor-parallel rank 0's chunk; the masked-LM head works on chunks."""
+        plan = {
+            "embeddings.word_embeddings": "vocab",
+            "embeddings": "sequence_scatter",
+            **layer_tensor_parallel_plan("blocks.*"),
+            "mlm_head": "sequence_parallel",
+            "mlm_head.decoder": "vocab",
+            "loss_fn": "vocab",
+            "argmax": "vocab",
+        }
+        if config.norm_position == "pre":
+            plan["ln_f"] = "sequence_parallel"
+        if config.binary_head:
+            plan["pooler"] = "sequence_gather"
+        return plan
+
+    def forward(
+        self, input_ids: Tensor, *, attention_mask: Optional[Tensor] = None, token_type_ids: Optional[Tensor] = None
+    ) -> BERTOutput:
+        if input_ids.shape[1] > self.config.max_seq_length:
+            raise ValueError(
+                f"Sequence length {input_ids.shape[1]} exceeds max_seq_length={self.config.max_seq_length} of the model."
+            )
+        if token_type_ids is None:
+            token_type_ids = torch.zeros_like(input_ids)
+        # [B, 1, 1, S] booleans, True = attend: broadcast over heads and query positions.
+        mask = None if attention_mask is None else attention_mask.bool()[:, None, None, :]
+        x = self.embeddings(input_ids, token_type_ids)
+        for block in self.blocks.values():
+            x = block(x, mask)
+        if self.ln_f is not None:
+            x = self.ln_f(x)
+        binary_logits = None if self.binary_head is None else self.binary_head(self.pooler(x))
+        return BERTOutput(self.mlm_head(x), binary_logits)
+
+    def loss(
+        self,
+        input_ids: Tensor,
+        labels: Tensor,
+        *,
+        attention_mask: Optional[Tensor] = None,
+        token_type_ids: Optional[Tensor] = None,
+        sentence_order_labels: Optional[Tensor] = None,
+    ) -> BERTLoss:
+        """Masked-LM loss over the positions whose label is not -100, plus the sentence-order loss.
+
+        A sample's sentence-order loss is weighted by its number of masked tokens, so the whole
+        objective is a per-masked-token mean, which the strategy averages exactly over
+        micro-batches and data-parallel ranks (a per-sample mean would change with the layout
+        whenever ranks hold different numbers of masked tokens). With samples of equal length
+        every weight is the same and this is the usual per-sample mean.
+        """
+        if self.binary_head is not None and sentence_order_labels is None:
+            raise ValueError(
+                "This BERT has a sentence-order head (binary_head=True) but the batch has no sentence-order labels: "
+                "use BERTDataModule(sentence_order=True) or BERTConfig(binary_head=False)."
+            )
+        output = self(input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids)
+        masked = labels != IGNORE_INDEX
+        mlm_loss_sum = self.loss_fn(output.logits.flatten(0, 1), labels.flatten())
+        num_correct = ((self.argmax(output.logits.detach()) == labels) & masked).sum()
+        loss_sum, sentence_order_loss = mlm_loss_sum, None
+        if output.binary_logits is not None:
+            per_sample = F.cross_entropy(output.binary_logits.float(), sentence_order_labels, reduction="none")
+            loss_sum = loss_sum + (per_sample * masked.sum(dim=1)).sum()
+            sentence_order_loss = per_sample.detach().mean()
+        return BERTLoss(loss_sum, masked.sum(), mlm_loss_sum, num_correct, sentence_order_loss)
+
+
+class BERT(L.LightningModule):
+    """A BERT LightningModule to pre-train as is or to subclass.
+
+    Example::
+
+        model = BERT(BERTConfig.from_name("bert-tiny"))
+        trainer = L.Trainer(strategy=Megatron3DStrategy(tensor_parallel_size=2), devices=2)
+        trainer.fit(model, datamodule=BERTDataModule(seq_length=128, global_batch_size=16))
+
+    Batches are what :class:`~lightning_megatron.data.BERTDataModule` yields: ``input_ids``,
+    ``labels`` (-100 where not masked), ``attention_mask``, ``token_type_ids`` and, for the
+    sentence-order head, ``sentence_order_label``. ``training_step`` returns ``{"loss",
+    "num_tokens"}`` with the number of masked tokens, so the strategy averages the loss over
+    the masked tokens of the whole global batch. Logged: ``train_loss`` (the objective),
+    ``train_accuracy`` (masked tokens predicted right), ``val_loss`` (masked-LM only),
+    ``val_accuracy``, and the sentence-order loss when the head is on.
+    """
+
+    def __init__(
+        self,
+        config: Union[BERTConfig, str] = "bert-tiny",
+        *,
+        learning_rate: float = 1e-3,
+        min_learning_rate: float = 1e-4,
+        weight_decay: float = 0.01,
+        betas: tuple[float, float] = (0.9, 0.999),
+        warmup_steps: int = 20,
+    ) -> None:
+        super().__init__()
+        self.config = BERTConfig.from_name(config) if isinstance(config, str) else config
+        self.save_hyperparameters({"config": asdict(self.config), "learning_rate": learning_rate,
+                                   "min_learning_rate": min_learning_rate, "weight_decay": weight_decay,
+                                   "betas": betas, "warmup_steps": warmup_steps})
+        self.optimizer_settings = dict(learning_rate=learning_rate, min_learning_rate=min_learning_rate,
+                                       weight_decay=weight_decay, betas=betas, warmup_steps=warmup_steps)
+        self.model: Optional[BERTModel] = None
+        self.val_loss, self.val_accuracy = MeanMetric(), MeanMetric()
+        self.val_sentence_order_loss = MeanMetric() if self.config.binary_head else None
+
+    def configure_model(self) -> None:
+        if self.model is None:
+            self.model = BERTModel(self.config)
+
+    def tensor_parallel_plan(self) -> dict[str, str]:
+        return {f"model.{pattern}": style for pattern, style in BERTModel.tensor_parallel_plan(self.config).items()}
+
+    def validate_parallel_config(self, parallel_config) -> None:
+        self.config.validate_tensor_parallel_size(parallel_config.tensor_parallel_size)
+        if parallel_config.pipeline_parallel_size > 1:
+            raise ValueError(
+                f"pipeline_parallel_size={parallel_config.pipeline_parallel_size}: BERT does not support pipeline "
+                f"parallelism yet (its layers also take the attention mask). Use tensor and data parallelism."
+            )
+
+    def forward(self, input_ids: Tensor, **kwargs: Tensor) -> BERTOutput:
+        return self.model(input_ids, **kwargs)
+
+    def _loss(self, batch: dict[str, Tensor]) -> BERTLoss:
+        return self.model.loss(
+            batch["input_ids"],
+            batch["labels"],
+            attention_mask=batch.get("attention_mask"),
+            token_type_ids=batch.get("token_type_ids"),
+            sentence_order_labels=batch.get("sentence_order_label"),
+        )
+
+    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> dict[str, Tensor]:
+        out = self._loss(batch)
+        num_tokens = out.num_tokens.clamp(min=1)
+        loss = out.loss_sum / num_tokens
+        self.log("train_loss", loss, prog_bar=True, sync_dist=True)
+        self.log("train_accuracy", out.num_correct / num_tokens, sync_dist=True)
+        if out.sentence_order_loss is not None:
+            self.log("train_sentence_order_loss", out.sentence_order_loss, sync_dist=True)
+        return {"loss": loss, "num_tokens": out.num_tokens}
+
+    def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
+        out = self._loss(batch)
+        num_tokens = out.num_tokens.clamp(min=1)
+        self.val_loss.update(out.mlm_loss_sum / num_tokens, weight=num_tokens)
+        self.val_accuracy.update(out.num_correct / num_tokens, weight=num_tokens)
+        if out.sentence_order_loss is not None:
+            self.val_sentence_order_loss.update(out.sentence_order_loss, weight=len(batch["input_ids"]))
+
+    def on_validation_epoch_end(self) -> None:
+        metrics = {"val_loss": self.val_loss, "val_accuracy": self.val_accuracy,
+                   "val_sentence_order_loss": self.val_sentence_order_loss}
+        for name, metric in metrics.items():
+            if metric is not None:
+                self.log(name, metric.compute(), prog_bar=name == "val_loss")
+                metric.reset()
+
+    def configure_optimizers(self):
+        return adamw_warmup_cosine(self, **self.optimizer_settings)

@@ -1,0 +1,66 @@
+"""The pre-training optimizer recipe shared by the models: AdamW, linear warmup, cosine decay.
+
+Matrices (weights, embeddings) get weight decay; vectors (biases, LayerNorm gains) do not,
+as in GPT-2, BERT and Megatron-LM. The learning rate rises linearly for ``warmup_steps``
+and then follows a cosine down to ``min_learning_rate`` at the Trainer's last step.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import lightning as L
+import torch
+
+
+def warmup_cosine_factor(
+    *, learning_rate: float, min_learning_rate: float, warmup_steps: int, total_steps: int
+) -> Callable[[int], float]:
+    """The multiplier of ``learning_rate`` at each optimizer step (for ``LambdaLR``).
+
+    Example::
+
+        >>> factor = warmup_cosine_factor(learning_rate=1.0, min_learning_rate=0.1, warmup_steps=2, total_steps=4)
+        >>> [round(factor(step), 2) for step in range(5)]
+        [0.5, 1.0, 1.0, 0.55, 0.1]
+    """
+    floor = min_learning_rate / learning_rate
+
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return factor
+
+
+def adamw_warmup_cosine(
+    module: L.LightningModule,
+    *,
+    learning_rate: float,
+    min_learning_rate: float,
+    weight_decay: float,
+    betas: tuple[float, float],
+    warmup_steps: int,
+) -> dict:
+    """What ``configure_optimizers`` returns: AdamW over ``module``'s parameters, stepped per optimizer step.
+
+    The cosine spans ``trainer.estimated_stepping_batches``, so it ends where training ends.
+    """
+    params = list(module.parameters())
+    optimizer = torch.optim.AdamW(
+        [
+            {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+        ],
+        lr=learning_rate,
+        betas=betas,
+    )
+    total_steps = max(int(module.trainer.estimated_stepping_batches), 1) if module._trainer is not None else 1
+    factor = warmup_cosine_factor(
+        learning_rate=learning_rate, min_learning_rate=min_learning_rate, warmup_steps=warmup_steps, total_steps=total_steps
+    )
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+    return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

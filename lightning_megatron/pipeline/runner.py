@@ -1,0 +1,100 @@
+"""Run a model's loss through a ``torch.distributed.pipelining`` schedule.
+
+``PipelineRunner.loss(*inputs, labels)`` has the contract of the model's own ``loss``:
+it returns ``(loss_sum, num_tokens)`` of the batch on every pipeline rank (the last stage
+broadcasts the sum). In grad mode it also runs the backward of every micro-batch, so the
+strategy skips Lightning's backward. The loss is a *sum* over tokens and the schedule does
+not rescale gradients (``scale_grads=False``): the gradient synchroniser divides by the
+token count of the global batch, exactly as without pipelining, so micro-batching never
+changes the result.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+from lightning_megatron.pipeline.layout import check_micro_batches
+from lightning_megatron.pipeline.timeline import TimelineRecorder
+
+_SCHEDULES = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe, "interleaved_1f1b": ScheduleInterleaved1F1B}
+
+
+class PipelineRunner:
+    def __init__(
+        self,
+        stage_modules: list[nn.Module],
+        stage_ids: list[int],
+        *,
+        num_stages: int,
+        group: dist.ProcessGroup,
+        device: torch.device,
+        schedule: str,
+        micro_batch_size: int,
+        loss_module: Optional[nn.Module],
+        recorder: Optional[TimelineRecorder] = None,
+        before_backward: Optional[Callable[[int], None]] = None,
+    ) -> None:
+        self.stage_modules, self.stage_ids, self.num_stages = stage_modules, stage_ids, num_stages
+        self.group, self.device, self.schedule_name = group, device, schedule
+        self.micro_batch_size = micro_batch_size
+        self.loss_module = loss_module
+        self.recorder = recorder
+        self.before_backward = before_backward
+        self.has_first, self.has_last = 0 in stage_ids, num_stages - 1 in stage_ids
+        self.last_stage_rank = (num_stages - 1) % dist.get_world_size(group)
+        self._schedules: dict[tuple, object] = {}
+
+    def _loss_of_micro_batch(self, output: Tensor, target: Tensor) -> Tensor:
+        return self.loss_module(output.flatten(0, -2), target.flatten())
+
+    def _schedule(self, micro_batches: int, shape: tuple, training: bool):
+        """Stages and schedule are built once per (micro-batch count, input shape, mode)."""
+        key = (micro_batches, shape, training)
+        if key not in self._schedules:
+            stages = [
+                PipelineStage(module, stage_id, self.num_stages, self.device, group=self.group)
+                for module, stage_id in zip(self.stage_modules, self.stage_ids)
+            ]
+            if self.recorder is not None:
+                for stage in stages:
+                    self.recorder.instrument(stage)
+            schedule_class = _SCHEDULES[self.schedule_name]
+            target = stages if schedule_class is ScheduleInterleaved1F1B else stages[0]
+            self._schedules[key] = schedule_class(
+                target, micro_batches, loss_fn=self._loss_of_micro_batch, scale_grads=False
+            )
+        return self._schedules[key]
+
+    def loss(self, *inputs_then_labels: Tensor) -> tuple[Tensor, Tensor]:
+        """The model's ``loss(*inputs, labels)``: labels come last, as in ``GPTModel.loss(input_ids, labels)``."""
+        *inputs, labels = inputs_then_labels
+        micro_batches = check_micro_batches(
+            schedule=self.schedule_name,
+            batch_size=labels.shape[0],
+            micro_batch_size=self.micro_batch_size,
+            pipeline_parallel_size=dist.get_world_size(self.group),
+        )
+        training = torch.is_grad_enabled()
+        schedule = self._schedule(micro_batches, tuple(labels.shape), training)
+        losses: list[Tensor] = []
+        args = inputs if self.has_first else ()
+        if training:
+            if self.before_backward is not None:
+                self.before_backward(micro_batches)
+            schedule.step(*args, target=labels, losses=losses)
+        else:
+            # Lightning may validate under inference_mode; P2P buffers must be ordinary tensors.
+            with torch.inference_mode(False), torch.no_grad():
+                args = tuple(a.clone() for a in args)
+                schedule.eval(*args, target=labels.clone(), losses=losses)
+        loss_sum = torch.stack([loss.detach().float() for loss in losses]).sum() if self.has_last else None
+        if loss_sum is None:
+            loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
+        dist.broadcast(loss_sum, group=self.group, group_src=self.last_stage_rank)
+        ignore_index = getattr(self.loss_module, "ignore_index", -100)
+        return loss_sum, (labels != ignore_index).sum()

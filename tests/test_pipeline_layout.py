@@ -1,0 +1,75 @@
+"""Pipeline stage layout and the errors a user gets for layouts that cannot work (single process)."""
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_megatron import Megatron3DStrategy
+from lightning_megatron.models import GPT, GPTConfig, GPTModel
+from lightning_megatron.parallel import ParallelConfig
+from lightning_megatron.pipeline import PipelineLayout, theoretical_bubble
+from lightning_megatron.pipeline.layout import check_micro_batches
+from lightning_megatron.pipeline.stage import split_for_pipeline
+
+
+def test_even_and_custom_stage_layouts_and_interleaved_rank_assignment():
+    even = PipelineLayout(num_layers=8, pipeline_parallel_size=2, virtual_pipeline_size=2)
+    assert even.stage_layers() == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert even.stages_of_rank(0) == [0, 2] and even.stages_of_rank(1) == [1, 3]
+    custom = PipelineLayout(num_layers=8, pipeline_parallel_size=3, layers_per_stage=(2, 4, 2))
+    assert custom.stage_layers() == [[0, 1], [2, 3, 4, 5], [6, 7]]
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(num_layers=6, pipeline_parallel_size=4), r"num_layers=6 does not divide into .* = 4 \* 1 = 4"),
+        (dict(num_layers=8, pipeline_parallel_size=2, virtual_pipeline_size=3), r"2 \* 3 = 6 equal stages"),
+        (dict(num_layers=8, pipeline_parallel_size=2, layers_per_stage=(3, 4)), r"summing to num_layers=8 .* summing to 7"),
+        (dict(num_layers=8, pipeline_parallel_size=1, virtual_pipeline_size=2), r"virtual_pipeline_size=2 .* pipeline_parallel_size=1"),
+    ],
+)
+def test_bad_stage_layouts(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        PipelineLayout(**kwargs)
+
+
+def test_micro_batch_errors():
+    assert check_micro_batches(schedule="1f1b", batch_size=8, micro_batch_size=2, pipeline_parallel_size=4) == 4
+    with pytest.raises(ValueError, match=r"per-rank batch of 8 .* micro_batch_size=3"):
+        check_micro_batches(schedule="1f1b", batch_size=8, micro_batch_size=3, pipeline_parallel_size=2)
+    with pytest.raises(ValueError, match=r"needs at least pipeline_parallel_size=4 micro-batches .* gives 2"):
+        check_micro_batches(schedule="1f1b", batch_size=8, micro_batch_size=4, pipeline_parallel_size=4)
+    assert check_micro_batches(schedule="gpipe", batch_size=8, micro_batch_size=4, pipeline_parallel_size=4) == 2
+
+
+def test_strategy_rejects_bad_schedules_up_front():
+    with pytest.raises(ValueError, match="Unknown pipeline_schedule 'zigzag'"):
+        Megatron3DStrategy(pipeline_parallel_size=2, pipeline_schedule="zigzag")
+    with pytest.raises(ValueError, match="needs virtual_pipeline_size >= 2"):
+        Megatron3DStrategy(pipeline_parallel_size=2, pipeline_schedule="interleaved_1f1b")
+    with pytest.raises(ValueError, match=r"virtual_pipeline_size=2 interleaves .* pipeline_parallel_size=1"):
+        Megatron3DStrategy(virtual_pipeline_size=2, pipeline_schedule="interleaved_1f1b")
+
+
+def test_gpt_validates_pipeline_layout_before_any_process_group():
+    gpt = GPT(GPTConfig(num_layers=6))
+    with pytest.raises(ValueError, match="num_layers=6 does not divide"):
+        gpt.validate_parallel_config(ParallelConfig(pipeline_parallel_size=4, data_parallel_size=1))
+
+
+def test_split_keeps_global_names_and_marks_the_tied_embedding_copy():
+    with torch.device("meta"):
+        model = GPTModel(GPTConfig(num_layers=4))
+    layout = PipelineLayout(num_layers=4, pipeline_parallel_size=2)
+    stages = split_for_pipeline(model, GPTModel.pipeline_blocks(), layout.stage_layers(), layout.stages_of_rank(1))
+    names = [name for name, _ in model.named_parameters()]
+    assert names[0] == "blocks.2.ln_1.weight" and "lm_head.weight" in names and model.embedding is None
+    head = model.lm_head.weight
+    assert head.pipeline_tied and head.tied_names == ("lm_head.weight", "embedding.wte.weight")
+    assert len(stages) == 1 and len(stages[0].layers) == 2 and isinstance(stages[0].lasts[1], nn.Linear)
+
+
+def test_theoretical_bubble():
+    assert theoretical_bubble(4, 8) == pytest.approx((3 / 8) / (1 + 3 / 8))
+    assert theoretical_bubble(4, 8, 2) == pytest.approx((3 / 16) / (1 + 3 / 16))
