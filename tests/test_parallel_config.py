@@ -27,7 +27,7 @@ def test_data_parallel_size_auto_takes_the_rest():
         (dict(world_size=6, tensor_parallel_size=4), r"world size \(6 processes\) is not a multiple of .* = 4"),
         (dict(world_size=8, tensor_parallel_size=2, data_parallel_size=2), r"= 4, but 8 processes were launched"),
         (dict(world_size=2, tensor_parallel_size=0), r"tensor_parallel_size must be a positive integer, got 0"),
-        (dict(world_size=2, pipeline_parallel_size=2), r"pipeline_parallel_size=2 is not supported yet"),
+        (dict(world_size=2, pipeline_parallel_size=2, virtual_pipeline_size=0), r"virtual_pipeline_size must be a positive integer, got 0"),
         (dict(world_size=2, zero_stage=1), r"zero_stage=1 is not supported yet"),
         (dict(world_size=2, data_parallel_size=2, sequence_parallel=True), r"sequence_parallel=True needs tensor_parallel_size > 1"),
     ],
