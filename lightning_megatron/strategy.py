@@ -41,6 +41,7 @@ from torchmetrics import Metric
 
 from lightning_megatron.optim.clip import clip_grads_by_global_norm
 from lightning_megatron.optim.grad_sync import DEFAULT_BUCKET_SIZE_MB, GradientSynchronizer
+from lightning_megatron.optim.main_params import MainParamOptimizer, model_state_bytes, uses_main_params
 from lightning_megatron.parallel.config import ParallelConfig
 from lightning_megatron.parallel.initialize import initialize_parameters
 from lightning_megatron.parallel.random import TensorParallelRNG
@@ -63,7 +64,7 @@ class Megatron3DStrategy(ParallelStrategy):
         pipeline_parallel_size: pipeline ranks; the model needs ``pipeline_blocks()``.
         data_parallel_size: model replicas; ``"auto"`` takes ``world_size / (tp * pp)``.
         sequence_parallel: also split LayerNorm/dropout activations along the sequence over tp.
-        zero_stage: ZeRO sharding of optimizer state over dp (only 0 in this release).
+        zero_stage: ZeRO over dp: 1 shards fp32 main params and optimizer state, 2 also gradients.
         virtual_pipeline_size: stages per pipeline rank (interleaved 1F1B when > 1).
         pipeline_schedule: ``"1f1b"``, ``"interleaved_1f1b"`` or ``"gpipe"`` (torch.distributed.pipelining).
         micro_batch_size: samples per pipeline micro-batch; the per-rank batch is cut into micro-batches.
@@ -142,6 +143,8 @@ class Megatron3DStrategy(ParallelStrategy):
         self._parallel_state: Optional[ParallelState] = None
         self._rng: Optional[TensorParallelRNG] = None
         self._grad_sync: Optional[GradientSynchronizer] = None
+        self._main_params: Optional[MainParamOptimizer] = None
+        self._reported_bytes = False
         self._pipeline: Optional[PipelineRunner] = None
         self.pipeline_recorder: Optional[TimelineRecorder] = None
         self._seed = 0
@@ -250,7 +253,15 @@ class Megatron3DStrategy(ParallelStrategy):
                     ([p for p in params if getattr(p, "pipeline_tied", False)], state.embedding_group),
                 ],
                 bucket_size_mb=self.bucket_size_mb,
+                zero_stage=self.parallel_config.zero_stage,
             )
+            if uses_main_params(params, self.parallel_config.zero_stage):
+                if len(self.optimizers) != 1:
+                    raise ValueError(
+                        f"fp32 main parameters (zero_stage > 0 or 16-bit parameters) support one optimizer; "
+                        f"configure_optimizers returned {len(self.optimizers)}."
+                    )
+                self._main_params = MainParamOptimizer(self.optimizers[0], self._grad_sync)
         self.setup_precision_plugin()
         # Lightning's clip_grad_norm_ would clip each rank by its own shards' norm.
         self.precision_plugin.clip_grad_by_norm = self.clip_grad_by_global_norm
@@ -350,13 +361,28 @@ class Megatron3DStrategy(ParallelStrategy):
                 tokens = self._step_tokens
                 tokens = tokens if isinstance(tokens, Tensor) else torch.tensor(float(tokens))
                 self._grad_sync.finish(tokens)
+            if self._main_params is not None:
+                self._main_params.prepare_step()
             self._step_tokens = 0.0
             return result
 
         output = super().optimizer_step(optimizer, closure_then_reduce_grads, model, **kwargs)
+        if self._main_params is not None:
+            self._main_params.finish_step()
         if self._grad_sync is not None:
             self._grad_sync.zero()
+        if not self._reported_bytes:
+            self._report_model_state_bytes(optimizer)
         return output
+
+    def _report_model_state_bytes(self, optimizer: Optimizer) -> None:
+        """Each rank states its model-state memory once, after the first step has allocated optimizer state."""
+        self._reported_bytes = True
+        optimizer = getattr(optimizer, "_optimizer", optimizer)
+        sizes = model_state_bytes(list(self.lightning_module.parameters()), self._grad_sync, self._main_params, optimizer)
+        self.model_state_bytes = sizes
+        summary = ", ".join(f"{name.replace('_', ' ')} {size / 2**20:.2f} MiB" for name, size in sizes.items())
+        print(f"[rank {self.global_rank}] model state: {summary} (total {sum(sizes.values()) / 2**20:.2f} MiB)", flush=True)
 
     def clip_grad_by_global_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> Tensor:
         params = [p for group in optimizer.param_groups for p in group["params"]]
@@ -366,6 +392,7 @@ class Megatron3DStrategy(ParallelStrategy):
             float(clip_val),
             model_parallel_group=state.model_parallel_group,
             is_first_tensor_rank=state.tensor_parallel_rank == 0,
+            data_parallel_group=state.data_parallel_group if state.config.zero_stage else None,
         )
 
     # ------------------------------------------------------------------ collectives
@@ -426,11 +453,15 @@ class Megatron3DStrategy(ParallelStrategy):
         Sharded, layout-free optimizer checkpoints are the sharded-checkpoint feature's job.
         """
         saved = checkpoint.get(LAYOUT_KEY, {})
-        if self.parallel_config.tensor_parallel_size != 1 or saved.get("tensor_parallel_size", 1) != 1:
+        sharded_now = self.parallel_config.tensor_parallel_size != 1 or self._main_params is not None
+        sharded_then = saved.get("tensor_parallel_size", 1) != 1 or saved.get("zero_stage", 0) != 0
+        if sharded_now or sharded_then:
             rank_zero_warn(
-                "Megatron3DStrategy: this checkpoint's optimizer state is not restored under tensor parallelism "
-                "(saved tp={}, now tp={}); the weights and the trainer state are. The optimizer starts fresh.".format(
-                    saved.get("tensor_parallel_size", "?"), self.parallel_config.tensor_parallel_size
+                "Megatron3DStrategy: this checkpoint's optimizer state is not restored under tensor parallelism or "
+                "fp32 main parameters (saved tp={}, zero_stage={}; now tp={}, zero_stage={}); the weights and the "
+                "trainer state are. The optimizer starts fresh.".format(
+                    saved.get("tensor_parallel_size", "?"), saved.get("zero_stage", "?"),
+                    self.parallel_config.tensor_parallel_size, self.parallel_config.zero_stage,
                 )
             )
             return

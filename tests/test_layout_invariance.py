@@ -4,25 +4,29 @@ import pytest
 import torch
 
 from launch import launch
-from workers.gpt_setup import CLIP, CONFIG, SEED, batches, optimizer
+from workers.gpt_setup import CLIP, CONFIG, SEED, batches, optimizer, sgd_optimizer
 from lightning_megatron.models import GPTModel
 
 LAYOUTS = {
     2: ["tp2-dp1", "tp2-dp1-sp-mb2", "tp1-dp2-mb2", "pp2-tp1-dp1-mb4", "pp2-tp1-dp1-mb4-gpipe",
-        "pp2-vpp2-tp1-dp1-mb4"],
+        "pp2-vpp2-tp1-dp1-mb4", "tp1-dp2-z1", "tp1-dp2-mb2-z2", "tp1-dp2-z1-sgd", "tp1-dp2-z2-sgd"],
     4: ["tp2-dp2", "tp2-dp2-sp-mb2", "tp4-dp1", "tp4-dp1-sp", "pp4-tp1-dp1-mb8", "pp2-tp2-dp1-sp-mb2",
-        "pp2-tp1-dp2-mb2"],
-    8: ["pp2-tp2-dp2-mb2", "pp2-vpp2-tp2-dp2-sp-mb4"],
+        "pp2-tp1-dp2-mb2", "tp1-dp4-z1", "tp1-dp4-mb2-z2-sgd", "tp2-dp2-sp-z1", "tp2-dp2-z2", "pp2-tp1-dp2-mb2-z1"],
+    8: ["pp2-tp2-dp2-mb2", "pp2-vpp2-tp2-dp2-sp-mb4", "pp2-tp2-dp2-sp-mb2-z2"],
 }
 LOSS_TOL, WEIGHT_TOL = 1e-5, 1e-5
 
 
 @pytest.fixture(scope="module")
 def reference():
-    """Plain PyTorch, one process, the whole global batch, torch's own clipping."""
+    """Plain PyTorch, one process, the whole global batch, torch's own clipping; per optimizer."""
+    return {"adamw": _reference(optimizer), "sgd": _reference(sgd_optimizer)}
+
+
+def _reference(make_optimizer):
     torch.manual_seed(SEED)
     model = GPTModel(CONFIG)
-    opt = optimizer(model.parameters())
+    opt = make_optimizer(model.parameters())
     losses = []
     for input_ids, labels in batches():
         loss_sum, tokens = model.loss(input_ids, labels)
@@ -38,8 +42,8 @@ def reference():
 @pytest.mark.parametrize("world", sorted(LAYOUTS))
 def test_layouts_match_single_process(world, reference, tmp_path):
     launch("layout_invariance.py", world, tmp_path, ",".join(LAYOUTS[world]))
-    ref_losses, ref_weights = reference
     for layout in LAYOUTS[world]:
+        ref_losses, ref_weights = reference["sgd" if layout.endswith("-sgd") else "adamw"]
         result = torch.load(tmp_path / f"{layout}.pt", weights_only=True)
         loss_dev = max(abs(a - b) for a, b in zip(result["losses"], ref_losses))
         assert len(result["losses"]) == len(ref_losses)

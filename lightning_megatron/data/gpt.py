@@ -227,7 +227,8 @@ class GPTDataModule(L.LightningDataModule):
         return self._loader(self.val_dataset, train=False)
 
     def _loader(self, dataset: PackedTokenDataset | None, *, train: bool) -> DataLoader:
-        """Training shuffles and drops a last partial global batch; validation keeps its order."""
+        """Training shuffles; validation keeps its order. Both drop a last partial batch: every batch then
+        splits into the same pipeline micro-batches, and every layout evaluates the same samples."""
         if dataset is None:
             raise RuntimeError("GPTDataModule.setup() must run before its dataloaders are requested.")
         sampler = DistributedSampler(
@@ -243,5 +244,5 @@ class GPTDataModule(L.LightningDataModule):
             batch_size=self.per_rank_batch_size,
             sampler=sampler,
             num_workers=self.num_workers,
-            drop_last=train,
+            drop_last=True,
         )

@@ -100,8 +100,9 @@ class BERTConfig:
 
 
 # Megatron-LM paper (Shoeybi et al. 2019), section 5.3: hidden, heads, layers. The vocabulary is BERT's
-# 30,522 WordPiece ids as published; the strategy pads it to a multiple of tp * 128 at run time
-# (Megatron-LM pads the same vocabulary to 30,592 ahead of time), and the padding is never predicted.
+# 30,522 uncased WordPiece ids, unpadded: the strategy pads it to a multiple of tp * 128 at run time, as
+# Megatron-LM does (30,720 at tp=8), and never predicts the padding. (Megatron-LM's released BERT
+# checkpoints use the 28,996-id cased vocabulary, padded to 29,056: pass vocab_size=28996 for those.)
 BERT_PRESETS: dict[str, BERTConfig] = {
     "bert-tiny": BERTConfig(),
     **{

@@ -14,20 +14,20 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 
-class SelfAttention(nn.Module):
-    def __init__(self, hidden_size: int, num_heads: int, *, attention_dropout: float, causal: bool) -> None:
-        super().__init__()
-        self.head_dim = hidden_size // num_heads
-        self.attention_dropout, self.causal = attention_dropout, causal
-        self.qkv = nn.Linear(hidden_size, 3 * hidden_size)
-        self.proj = nn.Linear(hidden_size, hidden_size)
+class CoreAttention(nn.Module):
+    """``dropout(softmax(q k^T / sqrt(d))) v``, without parameters.
 
-    def forward(self, x: Tensor, attention_mask: Optional[Tensor] = None) -> Tensor:
-        qkv = self.qkv(x)
-        batch, seq = qkv.shape[:2]  # the full sequence, also when x is a sequence-parallel chunk
-        local_heads = self.qkv.weight.shape[0] // (3 * self.head_dim)
-        q, k, v = qkv.view(batch, seq, local_heads, 3, self.head_dim).permute(3, 0, 2, 1, 4).unbind(0)
-        y = F.scaled_dot_product_attention(
+    A module of its own so that selective activation recomputation (Korthikanti et al.
+    2022) can recompute just this part: its saved activations grow with the square of the
+    sequence length while its FLOPs are a small share of the layer's.
+    """
+
+    def __init__(self, *, attention_dropout: float, causal: bool) -> None:
+        super().__init__()
+        self.attention_dropout, self.causal = attention_dropout, causal
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, attention_mask: Optional[Tensor] = None) -> Tensor:
+        return F.scaled_dot_product_attention(
             q,
             k,
             v,
@@ -35,6 +35,22 @@ class SelfAttention(nn.Module):
             dropout_p=self.attention_dropout if self.training else 0.0,
             is_causal=self.causal and attention_mask is None,
         )
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, hidden_size: int, num_heads: int, *, attention_dropout: float, causal: bool) -> None:
+        super().__init__()
+        self.head_dim = hidden_size // num_heads
+        self.qkv = nn.Linear(hidden_size, 3 * hidden_size)
+        self.core_attention = CoreAttention(attention_dropout=attention_dropout, causal=causal)
+        self.proj = nn.Linear(hidden_size, hidden_size)
+
+    def forward(self, x: Tensor, attention_mask: Optional[Tensor] = None) -> Tensor:
+        qkv = self.qkv(x)
+        batch, seq = qkv.shape[:2]  # the full sequence, also when x is a sequence-parallel chunk
+        local_heads = self.qkv.weight.shape[0] // (3 * self.head_dim)
+        q, k, v = qkv.view(batch, seq, local_heads, 3, self.head_dim).permute(3, 0, 2, 1, 4).unbind(0)
+        y = self.core_attention(q, k, v, attention_mask)
         return self.proj(y.transpose(1, 2).reshape(batch, seq, local_heads * self.head_dim))
 
 

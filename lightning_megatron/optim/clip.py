@@ -4,8 +4,9 @@
 different factor. Here each element of the global model is counted exactly once: sharded
 parameters on every rank, replicated ones on tensor-parallel rank 0 only, and an embedding
 tied across pipeline stages on the first stage only; the squares are then summed over the
-model-parallel group (tp x pp). After the data-parallel reduction every dp
-rank holds the same gradients, so no dp reduction is needed.
+model-parallel group (tp x pp). After an all-reduce every dp rank holds the same
+gradients, so no dp reduction is needed; under ZeRO each dp rank holds different pieces,
+and the squares are summed over dp too.
 """
 
 from __future__ import annotations
@@ -20,7 +21,11 @@ from lightning_megatron.tensor_parallel.sharding import shard_of
 
 
 def global_grad_norm(
-    params: Iterable[nn.Parameter], *, model_parallel_group: Optional[dist.ProcessGroup], is_first_tensor_rank: bool
+    params: Iterable[nn.Parameter],
+    *,
+    model_parallel_group: Optional[dist.ProcessGroup],
+    is_first_tensor_rank: bool,
+    data_parallel_group: Optional[dist.ProcessGroup] = None,
 ) -> Tensor:
     """The L2 norm of all gradients of the global model, identical on every rank."""
     squares = None
@@ -34,8 +39,9 @@ def global_grad_norm(
     if squares is None:
         squares = torch.zeros((), dtype=torch.float32)
     squares = squares.double()
-    if model_parallel_group is not None:
-        dist.all_reduce(squares, group=model_parallel_group)
+    for group in (model_parallel_group, data_parallel_group):
+        if group is not None:
+            dist.all_reduce(squares, group=group)
     return squares.sqrt().float()
 
 
@@ -45,10 +51,15 @@ def clip_grads_by_global_norm(
     *,
     model_parallel_group: Optional[dist.ProcessGroup],
     is_first_tensor_rank: bool,
+    data_parallel_group: Optional[dist.ProcessGroup] = None,
 ) -> Tensor:
-    """Scale gradients so their global norm is at most ``max_norm``; returns the norm before clipping."""
+    """Scale gradients so their global norm is at most ``max_norm``; returns the norm before clipping.
+
+    Pass ``data_parallel_group`` when each dp rank holds different pieces of the gradients (ZeRO).
+    """
     params = [p for p in dict.fromkeys(params) if p.grad is not None]
-    norm = global_grad_norm(params, model_parallel_group=model_parallel_group, is_first_tensor_rank=is_first_tensor_rank)
+    norm = global_grad_norm(params, model_parallel_group=model_parallel_group,
+                            is_first_tensor_rank=is_first_tensor_rank, data_parallel_group=data_parallel_group)
     clip_coef = max_norm / (float(norm) + 1e-6)
     if clip_coef < 1.0:
         for param in params:

@@ -1,21 +1,30 @@
 """Data-parallel gradient reduction into contiguous buckets, overlapped with backward.
 
 Megatron-Core's grad-buffer design: every parameter's gradient accumulates into a view
-of one flat buffer (``main_grad``, fp32 for low-precision parameters). The buffer is cut
-into buckets in reverse parameter order, roughly the order backward produces them; when
-the last gradient of a bucket arrives during the final micro-batch's backward, the
-bucket's all-reduce starts asynchronously while backward goes on computing the rest.
+of a flat buffer, in the parameter's own dtype (16-bit grads for 16-bit params, as the
+ZeRO memory formulas assume). Buffers are cut into buckets in reverse parameter order,
+roughly the order backward produces them; when the last gradient of a bucket arrives
+during the final micro-batch's backward, the bucket's reduction starts asynchronously
+while backward goes on computing the rest.
+
+``zero_stage`` chooses the reduction (Rajbhandari et al. 2020):
+
+* 0: all-reduce; every dp rank keeps the full summed gradient.
+* 1: reduce-scatter; each dp rank's *owned* slice of the (full-size) buffer holds the sum.
+* 2: the full buffer is transient: each backward's bucket is reduce-scattered into a
+  persistent owned slice (``1/dp`` of the gradients) and freed. Under gradient
+  accumulation this reduces after every micro-batch (ZeRO-2's price for its memory).
 
 The training loss is a sum over tokens (see ``Megatron3DStrategy.backward``); after the
-reduction the buffer is divided by the number of tokens in the global batch, so the
-gradient is that of the per-token mean over the global batch whatever dp and the
-micro-batching are.
+reduction gradients are divided by the number of tokens in the global batch, so they are
+those of the per-token mean over the global batch whatever dp and the micro-batching are.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Iterator, NamedTuple, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -24,18 +33,35 @@ from torch import Tensor, nn
 DEFAULT_BUCKET_SIZE_MB = 25.0
 
 
+def _reduce_scatter(out: Tensor, full: Tensor, group: dist.ProcessGroup) -> dist.Work:
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return scatter(out, full, group=group, async_op=True)
+
+
 @dataclass
 class _Bucket:
-    buffer: Tensor
     params: list[nn.Parameter]
+    offsets: list[int]  # start of each param in the flat bucket
+    numel: int  # padded to a multiple of dp
+    dtype: torch.dtype
+    device: torch.device
+    shard_start: int  # this rank's owned range [shard_start, shard_start + shard_numel)
+    shard_numel: int
+    buffer: Optional[Tensor] = None  # full-size gradients (persistent for stages 0-1, transient for 2)
+    shard: Optional[Tensor] = None  # owned summed gradients: a view of buffer (stage 1) or persistent (stage 2)
     ready: int = 0
-    handle: Optional[dist.Work] = None
     launched: bool = False
-    views: list[Tensor] = field(default_factory=list)
+    pending: list[tuple[dist.Work, Optional[Tensor]]] = field(default_factory=list)
 
 
-def _grad_dtype(param: nn.Parameter) -> torch.dtype:
-    return torch.float32 if param.dtype in (torch.float16, torch.bfloat16) else param.dtype
+class OwnedPiece(NamedTuple):
+    """The flat range ``[start, stop)`` of ``param`` whose summed gradient (and update) this rank owns."""
+
+    param: nn.Parameter
+    bucket: _Bucket
+    offset: int  # of the param in the bucket
+    start: int
+    stop: int
 
 
 class GradientSynchronizer:
@@ -58,58 +84,123 @@ class GradientSynchronizer:
         data_parallel_group: Optional[dist.ProcessGroup],
         partial_grad_groups: Sequence[tuple[Sequence[nn.Parameter], dist.ProcessGroup]] = (),
         bucket_size_mb: float = DEFAULT_BUCKET_SIZE_MB,
+        zero_stage: int = 0,
     ) -> None:
         if bucket_size_mb <= 0:
             raise ValueError(f"bucket_size_mb must be positive, got {bucket_size_mb}.")
+        if zero_stage not in (0, 1, 2):
+            raise ValueError(f"GradientSynchronizer handles zero_stage 0, 1 or 2, got {zero_stage}.")
         self.data_parallel_group = data_parallel_group
-        self.partial_grad_groups = [(list(params_), group) for params_, group in partial_grad_groups if params_]
+        self.data_parallel_size = 1 if data_parallel_group is None else dist.get_world_size(data_parallel_group)
+        self.data_parallel_rank = 0 if data_parallel_group is None else dist.get_rank(data_parallel_group)
+        self.zero_stage = zero_stage
         self.params = [p for p in dict.fromkeys(params) if p.requires_grad]
+        self.partial_grad_groups = [(list(ps), group) for ps, group in partial_grad_groups if ps and group is not None]
         self.sync = True
         self.backward_passes = 1
         self.buckets: list[_Bucket] = []
-        self._bucket_of: dict[int, _Bucket] = {}
-        self._view_of: dict[int, Tensor] = {}
-        self._build_buckets(int(bucket_size_mb * 2**20))
+        self._bucket_of: dict[int, tuple[_Bucket, int]] = {}
+        tied = {id(p) for ps, _ in self.partial_grad_groups for p in ps if getattr(p, "pipeline_tied", False)}
+        self._build_buckets(int(bucket_size_mb * 2**20), tied)
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self.params]
 
-    def _build_buckets(self, bucket_bytes: int) -> None:
+    # ---------------------------------------------------------------- layout
+    def _build_buckets(self, bucket_bytes: int, own_bucket: set[int]) -> None:
+        """Reverse order; a pipeline-tied embedding gets a bucket of its own so that its layout (and
+        hence its owned slice) is the same on the first and the last stage."""
         pending: list[nn.Parameter] = []
         size = 0
         for param in reversed(self.params):
-            if pending and (_grad_dtype(param) != _grad_dtype(pending[0]) or size >= bucket_bytes):
+            alone = id(param) in own_bucket
+            if pending and (alone or param.dtype != pending[0].dtype or size >= bucket_bytes):
                 self._add_bucket(pending)
                 pending, size = [], 0
             pending.append(param)
-            size += param.numel() * torch.empty((), dtype=_grad_dtype(param)).element_size()
+            size += param.numel() * param.element_size()
+            if alone:
+                self._add_bucket(pending)
+                pending, size = [], 0
         if pending:
             self._add_bucket(pending)
 
     def _add_bucket(self, params: list[nn.Parameter]) -> None:
-        dtype, device = _grad_dtype(params[0]), params[0].device
-        buffer = torch.zeros(sum(p.numel() for p in params), dtype=dtype, device=device)
-        bucket = _Bucket(buffer=buffer, params=params)
-        offset = 0
+        offsets, total = [], 0
         for param in params:
-            view = buffer[offset : offset + param.numel()].view_as(param)
-            offset += param.numel()
-            bucket.views.append(view)
-            self._bucket_of[id(param)] = bucket
-            self._view_of[id(param)] = view
-            param.main_grad = view
+            offsets.append(total)
+            total += param.numel()
+        dp = self.data_parallel_size
+        if self.zero_stage:
+            numel = math.ceil(total / dp) * dp
+            shard_start, shard_numel = self.data_parallel_rank * (numel // dp), numel // dp
+        else:
+            numel, shard_start, shard_numel = total, 0, total  # every rank "owns" everything
+        bucket = _Bucket(params=params, offsets=offsets, numel=numel, dtype=params[0].dtype,
+                         device=params[0].device, shard_start=shard_start, shard_numel=shard_numel)
+        if self.zero_stage < 2:
+            bucket.buffer = torch.zeros(numel, dtype=bucket.dtype, device=bucket.device)
+            bucket.shard = bucket.buffer.narrow(0, shard_start, shard_numel)
+        else:
+            bucket.shard = torch.zeros(shard_numel, dtype=bucket.dtype, device=bucket.device)
+        for index, param in enumerate(params):
+            self._bucket_of[id(param)] = (bucket, index)
         self.buckets.append(bucket)
 
+    def _grad_view(self, bucket: _Bucket, index: int) -> Tensor:
+        if bucket.buffer is None:  # stage 2: the full buffer lives for one backward
+            bucket.buffer = torch.zeros(bucket.numel, dtype=bucket.dtype, device=bucket.device)
+        param = bucket.params[index]
+        return bucket.buffer.narrow(0, bucket.offsets[index], param.numel()).view_as(param)
+
+    def owned_pieces(self) -> Iterator[OwnedPiece]:
+        for bucket in self.buckets:
+            lo, hi = bucket.shard_start, bucket.shard_start + bucket.shard_numel
+            for param, offset in zip(bucket.params, bucket.offsets):
+                start, stop = max(lo, offset), min(hi, offset + param.numel())
+                if start < stop:
+                    yield OwnedPiece(param, bucket, offset, start - offset, stop - offset)
+
+    @staticmethod
+    def owned_grad(piece: OwnedPiece) -> Tensor:
+        """The summed gradient of an owned piece, as a view of its bucket's shard."""
+        return piece.bucket.shard.narrow(0, piece.offset + piece.start - piece.bucket.shard_start, piece.stop - piece.start)
+
+    # ---------------------------------------------------------------- backward
     def _on_grad_ready(self, param: nn.Parameter) -> None:
-        self._view_of[id(param)].add_(param.grad)
+        bucket, index = self._bucket_of[id(param)]
+        self._grad_view(bucket, index).add_(param.grad)
         param.grad = None
-        bucket = self._bucket_of[id(param)]
         bucket.ready += 1
-        if self.sync and bucket.ready == len(bucket.params) * self.backward_passes:
+        complete = bucket.ready == len(bucket.params) * self.backward_passes
+        if complete and (self.sync or self.zero_stage == 2):
             self._launch(bucket)
 
     def _launch(self, bucket: _Bucket) -> None:
         bucket.launched = True
-        if self.data_parallel_group is not None:
-            bucket.handle = dist.all_reduce(bucket.buffer, group=self.data_parallel_group, async_op=True)
+        group = self.data_parallel_group
+        if self.zero_stage == 0:
+            if group is not None:
+                bucket.pending.append((dist.all_reduce(bucket.buffer, group=group, async_op=True), None))
+            return
+        if self.zero_stage == 2 and group is None:
+            bucket.shard.add_(bucket.buffer)
+            bucket.buffer = None
+            return
+        if group is None:
+            return
+        out = torch.empty(bucket.shard_numel, dtype=bucket.dtype, device=bucket.device)
+        bucket.pending.append((_reduce_scatter(out, bucket.buffer, group), out))
+        if self.zero_stage == 2:
+            bucket.buffer = None  # the collective holds its own reference until it completes
+
+    def _wait(self, bucket: _Bucket) -> None:
+        for work, out in bucket.pending:
+            work.wait()
+            if out is not None:
+                if self.zero_stage == 1:
+                    bucket.shard.copy_(out)
+                else:
+                    bucket.shard.add_(out)
+        bucket.pending.clear()
 
     def start_micro_batch(self, *, sync: bool, backward_passes: int = 1) -> None:
         """Begin a micro-batch; ``sync=True`` lets buckets reduce as soon as they are complete."""
@@ -118,30 +209,38 @@ class GradientSynchronizer:
             bucket.ready = 0
 
     def finish(self, num_tokens: Tensor) -> None:
-        """Complete every reduction and leave ``param.grad`` as the per-token-mean gradient of the global batch.
+        """Complete every reduction and divide by the global token count.
 
         ``num_tokens`` is this rank's token count for the step; it is summed over dp here.
+        At stage 0 ``param.grad`` is then the per-token-mean gradient; at stages 1-2 the owned
+        slices hold it (see :meth:`owned_grad`).
         """
         for bucket in self.buckets:
-            if not bucket.launched:
+            needs_launch = bucket.buffer is not None if self.zero_stage == 2 else not bucket.launched
+            if needs_launch:
                 self._launch(bucket)
-        num_tokens = num_tokens.detach().to(device=self.buckets[0].buffer.device if self.buckets else "cpu", dtype=torch.float64)
+        device = self.buckets[0].device if self.buckets else "cpu"
+        num_tokens = num_tokens.detach().to(device=device, dtype=torch.float64)
         if self.data_parallel_group is not None:
             dist.all_reduce(num_tokens, group=self.data_parallel_group)
         for bucket in self.buckets:
-            if bucket.handle is not None:
-                bucket.handle.wait()
-                bucket.handle = None
+            self._wait(bucket)
         self._sum_partial_grads()
         scale = 1.0 / max(float(num_tokens), 1.0)
         for bucket in self.buckets:
-            bucket.buffer.mul_(scale)
-            for param, view in zip(bucket.params, bucket.views):
-                param.grad = view if view.dtype == param.dtype else view.to(param.dtype)
+            bucket.shard.mul_(scale)
+            if self.zero_stage == 0:
+                for index, param in enumerate(bucket.params):
+                    param.grad = self._grad_view(bucket, index)
 
     def _sum_partial_grads(self) -> None:
+        """Sum the owned slices of partial gradients; their layouts agree across the summing group
+        (identical local shapes over tp; a bucket of its own for the tied embedding)."""
         for params, group in self.partial_grad_groups:
-            views = [self._view_of[id(p)] for p in params]
+            wanted = {id(p) for p in params}
+            views = [self.owned_grad(piece) for piece in self.owned_pieces() if id(piece.param) in wanted]
+            if not views:
+                continue
             flat = torch.cat([v.reshape(-1) for v in views])
             dist.all_reduce(flat, group=group)
             offset = 0
@@ -150,17 +249,22 @@ class GradientSynchronizer:
                 offset += view.numel()
 
     def zero(self) -> None:
-        """Reset the buffers after the optimizer step; ``param.grad`` is dropped so the next backward starts clean."""
+        """Reset after the optimizer step; ``param.grad`` is dropped so the next backward starts clean."""
         for bucket in self.buckets:
-            bucket.buffer.zero_()
+            if bucket.buffer is not None:
+                bucket.buffer.zero_()
+            bucket.shard.zero_()
             bucket.launched = False
             bucket.ready = 0
             for param in bucket.params:
                 param.grad = None
 
+    def gradient_bytes(self) -> int:
+        """Bytes of persistent gradient storage on this rank (transient stage-2 buffers excluded)."""
+        if self.zero_stage == 2:
+            return sum(b.shard.numel() * b.shard.element_size() for b in self.buckets)
+        return sum(b.buffer.numel() * b.buffer.element_size() for b in self.buckets)
+
     def remove(self) -> None:
         for hook in self._hooks:
             hook.remove()
-        for param in self.params:
-            if hasattr(param, "main_grad"):
-                del param.main_grad

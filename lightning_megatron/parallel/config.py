@@ -43,11 +43,13 @@ class ParallelConfig:
                 f"virtual_pipeline_size={self.virtual_pipeline_size} interleaves stages across pipeline ranks, but "
                 f"pipeline_parallel_size=1. Set pipeline_parallel_size > 1 or virtual_pipeline_size=1."
             )
-        if self.zero_stage != 0:
+        if self.zero_stage not in (0, 1, 2, 3):
             raise ValueError(
-                f"zero_stage={self.zero_stage} is not supported yet: this release runs zero_stage=0 (plain data "
-                f"parallelism). Use zero_stage=0."
+                f"zero_stage must be 0 (no sharding), 1 (optimizer state), 2 (+ gradients) or 3 (+ parameters), "
+                f"got {self.zero_stage!r}."
             )
+        if self.zero_stage == 3:
+            raise ValueError("zero_stage=3 (sharded parameters) is not supported yet; use zero_stage=1 or 2.")
         if self.sequence_parallel and self.tensor_parallel_size == 1:
             raise ValueError(
                 "sequence_parallel=True needs tensor_parallel_size > 1: it splits the sequence over the "

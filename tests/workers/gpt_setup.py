@@ -28,3 +28,7 @@ def optimizer(params) -> torch.optim.Optimizer:
     # eps: the key bias has an exactly-zero gradient (softmax ignores a shift of all scores), so with
     # the default eps=1e-8 AdamW turns 1e-10 rounding noise into full-size updates of it.
     return torch.optim.AdamW(params, lr=LR, weight_decay=WEIGHT_DECAY, eps=1e-6)
+
+
+def sgd_optimizer(params) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=LR * 10, momentum=0.9, weight_decay=WEIGHT_DECAY)

@@ -1,8 +1,9 @@
 """Train the tiny GPT for a few steps under several layouts over the same processes.
 
 argv: OUT_DIR LAYOUTS, where LAYOUTS is a comma list of
-``[pp{P}-][vpp{V}-]tp{T}-dp{D}[-sp][-mb{M}][-gpipe]``: M micro-batches per step (without
-pipelining, a loop of backward passes; with it, the schedule's micro-batches). For each
+``[pp{P}-][vpp{V}-]tp{T}-dp{D}[-sp][-mb{M}][-gpipe][-z{Z}][-sgd]``: M micro-batches per step
+(without pipelining, a loop of backward passes; with it, the schedule's micro-batches),
+ZeRO stage Z, SGD with momentum instead of AdamW. For each
 layout, rank 0 writes the losses and the full (gathered) weights to ``{layout}.pt``; the
 pytest process compares them with a single-process reference.
 """
@@ -16,10 +17,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from gpt_setup import CLIP, CONFIG, GLOBAL_BATCH, SEED, batches, optimizer
+from gpt_setup import CLIP, CONFIG, GLOBAL_BATCH, SEED, batches, optimizer, sgd_optimizer
 from lightning_megatron.checkpoint import gather_full_state_dict, merge_pipeline_stages
 from lightning_megatron.models import GPTModel
 from lightning_megatron.optim import GradientSynchronizer, clip_grads_by_global_norm
+from lightning_megatron.optim.main_params import MainParamOptimizer, uses_main_params
 from lightning_megatron.parallel import ParallelConfig, ParallelState, TensorParallelRNG
 from lightning_megatron.parallel.initialize import initialize_parameters
 from lightning_megatron.pipeline import PipelineLayout
@@ -27,7 +29,7 @@ from lightning_megatron.pipeline.runner import PipelineRunner
 from lightning_megatron.pipeline.stage import split_for_pipeline
 from lightning_megatron.tensor_parallel import parallelize
 
-LAYOUT = re.compile(r"(?:pp(\d+)-)?(?:vpp(\d+)-)?tp(\d+)-dp(\d+)(-sp)?(?:-mb(\d+))?(-gpipe)?")
+LAYOUT = re.compile(r"(?:pp(\d+)-)?(?:vpp(\d+)-)?tp(\d+)-dp(\d+)(-sp)?(?:-mb(\d+))?(-gpipe)?(?:-z(\d))?(-sgd)?")
 
 
 def build(state: ParallelState, virtual: int, schedule: str, micro_batches: int):
@@ -57,19 +59,21 @@ def train(layout: str) -> tuple[list[float], dict]:
     pp, virtual, tp, dp = int(match[1] or 1), int(match[2] or 1), int(match[3]), int(match[4])
     sp, micro_batches = bool(match[5]), int(match[6] or 1)
     schedule = "gpipe" if match[7] else ("interleaved_1f1b" if virtual > 1 else "1f1b")
+    zero_stage, sgd = int(match[8] or 0), bool(match[9])
     config = ParallelConfig(tensor_parallel_size=tp, pipeline_parallel_size=pp, data_parallel_size=dp,
-                            sequence_parallel=sp, virtual_pipeline_size=virtual)
+                            sequence_parallel=sp, virtual_pipeline_size=virtual, zero_stage=zero_stage)
     state = ParallelState.create(config, "cpu")
     model, runner = build(state, virtual, schedule, micro_batches)
     params = list(model.parameters())
-    opt = optimizer(params)
+    opt = sgd_optimizer(params) if sgd else optimizer(params)
     sync = GradientSynchronizer(
-        params, data_parallel_group=state.data_parallel_group, bucket_size_mb=0.01,
+        params, data_parallel_group=state.data_parallel_group, bucket_size_mb=0.01, zero_stage=zero_stage,
         partial_grad_groups=[
             ([p for p in params if getattr(p, "sequence_parallel_grad", False)], state.tensor_parallel_group),
             ([p for p in params if getattr(p, "pipeline_tied", False)], state.embedding_group),
         ],
     )
+    main = MainParamOptimizer(opt, sync) if uses_main_params(params, zero_stage) else None
     if runner is not None:
         runner.before_backward = lambda n: sync.start_micro_batch(sync=True, backward_passes=n)
 
@@ -87,9 +91,15 @@ def train(layout: str) -> tuple[list[float], dict]:
                 loss_sum.backward()
                 step_sum, step_tokens = step_sum + loss_sum.detach(), step_tokens + tokens
         sync.finish(step_tokens)
-        clip_grads_by_global_norm(params, CLIP, model_parallel_group=state.model_parallel_group,
-                                  is_first_tensor_rank=state.tensor_parallel_rank == 0)
+        if main is not None:
+            main.prepare_step()
+        clip_grads_by_global_norm([p for g in opt.param_groups for p in g["params"]], CLIP,
+                                  model_parallel_group=state.model_parallel_group,
+                                  is_first_tensor_rank=state.tensor_parallel_rank == 0,
+                                  data_parallel_group=state.data_parallel_group if zero_stage else None)
         opt.step()
+        if main is not None:
+            main.finish_step()
         sync.zero()
         totals = torch.stack([step_sum.detach().float(), step_tokens.float()])
         if state.data_parallel_group is not None:

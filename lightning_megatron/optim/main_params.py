@@ -1,0 +1,126 @@
+"""fp32 main parameters owned by this rank, and the user's optimizer rebound to them.
+
+This is Megatron-LM's distributed optimizer (and ZeRO stages 1-2): the model keeps its
+parameters in their training dtype (16-bit under ``bf16-true``/``16-true``), while the
+optimizer steps on fp32 *main* copies of the flat ranges this data-parallel rank owns
+(``GradientSynchronizer.owned_pieces``; everything at stage 0). After the step the owned
+ranges are copied back into the model's parameters and, under ZeRO, all-gathered over dp.
+
+The optimizer that ``configure_optimizers`` returned is kept as the same object, with
+its param groups' tensors replaced by the fp32 pieces, so hyper-parameters, LR schedulers
+and Lightning's bookkeeping keep working. Only element-wise optimizers can be wrapped
+this way: a piece may cut a tensor anywhere.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.optim import Optimizer
+
+from lightning_megatron.optim.grad_sync import GradientSynchronizer, OwnedPiece
+
+ELEMENTWISE_OPTIMIZERS = (
+    torch.optim.SGD,
+    torch.optim.Adam,
+    torch.optim.AdamW,
+    torch.optim.Adamax,
+    torch.optim.NAdam,
+    torch.optim.RAdam,
+    torch.optim.RMSprop,
+    torch.optim.Adagrad,
+)
+_TAGS = ("tensor_shard", "tied_names")
+
+
+def check_wrappable(optimizer: Optimizer, zero_stage: int) -> None:
+    if not isinstance(optimizer, ELEMENTWISE_OPTIMIZERS):
+        names = ", ".join(cls.__name__ for cls in ELEMENTWISE_OPTIMIZERS)
+        raise ValueError(
+            f"zero_stage={zero_stage} / fp32 main parameters shard each tensor element-wise over data-parallel ranks, "
+            f"which is only correct for element-wise optimizers ({names}); got {type(optimizer).__name__}. "
+            f"Use one of those, or zero_stage=0 with 32-bit parameters."
+        )
+
+
+class MainParamOptimizer:
+    """Binds ``optimizer`` to fp32 copies of this rank's owned pieces of the model parameters."""
+
+    def __init__(self, optimizer: Optimizer, sync: GradientSynchronizer) -> None:
+        check_wrappable(optimizer, sync.zero_stage)
+        self.optimizer, self.sync = optimizer, sync
+        group_of = {id(p): i for i, group in enumerate(optimizer.param_groups) for p in group["params"]}
+        self.pieces: list[tuple[OwnedPiece, nn.Parameter]] = []
+        new_params: list[list[nn.Parameter]] = [[] for _ in optimizer.param_groups]
+        for piece in sync.owned_pieces():
+            if id(piece.param) not in group_of:
+                continue  # trainable but not optimised by this optimizer
+            flat = piece.param.detach().reshape(-1)[piece.start : piece.stop]
+            main = nn.Parameter(flat.to(torch.float32, copy=True))
+            for tag in _TAGS:  # the global-norm clip needs to know how to count it
+                if hasattr(piece.param, tag):
+                    setattr(main, tag, getattr(piece.param, tag))
+            new_params[group_of[id(piece.param)]].append(main)
+            self.pieces.append((piece, main))
+        for group, params in zip(optimizer.param_groups, new_params):
+            group["params"] = params
+        optimizer.state.clear()
+        self._param_buffers = self._flatten_params() if sync.zero_stage else []
+
+    def _flatten_params(self) -> list[Tensor]:
+        """Under ZeRO the model's params live in flat per-bucket buffers, so one all-gather refreshes a bucket."""
+        buffers = []
+        for bucket in self.sync.buckets:
+            buffer = torch.zeros(bucket.numel, dtype=bucket.dtype, device=bucket.device)
+            for param, offset in zip(bucket.params, bucket.offsets):
+                view = buffer.narrow(0, offset, param.numel()).view_as(param)
+                view.copy_(param.detach())
+                param.data = view
+            buffers.append(buffer)
+        return buffers
+
+    def prepare_step(self) -> None:
+        """Hand the reduced, token-normalised owned gradients to the fp32 pieces."""
+        for piece, main in self.pieces:
+            grad = self.sync.owned_grad(piece)
+            main.grad = grad if grad.dtype == torch.float32 else grad.float()
+
+    def finish_step(self) -> None:
+        """Write the updated pieces into the model's parameters, then share them over dp."""
+        with torch.no_grad():
+            for piece, main in self.pieces:
+                piece.param.view(-1)[piece.start : piece.stop].copy_(main)
+                main.grad = None
+            group = self.sync.data_parallel_group
+            if self._param_buffers and group is not None:
+                for bucket, buffer in zip(self.sync.buckets, self._param_buffers):
+                    owned = buffer.narrow(0, bucket.shard_start, bucket.shard_numel).clone()
+                    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+                    gather(buffer, owned, group=group)
+
+    def main_param_bytes(self) -> int:
+        return sum(main.numel() * main.element_size() for _, main in self.pieces)
+
+
+def uses_main_params(params: list[nn.Parameter], zero_stage: int) -> bool:
+    """fp32 main copies are needed under ZeRO and for 16-bit parameters (Megatron's mixed precision)."""
+    return zero_stage > 0 or any(p.dtype in (torch.float16, torch.bfloat16) for p in params)
+
+
+def model_state_bytes(
+    params: list[nn.Parameter],
+    sync: Optional[GradientSynchronizer],
+    main: Optional[MainParamOptimizer],
+    optimizer: Optimizer,
+) -> dict[str, int]:
+    """Per-rank bytes of parameters, gradients, fp32 main parameters and optimizer state (tensors, not step counters)."""
+    state = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, Tensor) and v.dim() > 0]
+    return {
+        "parameters": sum(p.numel() * p.element_size() for p in dict.fromkeys(params)),
+        "gradients": sync.gradient_bytes() if sync is not None else 0,
+        "main_parameters": main.main_param_bytes() if main is not None else 0,
+        "optimizer_state": sum(v.numel() * v.element_size() for v in state),
+    }

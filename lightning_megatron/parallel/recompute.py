@@ -1,0 +1,171 @@
+"""Activation recomputation: keep fewer activations for backward and recompute the rest there.
+
+``mode="full"`` keeps only the input of each matched layer and runs the layer's forward
+again in backward (one more forward per step). ``mode="selective"`` recomputes only the
+attention core of each matched layer (``dropout(softmax(q k^T)) v``, a
+:class:`~lightning_megatron.models.transformer.CoreAttention`): its activations grow with
+the square of the sequence length, its FLOPs are a few percent of the layer's
+(Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models").
+
+Both use ``torch.utils.checkpoint.checkpoint(use_reentrant=False)`` on the matched module's
+``forward`` rather than wrapping the module in another one, so module and parameter names
+(checkpoint keys, initialisation seeds, plan patterns) do not change.
+
+Dropout masks. A recomputed forward must draw exactly the masks the original forward drew.
+``preserve_rng_state=True`` (torch's default) restores the default generator, but torch does
+not know the per-tensor-parallel-rank stream of :class:`TensorParallelRNG`; see
+:class:`_ReplayTracker` for how it is replayed.
+"""
+
+from __future__ import annotations
+
+import types
+from functools import partial
+from typing import Optional
+
+from torch import nn
+from torch.utils.checkpoint import checkpoint, noop_context_fn
+
+from lightning_megatron.models.transformer import CoreAttention
+from lightning_megatron.parallel.random import TensorParallelRNG
+from lightning_megatron.tensor_parallel.plan import _matches
+
+MODES = ("none", "full", "selective")
+
+
+def apply_activation_checkpointing(
+    module: nn.Module, *, mode: str, layer_pattern: str, rng: Optional[TensorParallelRNG] = None
+) -> nn.Module:
+    """Recompute the activations of the layers matching ``layer_pattern`` in backward; returns ``module``.
+
+    ``layer_pattern`` names the transformer layers as in a tensor-parallel plan (``*`` matches
+    one name component). Pass the ``rng`` that ``parallelize`` was given, so that recomputed
+    dropout on the per-rank stream repeats the original masks. Apply it after ``parallelize``
+    (layers it swaps would lose the recomputation) and before splitting for the pipeline (every
+    rank then matches the same layers and fails alike on a bad pattern).
+
+    Example::
+
+        parallelize(model, model.tensor_parallel_plan(), state, rng=rng)
+        apply_activation_checkpointing(model, mode="selective", layer_pattern="model.blocks.*", rng=rng)
+    """
+    if mode not in MODES:
+        raise ValueError(f"Unknown activation checkpointing mode {mode!r}. Valid modes: {', '.join(map(repr, MODES))}.")
+    if mode == "none":
+        return module
+    layers = [(name, layer) for name, layer in module.named_modules() if name and _matches(layer_pattern, name)]
+    if not layers:
+        raise ValueError(
+            f"layer_pattern {layer_pattern!r} matches no submodule of {type(module).__name__} ('*' matches one name "
+            f"component, e.g. 'model.blocks.*'). Check it against `[n for n, _ in model.named_modules()]`."
+        )
+    targets = layers if mode == "full" else _core_attentions(layers)
+    context_fn = noop_context_fn if rng is None else partial(_tracker_contexts, rng)
+    for name, target in targets:
+        _checkpoint_forward(target, name, context_fn)
+    return module
+
+
+def _core_attentions(layers: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
+    found = []
+    for name, layer in layers:
+        cores = [(f"{name}.{sub}", m) for sub, m in layer.named_modules() if isinstance(m, CoreAttention)]
+        if not cores:
+            raise ValueError(
+                f"mode='selective' recomputes the CoreAttention modules of the matched layers, but {name} "
+                f"({type(layer).__name__}) has none. Compute attention with "
+                f"lightning_megatron.models.transformer.CoreAttention, or use mode='full'."
+            )
+        found.extend(cores)
+    return found
+
+
+def _checkpoint_forward(module: nn.Module, name: str, context_fn) -> None:
+    """Make ``module.forward`` a checkpointed call of its class's forward.
+
+    Only ``forward`` is recomputed, not ``module(...)``: the module's own hooks (e.g. the fork
+    into the per-rank stream that ``parallelize`` registers on a sequence-parallel layer) run
+    once, around the checkpointed call, and are not re-entered in backward. Hooks of its
+    submodules (attention's fork) do run again; :class:`_ReplayTracker` makes them behave as
+    they did in the forward. Bound as a method so that a deep copy calls its own module.
+    """
+    if "forward" in vars(module):
+        raise ValueError(
+            f"{name} ({type(module).__name__}) already has its own `forward` attribute; was activation "
+            f"checkpointing applied twice? Apply it once, to a model built without it."
+        )
+    forward = type(module).forward
+
+    def checkpointed(self, *args, **kwargs):
+        return checkpoint(forward, self, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
+
+    module.forward = types.MethodType(checkpointed, module)
+
+
+def _tracker_state(rng: TensorParallelRNG) -> tuple:
+    """``(inside fork(), saved stream)``: all that decides the masks drawn from ``rng``.
+
+    Inside ``fork()`` the stream is swapped into the default generator (which torch saves and
+    restores itself) and the saved copy is stale; outside, the saved copy is the stream.
+    ``TensorParallelRNG`` exposes neither, so this pair of helpers is the one place that reads
+    and writes them. The saved state tensor is replaced, never changed in place, by ``fork()``,
+    so keeping a reference is a snapshot.
+    """
+    return rng._active, rng._state
+
+
+def _set_tracker_state(rng: TensorParallelRNG, state: tuple) -> None:
+    rng._active, rng._state = state
+
+
+class _RecordTracker:
+    """Forward context: remembers the tracker's state as the checkpointed forward starts."""
+
+    def __init__(self, rng: TensorParallelRNG) -> None:
+        self.rng = rng
+        self.state: Optional[tuple] = None
+
+    def __enter__(self) -> None:
+        self.state = _tracker_state(self.rng)
+
+    def __exit__(self, *exc_info) -> None:
+        return None
+
+
+class _ReplayTracker:
+    """Recompute context: the tracker as the forward found it, then back to where backward found it.
+
+    Why both halves are needed, for a GPT layer:
+
+    - With sequence parallelism the whole layer runs inside ``fork()`` (its pre-hook entered
+      the fork before the checkpoint started), so every dropout draws from the swapped-in
+      stream and attention's own fork is a no-op. Backward runs outside any fork: unless the
+      recomputation is marked as inside one again, attention's fork hook swaps in the
+      tracker's *current* stream and draws other masks.
+    - Without it, the layer runs outside the fork and attention's fork swaps in the stream
+      saved in the tracker; by backward, later layers and micro-batches have advanced it.
+    - Either way the recomputation draws from the tracker; unless it is put back afterwards,
+      the next forward's per-rank masks shift by one layer's worth of draws.
+
+    This needs two context managers that checkpoint enters at different times (the forward,
+    the recomputation), which is what ``context_fn`` offers; a wrapper around the function
+    could not tell the original forward from its recomputation. A class rather than a
+    generator context manager, because a second backward (``retain_graph=True``) recomputes,
+    and so enters it, again.
+    """
+
+    def __init__(self, record: _RecordTracker) -> None:
+        self.record = record
+        self.resume: Optional[tuple] = None
+
+    def __enter__(self) -> None:
+        self.resume = _tracker_state(self.record.rng)
+        _set_tracker_state(self.record.rng, self.record.state)
+
+    def __exit__(self, *exc_info) -> None:
+        _set_tracker_state(self.record.rng, self.resume)
+
+
+def _tracker_contexts(rng: TensorParallelRNG) -> tuple[_RecordTracker, _ReplayTracker]:
+    record = _RecordTracker(rng)
+    return record, _ReplayTracker(record)
