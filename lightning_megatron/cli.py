@@ -1,8 +1,9 @@
 """The ``lightning-megatron`` command.
 
-``fit``/``validate``/``test``/``predict`` go to LightningCLI over the GPT model and the data
-module (``--config configs/gpt-tiny.yaml``); the other subcommands are tools around
-training (data preprocessing, tokenizers, checkpoints) registered in ``TOOLS``.
+``fit``/``validate``/``test``/``predict`` go to LightningCLI: any LightningModule and
+LightningDataModule by ``class_path`` (``lightning_megatron.models.GPT``, ``...BERT`` or your
+own), as the files in ``configs/`` show; the other subcommands are tools around training
+(data preprocessing, tokenizers) registered in ``TOOLS``.
 
 Example::
 
@@ -14,13 +15,12 @@ from __future__ import annotations
 import sys
 from typing import Callable, Optional, Sequence
 
+import lightning as L
 from lightning.pytorch.cli import LightningCLI
 
 import lightning_megatron  # noqa: F401  (registers the "megatron_3d" strategy)
-from lightning_megatron.data import GPTDataModule
 from lightning_megatron.data.preprocess import main as preprocess_main
 from lightning_megatron.data.preprocess import train_tokenizer_main
-from lightning_megatron.models import GPT
 
 # name -> (one-line help, main(argv) function); each tool parses its own arguments.
 TOOLS: dict[str, tuple[str, Callable[[Sequence[str]], None]]] = {
@@ -30,10 +30,13 @@ TOOLS: dict[str, tuple[str, Callable[[Sequence[str]], None]]] = {
 
 
 def run_lightning_cli(args: Optional[Sequence[str]] = None) -> LightningCLI:
+    # Subclass mode without a default model: a default would leak its hyper-parameter
+    # defaults (GPT's betas, weight decay) into a BERT config that does not repeat them.
     return LightningCLI(
-        GPT,
-        GPTDataModule,
-        subclass_mode_model=False,
+        L.LightningModule,
+        L.LightningDataModule,
+        subclass_mode_model=True,
+        subclass_mode_data=True,
         seed_everything_default=1234,
         save_config_kwargs={"overwrite": True},
         args=args,

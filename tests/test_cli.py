@@ -13,6 +13,15 @@ REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "configs" / "gpt-tiny.yaml"
 
 
+@pytest.mark.parametrize("config", sorted(p.name for p in (REPO / "configs").glob("*.yaml")))
+def test_every_config_parses(config, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", str(REPO / "configs" / config), "--print_config"])
+    assert exit_info.value.code == 0
+    printed = capsys.readouterr().out
+    assert "lightning_megatron.Megatron3DStrategy" in printed and "class_path: lightning_megatron.models." in printed
+
+
 def test_print_config_parses_and_overrides(capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["fit", "--config", str(CONFIG), "--trainer.max_steps=7", "--print_config"])
@@ -23,15 +32,19 @@ def test_print_config_parses_and_overrides(capsys):
     assert "tensor_parallel_size: 2" in printed
 
 
-def test_default_run_trains_with_tensor_parallelism_and_saves_a_layout_free_checkpoint(tmp_path):
+def run_command(tmp_path, *args):
     executable = shutil.which("lightning-megatron")
     assert executable, "install the package (pip install -e .) so the lightning-megatron command exists"
-    result = subprocess.run(
-        [executable, "fit", "--config", str(CONFIG), "--trainer.max_steps=4", "--trainer.val_check_interval=4",
-         "--trainer.limit_val_batches=2", "--data.max_files=40", f"--trainer.default_root_dir={tmp_path}"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=600,
-    )
+    result = subprocess.run([executable, *args], cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-5000:]
+    return result
+
+
+def test_default_run_trains_with_tensor_parallelism_and_saves_a_layout_free_checkpoint(tmp_path):
+    result = run_command(
+        tmp_path, "fit", "--config", str(CONFIG), "--trainer.max_steps=4", "--trainer.val_check_interval=4",
+        "--trainer.limit_val_batches=2", "--data.max_files=40", f"--trainer.default_root_dir={tmp_path}",
+    )
     assert "tp=2 pp=1 dp=1" in result.stdout + result.stderr
     checkpoints = list(tmp_path.rglob("*.ckpt"))
     assert len(checkpoints) == 1, checkpoints
@@ -40,3 +53,14 @@ def test_default_run_trains_with_tensor_parallelism_and_saves_a_layout_free_chec
     assert checkpoint["megatron_3d_layout"]["tensor_parallel_size"] == 2
     # Full global shapes: the vocabulary is stored unpadded.
     assert checkpoint["state_dict"]["model.embedding.wte.weight"].shape == (257, 64)
+
+
+def test_bert_tiny_config_trains_two_steps(tmp_path):
+    run_command(
+        tmp_path, "fit", "--config", str(REPO / "configs" / "bert-tiny.yaml"), "--trainer.max_steps=2",
+        "--trainer.val_check_interval=2", "--trainer.limit_val_batches=1", "--data.max_files=30",
+        f"--trainer.default_root_dir={tmp_path}",
+    )
+    checkpoint = torch.load(next(tmp_path.rglob("*.ckpt")), weights_only=True)
+    assert checkpoint["global_step"] == 2
+    assert checkpoint["hyper_parameters"]["config"]["norm_position"] == "pre"

@@ -49,17 +49,16 @@ _LAYER_NAMES = {
     "mlp.proj.bias": ("mlp.c_proj.bias", SAME),
 }
 
+# GPT2Config switches whose other value describes a model ours does not compute (GPT-2's defaults).
+SUPPORTED_SWITCHES = {"scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False,
+                      "reorder_and_upcast_attn": False, "add_cross_attention": False, "tie_word_embeddings": True}
 # GPT2Config's defaults for the fields read here: older transformers write only the fields
 # that differ from them into config.json.
 GPT2_DEFAULTS: dict[str, Any] = {
     "vocab_size": 50257, "n_positions": 1024, "n_embd": 768, "n_layer": 12, "n_head": 12, "n_inner": None,
     "activation_function": "gelu_new", "resid_pdrop": 0.1, "embd_pdrop": 0.1, "attn_pdrop": 0.1,
-    "layer_norm_epsilon": 1e-5, "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False,
-    "reorder_and_upcast_attn": False, "add_cross_attention": False, "tie_word_embeddings": True,
+    "layer_norm_epsilon": 1e-5, **SUPPORTED_SWITCHES,
 }
-# GPT2Config switches whose other value describes a model ours does not compute.
-SUPPORTED_SWITCHES = {"scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False,
-                      "reorder_and_upcast_attn": False, "add_cross_attention": False, "tie_word_embeddings": True}
 # Both are 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))), torch's gelu(approximate="tanh"): our MLP's.
 TANH_GELUS = ("gelu_new", "gelu_pytorch_tanh")
 GPT2_END_OF_TEXT = 50256

@@ -83,6 +83,8 @@ class GPTConfig:
 GPT_PRESETS: dict[str, GPTConfig] = {
     "gpt-tiny": GPTConfig(),
     "gpt2-124m": GPTConfig(vocab_size=50257, max_seq_length=1024, hidden_size=768, num_layers=12, num_heads=12, dropout=0.1, attention_dropout=0.1),
+    # GPT-3 XL's sizes (Brown et al. 2020, table 2.1) with Megatron's vocabulary.
+    "gpt-1.3b": GPTConfig(vocab_size=51200, max_seq_length=2048, hidden_size=2048, num_layers=24, num_heads=16, dropout=0.1, attention_dropout=0.1),
     **{
         name: GPTConfig(vocab_size=51200, max_seq_length=1024, hidden_size=h, num_heads=heads, num_layers=layers, dropout=0.1, attention_dropout=0.1)
         for name, (h, heads, layers) in {

@@ -6,7 +6,7 @@ SEED = 0
 HF_FIELDS = dict(n_embd=64, n_head=4, n_layer=2, vocab_size=300, n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0,
                  attn_pdrop=0.0, bos_token_id=None, eos_token_id=None)
 BATCH, SEQ = 2, 64  # every position embedding is used; SEQ splits over tp=2 under sequence parallelism
-TOLERANCE = 1e-4
+TOLERANCE = 1e-5  # measured ~5e-7; exact instead of tanh GELU alone moves the logits by ~1.4e-4
 
 
 def build_hf_model(**overrides):
