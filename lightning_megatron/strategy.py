@@ -302,7 +302,7 @@ class Megatron3DStrategy(ParallelStrategy):
             device=self.root_device,
             schedule=self.pipeline_schedule,
             micro_batch_size=self.micro_batch_size,
-            loss_module=root.get_submodule(blocks.loss) if layout.num_stages - 1 in local_stages else None,
+            root=root,
             recorder=self.pipeline_recorder,
             before_backward=self._before_pipeline_backward,
         )

@@ -16,7 +16,7 @@ from lightning_megatron.data.bert import BYTE_SPECIAL_TOKENS
 from lightning_megatron.data.corpus import load_stdlib_token_documents
 from lightning_megatron.models import BERT, BERTConfig, BERTModel
 
-LAYOUTS = ["pre-tp2-dp1", "pre-tp2-dp1-sp", "post-tp2-dp1-sp", "pre-tp1-dp2"]
+LAYOUTS = ["pre-tp2-dp1", "pre-tp2-dp1-sp", "post-tp2-dp1-sp", "pre-tp1-dp2", "pre-pp2-tp1-dp1", "post-pp2-tp1-dp1"]
 LOSS_TOL, WEIGHT_TOL = 1e-5, 1e-5
 
 
@@ -234,9 +234,11 @@ def test_bad_input_raises_clear_errors():
     with pytest.raises(ValueError, match=r"tensor_parallel_size=2 does not divide num_heads=3.*\[1, 3\]"):
         config.validate_tensor_parallel_size(2)
     with pytest.raises(ValueError, match=r"tensor_parallel_size=2 does not divide num_heads=3"):
-        BERT(config).validate_parallel_config(SimpleNamespace(tensor_parallel_size=2, pipeline_parallel_size=1))
-    with pytest.raises(ValueError, match=r"pipeline_parallel_size=2.*tensor and data parallelism"):
-        BERT().validate_parallel_config(SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=2))
+        BERT(config).validate_parallel_config(SimpleNamespace(tensor_parallel_size=2, pipeline_parallel_size=1,
+                                                              virtual_pipeline_size=1, pipeline_layers_per_stage=None))
+    with pytest.raises(ValueError, match=r"num_layers=2 does not divide into .* 4 \* 1 = 4"):
+        BERT().validate_parallel_config(SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=4,
+                                                        virtual_pipeline_size=1, pipeline_layers_per_stage=None))
     with pytest.raises(ValueError, match=r"Unknown BERT preset 'bert-huge'\. Available presets: bert-1\.3b, bert-3\.9b"):
         BERT("bert-huge")
     with pytest.raises(ValueError, match=r"norm_position='sandwich'"):

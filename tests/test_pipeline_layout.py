@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-from torch import nn
 
 from lightning_megatron import Megatron3DStrategy
 from lightning_megatron.models import GPT, GPTConfig, GPTModel
@@ -67,7 +66,8 @@ def test_split_keeps_global_names_and_marks_the_tied_embedding_copy():
     assert names[0] == "blocks.2.ln_1.weight" and "lm_head.weight" in names and model.embedding is None
     head = model.lm_head.weight
     assert head.pipeline_tied and head.tied_names == ("lm_head.weight", "embedding.wte.weight")
-    assert len(stages) == 1 and len(stages[0].layers) == 2 and isinstance(stages[0].lasts[1], nn.Linear)
+    assert len(stages) == 1 and len(stages[0].layers) == 2 and stages[0].is_last and not stages[0].is_first
+    assert [name for name, _ in stages[0].named_parameters()][0] == "layers.0.ln_1.weight"  # the root is not registered
 
 
 def test_theoretical_bubble():

@@ -26,6 +26,8 @@ from torchmetrics import MeanMetric
 from lightning_megatron.models.optim_recipe import adamw_warmup_cosine
 from lightning_megatron.models.transformer import TransformerLayer, layer_tensor_parallel_plan
 from lightning_megatron.parallel.initialize import INIT_STD, default_initializer, initialize_parameters
+from lightning_megatron.pipeline.blocks import PipelineBatch, PipelineBlocks
+from lightning_megatron.pipeline.layout import PipelineLayout
 from lightning_megatron.tensor_parallel.argmax import Argmax
 
 IGNORE_INDEX = -100
@@ -244,26 +246,33 @@ class BERTModel(nn.Module):
             plan["pooler"] = "sequence_gather"
         return plan
 
-    def forward(
-        self, input_ids: Tensor, *, attention_mask: Optional[Tensor] = None, token_type_ids: Optional[Tensor] = None
-    ) -> BERTOutput:
+    @staticmethod
+    def pipeline_blocks() -> PipelineBlocks:
+        return PipelineBlocks(first=("embeddings",), layers="blocks",
+                              last=("ln_f", "mlm_head", "pooler", "binary_head", "loss_fn", "argmax"))
+
+    # The pipeline protocol (pipeline/blocks.py); forward and loss are built from it.
+    def embed(self, input_ids: Tensor, *, token_type_ids: Optional[Tensor] = None, **side: Tensor) -> Tensor:
         if input_ids.shape[1] > self.config.max_seq_length:
             raise ValueError(
                 f"Sequence length {input_ids.shape[1]} exceeds max_seq_length={self.config.max_seq_length} of the model."
             )
         if token_type_ids is None:
             token_type_ids = torch.zeros_like(input_ids)
+        return self.embeddings(input_ids, token_type_ids)
+
+    def layer_kwargs(self, *, attention_mask: Optional[Tensor] = None, **side: Tensor) -> dict:
         # [B, 1, 1, S] booleans, True = attend: broadcast over heads and query positions.
-        mask = None if attention_mask is None else attention_mask.bool()[:, None, None, :]
-        x = self.embeddings(input_ids, token_type_ids)
-        for block in self.blocks.values():
-            x = block(x, mask)
+        return {"attention_mask": None if attention_mask is None else attention_mask.bool()[:, None, None, :]}
+
+    def head(self, x: Tensor, *, sentence_order_labels: Optional[Tensor] = None, **side: Tensor):
+        """``(masked-LM logits, sentence-order logits, sentence-order labels)``: all the loss needs."""
         if self.ln_f is not None:
             x = self.ln_f(x)
         binary_logits = None if self.binary_head is None else self.binary_head(self.pooler(x))
-        return BERTOutput(self.mlm_head(x), binary_logits)
+        return self.mlm_head(x), binary_logits, sentence_order_labels
 
-    def loss(
+    def pipeline_batch(
         self,
         input_ids: Tensor,
         labels: Tensor,
@@ -271,7 +280,18 @@ class BERTModel(nn.Module):
         attention_mask: Optional[Tensor] = None,
         token_type_ids: Optional[Tensor] = None,
         sentence_order_labels: Optional[Tensor] = None,
-    ) -> BERTLoss:
+    ) -> PipelineBatch:
+        if self.config.binary_head and sentence_order_labels is None:
+            raise ValueError(
+                "This BERT has a sentence-order head (binary_head=True) but the batch has no sentence-order labels: "
+                "use BERTDataModule(sentence_order=True) or BERTConfig(binary_head=False)."
+            )
+        side = {"attention_mask": attention_mask, "token_type_ids": token_type_ids,
+                "sentence_order_labels": sentence_order_labels}
+        return PipelineBatch(inputs=(input_ids,), target=labels, num_tokens=(labels != IGNORE_INDEX).sum(),
+                             side={name: value for name, value in side.items() if value is not None})
+
+    def pipeline_loss(self, outputs, labels: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
         """Masked-LM loss over the positions whose label is not -100, plus the sentence-order loss.
 
         A sample's sentence-order loss is weighted by its number of masked tokens, so the whole
@@ -280,21 +300,44 @@ class BERTModel(nn.Module):
         whenever ranks hold different numbers of masked tokens). With samples of equal length
         every weight is the same and this is the usual per-sample mean.
         """
-        if self.binary_head is not None and sentence_order_labels is None:
-            raise ValueError(
-                "This BERT has a sentence-order head (binary_head=True) but the batch has no sentence-order labels: "
-                "use BERTDataModule(sentence_order=True) or BERTConfig(binary_head=False)."
-            )
-        output = self(input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids)
+        logits, binary_logits, sentence_order_labels = outputs
         masked = labels != IGNORE_INDEX
-        mlm_loss_sum = self.loss_fn(output.logits.flatten(0, 1), labels.flatten())
-        num_correct = ((self.argmax(output.logits.detach()) == labels) & masked).sum()
-        loss_sum, sentence_order_loss = mlm_loss_sum, None
-        if output.binary_logits is not None:
-            per_sample = F.cross_entropy(output.binary_logits.float(), sentence_order_labels, reduction="none")
+        mlm_loss_sum = self.loss_fn(logits.flatten(0, 1), labels.flatten())
+        extras = {"mlm_loss_sum": mlm_loss_sum.detach(),
+                  "num_correct": ((self.argmax(logits.detach()) == labels) & masked).sum()}
+        loss_sum = mlm_loss_sum
+        if binary_logits is not None:
+            per_sample = F.cross_entropy(binary_logits.float(), sentence_order_labels, reduction="none")
             loss_sum = loss_sum + (per_sample * masked.sum(dim=1)).sum()
-            sentence_order_loss = per_sample.detach().mean()
-        return BERTLoss(loss_sum, masked.sum(), mlm_loss_sum, num_correct, sentence_order_loss)
+            extras["sentence_order_loss_sum"] = per_sample.detach().sum()
+            extras["samples"] = torch.tensor(float(len(per_sample)), device=per_sample.device)
+        return loss_sum, extras
+
+    def pipeline_result(self, loss_sum: Tensor, num_tokens: Tensor, extras: dict[str, Tensor]) -> BERTLoss:
+        sentence_order_loss = None
+        if "samples" in extras:
+            sentence_order_loss = extras["sentence_order_loss_sum"] / extras["samples"]
+        return BERTLoss(loss_sum, num_tokens, extras["mlm_loss_sum"], extras["num_correct"], sentence_order_loss)
+
+    def _run(self, input_ids: Tensor, side: dict[str, Tensor]):
+        x = self.embed(input_ids, **side)
+        layer_kwargs = self.layer_kwargs(**side)
+        for block in self.blocks.values():
+            x = block(x, **layer_kwargs)
+        return self.head(x, **side)
+
+    def forward(
+        self, input_ids: Tensor, *, attention_mask: Optional[Tensor] = None, token_type_ids: Optional[Tensor] = None
+    ) -> BERTOutput:
+        side = {"attention_mask": attention_mask, "token_type_ids": token_type_ids}
+        logits, binary_logits, _ = self._run(input_ids, {k: v for k, v in side.items() if v is not None})
+        return BERTOutput(logits, binary_logits)
+
+    def loss(self, input_ids: Tensor, labels: Tensor, **kwargs: Optional[Tensor]) -> BERTLoss:
+        """See :meth:`pipeline_batch` for the keyword arguments and :meth:`pipeline_loss` for the objective."""
+        batch = self.pipeline_batch(input_ids, labels, **kwargs)
+        loss_sum, extras = self.pipeline_loss(self._run(input_ids, batch.side), labels)
+        return self.pipeline_result(loss_sum, batch.num_tokens, extras)
 
 
 class BERT(L.LightningModule):
@@ -343,13 +386,17 @@ class BERT(L.LightningModule):
     def tensor_parallel_plan(self) -> dict[str, str]:
         return {f"model.{pattern}": style for pattern, style in BERTModel.tensor_parallel_plan(self.config).items()}
 
+    def pipeline_blocks(self) -> PipelineBlocks:
+        return BERTModel.pipeline_blocks().under("model")
+
     def validate_parallel_config(self, parallel_config) -> None:
         self.config.validate_tensor_parallel_size(parallel_config.tensor_parallel_size)
-        if parallel_config.pipeline_parallel_size > 1:
-            raise ValueError(
-                f"pipeline_parallel_size={parallel_config.pipeline_parallel_size}: BERT does not support pipeline "
-                f"parallelism yet (its layers also take the attention mask). Use tensor and data parallelism."
-            )
+        PipelineLayout(
+            num_layers=self.config.num_layers,
+            pipeline_parallel_size=parallel_config.pipeline_parallel_size,
+            virtual_pipeline_size=parallel_config.virtual_pipeline_size,
+            layers_per_stage=parallel_config.pipeline_layers_per_stage,
+        )
 
     def forward(self, input_ids: Tensor, **kwargs: Tensor) -> BERTOutput:
         return self.model(input_ids, **kwargs)

@@ -20,7 +20,7 @@ from torchmetrics import MeanMetric
 
 from lightning_megatron.models.transformer import TransformerLayer, layer_tensor_parallel_plan
 from lightning_megatron.parallel.initialize import INIT_STD, default_initializer, initialize_parameters
-from lightning_megatron.pipeline.blocks import PipelineBlocks
+from lightning_megatron.pipeline.blocks import PipelineBatch, PipelineBlocks
 from lightning_megatron.pipeline.layout import PipelineLayout
 
 IGNORE_INDEX = -100
@@ -157,23 +157,42 @@ class GPTModel(nn.Module):
 
     @staticmethod
     def pipeline_blocks() -> PipelineBlocks:
-        return PipelineBlocks(first=("embedding",), layers="blocks", last=("ln_f", "lm_head"), loss="loss_fn")
+        return PipelineBlocks(first=("embedding",), layers="blocks", last=("ln_f", "lm_head", "loss_fn"))
 
-    def forward(self, input_ids: Tensor) -> Tensor:
+    # The pipeline protocol (pipeline/blocks.py); forward and loss are built from it.
+    def embed(self, input_ids: Tensor) -> Tensor:
         if input_ids.shape[1] > self.config.max_seq_length:
             raise ValueError(
                 f"Sequence length {input_ids.shape[1]} exceeds max_seq_length={self.config.max_seq_length} of the model."
             )
-        x = self.embedding(input_ids)
+        return self.embedding(input_ids)
+
+    def layer_kwargs(self) -> dict:
+        return {}
+
+    def head(self, x: Tensor) -> Tensor:
+        return self.lm_head(self.ln_f(x))
+
+    def pipeline_batch(self, input_ids: Tensor, labels: Tensor) -> PipelineBatch:
+        return PipelineBatch(inputs=(input_ids,), target=labels, num_tokens=(labels != IGNORE_INDEX).sum())
+
+    def pipeline_loss(self, logits: Tensor, labels: Tensor) -> tuple[Tensor, dict]:
+        return self.loss_fn(logits.flatten(0, 1), labels.flatten()), {}
+
+    def pipeline_result(self, loss_sum: Tensor, num_tokens: Tensor, extras: dict) -> tuple[Tensor, Tensor]:
+        return loss_sum, num_tokens
+
+    def forward(self, input_ids: Tensor) -> Tensor:
+        x = self.embed(input_ids)
         for block in self.blocks.values():
             x = block(x)
-        return self.lm_head(self.ln_f(x))
+        return self.head(x)
 
     def loss(self, input_ids: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
         """``(sum of token losses, number of counted tokens)``; labels of ``-100`` are ignored."""
-        logits = self(input_ids)
-        loss_sum = self.loss_fn(logits.flatten(0, 1), labels.flatten())
-        return loss_sum, (labels != IGNORE_INDEX).sum()
+        batch = self.pipeline_batch(input_ids, labels)
+        loss_sum, extras = self.pipeline_loss(self(input_ids), labels)
+        return self.pipeline_result(loss_sum, batch.num_tokens, extras)
 
 
 class GPT(L.LightningModule):

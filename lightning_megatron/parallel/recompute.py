@@ -14,7 +14,10 @@ Both use ``torch.utils.checkpoint.checkpoint(use_reentrant=False)`` on the match
 Dropout masks. A recomputed forward must draw exactly the masks the original forward drew.
 ``preserve_rng_state=True`` (torch's default) restores the default generator, but torch does
 not know the per-tensor-parallel-rank stream of :class:`TensorParallelRNG`; see
-:class:`_ReplayTracker` for how it is replayed.
+:class:`_ReplayTracker` for how it is replayed. (Selective recomputation alone would not
+need the replay: the attention core runs inside attention's ``fork()``, where the per-rank
+stream is the default generator, and contains no fork of its own. Every checkpoint gets
+the same treatment, so that no case rests on that.)
 """
 
 from __future__ import annotations
@@ -42,7 +45,8 @@ def apply_activation_checkpointing(
     one name component). Pass the ``rng`` that ``parallelize`` was given, so that recomputed
     dropout on the per-rank stream repeats the original masks. Apply it after ``parallelize``
     (layers it swaps would lose the recomputation) and before splitting for the pipeline (every
-    rank then matches the same layers and fails alike on a bad pattern).
+    rank then matches the same layers and fails alike on a bad pattern). ``mode="none"``
+    returns ``module`` untouched.
 
     Example::
 

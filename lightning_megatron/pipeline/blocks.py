@@ -1,27 +1,48 @@
 """What a model tells the strategy about splitting it into pipeline stages.
 
-A pipelined model is a sequence: the ``first`` modules (the embedding) take the batch's
-inputs, each layer of ``layers`` takes the previous output, the ``last`` modules (final
-norm, output head) produce the logits, and ``loss`` turns logits and labels into a summed
-loss. The model's ``loss(*inputs, labels)`` method returns ``(loss_sum, num_tokens)``; under
-pipeline parallelism the strategy routes it through the pipeline schedule.
+``pipeline_blocks()`` names the submodules that only the first stage keeps (the
+embedding), the ``nn.ModuleDict`` of layers that is split over stages, and the submodules
+that only the last stage keeps (final norm, heads, loss). The root model (``root``) then
+provides the pipeline protocol, which its own ``forward``/``loss`` are built from, so the
+two paths cannot drift apart:
+
+* ``pipeline_batch(*args, **kwargs) -> PipelineBatch``: the arguments of ``loss()`` split
+  into first-stage inputs, per-sample side inputs every stage sees (masks), the target,
+  and the number of tokens the loss counts;
+* ``embed(*inputs, **side)`` (first stage), ``layer_kwargs(**side)`` (keyword arguments of
+  every layer), ``head(hidden, **side)`` (last stage);
+* ``pipeline_loss(outputs, target) -> (loss_sum, extras)``: the summed loss of a
+  micro-batch and metrics to sum over micro-batches (e.g. correct predictions);
+* ``pipeline_result(loss_sum, num_tokens, extras)``: what ``loss()`` returns.
+
+Under pipeline parallelism the strategy replaces the root's ``loss`` with one that runs
+this protocol through the pipeline schedule.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
+
+from torch import Tensor
 
 
 @dataclass(frozen=True)
 class PipelineBlocks:
-    """Submodule names, relative to ``root`` (the module that owns ``loss()``)."""
+    """Submodule names, relative to ``root`` (the module that implements the protocol)."""
 
     first: tuple[str, ...]
     layers: str
     last: tuple[str, ...]
-    loss: str
     root: str = ""
 
     def under(self, prefix: str) -> "PipelineBlocks":
         """The same blocks, seen from a parent module that holds the model as ``prefix``."""
         return replace(self, root=f"{prefix}.{self.root}" if self.root else prefix)
+
+
+@dataclass
+class PipelineBatch:
+    inputs: tuple[Tensor, ...]
+    target: Tensor
+    num_tokens: Tensor
+    side: dict[str, Tensor] = field(default_factory=dict)

@@ -1,12 +1,12 @@
 """Run a model's loss through a ``torch.distributed.pipelining`` schedule.
 
-``PipelineRunner.loss(*inputs, labels)`` has the contract of the model's own ``loss``:
-it returns ``(loss_sum, num_tokens)`` of the batch on every pipeline rank (the last stage
-broadcasts the sum). In grad mode it also runs the backward of every micro-batch, so the
-strategy skips Lightning's backward. The loss is a *sum* over tokens and the schedule does
-not rescale gradients (``scale_grads=False``): the gradient synchroniser divides by the
-token count of the global batch, exactly as without pipelining, so micro-batching never
-changes the result.
+``PipelineRunner.loss(*args, **kwargs)`` has the contract of the model's own ``loss`` (see
+``pipeline/blocks.py`` for the protocol): it returns the same result on every pipeline
+rank (the last stage broadcasts the summed loss and metrics). In grad mode it also runs
+the backward of every micro-batch, so the strategy skips Lightning's backward. The loss is
+a *sum* over tokens and the schedule does not rescale gradients (``scale_grads=False``):
+the gradient synchroniser divides by the token count of the global batch, exactly as
+without pipelining, so micro-batching never changes the result.
 """
 
 from __future__ import annotations
@@ -35,22 +35,25 @@ class PipelineRunner:
         device: torch.device,
         schedule: str,
         micro_batch_size: int,
-        loss_module: Optional[nn.Module],
+        root: nn.Module,
         recorder: Optional[TimelineRecorder] = None,
         before_backward: Optional[Callable[[int], None]] = None,
     ) -> None:
         self.stage_modules, self.stage_ids, self.num_stages = stage_modules, stage_ids, num_stages
         self.group, self.device, self.schedule_name = group, device, schedule
         self.micro_batch_size = micro_batch_size
-        self.loss_module = loss_module
+        self.root = root
+        self._extras: list[dict[str, Tensor]] = []
         self.recorder = recorder
         self.before_backward = before_backward
         self.has_first, self.has_last = 0 in stage_ids, num_stages - 1 in stage_ids
         self.last_stage_rank = (num_stages - 1) % dist.get_world_size(group)
         self._schedules: dict[tuple, object] = {}
 
-    def _loss_of_micro_batch(self, output: Tensor, target: Tensor) -> Tensor:
-        return self.loss_module(output.flatten(0, -2), target.flatten())
+    def _loss_of_micro_batch(self, output, target: Tensor) -> Tensor:
+        loss_sum, extras = self.root.pipeline_loss(output, target)
+        self._extras.append({name: value.detach() for name, value in extras.items()})
+        return loss_sum
 
     def _schedule(self, micro_batches: int, shape: tuple, training: bool):
         """Stages and schedule are built once per (micro-batch count, input shape, mode)."""
@@ -70,31 +73,36 @@ class PipelineRunner:
             )
         return self._schedules[key]
 
-    def loss(self, *inputs_then_labels: Tensor) -> tuple[Tensor, Tensor]:
-        """The model's ``loss(*inputs, labels)``: labels come last, as in ``GPTModel.loss(input_ids, labels)``."""
-        *inputs, labels = inputs_then_labels
+    def loss(self, *args, **kwargs):
+        """The model's ``loss(...)``, run through the schedule."""
+        batch = self.root.pipeline_batch(*args, **kwargs)
         micro_batches = check_micro_batches(
             schedule=self.schedule_name,
-            batch_size=labels.shape[0],
+            batch_size=batch.target.shape[0],
             micro_batch_size=self.micro_batch_size,
             pipeline_parallel_size=dist.get_world_size(self.group),
         )
         training = torch.is_grad_enabled()
-        schedule = self._schedule(micro_batches, tuple(labels.shape), training)
+        schedule = self._schedule(micro_batches, tuple(batch.target.shape), training)
         losses: list[Tensor] = []
-        args = inputs if self.has_first else ()
+        self._extras.clear()
+        inputs = batch.inputs if self.has_first else ()
         if training:
             if self.before_backward is not None:
                 self.before_backward(micro_batches)
-            schedule.step(*args, target=labels, losses=losses)
+            schedule.step(*inputs, target=batch.target, losses=losses, **batch.side)
         else:
             # Lightning may validate under inference_mode; P2P buffers must be ordinary tensors.
             with torch.inference_mode(False), torch.no_grad():
-                args = tuple(a.clone() for a in args)
-                schedule.eval(*args, target=labels.clone(), losses=losses)
-        loss_sum = torch.stack([loss.detach().float() for loss in losses]).sum() if self.has_last else None
-        if loss_sum is None:
-            loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
-        dist.broadcast(loss_sum, group=self.group, group_src=self.last_stage_rank)
-        ignore_index = getattr(self.loss_module, "ignore_index", -100)
-        return loss_sum, (labels != ignore_index).sum()
+                clone = lambda t: t.clone()  # noqa: E731
+                schedule.eval(*map(clone, inputs), target=batch.target.clone(), losses=losses,
+                              **{k: clone(v) for k, v in batch.side.items()})
+        totals = [None]
+        if self.has_last:
+            summed = {name: sum(extra[name] for extra in self._extras) for name in self._extras[0]}
+            totals = [{name: value.cpu() for name, value in
+                       {"loss_sum": torch.stack([loss.detach().float() for loss in losses]).sum(), **summed}.items()}]
+        dist.broadcast_object_list(totals, group=self.group, group_src=self.last_stage_rank, device=self.device)
+        extras = dict(totals[0])
+        loss_sum = extras.pop("loss_sum").to(self.device)
+        return self.root.pipeline_result(loss_sum, batch.num_tokens, {k: v.to(self.device) for k, v in extras.items()})

@@ -13,7 +13,6 @@ original's name) and stay equal (their gradients are summed over the embedding g
 
 from __future__ import annotations
 
-from itertools import chain
 from typing import Sequence
 
 from torch import nn
@@ -27,17 +26,24 @@ def _set_submodule(root: nn.Module, name: str, value) -> None:
 
 
 class StageModule(nn.Module):
-    """One pipeline stage: the first modules (if first), some layers, the last modules (if last)."""
+    """One pipeline stage: ``root.embed`` (if first), some layers, ``root.head`` (if last).
 
-    def __init__(self, firsts: Sequence[nn.Module], layers: Sequence[nn.Module], lasts: Sequence[nn.Module]) -> None:
+    Only the stage's own layers are registered as submodules; the root, which holds the
+    embedding and head and implements the protocol, is referenced, not registered.
+    """
+
+    def __init__(self, root: nn.Module, layers: Sequence[nn.Module], *, is_first: bool, is_last: bool) -> None:
         super().__init__()
-        self.firsts, self.layers, self.lasts = nn.ModuleList(firsts), nn.ModuleList(layers), nn.ModuleList(lasts)
+        object.__setattr__(self, "root", root)
+        self.layers = nn.ModuleList(layers)
+        self.is_first, self.is_last = is_first, is_last
 
-    def forward(self, *inputs):
-        x = inputs[0] if len(inputs) == 1 else inputs
-        for module in chain(self.firsts, self.layers, self.lasts):
-            x = module(*x) if isinstance(x, tuple) else module(x)
-        return x
+    def forward(self, *inputs, **side):
+        x = self.root.embed(*inputs, **side) if self.is_first else inputs[0]
+        layer_kwargs = self.root.layer_kwargs(**side)
+        for layer in self.layers:
+            x = layer(x, **layer_kwargs)
+        return self.root.head(x, **side) if self.is_last else x
 
 
 def split_for_pipeline(
@@ -64,7 +70,7 @@ def split_for_pipeline(
         for name in blocks.first:
             _set_submodule(root, name, None)
     if not has_last:
-        for name in (*blocks.last, blocks.loss):
+        for name in blocks.last:
             _set_submodule(root, name, None)
 
     present = {name for name, _ in root.named_parameters(remove_duplicate=False)}
@@ -75,14 +81,8 @@ def split_for_pipeline(
             if name != original[0]:
                 param.tied_names = (name, original[0])  # initialise as the original; count it once in norms
 
-    def modules(names: Sequence[str]) -> list[nn.Module]:
-        return [root.get_submodule(n) for n in names]
-
     return [
-        StageModule(
-            modules(blocks.first) if stage == 0 else [],
-            [layers[str(i)] for i in stage_layers[stage]],
-            modules(blocks.last) if stage == num_stages - 1 else [],
-        )
+        StageModule(root, [layers[str(i)] for i in stage_layers[stage]], is_first=stage == 0,
+                    is_last=stage == num_stages - 1)
         for stage in local_stages
     ]

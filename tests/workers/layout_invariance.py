@@ -49,8 +49,7 @@ def build(state: ParallelState, virtual: int, schedule: str, micro_batches: int)
         per_rank = GLOBAL_BATCH // state.config.data_parallel_size
         runner = PipelineRunner(stages, local, num_stages=layout.num_stages, group=state.pipeline_parallel_group,
                                 device=torch.device("cpu"), schedule=schedule,
-                                micro_batch_size=per_rank // micro_batches,
-                                loss_module=model.loss_fn if layout.num_stages - 1 in local else None)
+                                micro_batch_size=per_rank // micro_batches, root=model)
     return model, runner
 
 
