@@ -38,13 +38,13 @@ from typing import Callable, Optional
 import lightning as L
 import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
-from torch import Tensor
+from torch import Tensor, nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from lightning_megatron import Megatron3DStrategy
 from lightning_megatron.models.gpt import GPT, GPTConfig, GPTModel
-from lightning_megatron.models.transformer import SelfAttention, TransformerLayer
+from lightning_megatron.models.transformer import TransformerLayer
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 MIB = 2**20
@@ -82,6 +82,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=5, help="optimizer steps run before the clock starts")
     parser.add_argument("--repeats", type=int, default=3, help="runs per variant, interleaved")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="intra-op threads per process (OMP_NUM_THREADS; 0 = torch's default); see launch()")
     parser.add_argument("--precision", choices=("32-true", "bf16-mixed"), default="32-true")
     parser.add_argument("--peak-tflops", type=float, default=989.0,
                         help="peak TFLOP/s of one device for MFU (H200 dense bf16: 989)")
@@ -222,26 +224,26 @@ class StopwatchCallback(L.Callback):
 
 
 # ---------------------------------------------------------------------------- the DTensor baseline
-class LocalHeadsSelfAttention(SelfAttention):
-    """``SelfAttention`` with its local head count taken from the qkv *output*, not the weight.
+class LocalWeightShape(nn.Module):
+    """A DTensor-parallel linear whose ``.weight`` reads as this rank's shard.
 
-    Under DTensor ``self.qkv.weight.shape`` is the global shape, while ``ColwiseParallel``
-    returns this rank's local output, which holds whole heads because qkv is laid out head
-    by head. Everything else is ``SelfAttention.forward`` unchanged, so the math is equal.
+    ``SelfAttention`` counts its local heads as ``self.qkv.weight.shape[0] // (3 * head_dim)``:
+    right for Megatron's layers, which hold plain local tensors, but a DTensor's ``.shape`` is
+    the global shape, while ``ColwiseParallel`` hands back the local output. Wrapping the
+    linear leaves the attention code and its math untouched; each rank holds whole heads
+    because qkv is laid out head by head.
     """
 
-    def forward(self, x: Tensor, attention_mask: Optional[Tensor] = None) -> Tensor:
-        qkv = self.qkv(x)
-        batch, seq, width = qkv.shape
-        local_heads = width // (3 * self.head_dim)
-        q, k, v = qkv.view(batch, seq, local_heads, 3, self.head_dim).permute(3, 0, 2, 1, 4).unbind(0)
-        y = torch.nn.functional.scaled_dot_product_attention(
-            q, k, v,
-            attn_mask=attention_mask,
-            dropout_p=self.attention_dropout if self.training else 0.0,
-            is_causal=self.causal and attention_mask is None,
-        )
-        return self.proj(y.transpose(1, 2).reshape(batch, seq, local_heads * self.head_dim))
+    def __init__(self, linear: nn.Module) -> None:
+        super().__init__()
+        self.linear = linear
+
+    @property
+    def weight(self) -> Tensor:
+        return self.linear.weight.to_local()
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.linear(x)
 
 
 DTENSOR_BLOCK_PLAN = {
@@ -265,8 +267,8 @@ class DTensorGPT(GPT):
         self.model = GPTModel(self.config)
         mesh = self.device_mesh["tensor_parallel"]
         for block in [m for m in self.model.modules() if isinstance(m, TransformerLayer)]:
-            block.attn.__class__ = LocalHeadsSelfAttention  # same parameters, local head count
             parallelize_module(block, mesh, DTENSOR_BLOCK_PLAN)
+            block.attn.qkv = LocalWeightShape(block.attn.qkv)
 
 
 # ---------------------------------------------------------------------------- workers
@@ -350,8 +352,14 @@ def worker_main(args: argparse.Namespace) -> None:
 
 
 # ---------------------------------------------------------------------------- parent
-def launch(variant: Variant, argv: list[str], result_dir: Path) -> list[dict]:
-    """One run of ``variant`` in fresh processes; the per-rank results."""
+def launch(variant: Variant, args: argparse.Namespace, argv: list[str], result_dir: Path) -> list[dict]:
+    """One run of ``variant`` in fresh processes; the per-rank results.
+
+    One thread per process by default, which is also what torchrun gives each rank: on a
+    shared CPU a multi-threaded matmul waits for its slowest thread, and runs here got
+    10-60x slower whenever another job was busy, while single-threaded runs stayed within
+    a few percent of each other.
+    """
     script = [str(Path(__file__).resolve()), *argv, "--worker", variant.key, "--result-dir", str(result_dir)]
     if variant.processes == 1:
         cmd = [sys.executable, *script]
@@ -359,6 +367,8 @@ def launch(variant: Variant, argv: list[str], result_dir: Path) -> list[dict]:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={variant.processes}", *script]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
                PYTHONWARNINGS="ignore")
+    if args.threads > 0:
+        env["OMP_NUM_THREADS"] = str(args.threads)
     proc = subprocess.run(cmd, env=env, cwd=result_dir, capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"{variant.label} failed (exit code {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
@@ -389,7 +399,7 @@ def run_all(args: argparse.Namespace, argv: list[str], variants: list[Variant]) 
                 result_dir = Path(tmp, f"{variant.key}-{repeat}")
                 result_dir.mkdir()
                 print(f"  round {repeat + 1}/{args.repeats}: {variant.label} ...", file=sys.stderr, flush=True)
-                runs[variant.key].append(Run.from_ranks(launch(variant, argv, result_dir), tokens_per_step))
+                runs[variant.key].append(Run.from_ranks(launch(variant, args, argv, result_dir), tokens_per_step))
     return runs
 
 
@@ -451,6 +461,7 @@ def describe(args: argparse.Namespace) -> str:
     config = gpt_config(args)
     return (f"GPT h={args.hidden} layers={args.layers} heads={args.heads} seq={args.seq} vocab={args.vocab} "
             f"({config.num_parameters() / 1e6:.2f}M params), batch={args.batch}, {args.device} {args.precision}, "
+            f"threads/process={args.threads or 'default'}, "
             f"Megatron pad_vocab_to_multiple_of={args.pad_vocab}, torch {torch.__version__}, lightning {L.__version__}\n"
             f"tokens/s: median step time over {args.steps} steps after {args.warmup} warmup; best of {args.repeats} "
             f"interleaved runs. Ratios: row / the baseline row above it (goal tok/s >= 0.97).")

@@ -45,6 +45,8 @@ from lightning_megatron.optim.main_params import MainParamOptimizer, model_state
 from lightning_megatron.parallel.config import ParallelConfig
 from lightning_megatron.parallel.initialize import initialize_parameters
 from lightning_megatron.parallel.random import TensorParallelRNG
+from lightning_megatron.parallel.recompute import MODES as RECOMPUTE_MODES
+from lightning_megatron.parallel.recompute import apply_activation_checkpointing
 from lightning_megatron.parallel.state import ParallelState
 from lightning_megatron.checkpoint.full import gather_full_state_dict, local_state_dict_from_full, merge_pipeline_stages
 from lightning_megatron.pipeline.layout import PipelineLayout, check_schedule
@@ -69,6 +71,9 @@ class Megatron3DStrategy(ParallelStrategy):
         pipeline_schedule: ``"1f1b"``, ``"interleaved_1f1b"`` or ``"gpipe"`` (torch.distributed.pipelining).
         micro_batch_size: samples per pipeline micro-batch; the per-rank batch is cut into micro-batches.
         pipeline_layers_per_stage: layers of each of the ``pp * vpp`` stages (default: even).
+        activation_checkpointing: ``"none"``, ``"full"`` (recompute each transformer layer in
+            backward) or ``"selective"`` (recompute only attention's core, Korthikanti et al. 2022);
+            the layers are the model's ``pipeline_blocks()`` layers. Dropout masks are replayed exactly.
         bucket_size_mb: size of the gradient buckets reduced over dp while backward runs.
         pad_vocab_to_multiple_of: the vocabulary is padded to a multiple of ``tp * this`` (Megatron: 128).
 
@@ -91,6 +96,7 @@ class Megatron3DStrategy(ParallelStrategy):
         pipeline_schedule: str = "1f1b",
         micro_batch_size: int = 1,
         pipeline_layers_per_stage: Optional[list[int]] = None,
+        activation_checkpointing: str = "none",
         bucket_size_mb: float = DEFAULT_BUCKET_SIZE_MB,
         pad_vocab_to_multiple_of: int = 128,
         process_group_backend: Optional[str] = None,
@@ -110,6 +116,11 @@ class Megatron3DStrategy(ParallelStrategy):
         )
         if data_parallel_size != "auto" and (not isinstance(data_parallel_size, int) or data_parallel_size < 1):
             raise ValueError(f"data_parallel_size must be a positive integer or 'auto', got {data_parallel_size!r}.")
+        if activation_checkpointing not in RECOMPUTE_MODES:
+            raise ValueError(
+                f"activation_checkpointing={activation_checkpointing!r} is not one of {RECOMPUTE_MODES}."
+            )
+        self.activation_checkpointing = activation_checkpointing
         if micro_batch_size < 1:
             raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}.")
         check_schedule(pipeline_schedule, virtual_pipeline_size)
@@ -232,6 +243,7 @@ class Megatron3DStrategy(ParallelStrategy):
         module = self.lightning_module
         plan = module.tensor_parallel_plan() if hasattr(module, "tensor_parallel_plan") else {}
         parallelize(module, plan, self.parallel_state, rng=self._rng, pad_vocab_to_multiple_of=self.pad_vocab_to_multiple_of)
+        self._apply_activation_checkpointing(module)
         stage_modules = self._split_pipeline_stages(module)
         if any(p.is_meta for p in module.parameters()):
             initialize_parameters(module, self._seed, device=self.root_device, only_meta=True)
@@ -265,6 +277,20 @@ class Megatron3DStrategy(ParallelStrategy):
         self.setup_precision_plugin()
         # Lightning's clip_grad_norm_ would clip each rank by its own shards' norm.
         self.precision_plugin.clip_grad_by_norm = self.clip_grad_by_global_norm
+
+    def _apply_activation_checkpointing(self, module) -> None:
+        """After the tensor-parallel swaps (a swapped layer would lose the wrapper), before the pipeline
+        split (so every rank matches all layers and fails alike)."""
+        if self.activation_checkpointing == "none":
+            return
+        if not hasattr(module, "pipeline_blocks"):
+            raise TypeError(
+                f"activation_checkpointing={self.activation_checkpointing!r} needs {type(module).__name__} to define "
+                f"pipeline_blocks(), which names its transformer layers."
+            )
+        blocks = module.pipeline_blocks()
+        pattern = f"{blocks.root}.{blocks.layers}.*" if blocks.root else f"{blocks.layers}.*"
+        apply_activation_checkpointing(module, mode=self.activation_checkpointing, layer_pattern=pattern, rng=self._rng)
 
     def _split_pipeline_stages(self, module) -> list:
         """Keep only this rank's pipeline stages of the model (before anything is materialised)."""

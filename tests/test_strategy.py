@@ -8,12 +8,12 @@ import torch
 
 from launch import launch
 from workers.trainer_setup import datamodule, model, trainer_kwargs
-import lightning_megatron  # noqa: F401
+import lightning_megatron  # noqa: F401  (registers "megatron_3d")
 from lightning_megatron import Megatron3DStrategy
 
-FIT = {"tp": 2, "sp": True, "accumulate": 2, "clip": 0.5, "steps": 5}
+FIT = {"tp": 2, "sp": True, "accumulate": 2, "clip": 0.5, "steps": 5, "zero_stage": 1}
 PIPELINE_FIT = {"tp": 2, "pp": 2, "sp": True, "accumulate": 2, "clip": 0.5, "steps": 4, "micro_batch_size": 2,
-                "layers": 4, "timeline": True}
+                "layers": 4, "timeline": True, "recompute": "selective", "zero_stage": 2}
 
 
 def plain_lightning_run(options):
@@ -38,7 +38,7 @@ def fit_tp2_dp2(tmp_path_factory):
     return out, results
 
 
-def test_fit_tp2_dp2_sequence_parallel_matches_plain_lightning(fit_tp2_dp2):
+def test_fit_tp2_dp2_sequence_parallel_zero1_matches_plain_lightning(fit_tp2_dp2):
     out, results = fit_tp2_dp2
     ref_losses, ref_val, ref_weights = plain_lightning_run(FIT)
     assert len(results) == 4
@@ -59,7 +59,8 @@ def test_fit_tp2_dp2_sequence_parallel_matches_plain_lightning(fit_tp2_dp2):
 
 
 def test_fit_pp2_tp2_dp2_matches_plain_lightning(tmp_path):
-    """8 ranks: the pipeline schedule inside Lightning's loop, with tp, sequence parallel, dp and accumulation."""
+    """8 ranks: the pipeline schedule inside Lightning's loop, with tp, sequence parallel, dp, ZeRO-2,
+    selective recomputation and accumulation."""
     results, _ = launch("trainer_fit.py", 8, tmp_path, json.dumps(PIPELINE_FIT))
     ref_losses, ref_val, ref_weights = plain_lightning_run(PIPELINE_FIT)
     per_rank = torch.tensor([r["losses"] for r in results])

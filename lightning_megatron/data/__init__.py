@@ -1,7 +1,22 @@
 """Datasets, tokenizers and data modules; the built-in corpus is the Python standard library."""
 
+from lightning_megatron.data.base import DataParallelDataModule
 from lightning_megatron.data.bert import BERTDataModule, BERTPretrainingDataset
 from lightning_megatron.data.corpus import ByteTokenizer, stdlib_source_files
 from lightning_megatron.data.gpt import GPTDataModule, PackedTokenDataset
+from lightning_megatron.data.indexed import IndexedDataset, IndexedDatasetWriter
+from lightning_megatron.data.tokenizers import HFTokenizer, load_tokenizer
 
-__all__ = ["ByteTokenizer", "GPTDataModule", "PackedTokenDataset", "stdlib_source_files"]
+__all__ = [
+    "BERTDataModule",
+    "BERTPretrainingDataset",
+    "ByteTokenizer",
+    "DataParallelDataModule",
+    "GPTDataModule",
+    "HFTokenizer",
+    "IndexedDataset",
+    "IndexedDatasetWriter",
+    "PackedTokenDataset",
+    "load_tokenizer",
+    "stdlib_source_files",
+]

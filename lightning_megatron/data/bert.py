@@ -10,11 +10,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import lightning as L
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torch.utils.data import Dataset
 
+from lightning_megatron.data.base import DataParallelDataModule
 from lightning_megatron.data.corpus import ByteTokenizer, load_stdlib_token_documents
 
 IGNORE_INDEX = -100
@@ -151,7 +151,7 @@ class BERTPretrainingDataset(Dataset):
         return input_ids, labels
 
 
-class BERTDataModule(L.LightningDataModule):
+class BERTDataModule(DataParallelDataModule):
     """Masked-LM (and sentence-order) pre-training on the Python standard library's source.
 
     Args:
@@ -188,67 +188,27 @@ class BERTDataModule(L.LightningDataModule):
         mask_probability: float = 0.15,
         sentence_order: bool = True,
     ) -> None:
-        super().__init__()
+        super().__init__(global_batch_size=global_batch_size, val_fraction=val_fraction, seed=seed,
+                         num_workers=num_workers)
         self.seq_length = seq_length
-        self.global_batch_size = global_batch_size
-        self.val_fraction = val_fraction
         self.max_files = max_files
-        self.seed = seed
-        self.num_workers = num_workers
         self.mask_probability = mask_probability
         self.sentence_order = sentence_order
         self.special_tokens = BYTE_SPECIAL_TOKENS
-        self.train_dataset: BERTPretrainingDataset | None = None
-        self.val_dataset: BERTPretrainingDataset | None = None
 
     @property
     def vocab_size(self) -> int:
         """Ids the samples can hold (bytes, end-of-document, BERT's specials): the least a model needs."""
         return self.special_tokens.vocab_size
 
-    @property
-    def data_parallel_size(self) -> int:
-        return self._data_parallel()[0]
+    def load_documents(self) -> list[np.ndarray]:
+        return load_stdlib_token_documents(self.max_files)
 
-    @property
-    def data_parallel_rank(self) -> int:
-        return self._data_parallel()[1]
+    def data_source(self) -> str:
+        return f"max_files={self.max_files}"
 
-    @property
-    def per_rank_batch_size(self) -> int:
-        """Samples per DataLoader batch on this rank: the global batch split over dp."""
-        dp_size = self.data_parallel_size
-        if self.global_batch_size % dp_size:
-            raise ValueError(
-                f"global_batch_size={self.global_batch_size} is not divisible by the data-parallel size {dp_size}; "
-                f"choose a global_batch_size that is a multiple of {dp_size}."
-            )
-        return self.global_batch_size // dp_size
-
-    def _data_parallel(self) -> tuple[int, int]:
-        """(dp size, dp rank) from the attached trainer's strategy; (1, 0) without one."""
-        kwargs = getattr(getattr(self.trainer, "strategy", None), "distributed_sampler_kwargs", None)
-        if kwargs is None:
-            return 1, 0
-        return kwargs["num_replicas"], kwargs["rank"]
-
-    def setup(self, stage: str | None = None) -> None:
-        """Load the corpus once and split it by document, so no file is in both splits."""
-        self.per_rank_batch_size  # fail fast on a global batch that does not divide over dp
-        self._check_model(getattr(getattr(self.trainer, "lightning_module", None), "config", None))
-        if self.train_dataset is not None:
-            return
-        documents = load_stdlib_token_documents(self.max_files)
-        order = np.random.default_rng(self.seed).permutation(len(documents))
-        documents = [documents[i] for i in order]
-        num_val = max(1, round(self.val_fraction * len(documents)))
-        self.train_dataset = self._dataset(documents[:-num_val], "train", self.global_batch_size)
-        self.val_dataset = self._dataset(documents[-num_val:], "validation", self.data_parallel_size)
-
-    def _check_model(self, config) -> None:
+    def check_model(self, config) -> None:
         """The trainer's model must take these samples: the ids, the length, the sentence-order labels."""
-        if config is None:
-            return
         if getattr(config, "vocab_size", self.vocab_size) < self.vocab_size:
             raise ValueError(
                 f"The model's vocab_size={config.vocab_size} is smaller than the {self.vocab_size} ids of the byte "
@@ -265,45 +225,12 @@ class BERTDataModule(L.LightningDataModule):
                 "for it: set sentence_order=True or use a model with binary_head=False."
             )
 
-    def _dataset(self, documents: list[np.ndarray], split: str, min_samples: int) -> BERTPretrainingDataset:
-        dataset = BERTPretrainingDataset(
+    def make_dataset(self, documents: Sequence[np.ndarray], split: str) -> BERTPretrainingDataset:
+        return BERTPretrainingDataset(
             documents,
             seq_length=self.seq_length,
             seed=self.seed,
             mask_probability=self.mask_probability,
             sentence_order=self.sentence_order,
             special_tokens=self.special_tokens,
-        )
-        if len(dataset) < min_samples:
-            raise ValueError(
-                f"The {split} split has {len(dataset)} samples of up to {self.seq_length} tokens but needs at least "
-                f"{min_samples}; use more files (max_files={self.max_files}), a shorter seq_length, a smaller "
-                f"global_batch_size, or another val_fraction ({self.val_fraction})."
-            )
-        return dataset
-
-    def train_dataloader(self) -> DataLoader:
-        return self._loader(self.train_dataset, train=True)
-
-    def val_dataloader(self) -> DataLoader:
-        return self._loader(self.val_dataset, train=False)
-
-    def _loader(self, dataset: BERTPretrainingDataset | None, *, train: bool) -> DataLoader:
-        """Training shuffles and drops a last partial global batch; validation keeps its order."""
-        if dataset is None:
-            raise RuntimeError("BERTDataModule.setup() must run before its dataloaders are requested.")
-        sampler = DistributedSampler(
-            dataset,
-            num_replicas=self.data_parallel_size,
-            rank=self.data_parallel_rank,
-            shuffle=train,
-            seed=self.seed,
-            drop_last=True,
-        )
-        return DataLoader(
-            dataset,
-            batch_size=self.per_rank_batch_size,
-            sampler=sampler,
-            num_workers=self.num_workers,
-            drop_last=train,
         )

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import lightning as L
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torch.utils.data import Dataset
 
+from lightning_megatron.data.base import DataParallelDataModule
 from lightning_megatron.data.corpus import load_stdlib_token_documents
 from lightning_megatron.data.indexed import IndexedDataset
 from lightning_megatron.data.preprocess import metadata_file, read_metadata
@@ -50,7 +50,7 @@ class PackedTokenDataset(Dataset):
         return {"input_ids": window[:-1], "labels": window[1:]}
 
 
-class GPTDataModule(L.LightningDataModule):
+class GPTDataModule(DataParallelDataModule):
     """Next-token prediction on a preprocessed indexed dataset, or by default on the Python
     standard library's source, byte-tokenised.
 
@@ -105,22 +105,17 @@ class GPTDataModule(L.LightningDataModule):
         data_prefix: str | None = None,
         tokenizer: str | None = None,
     ) -> None:
-        super().__init__()
+        super().__init__(global_batch_size=global_batch_size, val_fraction=val_fraction, seed=seed,
+                         num_workers=num_workers)
         if data_prefix is not None and max_files is not None:
             raise ValueError(
                 f"max_files={max_files} selects files of the built-in corpus and cannot be combined with "
                 f"data_prefix={data_prefix!r}; leave max_files unset."
             )
         self.seq_length = seq_length
-        self.global_batch_size = global_batch_size
-        self.val_fraction = val_fraction
         self.max_files = max_files
-        self.seed = seed
-        self.num_workers = num_workers
         self.data_prefix = data_prefix
         self.tokenizer = self._load_tokenizer(tokenizer)
-        self.train_dataset: PackedTokenDataset | None = None
-        self.val_dataset: PackedTokenDataset | None = None
 
     def _load_tokenizer(self, spec: str | None) -> Tokenizer:
         """The tokenizer the data was made with: ``spec``, else the one ``preprocess`` recorded."""
@@ -151,52 +146,14 @@ class GPTDataModule(L.LightningDataModule):
         """Ids the data's tokenizer can produce: the least ``vocab_size`` a model for this data needs."""
         return self.tokenizer.vocab_size
 
-    @property
-    def data_parallel_size(self) -> int:
-        return self._data_parallel()[0]
+    def check_model(self, config) -> None:
+        if getattr(config, "vocab_size", None) is not None:
+            check_vocab_fits(tokenizer_vocab_size=self.vocab_size, model_vocab_size=config.vocab_size)
 
-    @property
-    def data_parallel_rank(self) -> int:
-        return self._data_parallel()[1]
+    def data_source(self) -> str:
+        return f"max_files={self.max_files}" if self.data_prefix is None else f"data_prefix={self.data_prefix!r}"
 
-    @property
-    def per_rank_batch_size(self) -> int:
-        """Samples per DataLoader batch on this rank: the global batch split over dp.
-
-        The strategy may cut this batch further into pipeline micro-batches (Megatron's "micro
-        batch"), hence not that name.
-        """
-        dp_size = self.data_parallel_size
-        if self.global_batch_size % dp_size:
-            raise ValueError(
-                f"global_batch_size={self.global_batch_size} is not divisible by the data-parallel size {dp_size}; "
-                f"choose a global_batch_size that is a multiple of {dp_size}."
-            )
-        return self.global_batch_size // dp_size
-
-    def _data_parallel(self) -> tuple[int, int]:
-        """(dp size, dp rank) from the attached trainer's strategy; (1, 0) without one."""
-        kwargs = getattr(getattr(self.trainer, "strategy", None), "distributed_sampler_kwargs", None)
-        if kwargs is None:
-            return 1, 0
-        return kwargs["num_replicas"], kwargs["rank"]
-
-    def setup(self, stage: str | None = None) -> None:
-        """Load the documents once and split them, so no document is in both splits."""
-        self.per_rank_batch_size  # fail fast on a global batch that does not divide over dp
-        model_config = getattr(getattr(self.trainer, "lightning_module", None), "config", None)
-        if getattr(model_config, "vocab_size", None) is not None:
-            check_vocab_fits(tokenizer_vocab_size=self.vocab_size, model_vocab_size=model_config.vocab_size)
-        if self.train_dataset is not None:
-            return
-        documents = self._load_documents()
-        order = np.random.default_rng(self.seed).permutation(len(documents))
-        documents = [documents[i] for i in order]
-        num_val = max(1, round(self.val_fraction * len(documents)))
-        self.train_dataset = self._dataset(documents[:-num_val], "train", self.global_batch_size)
-        self.val_dataset = self._dataset(documents[-num_val:], "validation", self.data_parallel_size)
-
-    def _load_documents(self) -> list[np.ndarray]:
+    def load_documents(self) -> list[np.ndarray]:
         if self.data_prefix is None:
             return load_stdlib_token_documents(self.max_files)
         dataset = IndexedDataset(self.data_prefix)
@@ -204,45 +161,11 @@ class GPTDataModule(L.LightningDataModule):
         documents = (dataset.document(i) for i in range(dataset.num_documents))
         return [doc[:-1] if len(doc) and doc[-1] == eos else doc for doc in documents]
 
-    def _dataset(self, documents: list[np.ndarray], split: str, min_samples: int) -> PackedTokenDataset:
+    def make_dataset(self, documents: Sequence[np.ndarray], split: str) -> PackedTokenDataset:
         dataset = PackedTokenDataset(documents, eos_id=self.tokenizer.eos_id, seq_length=self.seq_length)
-        source = f"max_files={self.max_files}" if self.data_prefix is None else f"data_prefix={self.data_prefix!r}"
-        if len(dataset) < min_samples:
-            raise ValueError(
-                f"The {split} split has {len(dataset)} samples of {self.seq_length + 1} tokens but needs at least "
-                f"{min_samples}; use more data ({source}), a shorter seq_length, a smaller "
-                f"global_batch_size, or another val_fraction ({self.val_fraction})."
-            )
         if len(dataset.tokens) and dataset.tokens.max() >= self.vocab_size:
             raise ValueError(
-                f"The {split} split ({source}) holds token id {dataset.tokens.max()} but the tokenizer has only "
-                f"{self.vocab_size} ids; the data was made with another tokenizer: pass that one as tokenizer=."
+                f"The {split} split ({self.data_source()}) holds token id {dataset.tokens.max()} but the tokenizer has "
+                f"only {self.vocab_size} ids; the data was made with another tokenizer: pass that one as tokenizer=."
             )
         return dataset
-
-    def train_dataloader(self) -> DataLoader:
-        return self._loader(self.train_dataset, train=True)
-
-    def val_dataloader(self) -> DataLoader:
-        return self._loader(self.val_dataset, train=False)
-
-    def _loader(self, dataset: PackedTokenDataset | None, *, train: bool) -> DataLoader:
-        """Training shuffles; validation keeps its order. Both drop a last partial batch: every batch then
-        splits into the same pipeline micro-batches, and every layout evaluates the same samples."""
-        if dataset is None:
-            raise RuntimeError("GPTDataModule.setup() must run before its dataloaders are requested.")
-        sampler = DistributedSampler(
-            dataset,
-            num_replicas=self.data_parallel_size,
-            rank=self.data_parallel_rank,
-            shuffle=train,
-            seed=self.seed,
-            drop_last=True,
-        )
-        return DataLoader(
-            dataset,
-            batch_size=self.per_rank_batch_size,
-            sampler=sampler,
-            num_workers=self.num_workers,
-            drop_last=True,
-        )

@@ -14,8 +14,8 @@ Face's ``BertModel``): LayerNorm after each residual sum and on the embeddings.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, replace
-from typing import Any, NamedTuple, Optional, Union
+from dataclasses import asdict, dataclass
+from typing import NamedTuple, Optional, Union
 
 import lightning as L
 import torch
@@ -24,7 +24,7 @@ from torch import Tensor, nn
 from torchmetrics import MeanMetric
 
 from lightning_megatron.models.optim_recipe import adamw_warmup_cosine
-from lightning_megatron.models.transformer import TransformerLayer, layer_tensor_parallel_plan
+from lightning_megatron.models.transformer import TransformerLayer, TransformerSizes, layer_tensor_parallel_plan
 from lightning_megatron.parallel.initialize import INIT_STD, default_initializer, initialize_parameters
 from lightning_megatron.pipeline.blocks import PipelineBatch, PipelineBlocks
 from lightning_megatron.pipeline.layout import PipelineLayout
@@ -36,7 +36,7 @@ GELU_APPROXIMATIONS = ("none", "tanh")
 
 
 @dataclass(frozen=True)
-class BERTConfig:
+class BERTConfig(TransformerSizes):
     """Sizes of a BERT model. ``ffn_hidden_size`` defaults to ``4 * hidden_size``.
 
     The default (``bert-tiny``) vocabulary is the byte tokenizer's 257 ids plus [PAD], [CLS],
@@ -61,11 +61,7 @@ class BERTConfig:
     binary_head: bool = True
 
     def __post_init__(self) -> None:
-        if self.hidden_size % self.num_heads != 0:
-            raise ValueError(
-                f"hidden_size={self.hidden_size} is not divisible by num_heads={self.num_heads}: "
-                f"each head needs hidden_size / num_heads channels."
-            )
+        self._check_heads()
         if self.norm_position not in NORM_POSITIONS:
             raise ValueError(
                 f"norm_position={self.norm_position!r} is not one of {NORM_POSITIONS}: 'pre' is Megatron-LM's BERT, "
@@ -77,28 +73,9 @@ class BERTConfig:
                 f"(torch.nn.functional.gelu's `approximate`)."
             )
 
-    @property
-    def ffn_size(self) -> int:
-        return self.ffn_hidden_size or 4 * self.hidden_size
-
     @classmethod
-    def from_name(cls, name: str, **overrides: Any) -> "BERTConfig":
-        """A preset by name (see ``BERT_PRESETS``), optionally with some fields changed."""
-        if name not in BERT_PRESETS:
-            raise ValueError(f"Unknown BERT preset {name!r}. Available presets: {', '.join(sorted(BERT_PRESETS))}.")
-        return replace(BERT_PRESETS[name], **overrides)
-
-    def validate_tensor_parallel_size(self, tensor_parallel_size: int) -> None:
-        """Fail with the numbers and a fix when the model cannot be split ``tensor_parallel_size`` ways."""
-        tp = tensor_parallel_size
-        problems = [f"{name}={value}" for name, value in (("num_heads", self.num_heads), ("ffn_hidden_size", self.ffn_size))
-                    if value % tp]
-        if problems:
-            divisors = [d for d in range(1, self.num_heads + 1) if self.num_heads % d == 0 and self.ffn_size % d == 0]
-            raise ValueError(
-                f"tensor_parallel_size={tp} does not divide {' and '.join(problems)}: every rank must hold whole "
-                f"attention heads and an equal share of the MLP. Use a tensor_parallel_size in {divisors}."
-            )
+    def presets(cls) -> dict[str, "BERTConfig"]:
+        return BERT_PRESETS
 
 
 # Megatron-LM paper (Shoeybi et al. 2019), section 5.3: hidden, heads, layers. The vocabulary is BERT's

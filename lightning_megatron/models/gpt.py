@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from typing import Any, Optional, Union
 
 import lightning as L
@@ -18,7 +18,8 @@ import torch
 from torch import Tensor, nn
 from torchmetrics import MeanMetric
 
-from lightning_megatron.models.transformer import TransformerLayer, layer_tensor_parallel_plan
+from lightning_megatron.models.optim_recipe import adamw_warmup_cosine
+from lightning_megatron.models.transformer import TransformerLayer, TransformerSizes, layer_tensor_parallel_plan
 from lightning_megatron.parallel.initialize import INIT_STD, default_initializer, initialize_parameters
 from lightning_megatron.pipeline.blocks import PipelineBatch, PipelineBlocks
 from lightning_megatron.pipeline.layout import PipelineLayout
@@ -27,7 +28,7 @@ IGNORE_INDEX = -100
 
 
 @dataclass(frozen=True)
-class GPTConfig:
+class GPTConfig(TransformerSizes):
     """Sizes of a GPT model. ``ffn_hidden_size`` defaults to ``4 * hidden_size``."""
 
     vocab_size: int = 257
@@ -41,37 +42,11 @@ class GPTConfig:
     layer_norm_eps: float = 1e-5
 
     def __post_init__(self) -> None:
-        if self.hidden_size % self.num_heads != 0:
-            raise ValueError(
-                f"hidden_size={self.hidden_size} is not divisible by num_heads={self.num_heads}: "
-                f"each head needs hidden_size / num_heads channels."
-            )
-
-    @property
-    def ffn_size(self) -> int:
-        return self.ffn_hidden_size or 4 * self.hidden_size
+        self._check_heads()
 
     @classmethod
-    def from_name(cls, name: str, **overrides: Any) -> "GPTConfig":
-        """A preset by name (see ``GPT_PRESETS``), optionally with some fields changed."""
-        if name not in GPT_PRESETS:
-            raise ValueError(f"Unknown GPT preset {name!r}. Available presets: {', '.join(sorted(GPT_PRESETS))}.")
-        return replace(GPT_PRESETS[name], **overrides)
-
-    def validate_tensor_parallel_size(self, tensor_parallel_size: int) -> None:
-        """Fail with the numbers and a fix when the model cannot be split ``tensor_parallel_size`` ways."""
-        tp = tensor_parallel_size
-        problems = []
-        if self.num_heads % tp:
-            problems.append(f"num_heads={self.num_heads}")
-        if self.ffn_size % tp:
-            problems.append(f"ffn_hidden_size={self.ffn_size}")
-        if problems:
-            divisors = [d for d in range(1, self.num_heads + 1) if self.num_heads % d == 0 and self.ffn_size % d == 0]
-            raise ValueError(
-                f"tensor_parallel_size={tp} does not divide {' and '.join(problems)}: every rank must hold whole "
-                f"attention heads and an equal share of the MLP. Use a tensor_parallel_size in {divisors}."
-            )
+    def presets(cls) -> dict[str, "GPTConfig"]:
+        return GPT_PRESETS
 
     def num_parameters(self) -> int:
         h, layers = self.hidden_size, self.num_layers
@@ -298,25 +273,7 @@ class GPT(L.LightningModule):
         self.log("val_perplexity", loss.exp())
 
     def configure_optimizers(self):
-        decay = [p for p in self.parameters() if p.dim() >= 2]
-        no_decay = [p for p in self.parameters() if p.dim() < 2]
-        optimizer = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": self.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=self.learning_rate,
-            betas=self.betas,
+        return adamw_warmup_cosine(
+            self, learning_rate=self.learning_rate, min_learning_rate=self.min_learning_rate,
+            weight_decay=self.weight_decay, betas=self.betas, warmup_steps=self.warmup_steps,
         )
-        total_steps = max(int(self.trainer.estimated_stepping_batches), 1) if self._trainer is not None else 1
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, self._lr_factor(total_steps))
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
-
-    def _lr_factor(self, total_steps: int):
-        floor = self.min_learning_rate / self.learning_rate
-        warmup = self.warmup_steps
-
-        def factor(step: int) -> float:
-            if step < warmup:
-                return (step + 1) / warmup
-            progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
-            return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
-
-        return factor

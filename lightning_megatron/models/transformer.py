@@ -8,6 +8,7 @@ heads, and ``SelfAttention`` reads its local head count from its weight.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Optional
 
 import torch.nn.functional as F
@@ -116,3 +117,50 @@ def layer_tensor_parallel_plan(prefix: str) -> dict[str, str]:
         f"{prefix}.mlp.fc": "column",
         f"{prefix}.mlp.proj": "row",
     }
+
+
+class TransformerSizes:
+    """What GPTConfig and BERTConfig share: presets by name, head and tensor-parallel checks.
+
+    Subclasses are frozen dataclasses with ``hidden_size``, ``num_heads`` and ``ffn_hidden_size``
+    fields, and name their presets with ``presets()``.
+    """
+
+    @classmethod
+    def presets(cls) -> dict:
+        raise NotImplementedError
+
+    def _check_heads(self) -> None:
+        if self.hidden_size % self.num_heads != 0:
+            raise ValueError(
+                f"hidden_size={self.hidden_size} is not divisible by num_heads={self.num_heads}: "
+                f"each head needs hidden_size / num_heads channels."
+            )
+
+    @property
+    def ffn_size(self) -> int:
+        """``ffn_hidden_size``, by default ``4 * hidden_size``."""
+        return self.ffn_hidden_size or 4 * self.hidden_size
+
+    @classmethod
+    def from_name(cls, name: str, **overrides):
+        """A preset by name, optionally with some fields changed."""
+        presets = cls.presets()
+        if name not in presets:
+            raise ValueError(f"Unknown {cls.__name__[:-6]} preset {name!r}. Available presets: {', '.join(sorted(presets))}.")
+        return replace(presets[name], **overrides)
+
+    def validate_tensor_parallel_size(self, tensor_parallel_size: int) -> None:
+        check_tensor_parallel_split(tensor_parallel_size, num_heads=self.num_heads, ffn_size=self.ffn_size)
+
+
+def check_tensor_parallel_split(tensor_parallel_size: int, *, num_heads: int, ffn_size: int) -> None:
+    """Fail with the numbers and a fix when a transformer cannot be split ``tensor_parallel_size`` ways."""
+    tp = tensor_parallel_size
+    problems = [f"{name}={value}" for name, value in (("num_heads", num_heads), ("ffn_hidden_size", ffn_size)) if value % tp]
+    if problems:
+        divisors = [d for d in range(1, num_heads + 1) if num_heads % d == 0 and ffn_size % d == 0]
+        raise ValueError(
+            f"tensor_parallel_size={tp} does not divide {' and '.join(problems)}: every rank must hold whole "
+            f"attention heads and an equal share of the MLP. Use a tensor_parallel_size in {divisors}."
+        )

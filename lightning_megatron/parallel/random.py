@@ -42,6 +42,19 @@ class TensorParallelRNG:
         else:
             torch.set_rng_state(state)
 
+    def get_state(self) -> tuple[bool, torch.Tensor]:
+        """``(inside fork(), saved stream)``: all that decides the masks drawn next.
+
+        Inside ``fork()`` the stream lives in the default generator (which torch saves and
+        restores itself for recomputation) and the saved copy is stale. ``fork()`` replaces the
+        saved tensor rather than changing it in place, so the returned state is a snapshot.
+        """
+        return self._active, self._state
+
+    def set_state(self, state: tuple[bool, torch.Tensor]) -> None:
+        """Put back a state from :meth:`get_state` (activation recomputation replays the stream)."""
+        self._active, self._state = state
+
     @contextlib.contextmanager
     def fork(self) -> Iterator[None]:
         """Run the body on the sharded stream; re-entrant, so nested sharded regions share one stream."""

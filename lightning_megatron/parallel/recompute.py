@@ -31,7 +31,7 @@ from torch.utils.checkpoint import checkpoint, noop_context_fn
 
 from lightning_megatron.models.transformer import CoreAttention
 from lightning_megatron.parallel.random import TensorParallelRNG
-from lightning_megatron.tensor_parallel.plan import _matches
+from lightning_megatron.tensor_parallel.plan import name_matches
 
 MODES = ("none", "full", "selective")
 
@@ -57,7 +57,7 @@ def apply_activation_checkpointing(
         raise ValueError(f"Unknown activation checkpointing mode {mode!r}. Valid modes: {', '.join(map(repr, MODES))}.")
     if mode == "none":
         return module
-    layers = [(name, layer) for name, layer in module.named_modules() if name and _matches(layer_pattern, name)]
+    layers = [(name, layer) for name, layer in module.named_modules() if name and name_matches(layer_pattern, name)]
     if not layers:
         raise ValueError(
             f"layer_pattern {layer_pattern!r} matches no submodule of {type(module).__name__} ('*' matches one name "
@@ -106,22 +106,6 @@ def _checkpoint_forward(module: nn.Module, name: str, context_fn) -> None:
     module.forward = types.MethodType(checkpointed, module)
 
 
-def _tracker_state(rng: TensorParallelRNG) -> tuple:
-    """``(inside fork(), saved stream)``: all that decides the masks drawn from ``rng``.
-
-    Inside ``fork()`` the stream is swapped into the default generator (which torch saves and
-    restores itself) and the saved copy is stale; outside, the saved copy is the stream.
-    ``TensorParallelRNG`` exposes neither, so this pair of helpers is the one place that reads
-    and writes them. The saved state tensor is replaced, never changed in place, by ``fork()``,
-    so keeping a reference is a snapshot.
-    """
-    return rng._active, rng._state
-
-
-def _set_tracker_state(rng: TensorParallelRNG, state: tuple) -> None:
-    rng._active, rng._state = state
-
-
 class _RecordTracker:
     """Forward context: remembers the tracker's state as the checkpointed forward starts."""
 
@@ -130,7 +114,7 @@ class _RecordTracker:
         self.state: Optional[tuple] = None
 
     def __enter__(self) -> None:
-        self.state = _tracker_state(self.rng)
+        self.state = self.rng.get_state()
 
     def __exit__(self, *exc_info) -> None:
         return None
@@ -163,11 +147,11 @@ class _ReplayTracker:
         self.resume: Optional[tuple] = None
 
     def __enter__(self) -> None:
-        self.resume = _tracker_state(self.record.rng)
-        _set_tracker_state(self.record.rng, self.record.state)
+        self.resume = self.record.rng.get_state()
+        self.record.rng.set_state(self.record.state)
 
     def __exit__(self, *exc_info) -> None:
-        _set_tracker_state(self.record.rng, self.resume)
+        self.record.rng.set_state(self.resume)
 
 
 def _tracker_contexts(rng: TensorParallelRNG) -> tuple[_RecordTracker, _ReplayTracker]:

@@ -9,7 +9,7 @@ user may give them fewer layers (``layers_per_stage=[3, 5, 5, 3]``).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Optional
 
 SCHEDULES = ("1f1b", "interleaved_1f1b", "gpipe")
 

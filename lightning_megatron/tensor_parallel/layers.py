@@ -154,28 +154,9 @@ class VocabParallelHead(ColumnParallelLinear):
     Feed the result to ``VocabParallelCrossEntropy``, or gather it for generation.
     """
 
-    def __init__(
-        self,
-        in_features: int,
-        num_embeddings: int,
-        bias: bool = False,
-        *,
-        group: Group = None,
-        sequence_parallel: bool = False,
-        pad_to_multiple_of: int = 128,
-        device=None,
-        dtype=None,
-    ) -> None:
-        super().__init__(
-            in_features,
-            num_embeddings,
-            bias,
-            group=group,
-            sequence_parallel=sequence_parallel,
-            pad_to_multiple_of=pad_to_multiple_of,
-            device=device,
-            dtype=dtype,
-        )
+    def __init__(self, in_features: int, num_embeddings: int, bias: bool = False, *, pad_to_multiple_of: int = 128,
+                 **kwargs) -> None:
+        super().__init__(in_features, num_embeddings, bias, pad_to_multiple_of=pad_to_multiple_of, **kwargs)
         self.real_local_size = self.weight.tensor_shard.real_local_size()
 
     def forward(self, x: Tensor) -> Tensor:

@@ -55,7 +55,8 @@ REGION_STYLES = ("sequence_scatter", "sequence_parallel", "sharded_dropout", "se
 STYLES = SWAP_STYLES + REGION_STYLES
 
 
-def _matches(pattern: str, name: str) -> bool:
+def name_matches(pattern: str, name: str) -> bool:
+    """``*`` matches exactly one component of a dotted module name."""
     pattern_parts, name_parts = pattern.split("."), name.split(".")
     return len(pattern_parts) == len(name_parts) and all(p in ("*", n) for p, n in zip(pattern_parts, name_parts))
 
@@ -65,7 +66,7 @@ def _styles_by_module(module: nn.Module, plan: Mapping[str, str]) -> dict[str, l
     for pattern, style in plan.items():
         if style not in STYLES:
             raise ValueError(f"Unknown tensor-parallel style {style!r} for {pattern!r}. Valid styles: {', '.join(STYLES)}.")
-        names = [name for name, _ in module.named_modules() if name and _matches(pattern, name)]
+        names = [name for name, _ in module.named_modules() if name and name_matches(pattern, name)]
         if not names:
             raise ValueError(
                 f"The tensor-parallel plan entry {pattern!r} matches no submodule of {type(module).__name__}. "
