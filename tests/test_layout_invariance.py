@@ -56,14 +56,10 @@ def test_layouts_match_single_process(world, reference, tmp_path):
             print("   ", k, f"{weight_dev[k]:.2e}")
         assert weight_dev[worst] < WEIGHT_TOL, f"{layout}: {worst} deviates by {weight_dev[worst]:.2e}"
 
-
-def test_gpipe_and_1f1b_give_identical_results(tmp_path_factory):
-    """Same micro-batches, same per-micro-batch backward: the schedule only reorders work."""
-    directories = sorted(tmp_path_factory.getbasetemp().glob("test_layouts_match_single_proc*"))
-    found = [d for d in directories if (d / "pp2-tp1-dp1-mb4-gpipe.pt").exists()]
-    assert found, "run together with test_layouts_match_single_process[2]"
-    one_f_one_b = torch.load(found[0] / "pp2-tp1-dp1-mb4.pt", weights_only=True)
-    gpipe = torch.load(found[0] / "pp2-tp1-dp1-mb4-gpipe.pt", weights_only=True)
-    assert one_f_one_b["losses"] == gpipe["losses"]
-    for name, value in one_f_one_b["weights"].items():
-        assert torch.equal(value, gpipe["weights"][name]), name
+    if world == 2:
+        # Same micro-batches, same per-micro-batch backward: the schedule only reorders work.
+        one_f_one_b = torch.load(tmp_path / "pp2-tp1-dp1-mb4.pt", weights_only=True)
+        gpipe = torch.load(tmp_path / "pp2-tp1-dp1-mb4-gpipe.pt", weights_only=True)
+        assert one_f_one_b["losses"] == gpipe["losses"]
+        for name, value in one_f_one_b["weights"].items():
+            assert torch.equal(value, gpipe["weights"][name]), f"GPipe and 1F1B differ in {name}"

@@ -1,0 +1,41 @@
+"""The example scripts run as a user runs them (2 processes each, a few steps)."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "examples"))
+
+from custom_loss import PrefixFreeGPT  # noqa: E402
+
+
+@pytest.mark.parametrize(
+    "script, args, expect",
+    [
+        ("train_gpt.py", ["--max-steps=2", "--max-files=30", "--pipeline-parallel-size=1"], "max_steps=2"),
+        ("train_bert.py", ["--max-steps=2"], "max_steps=2"),
+        ("custom_loss.py", ["--max-steps=2", "--max-files=30"], "max_steps=2"),
+        ("trainer_strategy_string.py", ["--max-steps=30"], "final train_loss"),
+    ],
+)
+def test_example_runs(script, args, expect, tmp_path):
+    result = subprocess.run([sys.executable, str(REPO / "examples" / script), *args], cwd=tmp_path,
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert expect in result.stdout + result.stderr
+
+
+def test_custom_loss_skips_the_context_prefix():
+    torch.manual_seed(0)
+    model = PrefixFreeGPT("gpt-tiny", context_tokens=8)
+    model.configure_model()
+    ids = torch.randint(0, 257, (2, 32))
+    batch = {"input_ids": ids, "labels": torch.roll(ids, -1, dims=1)}
+    out = model.training_step(batch, 0)
+    assert int(out["num_tokens"]) == 2 * (32 - 8)
+    expected = torch.nn.functional.cross_entropy(model(ids)[:, 8:].flatten(0, 1), batch["labels"][:, 8:].flatten())
+    assert torch.allclose(out["loss"], expected, atol=1e-6)
