@@ -41,6 +41,7 @@ from torchmetrics import Metric
 
 from lightning_megatron.optim.clip import clip_grads_by_global_norm
 from lightning_megatron.optim.grad_sync import DEFAULT_BUCKET_SIZE_MB, GradientSynchronizer
+from lightning_megatron.optim.loss_scaler import DynamicLossScaler, found_overflow
 from lightning_megatron.optim.main_params import MainParamOptimizer, model_state_bytes, uses_main_params
 from lightning_megatron.parallel.config import ParallelConfig
 from lightning_megatron.parallel.initialize import initialize_parameters
@@ -74,6 +75,10 @@ class Megatron3DStrategy(ParallelStrategy):
         activation_checkpointing: ``"none"``, ``"full"`` (recompute each transformer layer in
             backward) or ``"selective"`` (recompute only attention's core, Korthikanti et al. 2022);
             the layers are the model's ``pipeline_blocks()`` layers. Dropout masks are replayed exactly.
+        loss_scaler: settings of the fp16 dynamic loss scaler for ``precision="16-true"``
+            (``initial_scale``, ``min_scale``, ``growth_factor``, ``backoff_factor``, ``growth_interval``,
+            ``hysteresis``; Megatron-LM's scheme). A step with an inf/NaN gradient on any rank is
+            skipped on every rank.
         bucket_size_mb: size of the gradient buckets reduced over dp while backward runs.
         pad_vocab_to_multiple_of: the vocabulary is padded to a multiple of ``tp * this`` (Megatron: 128).
 
@@ -97,6 +102,7 @@ class Megatron3DStrategy(ParallelStrategy):
         micro_batch_size: int = 1,
         pipeline_layers_per_stage: Optional[list[int]] = None,
         activation_checkpointing: str = "none",
+        loss_scaler: Optional[dict] = None,
         bucket_size_mb: float = DEFAULT_BUCKET_SIZE_MB,
         pad_vocab_to_multiple_of: int = 128,
         process_group_backend: Optional[str] = None,
@@ -155,6 +161,9 @@ class Megatron3DStrategy(ParallelStrategy):
         self._rng: Optional[TensorParallelRNG] = None
         self._grad_sync: Optional[GradientSynchronizer] = None
         self._main_params: Optional[MainParamOptimizer] = None
+        self._loss_scaler_settings = dict(loss_scaler or {})
+        DynamicLossScaler(**self._loss_scaler_settings)  # validate the settings now, not after the launch
+        self.loss_scaler: Optional[DynamicLossScaler] = None
         self._reported_bytes = False
         self._pipeline: Optional[PipelineRunner] = None
         self.pipeline_recorder: Optional[TimelineRecorder] = None
@@ -162,6 +171,7 @@ class Megatron3DStrategy(ParallelStrategy):
         self._blocking_sync = False
         self._micro_batch_weight: Tensor | float = 1.0
         self._step_tokens: Tensor | float = 0.0
+        self._token_estimate: Optional[float] = None  # the step's global token count as guessed at its start
 
     # ------------------------------------------------------------------ layout
     @property
@@ -277,6 +287,29 @@ class Megatron3DStrategy(ParallelStrategy):
         self.setup_precision_plugin()
         # Lightning's clip_grad_norm_ would clip each rank by its own shards' norm.
         self.precision_plugin.clip_grad_by_norm = self.clip_grad_by_global_norm
+        self._setup_loss_scaling()
+
+    def _setup_loss_scaling(self) -> None:
+        """fp16 needs one overflow decision for the whole world, whichever precision flavour runs it."""
+        precision = getattr(self.precision_plugin, "precision", "32-true")
+        if precision == "16-true":
+            self.loss_scaler = DynamicLossScaler(**self._loss_scaler_settings)
+        grad_scaler = getattr(self.precision_plugin, "scaler", None)
+        if precision == "16-mixed" and grad_scaler is not None:
+            unscale = grad_scaler.unscale_
+
+            def unscale_then_agree(optimizer) -> None:
+                unscale(optimizer)
+                for found_inf in grad_scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values():
+                    dist.all_reduce(found_inf, op=dist.ReduceOp.MAX)
+
+            grad_scaler.unscale_ = unscale_then_agree
+
+    def _current_loss_scale(self) -> float:
+        if self.loss_scaler is not None:
+            return self.loss_scaler.scale
+        grad_scaler = getattr(self.precision_plugin, "scaler", None)
+        return float(grad_scaler.get_scale()) if grad_scaler is not None else 1.0
 
     def _apply_activation_checkpointing(self, module) -> None:
         """After the tensor-parallel swaps (a swapped layer would lose the wrapper), before the pipeline
@@ -335,9 +368,10 @@ class Megatron3DStrategy(ParallelStrategy):
         root.loss = self._pipeline.loss  # the model's loss() now runs the schedule
         trainer.fit_loop._skip_backward = True  # the schedule already ran every backward
 
-    def _before_pipeline_backward(self, micro_batches: int) -> None:
+    def _before_pipeline_backward(self, micro_batches: int, num_tokens: Tensor) -> None:
         if self._grad_sync is not None:
             self._grad_sync.start_micro_batch(sync=not self._blocking_sync, backward_passes=micro_batches)
+        self._pipeline.loss_scale = self._backward_scale(num_tokens)
 
     def _sync_metrics_over_data_parallel(self) -> None:
         """torchmetrics sync over the world by default; model replicas are the dp group."""
@@ -371,14 +405,31 @@ class Megatron3DStrategy(ParallelStrategy):
         self._step_tokens = self._step_tokens + self._micro_batch_weight
         return output
 
-    def backward(self, closure_loss: Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any) -> Tensor:
-        """Backward on the micro-batch's token *sum*: Lightning divided by accumulate_grad_batches, undo that.
+    def _backward_scale(self, micro_batch_tokens) -> float:
+        """What the micro-batch's token *sum* is multiplied by before backward.
 
-        The gradient buffers are divided by the global token count in ``optimizer_step``,
-        which makes the loss a per-token mean over the whole global batch.
+        The exact per-token mean needs the global token count, known only once every
+        micro-batch has run; so backward uses a fixed guess made at the step's first
+        micro-batch (its tokens x accumulation x dp, exact when micro-batches are alike),
+        which keeps gradients at the size of a mean (fp16 would overflow on a sum), and
+        ``finish`` corrects by guess / true count. Under ``16-true`` the fp16 loss scale joins.
         """
-        scale = self._micro_batch_weight * self.lightning_module.trainer.accumulate_grad_batches
-        return super().backward(closure_loss * scale, optimizer, *args, **kwargs)
+        if self._token_estimate is None:
+            accumulation = self.lightning_module.trainer.accumulate_grad_batches
+            self._token_estimate = max(float(micro_batch_tokens), 1.0) * accumulation * self.parallel_config.data_parallel_size
+        loss_scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
+        if self._pipeline is not None:  # Lightning's backward is skipped, and with it GradScaler's scaling
+            loss_scale = self._current_loss_scale()
+        return loss_scale / self._token_estimate
+
+    def backward(self, closure_loss: Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any) -> Tensor:
+        """Backward on the micro-batch's token sum (times :meth:`_backward_scale`).
+
+        Lightning divided the loss by accumulate_grad_batches and the module returned a
+        per-token mean; undo both. ``16-mixed``: Lightning's GradScaler scales in pre_backward.
+        """
+        tokens_sum = closure_loss * self._micro_batch_weight * self.lightning_module.trainer.accumulate_grad_batches
+        return super().backward(tokens_sum * self._backward_scale(self._micro_batch_weight), optimizer, *args, **kwargs)
 
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model=None, **kwargs: Any) -> Any:
         def closure_then_reduce_grads() -> Any:
@@ -386,10 +437,13 @@ class Megatron3DStrategy(ParallelStrategy):
             if self._grad_sync is not None:
                 tokens = self._step_tokens
                 tokens = tokens if isinstance(tokens, Tensor) else torch.tensor(float(tokens))
-                self._grad_sync.finish(tokens)
+                self._grad_sync.finish(tokens, backward_scale=self._backward_scale(tokens))
             if self._main_params is not None:
                 self._main_params.prepare_step()
+            if self.loss_scaler is not None:
+                self._skip_step_on_overflow()
             self._step_tokens = 0.0
+            self._token_estimate = None
             return result
 
         output = super().optimizer_step(optimizer, closure_then_reduce_grads, model, **kwargs)
@@ -400,6 +454,16 @@ class Megatron3DStrategy(ParallelStrategy):
         if not self._reported_bytes:
             self._report_model_state_bytes(optimizer)
         return output
+
+    def _skip_step_on_overflow(self) -> None:
+        overflow = found_overflow(self._main_params.main_grads(), self.root_device)
+        self.loss_scaler.update(overflow)
+        if overflow:
+            self._main_params.drop_grads()
+            rank_zero_warn(f"fp16 overflow: step skipped on every rank, loss scale now {self.loss_scaler.scale:g}")
+        module = self.lightning_module
+        module.log("loss_scale", self.loss_scaler.scale, on_step=True, on_epoch=False)
+        module.log("skipped_steps", float(self.loss_scaler.skipped_steps), on_step=True, on_epoch=False)
 
     def _report_model_state_bytes(self, optimizer: Optimizer) -> None:
         """Each rank states its model-state memory once, after the first step has allocated optimizer state."""

@@ -208,10 +208,12 @@ class GradientSynchronizer:
         for bucket in self.buckets:
             bucket.ready = 0
 
-    def finish(self, num_tokens: Tensor) -> None:
-        """Complete every reduction and divide by the global token count.
+    def finish(self, num_tokens: Tensor, backward_scale: float = 1.0) -> None:
+        """Complete every reduction and turn the gradients into those of the per-token mean.
 
         ``num_tokens`` is this rank's token count for the step; it is summed over dp here.
+        ``backward_scale`` is what the backward passes multiplied the token-summed loss by (a
+        normaliser guessed up front, an fp16 loss scale); it is divided out.
         At stage 0 ``param.grad`` is then the per-token-mean gradient; at stages 1-2 the owned
         slices hold it (see :meth:`owned_grad`).
         """
@@ -226,7 +228,7 @@ class GradientSynchronizer:
         for bucket in self.buckets:
             self._wait(bucket)
         self._sum_partial_grads()
-        scale = 1.0 / max(float(num_tokens), 1.0)
+        scale = 1.0 / (max(float(num_tokens), 1.0) * backward_scale)
         for bucket in self.buckets:
             bucket.shard.mul_(scale)
             if self.zero_stage == 0:

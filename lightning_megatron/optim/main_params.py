@@ -88,6 +88,14 @@ class MainParamOptimizer:
             grad = self.sync.owned_grad(piece)
             main.grad = grad if grad.dtype == torch.float32 else grad.float()
 
+    def main_grads(self) -> list[Optional[Tensor]]:
+        return [main.grad for _, main in self.pieces]
+
+    def drop_grads(self) -> None:
+        """Skip this step: torch optimizers leave parameters without a gradient untouched."""
+        for _, main in self.pieces:
+            main.grad = None
+
     def finish_step(self) -> None:
         """Write the updated pieces into the model's parameters, then share them over dp."""
         with torch.no_grad():

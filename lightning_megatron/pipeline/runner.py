@@ -37,12 +37,13 @@ class PipelineRunner:
         micro_batch_size: int,
         root: nn.Module,
         recorder: Optional[TimelineRecorder] = None,
-        before_backward: Optional[Callable[[int], None]] = None,
+        before_backward: Optional[Callable[[int, Tensor], None]] = None,
     ) -> None:
         self.stage_modules, self.stage_ids, self.num_stages = stage_modules, stage_ids, num_stages
         self.group, self.device, self.schedule_name = group, device, schedule
         self.micro_batch_size = micro_batch_size
         self.root = root
+        self.loss_scale = 1.0  # what the token-summed loss is multiplied by for backward (see the strategy)
         self._extras: list[dict[str, Tensor]] = []
         self.recorder = recorder
         self.before_backward = before_backward
@@ -52,8 +53,8 @@ class PipelineRunner:
 
     def _loss_of_micro_batch(self, output, target: Tensor) -> Tensor:
         loss_sum, extras = self.root.pipeline_loss(output, target)
-        self._extras.append({name: value.detach() for name, value in extras.items()})
-        return loss_sum
+        self._extras.append({"loss_sum": loss_sum.detach().float(), **{k: v.detach() for k, v in extras.items()}})
+        return loss_sum * self.loss_scale if self.loss_scale != 1.0 else loss_sum
 
     def _schedule(self, micro_batches: int, shape: tuple, training: bool):
         """Stages and schedule are built once per (micro-batch count, input shape, mode)."""
@@ -84,24 +85,23 @@ class PipelineRunner:
         )
         training = torch.is_grad_enabled()
         schedule = self._schedule(micro_batches, tuple(batch.target.shape), training)
-        losses: list[Tensor] = []
         self._extras.clear()
         inputs = batch.inputs if self.has_first else ()
         if training:
             if self.before_backward is not None:
-                self.before_backward(micro_batches)
-            schedule.step(*inputs, target=batch.target, losses=losses, **batch.side)
+                self.before_backward(micro_batches, batch.num_tokens)
+            schedule.step(*inputs, target=batch.target, **batch.side)
         else:
             # Lightning may validate under inference_mode; P2P buffers must be ordinary tensors.
             with torch.inference_mode(False), torch.no_grad():
                 clone = lambda t: t.clone()  # noqa: E731
-                schedule.eval(*map(clone, inputs), target=batch.target.clone(), losses=losses,
+                schedule.eval(*map(clone, inputs), target=batch.target.clone(),
                               **{k: clone(v) for k, v in batch.side.items()})
         totals = [None]
         if self.has_last:
-            summed = {name: sum(extra[name] for extra in self._extras) for name in self._extras[0]}
-            totals = [{name: value.cpu() for name, value in
-                       {"loss_sum": torch.stack([loss.detach().float() for loss in losses]).sum(), **summed}.items()}]
+            # The last `micro_batches` calls: a schedule's first step may also call the loss while inferring shapes.
+            extras = self._extras[-micro_batches:]
+            totals = [{name: sum(extra[name] for extra in extras).cpu() for name in extras[0]}]
         dist.broadcast_object_list(totals, group=self.group, group_src=self.last_stage_rank, device=self.device)
         extras = dict(totals[0])
         loss_sum = extras.pop("loss_sum").to(self.device)

@@ -60,7 +60,7 @@ for layout in layouts:
     if pp > 1:
         runner = PipelineRunner(stages, local, num_stages=stage_layout.num_stages, group=state.pipeline_parallel_group,
                                 device=torch.device("cpu"), schedule="1f1b", micro_batch_size=2, root=model,
-                                before_backward=lambda n: sync.start_micro_batch(sync=True, backward_passes=n))
+                                before_backward=lambda n, _tokens: sync.start_micro_batch(sync=True, backward_passes=n))
         model.loss = runner.loss  # as the strategy does: loss() runs the schedule, backward included
 
     losses, correct = [], []

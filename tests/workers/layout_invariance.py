@@ -74,7 +74,7 @@ def train(layout: str) -> tuple[list[float], dict]:
     )
     main = MainParamOptimizer(opt, sync) if uses_main_params(params, zero_stage) else None
     if runner is not None:
-        runner.before_backward = lambda n: sync.start_micro_batch(sync=True, backward_passes=n)
+        runner.before_backward = lambda n, _tokens: sync.start_micro_batch(sync=True, backward_passes=n)
 
     losses = []
     for input_ids, labels in batches():

@@ -1,0 +1,78 @@
+"""Dynamic loss scaling for fp16 (Micikevicius et al. 2018), with Megatron-LM's hysteresis.
+
+fp16 gradients underflow unless the loss is multiplied by a large scale before backward.
+After each step the scale grows by ``growth_factor`` once ``growth_interval`` steps in a
+row had finite gradients; a step with an inf/NaN gradient on *any* rank is skipped on
+*every* rank, and after ``hysteresis`` such steps (not necessarily consecutive) the scale
+shrinks by ``backoff_factor``. The decision must be the same everywhere, so the overflow
+check is an all-reduce over the whole world (``found_overflow``).
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+
+def found_overflow(grads: Iterable[Optional[Tensor]], device: torch.device) -> bool:
+    """Whether any rank holds a non-finite gradient (one all-reduce over the world)."""
+    flag = torch.zeros((), device=device)
+    for grad in grads:
+        if grad is not None and not torch.isfinite(grad).all():
+            flag.fill_(1.0)
+            break
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
+
+
+class DynamicLossScaler:
+    def __init__(
+        self,
+        *,
+        initial_scale: float = 2.0**16,
+        min_scale: float = 1.0,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 1000,
+        hysteresis: int = 2,
+    ) -> None:
+        if not (initial_scale >= min_scale > 0 and growth_factor > 1 and 0 < backoff_factor < 1):
+            raise ValueError(
+                f"Need initial_scale >= min_scale > 0, growth_factor > 1 and 0 < backoff_factor < 1; got "
+                f"{initial_scale}, {min_scale}, {growth_factor}, {backoff_factor}."
+            )
+        if growth_interval < 1 or hysteresis < 1:
+            raise ValueError(f"growth_interval and hysteresis must be >= 1, got {growth_interval} and {hysteresis}.")
+        self.scale = float(initial_scale)
+        self.min_scale, self.growth_factor, self.backoff_factor = min_scale, growth_factor, backoff_factor
+        self.growth_interval, self.hysteresis = growth_interval, hysteresis
+        self._good_steps = 0
+        self._overflows_left = hysteresis
+        self.skipped_steps = 0
+
+    def update(self, overflow: bool) -> None:
+        """Record a step's outcome (the same on every rank) and adapt the scale."""
+        if overflow:
+            self.skipped_steps += 1
+            self._good_steps = 0
+            self._overflows_left -= 1
+            if self._overflows_left <= 0:
+                self.scale = max(self.scale * self.backoff_factor, self.min_scale)
+            return
+        self._good_steps += 1
+        if self._good_steps == self.growth_interval:
+            self._good_steps = 0
+            self._overflows_left = self.hysteresis
+            self.scale *= self.growth_factor
+
+    def state_dict(self) -> dict:
+        return {"scale": self.scale, "good_steps": self._good_steps, "overflows_left": self._overflows_left,
+                "skipped_steps": self.skipped_steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.scale, self._good_steps = float(state["scale"]), int(state["good_steps"])
+        self._overflows_left, self.skipped_steps = int(state["overflows_left"]), int(state["skipped_steps"])

@@ -1,0 +1,309 @@
+"""ZeRO stage 3 over the data-parallel group, composed with our tensor parallelism (FSDP2 underneath).
+
+Parameters, gradients and optimizer state are all sharded over dp (Rajbhandari et al. 2020):
+each transformer layer's parameters are all-gathered just before its forward and freed
+after it, gathered again for its backward, and its gradients are reduce-scattered and
+freed right after. This is ``torch.distributed.fsdp.fully_shard`` (FSDP2) applied on the
+``"dp"`` sub-mesh, one group per layer plus one for the rest (embedding, final norm, head):
+
+* Our tensor-parallel parameters are plain local tensors tagged with ``param.tensor_shard``.
+  FSDP2 takes each as if it were a whole tensor and shards it again on dim 0 over dp,
+  replacing it by an ``nn.Parameter`` holding a ``DTensor`` on the dp mesh whose global
+  shape is the *tp-local* shape. The all-gathered (unsharded) parameter the layers see in
+  forward and backward is an ordinary tensor of the tp-local shape, so the tp layers and
+  their collectives run unchanged. FSDP2 drops Python attributes of the parameters it
+  replaces (checked on torch 2.13); :class:`ZeRO3` puts ``tensor_shard``,
+  ``sequence_parallel_grad``, ``pipeline_tied`` and ``tied_names`` back on the sharded
+  parameters (the clip and the checkpoint code read them) and re-applies them after
+  ``to_empty``.
+* Per-token loss. The loss is a *sum* over tokens and gradients are divided by the global
+  token count afterwards. FSDP2 averages over dp by default; every FSDP module gets
+  ``set_gradient_divide_factor(1.0)`` (not recursive in torch 2.13: it is set on each) and
+  ``set_force_sum_reduction_for_comms(True)``, so the reduce-scatter is a plain SUM (gloo
+  has no PREMUL_SUM; with a divide factor of 1 there is no extra scaling kernel either).
+  :meth:`ZeRO3.finish` then sums the token count over dp and divides the gradient shards.
+* Gradient accumulation. ``start_micro_batch(sync=True)`` on every micro-batch
+  reduce-scatters each backward and accumulates into the sharded gradient: the ZeRO-3
+  memory bound holds throughout (like our ZeRO-2). ``sync=False`` on all but the last
+  (``set_requires_gradient_sync(False)``) accumulates the *unsharded* gradients (in
+  ``reduce_dtype``) and reduce-scatters once: less communication, but a full tp-local
+  gradient per layer lives across micro-batches. Both give the same sums.
+* Sequence-parallel replicated parameters (LayerNorm, row-parallel biases) get partial
+  gradients on each tp rank. Their dp-sharding is identical on every tp rank (same
+  tp-local shape, same dp chunking), so the local shards of the reduce-scattered
+  gradients cover the same elements across tp: summing them over tp after FSDP's
+  reduce-scatter gives the full sum (tested against the single process). The same holds
+  for an embedding tied across the first and last pipeline stage (its two copies have one
+  shape), summed over the embedding group.
+* Global-norm clipping: squares of the local gradient shards, sharded tp parameters on
+  every tp rank, tp-replicated ones on tp rank 0 only, a pipeline-tied copy on the first
+  stage only; summed over dp and over the model-parallel group (tp x pp).
+* Mixed precision. ``MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)``
+  over fp32 parameters: the sharded fp32 parameters *are* Megatron's fp32 main parameters,
+  sharded; FSDP casts the shard to bf16 before the all-gather, forward and backward run in
+  bf16, gradients are reduced and kept in fp32. Persistent bytes per rank for Adam,
+  Psi = tp-local parameter count, N = dp: 4Psi/N (fp32 params) + 4Psi/N (fp32 grads) +
+  8Psi/N (two fp32 moments) = 16Psi/N, the ZeRO-3 total (the paper splits the same 16 as
+  2 + 2 + 12, keeping bf16 params and grads and an fp32 master copy; here the bf16 copy
+  exists only while a layer is gathered). Measured exactly: summed over dp ranks the local
+  shards are 16Psi, and each rank is within one dim-0 row per tensor of 16Psi/N
+  (FSDP chunks dim 0 as ``torch.chunk``; its padded storage rounds each tensor up to
+  ``ceil(rows / N)`` rows). Transient: one layer's bf16 parameters and gradients.
+  Without a policy (fp32 training) the persistent bytes are the same 16Psi/N.
+* Full state dict, layout-free: :func:`gather_full_state_dict` gathers each parameter
+  over dp (``DTensor.full_tensor()``, giving the tp-local shard) and then over tp (as in
+  ``checkpoint/full.py``), under global names and unpadded global shapes;
+  :func:`load_full_state_dict` cuts this rank's tp shard and then its dp chunk back out.
+
+Order in set-up (the strategy): ``parallelize`` -> activation checkpointing -> pipeline
+split -> :func:`apply_zero3` (on the meta device is best: nothing is materialised yet) ->
+:meth:`ZeRO3.initialize` (materialises only this rank's dp chunk of its tp shard from the
+layout-invariant initialiser) -> build the optimizer on the sharded parameters. Modules
+already materialised (``initialize_parameters`` first) are sharded as they are. The module
+passed is the one whose ``__call__`` runs the forward (GPT: ``GPTModel``, not the
+LightningModule), since FSDP's root gathers the remaining parameters in its forward hook.
+
+Pipeline parallelism is not supported here yet: the stage modules call ``root.embed`` and
+``root.head`` directly, so the root's forward hook never runs (the embedding and head
+would need groups of their own, ``fully_shard([ln_f, lm_head])``), and to avoid one
+all-gather per micro-batch the layers need ``reshard_after_forward=False`` (their
+parameters then stay gathered for the whole schedule, ZeRO-2-like memory for the layers
+in flight), with ``torch.distributed.pipelining``'s FSDP hooks (no-sync until the last
+backward) only active when a stage module itself is an ``FSDPModule``.
+
+Example::
+
+    parallelize(model, model.tensor_parallel_plan(), state)           # on the meta device
+    zero3 = apply_zero3(model, state, layers_pattern="blocks.*")
+    zero3.initialize(seed, device="cpu")
+    optimizer = torch.optim.AdamW(model.parameters())                 # sharded DTensor params
+    for micro_batch in micro_batches:
+        zero3.start_micro_batch(sync=True)
+        loss_sum, tokens = model.loss(*micro_batch)
+        loss_sum.backward()
+    zero3.finish(step_tokens)                                         # sum over dp, divide
+    zero3.clip_grad_norm_(1.0)
+    optimizer.step()
+    optimizer.zero_grad()
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Optional, Sequence, Union
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+from lightning_megatron.checkpoint.full import _gather
+from lightning_megatron.parallel.initialize import _local_values, _original_name, _owners, default_initializer
+from lightning_megatron.parallel.state import ParallelState
+from lightning_megatron.tensor_parallel.plan import name_matches
+from lightning_megatron.tensor_parallel.sharding import shard_of
+
+TAGS = ("tensor_shard", "sequence_parallel_grad", "pipeline_tied", "tied_names")
+
+
+def _local(tensor: Tensor) -> Tensor:
+    """The local shard of a DTensor (an alias: in-place ops on it change the DTensor), or the tensor itself."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _dp_chunk(values: Tensor, local_rows: int, dp_rank: int, dp_size: int) -> Tensor:
+    """FSDP2's dim-0 chunk of ``values`` for ``dp_rank`` (``torch.chunk`` sizes, empty past the end)."""
+    rows = values.shape[0]
+    start = min(dp_rank * -(-rows // dp_size), rows)
+    return values.narrow(0, start, local_rows)
+
+
+class ZeRO3:
+    """The ZeRO-3 sharding of one module; made by :func:`apply_zero3`."""
+
+    def __init__(self, module: nn.Module, state: ParallelState, fsdp_modules: list[FSDPModule],
+                 tags: dict[str, dict[str, Any]]) -> None:
+        self.module, self.state, self.fsdp_modules, self._tags = module, state, fsdp_modules, tags
+        self.retag()
+
+    # ---------------------------------------------------------------- parameters
+    def retag(self) -> None:
+        """Put our parameter attributes back on the (sharded) parameters; idempotent."""
+        for name, param in self.module.named_parameters(remove_duplicate=False):
+            for tag, value in self._tags.get(name, {}).items():
+                setattr(param, tag, value)
+
+    def initialize(self, seed: int, device: Union[torch.device, str]) -> None:
+        """Materialise meta parameters with their layout-invariant values (``initialize_parameters``'s),
+        keeping only this rank's dp chunk of its tp shard; real parameters are left alone."""
+        if any(_local(p).is_meta for p in self.module.parameters()):
+            self.module.to_empty(device=device)  # FSDP re-registers the sharded params; attributes may go
+            self.retag()
+            meta = True
+        else:
+            meta = False
+        buffers = [name for name, buffer in self.module.named_buffers() if buffer.is_meta]
+        if buffers:
+            raise RuntimeError(f"Buffers {buffers} are on the meta device; create them in forward or in setup.")
+        if not meta:
+            return
+        done: set[int] = set()
+        owners = [(prefix, owner, owner.initialize_parameter) for prefix, owner in _owners(self.module)]
+        owners.append(("", self.module, default_initializer))
+        dp_rank, dp_size = self.state.data_parallel_rank, self.state.config.data_parallel_size
+        with torch.no_grad():
+            for _, owner, initializer in owners:
+                for module_name, submodule in owner.named_modules(remove_duplicate=False):
+                    for param_name, param in submodule.named_parameters(recurse=False):
+                        if id(param) in done:
+                            continue
+                        done.add(id(param))
+                        name = _original_name(param, f"{module_name}.{param_name}" if module_name else param_name)
+                        local = _local(param)
+                        values = _local_values(param, name, seed, initializer)  # the tp-local shard, full over dp
+                        local.copy_(_dp_chunk(values, local.shape[0], dp_rank, dp_size))
+
+    def sharded_parameters(self) -> list[nn.Parameter]:
+        return list(self.module.parameters())
+
+    # ---------------------------------------------------------------- one step
+    def start_micro_batch(self, *, sync: bool) -> None:
+        """``sync=True``: reduce-scatter this micro-batch's gradients (every micro-batch keeps the ZeRO-3
+        memory bound); ``sync=False``: accumulate them unsharded and reduce with a later ``sync=True`` one."""
+        for fsdp_module in self.fsdp_modules:
+            fsdp_module.set_requires_gradient_sync(sync, recurse=False)
+
+    def finish(self, num_tokens: Tensor) -> None:
+        """Sum partial gradients over tp (sequence parallelism) and the embedding group (pipeline-tied
+        copies), then divide every gradient shard by the global token count.
+
+        ``num_tokens`` is this rank's token count for the step; it is summed over dp here.
+        """
+        params = [p for p in self.module.parameters() if p.grad is not None]
+        device = _local(params[0].grad).device if params else torch.device("cpu")
+        tokens = num_tokens.detach().to(device=device, dtype=torch.float64)
+        if self.state.data_parallel_group is not None:
+            dist.all_reduce(tokens, group=self.state.data_parallel_group)
+        for tag, group in (("sequence_parallel_grad", self.state.tensor_parallel_group),
+                           ("pipeline_tied", self.state.embedding_group)):
+            partial = [_local(p.grad) for p in params if getattr(p, tag, False)]
+            if group is not None and partial:
+                flat = torch.cat([g.reshape(-1) for g in partial])
+                dist.all_reduce(flat, group=group)
+                offset = 0
+                for grad in partial:
+                    grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
+                    offset += grad.numel()
+        scale = 1.0 / max(float(tokens), 1.0)
+        with torch.no_grad():
+            for param in params:
+                _local(param.grad).mul_(scale)
+
+    def grad_norm(self) -> Tensor:
+        """The L2 norm of the global model's gradients, identical on every rank."""
+        squares = torch.zeros((), dtype=torch.float64, device=self.state.device)
+        is_first_tensor_rank = self.state.tensor_parallel_rank == 0
+        for param in self.module.parameters():
+            if param.grad is None or hasattr(param, "tied_names"):
+                continue  # no gradient, or the last stage's copy of a tied embedding
+            if shard_of(param) is None and not is_first_tensor_rank:
+                continue  # replicated over tp: counted on tp rank 0
+            squares += _local(param.grad).detach().double().pow(2).sum()
+        for group in (self.state.data_parallel_group, self.state.model_parallel_group):
+            if group is not None:
+                dist.all_reduce(squares, group=group)
+        return squares.sqrt().float()
+
+    def clip_grad_norm_(self, max_norm: float) -> Tensor:
+        """Scale the gradient shards so that the global norm is at most ``max_norm``; returns the norm before."""
+        norm = self.grad_norm()
+        clip_coef = max_norm / (float(norm) + 1e-6)
+        if clip_coef < 1.0:
+            with torch.no_grad():
+                for param in self.module.parameters():
+                    if param.grad is not None:
+                        _local(param.grad).mul_(clip_coef)
+        return norm
+
+    def model_state_bytes(self, optimizer: Optional[torch.optim.Optimizer] = None) -> dict[str, int]:
+        """Per-rank bytes of the parameter, gradient and optimizer-state shards (tensors, not step counters)."""
+        params = list(dict.fromkeys(self.module.parameters()))
+        state = [] if optimizer is None else [v for s in optimizer.state.values() for v in s.values()
+                                             if isinstance(v, Tensor) and v.dim() > 0]
+        nbytes = lambda t: _local(t).numel() * _local(t).element_size()  # noqa: E731
+        return {
+            "parameters": sum(nbytes(p) for p in params),
+            "gradients": sum(nbytes(p.grad) for p in params if p.grad is not None),
+            "optimizer_state": sum(nbytes(v) for v in state),
+        }
+
+
+def apply_zero3(
+    module: nn.Module,
+    state: ParallelState,
+    *,
+    layers_pattern: Union[str, Sequence[str]],
+    mixed_precision: Optional[MixedPrecisionPolicy] = None,
+    reshard_after_forward: bool = True,
+) -> ZeRO3:
+    """Shard ``module``'s parameters over the dp group of ``state``: one FSDP2 group per submodule matching
+    ``layers_pattern`` (``*`` matches one name component, e.g. ``"blocks.*"``) and one for the rest.
+
+    ``module`` must be the module whose ``__call__`` runs the forward. Call it after ``parallelize``
+    (and the pipeline split); parameters may still be on the meta device (then call
+    :meth:`ZeRO3.initialize`). Build the optimizer afterwards, on ``module.parameters()``.
+    ``reshard_after_forward=False`` keeps the layers gathered from forward to backward (needed
+    for pipelining's many micro-batches in flight, at the cost of memory).
+    """
+    if state.mesh is None:
+        raise ValueError("ZeRO stage 3 needs torch.distributed and a ParallelState with a mesh.")
+    patterns = [layers_pattern] if isinstance(layers_pattern, str) else list(layers_pattern)
+    tags = {name: {tag: getattr(p, tag) for tag in TAGS if hasattr(p, tag)}
+            for name, p in module.named_parameters(remove_duplicate=False)}
+    layers = [m for name, m in module.named_modules() if name and any(name_matches(p, name) for p in patterns)]
+    if not layers:
+        raise ValueError(
+            f"layers_pattern {layers_pattern!r} matches no submodule of {type(module).__name__}. "
+            f"Check it against `[n for n, _ in model.named_modules()]`."
+        )
+    kwargs: dict[str, Any] = {"mesh": state.mesh["dp"]}
+    if mixed_precision is not None:
+        kwargs["mp_policy"] = mixed_precision
+    fsdp_modules = [fully_shard(layer, reshard_after_forward=reshard_after_forward, **kwargs) for layer in layers]
+    fsdp_modules.append(fully_shard(module, **kwargs))  # the rest; as FSDP's root it keeps them gathered until backward
+    for fsdp_module in fsdp_modules:
+        fsdp_module.set_gradient_divide_factor(1.0)  # a SUM over dp: the loss is a token sum, finish() divides
+        fsdp_module.set_force_sum_reduction_for_comms(True)
+    return ZeRO3(module, state, fsdp_modules, tags)
+
+
+def gather_full_state_dict(module: nn.Module, tensor_parallel_group: Optional[dist.ProcessGroup]) -> dict[str, Any]:
+    """Full tensors under global names, unpadded, on the CPU, on every rank (collective over dp and tp)."""
+    full: dict[str, Any] = {}
+    for name, value in module.state_dict(keep_vars=True).items():
+        if not isinstance(value, Tensor):
+            full[name] = value
+            continue
+        tensor = value.detach()
+        tensor = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor  # over dp: the tp-local shard
+        shard = shard_of(value)
+        if shard is not None:
+            tensor = _gather(tensor, shard.dim, tensor_parallel_group if shard.world > 1 else None)
+            tensor = tensor.narrow(shard.dim, 0, shard.global_shape[shard.dim])
+        full[name] = tensor.cpu().clone()
+    return full
+
+
+def load_full_state_dict(module: nn.Module, full: Mapping[str, Tensor], state: ParallelState) -> None:
+    """Copy this rank's tp shard, dp chunk of each entry of ``full`` into ``module``'s (sharded) tensors."""
+    dp_rank, dp_size = state.data_parallel_rank, state.config.data_parallel_size
+    with torch.no_grad():
+        for name, value in module.state_dict(keep_vars=True).items():
+            if name not in full or not isinstance(value, Tensor):
+                continue
+            shard = shard_of(value)
+            source = full[name] if shard is None else shard.local_slice(full[name])
+            local = _local(value)
+            if isinstance(value, DTensor):
+                source = _dp_chunk(source, local.shape[0], dp_rank, dp_size)
+            local.copy_(source)

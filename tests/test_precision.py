@@ -1,0 +1,57 @@
+"""Mixed precision inside the Trainer: every flavour stays near fp32; an fp16 overflow on one rank
+skips that step on every rank and training recovers."""
+
+import pytest
+
+from launch import launch
+from lightning_megatron.optim.loss_scaler import DynamicLossScaler
+OVERFLOW_STEP = 2  # as in workers/precision_fit.py
+
+TOLERANCE = {"bf16-true": 3e-2, "bf16-mixed": 3e-2, "fp16-true": 5e-3, "fp16-mixed": 5e-3}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    results, _ = launch("precision_fit.py", 2, tmp_path_factory.mktemp("precision"), timeout=900)
+    return results
+
+
+@pytest.mark.parametrize("precision", sorted(TOLERANCE))
+def test_low_precision_stays_within_its_tolerance_of_fp32(runs, precision):
+    for result in runs:
+        reference, losses = result["fp32"]["losses"], result[precision]["losses"]
+        assert len(losses) == len(reference) == 5
+        worst = max(abs(a - b) for a, b in zip(losses, reference))
+        assert worst < TOLERANCE[precision], (precision, losses, reference)
+        assert losses != reference, "the run must really have been in low precision"
+
+
+def test_fp16_overflow_on_one_rank_skips_that_step_on_every_rank_and_recovers(runs):
+    for result in runs:
+        run = result["fp16-overflow"]
+        assert run["skipped"] == 1
+        assert run["loss_scale"] == 2.0**12 / 2, "hysteresis 1: one overflow halves the scale"
+        checksums = run["checksums"]
+        assert checksums[OVERFLOW_STEP] == checksums[OVERFLOW_STEP - 1], "the overflowing step changed weights"
+        assert all(a != b for i, (a, b) in enumerate(zip(checksums, checksums[1:])) if i + 1 != OVERFLOW_STEP)
+        assert all(loss == loss for i, loss in enumerate(run["losses"]) if i != OVERFLOW_STEP), "training recovers"
+    assert runs[0]["fp16-overflow"]["checksums"] == pytest.approx(runs[1]["fp16-overflow"]["checksums"], rel=0.2)
+
+
+def test_loss_scaler_growth_backoff_and_hysteresis():
+    scaler = DynamicLossScaler(initial_scale=8.0, growth_interval=2, hysteresis=2, min_scale=2.0)
+    scaler.update(overflow=False)
+    scaler.update(overflow=False)
+    assert scaler.scale == 16.0
+    scaler.update(overflow=True)
+    assert scaler.scale == 16.0, "the first overflow is absorbed by hysteresis"
+    scaler.update(overflow=True)
+    assert scaler.scale == 8.0
+    for _ in range(5):
+        scaler.update(overflow=True)
+    assert scaler.scale == 2.0 and scaler.skipped_steps == 7
+    restored = DynamicLossScaler()
+    restored.load_state_dict(scaler.state_dict())
+    assert restored.state_dict() == scaler.state_dict()
+    with pytest.raises(ValueError, match="growth_factor > 1"):
+        DynamicLossScaler(growth_factor=1.0)

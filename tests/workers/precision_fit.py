@@ -1,0 +1,66 @@
+"""Trainer.fit under fp32, bf16-true, 16-true and 16-mixed on the same ranks (tp=2), plus an fp16 run
+in which rank 1 alone produces an overflow at one step.
+
+argv: OUT_DIR. Rank r writes rank{r}.json: per run the training losses, the final loss scale and
+skipped-step count, and a checksum of the weights after every optimizer step.
+"""
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import lightning as L
+import torch
+import torch.distributed as dist
+
+from trainer_setup import datamodule, model, trainer_kwargs
+from lightning_megatron import Megatron3DStrategy
+from lightning_megatron.models import GPT
+
+OVERFLOW_STEP = 2  # tests/test_precision.py checks this step
+
+
+class OverflowOnOneRank(GPT):
+    """Rank 1 multiplies its loss by inf at one step: every rank must skip that step."""
+
+    def training_step(self, batch, batch_idx):
+        out = super().training_step(batch, batch_idx)
+        if self.global_step == OVERFLOW_STEP and self.trainer.global_rank == 1:
+            out["loss"] = out["loss"] * float("inf")
+        return out
+
+
+class Record(L.Callback):
+    def __init__(self):
+        self.losses, self.checksums = [], []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.losses.append(float(outputs["loss"]))
+        self.checksums.append(float(sum(p.detach().double().sum() for p in pl_module.parameters())))
+
+
+def run(precision: str, overflow: bool = False) -> dict:
+    L.seed_everything(7)
+    options = {"tp": 2, "steps": 5, "clip": 1.0}
+    record = Record()
+    strategy = Megatron3DStrategy(tensor_parallel_size=2, loss_scaler={"initial_scale": 2.0**12, "hysteresis": 1})
+    kwargs = trainer_kwargs(options)
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, precision=precision, callbacks=[record], **kwargs)
+    gpt = model(options)
+    if overflow:
+        gpt = OverflowOnOneRank(gpt.config, learning_rate=3e-3, warmup_steps=2)
+    trainer.fit(gpt, datamodule=datamodule(options))
+    scaler = trainer.strategy.loss_scaler
+    return {"losses": record.losses, "checksums": record.checksums,
+            "loss_scale": scaler.scale if scaler else None, "skipped": scaler.skipped_steps if scaler else None}
+
+
+out_dir = Path(sys.argv[1])
+results = {name: run(precision, overflow) for name, precision, overflow in (
+    ("fp32", "32-true", False), ("bf16-true", "bf16-true", False), ("fp16-true", "16-true", False),
+    ("fp16-mixed", "16-mixed", False), ("bf16-mixed", "bf16-mixed", False), ("fp16-overflow", "16-true", True),
+)}
+(out_dir / f"rank{int(os.environ['RANK'])}.json").write_text(json.dumps(results))
+dist.barrier()
+os._exit(0)  # skip gloo's C++ teardown (see the other workers)
