@@ -79,6 +79,7 @@ class Megatron3DStrategy(ParallelStrategy):
             (``initial_scale``, ``min_scale``, ``growth_factor``, ``backoff_factor``, ``growth_interval``,
             ``hysteresis``; Megatron-LM's scheme). A step with an inf/NaN gradient on any rank is
             skipped on every rank.
+        offload_optimizer: keep fp32 main parameters and optimizer state in CPU memory and step there.
         bucket_size_mb: size of the gradient buckets reduced over dp while backward runs.
         pad_vocab_to_multiple_of: the vocabulary is padded to a multiple of ``tp * this`` (Megatron: 128).
 
@@ -103,6 +104,7 @@ class Megatron3DStrategy(ParallelStrategy):
         pipeline_layers_per_stage: Optional[list[int]] = None,
         activation_checkpointing: str = "none",
         loss_scaler: Optional[dict] = None,
+        offload_optimizer: bool = False,
         bucket_size_mb: float = DEFAULT_BUCKET_SIZE_MB,
         pad_vocab_to_multiple_of: int = 128,
         process_group_backend: Optional[str] = None,
@@ -161,6 +163,7 @@ class Megatron3DStrategy(ParallelStrategy):
         self._rng: Optional[TensorParallelRNG] = None
         self._grad_sync: Optional[GradientSynchronizer] = None
         self._main_params: Optional[MainParamOptimizer] = None
+        self.offload_optimizer = offload_optimizer
         self._loss_scaler_settings = dict(loss_scaler or {})
         DynamicLossScaler(**self._loss_scaler_settings)  # validate the settings now, not after the launch
         self.loss_scaler: Optional[DynamicLossScaler] = None
@@ -186,6 +189,11 @@ class Megatron3DStrategy(ParallelStrategy):
 
     @property
     def is_distributed(self) -> bool:
+        return True
+
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        """Load checkpoints into the materialised shards: before ``setup`` the model is still on meta."""
         return True
 
     @property
@@ -277,13 +285,14 @@ class Megatron3DStrategy(ParallelStrategy):
                 bucket_size_mb=self.bucket_size_mb,
                 zero_stage=self.parallel_config.zero_stage,
             )
-            if uses_main_params(params, self.parallel_config.zero_stage):
+            if uses_main_params(params, self.parallel_config.zero_stage, self.offload_optimizer):
                 if len(self.optimizers) != 1:
                     raise ValueError(
                         f"fp32 main parameters (zero_stage > 0 or 16-bit parameters) support one optimizer; "
                         f"configure_optimizers returned {len(self.optimizers)}."
                     )
-                self._main_params = MainParamOptimizer(self.optimizers[0], self._grad_sync)
+                self._main_params = MainParamOptimizer(self.optimizers[0], self._grad_sync,
+                                                       offload=self.offload_optimizer)
         self.setup_precision_plugin()
         # Lightning's clip_grad_norm_ would clip each rank by its own shards' norm.
         self.precision_plugin.clip_grad_by_norm = self.clip_grad_by_global_norm
@@ -483,6 +492,7 @@ class Megatron3DStrategy(ParallelStrategy):
             model_parallel_group=state.model_parallel_group,
             is_first_tensor_rank=state.tensor_parallel_rank == 0,
             data_parallel_group=state.data_parallel_group if state.config.zero_stage else None,
+            reduce_device=self.root_device,
         )
 
     # ------------------------------------------------------------------ collectives

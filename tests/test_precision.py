@@ -55,3 +55,10 @@ def test_loss_scaler_growth_backoff_and_hysteresis():
     assert restored.state_dict() == scaler.state_dict()
     with pytest.raises(ValueError, match="growth_factor > 1"):
         DynamicLossScaler(growth_factor=1.0)
+
+
+def test_offloaded_optimizer_steps_in_cpu_memory_with_identical_results(runs):
+    for result in runs:
+        offloaded, reference = result["bf16-true-offload"], result["bf16-true"]
+        assert offloaded["losses"] == reference["losses"] and offloaded["checksums"] == reference["checksums"]
+        assert offloaded["optimizer_devices"] == ["cpu"]

@@ -6,6 +6,7 @@ itself, even at dp=1: the samples of global batch k are then the same set whatev
 data-parallel size, and Lightning leaves a DataLoader whose sampler is already a
 ``DistributedSampler`` alone. Documents are split into train and validation by a
 seeded shuffle, so no document is in both and the split does not depend on the layout.
+Training resumes mid-epoch without repeating or skipping samples (``data/resumable.py``).
 """
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ from typing import Any, Optional, Sequence
 
 import lightning as L
 import numpy as np
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torch.utils.data import DataLoader, Dataset
+
+from lightning_megatron.data.resumable import ResumableDataLoader, ResumableDistributedSampler
 
 
 class DataParallelDataModule(L.LightningDataModule):
@@ -112,7 +115,7 @@ class DataParallelDataModule(L.LightningDataModule):
         splits into the same pipeline micro-batches, and every layout evaluates the same samples."""
         if dataset is None:
             raise RuntimeError(f"{type(self).__name__}.setup() must run before its dataloaders are requested.")
-        sampler = DistributedSampler(
+        sampler = ResumableDistributedSampler(
             dataset,
             num_replicas=self.data_parallel_size,
             rank=self.data_parallel_rank,
@@ -120,6 +123,6 @@ class DataParallelDataModule(L.LightningDataModule):
             seed=self.seed,
             drop_last=True,
         )
-        return DataLoader(
+        return ResumableDataLoader(
             dataset, batch_size=self.per_rank_batch_size, sampler=sampler, num_workers=self.num_workers, drop_last=True
         )

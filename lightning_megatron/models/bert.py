@@ -337,21 +337,24 @@ class BERT(L.LightningModule):
 
     def __init__(
         self,
-        config: Union[BERTConfig, str] = "bert-tiny",
+        config: Union[BERTConfig, str, dict] = "bert-tiny",
         *,
         learning_rate: float = 1e-3,
         min_learning_rate: float = 1e-4,
         weight_decay: float = 0.01,
         betas: tuple[float, float] = (0.9, 0.999),
+        adam_eps: float = 1e-8,
         warmup_steps: int = 20,
     ) -> None:
         super().__init__()
-        self.config = BERTConfig.from_name(config) if isinstance(config, str) else config
+        self.config = BERTConfig.from_name(config) if isinstance(config, str) else (
+            BERTConfig(**config) if isinstance(config, dict) else config)
+        self.optimizer_settings = dict(learning_rate=learning_rate, min_learning_rate=min_learning_rate,
+                                       weight_decay=weight_decay, betas=betas, eps=adam_eps, warmup_steps=warmup_steps)
+        # Named as __init__ takes them, so load_from_checkpoint rebuilds the same module.
         self.save_hyperparameters({"config": asdict(self.config), "learning_rate": learning_rate,
                                    "min_learning_rate": min_learning_rate, "weight_decay": weight_decay,
-                                   "betas": betas, "warmup_steps": warmup_steps})
-        self.optimizer_settings = dict(learning_rate=learning_rate, min_learning_rate=min_learning_rate,
-                                       weight_decay=weight_decay, betas=betas, warmup_steps=warmup_steps)
+                                   "betas": betas, "adam_eps": adam_eps, "warmup_steps": warmup_steps})
         self.model: Optional[BERTModel] = None
         self.val_loss, self.val_accuracy = MeanMetric(), MeanMetric()
         self.val_sentence_order_loss = MeanMetric() if self.config.binary_head else None

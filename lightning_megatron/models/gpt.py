@@ -185,21 +185,24 @@ class GPT(L.LightningModule):
 
     def __init__(
         self,
-        config: Union[GPTConfig, str] = "gpt-tiny",
+        config: Union[GPTConfig, str, dict] = "gpt-tiny",
         *,
         learning_rate: float = 1e-3,
         min_learning_rate: float = 1e-4,
         weight_decay: float = 0.1,
         betas: tuple[float, float] = (0.9, 0.95),
+        adam_eps: float = 1e-8,
         warmup_steps: int = 20,
     ) -> None:
         super().__init__()
-        self.config = GPTConfig.from_name(config) if isinstance(config, str) else config
+        self.config = GPTConfig.from_name(config) if isinstance(config, str) else (
+            GPTConfig(**config) if isinstance(config, dict) else config)
+        self.optimizer_settings = dict(learning_rate=learning_rate, min_learning_rate=min_learning_rate,
+                                       weight_decay=weight_decay, betas=betas, eps=adam_eps, warmup_steps=warmup_steps)
+        # Named as __init__ takes them, so load_from_checkpoint rebuilds the same module.
         self.save_hyperparameters({"config": asdict(self.config), "learning_rate": learning_rate,
                                    "min_learning_rate": min_learning_rate, "weight_decay": weight_decay,
-                                   "betas": betas, "warmup_steps": warmup_steps})
-        self.learning_rate, self.min_learning_rate = learning_rate, min_learning_rate
-        self.weight_decay, self.betas, self.warmup_steps = weight_decay, betas, warmup_steps
+                                   "betas": betas, "adam_eps": adam_eps, "warmup_steps": warmup_steps})
         self.model: Optional[GPTModel] = None
         self.val_loss = MeanMetric()
 
@@ -273,7 +276,4 @@ class GPT(L.LightningModule):
         self.log("val_perplexity", loss.exp())
 
     def configure_optimizers(self):
-        return adamw_warmup_cosine(
-            self, learning_rate=self.learning_rate, min_learning_rate=self.min_learning_rate,
-            weight_decay=self.weight_decay, betas=self.betas, warmup_steps=self.warmup_steps,
-        )
+        return adamw_warmup_cosine(self, **self.optimizer_settings)

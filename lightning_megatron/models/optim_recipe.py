@@ -43,6 +43,7 @@ def adamw_warmup_cosine(
     min_learning_rate: float,
     weight_decay: float,
     betas: tuple[float, float],
+    eps: float = 1e-8,
     warmup_steps: int,
 ) -> dict:
     """What ``configure_optimizers`` returns: AdamW over ``module``'s parameters, stepped per optimizer step.
@@ -57,6 +58,7 @@ def adamw_warmup_cosine(
         ],
         lr=learning_rate,
         betas=betas,
+        eps=eps,
     )
     total_steps = max(int(module.trainer.estimated_stepping_batches), 1) if module._trainer is not None else 1
     factor = warmup_cosine_factor(

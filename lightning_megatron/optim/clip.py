@@ -26,8 +26,12 @@ def global_grad_norm(
     model_parallel_group: Optional[dist.ProcessGroup],
     is_first_tensor_rank: bool,
     data_parallel_group: Optional[dist.ProcessGroup] = None,
+    reduce_device: Optional[torch.device] = None,
 ) -> Tensor:
-    """The L2 norm of all gradients of the global model, identical on every rank."""
+    """The L2 norm of all gradients of the global model, identical on every rank.
+
+    ``reduce_device``: where the sum of squares is all-reduced (NCCL needs the accelerator even
+    when the gradients were offloaded to the CPU)."""
     squares = None
     for param in params:
         if param.grad is None or (shard_of(param) is None and not is_first_tensor_rank):
@@ -38,7 +42,7 @@ def global_grad_norm(
         squares = term if squares is None else squares + term
     if squares is None:
         squares = torch.zeros((), dtype=torch.float32)
-    squares = squares.double()
+    squares = squares.double() if reduce_device is None else squares.to(reduce_device, torch.float64)
     for group in (model_parallel_group, data_parallel_group):
         if group is not None:
             dist.all_reduce(squares, group=group)
@@ -52,6 +56,7 @@ def clip_grads_by_global_norm(
     model_parallel_group: Optional[dist.ProcessGroup],
     is_first_tensor_rank: bool,
     data_parallel_group: Optional[dist.ProcessGroup] = None,
+    reduce_device: Optional[torch.device] = None,
 ) -> Tensor:
     """Scale gradients so their global norm is at most ``max_norm``; returns the norm before clipping.
 
@@ -59,7 +64,8 @@ def clip_grads_by_global_norm(
     """
     params = [p for p in dict.fromkeys(params) if p.grad is not None]
     norm = global_grad_norm(params, model_parallel_group=model_parallel_group,
-                            is_first_tensor_rank=is_first_tensor_rank, data_parallel_group=data_parallel_group)
+                            is_first_tensor_rank=is_first_tensor_rank, data_parallel_group=data_parallel_group,
+                            reduce_device=reduce_device)
     clip_coef = max_norm / (float(norm) + 1e-6)
     if clip_coef < 1.0:
         for param in params:

@@ -49,9 +49,12 @@ def check_wrappable(optimizer: Optimizer, zero_stage: int) -> None:
 class MainParamOptimizer:
     """Binds ``optimizer`` to fp32 copies of this rank's owned pieces of the model parameters."""
 
-    def __init__(self, optimizer: Optimizer, sync: GradientSynchronizer) -> None:
+    def __init__(self, optimizer: Optimizer, sync: GradientSynchronizer, *, offload: bool = False) -> None:
+        """``offload=True`` keeps the fp32 pieces and the optimizer state in CPU memory and steps there
+        (ZeRO-Offload's optimizer half): only 16-bit parameters and gradients stay on the accelerator."""
         check_wrappable(optimizer, sync.zero_stage)
         self.optimizer, self.sync = optimizer, sync
+        self.offload = offload
         group_of = {id(p): i for i, group in enumerate(optimizer.param_groups) for p in group["params"]}
         self.pieces: list[tuple[OwnedPiece, nn.Parameter]] = []
         new_params: list[list[nn.Parameter]] = [[] for _ in optimizer.param_groups]
@@ -59,7 +62,7 @@ class MainParamOptimizer:
             if id(piece.param) not in group_of:
                 continue  # trainable but not optimised by this optimizer
             flat = piece.param.detach().reshape(-1)[piece.start : piece.stop]
-            main = nn.Parameter(flat.to(torch.float32, copy=True))
+            main = nn.Parameter(flat.to(device="cpu" if offload else flat.device, dtype=torch.float32, copy=True))
             for tag in _TAGS:  # the global-norm clip needs to know how to count it
                 if hasattr(piece.param, tag):
                     setattr(main, tag, getattr(piece.param, tag))
@@ -86,7 +89,7 @@ class MainParamOptimizer:
         """Hand the reduced, token-normalised owned gradients to the fp32 pieces."""
         for piece, main in self.pieces:
             grad = self.sync.owned_grad(piece)
-            main.grad = grad if grad.dtype == torch.float32 else grad.float()
+            main.grad = grad if grad.dtype == torch.float32 and grad.device == main.device else grad.to(main.device, torch.float32)
 
     def main_grads(self) -> list[Optional[Tensor]]:
         return [main.grad for _, main in self.pieces]
@@ -113,9 +116,10 @@ class MainParamOptimizer:
         return sum(main.numel() * main.element_size() for _, main in self.pieces)
 
 
-def uses_main_params(params: list[nn.Parameter], zero_stage: int) -> bool:
-    """fp32 main copies are needed under ZeRO and for 16-bit parameters (Megatron's mixed precision)."""
-    return zero_stage > 0 or any(p.dtype in (torch.float16, torch.bfloat16) for p in params)
+def uses_main_params(params: list[nn.Parameter], zero_stage: int, offload: bool = False) -> bool:
+    """fp32 main copies are needed under ZeRO, for 16-bit parameters (Megatron's mixed precision)
+    and to step the optimizer in CPU memory."""
+    return offload or zero_stage > 0 or any(p.dtype in (torch.float16, torch.bfloat16) for p in params)
 
 
 def model_state_bytes(

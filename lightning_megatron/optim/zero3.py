@@ -63,13 +63,15 @@ already materialised (``initialize_parameters`` first) are sharded as they are. 
 passed is the one whose ``__call__`` runs the forward (GPT: ``GPTModel``, not the
 LightningModule), since FSDP's root gathers the remaining parameters in its forward hook.
 
-Pipeline parallelism is not supported here yet: the stage modules call ``root.embed`` and
-``root.head`` directly, so the root's forward hook never runs (the embedding and head
-would need groups of their own, ``fully_shard([ln_f, lm_head])``), and to avoid one
-all-gather per micro-batch the layers need ``reshard_after_forward=False`` (their
-parameters then stay gathered for the whole schedule, ZeRO-2-like memory for the layers
-in flight), with ``torch.distributed.pipelining``'s FSDP hooks (no-sync until the last
-backward) only active when a stage module itself is an ``FSDPModule``.
+Pipeline parallelism: the stage modules call ``root.embed`` and ``root.head`` directly, so the
+root's forward hook never runs; pass ``other_groups`` (this stage's embedding, final norm, head)
+to give each its own group. The stage modules stay plain (torch.distributed.pipelining's
+FSDP no-sync path applies only when a stage module is itself an ``FSDPModule``), so every
+micro-batch's backward reduce-scatters (ZeRO-3 memory, ``sync=True``). Each micro-batch
+all-gathers every layer for its forward and again for its backward;
+``reshard_after_forward=False`` saves the second at the cost of keeping a layer gathered from
+its first forward of the step to a backward (torchtitan's choice under pp). pp2 x dp2 matches the single
+process with both settings (the pipeline-tied embedding copies are summed as local shards).
 
 Example::
 
@@ -243,17 +245,24 @@ def apply_zero3(
     state: ParallelState,
     *,
     layers_pattern: Union[str, Sequence[str]],
+    other_groups: Optional[Sequence[str]] = None,
     mixed_precision: Optional[MixedPrecisionPolicy] = None,
     reshard_after_forward: bool = True,
 ) -> ZeRO3:
     """Shard ``module``'s parameters over the dp group of ``state``: one FSDP2 group per submodule matching
     ``layers_pattern`` (``*`` matches one name component, e.g. ``"blocks.*"``) and one for the rest.
 
-    ``module`` must be the module whose ``__call__`` runs the forward. Call it after ``parallelize``
-    (and the pipeline split); parameters may still be on the meta device (then call
-    :meth:`ZeRO3.initialize`). Build the optimizer afterwards, on ``module.parameters()``.
-    ``reshard_after_forward=False`` keeps the layers gathered from forward to backward (needed
-    for pipelining's many micro-batches in flight, at the cost of memory).
+    Without ``other_groups`` the rest is one group rooted at ``module``, which must then be the module
+    whose ``__call__`` runs the forward (FSDP's root gathers it in its forward hook; parameters tied
+    between the embedding and the head can only live in one group, so this is the pp=1 case). Under
+    pipelining the stage modules call ``root.embed``/``root.head`` directly: pass the names of this
+    stage's other submodules (e.g. ``["embedding"]`` on the first stage, ``["ln_f", "lm_head"]`` on the
+    last), each becomes a group of its own, and every parameter must be covered.
+
+    Call it after ``parallelize`` (and the pipeline split); parameters may still be on the meta
+    device (then call :meth:`ZeRO3.initialize`). Build the optimizer afterwards, on
+    ``module.parameters()``. ``reshard_after_forward=False`` keeps the layers gathered from
+    forward to backward (one all-gather per layer and micro-batch less, more memory).
     """
     if state.mesh is None:
         raise ValueError("ZeRO stage 3 needs torch.distributed and a ParallelState with a mesh.")
@@ -270,7 +279,16 @@ def apply_zero3(
     if mixed_precision is not None:
         kwargs["mp_policy"] = mixed_precision
     fsdp_modules = [fully_shard(layer, reshard_after_forward=reshard_after_forward, **kwargs) for layer in layers]
-    fsdp_modules.append(fully_shard(module, **kwargs))  # the rest; as FSDP's root it keeps them gathered until backward
+    if other_groups is None:
+        fsdp_modules.append(fully_shard(module, **kwargs))  # the rest; as FSDP's root it keeps them gathered until backward
+    else:
+        others = [module.get_submodule(name) for name in other_groups]
+        fsdp_modules += [fully_shard(other, reshard_after_forward=reshard_after_forward, **kwargs)
+                         for other in others if any(True for _ in other.parameters())]
+        left = [name for name, p in module.named_parameters() if not isinstance(p, DTensor)]
+        if left:
+            raise ValueError(f"other_groups={list(other_groups)} and layers_pattern={layers_pattern!r} leave {left} "
+                             f"unsharded; name the submodules that hold them in other_groups.")
     for fsdp_module in fsdp_modules:
         fsdp_module.set_gradient_divide_factor(1.0)  # a SUM over dp: the loss is a token sum, finish() divides
         fsdp_module.set_force_sum_reduction_for_comms(True)

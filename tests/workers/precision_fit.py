@@ -1,5 +1,6 @@
-"""Trainer.fit under fp32, bf16-true, 16-true and 16-mixed on the same ranks (tp=2), plus an fp16 run
-in which rank 1 alone produces an overflow at one step.
+"""Trainer.fit under fp32, bf16-true, 16-true, 16-mixed and bf16-mixed on the same ranks (tp=2), an
+fp16 run in which rank 1 alone produces an overflow at one step, and bf16-true with the optimizer
+offloaded to the CPU.
 
 argv: OUT_DIR. Rank r writes rank{r}.json: per run the training losses, the final loss scale and
 skipped-step count, and a checksum of the weights after every optimizer step.
@@ -40,26 +41,31 @@ class Record(L.Callback):
         self.checksums.append(float(sum(p.detach().double().sum() for p in pl_module.parameters())))
 
 
-def run(precision: str, overflow: bool = False) -> dict:
+def run(precision: str, overflow: bool = False, offload: bool = False) -> dict:
     L.seed_everything(7)
     options = {"tp": 2, "steps": 5, "clip": 1.0}
     record = Record()
-    strategy = Megatron3DStrategy(tensor_parallel_size=2, loss_scaler={"initial_scale": 2.0**12, "hysteresis": 1})
+    strategy = Megatron3DStrategy(tensor_parallel_size=2, loss_scaler={"initial_scale": 2.0**12, "hysteresis": 1},
+                                  offload_optimizer=offload)
     kwargs = trainer_kwargs(options)
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, precision=precision, callbacks=[record], **kwargs)
     gpt = model(options)
     if overflow:
-        gpt = OverflowOnOneRank(gpt.config, learning_rate=3e-3, warmup_steps=2)
+        gpt = OverflowOnOneRank(**gpt.hparams)
     trainer.fit(gpt, datamodule=datamodule(options))
     scaler = trainer.strategy.loss_scaler
+    optimizer = trainer.optimizers[0]
+    state_devices = {str(v.device) for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)}
     return {"losses": record.losses, "checksums": record.checksums,
-            "loss_scale": scaler.scale if scaler else None, "skipped": scaler.skipped_steps if scaler else None}
+            "loss_scale": scaler.scale if scaler else None, "skipped": scaler.skipped_steps if scaler else None,
+            "optimizer_devices": sorted(state_devices | {str(p.device) for g in optimizer.param_groups for p in g["params"]})}
 
 
 out_dir = Path(sys.argv[1])
-results = {name: run(precision, overflow) for name, precision, overflow in (
-    ("fp32", "32-true", False), ("bf16-true", "bf16-true", False), ("fp16-true", "16-true", False),
-    ("fp16-mixed", "16-mixed", False), ("bf16-mixed", "bf16-mixed", False), ("fp16-overflow", "16-true", True),
+results = {name: run(precision, overflow, offload) for name, precision, overflow, offload in (
+    ("fp32", "32-true", False, False), ("bf16-true", "bf16-true", False, False), ("fp16-true", "16-true", False, False),
+    ("fp16-mixed", "16-mixed", False, False), ("bf16-mixed", "bf16-mixed", False, False),
+    ("fp16-overflow", "16-true", True, False), ("bf16-true-offload", "bf16-true", False, True),
 )}
 (out_dir / f"rank{int(os.environ['RANK'])}.json").write_text(json.dumps(results))
 dist.barrier()

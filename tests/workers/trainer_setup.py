@@ -7,7 +7,8 @@ from lightning_megatron.models import GPT, GPTConfig
 def model(options: dict) -> GPT:
     config = GPTConfig(vocab_size=257, max_seq_length=32, hidden_size=options.get("hidden", 32),
                        num_layers=options.get("layers", 2), num_heads=options.get("heads", 4))
-    return GPT(config, learning_rate=3e-3, warmup_steps=2)
+    # adam_eps 1e-6: with 1e-8, AdamW turns fp32 rounding in near-zero gradients into full-size updates.
+    return GPT(config, learning_rate=3e-3, warmup_steps=2, adam_eps=1e-6)
 
 
 def datamodule(options: dict) -> GPTDataModule:

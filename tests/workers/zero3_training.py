@@ -1,13 +1,15 @@
 """ZeRO stage 3 (FSDP2 over dp) with tensor parallelism: train the tiny GPT under several layouts.
 
-argv: OUT_DIR LAYOUTS, where LAYOUTS is a comma list of
-``tp{T}-dp{D}[-sp][-mb{M}][-nosync][-pre][-sgd]``: M micro-batches per step (``-nosync``:
+argv: OUT_DIR LAYOUTS, where LAYOUTS is a comma list of ``bytes`` (``zero3_bytes.measure_bytes``,
+in the same processes to save a launch) and
+``[pp{P}-]tp{T}-dp{D}[-sp][-mb{M}][-nosync][-pre][-sgd]``: P pipeline stages (1F1B, the
+embedding and head in groups of their own), M micro-batches per step (``-nosync``:
 accumulate unsharded gradients and reduce-scatter only on the last; otherwise reduce-scatter
 every micro-batch), ``-pre``: materialise the tp shards before sharding over dp (otherwise
 ``ZeRO3.initialize`` materialises only the dp chunks from the meta device), SGD with
 momentum instead of AdamW. fp32 throughout. For each layout rank 0 writes the losses and the
 full (gathered) weights to ``{layout}.pt``; the pytest process compares them with the
-single-process reference. The first layout also checks that ``load_full_state_dict`` round-trips.
+single-process reference. The first training layout also checks that ``load_full_state_dict`` round-trips.
 """
 
 import json
@@ -18,63 +20,90 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from gpt_setup import CLIP, CONFIG, GLOBAL_BATCH, SEED, batches, optimizer, sgd_optimizer
+from zero3_bytes import measure_bytes
+from lightning_megatron.checkpoint import merge_pipeline_stages
 from lightning_megatron.models import GPTModel
 from lightning_megatron.optim.zero3 import apply_zero3, gather_full_state_dict, load_full_state_dict
 from lightning_megatron.parallel import ParallelConfig, ParallelState, TensorParallelRNG
 from lightning_megatron.parallel.initialize import initialize_parameters
+from lightning_megatron.pipeline import PipelineLayout
+from lightning_megatron.pipeline.runner import PipelineRunner
+from lightning_megatron.pipeline.stage import split_for_pipeline
 from lightning_megatron.tensor_parallel import parallelize
 
-LAYOUT = re.compile(r"tp(\d+)-dp(\d+)(-sp)?(?:-mb(\d+))?(-nosync)?(-pre)?(-sgd)?")
+LAYOUT = re.compile(r"(?:pp(\d+)-)?tp(\d+)-dp(\d+)(-sp)?(?:-mb(\d+))?(-nosync)?(-pre)?(-sgd)?")
 
 
-def build(state: ParallelState, pre: bool):
+def build(state: ParallelState, pre: bool, micro_batches: int = 1):
+    """As the strategy would: meta, tp plan, pipeline split, ZeRO-3 on the meta device, materialise."""
     with torch.device("meta"):
         model = GPTModel(CONFIG)
     rng = TensorParallelRNG(SEED, state.tensor_parallel_rank, torch.device("cpu"))
     parallelize(model, GPTModel.tensor_parallel_plan(), state, rng=rng)
+    pp, blocks, other_groups = state.config.pipeline_parallel_size, GPTModel.pipeline_blocks(), None
+    if pp > 1:
+        layout = PipelineLayout(num_layers=CONFIG.num_layers, pipeline_parallel_size=pp)
+        local = layout.stages_of_rank(state.pipeline_parallel_rank)
+        stages = split_for_pipeline(model, blocks, layout.stage_layers(), local)
+        other_groups = [name for name in (*blocks.first, *blocks.last) if getattr(model, name) is not None]
     if pre:
         initialize_parameters(model, SEED, device="cpu", only_meta=True)
-    zero3 = apply_zero3(model, state, layers_pattern="blocks.*")
+    zero3 = apply_zero3(model, state, layers_pattern=f"{blocks.layers}.*", other_groups=other_groups)
     zero3.initialize(SEED, device="cpu")
-    return model, zero3
+    runner = None
+    if pp > 1:
+        per_rank = GLOBAL_BATCH // state.config.data_parallel_size
+        runner = PipelineRunner(stages, local, num_stages=layout.num_stages, group=state.pipeline_parallel_group,
+                                device=torch.device("cpu"), schedule="1f1b",
+                                micro_batch_size=per_rank // micro_batches, root=model)
+    return model, zero3, runner
 
 
 def train(layout: str, check_load: bool):
     match = LAYOUT.fullmatch(layout)
-    tp, dp, sp = int(match[1]), int(match[2]), bool(match[3])
-    micro_batches, nosync, pre, sgd = int(match[4] or 1), bool(match[5]), bool(match[6]), bool(match[7])
-    state = ParallelState.create(ParallelConfig(tensor_parallel_size=tp, data_parallel_size=dp, sequence_parallel=sp), "cpu")
-    model, zero3 = build(state, pre)
+    pp, tp, dp, sp = int(match[1] or 1), int(match[2]), int(match[3]), bool(match[4])
+    micro_batches, nosync, pre, sgd = int(match[5] or 1), bool(match[6]), bool(match[7]), bool(match[8])
+    config = ParallelConfig(tensor_parallel_size=tp, pipeline_parallel_size=pp, data_parallel_size=dp,
+                            sequence_parallel=sp)
+    state = ParallelState.create(config, "cpu")
+    model, zero3, runner = build(state, pre, micro_batches)
     params = list(model.parameters())
-    assert all(type(p).__name__ == "DTensor" or "DTensor" in type(p.data).__name__ for p in params)
+    assert all(isinstance(p, DTensor) for p in params), "fully_shard should have made every parameter a DTensor"
     opt = sgd_optimizer(params) if sgd else optimizer(params)
     losses = []
     for input_ids, labels in batches():
         rows = slice(state.data_parallel_rank * GLOBAL_BATCH // dp, (state.data_parallel_rank + 1) * GLOBAL_BATCH // dp)
-        step_sum, step_tokens = torch.zeros(()), torch.zeros((), dtype=torch.long)
-        chunks = list(zip(input_ids[rows].chunk(micro_batches), labels[rows].chunk(micro_batches)))
-        for i, (ids, lbl) in enumerate(chunks):
-            zero3.start_micro_batch(sync=not nosync or i == len(chunks) - 1)
-            loss_sum, tokens = model.loss(ids, lbl)
-            loss_sum.backward()
-            step_sum, step_tokens = step_sum + loss_sum.detach(), step_tokens + tokens
+        if runner is not None:  # the schedule runs every micro-batch's forward and backward
+            zero3.start_micro_batch(sync=True)
+            step_sum, step_tokens = runner.loss(input_ids[rows], labels[rows])
+        else:
+            step_sum, step_tokens = torch.zeros(()), torch.zeros((), dtype=torch.long)
+            chunks = list(zip(input_ids[rows].chunk(micro_batches), labels[rows].chunk(micro_batches)))
+            for i, (ids, lbl) in enumerate(chunks):
+                zero3.start_micro_batch(sync=not nosync or i == len(chunks) - 1)
+                loss_sum, tokens = model.loss(ids, lbl)
+                loss_sum.backward()
+                step_sum, step_tokens = step_sum + loss_sum.detach(), step_tokens + tokens
         zero3.finish(step_tokens)
         zero3.clip_grad_norm_(CLIP)
         opt.step()
         opt.zero_grad()
-        totals = torch.stack([step_sum.float(), step_tokens.float()])
+        totals = torch.stack([step_sum.detach().float(), step_tokens.float()])
         if state.data_parallel_group is not None:
             dist.all_reduce(totals, group=state.data_parallel_group)
         losses.append((totals[0] / totals[1]).item())
 
-    weights = gather_full_state_dict(model, state.tensor_parallel_group)
+    weights = merge_pipeline_stages(gather_full_state_dict(model, state.tensor_parallel_group),
+                                    state.pipeline_parallel_group)
     load_ok = None
     if check_load:  # a fresh ZeRO-3 model at this layout takes the full weights back exactly
-        fresh, fresh_zero3 = build(state, pre=False)
+        fresh, _, _ = build(state, pre=False)
         load_full_state_dict(fresh, weights, state)
-        again = gather_full_state_dict(fresh, state.tensor_parallel_group)
+        again = merge_pipeline_stages(gather_full_state_dict(fresh, state.tensor_parallel_group),
+                                      state.pipeline_parallel_group)
         load_ok = all(torch.equal(again[k], weights[k]) for k in weights)
     return losses, weights, load_ok
 
@@ -85,8 +114,12 @@ if __name__ == "__main__":
     torch.set_num_threads(1)
     rank = dist.get_rank()
     summary = {}
-    for index, layout in enumerate(layouts):
-        losses, weights, load_ok = train(layout, check_load=index == 0)
+    first = next((layout for layout in layouts if layout != "bytes"), None)
+    for layout in layouts:
+        if layout == "bytes":
+            summary["bytes"] = measure_bytes()
+            continue
+        losses, weights, load_ok = train(layout, check_load=layout == first)
         if rank == 0:
             torch.save({"losses": losses, "weights": weights}, out_dir / f"{layout}.pt")
         summary[layout] = {"losses": losses, "load_ok": load_ok}

@@ -1,0 +1,57 @@
+"""Data loading that resumes mid-epoch from a checkpoint without repeating or skipping samples.
+
+Lightning saves the ``state_dict()`` of any dataloader that has one with the fit loop's
+state and hands it back through ``load_state_dict()`` before iterating again; it does not
+skip data by itself. ``ResumableDataLoader`` counts the batches the loop has consumed in
+the current epoch (in the main process, so prefetching workers do not inflate it) and, after
+a restore, starts the sampler that many batches in. Because the data-parallel ranks' batches
+interleave one global permutation, "k batches in" is the same set of samples at any
+data-parallel size: a run may resume with another layout.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+from torch.utils.data import DataLoader, DistributedSampler
+
+
+class ResumableDistributedSampler(DistributedSampler):
+    """A ``DistributedSampler`` that starts the resumed epoch ``start_index`` samples in.
+
+    Every pass over the resumed epoch skips them (Lightning may create an iterator more than
+    once), until ``set_epoch`` moves to another epoch. Its length stays the epoch's: Lightning
+    restores its batch counter to the resumed batch and ends the epoch when the shorter
+    iterator runs out.
+    """
+
+    start_index = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        if epoch != self.epoch:
+            self.start_index = 0
+        super().set_epoch(epoch)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(list(super().__iter__())[self.start_index :])
+
+
+class ResumableDataLoader(DataLoader):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if not isinstance(self.sampler, ResumableDistributedSampler):
+            raise TypeError("ResumableDataLoader needs a ResumableDistributedSampler as its sampler.")
+        self._consumed_batches = 0
+
+    def __iter__(self) -> Iterator[Any]:
+        self._consumed_batches = self.sampler.start_index // self.batch_size
+        for batch in super().__iter__():
+            self._consumed_batches += 1
+            yield batch
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.sampler.epoch, "consumed_batches": self._consumed_batches}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.sampler.set_epoch(state["epoch"])
+        self.sampler.start_index = state["consumed_batches"] * self.batch_size
