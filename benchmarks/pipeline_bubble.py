@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_megatron.pipeline.blocks import PipelineBatch
 from lightning_megatron.pipeline.runner import PipelineRunner
 from lightning_megatron.pipeline.timeline import TimelineRecorder, measured_bubble, render, theoretical_bubble
 
@@ -55,9 +56,17 @@ class SyntheticStage(nn.Module):
         return _Sleep.apply(x * self.scale, self.forward_s, 2 * self.forward_s)
 
 
-class SumLoss(nn.Module):
-    def forward(self, output, target):
-        return (output * 0 + target.unsqueeze(-1).float()).sum()
+class SyntheticModel:
+    """The pipeline protocol's batch and loss half (see lightning_megatron/pipeline/blocks.py), trivially."""
+
+    def pipeline_batch(self, inputs, labels):
+        return PipelineBatch(inputs=(inputs,), target=labels, num_tokens=torch.tensor(labels.numel()))
+
+    def pipeline_loss(self, output, target):
+        return (output * 0 + target.unsqueeze(-1).float()).sum(), {}
+
+    def pipeline_result(self, loss_sum, num_tokens, extras):
+        return loss_sum, num_tokens
 
 
 def worker(args) -> None:
@@ -71,7 +80,7 @@ def worker(args) -> None:
         runner = PipelineRunner(
             [SyntheticStage(args.stage_ms / 1e3 / virtual) for _ in stage_ids], stage_ids, num_stages=num_stages,
             group=dist.group.WORLD, device=torch.device("cpu"), schedule=schedule, micro_batch_size=1,
-            loss_module=SumLoss(), recorder=recorder,
+            root=SyntheticModel(), recorder=recorder,
         )
         inputs = torch.ones(args.micro_batches, 8)
         labels = torch.zeros(args.micro_batches, dtype=torch.long)

@@ -82,6 +82,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=5, help="optimizer steps run before the clock starts")
     parser.add_argument("--repeats", type=int, default=3, help="runs per variant, interleaved")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                        help="CPU only: 'cpu' times steps by the CPU time the run's processes got (process_time), "
+                             "which other jobs on a shared machine cannot inflate; see Stopwatch")
     parser.add_argument("--threads", type=int, default=1,
                         help="intra-op threads per process (OMP_NUM_THREADS; 0 = torch's default); see launch()")
     parser.add_argument("--precision", choices=("32-true", "bf16-mixed"), default="32-true")
@@ -177,15 +180,22 @@ class Stopwatch:
     optimizer), so framework overhead is charged; taking the median over steps rejects
     the spikes that other processes cause on a shared machine. On CUDA the marks are
     events on the current stream, so timing adds no host synchronisation to the loop.
+
+    ``clock="cpu"`` (CPU runs) reads ``time.process_time`` instead: the CPU seconds this
+    process got, all its threads. Jobs competing for the cores can stretch wall time many
+    times over but barely move CPU time; the price is that idle waiting (a rank blocked in
+    a collective on a slower peer) is not counted, so use it for single-threaded,
+    CPU-bound comparisons on a busy machine, and wall time otherwise.
     """
 
-    def __init__(self, warmup: int, steps: int, device: torch.device) -> None:
+    def __init__(self, warmup: int, steps: int, device: torch.device, clock: str = "wall") -> None:
         self.first, self.last, self.device = warmup, warmup + steps - 1, device
+        self.cpu_clock = clock == "cpu" and device.type == "cpu"
         self.marks: list = []
 
     def _mark(self):
         if self.device.type != "cuda":
-            return time.perf_counter()
+            return time.process_time() if self.cpu_clock else time.perf_counter()
         event = torch.cuda.Event(enable_timing=True)
         event.record()
         return event
@@ -285,7 +295,7 @@ def run_plain(args: argparse.Namespace, device: torch.device) -> Measurement:
     recipe = module.configure_optimizers()
     optimizer, scheduler = recipe["optimizer"], recipe["lr_scheduler"]["scheduler"]
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.precision == "bf16-mixed")
-    stopwatch = Stopwatch(args.warmup, args.steps, device)
+    stopwatch = Stopwatch(args.warmup, args.steps, device, args.clock)
     for step, batch in enumerate(loader):
         stopwatch.step_started(step)
         ids, labels = batch["input_ids"].to(device), batch["labels"].to(device)
@@ -304,7 +314,7 @@ def run_lightning(args: argparse.Namespace, device: torch.device, module: L.Ligh
     """``Trainer.fit`` as a user runs it, timed from its own batch hooks."""
     loader = make_loader(args)
     memory = PeakMemory(device)
-    stopwatch = StopwatchCallback(Stopwatch(args.warmup, args.steps, device))
+    stopwatch = StopwatchCallback(Stopwatch(args.warmup, args.steps, device, args.clock))
     trainer = L.Trainer(
         strategy=strategy,
         accelerator=device.type,
@@ -463,7 +473,7 @@ def describe(args: argparse.Namespace) -> str:
             f"({config.num_parameters() / 1e6:.2f}M params), batch={args.batch}, {args.device} {args.precision}, "
             f"threads/process={args.threads or 'default'}, "
             f"Megatron pad_vocab_to_multiple_of={args.pad_vocab}, torch {torch.__version__}, lightning {L.__version__}\n"
-            f"tokens/s: median step time over {args.steps} steps after {args.warmup} warmup; best of {args.repeats} "
+            f"tokens/s: median step time ({args.clock} clock) over {args.steps} steps after {args.warmup} warmup; best of {args.repeats} "
             f"interleaved runs. Ratios: row / the baseline row above it (goal tok/s >= 0.97).")
 
 

@@ -14,7 +14,10 @@ import torch
 
 from launch import launch
 from test_layout_invariance import LOSS_TOL, WEIGHT_TOL, _reference
-from workers.gpt_setup import optimizer, sgd_optimizer
+from workers.gpt_setup import CONFIG, optimizer, sgd_optimizer
+from lightning_megatron.models import GPTModel
+from lightning_megatron.optim.zero3 import apply_zero3
+from lightning_megatron.parallel import ParallelConfig, ParallelState
 
 LAYOUTS = ["tp2-dp2-sp", "tp1-dp4", "tp2-dp2-pre", "tp1-dp4-mb2-nosync-sgd", "tp2-dp2-sp-mb2-sgd", "pp2-tp1-dp2-mb2"]
 
@@ -68,3 +71,10 @@ def test_model_state_bytes_are_16_psi_over_n(run, layout, precision):
     for tp_rank in range(len(results) // n):  # summed over the dp ranks of one tp rank: exactly 16 Psi
         group = entries[tp_rank::len(results) // n]
         assert sum(sum(e["bytes"].values()) for e in group) == 16 * group[0]["psi"]
+
+
+def test_zero3_needs_a_mesh():
+    with torch.device("meta"):
+        model = GPTModel(CONFIG)
+    with pytest.raises(ValueError, match="needs torch.distributed"):
+        apply_zero3(model, ParallelState.create(ParallelConfig(), "cpu"), layers_pattern="blocks.*")

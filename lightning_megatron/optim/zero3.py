@@ -19,8 +19,10 @@ freed right after. This is ``torch.distributed.fsdp.fully_shard`` (FSDP2) applie
 * Per-token loss. The loss is a *sum* over tokens and gradients are divided by the global
   token count afterwards. FSDP2 averages over dp by default; every FSDP module gets
   ``set_gradient_divide_factor(1.0)`` (not recursive in torch 2.13: it is set on each) and
-  ``set_force_sum_reduction_for_comms(True)``, so the reduce-scatter is a plain SUM (gloo
-  has no PREMUL_SUM; with a divide factor of 1 there is no extra scaling kernel either).
+  ``set_force_sum_reduction_for_comms(True)``: the reduce-scatter is then ``ReduceOp.SUM``
+  and FSDP's post-division by 1 is skipped, on NCCL and gloo alike (without forcing sums a
+  factor other than dp becomes ``PREMUL_SUM(1/factor)``, which gloo lacks). Both setters
+  exist in torch 2.13 (``set_reduce_scatter_divide_factor`` is the deprecated alias).
   :meth:`ZeRO3.finish` then sums the token count over dp and divides the gradient shards.
 * Gradient accumulation. ``start_micro_batch(sync=True)`` on every micro-batch
   reduce-scatters each backward and accumulates into the sharded gradient: the ZeRO-3
@@ -45,11 +47,14 @@ freed right after. This is ``torch.distributed.fsdp.fully_shard`` (FSDP2) applie
   Psi = tp-local parameter count, N = dp: 4Psi/N (fp32 params) + 4Psi/N (fp32 grads) +
   8Psi/N (two fp32 moments) = 16Psi/N, the ZeRO-3 total (the paper splits the same 16 as
   2 + 2 + 12, keeping bf16 params and grads and an fp32 master copy; here the bf16 copy
-  exists only while a layer is gathered). Measured exactly: summed over dp ranks the local
-  shards are 16Psi, and each rank is within one dim-0 row per tensor of 16Psi/N
-  (FSDP chunks dim 0 as ``torch.chunk``; its padded storage rounds each tensor up to
-  ``ceil(rows / N)`` rows). Transient: one layer's bf16 parameters and gradients.
-  Without a policy (fp32 training) the persistent bytes are the same 16Psi/N.
+  exists only while a layer is gathered). Measured exactly: each rank holds FSDP's dim-0
+  chunk of every tensor (``torch.chunk`` sizes: ``ceil(rows / N)`` rows, fewer or none on the
+  last ranks), summed over the dp ranks exactly 16Psi, and exactly 16Psi/N per rank when N
+  divides every dim 0 (the tests' case). Storage is padded: each parameter shard to
+  ``ceil(rows / N)`` rows, the gradients are views of one padded flat buffer per group.
+  Transient: the gathered bf16 parameters and the bf16 gradients of the layer in flight,
+  and the root group (embedding, final norm, head), which FSDP keeps gathered from forward
+  to backward. Without a policy (fp32 training) the persistent bytes are the same 16Psi/N.
 * Full state dict, layout-free: :func:`gather_full_state_dict` gathers each parameter
   over dp (``DTensor.full_tensor()``, giving the tp-local shard) and then over tp (as in
   ``checkpoint/full.py``), under global names and unpadded global shapes;
@@ -70,8 +75,9 @@ FSDP no-sync path applies only when a stage module is itself an ``FSDPModule``),
 micro-batch's backward reduce-scatters (ZeRO-3 memory, ``sync=True``). Each micro-batch
 all-gathers every layer for its forward and again for its backward;
 ``reshard_after_forward=False`` saves the second at the cost of keeping a layer gathered from
-its first forward of the step to a backward (torchtitan's choice under pp). pp2 x dp2 matches the single
-process with both settings (the pipeline-tied embedding copies are summed as local shards).
+its first forward of the step to a backward (torchtitan's choice under pp). pp2 x dp2 (1F1B,
+2 micro-batches) is tested against the single process, the pipeline-tied embedding copies
+summed as local shards; ``reshard_after_forward=False`` gave the same result in a one-off run.
 
 Example::
 
@@ -136,37 +142,36 @@ class ZeRO3:
                 setattr(param, tag, value)
 
     def initialize(self, seed: int, device: Union[torch.device, str]) -> None:
-        """Materialise meta parameters with their layout-invariant values (``initialize_parameters``'s),
-        keeping only this rank's dp chunk of its tp shard; real parameters are left alone."""
-        if any(_local(p).is_meta for p in self.module.parameters()):
-            self.module.to_empty(device=device)  # FSDP re-registers the sharded params; attributes may go
-            self.retag()
-            meta = True
-        else:
-            meta = False
+        """Materialise meta parameters with their layout-invariant values (those of ``initialize_parameters``),
+        computing each full parameter once and keeping only this rank's dp chunk of its tp shard.
+        Parameters that are already real keep their values."""
+        named = dict(self.module.named_parameters())
+        if not any(_local(p).is_meta for p in named.values()):
+            return
+        keep = {name: _local(p).detach().clone() for name, p in named.items() if not _local(p).is_meta}
+        self.module.to_empty(device=device)  # every parameter: FSDP re-pads the shards; tags may be lost
+        self.retag()
         buffers = [name for name, buffer in self.module.named_buffers() if buffer.is_meta]
         if buffers:
             raise RuntimeError(f"Buffers {buffers} are on the meta device; create them in forward or in setup.")
-        if not meta:
-            return
-        done: set[int] = set()
-        owners = [(prefix, owner, owner.initialize_parameter) for prefix, owner in _owners(self.module)]
-        owners.append(("", self.module, default_initializer))
+        named = dict(self.module.named_parameters())
+        done = {id(named[name]) for name in keep}
+        owners = [(owner, owner.initialize_parameter) for _, owner in _owners(self.module)]
+        owners.append((self.module, default_initializer))
         dp_rank, dp_size = self.state.data_parallel_rank, self.state.config.data_parallel_size
         with torch.no_grad():
-            for _, owner, initializer in owners:
+            for name, values in keep.items():
+                _local(named[name]).copy_(values)
+            for owner, initializer in owners:  # as initialize_parameters: names relative to the owner
                 for module_name, submodule in owner.named_modules(remove_duplicate=False):
                     for param_name, param in submodule.named_parameters(recurse=False):
                         if id(param) in done:
                             continue
                         done.add(id(param))
                         name = _original_name(param, f"{module_name}.{param_name}" if module_name else param_name)
+                        values = _local_values(param, name, seed, initializer)  # the tp shard, whole over dp
                         local = _local(param)
-                        values = _local_values(param, name, seed, initializer)  # the tp-local shard, full over dp
                         local.copy_(_dp_chunk(values, local.shape[0], dp_rank, dp_size))
-
-    def sharded_parameters(self) -> list[nn.Parameter]:
-        return list(self.module.parameters())
 
     # ---------------------------------------------------------------- one step
     def start_micro_batch(self, *, sync: bool) -> None:

@@ -1,0 +1,19 @@
+"""The benchmark scripts keep running (tiny sizes; no timing is asserted)."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_pipeline_bubble_benchmark_prints_its_table(tmp_path):
+    result = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "pipeline_bubble.py"), "--ranks=2", "--micro-batches=4",
+         "--stage-ms=2", f"--plot={tmp_path / 'timeline.png'}"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [line.split() for line in result.stdout.splitlines()]
+    assert {row[0] for row in rows if row} >= {"gpipe", "1f1b", "interleaved_1f1b"}
+    assert (tmp_path / "timeline.png").stat().st_size > 10_000
