@@ -41,7 +41,8 @@ from torchmetrics import Metric
 
 from lightning_megatron.optim.clip import clip_grads_by_global_norm
 from lightning_megatron.optim.grad_sync import DEFAULT_BUCKET_SIZE_MB, GradientSynchronizer
-from lightning_megatron.optim.loss_scaler import DynamicLossScaler, found_overflow
+from lightning_megatron.optim.loss_scaler import DynamicLossScaler
+from lightning_megatron.optim.step import StepGradients
 from lightning_megatron.optim.main_params import MainParamOptimizer, model_state_bytes, uses_main_params
 from lightning_megatron.parallel.config import ParallelConfig
 from lightning_megatron.parallel.initialize import initialize_parameters
@@ -161,8 +162,7 @@ class Megatron3DStrategy(ParallelStrategy):
         self.num_nodes = 1
         self._parallel_state: Optional[ParallelState] = None
         self._rng: Optional[TensorParallelRNG] = None
-        self._grad_sync: Optional[GradientSynchronizer] = None
-        self._main_params: Optional[MainParamOptimizer] = None
+        self._step: Optional[StepGradients] = None
         self.offload_optimizer = offload_optimizer
         self._loss_scaler_settings = dict(loss_scaler or {})
         DynamicLossScaler(**self._loss_scaler_settings)  # validate the settings now, not after the launch
@@ -173,8 +173,6 @@ class Megatron3DStrategy(ParallelStrategy):
         self._seed = 0
         self._blocking_sync = False
         self._micro_batch_weight: Tensor | float = 1.0
-        self._step_tokens: Tensor | float = 0.0
-        self._token_estimate: Optional[float] = None  # the step's global token count as guessed at its start
 
     # ------------------------------------------------------------------ layout
     @property
@@ -271,32 +269,39 @@ class Megatron3DStrategy(ParallelStrategy):
             self._start_pipeline(module, stage_modules, trainer)
         self._sync_metrics_over_data_parallel()
         self.barrier()
-        if trainer.state.fn == TrainerFn.FITTING:
-            self.setup_optimizers(trainer)
-            params = [p for p in module.parameters() if p.requires_grad]
-            state = self.parallel_state
-            self._grad_sync = GradientSynchronizer(
-                params,
-                data_parallel_group=state.data_parallel_group,
-                partial_grad_groups=[
-                    ([p for p in params if getattr(p, "sequence_parallel_grad", False)], state.tensor_parallel_group),
-                    ([p for p in params if getattr(p, "pipeline_tied", False)], state.embedding_group),
-                ],
-                bucket_size_mb=self.bucket_size_mb,
-                zero_stage=self.parallel_config.zero_stage,
-            )
-            if uses_main_params(params, self.parallel_config.zero_stage, self.offload_optimizer):
-                if len(self.optimizers) != 1:
-                    raise ValueError(
-                        f"fp32 main parameters (zero_stage > 0 or 16-bit parameters) support one optimizer; "
-                        f"configure_optimizers returned {len(self.optimizers)}."
-                    )
-                self._main_params = MainParamOptimizer(self.optimizers[0], self._grad_sync,
-                                                       offload=self.offload_optimizer)
         self.setup_precision_plugin()
         # Lightning's clip_grad_norm_ would clip each rank by its own shards' norm.
         self.precision_plugin.clip_grad_by_norm = self.clip_grad_by_global_norm
         self._setup_loss_scaling()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+            self._step = self._build_step_gradients(module)
+
+    def _build_step_gradients(self, module) -> StepGradients:
+        params = [p for p in module.parameters() if p.requires_grad]
+        state = self.parallel_state
+        sync = GradientSynchronizer(
+            params,
+            data_parallel_group=state.data_parallel_group,
+            partial_grad_groups=[
+                ([p for p in params if getattr(p, "sequence_parallel_grad", False)], state.tensor_parallel_group),
+                ([p for p in params if getattr(p, "pipeline_tied", False)], state.embedding_group),
+            ],
+            bucket_size_mb=self.bucket_size_mb,
+            zero_stage=state.config.zero_stage,
+        )
+        main_params = None
+        if uses_main_params(params, state.config.zero_stage, self.offload_optimizer):
+            if len(self.optimizers) != 1:
+                raise ValueError(
+                    f"fp32 main parameters (zero_stage > 0, 16-bit parameters or offload_optimizer) support one "
+                    f"optimizer; configure_optimizers returned {len(self.optimizers)}."
+                )
+            main_params = MainParamOptimizer(self.optimizers[0], sync, offload=self.offload_optimizer)
+        if self.loss_scaler is not None and main_params is None:
+            raise ValueError("precision='16-true' needs 16-bit parameters with fp32 main parameters.")
+        return StepGradients(sync, main_params, self.loss_scaler, data_parallel_size=state.config.data_parallel_size,
+                             device=self.root_device)
 
     def _setup_loss_scaling(self) -> None:
         """fp16 needs one overflow decision for the whole world, whichever precision flavour runs it."""
@@ -378,9 +383,9 @@ class Megatron3DStrategy(ParallelStrategy):
         trainer.fit_loop._skip_backward = True  # the schedule already ran every backward
 
     def _before_pipeline_backward(self, micro_batches: int, num_tokens: Tensor) -> None:
-        if self._grad_sync is not None:
-            self._grad_sync.start_micro_batch(sync=not self._blocking_sync, backward_passes=micro_batches)
-        self._pipeline.loss_scale = self._backward_scale(num_tokens)
+        if self._step is not None:
+            self._step.sync.start_micro_batch(sync=not self._blocking_sync, backward_passes=micro_batches)
+            self._pipeline.loss_scale = self._backward_scale(num_tokens)
 
     def _sync_metrics_over_data_parallel(self) -> None:
         """torchmetrics sync over the world by default; model replicas are the dp group."""
@@ -406,30 +411,23 @@ class Megatron3DStrategy(ParallelStrategy):
             self._blocking_sync = False
 
     def training_step(self, *args: Any, **kwargs: Any):
-        if self._grad_sync is not None:
-            self._grad_sync.start_micro_batch(sync=not self._blocking_sync)
+        if self._step is not None:
+            self._step.sync.start_micro_batch(sync=not self._blocking_sync)
         output = super().training_step(*args, **kwargs)
         tokens = output.get("num_tokens") if isinstance(output, Mapping) else None
         self._micro_batch_weight = tokens.detach() if isinstance(tokens, Tensor) else 1.0
-        self._step_tokens = self._step_tokens + self._micro_batch_weight
+        if self._step is not None:
+            self._step.add_tokens(self._micro_batch_weight)
         return output
 
     def _backward_scale(self, micro_batch_tokens) -> float:
-        """What the micro-batch's token *sum* is multiplied by before backward.
-
-        The exact per-token mean needs the global token count, known only once every
-        micro-batch has run; so backward uses a fixed guess made at the step's first
-        micro-batch (its tokens x accumulation x dp, exact when micro-batches are alike),
-        which keeps gradients at the size of a mean (fp16 would overflow on a sum), and
-        ``finish`` corrects by guess / true count. Under ``16-true`` the fp16 loss scale joins.
-        """
-        if self._token_estimate is None:
-            accumulation = self.lightning_module.trainer.accumulate_grad_batches
-            self._token_estimate = max(float(micro_batch_tokens), 1.0) * accumulation * self.parallel_config.data_parallel_size
+        # Our fp16 scaler scales in backward; Lightning's GradScaler (16-mixed) does so itself in
+        # pre_backward, except under pipelining, where Lightning's backward is skipped.
         loss_scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
-        if self._pipeline is not None:  # Lightning's backward is skipped, and with it GradScaler's scaling
+        if self._pipeline is not None:
             loss_scale = self._current_loss_scale()
-        return loss_scale / self._token_estimate
+        accumulation = self.lightning_module.trainer.accumulate_grad_batches
+        return self._step.backward_scale(micro_batch_tokens, accumulation=accumulation, loss_scale=loss_scale)
 
     def backward(self, closure_loss: Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any) -> Tensor:
         """Backward on the micro-batch's token sum (times :meth:`_backward_scale`).
@@ -443,32 +441,24 @@ class Megatron3DStrategy(ParallelStrategy):
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model=None, **kwargs: Any) -> Any:
         def closure_then_reduce_grads() -> Any:
             result = closure()
-            if self._grad_sync is not None:
-                tokens = self._step_tokens
-                tokens = tokens if isinstance(tokens, Tensor) else torch.tensor(float(tokens))
-                self._grad_sync.finish(tokens, backward_scale=self._backward_scale(tokens))
-            if self._main_params is not None:
-                self._main_params.prepare_step()
-            if self.loss_scaler is not None:
-                self._skip_step_on_overflow()
-            self._step_tokens = 0.0
-            self._token_estimate = None
+            if self._step is not None:
+                accumulation = self.lightning_module.trainer.accumulate_grad_batches
+                loss_scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
+                overflow = self._step.finish(accumulation=accumulation, loss_scale=loss_scale)
+                self._log_loss_scale(overflow)
             return result
 
         output = super().optimizer_step(optimizer, closure_then_reduce_grads, model, **kwargs)
-        if self._main_params is not None:
-            self._main_params.finish_step()
-        if self._grad_sync is not None:
-            self._grad_sync.zero()
+        if self._step is not None:
+            self._step.after_step()
         if not self._reported_bytes:
             self._report_model_state_bytes(optimizer)
         return output
 
-    def _skip_step_on_overflow(self) -> None:
-        overflow = found_overflow(self._main_params.main_grads(), self.root_device)
-        self.loss_scaler.update(overflow)
+    def _log_loss_scale(self, overflow: bool) -> None:
+        if self.loss_scaler is None:
+            return
         if overflow:
-            self._main_params.drop_grads()
             rank_zero_warn(f"fp16 overflow: step skipped on every rank, loss scale now {self.loss_scaler.scale:g}")
         module = self.lightning_module
         module.log("loss_scale", self.loss_scaler.scale, on_step=True, on_epoch=False)
@@ -478,7 +468,9 @@ class Megatron3DStrategy(ParallelStrategy):
         """Each rank states its model-state memory once, after the first step has allocated optimizer state."""
         self._reported_bytes = True
         optimizer = getattr(optimizer, "_optimizer", optimizer)
-        sizes = model_state_bytes(list(self.lightning_module.parameters()), self._grad_sync, self._main_params, optimizer)
+        step = self._step
+        sizes = model_state_bytes(list(self.lightning_module.parameters()), step.sync if step else None,
+                                  step.main_params if step else None, optimizer)
         self.model_state_bytes = sizes
         summary = ", ".join(f"{name.replace('_', ' ')} {size / 2**20:.2f} MiB" for name, size in sizes.items())
         print(f"[rank {self.global_rank}] model state: {summary} (total {sum(sizes.values()) / 2**20:.2f} MiB)", flush=True)
@@ -525,9 +517,9 @@ class Megatron3DStrategy(ParallelStrategy):
         return bool(votes == self.world_size) if all else bool(votes)
 
     def teardown(self) -> None:
-        if self._grad_sync is not None:
-            self._grad_sync.remove()
-            self._grad_sync = None
+        if self._step is not None:
+            self._step.remove()
+            self._step = None
         assert self.cluster_environment is not None
         self.cluster_environment.teardown()
         super().teardown()
@@ -553,7 +545,8 @@ class Megatron3DStrategy(ParallelStrategy):
         Sharded, layout-free optimizer checkpoints are the sharded-checkpoint feature's job.
         """
         saved = checkpoint.get(LAYOUT_KEY, {})
-        sharded_now = self.parallel_config.tensor_parallel_size != 1 or self._main_params is not None
+        sharded_now = self.parallel_config.tensor_parallel_size != 1 or (
+            self._step is not None and self._step.main_params is not None)
         sharded_then = saved.get("tensor_parallel_size", 1) != 1 or saved.get("zero_stage", 0) != 0
         if sharded_now or sharded_then:
             rank_zero_warn(

@@ -68,6 +68,13 @@ already materialised (``initialize_parameters`` first) are sharded as they are. 
 passed is the one whose ``__call__`` runs the forward (GPT: ``GPTModel``, not the
 LightningModule), since FSDP's root gathers the remaining parameters in its forward hook.
 
+Evaluation must not run under ``torch.inference_mode()``: FSDP2 creates the unsharded
+parameters at the first all-gather and reuses their storage, so a first forward in inference
+mode leaves inference tensors that the next training forward may not update ("Inplace update
+to inference tensor outside InferenceMode", reproduced on torch 2.13). Lightning uses
+``no_grad`` only for its own ``FSDPStrategy`` and on gloo; the strategy should run
+validation/test/predict steps under ``torch.inference_mode(False), torch.no_grad()`` (checked).
+
 Pipeline parallelism: the stage modules call ``root.embed`` and ``root.head`` directly, so the
 root's forward hook never runs; pass ``other_groups`` (this stage's embedding, final norm, head)
 to give each its own group. The stage modules stay plain (torch.distributed.pipelining's
@@ -180,11 +187,13 @@ class ZeRO3:
         for fsdp_module in self.fsdp_modules:
             fsdp_module.set_requires_gradient_sync(sync, recurse=False)
 
-    def finish(self, num_tokens: Tensor) -> None:
+    def finish(self, num_tokens: Tensor, backward_scale: float = 1.0) -> None:
         """Sum partial gradients over tp (sequence parallelism) and the embedding group (pipeline-tied
-        copies), then divide every gradient shard by the global token count.
+        copies), then turn every gradient shard into that of the per-token mean.
 
         ``num_tokens`` is this rank's token count for the step; it is summed over dp here.
+        ``backward_scale`` is what the backward passes multiplied the token-summed loss by; it is
+        divided out (``GradientSynchronizer.finish``'s contract, so ``StepGradients`` can drive either).
         """
         params = [p for p in self.module.parameters() if p.grad is not None]
         device = _local(params[0].grad).device if params else torch.device("cpu")
@@ -201,10 +210,18 @@ class ZeRO3:
                 for grad in partial:
                     grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
                     offset += grad.numel()
-        scale = 1.0 / max(float(tokens), 1.0)
+        scale = 1.0 / (max(float(tokens), 1.0) * backward_scale)
         with torch.no_grad():
             for param in params:
                 _local(param.grad).mul_(scale)
+
+    def zero(self) -> None:
+        """Drop the gradient shards after the optimizer step (``optimizer.zero_grad()`` does the same)."""
+        for param in self.module.parameters():
+            param.grad = None
+
+    def remove(self) -> None:
+        """Nothing to undo (``GradientSynchronizer``'s teardown contract); the module stays sharded."""
 
     def grad_norm(self) -> Tensor:
         """The L2 norm of the global model's gradients, identical on every rank."""

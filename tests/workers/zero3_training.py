@@ -5,7 +5,8 @@ in the same processes to save a launch) and
 ``[pp{P}-]tp{T}-dp{D}[-sp][-mb{M}][-nosync][-pre][-sgd]``: P pipeline stages (1F1B, the
 embedding and head in groups of their own), M micro-batches per step (``-nosync``:
 accumulate unsharded gradients and reduce-scatter only on the last; otherwise reduce-scatter
-every micro-batch), ``-pre``: materialise the tp shards before sharding over dp (otherwise
+every micro-batch; with micro-batches the backward is mean-sized, its factor divided out by
+``finish(backward_scale=...)``), ``-pre``: materialise the tp shards before sharding over dp (otherwise
 ``ZeRO3.initialize`` materialises only the dp chunks from the meta device), SGD with
 momentum instead of AdamW. fp32 throughout. For each layout rank 0 writes the losses and the
 full (gathered) weights to ``{layout}.pt``; the pytest process compares them with the
@@ -76,6 +77,7 @@ def train(layout: str, check_load: bool):
     losses = []
     for input_ids, labels in batches():
         rows = slice(state.data_parallel_rank * GLOBAL_BATCH // dp, (state.data_parallel_rank + 1) * GLOBAL_BATCH // dp)
+        backward_scale = 1.0
         if runner is not None:  # the schedule runs every micro-batch's forward and backward
             zero3.start_micro_batch(sync=True)
             step_sum, step_tokens = runner.loss(input_ids[rows], labels[rows])
@@ -85,9 +87,11 @@ def train(layout: str, check_load: bool):
             for i, (ids, lbl) in enumerate(chunks):
                 zero3.start_micro_batch(sync=not nosync or i == len(chunks) - 1)
                 loss_sum, tokens = model.loss(ids, lbl)
-                loss_sum.backward()
+                if micro_batches > 1 and i == 0:  # mean-sized backward, as StepGradients guesses it
+                    backward_scale = 1.0 / (float(tokens) * micro_batches * dp)
+                (loss_sum * backward_scale).backward()
                 step_sum, step_tokens = step_sum + loss_sum.detach(), step_tokens + tokens
-        zero3.finish(step_tokens)
+        zero3.finish(step_tokens, backward_scale=backward_scale)
         zero3.clip_grad_norm_(CLIP)
         opt.step()
         opt.zero_grad()
