@@ -82,6 +82,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=15, help="measured optimizer steps per run")
     parser.add_argument("--warmup", type=int, default=3, help="optimizer steps run before the clock starts")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                        help="CPU only: time steps by process CPU time, as throughput.py's Stopwatch explains")
     parser.add_argument("--precision", choices=("bf16-true", "32-true"), default="bf16-true")
     parser.add_argument("--glibc-default-malloc", action="store_true",
                         help="keep glibc's dynamic mmap threshold (CPU): peaks then include freed memory glibc retains")
@@ -233,7 +235,7 @@ def worker_main(args: argparse.Namespace) -> None:
     loader = make_loader(args, rank)
     memory = PeakMemory(device)
     module, strategy = build(args.worker, args)
-    stopwatch, probe = StopwatchCallback(Stopwatch(args.warmup, args.steps, device)), ModelStateProbe()
+    stopwatch, probe = StopwatchCallback(Stopwatch(args.warmup, args.steps, device, args.clock)), ModelStateProbe()
     trainer = L.Trainer(
         strategy=strategy,
         accelerator=device.type,
@@ -355,7 +357,8 @@ def footer(args: argparse.Namespace) -> str:
                                     "moments." if args.precision == "bf16-true" else
                                     "fp32: 4-byte params and grads, 8 bytes of moments, no master copy."),
         f"peak MiB/rank: {peak}, the largest rank. tokens/s: global tokens over the median step time "
-        f"(slowest rank) of {args.steps} steps after {args.warmup} warmup; one run, so noisy on a shared machine.",
+        f"({args.clock} clock, slowest rank) of {args.steps} steps after {args.warmup} warmup; one run, so noisy on a "
+        "shared machine.",
         "last loss: rank 0's training loss at the last step. The Megatron rows must agree (ZeRO does not change the "
         "math); its vocab-parallel cross-entropy runs in fp32, whereas GPT's nn.CrossEntropyLoss under Lightning's "
         "precision runs in the parameters' dtype.",

@@ -14,7 +14,7 @@ falls on every variant alike. See ``benchmarks/README.md`` for how to read the t
 
 Example::
 
-    python benchmarks/throughput.py                      # small CPU default, ~2 minutes
+    python benchmarks/throughput.py                      # small CPU default, 2-3 minutes
     python benchmarks/throughput.py --device cuda --precision bf16-mixed \
         --hidden 2048 --layers 24 --heads 16 --seq 2048 --batch 8 --vocab 51200
 """

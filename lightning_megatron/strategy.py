@@ -300,7 +300,7 @@ class Megatron3DStrategy(ParallelStrategy):
             main_params = MainParamOptimizer(self.optimizers[0], sync, offload=self.offload_optimizer)
         if self.loss_scaler is not None and main_params is None:
             raise ValueError("precision='16-true' needs 16-bit parameters with fp32 main parameters.")
-        return StepGradients(sync, main_params, self.loss_scaler, data_parallel_size=state.config.data_parallel_size,
+        return StepGradients(sync, main_params, self.loss_scaler, data_parallel_group=state.data_parallel_group,
                              device=self.root_device)
 
     def _setup_loss_scaling(self) -> None:

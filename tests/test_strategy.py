@@ -78,6 +78,18 @@ def test_fit_pp2_tp2_dp2_matches_plain_lightning(tmp_path):
     assert 0.0 < bubble["measured"] < 1.0 and bubble["theory"] == pytest.approx(1 / 3)  # p=2, m=2: (1/2)/(1+1/2)
 
 
+def test_dp2_with_uneven_token_counts_matches_plain_lightning(tmp_path):
+    """Each dp rank counts different tokens (ignored labels): the loss is still the per-token mean of the
+    global batch, as one process computes it (accumulation 1, so plain Lightning's mean is the same)."""
+    options = {"tp": 1, "steps": 4, "uneven_tokens": True, "zero_stage": 2}
+    results, _ = launch("trainer_fit.py", 2, tmp_path, json.dumps(options))
+    _, ref_val, ref_weights = plain_lightning_run(options)
+    weights = torch.load(tmp_path / "weights.pt", weights_only=True)
+    worst = max((weights[k] - ref_weights[k]).abs().max().item() for k in ref_weights)
+    assert worst < 1e-5, f"weights deviate by {worst:.2e}"
+    assert results[0]["losses"] != results[1]["losses"], "the ranks must have seen different batches"
+
+
 def test_checkpoint_is_layout_free_and_loads_without_unpickling(fit_tp2_dp2):
     out, _ = fit_tp2_dp2
     checkpoint = torch.load(out / "last.ckpt", weights_only=True)

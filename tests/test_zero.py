@@ -48,3 +48,18 @@ def test_non_elementwise_optimizer_is_refused():
 def test_bad_zero_stage(stage, message):
     with pytest.raises(ValueError, match=message):
         Megatron3DStrategy(zero_stage=stage)
+
+
+def test_fp32_parameters_need_no_main_copy_under_zero():
+    """At 32-true the owned pieces are views of the parameters' flat buffer: no extra 4Psi/N bytes."""
+    param = torch.nn.Parameter(torch.randn(1000))
+    sync = GradientSynchronizer([param], data_parallel_group=None, zero_stage=1)
+    main = MainParamOptimizer(torch.optim.AdamW([param], lr=0.1), sync)
+    assert main.main_param_bytes() == 0
+    param.sum().backward()
+    sync.finish(torch.tensor(1.0))
+    main.prepare_step()
+    before = param.detach().clone()
+    main.optimizer.step()
+    main.finish_step()
+    assert not torch.equal(param.detach(), before), "the step must update the parameter through the view"

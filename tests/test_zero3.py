@@ -1,9 +1,11 @@
 """ZeRO stage 3 (FSDP2 over dp) composed with tensor parallelism, on 4 real processes.
 
-* Training: tp1-dp4 and tp2-dp2 (with and without sequence parallelism, with micro-batches
-  reduced every backward or accumulated unsharded) and pp2 x dp2 (1F1B) give the single-process losses and
-  weights to the tolerances of ``test_layout_invariance.py`` (fp32, AdamW and SGD-momentum,
-  global-norm clipping active).
+* Training: tp1-dp4 and tp2-dp2 (with and without sequence parallelism; micro-batches
+  reduce-scattered every backward or accumulated unsharded, mean-sized backward) and
+  pp2 x dp2 (1F1B) give the single-process losses and weights to the tolerances of
+  ``test_layout_invariance.py`` (fp32, AdamW and SGD-momentum, global-norm clipping active).
+  The model is built on the meta device and only dp chunks of tp shards are materialised
+  (``-pre``: tp shards materialised first); the full state dict gathers and loads back.
 * Bytes: each rank's parameter, gradient and Adam-state shards are exactly FSDP's dim-0
   chunks of its tp-local parameters, 4 + 4 + 8 bytes per element: 16 Psi / N, the ZeRO-3
   formula, in fp32 and under bf16 mixed precision (fp32 sharded params = the main params).

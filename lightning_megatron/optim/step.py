@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from lightning_megatron.optim.grad_sync import GradientSynchronizer
@@ -27,11 +28,12 @@ class StepGradients:
         main_params: Optional[MainParamOptimizer],
         loss_scaler: Optional[DynamicLossScaler],
         *,
-        data_parallel_size: int,
+        data_parallel_group: Optional[dist.ProcessGroup],
         device: torch.device,
     ) -> None:
         self.sync, self.main_params, self.loss_scaler = sync, main_params, loss_scaler
-        self.data_parallel_size, self.device = data_parallel_size, device
+        self.data_parallel_group, self.device = data_parallel_group, device
+        self.data_parallel_size = 1 if data_parallel_group is None else dist.get_world_size(data_parallel_group)
         self._tokens: Tensor | float = 0.0
         self._token_estimate: Optional[float] = None
 
@@ -44,12 +46,17 @@ class StepGradients:
 
         The exact per-token mean needs the global token count, known only once every
         micro-batch has run; so backward uses a fixed guess made at the step's first
-        micro-batch (its tokens x accumulation x dp, exact when micro-batches are alike),
+        micro-batch (the most tokens any dp rank's micro-batch counts x accumulation x dp),
         which keeps gradients at the size of a mean (fp16 would overflow on a sum), and
-        :meth:`finish` divides out guess / true count. An fp16 loss scale joins the factor.
+        :meth:`finish` divides out guess / true count. The guess must be the same on every dp
+        rank, whose gradients are summed: hence one scalar all-reduce per step. An fp16 loss
+        scale joins the factor.
         """
         if self._token_estimate is None:
-            self._token_estimate = max(float(micro_batch_tokens), 1.0) * accumulation * self.data_parallel_size
+            tokens = torch.tensor(max(float(micro_batch_tokens), 1.0), device=self.device)
+            if self.data_parallel_group is not None:
+                dist.all_reduce(tokens, op=dist.ReduceOp.MAX, group=self.data_parallel_group)
+            self._token_estimate = float(tokens) * accumulation * self.data_parallel_size
         return loss_scale / self._token_estimate
 
     def finish(self, *, accumulation: int, loss_scale: float) -> bool:

@@ -4,11 +4,20 @@ from lightning_megatron.data import GPTDataModule
 from lightning_megatron.models import GPT, GPTConfig
 
 
+class UnevenlyMaskedGPT(GPT):
+    """Ignores the labels of every token id divisible by 7: dp ranks then count different tokens."""
+
+    def training_step(self, batch, batch_idx):
+        labels = batch["labels"].masked_fill(batch["labels"] % 7 == 0, -100)
+        return super().training_step({**batch, "labels": labels}, batch_idx)
+
+
 def model(options: dict) -> GPT:
     config = GPTConfig(vocab_size=257, max_seq_length=32, hidden_size=options.get("hidden", 32),
                        num_layers=options.get("layers", 2), num_heads=options.get("heads", 4))
     # adam_eps 1e-6: with 1e-8, AdamW turns fp32 rounding in near-zero gradients into full-size updates.
-    return GPT(config, learning_rate=3e-3, warmup_steps=2, adam_eps=1e-6)
+    model_class = UnevenlyMaskedGPT if options.get("uneven_tokens") else GPT
+    return model_class(config, learning_rate=3e-3, warmup_steps=2, adam_eps=1e-6)
 
 
 def datamodule(options: dict) -> GPTDataModule:

@@ -87,14 +87,14 @@ def train(layout: str, check_load: bool):
             for i, (ids, lbl) in enumerate(chunks):
                 zero3.start_micro_batch(sync=not nosync or i == len(chunks) - 1)
                 loss_sum, tokens = model.loss(ids, lbl)
-                if micro_batches > 1 and i == 0:  # mean-sized backward, as StepGradients guesses it
-                    backward_scale = 1.0 / (float(tokens) * micro_batches * dp)
+                if micro_batches > 1:  # a mean-sized backward; the factor must be the same on every dp rank
+                    backward_scale = 1.0 / (ids.numel() * micro_batches * dp)
                 (loss_sum * backward_scale).backward()
                 step_sum, step_tokens = step_sum + loss_sum.detach(), step_tokens + tokens
         zero3.finish(step_tokens, backward_scale=backward_scale)
         zero3.clip_grad_norm_(CLIP)
         opt.step()
-        opt.zero_grad()
+        zero3.zero()
         totals = torch.stack([step_sum.detach().float(), step_tokens.float()])
         if state.data_parallel_group is not None:
             dist.all_reduce(totals, group=state.data_parallel_group)
