@@ -37,12 +37,16 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 from torch import Tensor
 from torch.optim import Optimizer
+from torch.distributed.fsdp import MixedPrecisionPolicy
 from torchmetrics import Metric
 
 from lightning_megatron.optim.clip import clip_grads_by_global_norm
 from lightning_megatron.optim.grad_sync import DEFAULT_BUCKET_SIZE_MB, GradientSynchronizer
 from lightning_megatron.optim.loss_scaler import DynamicLossScaler
 from lightning_megatron.optim.step import StepGradients
+from lightning_megatron.optim.zero3 import ZeRO3, apply_zero3
+from lightning_megatron.optim.zero3 import gather_full_state_dict as gather_zero3_state_dict
+from lightning_megatron.optim.zero3 import load_full_state_dict as load_zero3_state_dict
 from lightning_megatron.optim.main_params import MainParamOptimizer, model_state_bytes, uses_main_params
 from lightning_megatron.parallel.config import ParallelConfig
 from lightning_megatron.parallel.initialize import initialize_parameters
@@ -68,7 +72,8 @@ class Megatron3DStrategy(ParallelStrategy):
         pipeline_parallel_size: pipeline ranks; the model needs ``pipeline_blocks()``.
         data_parallel_size: model replicas; ``"auto"`` takes ``world_size / (tp * pp)``.
         sequence_parallel: also split LayerNorm/dropout activations along the sequence over tp.
-        zero_stage: ZeRO over dp: 1 shards fp32 main params and optimizer state, 2 also gradients.
+        zero_stage: ZeRO over dp: 1 shards fp32 main params and optimizer state, 2 also gradients,
+            3 also the parameters (FSDP2 per transformer layer; gathered for forward and backward).
         virtual_pipeline_size: stages per pipeline rank (interleaved 1F1B when > 1).
         pipeline_schedule: ``"1f1b"``, ``"interleaved_1f1b"`` or ``"gpipe"`` (torch.distributed.pipelining).
         micro_batch_size: samples per pipeline micro-batch; the per-rank batch is cut into micro-batches.
@@ -163,6 +168,7 @@ class Megatron3DStrategy(ParallelStrategy):
         self._parallel_state: Optional[ParallelState] = None
         self._rng: Optional[TensorParallelRNG] = None
         self._step: Optional[StepGradients] = None
+        self._zero3: Optional[ZeRO3] = None
         self.offload_optimizer = offload_optimizer
         self._loss_scaler_settings = dict(loss_scaler or {})
         DynamicLossScaler(**self._loss_scaler_settings)  # validate the settings now, not after the launch
@@ -261,10 +267,15 @@ class Megatron3DStrategy(ParallelStrategy):
         parallelize(module, plan, self.parallel_state, rng=self._rng, pad_vocab_to_multiple_of=self.pad_vocab_to_multiple_of)
         self._apply_activation_checkpointing(module)
         stage_modules = self._split_pipeline_stages(module)
-        if any(p.is_meta for p in module.parameters()):
-            initialize_parameters(module, self._seed, device=self.root_device, only_meta=True)
-        self.model = self.precision_plugin.convert_module(module)
-        self.model_to_device()
+        if self.parallel_config.zero_stage == 3:
+            # Already on the device; no .to(): FSDP would replace the sharded parameters and drop their tags.
+            self._zero3 = self._shard_parameters(module)
+            self.model = module  # fp32 shards stay: the FSDP policy casts for compute
+        else:
+            if any(p.is_meta for p in module.parameters()):
+                initialize_parameters(module, self._seed, device=self.root_device, only_meta=True)
+            self.model = self.precision_plugin.convert_module(module)
+            self.model_to_device()
         if stage_modules:
             self._start_pipeline(module, stage_modules, trainer)
         self._sync_metrics_over_data_parallel()
@@ -277,9 +288,38 @@ class Megatron3DStrategy(ParallelStrategy):
             self.setup_optimizers(trainer)
             self._step = self._build_step_gradients(module)
 
+    def _shard_parameters(self, module) -> ZeRO3:
+        """ZeRO-3: FSDP2 over dp, one group per transformer layer (the model's ``pipeline_blocks`` layers)."""
+        precision = getattr(self.precision_plugin, "precision", "32-true")
+        if precision not in ("32-true", "bf16-true", "bf16-mixed"):
+            raise ValueError(
+                f"zero_stage=3 supports precision '32-true', 'bf16-true' and 'bf16-mixed', not {precision!r}; "
+                f"use zero_stage=2 for fp16."
+            )
+        if not hasattr(module, "pipeline_blocks"):
+            raise TypeError(f"zero_stage=3 needs {type(module).__name__} to define pipeline_blocks(), "
+                            f"which names the layers to shard one by one.")
+        blocks = module.pipeline_blocks()
+        root = module.get_submodule(blocks.root) if blocks.root else module
+        other_groups = None
+        if self.parallel_config.pipeline_parallel_size > 1:  # stages call root.embed/head: no root forward hook
+            other_groups = [name for name in (*blocks.first, *blocks.last)
+                            if getattr(root, name.split(".")[-1], None) is not None]
+        mixed = None
+        if precision == "bf16-true":  # fp32 sharded params are the main params; compute in bf16
+            mixed = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        root.to(torch.float32)
+        zero3 = apply_zero3(root, self.parallel_state, layers_pattern=f"{blocks.layers}.*", other_groups=other_groups,
+                            mixed_precision=mixed)
+        zero3.initialize(self._seed, self.root_device)
+        return zero3
+
     def _build_step_gradients(self, module) -> StepGradients:
         params = [p for p in module.parameters() if p.requires_grad]
         state = self.parallel_state
+        if self._zero3 is not None:
+            return StepGradients(self._zero3, None, None, data_parallel_group=state.data_parallel_group,
+                                 device=self.root_device)
         sync = GradientSynchronizer(
             params,
             data_parallel_group=state.data_parallel_group,
@@ -412,13 +452,36 @@ class Megatron3DStrategy(ParallelStrategy):
 
     def training_step(self, *args: Any, **kwargs: Any):
         if self._step is not None:
-            self._step.sync.start_micro_batch(sync=not self._blocking_sync)
+            # ZeRO-3 reduce-scatters every micro-batch: accumulating unsharded gradients would break its memory bound.
+            self._step.sync.start_micro_batch(sync=not self._blocking_sync or self._zero3 is not None)
         output = super().training_step(*args, **kwargs)
         tokens = output.get("num_tokens") if isinstance(output, Mapping) else None
         self._micro_batch_weight = tokens.detach() if isinstance(tokens, Tensor) else 1.0
         if self._step is not None:
             self._step.add_tokens(self._micro_batch_weight)
         return output
+
+    def validation_step(self, *args: Any, **kwargs: Any):
+        with self._evaluation_mode():
+            return super().validation_step(*args, **kwargs)
+
+    def test_step(self, *args: Any, **kwargs: Any):
+        with self._evaluation_mode():
+            return super().test_step(*args, **kwargs)
+
+    def predict_step(self, *args: Any, **kwargs: Any):
+        with self._evaluation_mode():
+            return super().predict_step(*args, **kwargs)
+
+    def _evaluation_mode(self):
+        """Lightning evaluates under inference_mode (on NCCL); FSDP's sharded parameters must not be
+        touched there, or training afterwards fails on "inplace update to inference tensor"."""
+        if self._zero3 is None:
+            return contextlib.nullcontext()
+        stack = contextlib.ExitStack()
+        stack.enter_context(torch.inference_mode(False))
+        stack.enter_context(torch.no_grad())
+        return stack
 
     def _backward_scale(self, micro_batch_tokens) -> float:
         # Our fp16 scaler scales in backward; Lightning's GradScaler (16-mixed) does so itself in
@@ -469,13 +532,18 @@ class Megatron3DStrategy(ParallelStrategy):
         self._reported_bytes = True
         optimizer = getattr(optimizer, "_optimizer", optimizer)
         step = self._step
-        sizes = model_state_bytes(list(self.lightning_module.parameters()), step.sync if step else None,
-                                  step.main_params if step else None, optimizer)
+        if self._zero3 is not None:
+            sizes = {"main_parameters": 0, **self._zero3.model_state_bytes(optimizer)}
+        else:
+            sizes = model_state_bytes(list(self.lightning_module.parameters()), step.sync if step else None,
+                                      step.main_params if step else None, optimizer)
         self.model_state_bytes = sizes
         summary = ", ".join(f"{name.replace('_', ' ')} {size / 2**20:.2f} MiB" for name, size in sizes.items())
         print(f"[rank {self.global_rank}] model state: {summary} (total {sum(sizes.values()) / 2**20:.2f} MiB)", flush=True)
 
     def clip_grad_by_global_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> Tensor:
+        if self._zero3 is not None:
+            return self._zero3.clip_grad_norm_(float(clip_val))
         params = [p for group in optimizer.param_groups for p in group["params"]]
         state = self.parallel_state
         return clip_grads_by_global_norm(
@@ -528,10 +596,16 @@ class Megatron3DStrategy(ParallelStrategy):
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """Full tensors under global names (unpadded), gathered over tp and pp: loadable at any layout."""
         state = self.parallel_state
-        full = gather_full_state_dict(self.lightning_module, state.tensor_parallel_group)
+        if self._zero3 is not None:
+            self._zero3.retag()  # Lightning's teardown moves the module to the CPU, and FSDP drops our tags
+        gather = gather_zero3_state_dict if self._zero3 is not None else gather_full_state_dict
+        full = gather(self.lightning_module, state.tensor_parallel_group)
         return merge_pipeline_stages(full, state.pipeline_parallel_group)
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        if self._zero3 is not None:
+            load_zero3_state_dict(self.lightning_module, checkpoint["state_dict"], self.parallel_state)
+            return
         local = local_state_dict_from_full(self.lightning_module, checkpoint["state_dict"])
         self.lightning_module.load_state_dict(local, strict=strict)
 
@@ -545,7 +619,7 @@ class Megatron3DStrategy(ParallelStrategy):
         Sharded, layout-free optimizer checkpoints are the sharded-checkpoint feature's job.
         """
         saved = checkpoint.get(LAYOUT_KEY, {})
-        sharded_now = self.parallel_config.tensor_parallel_size != 1 or (
+        sharded_now = self.parallel_config.tensor_parallel_size != 1 or self.parallel_config.zero_stage != 0 or (
             self._step is not None and self._step.main_params is not None)
         sharded_then = saved.get("tensor_parallel_size", 1) != 1 or saved.get("zero_stage", 0) != 0
         if sharded_now or sharded_then:

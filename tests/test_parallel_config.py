@@ -28,7 +28,7 @@ def test_data_parallel_size_auto_takes_the_rest():
         (dict(world_size=8, tensor_parallel_size=2, data_parallel_size=2), r"= 4, but 8 processes were launched"),
         (dict(world_size=2, tensor_parallel_size=0), r"tensor_parallel_size must be a positive integer, got 0"),
         (dict(world_size=2, pipeline_parallel_size=2, virtual_pipeline_size=0), r"virtual_pipeline_size must be a positive integer, got 0"),
-        (dict(world_size=2, zero_stage=3), r"zero_stage=3 \(sharded parameters\) is not supported yet"),
+        (dict(world_size=2, zero_stage=5), r"zero_stage must be 0 \(no sharding\), 1 .* got 5"),
         (dict(world_size=2, data_parallel_size=2, sequence_parallel=True), r"sequence_parallel=True needs tensor_parallel_size > 1"),
     ],
 )

@@ -181,9 +181,10 @@ class ZeRO3:
                         local.copy_(_dp_chunk(values, local.shape[0], dp_rank, dp_size))
 
     # ---------------------------------------------------------------- one step
-    def start_micro_batch(self, *, sync: bool) -> None:
+    def start_micro_batch(self, *, sync: bool, backward_passes: int = 1) -> None:
         """``sync=True``: reduce-scatter this micro-batch's gradients (every micro-batch keeps the ZeRO-3
-        memory bound); ``sync=False``: accumulate them unsharded and reduce with a later ``sync=True`` one."""
+        memory bound); ``sync=False``: accumulate them unsharded and reduce with a later ``sync=True`` one.
+        ``backward_passes`` (a pipeline schedule's micro-batches) needs nothing here: FSDP reduces per backward."""
         for fsdp_module in self.fsdp_modules:
             fsdp_module.set_requires_gradient_sync(sync, recurse=False)
 
@@ -248,6 +249,10 @@ class ZeRO3:
                     if param.grad is not None:
                         _local(param.grad).mul_(clip_coef)
         return norm
+
+    def gradient_bytes(self) -> int:
+        return sum(_local(p.grad).numel() * _local(p.grad).element_size()
+                   for p in dict.fromkeys(self.module.parameters()) if p.grad is not None)
 
     def model_state_bytes(self, optimizer: Optional[torch.optim.Optimizer] = None) -> dict[str, int]:
         """Per-rank bytes of the parameter, gradient and optimizer-state shards (tensors, not step counters)."""
@@ -320,13 +325,15 @@ def apply_zero3(
 def gather_full_state_dict(module: nn.Module, tensor_parallel_group: Optional[dist.ProcessGroup]) -> dict[str, Any]:
     """Full tensors under global names, unpadded, on the CPU, on every rank (collective over dp and tp)."""
     full: dict[str, Any] = {}
+    # Shard specs by name from the parameters themselves: FSDP's state-dict hooks may hand out other objects.
+    shards = {name: shard_of(p) for name, p in module.named_parameters(remove_duplicate=False)}
     for name, value in module.state_dict(keep_vars=True).items():
         if not isinstance(value, Tensor):
             full[name] = value
             continue
         tensor = value.detach()
         tensor = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor  # over dp: the tp-local shard
-        shard = shard_of(value)
+        shard = shards.get(name) or shard_of(value)
         if shard is not None:
             tensor = _gather(tensor, shard.dim, tensor_parallel_group if shard.world > 1 else None)
             tensor = tensor.narrow(shard.dim, 0, shard.global_shape[shard.dim])

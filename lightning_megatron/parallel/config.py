@@ -48,8 +48,7 @@ class ParallelConfig:
                 f"zero_stage must be 0 (no sharding), 1 (optimizer state), 2 (+ gradients) or 3 (+ parameters), "
                 f"got {self.zero_stage!r}."
             )
-        if self.zero_stage == 3:
-            raise ValueError("zero_stage=3 (sharded parameters) is not supported yet; use zero_stage=1 or 2.")
+
         if self.sequence_parallel and self.tensor_parallel_size == 1:
             raise ValueError(
                 "sequence_parallel=True needs tensor_parallel_size > 1: it splits the sequence over the "
