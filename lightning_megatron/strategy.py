@@ -41,7 +41,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torchmetrics import Metric
 
 from lightning_megatron.optim.clip import clip_grads_by_global_norm
-from lightning_megatron.optim.grad_sync import DEFAULT_BUCKET_SIZE_MB, GradientSynchronizer
+from lightning_megatron.optim.grad_sync import DEFAULT_BUCKET_SIZE_MB, GradientSynchronizer, LocalGradients
 from lightning_megatron.optim.loss_scaler import DynamicLossScaler
 from lightning_megatron.optim.step import StepGradients
 from lightning_megatron.optim.zero3 import ZeRO3, apply_zero3
@@ -320,18 +320,23 @@ class Megatron3DStrategy(ParallelStrategy):
         if self._zero3 is not None:
             return StepGradients(self._zero3, None, None, data_parallel_group=state.data_parallel_group,
                                  device=self.root_device)
-        sync = GradientSynchronizer(
-            params,
-            data_parallel_group=state.data_parallel_group,
-            partial_grad_groups=[
-                ([p for p in params if getattr(p, "sequence_parallel_grad", False)], state.tensor_parallel_group),
-                ([p for p in params if getattr(p, "pipeline_tied", False)], state.embedding_group),
-            ],
-            bucket_size_mb=self.bucket_size_mb,
-            zero_stage=state.config.zero_stage,
-        )
+        partial_grad_groups = [
+            ([p for p in params if getattr(p, "sequence_parallel_grad", False)], state.tensor_parallel_group),
+            ([p for p in params if getattr(p, "pipeline_tied", False)], state.embedding_group),
+        ]
+        needs_main_params = uses_main_params(params, state.config.zero_stage, self.offload_optimizer)
+        if state.data_parallel_group is None and not needs_main_params:
+            sync = LocalGradients(params, partial_grad_groups=partial_grad_groups)
+        else:
+            sync = GradientSynchronizer(
+                params,
+                data_parallel_group=state.data_parallel_group,
+                partial_grad_groups=partial_grad_groups,
+                bucket_size_mb=self.bucket_size_mb,
+                zero_stage=state.config.zero_stage,
+            )
         main_params = None
-        if uses_main_params(params, state.config.zero_stage, self.offload_optimizer):
+        if needs_main_params:
             if len(self.optimizers) != 1:
                 raise ValueError(
                     f"fp32 main parameters (zero_stage > 0, 16-bit parameters or offload_optimizer) support one "

@@ -17,10 +17,22 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 WORKERS = Path(__file__).resolve().parent / "workers"
 
 
+# Set by an in-process Trainer earlier in the session; a child must not inherit them (it would try to
+# join, or bind the port of, this process's process group).
+_DISTRIBUTED_ENV = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK",
+                    "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID", "PL_GLOBAL_SEED")
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    """The environment for a subprocess that starts its own distributed job."""
+    env = {k: v for k, v in os.environ.items() if k not in _DISTRIBUTED_ENV}
+    return {**env, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT), "PYTHONWARNINGS": "ignore", **extra}
+
+
 def launch(worker: str, nproc: int, out_dir: Path, *args: str, timeout: float = 600, expect_failure: bool = False):
     """Run ``tests/workers/<worker>`` on ``nproc`` ranks; return (per-rank JSON results, completed process)."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO_ROOT), PYTHONWARNINGS="ignore")
+    env = child_env()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            str(WORKERS / worker), str(out_dir), *args]
     proc = subprocess.run(cmd, env=env, cwd=out_dir, capture_output=True, text=True, timeout=timeout)

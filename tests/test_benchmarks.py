@@ -4,6 +4,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from launch import child_env
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -11,7 +13,7 @@ def test_pipeline_bubble_benchmark_prints_its_table(tmp_path):
     result = subprocess.run(
         [sys.executable, str(REPO / "benchmarks" / "pipeline_bubble.py"), "--ranks=2", "--micro-batches=4",
          "--stage-ms=2", f"--plot={tmp_path / 'timeline.png'}"],
-        capture_output=True, text=True, timeout=300,
+        capture_output=True, text=True, timeout=300, env=child_env(),
     )
     assert result.returncode == 0, result.stderr[-3000:]
     rows = [line.split() for line in result.stdout.splitlines()]

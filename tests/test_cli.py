@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from launch import child_env
 from lightning_megatron.cli import main
 
 REPO = Path(__file__).resolve().parents[1]
@@ -35,7 +36,8 @@ def test_print_config_parses_and_overrides(capsys):
 def run_command(tmp_path, *args):
     executable = shutil.which("lightning-megatron")
     assert executable, "install the package (pip install -e .) so the lightning-megatron command exists"
-    result = subprocess.run([executable, *args], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    result = subprocess.run([executable, *args], cwd=tmp_path, capture_output=True, text=True, timeout=600,
+                            env=child_env())
     assert result.returncode == 0, result.stderr[-5000:]
     return result
 

@@ -11,6 +11,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "examples"))
 
 from custom_loss import PrefixFreeGPT  # noqa: E402
+from launch import child_env  # noqa: E402
 
 
 @pytest.mark.parametrize(
@@ -24,7 +25,7 @@ from custom_loss import PrefixFreeGPT  # noqa: E402
 )
 def test_example_runs(script, args, expect, tmp_path):
     result = subprocess.run([sys.executable, str(REPO / "examples" / script), *args], cwd=tmp_path,
-                            capture_output=True, text=True, timeout=600)
+                            capture_output=True, text=True, timeout=600, env=child_env())
     assert result.returncode == 0, result.stderr[-4000:]
     assert expect in result.stdout + result.stderr
 

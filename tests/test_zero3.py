@@ -79,4 +79,4 @@ def test_zero3_needs_a_mesh():
     with torch.device("meta"):
         model = GPTModel(CONFIG)
     with pytest.raises(ValueError, match="needs torch.distributed"):
-        apply_zero3(model, ParallelState.create(ParallelConfig(), "cpu"), layers_pattern="blocks.*")
+        apply_zero3(model, ParallelState(ParallelConfig(), torch.device("cpu")), layers_pattern="blocks.*")

@@ -270,3 +270,51 @@ class GradientSynchronizer:
     def remove(self) -> None:
         for hook in self._hooks:
             hook.remove()
+
+
+class LocalGradients:
+    """``GradientSynchronizer``'s contract for a single replica (dp=1, no ZeRO, no fp32 main params).
+
+    With nothing to reduce over dp, gradients stay where autograd puts them (``param.grad``):
+    no per-parameter hook and no copy into a flat buffer, which is what a plain PyTorch loop
+    costs. ``finish`` only sums the partial gradients over their groups and divides.
+    """
+
+    zero_stage = 0
+
+    def __init__(
+        self,
+        params: Sequence[nn.Parameter],
+        *,
+        partial_grad_groups: Sequence[tuple[Sequence[nn.Parameter], dist.ProcessGroup]] = (),
+    ) -> None:
+        self.params = [p for p in dict.fromkeys(params) if p.requires_grad]
+        self.partial_grad_groups = [(list(ps), group) for ps, group in partial_grad_groups if ps and group is not None]
+
+    def start_micro_batch(self, *, sync: bool, backward_passes: int = 1) -> None:
+        """Nothing to schedule: there is no data-parallel reduction."""
+
+    def finish(self, num_tokens: Tensor, backward_scale: float = 1.0) -> None:
+        for params, group in self.partial_grad_groups:
+            grads = [p.grad for p in params if p.grad is not None]
+            if grads:
+                flat = torch.cat([g.reshape(-1) for g in grads])
+                dist.all_reduce(flat, group=group)
+                offset = 0
+                for grad in grads:
+                    grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
+                    offset += grad.numel()
+        scale = 1.0 / (max(float(num_tokens), 1.0) * backward_scale)
+        grads = [p.grad for p in self.params if p.grad is not None]
+        if grads:
+            torch._foreach_mul_(grads, scale)
+
+    def zero(self) -> None:
+        for param in self.params:
+            param.grad = None
+
+    def gradient_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.params)
+
+    def remove(self) -> None:
+        """No hooks to remove."""
