@@ -14,16 +14,15 @@ Face's ``BertModel``): LayerNorm after each residual sum and on the embeddings.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import NamedTuple, Optional, Union
 
-import lightning as L
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torchmetrics import MeanMetric
 
-from lightning_megatron.models.optim_recipe import adamw_warmup_cosine
+from lightning_megatron.models.optim_recipe import PretrainingRecipe
 from lightning_megatron.models.transformer import TransformerLayer, TransformerSizes, layer_tensor_parallel_plan
 from lightning_megatron.parallel.initialize import INIT_STD, default_initializer, initialize_parameters
 from lightning_megatron.pipeline.blocks import PipelineBatch, PipelineBlocks
@@ -317,7 +316,7 @@ class BERTModel(nn.Module):
         return self.pipeline_result(loss_sum, batch.num_tokens, extras)
 
 
-class BERT(L.LightningModule):
+class BERT(PretrainingRecipe):
     """A BERT LightningModule to pre-train as is or to subclass.
 
     Example::
@@ -347,14 +346,8 @@ class BERT(L.LightningModule):
         warmup_steps: int = 20,
     ) -> None:
         super().__init__()
-        self.config = BERTConfig.from_name(config) if isinstance(config, str) else (
-            BERTConfig(**config) if isinstance(config, dict) else config)
-        self.optimizer_settings = dict(learning_rate=learning_rate, min_learning_rate=min_learning_rate,
-                                       weight_decay=weight_decay, betas=betas, eps=adam_eps, warmup_steps=warmup_steps)
-        # Named as __init__ takes them, so load_from_checkpoint rebuilds the same module.
-        self.save_hyperparameters({"config": asdict(self.config), "learning_rate": learning_rate,
-                                   "min_learning_rate": min_learning_rate, "weight_decay": weight_decay,
-                                   "betas": betas, "adam_eps": adam_eps, "warmup_steps": warmup_steps})
+        self.init_recipe(BERTConfig, config, learning_rate=learning_rate, min_learning_rate=min_learning_rate,
+                         weight_decay=weight_decay, betas=betas, adam_eps=adam_eps, warmup_steps=warmup_steps)
         self.model: Optional[BERTModel] = None
         self.val_loss, self.val_accuracy = MeanMetric(), MeanMetric()
         self.val_sentence_order_loss = MeanMetric() if self.config.binary_head else None
@@ -416,5 +409,3 @@ class BERT(L.LightningModule):
                 self.log(name, metric.compute(), prog_bar=name == "val_loss")
                 metric.reset()
 
-    def configure_optimizers(self):
-        return adamw_warmup_cosine(self, **self.optimizer_settings)

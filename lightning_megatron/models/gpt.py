@@ -10,15 +10,14 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any, Optional, Union
 
-import lightning as L
 import torch
 from torch import Tensor, nn
 from torchmetrics import MeanMetric
 
-from lightning_megatron.models.optim_recipe import adamw_warmup_cosine
+from lightning_megatron.models.optim_recipe import PretrainingRecipe
 from lightning_megatron.models.transformer import TransformerLayer, TransformerSizes, layer_tensor_parallel_plan
 from lightning_megatron.parallel.initialize import INIT_STD, default_initializer, initialize_parameters
 from lightning_megatron.pipeline.blocks import PipelineBatch, PipelineBlocks
@@ -170,7 +169,7 @@ class GPTModel(nn.Module):
         return self.pipeline_result(loss_sum, batch.num_tokens, extras)
 
 
-class GPT(L.LightningModule):
+class GPT(PretrainingRecipe):
     """A GPT LightningModule to train as is or to subclass.
 
     Example::
@@ -195,14 +194,8 @@ class GPT(L.LightningModule):
         warmup_steps: int = 20,
     ) -> None:
         super().__init__()
-        self.config = GPTConfig.from_name(config) if isinstance(config, str) else (
-            GPTConfig(**config) if isinstance(config, dict) else config)
-        self.optimizer_settings = dict(learning_rate=learning_rate, min_learning_rate=min_learning_rate,
-                                       weight_decay=weight_decay, betas=betas, eps=adam_eps, warmup_steps=warmup_steps)
-        # Named as __init__ takes them, so load_from_checkpoint rebuilds the same module.
-        self.save_hyperparameters({"config": asdict(self.config), "learning_rate": learning_rate,
-                                   "min_learning_rate": min_learning_rate, "weight_decay": weight_decay,
-                                   "betas": betas, "adam_eps": adam_eps, "warmup_steps": warmup_steps})
+        self.init_recipe(GPTConfig, config, learning_rate=learning_rate, min_learning_rate=min_learning_rate,
+                         weight_decay=weight_decay, betas=betas, adam_eps=adam_eps, warmup_steps=warmup_steps)
         self.model: Optional[GPTModel] = None
         self.val_loss = MeanMetric()
 
@@ -275,5 +268,3 @@ class GPT(L.LightningModule):
         self.log("val_loss", loss, prog_bar=True)
         self.log("val_perplexity", loss.exp())
 
-    def configure_optimizers(self):
-        return adamw_warmup_cosine(self, **self.optimizer_settings)

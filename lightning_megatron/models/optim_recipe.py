@@ -8,7 +8,8 @@ and then follows a cosine down to ``min_learning_rate`` at the Trainer's last st
 from __future__ import annotations
 
 import math
-from typing import Callable
+from dataclasses import asdict
+from typing import Any, Callable
 
 import lightning as L
 import torch
@@ -66,3 +67,23 @@ def adamw_warmup_cosine(
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
     return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+class PretrainingRecipe(L.LightningModule):
+    """What the GPT and BERT LightningModules share: the config, their AdamW recipe, and
+    hyper-parameters saved under the names ``__init__`` takes (so ``load_from_checkpoint``
+    rebuilds the same module)."""
+
+    def init_recipe(self, config_class: type, config: Any, **recipe: Any) -> None:
+        """``config``: a preset name, a dict of fields, or a config object; ``recipe``: learning_rate,
+        min_learning_rate, weight_decay, betas, adam_eps, warmup_steps."""
+        if isinstance(config, str):
+            config = config_class.from_name(config)
+        elif isinstance(config, dict):
+            config = config_class(**config)
+        self.config = config
+        self.save_hyperparameters({"config": asdict(config), **recipe})
+        self.optimizer_settings = {("eps" if name == "adam_eps" else name): value for name, value in recipe.items()}
+
+    def configure_optimizers(self):
+        return adamw_warmup_cosine(self, **self.optimizer_settings)

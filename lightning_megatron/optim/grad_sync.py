@@ -33,6 +33,18 @@ from torch import Tensor, nn
 DEFAULT_BUCKET_SIZE_MB = 25.0
 
 
+def sum_over_group(tensors: Sequence[Tensor], group: dist.ProcessGroup) -> None:
+    """All-reduce several tensors in place with one collective (flattened into one buffer)."""
+    if not tensors:
+        return
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    dist.all_reduce(flat, group=group)
+    offset = 0
+    for tensor in tensors:
+        tensor.copy_(flat[offset : offset + tensor.numel()].view_as(tensor))
+        offset += tensor.numel()
+
+
 def _reduce_scatter(out: Tensor, full: Tensor, group: dist.ProcessGroup) -> dist.Work:
     scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     return scatter(out, full, group=group, async_op=True)
@@ -240,15 +252,7 @@ class GradientSynchronizer:
         (identical local shapes over tp; a bucket of its own for the tied embedding)."""
         for params, group in self.partial_grad_groups:
             wanted = {id(p) for p in params}
-            views = [self.owned_grad(piece) for piece in self.owned_pieces() if id(piece.param) in wanted]
-            if not views:
-                continue
-            flat = torch.cat([v.reshape(-1) for v in views])
-            dist.all_reduce(flat, group=group)
-            offset = 0
-            for view in views:
-                view.copy_(flat[offset : offset + view.numel()].view_as(view))
-                offset += view.numel()
+            sum_over_group([self.owned_grad(piece) for piece in self.owned_pieces() if id(piece.param) in wanted], group)
 
     def zero(self) -> None:
         """Reset after the optimizer step; ``param.grad`` is dropped so the next backward starts clean."""
@@ -296,14 +300,7 @@ class LocalGradients:
 
     def finish(self, num_tokens: Tensor, backward_scale: float = 1.0) -> None:
         for params, group in self.partial_grad_groups:
-            grads = [p.grad for p in params if p.grad is not None]
-            if grads:
-                flat = torch.cat([g.reshape(-1) for g in grads])
-                dist.all_reduce(flat, group=group)
-                offset = 0
-                for grad in grads:
-                    grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
-                    offset += grad.numel()
+            sum_over_group([p.grad for p in params if p.grad is not None], group)
         scale = 1.0 / (max(float(num_tokens), 1.0) * backward_scale)
         grads = [p.grad for p in self.params if p.grad is not None]
         if grads:

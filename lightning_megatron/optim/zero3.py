@@ -113,6 +113,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from lightning_megatron.checkpoint.full import _gather
+from lightning_megatron.optim.grad_sync import sum_over_group
 from lightning_megatron.parallel.initialize import _local_values, _original_name, _owners, default_initializer
 from lightning_megatron.parallel.state import ParallelState
 from lightning_megatron.tensor_parallel.plan import name_matches
@@ -203,14 +204,8 @@ class ZeRO3:
             dist.all_reduce(tokens, group=self.state.data_parallel_group)
         for tag, group in (("sequence_parallel_grad", self.state.tensor_parallel_group),
                            ("pipeline_tied", self.state.embedding_group)):
-            partial = [_local(p.grad) for p in params if getattr(p, tag, False)]
-            if group is not None and partial:
-                flat = torch.cat([g.reshape(-1) for g in partial])
-                dist.all_reduce(flat, group=group)
-                offset = 0
-                for grad in partial:
-                    grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
-                    offset += grad.numel()
+            if group is not None:
+                sum_over_group([_local(p.grad) for p in params if getattr(p, tag, False)], group)
         scale = 1.0 / (max(float(tokens), 1.0) * backward_scale)
         with torch.no_grad():
             for param in params:
