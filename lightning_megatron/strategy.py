@@ -263,6 +263,31 @@ class Megatron3DStrategy(ParallelStrategy):
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
         module = self.lightning_module
+        prepared = getattr(module, "_megatron_3d_layout", None)
+        if prepared is None:
+            self._prepare_model(module, trainer)
+            module._megatron_3d_layout = self.parallel_config
+        elif prepared != self.parallel_config:
+            raise ValueError(
+                f"This LightningModule was already split for {prepared}; it cannot be re-split for "
+                f"{self.parallel_config}. Build a new module (or load a checkpoint into one)."
+            )
+        else:  # trainer.test/validate after fit: the model is split already
+            self.model = module
+            if self._pipeline is not None:
+                trainer.fit_loop._skip_backward = True
+        self._sync_metrics_over_data_parallel()
+        self.barrier()
+        self.setup_precision_plugin()
+        # Lightning's clip_grad_norm_ would clip each rank by its own shards' norm.
+        self.precision_plugin.clip_grad_by_norm = self.clip_grad_by_global_norm
+        self._setup_loss_scaling()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+            self._step = self._build_step_gradients(module)
+
+    def _prepare_model(self, module, trainer: "L.Trainer") -> None:
+        """Split the model for this layout, once: tp plan, recomputation, pipeline stages, local shards."""
         plan = module.tensor_parallel_plan() if hasattr(module, "tensor_parallel_plan") else {}
         parallelize(module, plan, self.parallel_state, rng=self._rng, pad_vocab_to_multiple_of=self.pad_vocab_to_multiple_of)
         self._apply_activation_checkpointing(module)
@@ -278,15 +303,6 @@ class Megatron3DStrategy(ParallelStrategy):
             self.model_to_device()
         if stage_modules:
             self._start_pipeline(module, stage_modules, trainer)
-        self._sync_metrics_over_data_parallel()
-        self.barrier()
-        self.setup_precision_plugin()
-        # Lightning's clip_grad_norm_ would clip each rank by its own shards' norm.
-        self.precision_plugin.clip_grad_by_norm = self.clip_grad_by_global_norm
-        self._setup_loss_scaling()
-        if trainer.state.fn == TrainerFn.FITTING:
-            self.setup_optimizers(trainer)
-            self._step = self._build_step_gradients(module)
 
     def _shard_parameters(self, module) -> ZeRO3:
         """ZeRO-3: FSDP2 over dp, one group per transformer layer (the model's ``pipeline_blocks`` layers)."""
@@ -425,6 +441,15 @@ class Megatron3DStrategy(ParallelStrategy):
             before_backward=self._before_pipeline_backward,
         )
         root.loss = self._pipeline.loss  # the model's loss() now runs the schedule
+
+        def forward_needs_the_whole_model(*args, **kwargs):
+            raise RuntimeError(
+                f"Under pipeline_parallel_size={layout.pipeline_parallel_size} each rank holds only some stages of "
+                f"{type(root).__name__}, so forward() (and predict) cannot run; call the model's loss(...), which "
+                f"runs the pipeline schedule, or gather the weights (lightning_module_state_dict) into one process."
+            )
+
+        root.forward = forward_needs_the_whole_model
         trainer.fit_loop._skip_backward = True  # the schedule already ran every backward
 
     def _before_pipeline_backward(self, micro_batches: int, num_tokens: Tensor) -> None:

@@ -94,9 +94,12 @@ def test_global_batch_is_the_same_for_every_dp_size():
 
     eos = single.tokenizer.eos_id
     train_docs, val_docs = _documents(single.train_dataset, eos), _documents(single.val_dataset, eos)
+    test_docs = _documents(single.test_dataset, eos)
     all_docs = [d.tobytes() for d in load_stdlib_token_documents(max_files=20)]
-    assert len(val_docs) == 2 and not set(train_docs) & set(val_docs)
-    assert sorted(train_docs + val_docs) == sorted(all_docs)
+    assert len(val_docs) == len(test_docs) == 2
+    assert not set(train_docs) & set(val_docs) and not set(train_docs) & set(test_docs)
+    assert not set(val_docs) & set(test_docs)
+    assert sorted(train_docs + val_docs + test_docs) == sorted(all_docs)
 
 
 def test_global_batch_not_divisible_by_dp_raises():

@@ -13,7 +13,7 @@ from lightning_megatron import Megatron3DStrategy
 
 FIT = {"tp": 2, "sp": True, "accumulate": 2, "clip": 0.5, "steps": 5, "zero_stage": 1}
 PIPELINE_FIT = {"tp": 2, "pp": 2, "sp": True, "accumulate": 2, "clip": 0.5, "steps": 4, "micro_batch_size": 2,
-                "layers": 4, "timeline": True, "recompute": "selective", "zero_stage": 2}
+                "layers": 4, "timeline": True, "recompute": "selective", "zero_stage": 2, "test": True}
 
 
 def plain_lightning_run(options):
@@ -28,7 +28,10 @@ def plain_lightning_run(options):
     trainer = L.Trainer(accelerator="cpu", devices=1, callbacks=[RecordLosses()], **trainer_kwargs(options))
     gpt = model(options)
     trainer.fit(gpt, datamodule=datamodule(options))
-    return losses, float(trainer.callback_metrics["val_loss"]), {k: v.detach() for k, v in gpt.state_dict().items()}
+    val_loss = float(trainer.callback_metrics["val_loss"])
+    if options.get("test"):
+        plain_lightning_run.test_loss = trainer.test(gpt, datamodule=datamodule(options), verbose=False)[0]["test_loss"]
+    return losses, val_loss, {k: v.detach() for k, v in gpt.state_dict().items()}
 
 
 @pytest.fixture(scope="module")
@@ -69,6 +72,7 @@ def test_fit_pp2_tp2_dp2_matches_plain_lightning(tmp_path):
     assert (replica0 == replica0[0]).all() and (replica1 == replica1[0]).all()
     assert torch.allclose((replica0[0] + replica1[0]) / 2, torch.tensor(ref_losses), atol=1e-5)
     assert all(abs(r["val_loss"] - ref_val) < 1e-5 for r in results), "every rank logs the last stage's val loss"
+    assert all(abs(r["test_loss"] - plain_lightning_run.test_loss) < 1e-5 for r in results), "test: forward-only schedule"
     weights = torch.load(tmp_path / "weights.pt", weights_only=True)
     assert weights.keys() == ref_weights.keys()
     worst = max((weights[k] - ref_weights[k]).abs().max().item() for k in ref_weights)

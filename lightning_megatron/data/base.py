@@ -4,8 +4,8 @@ Each loader gets its own ``DistributedSampler`` over the data-parallel ranks (te
 pipeline-parallel ranks of one replica load the same samples), built by the data module
 itself, even at dp=1: the samples of global batch k are then the same set whatever the
 data-parallel size, and Lightning leaves a DataLoader whose sampler is already a
-``DistributedSampler`` alone. Documents are split into train and validation by a
-seeded shuffle, so no document is in both and the split does not depend on the layout.
+``DistributedSampler`` alone. Documents are split into train, validation and test by a
+seeded shuffle, so no document is in two splits and the split does not depend on the layout.
 Training resumes mid-epoch without repeating or skipping samples (``data/resumable.py``).
 """
 
@@ -32,6 +32,7 @@ class DataParallelDataModule(L.LightningDataModule):
         self.num_workers = num_workers
         self.train_dataset: Optional[Dataset] = None
         self.val_dataset: Optional[Dataset] = None
+        self.test_dataset: Optional[Dataset] = None
 
     # ------------------------------------------------------------------ subclass hooks
     def load_documents(self) -> list[np.ndarray]:
@@ -90,9 +91,10 @@ class DataParallelDataModule(L.LightningDataModule):
         documents = self.load_documents()
         order = np.random.default_rng(self.seed).permutation(len(documents))
         documents = [documents[i] for i in order]
-        num_val = max(1, round(self.val_fraction * len(documents)))
-        self.train_dataset = self._checked_dataset(documents[:-num_val], "train", self.global_batch_size)
-        self.val_dataset = self._checked_dataset(documents[-num_val:], "validation", self.data_parallel_size)
+        held_out = max(1, round(self.val_fraction * len(documents)))  # documents for validation, and for test
+        self.train_dataset = self._checked_dataset(documents[: -2 * held_out], "train", self.global_batch_size)
+        self.val_dataset = self._checked_dataset(documents[-held_out:], "validation", self.data_parallel_size)
+        self.test_dataset = self._checked_dataset(documents[-2 * held_out : -held_out], "test", self.data_parallel_size)
 
     def _checked_dataset(self, documents: Sequence[np.ndarray], split: str, min_samples: int) -> Dataset:
         dataset = self.make_dataset(documents, split)
@@ -109,6 +111,9 @@ class DataParallelDataModule(L.LightningDataModule):
 
     def val_dataloader(self) -> DataLoader:
         return self._loader(self.val_dataset, train=False)
+
+    def test_dataloader(self) -> DataLoader:
+        return self._loader(self.test_dataset, train=False)
 
     def _loader(self, dataset: Optional[Dataset], *, train: bool) -> DataLoader:
         """Training shuffles; validation keeps its order. Both drop a last partial batch: every batch then

@@ -402,10 +402,18 @@ class BERT(PretrainingRecipe):
             self.val_sentence_order_loss.update(out.sentence_order_loss, weight=len(batch["input_ids"]))
 
     def on_validation_epoch_end(self) -> None:
-        metrics = {"val_loss": self.val_loss, "val_accuracy": self.val_accuracy,
-                   "val_sentence_order_loss": self.val_sentence_order_loss}
+        self._log_held_out("val")
+
+    def test_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
+        self.validation_step(batch, batch_idx)
+
+    def on_test_epoch_end(self) -> None:
+        self._log_held_out("test")
+
+    def _log_held_out(self, split: str) -> None:
+        metrics = {"loss": self.val_loss, "accuracy": self.val_accuracy, "sentence_order_loss": self.val_sentence_order_loss}
         for name, metric in metrics.items():
             if metric is not None:
-                self.log(name, metric.compute(), prog_bar=name == "val_loss")
+                self.log(f"{split}_{name}", metric.compute(), prog_bar=name == "loss", sync_dist=True)
                 metric.reset()
 

@@ -263,8 +263,18 @@ class GPT(PretrainingRecipe):
         self.val_loss.update(loss_sum / num_tokens.clamp(min=1), weight=num_tokens)
 
     def on_validation_epoch_end(self) -> None:
+        self._log_held_out("val")
+
+    def test_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
+        self.validation_step(batch, batch_idx)
+
+    def on_test_epoch_end(self) -> None:
+        self._log_held_out("test")
+
+    def _log_held_out(self, split: str) -> None:
+        """Per-token loss and perplexity over the whole split (the metric syncs over dp)."""
         loss = self.val_loss.compute()
         self.val_loss.reset()
-        self.log("val_loss", loss, prog_bar=True)
-        self.log("val_perplexity", loss.exp())
+        self.log(f"{split}_loss", loss, prog_bar=True, sync_dist=True)
+        self.log(f"{split}_perplexity", loss.exp(), sync_dist=True)
 

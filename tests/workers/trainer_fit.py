@@ -47,11 +47,15 @@ except (ValueError, RuntimeError) as error:
     (out_dir / f"rank{rank}.json").write_text(json.dumps(result))
     sys.exit(0)
 
+val_loss = float(trainer.callback_metrics["val_loss"])
+test_loss = None
+if options.get("test"):  # forward-only schedules again, after fit, with the same trainer
+    test_loss = float(trainer.test(trainer.lightning_module, datamodule=datamodule(options), verbose=False)[0]["test_loss"])
 weights = trainer.strategy.lightning_module_state_dict()
 trainer.save_checkpoint(out_dir / "last.ckpt")
 if rank == 0:
     torch.save(weights, out_dir / "weights.pt")
-result = {"losses": losses, "val_loss": float(trainer.callback_metrics["val_loss"]),
+result = {"losses": losses, "val_loss": val_loss, "test_loss": test_loss,
           "sampler_replicas": trainer.strategy.distributed_sampler_kwargs["num_replicas"]}
 if options.get("timeline"):
     result["bubble"] = {"measured": timeline.measured, "theory": timeline.theory}
