@@ -3,7 +3,7 @@
 Importing the package registers ``Trainer(strategy="megatron_3d")``.
 """
 
-from lightning_megatron import data, models, parallel, tensor_parallel
+from lightning_megatron import callbacks, checkpoint, data, models, optim, parallel, pipeline, tensor_parallel
 from lightning_megatron.parallel import ParallelConfig, ParallelState
 from lightning_megatron.strategy import Megatron3DStrategy, register
 
@@ -11,4 +11,16 @@ __version__ = "0.1.0"
 
 register()
 
-__all__ = ["Megatron3DStrategy", "ParallelConfig", "ParallelState", "data", "models", "parallel", "tensor_parallel"]
+__all__ = [
+    "Megatron3DStrategy",
+    "ParallelConfig",
+    "ParallelState",
+    "callbacks",
+    "checkpoint",
+    "data",
+    "models",
+    "optim",
+    "parallel",
+    "pipeline",
+    "tensor_parallel",
+]
