@@ -614,7 +614,14 @@ class Megatron3DStrategy(ParallelStrategy):
         dist.all_reduce(votes)
         return bool(votes == self.world_size) if all else bool(votes)
 
+    def on_exception(self, exception: BaseException) -> None:
+        self._failed = True
+        super().on_exception(exception)
+
     def teardown(self) -> None:
+        if _distributed_is_initialized() and not getattr(self, "_failed", False):
+            # Leave together: a process exiting while a peer's gloo threads still talk to it can abort.
+            dist.barrier()
         if self._step is not None:
             self._step.remove()
             self._step = None

@@ -103,11 +103,12 @@ def _model_parallel_and_embedding_groups(config: ParallelConfig):
     tp, pp, dp = config.tensor_parallel_size, config.pipeline_parallel_size, config.data_parallel_size
     rank = dist.get_rank()
     model_parallel_group = embedding_group = None
-    for d in range(dp):
-        ranks = [config.rank_of(pipeline_rank=p, data_rank=d, tensor_rank=t) for p in range(pp) for t in range(tp)]
-        group = dist.new_group(ranks)
-        if rank in ranks and len(ranks) > 1:
-            model_parallel_group = group
+    if tp * pp > 1:  # a replica of one rank needs no group (and every extra group is one more to tear down)
+        for d in range(dp):
+            ranks = [config.rank_of(pipeline_rank=p, data_rank=d, tensor_rank=t) for p in range(pp) for t in range(tp)]
+            group = dist.new_group(ranks)
+            if rank in ranks:
+                model_parallel_group = group
     if pp > 1:
         for d in range(dp):
             for t in range(tp):
