@@ -114,12 +114,10 @@ from torch.distributed.tensor import DTensor
 
 from lightning_megatron.checkpoint.full import _gather
 from lightning_megatron.optim.grad_sync import sum_over_group
-from lightning_megatron.parallel.initialize import _local_values, _original_name, _owners, default_initializer
+from lightning_megatron.parallel.initialize import PARAMETER_TAGS, _local_values, _original_name, _owners, default_initializer
 from lightning_megatron.parallel.state import ParallelState
 from lightning_megatron.tensor_parallel.plan import name_matches
 from lightning_megatron.tensor_parallel.sharding import shard_of
-
-TAGS = ("tensor_shard", "sequence_parallel_grad", "pipeline_tied", "tied_names")
 
 
 def _local(tensor: Tensor) -> Tensor:
@@ -289,7 +287,7 @@ def apply_zero3(
     if state.mesh is None:
         raise ValueError("ZeRO stage 3 needs torch.distributed and a ParallelState with a mesh.")
     patterns = [layers_pattern] if isinstance(layers_pattern, str) else list(layers_pattern)
-    tags = {name: {tag: getattr(p, tag) for tag in TAGS if hasattr(p, tag)}
+    tags = {name: {tag: getattr(p, tag) for tag in PARAMETER_TAGS if hasattr(p, tag)}
             for name, p in module.named_parameters(remove_duplicate=False)}
     layers = [m for name, m in module.named_modules() if name and any(name_matches(p, name) for p in patterns)]
     if not layers:

@@ -23,7 +23,8 @@ from lightning_megatron.tensor_parallel.sharding import shard_of
 
 Initializer = Callable[[str, Tensor, torch.Generator], None]
 INIT_STD = 0.02
-_TAGS = ("tensor_shard", "sequence_parallel_grad", "pipeline_tied", "tied_names")
+# Python attributes our code puts on parameters; whatever replaces a parameter must carry them over.
+PARAMETER_TAGS = ("tensor_shard", "sequence_parallel_grad", "pipeline_tied", "tied_names")
 
 
 def parameter_seed(seed: int, name: str) -> int:
@@ -98,7 +99,7 @@ def initialize_parameters(
                 target_device = device if device is not None else (None if param.is_meta else param.device)
                 if param.is_meta:
                     new = nn.Parameter(values.to(device=target_device, dtype=param.dtype), requires_grad=param.requires_grad)
-                    for tag in _TAGS:
+                    for tag in PARAMETER_TAGS:
                         if hasattr(param, tag):
                             setattr(new, tag, getattr(param, tag))
                     setattr(module, param_name, new)
