@@ -11,6 +11,7 @@ from torch.utils.data import default_collate
 
 from launch import launch
 from workers.bert_setup import CLIP, CONFIGS, SEED, batches, fit_datamodule, fit_model, fit_trainer_kwargs, model_loss, optimizer
+from lightning_megatron.checkpoint.hf_bert import bert_config_from_hf, bert_state_dict_from_hf
 from lightning_megatron.data import BERTDataModule, BERTPretrainingDataset
 from lightning_megatron.data.bert import BYTE_SPECIAL_TOKENS
 from lightning_megatron.data.corpus import load_stdlib_token_documents
@@ -21,32 +22,6 @@ LOSS_TOL, WEIGHT_TOL = 1e-5, 1e-5
 
 
 # ----------------------------------------------------------------------------- Hugging Face parity
-def hf_to_ours(hf_state: dict, config: BERTConfig) -> dict:
-    """Rename a Hugging Face BERT state dict to BERTModel's names; fuse q, k, v head-major."""
-    heads, head_dim = config.num_heads, config.hidden_size // config.num_heads
-    ours = {f"embeddings.{name}.weight": hf_state[f"bert.embeddings.{name}.weight"]
-            for name in ("word_embeddings", "position_embeddings", "token_type_embeddings")}
-    ours["mlm_head.decoder.weight"] = hf_state["cls.predictions.decoder.weight"]
-    ours["mlm_head.decoder.bias"] = hf_state["cls.predictions.decoder.bias"]
-    renames = {"embeddings.norm": "bert.embeddings.LayerNorm", "mlm_head.dense": "cls.predictions.transform.dense",
-               "mlm_head.norm": "cls.predictions.transform.LayerNorm"}
-    if config.binary_head:
-        renames |= {"pooler.dense": "bert.pooler.dense", "binary_head": "cls.seq_relationship"}
-    for i in range(config.num_layers):
-        hf = f"bert.encoder.layer.{i}."
-        renames |= {f"blocks.{i}.attn.proj": hf + "attention.output.dense", f"blocks.{i}.ln_1": hf + "attention.output.LayerNorm",
-                    f"blocks.{i}.mlp.fc": hf + "intermediate.dense", f"blocks.{i}.mlp.proj": hf + "output.dense",
-                    f"blocks.{i}.ln_2": hf + "output.LayerNorm"}
-        for kind in ("weight", "bias"):
-            q, k, v = (hf_state[f"{hf}attention.self.{name}.{kind}"] for name in ("query", "key", "value"))
-            fused = torch.stack([t.reshape(heads, head_dim, *t.shape[1:]) for t in (q, k, v)], dim=1)  # [head, qkv, ...]
-            ours[f"blocks.{i}.attn.qkv.{kind}"] = fused.reshape(3 * config.hidden_size, *q.shape[1:])
-    for name, hf_name in renames.items():
-        for kind in ("weight", "bias"):
-            ours[f"{name}.{kind}"] = hf_state[f"{hf_name}.{kind}"]
-    return ours
-
-
 @pytest.mark.parametrize("hf_class", ["BertForMaskedLM", "BertForPreTraining"])
 def test_post_norm_bert_matches_hugging_face(hf_class):
     transformers = pytest.importorskip("transformers")
@@ -63,8 +38,9 @@ def test_post_norm_bert_matches_hugging_face(hf_class):
     with torch.no_grad():  # random everything, biases and LayerNorm gains included, so no mapping error hides
         for param in hf.parameters():
             param.normal_(0.0, 0.5)
+    assert bert_config_from_hf(hf.config, binary_head=config.binary_head) == config
     model = BERTModel(config).eval()
-    model.load_state_dict(hf_to_ours(hf.state_dict(), config))
+    model.load_state_dict(bert_state_dict_from_hf(hf.state_dict(), config))
 
     input_ids = torch.randint(0, config.vocab_size, (3, 24))
     attention_mask = torch.ones_like(input_ids)

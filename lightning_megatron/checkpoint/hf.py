@@ -7,8 +7,8 @@ in two ways only: Hugging Face's ``Conv1D`` stores weights as ``[in, out]`` (our
 ``nn.Linear``'s ``[out, in]``), and its fused ``c_attn`` output is ``[q; k; v]`` while ours is
 head-major ``[head, (q, k, v), head_dim]`` so that a column split hands each rank whole heads.
 
-Reading and writing directories needs only ``safetensors`` (never ``transformers``), and
-never unpickles arbitrary objects: ``.bin`` weights go through ``torch.load(weights_only=True)``.
+Directories are read and written by ``hf_io.py`` (only ``safetensors`` needed, never
+``transformers``); ``hf_bert.py`` is the same for BERT and ``hf_convert.py`` picks by ``model_type``.
 
 Example::
 
@@ -18,16 +18,24 @@ Example::
 
 from __future__ import annotations
 
-import json
 import os
 import re
-from pathlib import Path
-from types import ModuleType
-from typing import Any, Callable, Mapping, Union
+from typing import Any, Mapping, Union
 
-import torch
 from torch import Tensor, nn
 
+from lightning_megatron.checkpoint.hf_io import (
+    TANH_GELUS,
+    check_extra_fields,
+    check_names_and_shapes,
+    check_tied,
+    config_fields,
+    dtype_name,
+    raise_problems,
+    read_hf_checkpoint,
+    state_dict_shapes,
+    write_hf_checkpoint,
+)
 from lightning_megatron.models.gpt import GPTConfig, GPTModel
 
 # How a tensor changes between the two layouts.
@@ -59,20 +67,8 @@ GPT2_DEFAULTS: dict[str, Any] = {
     "activation_function": "gelu_new", "resid_pdrop": 0.1, "embd_pdrop": 0.1, "attn_pdrop": 0.1,
     "layer_norm_epsilon": 1e-5, **SUPPORTED_SWITCHES,
 }
-# Both are 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))), torch's gelu(approximate="tanh"): our MLP's.
-TANH_GELUS = ("gelu_new", "gelu_pytorch_tanh")
 GPT2_END_OF_TEXT = 50256
 _MASK_BUFFER = re.compile(r"transformer\.h\.\d+\.attn\.(bias|masked_bias)")  # causal masks in old checkpoints
-
-HF_INSTALL_HINT = "pip install 'lightning-megatron[hf]'"
-
-
-def _safetensors() -> ModuleType:
-    try:
-        import safetensors.torch
-    except ImportError as error:
-        raise ImportError(f"Hugging Face checkpoint files need the optional `safetensors` package: {HF_INSTALL_HINT}") from error
-    return safetensors.torch
 
 
 # ----------------------------------------------------------------------------- configs
@@ -81,7 +77,7 @@ def gpt_config_from_hf(hf_config: Union[Mapping[str, Any], Any]) -> GPTConfig:
 
     Raises ``ValueError`` naming every field that describes a model ours cannot compute.
     """
-    fields = dict(GPT2_DEFAULTS, **(hf_config.to_dict() if hasattr(hf_config, "to_dict") else hf_config))
+    fields = dict(GPT2_DEFAULTS, **config_fields(hf_config))
     problems = []
     if fields.get("model_type", "gpt2") != "gpt2":
         problems.append(f"model_type={fields['model_type']!r}: only GPT-2 ('gpt2') checkpoints convert")
@@ -94,8 +90,7 @@ def gpt_config_from_hf(hf_config: Union[Mapping[str, Any], Any]) -> GPTConfig:
     if fields["embd_pdrop"] != fields["resid_pdrop"]:
         problems.append(f"embd_pdrop={fields['embd_pdrop']} differs from resid_pdrop={fields['resid_pdrop']}: our "
                         f"GPTConfig has one `dropout` for both; set them equal")
-    if problems:
-        raise ValueError("This Hugging Face config cannot be converted to our GPT:\n  - " + "\n  - ".join(problems))
+    raise_problems(problems, what="This Hugging Face config cannot be converted to our GPT")
     return GPTConfig(
         vocab_size=fields["vocab_size"],
         max_seq_length=fields["n_positions"],
@@ -132,10 +127,7 @@ def hf_config_from_gpt(config: GPTConfig, **extra_fields: Any) -> dict[str, Any]
         "layer_norm_epsilon": config.layer_norm_eps,
         **SUPPORTED_SWITCHES,
     }
-    clashes = sorted(architecture.keys() & extra_fields.keys())
-    if clashes:
-        raise ValueError(f"extra_fields {clashes} describe the architecture, which comes from the GPTConfig; "
-                         f"change the GPTConfig instead.")
+    check_extra_fields(architecture, extra_fields, config=config)
     end_of_text = GPT2_END_OF_TEXT if config.vocab_size > GPT2_END_OF_TEXT else None
     return {**architecture, "bos_token_id": end_of_text, "eos_token_id": end_of_text, **extra_fields}
 
@@ -156,29 +148,7 @@ def _name_map(config: GPTConfig) -> dict[str, tuple[str, str]]:
     return names
 
 
-def _our_shapes(config: GPTConfig) -> dict[str, tuple[int, ...]]:
-    with torch.device("meta"):  # shapes only: free at any size
-        return {name: tuple(value.shape) for name, value in GPTModel(config).state_dict().items()}
-
-
-def _check_names_and_shapes(state: Mapping[str, Tensor], expected: Mapping[str, tuple[int, ...]], *, what: str, fix: str) -> None:
-    def listed(items: list[str]) -> str:
-        return ", ".join(items[:4]) + (f" and {len(items) - 4} more" if len(items) > 4 else "")
-
-    missing = sorted(expected.keys() - state.keys())
-    unexpected = sorted(state.keys() - expected.keys())
-    wrong = [f"{name} {tuple(state[name].shape)} (expected {expected[name]})"
-             for name in expected if name in state and tuple(state[name].shape) != expected[name]]
-    problems = [f"{label}: {listed(items)}" for label, items in
-                (("missing", missing), ("unexpected", unexpected), ("wrong shape", wrong)) if items]
-    if problems:
-        raise ValueError(f"{what} does not match the config:\n  - " + "\n  - ".join(problems) + f"\n{fix}")
-
-
-def _check_tied(embedding: Tensor, head: Tensor, *, what: str) -> None:
-    if not torch.equal(embedding, head):
-        raise ValueError(f"{what}: lm_head.weight differs from the token embedding, but our GPT ties them (as GPT-2 "
-                         f"does). A model with a separate output head cannot be converted.")
+TIED_WHY = "our GPT ties them, as GPT-2 does"
 
 
 def _to_ours(tensor: Tensor, change: str, heads: int) -> Tensor:
@@ -213,11 +183,11 @@ def gpt_state_dict_from_hf(hf_state_dict: Mapping[str, Tensor], config: GPTConfi
             state[name] = value
     if "lm_head.weight" not in state and "transformer.wte.weight" in state:
         state["lm_head.weight"] = state["transformer.wte.weight"]  # tied, so save_pretrained leaves it out
-    names, shapes = _name_map(config), _our_shapes(config)
+    names, shapes = _name_map(config), state_dict_shapes(GPTModel, config)
     expected = {theirs: shapes[ours] if change == SAME else shapes[ours][::-1] for ours, (theirs, change) in names.items()}
-    _check_names_and_shapes(state, expected, what="The Hugging Face GPT-2 state dict",
-                            fix="Pass the config that belongs to these weights (gpt_config_from_hf(model.config)).")
-    _check_tied(state["transformer.wte.weight"], state["lm_head.weight"], what="The Hugging Face state dict")
+    check_names_and_shapes(state, expected, what="The Hugging Face GPT-2 state dict",
+                           fix="Pass the config that belongs to these weights (gpt_config_from_hf(model.config)).")
+    check_tied(state, "lm_head.weight", "transformer.wte.weight", what="The Hugging Face state dict", why=TIED_WHY)
     return {ours: _to_ours(state[theirs], change, config.num_heads) for ours, (theirs, change) in names.items()}
 
 
@@ -226,54 +196,23 @@ def hf_state_dict_from_gpt(full_state_dict: Mapping[str, Tensor], config: GPTCon
 
     Under tensor or pipeline parallelism, convert the gathered state dict, not a rank's own.
     """
-    _check_names_and_shapes(
-        full_state_dict, _our_shapes(config), what="The GPT state dict",
+    check_names_and_shapes(
+        full_state_dict, state_dict_shapes(GPTModel, config), what="The GPT state dict",
         fix="Pass the full, unsharded state dict of a GPTModel with this config: under tensor or pipeline parallelism, "
             "gather it on every rank with Megatron3DStrategy.lightning_module_state_dict() and convert it on one.",
     )
-    _check_tied(full_state_dict["embedding.wte.weight"], full_state_dict["lm_head.weight"], what="The GPT state dict")
+    check_tied(full_state_dict, "lm_head.weight", "embedding.wte.weight", what="The GPT state dict", why=TIED_WHY)
     hf = {theirs: _to_hf(full_state_dict[ours], change, config.num_heads) for ours, (theirs, change) in _name_map(config).items()}
     hf["lm_head.weight"] = hf["transformer.wte.weight"]
     return hf
 
 
 # ----------------------------------------------------------------------------- files
-def _read_weights(directory: Path) -> dict[str, Tensor]:
-    if (directory / "model.safetensors").is_file():
-        return _safetensors().load_file(directory / "model.safetensors")
-    index = directory / "model.safetensors.index.json"
-    if index.is_file():
-        state: dict[str, Tensor] = {}
-        for file in sorted(set(json.loads(index.read_text())["weight_map"].values())):
-            state.update(_safetensors().load_file(directory / file))
-        return state
-    if (directory / "pytorch_model.bin").is_file():
-        return torch.load(directory / "pytorch_model.bin", map_location="cpu", weights_only=True)
-    raise FileNotFoundError(f"{directory} holds no Hugging Face weights: expected model.safetensors, "
-                            f"model.safetensors.index.json or pytorch_model.bin, as save_pretrained writes them.")
-
-
 def read_hf_gpt2(model_or_dir: Union[str, os.PathLike, nn.Module]) -> tuple[GPTConfig, dict[str, Tensor]]:
     """Our config and full state dict from a ``GPT2LMHeadModel`` (or ``GPT2Model``) or a ``save_pretrained`` directory."""
-    if isinstance(model_or_dir, (str, os.PathLike)):
-        directory = Path(model_or_dir)
-        if not (directory / "config.json").is_file():
-            raise FileNotFoundError(f"{directory} has no config.json: pass a directory written by save_pretrained.")
-        hf_config, hf_state = json.loads((directory / "config.json").read_text()), _read_weights(directory)
-    elif isinstance(model_or_dir, nn.Module) and hasattr(model_or_dir, "config"):
-        hf_config, hf_state = model_or_dir.config, model_or_dir.state_dict()
-    else:
-        raise TypeError(f"Expected a transformers GPT2LMHeadModel or a save_pretrained directory, "
-                        f"got {type(model_or_dir).__name__}.")
+    hf_config, hf_state = read_hf_checkpoint(model_or_dir, expected="a transformers GPT2LMHeadModel")
     config = gpt_config_from_hf(hf_config)
     return config, gpt_state_dict_from_hf(hf_state, config)
-
-
-def _write_atomically(path: Path, write: Callable[[Path], None]) -> None:
-    """A crash mid-write leaves the previous file, never a truncated one."""
-    partial = path.with_name(f".{path.name}.partial")
-    write(partial)
-    os.replace(partial, path)
 
 
 def write_hf_gpt2(out_dir: Union[str, os.PathLike], *, config: GPTConfig, state_dict: Mapping[str, Tensor],
@@ -284,11 +223,5 @@ def write_hf_gpt2(out_dir: Union[str, os.PathLike], *, config: GPTConfig, state_
     """
     hf_state = hf_state_dict_from_gpt(state_dict, config)
     del hf_state["lm_head.weight"]  # tied: save_pretrained stores the embedding only
-    dtype = str(hf_state["transformer.wte.weight"].dtype).removeprefix("torch.")
-    fields = hf_config_from_gpt(config, **{"dtype": dtype, **extra_fields})
-    tensors = {name: value.detach().cpu().contiguous() for name, value in hf_state.items()}
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    save_file = _safetensors().save_file
-    _write_atomically(out / "model.safetensors", lambda path: save_file(tensors, path, metadata={"format": "pt"}))
-    _write_atomically(out / "config.json", lambda path: path.write_text(json.dumps(fields, indent=2, sort_keys=True) + "\n"))
+    fields = hf_config_from_gpt(config, **{"dtype": dtype_name(hf_state["transformer.wte.weight"]), **extra_fields})
+    write_hf_checkpoint(out_dir, fields=fields, state_dict=hf_state)

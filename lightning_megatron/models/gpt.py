@@ -214,10 +214,7 @@ class GPT(PretrainingRecipe):
         from lightning_megatron.checkpoint.hf import read_hf_gpt2  # imported here: checkpoint.hf imports this module
 
         config, state_dict = read_hf_gpt2(model_or_dir)
-        gpt = cls(config, **gpt_kwargs)
-        gpt.configure_model()
-        gpt.model.load_state_dict(state_dict)
-        return gpt
+        return cls._with_model_state_dict(config, state_dict, **gpt_kwargs)
 
     def to_hf(self, out_dir: Union[str, os.PathLike], *, state_dict: Optional[dict[str, Tensor]] = None, **hf_config: Any) -> None:
         """Write a directory that ``transformers.GPT2LMHeadModel.from_pretrained`` loads (``hf_config``: extra fields).
@@ -229,10 +226,10 @@ class GPT(PretrainingRecipe):
                 model.to_hf("exported", state_dict=state_dict)
         """
         from lightning_megatron.checkpoint.hf import write_hf_gpt2  # imported here: checkpoint.hf imports this module
+        from lightning_megatron.checkpoint.hf_io import model_state_dict
 
-        state = self.state_dict() if state_dict is None else state_dict
-        model_state = {name.removeprefix("model."): value for name, value in state.items() if name.startswith("model.")}
-        write_hf_gpt2(out_dir, config=self.config, state_dict=model_state, **hf_config)
+        state = model_state_dict(self.state_dict() if state_dict is None else state_dict)
+        write_hf_gpt2(out_dir, config=self.config, state_dict=state, **hf_config)
 
     def tensor_parallel_plan(self) -> dict[str, str]:
         return {f"model.{pattern}": style for pattern, style in GPTModel.tensor_parallel_plan().items()}

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import lightning as L
 import torch
@@ -87,3 +87,12 @@ class PretrainingRecipe(L.LightningModule):
 
     def configure_optimizers(self):
         return adamw_warmup_cosine(self, **self.optimizer_settings)
+
+    @classmethod
+    def _with_model_state_dict(cls, config: Any, state_dict: Mapping[str, torch.Tensor], **kwargs: Any):
+        """A module built on this process with ``config`` whose ``model`` holds ``state_dict`` (its full state
+        dict); ``kwargs`` are the recipe's, e.g. ``learning_rate``. What ``from_hf`` returns."""
+        module = cls(config, **kwargs)
+        module.configure_model()
+        module.model.load_state_dict(state_dict)
+        return module
