@@ -3,7 +3,7 @@
 ``fit``/``validate``/``test``/``predict`` go to LightningCLI: any LightningModule and
 LightningDataModule by ``class_path`` (``lightning_megatron.models.GPT``, ``...BERT`` or your
 own), as the files in ``configs/`` show; the other subcommands are tools around training
-(data preprocessing, tokenizers) registered in ``TOOLS``.
+(data preprocessing, tokenizers, checkpoints) registered in ``TOOLS``.
 
 Example::
 
@@ -19,6 +19,7 @@ import lightning as L
 from lightning.pytorch.cli import LightningCLI
 
 import lightning_megatron  # noqa: F401  (registers the "megatron_3d" strategy)
+from lightning_megatron.checkpoint.commands import main as checkpoint_main
 from lightning_megatron.data.preprocess import main as preprocess_main
 from lightning_megatron.data.preprocess import train_tokenizer_main
 
@@ -26,6 +27,7 @@ from lightning_megatron.data.preprocess import train_tokenizer_main
 TOOLS: dict[str, tuple[str, Callable[[Sequence[str]], None]]] = {
     "preprocess": ("tokenise a .jsonl/.txt file into a Megatron .bin/.idx dataset", preprocess_main),
     "train-tokenizer": ("train a byte-level BPE tokenizer.json on .jsonl/.txt files", train_tokenizer_main),
+    "checkpoint": ("inspect, consolidate or convert (Hugging Face) a sharded checkpoint", checkpoint_main),
 }
 
 

@@ -55,13 +55,23 @@ from lightning_megatron.parallel.recompute import MODES as RECOMPUTE_MODES
 from lightning_megatron.parallel.recompute import apply_activation_checkpointing
 from lightning_megatron.parallel.state import ParallelState
 from lightning_megatron.checkpoint.full import gather_full_state_dict, local_state_dict_from_full, merge_pipeline_stages
+from lightning_megatron.checkpoint.entries import optimizer_hyperparameters
+from lightning_megatron.checkpoint.sharded import SavedCheckpoint, is_sharded_checkpoint
+from lightning_megatron.checkpoint.training_state import (
+    LAYOUT_KEY,
+    RankTraining,
+    load_model_state,
+    load_optimizer_state,
+    save_training_state,
+)
 from lightning_megatron.pipeline.layout import PipelineLayout, check_schedule
 from lightning_megatron.pipeline.runner import PipelineRunner
 from lightning_megatron.pipeline.stage import split_for_pipeline
 from lightning_megatron.pipeline.timeline import TimelineRecorder
 from lightning_megatron.tensor_parallel.plan import parallelize
 
-LAYOUT_KEY = "megatron_3d_layout"
+CHECKPOINT_FORMATS = ("sharded", "full")
+LOSS_SCALER_KEY = "megatron_3d_loss_scaler"
 
 
 class Megatron3DStrategy(ParallelStrategy):
@@ -88,6 +98,11 @@ class Megatron3DStrategy(ParallelStrategy):
         offload_optimizer: keep fp32 main parameters and optimizer state in CPU memory and step there.
         bucket_size_mb: size of the gradient buckets reduced over dp while backward runs.
         pad_vocab_to_multiple_of: the vocabulary is padded to a multiple of ``tp * this`` (Megatron: 128).
+        checkpoint_format: ``"sharded"`` (default): a checkpoint is a directory in which every rank writes
+            its own shards of the weights and of the optimizer state (torch.distributed.checkpoint), keyed
+            by global names, so it loads at any other layout; saved atomically. ``"full"``: one file
+            with the weights gathered on rank 0 (optimizer state only where it is not sharded).
+            Both kinds load whatever this is set to.
 
     Example::
 
@@ -113,6 +128,7 @@ class Megatron3DStrategy(ParallelStrategy):
         offload_optimizer: bool = False,
         bucket_size_mb: float = DEFAULT_BUCKET_SIZE_MB,
         pad_vocab_to_multiple_of: int = 128,
+        checkpoint_format: str = "sharded",
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
         accelerator=None,
@@ -140,6 +156,9 @@ class Megatron3DStrategy(ParallelStrategy):
         check_schedule(pipeline_schedule, virtual_pipeline_size)
         if pad_vocab_to_multiple_of < 1:
             raise ValueError(f"pad_vocab_to_multiple_of must be >= 1, got {pad_vocab_to_multiple_of}.")
+        if checkpoint_format not in CHECKPOINT_FORMATS:
+            raise ValueError(f"checkpoint_format={checkpoint_format!r} is not one of {CHECKPOINT_FORMATS}.")
+        self.checkpoint_format = checkpoint_format
         # Validate what can be validated before any process exists.
         ParallelConfig(
             tensor_parallel_size=tensor_parallel_size,
@@ -168,6 +187,8 @@ class Megatron3DStrategy(ParallelStrategy):
         self._parallel_state: Optional[ParallelState] = None
         self._rng: Optional[TensorParallelRNG] = None
         self._step: Optional[StepGradients] = None
+        self._sharded_checkpoint: Optional[SavedCheckpoint] = None  # the one being restored
+        self._main_params: Optional[MainParamOptimizer] = None
         self._zero3: Optional[ZeRO3] = None
         self.offload_optimizer = offload_optimizer
         self._loss_scaler_settings = dict(loss_scaler or {})
@@ -285,6 +306,7 @@ class Megatron3DStrategy(ParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
             self._step = self._build_step_gradients(module)
+            self._main_params = self._step.main_params  # outlives teardown: a checkpoint after fit needs it
 
     def _prepare_model(self, module, trainer: "L.Trainer") -> None:
         """Split the model for this layout, once: tp plan, recomputation, pipeline stages, local shards."""
@@ -630,8 +652,15 @@ class Megatron3DStrategy(ParallelStrategy):
         super().teardown()
 
     # ------------------------------------------------------------------ checkpoints
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        """Full tensors under global names (unpadded), gathered over tp and pp: loadable at any layout."""
+    def full_state_dict(self) -> dict[str, Any]:
+        """Full tensors under global names (unpadded), gathered over tp, pp and ZeRO-3 onto every rank's CPU.
+
+        A collective: call it on every rank. Example (export from a parallel run)::
+
+            state_dict = trainer.strategy.full_state_dict()
+            if trainer.is_global_zero:
+                model.to_hf("exported", state_dict=state_dict)
+        """
         state = self.parallel_state
         if self._zero3 is not None:
             self._zero3.retag()  # Lightning's teardown moves the module to the CPU, and FSDP drops our tags
@@ -639,32 +668,79 @@ class Megatron3DStrategy(ParallelStrategy):
         full = gather(self.lightning_module, state.tensor_parallel_group)
         return merge_pipeline_stages(full, state.pipeline_parallel_group)
 
-    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """What Lightning puts under ``"state_dict"``: the gathered weights for ``checkpoint_format="full"``;
+        nothing for sharded checkpoints, whose tensors ``save_checkpoint`` writes from each rank's shards."""
+        return self.full_state_dict() if self.checkpoint_format == "full" else {}
+
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        if self.checkpoint_format == "full":
+            return super().optimizer_state(optimizer)
+        optimizer = getattr(optimizer, "_optimizer", optimizer)
+        return optimizer_hyperparameters(optimizer, self._rank_training().placements())
+
+    def _rank_training(self) -> RankTraining:
         if self._zero3 is not None:
-            load_zero3_state_dict(self.lightning_module, checkpoint["state_dict"], self.parallel_state)
-            return
-        local = local_state_dict_from_full(self.lightning_module, checkpoint["state_dict"])
-        self.lightning_module.load_state_dict(local, strict=strict)
+            self._zero3.retag()
+        return RankTraining(self.lightning_module, [getattr(o, "_optimizer", o) for o in self.optimizers],
+                            self.parallel_state, self._main_params, self._rng)
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Optional[Any] = None) -> None:
-        checkpoint[LAYOUT_KEY] = asdict(self.parallel_config)
-        super().save_checkpoint(checkpoint, filepath, storage_options)
+        if self.loss_scaler is not None:
+            checkpoint[LOSS_SCALER_KEY] = self.loss_scaler.state_dict()
+        if self.checkpoint_format == "full":
+            checkpoint[LAYOUT_KEY] = asdict(self.parallel_config)
+            super().save_checkpoint(checkpoint, filepath, storage_options)
+            return
+        module = self.lightning_module
+        info = {"model": f"{type(module).__module__}.{type(module).__qualname__}",
+                "global_step": checkpoint.get("global_step"), "epoch": checkpoint.get("epoch"),
+                "precision": str(getattr(self.precision_plugin, "precision", "32-true"))}
+        save_training_state(filepath, checkpoint, self._rank_training(), info)
+
+    def load_checkpoint(self, checkpoint_path, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        """A sharded checkpoint directory is read straight into this rank's shards (any saving layout);
+        a single file goes through Lightning's loader and ``load_model_state_dict``."""
+        self._sharded_checkpoint = None
+        if not is_sharded_checkpoint(checkpoint_path):
+            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        saved, checkpoint = load_model_state(checkpoint_path, self._rank_training())
+        self._sharded_checkpoint = saved
+        if self.loss_scaler is not None and LOSS_SCALER_KEY in checkpoint:
+            self.loss_scaler.load_state_dict(checkpoint[LOSS_SCALER_KEY])
+        return checkpoint
+
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        if self._sharded_checkpoint is not None:
+            return  # read in place by load_checkpoint
+        if self._zero3 is not None:
+            load_zero3_state_dict(self.lightning_module, checkpoint["state_dict"], self.parallel_state)
+        else:
+            local = local_state_dict_from_full(self.lightning_module, checkpoint["state_dict"])
+            self.lightning_module.load_state_dict(local, strict=strict)
+        if self._main_params is not None:
+            self._main_params.copy_from_model()
+        if self.loss_scaler is not None and LOSS_SCALER_KEY in checkpoint:
+            self.loss_scaler.load_state_dict(checkpoint[LOSS_SCALER_KEY])
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        """Optimizer state is restored only where rank 0's copy is every rank's: tp=1 at the saved tp.
-
-        Sharded, layout-free optimizer checkpoints are the sharded-checkpoint feature's job.
-        """
-        saved = checkpoint.get(LAYOUT_KEY, {})
-        sharded_now = self.parallel_config.tensor_parallel_size != 1 or self.parallel_config.zero_stage != 0 or (
-            self._step is not None and self._step.main_params is not None)
-        sharded_then = saved.get("tensor_parallel_size", 1) != 1 or saved.get("zero_stage", 0) != 0
+        """Sharded checkpoints restore the optimizer state at any layout. Full (single-file) ones only
+        where rank 0's copy is every rank's: tp=1, no ZeRO, no fp32 main parameters."""
+        saved = self._sharded_checkpoint
+        if saved is not None:
+            load_optimizer_state(saved, checkpoint, self._rank_training())
+            return
+        layout = checkpoint.get(LAYOUT_KEY, {})
+        sharded_now = (self.parallel_config.tensor_parallel_size != 1 or self.parallel_config.zero_stage != 0
+                       or self._main_params is not None)
+        sharded_then = layout.get("tensor_parallel_size", 1) != 1 or layout.get("zero_stage", 0) != 0
         if sharded_now or sharded_then:
             rank_zero_warn(
-                "Megatron3DStrategy: this checkpoint's optimizer state is not restored under tensor parallelism or "
-                "fp32 main parameters (saved tp={}, zero_stage={}; now tp={}, zero_stage={}); the weights and the "
-                "trainer state are. The optimizer starts fresh.".format(
-                    saved.get("tensor_parallel_size", "?"), saved.get("zero_stage", "?"),
+                "Megatron3DStrategy: a full (single-file) checkpoint's optimizer state is not restored under tensor "
+                "parallelism or fp32 main parameters (saved tp={}, zero_stage={}; now tp={}, zero_stage={}); the "
+                "weights and the trainer state are. The optimizer starts fresh. Sharded checkpoints "
+                "(checkpoint_format='sharded', the default) restore it at any layout.".format(
+                    layout.get("tensor_parallel_size", "?"), layout.get("zero_stage", "?"),
                     self.parallel_config.tensor_parallel_size, self.parallel_config.zero_stage,
                 )
             )

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from launch import child_env
+from lightning_megatron.checkpoint import consolidated_state_dict, open_sharded
 from lightning_megatron.cli import main
 
 REPO = Path(__file__).resolve().parents[1]
@@ -50,11 +51,12 @@ def test_default_run_trains_with_tensor_parallelism_and_saves_a_layout_free_chec
     assert "tp=2 pp=1 dp=1" in result.stdout + result.stderr
     checkpoints = list(tmp_path.rglob("*.ckpt"))
     assert len(checkpoints) == 1, checkpoints
-    checkpoint = torch.load(checkpoints[0], weights_only=True)
-    assert checkpoint["global_step"] == 4
-    assert checkpoint["megatron_3d_layout"]["tensor_parallel_size"] == 2
+    saved = open_sharded(checkpoints[0])  # a directory: each rank wrote its own shards
+    assert saved.info["global_step"] == 4
+    assert saved.info["layout"]["tensor_parallel_size"] == 2
+    assert saved.trainer_state()["global_step"] == 4
     # Full global shapes: the vocabulary is stored unpadded.
-    assert checkpoint["state_dict"]["model.embedding.wte.weight"].shape == (257, 64)
+    assert consolidated_state_dict(checkpoints[0])["model.embedding.wte.weight"].shape == (257, 64)
 
 
 def test_bert_tiny_config_trains_two_steps(tmp_path):
@@ -63,6 +65,6 @@ def test_bert_tiny_config_trains_two_steps(tmp_path):
         "--trainer.val_check_interval=2", "--trainer.limit_val_batches=1", "--data.max_files=30",
         f"--trainer.default_root_dir={tmp_path}",
     )
-    checkpoint = torch.load(next(tmp_path.rglob("*.ckpt")), weights_only=True)
+    checkpoint = open_sharded(next(tmp_path.rglob("*.ckpt"))).trainer_state()
     assert checkpoint["global_step"] == 2
     assert checkpoint["hyper_parameters"]["config"]["norm_position"] == "pre"

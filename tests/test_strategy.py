@@ -10,6 +10,7 @@ from launch import launch
 from workers.trainer_setup import datamodule, model, trainer_kwargs
 import lightning_megatron  # noqa: F401  (registers "megatron_3d")
 from lightning_megatron import Megatron3DStrategy
+from lightning_megatron.checkpoint import consolidated_state_dict, open_sharded
 
 FIT = {"tp": 2, "sp": True, "accumulate": 2, "clip": 0.5, "steps": 5, "zero_stage": 1}
 PIPELINE_FIT = {"tp": 2, "pp": 2, "sp": True, "accumulate": 2, "clip": 0.5, "steps": 4, "micro_batch_size": 2,
@@ -116,12 +117,12 @@ def test_fit_zero3_matches_plain_lightning(options, tmp_path):
 
 def test_checkpoint_is_layout_free_and_loads_without_unpickling(fit_tp2_dp2):
     out, _ = fit_tp2_dp2
-    checkpoint = torch.load(out / "last.ckpt", weights_only=True)
+    saved = open_sharded(out / "last.ckpt")  # checks the files; never unpickles (DCP index aside)
     weights = torch.load(out / "weights.pt", weights_only=True)
-    assert checkpoint["megatron_3d_layout"]["tensor_parallel_size"] == 2
+    assert saved.info["layout"]["tensor_parallel_size"] == 2
     gpt = model(FIT)
     gpt.configure_model()
-    gpt.load_state_dict(checkpoint["state_dict"])  # a plain single-process model takes it as is
+    gpt.load_state_dict(consolidated_state_dict(out / "last.ckpt"))  # a plain single-process model takes it as is
     for name, value in gpt.state_dict().items():
         assert torch.equal(value, weights[name]), name
 

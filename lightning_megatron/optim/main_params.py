@@ -92,6 +92,14 @@ class MainParamOptimizer:
             buffers.append(buffer)
         return buffers
 
+    def copy_from_model(self) -> None:
+        """Refresh the fp32 pieces from the model's parameters, after weights were loaded into the model."""
+        with torch.no_grad():
+            for piece, main in self.pieces:
+                owned = piece.param.detach().reshape(-1)[piece.start : piece.stop]
+                if owned.data_ptr() != main.data_ptr():
+                    main.copy_(owned)
+
     def prepare_step(self) -> None:
         """Hand the reduced, token-normalised owned gradients to the fp32 pieces."""
         for piece, main in self.pieces:

@@ -125,11 +125,14 @@ def _local(tensor: Tensor) -> Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
+def dp_chunk_start(rows: int, dp_rank: int, dp_size: int) -> int:
+    """The first of the rows FSDP2 gives ``dp_rank`` (``torch.chunk`` sizes, empty past the end)."""
+    return min(dp_rank * -(-rows // dp_size), rows)
+
+
 def _dp_chunk(values: Tensor, local_rows: int, dp_rank: int, dp_size: int) -> Tensor:
-    """FSDP2's dim-0 chunk of ``values`` for ``dp_rank`` (``torch.chunk`` sizes, empty past the end)."""
-    rows = values.shape[0]
-    start = min(dp_rank * -(-rows // dp_size), rows)
-    return values.narrow(0, start, local_rows)
+    """FSDP2's dim-0 chunk of ``values`` for ``dp_rank``."""
+    return values.narrow(0, dp_chunk_start(values.shape[0], dp_rank, dp_size), local_rows)
 
 
 class ZeRO3:

@@ -103,7 +103,7 @@ trainer = L.Trainer(accelerator="cpu", devices=dist.get_world_size(), callbacks=
                     strategy=Megatron3DStrategy(tensor_parallel_size=dist.get_world_size(), bucket_size_mb=0.01),
                     **fit_trainer_kwargs())
 trainer.fit(fit_model(), datamodule=fit_datamodule())
-fit_weights = trainer.strategy.lightning_module_state_dict()
+fit_weights = trainer.strategy.full_state_dict()
 if rank == 0:
     torch.save(fit_weights, out_dir / "fit_weights.pt")
 metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}

@@ -51,7 +51,7 @@ val_loss = float(trainer.callback_metrics["val_loss"])
 test_loss = None
 if options.get("test"):  # forward-only schedules again, after fit, with the same trainer
     test_loss = float(trainer.test(trainer.lightning_module, datamodule=datamodule(options), verbose=False)[0]["test_loss"])
-weights = trainer.strategy.lightning_module_state_dict()
+weights = trainer.strategy.full_state_dict()
 trainer.save_checkpoint(out_dir / "last.ckpt")
 if rank == 0:
     torch.save(weights, out_dir / "weights.pt")

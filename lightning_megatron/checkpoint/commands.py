@@ -1,0 +1,144 @@
+"""``lightning-megatron checkpoint``: look into, consolidate and convert sharded checkpoints.
+
+All three run in one process without torch.distributed, whatever layout saved the checkpoint::
+
+    lightning-megatron checkpoint inspect  runs/last.ckpt [--keys]
+    lightning-megatron checkpoint consolidate runs/last.ckpt model.safetensors [--optimizer]
+    lightning-megatron checkpoint convert runs/last.ckpt hf_out/          # ours -> Hugging Face (GPT-2, BERT)
+    lightning-megatron checkpoint convert hf_model/ converted.ckpt        # Hugging Face -> ours (weights only)
+
+``convert`` decides the direction from the source: a sharded checkpoint directory (it has
+``megatron_3d.json``) goes to a Hugging Face ``save_pretrained`` directory, anything else
+is read as a Hugging Face model directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections import defaultdict
+from dataclasses import asdict, fields
+from pathlib import Path
+from typing import Any, Sequence, Union
+
+import lightning as L
+import torch
+
+from lightning_megatron.checkpoint.hf_convert import read_hf, write_hf
+from lightning_megatron.checkpoint.hf_io import safetensors_torch
+from lightning_megatron.checkpoint.sharded import INFO_FILE, open_sharded, read_full_tensors, save_sharded
+from lightning_megatron.models.bert import BERTConfig
+from lightning_megatron.models.gpt import GPTConfig
+
+MODEL_PREFIX = "state_dict/"
+
+
+def _megabytes(size: int) -> str:
+    return f"{size / 2**20:,.2f} MiB"
+
+
+def inspect(path: Union[str, Path], *, keys: bool = False) -> str:
+    """A readable summary: what saved it (layout, step, model), and the tensors by kind."""
+    saved = open_sharded(path)
+    info = saved.info
+    lines = [f"checkpoint   {saved.path}",
+             f"model        {info.get('model')}",
+             f"step         global_step={info.get('global_step')} epoch={info.get('epoch')}",
+             f"precision    {info.get('precision')}",
+             "layout       " + " ".join(f"{name}={value}" for name, value in info.get("layout", {}).items()),
+             f"world size   {info.get('world_size')}"]
+    groups: dict[str, list] = defaultdict(list)
+    for name, md in sorted(saved.tensors().items()):
+        groups[name.split("/", 1)[0]].append((name, md))
+    files = {item.relative_path for item in (saved.index.storage_data or {}).values()}
+    disk = sum((saved.path / name).stat().st_size for name in files)
+    lines.append(f"files        {len(files)} shard files, {_megabytes(disk)} on disk")
+    for group, members in groups.items():
+        size = sum(md.size.numel() * md.properties.dtype.itemsize for _, md in members)
+        lines.append(f"{group:<12} {len(members)} tensors, {_megabytes(size)}")
+        if keys:
+            lines.extend(f"    {name[len(group) + 1:]}  {tuple(md.size)}  {str(md.properties.dtype).removeprefix('torch.')}"
+                         for name, md in members)
+    return "\n".join(lines)
+
+
+def consolidate(path: Union[str, Path], out: Union[str, Path], *, optimizer: bool = False) -> Path:
+    """Write one plain state dict: the LightningModule's tensors under their names (``.safetensors``, or
+    ``.pt`` for ``torch.load(weights_only=True)``); with ``optimizer`` also the optimizer state and fp32
+    main parameters under their checkpoint keys (``optimizer/0/<param>/exp_avg``)."""
+    saved = open_sharded(path)
+    names = [name for name in saved.tensors() if optimizer or name.startswith(MODEL_PREFIX)]
+    tensors = {(name[len(MODEL_PREFIX):] if name.startswith(MODEL_PREFIX) else name): tensor.contiguous()
+               for name, tensor in read_full_tensors(path, names).items()}
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    partial = out.with_name(f".{out.name}.partial")
+    if out.suffix == ".safetensors":
+        metadata = {"format": "lightning-megatron", "source": str(saved.path),
+                    "info": json.dumps(saved.info, default=str)}
+        safetensors_torch().save_file(tensors, str(partial), metadata=metadata)
+    elif out.suffix == ".pt":
+        torch.save(tensors, partial)
+    else:
+        raise ValueError(f"Output {out} must end in .safetensors or .pt.")
+    partial.replace(out)
+    return out
+
+
+def model_config(hyper_parameters: dict[str, Any]) -> Union[GPTConfig, BERTConfig]:
+    """The GPT/BERT config a checkpoint's hyper-parameters describe (recognised by its fields)."""
+    config = hyper_parameters.get("config")
+    if isinstance(config, dict):
+        for config_class in (GPTConfig, BERTConfig):
+            if set(config) == {field.name for field in fields(config_class)}:
+                return config_class(**config)
+    raise ValueError("The checkpoint's hyper_parameters hold no GPTConfig or BERTConfig under 'config': it was not "
+                     "saved from lightning_megatron.models.GPT or BERT (or a subclass), so there is no Hugging Face "
+                     "equivalent to convert it to.")
+
+
+def convert(source: Union[str, Path], out: Union[str, Path]) -> str:
+    """Ours -> Hugging Face when ``source`` is a sharded checkpoint, else Hugging Face -> ours."""
+    source, out = Path(source), Path(out)
+    if (source / INFO_FILE).is_file():
+        saved = open_sharded(source)
+        config = model_config(saved.trainer_state().get("hyper_parameters", {}))
+        names = [name for name in saved.tensors() if name.startswith(MODEL_PREFIX + "model.")]
+        state_dict = {name[len(MODEL_PREFIX) + len("model."):]: tensor
+                      for name, tensor in read_full_tensors(source, names).items()}
+        write_hf(out, config, state_dict)
+        return f"wrote a Hugging Face {type(config).__name__.removesuffix('Config')} model to {out}"
+    config, state_dict = read_hf(source)
+    tensors = {f"{MODEL_PREFIX}model.{name}": tensor.contiguous() for name, tensor in state_dict.items()}
+    trainer_state = {"epoch": 0, "global_step": 0, "pytorch-lightning_version": L.__version__,
+                     "hyper_parameters": {"config": asdict(config)}}
+    family = "GPT" if isinstance(config, GPTConfig) else "BERT"
+    info = {"model": f"lightning_megatron.models.{family}", "global_step": 0, "epoch": 0, "converted_from": str(source),
+            "layout": {}, "world_size": 1}
+    save_sharded(out, tensors, trainer_state, info)
+    return f"wrote a weights-only {family} checkpoint to {out}"
+
+
+def main(argv: Sequence[str]) -> None:
+    parser = argparse.ArgumentParser(prog="lightning-megatron checkpoint", description=__doc__.split("\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    p = commands.add_parser("inspect", help="layout, step and tensors of a sharded checkpoint")
+    p.add_argument("path")
+    p.add_argument("--keys", action="store_true", help="list every tensor with its global shape and dtype")
+    p = commands.add_parser("consolidate", help="write one state dict (.safetensors or .pt)")
+    p.add_argument("path")
+    p.add_argument("out")
+    p.add_argument("--optimizer", action="store_true", help="also the optimizer state and fp32 main parameters")
+    p = commands.add_parser("convert", help="to a Hugging Face directory, or from one to a weights-only checkpoint")
+    p.add_argument("source")
+    p.add_argument("out")
+    args = parser.parse_args(list(argv))
+    try:
+        if args.command == "inspect":
+            print(inspect(args.path, keys=args.keys))
+        elif args.command == "consolidate":
+            print(f"wrote {consolidate(args.path, args.out, optimizer=args.optimizer)}")
+        else:
+            print(convert(args.source, args.out))
+    except (ImportError, OSError, RuntimeError, ValueError) as error:
+        parser.exit(1, f"lightning-megatron checkpoint {args.command}: error: {error}\n")

@@ -1,0 +1,180 @@
+"""Save and restore one rank's training state as a layout-free sharded checkpoint.
+
+``Megatron3DStrategy`` calls these from Lightning's checkpoint hooks: the tensors go to
+``checkpoint.sharded`` as ``ShardedEntry`` views of what this rank holds (nothing is
+gathered), the rest of Lightning's checkpoint dict goes to ``trainer_state.pt``. Restoring
+builds the entries of the *current* layout and lets DCP read the overlapping boxes, so
+tp, pp, virtual pp, dp and the ZeRO stage may all differ from the saving run.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import asdict, dataclass
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.optim import Optimizer
+
+from lightning_megatron.checkpoint import entries as E
+from lightning_megatron.checkpoint.sharded import (
+    SavedCheckpoint,
+    check_compatible,
+    open_sharded,
+    read_tensors,
+    save_sharded,
+)
+from lightning_megatron.optim.main_params import MainParamOptimizer
+from lightning_megatron.parallel.random import TensorParallelRNG
+from lightning_megatron.parallel.state import ParallelState
+
+LAYOUT_KEY = "megatron_3d_layout"
+RNG_KEY = "megatron_3d_rng_states"
+
+
+@dataclass
+class RankTraining:
+    """What one rank trains: its part of the module, the optimizers, the layout and the fp32 main pieces."""
+
+    module: nn.Module
+    optimizers: list[Optimizer]
+    state: ParallelState
+    main_params: Optional[MainParamOptimizer] = None
+    rng: Optional[TensorParallelRNG] = None
+
+    def placements(self) -> E.Placements:
+        return E.parameter_placements(self.module, self.state.data_parallel_rank,
+                                      self.state.config.data_parallel_size, self.main_params)
+
+    def model_entries(self) -> dict:
+        return E.model_entries(self.module, self.state.data_parallel_rank, self.state.config.data_parallel_size)
+
+
+def _rng_state(rng: Optional[TensorParallelRNG]) -> dict[str, Any]:
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    if rng is not None:
+        state["tensor_parallel"] = rng.get_state()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any], rng: Optional[TensorParallelRNG]) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    if rng is not None and "tensor_parallel" in state:
+        rng.set_state(state["tensor_parallel"])
+
+
+def save_training_state(path, checkpoint: dict[str, Any], training: RankTraining, info: dict[str, Any]) -> None:
+    """Collective. ``checkpoint`` is Lightning's dict (its ``state_dict`` and ``optimizer_states`` as the
+    strategy returned them: empty and hyper-parameters only); the tensors come from ``training`` itself."""
+    checkpoint.pop("state_dict", None)
+    placements = training.placements()
+    tensors = training.model_entries()
+    if "optimizer_states" in checkpoint:  # not for weights-only saves
+        tensors.update(E.main_param_entries(training.main_params, placements))
+        for index, optimizer in enumerate(training.optimizers):
+            tensors.update(E.optimizer_entries(optimizer, index, placements))
+    optimizers = checkpoint.get("optimizer_states", [])
+    mine = (_rng_state(training.rng), [hyper["param_names"] for hyper in optimizers])
+    per_rank = _all_gather(mine)
+    rng_states = [rng for rng, _ in per_rank]
+    for index, hyper in enumerate(optimizers):  # each pipeline stage knows only its own parameters
+        hyper["param_names"] = [sorted({name for _, names in per_rank for name in names[index][group]})
+                                for group in range(len(hyper["param_names"]))]
+    layout = asdict(training.state.config)
+    trainer_state = {**checkpoint, LAYOUT_KEY: layout, RNG_KEY: rng_states}
+    save_sharded(path, tensors, trainer_state, {**info, "layout": layout, "world_size": len(rng_states)})
+
+
+def _all_gather(value: Any) -> list:
+    if not dist.is_initialized():
+        return [value]
+    values: list = [None] * dist.get_world_size()
+    dist.all_gather_object(values, value)
+    return values
+
+
+def _agree(check: Callable[[], Any]) -> Any:
+    """Run a check that may fail on some ranks only, then fail on all of them (or none) before the next
+    collective, so that no rank waits forever for one that gave up."""
+    error, result = None, None
+    try:
+        result = check()
+    except (OSError, RuntimeError, TypeError, ValueError) as caught:
+        error = caught
+    reports = _all_gather(None if error is None else f"{type(error).__name__}: {error}")
+    if error is not None:
+        raise error
+    failed = [(rank, report) for rank, report in enumerate(reports) if report is not None]
+    if failed:
+        rank, report = failed[0]
+        raise RuntimeError(f"Rank {rank} cannot load the checkpoint: {report}")
+    return result
+
+
+def load_model_state(path, training: RankTraining) -> tuple[SavedCheckpoint, dict[str, Any]]:
+    """Collective: read this rank's model tensors (and fp32 main pieces) in place; return the checkpoint and
+    Lightning's part of it. Every check that can fail runs before the first collective."""
+    saved, trainer_state, wanted = _agree(lambda: _plan_model_load(path, training))
+    available = saved.tensors()
+    read_tensors(saved, wanted)
+    if training.main_params is not None:
+        training.main_params.copy_from_model()
+        mains = E.main_param_entries(training.main_params, training.placements())
+        mains = {key: entry for key, entry in mains.items() if key in available}
+        read_tensors(saved, mains)
+    _restore_rng(saved, trainer_state, training)
+    return saved, trainer_state
+
+
+def _plan_model_load(path, training: RankTraining) -> tuple[SavedCheckpoint, dict[str, Any], dict]:
+    saved = open_sharded(path)
+    trainer_state = saved.trainer_state()
+    available = saved.tensors()
+    wanted = {}
+    for key, entry in training.model_entries().items():
+        # fp32 parameters take the fp32 main copy when a 16-bit run saved one: exact, not rounded.
+        main_key = f"{E.MAIN_PARAMS}/{key[len(E.MODEL) + 1:]}"
+        exact = next(iter(entry.pieces.values()), None)
+        use_main = main_key in available and exact is not None and exact.dtype == torch.float32
+        wanted[main_key if use_main else key] = entry
+    check_compatible(saved, wanted, what="model tensor")
+    return saved, trainer_state, wanted
+
+
+def _restore_rng(saved: SavedCheckpoint, trainer_state: dict[str, Any], training: RankTraining) -> None:
+    """Random streams continue exactly only at the saving layout (dropout masks are drawn per tp shard)."""
+    states = trainer_state.get(RNG_KEY)
+    world_size = dist.get_world_size() if dist.is_initialized() else 1
+    if states and trainer_state.get(LAYOUT_KEY) == asdict(training.state.config) and len(states) == world_size:
+        _set_rng_state(states[dist.get_rank() if dist.is_initialized() else 0], training.rng)
+
+
+def load_optimizer_state(saved: SavedCheckpoint, trainer_state: dict[str, Any], training: RankTraining) -> None:
+    """Collective: hyper-parameters from ``trainer_state``, state tensors read in place into fresh tensors."""
+    placements = training.placements()
+    for entries in _agree(lambda: _plan_optimizer_load(saved, trainer_state, training, placements)):
+        read_tensors(saved, entries)
+
+
+def _plan_optimizer_load(saved: SavedCheckpoint, trainer_state: dict[str, Any], training: RankTraining,
+                         placements: E.Placements) -> list[dict]:
+    saved_optimizers = trainer_state.get("optimizer_states") or []
+    if len(saved_optimizers) != len(training.optimizers):
+        raise RuntimeError(f"Checkpoint {saved.path} holds {len(saved_optimizers)} optimizer(s); configure_optimizers "
+                           f"returned {len(training.optimizers)}.")
+    available = saved.tensors()
+    plans = []
+    for index, (optimizer, hyper) in enumerate(zip(training.optimizers, saved_optimizers)):
+        E.restore_hyperparameters(optimizer, hyper, placements, where=f"Checkpoint {saved.path}")
+        E.allocate_optimizer_state(optimizer, index, placements, available)
+        entries = E.optimizer_entries(optimizer, index, placements)
+        check_compatible(saved, entries, what="optimizer state")
+        plans.append(entries)
+    return plans

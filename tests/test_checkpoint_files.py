@@ -1,0 +1,169 @@
+"""Sharded checkpoints in one process: exact resume, atomic saves, damaged files, the checkpoint command."""
+
+import json
+import shutil
+import signal
+import subprocess
+import sys
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from launch import WORKERS, child_env
+from workers.trainer_setup import datamodule, model, trainer_kwargs
+from lightning_megatron import Megatron3DStrategy
+from lightning_megatron.checkpoint import consolidated_state_dict, open_sharded
+from lightning_megatron.cli import main as cli_main
+from lightning_megatron.models import BERT, GPT, BERTConfig, GPTConfig
+
+
+class RecordLosses(L.Callback):
+    def __init__(self):
+        self.losses = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.losses.append(float(outputs["loss"]))
+
+
+def fit(root, steps, *, ckpt_path=None, precision="32-true", options=None, save_every=None, module=None):
+    L.seed_everything(7)
+    record = RecordLosses()
+    callbacks = [record]
+    if save_every:
+        callbacks.append(ModelCheckpoint(dirpath=root, every_n_train_steps=save_every, save_top_k=-1))
+    kwargs = {**trainer_kwargs({"steps": steps}), "enable_checkpointing": bool(save_every), "limit_val_batches": 0}
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=Megatron3DStrategy(), precision=precision,
+                        callbacks=callbacks, default_root_dir=root, **kwargs)
+    trainer.fit(module or model(options or {}), datamodule=datamodule({}), ckpt_path=ckpt_path)
+    return trainer, record.losses
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A 2-step fp32 run's sharded checkpoint."""
+    root = tmp_path_factory.mktemp("run")
+    trainer, _ = fit(root, 2)
+    trainer.save_checkpoint(root / "two.ckpt")
+    return root / "two.ckpt"
+
+
+def test_bf16_run_resumes_exactly_with_its_fp32_main_parameters(tmp_path):
+    """bf16 parameters with fp32 main copies: the copies are saved, so steps 3-4 repeat bit for bit."""
+    straight, straight_losses = fit(tmp_path / "straight", 4, precision="bf16-true", save_every=2)
+    saved = open_sharded(tmp_path / "straight" / "epoch=0-step=2.ckpt")
+    assert any(name.startswith("main_params/") for name in saved.tensors())
+    resumed, resumed_losses = fit(tmp_path / "resumed", 4, precision="bf16-true",
+                                  ckpt_path=tmp_path / "straight" / "epoch=0-step=2.ckpt")
+    assert resumed_losses == straight_losses[2:]
+    for (_, a), (_, b) in zip(straight.strategy._main_params.pieces, resumed.strategy._main_params.pieces):
+        assert a.dtype == torch.float32 and torch.equal(a, b)
+    for name, value in straight.lightning_module.state_dict().items():
+        assert torch.equal(value, resumed.lightning_module.state_dict()[name]), name
+
+
+def test_a_save_killed_midway_leaves_the_previous_checkpoint_loadable(tmp_path):
+    result = subprocess.run([sys.executable, str(WORKERS / "save_then_crash.py"), str(tmp_path / "ckpts")],
+                            env=child_env(PYTHONPATH=f"{WORKERS}:{WORKERS.parent.parent}"), cwd=tmp_path,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == -signal.SIGKILL, result.stderr[-3000:]
+    directory = tmp_path / "ckpts"
+    assert (directory / ".epoch=0-step=4.ckpt.partial").is_dir()  # the unfinished save, under a name nobody loads
+    assert not (directory / "epoch=0-step=4.ckpt").exists()
+    assert open_sharded(directory / "last.ckpt").info["global_step"] == 2
+    trainer, losses = fit(tmp_path / "resume", 3, ckpt_path=directory / "last.ckpt")
+    assert trainer.global_step == 3 and len(losses) == 1
+    # Saving under the unfinished name again replaces the left-over.
+    trainer.save_checkpoint(directory / "epoch=0-step=4.ckpt")
+    assert not (directory / ".epoch=0-step=4.ckpt.partial").exists()
+    assert open_sharded(directory / "epoch=0-step=4.ckpt").info["global_step"] == 3
+
+
+def damaged_copy(checkpoint, tmp_path, damage):
+    copy = tmp_path / "damaged.ckpt"
+    shutil.copytree(checkpoint, copy)
+    damage(copy)
+    return copy
+
+
+def truncate(path):
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda c: (c / "__0_0.distcp").unlink(), "__0_0.distcp is missing"),
+    (lambda c: truncate(c / "__0_0.distcp"), "__0_0.distcp is truncated"),
+    (lambda c: (c / ".metadata").unlink(), "incomplete: .metadata is missing"),
+    (lambda c: (c / "megatron_3d.json").write_text("{"), "megatron_3d.json is not valid JSON"),
+    (lambda c: (c / "megatron_3d.json").write_text('{"format": "other"}'), "not a lightning-megatron sharded"),
+    (lambda c: truncate(c / "trainer_state.pt"), "trainer_state.pt"),
+], ids=["missing-shard", "truncated-shard", "no-index", "bad-json", "wrong-format", "truncated-trainer-state"])
+def test_a_damaged_checkpoint_is_refused_naming_the_file(checkpoint, tmp_path, damage, message):
+    damaged = damaged_copy(checkpoint, tmp_path, damage)
+    before = {p.name: p.stat().st_size for p in damaged.iterdir()}
+    with pytest.raises((RuntimeError, FileNotFoundError), match=message):
+        fit(tmp_path / "run", 3, ckpt_path=damaged)
+    assert {p.name: p.stat().st_size for p in damaged.iterdir()} == before  # nothing on disk was touched
+
+
+def test_a_checkpoint_of_another_model_is_refused(checkpoint, tmp_path):
+    with pytest.raises(RuntimeError, match=r"'state_dict/model\.embedding\.wte\.weight' has shape \(257, 32\) but "
+                                           r"this model's is \(257, 64\)"):
+        fit(tmp_path / "wider", 3, ckpt_path=checkpoint, options={"hidden": 64})
+    bert = BERT(BERTConfig(vocab_size=261, max_seq_length=32, hidden_size=32, num_layers=2, num_heads=4))
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=Megatron3DStrategy(), logger=False,
+                        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=1)
+    from lightning_megatron.data import BERTDataModule
+
+    with pytest.raises(RuntimeError, match=r"has no model tensor 'state_dict/model\.embeddings.*lightning_megatron\.models\.gpt\.GPT"):
+        trainer.validate(bert, datamodule=BERTDataModule(seq_length=32, global_batch_size=4), ckpt_path=checkpoint)
+
+
+def test_an_interrupted_replace_points_at_the_intact_previous_checkpoint(checkpoint, tmp_path):
+    # A crash between moving the old checkpoint aside and renaming the new one into place.
+    shutil.copytree(checkpoint, tmp_path / ".last.ckpt.replaced")
+    with pytest.raises(FileNotFoundError, match=r"previous checkpoint is intact at .*\.last\.ckpt\.replaced"):
+        fit(tmp_path / "run", 3, ckpt_path=tmp_path / "last.ckpt")
+
+
+def test_checkpoint_command_inspects_and_consolidates(checkpoint, tmp_path, capsys):
+    cli_main(["checkpoint", "inspect", str(checkpoint), "--keys"])
+    shown = capsys.readouterr().out
+    assert "global_step=2" in shown and "tensor_parallel_size=1" in shown
+    assert "model.embedding.wte.weight  (257, 32)  float32" in shown and "/exp_avg_sq" in shown
+    cli_main(["checkpoint", "consolidate", str(checkpoint), str(tmp_path / "model.safetensors")])
+    from safetensors.torch import load_file
+
+    consolidated = load_file(tmp_path / "model.safetensors")
+    assert consolidated.keys() == consolidated_state_dict(checkpoint).keys()
+    gpt = model({})
+    gpt.configure_model()
+    gpt.load_state_dict(consolidated)  # a plain single-process model takes it as it is
+    with pytest.raises(SystemExit):
+        cli_main(["checkpoint", "consolidate", str(checkpoint), str(tmp_path / "model.bin")])
+    assert "must end in .safetensors or .pt" in capsys.readouterr().err
+
+
+def test_checkpoint_command_converts_to_and_from_hugging_face(checkpoint, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    cli_main(["checkpoint", "convert", str(checkpoint), str(tmp_path / "hf")])
+    hf = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "hf").eval()
+    ours = consolidated_state_dict(checkpoint)
+    gpt = model({})
+    gpt.configure_model()
+    gpt.load_state_dict(ours)
+    tokens = torch.randint(0, 257, (2, 16))
+    with torch.no_grad():
+        assert (gpt.model(tokens) - hf(tokens).logits).abs().max() < 1e-4
+    cli_main(["checkpoint", "convert", str(tmp_path / "hf"), str(tmp_path / "back.ckpt")])
+    back = consolidated_state_dict(tmp_path / "back.ckpt")
+    for name, value in ours.items():
+        assert torch.equal(back[name], value), name
+    # The converted checkpoint evaluates like the original.
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=Megatron3DStrategy(), logger=False,
+                        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=2)
+    from_converted = trainer.validate(model({}), datamodule=datamodule({}), ckpt_path=tmp_path / "back.ckpt")
+    from_original = trainer.validate(model({}), datamodule=datamodule({}), ckpt_path=checkpoint)
+    assert from_converted == from_original

@@ -1,0 +1,122 @@
+"""Sharded checkpoints: saved at (tp=2, pp=2, dp=2, ZeRO-1), resumed at other layouts, damaged on purpose."""
+
+import json
+import math
+import shutil
+
+import pytest
+import torch
+
+from launch import launch
+from lightning_megatron.checkpoint import consolidated_state_dict, open_sharded, read_full_tensors
+from lightning_megatron.checkpoint.pieces import Placement, flat_range_boxes
+from lightning_megatron.tensor_parallel.sharding import TensorShard
+
+SAVE = {"tp": 2, "pp": 2, "zero_stage": 1, "steps": 4, "save_every": 2, "snapshot_step": 2}
+STEP2 = "checkpoints/epoch=0-step=2.ckpt"
+
+
+@pytest.mark.parametrize("shape", [(7,), (3, 4), (2, 3, 4)])
+def test_flat_range_boxes_cover_each_element_of_the_range_once(shape):
+    numel = math.prod(shape)
+    for start in range(numel + 1):
+        for stop in range(start, numel + 1):
+            hits = torch.zeros(shape, dtype=torch.long)
+            for box in flat_range_boxes(shape, start, stop):
+                region = tuple(slice(o, o + s) for o, s in zip(box.offsets, box.sizes))
+                hits[region] += 1
+                assert torch.arange(numel).view(shape)[region].flatten()[0] == box.flat_start
+            expected = torch.zeros(numel, dtype=torch.long)
+            expected[start:stop] = 1
+            assert torch.equal(hits.flatten(), expected), (start, stop)
+
+
+def test_placement_offsets_tensor_parallel_shards_and_drops_vocab_padding():
+    # A (5, 2) embedding padded to 8 rows over tp=2: rank 1 holds rows 4..7, of which only row 4 is real.
+    shard = TensorShard(dim=0, global_shape=(5, 2), padded_size=8, rank=1, world=2)
+    local = torch.arange(8.0).view(4, 2)
+    views = Placement((5, 2), shard).views(local)
+    assert list(views) == [(4, 0)] and torch.equal(views[(4, 0)], local[:1])
+    # ZeRO pieces are flat ranges of the shard. Rank 0's elements 3..6: half a row, a row, half a row.
+    rank0 = TensorShard(dim=0, global_shape=(5, 2), padded_size=8, rank=0, world=2)
+    views = Placement((5, 2), rank0, 3, 7).views(torch.arange(4.0))
+    assert {k: v.tolist() for k, v in views.items()} == {(1, 1): [[0.0]], (2, 0): [[1.0, 2.0]], (3, 0): [[3.0]]}
+    # Rank 1's elements 1..4 reach into the padding (global rows 5 and up), which is not saved.
+    views = Placement((5, 2), shard, 1, 5).views(torch.arange(4.0))
+    assert {k: v.tolist() for k, v in views.items()} == {(4, 1): [[0.0]]}
+
+
+@pytest.fixture(scope="module")
+def saved_run(tmp_path_factory):
+    """4 steps at (tp=2, pp=2, dp=2, ZeRO-1), sharded checkpoints after steps 2 and 4."""
+    out = tmp_path_factory.mktemp("saved")
+    results, _ = launch("checkpoint_layouts.py", 8, out, json.dumps(SAVE))
+    return out, results[0]["losses"], torch.load(out / "weights.pt", weights_only=True)
+
+
+def test_each_rank_writes_its_own_shards_of_the_saved_weights(saved_run):
+    out, _, _ = saved_run
+    saved = open_sharded(out / STEP2)
+    assert saved.info["layout"]["tensor_parallel_size"] == 2 and saved.info["global_step"] == 2
+    files = {item.relative_path for item in saved.index.storage_data.values()}
+    assert len(files) == 8, files
+    qkv = saved.tensors()["state_dict/model.blocks.0.attn.qkv.weight"]
+    assert len(qkv.chunks) == 2  # one per tensor-parallel rank, written once although dp=2 holds two copies
+    expected = torch.load(out / "weights_step2.pt", weights_only=True)
+    consolidated = consolidated_state_dict(out / STEP2)
+    assert consolidated.keys() == expected.keys()
+    for name, value in expected.items():
+        assert torch.equal(consolidated[name], value), name
+
+
+LOADS = {  # (tp, pp, zero_stage): world size
+    (2, 2, 1): 8,  # the saving layout: exact
+    (1, 1, 0): 1,
+    (4, 1, 2): 8,
+    (1, 2, 1): 8,
+    (2, 1, 3): 2,
+}
+
+
+@pytest.mark.parametrize("layout", list(LOADS), ids=[f"tp{t}-pp{p}-zero{z}-world{LOADS[(t, p, z)]}" for t, p, z in LOADS])
+def test_resume_at_another_layout_continues_the_same_run(saved_run, layout, tmp_path):
+    out, straight_losses, straight_weights = saved_run
+    tp, pp, zero = layout
+    world = LOADS[layout]
+    options = {"tp": tp, "pp": pp, "zero_stage": zero, "steps": 4, "ckpt_path": str(out / STEP2)}
+    results, _ = launch("checkpoint_layouts.py", world, tmp_path, json.dumps(options))
+    assert all("error" not in r for r in results), results
+    losses = results[0]["losses"]
+    weights = torch.load(tmp_path / "weights.pt", weights_only=True)
+    if layout == (2, 2, 1):
+        assert losses == straight_losses[2:]
+        assert all(torch.equal(weights[k], straight_weights[k]) for k in straight_weights)
+    else:
+        assert losses == pytest.approx(straight_losses[2:], abs=1e-5)
+        worst = max((weights[k] - straight_weights[k]).abs().max().item() for k in straight_weights)
+        assert worst < 1e-5, f"weights deviate by {worst:.2e}"
+
+    # What each rank holds right after the restore (weights, optimizer state) is the checkpoint's, box by box,
+    # and together the ranks hold all of it.
+    saved = read_full_tensors(out / STEP2)
+    covered = {key: torch.zeros(value.shape, dtype=torch.bool) for key, value in saved.items()}
+    for rank in range(world):
+        for key, offsets, piece in torch.load(tmp_path / f"pieces{rank}.pt", weights_only=True):
+            region = tuple(slice(o, o + s) for o, s in zip(offsets, piece.shape))
+            assert torch.equal(piece, saved[key][region]), (rank, key, offsets)
+            covered[key][region] = True
+    optimizer_keys = [key for key in saved if key.startswith("optimizer/")]
+    assert any(key.endswith("/exp_avg_sq") for key in optimizer_keys)
+    assert all(covered[key].all() for key in covered), [key for key in covered if not covered[key].all()]
+
+
+def test_a_missing_shard_stops_every_rank_with_the_file_named(saved_run, tmp_path):
+    out, _, _ = saved_run
+    damaged = tmp_path / "damaged.ckpt"
+    shutil.copytree(out / STEP2, damaged)
+    (damaged / "__5_0.distcp").unlink()
+    options = {"tp": 2, "pp": 1, "zero_stage": 3, "steps": 4, "ckpt_path": str(damaged)}
+    results, _ = launch("checkpoint_layouts.py", 2, tmp_path / "run", json.dumps(options))
+    assert len(results) == 2
+    for result in results:  # no rank hangs in a collective waiting for one that gave up
+        assert "__5_0.distcp is missing" in result["error"], result

@@ -1,0 +1,71 @@
+"""Train under one layout, saving sharded checkpoints, or resume one saved under another layout.
+
+argv: OUT_DIR JSON_OPTIONS with tp, pp, zero_stage, steps and optionally save_every (steps between
+checkpoints, into OUT_DIR/checkpoints), ckpt_path (resume from it) and snapshot_step (gather the full
+weights after that step into weights_step{N}.pt). Rank r writes rank{r}.json (losses); after a resume
+it also writes pieces{r}.pt: every tensor it holds after the restore, as (key, global offsets, tensor)
+rows, for the test to compare with the checkpoint. Rank 0 writes the final full weights to weights.pt.
+A rank that fails to load writes {"error": ...} instead.
+"""
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import lightning as L
+import torch
+import torch.distributed as dist
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from trainer_setup import datamodule, model, trainer_kwargs
+from lightning_megatron import Megatron3DStrategy
+from lightning_megatron.checkpoint import entries
+
+out_dir, options = Path(sys.argv[1]), json.loads(sys.argv[2])
+rank = int(os.environ["RANK"])
+losses = []
+
+
+class Record(L.Callback):
+    def on_train_start(self, trainer, pl_module):
+        if not options.get("ckpt_path"):
+            return
+        training = trainer.strategy._rank_training()
+        placements = training.placements()
+        held = {**training.model_entries(), **entries.main_param_entries(training.main_params, placements)}
+        for index, optimizer in enumerate(training.optimizers):
+            held.update(entries.optimizer_entries(optimizer, index, placements))
+        rows = [(key, list(offsets), piece.clone()) for key, entry in held.items()
+                for offsets, piece in entry.pieces.items()]
+        torch.save(rows, out_dir / f"pieces{rank}.pt")
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        losses.append(float(trainer.strategy.reduce(outputs["loss"].detach(), reduce_op="mean")))  # the global batch's
+        if trainer.global_step == options.get("snapshot_step"):
+            weights = trainer.strategy.full_state_dict()
+            if rank == 0:
+                torch.save(weights, out_dir / f"weights_step{trainer.global_step}.pt")
+
+
+L.seed_everything(7)
+strategy = Megatron3DStrategy(tensor_parallel_size=options["tp"], pipeline_parallel_size=options["pp"],
+                              zero_stage=options["zero_stage"], bucket_size_mb=0.01)
+callbacks = [Record()]
+if options.get("save_every"):
+    callbacks.append(ModelCheckpoint(dirpath=out_dir / "checkpoints", every_n_train_steps=options["save_every"],
+                                     save_top_k=-1))
+kwargs = {**trainer_kwargs(options), "enable_checkpointing": bool(options.get("save_every")), "limit_val_batches": 0}
+trainer = L.Trainer(accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]), strategy=strategy, callbacks=callbacks,
+                    **kwargs)
+try:
+    trainer.fit(model(options), datamodule=datamodule(options), ckpt_path=options.get("ckpt_path"))
+except (OSError, RuntimeError, ValueError) as error:  # a damaged checkpoint: every rank must say so, none hang
+    (out_dir / f"rank{rank}.json").write_text(json.dumps({"error": f"{type(error).__name__}: {error}"}))
+    sys.exit(0)
+weights = trainer.strategy.full_state_dict()
+if rank == 0:
+    torch.save(weights, out_dir / "weights.pt")
+(out_dir / f"rank{rank}.json").write_text(json.dumps({"losses": losses, "global_step": trainer.global_step}))
+dist.barrier()
+os._exit(0)  # skip gloo's C++ teardown (see the other workers)
