@@ -20,6 +20,7 @@ clipping replaced by the global-norm version.
 from __future__ import annotations
 
 import contextlib
+from pathlib import Path
 from dataclasses import asdict
 from datetime import timedelta
 from typing import Any, Callable, Generator, Mapping, Optional, Union
@@ -56,7 +57,7 @@ from lightning_megatron.parallel.recompute import apply_activation_checkpointing
 from lightning_megatron.parallel.state import ParallelState
 from lightning_megatron.checkpoint.full import gather_full_state_dict, local_state_dict_from_full, merge_pipeline_stages
 from lightning_megatron.checkpoint.entries import optimizer_hyperparameters
-from lightning_megatron.checkpoint.sharded import SavedCheckpoint, is_sharded_checkpoint
+from lightning_megatron.checkpoint.sharded import BackgroundSaver, SavedCheckpoint, is_sharded_checkpoint
 from lightning_megatron.checkpoint.training_state import (
     LAYOUT_KEY,
     RankTraining,
@@ -103,6 +104,8 @@ class Megatron3DStrategy(ParallelStrategy):
             by global names, so it loads at any other layout; saved atomically. ``"full"``: one file
             with the weights gathered on rank 0 (optimizer state only where it is not sharded).
             Both kinds load whatever this is set to.
+        async_checkpoint: write sharded checkpoints in a background thread; training pauses only to
+            copy this rank's shards to CPU memory. The checkpoint appears under its name when complete.
 
     Example::
 
@@ -129,6 +132,7 @@ class Megatron3DStrategy(ParallelStrategy):
         bucket_size_mb: float = DEFAULT_BUCKET_SIZE_MB,
         pad_vocab_to_multiple_of: int = 128,
         checkpoint_format: str = "sharded",
+        async_checkpoint: bool = False,
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
         accelerator=None,
@@ -158,7 +162,10 @@ class Megatron3DStrategy(ParallelStrategy):
             raise ValueError(f"pad_vocab_to_multiple_of must be >= 1, got {pad_vocab_to_multiple_of}.")
         if checkpoint_format not in CHECKPOINT_FORMATS:
             raise ValueError(f"checkpoint_format={checkpoint_format!r} is not one of {CHECKPOINT_FORMATS}.")
+        if async_checkpoint and checkpoint_format != "sharded":
+            raise ValueError("async_checkpoint=True needs checkpoint_format='sharded'.")
         self.checkpoint_format = checkpoint_format
+        self._background_saver = BackgroundSaver() if async_checkpoint else None
         # Validate what can be validated before any process exists.
         ParallelConfig(
             tensor_parallel_size=tensor_parallel_size,
@@ -468,7 +475,7 @@ class Megatron3DStrategy(ParallelStrategy):
             raise RuntimeError(
                 f"Under pipeline_parallel_size={layout.pipeline_parallel_size} each rank holds only some stages of "
                 f"{type(root).__name__}, so forward() (and predict) cannot run; call the model's loss(...), which "
-                f"runs the pipeline schedule, or gather the weights (lightning_module_state_dict) into one process."
+                f"runs the pipeline schedule, or gather the weights (strategy.full_state_dict()) into one process."
             )
 
         root.forward = forward_needs_the_whole_model
@@ -641,6 +648,8 @@ class Megatron3DStrategy(ParallelStrategy):
         super().on_exception(exception)
 
     def teardown(self) -> None:
+        if self._background_saver is not None:  # the last checkpoint must be complete before the process ends
+            self._background_saver.wait(together=not getattr(self, "_failed", False))
         if _distributed_is_initialized() and not getattr(self, "_failed", False):
             # Leave together: a process exiting while a peer's gloo threads still talk to it can abort.
             dist.barrier()
@@ -696,12 +705,19 @@ class Megatron3DStrategy(ParallelStrategy):
         info = {"model": f"{type(module).__module__}.{type(module).__qualname__}",
                 "global_step": checkpoint.get("global_step"), "epoch": checkpoint.get("epoch"),
                 "precision": str(getattr(self.precision_plugin, "precision", "32-true"))}
-        save_training_state(filepath, checkpoint, self._rank_training(), info)
+        save_training_state(filepath, checkpoint, self._rank_training(), info, saver=self._background_saver)
+
+    def remove_checkpoint(self, filepath) -> None:
+        if self._background_saver is not None and self._background_saver.pending == Path(filepath):
+            self._background_saver.wait()  # else the rename would bring it back after its removal
+        super().remove_checkpoint(filepath)
 
     def load_checkpoint(self, checkpoint_path, weights_only: Optional[bool] = None) -> dict[str, Any]:
         """A sharded checkpoint directory is read straight into this rank's shards (any saving layout);
         a single file goes through Lightning's loader and ``load_model_state_dict``."""
         self._sharded_checkpoint = None
+        if self._background_saver is not None:
+            self._background_saver.wait()
         if not is_sharded_checkpoint(checkpoint_path):
             return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         saved, checkpoint = load_model_state(checkpoint_path, self._rank_training())

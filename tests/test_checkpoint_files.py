@@ -1,10 +1,10 @@
 """Sharded checkpoints in one process: exact resume, atomic saves, damaged files, the checkpoint command."""
 
-import json
 import shutil
 import signal
 import subprocess
 import sys
+import threading
 
 import lightning as L
 import pytest
@@ -14,7 +14,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from launch import WORKERS, child_env
 from workers.trainer_setup import datamodule, model, trainer_kwargs
 from lightning_megatron import Megatron3DStrategy
-from lightning_megatron.checkpoint import consolidated_state_dict, open_sharded
+from lightning_megatron.checkpoint import consolidated_state_dict, open_sharded, sharded
 from lightning_megatron.cli import main as cli_main
 from lightning_megatron.models import BERT, GPT, BERTConfig, GPTConfig
 
@@ -27,14 +27,16 @@ class RecordLosses(L.Callback):
         self.losses.append(float(outputs["loss"]))
 
 
-def fit(root, steps, *, ckpt_path=None, precision="32-true", options=None, save_every=None, module=None):
+def fit(root, steps, *, ckpt_path=None, precision="32-true", options=None, save_every=None, module=None,
+        callbacks=(), **strategy_kwargs):
     L.seed_everything(7)
     record = RecordLosses()
-    callbacks = [record]
+    callbacks = [record, *callbacks]
     if save_every:
         callbacks.append(ModelCheckpoint(dirpath=root, every_n_train_steps=save_every, save_top_k=-1))
-    kwargs = {**trainer_kwargs({"steps": steps}), "enable_checkpointing": bool(save_every), "limit_val_batches": 0}
-    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=Megatron3DStrategy(), precision=precision,
+    checkpointing = bool(save_every) or any(isinstance(c, ModelCheckpoint) for c in callbacks)
+    kwargs = {**trainer_kwargs({"steps": steps}), "enable_checkpointing": checkpointing, "limit_val_batches": 0}
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=Megatron3DStrategy(**strategy_kwargs), precision=precision,
                         callbacks=callbacks, default_root_dir=root, **kwargs)
     trainer.fit(module or model(options or {}), datamodule=datamodule({}), ckpt_path=ckpt_path)
     return trainer, record.losses
@@ -63,6 +65,18 @@ def test_bf16_run_resumes_exactly_with_its_fp32_main_parameters(tmp_path):
         assert torch.equal(value, resumed.lightning_module.state_dict()[name]), name
 
 
+def test_top_k_removal_and_resume_from_last(tmp_path):
+    keep_one = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_top_k=1, monitor="step", mode="max",
+                               save_last=True)
+    fit(tmp_path, 6, callbacks=[keep_one])
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.endswith(".ckpt")) == ["epoch=0-step=6.ckpt", "last.ckpt"]
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=Megatron3DStrategy(), default_root_dir=tmp_path,
+                        callbacks=[ModelCheckpoint(dirpath=tmp_path, save_last=True)],
+                        **{**trainer_kwargs({"steps": 7}), "enable_checkpointing": True, "limit_val_batches": 0})
+    trainer.fit(model({}), datamodule=datamodule({}), ckpt_path="last")
+    assert trainer.global_step == 7
+
+
 def test_a_save_killed_midway_leaves_the_previous_checkpoint_loadable(tmp_path):
     result = subprocess.run([sys.executable, str(WORKERS / "save_then_crash.py"), str(tmp_path / "ckpts")],
                             env=child_env(PYTHONPATH=f"{WORKERS}:{WORKERS.parent.parent}"), cwd=tmp_path,
@@ -78,6 +92,31 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint_loadable(tmp_path):
     trainer.save_checkpoint(directory / "epoch=0-step=4.ckpt")
     assert not (directory / ".epoch=0-step=4.ckpt.partial").exists()
     assert open_sharded(directory / "epoch=0-step=4.ckpt").info["global_step"] == 3
+
+
+def test_async_checkpoints_are_written_while_training_goes_on(tmp_path, monkeypatch):
+    release, seen = threading.Event(), {}
+    write_tensors = sharded.write_tensors
+
+    def write_when_released(*args, **kwargs):
+        assert release.wait(timeout=120)
+        write_tensors(*args, **kwargs)
+
+    class LookWhileTheSaveIsInFlight(L.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if batch_idx == 3:  # the save after step 2 is still blocked in its thread
+                seen["partial"] = (tmp_path / "async" / ".epoch=0-step=2.ckpt.partial").is_dir()
+                seen["complete"] = (tmp_path / "async" / "epoch=0-step=2.ckpt").exists()
+                release.set()
+
+    monkeypatch.setattr(sharded, "write_tensors", write_when_released)
+    _, losses = fit(tmp_path / "async", 4, save_every=2, async_checkpoint=True,
+                    callbacks=[LookWhileTheSaveIsInFlight()])
+    assert seen == {"partial": True, "complete": False}
+    monkeypatch.setattr(sharded, "write_tensors", write_tensors)
+    assert open_sharded(tmp_path / "async" / "epoch=0-step=4.ckpt").info["global_step"] == 4  # complete at teardown
+    _, resumed = fit(tmp_path / "resumed", 4, ckpt_path=tmp_path / "async" / "epoch=0-step=2.ckpt")
+    assert resumed == losses[2:]
 
 
 def damaged_copy(checkpoint, tmp_path, damage):

@@ -122,7 +122,7 @@ def test_state_dicts_that_cannot_convert_raise(hf_model):
     ours = gpt_state_dict_from_hf(hf_model.state_dict(), config)
     shard = dict(ours, **{"blocks.0.attn.qkv.weight": ours["blocks.0.attn.qkv.weight"][:96]})  # one rank's half at tp=2
     with pytest.raises(ValueError, match=r"wrong shape: blocks\.0\.attn\.qkv\.weight \(96, 64\) \(expected \(192, 64\)\)"
-                                         r"(.|\n)*lightning_module_state_dict"):
+                                         r"(.|\n)*full_state_dict"):
         hf_state_dict_from_gpt(shard, config)
     stage = {name: value for name, value in ours.items() if not name.startswith("blocks.1.")}  # one pipeline stage
     with pytest.raises(ValueError, match=r"missing: blocks\.1\.attn\.proj\.bias"):

@@ -12,7 +12,7 @@ from lightning_megatron.checkpoint import consolidated_state_dict, open_sharded,
 from lightning_megatron.checkpoint.pieces import Placement, flat_range_boxes
 from lightning_megatron.tensor_parallel.sharding import TensorShard
 
-SAVE = {"tp": 2, "pp": 2, "zero_stage": 1, "steps": 4, "save_every": 2, "snapshot_step": 2}
+SAVE = {"tp": 2, "pp": 2, "zero_stage": 1, "layers": 4, "steps": 4, "save_every": 2, "snapshot_step": 2, "async": True}
 STEP2 = "checkpoints/epoch=0-step=2.ckpt"
 
 
@@ -48,7 +48,7 @@ def test_placement_offsets_tensor_parallel_shards_and_drops_vocab_padding():
 
 @pytest.fixture(scope="module")
 def saved_run(tmp_path_factory):
-    """4 steps at (tp=2, pp=2, dp=2, ZeRO-1), sharded checkpoints after steps 2 and 4."""
+    """4 steps at (tp=2, pp=2, dp=2, ZeRO-1), sharded checkpoints after steps 2 and 4, written in the background."""
     out = tmp_path_factory.mktemp("saved")
     results, _ = launch("checkpoint_layouts.py", 8, out, json.dumps(SAVE))
     return out, results[0]["losses"], torch.load(out / "weights.pt", weights_only=True)
@@ -69,26 +69,26 @@ def test_each_rank_writes_its_own_shards_of_the_saved_weights(saved_run):
         assert torch.equal(consolidated[name], value), name
 
 
-LOADS = {  # (tp, pp, zero_stage): world size
-    (2, 2, 1): 8,  # the saving layout: exact
-    (1, 1, 0): 1,
-    (4, 1, 2): 8,
-    (1, 2, 1): 8,
-    (2, 1, 3): 2,
+LOADS = {  # (tp, pp, virtual pp, zero_stage): world size
+    (2, 2, 1, 1): 8,  # the saving layout: exact
+    (1, 1, 1, 0): 1,
+    (4, 1, 1, 2): 8,
+    (1, 2, 2, 1): 8,  # interleaved: each rank holds layers 0 and 2 or 1 and 3
+    (2, 1, 1, 3): 2,
 }
 
 
-@pytest.mark.parametrize("layout", list(LOADS), ids=[f"tp{t}-pp{p}-zero{z}-world{LOADS[(t, p, z)]}" for t, p, z in LOADS])
+@pytest.mark.parametrize("layout", list(LOADS), ids=[f"tp{t}-pp{p}-vpp{v}-zero{z}" for t, p, v, z in LOADS])
 def test_resume_at_another_layout_continues_the_same_run(saved_run, layout, tmp_path):
     out, straight_losses, straight_weights = saved_run
-    tp, pp, zero = layout
+    tp, pp, vpp, zero = layout
     world = LOADS[layout]
-    options = {"tp": tp, "pp": pp, "zero_stage": zero, "steps": 4, "ckpt_path": str(out / STEP2)}
+    options = {"tp": tp, "pp": pp, "vpp": vpp, "zero_stage": zero, "layers": 4, "steps": 4, "ckpt_path": str(out / STEP2)}
     results, _ = launch("checkpoint_layouts.py", world, tmp_path, json.dumps(options))
     assert all("error" not in r for r in results), results
     losses = results[0]["losses"]
     weights = torch.load(tmp_path / "weights.pt", weights_only=True)
-    if layout == (2, 2, 1):
+    if layout == (2, 2, 1, 1):
         assert losses == straight_losses[2:]
         assert all(torch.equal(weights[k], straight_weights[k]) for k in straight_weights)
     else:
@@ -115,7 +115,7 @@ def test_a_missing_shard_stops_every_rank_with_the_file_named(saved_run, tmp_pat
     damaged = tmp_path / "damaged.ckpt"
     shutil.copytree(out / STEP2, damaged)
     (damaged / "__5_0.distcp").unlink()
-    options = {"tp": 2, "pp": 1, "zero_stage": 3, "steps": 4, "ckpt_path": str(damaged)}
+    options = {"tp": 2, "pp": 1, "zero_stage": 3, "layers": 4, "steps": 4, "ckpt_path": str(damaged)}
     results, _ = launch("checkpoint_layouts.py", 2, tmp_path / "run", json.dumps(options))
     assert len(results) == 2
     for result in results:  # no rank hangs in a collective waiting for one that gave up

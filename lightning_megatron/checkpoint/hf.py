@@ -2,7 +2,7 @@
 
 The core is two pure functions on full (unsharded) state dicts and two on configs; under
 tensor or pipeline parallelism, gather the full state dict first
-(``Megatron3DStrategy.lightning_module_state_dict()``) and convert that. The tensors differ
+(``Megatron3DStrategy.full_state_dict()``) and convert that. The tensors differ
 in two ways only: Hugging Face's ``Conv1D`` stores weights as ``[in, out]`` (ours are
 ``nn.Linear``'s ``[out, in]``), and its fused ``c_attn`` output is ``[q; k; v]`` while ours is
 head-major ``[head, (q, k, v), head_dim]`` so that a column split hands each rank whole heads.
@@ -199,7 +199,7 @@ def hf_state_dict_from_gpt(full_state_dict: Mapping[str, Tensor], config: GPTCon
     check_names_and_shapes(
         full_state_dict, state_dict_shapes(GPTModel, config), what="The GPT state dict",
         fix="Pass the full, unsharded state dict of a GPTModel with this config: under tensor or pipeline parallelism, "
-            "gather it on every rank with Megatron3DStrategy.lightning_module_state_dict() and convert it on one.",
+            "gather it on every rank with Megatron3DStrategy.full_state_dict() and convert it on one.",
     )
     check_tied(full_state_dict, "lm_head.weight", "embedding.wte.weight", what="The GPT state dict", why=TIED_WHY)
     hf = {theirs: _to_hf(full_state_dict[ours], change, config.num_heads) for ours, (theirs, change) in _name_map(config).items()}

@@ -3,7 +3,7 @@
 Like ``hf.py`` for GPT-2: two pure functions on full (unsharded) state dicts, two on configs,
 and directory reading and writing through ``hf_io.py`` (``safetensors`` only, never
 ``transformers``). Under tensor or pipeline parallelism, gather the full state dict first
-(``Megatron3DStrategy.lightning_module_state_dict()``) and convert that.
+(``Megatron3DStrategy.full_state_dict()``) and convert that.
 
 Hugging Face's BERT is the original post-norm BERT, so only ``BERTConfig(norm_position="post")``
 converts; our default pre-norm BERT (Megatron-LM's) has no Hugging Face equivalent. The tensors
@@ -216,7 +216,7 @@ def hf_state_dict_from_bert(full_state_dict: Mapping[str, Tensor], config: BERTC
     check_names_and_shapes(
         full_state_dict, state_dict_shapes(BERTModel, config), what="The BERT state dict",
         fix="Pass the full, unsharded state dict of a BERTModel with this config: under tensor or pipeline parallelism, "
-            "gather it on every rank with Megatron3DStrategy.lightning_module_state_dict() and convert it on one.",
+            "gather it on every rank with Megatron3DStrategy.full_state_dict() and convert it on one.",
     )
     check_tied(full_state_dict, "mlm_head.decoder.weight", "embeddings.word_embeddings.weight", what="The BERT state dict",
                why=TIED_WHY)

@@ -118,6 +118,13 @@ class ShardedEntry:
     def size(self) -> torch.Size:
         return self.global_shape
 
+    def to_cpu(self) -> "ShardedEntry":
+        """A copy of the boxes in CPU memory, for writing while the originals change."""
+        copy = object.__new__(ShardedEntry)
+        copy.global_shape, copy.properties = self.global_shape, self.properties
+        copy.pieces = {offsets: piece.to("cpu", copy=True) for offsets, piece in self.pieces.items()}
+        return copy
+
     def piece_at(self, offsets) -> Tensor:
         return self.pieces[tuple(offsets)]
 

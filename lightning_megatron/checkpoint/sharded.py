@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import threading
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -117,9 +118,13 @@ def write_tensors(partial: Path, tensors: Entries, *, process_group: Optional[di
                  process_group=process_group, no_dist=not dist.is_initialized())
 
 
-def finish_save(partial: Path, path: PathLike, trainer_state: Mapping[str, Any], info: Mapping[str, Any]) -> None:
-    """Rank zero only, after every rank's tensors are on disk: the small files, then the rename into place."""
+def write_trainer_state(partial: Path, trainer_state: Mapping[str, Any]) -> None:
+    """Rank zero only."""
     torch.save(dict(trainer_state), partial / TRAINER_STATE_FILE)
+
+
+def finish_save(partial: Path, path: PathLike, info: Mapping[str, Any]) -> None:
+    """Rank zero only, after every rank's tensors are on disk: the info file, then the rename into place."""
     info_file = partial / INFO_FILE
     with open(info_file, "w") as out:
         json.dump({"format": FORMAT, "format_version": FORMAT_VERSION, **info}, out, indent=2, default=str)
@@ -136,10 +141,65 @@ def finish_save(partial: Path, path: PathLike, trainer_state: Mapping[str, Any],
 def save_sharded(path: PathLike, tensors: Entries, trainer_state: Mapping[str, Any], info: Mapping[str, Any]) -> None:
     """Collective over the world: write a sharded checkpoint directory atomically."""
     partial = start_save(path)
+    if _is_rank_zero():
+        write_trainer_state(partial, trainer_state)
     write_tensors(partial, tensors)
     if _is_rank_zero():
-        finish_save(partial, path, trainer_state, info)
+        finish_save(partial, path, info)
     _barrier()
+
+
+class BackgroundSaver:
+    """Writes sharded checkpoints in a background thread while training goes on.
+
+    ``save`` copies this rank's boxes to CPU memory (the only pause training sees), then a thread
+    writes them over a process group of its own (the training's collectives keep the default
+    one) and rank zero renames the directory into place once every rank's data is down. One
+    save is in flight at a time: the next ``save``, ``wait`` or teardown waits for it.
+    """
+
+    def __init__(self) -> None:
+        self._thread: Optional[threading.Thread] = None
+        self._error: Optional[BaseException] = None
+        self._group: Optional[dist.ProcessGroup] = None
+        self.pending: Optional[Path] = None
+
+    def save(self, path: PathLike, tensors: Entries, trainer_state: Mapping[str, Any], info: Mapping[str, Any]) -> None:
+        """Collective over the world (returns once the copies are made)."""
+        self.wait()
+        if self._group is None and dist.is_initialized():
+            self._group = dist.new_group(backend="gloo")  # CPU copies: gloo, whatever the training backend
+        partial = start_save(path)
+        if _is_rank_zero():
+            write_trainer_state(partial, trainer_state)  # now: Lightning's dict refers to live objects
+        staged = {name: value.to_cpu() if isinstance(value, ShardedEntry) else value.detach().to("cpu", copy=True)
+                  for name, value in tensors.items()}
+
+        def write() -> None:
+            try:
+                write_tensors(partial, staged, process_group=self._group)
+                if _is_rank_zero():
+                    finish_save(partial, path, info)
+            except BaseException as error:  # re-raised by wait() in the training thread
+                self._error = error
+
+        self.pending = Path(path)
+        self._thread = threading.Thread(target=write, name=f"save {Path(path).name}", daemon=True)
+        self._thread.start()
+
+    def wait(self, *, together: bool = True) -> None:
+        """Block until the save in flight is complete (renamed into place on every rank's view when
+        ``together``: a collective; pass False when another rank may have failed)."""
+        if self._thread is None:
+            return
+        self._thread.join()
+        self._thread, pending = None, self.pending
+        self.pending = None
+        if together and dist.is_initialized():
+            dist.barrier(group=self._group)
+        error, self._error = self._error, None
+        if error is not None:
+            raise RuntimeError(f"Saving checkpoint {pending} in the background failed: {error}") from error
 
 
 def is_sharded_checkpoint(path: PathLike) -> bool:

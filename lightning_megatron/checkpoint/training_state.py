@@ -20,6 +20,7 @@ from torch.optim import Optimizer
 
 from lightning_megatron.checkpoint import entries as E
 from lightning_megatron.checkpoint.sharded import (
+    BackgroundSaver,
     SavedCheckpoint,
     check_compatible,
     open_sharded,
@@ -70,9 +71,11 @@ def _set_rng_state(state: dict[str, Any], rng: Optional[TensorParallelRNG]) -> N
         rng.set_state(state["tensor_parallel"])
 
 
-def save_training_state(path, checkpoint: dict[str, Any], training: RankTraining, info: dict[str, Any]) -> None:
+def save_training_state(path, checkpoint: dict[str, Any], training: RankTraining, info: dict[str, Any], *,
+                        saver: Optional[BackgroundSaver] = None) -> None:
     """Collective. ``checkpoint`` is Lightning's dict (its ``state_dict`` and ``optimizer_states`` as the
-    strategy returned them: empty and hyper-parameters only); the tensors come from ``training`` itself."""
+    strategy returned them: empty and hyper-parameters only); the tensors come from ``training`` itself.
+    With a ``saver`` the files are written in the background."""
     checkpoint.pop("state_dict", None)
     placements = training.placements()
     tensors = training.model_entries()
@@ -89,7 +92,8 @@ def save_training_state(path, checkpoint: dict[str, Any], training: RankTraining
                                 for group in range(len(hyper["param_names"]))]
     layout = asdict(training.state.config)
     trainer_state = {**checkpoint, LAYOUT_KEY: layout, RNG_KEY: rng_states}
-    save_sharded(path, tensors, trainer_state, {**info, "layout": layout, "world_size": len(rng_states)})
+    save = saver.save if saver is not None else save_sharded
+    save(path, tensors, trainer_state, {**info, "layout": layout, "world_size": len(rng_states)})
 
 
 def _all_gather(value: Any) -> list:

@@ -377,7 +377,7 @@ class BERT(PretrainingRecipe):
 
         Under tensor or pipeline parallelism this module holds shards: gather on every rank, write on one::
 
-            state_dict = trainer.strategy.lightning_module_state_dict()
+            state_dict = trainer.strategy.full_state_dict()
             if trainer.is_global_zero:
                 model.to_hf("exported", state_dict=state_dict)
         """
