@@ -96,6 +96,9 @@ def test_resume_at_another_layout_continues_the_same_run(saved_run, layout, tmp_
         worst = max((weights[k] - straight_weights[k]).abs().max().item() for k in straight_weights)
         assert worst < 1e-5, f"weights deviate by {worst:.2e}"
 
+    final = consolidated_state_dict(tmp_path / "final.ckpt")  # and this layout saves what it holds
+    assert final.keys() == weights.keys() and all(torch.equal(final[k], weights[k]) for k in weights)
+
     # What each rank holds right after the restore (weights, optimizer state) is the checkpoint's, box by box,
     # and together the ranks hold all of it.
     saved = read_full_tensors(out / STEP2)

@@ -6,7 +6,8 @@ checkpoints, into OUT_DIR/checkpoints), ckpt_path (resume from it) and snapshot_
 weights after that step into weights_step{N}.pt). Rank r writes rank{r}.json (losses); after a resume
 it also writes pieces{r}.pt: every tensor it holds after the restore, as (key, global offsets, tensor)
 rows, for the test to compare with the checkpoint. Rank 0 writes the final full weights to weights.pt.
-A rank that fails to load writes {"error": ...} instead.
+After a resume the final state is also saved to final.ckpt. A rank that fails to load writes
+{"error": ...} instead.
 """
 
 import json
@@ -70,6 +71,8 @@ except (OSError, RuntimeError, ValueError) as error:  # a damaged checkpoint: ev
 weights = trainer.strategy.full_state_dict()
 if rank == 0:
     torch.save(weights, out_dir / "weights.pt")
+if options.get("ckpt_path"):  # saving works at this layout too
+    trainer.save_checkpoint(out_dir / "final.ckpt")
 (out_dir / f"rank{rank}.json").write_text(json.dumps({"losses": losses, "global_step": trainer.global_step}))
 dist.barrier()
 os._exit(0)  # skip gloo's C++ teardown (see the other workers)
