@@ -38,22 +38,19 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 from torch import Tensor
 from torch.optim import Optimizer
-from torch.distributed.fsdp import MixedPrecisionPolicy
 from torchmetrics import Metric
 
 from lightning_megatron.optim.clip import clip_grads_by_global_norm
 from lightning_megatron.optim.grad_sync import DEFAULT_BUCKET_SIZE_MB, GradientSynchronizer, LocalGradients
 from lightning_megatron.optim.loss_scaler import DynamicLossScaler
 from lightning_megatron.optim.step import StepGradients
-from lightning_megatron.optim.zero3 import ZeRO3, apply_zero3
-from lightning_megatron.optim.zero3 import gather_full_state_dict as gather_zero3_state_dict
+from lightning_megatron.optim.zero3 import ZeRO3
 from lightning_megatron.optim.zero3 import load_full_state_dict as load_zero3_state_dict
 from lightning_megatron.optim.main_params import MainParamOptimizer, model_state_bytes, uses_main_params
 from lightning_megatron.parallel.config import ParallelConfig
 from lightning_megatron.parallel.initialize import initialize_parameters
 from lightning_megatron.parallel.random import TensorParallelRNG
 from lightning_megatron.parallel.recompute import MODES as RECOMPUTE_MODES
-from lightning_megatron.parallel.recompute import apply_activation_checkpointing
 from lightning_megatron.parallel.state import ParallelState
 from lightning_megatron.checkpoint.full import gather_full_state_dict, local_state_dict_from_full, merge_pipeline_stages
 from lightning_megatron.checkpoint.entries import optimizer_hyperparameters
@@ -65,10 +62,10 @@ from lightning_megatron.checkpoint.training_state import (
     load_optimizer_state,
     save_training_state,
 )
-from lightning_megatron.pipeline.layout import PipelineLayout, check_schedule
+from lightning_megatron.pipeline.layout import check_schedule
 from lightning_megatron.pipeline.runner import PipelineRunner
-from lightning_megatron.pipeline.stage import split_for_pipeline
 from lightning_megatron.pipeline.timeline import TimelineRecorder
+from lightning_megatron.preparation import PipelineSplit, apply_recompute, shard_zero3, split_pipeline
 from lightning_megatron.tensor_parallel.plan import parallelize
 
 CHECKPOINT_FORMATS = ("sharded", "full")
@@ -319,45 +316,21 @@ class Megatron3DStrategy(ParallelStrategy):
         """Split the model for this layout, once: tp plan, recomputation, pipeline stages, local shards."""
         plan = module.tensor_parallel_plan() if hasattr(module, "tensor_parallel_plan") else {}
         parallelize(module, plan, self.parallel_state, rng=self._rng, pad_vocab_to_multiple_of=self.pad_vocab_to_multiple_of)
-        self._apply_activation_checkpointing(module)
-        stage_modules = self._split_pipeline_stages(module)
+        apply_recompute(module, self.activation_checkpointing, self._rng)
+        split = split_pipeline(module, self.parallel_state)
         if self.parallel_config.zero_stage == 3:
             # Already on the device; no .to(): FSDP would replace the sharded parameters and drop their tags.
-            self._zero3 = self._shard_parameters(module)
+            precision = getattr(self.precision_plugin, "precision", "32-true")
+            self._zero3 = shard_zero3(module, self.parallel_state, precision=precision, seed=self._seed,
+                                      device=self.root_device)
             self.model = module  # fp32 shards stay: the FSDP policy casts for compute
         else:
             if any(p.is_meta for p in module.parameters()):
                 initialize_parameters(module, self._seed, device=self.root_device, only_meta=True)
             self.model = self.precision_plugin.convert_module(module)
             self.model_to_device()
-        if stage_modules:
-            self._start_pipeline(module, stage_modules, trainer)
-
-    def _shard_parameters(self, module) -> ZeRO3:
-        """ZeRO-3: FSDP2 over dp, one group per transformer layer (the model's ``pipeline_blocks`` layers)."""
-        precision = getattr(self.precision_plugin, "precision", "32-true")
-        if precision not in ("32-true", "bf16-true", "bf16-mixed"):
-            raise ValueError(
-                f"zero_stage=3 supports precision '32-true', 'bf16-true' and 'bf16-mixed', not {precision!r}; "
-                f"use zero_stage=2 for fp16."
-            )
-        if not hasattr(module, "pipeline_blocks"):
-            raise TypeError(f"zero_stage=3 needs {type(module).__name__} to define pipeline_blocks(), "
-                            f"which names the layers to shard one by one.")
-        blocks = module.pipeline_blocks()
-        root = module.get_submodule(blocks.root) if blocks.root else module
-        other_groups = None
-        if self.parallel_config.pipeline_parallel_size > 1:  # stages call root.embed/head: no root forward hook
-            other_groups = [name for name in (*blocks.first, *blocks.last)
-                            if getattr(root, name.split(".")[-1], None) is not None]
-        mixed = None
-        if precision == "bf16-true":  # fp32 sharded params are the main params; compute in bf16
-            mixed = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        root.to(torch.float32)
-        zero3 = apply_zero3(root, self.parallel_state, layers_pattern=f"{blocks.layers}.*", other_groups=other_groups,
-                            mixed_precision=mixed)
-        zero3.initialize(self._seed, self.root_device)
-        return zero3
+        if split is not None:
+            self._start_pipeline(split, trainer)
 
     def _build_step_gradients(self, module) -> StepGradients:
         params = [p for p in module.parameters() if p.requires_grad]
@@ -415,51 +388,13 @@ class Megatron3DStrategy(ParallelStrategy):
         grad_scaler = getattr(self.precision_plugin, "scaler", None)
         return float(grad_scaler.get_scale()) if grad_scaler is not None else 1.0
 
-    def _apply_activation_checkpointing(self, module) -> None:
-        """After the tensor-parallel swaps (a swapped layer would lose the wrapper), before the pipeline
-        split (so every rank matches all layers and fails alike)."""
-        if self.activation_checkpointing == "none":
-            return
-        if not hasattr(module, "pipeline_blocks"):
-            raise TypeError(
-                f"activation_checkpointing={self.activation_checkpointing!r} needs {type(module).__name__} to define "
-                f"pipeline_blocks(), which names its transformer layers."
-            )
-        blocks = module.pipeline_blocks()
-        pattern = f"{blocks.root}.{blocks.layers}.*" if blocks.root else f"{blocks.layers}.*"
-        apply_activation_checkpointing(module, mode=self.activation_checkpointing, layer_pattern=pattern, rng=self._rng)
-
-    def _split_pipeline_stages(self, module) -> list:
-        """Keep only this rank's pipeline stages of the model (before anything is materialised)."""
-        config = self.parallel_config
-        if config.pipeline_parallel_size == 1:
-            return []
-        if not hasattr(module, "pipeline_blocks"):
-            raise TypeError(
-                f"pipeline_parallel_size={config.pipeline_parallel_size} needs {type(module).__name__} to define "
-                f"pipeline_blocks() (see lightning_megatron.pipeline.PipelineBlocks)."
-            )
-        blocks = module.pipeline_blocks()
-        root = module.get_submodule(blocks.root) if blocks.root else module
-        layout = PipelineLayout(
-            num_layers=len(root.get_submodule(blocks.layers)),
-            pipeline_parallel_size=config.pipeline_parallel_size,
-            virtual_pipeline_size=config.virtual_pipeline_size,
-            layers_per_stage=config.pipeline_layers_per_stage,
-        )
-        self._pipeline_layout, self._pipeline_blocks = layout, blocks
-        local_stages = layout.stages_of_rank(self.parallel_state.pipeline_parallel_rank)
-        return split_for_pipeline(root, blocks, layout.stage_layers(), local_stages)
-
-    def _start_pipeline(self, module, stage_modules: list, trainer: "L.Trainer") -> None:
-        blocks, layout = self._pipeline_blocks, self._pipeline_layout
-        root = module.get_submodule(blocks.root) if blocks.root else module
+    def _start_pipeline(self, split: PipelineSplit, trainer: "L.Trainer") -> None:
+        layout, root = split.layout, split.root
         state = self.parallel_state
         self.pipeline_recorder = TimelineRecorder(state.pipeline_parallel_rank)
-        local_stages = layout.stages_of_rank(state.pipeline_parallel_rank)
         self._pipeline = PipelineRunner(
-            stage_modules,
-            local_stages,
+            split.stage_modules,
+            split.local_stages,
             num_stages=layout.num_stages,
             group=state.pipeline_parallel_group,
             device=self.root_device,
@@ -673,8 +608,7 @@ class Megatron3DStrategy(ParallelStrategy):
         state = self.parallel_state
         if self._zero3 is not None:
             self._zero3.retag()  # Lightning's teardown moves the module to the CPU, and FSDP drops our tags
-        gather = gather_zero3_state_dict if self._zero3 is not None else gather_full_state_dict
-        full = gather(self.lightning_module, state.tensor_parallel_group)
+        full = gather_full_state_dict(self.lightning_module, state.tensor_parallel_group)
         return merge_pipeline_stages(full, state.pipeline_parallel_group)
 
     def lightning_module_state_dict(self) -> dict[str, Any]:

@@ -10,13 +10,15 @@ import lightning as L
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
+from safetensors.torch import load_file
 
 from launch import WORKERS, child_env
 from workers.trainer_setup import datamodule, model, trainer_kwargs
 from lightning_megatron import Megatron3DStrategy
 from lightning_megatron.checkpoint import consolidated_state_dict, open_sharded, sharded
 from lightning_megatron.cli import main as cli_main
-from lightning_megatron.models import BERT, GPT, BERTConfig, GPTConfig
+from lightning_megatron.data import BERTDataModule
+from lightning_megatron.models import BERT, GPT, BERTConfig
 
 
 class RecordLosses(L.Callback):
@@ -154,8 +156,6 @@ def test_a_checkpoint_of_another_model_is_refused(checkpoint, tmp_path):
     bert = BERT(BERTConfig(vocab_size=261, max_seq_length=32, hidden_size=32, num_layers=2, num_heads=4))
     trainer = L.Trainer(accelerator="cpu", devices=1, strategy=Megatron3DStrategy(), logger=False,
                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=1)
-    from lightning_megatron.data import BERTDataModule
-
     with pytest.raises(RuntimeError, match=r"has no model tensor 'state_dict/model\.embeddings.*lightning_megatron\.models\.gpt\.GPT"):
         trainer.validate(bert, datamodule=BERTDataModule(seq_length=32, global_batch_size=4), ckpt_path=checkpoint)
 
@@ -173,8 +173,6 @@ def test_checkpoint_command_inspects_and_consolidates(checkpoint, tmp_path, caps
     assert "global_step=2" in shown and "tensor_parallel_size=1" in shown
     assert "model.embedding.wte.weight  (257, 32)  float32" in shown and "/exp_avg_sq" in shown
     cli_main(["checkpoint", "consolidate", str(checkpoint), str(tmp_path / "model.safetensors")])
-    from safetensors.torch import load_file
-
     consolidated = load_file(tmp_path / "model.safetensors")
     assert consolidated.keys() == consolidated_state_dict(checkpoint).keys()
     gpt = model({})
@@ -183,6 +181,13 @@ def test_checkpoint_command_inspects_and_consolidates(checkpoint, tmp_path, caps
     with pytest.raises(SystemExit):
         cli_main(["checkpoint", "consolidate", str(checkpoint), str(tmp_path / "model.bin")])
     assert "must end in .safetensors or .pt" in capsys.readouterr().err
+
+
+def test_load_from_checkpoint_reads_a_sharded_directory(checkpoint):
+    loaded = GPT.load_from_checkpoint(checkpoint, learning_rate=1e-4)
+    assert loaded.hparams.learning_rate == 1e-4 and loaded.config.hidden_size == 32  # saved config, new recipe
+    for name, value in consolidated_state_dict(checkpoint).items():
+        assert torch.equal(loaded.state_dict()[name], value), name
 
 
 def test_checkpoint_command_converts_to_and_from_hugging_face(checkpoint, tmp_path):

@@ -5,7 +5,6 @@ import subprocess
 from pathlib import Path
 
 import pytest
-import torch
 
 from launch import child_env
 from lightning_megatron.checkpoint import consolidated_state_dict, open_sharded

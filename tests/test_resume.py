@@ -4,7 +4,6 @@ import json
 import lightning as L
 from lightning.pytorch.callbacks import ModelCheckpoint
 import pytest
-import torch
 
 from lightning_megatron import Megatron3DStrategy
 from lightning_megatron.cli import main as cli_main

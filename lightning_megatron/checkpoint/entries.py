@@ -26,6 +26,7 @@ from torch.optim import Optimizer
 from lightning_megatron.checkpoint.pieces import Placement, ShardedEntry
 from lightning_megatron.optim.main_params import MainParamOptimizer
 from lightning_megatron.optim.zero3 import dp_chunk_start
+from lightning_megatron.parallel.initialize import original_name
 from lightning_megatron.tensor_parallel.sharding import shard_of
 
 MODEL, MAIN_PARAMS, OPTIMIZER = "state_dict", "main_params", "optimizer"
@@ -48,12 +49,6 @@ def placement_of(tensor: Tensor, data_parallel_rank: int, data_parallel_size: in
     return Placement(global_shape, shard, start, start + tensor.to_local().numel())
 
 
-def global_parameter_name(name: str, param: nn.Parameter) -> str:
-    """A pipeline stage's copy of a tied weight (the last stage's head) saves under the original's name."""
-    tied = getattr(param, "tied_names", None)
-    return name[: len(name) - len(tied[0])] + tied[1] if tied and name.endswith(tied[0]) else name
-
-
 def model_entries(module: nn.Module, data_parallel_rank: int, data_parallel_size: int) -> dict[str, ShardedEntry]:
     """This rank's part of every tensor in ``module.state_dict()``, under ``state_dict/<name>``."""
     # Shard specs from the parameters themselves: FSDP's state-dict hooks may hand out other objects.
@@ -73,7 +68,7 @@ def parameter_placements(module: nn.Module, data_parallel_rank: int, data_parall
     """Global name and placement of every tensor an optimizer may step: parameters and fp32 main pieces."""
     placements: Placements = {}
     for name, param in module.named_parameters():
-        placements[id(param)] = (global_parameter_name(name, param),
+        placements[id(param)] = (original_name(param, name),
                                  placement_of(param, data_parallel_rank, data_parallel_size))
     for piece, main in main_params.pieces if main_params is not None else ():
         name, whole = placements[id(piece.param)]

@@ -2,7 +2,7 @@
 
 Saving gathers each tensor-parallel shard into its global tensor; loading cuts this
 rank's shard back out. A checkpoint written at one tensor-parallel size therefore loads
-at any other. (Per-rank sharded checkpoints, which never gather, are a separate feature.)
+at any other. Sharded checkpoints (``checkpoint.sharded``) never gather; these are for export and tests.
 """
 
 from __future__ import annotations
@@ -12,11 +12,13 @@ from typing import Any, Mapping, Optional
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 from lightning_megatron.tensor_parallel.sharding import shard_of
 
 
-def _gather(local: Tensor, dim: int, group: Optional[dist.ProcessGroup]) -> Tensor:
+def gather_along(local: Tensor, dim: int, group: Optional[dist.ProcessGroup]) -> Tensor:
+    """The concatenation along ``dim`` of every rank's ``local`` in ``group`` (``None``: ``local`` itself)."""
     if group is None:
         return local
     parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
@@ -25,15 +27,22 @@ def _gather(local: Tensor, dim: int, group: Optional[dist.ProcessGroup]) -> Tens
 
 
 def gather_full_state_dict(module: nn.Module, group: Optional[dist.ProcessGroup]) -> dict[str, Any]:
-    """Every rank returns the full state dict on the CPU (a collective over ``group``, the tp group)."""
+    """Every rank returns the full state dict on the CPU (a collective over ``group``, the tp group, and
+    under ZeRO-3 over the dp group that shards the parameters' rows)."""
     full: dict[str, Any] = {}
+    # Shard specs by name from the parameters themselves: FSDP's state-dict hooks may hand out other objects.
+    shards = {name: shard_of(p) for name, p in module.named_parameters(remove_duplicate=False)}
     for name, value in module.state_dict(keep_vars=True).items():
-        shard = shard_of(value) if isinstance(value, Tensor) else None
-        if shard is None:
-            full[name] = value.detach().cpu() if isinstance(value, Tensor) else value
+        if not isinstance(value, Tensor):
+            full[name] = value
             continue
-        gathered = _gather(value.detach(), shard.dim, group if shard.world > 1 else None)
-        full[name] = gathered.narrow(shard.dim, 0, shard.global_shape[shard.dim]).cpu().clone()
+        tensor = value.detach()
+        tensor = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor  # over dp: the tp shard
+        shard = shards.get(name) or shard_of(value)
+        if shard is not None:
+            tensor = gather_along(tensor, shard.dim, group if shard.world > 1 else None)
+            tensor = tensor.narrow(shard.dim, 0, shard.global_shape[shard.dim])
+        full[name] = tensor.cpu().clone()
     return full
 
 

@@ -89,6 +89,26 @@ class PretrainingRecipe(L.LightningModule):
         return adamw_warmup_cosine(self, **self.optimizer_settings)
 
     @classmethod
+    def load_from_checkpoint(cls, checkpoint_path, map_location=None, hparams_file=None, strict=None, **kwargs: Any):
+        """Lightning's loader, which also reads sharded checkpoint directories (any saving layout) into one
+        process: the module is rebuilt from the saved hyper-parameters (``kwargs`` override them).
+
+        Example::
+
+            model = GPT.load_from_checkpoint("runs/checkpoints/last.ckpt")   # a directory written by 8 ranks
+        """
+        from lightning_megatron.checkpoint.sharded import consolidated_state_dict, is_sharded_checkpoint, open_sharded
+
+        if not is_sharded_checkpoint(checkpoint_path):
+            return super().load_from_checkpoint(checkpoint_path, map_location=map_location, hparams_file=hparams_file,
+                                                strict=strict, **kwargs)
+        hyper_parameters = open_sharded(checkpoint_path).trainer_state().get("hyper_parameters", {})
+        module = cls(**{**hyper_parameters, **kwargs})
+        module.configure_model()
+        module.load_state_dict(consolidated_state_dict(checkpoint_path), strict=True if strict is None else strict)
+        return module.to(map_location) if isinstance(map_location, (str, torch.device)) else module
+
+    @classmethod
     def _with_model_state_dict(cls, config: Any, state_dict: Mapping[str, torch.Tensor], **kwargs: Any):
         """A module built on this process with ``config`` whose ``model`` holds ``state_dict`` (its full state
         dict); ``kwargs`` are the recipe's, e.g. ``learning_rate``. What ``from_hf`` returns."""

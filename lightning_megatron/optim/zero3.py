@@ -55,10 +55,11 @@ freed right after. This is ``torch.distributed.fsdp.fully_shard`` (FSDP2) applie
   Transient: the gathered bf16 parameters and the bf16 gradients of the layer in flight,
   and the root group (embedding, final norm, head), which FSDP keeps gathered from forward
   to backward. Without a policy (fp32 training) the persistent bytes are the same 16Psi/N.
-* Full state dict, layout-free: :func:`gather_full_state_dict` gathers each parameter
-  over dp (``DTensor.full_tensor()``, giving the tp-local shard) and then over tp (as in
-  ``checkpoint/full.py``), under global names and unpadded global shapes;
-  :func:`load_full_state_dict` cuts this rank's tp shard and then its dp chunk back out.
+* Full state dict, layout-free: ``checkpoint.full.gather_full_state_dict`` gathers each
+  parameter over dp (``DTensor.full_tensor()``, giving the tp-local shard) and then over tp,
+  under global names and unpadded global shapes; :func:`load_full_state_dict` cuts this
+  rank's tp shard and then its dp chunk back out. Sharded checkpoints write the dp chunks
+  as they are (``checkpoint.entries``).
 
 Order in set-up (the strategy): ``parallelize`` -> activation checkpointing -> pipeline
 split -> :func:`apply_zero3` (on the meta device is best: nothing is materialised yet) ->
@@ -112,9 +113,14 @@ from torch import Tensor, nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from lightning_megatron.checkpoint.full import _gather
 from lightning_megatron.optim.grad_sync import sum_over_group
-from lightning_megatron.parallel.initialize import PARAMETER_TAGS, _local_values, _original_name, _owners, default_initializer
+from lightning_megatron.parallel.initialize import (
+    PARAMETER_TAGS,
+    default_initializer,
+    initializer_owners,
+    local_initial_values,
+    original_name,
+)
 from lightning_megatron.parallel.state import ParallelState
 from lightning_megatron.tensor_parallel.plan import name_matches
 from lightning_megatron.tensor_parallel.sharding import shard_of
@@ -165,7 +171,7 @@ class ZeRO3:
             raise RuntimeError(f"Buffers {buffers} are on the meta device; create them in forward or in setup.")
         named = dict(self.module.named_parameters())
         done = {id(named[name]) for name in keep}
-        owners = [(owner, owner.initialize_parameter) for _, owner in _owners(self.module)]
+        owners = [(owner, owner.initialize_parameter) for _, owner in initializer_owners(self.module)]
         owners.append((self.module, default_initializer))
         dp_rank, dp_size = self.state.data_parallel_rank, self.state.config.data_parallel_size
         with torch.no_grad():
@@ -177,8 +183,8 @@ class ZeRO3:
                         if id(param) in done:
                             continue
                         done.add(id(param))
-                        name = _original_name(param, f"{module_name}.{param_name}" if module_name else param_name)
-                        values = _local_values(param, name, seed, initializer)  # the tp shard, whole over dp
+                        name = original_name(param, f"{module_name}.{param_name}" if module_name else param_name)
+                        values = local_initial_values(param, name, seed, initializer)  # the tp shard, whole over dp
                         local = _local(param)
                         local.copy_(_dp_chunk(values, local.shape[0], dp_rank, dp_size))
 
@@ -316,25 +322,6 @@ def apply_zero3(
         fsdp_module.set_gradient_divide_factor(1.0)  # a SUM over dp: the loss is a token sum, finish() divides
         fsdp_module.set_force_sum_reduction_for_comms(True)
     return ZeRO3(module, state, fsdp_modules, tags)
-
-
-def gather_full_state_dict(module: nn.Module, tensor_parallel_group: Optional[dist.ProcessGroup]) -> dict[str, Any]:
-    """Full tensors under global names, unpadded, on the CPU, on every rank (collective over dp and tp)."""
-    full: dict[str, Any] = {}
-    # Shard specs by name from the parameters themselves: FSDP's state-dict hooks may hand out other objects.
-    shards = {name: shard_of(p) for name, p in module.named_parameters(remove_duplicate=False)}
-    for name, value in module.state_dict(keep_vars=True).items():
-        if not isinstance(value, Tensor):
-            full[name] = value
-            continue
-        tensor = value.detach()
-        tensor = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor  # over dp: the tp-local shard
-        shard = shards.get(name) or shard_of(value)
-        if shard is not None:
-            tensor = _gather(tensor, shard.dim, tensor_parallel_group if shard.world > 1 else None)
-            tensor = tensor.narrow(shard.dim, 0, shard.global_shape[shard.dim])
-        full[name] = tensor.cpu().clone()
-    return full
 
 
 def load_full_state_dict(module: nn.Module, full: Mapping[str, Tensor], state: ParallelState) -> None:

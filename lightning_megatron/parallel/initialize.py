@@ -46,7 +46,7 @@ def _is_within(name: str, prefix: str) -> bool:
     return prefix == "" or name == prefix or name.startswith(prefix + ".")
 
 
-def _owners(root: nn.Module) -> list[tuple[str, nn.Module]]:
+def initializer_owners(root: nn.Module) -> list[tuple[str, nn.Module]]:
     """Outermost submodules (the root included) that define their own ``initialize_parameter``."""
     owners: list[tuple[str, nn.Module]] = []
     for name, module in root.named_modules():
@@ -55,15 +55,16 @@ def _owners(root: nn.Module) -> list[tuple[str, nn.Module]]:
     return owners
 
 
-def _original_name(param: Tensor, name: str) -> str:
-    """A tied copy on another pipeline stage is initialised as the parameter it copies."""
+def original_name(param: Tensor, name: str) -> str:
+    """A tied copy on another pipeline stage (the last stage's head) is the parameter it copies: initialised
+    as it, saved under its name."""
     tied = getattr(param, "tied_names", None)
     if tied is not None and name.endswith(tied[0]):
         return name[: len(name) - len(tied[0])] + tied[1]
     return name
 
 
-def _local_values(param: Tensor, name: str, seed: int, initializer: Initializer) -> Tensor:
+def local_initial_values(param: Tensor, name: str, seed: int, initializer: Initializer) -> Tensor:
     shard = shard_of(param)
     global_shape = shard.global_shape if shard is not None else tuple(param.shape)
     full = torch.empty(global_shape, dtype=torch.float32)
@@ -81,7 +82,7 @@ def initialize_parameters(
     """
     done: dict[int, nn.Parameter] = {}
     plans: list[tuple[str, nn.Module, Initializer]] = [
-        (prefix, owner, owner.initialize_parameter) for prefix, owner in _owners(root)
+        (prefix, owner, owner.initialize_parameter) for prefix, owner in initializer_owners(root)
     ]
     plans.append(("", root, default_initializer))
     for prefix, owner, initializer in plans:
@@ -94,8 +95,8 @@ def initialize_parameters(
                     done[id(param)] = param
                     continue
                 name = f"{module_name}.{param_name}" if module_name else param_name
-                name = _original_name(param, name)
-                values = _local_values(param, name, seed, initializer)
+                name = original_name(param, name)
+                values = local_initial_values(param, name, seed, initializer)
                 target_device = device if device is not None else (None if param.is_meta else param.device)
                 if param.is_meta:
                     new = nn.Parameter(values.to(device=target_device, dtype=param.dtype), requires_grad=param.requires_grad)

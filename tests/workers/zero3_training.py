@@ -27,7 +27,8 @@ from gpt_setup import CLIP, CONFIG, GLOBAL_BATCH, SEED, batches, optimizer, sgd_
 from zero3_bytes import measure_bytes
 from lightning_megatron.checkpoint import merge_pipeline_stages
 from lightning_megatron.models import GPTModel
-from lightning_megatron.optim.zero3 import apply_zero3, gather_full_state_dict, load_full_state_dict
+from lightning_megatron.checkpoint import gather_full_state_dict
+from lightning_megatron.optim.zero3 import apply_zero3, load_full_state_dict
 from lightning_megatron.parallel import ParallelConfig, ParallelState, TensorParallelRNG
 from lightning_megatron.parallel.initialize import initialize_parameters
 from lightning_megatron.pipeline import PipelineLayout

@@ -1,0 +1,106 @@
+"""The steps that turn a LightningModule into this rank's part of the parallel model.
+
+``Megatron3DStrategy.setup`` composes them once per module, in this order (each step relies
+on the one before):
+
+1. ``parallelize(module, module.tensor_parallel_plan(), ...)``: swap Linear/Embedding for the
+   column/row/vocab-parallel layers; their parameters are still on the meta device.
+2. :func:`apply_recompute`: wrap the transformer layers for activation recomputation. After the
+   swaps (a swapped layer would lose the wrapper), before the pipeline split (so that every
+   rank checks every layer and fails alike).
+3. :func:`split_pipeline`: delete the layers, embedding and head this rank's stages do not run.
+4. :func:`shard_zero3` (``zero_stage=3``) or ``initialize_parameters``: materialise only the
+   local shards, with the layout-invariant initial values.
+
+The model declares *what* can be split (``tensor_parallel_plan()``, ``pipeline_blocks()``);
+these functions decide *how*, from the layout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy
+
+from lightning_megatron.optim.zero3 import ZeRO3, apply_zero3
+from lightning_megatron.parallel.random import TensorParallelRNG
+from lightning_megatron.parallel.recompute import apply_activation_checkpointing
+from lightning_megatron.parallel.state import ParallelState
+from lightning_megatron.pipeline.blocks import PipelineBlocks
+from lightning_megatron.pipeline.layout import PipelineLayout
+from lightning_megatron.pipeline.stage import StageModule, split_for_pipeline
+
+ZERO3_PRECISIONS = ("32-true", "bf16-true", "bf16-mixed")
+
+
+def _blocks(module: nn.Module, needed_for: str) -> PipelineBlocks:
+    if not hasattr(module, "pipeline_blocks"):
+        raise TypeError(f"{needed_for} needs {type(module).__name__} to define pipeline_blocks(), which names its "
+                        f"transformer layers (see lightning_megatron.pipeline.PipelineBlocks).")
+    return module.pipeline_blocks()
+
+
+def _root(module: nn.Module, blocks: PipelineBlocks) -> nn.Module:
+    return module.get_submodule(blocks.root) if blocks.root else module
+
+
+def apply_recompute(module: nn.Module, mode: str, rng: Optional[TensorParallelRNG]) -> None:
+    """Recompute each ``pipeline_blocks()`` layer (``"full"``) or its attention core (``"selective"``)."""
+    if mode == "none":
+        return
+    blocks = _blocks(module, f"activation_checkpointing={mode!r}")
+    pattern = f"{blocks.root}.{blocks.layers}.*" if blocks.root else f"{blocks.layers}.*"
+    apply_activation_checkpointing(module, mode=mode, layer_pattern=pattern, rng=rng)
+
+
+@dataclass
+class PipelineSplit:
+    """This rank's stages: their modules (in schedule order), the layout and the model's blocks."""
+
+    stage_modules: list[StageModule]
+    local_stages: list[int]
+    layout: PipelineLayout
+    root: nn.Module
+
+
+def split_pipeline(module: nn.Module, state: ParallelState) -> Optional[PipelineSplit]:
+    """Keep only this rank's pipeline stages of the model (before anything is materialised)."""
+    config = state.config
+    if config.pipeline_parallel_size == 1:
+        return None
+    blocks = _blocks(module, f"pipeline_parallel_size={config.pipeline_parallel_size}")
+    root = _root(module, blocks)
+    layout = PipelineLayout(
+        num_layers=len(root.get_submodule(blocks.layers)),
+        pipeline_parallel_size=config.pipeline_parallel_size,
+        virtual_pipeline_size=config.virtual_pipeline_size,
+        layers_per_stage=config.pipeline_layers_per_stage,
+    )
+    local_stages = layout.stages_of_rank(state.pipeline_parallel_rank)
+    stage_modules = split_for_pipeline(root, blocks, layout.stage_layers(), local_stages)
+    return PipelineSplit(stage_modules, local_stages, layout, root)
+
+
+def shard_zero3(module: nn.Module, state: ParallelState, *, precision: str, seed: int,
+                device: Union[torch.device, str]) -> ZeRO3:
+    """ZeRO-3: FSDP2 over dp, one group per transformer layer; materialises this rank's dp chunks."""
+    if precision not in ZERO3_PRECISIONS:
+        raise ValueError(f"zero_stage=3 supports precision {', '.join(map(repr, ZERO3_PRECISIONS))}, not {precision!r}; "
+                         f"use zero_stage=2 for fp16.")
+    blocks = _blocks(module, "zero_stage=3")
+    root = _root(module, blocks)
+    other_groups = None
+    if state.config.pipeline_parallel_size > 1:  # stages call root.embed/head: no root forward hook
+        other_groups = [name for name in (*blocks.first, *blocks.last)
+                        if getattr(root, name.split(".")[-1], None) is not None]
+    mixed = None
+    if precision == "bf16-true":  # fp32 sharded params are the main params; compute in bf16
+        mixed = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    root.to(torch.float32)
+    zero3 = apply_zero3(root, state, layers_pattern=f"{blocks.layers}.*", other_groups=other_groups,
+                        mixed_precision=mixed)
+    zero3.initialize(seed, device)
+    return zero3
