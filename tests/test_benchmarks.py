@@ -19,3 +19,16 @@ def test_pipeline_bubble_benchmark_prints_its_table(tmp_path):
     rows = [line.split() for line in result.stdout.splitlines()]
     assert {row[0] for row in rows if row} >= {"gpipe", "1f1b", "interleaved_1f1b"}
     assert (tmp_path / "timeline.png").stat().st_size > 10_000
+
+
+def test_checkpoint_benchmark_saves_and_restores_both_sides(tmp_path):
+    result = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "checkpoint.py"), "--quick",
+         "--variants", "model_parallel", "megatron_sharded", f"--out-dir={tmp_path}"],
+        capture_output=True, text=True, timeout=300, env=child_env(),
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = {line.split(" | ")[0].strip(): line.split(" | ") for line in result.stdout.splitlines() if " | " in line}
+    for label in ("ModelParallelStrategy (DCP)", "Megatron3DStrategy sharded"):
+        assert rows[label][5].strip() == "weights+optim", rows[label]  # every rank got back exactly what it saved
+    assert (next((tmp_path / "megatron_sharded" / "checkpoints").iterdir()) / "__1_0.distcp").stat().st_size > 0
