@@ -67,6 +67,16 @@ def test_bf16_run_resumes_exactly_with_its_fp32_main_parameters(tmp_path):
         assert torch.equal(value, resumed.lightning_module.state_dict()[name]), name
 
 
+def test_full_format_writes_one_plain_file_that_resumes_exactly(tmp_path):
+    _, straight = fit(tmp_path / "straight", 4, save_every=2, checkpoint_format="full")
+    file = tmp_path / "straight" / "epoch=0-step=2.ckpt"
+    assert file.is_file()
+    checkpoint = torch.load(file, weights_only=True)
+    assert checkpoint["state_dict"]["model.embedding.wte.weight"].shape == (257, 32)  # global, unpadded
+    _, resumed = fit(tmp_path / "resumed", 4, ckpt_path=file)  # a sharded-format run reads it too
+    assert resumed == straight[2:]
+
+
 def test_top_k_removal_and_resume_from_last(tmp_path):
     keep_one = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_top_k=1, monitor="step", mode="max",
                                save_last=True)
