@@ -33,7 +33,9 @@ from lightning_megatron.pipeline.blocks import PipelineBlocks
 from lightning_megatron.pipeline.layout import PipelineLayout
 from lightning_megatron.pipeline.stage import StageModule, split_for_pipeline
 
-ZERO3_PRECISIONS = ("32-true", "bf16-true", "bf16-mixed")
+ZERO3_PRECISIONS = ("32-true", "bf16-true", "bf16-mixed", "16-true")
+# The fp32 shards are the main parameters; FSDP gathers them in the compute dtype and reduces in fp32.
+COMPUTE_DTYPES = {"bf16-true": torch.bfloat16, "16-true": torch.float16}
 
 
 def _blocks(module: nn.Module, needed_for: str) -> PipelineBlocks:
@@ -89,7 +91,7 @@ def shard_zero3(module: nn.Module, state: ParallelState, *, precision: str, seed
     """ZeRO-3: FSDP2 over dp, one group per transformer layer; materialises this rank's dp chunks."""
     if precision not in ZERO3_PRECISIONS:
         raise ValueError(f"zero_stage=3 supports precision {', '.join(map(repr, ZERO3_PRECISIONS))}, not {precision!r}; "
-                         f"use zero_stage=2 for fp16.")
+                         f"use '16-true' for fp16 (dynamic loss scaling by the strategy).")
     blocks = _blocks(module, "zero_stage=3")
     root = _root(module, blocks)
     other_groups = None
@@ -97,8 +99,8 @@ def shard_zero3(module: nn.Module, state: ParallelState, *, precision: str, seed
         other_groups = [name for name in (*blocks.first, *blocks.last)
                         if getattr(root, name.split(".")[-1], None) is not None]
     mixed = None
-    if precision == "bf16-true":  # fp32 sharded params are the main params; compute in bf16
-        mixed = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    if precision in COMPUTE_DTYPES:
+        mixed = MixedPrecisionPolicy(param_dtype=COMPUTE_DTYPES[precision], reduce_dtype=torch.float32)
     root.to(torch.float32)
     zero3 = apply_zero3(root, state, layers_pattern=f"{blocks.layers}.*", other_groups=other_groups,
                         mixed_precision=mixed)

@@ -336,7 +336,7 @@ class Megatron3DStrategy(ParallelStrategy):
         params = [p for p in module.parameters() if p.requires_grad]
         state = self.parallel_state
         if self._zero3 is not None:
-            return StepGradients(self._zero3, None, None, data_parallel_group=state.data_parallel_group,
+            return StepGradients(self._zero3, None, self.loss_scaler, data_parallel_group=state.data_parallel_group,
                                  device=self.root_device)
         partial_grad_groups = [
             ([p for p in params if getattr(p, "sequence_parallel_grad", False)], state.tensor_parallel_group),

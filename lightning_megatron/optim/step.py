@@ -69,10 +69,11 @@ class StepGradients:
             self.main_params.prepare_step()
         if self.loss_scaler is None:
             return False
-        overflow = found_overflow(self.main_params.main_grads(), self.device)
+        owner = self.main_params if self.main_params is not None else self.sync  # ZeRO-3: fp32 shards step
+        overflow = found_overflow(owner.main_grads(), self.device)
         self.loss_scaler.update(overflow)
         if overflow:
-            self.main_params.drop_grads()
+            owner.drop_grads()
         return overflow
 
     def after_step(self) -> None:

@@ -223,6 +223,14 @@ class ZeRO3:
         for param in self.module.parameters():
             param.grad = None
 
+    def main_grads(self) -> list[Tensor]:
+        """The fp32 gradient shards the optimizer steps on (``MainParamOptimizer``'s contract, for fp16)."""
+        return [_local(p.grad) for p in self.module.parameters() if p.grad is not None]
+
+    def drop_grads(self) -> None:
+        """Skip this step (an fp16 overflow): torch optimizers leave parameters without a gradient alone."""
+        self.zero()
+
     def remove(self) -> None:
         """Nothing to undo (``GradientSynchronizer``'s teardown contract); the module stays sharded."""
 

@@ -1,6 +1,6 @@
 """Trainer.fit under fp32, bf16-true, 16-true, 16-mixed and bf16-mixed on the same ranks (tp=2), an
-fp16 run in which rank 1 alone produces an overflow at one step, and bf16-true with the optimizer
-offloaded to the CPU.
+fp16 run in which rank 1 alone produces an overflow at one step, bf16-true with the optimizer
+offloaded to the CPU, and fp16 under ZeRO-3 (dp=2) with and without that overflow.
 
 argv: OUT_DIR. Rank r writes rank{r}.json: per run the training losses, the final loss scale and
 skipped-step count, and a checksum of the weights after every optimizer step.
@@ -14,6 +14,7 @@ from pathlib import Path
 import lightning as L
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from trainer_setup import datamodule, model, trainer_kwargs
 from lightning_megatron import Megatron3DStrategy
@@ -37,16 +38,17 @@ class Record(L.Callback):
         self.losses, self.checksums = [], []
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.losses.append(float(outputs["loss"]))
-        self.checksums.append(float(sum(p.detach().double().sum() for p in pl_module.parameters())))
+        self.losses.append(float(trainer.strategy.reduce(outputs["loss"].detach(), reduce_op="mean")))  # global batch
+        local = (p.to_local() if isinstance(p, DTensor) else p for p in pl_module.parameters())  # ZeRO-3: this shard
+        self.checksums.append(float(sum(p.detach().double().sum() for p in local)))
 
 
-def run(precision: str, overflow: bool = False, offload: bool = False) -> dict:
+def run(precision: str, overflow: bool = False, offload: bool = False, zero3: bool = False) -> dict:
     L.seed_everything(7)
-    options = {"tp": 2, "steps": 5, "clip": 1.0}
+    options = {"tp": 1 if zero3 else 2, "steps": 5, "clip": 1.0}
     record = Record()
-    strategy = Megatron3DStrategy(tensor_parallel_size=2, loss_scaler={"initial_scale": 2.0**12, "hysteresis": 1},
-                                  offload_optimizer=offload)
+    strategy = Megatron3DStrategy(tensor_parallel_size=options["tp"], zero_stage=3 if zero3 else 0,
+                                  loss_scaler={"initial_scale": 2.0**12, "hysteresis": 1}, offload_optimizer=offload)
     kwargs = trainer_kwargs(options)
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, precision=precision, callbacks=[record], **kwargs)
     gpt = model(options)
@@ -62,10 +64,12 @@ def run(precision: str, overflow: bool = False, offload: bool = False) -> dict:
 
 
 out_dir = Path(sys.argv[1])
-results = {name: run(precision, overflow, offload) for name, precision, overflow, offload in (
-    ("fp32", "32-true", False, False), ("bf16-true", "bf16-true", False, False), ("fp16-true", "16-true", False, False),
-    ("fp16-mixed", "16-mixed", False, False), ("bf16-mixed", "bf16-mixed", False, False),
-    ("fp16-overflow", "16-true", True, False), ("bf16-true-offload", "bf16-true", False, True),
+results = {name: run(precision, overflow, offload, zero3) for name, precision, overflow, offload, zero3 in (
+    ("fp32", "32-true", False, False, False), ("bf16-true", "bf16-true", False, False, False),
+    ("fp16-true", "16-true", False, False, False), ("fp16-mixed", "16-mixed", False, False, False),
+    ("bf16-mixed", "bf16-mixed", False, False, False), ("fp16-overflow", "16-true", True, False, False),
+    ("bf16-true-offload", "bf16-true", False, True, False),
+    ("fp16-true-zero3", "16-true", False, False, True), ("fp16-overflow-zero3", "16-true", True, False, True),
 )}
 (out_dir / f"rank{int(os.environ['RANK'])}.json").write_text(json.dumps(results))
 dist.barrier()
