@@ -221,3 +221,26 @@ def test_checkpoint_command_converts_to_and_from_hugging_face(checkpoint, tmp_pa
     from_converted = trainer.validate(model({}), datamodule=datamodule({}), ckpt_path=tmp_path / "back.ckpt")
     from_original = trainer.validate(model({}), datamodule=datamodule({}), ckpt_path=checkpoint)
     assert from_converted == from_original
+
+
+def test_checkpoint_command_converts_a_post_norm_bert_and_back(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    config = BERTConfig(vocab_size=261, max_seq_length=32, hidden_size=32, num_layers=2, num_heads=4,
+                        norm_position="post")
+    bert = BERT(config)
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=Megatron3DStrategy(), max_steps=1, logger=False,
+                        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                        limit_val_batches=0)
+    trainer.fit(bert, datamodule=BERTDataModule(seq_length=32, global_batch_size=4))
+    trainer.save_checkpoint(tmp_path / "bert.ckpt")
+    cli_main(["checkpoint", "convert", str(tmp_path / "bert.ckpt"), str(tmp_path / "hf")])
+    hf = transformers.BertForPreTraining.from_pretrained(tmp_path / "hf").eval()
+    tokens = torch.randint(5, 261, (2, 16))
+    with torch.no_grad():
+        ours = bert.model(tokens)
+        theirs = hf(tokens)
+    assert (ours[0][..., :261] - theirs.prediction_logits).abs().max() < 1e-4  # ours: vocab padded to 384
+    cli_main(["checkpoint", "convert", str(tmp_path / "hf"), str(tmp_path / "back.ckpt")])
+    back, saved = consolidated_state_dict(tmp_path / "back.ckpt"), consolidated_state_dict(tmp_path / "bert.ckpt")
+    assert all(torch.equal(back[name], value) for name, value in saved.items())
+
