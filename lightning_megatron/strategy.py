@@ -20,6 +20,7 @@ clipping replaced by the global-norm version.
 from __future__ import annotations
 
 import contextlib
+import os
 from pathlib import Path
 from dataclasses import asdict
 from datetime import timedelta
@@ -31,6 +32,7 @@ import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.distributed import _distributed_is_initialized, _init_dist_connection, _sync_ddp_if_available
 from lightning.fabric.utilities.distributed import _get_default_process_group_backend_for_device
+from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
@@ -54,7 +56,7 @@ from lightning_megatron.parallel.recompute import MODES as RECOMPUTE_MODES
 from lightning_megatron.parallel.state import ParallelState
 from lightning_megatron.checkpoint.full import gather_full_state_dict, local_state_dict_from_full, merge_pipeline_stages
 from lightning_megatron.checkpoint.entries import optimizer_hyperparameters
-from lightning_megatron.checkpoint.sharded import BackgroundSaver, SavedCheckpoint, is_sharded_checkpoint
+from lightning_megatron.checkpoint.sharded import BackgroundSaver, SavedCheckpoint, is_sharded_checkpoint, partial_path
 from lightning_megatron.checkpoint.training_state import (
     LAYOUT_KEY,
     RankTraining,
@@ -633,7 +635,12 @@ class Megatron3DStrategy(ParallelStrategy):
             checkpoint[LOSS_SCALER_KEY] = self.loss_scaler.state_dict()
         if self.checkpoint_format == "full":
             checkpoint[LAYOUT_KEY] = asdict(self.parallel_config)
-            super().save_checkpoint(checkpoint, filepath, storage_options)
+            if self.is_global_zero and _is_local_file_protocol(filepath):  # atomic: written aside, then renamed
+                partial = partial_path(filepath)
+                self.checkpoint_io.save_checkpoint(checkpoint, partial, storage_options=storage_options)
+                os.replace(partial, filepath)
+            else:
+                super().save_checkpoint(checkpoint, filepath, storage_options)
             return
         module = self.lightning_module
         info = {"model": f"{type(module).__module__}.{type(module).__qualname__}",

@@ -73,6 +73,7 @@ def test_full_format_writes_one_plain_file_that_resumes_exactly(tmp_path):
     assert file.is_file()
     checkpoint = torch.load(file, weights_only=True)
     assert checkpoint["state_dict"]["model.embedding.wte.weight"].shape == (257, 32)  # global, unpadded
+    assert not list((tmp_path / "straight").glob(".*.partial"))  # written aside, then renamed into place
     _, resumed = fit(tmp_path / "resumed", 4, ckpt_path=file)  # a sharded-format run reads it too
     assert resumed == straight[2:]
 
