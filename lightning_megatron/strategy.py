@@ -62,7 +62,9 @@ from lightning_megatron.checkpoint.training_state import (
     RankTraining,
     load_model_state,
     load_optimizer_state,
+    saved_rng_state,
     save_training_state,
+    set_rng_state,
 )
 from lightning_megatron.pipeline.layout import check_schedule
 from lightning_megatron.pipeline.runner import PipelineRunner
@@ -195,6 +197,7 @@ class Megatron3DStrategy(ParallelStrategy):
         self._step: Optional[StepGradients] = None
         self._sharded_checkpoint: Optional[SavedCheckpoint] = None  # the one being restored
         self._main_params: Optional[MainParamOptimizer] = None
+        self._rng_state_to_restore: Optional[dict] = None
         self._zero3: Optional[ZeRO3] = None
         self.offload_optimizer = offload_optimizer
         self._loss_scaler_settings = dict(loss_scaler or {})
@@ -447,6 +450,11 @@ class Megatron3DStrategy(ParallelStrategy):
             self._blocking_sync = False
 
     def training_step(self, *args: Any, **kwargs: Any):
+        if self._rng_state_to_restore is not None:
+            # Restored here, not at load time: Lightning draws from the global generator in between (a new
+            # DataLoader iterator's base seed), which the saving run had done before it saved.
+            set_rng_state(self._rng_state_to_restore, self._rng)
+            self._rng_state_to_restore = None
         if self._step is not None:
             # ZeRO-3 reduce-scatters every micro-batch: accumulating unsharded gradients would break its memory bound.
             self._step.sync.start_micro_batch(sync=not self._blocking_sync or self._zero3 is not None)
@@ -661,8 +669,10 @@ class Megatron3DStrategy(ParallelStrategy):
             self._background_saver.wait()
         if not is_sharded_checkpoint(checkpoint_path):
             return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-        saved, checkpoint = load_model_state(checkpoint_path, self._rank_training())
+        training = self._rank_training()
+        saved, checkpoint = load_model_state(checkpoint_path, training)
         self._sharded_checkpoint = saved
+        self._rng_state_to_restore = saved_rng_state(checkpoint, training)
         if self.loss_scaler is not None and LOSS_SCALER_KEY in checkpoint:
             self.loss_scaler.load_state_dict(checkpoint[LOSS_SCALER_KEY])
         return checkpoint

@@ -18,7 +18,7 @@ from lightning_megatron import Megatron3DStrategy
 from lightning_megatron.checkpoint import consolidated_state_dict, open_sharded, sharded
 from lightning_megatron.cli import main as cli_main
 from lightning_megatron.data import BERTDataModule
-from lightning_megatron.models import BERT, GPT, BERTConfig
+from lightning_megatron.models import BERT, GPT, BERTConfig, GPTConfig
 
 
 class RecordLosses(L.Callback):
@@ -88,6 +88,19 @@ def test_top_k_removal_and_resume_from_last(tmp_path):
                         **{**trainer_kwargs({"steps": 7}), "enable_checkpointing": True, "limit_val_batches": 0})
     trainer.fit(model({}), datamodule=datamodule({}), ckpt_path="last")
     assert trainer.global_step == 7
+
+
+def test_dropout_streams_continue_exactly_after_a_resume(tmp_path):
+    """Random states are saved per rank and restored just before the first step: the masks repeat."""
+    def with_dropout():
+        config = GPTConfig(vocab_size=257, max_seq_length=32, hidden_size=32, num_layers=2, num_heads=4,
+                           dropout=0.1, attention_dropout=0.1)
+        return GPT(config, learning_rate=3e-3, warmup_steps=2, adam_eps=1e-6)
+
+    _, straight = fit(tmp_path / "straight", 4, save_every=2, module=with_dropout())
+    _, resumed = fit(tmp_path / "resumed", 4, ckpt_path=tmp_path / "straight" / "epoch=0-step=2.ckpt",
+                     module=with_dropout())
+    assert resumed == straight[2:]
 
 
 def test_a_save_killed_midway_leaves_the_previous_checkpoint_loadable(tmp_path):

@@ -62,7 +62,7 @@ def _rng_state(rng: Optional[TensorParallelRNG]) -> dict[str, Any]:
     return state
 
 
-def _set_rng_state(state: dict[str, Any], rng: Optional[TensorParallelRNG]) -> None:
+def set_rng_state(state: dict[str, Any], rng: Optional[TensorParallelRNG]) -> None:
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
     if "cuda" in state and torch.cuda.is_available():
@@ -133,7 +133,6 @@ def load_model_state(path, training: RankTraining) -> tuple[SavedCheckpoint, dic
         mains = E.main_param_entries(training.main_params, training.placements())
         mains = {key: entry for key, entry in mains.items() if key in available}
         read_tensors(saved, mains)
-    _restore_rng(saved, trainer_state, training)
     return saved, trainer_state
 
 
@@ -152,12 +151,14 @@ def _plan_model_load(path, training: RankTraining) -> tuple[SavedCheckpoint, dic
     return saved, trainer_state, wanted
 
 
-def _restore_rng(saved: SavedCheckpoint, trainer_state: dict[str, Any], training: RankTraining) -> None:
-    """Random streams continue exactly only at the saving layout (dropout masks are drawn per tp shard)."""
+def saved_rng_state(trainer_state: dict[str, Any], training: RankTraining) -> Optional[dict[str, Any]]:
+    """This rank's random streams as saved, if the checkpoint was saved at this layout (dropout masks are
+    drawn per tp shard, so another layout cannot continue them)."""
     states = trainer_state.get(RNG_KEY)
     world_size = dist.get_world_size() if dist.is_initialized() else 1
     if states and trainer_state.get(LAYOUT_KEY) == asdict(training.state.config) and len(states) == world_size:
-        _set_rng_state(states[dist.get_rank() if dist.is_initialized() else 0], training.rng)
+        return states[dist.get_rank() if dist.is_initialized() else 0]
+    return None
 
 
 def load_optimizer_state(saved: SavedCheckpoint, trainer_state: dict[str, Any], training: RankTraining) -> None:
