@@ -184,6 +184,20 @@ def test_a_checkpoint_of_another_model_is_refused(checkpoint, tmp_path):
         trainer.validate(bert, datamodule=BERTDataModule(seq_length=32, global_batch_size=4), ckpt_path=checkpoint)
 
 
+def test_a_checkpoint_of_a_deeper_model_is_refused_unless_loading_is_not_strict(checkpoint, tmp_path):
+    with pytest.raises(RuntimeError, match=r"holds model tensors this model does not have: "
+                                           r"'state_dict/model\.blocks\.1\..*strict_loading = False"):
+        fit(tmp_path / "shallower", 3, ckpt_path=checkpoint, options={"layers": 1})
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=Megatron3DStrategy(), logger=False,
+                        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=1)
+    deeper = model({"layers": 3})
+    deeper.strict_loading = False  # take the two saved layers, keep the third as initialised
+    trainer.validate(deeper, datamodule=datamodule({}), ckpt_path=checkpoint)
+    saved, loaded = consolidated_state_dict(checkpoint), trainer.strategy.full_state_dict()
+    assert all(torch.equal(loaded[name], value) for name, value in saved.items())
+    assert "model.blocks.2.attn.qkv.weight" in loaded and "model.blocks.2.attn.qkv.weight" not in saved
+
+
 def test_an_interrupted_replace_points_at_the_intact_previous_checkpoint(checkpoint, tmp_path):
     # A crash between moving the old checkpoint aside and renaming the new one into place.
     shutil.copytree(checkpoint, tmp_path / ".last.ckpt.replaced")

@@ -125,8 +125,16 @@ def _agree(check: Callable[[], Any]) -> Any:
 def load_model_state(path, training: RankTraining) -> tuple[SavedCheckpoint, dict[str, Any]]:
     """Collective: read this rank's model tensors (and fp32 main pieces) in place; return the checkpoint and
     Lightning's part of it. Every check that can fail runs before the first collective."""
-    saved, trainer_state, wanted = _agree(lambda: _plan_model_load(path, training))
+    strict = getattr(training.module, "strict_loading", True)  # LightningModule.strict_loading
+    saved, trainer_state, wanted, model_keys = _agree(lambda: _plan_model_load(path, training, strict))
     available = saved.tensors()
+    expected = {key for keys in _all_gather(model_keys) for key in keys}  # every stage's, the same on every rank
+    unexpected = sorted(key for key in available if key.startswith(f"{E.MODEL}/") and key not in expected)
+    if unexpected and strict:
+        shown = ", ".join(repr(key) for key in unexpected[:5]) + (f" and {len(unexpected) - 5} more" if len(unexpected) > 5 else "")
+        raise RuntimeError(f"Checkpoint {saved.path} holds model tensors this model does not have: {shown}. It was "
+                           f"saved from another model ({saved.info.get('model')}); to load the matching part only, "
+                           f"set strict_loading = False on the LightningModule.")
     read_tensors(saved, wanted)
     if training.main_params is not None:
         training.main_params.copy_from_model()
@@ -136,19 +144,22 @@ def load_model_state(path, training: RankTraining) -> tuple[SavedCheckpoint, dic
     return saved, trainer_state
 
 
-def _plan_model_load(path, training: RankTraining) -> tuple[SavedCheckpoint, dict[str, Any], dict]:
+def _plan_model_load(path, training: RankTraining, strict: bool) -> tuple[SavedCheckpoint, dict[str, Any], dict, list]:
     saved = open_sharded(path)
     trainer_state = saved.trainer_state()
     available = saved.tensors()
     wanted = {}
-    for key, entry in training.model_entries().items():
+    model_entries = training.model_entries()
+    for key, entry in model_entries.items():
+        if not strict and key not in available:
+            continue  # strict_loading=False: this tensor keeps its initial value
         # fp32 parameters take the fp32 main copy when a 16-bit run saved one: exact, not rounded.
         main_key = f"{E.MAIN_PARAMS}/{key[len(E.MODEL) + 1:]}"
         exact = next(iter(entry.pieces.values()), None)
         use_main = main_key in available and exact is not None and exact.dtype == torch.float32
         wanted[main_key if use_main else key] = entry
     check_compatible(saved, wanted, what="model tensor")
-    return saved, trainer_state, wanted
+    return saved, trainer_state, wanted, sorted(model_entries)
 
 
 def saved_rng_state(trainer_state: dict[str, Any], training: RankTraining) -> Optional[dict[str, Any]]:
