@@ -14,9 +14,8 @@ Face's ``BertModel``): LayerNorm after each residual sum and on the embeddings.
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Optional, Union
+from typing import Callable, NamedTuple, Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -357,35 +356,14 @@ class BERT(PretrainingRecipe):
         if self.model is None:
             self.model = BERTModel(self.config)
 
-    @classmethod
-    def from_hf(cls, model_or_dir: Union[str, os.PathLike, nn.Module], **bert_kwargs: Any) -> "BERT":
-        """A post-norm BERT holding the weights of a Hugging Face BERT: a ``BertForPreTraining`` or
-        ``BertForMaskedLM``, or a ``save_pretrained`` directory (the sentence-order head comes with the weights).
+    @staticmethod
+    def hf_format() -> tuple[Callable, Callable]:
+        """``from_hf``/``to_hf`` convert to and from ``transformers.BertForPreTraining`` (or ``BertForMaskedLM``:
+        the sentence-order head comes with the weights). Only a post-norm BERT (``BERTConfig(norm_position="post")``)
+        has a Hugging Face twin; pass ``pad_token_id`` to ``to_hf`` for a tokenizer with padding."""
+        from lightning_megatron.checkpoint.hf_bert import read_hf_bert, write_hf_bert  # here: hf_bert imports us
 
-        Example::
-
-            model = BERT.from_hf("path/to/bert-base-uncased", learning_rate=1e-4)   # fine-tune at any layout
-        """
-        from lightning_megatron.checkpoint.hf_bert import read_hf_bert  # imported here: checkpoint.hf_bert imports this module
-
-        config, state_dict = read_hf_bert(model_or_dir)
-        return cls._with_model_state_dict(config, state_dict, **bert_kwargs)
-
-    def to_hf(self, out_dir: Union[str, os.PathLike], *, state_dict: Optional[dict[str, Tensor]] = None, **hf_config: Any) -> None:
-        """Write a directory that ``transformers.BertForPreTraining.from_pretrained`` loads (``hf_config``: extra fields,
-        e.g. ``pad_token_id``). Only a post-norm BERT (``BERTConfig(norm_position="post")``) has a Hugging Face twin.
-
-        Under tensor or pipeline parallelism this module holds shards: gather on every rank, write on one::
-
-            state_dict = trainer.strategy.full_state_dict()
-            if trainer.is_global_zero:
-                model.to_hf("exported", state_dict=state_dict)
-        """
-        from lightning_megatron.checkpoint.hf_bert import write_hf_bert  # imported here: checkpoint.hf_bert imports this module
-        from lightning_megatron.checkpoint.hf_io import model_state_dict
-
-        state = model_state_dict(self.state_dict() if state_dict is None else state_dict)
-        write_hf_bert(out_dir, config=self.config, state_dict=state, **hf_config)
+        return read_hf_bert, write_hf_bert
 
     def tensor_parallel_plan(self) -> dict[str, str]:
         return {f"model.{pattern}": style for pattern, style in BERTModel.tensor_parallel_plan(self.config).items()}

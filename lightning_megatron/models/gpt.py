@@ -9,9 +9,8 @@ and only this rank's shards are ever materialised.
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
-from typing import Any, Optional, Union
+from typing import Callable, Optional, Union
 
 import torch
 from torch import Tensor, nn
@@ -203,33 +202,12 @@ class GPT(PretrainingRecipe):
         if self.model is None:
             self.model = GPTModel(self.config)
 
-    @classmethod
-    def from_hf(cls, model_or_dir: Union[str, os.PathLike, nn.Module], **gpt_kwargs: Any) -> "GPT":
-        """A GPT holding the weights of a Hugging Face GPT-2: a ``GPT2LMHeadModel`` or a ``save_pretrained`` directory.
+    @staticmethod
+    def hf_format() -> tuple[Callable, Callable]:
+        """``from_hf``/``to_hf`` convert to and from ``transformers.GPT2LMHeadModel``."""
+        from lightning_megatron.checkpoint.hf import read_hf_gpt2, write_hf_gpt2  # here: checkpoint.hf imports us
 
-        Example::
-
-            model = GPT.from_hf("path/to/gpt2", learning_rate=1e-4)   # fine-tune at any layout
-        """
-        from lightning_megatron.checkpoint.hf import read_hf_gpt2  # imported here: checkpoint.hf imports this module
-
-        config, state_dict = read_hf_gpt2(model_or_dir)
-        return cls._with_model_state_dict(config, state_dict, **gpt_kwargs)
-
-    def to_hf(self, out_dir: Union[str, os.PathLike], *, state_dict: Optional[dict[str, Tensor]] = None, **hf_config: Any) -> None:
-        """Write a directory that ``transformers.GPT2LMHeadModel.from_pretrained`` loads (``hf_config``: extra fields).
-
-        Under tensor or pipeline parallelism this module holds shards: gather on every rank, write on one::
-
-            state_dict = trainer.strategy.full_state_dict()
-            if trainer.is_global_zero:
-                model.to_hf("exported", state_dict=state_dict)
-        """
-        from lightning_megatron.checkpoint.hf import write_hf_gpt2  # imported here: checkpoint.hf imports this module
-        from lightning_megatron.checkpoint.hf_io import model_state_dict
-
-        state = model_state_dict(self.state_dict() if state_dict is None else state_dict)
-        write_hf_gpt2(out_dir, config=self.config, state_dict=state, **hf_config)
+        return read_hf_gpt2, write_hf_gpt2
 
     def tensor_parallel_plan(self) -> dict[str, str]:
         return {f"model.{pattern}": style for pattern, style in GPTModel.tensor_parallel_plan().items()}

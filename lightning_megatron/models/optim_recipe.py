@@ -8,11 +8,13 @@ and then follows a cosine down to ``min_learning_rate`` at the Trainer's last st
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import asdict
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Optional, Union
 
 import lightning as L
 import torch
+from torch import nn
 
 
 def warmup_cosine_factor(
@@ -108,11 +110,40 @@ class PretrainingRecipe(L.LightningModule):
         module.load_state_dict(consolidated_state_dict(checkpoint_path), strict=True if strict is None else strict)
         return module.to(map_location) if isinstance(map_location, (str, torch.device)) else module
 
+    @staticmethod
+    def hf_format() -> tuple[Callable, Callable]:
+        """The Hugging Face family's ``(read(model_or_dir) -> (config, state_dict), write(out_dir, *, config,
+        state_dict, **fields))``; each model names its own."""
+        raise NotImplementedError
+
     @classmethod
-    def _with_model_state_dict(cls, config: Any, state_dict: Mapping[str, torch.Tensor], **kwargs: Any):
-        """A module built on this process with ``config`` whose ``model`` holds ``state_dict`` (its full state
-        dict); ``kwargs`` are the recipe's, e.g. ``learning_rate``. What ``from_hf`` returns."""
+    def from_hf(cls, model_or_dir: Union[str, os.PathLike, nn.Module], **kwargs: Any):
+        """A module holding the weights of a Hugging Face model of this family (see ``hf_format``): the model
+        itself or its ``save_pretrained`` directory; ``kwargs`` are the recipe's, e.g. ``learning_rate``.
+
+        Example::
+
+            model = GPT.from_hf("path/to/gpt2", learning_rate=1e-4)   # fine-tune at any layout
+        """
+        read, _ = cls.hf_format()
+        config, state_dict = read(model_or_dir)
         module = cls(config, **kwargs)
         module.configure_model()
         module.model.load_state_dict(state_dict)
         return module
+
+    def to_hf(self, out_dir: Union[str, os.PathLike], *, state_dict: Optional[Mapping[str, torch.Tensor]] = None,
+              **hf_config: Any) -> None:
+        """Write a directory that the Hugging Face family's ``from_pretrained`` loads (``hf_config``: extra fields).
+
+        Under tensor or pipeline parallelism this module holds shards: gather on every rank, write on one::
+
+            state_dict = trainer.strategy.full_state_dict()
+            if trainer.is_global_zero:
+                model.to_hf("exported", state_dict=state_dict)
+        """
+        from lightning_megatron.checkpoint.hf_io import model_state_dict
+
+        _, write = self.hf_format()
+        state = model_state_dict(self.state_dict() if state_dict is None else state_dict)
+        write(out_dir, config=self.config, state_dict=state, **hf_config)
