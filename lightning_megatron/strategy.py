@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import contextlib
 import os
-from pathlib import Path
 from dataclasses import asdict
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Callable, Generator, Mapping, Optional, Union
 
 import lightning as L
@@ -31,8 +31,8 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.distributed import _distributed_is_initialized, _init_dist_connection, _sync_ddp_if_available
-from lightning.fabric.utilities.distributed import _get_default_process_group_backend_for_device
 from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
+from lightning.fabric.utilities.distributed import _get_default_process_group_backend_for_device
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
@@ -672,7 +672,8 @@ class Megatron3DStrategy(ParallelStrategy):
         training = self._rank_training()
         saved, checkpoint = load_model_state(checkpoint_path, training)
         self._sharded_checkpoint = saved
-        self._rng_state_to_restore = saved_rng_state(checkpoint, training)
+        if self.lightning_module.trainer.state.fn == TrainerFn.FITTING:  # streams continue in training only
+            self._rng_state_to_restore = saved_rng_state(checkpoint, training)
         if self.loss_scaler is not None and LOSS_SCALER_KEY in checkpoint:
             self.loss_scaler.load_state_dict(checkpoint[LOSS_SCALER_KEY])
         return checkpoint
