@@ -20,7 +20,6 @@ clipping replaced by the global-norm version.
 from __future__ import annotations
 
 import contextlib
-import os
 from dataclasses import asdict
 from datetime import timedelta
 from pathlib import Path
@@ -56,7 +55,7 @@ from lightning_megatron.parallel.recompute import MODES as RECOMPUTE_MODES
 from lightning_megatron.parallel.state import ParallelState
 from lightning_megatron.checkpoint.full import gather_full_state_dict, local_state_dict_from_full, merge_pipeline_stages
 from lightning_megatron.checkpoint.entries import optimizer_hyperparameters
-from lightning_megatron.checkpoint.sharded import BackgroundSaver, SavedCheckpoint, is_sharded_checkpoint, partial_path
+from lightning_megatron.checkpoint.sharded import BackgroundSaver, SavedCheckpoint, is_sharded_checkpoint, write_atomically
 from lightning_megatron.checkpoint.training_state import (
     LAYOUT_KEY,
     RankTraining,
@@ -644,9 +643,8 @@ class Megatron3DStrategy(ParallelStrategy):
         if self.checkpoint_format == "full":
             checkpoint[LAYOUT_KEY] = asdict(self.parallel_config)
             if self.is_global_zero and _is_local_file_protocol(filepath):  # atomic: written aside, then renamed
-                partial = partial_path(filepath)
-                self.checkpoint_io.save_checkpoint(checkpoint, partial, storage_options=storage_options)
-                os.replace(partial, filepath)
+                write_atomically(filepath, lambda partial: self.checkpoint_io.save_checkpoint(
+                    checkpoint, partial, storage_options=storage_options))
             else:
                 super().save_checkpoint(checkpoint, filepath, storage_options)
             return

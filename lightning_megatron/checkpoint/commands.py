@@ -26,7 +26,7 @@ import torch
 
 from lightning_megatron.checkpoint.hf_convert import read_hf, write_hf
 from lightning_megatron.checkpoint.hf_io import safetensors_torch
-from lightning_megatron.checkpoint.sharded import INFO_FILE, open_sharded, read_full_tensors, save_sharded
+from lightning_megatron.checkpoint.sharded import INFO_FILE, open_sharded, read_full_tensors, save_sharded, write_atomically
 from lightning_megatron.models.bert import BERTConfig
 from lightning_megatron.models.gpt import GPTConfig
 
@@ -71,17 +71,20 @@ def consolidate(path: Union[str, Path], out: Union[str, Path], *, optimizer: boo
     tensors = {(name[len(MODEL_PREFIX):] if name.startswith(MODEL_PREFIX) else name): tensor.contiguous()
                for name, tensor in read_full_tensors(path, names).items()}
     out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    partial = out.with_name(f".{out.name}.partial")
     if out.suffix == ".safetensors":
         metadata = {"format": "lightning-megatron", "source": str(saved.path),
                     "info": json.dumps(saved.info, default=str)}
-        safetensors_torch().save_file(tensors, str(partial), metadata=metadata)
+        save_file = safetensors_torch().save_file
+
+        def write(path: Path) -> None:
+            save_file(tensors, str(path), metadata=metadata)
     elif out.suffix == ".pt":
-        torch.save(tensors, partial)
+        def write(path: Path) -> None:
+            torch.save(tensors, path)
     else:
         raise ValueError(f"Output {out} must end in .safetensors or .pt.")
-    partial.replace(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    write_atomically(out, write)
     return out
 
 

@@ -25,16 +25,12 @@ from torch.optim import Optimizer
 
 from lightning_megatron.checkpoint.pieces import Placement, ShardedEntry
 from lightning_megatron.optim.main_params import MainParamOptimizer
-from lightning_megatron.optim.zero3 import dp_chunk_start
+from lightning_megatron.optim.zero3 import dp_chunk_start, local_tensor
 from lightning_megatron.parallel.initialize import original_name
 from lightning_megatron.tensor_parallel.sharding import shard_of
 
 MODEL, MAIN_PARAMS, OPTIMIZER = "state_dict", "main_params", "optimizer"
 Placements = dict[int, tuple[str, Placement]]
-
-
-def _local(tensor: Tensor) -> Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor.detach()
 
 
 def placement_of(tensor: Tensor, data_parallel_rank: int, data_parallel_size: int, shard=None) -> Placement:
@@ -59,7 +55,7 @@ def model_entries(module: nn.Module, data_parallel_rank: int, data_parallel_size
             raise TypeError(f"{type(module).__name__}.state_dict() entry {name!r} is a {type(value).__name__}; "
                             f"sharded checkpoints hold tensors (keep other state in on_save_checkpoint).")
         placement = placement_of(value, data_parallel_rank, data_parallel_size, shards.get(name))
-        entries[f"{MODEL}/{name}"] = ShardedEntry(_local(value), placement)
+        entries[f"{MODEL}/{name}"] = ShardedEntry(local_tensor(value), placement)
     return entries
 
 
@@ -97,14 +93,14 @@ def optimizer_entries(optimizer: Optimizer, index: int, placements: Placements) 
             if not isinstance(value, Tensor):
                 raise TypeError(f"{type(optimizer).__name__} state {key!r} of {name!r} is a {type(value).__name__}; "
                                 f"sharded checkpoints hold tensors only.")
-            local = _local(value)
-            if local.shape == _local(param).shape:
+            local = local_tensor(value)
+            if local.shape == local_tensor(param).shape:
                 entries[f"{OPTIMIZER}/{index}/{name}/{key}"] = ShardedEntry(local, placement)
             elif local.dim() == 0:
                 entries[f"{OPTIMIZER}/{index}/{name}/{key}"] = ShardedEntry(local, Placement(()))
             else:
                 raise TypeError(f"{type(optimizer).__name__} state {key!r} of {name!r} has shape {tuple(local.shape)}, "
-                                f"neither the parameter's {tuple(_local(param).shape)} nor a scalar.")
+                                f"neither the parameter's {tuple(local_tensor(param).shape)} nor a scalar.")
     return entries
 
 
@@ -149,6 +145,6 @@ def allocate_optimizer_state(optimizer: Optimizer, index: int, placements: Place
             for key, md in found.items():
                 dtype = md.properties.dtype
                 if len(md.size) == 0:  # a step counter: on the CPU unless the optimizer steps on the device
-                    state[key] = torch.zeros((), dtype=dtype, device=_local(param).device if on_device else "cpu")
+                    state[key] = torch.zeros((), dtype=dtype, device=local_tensor(param).device if on_device else "cpu")
                 else:
                     state[key] = torch.zeros_like(param.detach(), dtype=dtype)

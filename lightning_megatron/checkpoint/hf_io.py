@@ -18,6 +18,8 @@ from typing import Any, Callable, Mapping, Union
 import torch
 from torch import Tensor, nn
 
+from lightning_megatron.checkpoint.sharded import write_atomically
+
 HF_INSTALL_HINT = "pip install 'lightning-megatron[hf]'"
 # Both are 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))), torch's gelu(approximate="tanh").
 TANH_GELUS = ("gelu_new", "gelu_pytorch_tanh")
@@ -86,12 +88,6 @@ def dtype_name(tensor: Tensor) -> str:
     return str(tensor.dtype).removeprefix("torch.")
 
 
-def _write_atomically(path: Path, write: Callable[[Path], None]) -> None:
-    partial = path.with_name(f".{path.name}.partial")
-    write(partial)
-    os.replace(partial, path)
-
-
 def write_hf_checkpoint(out_dir: Union[str, os.PathLike], *, fields: Mapping[str, Any], state_dict: Mapping[str, Tensor]) -> None:
     """Write ``config.json`` and ``model.safetensors`` as ``save_pretrained`` does.
 
@@ -102,8 +98,8 @@ def write_hf_checkpoint(out_dir: Union[str, os.PathLike], *, fields: Mapping[str
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     save_file = safetensors_torch().save_file
-    _write_atomically(out / "model.safetensors", lambda path: save_file(tensors, path, metadata={"format": "pt"}))
-    _write_atomically(out / "config.json", lambda path: path.write_text(json.dumps(fields, indent=2, sort_keys=True) + "\n"))
+    write_atomically(out / "model.safetensors", lambda path: save_file(tensors, path, metadata={"format": "pt"}))
+    write_atomically(out / "config.json", lambda path: path.write_text(json.dumps(fields, indent=2, sort_keys=True) + "\n"))
 
 
 # ----------------------------------------------------------------------------- checks

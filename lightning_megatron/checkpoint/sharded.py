@@ -24,7 +24,7 @@ import threading
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, Optional, Union
+from typing import Any, Callable, Mapping, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -77,6 +77,13 @@ class _LoadPlanner(DefaultLoadPlanner):
 def partial_path(path: PathLike) -> Path:
     path = Path(path)
     return path.with_name(f".{path.name}.partial")
+
+
+def write_atomically(path: PathLike, write: Callable[[Path], None]) -> None:
+    """``write(partial)`` writes one file next to ``path``, which then replaces ``path`` in one rename."""
+    partial = partial_path(path)
+    write(partial)
+    os.replace(partial, path)
 
 
 def replaced_path(path: PathLike) -> Path:

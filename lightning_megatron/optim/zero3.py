@@ -126,7 +126,7 @@ from lightning_megatron.tensor_parallel.plan import name_matches
 from lightning_megatron.tensor_parallel.sharding import shard_of
 
 
-def _local(tensor: Tensor) -> Tensor:
+def local_tensor(tensor: Tensor) -> Tensor:
     """The local shard of a DTensor (an alias: in-place ops on it change the DTensor), or the tensor itself."""
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
@@ -161,9 +161,9 @@ class ZeRO3:
         computing each full parameter once and keeping only this rank's dp chunk of its tp shard.
         Parameters that are already real keep their values."""
         named = dict(self.module.named_parameters())
-        if not any(_local(p).is_meta for p in named.values()):
+        if not any(local_tensor(p).is_meta for p in named.values()):
             return
-        keep = {name: _local(p).detach().clone() for name, p in named.items() if not _local(p).is_meta}
+        keep = {name: local_tensor(p).detach().clone() for name, p in named.items() if not local_tensor(p).is_meta}
         self.module.to_empty(device=device)  # every parameter: FSDP re-pads the shards; tags may be lost
         self.retag()
         buffers = [name for name, buffer in self.module.named_buffers() if buffer.is_meta]
@@ -176,7 +176,7 @@ class ZeRO3:
         dp_rank, dp_size = self.state.data_parallel_rank, self.state.config.data_parallel_size
         with torch.no_grad():
             for name, values in keep.items():
-                _local(named[name]).copy_(values)
+                local_tensor(named[name]).copy_(values)
             for owner, initializer in owners:  # as initialize_parameters: names relative to the owner
                 for module_name, submodule in owner.named_modules(remove_duplicate=False):
                     for param_name, param in submodule.named_parameters(recurse=False):
@@ -185,7 +185,7 @@ class ZeRO3:
                         done.add(id(param))
                         name = original_name(param, f"{module_name}.{param_name}" if module_name else param_name)
                         values = local_initial_values(param, name, seed, initializer)  # the tp shard, whole over dp
-                        local = _local(param)
+                        local = local_tensor(param)
                         local.copy_(_dp_chunk(values, local.shape[0], dp_rank, dp_size))
 
     # ---------------------------------------------------------------- one step
@@ -205,18 +205,18 @@ class ZeRO3:
         divided out (``GradientSynchronizer.finish``'s contract, so ``StepGradients`` can drive either).
         """
         params = [p for p in self.module.parameters() if p.grad is not None]
-        device = _local(params[0].grad).device if params else torch.device("cpu")
+        device = local_tensor(params[0].grad).device if params else torch.device("cpu")
         tokens = num_tokens.detach().to(device=device, dtype=torch.float64)
         if self.state.data_parallel_group is not None:
             dist.all_reduce(tokens, group=self.state.data_parallel_group)
         for tag, group in (("sequence_parallel_grad", self.state.tensor_parallel_group),
                            ("pipeline_tied", self.state.embedding_group)):
             if group is not None:
-                sum_over_group([_local(p.grad) for p in params if getattr(p, tag, False)], group)
+                sum_over_group([local_tensor(p.grad) for p in params if getattr(p, tag, False)], group)
         scale = 1.0 / (max(float(tokens), 1.0) * backward_scale)
         with torch.no_grad():
             for param in params:
-                _local(param.grad).mul_(scale)
+                local_tensor(param.grad).mul_(scale)
 
     def zero(self) -> None:
         """Drop the gradient shards after the optimizer step (``optimizer.zero_grad()`` does the same)."""
@@ -225,7 +225,7 @@ class ZeRO3:
 
     def main_grads(self) -> list[Tensor]:
         """The fp32 gradient shards the optimizer steps on (``MainParamOptimizer``'s contract, for fp16)."""
-        return [_local(p.grad) for p in self.module.parameters() if p.grad is not None]
+        return [local_tensor(p.grad) for p in self.module.parameters() if p.grad is not None]
 
     def drop_grads(self) -> None:
         """Skip this step (an fp16 overflow): torch optimizers leave parameters without a gradient alone."""
@@ -243,7 +243,7 @@ class ZeRO3:
                 continue  # no gradient, or the last stage's copy of a tied embedding
             if shard_of(param) is None and not is_first_tensor_rank:
                 continue  # replicated over tp: counted on tp rank 0
-            squares += _local(param.grad).detach().double().pow(2).sum()
+            squares += local_tensor(param.grad).detach().double().pow(2).sum()
         for group in (self.state.data_parallel_group, self.state.model_parallel_group):
             if group is not None:
                 dist.all_reduce(squares, group=group)
@@ -257,11 +257,11 @@ class ZeRO3:
             with torch.no_grad():
                 for param in self.module.parameters():
                     if param.grad is not None:
-                        _local(param.grad).mul_(clip_coef)
+                        local_tensor(param.grad).mul_(clip_coef)
         return norm
 
     def gradient_bytes(self) -> int:
-        return sum(_local(p.grad).numel() * _local(p.grad).element_size()
+        return sum(local_tensor(p.grad).numel() * local_tensor(p.grad).element_size()
                    for p in dict.fromkeys(self.module.parameters()) if p.grad is not None)
 
     def model_state_bytes(self, optimizer: Optional[torch.optim.Optimizer] = None) -> dict[str, int]:
@@ -269,7 +269,7 @@ class ZeRO3:
         params = list(dict.fromkeys(self.module.parameters()))
         state = [] if optimizer is None else [v for s in optimizer.state.values() for v in s.values()
                                              if isinstance(v, Tensor) and v.dim() > 0]
-        nbytes = lambda t: _local(t).numel() * _local(t).element_size()  # noqa: E731
+        nbytes = lambda t: local_tensor(t).numel() * local_tensor(t).element_size()  # noqa: E731
         return {
             "parameters": sum(nbytes(p) for p in params),
             "gradients": sum(nbytes(p.grad) for p in params if p.grad is not None),
@@ -341,7 +341,7 @@ def load_full_state_dict(module: nn.Module, full: Mapping[str, Tensor], state: P
                 continue
             shard = shard_of(value)
             source = full[name] if shard is None else shard.local_slice(full[name])
-            local = _local(value)
+            local = local_tensor(value)
             if isinstance(value, DTensor):
                 source = _dp_chunk(source, local.shape[0], dp_rank, dp_size)
             local.copy_(source)
