@@ -1,13 +1,19 @@
 """Tensor-parallel layers, vocab-parallel cross-entropy and the communication count, on 2 real ranks."""
 
 import pytest
+import torch
 
 from launch import launch
 
 
 @pytest.fixture(scope="module")
-def layer_results(tmp_path_factory):
-    results, _ = launch("tp_layers.py", 2, tmp_path_factory.mktemp("tp_layers"))
+def layer_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("tp_layers")
+
+
+@pytest.fixture(scope="module")
+def layer_results(layer_dir):
+    results, _ = launch("tp_layers.py", 2, layer_dir)
     assert len(results) == 2
     return results
 
@@ -41,3 +47,26 @@ def test_transformer_layer_issues_exactly_the_papers_collectives(layer_results):
 def test_dropout_masks_agree_in_replicated_regions_and_differ_in_sharded_ones(layer_results):
     for result in layer_results:
         assert result["same_dropout_mask"] == {"replicated": True, "heads": False, "chunks": False}
+
+
+def test_pad_vocab_to_multiple_of_1_pads_an_indivisible_vocabulary_and_saves_it_unpadded(layer_results, layer_dir):
+    # tp=2, vocabulary 257, pad_vocab_to_multiple_of=1 through parallelize: 258 rows (a multiple of tp * 1), one of
+    # them padding on the last rank. It used to fail: make_shard padded only for multiples > 1.
+    for rank, result in enumerate(layer_results):
+        pad1 = result["pad1"]
+        assert "error" not in pad1, f"rank {rank}: {pad1.get('error')}"
+        assert pad1["padded_rows"] == 258 and pad1["local_rows"] == 129 and pad1["tied"]
+        assert pad1["padding_logits"] == rank  # rank 0 holds ids 0..128, rank 1 ids 129..256 and the padding row
+        assert pad1["padding_logits_not_minus_inf"] == 0
+        assert pad1["gathered_logit_columns"] == 258
+        assert pad1["logits_error"] < 1e-5 and pad1["weight_grad_error"] < 1e-5 and pad1["padding_rows_grad"] == 0
+        assert abs(pad1["loss"] - pad1["loss_ref"]) < 1e-4 * abs(pad1["loss_ref"])
+        assert pad1["full_state_shapes"] == {"emb.weight": [257, 16], "head.weight": [257, 16]}
+        assert pad1["full_state_error"] == 0
+    from lightning_megatron.checkpoint import consolidated_state_dict
+
+    reference = torch.load(layer_dir / "pad1_reference.pt", weights_only=True)
+    saved = consolidated_state_dict(layer_dir / "pad1_checkpoint")
+    assert {name: tuple(t.shape) for name, t in saved.items()} == {name: (257, 16) for name in reference}
+    for name, tensor in reference.items():
+        assert torch.equal(saved[name], tensor), name

@@ -10,7 +10,7 @@ from torch.utils.data import Dataset
 
 from lightning_megatron.data.base import DataParallelDataModule
 from lightning_megatron.data.corpus import load_stdlib_token_documents
-from lightning_megatron.data.indexed import IndexedDataset
+from lightning_megatron.data.indexed import IndexedDataset, check_dataset_files
 from lightning_megatron.data.preprocess import metadata_file, read_metadata
 from lightning_megatron.data.tokenizers import Tokenizer, check_vocab_fits, load_tokenizer
 
@@ -126,6 +126,7 @@ class GPTDataModule(DataParallelDataModule):
                     f"`lightning-megatron preprocess --tokenizer {spec} ...` and pass data_prefix."
                 )
             return load_tokenizer("byte")
+        check_dataset_files(self.data_prefix, argument="data_prefix")  # before the tokenizer: no files, no advice on it
         metadata = read_metadata(self.data_prefix)
         if spec is None and metadata is None:
             raise ValueError(

@@ -59,6 +59,92 @@ def data_file(prefix: str | os.PathLike) -> Path:
     return Path(f"{os.fspath(prefix)}.bin")
 
 
+_MAX_LISTED_ENTRIES = 10_000  # directory entries read to suggest a prefix: enough for any data directory, still cheap
+_MAX_SUGGESTIONS = 5
+
+
+def _datasets_in(directory: Path) -> list[str]:
+    """Names ``N`` of the complete datasets ``N.bin`` + ``N.idx`` in ``directory`` (temporary files left out)."""
+    stems: dict[str, set[str]] = {}
+    try:
+        with os.scandir(directory) as entries:
+            for count, entry in enumerate(entries):
+                if count >= _MAX_LISTED_ENTRIES:
+                    break
+                stem, dot, suffix = entry.name.rpartition(".")
+                if dot and stem and suffix in ("bin", "idx") and not stem.endswith(".tmp"):
+                    stems.setdefault(stem, set()).add(suffix)
+    except OSError:
+        return []
+    return sorted(stem for stem, suffixes in stems.items() if len(suffixes) == 2)
+
+
+def _close_datasets(name: str, candidates: list[str]) -> list[str]:
+    """``candidates`` that ``name`` was probably meant to be: itself with a file suffix, a longer or shorter
+    form of it (``corpus`` for ``corpus_text_document``), then spelling neighbours."""
+    import difflib
+
+    stripped = [name[: -len(suffix)] for suffix in (".bin", ".idx", ".meta.json", ".") if name.endswith(suffix)]
+    ranked = [c for c in candidates if c in stripped]
+    if ranked:  # the dataset's own files were named: no other guess is as good
+        return ranked
+    ranked += [c for c in candidates if name and (c.startswith(name) or name.startswith(c))]
+    ranked += difflib.get_close_matches(name, candidates, n=_MAX_SUGGESTIONS, cutoff=0.6)
+    return list(dict.fromkeys(ranked))[:_MAX_SUGGESTIONS]
+
+
+def check_dataset_files(prefix: str | os.PathLike, *, argument: str = "prefix") -> None:
+    """Raise ``FileNotFoundError`` unless both ``prefix.bin`` and ``prefix.idx`` exist.
+
+    The message names the paths looked for, says whether their directory exists, and lists the
+    datasets of that directory close to ``prefix`` (a prefix given with its ``.bin``/``.idx``
+    suffix, a shortened name, a typo), so a wrong prefix fails with the right one. It reads
+    only the file system (one directory listing, on failure), so every rank raises it alike,
+    before any collective. ``argument`` is how the user passed ``prefix``, for the message.
+    """
+    prefix = os.fspath(prefix)
+    idx_path, bin_path = index_file(prefix), data_file(prefix)
+    missing = [path for path in (bin_path, idx_path) if not path.is_file()]
+    if not missing:
+        return
+    if len(missing) == 1:
+        present = idx_path if missing[0] == bin_path else bin_path
+        raise FileNotFoundError(
+            f"Indexed dataset file {missing[0]} does not exist but {present} does; a dataset at {argument}={prefix!r} "
+            f"needs both {idx_path.name} and {bin_path.name}: copy the missing file, or write both again with "
+            f"`lightning-megatron preprocess`."
+        )
+    directory = bin_path.parent
+    message = f"No indexed dataset at {argument}={prefix!r}: neither {bin_path} nor {idx_path} exists"
+    hint = (" A prefix is the path of PREFIX.bin and PREFIX.idx without the suffix; write them with "
+            "`lightning-megatron preprocess --input FILE --tokenizer byte --output-prefix PREFIX`.")
+    if not directory.is_dir():
+        message += f", and the directory {directory} does not exist"
+        if not directory.is_absolute():
+            message += f" (relative to the working directory {os.getcwd()})"
+        raise FileNotFoundError(message + "." + hint)
+    if Path(prefix).is_dir():  # the directory of the data rather than a prefix in it
+        given_dir, listed = prefix, _datasets_in(Path(prefix))
+        close, lead, what = listed, f"; {prefix} is a directory, not a prefix", "Datasets in it"
+    else:
+        given_dir, listed = os.path.dirname(prefix), _datasets_in(directory)
+        close, lead, what = _close_datasets(bin_path.stem, listed), "", f"Datasets in {directory} with a close name"
+
+    def paths(names: list[str]) -> str:
+        more = f" and {len(names) - _MAX_SUGGESTIONS} more" if len(names) > _MAX_SUGGESTIONS else ""
+        return ", ".join(repr(os.path.join(given_dir, name)) for name in names[:_MAX_SUGGESTIONS]) + more
+
+    if len(close) == 1:
+        message += f"{lead}. Did you mean {argument}={paths(close)}?"
+    elif close:
+        message += f"{lead}. {what}: {paths(close)}."
+    elif listed:
+        message += f". {directory} holds the datasets {paths(listed)}, none with a close name."
+    else:
+        message += f"; {directory} holds no .bin/.idx dataset."
+    raise FileNotFoundError(message + ("" if close else hint))
+
+
 def token_dtype(vocab_size: int) -> np.dtype:
     """The dtype Megatron-LM stores a vocabulary's tokens in: uint16 below 65,500 ids, else int32."""
     return np.dtype(np.uint16 if vocab_size < 65500 else np.int32)
@@ -174,12 +260,7 @@ class IndexedDataset:
     def __init__(self, prefix: str | os.PathLike) -> None:
         self.prefix = os.fspath(prefix)
         idx_path, bin_path = index_file(prefix), data_file(prefix)
-        for path in (idx_path, bin_path):
-            if not path.is_file():
-                raise FileNotFoundError(
-                    f"Indexed dataset file {path} does not exist; a dataset at prefix {self.prefix!r} needs both "
-                    f"{idx_path.name} and {bin_path.name} (write them with `lightning-megatron preprocess`)."
-                )
+        check_dataset_files(prefix)
         index = np.memmap(idx_path, dtype=np.uint8, mode="r") if idx_path.stat().st_size else np.empty(0, np.uint8)
         if len(index) < _HEADER.size:
             raise ValueError(f"{idx_path} is {len(index)} bytes, shorter than the {_HEADER.size}-byte header.")

@@ -5,7 +5,8 @@ Input formats, chosen by the file's suffix:
 * ``.jsonl``: one JSON object per line; the document is the string under ``--json-key``.
 * ``.txt``: one document per line (so a document cannot hold a newline).
 
-In both, blank lines are skipped and a document that tokenises to nothing is left out. A
+In both, blank lines are skipped and a document that tokenises to nothing is left out; an
+input left with no document at all is an error (:class:`EmptyInputError`) and writes nothing. A
 malformed line (invalid utf-8, invalid JSON, not an object, no ``--json-key``, a value that
 is not a string) is reported as ``FILE:LINE: reason``; ``--on-error stop`` (the default)
 raises at the first one and writes nothing, ``--on-error skip`` leaves such lines out and
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import multiprocessing
 import os
@@ -51,8 +53,39 @@ class MalformedInputError(ValueError):
     """A line of the input cannot be read as a document (raised with ``--on-error stop``)."""
 
 
+class EmptyInputError(ValueError):
+    """The input holds no document (an empty file, only blank lines or empty texts, every line skipped);
+    nothing is written."""
+
+
 class _MalformedLine(Exception):
     """A line's problem, before the file name and line number are attached."""
+
+
+@dataclass
+class _LineCounts:
+    """What the lines of an input turned into, to say why it gave no documents."""
+
+    lines: int = 0
+    blank: int = 0
+    empty: int = 0  # an empty text, or one that tokenises to nothing
+    skipped: int = 0
+    first_skipped: str | None = None
+
+    def no_documents_error(self, source: str, *, jsonl: bool, json_key: str, written: str) -> EmptyInputError:
+        if self.lines == 0:
+            why = "there is not a single line (empty input)"
+        else:
+            parts = [f"{self.blank} blank"] if self.blank else []
+            if self.empty:
+                parts.append(f"{self.empty} with an empty text" + (f" under {json_key!r}" if jsonl else "")
+                             + " or one that tokenises to nothing")
+            if self.skipped:
+                parts.append(f"{self.skipped} malformed and skipped by --on-error skip (the first: {self.first_skipped})")
+            why = f"{self.lines} line{'s' if self.lines != 1 else ''} read: " + "; ".join(parts)
+        fix = (f"check that the records hold their text as a non-empty string under --json-key ({json_key!r})" if jsonl
+               else "give a file with at least one non-blank line")
+        return EmptyInputError(f"{source} gave no documents: {why}. Nothing was written to {written}; {fix}.")
 
 
 def _is_jsonl(path: Path) -> bool:
@@ -92,20 +125,31 @@ def _malformed(path: Path, line_number: int, reason: str) -> str:
     return f"{path}:{line_number}: {reason}"
 
 
-def iter_documents(path: str | os.PathLike, *, json_key: str = "text", on_error: str = "stop") -> Iterator[str]:
-    """The documents of one input file, read in this process, with the same rules as ``preprocess``."""
+def iter_documents(
+    path: str | os.PathLike, *, json_key: str = "text", on_error: str = "stop", counts: _LineCounts | None = None
+) -> Iterator[str]:
+    """The documents of one input file, read in this process, with the same rules as ``preprocess``
+    (``counts``, when given, is told what every line became)."""
     path = Path(path)
     jsonl = _is_jsonl(path)
+    counts = _LineCounts() if counts is None else counts
     with open(path, "rb") as f:
         for line_number, raw in enumerate(f, start=1):
+            counts.lines += 1
             try:
                 text = parse_line(raw, jsonl=jsonl, json_key=json_key)
             except _MalformedLine as error:
                 if on_error == "stop":
                     raise MalformedInputError(f"{_malformed(path, line_number, str(error))}; fix the line or skip "
                                               f"malformed lines with --on-error skip.") from None
+                counts.skipped += 1
+                counts.first_skipped = counts.first_skipped or _malformed(path, line_number, str(error))
                 continue
-            if text:
+            if text is None:
+                counts.blank += 1
+            elif not text:
+                counts.empty += 1
+            else:
                 yield text
 
 
@@ -118,6 +162,8 @@ class _EncodedChunk(NamedTuple):
     tokens: np.ndarray  # the chunk's documents back to back
     lengths: list[int]  # tokens per document
     errors: list[tuple[int, str]]  # (line number, reason) of malformed lines
+    blank: int = 0  # blank lines
+    empty: int = 0  # lines whose text is empty or tokenises to nothing
 
 
 class _ChunkEncoder:
@@ -128,7 +174,7 @@ class _ChunkEncoder:
         self.jsonl, self.json_key, self.append_eos, self.dtype = jsonl, json_key, append_eos, dtype
 
     def __call__(self, chunk: _Chunk) -> _EncodedChunk:
-        documents, errors = [], []
+        documents, errors, blank, empty = [], [], 0, 0
         for line_number, raw in chunk.lines:
             try:
                 text = parse_line(raw, jsonl=self.jsonl, json_key=self.json_key)
@@ -138,8 +184,12 @@ class _ChunkEncoder:
             ids = self.tokenizer.encode(text) if text else []
             if ids:
                 documents.append(np.array(ids + [self.tokenizer.eos_id] if self.append_eos else ids, dtype=self.dtype))
+            elif text is None:
+                blank += 1
+            else:
+                empty += 1
         tokens = np.concatenate(documents) if documents else np.empty(0, self.dtype)
-        return _EncodedChunk(tokens, [len(ids) for ids in documents], errors)
+        return _EncodedChunk(tokens, [len(ids) for ids in documents], errors, blank, empty)
 
 
 _worker_encoder: _ChunkEncoder | None = None
@@ -207,6 +257,21 @@ class PreprocessResult:
         return self.tokens / max(self.seconds, 1e-9)
 
 
+@contextlib.contextmanager
+def _output_directory(directory: Path) -> Iterator[None]:
+    """Create ``directory`` and its missing parents; remove those created here again (they are then empty)
+    when the body fails, so a failed run leaves nothing behind."""
+    created = [d for d in (directory, *directory.parents) if not d.exists()]  # deepest first
+    directory.mkdir(parents=True, exist_ok=True)
+    try:
+        yield
+    except BaseException:
+        for new_directory in created:
+            with contextlib.suppress(OSError):
+                new_directory.rmdir()
+        raise
+
+
 def metadata_file(prefix: str | os.PathLike) -> Path:
     return Path(f"{os.fspath(prefix)}.meta.json")
 
@@ -247,19 +312,22 @@ def preprocess(
     dtype = token_dtype(loaded.vocab_size)
     encoder_kwargs = dict(tokenizer=tokenizer_spec, jsonl=_is_jsonl(path), json_key=json_key,
                           append_eos=append_eos, dtype=dtype)
-    Path(output_prefix).parent.mkdir(parents=True, exist_ok=True)
 
-    start, skipped = time.perf_counter(), 0
+    start, skipped, counts = time.perf_counter(), 0, _LineCounts()
     bar = tqdm(total=path.stat().st_size, unit="B", unit_scale=True, desc=f"preprocess {path.name}",
                disable=not progress, file=sys.stderr)
     encoded_chunks = _encode_chunks(_read_chunks(path), workers=workers, encoder_kwargs=encoder_kwargs)
     # closing() stops the worker pool at once when a malformed line ends the run
-    with bar, IndexedDatasetWriter(output_prefix, dtype=dtype) as writer, contextlib.closing(encoded_chunks):
+    with _output_directory(Path(output_prefix).parent), bar, IndexedDatasetWriter(output_prefix, dtype=dtype) as writer, \
+            contextlib.closing(encoded_chunks):
         for chunk, encoded in encoded_chunks:
+            counts.lines, counts.blank, counts.empty = (counts.lines + len(chunk.lines), counts.blank + encoded.blank,
+                                                        counts.empty + encoded.empty)
             for line_number, reason in encoded.errors:
                 message = _malformed(path, line_number, reason)
                 if on_error == "stop":
                     raise MalformedInputError(f"{message}; fix the line or skip malformed lines with --on-error skip.")
+                counts.first_skipped = counts.first_skipped or message
                 skipped += 1
                 if skipped <= _MAX_REPORTED_SKIPS:
                     bar.write(f"skipped {message}", file=sys.stderr)
@@ -268,6 +336,10 @@ def preprocess(
                 writer.add_document(document)
             bar.update(chunk.num_bytes)
         documents, tokens = writer.num_documents, writer.num_tokens
+        if documents == 0:  # raised inside the writer: it deletes its temporary files, an old dataset stays
+            counts.skipped = skipped
+            raise counts.no_documents_error(str(path), jsonl=encoder_kwargs["jsonl"], json_key=json_key,
+                                            written=f"{output_prefix}.bin/.idx/.meta.json")
         # The new .bin/.idx replace the old ones as the writer closes; a crash before the new record
         # is written then leaves no record rather than the old tokenizer's, which would misdescribe them.
         meta_path = metadata_file(output_prefix)
@@ -320,7 +392,14 @@ def train_tokenizer_main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--json-key", default="text", help="the key holding a document's text in .jsonl input")
     parser.add_argument("--on-error", choices=("skip", "stop"), default="stop", help="on a malformed line")
     args = parser.parse_args(argv)
-    texts = (text for path in args.input for text in iter_documents(path, json_key=args.json_key, on_error=args.on_error))
-    tokenizer = train_bpe_tokenizer(texts, vocab_size=args.vocab_size, output_path=args.output)
+    counts = _LineCounts()
+    texts = (text for path in args.input
+             for text in iter_documents(path, json_key=args.json_key, on_error=args.on_error, counts=counts))
+    first = next(texts, None)  # an input without documents fails here, before anything is trained or written
+    if first is None:
+        raise counts.no_documents_error(f"--input {', '.join(args.input)}", jsonl=any(
+            Path(path).suffix == ".jsonl" for path in args.input), json_key=args.json_key, written=args.output)
+    tokenizer = train_bpe_tokenizer(itertools.chain([first], texts), vocab_size=args.vocab_size,
+                                    output_path=args.output)
     print(f"{args.output}: byte-level BPE, {tokenizer.vocab_size} ids, end of document {tokenizer.eos_token!r} "
           f"= {tokenizer.eos_id}")

@@ -162,8 +162,18 @@ def train_bpe_tokenizer(
         initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tokenizer.train_from_iterator(texts, trainer)
+    texts_seen = 0
+
+    def counted(texts: Iterable[str]) -> Iterable[str]:
+        nonlocal texts_seen
+        for text in texts:
+            texts_seen += bool(text)
+            yield text
+
+    tokenizer.train_from_iterator(counted(texts), trainer)
     output_path = Path(output_path)
+    if not texts_seen:  # it would be a tokenizer of the bare byte alphabet, trained on nothing
+        raise ValueError(f"No text to train a tokenizer on (every text was empty); nothing was written to {output_path}.")
     tmp = output_path.with_name(output_path.name + ".tmp")
     tokenizer.save(str(tmp))
     os.replace(tmp, output_path)

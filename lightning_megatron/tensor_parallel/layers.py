@@ -36,7 +36,12 @@ def mark_sequence_parallel_grad(param: nn.Parameter) -> None:
 
 
 class ColumnParallelLinear(nn.Module):
-    """``y = x A^T + b`` with ``A`` split along its rows (the output features) over the group."""
+    """``y = x A^T + b`` with ``A`` split along its rows (the output features) over the group.
+
+    ``out_features`` must divide over the group, unless ``pad_to_multiple_of`` is given: then the
+    output features are zero-padded to a multiple of ``tp * pad_to_multiple_of`` (what
+    :class:`VocabParallelHead` does for the vocabulary).
+    """
 
     def __init__(
         self,
@@ -47,7 +52,7 @@ class ColumnParallelLinear(nn.Module):
         group: Group = None,
         sequence_parallel: bool = False,
         gather_output: bool = False,
-        pad_to_multiple_of: int = 1,
+        pad_to_multiple_of: Optional[int] = None,
         device=None,
         dtype=None,
     ) -> None:

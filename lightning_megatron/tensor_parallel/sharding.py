@@ -60,12 +60,21 @@ def padded_size(size: int, world: int, multiple: int) -> int:
     return math.ceil(size / step) * step
 
 
-def make_shard(group, *, dim: int, global_shape: tuple[int, ...], pad_to_multiple_of: int = 1) -> TensorShard:
-    """The shard spec of this rank for a parameter split along ``dim`` over ``group``."""
+def make_shard(
+    group, *, dim: int, global_shape: tuple[int, ...], pad_to_multiple_of: int | None = None
+) -> TensorShard:
+    """The shard spec of this rank for a parameter split along ``dim`` over ``group``.
+
+    ``pad_to_multiple_of=None`` (every layer but the vocabulary's): ``dim`` must divide over the
+    group as it is. An int ``m`` (the vocabulary; Megatron's ``make_vocab_size_divisible_by``):
+    ``dim`` is zero-padded to a multiple of ``world * m``, for ``m = 1`` too.
+    """
     world = 1 if group is None else dist.get_world_size(group)
     rank = 0 if group is None else dist.get_rank(group)
     size = global_shape[dim]
-    padded = padded_size(size, world, pad_to_multiple_of) if pad_to_multiple_of > 1 else size
+    if pad_to_multiple_of is not None and pad_to_multiple_of < 1:
+        raise ValueError(f"pad_to_multiple_of must be >= 1 (or None for no padding), got {pad_to_multiple_of}.")
+    padded = size if pad_to_multiple_of is None else padded_size(size, world, pad_to_multiple_of)
     if padded % world != 0:
         raise ValueError(
             f"Dimension {dim} of a parameter of shape {global_shape} has size {size}, which does not divide over "

@@ -120,6 +120,65 @@ errors["padding_rows_grad"] = emb.weight.grad[emb.weight.tensor_shard.real_local
 mean_loss = VocabParallelCrossEntropy(group=group)(logits.detach().flatten(0, 1), labels.flatten())
 err("cross_entropy_mean", mean_loss, loss_ref.detach() / (labels != -100).sum())
 
+# pad_vocab_to_multiple_of=1 through parallelize (the strategy's path) with a vocabulary that tp does not divide:
+# 257 ids pad to 258 rows (a multiple of tp * 1). Logits, loss and gradients must match plain PyTorch, and the full
+# state dict and a sharded checkpoint must keep the 257 real rows only.
+class TinyLM(nn.Module):
+    def __init__(self, vocab, hidden):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, hidden)
+        self.head = nn.Linear(hidden, vocab, bias=False)
+        self.head.weight = self.emb.weight
+        self.loss = nn.CrossEntropyLoss(reduction="sum")
+
+    def forward(self, ids, labels):
+        logits = self.head(self.emb(ids))
+        return logits, self.loss(logits.flatten(0, 1), labels.flatten())
+
+
+PAD1_VOCAB = 257
+torch.manual_seed(3)
+lm_ref = TinyLM(PAD1_VOCAB, H)
+lm = TinyLM(PAD1_VOCAB, H)
+lm.load_state_dict(lm_ref.state_dict())
+pad1_ids = torch.randint(0, PAD1_VOCAB, (B, S))
+pad1_ids[0, 0] = PAD1_VOCAB - 1  # the last real id sits on the last rank, next to the padding row
+pad1_labels = torch.randint(0, PAD1_VOCAB, (B, S))
+pad1_labels[1, :2] = torch.tensor([PAD1_VOCAB - 1, -100])
+pad1_logits_ref, pad1_loss_ref = lm_ref(pad1_ids, pad1_labels)
+pad1_loss_ref.backward()
+pad1: dict = {}
+try:
+    parallelize(lm, {"emb": "vocab", "head": "vocab", "loss": "vocab"}, state, pad_vocab_to_multiple_of=1)
+except Exception as error:  # the same on every rank (before any collective); reported, not fatal for the rest
+    pad1["error"] = f"{type(error).__name__}: {error}"
+if "error" not in pad1:
+    from lightning_megatron.checkpoint.entries import model_entries
+    from lightning_megatron.checkpoint.full import gather_along, gather_full_state_dict
+    from lightning_megatron.checkpoint.sharded import save_sharded
+
+    weight_shard = lm.emb.weight.tensor_shard
+    pad1["padded_rows"] = weight_shard.padded_size
+    pad1["local_rows"] = lm.emb.weight.shape[0]
+    pad1["tied"] = lm.head.weight is lm.emb.weight
+    pad1_logits, pad1_loss = lm(pad1_ids, pad1_labels)
+    pad1["padding_logits_not_minus_inf"] = int((pad1_logits[..., lm.head.real_local_size:] != float("-inf")).sum())
+    pad1["padding_logits"] = pad1_logits.shape[-1] - lm.head.real_local_size
+    full_logits = gather_along(pad1_logits.detach(), 2, group)
+    pad1["gathered_logit_columns"] = full_logits.shape[-1]
+    pad1["logits_error"] = (full_logits[..., :PAD1_VOCAB] - pad1_logits_ref.detach()).abs().max().item()
+    pad1["loss"], pad1["loss_ref"] = pad1_loss.item(), pad1_loss_ref.item()
+    pad1_loss.backward()
+    grad = gather_along(lm.emb.weight.grad, 0, group)
+    pad1["weight_grad_error"] = (grad[:PAD1_VOCAB] - lm_ref.emb.weight.grad).abs().max().item()
+    pad1["padding_rows_grad"] = grad[PAD1_VOCAB:].abs().sum().item()
+    full_state = gather_full_state_dict(lm, group)
+    pad1["full_state_shapes"] = {name: list(t.shape) for name, t in full_state.items()}
+    pad1["full_state_error"] = max((full_state[name] - t).abs().max().item() for name, t in lm_ref.state_dict().items())
+    if rank == 0:
+        torch.save({name: t.detach().clone() for name, t in lm_ref.state_dict().items()}, out_dir / "pad1_reference.pt")
+    save_sharded(out_dir / "pad1_checkpoint", model_entries(lm, 0, 1), {}, {})
+
 # Count the collectives of one transformer layer, forward and backward separately.
 COLLECTIVES = ["all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "reduce_scatter",
                "reduce_scatter_tensor", "reduce_scatter_single",
@@ -169,6 +228,7 @@ for name, dropout in regions.items():
     dist.all_gather(masks, mask, group=group)
     same_mask[name] = all(torch.equal(masks[0], m) for m in masks)
 
-(out_dir / f"rank{rank}.json").write_text(json.dumps({"errors": errors, "counts": layer_counts, "same_dropout_mask": same_mask}))
+(out_dir / f"rank{rank}.json").write_text(json.dumps({"errors": errors, "counts": layer_counts, "same_dropout_mask": same_mask,
+                                                         "pad1": pad1}))
 dist.barrier()
 os._exit(0)  # skip gloo's C++ teardown: with several meshes alive it aborts at random (torch 2.13)
