@@ -28,27 +28,29 @@ from typing import Any, Callable, Generator, Mapping, Optional, Union
 import lightning as L
 import torch
 import torch.distributed as dist
-from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.distributed import _distributed_is_initialized, _init_dist_connection, _sync_ddp_if_available
 from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
 from lightning.fabric.utilities.distributed import _get_default_process_group_backend_for_device
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.strategies import ParallelStrategy
-from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 from torch import Tensor
 from torch.optim import Optimizer
 from torchmetrics import Metric
 
+from lightning_megatron.launcher import InPlaceLauncher, SubprocessLauncher, die_with_launcher
 from lightning_megatron.optim.clip import clip_grads_by_global_norm
 from lightning_megatron.optim.grad_sync import DEFAULT_BUCKET_SIZE_MB, GradientSynchronizer, LocalGradients
 from lightning_megatron.optim.loss_scaler import DynamicLossScaler
+from lightning_megatron.optim.nonfinite import NonFiniteCheck
 from lightning_megatron.optim.step import StepGradients
 from lightning_megatron.optim.zero3 import ZeRO3
 from lightning_megatron.optim.zero3 import load_full_state_dict as load_zero3_state_dict
 from lightning_megatron.optim.main_params import MainParamOptimizer, model_state_bytes, uses_main_params
 from lightning_megatron.parallel.config import ParallelConfig
+from lightning_megatron.parallel.diagnostics import (DEFAULT_TIMEOUT, PhaseRecord, argument, check_process_count,
+    cleanup_after_failure, explain_collective_failure, meta_model_left_in_place, records_phase, warn_if_replicated)
 from lightning_megatron.parallel.initialize import initialize_parameters
 from lightning_megatron.parallel.random import TensorParallelRNG
 from lightning_megatron.parallel.recompute import MODES as RECOMPUTE_MODES
@@ -59,6 +61,7 @@ from lightning_megatron.checkpoint.sharded import BackgroundSaver, SavedCheckpoi
 from lightning_megatron.checkpoint.training_state import (
     LAYOUT_KEY,
     RankTraining,
+    check_full_checkpoint,
     load_model_state,
     load_optimizer_state,
     saved_rng_state,
@@ -96,6 +99,15 @@ class Megatron3DStrategy(ParallelStrategy):
             (``initial_scale``, ``min_scale``, ``growth_factor``, ``backoff_factor``, ``growth_interval``,
             ``hysteresis``; Megatron-LM's scheme). A step with an inf/NaN gradient on any rank is
             skipped on every rank.
+        on_nonfinite: what a NaN/Inf loss (of any micro-batch, on any rank) or global gradient norm does
+            under ``32-true``, ``bf16-true`` and ``bf16-mixed``; checked every step right after the
+            gradients are reduced, before Lightning's hooks, clipping (which reuses the norm) and the
+            optimizer see them, so no checkpoint of a broken state is ever written. ``"error"`` (default,
+            as Megatron-LM): raise ``NonFiniteError`` on every rank, naming the step and the ranks.
+            ``"skip"``: skip the step on every rank (logged as ``skipped_steps``). ``"ignore"``: no check.
+            fp16 (``16-true``, ``16-mixed``) keeps its loss scaler's overflow handling instead.
+        max_consecutive_skips: under ``on_nonfinite="skip"``, the most steps in a row that may be skipped;
+            the next non-finite one raises.
         offload_optimizer: keep fp32 main parameters and optimizer state in CPU memory and step there.
         bucket_size_mb: size of the gradient buckets reduced over dp while backward runs.
         pad_vocab_to_multiple_of: the vocabulary is padded to a multiple of ``tp * this`` (Megatron: 128).
@@ -106,6 +118,16 @@ class Megatron3DStrategy(ParallelStrategy):
             Both kinds load whatever this is set to.
         async_checkpoint: write sharded checkpoints in a background thread; training pauses only to
             copy this rank's shards to CPU memory. The checkpoint appears under its name when complete.
+        checkpoint_checksums: record a CRC-32 of every file of a sharded checkpoint in its
+            ``megatron_3d.json`` (each rank sums the files it wrote; ``benchmarks/checkpoint_checks.py``
+            measures the cost), so that ``verify_checkpoint`` and ``lightning-megatron checkpoint
+            verify`` can tell a file whose bytes changed.
+        verify_checkpoint: compare a sharded checkpoint's files with their checksums before loading it
+            (the files are shared out over the ranks). Loaded tensors are always checked to be finite.
+        timeout: how long a rank waits in a collective (every group of the layout) before it gives up:
+            10 minutes by default (Megatron-LM's; torch's gloo default is 30). A rank that stalls blocks
+            every other rank this long; the error then names the phase and step that were waiting (training
+            step, optimizer step, checkpoint save, ...). Raise it for slow filesystems or long first steps.
 
     Example::
 
@@ -128,13 +150,17 @@ class Megatron3DStrategy(ParallelStrategy):
         pipeline_layers_per_stage: Optional[list[int]] = None,
         activation_checkpointing: str = "none",
         loss_scaler: Optional[dict] = None,
+        on_nonfinite: str = "error",
+        max_consecutive_skips: int = 10,
         offload_optimizer: bool = False,
         bucket_size_mb: float = DEFAULT_BUCKET_SIZE_MB,
         pad_vocab_to_multiple_of: int = 128,
         checkpoint_format: str = "sharded",
         async_checkpoint: bool = False,
+        checkpoint_checksums: bool = True,
+        verify_checkpoint: bool = False,
         process_group_backend: Optional[str] = None,
-        timeout: Optional[timedelta] = default_pg_timeout,
+        timeout: Optional[timedelta] = DEFAULT_TIMEOUT,
         accelerator=None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment=None,
@@ -165,6 +191,7 @@ class Megatron3DStrategy(ParallelStrategy):
         if async_checkpoint and checkpoint_format != "sharded":
             raise ValueError("async_checkpoint=True needs checkpoint_format='sharded'.")
         self.checkpoint_format = checkpoint_format
+        self.checkpoint_checksums, self.verify_checkpoint = checkpoint_checksums, verify_checkpoint
         self._background_saver = BackgroundSaver() if async_checkpoint else None
         # Validate what can be validated before any process exists.
         ParallelConfig(
@@ -190,6 +217,7 @@ class Megatron3DStrategy(ParallelStrategy):
         self.pad_vocab_to_multiple_of = pad_vocab_to_multiple_of
         self._process_group_backend = process_group_backend
         self._timeout = timeout
+        self._phases = PhaseRecord()  # what this rank is doing: named when a collective times out
         self.num_nodes = 1
         self._parallel_state: Optional[ParallelState] = None
         self._rng: Optional[TensorParallelRNG] = None
@@ -202,6 +230,8 @@ class Megatron3DStrategy(ParallelStrategy):
         self._loss_scaler_settings = dict(loss_scaler or {})
         DynamicLossScaler(**self._loss_scaler_settings)  # validate the settings now, not after the launch
         self.loss_scaler: Optional[DynamicLossScaler] = None
+        self.nonfinite = NonFiniteCheck(on_nonfinite, max_consecutive_skips)  # validates both
+        self._step_grad_norm: Optional[Tensor] = None  # this step's norm, measured by the check, reused by the clip
         self._reported_bytes = False
         self._pipeline: Optional[PipelineRunner] = None
         self.pipeline_recorder: Optional[TimelineRecorder] = None
@@ -244,11 +274,19 @@ class Megatron3DStrategy(ParallelStrategy):
         return {"num_replicas": state.config.data_parallel_size, "rank": state.data_parallel_rank}
 
     def _configure_launcher(self) -> None:
+        """Our launchers finish interrupted checkpoint saves before Lightning looks for checkpoints, and the
+        script copies they start die with them (``launcher.py``)."""
         assert self.cluster_environment is not None
-        if not self.cluster_environment.creates_processes_externally:
-            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+        if self.cluster_environment.creates_processes_externally:
+            die_with_launcher()
+            self._launcher = InPlaceLauncher()
+        else:
+            self._launcher = SubprocessLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 
+    @records_phase("setup")
     def setup_environment(self) -> None:
+        # Under torchrun, devices x num_nodes must be the processes it started (before root_device indexes them).
+        check_process_count(self.cluster_environment, self.num_processes, self.num_nodes)
         super().setup_environment()
         self.set_world_ranks()
         config = ParallelConfig.for_world(self.world_size, **self._requested)
@@ -262,7 +300,7 @@ class Megatron3DStrategy(ParallelStrategy):
         if self.root_device.type != "cpu":
             kwargs["device_id"] = self.root_device
         _init_dist_connection(self.cluster_environment, backend, **kwargs)
-        self._parallel_state = ParallelState.create(config, self.root_device)
+        self._parallel_state = ParallelState.create(config, self.root_device, timeout=self._timeout)
         # One seed for the whole job: replicated weights and replicated dropout must agree across ranks.
         self._seed = self.broadcast(torch.initial_seed() % (2**63 - 1))
         # Dropout in different pipeline stages must not repeat the same masks (Megatron: +100 per stage).
@@ -288,6 +326,7 @@ class Megatron3DStrategy(ParallelStrategy):
         with torch.device("meta"):
             yield
 
+    @records_phase("setup")
     def setup(self, trainer: "L.Trainer") -> None:
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
@@ -319,6 +358,8 @@ class Megatron3DStrategy(ParallelStrategy):
     def _prepare_model(self, module, trainer: "L.Trainer") -> None:
         """Split the model for this layout, once: tp plan, recomputation, pipeline stages, local shards."""
         plan = module.tensor_parallel_plan() if hasattr(module, "tensor_parallel_plan") else {}
+        config = self.parallel_config
+        warn_if_replicated(module, plan, config.tensor_parallel_size, config.data_parallel_size)
         parallelize(module, plan, self.parallel_state, rng=self._rng, pad_vocab_to_multiple_of=self.pad_vocab_to_multiple_of)
         apply_recompute(module, self.activation_checkpointing, self._rng)
         split = split_pipeline(module, self.parallel_state)
@@ -341,7 +382,8 @@ class Megatron3DStrategy(ParallelStrategy):
         state = self.parallel_state
         if self._zero3 is not None:
             return StepGradients(self._zero3, None, self.loss_scaler, data_parallel_group=state.data_parallel_group,
-                                 device=self.root_device)
+                                 device=self.root_device, model_parallel_group=state.model_parallel_group,
+                                 nonfinite=self._nonfinite_check())
         partial_grad_groups = [
             ([p for p in params if getattr(p, "sequence_parallel_grad", False)], state.tensor_parallel_group),
             ([p for p in params if getattr(p, "pipeline_tied", False)], state.embedding_group),
@@ -368,7 +410,14 @@ class Megatron3DStrategy(ParallelStrategy):
         if self.loss_scaler is not None and main_params is None:
             raise ValueError("precision='16-true' needs 16-bit parameters with fp32 main parameters.")
         return StepGradients(sync, main_params, self.loss_scaler, data_parallel_group=state.data_parallel_group,
-                             device=self.root_device)
+                             device=self.root_device, model_parallel_group=state.model_parallel_group,
+                             nonfinite=self._nonfinite_check())
+
+    def _nonfinite_check(self) -> Optional[NonFiniteCheck]:
+        """The check, unless fp16 runs: its loss scaler (ours, or Lightning's GradScaler under ``16-mixed``,
+        whose gradients are still scaled when the check would run) skips overflowing steps itself."""
+        fp16 = self.loss_scaler is not None or getattr(self.precision_plugin, "scaler", None) is not None
+        return self.nonfinite if self.nonfinite.enabled and not fp16 else None
 
     def _setup_loss_scaling(self) -> None:
         """fp16 needs one overflow decision for the whole world, whichever precision flavour runs it."""
@@ -448,6 +497,7 @@ class Megatron3DStrategy(ParallelStrategy):
         finally:
             self._blocking_sync = False
 
+    @records_phase("training step")
     def training_step(self, *args: Any, **kwargs: Any):
         if self._rng_state_to_restore is not None:
             # Restored here, not at load time: Lightning draws from the global generator in between (a new
@@ -462,16 +512,22 @@ class Megatron3DStrategy(ParallelStrategy):
         self._micro_batch_weight = tokens.detach() if isinstance(tokens, Tensor) else 1.0
         if self._step is not None:
             self._step.add_tokens(self._micro_batch_weight)
+            loss = output.get("loss") if isinstance(output, Mapping) else output
+            if isinstance(loss, Tensor):  # under pipelining every stage has it: the runner broadcasts it over pp
+                self._step.add_loss(loss)
         return output
 
+    @records_phase("validation step")
     def validation_step(self, *args: Any, **kwargs: Any):
         with self._evaluation_mode():
             return super().validation_step(*args, **kwargs)
 
+    @records_phase("test step")
     def test_step(self, *args: Any, **kwargs: Any):
         with self._evaluation_mode():
             return super().test_step(*args, **kwargs)
 
+    @records_phase("predict step")
     def predict_step(self, *args: Any, **kwargs: Any):
         with self._evaluation_mode():
             return super().predict_step(*args, **kwargs)
@@ -504,6 +560,7 @@ class Megatron3DStrategy(ParallelStrategy):
         tokens_sum = closure_loss * self._micro_batch_weight * self.lightning_module.trainer.accumulate_grad_batches
         return super().backward(tokens_sum * self._backward_scale(self._micro_batch_weight), optimizer, *args, **kwargs)
 
+    @records_phase("optimizer step")
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model=None, **kwargs: Any) -> Any:
         def closure_then_reduce_grads() -> Any:
             result = closure()
@@ -512,9 +569,11 @@ class Megatron3DStrategy(ParallelStrategy):
                 loss_scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
                 overflow = self._step.finish(accumulation=accumulation, loss_scale=loss_scale)
                 self._log_loss_scale(overflow)
+                self._step_grad_norm = self._check_nonfinite(optimizer)
             return result
 
         output = super().optimizer_step(optimizer, closure_then_reduce_grads, model, **kwargs)
+        self._step_grad_norm = None
         if self._step is not None:
             self._step.after_step()
         if not self._reported_bytes:
@@ -529,6 +588,20 @@ class Megatron3DStrategy(ParallelStrategy):
         module = self.lightning_module
         module.log("loss_scale", self.loss_scaler.scale, on_step=True, on_epoch=False)
         module.log("skipped_steps", float(self.loss_scaler.skipped_steps), on_step=True, on_epoch=False)
+
+    def _check_nonfinite(self, optimizer: Optimizer) -> Optional[Tensor]:
+        """Raise (or skip the step) on every rank if a loss or the global gradient norm is not finite
+        (``optim/nonfinite.py``); returns the norm, which the clip reuses. Same parameters as the clip."""
+        trainer = self.lightning_module.trainer
+        norm, skipped = self._step.check_finite([p for group in optimizer.param_groups for p in group["params"]],
+                                                is_first_tensor_rank=self.parallel_state.tensor_parallel_rank == 0,
+                                                step=trainer.global_step, epoch=trainer.current_epoch)
+        if skipped is not None:
+            rank_zero_warn(skipped)
+        if self._step.nonfinite is not None and self.nonfinite.mode == "skip":
+            self.lightning_module.log("skipped_steps", float(self.nonfinite.skipped_steps), on_step=True,
+                                      on_epoch=False)
+        return norm
 
     def _report_model_state_bytes(self, optimizer: Optimizer) -> None:
         """Each rank states its model-state memory once, after the first step has allocated optimizer state."""
@@ -545,8 +618,9 @@ class Megatron3DStrategy(ParallelStrategy):
         print(f"[rank {self.global_rank}] model state: {summary} (total {sum(sizes.values()) / 2**20:.2f} MiB)", flush=True)
 
     def clip_grad_by_global_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> Tensor:
+        norm = self._step_grad_norm  # measured by the non-finite check this step: no second all-reduce
         if self._zero3 is not None:
-            return self._zero3.clip_grad_norm_(float(clip_val))
+            return self._zero3.clip_grad_norm_(float(clip_val), norm=norm)
         params = [p for group in optimizer.param_groups for p in group["params"]]
         state = self.parallel_state
         return clip_grads_by_global_norm(
@@ -556,13 +630,16 @@ class Megatron3DStrategy(ParallelStrategy):
             is_first_tensor_rank=state.tensor_parallel_rank == 0,
             data_parallel_group=state.data_parallel_group if state.config.zero_stage else None,
             reduce_device=self.root_device,
+            norm=norm,
         )
 
     # ------------------------------------------------------------------ collectives
+    @records_phase("barrier", argument(0, "name"))
     def barrier(self, name: Optional[str] = None) -> None:
         if _distributed_is_initialized():
             dist.barrier()
 
+    @records_phase("broadcast")
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         if not _distributed_is_initialized():
             return obj
@@ -570,6 +647,7 @@ class Megatron3DStrategy(ParallelStrategy):
         dist.broadcast_object_list(box, src)
         return box[0]
 
+    @records_phase("metric reduction")
     def reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Union[dist.ReduceOp, str]] = "mean") -> Any:
         """Reduce over the data-parallel group by default: tp/pp ranks of one replica hold the same value."""
         if not isinstance(tensor, Tensor):
@@ -580,6 +658,7 @@ class Megatron3DStrategy(ParallelStrategy):
                 return tensor
         return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
 
+    @records_phase("decision")
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
         if not _distributed_is_initialized():
             return decision
@@ -588,21 +667,27 @@ class Megatron3DStrategy(ParallelStrategy):
         return bool(votes == self.world_size) if all else bool(votes)
 
     def on_exception(self, exception: BaseException) -> None:
+        """A collective that timed out (or lost its peer) is told what was waiting: a note on the exception."""
         self._failed = True
+        explain_collective_failure(exception, self._phases, rank=self.global_rank, world_size=self.world_size,
+                                   timeout=self._timeout)
         super().on_exception(exception)
 
+    @records_phase("teardown")
     def teardown(self) -> None:
-        if self._background_saver is not None:  # the last checkpoint must be complete before the process ends
-            self._background_saver.wait(together=not getattr(self, "_failed", False))
-        if _distributed_is_initialized() and not getattr(self, "_failed", False):
+        """After an error nothing here raises over it (a model still on meta stays there): it stays the last one."""
+        failed = getattr(self, "_failed", False)
+        with cleanup_after_failure(failed, self.global_rank, "waiting for the background checkpoint"):
+            if self._background_saver is not None:  # the last checkpoint must be complete before the process ends
+                self._background_saver.wait(together=not failed)
+        if _distributed_is_initialized() and not failed:
             # Leave together: a process exiting while a peer's gloo threads still talk to it can abort.
             dist.barrier()
         if self._step is not None:
             self._step.remove()
             self._step = None
-        assert self.cluster_environment is not None
-        self.cluster_environment.teardown()
-        super().teardown()
+        with cleanup_after_failure(failed, self.global_rank, "teardown"), meta_model_left_in_place(self):
+            super().teardown()  # ParallelStrategy's: the cluster environment, then the model to the CPU
 
     # ------------------------------------------------------------------ checkpoints
     def full_state_dict(self) -> dict[str, Any]:
@@ -637,10 +722,12 @@ class Megatron3DStrategy(ParallelStrategy):
         return RankTraining(self.lightning_module, [getattr(o, "_optimizer", o) for o in self.optimizers],
                             self.parallel_state, self._main_params, self._rng)
 
+    @records_phase("saving checkpoint", argument(1, "filepath"))
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Optional[Any] = None) -> None:
         if self.loss_scaler is not None:
             checkpoint[LOSS_SCALER_KEY] = self.loss_scaler.state_dict()
         if self.checkpoint_format == "full":
+            check_full_checkpoint(checkpoint, filepath)  # every rank holds the gathered weights: one verdict
             checkpoint[LAYOUT_KEY] = asdict(self.parallel_config)
             if self.is_global_zero and _is_local_file_protocol(filepath):  # atomic: written aside, then renamed
                 write_atomically(filepath, lambda partial: self.checkpoint_io.save_checkpoint(
@@ -652,13 +739,15 @@ class Megatron3DStrategy(ParallelStrategy):
         info = {"model": f"{type(module).__module__}.{type(module).__qualname__}",
                 "global_step": checkpoint.get("global_step"), "epoch": checkpoint.get("epoch"),
                 "precision": str(getattr(self.precision_plugin, "precision", "32-true"))}
-        save_training_state(filepath, checkpoint, self._rank_training(), info, saver=self._background_saver)
+        save_training_state(filepath, checkpoint, self._rank_training(), info, saver=self._background_saver,
+                            checksums=self.checkpoint_checksums)
 
     def remove_checkpoint(self, filepath) -> None:
         if self._background_saver is not None and self._background_saver.pending == Path(filepath):
             self._background_saver.wait()  # else the rename would bring it back after its removal
         super().remove_checkpoint(filepath)
 
+    @records_phase("loading checkpoint", argument(0, "checkpoint_path"))
     def load_checkpoint(self, checkpoint_path, weights_only: Optional[bool] = None) -> dict[str, Any]:
         """A sharded checkpoint directory is read straight into this rank's shards (any saving layout);
         a single file goes through Lightning's loader and ``load_model_state_dict``."""
@@ -668,7 +757,7 @@ class Megatron3DStrategy(ParallelStrategy):
         if not is_sharded_checkpoint(checkpoint_path):
             return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         training = self._rank_training()
-        saved, checkpoint = load_model_state(checkpoint_path, training)
+        saved, checkpoint = load_model_state(checkpoint_path, training, verify=self.verify_checkpoint)
         self._sharded_checkpoint = saved
         if self.lightning_module.trainer.state.fn == TrainerFn.FITTING:  # streams continue in training only
             self._rng_state_to_restore = saved_rng_state(checkpoint, training)

@@ -198,11 +198,13 @@ def test_a_checkpoint_of_a_deeper_model_is_refused_unless_loading_is_not_strict(
     assert "model.blocks.2.attn.qkv.weight" in loaded and "model.blocks.2.attn.qkv.weight" not in saved
 
 
-def test_an_interrupted_replace_points_at_the_intact_previous_checkpoint(checkpoint, tmp_path):
-    # A crash between moving the old checkpoint aside and renaming the new one into place.
+def test_an_interrupted_replace_without_its_new_checkpoint_gives_the_previous_one_its_name_back(checkpoint, tmp_path):
+    # The old checkpoint moved aside, the new one gone (damaged, deleted): the old one is restored and resumed.
     shutil.copytree(checkpoint, tmp_path / ".last.ckpt.replaced")
-    with pytest.raises(FileNotFoundError, match=r"previous checkpoint is intact at .*\.last\.ckpt\.replaced"):
-        fit(tmp_path / "run", 3, ckpt_path=tmp_path / "last.ckpt")
+    trainer, losses = fit(tmp_path / "run", 3, ckpt_path=tmp_path / "last.ckpt")
+    assert trainer.global_step == 3 and len(losses) == 1
+    assert open_sharded(tmp_path / "last.ckpt").info["global_step"] == 2
+    assert not (tmp_path / ".last.ckpt.replaced").exists()
 
 
 def test_checkpoint_command_inspects_and_consolidates(checkpoint, tmp_path, capsys):

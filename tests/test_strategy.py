@@ -9,6 +9,7 @@ import torch
 from launch import launch
 from workers.trainer_setup import datamodule, model, trainer_kwargs
 import lightning_megatron  # noqa: F401  (registers "megatron_3d")
+from lightning_megatron.cli import main as cli_main
 from lightning_megatron import Megatron3DStrategy
 from lightning_megatron.checkpoint import consolidated_state_dict, open_sharded
 
@@ -125,6 +126,17 @@ def test_checkpoint_is_layout_free_and_loads_without_unpickling(fit_tp2_dp2):
     gpt.load_state_dict(consolidated_state_dict(out / "last.ckpt"))  # a plain single-process model takes it as is
     for name, value in gpt.state_dict().items():
         assert torch.equal(value, weights[name]), name
+
+
+def test_every_rank_checksums_the_files_it_wrote(fit_tp2_dp2, capsys):
+    """The table in megatron_3d.json names every file of the 4-rank checkpoint, and each one matches."""
+    out, _ = fit_tp2_dp2
+    saved = open_sharded(out / "last.ckpt")
+    recorded = set(saved.info["checksums"]["files"])
+    assert recorded == {file.name for file in saved.path.iterdir() if file.name != "megatron_3d.json"}
+    assert {f"__{rank}_0.distcp" for rank in range(4)} <= recorded
+    cli_main(["checkpoint", "verify", str(saved.path)])
+    assert "every crc32 matches" in capsys.readouterr().out
 
 
 def test_heads_not_divisible_fails_on_every_rank_before_any_collective(tmp_path):

@@ -1,11 +1,13 @@
 """``lightning-megatron checkpoint``: look into, consolidate and convert sharded checkpoints.
 
-All three run in one process without torch.distributed, whatever layout saved the checkpoint::
+All of them run in one process without torch.distributed, whatever layout saved the checkpoint::
 
     lightning-megatron checkpoint inspect  runs/last.ckpt [--keys]
     lightning-megatron checkpoint consolidate runs/last.ckpt model.safetensors [--optimizer]
     lightning-megatron checkpoint convert runs/last.ckpt hf_out/          # ours -> Hugging Face (GPT-2, BERT)
     lightning-megatron checkpoint convert hf_model/ converted.ckpt        # Hugging Face -> ours (weights only)
+    lightning-megatron checkpoint verify runs/last.ckpt                   # every file against its recorded CRC-32
+    lightning-megatron checkpoint recover runs/                            # finish saves a crash interrupted
 
 ``convert`` decides the direction from the source: a sharded checkpoint directory (it has
 ``megatron_3d.json``) goes to a Hugging Face ``save_pretrained`` directory, anything else
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 from collections import defaultdict
 from dataclasses import asdict, fields
 from pathlib import Path
@@ -26,7 +29,15 @@ import torch
 
 from lightning_megatron.checkpoint.hf_convert import read_hf, write_hf
 from lightning_megatron.checkpoint.hf_io import safetensors_torch
-from lightning_megatron.checkpoint.sharded import INFO_FILE, open_sharded, read_full_tensors, save_sharded, write_atomically
+from lightning_megatron.checkpoint.replacement import check_replaceable, finish_interrupted, finish_interrupted_saves, is_sharded_checkpoint_dir
+from lightning_megatron.checkpoint.sharded import (
+    INFO_FILE,
+    open_sharded,
+    read_full_tensors,
+    save_sharded,
+    verify_checksums,
+    write_atomically,
+)
 from lightning_megatron.models.bert import BERTConfig
 from lightning_megatron.models.gpt import GPTConfig
 
@@ -53,6 +64,9 @@ def inspect(path: Union[str, Path], *, keys: bool = False) -> str:
     files = {item.relative_path for item in (saved.index.storage_data or {}).values()}
     disk = sum((saved.path / name).stat().st_size for name in files)
     lines.append(f"files        {len(files)} shard files, {_megabytes(disk)} on disk")
+    checksums = info.get("checksums")
+    lines.append(f"checksums    {checksums['algorithm']} of {len(checksums['files'])} files (`checkpoint verify` compares "
+                 f"them)" if checksums else "checksums    none recorded")
     for group, members in groups.items():
         size = sum(md.size.numel() * md.properties.dtype.itemsize for _, md in members)
         lines.append(f"{group:<12} {len(members)} tensors, {_megabytes(size)}")
@@ -83,6 +97,7 @@ def consolidate(path: Union[str, Path], out: Union[str, Path], *, optimizer: boo
             torch.save(tensors, path)
     else:
         raise ValueError(f"Output {out} must end in .safetensors or .pt.")
+    check_replaceable(out, what="consolidated state dict")
     out.parent.mkdir(parents=True, exist_ok=True)
     write_atomically(out, write)
     return out
@@ -104,6 +119,7 @@ def convert(source: Union[str, Path], out: Union[str, Path]) -> str:
     """Ours -> Hugging Face when ``source`` is a sharded checkpoint, else Hugging Face -> ours."""
     source, out = Path(source), Path(out)
     if (source / INFO_FILE).is_file():
+        check_replaceable(out, what="Hugging Face model", hf_export=True)
         saved = open_sharded(source)
         config = model_config(saved.trainer_state().get("hyper_parameters", {}))
         names = [name for name in saved.tensors() if name.startswith(MODEL_PREFIX + "model.")]
@@ -111,6 +127,7 @@ def convert(source: Union[str, Path], out: Union[str, Path]) -> str:
                       for name, tensor in read_full_tensors(source, names).items()}
         write_hf(out, config, state_dict)
         return f"wrote a Hugging Face {type(config).__name__.removesuffix('Config')} model to {out}"
+    check_replaceable(out)
     config, state_dict = read_hf(source)
     tensors = {f"{MODEL_PREFIX}model.{name}": tensor.contiguous() for name, tensor in state_dict.items()}
     trainer_state = {"epoch": 0, "global_step": 0, "pytorch-lightning_version": L.__version__,
@@ -120,6 +137,27 @@ def convert(source: Union[str, Path], out: Union[str, Path]) -> str:
             "layout": {}, "world_size": 1}
     save_sharded(out, tensors, trainer_state, info)
     return f"wrote a weights-only {family} checkpoint to {out}"
+
+
+def verify(path: Union[str, Path]) -> str:
+    """Compare every file of a sharded checkpoint with the checksum its save recorded."""
+    start = time.perf_counter()
+    saved = open_sharded(path)
+    read = verify_checksums(saved)
+    seconds = time.perf_counter() - start
+    files = len(saved.info["checksums"]["files"])
+    return (f"{saved.path}: {files} files, {_megabytes(read)}, every {saved.info['checksums']['algorithm']} matches "
+            f"({seconds:.2f} s, {read / 2**30 / max(seconds, 1e-9):.2f} GiB/s)")
+
+
+def recover(path: Union[str, Path]) -> str:
+    """Finish what interrupted saves left: for one checkpoint name, or every name in a directory of them."""
+    path = Path(path)
+    if path.is_dir() and not is_sharded_checkpoint_dir(path):
+        done = finish_interrupted_saves(path)
+    else:
+        done = finish_interrupted(path)
+    return "\n".join(done) if done else f"nothing to recover at {path}"
 
 
 def main(argv: Sequence[str]) -> None:
@@ -135,13 +173,19 @@ def main(argv: Sequence[str]) -> None:
     p = commands.add_parser("convert", help="to a Hugging Face directory, or from one to a weights-only checkpoint")
     p.add_argument("source")
     p.add_argument("out")
+    p = commands.add_parser("verify", help="compare every file with the checksum recorded when it was saved")
+    p.add_argument("path")
+    p = commands.add_parser("recover", help="finish saves a crash interrupted (a checkpoint name, or a directory)")
+    p.add_argument("path")
     args = parser.parse_args(list(argv))
     try:
         if args.command == "inspect":
             print(inspect(args.path, keys=args.keys))
         elif args.command == "consolidate":
             print(f"wrote {consolidate(args.path, args.out, optimizer=args.optimizer)}")
-        else:
+        elif args.command == "convert":
             print(convert(args.source, args.out))
+        else:
+            print({"verify": verify, "recover": recover}[args.command](args.path))
     except (ImportError, OSError, RuntimeError, ValueError) as error:
         parser.exit(1, f"lightning-megatron checkpoint {args.command}: error: {error}\n")

@@ -18,7 +18,7 @@ from typing import Any, Callable, Mapping, Union
 import torch
 from torch import Tensor, nn
 
-from lightning_megatron.checkpoint.sharded import write_atomically
+from lightning_megatron.checkpoint.replacement import EXPORT_MARK, check_replaceable, write_atomically
 
 HF_INSTALL_HINT = "pip install 'lightning-megatron[hf]'"
 # Both are 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))), torch's gelu(approximate="tanh").
@@ -94,11 +94,13 @@ def write_hf_checkpoint(out_dir: Union[str, os.PathLike], *, fields: Mapping[str
     ``state_dict`` holds what ``save_pretrained`` stores: tied copies left out (safetensors
     refuses tensors that share memory).
     """
-    tensors = {name: value.detach().cpu().contiguous() for name, value in state_dict.items()}
     out = Path(out_dir)
+    check_replaceable(out, what="Hugging Face model", hf_export=True)
+    tensors = {name: value.detach().cpu().contiguous() for name, value in state_dict.items()}
     out.mkdir(parents=True, exist_ok=True)
     save_file = safetensors_torch().save_file
-    write_atomically(out / "model.safetensors", lambda path: save_file(tensors, path, metadata={"format": "pt"}))
+    metadata = {"format": "pt", **EXPORT_MARK}  # the mark lets a later export replace this one
+    write_atomically(out / "model.safetensors", lambda path: save_file(tensors, path, metadata=metadata))
     write_atomically(out / "config.json", lambda path: path.write_text(json.dumps(fields, indent=2, sort_keys=True) + "\n"))
 
 

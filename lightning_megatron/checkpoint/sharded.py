@@ -9,22 +9,26 @@ A checkpoint is a directory (named like Lightning's files, e.g. ``epoch=0-step=3
     megatron_3d.json     what ``lightning-megatron checkpoint inspect`` shows first: format, layout, step
 
 Saves are atomic: everything is written to ``.<name>.partial`` next to the target and renamed
-into place once every rank has finished, so a crash mid-save leaves the previous checkpoint
-(and never a half-written one under the real name). Loading checks the files against the
+into place once every rank has finished (``checkpoint.replacement``), so a crash mid-save leaves
+the previous checkpoint (and never a half-written one under the real name). ``megatron_3d.json``
+is written last and records a CRC-32 of every file (``checksums``), which ``verify_checksums``
+and ``lightning-megatron checkpoint verify`` compare. Loading checks the files against the
 index before any collective, so a missing or truncated shard or a checkpoint of another model
 stops every rank with one clear error instead of a hang or a partial load.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import os
-import shutil
+import sys
 import threading
 import warnings
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping, Optional, Union
+from typing import Any, Mapping, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -35,14 +39,25 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, Def
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from lightning_megatron.checkpoint.pieces import ShardedEntry
+from lightning_megatron.checkpoint.replacement import (  # noqa: F401 (write_atomically, replaced_path: re-exported)
+    INDEX_FILE,
+    INFO_FILE,
+    TRAINER_STATE_FILE,
+    PathLike,
+    exists,
+    explain_full_disk,
+    finish_interrupted,
+    move_into_place,
+    partial_path,
+    remove,
+    replaced_path,
+    write_atomically,
+)
 
 FORMAT = "lightning-megatron-sharded"
 FORMAT_VERSION = 1
-INFO_FILE = "megatron_3d.json"
-TRAINER_STATE_FILE = "trainer_state.pt"
-INDEX_FILE = ".metadata"
+CHECKSUM_ALGORITHM = "crc32"
 
-PathLike = Union[str, os.PathLike]
 Entries = Mapping[str, Union[ShardedEntry, Tensor]]
 
 
@@ -74,23 +89,6 @@ class _LoadPlanner(DefaultLoadPlanner):
                            f"hold tensors only and pickles are never loaded.")
 
 
-def partial_path(path: PathLike) -> Path:
-    path = Path(path)
-    return path.with_name(f".{path.name}.partial")
-
-
-def write_atomically(path: PathLike, write: Callable[[Path], None]) -> None:
-    """``write(partial)`` writes one file next to ``path``, which then replaces ``path`` in one rename."""
-    partial = partial_path(path)
-    write(partial)
-    os.replace(partial, path)
-
-
-def replaced_path(path: PathLike) -> Path:
-    path = Path(path)
-    return path.with_name(f".{path.name}.replaced")
-
-
 def _is_rank_zero() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
 
@@ -100,18 +98,13 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def _remove(path: Path) -> None:
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path)
-    elif path.exists() or path.is_symlink():
-        path.unlink()
-
-
 def start_save(path: PathLike) -> Path:
-    """Collective. An empty ``.<name>.partial`` directory (left-overs of a crashed save are discarded)."""
+    """Collective. An empty ``.<name>.partial`` directory. What a crashed save of this name left is first
+    brought to where that save was going (``finish_interrupted``): nothing complete is lost to the new one."""
     partial = partial_path(path)
     if _is_rank_zero():
-        _remove(partial)
+        for line in finish_interrupted(path):
+            print(f"lightning-megatron: {line}", file=sys.stderr, flush=True)
         partial.mkdir(parents=True)
     _barrier()
     return partial
@@ -125,35 +118,118 @@ def write_tensors(partial: Path, tensors: Entries, *, process_group: Optional[di
                  process_group=process_group, no_dist=not dist.is_initialized())
 
 
-def write_trainer_state(partial: Path, trainer_state: Mapping[str, Any]) -> None:
-    """Rank zero only."""
-    torch.save(dict(trainer_state), partial / TRAINER_STATE_FILE)
+def file_checksum(path: Path) -> str:
+    """CRC-32 of a file (zlib's, read in 16 MiB chunks): catches bytes changed in place, at about the speed
+    of reading the file back (``benchmarks/checkpoint_checks.py`` measures it)."""
+    crc = 0
+    with open(path, "rb") as file:
+        while chunk := file.read(16 * 2**20):
+            crc = zlib.crc32(chunk, crc)
+    return f"{crc:08x}"
 
 
-def finish_save(partial: Path, path: PathLike, info: Mapping[str, Any]) -> None:
-    """Rank zero only, after every rank's tensors are on disk: the info file, then the rename into place."""
-    info_file = partial / INFO_FILE
-    with open(info_file, "w") as out:
-        json.dump({"format": FORMAT, "format_version": FORMAT_VERSION, **info}, out, indent=2, default=str)
+def checksum_own_files(partial: Path, rank: int) -> dict[str, dict]:
+    """The checksums of the files this rank wrote: its shards (DCP names them ``__<rank>_<n>.distcp``) and,
+    on rank zero, the index and the trainer state."""
+    files = sorted(partial.glob(f"__{rank}_*.distcp"))
+    if rank == 0:
+        files += [partial / INDEX_FILE, partial / TRAINER_STATE_FILE]
+    return {file.name: {CHECKSUM_ALGORITHM: file_checksum(file), "bytes": file.stat().st_size} for file in files}
+
+
+def serialize_trainer_state(trainer_state: Mapping[str, Any]) -> bytes:
+    """``trainer_state.pt``'s bytes, made when the save starts (Lightning's dict refers to live objects)."""
+    buffer = io.BytesIO()
+    torch.save(dict(trainer_state), buffer)
+    return buffer.getvalue()
+
+
+def _bytes(tensors: Entries) -> int:
+    """The bytes of this rank's tensors (replicas included: DCP writes each box once)."""
+    return sum(sum(piece.numel() * piece.element_size() for piece in value.pieces.values())
+               if isinstance(value, ShardedEntry) else value.numel() * value.element_size() for value in tensors.values())
+
+
+def _gather(value: Any, group: Optional[dist.ProcessGroup]) -> list:
+    if not dist.is_initialized():
+        return [value]
+    values: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(values, value, group=group)
+    return values
+
+
+def _report(error: Optional[BaseException]) -> Optional[str]:
+    return None if error is None else f"{type(error).__name__}: {error}"
+
+
+def _agree_on_failure(error: Optional[BaseException], partial: Path, path: Path, needed: int,
+                      group: Optional[dist.ProcessGroup]) -> None:
+    """Collective: if any rank failed, rank zero removes the unfinished directory and every rank raises (the
+    failing rank its own error, explained if the disk is full; the others one that names it)."""
+    reports = _gather(_report(error), group)
+    failed = [(rank, report) for rank, report in enumerate(reports) if report is not None]
+    if not failed:
+        return
+    if _is_rank_zero() and exists(partial):
+        remove(partial)
+    if error is None:
+        rank, report = failed[0]
+        raise RuntimeError(f"Saving checkpoint {path} failed on rank {rank} ({report}); nothing was saved and the "
+                           f"unfinished files were removed.")
+    explained = explain_full_disk(error, path, needed_bytes=needed)
+    if explained is error:
+        raise error
+    raise explained from error
+
+
+def write_sharded(partial: Path, path: PathLike, tensors: Entries, trainer_state: Optional[bytes],
+                  info: Mapping[str, Any], *, checksums: bool, process_group: Optional[dist.ProcessGroup] = None) -> None:
+    """Collective: fill ``partial`` (the tensors, rank zero's trainer state, each rank's checksums) and rename
+    it into place. A failure on any rank (a full disk, say) is raised on every rank once rank zero has
+    removed the unfinished directory; the checkpoint under ``path`` is then as it was. Three small
+    gathers: the bytes needed, the checksums with any error, the outcome of the rename."""
+    path = Path(path)
+    rank = dist.get_rank(process_group) if dist.is_initialized() else 0
+    needed = sum(_gather(_bytes(tensors), process_group))
+    error: Optional[BaseException] = None
+    try:
+        write_tensors(partial, tensors, process_group=process_group)  # DCP raises a failure on every rank
+        if rank == 0:
+            with open(partial / TRAINER_STATE_FILE, "wb") as out:
+                out.write(trainer_state or b"")
+        table = checksum_own_files(partial, rank) if checksums else {}
+    except BaseException as caught:
+        error, table = caught, {}
+    tables = _gather((table, _report(error)), process_group)
+    if any(report is not None for _, report in tables):
+        _agree_on_failure(error, partial, path, needed, process_group)
+    if rank == 0:
+        try:
+            finish_save(partial, path, info, {name: entry for table, _ in tables for name, entry in table.items()}
+                        if checksums else None)
+        except BaseException as caught:
+            error = caught
+    _agree_on_failure(error, partial, path, needed, process_group)
+
+
+def finish_save(partial: Path, path: PathLike, info: Mapping[str, Any], checksums: Optional[dict] = None) -> None:
+    """Rank zero only, after every rank's files are on disk: the info file (last: it marks the save
+    complete), then the rename into place."""
+    info = {"format": FORMAT, "format_version": FORMAT_VERSION, **info}
+    if checksums is not None:
+        info["checksums"] = {"algorithm": CHECKSUM_ALGORITHM, "files": checksums}
+    with open(partial / INFO_FILE, "w") as out:
+        json.dump(info, out, indent=2, default=str)
         out.flush()
         os.fsync(out.fileno())
-    final, replaced = Path(path), replaced_path(path)
-    if final.exists() or final.is_symlink():
-        _remove(replaced)
-        os.rename(final, replaced)  # the old checkpoint stays whole until the new one has its name
-    os.rename(partial, final)
-    _remove(replaced)
+    move_into_place(partial, Path(path))
 
 
-def save_sharded(path: PathLike, tensors: Entries, trainer_state: Mapping[str, Any], info: Mapping[str, Any]) -> None:
+def save_sharded(path: PathLike, tensors: Entries, trainer_state: Mapping[str, Any], info: Mapping[str, Any], *,
+                 checksums: bool = True) -> None:
     """Collective over the world: write a sharded checkpoint directory atomically."""
-    partial = start_save(path)
-    if _is_rank_zero():
-        write_trainer_state(partial, trainer_state)
-    write_tensors(partial, tensors)
-    if _is_rank_zero():
-        finish_save(partial, path, info)
-    _barrier()
+    state = serialize_trainer_state(trainer_state) if _is_rank_zero() else None
+    write_sharded(start_save(path), path, tensors, state, info, checksums=checksums)
 
 
 class BackgroundSaver:
@@ -171,22 +247,20 @@ class BackgroundSaver:
         self._group: Optional[dist.ProcessGroup] = None
         self.pending: Optional[Path] = None
 
-    def save(self, path: PathLike, tensors: Entries, trainer_state: Mapping[str, Any], info: Mapping[str, Any]) -> None:
+    def save(self, path: PathLike, tensors: Entries, trainer_state: Mapping[str, Any], info: Mapping[str, Any], *,
+             checksums: bool = True) -> None:
         """Collective over the world (returns once the copies are made)."""
         self.wait()
         if self._group is None and dist.is_initialized():
             self._group = dist.new_group(backend="gloo")  # CPU copies: gloo, whatever the training backend
         partial = start_save(path)
-        if _is_rank_zero():
-            write_trainer_state(partial, trainer_state)  # now: Lightning's dict refers to live objects
+        state = serialize_trainer_state(trainer_state) if _is_rank_zero() else None
         staged = {name: value.to_cpu() if isinstance(value, ShardedEntry) else value.detach().to("cpu", copy=True)
                   for name, value in tensors.items()}
 
         def write() -> None:
             try:
-                write_tensors(partial, staged, process_group=self._group)
-                if _is_rank_zero():
-                    finish_save(partial, path, info)
+                write_sharded(partial, path, staged, state, info, checksums=checksums, process_group=self._group)
             except BaseException as error:  # re-raised by wait() in the training thread
                 self._error = error
 
@@ -210,8 +284,8 @@ class BackgroundSaver:
 
 
 def is_sharded_checkpoint(path: PathLike) -> bool:
-    """A directory, or a name whose replacement was interrupted (``open_sharded`` explains how to recover)."""
-    return Path(path).is_dir() or (not Path(path).exists() and replaced_path(path).is_dir())
+    """A directory, or a name whose replacement was interrupted (``finish_interrupted`` recovers it)."""
+    return Path(path).is_dir() or (not Path(path).exists() and (replaced_path(path).is_dir() or partial_path(path).is_dir()))
 
 
 @dataclass
@@ -241,9 +315,11 @@ def open_sharded(path: PathLike) -> SavedCheckpoint:
     """
     path = Path(path)
     if not path.exists():
-        replaced = replaced_path(path)
-        hint = (f" A save was interrupted while replacing it; the previous checkpoint is intact at {replaced}: "
-                f"rename it to {path.name}." if replaced.exists() else "")
+        hidden = [hidden for hidden in (partial_path(path), replaced_path(path)) if hidden.exists()]
+        hint = (f" A save was interrupted while replacing it; what it left is at {' and '.join(map(str, hidden))} "
+                f"(the previous checkpoint is intact at {replaced_path(path)}): the next run of a Trainer with "
+                f"this strategy, or `lightning-megatron checkpoint recover {path}`, gives the newest complete one "
+                f"its name." if hidden else "")
         raise FileNotFoundError(f"Checkpoint {path} does not exist.{hint}")
     if not path.is_dir():
         raise RuntimeError(f"{path} is a file, not a sharded checkpoint directory.")
@@ -283,6 +359,32 @@ def _check_shard_files(path: Path, index: Metadata) -> None:
         if actual < size:
             raise RuntimeError(f"Checkpoint shard {file} is truncated: {actual} bytes, the index needs {size}. "
                                f"Copy the whole checkpoint directory again, or use another checkpoint.")
+
+
+def verify_checksums(saved: SavedCheckpoint, *, rank: int = 0, world_size: int = 1) -> int:
+    """Compare the files with the checksums the save recorded (this rank's share: every ``world_size``-th
+    file from ``rank``); returns the bytes read. Raises ``RuntimeError`` naming a file whose content changed,
+    and when the checkpoint recorded no checksums."""
+    recorded = saved.info.get("checksums")
+    if not recorded:
+        raise RuntimeError(f"Checkpoint {saved.path} records no checksums (it was saved with checkpoint_checksums="
+                           f"False, or by an earlier lightning-megatron), so its content cannot be verified.")
+    algorithm = recorded.get("algorithm")
+    if algorithm != CHECKSUM_ALGORITHM:
+        raise RuntimeError(f"{saved.path / INFO_FILE} records {algorithm!r} checksums; this version verifies "
+                           f"{CHECKSUM_ALGORITHM!r}.")
+    read = 0
+    for name, expected in sorted(recorded["files"].items())[rank::world_size]:
+        file = saved.path / name
+        if not file.is_file():
+            raise RuntimeError(f"Checkpoint file {file} is missing (its checksum is recorded in {INFO_FILE}).")
+        actual = file_checksum(file)
+        read += file.stat().st_size
+        if actual != expected[CHECKSUM_ALGORITHM]:
+            raise RuntimeError(f"Checkpoint file {file} is damaged: its {algorithm} is {actual}, the save recorded "
+                               f"{expected[CHECKSUM_ALGORITHM]} ({expected['bytes']:,} bytes then, "
+                               f"{file.stat().st_size:,} now). Copy the checkpoint again or use another one.")
+    return read
 
 
 def check_compatible(saved: SavedCheckpoint, entries: Entries, *, what: str) -> None:

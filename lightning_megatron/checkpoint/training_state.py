@@ -10,12 +10,13 @@ tp, pp, virtual pp, dp and the ZeRO stage may all differ from the saving run.
 from __future__ import annotations
 
 import random
+import sys
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Mapping, Optional, Union
 
 import torch
 import torch.distributed as dist
-from torch import nn
+from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_megatron.checkpoint import entries as E
@@ -26,7 +27,10 @@ from lightning_megatron.checkpoint.sharded import (
     open_sharded,
     read_tensors,
     save_sharded,
+    verify_checksums,
 )
+from lightning_megatron.checkpoint.pieces import ShardedEntry
+from lightning_megatron.checkpoint.replacement import check_replaceable, finish_interrupted
 from lightning_megatron.optim.main_params import MainParamOptimizer
 from lightning_megatron.parallel.random import TensorParallelRNG
 from lightning_megatron.parallel.state import ParallelState
@@ -72,10 +76,14 @@ def set_rng_state(state: dict[str, Any], rng: Optional[TensorParallelRNG]) -> No
 
 
 def save_training_state(path, checkpoint: dict[str, Any], training: RankTraining, info: dict[str, Any], *,
-                        saver: Optional[BackgroundSaver] = None) -> None:
+                        saver: Optional[BackgroundSaver] = None, checksums: bool = True) -> None:
     """Collective. ``checkpoint`` is Lightning's dict (its ``state_dict`` and ``optimizer_states`` as the
     strategy returned them: empty and hyper-parameters only); the tensors come from ``training`` itself.
-    With a ``saver`` the files are written in the background."""
+    With a ``saver`` the files are written in the background.
+
+    Before anything is written every rank learns, in the one gather the save needs anyway, whether
+    any rank holds non-finite values or finds ``path`` taken by something that is not a checkpoint;
+    then all of them raise the same error and nothing on disk changes."""
     checkpoint.pop("state_dict", None)
     placements = training.placements()
     tensors = training.model_entries()
@@ -84,16 +92,73 @@ def save_training_state(path, checkpoint: dict[str, Any], training: RankTraining
         for index, optimizer in enumerate(training.optimizers):
             tensors.update(E.optimizer_entries(optimizer, index, placements))
     optimizers = checkpoint.get("optimizer_states", [])
-    mine = (_rng_state(training.rng), [hyper["param_names"] for hyper in optimizers])
+    problem = _save_problem(path, tensors)
+    mine = (_rng_state(training.rng), [hyper["param_names"] for hyper in optimizers], problem)
     per_rank = _all_gather(mine)
-    rng_states = [rng for rng, _ in per_rank]
+    target_taken = per_rank[0][2] if isinstance(per_rank[0][2], FileExistsError) else None
+    if target_taken is not None:
+        raise FileExistsError(str(target_taken))
+    diverged = [f"Rank {rank}: {problem}" for rank, (_, _, problem) in enumerate(per_rank) if problem is not None]
+    if diverged:
+        raise RuntimeError("\n".join(diverged[:4]))
+    rng_states = [rng for rng, _, _ in per_rank]
     for index, hyper in enumerate(optimizers):  # each pipeline stage knows only its own parameters
-        hyper["param_names"] = [sorted({name for _, names in per_rank for name in names[index][group]})
+        hyper["param_names"] = [sorted({name for _, names, _ in per_rank for name in names[index][group]})
                                 for group in range(len(hyper["param_names"]))]
     layout = asdict(training.state.config)
     trainer_state = {**checkpoint, LAYOUT_KEY: layout, RNG_KEY: rng_states}
     save = saver.save if saver is not None else save_sharded
-    save(path, tensors, trainer_state, {**info, "layout": layout, "world_size": len(rng_states)})
+    save(path, tensors, trainer_state, {**info, "layout": layout, "world_size": len(rng_states)}, checksums=checksums)
+
+
+def nonfinite_names(tensors: Mapping[str, Any]) -> list[str]:
+    """Names of the tensors (or ``ShardedEntry`` pieces) holding a NaN or an infinity: one device sync in all."""
+    named = [(name, piece) for name, value in tensors.items()
+             for piece in (value.pieces.values() if isinstance(value, ShardedEntry) else [value])
+             if isinstance(piece, Tensor) and piece.is_floating_point() and piece.numel()]
+    if not named:
+        return []
+    # A sum is one cheap pass and is non-finite whenever an element is; a finite tensor whose sum overflows
+    # (values near 1e38) is told apart by the exact test, run only for the tensors whose sum is not finite.
+    sums = torch.stack([piece.sum(dtype=torch.float32) for _, piece in named]).isfinite().cpu()
+    return list(dict.fromkeys(name for (name, piece), ok in zip(named, sums.tolist())
+                              if not ok and not torch.isfinite(piece).all()))
+
+
+def nonfinite_message(names: list[str], *, doing: str) -> str:
+    shown = ", ".join(repr(name) for name in names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+    return f"{doing}: {shown} hold NaN or infinite values."
+
+
+def check_full_checkpoint(checkpoint: Mapping[str, Any], path) -> None:
+    """A full (single-file) checkpoint's gathered weights, the same on every rank, must be finite, and the
+    path must be free or a checkpoint: then every rank reaches the same verdict without a collective."""
+    if _is_local(path):
+        check_replaceable(path)
+    bad = nonfinite_names(checkpoint.get("state_dict", {}))
+    if bad:
+        raise RuntimeError(_diverged(bad, path))
+
+
+def _is_local(path) -> bool:
+    return "://" not in str(path)
+
+
+def _save_problem(path, tensors: Mapping[str, Any]) -> Union[None, str, FileExistsError]:
+    """Why this rank must not save (None if it may): rank zero finds the target is not ours to replace
+    (a ``FileExistsError``), or this rank's state diverged (a message)."""
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        try:
+            check_replaceable(path)
+        except FileExistsError as error:
+            return error
+    bad = nonfinite_names(tensors)
+    return _diverged(bad, path) if bad else None
+
+
+def _diverged(names: list[str], path) -> str:
+    return nonfinite_message(names, doing=f"Refusing to save checkpoint {path}") + (
+        " Training diverged before this save; the checkpoints already on disk were left as they are.")
 
 
 def _all_gather(value: Any) -> list:
@@ -122,11 +187,15 @@ def _agree(check: Callable[[], Any]) -> Any:
     return result
 
 
-def load_model_state(path, training: RankTraining) -> tuple[SavedCheckpoint, dict[str, Any]]:
+def load_model_state(path, training: RankTraining, *, verify: bool = False) -> tuple[SavedCheckpoint, dict[str, Any]]:
     """Collective: read this rank's model tensors (and fp32 main pieces) in place; return the checkpoint and
-    Lightning's part of it. Every check that can fail runs before the first collective."""
+    Lightning's part of it. Every check that can fail runs before the first collective; ``verify`` also
+    compares the files with their recorded checksums (the files shared out over the ranks). A save this
+    path's name was in the middle of is finished first (``finish_interrupted``), and the loaded tensors
+    must be finite."""
+    _agree(lambda: _finish_interrupted_on_rank_zero(path))
     strict = getattr(training.module, "strict_loading", True)  # LightningModule.strict_loading
-    saved, trainer_state, wanted, model_keys = _agree(lambda: _plan_model_load(path, training, strict))
+    saved, trainer_state, wanted, model_keys = _agree(lambda: _plan_model_load(path, training, strict, verify))
     available = saved.tensors()
     expected = {key for keys in _all_gather(model_keys) for key in keys}  # every stage's, the same on every rank
     unexpected = sorted(key for key in available if key.startswith(f"{E.MODEL}/") and key not in expected)
@@ -141,11 +210,32 @@ def load_model_state(path, training: RankTraining) -> tuple[SavedCheckpoint, dic
         mains = E.main_param_entries(training.main_params, training.placements())
         mains = {key: entry for key, entry in mains.items() if key in available}
         read_tensors(saved, mains)
+        wanted = {**wanted, **mains}
+    _agree(lambda: _check_finite_after_load(saved, wanted))
     return saved, trainer_state
 
 
-def _plan_model_load(path, training: RankTraining, strict: bool) -> tuple[SavedCheckpoint, dict[str, Any], dict, list]:
+def _finish_interrupted_on_rank_zero(path) -> None:
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        for line in finish_interrupted(path):
+            print(f"lightning-megatron: {line}", file=sys.stderr, flush=True)
+
+
+def _check_finite_after_load(saved: SavedCheckpoint, entries: Mapping[str, Any]) -> None:
+    bad = nonfinite_names(entries)
+    if bad:
+        raise RuntimeError(nonfinite_message(bad, doing=f"Checkpoint {saved.path} is unusable") + (
+            f" Its files were damaged (run `lightning-megatron checkpoint verify {saved.path}`, or load with "
+            f"Megatron3DStrategy(verify_checkpoint=True)), or it was saved after training diverged. Load an "
+            f"earlier checkpoint."))
+
+
+def _plan_model_load(path, training: RankTraining, strict: bool,
+                     verify: bool) -> tuple[SavedCheckpoint, dict[str, Any], dict, list]:
     saved = open_sharded(path)
+    if verify:
+        verify_checksums(saved, rank=dist.get_rank() if dist.is_initialized() else 0,
+                         world_size=dist.get_world_size() if dist.is_initialized() else 1)
     trainer_state = saved.trainer_state()
     available = saved.tensors()
     wanted = {}

@@ -1,6 +1,7 @@
-"""Data-parallel gradient synchronisation and global-norm clipping."""
+"""Data-parallel gradient synchronisation, global-norm clipping and the non-finite step check."""
 
 from lightning_megatron.optim.clip import clip_grads_by_global_norm, global_grad_norm
 from lightning_megatron.optim.grad_sync import GradientSynchronizer
+from lightning_megatron.optim.nonfinite import NonFiniteCheck, NonFiniteError
 
-__all__ = ["GradientSynchronizer", "clip_grads_by_global_norm", "global_grad_norm"]
+__all__ = ["GradientSynchronizer", "NonFiniteCheck", "NonFiniteError", "clip_grads_by_global_norm", "global_grad_norm"]

@@ -20,6 +20,20 @@ from torch import Tensor, nn
 from lightning_megatron.tensor_parallel.sharding import shard_of
 
 
+def local_grad_squares(params: Iterable[nn.Parameter], *, is_first_tensor_rank: bool) -> Tensor:
+    """This rank's share of the squared global gradient norm (before any reduction), counted as
+    the module docstring says; ``optim.nonfinite`` sums the same shares for its check."""
+    squares = None
+    for param in params:
+        if param.grad is None or (shard_of(param) is None and not is_first_tensor_rank):
+            continue
+        if hasattr(param, "tied_names"):  # the last stage's copy of a tied embedding
+            continue
+        term = param.grad.detach().float().pow(2).sum()
+        squares = term if squares is None else squares + term
+    return torch.zeros((), dtype=torch.float32) if squares is None else squares
+
+
 def global_grad_norm(
     params: Iterable[nn.Parameter],
     *,
@@ -32,16 +46,7 @@ def global_grad_norm(
 
     ``reduce_device``: where the sum of squares is all-reduced (NCCL needs the accelerator even
     when the gradients were offloaded to the CPU)."""
-    squares = None
-    for param in params:
-        if param.grad is None or (shard_of(param) is None and not is_first_tensor_rank):
-            continue
-        if hasattr(param, "tied_names"):  # the last stage's copy of a tied embedding
-            continue
-        term = param.grad.detach().float().pow(2).sum()
-        squares = term if squares is None else squares + term
-    if squares is None:
-        squares = torch.zeros((), dtype=torch.float32)
+    squares = local_grad_squares(params, is_first_tensor_rank=is_first_tensor_rank)
     squares = squares.double() if reduce_device is None else squares.to(reduce_device, torch.float64)
     for group in (model_parallel_group, data_parallel_group):
         if group is not None:
@@ -57,15 +62,19 @@ def clip_grads_by_global_norm(
     is_first_tensor_rank: bool,
     data_parallel_group: Optional[dist.ProcessGroup] = None,
     reduce_device: Optional[torch.device] = None,
+    norm: Optional[Tensor] = None,
 ) -> Tensor:
     """Scale gradients so their global norm is at most ``max_norm``; returns the norm before clipping.
 
     Pass ``data_parallel_group`` when each dp rank holds different pieces of the gradients (ZeRO).
+    ``norm``: this step's global norm if it is known already (the strategy's non-finite check
+    computes it right after the gradients are reduced); it is used as it is, with no collective.
     """
     params = [p for p in dict.fromkeys(params) if p.grad is not None]
-    norm = global_grad_norm(params, model_parallel_group=model_parallel_group,
-                            is_first_tensor_rank=is_first_tensor_rank, data_parallel_group=data_parallel_group,
-                            reduce_device=reduce_device)
+    if norm is None:
+        norm = global_grad_norm(params, model_parallel_group=model_parallel_group,
+                                is_first_tensor_rank=is_first_tensor_rank, data_parallel_group=data_parallel_group,
+                                reduce_device=reduce_device)
     clip_coef = max_norm / (float(norm) + 1e-6)
     if clip_coef < 1.0:
         for param in params:

@@ -45,6 +45,18 @@ def sum_over_group(tensors: Sequence[Tensor], group: dist.ProcessGroup) -> None:
         offset += tensor.numel()
 
 
+def sum_tokens(num_tokens: Tensor, group: Optional[dist.ProcessGroup], device, also_sum: Optional[Tensor] = None
+               ) -> tuple[Tensor, Optional[Tensor]]:
+    """A step's token count summed over ``group`` (float64), and ``also_sum`` (small per-rank counts, e.g. the
+    non-finite-loss flags of ``optim.nonfinite``) summed in the same all-reduce: they ride along for free."""
+    packed = num_tokens.detach().to(device=device, dtype=torch.float64).reshape(1)
+    if also_sum is not None:
+        packed = torch.cat([packed, also_sum.detach().to(device=device, dtype=torch.float64).reshape(-1)])
+    if group is not None:
+        dist.all_reduce(packed, group=group)
+    return packed[0], None if also_sum is None else packed[1:]
+
+
 def _reduce_scatter(out: Tensor, full: Tensor, group: dist.ProcessGroup) -> dist.Work:
     scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     return scatter(out, full, group=group, async_op=True)
@@ -220,10 +232,12 @@ class GradientSynchronizer:
         for bucket in self.buckets:
             bucket.ready = 0
 
-    def finish(self, num_tokens: Tensor, backward_scale: float = 1.0) -> None:
+    def finish(self, num_tokens: Tensor, backward_scale: float = 1.0, also_sum: Optional[Tensor] = None
+               ) -> Optional[Tensor]:
         """Complete every reduction and turn the gradients into those of the per-token mean.
 
-        ``num_tokens`` is this rank's token count for the step; it is summed over dp here.
+        ``num_tokens`` is this rank's token count for the step; it is summed over dp here, and
+        ``also_sum`` with it (returned summed; see :func:`sum_tokens`).
         ``backward_scale`` is what the backward passes multiplied the token-summed loss by (a
         normaliser guessed up front, an fp16 loss scale); it is divided out.
         At stage 0 ``param.grad`` is then the per-token-mean gradient; at stages 1-2 the owned
@@ -234,9 +248,7 @@ class GradientSynchronizer:
             if needs_launch:
                 self._launch(bucket)
         device = self.buckets[0].device if self.buckets else "cpu"
-        num_tokens = num_tokens.detach().to(device=device, dtype=torch.float64)
-        if self.data_parallel_group is not None:
-            dist.all_reduce(num_tokens, group=self.data_parallel_group)
+        num_tokens, also_sum = sum_tokens(num_tokens, self.data_parallel_group, device, also_sum)
         for bucket in self.buckets:
             self._wait(bucket)
         self._sum_partial_grads()
@@ -246,6 +258,7 @@ class GradientSynchronizer:
             if self.zero_stage == 0:
                 for index, param in enumerate(bucket.params):
                     param.grad = self._grad_view(bucket, index)
+        return also_sum
 
     def _sum_partial_grads(self) -> None:
         """Sum the owned slices of partial gradients; their layouts agree across the summing group
@@ -264,6 +277,12 @@ class GradientSynchronizer:
             bucket.ready = 0
             for param in bucket.params:
                 param.grad = None
+
+    def drop_grads(self) -> None:
+        """Skip this step (zero_stage 0, no fp32 main params): torch optimizers leave parameters without a
+        gradient untouched; ``zero`` clears the buffers after the step as usual."""
+        for param in self.params:
+            param.grad = None
 
     def gradient_bytes(self) -> int:
         """Bytes of persistent gradient storage on this rank (transient stage-2 buffers excluded)."""
@@ -298,17 +317,23 @@ class LocalGradients:
     def start_micro_batch(self, *, sync: bool, backward_passes: int = 1) -> None:
         """Nothing to schedule: there is no data-parallel reduction."""
 
-    def finish(self, num_tokens: Tensor, backward_scale: float = 1.0) -> None:
+    def finish(self, num_tokens: Tensor, backward_scale: float = 1.0, also_sum: Optional[Tensor] = None
+               ) -> Optional[Tensor]:
         for params, group in self.partial_grad_groups:
             sum_over_group([p.grad for p in params if p.grad is not None], group)
         scale = 1.0 / (max(float(num_tokens), 1.0) * backward_scale)
         grads = [p.grad for p in self.params if p.grad is not None]
         if grads:
             torch._foreach_mul_(grads, scale)
+        return also_sum  # one replica: nothing to sum it over
 
     def zero(self) -> None:
         for param in self.params:
             param.grad = None
+
+    def drop_grads(self) -> None:
+        """Skip this step: torch optimizers leave parameters without a gradient untouched."""
+        self.zero()
 
     def gradient_bytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.params)

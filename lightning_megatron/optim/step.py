@@ -5,20 +5,23 @@ Lightning hands the strategy micro-batches (``training_step``, ``backward``) and
 it counts the tokens the loss is averaged over, chooses what each backward multiplies the
 token-summed loss by, completes the data-parallel reduction and divides those factors out,
 hands the owned pieces to the fp32 main parameters, and decides (the same on every rank)
-whether an fp16 step overflowed.
+whether an fp16 step overflowed, or (other precisions, ``optim.nonfinite``) whether the step's
+losses and global gradient norm are finite.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Iterable, Optional
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
+from torch import Tensor, nn
 
+from lightning_megatron.optim.clip import local_grad_squares
 from lightning_megatron.optim.grad_sync import GradientSynchronizer
 from lightning_megatron.optim.loss_scaler import DynamicLossScaler, found_overflow
 from lightning_megatron.optim.main_params import MainParamOptimizer
+from lightning_megatron.optim.nonfinite import NonFiniteCheck, loss_flags
 
 
 class StepGradients:
@@ -30,16 +33,33 @@ class StepGradients:
         *,
         data_parallel_group: Optional[dist.ProcessGroup],
         device: torch.device,
+        model_parallel_group: Optional[dist.ProcessGroup] = None,
+        nonfinite: Optional[NonFiniteCheck] = None,
     ) -> None:
+        """``nonfinite``: the check to run in :meth:`check_finite` (None: no check, e.g. under fp16,
+        whose loss scaler handles overflows itself); ``model_parallel_group`` (tp x pp) is where it sums."""
         self.sync, self.main_params, self.loss_scaler = sync, main_params, loss_scaler
         self.data_parallel_group, self.device = data_parallel_group, device
         self.data_parallel_size = 1 if data_parallel_group is None else dist.get_world_size(data_parallel_group)
+        self.model_parallel_group, self.nonfinite = model_parallel_group, nonfinite
         self._tokens: Tensor | float = 0.0
         self._token_estimate: Optional[float] = None
+        self._loss_flags: Optional[Tensor] = None  # this rank's [NaN losses, Inf losses] of the step
+        self._step_loss_flags: Optional[Tensor] = None  # the same, summed over dp by finish()
 
     def add_tokens(self, tokens: Tensor | float) -> None:
         """Tokens the loss of one micro-batch (or one pipeline schedule) counted on this rank."""
         self._tokens = self._tokens + tokens
+
+    def add_loss(self, loss: Tensor) -> None:
+        """Note whether one micro-batch's loss (as ``training_step`` returned it) is NaN or Inf.
+
+        Device tensors only: no host synchronisation per micro-batch; :meth:`check_finite`
+        reads the sum once per step, inside the gradient norm's all-reduce."""
+        if self.nonfinite is None:
+            return
+        flags = loss_flags(loss)
+        self._loss_flags = flags if self._loss_flags is None else self._loss_flags + flags
 
     def backward_scale(self, micro_batch_tokens: Tensor | float, *, accumulation: int, loss_scale: float) -> float:
         """What a micro-batch's token-summed loss is multiplied by before backward.
@@ -63,7 +83,11 @@ class StepGradients:
         """Reduce, normalise, and prepare the optimizer's gradients; returns whether the step overflowed
         (fp16 with our loss scaler; then the optimizer finds no gradients and changes nothing)."""
         tokens = self._tokens if isinstance(self._tokens, Tensor) else torch.tensor(float(self._tokens))
-        self.sync.finish(tokens, backward_scale=self.backward_scale(tokens, accumulation=accumulation, loss_scale=loss_scale))
+        if self.nonfinite is not None and self._loss_flags is None:  # every dp rank must send the same shape
+            self._loss_flags = torch.zeros(2, dtype=torch.float64, device=self.device)
+        self._step_loss_flags = self.sync.finish(
+            tokens, backward_scale=self.backward_scale(tokens, accumulation=accumulation, loss_scale=loss_scale),
+            also_sum=self._loss_flags if self.nonfinite is not None else None)
         self._tokens, self._token_estimate = 0.0, None
         if self.main_params is not None:
             self.main_params.prepare_step()
@@ -73,8 +97,42 @@ class StepGradients:
         overflow = found_overflow(owner.main_grads(), self.device)
         self.loss_scaler.update(overflow)
         if overflow:
-            owner.drop_grads()
+            self.drop_grads()
         return overflow
+
+    def drop_grads(self) -> None:
+        """Skip this step on this rank: the optimizer finds no gradient on what it steps and changes nothing."""
+        (self.main_params if self.main_params is not None else self.sync).drop_grads()
+
+    def check_finite(self, params: Iterable[nn.Parameter], *, is_first_tensor_rank: bool, step: int,
+                     epoch: int) -> tuple[Optional[Tensor], Optional[str]]:
+        """After :meth:`finish`: this step's global gradient norm, checked with the micro-batch losses.
+
+        ``params``: what the optimizer steps (the fp32 main pieces under ZeRO / 16-bit parameters),
+        counted as clipping counts them; under ZeRO-3 its own shards. Returns ``(norm, None)`` for
+        a finite step (the norm is for clipping to reuse), ``(norm, warning)`` for a step skipped on
+        every rank, and raises ``NonFiniteError`` on every rank otherwise. ``(None, None)`` without a check.
+        """
+        check, local_losses, losses = self.nonfinite, self._loss_flags, self._step_loss_flags
+        self._loss_flags = self._step_loss_flags = None
+        if check is None:
+            return None, None
+        mp, dp = self.model_parallel_group, self.data_parallel_group
+        if hasattr(self.sync, "grad_squares"):  # ZeRO-3: its shards, summed over dp then tp x pp (its grad_norm)
+            squares, grads, reductions = self.sync.grad_squares(), self.sync.main_grads(), [(dp, False), (mp, True)]
+        else:  # clip.py's order: tp x pp, then dp where dp ranks hold different pieces (ZeRO-1/2)
+            params = [p for p in dict.fromkeys(params) if p.grad is not None]
+            squares = local_grad_squares(params, is_first_tensor_rank=is_first_tensor_rank)
+            grads = [p.grad for p in params]
+            reductions = [(mp, True)] + ([(dp, False)] if self.sync.zero_stage else [])
+        norm, finite = check.global_norm(squares, losses, reductions, device=self.device)
+        if finite:
+            check.passed()
+            return norm, None
+        grads_finite = all(bool(torch.isfinite(grad).all()) for grad in grads)
+        warning = check.non_finite(local_losses, grads_finite=grads_finite, step=step, epoch=epoch, device=self.device)
+        self.drop_grads()
+        return norm, warning
 
     def after_step(self) -> None:
         if self.main_params is not None:

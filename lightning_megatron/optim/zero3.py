@@ -113,7 +113,7 @@ from torch import Tensor, nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from lightning_megatron.optim.grad_sync import sum_over_group
+from lightning_megatron.optim.grad_sync import sum_over_group, sum_tokens
 from lightning_megatron.parallel.initialize import (
     PARAMETER_TAGS,
     default_initializer,
@@ -196,19 +196,19 @@ class ZeRO3:
         for fsdp_module in self.fsdp_modules:
             fsdp_module.set_requires_gradient_sync(sync, recurse=False)
 
-    def finish(self, num_tokens: Tensor, backward_scale: float = 1.0) -> None:
+    def finish(self, num_tokens: Tensor, backward_scale: float = 1.0, also_sum: Optional[Tensor] = None
+               ) -> Optional[Tensor]:
         """Sum partial gradients over tp (sequence parallelism) and the embedding group (pipeline-tied
         copies), then turn every gradient shard into that of the per-token mean.
 
         ``num_tokens`` is this rank's token count for the step; it is summed over dp here.
         ``backward_scale`` is what the backward passes multiplied the token-summed loss by; it is
-        divided out (``GradientSynchronizer.finish``'s contract, so ``StepGradients`` can drive either).
+        divided out (``GradientSynchronizer.finish``'s contract, so ``StepGradients`` can drive either; so is
+        ``also_sum``, summed over dp with the tokens and returned).
         """
         params = [p for p in self.module.parameters() if p.grad is not None]
         device = local_tensor(params[0].grad).device if params else torch.device("cpu")
-        tokens = num_tokens.detach().to(device=device, dtype=torch.float64)
-        if self.state.data_parallel_group is not None:
-            dist.all_reduce(tokens, group=self.state.data_parallel_group)
+        tokens, also_sum = sum_tokens(num_tokens, self.state.data_parallel_group, device, also_sum)
         for tag, group in (("sequence_parallel_grad", self.state.tensor_parallel_group),
                            ("pipeline_tied", self.state.embedding_group)):
             if group is not None:
@@ -217,6 +217,7 @@ class ZeRO3:
         with torch.no_grad():
             for param in params:
                 local_tensor(param.grad).mul_(scale)
+        return also_sum
 
     def zero(self) -> None:
         """Drop the gradient shards after the optimizer step (``optimizer.zero_grad()`` does the same)."""
@@ -234,8 +235,9 @@ class ZeRO3:
     def remove(self) -> None:
         """Nothing to undo (``GradientSynchronizer``'s teardown contract); the module stays sharded."""
 
-    def grad_norm(self) -> Tensor:
-        """The L2 norm of the global model's gradients, identical on every rank."""
+    def grad_squares(self) -> Tensor:
+        """This rank's share of the squared global norm (float64, not reduced): its dp shards, a tp-replicated
+        parameter on tp rank 0 only, a pipeline-tied copy on the first stage only."""
         squares = torch.zeros((), dtype=torch.float64, device=self.state.device)
         is_first_tensor_rank = self.state.tensor_parallel_rank == 0
         for param in self.module.parameters():
@@ -244,14 +246,21 @@ class ZeRO3:
             if shard_of(param) is None and not is_first_tensor_rank:
                 continue  # replicated over tp: counted on tp rank 0
             squares += local_tensor(param.grad).detach().double().pow(2).sum()
+        return squares
+
+    def grad_norm(self) -> Tensor:
+        """The L2 norm of the global model's gradients, identical on every rank."""
+        squares = self.grad_squares()
         for group in (self.state.data_parallel_group, self.state.model_parallel_group):
             if group is not None:
                 dist.all_reduce(squares, group=group)
         return squares.sqrt().float()
 
-    def clip_grad_norm_(self, max_norm: float) -> Tensor:
-        """Scale the gradient shards so that the global norm is at most ``max_norm``; returns the norm before."""
-        norm = self.grad_norm()
+    def clip_grad_norm_(self, max_norm: float, norm: Optional[Tensor] = None) -> Tensor:
+        """Scale the gradient shards so that the global norm is at most ``max_norm``; returns the norm before.
+        ``norm``: this step's global norm if already known (the strategy's non-finite check); no collective then."""
+        if norm is None:
+            norm = self.grad_norm()
         clip_coef = max_norm / (float(norm) + 1e-6)
         if clip_coef < 1.0:
             with torch.no_grad():

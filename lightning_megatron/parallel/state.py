@@ -8,6 +8,7 @@ one set of processes (which is how the tests sweep layouts without relaunching).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Optional
 
 import torch
@@ -34,7 +35,10 @@ class ParallelState:
     embedding_group: Optional[dist.ProcessGroup] = None
 
     @classmethod
-    def create(cls, config: ParallelConfig, device: torch.device | str) -> "ParallelState":
+    def create(cls, config: ParallelConfig, device: torch.device | str,
+               timeout: Optional[timedelta] = None) -> "ParallelState":
+        """``timeout``: for every group of the layout (``new_group`` and the DeviceMesh otherwise give
+        torch's default, 30 minutes on gloo, whatever ``init_process_group`` was given)."""
         device = torch.device(device)
         if not dist.is_available() or not dist.is_initialized():
             if config.world_size != 1:
@@ -52,6 +56,10 @@ class ParallelState:
         shape = (config.pipeline_parallel_size, config.data_parallel_size, config.tensor_parallel_size)
         mesh = init_device_mesh(device.type, shape, mesh_dim_names=MESH_DIM_NAMES)
         model_parallel_group, embedding_group = _model_parallel_and_embedding_groups(config)
+        if timeout is not None:
+            groups = [mesh.get_group(dim) for dim in MESH_DIM_NAMES] + [model_parallel_group, embedding_group]
+            for group in {id(g): g for g in groups if g is not None}.values():
+                dist.distributed_c10d._set_pg_timeout(timeout, group)  # gloo and NCCL (set_timeout: gloo only)
         return cls(config=config, device=device, mesh=mesh, model_parallel_group=model_parallel_group,
                    embedding_group=embedding_group)
 

@@ -1,0 +1,124 @@
+"""Nothing lost, nothing silent (issue 10): a stalled rank, an error while the model is on the meta device, a
+model replicated over tp for want of a plan, and devices= that disagree with the processes torchrun started.
+
+Multi-rank runs are real torchrun launches (tests/workers/fault_lifecycle.py); each rank's stderr is read
+back exactly as that rank printed it.
+"""
+
+import inspect
+import re
+import time
+from datetime import timedelta
+
+import lightning as L
+import pytest
+import torch.distributed as dist
+
+from launch import launch
+from workers.fault_models import (MISNAMED_ERROR, MISNAMED_PLAN, STALL_SECONDS, STALL_TIMEOUT_SECONDS, Planned,
+                                  trainer_kwargs)
+from lightning_megatron import Megatron3DStrategy
+from lightning_megatron.parallel.diagnostics import collective_failure
+
+def last_lines(path, count: int) -> list[str]:
+    """The last ``count`` lines a rank printed, without torch's ``[rankN]:`` prefix."""
+    lines = [re.sub(r"^\[rank\d+\]: ", "", line) for line in path.read_text().splitlines() if line.strip()]
+    return lines[-count:]
+
+
+def test_default_timeout_is_ten_minutes():
+    assert inspect.signature(Megatron3DStrategy).parameters["timeout"].default == timedelta(minutes=10)
+
+
+def test_stalled_rank_times_out_naming_the_phase_and_step_without_hanging(tmp_path):
+    """Rank 1 sleeps 60 s after backward of step 2, timeout=5 s: rank 0 gives up after 5 s, says it was waiting
+    in optimizer step 2 and why, and the whole run ends while rank 1 still sleeps (nobody waits for it)."""
+    _, proc = launch("fault_lifecycle.py", 2, tmp_path, "stall", timeout=300, expect_failure=True)
+    finished = time.time()
+    assert proc.returncode != 0
+    stalled_at = float((tmp_path / "stall_started").read_text())
+    assert finished - stalled_at < STALL_SECONDS - 15, (
+        f"the run ended {finished - stalled_at:.0f} s after rank 1 stalled: something waited for the stalled rank")
+    note = last_lines(tmp_path / "rank0.stderr", 3)
+    waited = timedelta(seconds=STALL_TIMEOUT_SECONDS)
+    assert note[0].startswith(f"Megatron3DStrategy: rank 0 of 2 timed out after waiting {waited}"), note
+    assert "in optimizer step 2 (gradient reduction over dp / global-norm clipping / ZeRO all-gather)" in note[0], note
+    assert "another rank never joined this collective" in note[1] and "stalled" in note[1], note
+    assert note[2].startswith("Fix: find the stalled rank") and "timeout=timedelta" in note[2], note
+    # The backend's own error is right above the note: the note explains it rather than replacing it.
+    assert "Timed out" in (tmp_path / "rank0.stderr").read_text()
+    rank1 = last_lines(tmp_path / "rank1.stderr", 2)
+    assert rank1[0].startswith("Megatron3DStrategy: rank 1 of 2 lost its connection to another rank"), rank1
+
+
+def test_error_while_on_meta_is_the_last_error_on_one_process():
+    """A plan entry naming no submodule fails in the strategy's set-up, before materialisation: that error, not
+    teardown's "Cannot copy out of meta tensor", is what the user gets."""
+    trainer = L.Trainer(devices=1, strategy=Megatron3DStrategy(), max_steps=1, **trainer_kwargs())
+    try:
+        with pytest.raises(ValueError, match=MISNAMED_ERROR):
+            trainer.fit(Planned(MISNAMED_PLAN))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def test_error_while_on_meta_is_the_last_error_on_every_rank(tmp_path):
+    _, proc = launch("fault_lifecycle.py", 2, tmp_path, "meta_error", timeout=300, expect_failure=True)
+    assert proc.returncode != 0
+    for rank in range(2):
+        printed = (tmp_path / f"rank{rank}.stderr").read_text()
+        last = last_lines(tmp_path / f"rank{rank}.stderr", 1)[0]
+        assert last.startswith(f"ValueError: {MISNAMED_ERROR}"), printed[-2000:]
+        assert "Cannot copy out of meta tensor" not in printed
+
+
+@pytest.fixture(scope="module")
+def checks(tmp_path_factory):
+    out = tmp_path_factory.mktemp("checks")
+    results, _ = launch("fault_lifecycle.py", 2, out, "checks", timeout=300)
+    assert len(results) == 2
+    return results
+
+
+@pytest.mark.parametrize("devices", [1, 4])
+def test_devices_that_disagree_with_torchrun_fail_on_every_rank(checks, devices):
+    for result in checks:
+        error = result[f"devices={devices}"]
+        assert error is not None, "the run went ahead with a device count torchrun did not start"
+        assert error.startswith("ValueError: Megatron3DStrategy: torchrun started 2 processes (2 on this node)"), error
+        assert f"devices={devices} and num_nodes=1" in error
+        assert "pass Trainer(devices=2, num_nodes=1)" in error and f"--nproc-per-node={devices}" in error
+
+
+@pytest.mark.parametrize("case, declared", [
+    ("no plan", "Unplanned declares no tensor_parallel_plan()"),
+    ("empty plan", "Planned has a tensor_parallel_plan() that splits no layer"),
+])
+def test_model_without_a_plan_at_tp2_warns_once_on_rank_zero(checks, case, declared):
+    rank0, rank1 = checks[0][case], checks[1][case]
+    assert len(rank0) == 1 and rank1 == [], (rank0, rank1)
+    warning = rank0[0]
+    assert warning.startswith(f"Megatron3DStrategy: {declared}"), warning
+    assert "at tensor_parallel_size=2 it is fully replicated" in warning
+    assert "each of the 2 tensor-parallel ranks holds and computes the whole model" in warning
+    assert "Declare tensor_parallel_plan()" in warning and "tensor_parallel_size=1" in warning
+
+
+def test_default_timeout_reaches_every_group_of_the_layout(checks):
+    """init_process_group(timeout=) sets only the world group's; new_group would give the others torch's 30 min."""
+    for result in checks:
+        assert result["timeouts"] == {"world": 600.0, "tp": 600.0, "model_parallel": 600.0}, result["timeouts"]
+
+
+@pytest.mark.parametrize("message, kind", [
+    ("[/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 5000ms for recv "
+     "operation to complete", "timeout"),
+    ("Application timeout caused pair closure", "timeout"),
+    ("[Rank 0] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=7, OpType=ALLREDUCE, NumelIn=1, "
+     "NumelOut=1, Timeout(ms)=600000) ran for 600039 milliseconds before timing out.", "timeout"),
+    ("[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:26030", "lost"),
+    ("DataLoader timed out after 5 seconds", None),  # not a collective: no note
+])
+def test_which_errors_are_collective_failures(message, kind):
+    assert collective_failure(RuntimeError(message)) == kind

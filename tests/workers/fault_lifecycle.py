@@ -1,0 +1,79 @@
+"""Runs that fail (or waste) on purpose, launched by torchrun. argv: OUT_DIR SCENARIO.
+
+Every rank's stderr goes to OUT_DIR/rank{r}.stderr (so a test reads exactly what that rank printed last).
+
+* ``stall``: tp=2 with timeout=STALL_TIMEOUT_SECONDS; rank 1 sleeps STALL_SECONDS in ``on_after_backward`` of
+  step 2, so rank 0 waits in optimizer step 2 (the collectives after backward: gradient norm, clipping).
+  Rank 1 writes ``stall_started`` (a time.time() stamp) first. The error is not caught.
+* ``meta_error``: tp=2 and a plan entry that names no submodule: the strategy's set-up fails while the model
+  is on the meta device. The error is not caught.
+* ``checks``: Trainer(devices=1) and Trainer(devices=4) against the 2 processes torchrun started (each error
+  is recorded), then a tp=2 fit of a model without a plan and one with an empty plan (the warnings are
+  recorded), and the timeout of the world group and of the layout's groups. Rank r writes rank{r}.json.
+"""
+
+import json
+import os
+import sys
+import time
+import warnings
+from datetime import timedelta
+from pathlib import Path
+
+import lightning as L
+import torch
+import torch.distributed as dist
+
+from fault_models import MISNAMED_PLAN, STALL_SECONDS, STALL_TIMEOUT_SECONDS, Planned, Unplanned, trainer_kwargs
+from lightning_megatron import Megatron3DStrategy
+
+out_dir, scenario = Path(sys.argv[1]), sys.argv[2]
+rank = int(os.environ["RANK"])
+stderr = open(out_dir / f"rank{rank}.stderr", "w")
+os.dup2(stderr.fileno(), 2)  # C++ and Python output of this rank alike
+sys.stderr = os.fdopen(2, "w", buffering=1)
+
+
+class StallRankOne(L.Callback):
+    def on_after_backward(self, trainer, pl_module):
+        if trainer.global_step == 2 and trainer.global_rank == 1:
+            (out_dir / "stall_started").write_text(repr(time.time()))
+            time.sleep(STALL_SECONDS)
+
+
+L.seed_everything(7)
+if scenario == "stall":
+    strategy = Megatron3DStrategy(tensor_parallel_size=2, timeout=timedelta(seconds=STALL_TIMEOUT_SECONDS))
+    trainer = L.Trainer(devices=2, strategy=strategy, max_steps=4, gradient_clip_val=1.0, callbacks=[StallRankOne()],
+                        **trainer_kwargs())
+    trainer.fit(Planned())
+elif scenario == "meta_error":
+    trainer = L.Trainer(devices=2, strategy=Megatron3DStrategy(tensor_parallel_size=2), max_steps=1, **trainer_kwargs())
+    trainer.fit(Planned(MISNAMED_PLAN))
+elif scenario == "checks":
+    result = {}
+    for devices in (1, 4):
+        trainer = L.Trainer(devices=devices, strategy=Megatron3DStrategy(), max_steps=1, **trainer_kwargs())
+        try:
+            trainer.fit(Planned())
+            result[f"devices={devices}"] = None
+        except Exception as error:
+            result[f"devices={devices}"] = f"{type(error).__name__}: {error}"
+    for name, module in (("no plan", Unplanned()), ("empty plan", Planned({}))):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer = L.Trainer(devices=2, strategy=Megatron3DStrategy(tensor_parallel_size=2), max_steps=1,
+                                **trainer_kwargs())
+            trainer.fit(module)
+        result[name] = [str(w.message) for w in caught if "replicated" in str(w.message)]
+    # The default timeout, on the world group and on groups of the layout's own (new_group: torch gives them 30 min).
+    state = trainer.strategy.parallel_state
+    groups = {"world": dist.group.WORLD, "tp": state.tensor_parallel_group,
+              "model_parallel": state.model_parallel_group}
+    result["timeouts"] = {name: group._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+                          for name, group in groups.items()}
+    (out_dir / f"rank{rank}.json").write_text(json.dumps(result))
+    dist.barrier()
+    os._exit(0)  # skip gloo's C++ teardown (see the other workers)
+else:
+    raise SystemExit(f"unknown scenario {scenario!r}")
