@@ -11,6 +11,7 @@ on the one before):
 3. :func:`split_pipeline`: delete the layers, embedding and head this rank's stages do not run.
 4. :func:`shard_zero3` (``zero_stage=3``) or ``initialize_parameters``: materialise only the
    local shards, with the layout-invariant initial values.
+5. :func:`start_pipeline` (``pp > 1``): the schedule behind the root model's ``loss()``.
 
 The model declares *what* can be split (``tensor_parallel_plan()``, ``pipeline_blocks()``);
 these functions decide *how*, from the layout.
@@ -19,7 +20,7 @@ these functions decide *how*, from the layout.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Callable, Optional, Union
 
 import torch
 from torch import nn
@@ -31,7 +32,9 @@ from lightning_megatron.parallel.recompute import apply_activation_checkpointing
 from lightning_megatron.parallel.state import ParallelState
 from lightning_megatron.pipeline.blocks import PipelineBlocks
 from lightning_megatron.pipeline.layout import PipelineLayout
+from lightning_megatron.pipeline.runner import PipelineRunner
 from lightning_megatron.pipeline.stage import StageModule, split_for_pipeline
+from lightning_megatron.pipeline.timeline import TimelineRecorder
 
 ZERO3_PRECISIONS = ("32-true", "bf16-true", "bf16-mixed", "16-true")
 # The fp32 shards are the main parameters; FSDP gathers them in the compute dtype and reduces in fp32.
@@ -84,6 +87,28 @@ def split_pipeline(module: nn.Module, state: ParallelState) -> Optional[Pipeline
     local_stages = layout.stages_of_rank(state.pipeline_parallel_rank)
     stage_modules = split_for_pipeline(root, blocks, layout.stage_layers(), local_stages)
     return PipelineSplit(stage_modules, local_stages, layout, root)
+
+
+def start_pipeline(split: PipelineSplit, state: ParallelState, *, device: torch.device, schedule: str,
+                   micro_batch_size: int, recorder: Optional[TimelineRecorder],
+                   before_backward: Callable[[int, torch.Tensor], None]) -> PipelineRunner:
+    """The schedule behind the root model's ``loss()``; its ``forward()`` now says why it cannot run alone."""
+    layout, root = split.layout, split.root
+    runner = PipelineRunner(split.stage_modules, split.local_stages, num_stages=layout.num_stages,
+                            group=state.pipeline_parallel_group, device=device, schedule=schedule,
+                            micro_batch_size=micro_batch_size, root=root, recorder=recorder,
+                            before_backward=before_backward)
+    root.loss = runner.loss  # the model's loss() now runs the schedule
+
+    def forward_needs_the_whole_model(*args, **kwargs):
+        raise RuntimeError(
+            f"Under pipeline_parallel_size={layout.pipeline_parallel_size} each rank holds only some stages of "
+            f"{type(root).__name__}, so forward() (and predict) cannot run; call the model's loss(...), which "
+            f"runs the pipeline schedule, or gather the weights (strategy.full_state_dict()) into one process."
+        )
+
+    root.forward = forward_needs_the_whole_model
+    return runner
 
 
 def shard_zero3(module: nn.Module, state: ParallelState, *, precision: str, seed: int,

@@ -41,21 +41,35 @@ from torchmetrics import Metric
 
 from lightning_megatron.launcher import InPlaceLauncher, SubprocessLauncher, die_with_launcher
 from lightning_megatron.optim.clip import clip_grads_by_global_norm
-from lightning_megatron.optim.grad_sync import DEFAULT_BUCKET_SIZE_MB, GradientSynchronizer, LocalGradients
-from lightning_megatron.optim.loss_scaler import DynamicLossScaler
+from lightning_megatron.optim.grad_sync import DEFAULT_BUCKET_SIZE_MB
+from lightning_megatron.optim.loss_scaler import DynamicLossScaler, agree_on_overflow
 from lightning_megatron.optim.nonfinite import NonFiniteCheck
-from lightning_megatron.optim.step import StepGradients
+from lightning_megatron.optim.step import StepGradients, build_step_gradients
 from lightning_megatron.optim.zero3 import ZeRO3
 from lightning_megatron.optim.zero3 import load_full_state_dict as load_zero3_state_dict
-from lightning_megatron.optim.main_params import MainParamOptimizer, model_state_bytes, uses_main_params
+from lightning_megatron.optim.main_params import MainParamOptimizer, model_state_bytes
 from lightning_megatron.parallel.config import ParallelConfig
-from lightning_megatron.parallel.diagnostics import (DEFAULT_TIMEOUT, PhaseRecord, argument, check_process_count,
-    cleanup_after_failure, explain_collective_failure, meta_model_left_in_place, records_phase, warn_if_replicated)
+from lightning_megatron.parallel.diagnostics import (
+    DEFAULT_TIMEOUT,
+    PhaseRecord,
+    argument,
+    check_process_count,
+    cleanup_after_failure,
+    explain_collective_failure,
+    meta_model_left_in_place,
+    records_phase,
+    warn_if_replicated,
+)
 from lightning_megatron.parallel.initialize import initialize_parameters
 from lightning_megatron.parallel.random import TensorParallelRNG
 from lightning_megatron.parallel.recompute import MODES as RECOMPUTE_MODES
 from lightning_megatron.parallel.state import ParallelState
-from lightning_megatron.checkpoint.full import gather_full_state_dict, local_state_dict_from_full, merge_pipeline_stages
+from lightning_megatron.checkpoint.full import (
+    full_optimizer_state_unusable,
+    gather_full_state_dict,
+    local_state_dict_from_full,
+    merge_pipeline_stages,
+)
 from lightning_megatron.checkpoint.entries import optimizer_hyperparameters
 from lightning_megatron.checkpoint.sharded import BackgroundSaver, SavedCheckpoint, is_sharded_checkpoint, write_atomically
 from lightning_megatron.checkpoint.training_state import (
@@ -71,7 +85,7 @@ from lightning_megatron.checkpoint.training_state import (
 from lightning_megatron.pipeline.layout import check_schedule
 from lightning_megatron.pipeline.runner import PipelineRunner
 from lightning_megatron.pipeline.timeline import TimelineRecorder
-from lightning_megatron.preparation import PipelineSplit, apply_recompute, shard_zero3, split_pipeline
+from lightning_megatron.preparation import PipelineSplit, apply_recompute, shard_zero3, split_pipeline, start_pipeline
 from lightning_megatron.tensor_parallel.plan import parallelize
 
 CHECKPOINT_FORMATS = ("sharded", "full")
@@ -378,40 +392,10 @@ class Megatron3DStrategy(ParallelStrategy):
             self._start_pipeline(split, trainer)
 
     def _build_step_gradients(self, module) -> StepGradients:
-        params = [p for p in module.parameters() if p.requires_grad]
-        state = self.parallel_state
-        if self._zero3 is not None:
-            return StepGradients(self._zero3, None, self.loss_scaler, data_parallel_group=state.data_parallel_group,
-                                 device=self.root_device, model_parallel_group=state.model_parallel_group,
-                                 nonfinite=self._nonfinite_check())
-        partial_grad_groups = [
-            ([p for p in params if getattr(p, "sequence_parallel_grad", False)], state.tensor_parallel_group),
-            ([p for p in params if getattr(p, "pipeline_tied", False)], state.embedding_group),
-        ]
-        needs_main_params = uses_main_params(params, state.config.zero_stage, self.offload_optimizer)
-        if state.data_parallel_group is None and not needs_main_params:
-            sync = LocalGradients(params, partial_grad_groups=partial_grad_groups)
-        else:
-            sync = GradientSynchronizer(
-                params,
-                data_parallel_group=state.data_parallel_group,
-                partial_grad_groups=partial_grad_groups,
-                bucket_size_mb=self.bucket_size_mb,
-                zero_stage=state.config.zero_stage,
-            )
-        main_params = None
-        if needs_main_params:
-            if len(self.optimizers) != 1:
-                raise ValueError(
-                    f"fp32 main parameters (zero_stage > 0, 16-bit parameters or offload_optimizer) support one "
-                    f"optimizer; configure_optimizers returned {len(self.optimizers)}."
-                )
-            main_params = MainParamOptimizer(self.optimizers[0], sync, offload=self.offload_optimizer)
-        if self.loss_scaler is not None and main_params is None:
-            raise ValueError("precision='16-true' needs 16-bit parameters with fp32 main parameters.")
-        return StepGradients(sync, main_params, self.loss_scaler, data_parallel_group=state.data_parallel_group,
-                             device=self.root_device, model_parallel_group=state.model_parallel_group,
-                             nonfinite=self._nonfinite_check())
+        return build_step_gradients(module, self.parallel_state, self.optimizers, zero3=self._zero3,
+                                    loss_scaler=self.loss_scaler, nonfinite=self._nonfinite_check(),
+                                    bucket_size_mb=self.bucket_size_mb, offload=self.offload_optimizer,
+                                    device=self.root_device)
 
     def _nonfinite_check(self) -> Optional[NonFiniteCheck]:
         """The check, unless fp16 runs: its loss scaler (ours, or Lightning's GradScaler under ``16-mixed``,
@@ -426,14 +410,7 @@ class Megatron3DStrategy(ParallelStrategy):
             self.loss_scaler = DynamicLossScaler(**self._loss_scaler_settings)
         grad_scaler = getattr(self.precision_plugin, "scaler", None)
         if precision == "16-mixed" and grad_scaler is not None:
-            unscale = grad_scaler.unscale_
-
-            def unscale_then_agree(optimizer) -> None:
-                unscale(optimizer)
-                for found_inf in grad_scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values():
-                    dist.all_reduce(found_inf, op=dist.ReduceOp.MAX)
-
-            grad_scaler.unscale_ = unscale_then_agree
+            agree_on_overflow(grad_scaler)
 
     def _current_loss_scale(self) -> float:
         if self.loss_scaler is not None:
@@ -442,31 +419,11 @@ class Megatron3DStrategy(ParallelStrategy):
         return float(grad_scaler.get_scale()) if grad_scaler is not None else 1.0
 
     def _start_pipeline(self, split: PipelineSplit, trainer: "L.Trainer") -> None:
-        layout, root = split.layout, split.root
-        state = self.parallel_state
-        self.pipeline_recorder = TimelineRecorder(state.pipeline_parallel_rank)
-        self._pipeline = PipelineRunner(
-            split.stage_modules,
-            split.local_stages,
-            num_stages=layout.num_stages,
-            group=state.pipeline_parallel_group,
-            device=self.root_device,
-            schedule=self.pipeline_schedule,
-            micro_batch_size=self.micro_batch_size,
-            root=root,
-            recorder=self.pipeline_recorder,
-            before_backward=self._before_pipeline_backward,
-        )
-        root.loss = self._pipeline.loss  # the model's loss() now runs the schedule
-
-        def forward_needs_the_whole_model(*args, **kwargs):
-            raise RuntimeError(
-                f"Under pipeline_parallel_size={layout.pipeline_parallel_size} each rank holds only some stages of "
-                f"{type(root).__name__}, so forward() (and predict) cannot run; call the model's loss(...), which "
-                f"runs the pipeline schedule, or gather the weights (strategy.full_state_dict()) into one process."
-            )
-
-        root.forward = forward_needs_the_whole_model
+        self.pipeline_recorder = TimelineRecorder(self.parallel_state.pipeline_parallel_rank)
+        self._pipeline = start_pipeline(split, self.parallel_state, device=self.root_device,
+                                        schedule=self.pipeline_schedule, micro_batch_size=self.micro_batch_size,
+                                        recorder=self.pipeline_recorder,
+                                        before_backward=self._before_pipeline_backward)
         trainer.fit_loop._skip_backward = True  # the schedule already ran every backward
 
     def _before_pipeline_backward(self, micro_batches: int, num_tokens: Tensor) -> None:
@@ -785,20 +742,10 @@ class Megatron3DStrategy(ParallelStrategy):
         if saved is not None:
             load_optimizer_state(saved, checkpoint, self._rank_training())
             return
-        layout = checkpoint.get(LAYOUT_KEY, {})
-        sharded_now = (self.parallel_config.tensor_parallel_size != 1 or self.parallel_config.zero_stage != 0
-                       or self._main_params is not None)
-        sharded_then = layout.get("tensor_parallel_size", 1) != 1 or layout.get("zero_stage", 0) != 0
-        if sharded_now or sharded_then:
-            rank_zero_warn(
-                "Megatron3DStrategy: a full (single-file) checkpoint's optimizer state is not restored under tensor "
-                "parallelism or fp32 main parameters (saved tp={}, zero_stage={}; now tp={}, zero_stage={}); the "
-                "weights and the trainer state are. The optimizer starts fresh. Sharded checkpoints "
-                "(checkpoint_format='sharded', the default) restore it at any layout.".format(
-                    layout.get("tensor_parallel_size", "?"), layout.get("zero_stage", "?"),
-                    self.parallel_config.tensor_parallel_size, self.parallel_config.zero_stage,
-                )
-            )
+        why_not = full_optimizer_state_unusable(checkpoint.get(LAYOUT_KEY, {}), self.parallel_config,
+                                                has_main_params=self._main_params is not None)
+        if why_not:
+            rank_zero_warn(why_not)
             return
         super().load_optimizer_state_dict(checkpoint)
 

@@ -76,3 +76,19 @@ def local_state_dict_from_full(module: nn.Module, full: Mapping[str, Any]) -> di
             )
         local[name] = shard.local_slice(saved)
     return local
+
+
+def full_optimizer_state_unusable(saved_layout: Mapping[str, Any], config: Any, *, has_main_params: bool) -> Optional[str]:
+    """Why a full (single-file) checkpoint's optimizer state cannot be restored here, or None if it can.
+
+    It holds rank 0's optimizer state only, which is every rank's only at tp=1 without ZeRO or fp32 main
+    parameters, at saving and at loading."""
+    sharded_now = config.tensor_parallel_size != 1 or config.zero_stage != 0 or has_main_params
+    sharded_then = saved_layout.get("tensor_parallel_size", 1) != 1 or saved_layout.get("zero_stage", 0) != 0
+    if not (sharded_now or sharded_then):
+        return None
+    return (f"Megatron3DStrategy: a full (single-file) checkpoint's optimizer state is not restored under tensor "
+            f"parallelism or fp32 main parameters (saved tp={saved_layout.get('tensor_parallel_size', '?')}, "
+            f"zero_stage={saved_layout.get('zero_stage', '?')}; now tp={config.tensor_parallel_size}, "
+            f"zero_stage={config.zero_stage}); the weights and the trainer state are. The optimizer starts fresh. "
+            f"Sharded checkpoints (checkpoint_format='sharded', the default) restore it at any layout.")

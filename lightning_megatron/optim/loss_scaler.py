@@ -29,6 +29,19 @@ def found_overflow(grads: Iterable[Optional[Tensor]], device: torch.device) -> b
     return bool(flag.item())
 
 
+def agree_on_overflow(grad_scaler) -> None:
+    """Make Lightning's ``GradScaler`` (``16-mixed``) decide an overflow for the whole world: after its
+    own unscale, its found-inf flags are all-reduced (max), so every rank skips the same steps."""
+    unscale = grad_scaler.unscale_
+
+    def unscale_then_agree(optimizer) -> None:
+        unscale(optimizer)
+        for found_inf in grad_scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values():
+            dist.all_reduce(found_inf, op=dist.ReduceOp.MAX)
+
+    grad_scaler.unscale_ = unscale_then_agree
+
+
 class DynamicLossScaler:
     def __init__(
         self,

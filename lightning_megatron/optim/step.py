@@ -18,10 +18,11 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_megatron.optim.clip import local_grad_squares
-from lightning_megatron.optim.grad_sync import GradientSynchronizer
+from lightning_megatron.optim.grad_sync import GradientSynchronizer, LocalGradients
 from lightning_megatron.optim.loss_scaler import DynamicLossScaler, found_overflow
-from lightning_megatron.optim.main_params import MainParamOptimizer
+from lightning_megatron.optim.main_params import MainParamOptimizer, uses_main_params
 from lightning_megatron.optim.nonfinite import NonFiniteCheck, loss_flags
+from lightning_megatron.parallel.state import ParallelState
 
 
 class StepGradients:
@@ -141,3 +142,36 @@ class StepGradients:
 
     def remove(self) -> None:
         self.sync.remove()
+
+
+def build_step_gradients(module: nn.Module, state: ParallelState, optimizers: list, *, zero3=None,
+                         loss_scaler: Optional[DynamicLossScaler], nonfinite: Optional[NonFiniteCheck],
+                         bucket_size_mb: float, offload: bool, device: torch.device) -> StepGradients:
+    """The gradient path this layout needs: ZeRO-3's own, one replica's plain ``param.grad`` (no dp, no
+    main params), or flat buckets reduced over dp; plus fp32 main parameters where ZeRO, 16-bit
+    parameters or offloading ask for them."""
+    common = dict(data_parallel_group=state.data_parallel_group, device=device,
+                  model_parallel_group=state.model_parallel_group, nonfinite=nonfinite)
+    if zero3 is not None:
+        return StepGradients(zero3, None, loss_scaler, **common)
+    params = [p for p in module.parameters() if p.requires_grad]
+    partial_grad_groups = [
+        ([p for p in params if getattr(p, "sequence_parallel_grad", False)], state.tensor_parallel_group),
+        ([p for p in params if getattr(p, "pipeline_tied", False)], state.embedding_group),
+    ]
+    needs_main_params = uses_main_params(params, state.config.zero_stage, offload)
+    if state.data_parallel_group is None and not needs_main_params:
+        sync = LocalGradients(params, partial_grad_groups=partial_grad_groups)
+    else:
+        sync = GradientSynchronizer(params, data_parallel_group=state.data_parallel_group,
+                                    partial_grad_groups=partial_grad_groups, bucket_size_mb=bucket_size_mb,
+                                    zero_stage=state.config.zero_stage)
+    main_params = None
+    if needs_main_params:
+        if len(optimizers) != 1:
+            raise ValueError(f"fp32 main parameters (zero_stage > 0, 16-bit parameters or offload_optimizer) support "
+                             f"one optimizer; configure_optimizers returned {len(optimizers)}.")
+        main_params = MainParamOptimizer(optimizers[0], sync, offload=offload)
+    if loss_scaler is not None and main_params is None:
+        raise ValueError("precision='16-true' needs 16-bit parameters with fp32 main parameters.")
+    return StepGradients(sync, main_params, loss_scaler, **common)
