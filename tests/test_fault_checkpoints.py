@@ -27,7 +27,7 @@ from lightning_megatron.cli import main as cli_main
 def run(tmp_path_factory):
     """A 2-step run's trainer (still usable for saves) and its sharded checkpoint."""
     root = tmp_path_factory.mktemp("run")
-    trainer, _ = fit(root, 2)
+    trainer, _ = fit(root, 2, checkpoint_checksums=True)
     trainer.save_checkpoint(root / "two.ckpt")
     return trainer, root / "two.ckpt"
 
@@ -109,7 +109,16 @@ def test_hf_export_replaces_its_own_export_and_keeps_other_files(run, tmp_path):
 
 
 # ----------------------------------------------------------------------------- 3. a crash between the renames
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    """The losses of an uninterrupted 5-step run."""
+    return fit(tmp_path_factory.mktemp("straight"), 5)[1]
+
+
 def crash_between_renames(directory):
+    """Leave ``directory`` as a SIGKILL between the two renames of last.ckpt's third save does. (In the
+    directory the test resumes in: the checkpoint records its ModelCheckpoint's dirpath.)"""
+    directory.mkdir()
     result = subprocess.run([sys.executable, str(WORKERS / "crash_between_renames.py"), str(directory)],
                             env=child_env(PYTHONPATH=f"{WORKERS}:{REPO_ROOT}"), cwd=directory.parent,
                             capture_output=True, text=True, timeout=300)
@@ -119,10 +128,8 @@ def crash_between_renames(directory):
     assert open_sharded(replaced_path(directory / "last.ckpt")).info["global_step"] == 2
 
 
-def test_resume_from_last_after_a_crash_between_the_renames_continues_from_the_newest(tmp_path):
-    _, straight = fit(tmp_path / "straight", 5)
+def test_resume_from_last_after_a_crash_between_the_renames_continues_from_the_newest(straight, tmp_path):
     directory = tmp_path / "ckpts"
-    directory.mkdir()
     crash_between_renames(directory)
     trainer, losses = fit(tmp_path / "resumed", 5, ckpt_path="last",
                           callbacks=[ModelCheckpoint(dirpath=directory, every_n_train_steps=1, save_last=True,
@@ -132,10 +139,8 @@ def test_resume_from_last_after_a_crash_between_the_renames_continues_from_the_n
     assert sorted(p.name for p in directory.iterdir() if not p.name.endswith(".lock")) == ["last.ckpt"]
 
 
-def test_two_ranks_finish_the_interrupted_replacement_once_and_resume_from_it(tmp_path):
-    _, straight = fit(tmp_path / "straight", 5)
+def test_two_ranks_finish_the_interrupted_replacement_once_and_resume_from_it(straight, tmp_path):
     directory = tmp_path / "ckpts"
-    directory.mkdir()
     crash_between_renames(directory)
     results, _ = launch("resume_last.py", 2, tmp_path / "out", str(directory), "5")
     assert [result["resumed_at"] for result in results] == [3, 3]

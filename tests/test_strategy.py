@@ -13,7 +13,7 @@ from lightning_megatron.cli import main as cli_main
 from lightning_megatron import Megatron3DStrategy
 from lightning_megatron.checkpoint import consolidated_state_dict, open_sharded
 
-FIT = {"tp": 2, "sp": True, "accumulate": 2, "clip": 0.5, "steps": 5, "zero_stage": 1}
+FIT = {"tp": 2, "sp": True, "accumulate": 2, "clip": 0.5, "steps": 5, "zero_stage": 1, "checksums": True}
 PIPELINE_FIT = {"tp": 2, "pp": 2, "sp": True, "accumulate": 2, "clip": 0.5, "steps": 4, "micro_batch_size": 2,
                 "layers": 4, "timeline": True, "recompute": "selective", "zero_stage": 2, "test": True}
 

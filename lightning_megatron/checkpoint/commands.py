@@ -135,7 +135,7 @@ def convert(source: Union[str, Path], out: Union[str, Path]) -> str:
     family = "GPT" if isinstance(config, GPTConfig) else "BERT"
     info = {"model": f"lightning_megatron.models.{family}", "global_step": 0, "epoch": 0, "converted_from": str(source),
             "layout": {}, "world_size": 1}
-    save_sharded(out, tensors, trainer_state, info)
+    save_sharded(out, tensors, trainer_state, info, checksums=True)
     return f"wrote a weights-only {family} checkpoint to {out}"
 
 

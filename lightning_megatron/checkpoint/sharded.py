@@ -11,7 +11,7 @@ A checkpoint is a directory (named like Lightning's files, e.g. ``epoch=0-step=3
 Saves are atomic: everything is written to ``.<name>.partial`` next to the target and renamed
 into place once every rank has finished (``checkpoint.replacement``), so a crash mid-save leaves
 the previous checkpoint (and never a half-written one under the real name). ``megatron_3d.json``
-is written last and records a CRC-32 of every file (``checksums``), which ``verify_checksums``
+is written last and, when asked (``checksums=True``), records a CRC-32 of every file, which ``verify_checksums``
 and ``lightning-megatron checkpoint verify`` compare. Loading checks the files against the
 index before any collective, so a missing or truncated shard or a checkpoint of another model
 stops every rank with one clear error instead of a hang or a partial load.
@@ -226,7 +226,7 @@ def finish_save(partial: Path, path: PathLike, info: Mapping[str, Any], checksum
 
 
 def save_sharded(path: PathLike, tensors: Entries, trainer_state: Mapping[str, Any], info: Mapping[str, Any], *,
-                 checksums: bool = True) -> None:
+                 checksums: bool = False) -> None:
     """Collective over the world: write a sharded checkpoint directory atomically."""
     state = serialize_trainer_state(trainer_state) if _is_rank_zero() else None
     write_sharded(start_save(path), path, tensors, state, info, checksums=checksums)
@@ -248,7 +248,7 @@ class BackgroundSaver:
         self.pending: Optional[Path] = None
 
     def save(self, path: PathLike, tensors: Entries, trainer_state: Mapping[str, Any], info: Mapping[str, Any], *,
-             checksums: bool = True) -> None:
+             checksums: bool = False) -> None:
         """Collective over the world (returns once the copies are made)."""
         self.wait()
         if self._group is None and dist.is_initialized():

@@ -76,7 +76,7 @@ def set_rng_state(state: dict[str, Any], rng: Optional[TensorParallelRNG]) -> No
 
 
 def save_training_state(path, checkpoint: dict[str, Any], training: RankTraining, info: dict[str, Any], *,
-                        saver: Optional[BackgroundSaver] = None, checksums: bool = True) -> None:
+                        saver: Optional[BackgroundSaver] = None, checksums: bool = False) -> None:
     """Collective. ``checkpoint`` is Lightning's dict (its ``state_dict`` and ``optimizer_states`` as the
     strategy returned them: empty and hyper-parameters only); the tensors come from ``training`` itself.
     With a ``saver`` the files are written in the background.
