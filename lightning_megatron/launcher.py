@@ -28,7 +28,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.launchers.launcher import _Launcher
 
-from lightning_megatron.checkpoint.replacement import finish_interrupted_saves
+from lightning_megatron.checkpoint.replacement import finish_interrupted_saves, report
 
 PARENT_PID_VARIABLE = "LIGHTNING_MEGATRON_LAUNCHER_PID"
 _PR_SET_PDEATHSIG = 1
@@ -44,8 +44,7 @@ def checkpoint_directories(trainer: Any) -> list[Path]:
 
 def prepare_checkpoint_directories(trainer: Any) -> None:
     for directory in checkpoint_directories(trainer):
-        for line in finish_interrupted_saves(directory):
-            print(f"lightning-megatron: {line}", file=sys.stderr, flush=True)
+        report(finish_interrupted_saves(directory))
 
 
 def die_with_launcher() -> None:

@@ -23,6 +23,7 @@ import os
 import re
 import shutil
 import struct
+import sys
 import zipfile
 from pathlib import Path
 from typing import Callable, Iterator, Optional, Union
@@ -225,6 +226,12 @@ def finish_interrupted(path: PathLike) -> list[str]:
             remove(replaced)
             done.append(f"removed {replaced}: the previous version of {path.name}, which a finished save replaced")
     return done
+
+
+def report(lines: list[str]) -> None:
+    """What recovery did, one line each, on stderr (every process that did something says so)."""
+    for line in lines:
+        print(f"lightning-megatron: {line}", file=sys.stderr, flush=True)
 
 
 @contextlib.contextmanager

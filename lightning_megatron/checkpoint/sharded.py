@@ -22,7 +22,6 @@ from __future__ import annotations
 import io
 import json
 import os
-import sys
 import threading
 import warnings
 import zlib
@@ -51,6 +50,7 @@ from lightning_megatron.checkpoint.replacement import (  # noqa: F401 (write_ato
     partial_path,
     remove,
     replaced_path,
+    report,
     write_atomically,
 )
 
@@ -103,8 +103,7 @@ def start_save(path: PathLike) -> Path:
     brought to where that save was going (``finish_interrupted``): nothing complete is lost to the new one."""
     partial = partial_path(path)
     if _is_rank_zero():
-        for line in finish_interrupted(path):
-            print(f"lightning-megatron: {line}", file=sys.stderr, flush=True)
+        report(finish_interrupted(path))
         partial.mkdir(parents=True)
     _barrier()
     return partial
@@ -150,7 +149,8 @@ def _bytes(tensors: Entries) -> int:
                if isinstance(value, ShardedEntry) else value.numel() * value.element_size() for value in tensors.values())
 
 
-def _gather(value: Any, group: Optional[dist.ProcessGroup]) -> list:
+def all_gather_objects(value: Any, group: Optional[dist.ProcessGroup] = None) -> list:
+    """Every rank's ``value`` (one process without torch.distributed: just this one)."""
     if not dist.is_initialized():
         return [value]
     values: list = [None] * dist.get_world_size(group)
@@ -166,7 +166,7 @@ def _agree_on_failure(error: Optional[BaseException], partial: Path, path: Path,
                       group: Optional[dist.ProcessGroup]) -> None:
     """Collective: if any rank failed, rank zero removes the unfinished directory and every rank raises (the
     failing rank its own error, explained if the disk is full; the others one that names it)."""
-    reports = _gather(_report(error), group)
+    reports = all_gather_objects(_report(error), group)
     failed = [(rank, report) for rank, report in enumerate(reports) if report is not None]
     if not failed:
         return
@@ -190,7 +190,7 @@ def write_sharded(partial: Path, path: PathLike, tensors: Entries, trainer_state
     gathers: the bytes needed, the checksums with any error, the outcome of the rename."""
     path = Path(path)
     rank = dist.get_rank(process_group) if dist.is_initialized() else 0
-    needed = sum(_gather(_bytes(tensors), process_group))
+    needed = sum(all_gather_objects(_bytes(tensors), process_group))
     error: Optional[BaseException] = None
     try:
         write_tensors(partial, tensors, process_group=process_group)  # DCP raises a failure on every rank
@@ -200,7 +200,7 @@ def write_sharded(partial: Path, path: PathLike, tensors: Entries, trainer_state
         table = checksum_own_files(partial, rank) if checksums else {}
     except BaseException as caught:
         error, table = caught, {}
-    tables = _gather((table, _report(error)), process_group)
+    tables = all_gather_objects((table, _report(error)), process_group)
     if any(report is not None for _, report in tables):
         _agree_on_failure(error, partial, path, needed, process_group)
     if rank == 0:

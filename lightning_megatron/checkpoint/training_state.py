@@ -10,7 +10,6 @@ tp, pp, virtual pp, dp and the ZeRO stage may all differ from the saving run.
 from __future__ import annotations
 
 import random
-import sys
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Mapping, Optional, Union
 
@@ -23,6 +22,7 @@ from lightning_megatron.checkpoint import entries as E
 from lightning_megatron.checkpoint.sharded import (
     BackgroundSaver,
     SavedCheckpoint,
+    all_gather_objects,
     check_compatible,
     open_sharded,
     read_tensors,
@@ -30,7 +30,7 @@ from lightning_megatron.checkpoint.sharded import (
     verify_checksums,
 )
 from lightning_megatron.checkpoint.pieces import ShardedEntry
-from lightning_megatron.checkpoint.replacement import check_replaceable, finish_interrupted
+from lightning_megatron.checkpoint.replacement import check_replaceable, finish_interrupted, report
 from lightning_megatron.optim.main_params import MainParamOptimizer
 from lightning_megatron.parallel.random import TensorParallelRNG
 from lightning_megatron.parallel.state import ParallelState
@@ -94,7 +94,7 @@ def save_training_state(path, checkpoint: dict[str, Any], training: RankTraining
     optimizers = checkpoint.get("optimizer_states", [])
     problem = _save_problem(path, tensors)
     mine = (_rng_state(training.rng), [hyper["param_names"] for hyper in optimizers], problem)
-    per_rank = _all_gather(mine)
+    per_rank = all_gather_objects(mine)
     target_taken = per_rank[0][2] if isinstance(per_rank[0][2], FileExistsError) else None
     if target_taken is not None:
         raise FileExistsError(str(target_taken))
@@ -161,14 +161,6 @@ def _diverged(names: list[str], path) -> str:
         " Training diverged before this save; the checkpoints already on disk were left as they are.")
 
 
-def _all_gather(value: Any) -> list:
-    if not dist.is_initialized():
-        return [value]
-    values: list = [None] * dist.get_world_size()
-    dist.all_gather_object(values, value)
-    return values
-
-
 def _agree(check: Callable[[], Any]) -> Any:
     """Run a check that may fail on some ranks only, then fail on all of them (or none) before the next
     collective, so that no rank waits forever for one that gave up."""
@@ -177,7 +169,7 @@ def _agree(check: Callable[[], Any]) -> Any:
         result = check()
     except (OSError, RuntimeError, TypeError, ValueError) as caught:
         error = caught
-    reports = _all_gather(None if error is None else f"{type(error).__name__}: {error}")
+    reports = all_gather_objects(None if error is None else f"{type(error).__name__}: {error}")
     if error is not None:
         raise error
     failed = [(rank, report) for rank, report in enumerate(reports) if report is not None]
@@ -197,7 +189,7 @@ def load_model_state(path, training: RankTraining, *, verify: bool = False) -> t
     strict = getattr(training.module, "strict_loading", True)  # LightningModule.strict_loading
     saved, trainer_state, wanted, model_keys = _agree(lambda: _plan_model_load(path, training, strict, verify))
     available = saved.tensors()
-    expected = {key for keys in _all_gather(model_keys) for key in keys}  # every stage's, the same on every rank
+    expected = {key for keys in all_gather_objects(model_keys) for key in keys}  # every stage's, the same on every rank
     unexpected = sorted(key for key in available if key.startswith(f"{E.MODEL}/") and key not in expected)
     if unexpected and strict:
         shown = ", ".join(repr(key) for key in unexpected[:5]) + (f" and {len(unexpected) - 5} more" if len(unexpected) > 5 else "")
@@ -217,8 +209,7 @@ def load_model_state(path, training: RankTraining, *, verify: bool = False) -> t
 
 def _finish_interrupted_on_rank_zero(path) -> None:
     if not dist.is_initialized() or dist.get_rank() == 0:
-        for line in finish_interrupted(path):
-            print(f"lightning-megatron: {line}", file=sys.stderr, flush=True)
+        report(finish_interrupted(path))
 
 
 def _check_finite_after_load(saved: SavedCheckpoint, entries: Mapping[str, Any]) -> None:
