@@ -1,9 +1,10 @@
 """lightning-megatron: Megatron-LM-style 3D parallelism for PyTorch Lightning.
 
-Importing the package registers ``Trainer(strategy="megatron_3d")``.
+Importing the package registers ``Trainer(strategy="megatron_3d")`` and the Hugging Face converters behind
+``GPT.from_hf``/``to_hf`` and ``BERT.from_hf``/``to_hf``.
 """
 
-from lightning_megatron import callbacks, checkpoint, data, models, optim, parallel, pipeline, tensor_parallel
+from lightning_megatron import callbacks, checkpoint, data, huggingface, models, optim, parallel, pipeline, tensor_parallel
 from lightning_megatron.parallel import ParallelConfig, ParallelState
 from lightning_megatron.strategy import Megatron3DStrategy, register
 
@@ -18,6 +19,7 @@ __all__ = [
     "callbacks",
     "checkpoint",
     "data",
+    "huggingface",
     "models",
     "optim",
     "parallel",

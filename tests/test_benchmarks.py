@@ -56,3 +56,52 @@ def test_checkpoint_checks_benchmark_times_each_check_against_its_baseline(tmp_p
     rows = {line.split(" | ")[0].strip(): line.split(" | ") for line in result.stdout.splitlines() if " | " in line}
     assert {"save with checksums", "verify every file's checksum", "finite check of what was read"} <= set(rows)
     assert (tmp_path / "with.ckpt" / "megatron_3d.json").is_file()
+
+
+def load_throughput():
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import throughput
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    return throughput
+
+
+def test_throughput_interleaved_gate_up_makes_a_contiguous_dtensor_split_of_swiglu_exact():
+    """Rank r's contiguous half of the interleaved fc rows is [gate_r | up_r]: the ranks' partial outputs sum to
+    the unsharded MLP's (a plain contiguous split of [gate | up] would not)."""
+    import torch
+
+    from lightning_megatron.models.mlp import GatedMLP
+
+    throughput = load_throughput()
+    torch.manual_seed(0)
+    mlp, x = GatedMLP(8, 12), torch.randn(3, 8)
+    expected = mlp(x)
+    throughput.interleave_gate_up(mlp.fc, 2)
+    partial = [torch.nn.functional.linear(torch.nn.functional.silu(gate) * up, proj)
+               for gate, up, proj in ((*torch.nn.functional.linear(x, rows).chunk(2, -1), cols)
+                                      for rows, cols in zip(mlp.fc.weight.chunk(2), mlp.proj.weight.chunk(2, dim=1)))]
+    assert torch.allclose(sum(partial), expected, atol=1e-6)
+
+
+def test_throughput_benchmark_llama_dtensor_baseline_trains_the_same_model(tmp_path, monkeypatch):
+    """The Llama-shaped DTensor baseline (ModelParallelStrategy tp=2) ends at the single-process loss: its plan is right."""
+    import lightning as L
+    import torch
+
+    throughput = load_throughput()
+    size = ["--model", "llama", "--hidden=64", "--heads=4", "--layers=2", "--seq=32", "--batch=4", "--vocab=512",
+            "--steps=2", "--warmup=1"]
+    result = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "throughput.py"), *size, "--repeats=1", "--only", "model_parallel_tp2"],
+        capture_output=True, text=True, timeout=300, env=child_env(), cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [[cell.strip() for cell in line.split(" | ")] for line in result.stdout.splitlines() if " | " in line]
+    assert rows[1][0] == "ModelParallelStrategy tp=2 (DTensor)" and float(rows[1][2].replace(",", "")) > 0, rows
+    monkeypatch.delenv("PL_GLOBAL_SEED", raising=False)  # seed_everything sets it; restored after the test
+    with torch.random.fork_rng():
+        L.seed_everything(1234, verbose=False)  # as the benchmark's worker does
+        _, _, reference = throughput.run_plain(throughput.parse_args(size), torch.device("cpu"))
+    assert abs(float(rows[1][-1]) - reference) < 2e-4, (rows[1], reference)

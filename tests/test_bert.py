@@ -11,7 +11,7 @@ from torch.utils.data import default_collate
 
 from launch import launch
 from workers.bert_setup import CLIP, CONFIGS, SEED, batches, fit_datamodule, fit_model, fit_trainer_kwargs, model_loss, optimizer
-from lightning_megatron.checkpoint.hf_bert import bert_config_from_hf, bert_state_dict_from_hf
+from lightning_megatron.huggingface.bert import bert_config_from_hf, bert_state_dict_from_hf
 from lightning_megatron.data import BERTDataModule, BERTPretrainingDataset
 from lightning_megatron.data.bert import BYTE_SPECIAL_TOKENS
 from lightning_megatron.data.corpus import load_stdlib_token_documents

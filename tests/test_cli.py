@@ -1,7 +1,9 @@
 """The ``lightning-megatron`` command: config parsing and the default run, as a user types them."""
 
+import importlib.util
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -21,6 +23,31 @@ def test_every_config_parses(config, capsys):
     assert exit_info.value.code == 0
     printed = capsys.readouterr().out
     assert "lightning_megatron.Megatron3DStrategy" in printed and "class_path: lightning_megatron.models." in printed
+
+
+def load_model_state_script():
+    spec = importlib.util.spec_from_file_location("model_state", REPO / "configs" / "model_state.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["model_state"] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_every_config_layout_validates_and_the_large_ones_fit_80_gb_gpus():
+    """configs/model_state.py builds every rank's shards on the meta device (as the strategy does) and
+    runs the strategy's layout checks; the per-GPU numbers it prints are the ones in the YAML comments."""
+    model_state = load_model_state_script()
+    reports = {path.stem: model_state.report(path) for path in sorted((REPO / "configs").glob("*.yaml"))}
+    for name, report in reports.items():
+        peak = report.peak_rank
+        state = sum(report.model_state(peak).values())
+        assert state < 80 * 2**30, (name, state)
+        if name.startswith(("llama-3", "mistral", "qwen")):  # with the rough activation estimate, too
+            assert max(sum(report.model_state(r).values()) + report.activations(r) for r in report.ranks) < 72 * 2**30
+    report = reports["llama-3.1-70b"]
+    assert [r.layers for r in report.ranks] == [20] * 4
+    assert report.peak_rank.parameters == 2_271_551_488  # 20 layers / 8 + the output layer / 8 + the final norm
+    assert sum(report.model_state(report.peak_rank).values()) == 7 * 2_271_551_488  # 4Ψ + 12Ψ/N at N=4
 
 
 def test_print_config_parses_and_overrides(capsys):
@@ -48,6 +75,11 @@ def test_default_run_trains_with_tensor_parallelism_and_saves_a_layout_free_chec
         "--trainer.limit_val_batches=2", "--data.max_files=40", f"--trainer.default_root_dir={tmp_path}",
     )
     assert "tp=2 pp=1 dp=1" in result.stdout + result.stderr
+    # What the strategy reports after the first step is what configs/model_state.py predicts for the config.
+    predicted = load_model_state_script().report(CONFIG)
+    total = sum(predicted.model_state(predicted.peak_rank).values())
+    assert "[rank 0] model state: " in result.stdout
+    assert f"(total {total / 2**20:.2f} MiB)" in next(line for line in result.stdout.splitlines() if "[rank 0] model state" in line)
     checkpoints = list(tmp_path.rglob("*.ckpt"))
     assert len(checkpoints) == 1, checkpoints
     saved = open_sharded(checkpoints[0])  # a directory: each rank wrote its own shards

@@ -17,7 +17,10 @@ from launch import child_env  # noqa: E402
 @pytest.mark.parametrize(
     "script, args, expect",
     [
-        ("train_gpt.py", ["--max-steps=2", "--max-files=30", "--pipeline-parallel-size=1"], "max_steps=2"),
+        # The Llama-shaped preset (RMSNorm, rotary, SwiGLU, GQA) with sequence parallelism; gpt-tiny's
+        # path through the same script is the CLI's default run.
+        ("train_gpt.py", ["--max-steps=2", "--max-files=30", "--pipeline-parallel-size=1", "--preset=llama-tiny",
+                          "--sequence-parallel"], "max_steps=2"),
         ("train_bert.py", ["--max-steps=2"], "max_steps=2"),
         ("custom_loss.py", ["--max-steps=2", "--max-files=30"], "max_steps=2"),
         ("trainer_strategy_string.py", ["--max-steps=30"], "final train_loss"),

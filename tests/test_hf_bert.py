@@ -1,27 +1,25 @@
-"""Hugging Face BERT conversion: masked-LM and sentence-order logits parity (padding masked) at tp=1, tp=2 (with and
-without sp) and pp=2, exact round trips through from_pretrained, every weight file layout, the GPT-2/BERT dispatch,
-and clear errors for what cannot convert (pre-norm, unsupported switches, wrong shapes)."""
+"""Hugging Face BERT conversion: masked-LM and sentence-order logits parity (padding masked) at tp=1, exact round
+trips through from_pretrained, every weight file layout, the dispatch by model_type, and clear errors for what cannot
+convert (pre-norm, unsupported switches, wrong shapes). The parallel layouts: ``test_hf_parity.py``."""
 
 import sys
 
 import pytest
 import torch
 
-from launch import launch
 from workers import hf_gpt2_setup
 from workers.hf_bert_setup import HF_FIELDS, TOLERANCE, build_hf_model, sample_inputs
-from lightning_megatron.checkpoint.hf_bert import (
+from lightning_megatron.huggingface.bert import (
     bert_config_from_hf,
     bert_state_dict_from_hf,
     hf_config_from_bert,
     hf_state_dict_from_bert,
     read_hf_bert,
 )
-from lightning_megatron.checkpoint.hf_convert import lightning_module_for, read_hf, write_hf
+from lightning_megatron.huggingface import lightning_module_for, read_hf, write_hf
 from lightning_megatron.models import BERT, GPT, BERTConfig, GPTConfig
 
 transformers = pytest.importorskip("transformers")
-PARALLEL_LAYOUTS = ["bert-tp2", "bert-tp2-sp", "bert-pp2"]
 BOOKKEEPING = {"_name_or_path", "architectures", "dtype", "transformers_version"}
 
 
@@ -107,17 +105,6 @@ def test_reads_every_save_pretrained_layout_without_transformers(hf_model, layou
         assert torch.equal(state_dict[name], value), name
 
 
-def test_parallel_layouts_match_hugging_face(tmp_path):
-    results, _ = launch("hf_parity.py", 2, tmp_path, ",".join(PARALLEL_LAYOUTS))
-    assert len(results) == 2
-    for layout in PARALLEL_LAYOUTS:
-        deviations = [r[layout]["max_abs_diff"] for r in results if r[layout]["max_abs_diff"] is not None]
-        assert len(deviations) == (1 if layout.endswith("pp2") else 2), layout
-        print(f"{layout}: max |logit difference| {max(deviations):.2e} (masked-LM and sentence-order)")
-        assert max(deviations) <= TOLERANCE, layout
-        assert all(r[layout]["round_trip_identical"] for r in results), layout
-
-
 def test_read_hf_and_write_hf_dispatch_on_the_model_type(hf_model, tmp_path):
     gpt2 = hf_gpt2_setup.build_hf_model()
     hf_model.save_pretrained(tmp_path / "bert")
@@ -135,8 +122,11 @@ def test_read_hf_and_write_hf_dispatch_on_the_model_type(hf_model, tmp_path):
         assert config_again == config
         assert all(torch.equal(state_again[k], v) for k, v in state_dict.items())
 
-    (tmp_path / "bert" / "config.json").write_text('{"model_type": "llama"}')
-    with pytest.raises(ValueError, match=r"model_type='llama' cannot be converted: supported .* 'bert', 'gpt2'"):
+    with pytest.raises(ValueError, match=r"model_type='bert' cannot be converted: supported .* 'gpt2', 'llama', "
+                                         r"'mistral', 'qwen2'\. It is a BERT model: read it with BERT\.from_hf"):
+        GPT.from_hf(tmp_path / "bert")
+    (tmp_path / "bert" / "config.json").write_text('{"model_type": "gpt_neox"}')
+    with pytest.raises(ValueError, match=r"model_type='gpt_neox' cannot be converted: supported .* 'bert', 'gpt2'"):
         read_hf(tmp_path / "bert")
     with pytest.raises(TypeError, match="Expected a GPTConfig or BERTConfig, got dict"):
         write_hf(tmp_path / "x", {}, {})

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from launch import launch
-from workers.gpt_setup import CLIP, CONFIG, SEED, batches, optimizer, sgd_optimizer
+from workers.gpt_setup import CLIP, CONFIG, LLAMA_CONFIG, SEED, batches, optimizer, sgd_optimizer
 from lightning_megatron.models import GPTModel
 
 LAYOUTS = {
@@ -14,18 +14,24 @@ LAYOUTS = {
         "pp2-tp1-dp2-mb2", "tp1-dp4-z1", "tp1-dp4-mb2-z2-sgd", "tp2-dp2-sp-z1", "tp2-dp2-z2", "pp2-tp1-dp2-mb2-z1"],
     8: ["pp2-tp2-dp2-mb2", "pp2-vpp2-tp2-dp2-sp-mb4", "pp2-tp2-dp2-sp-mb2-z2"],
 }
+# The Llama-shaped model in the same launches (2 key/value groups: tp2 splits them, tp4 replicates each on 2 ranks).
+LAYOUTS[2] += ["llama-tp2-dp1", "llama-tp2-dp1-sp-mb2", "llama-pp2-tp1-dp1-mb4", "llama-pp2-vpp2-tp1-dp1-mb4",
+               "llama-tp1-dp2-z1"]
+LAYOUTS[4] += ["llama-tp4-dp1", "llama-tp4-dp1-sp-mb2", "llama-tp2-dp2-sp-z1", "llama-pp2-tp2-dp1-sp-mb2",
+               "llama-tp1-dp4-mb2-z2"]
 LOSS_TOL, WEIGHT_TOL = 1e-5, 1e-5
 
 
 @pytest.fixture(scope="module")
 def reference():
     """Plain PyTorch, one process, the whole global batch, torch's own clipping; per optimizer."""
-    return {"adamw": _reference(optimizer), "sgd": _reference(sgd_optimizer)}
+    return {"adamw": _reference(optimizer, CONFIG), "sgd": _reference(sgd_optimizer, CONFIG),
+            "llama": _reference(optimizer, LLAMA_CONFIG)}
 
 
-def _reference(make_optimizer):
+def _reference(make_optimizer, config):
     torch.manual_seed(SEED)
-    model = GPTModel(CONFIG)
+    model = GPTModel(config)
     opt = make_optimizer(model.parameters())
     losses = []
     for input_ids, labels in batches():
@@ -43,7 +49,8 @@ def _reference(make_optimizer):
 def test_layouts_match_single_process(world, reference, tmp_path):
     launch("layout_invariance.py", world, tmp_path, ",".join(LAYOUTS[world]))
     for layout in LAYOUTS[world]:
-        ref_losses, ref_weights = reference["sgd" if layout.endswith("-sgd") else "adamw"]
+        kind = "llama" if layout.startswith("llama-") else "sgd" if layout.endswith("-sgd") else "adamw"
+        ref_losses, ref_weights = reference[kind]
         result = torch.load(tmp_path / f"{layout}.pt", weights_only=True)
         loss_dev = max(abs(a - b) for a, b in zip(result["losses"], ref_losses))
         assert len(result["losses"]) == len(ref_losses)

@@ -26,7 +26,7 @@ def tracked_gpt(mode: str) -> GPTModel:
     with torch.device("meta"):
         model = GPTModel(CONFIG)
     rng = TensorParallelRNG(SEED, 0, torch.device("cpu"))
-    parallelize(model, GPTModel.tensor_parallel_plan(), ParallelState.create(ParallelConfig(), "cpu"), rng=rng)
+    parallelize(model, model.tensor_parallel_plan(), ParallelState.create(ParallelConfig(), "cpu"), rng=rng)
     apply_activation_checkpointing(model, mode=mode, layer_pattern=LAYERS, rng=rng)
     initialize_parameters(model, SEED, device="cpu", only_meta=True)
     return model

@@ -63,6 +63,26 @@ def test_fit_tp2_dp2_sequence_parallel_zero1_matches_plain_lightning(fit_tp2_dp2
     assert worst < 1e-5, f"weights deviate by {worst:.2e}"
 
 
+# adam_eps: the untied embedding's rarely seen rows have near-zero gradients (see workers/gpt_setup.py: optimizer).
+LLAMA_FIT = {**FIT, "preset": "llama-tiny", "groups": 1, "checksums": False, "adam_eps": 1e-3}
+
+
+def test_fit_llama_with_replicated_key_value_heads_matches_plain_lightning(tmp_path):
+    """The Llama-shaped model (RMSNorm, rotary, SwiGLU) with one key/value head on tp=2: each tp rank holds half the
+    query heads and a replica of the key/value head, whose gradient the strategy sums over the two replicas; with
+    sequence parallelism, dp=2, ZeRO-1 and accumulation, through Lightning's loop."""
+    results, _ = launch("trainer_fit.py", 4, tmp_path, json.dumps(LLAMA_FIT))
+    ref_losses, ref_val, ref_weights = plain_lightning_run(LLAMA_FIT)
+    per_rank = torch.tensor([r["losses"] for r in results])
+    assert torch.equal(per_rank[0], per_rank[1])
+    assert torch.allclose((per_rank[0] + per_rank[2]) / 2, torch.tensor(ref_losses), atol=1e-5)
+    assert abs(results[0]["val_loss"] - ref_val) < 1e-5
+    weights = torch.load(tmp_path / "weights.pt", weights_only=True)
+    assert weights.keys() == ref_weights.keys()
+    worst = max((weights[k] - ref_weights[k]).abs().max().item() for k in ref_weights)
+    assert worst < 1e-5, f"weights deviate by {worst:.2e}"
+
+
 def test_fit_pp2_tp2_dp2_matches_plain_lightning(tmp_path):
     """8 ranks: the pipeline schedule inside Lightning's loop, with tp, sequence parallel, dp, ZeRO-2,
     selective recomputation and accumulation."""
@@ -145,6 +165,16 @@ def test_heads_not_divisible_fails_on_every_rank_before_any_collective(tmp_path)
     for result in results:
         assert "tensor_parallel_size=2 does not divide num_heads=3" in result["error"]
         assert "Use a tensor_parallel_size in [1, 3]" in result["error"]
+        assert result["distributed_initialized"] is False
+
+
+def test_query_groups_tp_can_neither_split_nor_replicate_fails_on_every_rank_before_any_collective(tmp_path):
+    results, _ = launch("trainer_fit.py", 2, tmp_path,
+                        json.dumps({"tp": 2, "hidden": 48, "heads": 6, "groups": 3, "preset": "llama-tiny"}))
+    assert len(results) == 2
+    for result in results:
+        assert "tensor_parallel_size=2 can neither split num_query_groups=3" in result["error"]
+        assert "Use a tensor_parallel_size in [1, 3, 6]" in result["error"]
         assert result["distributed_initialized"] is False
 
 

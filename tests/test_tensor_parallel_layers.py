@@ -35,9 +35,13 @@ def _by_kind(counts):
     return merged
 
 
-def test_transformer_layer_issues_exactly_the_papers_collectives(layer_results):
+@pytest.mark.parametrize("model", ["gpt2", "llama", "mqa"])
+def test_transformer_layer_issues_exactly_the_papers_collectives(layer_results, model):
+    """GPT-2's layer; a Llama layer (RMSNorm, rotary, SwiGLU, 2 key/value groups split over tp=2); a multi-query
+    one whose single key/value head is replicated on both ranks: rotary positions, the gated MLP and replicated
+    key/value heads add no collective to the layer (the replicas' weight gradients are summed once per step)."""
     for result in layer_results:
-        plain, sequence_parallel = result["counts"]["tp"], result["counts"]["tp_sp"]
+        plain, sequence_parallel = result["counts"][f"{model}_tp"], result["counts"][f"{model}_tp_sp"]
         assert _by_kind(plain["forward"]) == {"all_reduce": 2}
         assert _by_kind(plain["backward"]) == {"all_reduce": 2}
         assert _by_kind(sequence_parallel["forward"]) == {"all_gather": 2, "reduce_scatter": 2}

@@ -16,12 +16,13 @@ import torch
 
 from launch import launch
 from test_layout_invariance import LOSS_TOL, WEIGHT_TOL, _reference
-from workers.gpt_setup import CONFIG, optimizer, sgd_optimizer
+from workers.gpt_setup import CONFIG, CONFIGS, optimizer, sgd_optimizer
 from lightning_megatron.models import GPTModel
 from lightning_megatron.optim.zero3 import apply_zero3
 from lightning_megatron.parallel import ParallelConfig, ParallelState
 
-LAYOUTS = ["tp2-dp2-sp", "tp1-dp4", "tp2-dp2-pre", "tp1-dp4-mb2-nosync-sgd", "tp2-dp2-sp-mb2-sgd", "pp2-tp1-dp2-mb2"]
+LAYOUTS = ["tp2-dp2-sp", "tp1-dp4", "tp2-dp2-pre", "tp1-dp4-mb2-nosync-sgd", "tp2-dp2-sp-mb2-sgd", "pp2-tp1-dp2-mb2",
+           "llama-tp2-dp2-sp", "mqa-tp2-dp2"]  # Llama-shaped: key/value groups split over tp2; replicated (multi-query)
 
 
 @pytest.fixture(scope="module")
@@ -34,9 +35,10 @@ def run(tmp_path_factory):
 @pytest.mark.parametrize("make_optimizer", [optimizer, sgd_optimizer], ids=["adamw", "sgd"])
 def test_zero3_matches_single_process(run, make_optimizer):
     out, results = run
-    ref_losses, ref_weights = _reference(make_optimizer)
+    references = {name: _reference(make_optimizer, config) for name, config in CONFIGS.items()}
     layouts = [layout for layout in LAYOUTS if layout.endswith("-sgd") == (make_optimizer is sgd_optimizer)]
     for layout in layouts:
+        ref_losses, ref_weights = references[layout.split("-")[0] if layout.split("-")[0] in CONFIGS else "gpt"]
         result = torch.load(out / f"{layout}.pt", weights_only=True)
         assert len(result["losses"]) == len(ref_losses)
         loss_dev = max(abs(a - b) for a, b in zip(result["losses"], ref_losses))

@@ -1,4 +1,5 @@
-"""Checkpoints that do not depend on the parallel layout: sharded directories, full state dicts, Hugging Face."""
+"""Checkpoints that do not depend on the parallel layout: sharded directories and full state dicts (Hugging Face
+conversion: ``lightning_megatron.huggingface``)."""
 
 from lightning_megatron.checkpoint.full import gather_full_state_dict, local_state_dict_from_full, merge_pipeline_stages
 from lightning_megatron.checkpoint.sharded import consolidated_state_dict, open_sharded, read_full_tensors

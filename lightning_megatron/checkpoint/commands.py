@@ -4,7 +4,8 @@ All of them run in one process without torch.distributed, whatever layout saved 
 
     lightning-megatron checkpoint inspect  runs/last.ckpt [--keys]
     lightning-megatron checkpoint consolidate runs/last.ckpt model.safetensors [--optimizer]
-    lightning-megatron checkpoint convert runs/last.ckpt hf_out/          # ours -> Hugging Face (GPT-2, BERT)
+    lightning-megatron checkpoint convert runs/last.ckpt hf_out/ [--model-type mistral] [--max-shard-size 2GB]
+                                                                          # ours -> Hugging Face, shard by shard
     lightning-megatron checkpoint convert hf_model/ converted.ckpt        # Hugging Face -> ours (weights only)
     lightning-megatron checkpoint verify runs/last.ckpt                   # every file against its recorded CRC-32
     lightning-megatron checkpoint recover runs/                            # finish saves a crash interrupted
@@ -22,13 +23,11 @@ import time
 from collections import defaultdict
 from dataclasses import asdict, fields
 from pathlib import Path
-from typing import Any, Sequence, Union
+from typing import Any, Optional, Sequence, Union
 
 import lightning as L
 import torch
 
-from lightning_megatron.checkpoint.hf_convert import read_hf, write_hf
-from lightning_megatron.checkpoint.hf_io import safetensors_torch
 from lightning_megatron.checkpoint.replacement import check_replaceable, finish_interrupted, finish_interrupted_saves, is_sharded_checkpoint_dir
 from lightning_megatron.checkpoint.sharded import (
     INFO_FILE,
@@ -38,6 +37,8 @@ from lightning_megatron.checkpoint.sharded import (
     verify_checksums,
     write_atomically,
 )
+from lightning_megatron.huggingface import TensorSource, read_hf, write_hf
+from lightning_megatron.huggingface.io import DEFAULT_MAX_SHARD_SIZE, safetensors_torch
 from lightning_megatron.models.bert import BERTConfig
 from lightning_megatron.models.gpt import GPTConfig
 
@@ -104,29 +105,50 @@ def consolidate(path: Union[str, Path], out: Union[str, Path], *, optimizer: boo
 
 
 def model_config(hyper_parameters: dict[str, Any]) -> Union[GPTConfig, BERTConfig]:
-    """The GPT/BERT config a checkpoint's hyper-parameters describe (recognised by its fields)."""
+    """The GPT/BERT config a checkpoint's hyper-parameters describe, recognised by its fields: a BERT config always
+    holds BERT's own ones; a GPT config saved before GPTConfig gained fields holds fewer, which take their defaults."""
     config = hyper_parameters.get("config")
     if isinstance(config, dict):
         for config_class in (GPTConfig, BERTConfig):
-            if set(config) == {field.name for field in fields(config_class)}:
+            if set(config) <= {field.name for field in fields(config_class)}:
                 return config_class(**config)
     raise ValueError("The checkpoint's hyper_parameters hold no GPTConfig or BERTConfig under 'config': it was not "
                      "saved from lightning_megatron.models.GPT or BERT (or a subclass), so there is no Hugging Face "
                      "equivalent to convert it to.")
 
 
-def convert(source: Union[str, Path], out: Union[str, Path]) -> str:
-    """Ours -> Hugging Face when ``source`` is a sharded checkpoint, else Hugging Face -> ours."""
+def checkpoint_source(path: Union[str, Path]) -> TensorSource:
+    """The LightningModule's model tensors of a sharded checkpoint (``GPTModel``/``BERTModel`` names), read a few
+    at a time: the index gives every shape and dtype, and each read loads only the tensors asked for."""
+    prefix = MODEL_PREFIX + "model."
+    specs = {name[len(prefix):]: torch.empty(tuple(md.size), dtype=md.properties.dtype, device="meta")
+             for name, md in open_sharded(path).tensors().items() if name.startswith(prefix)}
+
+    def read(names: Sequence[str]) -> dict[str, torch.Tensor]:
+        tensors = read_full_tensors(path, [prefix + name for name in names])
+        return {name[len(prefix):]: tensor for name, tensor in tensors.items()}
+
+    return TensorSource(specs, read)
+
+
+def convert(source: Union[str, Path], out: Union[str, Path], *, model_type: Optional[str] = None,
+            max_shard_size: Union[int, str] = DEFAULT_MAX_SHARD_SIZE) -> str:
+    """Ours -> Hugging Face when ``source`` is a sharded checkpoint, else Hugging Face -> ours.
+
+    Ours -> Hugging Face reads the checkpoint shard by shard of the output (at most ``max_shard_size`` of
+    weights in memory, never the whole model); ``model_type`` picks the family where several can hold the
+    model (a Llama-shaped GPT: ``llama`` by default, ``mistral``, ``qwen2``).
+    """
     source, out = Path(source), Path(out)
     if (source / INFO_FILE).is_file():
         check_replaceable(out, what="Hugging Face model", hf_export=True)
         saved = open_sharded(source)
         config = model_config(saved.trainer_state().get("hyper_parameters", {}))
-        names = [name for name in saved.tensors() if name.startswith(MODEL_PREFIX + "model.")]
-        state_dict = {name[len(MODEL_PREFIX) + len("model."):]: tensor
-                      for name, tensor in read_full_tensors(source, names).items()}
-        write_hf(out, config, state_dict)
+        write_hf(out, config, checkpoint_source(source), model_type=model_type, max_shard_size=max_shard_size)
         return f"wrote a Hugging Face {type(config).__name__.removesuffix('Config')} model to {out}"
+    if model_type is not None:
+        raise ValueError(f"--model-type={model_type!r} chooses the family of an export; {source} is read as a Hugging "
+                         f"Face directory, whose config.json names its own model_type.")
     check_replaceable(out)
     config, state_dict = read_hf(source)
     tensors = {f"{MODEL_PREFIX}model.{name}": tensor.contiguous() for name, tensor in state_dict.items()}
@@ -173,6 +195,12 @@ def main(argv: Sequence[str]) -> None:
     p = commands.add_parser("convert", help="to a Hugging Face directory, or from one to a weights-only checkpoint")
     p.add_argument("source")
     p.add_argument("out")
+    p.add_argument("--model-type", choices=("llama", "mistral", "qwen2"), default=None,
+                   help="the Hugging Face family of a Llama-shaped GPT export (default: qwen2 for biases on qkv alone, "
+                        "else llama)")
+    p.add_argument("--max-shard-size", default=DEFAULT_MAX_SHARD_SIZE,
+                   help=f"most bytes per weight file of an export, e.g. 500MB (default {DEFAULT_MAX_SHARD_SIZE}); "
+                        f"also about the most weights held in memory")
     p = commands.add_parser("verify", help="compare every file with the checksum recorded when it was saved")
     p.add_argument("path")
     p = commands.add_parser("recover", help="finish saves a crash interrupted (a checkpoint name, or a directory)")
@@ -184,7 +212,7 @@ def main(argv: Sequence[str]) -> None:
         elif args.command == "consolidate":
             print(f"wrote {consolidate(args.path, args.out, optimizer=args.optimizer)}")
         elif args.command == "convert":
-            print(convert(args.source, args.out))
+            print(convert(args.source, args.out, model_type=args.model_type, max_shard_size=args.max_shard_size))
         else:
             print({"verify": verify, "recover": recover}[args.command](args.path))
     except (ImportError, OSError, RuntimeError, ValueError) as error:

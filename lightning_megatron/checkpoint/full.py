@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-from lightning_megatron.tensor_parallel.sharding import shard_of
+from lightning_megatron.tensor_parallel.sharding import TensorShard, shard_of
 
 
 def gather_along(local: Tensor, dim: int, group: Optional[dist.ProcessGroup]) -> Tensor:
@@ -24,6 +24,16 @@ def gather_along(local: Tensor, dim: int, group: Optional[dist.ProcessGroup]) ->
     parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, local.contiguous(), group=group)
     return torch.cat(parts, dim=dim)
+
+
+def gather_shard(local: Tensor, shard: TensorShard, group: Optional[dist.ProcessGroup]) -> Tensor:
+    """The global tensor (padding dropped) of a tensor-parallel shard, from every rank's ``local`` in ``group``
+    (the tp group; ``None`` when the shard is not split): the ranks' segments put where they belong."""
+    if group is None or shard.world == 1:
+        return shard.assemble([local])
+    parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, local.contiguous(), group=group)
+    return shard.assemble(parts)
 
 
 def gather_full_state_dict(module: nn.Module, group: Optional[dist.ProcessGroup]) -> dict[str, Any]:
@@ -40,8 +50,7 @@ def gather_full_state_dict(module: nn.Module, group: Optional[dist.ProcessGroup]
         tensor = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor  # over dp: the tp shard
         shard = shards.get(name) or shard_of(value)
         if shard is not None:
-            tensor = gather_along(tensor, shard.dim, group if shard.world > 1 else None)
-            tensor = tensor.narrow(shard.dim, 0, shard.global_shape[shard.dim])
+            tensor = gather_shard(tensor, shard, group)
         full[name] = tensor.cpu().clone()
     return full
 

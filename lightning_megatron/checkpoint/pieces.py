@@ -5,9 +5,13 @@ for model parameters, a contiguous range of it for ZeRO-1/2 fp32 pieces and thei
 state (``OwnedPiece``), a block of rows for ZeRO-3. A flat range of a row-major tensor is
 a union of at most ``2 * ndim - 1`` boxes (a partial first row, whole rows, a partial last
 row, recursively), and a box of the shard is a box of the global tensor once shifted by the
-shard's offset and clipped to the unpadded size. DCP stores and reshards boxes ("chunks"),
-so writing the boxes under the tensor's global name makes every checkpoint layout-free:
-a reader at another layout asks for its own boxes and DCP reads the overlaps.
+shard's offset and clipped to the unpadded size; a segmented shard (several ranges of the
+global tensor, see ``TensorShard``) first cuts each box at its segments' boundaries. DCP
+stores and reshards boxes ("chunks"), so writing the boxes under the tensor's global name
+makes every checkpoint layout-free: a reader at another layout asks for its own boxes and
+DCP reads the overlaps. A range replicated on several tp ranks gives the same boxes on each
+(same local position, same flat range), which DCP's save planner writes once, as it does
+for every replicated tensor; on load every replica reads them.
 
 ``ShardedEntry`` implements the hooks DCP's planners call on checkpointable objects
 (``__create_write_items__``, ``__create_chunk_list__``, ``size``); the planners in
@@ -91,18 +95,21 @@ class Placement:
             raise ValueError(f"A local tensor of {local.numel()} elements (contiguous: {local.is_contiguous()}) "
                              f"cannot hold the {self.numel} elements of {self}.")
         flat = local.detach().reshape(-1)
+        segments = self.shard.segments() if self.shard is not None else []  # real ranges only: padding is left out
         views = {}
         for box in flat_range_boxes(self.shard_shape, self.start, self.start + self.numel):
             view = flat.narrow(0, box.flat_start - self.start, math.prod(box.sizes)).view(box.sizes)
-            offsets = list(box.offsets)
-            if self.shard is not None:
-                dim = self.shard.dim
-                offsets[dim] += self.shard.rank * self.shard.local_size
-                real = self.global_shape[dim] - offsets[dim]
-                if real <= 0:
-                    continue  # all padding
-                view = view.narrow(dim, 0, min(real, view.shape[dim]))
-            views[tuple(offsets)] = view
+            if self.shard is None:
+                views[box.offsets] = view
+                continue
+            dim = self.shard.dim
+            lo, hi = box.offsets[dim], box.offsets[dim] + box.sizes[dim]
+            for segment in segments:
+                first, last = max(lo, segment.local_start), min(hi, segment.local_start + segment.size)
+                if first < last:
+                    offsets = list(box.offsets)
+                    offsets[dim] = segment.start + first - segment.local_start
+                    views[tuple(offsets)] = view.narrow(dim, first - lo, last - first)
         return views
 
 

@@ -36,9 +36,11 @@ INFO_FILE = "megatron_3d.json"
 TRAINER_STATE_FILE = "trainer_state.pt"
 INDEX_FILE = ".metadata"
 SHARD_FILE = re.compile(r"__\d+_\d+\.distcp")
-# What our Hugging Face exports carry in model.safetensors' metadata.
+# What our Hugging Face exports carry in model.safetensors' metadata (a sharded export: in every shard's, and
+# in the "metadata" of model.safetensors.index.json).
 EXPORT_MARK = {"written_by": "lightning-megatron"}
-HF_EXPORT_FILES = ("config.json", "model.safetensors")
+HF_INDEX_FILE = "model.safetensors.index.json"
+HF_EXPORT_FILES = ("config.json", "model.safetensors", HF_INDEX_FILE)
 LOCK_FILE = ".lightning_megatron.lock"
 
 
@@ -129,8 +131,20 @@ def is_our_safetensors(path: Path) -> bool:
     return metadata is not None and metadata.get("format") == "lightning-megatron"
 
 
+def _index_metadata(path: Path) -> Optional[dict]:
+    try:
+        metadata = json.loads(path.read_text()).get("metadata")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return metadata if isinstance(metadata, dict) else None
+
+
 def is_our_hf_export(path: Path) -> bool:
-    metadata = safetensors_metadata(path / "model.safetensors") if path.is_dir() else None
+    """A directory whose ``model.safetensors`` (or, sharded, whose index) carries our export mark."""
+    if not path.is_dir():
+        return False
+    single = path / "model.safetensors"
+    metadata = safetensors_metadata(single) if exists(single) else _index_metadata(path / HF_INDEX_FILE)
     return metadata is not None and all(metadata.get(key) == value for key, value in EXPORT_MARK.items())
 
 
@@ -144,7 +158,7 @@ def check_replaceable(path: PathLike, *, what: str = "checkpoint", hf_export: bo
         return
     if path.is_dir() and not path.is_symlink() and not any(path.iterdir()):
         return
-    if hf_export:  # the export writes config.json and model.safetensors, nothing else of the directory
+    if hf_export:  # the export writes config.json and its weight files (and index), nothing else of the directory
         if is_our_hf_export(path) or (path.is_dir() and not any(exists(path / name) for name in HF_EXPORT_FILES)):
             return
         expected = "a Hugging Face export written by lightning-megatron (or a directory without a model)"

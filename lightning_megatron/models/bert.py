@@ -15,14 +15,18 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, NamedTuple, Optional, Union
+from functools import partial
+from typing import NamedTuple, Optional, Union
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torchmetrics import MeanMetric
 
+from lightning_megatron.models.formats import HFFormat, hf_format_for
 from lightning_megatron.models.optim_recipe import PretrainingRecipe
+from lightning_megatron.models.attention import SelfAttention
+from lightning_megatron.models.mlp import MLP
 from lightning_megatron.models.transformer import TransformerLayer, TransformerSizes, layer_tensor_parallel_plan
 from lightning_megatron.parallel.initialize import INIT_STD, default_initializer, initialize_parameters
 from lightning_megatron.pipeline.blocks import PipelineBatch, PipelineBlocks
@@ -172,15 +176,12 @@ class BERTModel(nn.Module):
         # Keyed "0", "1", ... like GPTModel.blocks: parameter names stay blocks.7.mlp.fc.weight.
         self.blocks = nn.ModuleDict({
             str(index): TransformerLayer(
-                config.hidden_size,
-                config.num_heads,
-                config.ffn_size,
+                SelfAttention(config.hidden_size, config.num_heads, attention_dropout=config.attention_dropout,
+                              causal=False),
+                MLP(config.hidden_size, config.ffn_size, gelu_approximate=config.gelu_approximate),
+                partial(nn.LayerNorm, config.hidden_size, eps=config.layer_norm_eps),
                 dropout=config.dropout,
-                attention_dropout=config.attention_dropout,
-                causal=False,
-                layer_norm_eps=config.layer_norm_eps,
                 norm_position=config.norm_position,
-                gelu_approximate=config.gelu_approximate,
             )
             for index in range(config.num_layers)
         })
@@ -210,7 +211,7 @@ class BERTModel(nn.Module):
         plan = {
             "embeddings.word_embeddings": "vocab",
             "embeddings": "sequence_scatter",
-            **layer_tensor_parallel_plan("blocks.*"),
+            **layer_tensor_parallel_plan("blocks.*", num_heads=config.num_heads),
             "mlm_head": "sequence_parallel",
             "mlm_head.decoder": "vocab",
             "loss_fn": "vocab",
@@ -357,13 +358,11 @@ class BERT(PretrainingRecipe):
             self.model = BERTModel(self.config)
 
     @staticmethod
-    def hf_format() -> tuple[Callable, Callable]:
+    def hf_format() -> HFFormat:
         """``from_hf``/``to_hf`` convert to and from ``transformers.BertForPreTraining`` (or ``BertForMaskedLM``:
         the sentence-order head comes with the weights). Only a post-norm BERT (``BERTConfig(norm_position="post")``)
         has a Hugging Face twin; pass ``pad_token_id`` to ``to_hf`` for a tokenizer with padding."""
-        from lightning_megatron.checkpoint.hf_bert import read_hf_bert, write_hf_bert  # here: hf_bert imports us
-
-        return read_hf_bert, write_hf_bert
+        return hf_format_for(BERTConfig)
 
     def tensor_parallel_plan(self) -> dict[str, str]:
         return {f"model.{pattern}": style for pattern, style in BERTModel.tensor_parallel_plan(self.config).items()}

@@ -10,24 +10,45 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Optional, Union
+from functools import partial
+from typing import Optional, Union
 
 import torch
 from torch import Tensor, nn
 from torchmetrics import MeanMetric
 
+from lightning_megatron.models.formats import HFFormat, hf_format_for
 from lightning_megatron.models.optim_recipe import PretrainingRecipe
+from lightning_megatron.models.attention import SelfAttention
+from lightning_megatron.models.mlp import ACTIVATIONS, build_mlp
+from lightning_megatron.models.norms import NORMALIZATIONS, build_norm
+from lightning_megatron.models.rotary import RopeScaling, RotaryEmbedding
 from lightning_megatron.models.transformer import TransformerLayer, TransformerSizes, layer_tensor_parallel_plan
 from lightning_megatron.parallel.initialize import INIT_STD, default_initializer, initialize_parameters
 from lightning_megatron.pipeline.blocks import PipelineBatch, PipelineBlocks
 from lightning_megatron.pipeline.layout import PipelineLayout
 
 IGNORE_INDEX = -100
+POSITION_EMBEDDINGS = ("learned_absolute", "rope")
 
 
 @dataclass(frozen=True)
 class GPTConfig(TransformerSizes):
-    """Sizes of a GPT model. ``ffn_hidden_size`` defaults to ``4 * hidden_size``."""
+    """Sizes and pieces of a decoder; the defaults are GPT-2's (``ffn_hidden_size`` defaults to ``4 * hidden_size``).
+
+    The pieces, with Megatron-Core's names where it has one:
+
+    * ``normalization``: ``"LayerNorm"`` (GPT-2) or ``"RMSNorm"`` (Llama, Mistral, Qwen2).
+    * ``position_embedding_type``: ``"learned_absolute"`` (a ``wpe`` table, GPT-2) or ``"rope"``
+      (rotary, base ``rotary_base``; ``rope_scaling`` for Llama-3.1's long-context frequencies).
+    * ``activation``: ``"gelu"`` (tanh GELU MLP) or ``"swiglu"`` (gated SiLU; ``ffn_hidden_size`` is
+      the width of each of gate and up).
+    * ``num_query_groups``: key/value heads for grouped-query attention (1: multi-query; None:
+      ``num_heads``, multi-head).
+    * ``add_bias_linear``: biases on every linear layer; ``add_qkv_bias``: a bias on ``qkv`` even
+      without them (Qwen2).
+    * ``tie_embeddings``: the output layer shares the input embedding's weights.
+    """
 
     vocab_size: int = 257
     max_seq_length: int = 128
@@ -38,18 +59,65 @@ class GPTConfig(TransformerSizes):
     dropout: float = 0.0
     attention_dropout: float = 0.0
     layer_norm_eps: float = 1e-5
+    normalization: str = "LayerNorm"
+    position_embedding_type: str = "learned_absolute"
+    rotary_base: float = 10000.0
+    rope_scaling: Optional[RopeScaling] = None
+    activation: str = "gelu"
+    num_query_groups: Optional[int] = None
+    add_bias_linear: bool = True
+    add_qkv_bias: bool = False
+    tie_embeddings: bool = True
 
     def __post_init__(self) -> None:
         self._check_heads()
+        if isinstance(self.rope_scaling, dict):  # from YAML / a dict config
+            object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
+        choices = {"normalization": NORMALIZATIONS, "position_embedding_type": POSITION_EMBEDDINGS,
+                   "activation": ACTIVATIONS}
+        for field, valid in choices.items():
+            if getattr(self, field) not in valid:
+                raise ValueError(f"GPTConfig.{field}={getattr(self, field)!r} is not one of {valid}.")
+        if self.num_heads % self.query_groups:
+            raise ValueError(
+                f"num_heads={self.num_heads} is not a multiple of num_query_groups={self.num_query_groups}: each "
+                f"key/value head serves the same number of query heads. Use num_query_groups in "
+                f"{[g for g in range(1, self.num_heads + 1) if self.num_heads % g == 0]}.")
+        if self.position_embedding_type == "rope" and self.head_dim % 2:
+            raise ValueError(
+                f"Rotary positions rotate pairs of channels, but head_dim = hidden_size / num_heads = "
+                f"{self.hidden_size} / {self.num_heads} = {self.head_dim} is odd. Choose an even head_dim or "
+                f"position_embedding_type='learned_absolute'.")
+        if self.rope_scaling is not None and self.position_embedding_type != "rope":
+            raise ValueError("rope_scaling scales rotary frequencies: set position_embedding_type='rope' or drop it.")
 
     @classmethod
     def presets(cls) -> dict[str, "GPTConfig"]:
         return GPT_PRESETS
 
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def query_groups(self) -> int:
+        """Key/value heads (``num_query_groups``, or ``num_heads`` for multi-head attention)."""
+        return self.num_query_groups or self.num_heads
+
+    @property
+    def qkv_bias(self) -> bool:
+        return self.add_bias_linear or self.add_qkv_bias
+
     def num_parameters(self) -> int:
-        h, layers = self.hidden_size, self.num_layers
-        per_layer = 4 * h + (3 * h * h + 3 * h) + (h * h + h) + 2 * h * self.ffn_size + self.ffn_size + h
-        return self.vocab_size * h + self.max_seq_length * h + layers * per_layer + 2 * h
+        h, ffn, bias = self.hidden_size, self.ffn_size, self.add_bias_linear
+        norm = 2 * h if self.normalization == "LayerNorm" else h
+        qkv_rows = (self.num_heads + 2 * self.query_groups) * self.head_dim
+        attention = qkv_rows * (h + self.qkv_bias) + h * self.num_heads * self.head_dim + h * bias
+        up_rows = 2 * ffn if self.activation == "swiglu" else ffn
+        mlp = up_rows * (h + bias) + ffn * h + h * bias
+        embeddings = self.vocab_size * h * (1 if self.tie_embeddings else 2)
+        positions = self.max_seq_length * h if self.position_embedding_type == "learned_absolute" else 0
+        return embeddings + positions + self.num_layers * (2 * norm + attention + mlp) + norm
 
 
 # Megatron-LM paper (Shoeybi et al. 2019), table 1: hidden, heads, layers; vocab 51,200, sequence 1024.
@@ -69,17 +137,73 @@ GPT_PRESETS: dict[str, GPTConfig] = {
     },
 }
 
+# Llama-shaped decoders: RMSNorm, rotary positions, SwiGLU, grouped-query attention, no biases.
+LLAMA = dict(normalization="RMSNorm", position_embedding_type="rope", activation="swiglu", add_bias_linear=False)
+LLAMA_3_1_ROPE = dict(rotary_base=500000.0, rope_scaling=RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                                                     original_max_position_embeddings=8192))
+GPT_PRESETS.update({
+    # For tests and the default examples: the byte vocabulary, 2 key/value groups (so tp=4 replicates them).
+    "llama-tiny": GPTConfig(hidden_size=64, num_layers=4, num_heads=4, num_query_groups=2, ffn_hidden_size=176,
+                            tie_embeddings=False, **LLAMA),
+    # Sizes from the published Hugging Face configs (config.json of each model).
+    "llama-3.2-1b": GPTConfig(vocab_size=128256, max_seq_length=131072, hidden_size=2048, num_layers=16, num_heads=32,
+                              num_query_groups=8, ffn_hidden_size=8192,
+                              **{**LLAMA_3_1_ROPE, "rope_scaling": RopeScaling(factor=32.0)}, **LLAMA),
+    "llama-3.1-8b": GPTConfig(vocab_size=128256, max_seq_length=131072, hidden_size=4096, num_layers=32, num_heads=32,
+                              num_query_groups=8, ffn_hidden_size=14336, tie_embeddings=False, **LLAMA_3_1_ROPE, **LLAMA),
+    "llama-3.1-70b": GPTConfig(vocab_size=128256, max_seq_length=131072, hidden_size=8192, num_layers=80, num_heads=64,
+                               num_query_groups=8, ffn_hidden_size=28672, tie_embeddings=False, **LLAMA_3_1_ROPE, **LLAMA),
+    # Mistral-7B-v0.3 (no sliding window; v0.1's 4096-token window is not modelled).
+    "mistral-7b": GPTConfig(vocab_size=32768, max_seq_length=32768, hidden_size=4096, num_layers=32, num_heads=32,
+                            num_query_groups=8, ffn_hidden_size=14336, rotary_base=1000000.0, tie_embeddings=False, **LLAMA),
+    "qwen2.5-7b": GPTConfig(vocab_size=152064, max_seq_length=131072, hidden_size=3584, num_layers=28, num_heads=28,
+                            num_query_groups=4, ffn_hidden_size=18944, rotary_base=1000000.0, layer_norm_eps=1e-6,
+                            add_qkv_bias=True, tie_embeddings=False, **LLAMA),
+})
+
 
 class GPTEmbedding(nn.Module):
+    """Token embeddings, plus learned absolute positions when the config asks for them (rotary
+    positions are applied inside attention instead)."""
+
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.wte = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.wpe = nn.Embedding(config.max_seq_length, config.hidden_size)
+        learned = config.position_embedding_type == "learned_absolute"
+        self.wpe = nn.Embedding(config.max_seq_length, config.hidden_size) if learned else None
         self.drop = nn.Dropout(config.dropout)
 
     def forward(self, input_ids: Tensor) -> Tensor:
-        positions = torch.arange(input_ids.shape[1], device=input_ids.device)
-        return self.drop(self.wte(input_ids) + self.wpe(positions))
+        x = self.wte(input_ids)
+        if self.wpe is not None:
+            x = x + self.wpe(torch.arange(input_ids.shape[1], device=input_ids.device))
+        return self.drop(x)
+
+
+def gpt_layer(config: GPTConfig) -> TransformerLayer:
+    """One decoder layer with the pieces the config names."""
+    rotary = None
+    if config.position_embedding_type == "rope":
+        rotary = RotaryEmbedding(config.head_dim, base=config.rotary_base, scaling=config.rope_scaling)
+    attention = SelfAttention(config.hidden_size, config.num_heads, num_query_groups=config.num_query_groups,
+                              attention_dropout=config.attention_dropout, causal=True, qkv_bias=config.qkv_bias,
+                              proj_bias=config.add_bias_linear, rotary=rotary)
+    mlp = build_mlp(config.activation, config.hidden_size, config.ffn_size, bias=config.add_bias_linear)
+    return TransformerLayer(attention, mlp, partial(build_norm, config.normalization, config.hidden_size,
+                                                    eps=config.layer_norm_eps), dropout=config.dropout)
+
+
+def gpt_tensor_parallel_plan(config: GPTConfig) -> dict[str, object]:
+    """What tensor parallelism may split in a ``GPTModel`` of this config (names relative to the model)."""
+    return {
+        "embedding.wte": "vocab",
+        "embedding": "sequence_scatter",
+        **layer_tensor_parallel_plan("blocks.*", num_heads=config.num_heads, num_query_groups=config.num_query_groups,
+                                     gated_mlp=config.activation == "swiglu"),
+        "ln_f": "sequence_parallel",
+        "lm_head": "vocab",
+        "loss_fn": "vocab",
+    }
 
 
 class GPTModel(nn.Module):
@@ -91,21 +215,11 @@ class GPTModel(nn.Module):
         self.embedding = GPTEmbedding(config)
         # A dict keyed "0", "1", ... (not a list): a pipeline stage keeps only its layers, and their
         # parameter names (blocks.7.mlp.fc.weight) stay global.
-        self.blocks = nn.ModuleDict({
-            str(index): TransformerLayer(
-                config.hidden_size,
-                config.num_heads,
-                config.ffn_size,
-                dropout=config.dropout,
-                attention_dropout=config.attention_dropout,
-                causal=True,
-                layer_norm_eps=config.layer_norm_eps,
-            )
-            for index in range(config.num_layers)
-        })
-        self.ln_f = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.blocks = nn.ModuleDict({str(index): gpt_layer(config) for index in range(config.num_layers)})
+        self.ln_f = build_norm(config.normalization, config.hidden_size, eps=config.layer_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.lm_head.weight = self.embedding.wte.weight
+        if config.tie_embeddings:
+            self.lm_head.weight = self.embedding.wte.weight
         self.loss_fn = nn.CrossEntropyLoss(reduction="sum", ignore_index=IGNORE_INDEX)
         if not self.embedding.wte.weight.is_meta:
             initialize_parameters(self, seed=torch.initial_seed())
@@ -117,16 +231,8 @@ class GPTModel(nn.Module):
         else:
             default_initializer(name, tensor, generator)
 
-    @staticmethod
-    def tensor_parallel_plan() -> dict[str, str]:
-        return {
-            "embedding.wte": "vocab",
-            "embedding": "sequence_scatter",
-            **layer_tensor_parallel_plan("blocks.*"),
-            "ln_f": "sequence_parallel",
-            "lm_head": "vocab",
-            "loss_fn": "vocab",
-        }
+    def tensor_parallel_plan(self) -> dict[str, object]:
+        return gpt_tensor_parallel_plan(self.config)
 
     @staticmethod
     def pipeline_blocks() -> PipelineBlocks:
@@ -203,14 +309,13 @@ class GPT(PretrainingRecipe):
             self.model = GPTModel(self.config)
 
     @staticmethod
-    def hf_format() -> tuple[Callable, Callable]:
-        """``from_hf``/``to_hf`` convert to and from ``transformers.GPT2LMHeadModel``."""
-        from lightning_megatron.checkpoint.hf import read_hf_gpt2, write_hf_gpt2  # here: checkpoint.hf imports us
+    def hf_format() -> HFFormat:
+        """``from_hf``/``to_hf`` convert to and from ``transformers``' ``GPT2LMHeadModel``, ``LlamaForCausalLM``,
+        ``MistralForCausalLM`` and ``Qwen2ForCausalLM`` (reading: by ``model_type``; writing: by the config)."""
+        return hf_format_for(GPTConfig)
 
-        return read_hf_gpt2, write_hf_gpt2
-
-    def tensor_parallel_plan(self) -> dict[str, str]:
-        return {f"model.{pattern}": style for pattern, style in GPTModel.tensor_parallel_plan().items()}
+    def tensor_parallel_plan(self) -> dict[str, object]:
+        return {f"model.{pattern}": style for pattern, style in gpt_tensor_parallel_plan(self.config).items()}
 
     def pipeline_blocks(self) -> PipelineBlocks:
         return GPTModel.pipeline_blocks().under("model")

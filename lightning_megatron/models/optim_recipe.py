@@ -16,6 +16,8 @@ import lightning as L
 import torch
 from torch import nn
 
+from lightning_megatron.models.formats import HFFormat, sharded_checkpoint_reader
+
 
 def warmup_cosine_factor(
     *, learning_rate: float, min_learning_rate: float, warmup_steps: int, total_steps: int
@@ -99,51 +101,47 @@ class PretrainingRecipe(L.LightningModule):
 
             model = GPT.load_from_checkpoint("runs/checkpoints/last.ckpt")   # a directory written by 8 ranks
         """
-        from lightning_megatron.checkpoint.sharded import consolidated_state_dict, is_sharded_checkpoint, open_sharded
-
-        if not is_sharded_checkpoint(checkpoint_path):
+        reader = sharded_checkpoint_reader()
+        if reader is None or not reader.is_sharded(checkpoint_path):
             return super().load_from_checkpoint(checkpoint_path, map_location=map_location, hparams_file=hparams_file,
                                                 strict=strict, **kwargs)
-        hyper_parameters = open_sharded(checkpoint_path).trainer_state().get("hyper_parameters", {})
-        module = cls(**{**hyper_parameters, **kwargs})
+        module = cls(**{**reader.hyper_parameters(checkpoint_path), **kwargs})
         module.configure_model()
-        module.load_state_dict(consolidated_state_dict(checkpoint_path), strict=True if strict is None else strict)
+        module.load_state_dict(reader.state_dict(checkpoint_path), strict=True if strict is None else strict)
         return module.to(map_location) if isinstance(map_location, (str, torch.device)) else module
 
     @staticmethod
-    def hf_format() -> tuple[Callable, Callable]:
-        """The Hugging Face family's ``(read(model_or_dir) -> (config, state_dict), write(out_dir, *, config,
-        state_dict, **fields))``; each model names its own."""
+    def hf_format() -> HFFormat:
+        """The Hugging Face converter of this model's config class (``models/formats.py``); each model names its own."""
         raise NotImplementedError
 
     @classmethod
     def from_hf(cls, model_or_dir: Union[str, os.PathLike, nn.Module], **kwargs: Any):
-        """A module holding the weights of a Hugging Face model of this family (see ``hf_format``): the model
-        itself or its ``save_pretrained`` directory; ``kwargs`` are the recipe's, e.g. ``learning_rate``.
+        """A module holding the weights of a Hugging Face model of this model's families (see ``hf_format``): the
+        model itself or its ``save_pretrained`` directory; ``kwargs`` are the recipe's, e.g. ``learning_rate``.
 
         Example::
 
-            model = GPT.from_hf("path/to/gpt2", learning_rate=1e-4)   # fine-tune at any layout
+            model = GPT.from_hf("path/to/Llama-3.2-1B", learning_rate=1e-4)   # fine-tune at any layout
         """
-        read, _ = cls.hf_format()
-        config, state_dict = read(model_or_dir)
+        config, state_dict = cls.hf_format().read(model_or_dir)
         module = cls(config, **kwargs)
         module.configure_model()
         module.model.load_state_dict(state_dict)
         return module
 
     def to_hf(self, out_dir: Union[str, os.PathLike], *, state_dict: Optional[Mapping[str, torch.Tensor]] = None,
-              **hf_config: Any) -> None:
-        """Write a directory that the Hugging Face family's ``from_pretrained`` loads (``hf_config``: extra fields).
+              model_type: Optional[str] = None, max_shard_size: Union[int, str, None] = None, **hf_config: Any) -> None:
+        """Write a directory that ``from_pretrained`` of the matching ``transformers`` class loads.
 
+        ``model_type`` picks the family where several can hold this config (a Llama-shaped GPT: ``"llama"`` by
+        default, ``"mistral"``, ``"qwen2"``); ``max_shard_size`` (default 5GB) splits the weights into
+        ``model-0000k-of-0000N.safetensors`` files; ``hf_config``: extra ``config.json`` fields.
         Under tensor or pipeline parallelism this module holds shards: gather on every rank, write on one::
 
             state_dict = trainer.strategy.full_state_dict()
             if trainer.is_global_zero:
                 model.to_hf("exported", state_dict=state_dict)
         """
-        from lightning_megatron.checkpoint.hf_io import model_state_dict
-
-        _, write = self.hf_format()
-        state = model_state_dict(self.state_dict() if state_dict is None else state_dict)
-        write(out_dir, config=self.config, state_dict=state, **hf_config)
+        self.hf_format().write(out_dir, self.config, self.state_dict() if state_dict is None else state_dict,
+                               model_type=model_type, max_shard_size=max_shard_size, **hf_config)

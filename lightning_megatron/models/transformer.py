@@ -1,102 +1,46 @@
-"""Transformer building blocks in plain PyTorch: no process groups in sight.
+"""A transformer layer assembled from swappable pieces, and what may be split of it.
 
-Under tensor parallelism the strategy swaps ``qkv``/``fc`` for column-parallel and
-``proj`` for row-parallel layers. The fused ``qkv`` output is laid out head by head
-(``[head, (q, k, v), head_dim]``), so a contiguous column split hands each rank whole
-heads, and ``SelfAttention`` reads its local head count from its weight.
+The pieces live in modules of their own: ``attention.py`` (multi-head / grouped-query
+self-attention with a fused ``qkv``), ``mlp.py`` (GELU, SwiGLU), ``norms.py`` (LayerNorm,
+RMSNorm), ``rotary.py`` (rotary positions). No process groups in sight: under tensor
+parallelism the strategy swaps ``qkv``/``fc`` for column-parallel and ``proj`` for
+row-parallel layers, as :func:`layer_tensor_parallel_plan` declares.
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Optional
+from typing import Callable, Optional
 
-import torch.nn.functional as F
 from torch import Tensor, nn
 
+from lightning_megatron.models.attention import CoreAttention, SelfAttention
+from lightning_megatron.models.mlp import MLP, GatedMLP
+from lightning_megatron.tensor_parallel.styles import PackedColumn, QueryGroupColumn
 
-class CoreAttention(nn.Module):
-    """``dropout(softmax(q k^T / sqrt(d))) v``, without parameters.
-
-    A module of its own so that selective activation recomputation (Korthikanti et al.
-    2022) can recompute just this part: its saved activations grow with the square of the
-    sequence length while its FLOPs are a small share of the layer's.
-    """
-
-    def __init__(self, *, attention_dropout: float, causal: bool) -> None:
-        super().__init__()
-        self.attention_dropout, self.causal = attention_dropout, causal
-
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, attention_mask: Optional[Tensor] = None) -> Tensor:
-        return F.scaled_dot_product_attention(
-            q,
-            k,
-            v,
-            attn_mask=attention_mask,
-            dropout_p=self.attention_dropout if self.training else 0.0,
-            is_causal=self.causal and attention_mask is None,
-        )
-
-
-class SelfAttention(nn.Module):
-    def __init__(self, hidden_size: int, num_heads: int, *, attention_dropout: float, causal: bool) -> None:
-        super().__init__()
-        self.head_dim = hidden_size // num_heads
-        self.qkv = nn.Linear(hidden_size, 3 * hidden_size)
-        self.core_attention = CoreAttention(attention_dropout=attention_dropout, causal=causal)
-        self.proj = nn.Linear(hidden_size, hidden_size)
-
-    def forward(self, x: Tensor, attention_mask: Optional[Tensor] = None) -> Tensor:
-        qkv = self.qkv(x)
-        batch, seq = qkv.shape[:2]  # the full sequence, also when x is a sequence-parallel chunk
-        local_heads = self.qkv.weight.shape[0] // (3 * self.head_dim)
-        q, k, v = qkv.view(batch, seq, local_heads, 3, self.head_dim).permute(3, 0, 2, 1, 4).unbind(0)
-        y = self.core_attention(q, k, v, attention_mask)
-        return self.proj(y.transpose(1, 2).reshape(batch, seq, local_heads * self.head_dim))
-
-
-class MLP(nn.Module):
-    """``proj(gelu(fc(x)))``; ``gelu_approximate`` is torch's: ``"tanh"`` (GPT-2) or ``"none"`` (exact erf, BERT)."""
-
-    def __init__(self, hidden_size: int, ffn_hidden_size: int, *, gelu_approximate: str = "tanh") -> None:
-        super().__init__()
-        self.fc = nn.Linear(hidden_size, ffn_hidden_size)
-        self.proj = nn.Linear(ffn_hidden_size, hidden_size)
-        self.gelu_approximate = gelu_approximate
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.proj(F.gelu(self.fc(x), approximate=self.gelu_approximate))
+__all__ = ["CoreAttention", "GatedMLP", "MLP", "SelfAttention", "TransformerLayer", "TransformerSizes",
+           "check_tensor_parallel_split", "layer_tensor_parallel_plan"]
 
 
 class TransformerLayer(nn.Module):
-    """Pre-norm layer: ``x + drop(attn(ln(x)))`` then ``x + drop(mlp(ln(x)))``.
+    """Pre-norm layer: ``x + drop(attn(ln_1(x)))`` then ``x + drop(mlp(ln_2(x)))``.
 
     ``norm_position="post"`` gives the original Transformer/BERT order,
     ``ln(x + drop(attn(x)))`` then ``ln(x + drop(mlp(x)))``; pre-norm is what lets deep
     models train stably (Megatron-LM's BERT finding), post-norm matches Hugging Face BERT.
+    ``norm`` builds one normalisation (called twice: ``ln_1`` and ``ln_2``).
     """
 
-    def __init__(
-        self,
-        hidden_size: int,
-        num_heads: int,
-        ffn_hidden_size: int,
-        *,
-        dropout: float,
-        attention_dropout: float,
-        causal: bool,
-        layer_norm_eps: float = 1e-5,
-        norm_position: str = "pre",
-        gelu_approximate: str = "tanh",
-    ) -> None:
+    def __init__(self, attn: nn.Module, mlp: nn.Module, norm: Callable[[], nn.Module], *, dropout: float,
+                 norm_position: str = "pre") -> None:
         super().__init__()
         if norm_position not in ("pre", "post"):
             raise ValueError(f"norm_position must be 'pre' or 'post', got {norm_position!r}.")
         self.post_norm = norm_position == "post"
-        self.ln_1 = nn.LayerNorm(hidden_size, eps=layer_norm_eps)
-        self.attn = SelfAttention(hidden_size, num_heads, attention_dropout=attention_dropout, causal=causal)
-        self.ln_2 = nn.LayerNorm(hidden_size, eps=layer_norm_eps)
-        self.mlp = MLP(hidden_size, ffn_hidden_size, gelu_approximate=gelu_approximate)
+        self.ln_1 = norm()
+        self.attn = attn
+        self.ln_2 = norm()
+        self.mlp = mlp
         self.drop = nn.Dropout(dropout)
 
     def forward(self, x: Tensor, attention_mask: Optional[Tensor] = None) -> Tensor:
@@ -107,14 +51,16 @@ class TransformerLayer(nn.Module):
         return x + self.drop(self.mlp(self.ln_2(x)))
 
 
-def layer_tensor_parallel_plan(prefix: str) -> dict[str, str]:
-    """The plan of every ``TransformerLayer`` under ``prefix`` (e.g. ``"blocks.*"``)."""
+def layer_tensor_parallel_plan(prefix: str, *, num_heads: int, num_query_groups: Optional[int] = None,
+                               gated_mlp: bool = False) -> dict[str, object]:
+    """The plan of every ``TransformerLayer`` under ``prefix`` (e.g. ``"blocks.*"``): Megatron's split, the
+    fused ``qkv`` by query group, a gated MLP's ``[gate | up]`` chunk by chunk."""
     return {
         prefix: "sequence_parallel",
         f"{prefix}.attn": "sharded_dropout",
-        f"{prefix}.attn.qkv": "column",
+        f"{prefix}.attn.qkv": QueryGroupColumn(num_heads, num_query_groups or num_heads),
         f"{prefix}.attn.proj": "row",
-        f"{prefix}.mlp.fc": "column",
+        f"{prefix}.mlp.fc": PackedColumn(2) if gated_mlp else "column",
         f"{prefix}.mlp.proj": "row",
     }
 
@@ -151,12 +97,27 @@ class TransformerSizes:
         return replace(presets[name], **overrides)
 
     def validate_tensor_parallel_size(self, tensor_parallel_size: int) -> None:
-        check_tensor_parallel_split(tensor_parallel_size, num_heads=self.num_heads, ffn_size=self.ffn_size)
+        check_tensor_parallel_split(tensor_parallel_size, num_heads=self.num_heads, ffn_size=self.ffn_size,
+                                    num_query_groups=getattr(self, "num_query_groups", None))
 
 
-def check_tensor_parallel_split(tensor_parallel_size: int, *, num_heads: int, ffn_size: int) -> None:
-    """Fail with the numbers and a fix when a transformer cannot be split ``tensor_parallel_size`` ways."""
+def check_tensor_parallel_split(tensor_parallel_size: int, *, num_heads: int, ffn_size: int,
+                                num_query_groups: Optional[int] = None) -> None:
+    """Fail with the numbers and a fix when a transformer cannot be split ``tensor_parallel_size`` ways.
+
+    Key/value heads split when tp divides ``num_query_groups`` and are replicated on ``tp / groups``
+    ranks when tp is a multiple of it (each rank then takes an equal share of its group's query heads)."""
     tp = tensor_parallel_size
+    groups = num_query_groups or num_heads
+    if groups != num_heads and groups % tp and (tp % groups or (num_heads // groups) % (tp // groups)):
+        valid = [d for d in range(1, num_heads + 1) if num_heads % d == 0 and ffn_size % d == 0
+                 and (groups % d == 0 or (d % groups == 0 and (num_heads // groups) % (d // groups) == 0))]
+        raise ValueError(
+            f"tensor_parallel_size={tp} can neither split num_query_groups={groups} (it must divide it) nor "
+            f"replicate them (a multiple of it that divides the {num_heads // groups} query heads of a group, "
+            f"num_heads={num_heads}): every rank must hold whole key/value heads and an equal share of the query "
+            f"heads. Use a tensor_parallel_size in {valid}."
+        )
     problems = [f"{name}={value}" for name, value in (("num_heads", num_heads), ("ffn_hidden_size", ffn_size)) if value % tp]
     if problems:
         divisors = [d for d in range(1, num_heads + 1) if num_heads % d == 0 and ffn_size % d == 0]

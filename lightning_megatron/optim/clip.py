@@ -2,7 +2,8 @@
 
 ``torch.nn.utils.clip_grad_norm_`` sees one rank's shards and would clip each rank by a
 different factor. Here each element of the global model is counted exactly once: sharded
-parameters on every rank, replicated ones on tensor-parallel rank 0 only, and an embedding
+parameters on every rank (a range of a segmented shard replicated on several tp ranks on
+its primary only), replicated ones on tensor-parallel rank 0 only, and an embedding
 tied across pipeline stages on the first stage only; the squares are then summed over the
 model-parallel group (tp x pp). After an all-reduce every dp rank holds the same
 gradients, so no dp reduction is needed; under ZeRO each dp rank holds different pieces,
@@ -17,19 +18,35 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from lightning_megatron.tensor_parallel.sharding import shard_of
+from lightning_megatron.tensor_parallel.sharding import TensorShard, shard_of
+
+
+def counted_squares(grad: Tensor, shard: Optional[TensorShard], *, flat_start: int = 0,
+                    dtype: torch.dtype = torch.float32) -> Tensor:
+    """The sum of squares of ``grad`` (in ``dtype``) over the elements this rank counts: all of them, except
+    in a segmented shard's ranges whose primary is another rank. ``grad`` holds the flat elements from
+    ``flat_start`` of the tp shard (a ZeRO piece, a ZeRO-3 block of rows; 0: the whole shard)."""
+    ranges = None if shard is None else shard.counted_flat_ranges()
+    grad = grad.detach().to(dtype)
+    if ranges is None:
+        return grad.pow(2).sum()
+    flat, stop = grad.reshape(-1), flat_start + grad.numel()
+    parts = [flat[max(lo, flat_start) - flat_start : min(hi, stop) - flat_start] for lo, hi in ranges
+             if lo < stop and hi > flat_start]
+    return torch.cat(parts).pow(2).sum() if parts else grad.new_zeros(())
 
 
 def local_grad_squares(params: Iterable[nn.Parameter], *, is_first_tensor_rank: bool) -> Tensor:
     """This rank's share of the squared global gradient norm (before any reduction), counted as
-    the module docstring says; ``optim.nonfinite`` sums the same shares for its check."""
+    the module docstring says; ``optim.nonfinite`` sums the same shares for its check. An fp32 main
+    piece says where it starts in its shard with ``shard_flat_start`` (``MainParamOptimizer``)."""
     squares = None
     for param in params:
         if param.grad is None or (shard_of(param) is None and not is_first_tensor_rank):
             continue
         if hasattr(param, "tied_names"):  # the last stage's copy of a tied embedding
             continue
-        term = param.grad.detach().float().pow(2).sum()
+        term = counted_squares(param.grad, shard_of(param), flat_start=getattr(param, "shard_flat_start", 0))
         squares = term if squares is None else squares + term
     return torch.zeros((), dtype=torch.float32) if squares is None else squares
 

@@ -30,6 +30,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from lightning_megatron.optim.partial_grads import PartialGrads
+
 DEFAULT_BUCKET_SIZE_MB = 25.0
 
 
@@ -43,6 +45,13 @@ def sum_over_group(tensors: Sequence[Tensor], group: dist.ProcessGroup) -> None:
     for tensor in tensors:
         tensor.copy_(flat[offset : offset + tensor.numel()].view_as(tensor))
         offset += tensor.numel()
+
+
+def flat_part(tensor: Tensor, start: int, stop: int) -> Tensor:
+    """Elements ``[start, stop)`` of ``tensor`` in row-major order, as a view (the tensor itself when whole)."""
+    if start == 0 and stop == tensor.numel():
+        return tensor
+    return tensor.view(-1)[start:stop]
 
 
 def sum_tokens(num_tokens: Tensor, group: Optional[dist.ProcessGroup], device, also_sum: Optional[Tensor] = None
@@ -96,9 +105,10 @@ class GradientSynchronizer:
     backwards in one go), ``finish(num_tokens)`` before the optimizer reads gradients,
     ``zero()`` after the step.
 
-    ``partial_grad_groups`` lists parameters whose gradients are partial sums over some other
-    group (replicated parameters under sequence parallelism: the tp group; embeddings tied
-    across the first and last pipeline stage: the embedding group); they are summed there.
+    ``partial_grad_groups`` lists gradients (flat ranges of parameters) that are partial sums over
+    some other group (``optim.partial_grads.partial_grad_groups``: sequence-parallel replicated
+    parameters over tp, a pipeline-tied embedding over the embedding group, replicated ranges of
+    a segmented tp shard over a tp subgroup); they are summed there, one all-reduce per group.
     """
 
     def __init__(
@@ -106,7 +116,7 @@ class GradientSynchronizer:
         params: Sequence[nn.Parameter],
         *,
         data_parallel_group: Optional[dist.ProcessGroup],
-        partial_grad_groups: Sequence[tuple[Sequence[nn.Parameter], dist.ProcessGroup]] = (),
+        partial_grad_groups: Sequence[PartialGrads] = (),
         bucket_size_mb: float = DEFAULT_BUCKET_SIZE_MB,
         zero_stage: int = 0,
     ) -> None:
@@ -119,12 +129,13 @@ class GradientSynchronizer:
         self.data_parallel_rank = 0 if data_parallel_group is None else dist.get_rank(data_parallel_group)
         self.zero_stage = zero_stage
         self.params = [p for p in dict.fromkeys(params) if p.requires_grad]
-        self.partial_grad_groups = [(list(ps), group) for ps, group in partial_grad_groups if ps and group is not None]
+        self.partial_grad_groups = list(partial_grad_groups)
         self.sync = True
         self.backward_passes = 1
         self.buckets: list[_Bucket] = []
         self._bucket_of: dict[int, tuple[_Bucket, int]] = {}
-        tied = {id(p) for ps, _ in self.partial_grad_groups for p in ps if getattr(p, "pipeline_tied", False)}
+        tied = {id(p) for partial in self.partial_grad_groups for p, _, _ in partial.parts
+                if getattr(p, "pipeline_tied", False)}
         self._build_buckets(int(bucket_size_mb * 2**20), tied)
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self.params]
 
@@ -261,11 +272,17 @@ class GradientSynchronizer:
         return also_sum
 
     def _sum_partial_grads(self) -> None:
-        """Sum the owned slices of partial gradients; their layouts agree across the summing group
+        """Sum the owned parts of partial gradients; their layouts agree across the summing group
         (identical local shapes over tp; a bucket of its own for the tied embedding)."""
-        for params, group in self.partial_grad_groups:
-            wanted = {id(p) for p in params}
-            sum_over_group([self.owned_grad(piece) for piece in self.owned_pieces() if id(piece.param) in wanted], group)
+        for partial in self.partial_grad_groups:
+            ranges = partial.ranges_by_param()
+            owned = []
+            for piece in self.owned_pieces():
+                for start, stop in ranges.get(id(piece.param), ()):
+                    lo, hi = max(start, piece.start), min(stop, piece.stop)
+                    if lo < hi:
+                        owned.append(self.owned_grad(piece).narrow(0, lo - piece.start, hi - lo))
+            sum_over_group(owned, partial.group)
 
     def zero(self) -> None:
         """Reset after the optimizer step; ``param.grad`` is dropped so the next backward starts clean."""
@@ -309,18 +326,19 @@ class LocalGradients:
         self,
         params: Sequence[nn.Parameter],
         *,
-        partial_grad_groups: Sequence[tuple[Sequence[nn.Parameter], dist.ProcessGroup]] = (),
+        partial_grad_groups: Sequence[PartialGrads] = (),
     ) -> None:
         self.params = [p for p in dict.fromkeys(params) if p.requires_grad]
-        self.partial_grad_groups = [(list(ps), group) for ps, group in partial_grad_groups if ps and group is not None]
+        self.partial_grad_groups = list(partial_grad_groups)
 
     def start_micro_batch(self, *, sync: bool, backward_passes: int = 1) -> None:
         """Nothing to schedule: there is no data-parallel reduction."""
 
     def finish(self, num_tokens: Tensor, backward_scale: float = 1.0, also_sum: Optional[Tensor] = None
                ) -> Optional[Tensor]:
-        for params, group in self.partial_grad_groups:
-            sum_over_group([p.grad for p in params if p.grad is not None], group)
+        for partial in self.partial_grad_groups:
+            sum_over_group([flat_part(p.grad, start, stop) for p, start, stop in partial.parts if p.grad is not None],
+                           partial.group)
         scale = 1.0 / (max(float(num_tokens), 1.0) * backward_scale)
         grads = [p.grad for p in self.params if p.grad is not None]
         if grads:

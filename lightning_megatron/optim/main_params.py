@@ -74,6 +74,7 @@ class MainParamOptimizer:
             for tag in _TAGS:  # the global-norm clip needs to know how to count it
                 if hasattr(piece.param, tag):
                     setattr(main, tag, getattr(piece.param, tag))
+            main.shard_flat_start = piece.start  # where in its shard: replicated ranges are counted once
             new_params[group_of[id(piece.param)]].append(main)
             self.pieces.append((piece, main))
         for group, params in zip(optimizer.param_groups, new_params):

@@ -22,6 +22,7 @@ from lightning_megatron.optim.grad_sync import GradientSynchronizer, LocalGradie
 from lightning_megatron.optim.loss_scaler import DynamicLossScaler, found_overflow
 from lightning_megatron.optim.main_params import MainParamOptimizer, uses_main_params
 from lightning_megatron.optim.nonfinite import NonFiniteCheck, loss_flags
+from lightning_megatron.optim.partial_grads import partial_grad_groups
 from lightning_megatron.parallel.state import ParallelState
 
 
@@ -155,16 +156,13 @@ def build_step_gradients(module: nn.Module, state: ParallelState, optimizers: li
     if zero3 is not None:
         return StepGradients(zero3, None, loss_scaler, **common)
     params = [p for p in module.parameters() if p.requires_grad]
-    partial_grad_groups = [
-        ([p for p in params if getattr(p, "sequence_parallel_grad", False)], state.tensor_parallel_group),
-        ([p for p in params if getattr(p, "pipeline_tied", False)], state.embedding_group),
-    ]
+    partial = partial_grad_groups(params, state)
     needs_main_params = uses_main_params(params, state.config.zero_stage, offload)
     if state.data_parallel_group is None and not needs_main_params:
-        sync = LocalGradients(params, partial_grad_groups=partial_grad_groups)
+        sync = LocalGradients(params, partial_grad_groups=partial)
     else:
         sync = GradientSynchronizer(params, data_parallel_group=state.data_parallel_group,
-                                    partial_grad_groups=partial_grad_groups, bucket_size_mb=bucket_size_mb,
+                                    partial_grad_groups=partial, bucket_size_mb=bucket_size_mb,
                                     zero_stage=state.config.zero_stage)
     main_params = None
     if needs_main_params:

@@ -36,10 +36,14 @@ freed right after. This is ``torch.distributed.fsdp.fully_shard`` (FSDP2) applie
   gradients cover the same elements across tp: summing them over tp after FSDP's
   reduce-scatter gives the full sum (tested against the single process). The same holds
   for an embedding tied across the first and last pipeline stage (its two copies have one
-  shape), summed over the embedding group.
+  shape), summed over the embedding group, and for the replicated ranges of a segmented tp
+  shard (``QueryGroupColumn``'s key/value rows), summed over their tp subgroup: each is a
+  flat range of the tp-local tensor, cut to the rows of this rank's dp chunk
+  (``optim.partial_grads``, the groups built once in :func:`apply_zero3`).
 * Global-norm clipping: squares of the local gradient shards, sharded tp parameters on
-  every tp rank, tp-replicated ones on tp rank 0 only, a pipeline-tied copy on the first
-  stage only; summed over dp and over the model-parallel group (tp x pp).
+  every tp rank (a replicated range of a segmented shard on its primary only), tp-replicated
+  ones on tp rank 0 only, a pipeline-tied copy on the first stage only; summed over dp and
+  over the model-parallel group (tp x pp).
 * Mixed precision. ``MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)``
   over fp32 parameters: the sharded fp32 parameters *are* Megatron's fp32 main parameters,
   sharded; FSDP casts the shard to bf16 before the all-gather, forward and backward run in
@@ -113,7 +117,9 @@ from torch import Tensor, nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from lightning_megatron.optim.grad_sync import sum_over_group, sum_tokens
+from lightning_megatron.optim.clip import counted_squares
+from lightning_megatron.optim.grad_sync import flat_part, sum_over_group, sum_tokens
+from lightning_megatron.optim.partial_grads import partial_grad_groups
 from lightning_megatron.parallel.initialize import (
     PARAMETER_TAGS,
     default_initializer,
@@ -148,6 +154,10 @@ class ZeRO3:
                  tags: dict[str, dict[str, Any]]) -> None:
         self.module, self.state, self.fsdp_modules, self._tags = module, state, fsdp_modules, tags
         self.retag()
+        # By parameter name: to_empty (and Lightning's moves) replace the parameter objects.
+        names = {id(p): name for name, p in module.named_parameters()}
+        self._partial = [(partial.group, [(names[id(p)], start, stop) for p, start, stop in partial.parts])
+                         for partial in partial_grad_groups(module.parameters(), state)]
 
     # ---------------------------------------------------------------- parameters
     def retag(self) -> None:
@@ -198,8 +208,9 @@ class ZeRO3:
 
     def finish(self, num_tokens: Tensor, backward_scale: float = 1.0, also_sum: Optional[Tensor] = None
                ) -> Optional[Tensor]:
-        """Sum partial gradients over tp (sequence parallelism) and the embedding group (pipeline-tied
-        copies), then turn every gradient shard into that of the per-token mean.
+        """Sum partial gradients over their groups (``optim.partial_grads``: tp for sequence parallelism, the
+        embedding group for pipeline-tied copies, tp subgroups for replicated ranges), then turn every
+        gradient shard into that of the per-token mean.
 
         ``num_tokens`` is this rank's token count for the step; it is summed over dp here.
         ``backward_scale`` is what the backward passes multiplied the token-summed loss by; it is
@@ -209,15 +220,28 @@ class ZeRO3:
         params = [p for p in self.module.parameters() if p.grad is not None]
         device = local_tensor(params[0].grad).device if params else torch.device("cpu")
         tokens, also_sum = sum_tokens(num_tokens, self.state.data_parallel_group, device, also_sum)
-        for tag, group in (("sequence_parallel_grad", self.state.tensor_parallel_group),
-                           ("pipeline_tied", self.state.embedding_group)):
-            if group is not None:
-                sum_over_group([local_tensor(p.grad) for p in params if getattr(p, tag, False)], group)
+        named = dict(self.module.named_parameters())
+        for group, parts in self._partial:
+            sum_over_group([part for name, start, stop in parts if named[name].grad is not None
+                            for part in self._local_part(named[name], start, stop)], group)
         scale = 1.0 / (max(float(tokens), 1.0) * backward_scale)
         with torch.no_grad():
             for param in params:
                 local_tensor(param.grad).mul_(scale)
         return also_sum
+
+    def _dp_flat_start(self, param: nn.Parameter) -> int:
+        """Where this rank's dp chunk of ``param`` begins in the flat tp-local tensor."""
+        rows = param.shape[0]
+        start = dp_chunk_start(rows, self.state.data_parallel_rank, self.state.config.data_parallel_size)
+        return start * (param.numel() // rows if rows else 0)
+
+    def _local_part(self, param: nn.Parameter, start: int, stop: int) -> list[Tensor]:
+        """The elements ``[start, stop)`` of the tp-local gradient that this rank's dp chunk holds (a view)."""
+        local = local_tensor(param.grad)
+        first = self._dp_flat_start(param) if isinstance(param, DTensor) else 0
+        lo, hi = max(start, first), min(stop, first + local.numel())
+        return [flat_part(local, lo - first, hi - first)] if lo < hi else []
 
     def zero(self) -> None:
         """Drop the gradient shards after the optimizer step (``optimizer.zero_grad()`` does the same)."""
@@ -237,7 +261,8 @@ class ZeRO3:
 
     def grad_squares(self) -> Tensor:
         """This rank's share of the squared global norm (float64, not reduced): its dp shards, a tp-replicated
-        parameter on tp rank 0 only, a pipeline-tied copy on the first stage only."""
+        parameter on tp rank 0 only, a replicated range of a segmented shard on its primary only, a
+        pipeline-tied copy on the first stage only."""
         squares = torch.zeros((), dtype=torch.float64, device=self.state.device)
         is_first_tensor_rank = self.state.tensor_parallel_rank == 0
         for param in self.module.parameters():
@@ -245,7 +270,9 @@ class ZeRO3:
                 continue  # no gradient, or the last stage's copy of a tied embedding
             if shard_of(param) is None and not is_first_tensor_rank:
                 continue  # replicated over tp: counted on tp rank 0
-            squares += local_tensor(param.grad).detach().double().pow(2).sum()
+            flat_start = self._dp_flat_start(param) if isinstance(param, DTensor) else 0
+            squares += counted_squares(local_tensor(param.grad), shard_of(param), flat_start=flat_start,
+                                       dtype=torch.float64)
         return squares
 
     def grad_norm(self) -> Tensor:

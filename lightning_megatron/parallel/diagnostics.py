@@ -236,12 +236,13 @@ def check_process_count(environment, devices: int, num_nodes: int) -> None:
     environment.validate_settings(num_devices=devices, num_nodes=num_nodes)  # SLURM's own checks, and others'
 
 
-def warn_if_replicated(module: nn.Module, plan: Mapping[str, str], tensor_parallel_size: int,
+def warn_if_replicated(module: nn.Module, plan: Mapping[str, object], tensor_parallel_size: int,
                        data_parallel_size: int) -> Optional[str]:
     """At tp > 1, a model whose plan splits no layer is replicated on every tp rank: say so, once, on rank 0."""
     from lightning_megatron.tensor_parallel.plan import SWAP_STYLES
 
-    if tensor_parallel_size == 1 or any(style in SWAP_STYLES for style in plan.values()):
+    splits = [style for style in plan.values() if not isinstance(style, str) or style in SWAP_STYLES]  # style objects split
+    if tensor_parallel_size == 1 or splits:
         return None
     declared = ("declares no tensor_parallel_plan()" if not hasattr(module, "tensor_parallel_plan")
                 else "has a tensor_parallel_plan() that splits no layer" + (f" ({dict(plan)})" if plan else " (empty)"))

@@ -3,7 +3,7 @@
 ``mode="full"`` keeps only the input of each matched layer and runs the layer's forward
 again in backward (one more forward per step). ``mode="selective"`` recomputes only the
 attention core of each matched layer (``dropout(softmax(q k^T)) v``, a
-:class:`~lightning_megatron.models.transformer.CoreAttention`): its activations grow with
+:class:`~lightning_megatron.models.attention.CoreAttention`): its activations grow with
 the square of the sequence length, its FLOPs are a few percent of the layer's
 (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models").
 
@@ -29,7 +29,7 @@ from typing import Optional
 from torch import nn
 from torch.utils.checkpoint import checkpoint, noop_context_fn
 
-from lightning_megatron.models.transformer import CoreAttention
+from lightning_megatron.models.attention import CoreAttention
 from lightning_megatron.parallel.random import TensorParallelRNG
 from lightning_megatron.tensor_parallel.plan import name_matches
 
@@ -78,7 +78,7 @@ def _core_attentions(layers: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.
             raise ValueError(
                 f"mode='selective' recomputes the CoreAttention modules of the matched layers, but {name} "
                 f"({type(layer).__name__}) has none. Compute attention with "
-                f"lightning_megatron.models.transformer.CoreAttention, or use mode='full'."
+                f"lightning_megatron.models.attention.CoreAttention, or use mode='full'."
             )
         found.extend(cores)
     return found

@@ -7,7 +7,7 @@ one set of processes (which is how the tests sweep layouts without relaunching).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Optional
 
@@ -33,6 +33,8 @@ class ParallelState:
     mesh: Optional[DeviceMesh] = None
     model_parallel_group: Optional[dist.ProcessGroup] = None
     embedding_group: Optional[dist.ProcessGroup] = None
+    timeout: Optional[timedelta] = None
+    _subgroups: dict[int, Optional[dist.ProcessGroup]] = field(default_factory=dict, repr=False)
 
     @classmethod
     def create(cls, config: ParallelConfig, device: torch.device | str,
@@ -61,7 +63,35 @@ class ParallelState:
             for group in {id(g): g for g in groups if g is not None}.values():
                 dist.distributed_c10d._set_pg_timeout(timeout, group)  # gloo and NCCL (set_timeout: gloo only)
         return cls(config=config, device=device, mesh=mesh, model_parallel_group=model_parallel_group,
-                   embedding_group=embedding_group)
+                   embedding_group=embedding_group, timeout=timeout)
+
+    def tensor_parallel_subgroup(self, size: int) -> Optional[dist.ProcessGroup]:
+        """This rank's group of ``size`` consecutive tp ranks (tp ranks ``k * size`` to ``(k + 1) * size - 1``),
+        where a segmented shard replicates a range (``tensor_parallel.styles.QueryGroupColumn``'s key/value
+        heads); ``None`` for a group of one. ``size == tp`` is the tp group itself.
+
+        Collective the first time a size is asked for: every rank of the world creates every such group
+        of every (pp, dp) coordinate, in the same order, with the layout's timeout; cached afterwards.
+        """
+        tp = self.config.tensor_parallel_size
+        if size < 1 or tp % size:
+            raise ValueError(f"A tensor-parallel subgroup of {size} ranks does not tile tensor_parallel_size={tp}: "
+                             f"its size must divide {tp}.")
+        if size == tp:
+            return self.tensor_parallel_group
+        if self.mesh is None or size == 1:
+            return None
+        if size not in self._subgroups:
+            config, rank = self.config, dist.get_rank()
+            for p in range(config.pipeline_parallel_size):
+                for d in range(config.data_parallel_size):
+                    for first in range(0, tp, size):
+                        ranks = [config.rank_of(pipeline_rank=p, data_rank=d, tensor_rank=t)
+                                 for t in range(first, first + size)]
+                        group = dist.new_group(ranks, timeout=self.timeout)
+                        if rank in ranks:
+                            self._subgroups[size] = group
+        return self._subgroups[size]
 
     def group(self, dim: str) -> Optional[dist.ProcessGroup]:
         """The process group along one mesh dimension, or ``None`` when it has a single member."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
+import torch
 from torch import nn
 
 from lightning_megatron.pipeline.blocks import PipelineBlocks
@@ -40,6 +41,11 @@ class StageModule(nn.Module):
 
     def forward(self, *inputs, **side):
         x = self.root.embed(*inputs, **side) if self.is_first else inputs[0]
+        if not self.is_first and x.requires_grad:
+            # This gradient is sent to the previous stage, and torch's pipelining sizes the receiving buffer from
+            # its layout; P2P needs it contiguous, but the first layer's backward may leave any strides (RMSNorm's
+            # elementwise backward of a sequence-parallel all-gather's transposed gradient does).
+            x.register_hook(torch.Tensor.contiguous)
         layer_kwargs = self.root.layer_kwargs(**side)
         for layer in self.layers:
             x = layer(x, **layer_kwargs)

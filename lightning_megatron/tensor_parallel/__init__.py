@@ -19,10 +19,13 @@ from lightning_megatron.tensor_parallel.mappings import (
 )
 from lightning_megatron.tensor_parallel.plan import STYLES, parallelize
 from lightning_megatron.tensor_parallel.sharding import TensorShard
+from lightning_megatron.tensor_parallel.styles import PackedColumn, QueryGroupColumn
 
 __all__ = [
     "Argmax",
     "ColumnParallelLinear",
+    "PackedColumn",
+    "QueryGroupColumn",
     "RowParallelLinear",
     "STYLES",
     "TensorShard",

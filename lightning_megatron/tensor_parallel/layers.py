@@ -25,7 +25,7 @@ from lightning_megatron.tensor_parallel.mappings import (
     reduce_from_tensor_parallel,
     reduce_scatter_to_sequence,
 )
-from lightning_megatron.tensor_parallel.sharding import make_shard, new_parameter
+from lightning_megatron.tensor_parallel.sharding import RankRanges, make_shard, new_parameter
 
 Group = Optional[dist.ProcessGroup]
 
@@ -40,7 +40,9 @@ class ColumnParallelLinear(nn.Module):
 
     ``out_features`` must divide over the group, unless ``pad_to_multiple_of`` is given: then the
     output features are zero-padded to a multiple of ``tp * pad_to_multiple_of`` (what
-    :class:`VocabParallelHead` does for the vocabulary).
+    :class:`VocabParallelHead` does for the vocabulary). ``rank_ranges``: which ranges of the
+    output features each rank holds, instead of one contiguous block (a segmented shard, see
+    ``tensor_parallel.styles``); weight and bias are split alike.
     """
 
     def __init__(
@@ -53,16 +55,21 @@ class ColumnParallelLinear(nn.Module):
         sequence_parallel: bool = False,
         gather_output: bool = False,
         pad_to_multiple_of: Optional[int] = None,
+        rank_ranges: Optional[RankRanges] = None,
         device=None,
         dtype=None,
     ) -> None:
         super().__init__()
+        if rank_ranges is not None and gather_output:
+            raise ValueError("gather_output=True concatenates the ranks' outputs in rank order, which is not the "
+                             "output order of a segmented shard (rank_ranges); gather in the model instead.")
         self.in_features, self.out_features = in_features, out_features
         self.group, self.sequence_parallel, self.gather_output = group, sequence_parallel, gather_output
-        shard = make_shard(group, dim=0, global_shape=(out_features, in_features), pad_to_multiple_of=pad_to_multiple_of)
+        split = dict(pad_to_multiple_of=pad_to_multiple_of, rank_ranges=rank_ranges)
+        shard = make_shard(group, dim=0, global_shape=(out_features, in_features), **split)
         self.weight = new_parameter(shard, None, device=device, dtype=dtype)
         if bias:
-            bias_shard = make_shard(group, dim=0, global_shape=(out_features,), pad_to_multiple_of=pad_to_multiple_of)
+            bias_shard = make_shard(group, dim=0, global_shape=(out_features,), **split)
             self.bias = new_parameter(bias_shard, None, device=device, dtype=dtype)
         else:
             self.register_parameter("bias", None)

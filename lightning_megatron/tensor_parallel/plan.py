@@ -1,12 +1,26 @@
 """``parallelize(module, plan)``: turn a plain PyTorch model into a tensor-parallel one.
 
 A model states *what* can be split by returning a plan from ``tensor_parallel_plan()``:
-module-name patterns (``*`` matches one name component) mapped to styles:
+module-name patterns (``*`` matches one name component) mapped to styles (a string, or one
+of the objects of ``tensor_parallel.styles``):
 
 ==================== =====================================================================
 style                effect
 ==================== =====================================================================
-``"column"``         ``nn.Linear`` -> :class:`ColumnParallelLinear` (output features split)
+``"column"``         ``nn.Linear`` -> :class:`ColumnParallelLinear`, output features cut into
+                     tp contiguous blocks. Assumes the output is independent units in an order
+                     any rank reads locally the same way: whole heads of a head-major
+                     ``[head, (q, k, v), head_dim]`` qkv, an MLP's hidden features. Wrong (and
+                     silently so) for ``[q | k | v]`` or ``[gate | up]``: rank 0 would get all
+                     of q and part of k; use ``PackedColumn`` there
+``PackedColumn(n)``  ``nn.Linear`` whose output is ``n`` equal chunks (or a tuple of sizes)
+                     ``[c0 | c1 | ...]``, read with ``y.chunk(n, -1)``/``split``: each rank
+                     holds its ``1/tp`` of every chunk, in order (weight and bias)
+``QueryGroupColumn(heads, groups)`` grouped-query attention's qkv fused by query group
+                     (``[group, (q heads, k, v), head_dim]``; MHA when groups == heads): whole
+                     groups per rank when tp divides groups (as ``"column"``); with tp a
+                     multiple of groups, a share of one group's q heads plus its k and v,
+                     replicated on that group's ranks (their gradients summed over them)
 ``"row"``            ``nn.Linear`` -> :class:`RowParallelLinear` (input features split)
 ``"vocab"``          ``nn.Embedding`` -> :class:`VocabParallelEmbedding`, ``nn.Linear`` ->
                      :class:`VocabParallelHead` (logits stay split), ``nn.CrossEntropyLoss``
@@ -32,7 +46,7 @@ the layout. Tied parameters (GPT's input and output embeddings) stay tied.
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Mapping, Optional
+from typing import Callable, Mapping, Optional, Union
 
 from torch import nn
 
@@ -49,10 +63,16 @@ from lightning_megatron.tensor_parallel.layers import (
 )
 from lightning_megatron.tensor_parallel.mappings import gather_sequence_to_replicated, scatter_to_sequence
 from lightning_megatron.tensor_parallel.sharding import shard_of
+from lightning_megatron.tensor_parallel.styles import LAYOUT_STYLES, PackedColumn, QueryGroupColumn
 
 SWAP_STYLES = ("column", "row", "vocab")
 REGION_STYLES = ("sequence_scatter", "sequence_parallel", "sharded_dropout", "sequence_gather")
 STYLES = SWAP_STYLES + REGION_STYLES
+Style = Union[str, PackedColumn, QueryGroupColumn]
+
+
+def _is_swap(style: Style) -> bool:
+    return isinstance(style, LAYOUT_STYLES) or style in SWAP_STYLES
 
 
 def name_matches(pattern: str, name: str) -> bool:
@@ -61,11 +81,12 @@ def name_matches(pattern: str, name: str) -> bool:
     return len(pattern_parts) == len(name_parts) and all(p in ("*", n) for p, n in zip(pattern_parts, name_parts))
 
 
-def _styles_by_module(module: nn.Module, plan: Mapping[str, str]) -> dict[str, list[str]]:
-    found: dict[str, list[str]] = {}
+def _styles_by_module(module: nn.Module, plan: Mapping[str, Style]) -> dict[str, list[Style]]:
+    found: dict[str, list[Style]] = {}
     for pattern, style in plan.items():
-        if style not in STYLES:
-            raise ValueError(f"Unknown tensor-parallel style {style!r} for {pattern!r}. Valid styles: {', '.join(STYLES)}.")
+        if not isinstance(style, LAYOUT_STYLES) and not (isinstance(style, str) and style in STYLES):
+            raise ValueError(f"Unknown tensor-parallel style {style!r} for {pattern!r}. Valid styles: "
+                             f"{', '.join(STYLES)}, PackedColumn(...), QueryGroupColumn(...).")
         names = [name for name, _ in module.named_modules() if name and name_matches(pattern, name)]
         if not names:
             raise ValueError(
@@ -77,9 +98,13 @@ def _styles_by_module(module: nn.Module, plan: Mapping[str, str]) -> dict[str, l
     return found
 
 
-def _swap(old: nn.Module, style: str, name: str, state: ParallelState, vocab_multiple: int) -> nn.Module:
+def _swap(old: nn.Module, style: Style, name: str, state: ParallelState, vocab_multiple: int) -> nn.Module:
     group, sequence_parallel = state.tensor_parallel_group, state.config.sequence_parallel
     factory_kwargs = {"device": "meta"}
+    if isinstance(old, nn.Linear) and isinstance(style, LAYOUT_STYLES):
+        rank_ranges = style.rank_ranges(old.out_features, state.config.tensor_parallel_size, name=name)
+        return ColumnParallelLinear(old.in_features, old.out_features, old.bias is not None, group=group,
+                                    sequence_parallel=sequence_parallel, rank_ranges=rank_ranges, **factory_kwargs)
     if isinstance(old, nn.Linear) and style in ("column", "row", "vocab"):
         has_bias = old.bias is not None
         if style == "column":
@@ -102,7 +127,8 @@ def _swap(old: nn.Module, style: str, name: str, state: ParallelState, vocab_mul
     if isinstance(old, Argmax) and style == "vocab":
         return VocabParallelArgmax(group=group)
     raise ValueError(
-        f"{name}: style {style!r} cannot be applied to {type(old).__name__}. 'column' and 'row' take nn.Linear; "
+        f"{name}: style {style!r} cannot be applied to {type(old).__name__}. 'column', 'row', PackedColumn and "
+        f"QueryGroupColumn take nn.Linear; "
         f"'vocab' takes nn.Embedding, nn.Linear (the output head), nn.CrossEntropyLoss or Argmax."
     )
 
@@ -159,7 +185,7 @@ def _set_submodule(root: nn.Module, name: str, new: nn.Module) -> None:
 
 def parallelize(
     module: nn.Module,
-    plan: Mapping[str, str],
+    plan: Mapping[str, Style],
     state: ParallelState,
     *,
     rng: Optional[TensorParallelRNG] = None,
@@ -169,7 +195,7 @@ def parallelize(
 
     Example::
 
-        plan = {"mlp.fc": "column", "mlp.proj": "row"}
+        plan = {"attn.qkv": PackedColumn(3), "attn.proj": "row", "mlp.fc": "column", "mlp.proj": "row"}
         parallelize(model, plan, state)
     """
     styles = _styles_by_module(module, plan)
@@ -179,7 +205,7 @@ def parallelize(
             tied.setdefault(id(param), []).append((module_name, param_name))
 
     for name, module_styles in styles.items():
-        swap_styles = [s for s in module_styles if s in SWAP_STYLES]
+        swap_styles = [s for s in module_styles if _is_swap(s)]
         if len(swap_styles) > 1:
             raise ValueError(f"{name} has more than one layer style in the plan: {swap_styles}.")
         if swap_styles:
@@ -195,10 +221,12 @@ def parallelize(
         shared = getattr(module.get_submodule(first_module), first_param)
         for module_name, param_name in names[1:]:
             owner = module.get_submodule(module_name)
-            if getattr(owner, param_name).shape != shared.shape:
+            tie = getattr(owner, param_name)
+            split_apart = None not in (shard_of(tie), shard_of(shared)) and shard_of(tie) != shard_of(shared)
+            if tie.shape != shared.shape or split_apart:
                 raise ValueError(
                     f"{module_name}.{param_name} is tied to {first_module}.{first_param} but the plan splits them "
-                    f"differently ({tuple(getattr(owner, param_name).shape)} vs {tuple(shared.shape)}): give both the same style."
+                    f"differently ({tuple(tie.shape)} vs {tuple(shared.shape)}): give both the same style."
                 )
             setattr(owner, param_name, shared)
 

@@ -23,6 +23,7 @@ from lightning_megatron import Megatron3DStrategy
 from lightning_megatron.checkpoint import gather_full_state_dict, merge_pipeline_stages
 from lightning_megatron.models import BERTModel
 from lightning_megatron.optim import GradientSynchronizer, clip_grads_by_global_norm
+from lightning_megatron.optim.partial_grads import partial_grad_groups
 from lightning_megatron.parallel import ParallelConfig, ParallelState, TensorParallelRNG
 from lightning_megatron.parallel.initialize import initialize_parameters
 from lightning_megatron.pipeline import PipelineLayout
@@ -53,10 +54,8 @@ for layout in layouts:
     initialize_parameters(model, SEED, device="cpu", only_meta=True)
     params = list(model.parameters())
     opt = optimizer(params)
-    sync = GradientSynchronizer(params, data_parallel_group=dp_group, bucket_size_mb=0.01, partial_grad_groups=[
-        ([p for p in params if getattr(p, "sequence_parallel_grad", False)], tp_group),
-        ([p for p in params if getattr(p, "pipeline_tied", False)], state.embedding_group),
-    ])
+    sync = GradientSynchronizer(params, data_parallel_group=dp_group, bucket_size_mb=0.01,
+                                partial_grad_groups=partial_grad_groups(params, state))
     if pp > 1:
         runner = PipelineRunner(stages, local, num_stages=stage_layout.num_stages, group=state.pipeline_parallel_group,
                                 device=torch.device("cpu"), schedule="1f1b", micro_batch_size=2, root=model,

@@ -1,17 +1,19 @@
-"""Hugging Face GPT-2 or BERT outputs vs our converted model at several layouts over the same processes (2 ranks).
+"""Hugging Face outputs vs our converted model, every family at several layouts over the same processes.
 
-argv: OUT_DIR LAYOUTS, a comma list of ``tp2``, ``tp2-sp``, ``pp2``, each optionally prefixed by
-``bert-`` (BERT; else GPT-2). Every rank builds the random HF model from the shared seed and
-computes its outputs (the oracle: GPT-2's logits; BERT's masked-LM and sentence-order logits,
-with padding), converts its state dict, builds our model the way the strategy does (meta
-device, tensor-parallel plan, pipeline split, materialise) and loads this rank's part of the
-converted weights. Each rank writes ``rank{r}.json``: per layout, the max |output difference|
-where this rank holds the outputs (else null), and whether gathering the weights back and
-converting them to HF gives the HF state dict bit for bit.
+argv: OUT_DIR CHECKS, a comma list of ``<case>:<layout>``: a case is ``gpt2``, ``bert`` or one of
+``hf_llama_setup.CASES``; a layout is ``tp<t>`` or ``pp<p>`` or ``tp<t>-pp<p>``, optionally ``-sp``
+(sequence parallel), data parallelism taking the remaining ranks. Every rank builds the random HF
+model from the shared seed and computes its outputs (the oracle: the logits; BERT's masked-LM and
+sentence-order logits, with padding), converts its state dict, builds our model the way the
+strategy does (meta device, tensor-parallel plan, pipeline split, materialise) and loads this rank's
+part of the converted weights. Each rank writes ``rank{r}.json``: per check, the max |output
+difference| where this rank holds the outputs (else null), and whether gathering the weights back
+and converting them to HF gives the HF state dict bit for bit.
 """
 
 import json
 import os
+import re
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -21,10 +23,11 @@ import torch.distributed as dist
 
 import hf_bert_setup
 import hf_gpt2_setup
+import hf_llama_setup
 from lightning_megatron.checkpoint.full import gather_full_state_dict, local_state_dict_from_full, merge_pipeline_stages
-from lightning_megatron.checkpoint.hf import gpt_config_from_hf, gpt_state_dict_from_hf, hf_state_dict_from_gpt
-from lightning_megatron.checkpoint.hf_bert import bert_config_from_hf, bert_state_dict_from_hf, hf_state_dict_from_bert
+from lightning_megatron.huggingface import FAMILIES
 from lightning_megatron.models import BERTModel, GPTModel
+from lightning_megatron.models.gpt import gpt_tensor_parallel_plan
 from lightning_megatron.parallel import ParallelConfig, ParallelState
 from lightning_megatron.parallel.initialize import initialize_parameters
 from lightning_megatron.pipeline import PipelineLayout
@@ -32,11 +35,14 @@ from lightning_megatron.pipeline.stage import split_for_pipeline
 from lightning_megatron.tensor_parallel import parallelize
 from lightning_megatron.tensor_parallel.mappings import gather_from_tensor_parallel
 
-LAYOUTS = {
-    "tp2": ParallelConfig(tensor_parallel_size=2),
-    "tp2-sp": ParallelConfig(tensor_parallel_size=2, sequence_parallel=True),
-    "pp2": ParallelConfig(pipeline_parallel_size=2),
-}
+
+def converted(hf, **case):
+    """What every case shares: our config and full state dict through the family ``model_type`` names."""
+    family = FAMILIES[hf.config.model_type]
+    hf_state = hf.state_dict()
+    config = family.config_from_hf(hf.config.to_dict(), hf_state.keys())
+    return SimpleNamespace(config=config, hf_state_dict=hf_state, full_state_dict=family.state_dict_from_hf(hf_state, config),
+                           to_hf=family.hf_state_dict, **case)
 
 
 def gpt2_case():
@@ -44,10 +50,8 @@ def gpt2_case():
     input_ids = hf_gpt2_setup.sample_input_ids()
     with torch.no_grad():
         expected = [hf(input_ids).logits]
-    config = gpt_config_from_hf(hf.config)
-    return SimpleNamespace(model_class=GPTModel, plan=GPTModel.tensor_parallel_plan(), config=config, hf_state_dict=hf.state_dict(),
-                           full_state_dict=gpt_state_dict_from_hf(hf.state_dict(), config), to_hf=hf_state_dict_from_gpt,
-                           input_ids=input_ids, side={}, expected=expected, seed=hf_gpt2_setup.SEED)
+    return converted(hf, model_class=GPTModel, plan=gpt_tensor_parallel_plan, input_ids=input_ids, side={},
+                     expected=expected, seed=hf_gpt2_setup.SEED)
 
 
 def bert_case():
@@ -55,19 +59,33 @@ def bert_case():
     inputs = hf_bert_setup.sample_inputs()
     with torch.no_grad():
         out = hf(**inputs)
-    config = bert_config_from_hf(hf.config)
     side = {name: value for name, value in inputs.items() if name != "input_ids"}
-    return SimpleNamespace(model_class=BERTModel, plan=BERTModel.tensor_parallel_plan(config), config=config,
-                           hf_state_dict=hf.state_dict(), full_state_dict=bert_state_dict_from_hf(hf.state_dict(), config),
-                           to_hf=hf_state_dict_from_bert, input_ids=inputs["input_ids"], side=side,
-                           expected=[out.prediction_logits, out.seq_relationship_logits], seed=hf_bert_setup.SEED)
+    return converted(hf, model_class=BERTModel, plan=BERTModel.tensor_parallel_plan, input_ids=inputs["input_ids"],
+                     side=side, expected=[out.prediction_logits, out.seq_relationship_logits], seed=hf_bert_setup.SEED)
+
+
+def llama_case(name: str):
+    hf = hf_llama_setup.build_hf_model(name)
+    input_ids = hf_llama_setup.sample_input_ids()
+    with torch.no_grad():
+        expected = [hf(input_ids).logits]
+    return converted(hf, model_class=GPTModel, plan=gpt_tensor_parallel_plan, input_ids=input_ids, side={},
+                     expected=expected, seed=hf_llama_setup.SEED)
+
+
+def parallel_config(layout: str, world_size: int) -> ParallelConfig:
+    match = re.fullmatch(r"(?:tp(\d+))?-?(?:pp(\d+))?(-sp)?", layout)
+    if match is None or not (match[1] or match[2]):
+        raise ValueError(f"Unknown layout {layout!r}: expected e.g. tp2, pp2, tp2-pp2, tp2-sp.")
+    return ParallelConfig.for_world(world_size, tensor_parallel_size=int(match[1] or 1),
+                                    pipeline_parallel_size=int(match[2] or 1), sequence_parallel=bool(match[3]))
 
 
 def build(state: ParallelState, case):
     """Our model as the strategy builds it, holding this rank's part of the converted weights; and its pipeline stage."""
     with torch.device("meta"):
         model = case.model_class(case.config)
-    parallelize(model, case.plan, state)
+    parallelize(model, case.plan(case.config), state)
     stage = None
     pp = state.config.pipeline_parallel_size
     if pp > 1:
@@ -97,18 +115,14 @@ def as_list(outputs) -> list:
     return [outputs] if isinstance(outputs, torch.Tensor) else list(outputs[:2])
 
 
-def check(layout: str, case) -> dict:
-    state = ParallelState.create(LAYOUTS[layout], "cpu")
+def check(state: ParallelState, case) -> dict:
     model, stage = build(state, case)
     with torch.no_grad():
-        if stage is None:
-            outputs = as_list(model(case.input_ids, **case.side))
-            outputs[0] = gather_from_tensor_parallel(outputs[0], state.tensor_parallel_group)  # vocab-parallel logits
-        else:
-            outputs = pipeline_outputs(state, stage, case)
-            outputs = None if outputs is None else as_list(outputs)
+        outputs = model(case.input_ids, **case.side) if stage is None else pipeline_outputs(state, stage, case)
     deviation = None
     if outputs is not None:
+        outputs = as_list(outputs)
+        outputs[0] = gather_from_tensor_parallel(outputs[0], state.tensor_parallel_group)  # vocab-parallel logits
         outputs[0] = outputs[0][..., : case.config.vocab_size]
         deviation = max((got - want).abs().max().item() for got, want in zip(outputs, case.expected, strict=True))
     gathered = merge_pipeline_stages(gather_full_state_dict(model, state.tensor_parallel_group),
@@ -119,14 +133,18 @@ def check(layout: str, case) -> dict:
 
 
 if __name__ == "__main__":
-    out_dir, layouts = Path(sys.argv[1]), sys.argv[2].split(",")
+    out_dir, checks = Path(sys.argv[1]), sys.argv[2].split(",")
     dist.init_process_group("gloo")
-    cases, results = {}, {}
-    for layout in layouts:
-        family, parallel = ("bert", layout.removeprefix("bert-")) if layout.startswith("bert-") else ("gpt2", layout)
-        if family not in cases:
-            cases[family] = bert_case() if family == "bert" else gpt2_case()
-        results[layout] = check(parallel, cases[family])
+    builders = {"gpt2": gpt2_case, "bert": bert_case,
+                **{name: (lambda name=name: llama_case(name)) for name in hf_llama_setup.CASES}}
+    cases, states, results = {}, {}, {}
+    for item in checks:
+        name, layout = item.split(":")
+        if name not in cases:
+            cases[name] = builders[name]()
+        if layout not in states:  # one mesh per layout, shared by every case
+            states[layout] = ParallelState.create(parallel_config(layout, dist.get_world_size()), "cpu")
+        results[item] = check(states[layout], cases[name])
     (out_dir / f"rank{dist.get_rank()}.json").write_text(json.dumps(results))
     dist.barrier()
     os._exit(0)  # skip gloo's C++ teardown: with several meshes alive it aborts at random (torch 2.13)

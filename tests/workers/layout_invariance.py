@@ -1,7 +1,7 @@
 """Train the tiny GPT for a few steps under several layouts over the same processes.
 
 argv: OUT_DIR LAYOUTS, where LAYOUTS is a comma list of
-``[pp{P}-][vpp{V}-]tp{T}-dp{D}[-sp][-mb{M}][-gpipe][-z{Z}][-sgd]``: M micro-batches per step
+``[llama-|mqa-][pp{P}-][vpp{V}-]tp{T}-dp{D}[-sp][-mb{M}][-gpipe][-z{Z}][-sgd]``: M micro-batches per step
 (without pipelining, a loop of backward passes; with it, the schedule's micro-batches),
 ZeRO stage Z, SGD with momentum instead of AdamW. For each
 layout, rank 0 writes the losses and the full (gathered) weights to ``{layout}.pt``; the
@@ -17,11 +17,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from gpt_setup import CLIP, CONFIG, GLOBAL_BATCH, SEED, batches, optimizer, sgd_optimizer
+from gpt_setup import CLIP, CONFIG, CONFIGS, GLOBAL_BATCH, SEED, batches, optimizer, sgd_optimizer
 from lightning_megatron.checkpoint import gather_full_state_dict, merge_pipeline_stages
 from lightning_megatron.models import GPTModel
 from lightning_megatron.optim import GradientSynchronizer, clip_grads_by_global_norm
 from lightning_megatron.optim.main_params import MainParamOptimizer, uses_main_params
+from lightning_megatron.optim.partial_grads import partial_grad_groups
 from lightning_megatron.parallel import ParallelConfig, ParallelState, TensorParallelRNG
 from lightning_megatron.parallel.initialize import initialize_parameters
 from lightning_megatron.pipeline import PipelineLayout
@@ -29,19 +30,19 @@ from lightning_megatron.pipeline.runner import PipelineRunner
 from lightning_megatron.pipeline.stage import split_for_pipeline
 from lightning_megatron.tensor_parallel import parallelize
 
-LAYOUT = re.compile(r"(?:pp(\d+)-)?(?:vpp(\d+)-)?tp(\d+)-dp(\d+)(-sp)?(?:-mb(\d+))?(-gpipe)?(?:-z(\d))?(-sgd)?")
+LAYOUT = re.compile(r"(?:(llama|mqa)-)?(?:pp(\d+)-)?(?:vpp(\d+)-)?tp(\d+)-dp(\d+)(-sp)?(?:-mb(\d+))?(-gpipe)?(?:-z(\d))?(-sgd)?")
 
 
-def build(state: ParallelState, virtual: int, schedule: str, micro_batches: int):
+def build(state: ParallelState, virtual: int, schedule: str, micro_batches: int, config=CONFIG):
     """The model as the strategy builds it: meta, tensor-parallel plan, pipeline split, materialise."""
     with torch.device("meta"):
-        model = GPTModel(CONFIG)
+        model = GPTModel(config)
     rng = TensorParallelRNG(SEED, state.tensor_parallel_rank, torch.device("cpu"))
-    parallelize(model, GPTModel.tensor_parallel_plan(), state, rng=rng)
+    parallelize(model, model.tensor_parallel_plan(), state, rng=rng)
     runner = None
     pp = state.config.pipeline_parallel_size
     if pp > 1:
-        layout = PipelineLayout(num_layers=CONFIG.num_layers, pipeline_parallel_size=pp, virtual_pipeline_size=virtual)
+        layout = PipelineLayout(num_layers=config.num_layers, pipeline_parallel_size=pp, virtual_pipeline_size=virtual)
         local = layout.stages_of_rank(state.pipeline_parallel_rank)
         stages = split_for_pipeline(model, GPTModel.pipeline_blocks(), layout.stage_layers(), local)
     initialize_parameters(model, SEED, device="cpu", only_meta=True)
@@ -55,23 +56,19 @@ def build(state: ParallelState, virtual: int, schedule: str, micro_batches: int)
 
 def train(layout: str) -> tuple[list[float], dict]:
     match = LAYOUT.fullmatch(layout)
-    pp, virtual, tp, dp = int(match[1] or 1), int(match[2] or 1), int(match[3]), int(match[4])
-    sp, micro_batches = bool(match[5]), int(match[6] or 1)
-    schedule = "gpipe" if match[7] else ("interleaved_1f1b" if virtual > 1 else "1f1b")
-    zero_stage, sgd = int(match[8] or 0), bool(match[9])
+    model_config = CONFIGS[match[1] or "gpt"]
+    pp, virtual, tp, dp = int(match[2] or 1), int(match[3] or 1), int(match[4]), int(match[5])
+    sp, micro_batches = bool(match[6]), int(match[7] or 1)
+    schedule = "gpipe" if match[8] else ("interleaved_1f1b" if virtual > 1 else "1f1b")
+    zero_stage, sgd = int(match[9] or 0), bool(match[10])
     config = ParallelConfig(tensor_parallel_size=tp, pipeline_parallel_size=pp, data_parallel_size=dp,
                             sequence_parallel=sp, virtual_pipeline_size=virtual, zero_stage=zero_stage)
     state = ParallelState.create(config, "cpu")
-    model, runner = build(state, virtual, schedule, micro_batches)
+    model, runner = build(state, virtual, schedule, micro_batches, model_config)
     params = list(model.parameters())
     opt = sgd_optimizer(params) if sgd else optimizer(params)
-    sync = GradientSynchronizer(
-        params, data_parallel_group=state.data_parallel_group, bucket_size_mb=0.01, zero_stage=zero_stage,
-        partial_grad_groups=[
-            ([p for p in params if getattr(p, "sequence_parallel_grad", False)], state.tensor_parallel_group),
-            ([p for p in params if getattr(p, "pipeline_tied", False)], state.embedding_group),
-        ],
-    )
+    sync = GradientSynchronizer(params, data_parallel_group=state.data_parallel_group, bucket_size_mb=0.01,
+                                zero_stage=zero_stage, partial_grad_groups=partial_grad_groups(params, state))
     main = MainParamOptimizer(opt, sync) if uses_main_params(params, zero_stage) else None
     if runner is not None:
         runner.before_backward = lambda n, _tokens: sync.start_micro_batch(sync=True, backward_passes=n)

@@ -27,7 +27,7 @@ def build(state: ParallelState, mode: str) -> GPTModel:
     with torch.device("meta"):
         model = GPTModel(CONFIG)
     rng = TensorParallelRNG(SEED, state.tensor_parallel_rank, torch.device("cpu"))
-    parallelize(model, GPTModel.tensor_parallel_plan(), state, rng=rng)
+    parallelize(model, model.tensor_parallel_plan(), state, rng=rng)
     recompute.apply_activation_checkpointing(model, mode=mode, layer_pattern=LAYERS, rng=rng)
     initialize_parameters(model, SEED, device="cpu", only_meta=True)
     return model

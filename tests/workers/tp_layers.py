@@ -16,7 +16,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_megatron.models.transformer import TransformerLayer, layer_tensor_parallel_plan
+from lightning_megatron.models.gpt import GPTConfig, gpt_layer
+from lightning_megatron.models.transformer import layer_tensor_parallel_plan
 from lightning_megatron.parallel import ParallelConfig, ParallelState, TensorParallelRNG
 from lightning_megatron.tensor_parallel import (
     ColumnParallelLinear,
@@ -195,12 +196,22 @@ def counting(name):
     return call
 
 
+# GPT-2's layer, a Llama layer whose 2 key/value groups split over tp=2, and a multi-query one (1 group: replicated).
+LAYER_CONFIGS = {
+    "gpt2": GPTConfig(hidden_size=H, num_heads=4),
+    "llama": GPTConfig.from_name("llama-tiny", hidden_size=H, ffn_hidden_size=24),
+    "mqa": GPTConfig.from_name("llama-tiny", hidden_size=H, ffn_hidden_size=24, num_query_groups=1),
+}
 layer_counts = {}
-for layout, layer_state in (("tp", state), ("tp_sp", sp_state)):
+for layout, layer_state in [(f"{model}_{kind}", kind_state) for model in LAYER_CONFIGS
+                            for kind, kind_state in (("tp", state), ("tp_sp", sp_state))]:
     torch.manual_seed(1)
-    layer = TransformerLayer(H, 4, 4 * H, dropout=0.0, attention_dropout=0.0, causal=True)
-    parallelize(layer, {k.replace("layer.", ""): v for k, v in layer_tensor_parallel_plan("layer").items() if k != "layer"}, layer_state)
-    seq = S // world if layout == "tp_sp" else S
+    config = LAYER_CONFIGS[layout.split("_")[0]]
+    layer = gpt_layer(config)
+    plan = layer_tensor_parallel_plan("layer", num_heads=config.num_heads, num_query_groups=config.num_query_groups,
+                                      gated_mlp=config.activation == "swiglu")
+    parallelize(layer, {k.replace("layer.", ""): v for k, v in plan.items() if k != "layer"}, layer_state)
+    seq = S // world if layout.endswith("_tp_sp") else S
     x = torch.randn(B, seq, H, requires_grad=True)
     for name in COLLECTIVES:
         setattr(dist, name, counting(name))

@@ -13,11 +13,16 @@ class UnevenlyMaskedGPT(GPT):
 
 
 def model(options: dict) -> GPT:
-    config = GPTConfig(vocab_size=257, max_seq_length=32, hidden_size=options.get("hidden", 32),
-                       num_layers=options.get("layers", 2), num_heads=options.get("heads", 4))
+    sizes = dict(vocab_size=257, max_seq_length=32, hidden_size=options.get("hidden", 32),
+                 num_layers=options.get("layers", 2), num_heads=options.get("heads", 4))
+    if "preset" in options:  # a Llama-shaped model: its pieces from the preset, the sizes above
+        config = GPTConfig.from_name(options["preset"], **sizes, num_query_groups=options.get("groups"),
+                                     ffn_hidden_size=options.get("ffn", 48))
+    else:
+        config = GPTConfig(**sizes)
     # adam_eps 1e-6: with 1e-8, AdamW turns fp32 rounding in near-zero gradients into full-size updates.
     model_class = UnevenlyMaskedGPT if options.get("uneven_tokens") else GPT
-    return model_class(config, learning_rate=3e-3, warmup_steps=2, adam_eps=1e-6)
+    return model_class(config, learning_rate=3e-3, warmup_steps=2, adam_eps=options.get("adam_eps", 1e-6))
 
 
 def datamodule(options: dict) -> GPTDataModule:

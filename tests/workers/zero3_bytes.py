@@ -37,7 +37,7 @@ def _one_step(tp: int, dp: int, precision: str) -> dict:
     state = ParallelState.create(ParallelConfig(tensor_parallel_size=tp, data_parallel_size=dp), "cpu")
     with torch.device("meta"):
         model = GPTModel(CONFIG)
-    parallelize(model, GPTModel.tensor_parallel_plan(), state)
+    parallelize(model, model.tensor_parallel_plan(), state)
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if precision != "fp32" else None
     zero3 = apply_zero3(model, state, layers_pattern="blocks.*", mixed_precision=policy)
     zero3.initialize(SEED, device="cpu")

@@ -2,7 +2,7 @@
 
 argv: OUT_DIR LAYOUTS, where LAYOUTS is a comma list of ``bytes`` (``zero3_bytes.measure_bytes``,
 in the same processes to save a launch) and
-``[pp{P}-]tp{T}-dp{D}[-sp][-mb{M}][-nosync][-pre][-sgd]``: P pipeline stages (1F1B, the
+``[llama-|mqa-][pp{P}-]tp{T}-dp{D}[-sp][-mb{M}][-nosync][-pre][-sgd]``: P pipeline stages (1F1B, the
 embedding and head in groups of their own), M micro-batches per step (``-nosync``:
 accumulate unsharded gradients and reduce-scatter only on the last; otherwise reduce-scatter
 every micro-batch; with micro-batches the backward is mean-sized, its factor divided out by
@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from gpt_setup import CLIP, CONFIG, GLOBAL_BATCH, SEED, batches, optimizer, sgd_optimizer
+from gpt_setup import CLIP, CONFIG, CONFIGS, GLOBAL_BATCH, SEED, batches, optimizer, sgd_optimizer
 from zero3_bytes import measure_bytes
 from lightning_megatron.checkpoint import merge_pipeline_stages
 from lightning_megatron.models import GPTModel
@@ -36,18 +36,18 @@ from lightning_megatron.pipeline.runner import PipelineRunner
 from lightning_megatron.pipeline.stage import split_for_pipeline
 from lightning_megatron.tensor_parallel import parallelize
 
-LAYOUT = re.compile(r"(?:pp(\d+)-)?tp(\d+)-dp(\d+)(-sp)?(?:-mb(\d+))?(-nosync)?(-pre)?(-sgd)?")
+LAYOUT = re.compile(r"(?:(llama|mqa)-)?(?:pp(\d+)-)?tp(\d+)-dp(\d+)(-sp)?(?:-mb(\d+))?(-nosync)?(-pre)?(-sgd)?")
 
 
-def build(state: ParallelState, pre: bool, micro_batches: int = 1):
+def build(state: ParallelState, pre: bool, micro_batches: int = 1, config=CONFIG):
     """As the strategy would: meta, tp plan, pipeline split, ZeRO-3 on the meta device, materialise."""
     with torch.device("meta"):
-        model = GPTModel(CONFIG)
+        model = GPTModel(config)
     rng = TensorParallelRNG(SEED, state.tensor_parallel_rank, torch.device("cpu"))
-    parallelize(model, GPTModel.tensor_parallel_plan(), state, rng=rng)
+    parallelize(model, model.tensor_parallel_plan(), state, rng=rng)
     pp, blocks, other_groups = state.config.pipeline_parallel_size, GPTModel.pipeline_blocks(), None
     if pp > 1:
-        layout = PipelineLayout(num_layers=CONFIG.num_layers, pipeline_parallel_size=pp)
+        layout = PipelineLayout(num_layers=config.num_layers, pipeline_parallel_size=pp)
         local = layout.stages_of_rank(state.pipeline_parallel_rank)
         stages = split_for_pipeline(model, blocks, layout.stage_layers(), local)
         other_groups = [name for name in (*blocks.first, *blocks.last) if getattr(model, name) is not None]
@@ -66,12 +66,13 @@ def build(state: ParallelState, pre: bool, micro_batches: int = 1):
 
 def train(layout: str, check_load: bool):
     match = LAYOUT.fullmatch(layout)
-    pp, tp, dp, sp = int(match[1] or 1), int(match[2]), int(match[3]), bool(match[4])
-    micro_batches, nosync, pre, sgd = int(match[5] or 1), bool(match[6]), bool(match[7]), bool(match[8])
+    model_config = CONFIGS[match[1] or "gpt"]
+    pp, tp, dp, sp = int(match[2] or 1), int(match[3]), int(match[4]), bool(match[5])
+    micro_batches, nosync, pre, sgd = int(match[6] or 1), bool(match[7]), bool(match[8]), bool(match[9])
     config = ParallelConfig(tensor_parallel_size=tp, pipeline_parallel_size=pp, data_parallel_size=dp,
                             sequence_parallel=sp)
     state = ParallelState.create(config, "cpu")
-    model, zero3, runner = build(state, pre, micro_batches)
+    model, zero3, runner = build(state, pre, micro_batches, model_config)
     params = list(model.parameters())
     assert all(isinstance(p, DTensor) for p in params), "fully_shard should have made every parameter a DTensor"
     opt = sgd_optimizer(params) if sgd else optimizer(params)

@@ -28,7 +28,7 @@ for tp, dp in ((1, 4), (2, 2)):
         state = ParallelState.create(ParallelConfig(tensor_parallel_size=tp, data_parallel_size=dp, zero_stage=zero_stage), "cpu")
         with torch.device("meta"):
             model = GPTModel(CONFIG)
-        parallelize(model, GPTModel.tensor_parallel_plan(), state)
+        parallelize(model, model.tensor_parallel_plan(), state)
         initialize_parameters(model, SEED, device="cpu", only_meta=True)
         model.to(torch.bfloat16)
         params = list(model.parameters())

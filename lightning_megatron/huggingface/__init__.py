@@ -1,0 +1,30 @@
+"""Hugging Face ``transformers`` interop: GPT-2, BERT, Llama, Mistral and Qwen2 checkpoints, both ways.
+
+One module per family (``gpt2``, ``bert``, ``llama`` and its dialects ``mistral``, ``qwen2``) over one
+name/shape mapping mechanism (``mapping``); ``io`` reads and writes ``save_pretrained`` directories;
+``convert`` picks the family. Importing this package registers the converters behind
+``GPT.from_hf``/``to_hf`` and ``BERT.from_hf``/``to_hf`` (``models/formats.py``): the models never
+import this package, which imports them.
+"""
+
+from functools import partial
+
+from lightning_megatron.huggingface.convert import (
+    FAMILIES,
+    HF_MODEL_TYPES,
+    family_for,
+    lightning_module_for,
+    model_types_of,
+    read_hf,
+    write_hf,
+)
+from lightning_megatron.huggingface.family import Family, TensorSource
+from lightning_megatron.models.bert import BERTConfig
+from lightning_megatron.models.formats import HFFormat, register_hf_format
+from lightning_megatron.models.gpt import GPTConfig
+
+register_hf_format(GPTConfig, HFFormat(read=partial(read_hf, model_types=model_types_of(GPTConfig)), write=write_hf))
+register_hf_format(BERTConfig, HFFormat(read=partial(read_hf, model_types=model_types_of(BERTConfig)), write=write_hf))
+
+__all__ = ["FAMILIES", "Family", "HF_MODEL_TYPES", "TensorSource", "family_for", "lightning_module_for", "read_hf",
+           "write_hf"]

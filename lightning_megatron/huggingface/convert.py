@@ -1,0 +1,94 @@
+"""One entry point for every Hugging Face family we convert: ``read_hf``, ``write_hf``, ``lightning_module_for``.
+
+``read_hf`` picks the family by ``config.json``'s ``model_type``; ``write_hf`` by ``model_type`` when
+given, else by our config: a ``BERTConfig`` is BERT, a ``GPTConfig`` with learned positions is GPT-2,
+one with rotary positions is Llama-shaped: ``qwen2`` when it has biases on qkv alone (Qwen2's), else
+``llama`` (``mistral`` only when asked for). The family then refuses, by name, any piece it lacks. State dicts are our
+models' own, full and unsharded (``GPTModel``/``BERTModel`` names, ``blocks.0.attn.qkv.weight``); a
+LightningModule's (names under ``model.``) is accepted too.
+
+Example::
+
+    config, state_dict = read_hf("path/to/hf_model")          # GPT-2, BERT, Llama, Mistral or Qwen2
+    module = lightning_module_for(config)(config)
+    module.configure_model()
+    module.model.load_state_dict(state_dict)
+    write_hf("exported", config, module.model.state_dict(), max_shard_size="2GB")
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Mapping, Optional, Sequence, Union
+
+from torch import Tensor, nn
+
+from lightning_megatron.huggingface import bert, gpt2, llama, mistral, qwen2
+from lightning_megatron.huggingface.family import Family, TensorSource
+from lightning_megatron.huggingface.io import DEFAULT_MAX_SHARD_SIZE, read_hf_config
+from lightning_megatron.models.bert import BERTConfig
+from lightning_megatron.models.gpt import GPTConfig
+
+ModelConfig = Union[GPTConfig, BERTConfig]
+FAMILIES: dict[str, Family] = {family.model_type: family for family in
+                               (gpt2.FAMILY, bert.FAMILY, llama.FAMILY, mistral.FAMILY, qwen2.FAMILY)}
+HF_MODEL_TYPES = tuple(sorted(FAMILIES))
+
+
+def model_types_of(config_class: type) -> tuple[str, ...]:
+    """The Hugging Face model types that hold a model of ``config_class`` (``GPTConfig``: gpt2, llama, ...)."""
+    return tuple(name for name in HF_MODEL_TYPES if FAMILIES[name].config_class is config_class)
+
+
+def read_hf(model_or_dir: Union[str, os.PathLike, nn.Module], *,
+            model_types: Sequence[str] = HF_MODEL_TYPES) -> tuple[ModelConfig, dict[str, Tensor]]:
+    """Our config and full state dict from a ``transformers`` model or a ``save_pretrained`` directory, by its
+    ``model_type`` (one of ``model_types``). Directories need no ``transformers``."""
+    classes = [FAMILIES[name].expected.removeprefix("a transformers ") for name in model_types if name in FAMILIES]
+    expected = "a transformers " + (", ".join(classes[:-1]) + " or " + classes[-1] if len(classes) > 1 else classes[0])
+    fields = read_hf_config(model_or_dir, expected=expected)
+    model_type = fields.get("model_type")
+    if model_type not in model_types:
+        other = (f" It is a {FAMILIES[model_type].config_class.__name__.removesuffix('Config')} model: read it with "
+                 f"{FAMILIES[model_type].lightning_module.__name__}.from_hf." if model_type in FAMILIES else "")
+        raise ValueError(f"model_type={model_type!r} cannot be converted: supported Hugging Face model types are "
+                         f"{', '.join(map(repr, model_types))}.{other}")
+    return FAMILIES[model_type].read(model_or_dir)
+
+
+def family_for(config: Any, model_type: Optional[str] = None) -> Family:
+    """The family that writes ``config``: ``model_type``'s, or the one our config describes (see the module)."""
+    if not isinstance(config, (GPTConfig, BERTConfig)):
+        raise TypeError(f"Expected a GPTConfig or BERTConfig, got {type(config).__name__}.")
+    if model_type is None:
+        if isinstance(config, BERTConfig):
+            model_type = "bert"
+        elif config.position_embedding_type == "learned_absolute":  # GPT-2's; its checks name any other piece
+            model_type = "gpt2"
+        else:
+            model_type = "qwen2" if config.add_qkv_bias and not config.add_bias_linear else "llama"
+    valid = model_types_of(type(config))
+    if model_type not in valid:
+        raise ValueError(f"model_type={model_type!r} cannot hold a {type(config).__name__}: choose one of "
+                         f"{', '.join(map(repr, valid))}.")
+    return FAMILIES[model_type]
+
+
+def write_hf(out_dir: Union[str, os.PathLike], config: ModelConfig,
+             state_dict: Union[Mapping[str, Tensor], TensorSource], *, model_type: Optional[str] = None,
+             max_shard_size: Union[int, str, None] = None, **extra_fields: Any) -> None:
+    """Write a ``save_pretrained`` directory that ``transformers`` loads (``config.json``, ``model.safetensors``,
+    or shards of at most ``max_shard_size``, default 5GB, with ``model.safetensors.index.json``).
+
+    ``state_dict``: the model's full state dict, or a ``TensorSource`` that reads it a few tensors at a time
+    (as ``lightning-megatron checkpoint convert`` reads a sharded checkpoint); ``model_type`` chooses the
+    family (see the module); ``extra_fields`` go into ``config.json`` (e.g. ``eos_token_id``).
+    """
+    source = state_dict if isinstance(state_dict, TensorSource) else TensorSource.of(state_dict)
+    family_for(config, model_type).write(out_dir, config, source, max_shard_size=max_shard_size or DEFAULT_MAX_SHARD_SIZE,
+                                         **extra_fields)
+
+
+def lightning_module_for(config: ModelConfig) -> type:
+    """The LightningModule class for ``config``: ``GPT`` for a ``GPTConfig``, ``BERT`` for a ``BERTConfig``."""
+    return family_for(config).lightning_module

@@ -1,0 +1,256 @@
+"""Hugging Face's Llama-shaped decoders <-> our GPT with Llama's pieces; ``LlamaForCausalLM`` here.
+
+``MistralForCausalLM`` (``mistral.py``) and ``Qwen2ForCausalLM`` (``qwen2.py``) are the same
+architecture (RMSNorm, rotary positions, SwiGLU, grouped-query attention) and share this module's
+mapping and configs: a ``Dialect`` declares only the config fields a family spells its own way
+(which biases it has, a sliding window). The tensors differ in two ways: our ``qkv`` is one tensor
+fused by query group where theirs are ``q_proj``/``k_proj``/``v_proj``, and our ``mlp.fc`` is
+``[gate; up]`` where theirs are ``gate_proj``/``up_proj``. Rotary positions use the "rotate half"
+convention on both sides, so ``q_proj``/``k_proj`` need no permutation.
+
+Not modelled, so refused with the field named: activations other than SiLU, a ``head_dim`` other
+than ``hidden_size / num_attention_heads``, rotary types other than ``default`` and ``llama3``
+(``yarn``, ``dynamic``, ``linear``, ...), partial rotary embeddings, per-layer rotary parameters.
+A sliding window (Mistral, Qwen2) is not modelled either: the model converts with
+``max_seq_length = min(max_position_embeddings, sliding_window)``, where full attention and a
+window of that length compute the same thing, and a warning says so. Hidden dropout is not a field
+of these families, so ``GPTConfig.dropout`` is not exported.
+
+Example::
+
+    gpt = GPT.from_hf("path/to/Llama-3.2-1B")          # a save_pretrained directory or a LlamaForCausalLM
+    gpt.to_hf("exported")                               # loads with LlamaForCausalLM.from_pretrained("exported")
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import asdict, dataclass
+from typing import Any, Callable, Mapping, Optional, Union
+
+from lightning_megatron.huggingface.family import Family
+from lightning_megatron.huggingface.io import config_fields
+from lightning_megatron.huggingface.mapping import (
+    Chunks,
+    QueryGroups,
+    StateDictMapping,
+    Texts,
+    Tie,
+    check_extra_fields,
+    pair,
+    raise_problems,
+    state_dict_shapes,
+)
+from lightning_megatron.models.gpt import GPT, GPTConfig, GPTModel
+from lightning_megatron.models.rotary import RopeScaling
+
+# Our GPTConfig's pieces that every Llama-shaped family has.
+DECODER_PIECES = {"normalization": "RMSNorm", "position_embedding_type": "rope", "activation": "swiglu"}
+ROTARY_TYPES = ("default", "llama3")
+DEFAULT_ROPE_THETA = 10000.0
+TIED_WHY = "the config ties them (tie_word_embeddings=True)"
+# What the fields the shared code reads default to in every family's config class (each dialect adds its own).
+COMMON_DEFAULTS: dict[str, Any] = {"hidden_act": "silu", "num_key_value_heads": None, "head_dim": None,
+                                   "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "attention_dropout": 0.0}
+
+Fields = Mapping[str, Any]
+
+
+@dataclass(frozen=True)
+class Dialect:
+    """What one Llama-shaped family spells its own way: its names, its config class's defaults (older
+    ``transformers`` write only the fields that differ from them), and two functions between its own
+    fields and our config's (each appends what it cannot express to ``problems``):
+
+    * ``read_fields(hf_fields, problems)``: ``GPTConfig`` fields, e.g. ``{"add_qkv_bias": True}``;
+    * ``write_fields(config, problems)``: ``config.json`` fields, e.g. ``{"attention_bias": False}``.
+    """
+
+    model_type: str
+    architecture: str
+    defaults: Fields
+    read_fields: Callable[[Fields, list[str]], dict[str, Any]]
+    write_fields: Callable[[GPTConfig, list[str]], dict[str, Any]]
+
+    def config_from_hf(self, hf_config: Union[Fields, Any]) -> GPTConfig:
+        """Our ``GPTConfig`` for this family's config (a ``transformers`` config, its ``to_dict()``, or a parsed
+        ``config.json``). Raises ``ValueError`` naming every field that describes a model ours cannot compute."""
+        fields = {**COMMON_DEFAULTS, **self.defaults, **config_fields(hf_config)}
+        problems = []
+        if fields.get("model_type", self.model_type) != self.model_type:
+            problems.append(f"model_type={fields['model_type']!r}: this converts {self.model_type!r} checkpoints")
+        if fields["hidden_act"] != "silu":
+            problems.append(f"hidden_act={fields['hidden_act']!r}: our SwiGLU MLP gates with SiLU ('silu')")
+        hidden, heads = fields["hidden_size"], fields["num_attention_heads"]
+        head_dim = fields["head_dim"] or hidden // heads
+        if head_dim * heads != hidden:
+            problems.append(f"head_dim={head_dim}: our attention heads are hidden_size / num_attention_heads = "
+                            f"{hidden} / {heads} channels wide")
+        groups = fields["num_key_value_heads"] or heads
+        pieces = {**_rotary_from_hf(fields, problems), **self.read_fields(fields, problems)}
+        raise_problems(problems, what=f"This Hugging Face config cannot be converted to our GPT ({self.architecture})")
+        return GPTConfig(**{
+            "vocab_size": fields["vocab_size"], "max_seq_length": fields["max_position_embeddings"],
+            "hidden_size": hidden, "num_layers": fields["num_hidden_layers"], "num_heads": heads,
+            "ffn_hidden_size": fields["intermediate_size"], "dropout": 0.0,  # explicit, as SwiGLU presets state it
+            "attention_dropout": float(fields["attention_dropout"]), "layer_norm_eps": fields["rms_norm_eps"],
+            "num_query_groups": None if groups == heads else groups, "add_bias_linear": False,
+            "tie_embeddings": bool(fields["tie_word_embeddings"]), **DECODER_PIECES, **pieces})
+
+    def hf_config(self, config: GPTConfig, **extra_fields: Any) -> dict[str, Any]:
+        """The ``config.json`` fields (``transformers.AutoConfig.for_model(**fields)``) of our ``config``.
+
+        ``extra_fields`` adds fields that do not describe the architecture, e.g. your tokenizer's
+        ``bos_token_id``/``eos_token_id``/``pad_token_id`` (``None`` by default). Rotary settings are
+        written in both spellings: ``rope_parameters`` (transformers 5) and ``rope_theta``/``rope_scaling``
+        (transformers 4).
+        """
+        problems = _decoder_problems(config, self.architecture)
+        own = self.write_fields(config, problems)
+        raise_problems(problems, what=f"This GPTConfig has no Hugging Face {self.architecture} equivalent",
+                       fix=f"Configs with LayerNorm, learned positions and GELU export as 'gpt2'. The Llama-shaped "
+                           f"families are {', '.join(repr(name) for name in DIALECT_NAMES)}.")
+        architecture = {
+            "architectures": [self.architecture],
+            "model_type": self.model_type,
+            "vocab_size": config.vocab_size,
+            "hidden_size": config.hidden_size,
+            "intermediate_size": config.ffn_size,
+            "num_hidden_layers": config.num_layers,
+            "num_attention_heads": config.num_heads,
+            "num_key_value_heads": config.query_groups,
+            "hidden_act": "silu",
+            "max_position_embeddings": config.max_seq_length,
+            "rms_norm_eps": config.layer_norm_eps,
+            "tie_word_embeddings": config.tie_embeddings,
+            "attention_dropout": config.attention_dropout,
+            **_rotary_to_hf(config),
+            **own,
+        }
+        check_extra_fields(architecture, extra_fields, config=config)
+        return {**architecture, "bos_token_id": None, "eos_token_id": None, "pad_token_id": None, **extra_fields}
+
+    def family(self) -> Family:
+        return Family(model_type=self.model_type, config_class=GPTConfig, lightning_module=GPT,
+                      config_from_hf=lambda fields, weight_names: self.config_from_hf(fields),
+                      hf_config=self.hf_config, mapping=lambda config: decoder_mapping(config, self.architecture),
+                      hf_name=_hf_name, expected=f"a transformers {self.architecture}")
+
+
+DIALECT_NAMES = ("llama", "mistral", "qwen2")
+
+
+# ----------------------------------------------------------------------------- shared config pieces
+def _decoder_problems(config: GPTConfig, architecture: str) -> list[str]:
+    return [f"{name}={getattr(config, name)!r} ({architecture} has {value!r})"
+            for name, value in DECODER_PIECES.items() if getattr(config, name) != value]
+
+
+def _rotary_from_hf(fields: Fields, problems: list[str]) -> dict[str, Any]:
+    """``rotary_base`` and ``rope_scaling`` from ``rope_parameters`` (transformers 5) or ``rope_theta`` and
+    ``rope_scaling`` (transformers 4; it wins when both are there, as in transformers)."""
+    field = "rope_scaling" if fields.get("rope_scaling") else "rope_parameters"
+    rope = dict(fields.get(field) or {})
+    if any(isinstance(value, dict) for value in rope.values()):
+        problems.append(f"{field}={rope!r}: rotary parameters per layer type; our layers share one rotary embedding")
+        return {}
+    theta = float(rope.get("rope_theta", fields.get("rope_theta", DEFAULT_ROPE_THETA)))
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    partial = rope.get("partial_rotary_factor", fields.get("partial_rotary_factor", 1.0))
+    if partial != 1.0:
+        problems.append(f"partial_rotary_factor={partial}: our rotary embedding rotates every channel of a head (1.0)")
+    if kind not in ROTARY_TYPES:
+        problems.append(f"{field}.rope_type={kind!r}: our rotary embedding computes {' and '.join(ROTARY_TYPES)} "
+                        f"(Llama-3.1's) frequencies only")
+        return {}
+    if kind == "default":
+        return {"rotary_base": theta}
+    missing = [key for key in ("factor", "low_freq_factor", "high_freq_factor") if key not in rope]
+    if missing:
+        problems.append(f"{field} of rope_type 'llama3' lacks {', '.join(missing)}")
+        return {}
+    return {"rotary_base": theta, "rope_scaling": RopeScaling(
+        factor=float(rope["factor"]), low_freq_factor=float(rope["low_freq_factor"]),
+        high_freq_factor=float(rope["high_freq_factor"]),
+        original_max_position_embeddings=int(rope.get("original_max_position_embeddings",
+                                                      fields["max_position_embeddings"])))}
+
+
+def _rotary_to_hf(config: GPTConfig) -> dict[str, Any]:
+    scaling = None if config.rope_scaling is None else {"rope_type": "llama3", **asdict(config.rope_scaling)}
+    parameters = {"rope_type": "default", "rope_theta": config.rotary_base, **(scaling or {})}
+    return {"rope_parameters": parameters, "rope_theta": config.rotary_base, "rope_scaling": scaling}
+
+
+def limit_to_window(fields: Fields, window: Optional[int], *, family: str) -> dict[str, Any]:
+    """``max_seq_length`` no longer than a sliding attention window (which we do not model), with a warning;
+    nothing when the window covers every position."""
+    positions = fields["max_position_embeddings"]
+    if window is None or window >= positions:
+        return {}
+    warnings.warn(f"sliding_window={window}: our attention is not windowed. It computes what {family}'s does for "
+                  f"sequences of up to {window} tokens, so the model converts with max_seq_length={window} "
+                  f"(max_position_embeddings={positions}).", UserWarning, stacklevel=4)
+    return {"max_seq_length": int(window)}
+
+
+# ----------------------------------------------------------------------------- the Llama dialect
+def _llama_fields(fields: Fields, problems: list[str]) -> dict[str, Any]:
+    attention, mlp = bool(fields["attention_bias"]), bool(fields["mlp_bias"])
+    if attention != mlp:
+        problems.append(f"attention_bias={attention} with mlp_bias={mlp}: our GPT has biases on every linear layer "
+                        f"(add_bias_linear) or on qkv alone (add_qkv_bias), not on attention or the MLP alone")
+    return {"add_bias_linear": attention}
+
+
+def _llama_hf_fields(config: GPTConfig, problems: list[str]) -> dict[str, Any]:
+    if config.add_qkv_bias and not config.add_bias_linear:
+        problems.append("add_qkv_bias=True without add_bias_linear: Llama's attention_bias puts biases on q, k, v and "
+                        "o together; export with model_type='qwen2' (biases on q, k and v only)")
+    return {"head_dim": config.head_dim, "attention_bias": config.add_bias_linear, "mlp_bias": config.add_bias_linear}
+
+
+LLAMA = Dialect(
+    model_type="llama", architecture="LlamaForCausalLM",
+    defaults={"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
+              "num_attention_heads": 32, "max_position_embeddings": 2048, "attention_bias": False, "mlp_bias": False},
+    read_fields=_llama_fields, write_fields=_llama_hf_fields)
+
+
+# ----------------------------------------------------------------------------- state dicts (every dialect)
+def decoder_mapping(config: GPTConfig, architecture: str = "LlamaForCausalLM") -> StateDictMapping:
+    """Our ``GPTModel`` names <-> those of a Llama-shaped ``...ForCausalLM`` (the same in every dialect)."""
+    raise_problems(_decoder_problems(config, architecture), what=f"This GPTConfig has no {architecture} equivalent")
+    layer = "model.layers.{i}"
+    tied = config.tie_embeddings
+    return StateDictMapping.build(
+        state_dict_shapes(GPTModel, config), num_layers=config.num_layers,
+        first=pair("embedding.wte", "model.embed_tokens"),
+        layer=[*pair("blocks.{i}.ln_1", f"{layer}.input_layernorm"),
+               *pair("blocks.{i}.attn.qkv", [f"{layer}.self_attn.{name}_proj" for name in "qkv"],
+                     QueryGroups(config.num_heads, config.query_groups)),
+               *pair("blocks.{i}.attn.proj", f"{layer}.self_attn.o_proj"),
+               *pair("blocks.{i}.ln_2", f"{layer}.post_attention_layernorm"),
+               *pair("blocks.{i}.mlp.fc", [f"{layer}.mlp.gate_proj", f"{layer}.mlp.up_proj"], Chunks(2)),
+               *pair("blocks.{i}.mlp.proj", f"{layer}.mlp.down_proj")],
+        last=pair("ln_f", "model.norm") + ([] if tied else pair("lm_head", "lm_head")),
+        our_ties=[Tie("lm_head.weight", "embedding.wte.weight", TIED_WHY)] if tied else [],
+        their_ties=[Tie("lm_head.weight", "model.embed_tokens.weight", TIED_WHY)] if tied else [],
+        texts=Texts(hf=f"The Hugging Face {architecture} state dict", ours="The GPT state dict",
+                    hf_fix="Pass the config that belongs to these weights (GPT.from_hf reads both from one directory)."),
+    )
+
+
+def _hf_name(name: str) -> Optional[str]:
+    """Older checkpoints store each layer's rotary frequencies as a buffer: not a weight (we compute them)."""
+    return None if name.endswith("rotary_emb.inv_freq") else name
+
+
+FAMILY = LLAMA.family()
+
+# The functional API: configs and full (unsharded) state dicts, the same for every Llama-shaped dialect.
+llama_config_from_hf = LLAMA.config_from_hf
+hf_config_from_llama = LLAMA.hf_config
+llama_state_dict_from_hf = FAMILY.state_dict_from_hf
+hf_state_dict_from_llama = FAMILY.hf_state_dict
+read_hf_llama = FAMILY.read

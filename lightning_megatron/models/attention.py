@@ -1,0 +1,99 @@
+"""Self-attention: multi-head, grouped-query and multi-query, from one fused projection.
+
+The fused ``qkv`` output is laid out by query group: for each of the ``num_query_groups``
+groups, its query heads, then its key head, then its value head (``head_dim`` channels
+each). Multi-head attention is the case of one query head per group, i.e. GPT-2's
+head-major ``[head, (q, k, v), head_dim]``. A contiguous column split over tensor-parallel
+ranks therefore hands each rank whole groups; with more ranks than groups the strategy's
+``QueryGroupColumn`` style gives each rank some query heads of one group plus that group's
+key and value heads. Either way the local layout is ``[group, (q heads, k, v), head_dim]``
+and the module reads it from its weight, so one class serves every layout.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+class CoreAttention(nn.Module):
+    """``dropout(softmax(q k^T / sqrt(d))) v``, without parameters.
+
+    A module of its own so that selective activation recomputation (Korthikanti et al.
+    2022) can recompute just this part: its saved activations grow with the square of the
+    sequence length while its FLOPs are a small share of the layer's. With fewer key/value
+    heads than query heads, SDPA's grouped-query path (``enable_gqa``) reads each key/value
+    head for its group of query heads without materialising repeated copies.
+    """
+
+    def __init__(self, *, attention_dropout: float, causal: bool) -> None:
+        super().__init__()
+        self.attention_dropout, self.causal = attention_dropout, causal
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, attention_mask: Optional[Tensor] = None) -> Tensor:
+        grouped = q.shape[1] != k.shape[1]
+        return F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=attention_mask,
+            dropout_p=self.attention_dropout if self.training else 0.0,
+            is_causal=self.causal and attention_mask is None,
+            **({"enable_gqa": True} if grouped else {}),
+        )
+
+
+class SelfAttention(nn.Module):
+    """``proj(attention(rotary(q), rotary(k), v))`` with ``q, k, v`` from one fused projection.
+
+    ``num_query_groups`` (default ``num_heads``: multi-head) key/value heads are shared by
+    ``num_heads / num_query_groups`` query heads each; 1 is multi-query attention.
+    ``rotary``: a :class:`~lightning_megatron.models.rotary.RotaryEmbedding`, or ``None`` when
+    positions are added to the embeddings instead.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        *,
+        num_query_groups: Optional[int] = None,
+        attention_dropout: float,
+        causal: bool,
+        qkv_bias: bool = True,
+        proj_bias: bool = True,
+        rotary: Optional[nn.Module] = None,
+    ) -> None:
+        super().__init__()
+        groups = num_query_groups or num_heads
+        if num_heads % groups:
+            raise ValueError(f"num_heads={num_heads} is not a multiple of num_query_groups={groups}: each key/value "
+                             f"head serves the same number of query heads.")
+        self.head_dim = hidden_size // num_heads
+        self.heads_per_group = num_heads // groups
+        self.qkv = nn.Linear(hidden_size, (num_heads + 2 * groups) * self.head_dim, bias=qkv_bias)
+        self.rotary = rotary
+        self.core_attention = CoreAttention(attention_dropout=attention_dropout, causal=causal)
+        self.proj = nn.Linear(num_heads * self.head_dim, hidden_size, bias=proj_bias)
+
+    def local_layout(self) -> tuple[int, int]:
+        """(query groups, query heads per group) in this rank's ``qkv`` rows: whole groups, or a part of one
+        group's query heads when the key/value heads are replicated over more ranks than groups."""
+        rows = self.qkv.weight.shape[0] // self.head_dim
+        groups = max(1, rows // (self.heads_per_group + 2))
+        return groups, rows // groups - 2
+
+    def forward(self, x: Tensor, attention_mask: Optional[Tensor] = None) -> Tensor:
+        qkv = self.qkv(x)
+        batch, seq = qkv.shape[:2]  # the full sequence, also when x is a sequence-parallel chunk
+        groups, heads_per_group = self.local_layout()
+        qkv = qkv.view(batch, seq, groups, heads_per_group + 2, self.head_dim)
+        q, k, v = qkv.split([heads_per_group, 1, 1], dim=3)
+        q = q.reshape(batch, seq, groups * heads_per_group, self.head_dim).transpose(1, 2)
+        k, v = k.squeeze(3).transpose(1, 2), v.squeeze(3).transpose(1, 2)
+        if self.rotary is not None:
+            q, k = self.rotary(q, k)
+        y = self.core_attention(q, k, v, attention_mask)
+        return self.proj(y.transpose(1, 2).reshape(batch, seq, groups * heads_per_group * self.head_dim))

@@ -1,0 +1,48 @@
+"""The feed-forward half of a transformer layer: GELU (GPT-2, BERT) or SwiGLU (Llama and its kin)."""
+
+from __future__ import annotations
+
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+ACTIVATIONS = ("gelu", "swiglu")
+
+
+class MLP(nn.Module):
+    """``proj(gelu(fc(x)))``; ``gelu_approximate`` is torch's: ``"tanh"`` (GPT-2) or ``"none"`` (exact erf, BERT)."""
+
+    def __init__(self, hidden_size: int, ffn_hidden_size: int, *, gelu_approximate: str = "tanh", bias: bool = True) -> None:
+        super().__init__()
+        self.fc = nn.Linear(hidden_size, ffn_hidden_size, bias=bias)
+        self.proj = nn.Linear(ffn_hidden_size, hidden_size, bias=bias)
+        self.gelu_approximate = gelu_approximate
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.proj(F.gelu(self.fc(x), approximate=self.gelu_approximate))
+
+
+class GatedMLP(nn.Module):
+    """SwiGLU (Shazeer 2020): ``proj(silu(gate(x)) * up(x))``, with gate and up fused in one ``fc``.
+
+    ``fc``'s output is ``[gate | up]``; under tensor parallelism the ``PackedColumn(2)`` style
+    gives each rank the same share of both halves, laid out ``[gate_r | up_r]``, so the local
+    ``chunk(2)`` pairs each gate channel with its own up channel at every layout.
+    """
+
+    def __init__(self, hidden_size: int, ffn_hidden_size: int, *, bias: bool = False) -> None:
+        super().__init__()
+        self.fc = nn.Linear(hidden_size, 2 * ffn_hidden_size, bias=bias)
+        self.proj = nn.Linear(ffn_hidden_size, hidden_size, bias=bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up = self.fc(x).chunk(2, dim=-1)
+        return self.proj(F.silu(gate) * up)
+
+
+def build_mlp(activation: str, hidden_size: int, ffn_hidden_size: int, *, bias: bool) -> nn.Module:
+    """An MLP by its config name: ``"gelu"`` (tanh approximation, GPT-2) or ``"swiglu"``."""
+    if activation == "gelu":
+        return MLP(hidden_size, ffn_hidden_size, bias=bias)
+    if activation == "swiglu":
+        return GatedMLP(hidden_size, ffn_hidden_size, bias=bias)
+    raise ValueError(f"activation={activation!r} is not one of {ACTIVATIONS}.")

@@ -1,0 +1,165 @@
+"""Hugging Face Llama, Mistral and Qwen2: logits parity at tp=1 and exact round trips through from_pretrained for every
+case of ``workers/hf_llama_setup.py``, both spellings of the rotary settings, the family chosen from our config, the
+published presets' configs, the sliding window, and clear errors for what cannot convert. The parallel layouts:
+``test_hf_parity.py``; sharded exports and ``checkpoint convert``: ``test_hf_export.py``."""
+
+import warnings
+
+import pytest
+import torch
+
+from workers.hf_llama_setup import CASES, MODEL_TYPES, TOLERANCE, build_hf_model, sample_input_ids
+from lightning_megatron.huggingface import family_for
+from lightning_megatron.huggingface.llama import hf_config_from_llama, hf_state_dict_from_llama, llama_config_from_hf
+from lightning_megatron.huggingface.mistral import hf_config_from_mistral, mistral_config_from_hf
+from lightning_megatron.huggingface.qwen2 import hf_config_from_qwen2, qwen2_config_from_hf
+from lightning_megatron.models import GPT, GPTConfig, RopeScaling
+
+transformers = pytest.importorskip("transformers")
+BOOKKEEPING = {"_name_or_path", "architectures", "dtype", "transformers_version"}
+# What an export changes on purpose: Mistral's window is not modelled, so the model converts at the window's length
+# and exports as full attention (which is what it computes).
+CHANGED_ON_EXPORT = {"mistral": {"sliding_window": None, "max_position_embeddings": 48}}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_converted_model_matches_and_exports_back_exactly(case, tmp_path):
+    hf = build_hf_model(case)
+    input_ids = sample_input_ids()
+    with torch.no_grad():
+        expected = hf(input_ids).logits
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # Mistral's sliding window (test_sliding_window_limits_the_sequence_length)
+        gpt = GPT.from_hf(hf, learning_rate=1e-4).eval()
+    assert gpt.hparams.learning_rate == 1e-4 and gpt.config.normalization == "RMSNorm"
+    with torch.no_grad():
+        deviation = (gpt(input_ids) - expected).abs().max().item()
+    print(f"{case}: max |logit difference| {deviation:.2e} (logits up to {expected.abs().max():.2f})")
+    assert deviation <= TOLERANCE
+
+    hf_state = hf.state_dict()
+    back = hf_state_dict_from_llama(gpt.model.state_dict(), gpt.config)
+    assert back.keys() == hf_state.keys()
+    assert all(torch.equal(back[name], value) for name, value in hf_state.items())
+
+    gpt.to_hf(tmp_path, model_type=MODEL_TYPES[case] if case == "mistral" else None)  # Mistral: only when asked
+    assert {p.name for p in tmp_path.iterdir()} == {"config.json", "model.safetensors"}
+    reloaded = getattr(transformers, CASES[case][0]).from_pretrained(tmp_path).eval()
+    assert reloaded.config.model_type == MODEL_TYPES[case]
+    changed = CHANGED_ON_EXPORT.get(case, {})
+    differing = {k for k, v in hf.config.to_dict().items() if reloaded.config.to_dict().get(k) != changed.get(k, v)}
+    assert not differing - BOOKKEEPING, differing
+    assert reloaded.state_dict().keys() == hf_state.keys()
+    assert all(torch.equal(reloaded.state_dict()[name], value) for name, value in hf_state.items())
+    with torch.no_grad():
+        assert torch.equal(reloaded(input_ids).logits, expected)
+    assert GPT.from_hf(tmp_path).config == gpt.config  # and the directory reads back to the same config
+
+
+def test_rotary_settings_read_in_both_spellings_and_json_defaults_fill_in():
+    scaling = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    expected = RopeScaling(**scaling)
+    transformers_5 = {"model_type": "llama", "rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, **scaling}}
+    transformers_4 = {"model_type": "llama", "rope_theta": 5e5, "rope_scaling": {"rope_type": "llama3", **scaling}}
+    older = {"model_type": "llama", "rope_theta": 5e5, "rope_scaling": {"type": "llama3", **scaling}}
+    for fields in (transformers_5, transformers_4, older):
+        config = llama_config_from_hf(fields)
+        assert (config.rotary_base, config.rope_scaling) == (5e5, expected), fields
+    # config.json written by older transformers holds only the fields that differ from LlamaConfig's defaults
+    defaults = llama_config_from_hf({"model_type": "llama", "num_hidden_layers": 2})
+    assert defaults == llama_config_from_hf(transformers.LlamaConfig(num_hidden_layers=2))
+    assert (defaults.hidden_size, defaults.ffn_hidden_size, defaults.max_seq_length, defaults.layer_norm_eps) == (
+        4096, 11008, 2048, 1e-6)
+    assert mistral_config_from_hf({"model_type": "mistral", "sliding_window": None}) == mistral_config_from_hf(
+        transformers.MistralConfig(sliding_window=None))
+    assert qwen2_config_from_hf({"model_type": "qwen2"}) == qwen2_config_from_hf(transformers.Qwen2Config())
+
+
+@pytest.mark.parametrize("preset, model_type", [("llama-tiny", "llama"), ("llama-3.2-1b", "llama"),
+                                                ("llama-3.1-8b", "llama"), ("mistral-7b", "mistral"),
+                                                ("qwen2.5-7b", "qwen2")])
+def test_presets_export_configs_transformers_reads_back(preset, model_type):
+    config = GPTConfig.from_name(preset)
+    family = family_for(config, model_type)
+    fields = family.hf_config(config)
+    hf_config = transformers.AutoConfig.for_model(**fields)
+    assert family.config_from_hf(hf_config, ()) == config and family.config_from_hf(fields, ()) == config
+    if preset == "llama-3.1-8b":  # the published config.json's numbers
+        assert (hf_config.num_key_value_heads, hf_config.intermediate_size, hf_config.rope_parameters["rope_theta"],
+                hf_config.rope_parameters["rope_type"], hf_config.rope_parameters["factor"]) == (8, 14336, 5e5, "llama3", 8.0)
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("hidden_act", "gelu", "hidden_act='gelu': our SwiGLU MLP gates with SiLU"),
+    ("head_dim", 32, r"head_dim=32: our attention heads are hidden_size / num_attention_heads = 64 / 4"),
+    ("rope_parameters", {"rope_type": "yarn", "factor": 4.0}, "rope_parameters.rope_type='yarn'"),
+    ("rope_parameters", {"rope_type": "dynamic", "factor": 2.0}, "rope_parameters.rope_type='dynamic'"),
+    ("rope_scaling", {"type": "linear", "factor": 2.0}, "rope_scaling.rope_type='linear'"),
+    ("rope_parameters", {"rope_type": "default", "partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5"),
+    ("rope_parameters", {"full_attention": {"rope_type": "default"}}, "rotary parameters per layer type"),
+    ("attention_bias", True, "attention_bias=True with mlp_bias=False"),
+    ("model_type", "mistral", "model_type='mistral': this converts 'llama' checkpoints"),
+])
+def test_unconvertible_config_raises(field, value, message):
+    fields = build_hf_model("llama-gqa").config.to_dict() | {field: value}
+    with pytest.raises(ValueError, match=f"cannot be converted to our GPT \\(LlamaForCausalLM\\)(.|\n)*{message}"):
+        llama_config_from_hf(fields)
+
+
+def test_family_is_chosen_from_the_config_and_refuses_what_it_cannot_hold():
+    llama = GPTConfig.from_name("llama-tiny")
+    assert family_for(llama).model_type == "llama"
+    assert family_for(GPTConfig.from_name("qwen2.5-7b")).model_type == "qwen2"  # biases on qkv alone
+    assert family_for(llama, "mistral").model_type == "mistral"
+    assert family_for(GPTConfig()).model_type == "gpt2"
+    with pytest.raises(ValueError, match="model_type='bert' cannot hold a GPTConfig: choose one of 'gpt2', 'llama'"):
+        family_for(llama, "bert")
+    with pytest.raises(ValueError, match="add_qkv_bias=True without add_bias_linear(.|\n)*model_type='qwen2'"):
+        hf_config_from_llama(GPTConfig.from_name("qwen2.5-7b"))
+    with pytest.raises(ValueError, match="add_bias_linear=True, add_qkv_bias=False: MistralForCausalLM has no biases"):
+        hf_config_from_mistral(GPTConfig.from_name("llama-tiny", add_bias_linear=True))
+    with pytest.raises(ValueError, match="Qwen2ForCausalLM has biases on q, k and v only"):
+        hf_config_from_qwen2(llama)
+    learned = GPTConfig(normalization="RMSNorm", activation="swiglu", ffn_hidden_size=96)  # learned positions: GPT-2
+    with pytest.raises(ValueError, match="no Hugging Face GPT-2 equivalent:\n  - normalization='RMSNorm' \\(GPT-2 has "
+                                         "'LayerNorm'\\)\n  - activation='swiglu'(.|\n)*exports to the Llama family"):
+        family_for(learned).hf_config(learned)
+    rotary = GPTConfig(position_embedding_type="rope")  # rotary positions: the Llama family
+    with pytest.raises(ValueError, match="no Hugging Face LlamaForCausalLM equivalent:\n  - normalization='LayerNorm' "
+                                         "\\(LlamaForCausalLM has 'RMSNorm'\\)(.|\n)*export as 'gpt2'"):
+        family_for(rotary).hf_config(rotary)
+    with pytest.raises(ValueError, match=r"\['rope_theta'\] describe the architecture"):
+        hf_config_from_llama(llama, rope_theta=1.0)
+
+
+def test_sliding_window_limits_the_sequence_length():
+    with pytest.warns(UserWarning, match=r"sliding_window=48: our attention is not windowed(.|\n)*max_seq_length=48 "
+                                         r"\(max_position_embeddings=64\)"):
+        gpt = GPT.from_hf(build_hf_model("mistral"))
+    assert gpt.config.max_seq_length == 48
+    with pytest.raises(ValueError, match="Sequence length 49 exceeds max_seq_length=48"):
+        gpt(torch.zeros(1, 49, dtype=torch.long))
+    with pytest.warns(UserWarning, match="sliding_window=16: (.|\n)*Qwen2's"):
+        assert qwen2_config_from_hf(build_hf_model("qwen2", use_sliding_window=True, sliding_window=16).config
+                                    ).max_seq_length == 16
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a window that covers every position changes nothing and says nothing
+        assert mistral_config_from_hf(build_hf_model("mistral", sliding_window=64).config).max_seq_length == 64
+
+
+def test_state_dicts_that_cannot_convert_raise():
+    hf = build_hf_model("qwen2")  # tied embeddings
+    config = qwen2_config_from_hf(hf.config)
+    untied = dict(hf.state_dict(), **{"lm_head.weight": torch.zeros(300, 64)})
+    with pytest.raises(ValueError, match=r"lm_head\.weight differs from model\.embed_tokens\.weight, but the config ties "
+                                         r"them \(tie_word_embeddings=True\)"):
+        family_for(config, "qwen2").state_dict_from_hf(untied, config)
+    no_bias = {name: value for name, value in hf.state_dict().items() if not name.endswith("k_proj.bias")}
+    with pytest.raises(ValueError, match=r"Qwen2ForCausalLM state dict does not match the config:\n  - missing: "
+                                         r"model\.layers\.0\.self_attn\.k_proj\.bias"):
+        family_for(config, "qwen2").state_dict_from_hf(no_bias, config)
+    ours = family_for(config, "qwen2").state_dict_from_hf(hf.state_dict(), config)
+    shard = dict(ours, **{"blocks.0.attn.qkv.weight": ours["blocks.0.attn.qkv.weight"][:64]})  # a rank's half, tp=2
+    with pytest.raises(ValueError, match=r"wrong shape: blocks\.0\.attn\.qkv\.weight \(64, 64\) \(expected \(128, 64\)\)"
+                                         r"(.|\n)*full_state_dict"):
+        hf_state_dict_from_llama(shard, config)

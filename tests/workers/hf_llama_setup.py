@@ -1,0 +1,48 @@
+"""The small random Hugging Face Llama-shaped decoders shared by ``tests/test_hf_llama.py`` and ``hf_parity.py``.
+
+Five cases, each exercising one thing a mapping can get wrong: grouped-query attention (4 heads, 2
+key/value groups: tp=4 replicates each group's key/value heads on 2 ranks), multi-query attention (1
+group), Mistral (its sliding window longer than the sequences), Qwen2 (biases on q, k, v; tied
+embeddings) and Llama-3.1's rotary frequency scaling (an original context short enough that the
+scaling changes the logits of these sequences: without it they move by ~5e-2).
+"""
+
+import torch
+
+SEED = 0
+BASE_FIELDS = dict(vocab_size=300, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=96,
+                   num_hidden_layers=2, max_position_embeddings=64, rms_norm_eps=1e-6, bos_token_id=None,
+                   eos_token_id=None)
+LLAMA_3_1_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 4.0, "low_freq_factor": 1.0,
+                  "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+CASES = {  # name -> (transformers class, config fields)
+    "llama-gqa": ("LlamaForCausalLM", BASE_FIELDS),
+    "llama-mqa": ("LlamaForCausalLM", {**BASE_FIELDS, "num_key_value_heads": 1}),
+    "mistral": ("MistralForCausalLM", {**BASE_FIELDS, "sliding_window": 48}),
+    "qwen2": ("Qwen2ForCausalLM", {**BASE_FIELDS, "tie_word_embeddings": True}),
+    "llama-3.1-rope": ("LlamaForCausalLM", {**BASE_FIELDS, "max_position_embeddings": 256,
+                                            "rope_parameters": LLAMA_3_1_ROPE}),
+}
+MODEL_TYPES = {"llama-gqa": "llama", "llama-mqa": "llama", "mistral": "mistral", "qwen2": "qwen2",
+               "llama-3.1-rope": "llama"}
+BATCH, SEQ = 2, 32  # shorter than Mistral's window; splits over tp=2 under sequence parallelism
+TOLERANCE = 1e-4  # fp32; measured 0.0 at every layout (the same ops in the same order)
+
+
+def build_hf_model(case: str, **overrides):
+    """The case's ``transformers`` model built offline, every parameter random (RMSNorm gains and biases
+    included, so that no mapping error hides behind an init of ones or zeros), in eval mode."""
+    import transformers
+
+    class_name, fields = CASES[case]
+    config_class = getattr(transformers, class_name.replace("ForCausalLM", "Config"))
+    torch.manual_seed(SEED)
+    model = getattr(transformers, class_name)(config_class(**{**fields, **overrides})).eval()
+    with torch.no_grad():
+        for param in model.parameters():
+            param.normal_(0.0, 0.2)
+    return model
+
+
+def sample_input_ids() -> torch.Tensor:
+    return torch.randint(0, BASE_FIELDS["vocab_size"], (BATCH, SEQ), generator=torch.Generator().manual_seed(SEED))
