@@ -6,6 +6,11 @@ Two comparisons on the same ``GPTModel``, config, batches, AdamW and learning-ra
 (b) two processes: ``Megatron3DStrategy(tensor_parallel_size=2)`` against Lightning's
     ``ModelParallelStrategy`` with torch's DTensor tensor-parallel plan on the same layers.
 
+``--model gpt`` (default) is GPT-2-shaped (LayerNorm, learned positions, GELU, tied
+embeddings); ``--model llama`` is Llama-shaped (RMSNorm, rotary, SwiGLU, grouped-query
+attention, untied output layer: the ``llama-tiny`` preset resized by the size flags, at a
+32,000-token vocabulary by default); ``--model gpt llama`` runs both into one table.
+
 Every run is a fresh process (``torchrun`` for two ranks): a process's peak RSS is a
 high-water mark that never goes down, so only a fresh process can attribute a peak to one
 run, and no run inherits another's allocator caches or warmed-up kernels. Repeats are
@@ -15,6 +20,7 @@ falls on every variant alike. See ``benchmarks/README.md`` for how to read the t
 Example::
 
     python benchmarks/throughput.py                      # small CPU default, 2-3 minutes
+    python benchmarks/throughput.py --model llama        # Llama-shaped, vocab 32,000
     python benchmarks/throughput.py --device cuda --precision bf16-mixed \
         --hidden 2048 --layers 24 --heads 16 --seq 2048 --batch 8 --vocab 51200
 """
@@ -39,15 +45,19 @@ import lightning as L
 import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import Tensor, nn
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, loss_parallel, parallelize_module
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from lightning_megatron import Megatron3DStrategy
-from lightning_megatron.models.gpt import GPT, GPTConfig, GPTModel
+from lightning_megatron.models.gpt import GPT, IGNORE_INDEX, GPTConfig, GPTModel
+from lightning_megatron.models.mlp import GatedMLP
 from lightning_megatron.models.transformer import TransformerLayer
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 MIB = 2**20
+MODELS = ("gpt", "llama")
+DEFAULT_VOCAB = {"gpt": 257, "llama": 32000}  # the byte tokenizer; Llama-2's / Mistral-v0.1's vocabulary
 
 
 # ---------------------------------------------------------------------------- variants
@@ -75,9 +85,20 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--batch", type=int, default=8, help="samples per step (the global batch: dp=1 everywhere)")
-    parser.add_argument("--vocab", type=int, default=257, help="vocabulary size (257: the project's byte tokenizer)")
+    parser.add_argument("--model", nargs="+", choices=MODELS, default=["gpt"],
+                        help="gpt: GPT-2-shaped; llama: Llama-shaped (RMSNorm, rotary, SwiGLU, GQA, untied head); "
+                             "several: one table with each model's rows")
+    parser.add_argument("--vocab", type=int, default=None,
+                        help=f"vocabulary size (default per model: {DEFAULT_VOCAB}; 257 is the project's byte tokenizer)")
+    parser.add_argument("--query-groups", type=int, default=None,
+                        help="llama: key/value heads (default heads // 2, as llama-tiny)")
+    parser.add_argument("--ffn", type=int, default=None,
+                        help="MLP width (default gpt: 4 * hidden; llama: 11/4 * hidden for each of gate and up, as llama-tiny)")
     parser.add_argument("--pad-vocab", type=int, default=128,
                         help="Megatron3DStrategy's pad_vocab_to_multiple_of (1 = no padding)")
+    parser.add_argument("--on-nonfinite", choices=("error", "skip", "ignore"), default="error",
+                        help="Megatron3DStrategy's on_nonfinite (default 'error', the strategy's default: a global "
+                             "gradient-norm check every step, which the plain loop does not do; 'ignore' turns it off)")
     parser.add_argument("--steps", type=int, default=30, help="measured optimizer steps per run")
     parser.add_argument("--warmup", type=int, default=5, help="optimizer steps run before the clock starts")
     parser.add_argument("--repeats", type=int, default=3, help="runs per variant, interleaved")
@@ -97,9 +118,27 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def model_name(args: argparse.Namespace) -> str:
+    """The one model a worker (or a per-model copy of the arguments) runs; other benchmarks' arguments: gpt."""
+    model = getattr(args, "model", "gpt")
+    return model if isinstance(model, str) else model[0]
+
+
+def for_model(args: argparse.Namespace, model: str) -> argparse.Namespace:
+    """A copy of ``args`` for one model, its vocabulary resolved."""
+    return argparse.Namespace(**{**vars(args), "model": model, "vocab": args.vocab or DEFAULT_VOCAB[model]})
+
+
 def gpt_config(args: argparse.Namespace) -> GPTConfig:
-    return GPTConfig(vocab_size=args.vocab, max_seq_length=args.seq, hidden_size=args.hidden,
-                     num_layers=args.layers, num_heads=args.heads)
+    vocab = args.vocab or DEFAULT_VOCAB[model_name(args)]
+    ffn = getattr(args, "ffn", None)
+    if model_name(args) == "llama":
+        groups = getattr(args, "query_groups", None) or max(1, args.heads // 2)
+        return GPTConfig.from_name("llama-tiny", vocab_size=vocab, max_seq_length=args.seq, hidden_size=args.hidden,
+                                   num_layers=args.layers, num_heads=args.heads, num_query_groups=groups,
+                                   ffn_hidden_size=ffn or args.hidden * 11 // 4)
+    return GPTConfig(vocab_size=vocab, max_seq_length=args.seq, hidden_size=args.hidden,
+                     num_layers=args.layers, num_heads=args.heads, ffn_hidden_size=ffn)
 
 
 def total_steps(args: argparse.Namespace) -> int:
@@ -136,7 +175,7 @@ def make_loader(args: argparse.Namespace) -> DataLoader:
 
     With dp=1 in every variant all ranks (and the plain loop) see the same batch at every step.
     """
-    dataset = SyntheticTokens(total_steps(args) * args.batch, args.seq, args.vocab, args.seed)
+    dataset = SyntheticTokens(total_steps(args) * args.batch, args.seq, gpt_config(args).vocab_size, args.seed)
     sampler = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=False)
     return DataLoader(dataset, batch_size=args.batch, sampler=sampler, drop_last=True)
 
@@ -281,6 +320,75 @@ class DTensorGPT(GPT):
             block.attn.qkv = LocalWeightShape(block.attn.qkv)
 
 
+def interleave_gate_up(fc: nn.Linear, world: int) -> None:
+    """Reorder a fused ``[gate | up]`` projection's rows to ``[gate_0 | up_0 | gate_1 | up_1 | ...]``.
+
+    ``ColwiseParallel`` (``Shard(0)``) hands rank ``r`` the ``r``-th contiguous block of rows. On
+    ``[gate | up]`` that block is half the gate on rank 0 and half the up projection on rank 1, so
+    ``GatedMLP``'s local ``chunk(2)`` would multiply gate channels by the wrong up channels:
+    plain ``ColwiseParallel`` on the fused ``fc`` is wrong. With the rows interleaved per rank, rank
+    ``r``'s block is ``[gate_r | up_r]``, exactly the shard Megatron's ``PackedColumn(2)`` gives it,
+    and the unsharded model computes what it computed before (the same rows, reordered consistently
+    with the ``chunk``). This is DTensor's usual answer for fused projections: lay the weight out so
+    that a contiguous shard is the right one (torchtitan keeps gate and up as two linears instead).
+    """
+    with torch.no_grad():
+        gate, up = fc.weight.chunk(2, dim=0)
+        fc.weight.copy_(torch.cat([torch.cat(pair) for pair in zip(gate.chunk(world), up.chunk(world))]))
+        if fc.bias is not None:
+            gate, up = fc.bias.chunk(2)
+            fc.bias.copy_(torch.cat([torch.cat(pair) for pair in zip(gate.chunk(world), up.chunk(world))]))
+
+
+class LossParallelGPTModel(GPTModel):
+    """``GPTModel`` whose loss reads vocab-sharded DTensor logits through ``loss_parallel`` (torchtitan's way)."""
+
+    def pipeline_loss(self, logits: Tensor, labels: Tensor) -> tuple[Tensor, dict]:
+        with loss_parallel():
+            loss = nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum",
+                                               ignore_index=IGNORE_INDEX)
+        return loss.to_local(), {}  # replicated: every rank holds the whole sum
+
+
+class DTensorLlama(GPT):
+    """A Llama-shaped ``GPT`` split by a torchtitan-style DTensor plan, for ``ModelParallelStrategy``.
+
+    Per layer: ``attn.qkv`` ``ColwiseParallel`` (its rows are laid out by query group, so a
+    contiguous split hands each rank whole groups: right whenever tp divides the groups, which
+    ``configure_model`` checks), ``attn.proj`` and ``mlp.proj`` ``RowwiseParallel``, ``mlp.fc``
+    ``ColwiseParallel`` over rows interleaved per rank (``interleave_gate_up``). As torchtitan:
+    the embedding ``RowwiseParallel`` (vocabulary-sharded, all-reduced output), the output layer
+    ``ColwiseParallel`` with vocabulary-sharded logits, and cross-entropy under ``loss_parallel``
+    (forward and backward), so neither side computes or stores full logits. Every rank then does
+    the same matmuls as Megatron's plan (same shapes: FLOP-equivalent) with the same collectives
+    (an all-reduce after each row-parallel layer, after the embedding, and the loss's). The final
+    RMSNorm stays replicated (no sequence parallelism on either side).
+    """
+
+    def configure_model(self) -> None:
+        if self.model is not None:
+            return
+        self.model = LossParallelGPTModel(self.config)
+        mesh = self.device_mesh["tensor_parallel"]
+        world = mesh.size()
+        if self.config.query_groups % world:
+            raise ValueError(f"DTensorLlama needs tp={world} to divide num_query_groups={self.config.query_groups}: a "
+                             f"contiguous split of qkv would cut a query group apart.")
+        for block in [m for m in self.model.modules() if isinstance(m, TransformerLayer)]:
+            if isinstance(block.mlp, GatedMLP):
+                interleave_gate_up(block.mlp.fc, world)
+            parallelize_module(block, mesh, DTENSOR_BLOCK_PLAN)
+            block.attn.qkv = LocalWeightShape(block.attn.qkv)
+        parallelize_module(self.model, mesh, {
+            "embedding.wte": RowwiseParallel(input_layouts=Replicate()),
+            "lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False),
+        })
+
+    def backward(self, loss: Tensor, *args, **kwargs) -> None:
+        with loss_parallel():  # the sharded cross-entropy's backward runs under it too
+            super().backward(loss, *args, **kwargs)
+
+
 # ---------------------------------------------------------------------------- workers
 Measurement = tuple[list[float], int, float]  # (seconds of each measured step, peak bytes, last loss)
 
@@ -332,13 +440,15 @@ def run_lightning(args: argparse.Namespace, device: torch.device, module: L.Ligh
 
 
 def run_megatron(args: argparse.Namespace, device: torch.device, tensor_parallel_size: int) -> Measurement:
-    strategy = Megatron3DStrategy(tensor_parallel_size=tensor_parallel_size, pad_vocab_to_multiple_of=args.pad_vocab)
+    strategy = Megatron3DStrategy(tensor_parallel_size=tensor_parallel_size, pad_vocab_to_multiple_of=args.pad_vocab,
+                                  on_nonfinite=getattr(args, "on_nonfinite", "error"))
     return run_lightning(args, device, make_module(args), strategy, devices=tensor_parallel_size)
 
 
 def run_model_parallel(args: argparse.Namespace, device: torch.device) -> Measurement:
     strategy = ModelParallelStrategy(tensor_parallel_size=2, data_parallel_size=1)
-    return run_lightning(args, device, make_module(args, DTensorGPT), strategy, devices=2)
+    module_class = DTensorLlama if model_name(args) == "llama" else DTensorGPT
+    return run_lightning(args, device, make_module(args, module_class), strategy, devices=2)
 
 
 WORKERS: dict[str, Callable[[argparse.Namespace, torch.device], Measurement]] = {
@@ -399,24 +509,40 @@ class Run:
         return cls(tokens_per_step / statistics.median(step_seconds), max(r["peak_bytes"] for r in ranks), ranks[0]["loss"])
 
 
-def run_all(args: argparse.Namespace, argv: list[str], variants: list[Variant]) -> dict[str, list[Run]]:
-    """``repeats`` rounds; every other round runs the variants in reverse order (ABBA) to cancel drift."""
+Job = tuple[str, Variant]  # (model, variant)
+
+
+def run_all(args: argparse.Namespace, argv: list[str], jobs: list[Job]) -> dict[Job, list[Run]]:
+    """``repeats`` rounds; every other round runs the jobs in reverse order (ABBA) to cancel drift."""
     tokens_per_step = args.batch * args.seq
-    runs: dict[str, list[Run]] = {v.key: [] for v in variants}
+    runs: dict[Job, list[Run]] = {job: [] for job in jobs}
     with tempfile.TemporaryDirectory(prefix="throughput-") as tmp:
         for repeat in range(args.repeats):
-            for variant in variants if repeat % 2 == 0 else variants[::-1]:
-                result_dir = Path(tmp, f"{variant.key}-{repeat}")
+            for model, variant in jobs if repeat % 2 == 0 else jobs[::-1]:
+                result_dir = Path(tmp, f"{model}-{variant.key}-{repeat}")
                 result_dir.mkdir()
-                print(f"  round {repeat + 1}/{args.repeats}: {variant.label} ...", file=sys.stderr, flush=True)
-                runs[variant.key].append(Run.from_ranks(launch(variant, args, argv, result_dir), tokens_per_step))
+                print(f"  round {repeat + 1}/{args.repeats}: {model} {variant.label} ...", file=sys.stderr, flush=True)
+                # The worker runs one model, its vocabulary resolved (the last --model/--vocab wins in argparse).
+                model_argv = [*argv, "--model", model, "--vocab", str(for_model(args, model).vocab)]
+                ranks = launch(variant, args, model_argv, result_dir)
+                runs[(model, variant)].append(Run.from_ranks(ranks, tokens_per_step))
     return runs
 
 
 def flops_per_step(args: argparse.Namespace) -> float:
-    """Model FLOPs of one training step (forward + backward, no recomputation), as in DESIGN.md."""
-    b, s, layers, h, v = args.batch, args.seq, args.layers, args.hidden, args.vocab
-    return 72 * b * s * layers * h**2 * (1 + s / (6 * h) + v / (12 * layers * h))
+    """Model FLOPs of one training step (forward + backward, no recomputation).
+
+    ``6 * tokens * (matmul weights per token)`` plus attention's ``12 * s * h`` per token and layer
+    (``QK^T`` and ``AV``, causal mask not discounted). For a GPT-2-shaped model (``12 h^2`` weights per
+    layer) this is DESIGN.md's ``72·B·s·l·h²·(1 + s/6h + V/12lh)``; grouped-query attention and
+    SwiGLU change only the per-layer weight count.
+    """
+    config = gpt_config(args)
+    h, d, layers = config.hidden_size, config.head_dim, config.num_layers
+    qkv = h * (config.num_heads + 2 * config.query_groups) * d
+    mlp = (3 if config.activation == "swiglu" else 2) * config.ffn_size * h
+    per_token = 6 * (layers * (qkv + h * h + mlp) + config.vocab_size * h) + 12 * args.seq * layers * h
+    return args.batch * args.seq * per_token
 
 
 @dataclass(frozen=True)
@@ -454,25 +580,39 @@ def table_row(args: argparse.Namespace, variant: Variant, summary: Summary, base
     return row
 
 
-def format_table(args: argparse.Namespace, variants: list[Variant], runs: dict[str, list[Run]]) -> str:
-    summaries = {key: Summary.of(key_runs) for key, key_runs in runs.items()}
-    header = ["variant", "procs", "tokens/s", "slowest run", "peak MiB/rank", "tok/s ratio", "mem ratio", "last loss"]
+def format_table(args: argparse.Namespace, jobs: list[Job], runs: dict[Job, list[Run]]) -> str:
+    """One row per job; with several models a leading ``model`` column, each model's ratios against its own rows."""
+    summaries = {(model, variant.key): Summary.of(job_runs) for (model, variant), job_runs in runs.items()}
+    several = len({model for model, _ in jobs}) > 1
+    header = ["model"] * several + ["variant", "procs", "tokens/s", "slowest run", "peak MiB/rank", "tok/s ratio",
+                                    "mem ratio", "last loss"]
     if args.device == "cuda":
         header += ["TFLOP/s/dev", "MFU"]
-    rows = [header] + [table_row(args, v, summaries[v.key], summaries.get(v.baseline)) for v in variants]
+    rows = [header] + [[model] * several + table_row(for_model(args, model), variant, summaries[(model, variant.key)],
+                                                     summaries.get((model, variant.baseline)))
+                       for model, variant in jobs]
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
-    lines = [" | ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths)))
+    lines = [" | ".join(cell.ljust(w) if i <= several else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths)))
              for row in rows]
     lines.insert(1, "-+-".join("-" * w for w in widths))
     return "\n".join(lines)
 
 
-def describe(args: argparse.Namespace) -> str:
+def describe_model(args: argparse.Namespace) -> str:
     config = gpt_config(args)
-    return (f"GPT h={args.hidden} layers={args.layers} heads={args.heads} seq={args.seq} vocab={args.vocab} "
-            f"({config.num_parameters() / 1e6:.2f}M params), batch={args.batch}, {args.device} {args.precision}, "
+    if model_name(args) == "llama":
+        return (f"llama: Llama-shaped (RMSNorm, rotary, SwiGLU, untied head) h={config.hidden_size} "
+                f"layers={config.num_layers} heads={config.num_heads} kv_heads={config.query_groups} "
+                f"ffn={config.ffn_size} seq={args.seq} vocab={config.vocab_size} ({config.num_parameters() / 1e6:.2f}M params)")
+    return (f"gpt: GPT h={config.hidden_size} layers={config.num_layers} heads={config.num_heads} seq={args.seq} "
+            f"vocab={config.vocab_size} ({config.num_parameters() / 1e6:.2f}M params)")
+
+
+def describe(args: argparse.Namespace) -> str:
+    models = "\n".join(describe_model(for_model(args, model)) for model in args.model)
+    return (f"{models}\nbatch={args.batch}, {args.device} {args.precision}, "
             f"threads/process={args.threads or 'default'}, "
-            f"Megatron pad_vocab_to_multiple_of={args.pad_vocab}, torch {torch.__version__}, lightning {L.__version__}\n"
+            f"Megatron pad_vocab_to_multiple_of={args.pad_vocab} on_nonfinite={args.on_nonfinite}, torch {torch.__version__}, lightning {L.__version__}\n"
             f"tokens/s: median step time ({args.clock} clock) over {args.steps} steps after {args.warmup} warmup; best of {args.repeats} "
             f"interleaved runs. Ratios: row / the baseline row above it (goal tok/s >= 0.97).")
 
@@ -494,10 +634,10 @@ def main() -> None:
     if args.worker:
         worker_main(args)
         return
-    variants = runnable_variants(args)
-    runs = run_all(args, sys.argv[1:], variants)
+    jobs = [(model, variant) for model in dict.fromkeys(args.model) for variant in runnable_variants(args)]
+    runs = run_all(args, sys.argv[1:], jobs)
     print(describe(args))
-    print(format_table(args, variants, runs))
+    print(format_table(args, jobs, runs))
 
 
 if __name__ == "__main__":

@@ -1,11 +1,16 @@
 """Train a GPT with Megatron-style 3D parallelism from plain Python, no config file.
 
     python examples/train_gpt.py                                          # gpt-tiny, tp=2 on 2 processes
+    python examples/train_gpt.py --preset llama-tiny --sequence-parallel  # Llama-shaped: RMSNorm, rotary, SwiGLU, GQA
     python examples/train_gpt.py --devices 8 --tensor-parallel-size 2 --pipeline-parallel-size 2   # dp = 2
     python examples/train_gpt.py --devices 4 --zero-stage 1 --precision bf16-true --tensor-parallel-size 1
 
-On CPUs the processes talk over gloo; with GPUs, over NCCL. The data is the Python standard
-library's own source (byte-level tokens), so nothing is downloaded.
+``--preset`` takes any name of ``GPTConfig.presets()``: the GPT-2 / Megatron-LM shapes and the
+Llama-shaped ones (``llama-tiny``, 2 key/value heads for 4 query heads, so tp=2 hands each rank
+one whole group; the published shapes ``llama-3.2-1b``, ``llama-3.1-8b``, ``mistral-7b``, ...
+are for GPUs: see their layouts in ``configs/``). On CPUs the processes talk over gloo; with
+GPUs, over NCCL. The data is the Python standard library's own source (byte-level tokens), so
+nothing is downloaded.
 """
 
 import argparse
@@ -18,7 +23,8 @@ from lightning_megatron.callbacks import TokenThroughput
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--preset", default="gpt-tiny", choices=sorted(lm.models.GPT_PRESETS))
+    parser.add_argument("--preset", default="gpt-tiny", choices=sorted(lm.models.GPT_PRESETS),
+                        help="a GPTConfig preset, e.g. gpt-tiny or llama-tiny")
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--tensor-parallel-size", type=int, default=2)
     parser.add_argument("--pipeline-parallel-size", type=int, default=1)
