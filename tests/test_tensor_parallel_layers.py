@@ -48,6 +48,14 @@ def test_transformer_layer_issues_exactly_the_papers_collectives(layer_results, 
         assert _by_kind(sequence_parallel["backward"]) == {"all_gather": 2, "reduce_scatter": 2}
 
 
+def test_replicated_key_value_heads_add_one_bucketed_reduction_per_step(layer_results):
+    """3 multi-query layers at tp=2: the replicas' key/value weight rows of all layers are summed in one all-reduce
+    after backward; with the 2 groups split (no replicas) nothing is added."""
+    for result in layer_results:
+        assert result["step_counts"]["mqa"] == {"collectives": {"all_reduce": 1}, "parts": 3}
+        assert result["step_counts"]["llama"] == {"collectives": {}, "parts": 0}
+
+
 def test_dropout_masks_agree_in_replicated_regions_and_differ_in_sharded_ones(layer_results):
     for result in layer_results:
         assert result["same_dropout_mask"] == {"replicated": True, "heads": False, "chunks": False}

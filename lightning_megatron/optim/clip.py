@@ -40,15 +40,20 @@ def local_grad_squares(params: Iterable[nn.Parameter], *, is_first_tensor_rank: 
     """This rank's share of the squared global gradient norm (before any reduction), counted as
     the module docstring says; ``optim.nonfinite`` sums the same shares for its check. An fp32 main
     piece says where it starts in its shard with ``shard_flat_start`` (``MainParamOptimizer``)."""
-    squares = None
+    whole, terms = [], []
     for param in params:
         if param.grad is None or (shard_of(param) is None and not is_first_tensor_rank):
             continue
         if hasattr(param, "tied_names"):  # the last stage's copy of a tied embedding
             continue
-        term = counted_squares(param.grad, shard_of(param), flat_start=getattr(param, "shard_flat_start", 0))
-        squares = term if squares is None else squares + term
-    return torch.zeros((), dtype=torch.float32) if squares is None else squares
+        shard = shard_of(param)
+        if shard is None or shard.counted_flat_ranges() is None:
+            whole.append(param.grad.detach())
+        else:
+            terms.append(counted_squares(param.grad, shard, flat_start=getattr(param, "shard_flat_start", 0)))
+    if whole:  # one fused kernel per dtype and device, not two passes per parameter
+        terms.append(torch.stack(torch._foreach_norm(whole, 2, dtype=torch.float32)).pow(2).sum())
+    return torch.stack(terms).sum() if terms else torch.zeros((), dtype=torch.float32)
 
 
 def global_grad_norm(

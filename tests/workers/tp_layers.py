@@ -9,6 +9,7 @@ import json
 import os
 import sys
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -16,7 +17,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_megatron.models.gpt import GPTConfig, gpt_layer
+from lightning_megatron.models.gpt import GPTConfig, GPTModel, gpt_layer
+from lightning_megatron.optim.grad_sync import LocalGradients
+from lightning_megatron.optim.partial_grads import partial_grad_groups
 from lightning_megatron.models.transformer import layer_tensor_parallel_plan
 from lightning_megatron.parallel import ParallelConfig, ParallelState, TensorParallelRNG
 from lightning_megatron.tensor_parallel import (
@@ -227,6 +230,29 @@ for layout, layer_state in [(f"{model}_{kind}", kind_state) for model in LAYER_C
             setattr(dist, name, originals[name])
     layer_counts[layout] = {"forward": forward_counts, "backward": backward_counts}
 
+# One optimizer step's reductions after backward: replicated key/value heads (multi-query at tp=2) add one all-reduce
+# over their replicas for all layers together; split groups (llama) add none.
+step_counts = {}
+for model_name in ("mqa", "llama"):
+    torch.manual_seed(2)
+    step_model = GPTModel(replace(LAYER_CONFIGS[model_name], num_layers=3, vocab_size=64, max_seq_length=S))
+    parallelize(step_model, step_model.tensor_parallel_plan(), state)
+    step_params = list(step_model.parameters())
+    step_sync = LocalGradients(step_params, partial_grad_groups=partial_grad_groups(step_params, state))
+    step_ids = torch.randint(0, 64, (B, S), generator=torch.Generator().manual_seed(3))
+    step_loss, step_tokens = step_model.loss(step_ids, step_ids)
+    step_loss.backward()
+    for name in COLLECTIVES:
+        setattr(dist, name, counting(name))
+    try:
+        counts.clear()
+        step_sync.finish(step_tokens)
+        step_counts[model_name] = {"collectives": dict(counts),
+                                   "parts": sum(len(g.parts) for g in step_sync.partial_grad_groups)}
+    finally:
+        for name in COLLECTIVES:
+            setattr(dist, name, originals[name])
+
 # Dropout streams: replicated regions draw the same mask on every tp rank, sharded regions differ.
 seed_generator = TensorParallelRNG(99, state.tensor_parallel_rank, torch.device("cpu"))
 torch.manual_seed(5)
@@ -239,7 +265,7 @@ for name, dropout in regions.items():
     dist.all_gather(masks, mask, group=group)
     same_mask[name] = all(torch.equal(masks[0], m) for m in masks)
 
-(out_dir / f"rank{rank}.json").write_text(json.dumps({"errors": errors, "counts": layer_counts, "same_dropout_mask": same_mask,
+(out_dir / f"rank{rank}.json").write_text(json.dumps({"errors": errors, "counts": layer_counts, "step_counts": step_counts, "same_dropout_mask": same_mask,
                                                          "pad1": pad1}))
 dist.barrier()
 os._exit(0)  # skip gloo's C++ teardown: with several meshes alive it aborts at random (torch 2.13)
