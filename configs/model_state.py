@@ -132,6 +132,9 @@ class RankCount:
 def count_rank(layout: Layout, pp_rank: int, tp_rank: int = 0) -> RankCount:
     """Build rank (pp_rank, tp_rank)'s part of the model over a fake process group and count it."""
     world = layout.tp * layout.pp  # dp does not change what a rank holds before ZeRO shards it
+    if dist.is_initialized():
+        raise RuntimeError("configs/model_state.py plays every rank over torch's fake process group, so it needs a "
+                           "process without a default process group; run it as a script (or in a fresh process).")
     dist.init_process_group("fake", store=FakeStore(), rank=pp_rank * layout.tp + tp_rank, world_size=world)
     try:
         config = ParallelConfig(tensor_parallel_size=layout.tp, pipeline_parallel_size=layout.pp, data_parallel_size=1,
