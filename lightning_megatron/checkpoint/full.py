@@ -17,15 +17,6 @@ from torch.distributed.tensor import DTensor
 from lightning_megatron.tensor_parallel.sharding import TensorShard, shard_of
 
 
-def gather_along(local: Tensor, dim: int, group: Optional[dist.ProcessGroup]) -> Tensor:
-    """The concatenation along ``dim`` of every rank's ``local`` in ``group`` (``None``: ``local`` itself)."""
-    if group is None:
-        return local
-    parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, local.contiguous(), group=group)
-    return torch.cat(parts, dim=dim)
-
-
 def gather_shard(local: Tensor, shard: TensorShard, group: Optional[dist.ProcessGroup]) -> Tensor:
     """The global tensor (padding dropped) of a tensor-parallel shard, from every rank's ``local`` in ``group``
     (the tp group; ``None`` when the shard is not split): the ranks' segments put where they belong."""

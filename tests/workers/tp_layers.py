@@ -28,6 +28,7 @@ from lightning_megatron.tensor_parallel import (
     VocabParallelCrossEntropy,
     VocabParallelEmbedding,
     VocabParallelHead,
+    gather_from_tensor_parallel,
     parallelize,
 )
 
@@ -158,7 +159,7 @@ except Exception as error:  # the same on every rank (before any collective); re
     pad1["error"] = f"{type(error).__name__}: {error}"
 if "error" not in pad1:
     from lightning_megatron.checkpoint.entries import model_entries
-    from lightning_megatron.checkpoint.full import gather_along, gather_full_state_dict
+    from lightning_megatron.checkpoint.full import gather_full_state_dict
     from lightning_megatron.checkpoint.sharded import save_sharded
 
     weight_shard = lm.emb.weight.tensor_shard
@@ -168,12 +169,12 @@ if "error" not in pad1:
     pad1_logits, pad1_loss = lm(pad1_ids, pad1_labels)
     pad1["padding_logits_not_minus_inf"] = int((pad1_logits[..., lm.head.real_local_size:] != float("-inf")).sum())
     pad1["padding_logits"] = pad1_logits.shape[-1] - lm.head.real_local_size
-    full_logits = gather_along(pad1_logits.detach(), 2, group)
+    full_logits = gather_from_tensor_parallel(pad1_logits.detach(), group)
     pad1["gathered_logit_columns"] = full_logits.shape[-1]
     pad1["logits_error"] = (full_logits[..., :PAD1_VOCAB] - pad1_logits_ref.detach()).abs().max().item()
     pad1["loss"], pad1["loss_ref"] = pad1_loss.item(), pad1_loss_ref.item()
     pad1_loss.backward()
-    grad = gather_along(lm.emb.weight.grad, 0, group)
+    grad = gather_from_tensor_parallel(lm.emb.weight.grad.t(), group).t()  # padding rows included: they must stay 0
     pad1["weight_grad_error"] = (grad[:PAD1_VOCAB] - lm_ref.emb.weight.grad).abs().max().item()
     pad1["padding_rows_grad"] = grad[PAD1_VOCAB:].abs().sum().item()
     full_state = gather_full_state_dict(lm, group)
