@@ -153,7 +153,7 @@ def _rows(batch):
 
 
 def test_masking_is_deterministic_and_layout_independent():
-    config = dict(seq_length=48, global_batch_size=8, max_files=12, val_fraction=0.2, seed=5)
+    config = dict(seq_length=48, global_batch_size=8, max_files=12, split="80,10,10", seed=5)
     single = _datamodule(1, 0, **config)
     ranks = [_datamodule(2, r, **config) for r in range(2)]
     assert [dm.per_rank_batch_size for dm in ranks] == [4, 4]

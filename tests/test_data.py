@@ -1,4 +1,4 @@
-"""The built-in corpus, sample packing, and the dp-layout invariance of GPTDataModule batches."""
+"""The built-in corpus and the dp-layout invariance of GPTDataModule batches."""
 
 import sysconfig
 from pathlib import Path
@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch.utils.data import default_collate
 
-from lightning_megatron.data import ByteTokenizer, GPTDataModule, PackedTokenDataset, stdlib_source_files
-from lightning_megatron.data.corpus import load_stdlib_token_documents
+from lightning_megatron.data import ByteTokenizer, GPTDataModule, IndexedDataset, stdlib_source_files
+from lightning_megatron.data.corpus import load_stdlib_token_documents, stdlib_indexed_corpus
 
 
 def test_byte_tokenizer_round_trip():
@@ -21,19 +21,6 @@ def test_byte_tokenizer_round_trip():
     assert tok.decode(ids + [tok.eos_id]) == text
     assert tok.decode(torch.tensor(ids)) == text
     assert (tok.eos_id, tok.vocab_size) == (256, 257)
-
-
-def test_packed_dataset_exact_samples():
-    docs = [np.array([1, 2, 3], dtype=np.uint16), np.array([4, 5], dtype=np.uint16), np.array([6], dtype=np.uint16)]
-    ds = PackedTokenDataset(docs, eos_id=9, seq_length=3)
-    # stream: 1 2 3 9 | 4 5 9 6 | 9  -> two windows of 4 tokens, the last token dropped
-    assert ds.tokens.tolist() == [1, 2, 3, 9, 4, 5, 9, 6, 9]
-    assert len(ds) == 2
-    assert ds[0]["input_ids"].tolist() == [1, 2, 3] and ds[0]["labels"].tolist() == [2, 3, 9]
-    assert ds[1]["input_ids"].tolist() == [4, 5, 9] and ds[1]["labels"].tolist() == [5, 9, 6]
-    assert ds[1]["input_ids"].dtype == torch.long and ds[1]["labels"].dtype == torch.long
-    with pytest.raises(IndexError):
-        ds[2]
 
 
 def test_stdlib_corpus_is_deterministic_plain_library_code():
@@ -53,6 +40,10 @@ def test_stdlib_corpus_is_deterministic_plain_library_code():
     assert all(d.dtype == np.uint16 and len(d) > 0 for d in docs)
     assert bytes(docs[0].astype(np.uint8)) == files[0].read_bytes()
 
+    # the data module reads it as an indexed dataset written once into the cache: the same documents
+    indexed = IndexedDataset(stdlib_indexed_corpus(max_files=5))
+    assert [indexed.document(i).tobytes() for i in range(indexed.num_documents)] == [d.tobytes() for d in docs]
+
 
 def _datamodule(dp_size, dp_rank, **kwargs):
     """A set-up data module that sees the dp size and rank a parallel strategy would report."""
@@ -67,14 +58,14 @@ def _rows(batch):
     return [tuple(row) for row in torch.cat([batch["input_ids"], batch["labels"][:, -1:]], dim=1).tolist()]
 
 
-def _documents(dataset, eos_id):
-    """The documents packed into ``dataset``, as bytes, each with its trailing eos removed."""
-    ends = np.flatnonzero(dataset.tokens == eos_id)
-    return [doc[:-1].tobytes() for doc in np.split(dataset.tokens, ends + 1)[:-1]]
+def _documents(dataset):
+    """The stdlib documents whose bytes make up ``dataset``'s samples."""
+    corpus = dataset.dataset
+    return {corpus.document(int(i)).astype(np.uint8).tobytes() for i in dataset.documents}
 
 
 def test_global_batch_is_the_same_for_every_dp_size():
-    config = dict(seq_length=32, global_batch_size=8, max_files=20, val_fraction=0.1)
+    config = dict(seq_length=32, global_batch_size=8, max_files=40, split="80,10,10")
     single = _datamodule(1, 0, **config)
     ranks = [_datamodule(2, r, **config) for r in range(2)]
     assert single.per_rank_batch_size == 8 and [dm.per_rank_batch_size for dm in ranks] == [4, 4]
@@ -92,14 +83,19 @@ def test_global_batch_is_the_same_for_every_dp_size():
     first_samples = default_collate([single.train_dataset[i] for i in range(8)])
     assert _rows(next(iter(single.train_dataloader()))) != _rows(first_samples)
 
-    eos = single.tokenizer.eos_id
-    train_docs, val_docs = _documents(single.train_dataset, eos), _documents(single.val_dataset, eos)
-    test_docs = _documents(single.test_dataset, eos)
-    all_docs = [d.tobytes() for d in load_stdlib_token_documents(max_files=20)]
-    assert len(val_docs) == len(test_docs) == 2
-    assert not set(train_docs) & set(val_docs) and not set(train_docs) & set(test_docs)
-    assert not set(val_docs) & set(test_docs)
-    assert sorted(train_docs + val_docs + test_docs) == sorted(all_docs)
+    # contiguous document ranges: 80% / 10% / 10% of the documents, disjoint, covering the corpus
+    splits = [single.train_dataset.documents, single.val_dataset.documents, single.test_dataset.documents]
+    assert [(r.start, r.stop) for r in splits] == [(0, 32), (32, 36), (36, 40)]
+    train_docs, val_docs, test_docs = (_documents(d) for d in (single.train_dataset, single.val_dataset,
+                                                               single.test_dataset))
+    assert not train_docs & val_docs and not train_docs & test_docs and not val_docs & test_docs
+    assert train_docs | val_docs | test_docs == {d.astype(np.uint8).tobytes() for d in load_stdlib_token_documents(max_files=40)}
+    # every validation sample is made of validation documents only (and their end-of-document ids)
+    val_bytes = b"".join(sorted(val_docs))
+    for i in range(len(single.val_dataset)):
+        window = single.val_dataset.window(i)
+        pieces = np.split(window, np.flatnonzero(window == single.tokenizer.eos_id))
+        assert all(piece[piece != 256].astype(np.uint8).tobytes() in val_bytes for piece in pieces)
 
 
 def test_global_batch_not_divisible_by_dp_raises():
@@ -110,7 +106,7 @@ def test_global_batch_not_divisible_by_dp_raises():
 
 
 def test_without_trainer_data_module_is_single_process():
-    dm = GPTDataModule(global_batch_size=4, seq_length=16, max_files=3, val_fraction=0.3)
+    dm = GPTDataModule(global_batch_size=4, seq_length=16, max_files=3, split="1,1,1")
     assert (dm.data_parallel_size, dm.data_parallel_rank, dm.per_rank_batch_size) == (1, 0, 4)
     dm.setup("fit")
     batch = next(iter(dm.train_dataloader()))

@@ -3,20 +3,24 @@
 from lightning_megatron.data.base import DataParallelDataModule
 from lightning_megatron.data.bert import BERTDataModule, BERTPretrainingDataset
 from lightning_megatron.data.corpus import ByteTokenizer, stdlib_source_files
-from lightning_megatron.data.gpt import GPTDataModule, PackedTokenDataset
+from lightning_megatron.data.blend import BlendedDataset
+from lightning_megatron.data.gpt import GPTDataModule
+from lightning_megatron.data.gpt_dataset import DocumentMasks, GPTDataset
 from lightning_megatron.data.indexed import IndexedDataset, IndexedDatasetWriter
 from lightning_megatron.data.tokenizers import HFTokenizer, load_tokenizer
 
 __all__ = [
     "BERTDataModule",
     "BERTPretrainingDataset",
+    "BlendedDataset",
     "ByteTokenizer",
     "DataParallelDataModule",
+    "DocumentMasks",
     "GPTDataModule",
+    "GPTDataset",
     "HFTokenizer",
     "IndexedDataset",
     "IndexedDatasetWriter",
-    "PackedTokenDataset",
     "load_tokenizer",
     "stdlib_source_files",
 ]

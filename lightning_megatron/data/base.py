@@ -4,30 +4,42 @@ Each loader gets its own ``DistributedSampler`` over the data-parallel ranks (te
 pipeline-parallel ranks of one replica load the same samples), built by the data module
 itself, even at dp=1: the samples of global batch k are then the same set whatever the
 data-parallel size, and Lightning leaves a DataLoader whose sampler is already a
-``DistributedSampler`` alone. Documents are split into train, validation and test by a
-seeded shuffle, so no document is in two splits and the split does not depend on the layout.
-Training resumes mid-epoch without repeating or skipping samples (``data/resumable.py``).
+``DistributedSampler`` alone. Documents are split into train, validation and test by
+contiguous document ranges from Megatron-LM's ``split`` string (``data/splits.py``), so no
+document is in two splits and the split does not depend on the layout. Training resumes
+mid-epoch without repeating or skipping samples (``data/resumable.py``).
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 import lightning as L
-import numpy as np
+from lightning.pytorch.utilities import rank_zero_warn
 from torch.utils.data import DataLoader, Dataset
 
-from lightning_megatron.data.resumable import ResumableDataLoader, ResumableDistributedSampler
+from lightning_megatron.data.resumable import ResumableDataLoader, data_parallel_sampler
+from lightning_megatron.data.splits import parse_split, split_document_ranges
+
+#: The Lightning stage of each split's loader, for messages.
+_LOADER_OF_SPLIT = {"train": "train_dataloader", "validation": "val_dataloader", "test": "test_dataloader"}
 
 
 class DataParallelDataModule(L.LightningDataModule):
-    """Subclasses load documents (``load_documents``), build a split's dataset (``make_dataset``)
-    and may check the model (``check_model``); batching and sampling live here."""
+    """Subclasses open their corpus (``open_corpus``), build a split's dataset over a document
+    range (``make_dataset``) and may check the model (``check_model``); splitting, batching and
+    sampling live here.
 
-    def __init__(self, *, global_batch_size: int, val_fraction: float, seed: int, num_workers: int) -> None:
+    A dataset whose ``shuffles_samples`` attribute is true orders its samples itself (the GPT
+    dataset shuffles per data epoch, over all the samples the run needs); its sampler then only
+    splits the order over dp. Otherwise the training sampler shuffles per epoch.
+    """
+
+    def __init__(self, *, global_batch_size: int, split: str, seed: int, num_workers: int) -> None:
         super().__init__()
+        parse_split(split)  # a malformed split fails when the module is made, not in setup
         self.global_batch_size = global_batch_size
-        self.val_fraction = val_fraction
+        self.split = split
         self.seed = seed
         self.num_workers = num_workers
         self.train_dataset: Optional[Dataset] = None
@@ -35,10 +47,14 @@ class DataParallelDataModule(L.LightningDataModule):
         self.test_dataset: Optional[Dataset] = None
 
     # ------------------------------------------------------------------ subclass hooks
-    def load_documents(self) -> list[np.ndarray]:
+    def open_corpus(self) -> int | list[int]:
+        """Open (or build) the corpus once; return its number of documents (a list: one per blended corpus)."""
         raise NotImplementedError
 
-    def make_dataset(self, documents: Sequence[np.ndarray], split: str) -> Dataset:
+    def make_dataset(self, split: str, documents: range | list[range], num_samples: Optional[int]) -> Dataset:
+        """The dataset of ``split`` over the corpus documents ``documents`` (a list of ranges: one per blended
+        corpus). ``num_samples``: the samples the run will draw from it (training under ``max_steps``), or
+        ``None`` for one pass over its data."""
         raise NotImplementedError
 
     def check_model(self, config: Any) -> None:
@@ -79,55 +95,98 @@ class DataParallelDataModule(L.LightningDataModule):
             )
         return self.global_batch_size // dp_size
 
+    @property
+    def train_samples(self) -> Optional[int]:
+        """Samples the run trains on, as Megatron-LM's ``train_samples``: ``max_steps * global_batch_size``
+        (gradient accumulation multiplies it), or ``None`` when the run counts epochs instead."""
+        max_steps = getattr(self.trainer, "max_steps", None)
+        if max_steps is None or max_steps < 0:
+            return None
+        return max_steps * self.global_batch_size * getattr(self.trainer, "accumulate_grad_batches", 1)
+
     # ------------------------------------------------------------------ Lightning hooks
     def setup(self, stage: Optional[str] = None) -> None:
-        """Load the documents once and split them by document."""
+        """Open the corpus once and cut it into the splits' document ranges."""
         self.per_rank_batch_size  # fail fast on a global batch that does not divide over dp
         config = getattr(getattr(self.trainer, "lightning_module", None), "config", None)
         if config is not None:
             self.check_model(config)
         if self.train_dataset is not None:
             return
-        documents = self.load_documents()
-        order = np.random.default_rng(self.seed).permutation(len(documents))
-        documents = [documents[i] for i in order]
-        held_out = max(1, round(self.val_fraction * len(documents)))  # documents for validation, and for test
-        self.train_dataset = self._checked_dataset(documents[: -2 * held_out], "train", self.global_batch_size)
-        self.val_dataset = self._checked_dataset(documents[-held_out:], "validation", self.data_parallel_size)
-        self.test_dataset = self._checked_dataset(documents[-2 * held_out : -held_out], "test", self.data_parallel_size)
+        counts = self.open_corpus()
+        blended = isinstance(counts, list)
+        per_corpus = [split_document_ranges(self.split, count) for count in (counts if blended else [counts])]
+        for count, ranges in zip(counts if blended else [counts], per_corpus):
+            if not ranges["train"]:
+                raise ValueError(f"split={self.split!r} leaves no document for training out of {count}; "
+                                 f"use more data ({self.data_source()}) or a larger train weight.")
 
-    def _checked_dataset(self, documents: Sequence[np.ndarray], split: str, min_samples: int) -> Dataset:
-        dataset = self.make_dataset(documents, split)
+        def documents(split: str) -> range | list[range]:
+            return [ranges[split] for ranges in per_corpus] if blended else per_corpus[0][split]
+
+        self.train_dataset = self._checked_dataset("train", documents("train"), self.train_samples,
+                                                   self.global_batch_size)
+        self.val_dataset = self._checked_dataset("validation", documents("validation"), None, self.data_parallel_size)
+        self.test_dataset = self._checked_dataset("test", documents("test"), None, self.data_parallel_size)
+
+    def _checked_dataset(self, split: str, documents: range | list[range], num_samples: Optional[int],
+                         min_samples: int) -> Optional[Dataset]:
+        ranges = documents if isinstance(documents, list) else [documents]
+        if split != "train" and not any(ranges):
+            return None  # a split weighted 0: no loader for it
+        dataset = self.make_dataset(split, documents, num_samples)
         if len(dataset) < min_samples:
             raise ValueError(
-                f"The {split} split has {len(dataset)} samples but needs at least {min_samples}; use more data "
-                f"({self.data_source()}), a shorter seq_length, a smaller global_batch_size, or another "
-                f"val_fraction ({self.val_fraction})."
+                f"The {split} split ({sum(map(len, ranges))} documents) has {len(dataset)} samples but needs at least "
+                f"{min_samples}; use more data ({self.data_source()}), a shorter seq_length, a smaller "
+                f"global_batch_size, or give it a larger share in split={self.split!r}."
             )
         return dataset
 
     def train_dataloader(self) -> DataLoader:
-        return self._loader(self.train_dataset, train=True)
+        return self._loader(self.train_dataset, "train")
 
-    def val_dataloader(self) -> DataLoader:
-        return self._loader(self.val_dataset, train=False)
+    def val_dataloader(self) -> DataLoader | list:
+        return self._loader(self.val_dataset, "validation")
 
-    def test_dataloader(self) -> DataLoader:
-        return self._loader(self.test_dataset, train=False)
+    def test_dataloader(self) -> DataLoader | list:
+        return self._loader(self.test_dataset, "test")
 
-    def _loader(self, dataset: Optional[Dataset], *, train: bool) -> DataLoader:
-        """Training shuffles; validation keeps its order. Both drop a last partial batch: every batch then
-        splits into the same pipeline micro-batches, and every layout evaluates the same samples."""
+    def _held_out_batch_size(self, dataset: Dataset, split: str) -> int:
+        """The per-rank batch of a validation or test loader: the training one, or less when the split holds
+        fewer than one global batch (a whole multiple of the pipeline micro-batch), so that it is evaluated at
+        all; said once, since the drop-last loader would otherwise run no batch and silently skip validation
+        (and ModelCheckpoint/EarlyStopping on its metrics)."""
+        per_rank = self.per_rank_batch_size
+        available = len(dataset) // self.data_parallel_size
+        if available >= per_rank:
+            return per_rank
+        micro = getattr(getattr(self.trainer, "strategy", None), "micro_batch_size", 1)
+        size = max(micro, available - available % micro)
+        rank_zero_warn(
+            f"The {split} split has {len(dataset)} samples, fewer than one global batch ({self.global_batch_size}); "
+            f"its loader uses batches of {size * self.data_parallel_size} ({size} per data-parallel rank) instead. "
+            f"Give it more data with split={self.split!r} for evaluations as precise as training batches."
+        )
+        return size
+
+    def _loader(self, dataset: Optional[Dataset], split: str) -> DataLoader | list:
+        """Training is ordered by the dataset or shuffled per epoch; validation and test keep their order.
+        All drop a last partial batch: every batch then splits into the same pipeline micro-batches, and every
+        layout evaluates the same samples. A split weighted 0 in ``split`` has no loader."""
         if dataset is None:
-            raise RuntimeError(f"{type(self).__name__}.setup() must run before its dataloaders are requested.")
-        sampler = ResumableDistributedSampler(
+            if split != "train" and self.train_dataset is not None:
+                return []
+            raise RuntimeError(f"{type(self).__name__}.setup() must run before {_LOADER_OF_SPLIT[split]}().")
+        train = split == "train"
+        overfit = bool(getattr(self.trainer, "overfit_batches", 0))  # Lightning wants an ordered loader then
+        sampler = data_parallel_sampler(
             dataset,
             num_replicas=self.data_parallel_size,
             rank=self.data_parallel_rank,
-            shuffle=train,
+            shuffle=train and not overfit and not getattr(dataset, "shuffles_samples", False),
             seed=self.seed,
-            drop_last=True,
         )
-        return ResumableDataLoader(
-            dataset, batch_size=self.per_rank_batch_size, sampler=sampler, num_workers=self.num_workers, drop_last=True
-        )
+        batch_size = self.per_rank_batch_size if train else self._held_out_batch_size(dataset, split)
+        return ResumableDataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=self.num_workers,
+                                   drop_last=True)

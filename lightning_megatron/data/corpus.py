@@ -3,16 +3,26 @@
 Every Python install carries a few megabytes of ordinary, varied code, so the default
 training run and the tests need no download and no tokenizer files. A byte-level
 tokenizer keeps the vocabulary tiny (257) and makes every file encodable.
+
+The GPT data module reads it as any other corpus: written once as an indexed dataset
+(``stdlib_indexed_corpus``) into the cache directory (``$LIGHTNING_MEGATRON_CACHE``, by
+default ``~/.cache/lightning_megatron``), so small data is not a separate code path.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import pathlib
+import sys
 import sysconfig
 from collections.abc import Iterable
 
 import numpy as np
+
+from lightning_megatron.data.index_cache import Ranks, build_once, say
+from lightning_megatron.data.indexed import IndexedDataset, IndexedDatasetWriter
 
 # Third-party packages are not the standard library; the test suites and IDLE are skipped
 # so the corpus is ordinary library code of a modest size (about 13 MB).
@@ -79,3 +89,55 @@ def load_stdlib_token_documents(max_files: int | None = None) -> list[np.ndarray
         if data:
             documents.append(np.frombuffer(data, dtype=np.uint8).astype(np.uint16))
     return documents
+
+
+def cache_root() -> pathlib.Path:
+    """Where the package caches what it derives from data: ``$LIGHTNING_MEGATRON_CACHE`` or
+    ``~/.cache/lightning_megatron``."""
+    configured = os.environ.get("LIGHTNING_MEGATRON_CACHE")
+    return pathlib.Path(configured) if configured else pathlib.Path.home() / ".cache" / "lightning_megatron"
+
+
+def stdlib_indexed_corpus(max_files: int | None = None, *, cache_dir: str | os.PathLike | None = None,
+                          ranks: Ranks = Ranks()) -> str:
+    """The prefix of the stdlib corpus (:func:`load_stdlib_token_documents`) as an indexed dataset, one
+    document per file, written once by one rank (``data/index_cache.py``) under ``cache_dir``
+    (default :func:`cache_root`) and reused while the stdlib's file list and sizes stay the same."""
+    files = stdlib_source_files(max_files)
+    root = pathlib.Path(sysconfig.get_paths()["stdlib"])
+    listing = [[str(path.relative_to(root)), path.stat().st_size] for path in files]
+    key = {"python": sys.version.split()[0], "files": listing}
+    digest = hashlib.sha256(json.dumps(key).encode()).hexdigest()[:16]
+    directory = pathlib.Path(cache_dir) if cache_dir is not None else cache_root() / "stdlib"
+    prefix = directory / f"stdlib-{len(files)}-files-{digest}"
+    record = pathlib.Path(f"{prefix}.meta.json")
+
+    def valid() -> bool:
+        try:
+            IndexedDataset(prefix)
+            return json.loads(record.read_text()).get("source") == key
+        except (OSError, ValueError):
+            return False
+
+    def build() -> None:
+        if valid():
+            return
+        directory.mkdir(parents=True, exist_ok=True)
+        record.unlink(missing_ok=True)
+        documents = tokens = 0
+        with IndexedDatasetWriter(prefix, dtype=np.uint16) as writer:
+            for document in load_stdlib_token_documents(max_files):
+                writer.add_document(document)
+                documents, tokens = documents + 1, tokens + len(document)
+        metadata = dict(tokenizer="byte", vocab_size=ByteTokenizer.vocab_size, eos_id=ByteTokenizer.eos_id,
+                        append_eos=False, documents=documents, tokens=tokens, source=key)
+        tmp = record.with_name(record.name + ".tmp")
+        tmp.write_text(json.dumps(metadata) + "\n")
+        os.replace(tmp, record)
+        say(f"wrote the built-in corpus ({documents} stdlib files, {tokens:,} tokens) to {prefix}.bin/.idx")
+
+    build_once(ranks, needs_build=lambda: not valid(), build=build, what="built-in corpus", where=str(directory))
+    if not valid():
+        raise RuntimeError(f"The built-in corpus at {prefix} is not readable after it was written; is {directory} "
+                           f"writable and seen by every rank of a node? Set LIGHTNING_MEGATRON_CACHE to such a place.")
+    return str(prefix)

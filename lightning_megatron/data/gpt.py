@@ -1,96 +1,73 @@
-"""GPT pre-training data: documents packed into fixed-length samples, split over dp ranks."""
+"""GPT pre-training data: memory-mapped indexed datasets (one, or a weighted blend), split over dp ranks.
+
+Every corpus goes through :class:`~lightning_megatron.data.gpt_dataset.GPTDataset`: a
+preprocessed ``data_prefix``, a Megatron-LM blend of several, and the built-in stdlib corpus
+(written once as an indexed dataset into the cache), so small data is not a separate path.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import os
+from pathlib import Path
+from typing import Optional, Sequence, Union
 
 import numpy as np
-import torch
 from torch.utils.data import Dataset
 
 from lightning_megatron.data.base import DataParallelDataModule
-from lightning_megatron.data.corpus import load_stdlib_token_documents
+from lightning_megatron.data.blend import BlendedDataset, DataPrefix, parse_data_prefix
+from lightning_megatron.data.corpus import cache_root, stdlib_indexed_corpus
+from lightning_megatron.data.gpt_dataset import DocumentMasks, GPTDataset
+from lightning_megatron.data.index_cache import Ranks
 from lightning_megatron.data.indexed import IndexedDataset, check_dataset_files
 from lightning_megatron.data.preprocess import metadata_file, read_metadata
 from lightning_megatron.data.tokenizers import Tokenizer, check_vocab_fits, load_tokenizer
 
-
-class PackedTokenDataset(Dataset):
-    """Documents joined into one token stream, each followed by ``eos_id``, cut into samples.
-
-    The stream is cut into non-overlapping windows of ``seq_length + 1`` tokens (the remainder
-    is dropped); window ``i`` gives ``input_ids = window[:-1]`` and ``labels = window[1:]``, the
-    next token at every position, as Hugging Face causal-LM batches look. A label of -100 would
-    mark a position the loss ignores; packing leaves none, so every label is a real token.
-
-    Example::
-
-        >>> ds = PackedTokenDataset([np.array([1, 2]), np.array([3])], eos_id=9, seq_length=2)
-        >>> ds[0]["input_ids"].tolist(), ds[0]["labels"].tolist()
-        ([1, 2], [2, 9])
-    """
-
-    def __init__(self, documents: Sequence[np.ndarray], *, eos_id: int, seq_length: int) -> None:
-        if seq_length < 1:
-            raise ValueError(f"seq_length must be at least 1, got {seq_length}")
-        eos = np.array([eos_id], dtype=np.min_scalar_type(eos_id))
-        pieces = [part for doc in documents for part in (np.asarray(doc), eos)]
-        #: The packed token stream, every document followed by eos, before cutting.
-        self.tokens = np.concatenate(pieces) if pieces else eos[:0]
-        self.seq_length = seq_length
-
-    def __len__(self) -> int:
-        return len(self.tokens) // (self.seq_length + 1)
-
-    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        if not 0 <= index < len(self):
-            raise IndexError(f"sample {index} out of range for {len(self)} samples")
-        start = index * (self.seq_length + 1)
-        window = torch.from_numpy(self.tokens[start : start + self.seq_length + 1].astype(np.int64))
-        return {"input_ids": window[:-1], "labels": window[1:]}
+_SPLIT_SEEDS = {"train": 0, "validation": 1, "test": 2}  # each split's samples are shuffled by its own stream
 
 
 class GPTDataModule(DataParallelDataModule):
-    """Next-token prediction on a preprocessed indexed dataset, or by default on the Python
-    standard library's source, byte-tokenised.
+    """Next-token prediction on preprocessed indexed datasets, or by default on the Python standard
+    library's source, byte-tokenised.
 
     Args:
         seq_length: tokens per sample.
         global_batch_size: samples per optimizer step summed over all data-parallel ranks;
             each rank loads ``global_batch_size // data_parallel_size`` of them.
-        val_fraction: share of documents held out for validation; at least one.
+        split: Megatron-LM's train, validation and test weights, ``"969,30,1"`` by default:
+            contiguous document ranges of each dataset, so the three never share a document.
         max_files: use only the first ``max_files`` stdlib files (all when ``None``); built-in
             corpus only.
-        seed: seed of the document split and of the training sample order.
+        seed: seed of the document orders and sample orders.
         num_workers: DataLoader worker processes.
         data_prefix: a Megatron-LM indexed dataset ``PREFIX.bin``/``PREFIX.idx`` (written by
-            ``lightning-megatron preprocess`` or Megatron-LM's tools) instead of the built-in
-            corpus. Each document of the dataset is one document here; a trailing
-            end-of-document id (``--append-eos``) is dropped because packing adds one. Like the
-            built-in corpus, the tokens are read into memory once in ``setup``.
+            ``lightning-megatron preprocess`` or Megatron-LM's tools), or a weighted blend in
+            Megatron-LM's form ``[0.3, "data/a", 0.7, "data/b"]`` (also as a YAML list). The
+            ``.bin`` is memory-mapped, never read whole: a rank holds only the samples it loads.
         tokenizer: ``"byte"`` or a ``tokenizer.json``: the tokenizer the data was made with,
             which gives :attr:`vocab_size` and the end-of-document id. By default the one that
             ``preprocess`` recorded in ``PREFIX.meta.json`` (``"byte"`` for the built-in corpus);
             needed for indexed data made by other tools.
+        reset_position_ids, reset_attention_mask, eod_mask_loss: Megatron-LM's per-document
+            masks of packed samples (see ``data/gpt_dataset.py``); all off by default.
+        index_cache_dir: where the index arrays are cached; by default ``index_cache`` next
+            to the (first) dataset, or under ``$LIGHTNING_MEGATRON_CACHE`` when that directory
+            is not writable.
 
     Example::
 
         trainer.fit(model, datamodule=GPTDataModule(seq_length=256, global_batch_size=32))
         # after `lightning-megatron preprocess --input corpus.jsonl --tokenizer byte --output-prefix data/corpus`
         trainer.fit(model, datamodule=GPTDataModule(data_prefix="data/corpus"))
+        trainer.fit(model, datamodule=GPTDataModule(data_prefix=[0.3, "data/code", 0.7, "data/web"]))
 
-    ``setup`` checks that every token id of the data is below :attr:`vocab_size` and, when the
-    trainer's model has a ``config.vocab_size``, that the tokenizer's vocabulary fits the model.
-
-    Every loader gets a :class:`~torch.utils.data.DistributedSampler` built here, even at
-    dp=1, because the global batch of step k must be the same samples whatever the
-    data-parallel size: the sampler's permutation depends only on ``seed`` and the epoch, and
-    rank r takes every dp-th sample of it, so the dp ranks' batches at step k together are
-    exactly the dp=1 batch at step k. Lightning leaves a loader whose sampler is already a
-    DistributedSampler alone (and calls its ``set_epoch``), so this order is what runs; left
-    to Lightning, dp=1 would get a plain shuffled loader with an unrelated order. The samplers
-    drop the tail that does not divide over dp rather than repeat samples, so no validation
-    sample is counted twice.
+    The training set holds as many samples as the run draws (Megatron-LM's ``train_samples``:
+    ``max_steps * global_batch_size``), over as many data epochs as needed, each with its own
+    document order; without ``max_steps`` it holds one data epoch, reshuffled every epoch by
+    the sampler. Every loader gets a :class:`~torch.utils.data.DistributedSampler` built
+    here, even at dp=1: rank r takes every dp-th sample of the one order, so the dp ranks'
+    batches at step k together are exactly the dp=1 batch at step k, and a run resumes
+    mid-epoch at any dp (``data/resumable.py``).
     """
 
     def __init__(
@@ -98,48 +75,68 @@ class GPTDataModule(DataParallelDataModule):
         *,
         seq_length: int = 128,
         global_batch_size: int = 16,
-        val_fraction: float = 0.02,
-        max_files: int | None = None,
+        split: str = "969,30,1",
+        max_files: Optional[int] = None,
         seed: int = 1234,
         num_workers: int = 0,
-        data_prefix: str | None = None,
-        tokenizer: str | None = None,
+        data_prefix: Optional[Union[str, list[Union[str, float]]]] = None,
+        tokenizer: Optional[str] = None,
+        reset_position_ids: bool = False,
+        reset_attention_mask: bool = False,
+        eod_mask_loss: bool = False,
+        index_cache_dir: Optional[str] = None,
     ) -> None:
-        super().__init__(global_batch_size=global_batch_size, val_fraction=val_fraction, seed=seed,
-                         num_workers=num_workers)
+        super().__init__(global_batch_size=global_batch_size, split=split, seed=seed, num_workers=num_workers)
         if data_prefix is not None and max_files is not None:
             raise ValueError(
                 f"max_files={max_files} selects files of the built-in corpus and cannot be combined with "
                 f"data_prefix={data_prefix!r}; leave max_files unset."
             )
+        if seq_length < 1:
+            raise ValueError(f"seq_length must be at least 1, got {seq_length}.")
         self.seq_length = seq_length
         self.max_files = max_files
         self.data_prefix = data_prefix
+        self.masks = DocumentMasks(reset_position_ids, reset_attention_mask, eod_mask_loss)
+        self.index_cache_dir = index_cache_dir
+        self.prefixes, self.weights = parse_data_prefix(data_prefix) if data_prefix is not None else ([], [1.0])
+        for prefix in self.prefixes:  # before the tokenizer: no files, no advice on it
+            check_dataset_files(prefix, argument="data_prefix")
         self.tokenizer = self._load_tokenizer(tokenizer)
+        self._corpora: list[IndexedDataset] = []
 
-    def _load_tokenizer(self, spec: str | None) -> Tokenizer:
-        """The tokenizer the data was made with: ``spec``, else the one ``preprocess`` recorded."""
-        if self.data_prefix is None:
+    def _load_tokenizer(self, spec: Optional[str]) -> Tokenizer:
+        """The tokenizer the data was made with: ``spec``, else the one ``preprocess`` recorded (the same for
+        every dataset of a blend)."""
+        if not self.prefixes:
             if spec not in (None, "byte"):
                 raise ValueError(
                     f"The built-in corpus is byte-tokenised; tokenizer={spec!r} needs preprocessed data: run "
                     f"`lightning-megatron preprocess --tokenizer {spec} ...` and pass data_prefix."
                 )
             return load_tokenizer("byte")
-        check_dataset_files(self.data_prefix, argument="data_prefix")  # before the tokenizer: no files, no advice on it
-        metadata = read_metadata(self.data_prefix)
-        if spec is None and metadata is None:
-            raise ValueError(
-                f"data_prefix={self.data_prefix!r} has no {metadata_file(self.data_prefix).name} naming its tokenizer "
-                f"(it was not written by `lightning-megatron preprocess`); pass tokenizer='byte' or the path of the "
-                f"tokenizer.json the data was made with."
-            )
-        tokenizer = load_tokenizer(spec if spec is not None else metadata["tokenizer"])
-        if metadata is not None and tokenizer.vocab_size != metadata["vocab_size"]:
-            raise ValueError(
-                f"tokenizer={spec!r} has {tokenizer.vocab_size} ids but data_prefix={self.data_prefix!r} was made with "
-                f"{metadata['tokenizer']!r} ({metadata['vocab_size']} ids); pass that tokenizer or leave tokenizer unset."
-            )
+        records = {prefix: read_metadata(prefix) for prefix in self.prefixes}
+        if spec is None:
+            unrecorded = [prefix for prefix, record in records.items() if record is None]
+            if unrecorded:
+                raise ValueError(
+                    f"data_prefix {unrecorded[0]!r} has no {metadata_file(unrecorded[0]).name} naming its tokenizer (it "
+                    f"was not written by `lightning-megatron preprocess`); pass tokenizer='byte' or the path of the "
+                    f"tokenizer.json the data was made with."
+                )
+            named = {prefix: record["tokenizer"] for prefix, record in records.items()}
+            if len(set(named.values())) > 1:
+                raise ValueError(f"The blended datasets were made with different tokenizers ({named}); a model "
+                                 f"trains on one vocabulary: preprocess them with the same tokenizer.")
+            spec = next(iter(named.values()))
+        tokenizer = load_tokenizer(spec)
+        for prefix, record in records.items():
+            if record is not None and tokenizer.vocab_size != record["vocab_size"]:
+                raise ValueError(
+                    f"tokenizer={spec!r} has {tokenizer.vocab_size} ids but data_prefix={prefix!r} was made with "
+                    f"{record['tokenizer']!r} ({record['vocab_size']} ids); pass that tokenizer or leave tokenizer "
+                    f"unset."
+                )
         return tokenizer
 
     @property
@@ -150,23 +147,67 @@ class GPTDataModule(DataParallelDataModule):
     def check_model(self, config) -> None:
         if getattr(config, "vocab_size", None) is not None:
             check_vocab_fits(tokenizer_vocab_size=self.vocab_size, model_vocab_size=config.vocab_size)
+        if getattr(config, "max_seq_length", self.seq_length) < self.seq_length:
+            raise ValueError(f"seq_length={self.seq_length} exceeds the model's max_seq_length={config.max_seq_length};"
+                             f" use a shorter seq_length or a model with a longer context.")
 
     def data_source(self) -> str:
         return f"max_files={self.max_files}" if self.data_prefix is None else f"data_prefix={self.data_prefix!r}"
 
-    def load_documents(self) -> list[np.ndarray]:
-        if self.data_prefix is None:
-            return load_stdlib_token_documents(self.max_files)
-        dataset = IndexedDataset(self.data_prefix)
-        eos = self.tokenizer.eos_id
-        documents = (dataset.document(i) for i in range(dataset.num_documents))
-        return [doc[:-1] if len(doc) and doc[-1] == eos else doc for doc in documents]
+    # ------------------------------------------------------------------ corpus and datasets
+    @property
+    def ranks(self) -> Ranks:
+        return Ranks.of_trainer(self.trainer)
 
-    def make_dataset(self, documents: Sequence[np.ndarray], split: str) -> PackedTokenDataset:
-        dataset = PackedTokenDataset(documents, eos_id=self.tokenizer.eos_id, seq_length=self.seq_length)
-        if len(dataset.tokens) and dataset.tokens.max() >= self.vocab_size:
-            raise ValueError(
-                f"The {split} split ({self.data_source()}) holds token id {dataset.tokens.max()} but the tokenizer has "
-                f"only {self.vocab_size} ids; the data was made with another tokenizer: pass that one as tokenizer=."
-            )
-        return dataset
+    def open_corpus(self) -> int | list[int]:
+        if not self.prefixes:
+            self.prefixes = [stdlib_indexed_corpus(self.max_files, ranks=self.ranks)]
+        self._corpora = [IndexedDataset(prefix) for prefix in self.prefixes]
+        counts = [corpus.num_documents for corpus in self._corpora]
+        return counts if len(counts) > 1 else counts[0]
+
+    def cache_dir(self) -> Path:
+        """``index_cache_dir``, else ``index_cache`` beside the first dataset when that is writable, else the user
+        cache (every rank decides alike from the file system, before any build)."""
+        if self.index_cache_dir is not None:
+            return Path(self.index_cache_dir)
+        beside = Path(self.prefixes[0]).resolve().parent / "index_cache"
+        if os.access(beside if beside.exists() else beside.parent, os.W_OK):
+            return beside
+        return cache_root() / "index"
+
+    def _gpt_dataset(self, d: int, documents: range, num_samples: Optional[int], split: str) -> GPTDataset:
+        name = f"{Path(self.prefixes[d]).name} ({split})"
+        return GPTDataset(self._corpora[d], documents, seq_length=self.seq_length, num_samples=num_samples,
+                          seed=self.seed * 3 + _SPLIT_SEEDS[split], eos_id=self.tokenizer.eos_id,
+                          cache_dir=self.cache_dir(), ranks=self.ranks, masks=self.masks,
+                          vocab_size=self.vocab_size, name=name)
+
+    def make_dataset(self, split: str, documents: range | list[range], num_samples: Optional[int]) -> Dataset:
+        if not isinstance(documents, list):
+            return self._gpt_dataset(0, documents, num_samples, split)
+        if num_samples is None:  # one pass: as many samples as all the datasets' epochs hold
+            num_samples = sum(len(self._gpt_dataset(d, docs, None, split)) for d, docs in enumerate(documents) if docs)
+        present = [d for d, docs in enumerate(documents) if docs]
+        weights = [self.weights[d] for d in present]
+        dataset_index, dataset_sample = BlendedDataset.index(weights, num_samples, cache_dir=self.cache_dir(),
+                                                             ranks=self.ranks)
+        needed = np.bincount(np.asarray(dataset_index), minlength=len(present)).tolist()
+        parts = [self._gpt_dataset(d, documents[d], count, split) for d, count in zip(present, needed)]
+        return BlendedDataset(parts, [self.prefixes[d] for d in present], dataset_index, dataset_sample)
+
+    def train_dataloader(self):
+        self._train_loader = super().train_dataloader()
+        return self._train_loader
+
+    def consumed_tokens(self) -> dict[str, int]:
+        """Tokens each blended dataset has given to training so far (empty for one dataset), read from the
+        training loader's position (restored on resume) and the blend index: the same on every rank, with no
+        communication. GPT and BERT log them as ``consumed_tokens/<dataset>``."""
+        loader = getattr(self, "_train_loader", None)
+        if not isinstance(self.train_dataset, BlendedDataset) or loader is None:
+            return {}
+        state = loader.state_dict()
+        blend = self.train_dataset
+        now = blend.sample_counts(state["consumed_batches"] * self.global_batch_size)
+        return {Path(name).name: (state["epoch"] * blend.totals[name] + now[name]) * self.seq_length for name in now}

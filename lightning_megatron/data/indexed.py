@@ -243,6 +243,11 @@ class IndexedDatasetWriter:
             self.abort()
 
 
+def _non_decreasing(values: np.ndarray, chunk: int = 1 << 20) -> bool:
+    """Checked a chunk at a time: a corpus of millions of documents costs no array of their size."""
+    return all(not np.any(np.diff(values[i : i + chunk + 1]) < 0) for i in range(0, max(len(values) - 1, 1), chunk))
+
+
 class IndexedDataset:
     """A read-only, memory-mapped Megatron-LM indexed dataset: ``dataset[i]`` is sequence ``i``.
 
@@ -285,7 +290,7 @@ class IndexedDataset:
         offset += 8 * count
         self.document_indices: np.ndarray = index[offset:].view(np.int64)
         docs = self.document_indices
-        if len(docs) == 0 or docs[0] != 0 or docs[-1] != count or np.any(np.diff(docs) < 0):
+        if len(docs) == 0 or docs[0] != 0 or docs[-1] != count or not _non_decreasing(docs):
             raise ValueError(f"{idx_path} has invalid document indices: they must rise from 0 to {count}.")
 
         num_bytes = int(self.sequence_lengths.sum(dtype=np.int64)) * self.dtype.itemsize

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from typing import Any, Iterator
 
-from torch.utils.data import DataLoader, DistributedSampler
+import torch
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, SequentialSampler
 
 
 class ResumableDistributedSampler(DistributedSampler):
@@ -33,7 +34,37 @@ class ResumableDistributedSampler(DistributedSampler):
         super().set_epoch(epoch)
 
     def __iter__(self) -> Iterator[int]:
-        return iter(list(super().__iter__())[self.start_index :])
+        """``DistributedSampler``'s indices (``drop_last``: the tail that does not divide over the ranks is left
+        out), from ``start_index`` on, without a Python list of the epoch: a corpus's millions of samples
+        cost 8 bytes each when shuffled and nothing when not."""
+        if not self.drop_last:
+            return iter(list(super().__iter__())[self.start_index :])
+        first, step = self.rank + self.start_index * self.num_replicas, self.num_replicas
+        if not self.shuffle:
+            return iter(range(first, self.total_size, step))
+        generator = torch.Generator()
+        generator.manual_seed(self.seed + self.epoch)
+        order = torch.randperm(len(self.dataset), generator=generator)[first : self.total_size : step]
+        return map(int, order.numpy())
+
+
+class OrderedDistributedSampler(ResumableDistributedSampler, SequentialSampler):
+    """The unshuffled sampler: it is a ``SequentialSampler`` too, so that Lightning's ``overfit_batches``, which
+    replaces any other sampler by one that ignores dp, leaves it alone."""
+
+    def __init__(self, dataset: Dataset, **kwargs: Any) -> None:
+        super().__init__(dataset, shuffle=False, **kwargs)
+        self.data_source = dataset
+
+
+def data_parallel_sampler(dataset: Dataset, *, num_replicas: int, rank: int, shuffle: bool,
+                          seed: int) -> ResumableDistributedSampler:
+    """Rank ``rank``'s share of every global batch: every ``num_replicas``-th sample of the epoch's order (the
+    dataset's own, or a seeded shuffle); a tail that does not divide over the ranks is dropped, never repeated."""
+    if shuffle:
+        return ResumableDistributedSampler(dataset, num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed,
+                                           drop_last=True)
+    return OrderedDistributedSampler(dataset, num_replicas=num_replicas, rank=rank, seed=seed, drop_last=True)
 
 
 class ResumableDataLoader(DataLoader):

@@ -85,7 +85,7 @@ class SelfAttention(nn.Module):
         groups = max(1, rows // (self.heads_per_group + 2))
         return groups, rows // groups - 2
 
-    def forward(self, x: Tensor, attention_mask: Optional[Tensor] = None) -> Tensor:
+    def forward(self, x: Tensor, attention_mask: Optional[Tensor] = None, positions: Optional[Tensor] = None) -> Tensor:
         qkv = self.qkv(x)
         batch, seq = qkv.shape[:2]  # the full sequence, also when x is a sequence-parallel chunk
         groups, heads_per_group = self.local_layout()
@@ -94,6 +94,6 @@ class SelfAttention(nn.Module):
         q = q.reshape(batch, seq, groups * heads_per_group, self.head_dim).transpose(1, 2)
         k, v = k.squeeze(3).transpose(1, 2), v.squeeze(3).transpose(1, 2)
         if self.rotary is not None:
-            q, k = self.rotary(q, k)
+            q, k = self.rotary(q, k, positions)
         y = self.core_attention(q, k, v, attention_mask)
         return self.proj(y.transpose(1, 2).reshape(batch, seq, groups * heads_per_group * self.head_dim))

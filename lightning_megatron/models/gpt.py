@@ -173,10 +173,11 @@ class GPTEmbedding(nn.Module):
         self.wpe = nn.Embedding(config.max_seq_length, config.hidden_size) if learned else None
         self.drop = nn.Dropout(config.dropout)
 
-    def forward(self, input_ids: Tensor) -> Tensor:
+    def forward(self, input_ids: Tensor, position_ids: Optional[Tensor] = None) -> Tensor:
         x = self.wte(input_ids)
         if self.wpe is not None:
-            x = x + self.wpe(torch.arange(input_ids.shape[1], device=input_ids.device))
+            positions = torch.arange(input_ids.shape[1], device=input_ids.device) if position_ids is None else position_ids
+            x = x + self.wpe(positions)
         return self.drop(x)
 
 
@@ -238,22 +239,32 @@ class GPTModel(nn.Module):
     def pipeline_blocks() -> PipelineBlocks:
         return PipelineBlocks(first=("embedding",), layers="blocks", last=("ln_f", "lm_head", "loss_fn"))
 
-    # The pipeline protocol (pipeline/blocks.py); forward and loss are built from it.
-    def embed(self, input_ids: Tensor) -> Tensor:
+    # The pipeline protocol (pipeline/blocks.py); forward and loss are built from it. The side inputs are the
+    # per-document masks of packed samples (data/gpt_dataset.py): ``position_ids`` [B, S] that restart at every
+    # document, and ``document_ids`` [B, S], which confine attention to the token's own document.
+    def embed(self, input_ids: Tensor, *, position_ids: Optional[Tensor] = None, **side: Tensor) -> Tensor:
         if input_ids.shape[1] > self.config.max_seq_length:
             raise ValueError(
                 f"Sequence length {input_ids.shape[1]} exceeds max_seq_length={self.config.max_seq_length} of the model."
             )
-        return self.embedding(input_ids)
+        return self.embedding(input_ids, position_ids)
 
-    def layer_kwargs(self) -> dict:
-        return {}
+    def layer_kwargs(self, *, position_ids: Optional[Tensor] = None, document_ids: Optional[Tensor] = None,
+                     **side: Tensor) -> dict:
+        kwargs = {}
+        if document_ids is not None:
+            kwargs["attention_mask"] = document_causal_mask(document_ids)
+        if position_ids is not None and self.config.position_embedding_type == "rope":
+            kwargs["positions"] = position_ids
+        return kwargs
 
-    def head(self, x: Tensor) -> Tensor:
+    def head(self, x: Tensor, **side: Tensor) -> Tensor:
         return self.lm_head(self.ln_f(x))
 
-    def pipeline_batch(self, input_ids: Tensor, labels: Tensor) -> PipelineBatch:
-        return PipelineBatch(inputs=(input_ids,), target=labels, num_tokens=(labels != IGNORE_INDEX).sum())
+    def pipeline_batch(self, input_ids: Tensor, labels: Tensor, *, position_ids: Optional[Tensor] = None,
+                       document_ids: Optional[Tensor] = None) -> PipelineBatch:
+        return PipelineBatch(inputs=(input_ids,), target=labels, num_tokens=(labels != IGNORE_INDEX).sum(),
+                             side=_present(position_ids=position_ids, document_ids=document_ids))
 
     def pipeline_loss(self, logits: Tensor, labels: Tensor) -> tuple[Tensor, dict]:
         return self.loss_fn(logits.flatten(0, 1), labels.flatten()), {}
@@ -261,17 +272,37 @@ class GPTModel(nn.Module):
     def pipeline_result(self, loss_sum: Tensor, num_tokens: Tensor, extras: dict) -> tuple[Tensor, Tensor]:
         return loss_sum, num_tokens
 
-    def forward(self, input_ids: Tensor) -> Tensor:
-        x = self.embed(input_ids)
+    def forward(self, input_ids: Tensor, *, position_ids: Optional[Tensor] = None,
+                document_ids: Optional[Tensor] = None) -> Tensor:
+        side = _present(position_ids=position_ids, document_ids=document_ids)
+        x = self.embed(input_ids, **side)
+        layer_kwargs = self.layer_kwargs(**side)
         for block in self.blocks.values():
-            x = block(x)
-        return self.head(x)
+            x = block(x, **layer_kwargs)
+        return self.head(x, **side)
 
-    def loss(self, input_ids: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
-        """``(sum of token losses, number of counted tokens)``; labels of ``-100`` are ignored."""
-        batch = self.pipeline_batch(input_ids, labels)
-        loss_sum, extras = self.pipeline_loss(self(input_ids), labels)
+    def loss(self, input_ids: Tensor, labels: Tensor, **side: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+        """``(sum of token losses, number of counted tokens)``; labels of ``-100`` are ignored. ``side``: the
+        optional ``position_ids`` and ``document_ids`` of packed samples."""
+        batch = self.pipeline_batch(input_ids, labels, **side)
+        loss_sum, extras = self.pipeline_loss(self(input_ids, **batch.side), labels)
         return self.pipeline_result(loss_sum, batch.num_tokens, extras)
+
+
+def _present(**side: Optional[Tensor]) -> dict[str, Tensor]:
+    return {name: value for name, value in side.items() if value is not None}
+
+
+def document_causal_mask(document_ids: Tensor) -> Tensor:
+    """``[B, 1, S, S]`` booleans, True = attend: causal, and only within the token's own document."""
+    same_document = document_ids[:, None, :, None] == document_ids[:, None, None, :]
+    seq = document_ids.shape[1]
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=document_ids.device).tril()
+    return same_document & causal
+
+
+#: The keys of a GPT batch, besides ``input_ids`` and ``labels``, that the model takes (data/gpt_dataset.py).
+SIDE_INPUTS = ("position_ids", "document_ids")
 
 
 class GPT(PretrainingRecipe):
@@ -329,17 +360,21 @@ class GPT(PretrainingRecipe):
             layers_per_stage=parallel_config.pipeline_layers_per_stage,
         )
 
-    def forward(self, input_ids: Tensor) -> Tensor:
-        return self.model(input_ids)
+    def forward(self, input_ids: Tensor, **side: Tensor) -> Tensor:
+        return self.model(input_ids, **side)
+
+    @staticmethod
+    def _side(batch: dict[str, Tensor]) -> dict[str, Tensor]:
+        return {name: batch[name] for name in SIDE_INPUTS if name in batch}
 
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> dict[str, Tensor]:
-        loss_sum, num_tokens = self.model.loss(batch["input_ids"], batch["labels"])
+        loss_sum, num_tokens = self.model.loss(batch["input_ids"], batch["labels"], **self._side(batch))
         loss = loss_sum / num_tokens.clamp(min=1)
         self.log("train_loss", loss, prog_bar=True, sync_dist=True)
         return {"loss": loss, "num_tokens": num_tokens}
 
     def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
-        loss_sum, num_tokens = self.model.loss(batch["input_ids"], batch["labels"])
+        loss_sum, num_tokens = self.model.loss(batch["input_ids"], batch["labels"], **self._side(batch))
         self.val_loss.update(loss_sum / num_tokens.clamp(min=1), weight=num_tokens)
 
     def on_validation_epoch_end(self) -> None:

@@ -92,6 +92,13 @@ class PretrainingRecipe(L.LightningModule):
     def configure_optimizers(self):
         return adamw_warmup_cosine(self, **self.optimizer_settings)
 
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        """Logs ``consumed_tokens/<dataset>`` when the data module reports them (a blend of datasets: see
+        ``GPTDataModule.consumed_tokens``); the counts are the same on every rank."""
+        consumed = getattr(getattr(self.trainer, "datamodule", None), "consumed_tokens", None)
+        for name, tokens in (consumed() if callable(consumed) else {}).items():
+            self.log(f"consumed_tokens/{name}", float(tokens), on_step=True, on_epoch=False)
+
     @classmethod
     def load_from_checkpoint(cls, checkpoint_path, map_location=None, hparams_file=None, strict=None, **kwargs: Any):
         """Lightning's loader, which also reads sharded checkpoint directories (any saving layout) into one

@@ -71,16 +71,19 @@ class RotaryEmbedding(nn.Module):
         return inv_freq if self.scaling is None else self.scaling.apply(inv_freq)
 
     def cos_sin(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        """``cos`` and ``sin`` of every position's angles, ``[S, head_dim]`` in ``dtype``."""
-        angles = torch.outer(positions.float(), self.inverse_frequencies(positions.device))
+        """``cos`` and ``sin`` of every position's angles, ``[*positions.shape, head_dim]`` in ``dtype``."""
+        angles = positions.float()[..., None] * self.inverse_frequencies(positions.device)
         angles = torch.cat((angles, angles), dim=-1)
         return angles.cos().to(dtype), angles.sin().to(dtype)
 
     def forward(self, q: Tensor, k: Tensor, positions: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
-        """``positions``: ``[S]`` token positions; by default ``0 .. S-1``, whose angles are cached
-        for the last (length, device, dtype) seen: every layer of a forward pass asks for the same ones."""
+        """``positions``: ``[S]`` or ``[B, S]`` token positions (per sample: positions that restart at every
+        document); by default ``0 .. S-1``, whose angles are cached for the last (length, device, dtype) seen:
+        every layer of a forward pass asks for the same ones."""
         if positions is not None:
             cos, sin = self.cos_sin(positions, q.dtype)
+            if positions.dim() == 2:  # [B, S, D] -> [B, 1, S, D]: the same angles for every head
+                cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         else:
             key = (q.shape[-2], q.device, q.dtype, torch.is_inference_mode_enabled())  # inference tensors stay there
             if self._cache is None or self._cache[0] != key:

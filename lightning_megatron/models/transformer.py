@@ -43,11 +43,13 @@ class TransformerLayer(nn.Module):
         self.mlp = mlp
         self.drop = nn.Dropout(dropout)
 
-    def forward(self, x: Tensor, attention_mask: Optional[Tensor] = None) -> Tensor:
+    def forward(self, x: Tensor, attention_mask: Optional[Tensor] = None, positions: Optional[Tensor] = None) -> Tensor:
+        """``attention_mask``: booleans broadcast to ``[B, heads, S, S]``, True = attend (``None``: the attention's
+        own causal or full pattern); ``positions``: ``[B, S]`` token positions for rotary attention."""
         if self.post_norm:
-            x = self.ln_1(x + self.drop(self.attn(x, attention_mask)))
+            x = self.ln_1(x + self.drop(self.attn(x, attention_mask, positions)))
             return self.ln_2(x + self.drop(self.mlp(x)))
-        x = x + self.drop(self.attn(self.ln_1(x), attention_mask))
+        x = x + self.drop(self.attn(self.ln_1(x), attention_mask, positions))
         return x + self.drop(self.mlp(self.ln_2(x)))
 
 

@@ -1,0 +1,94 @@
+"""The three small index arrays of a GPT dataset, built vectorised with numpy.
+
+A split's documents are read as one token stream: data epoch ``e`` is the documents in an
+order shuffled by ``(seed, e)``, each followed by the end-of-document id (unless it already
+ends with one). Sample ``j`` is the ``seq_length + 1`` tokens starting at stream position
+``j * seq_length``: consecutive samples share one token (the last label of one is the first
+input of the next), every token is a label once, and a sample may span documents and
+epochs, as in Megatron-LM.
+
+* ``document_order``: positions of the split's documents, epoch after epoch;
+* ``sample_starts``: for each sample, the index into ``document_order`` of its first
+  document and the token offset into it (Megatron's "sample index");
+* ``shuffle``: the order in which the dataset hands out the samples.
+
+Samples are grouped into *blocks* by the epoch in which they start, and each block is
+shuffled by ``(seed, e)`` on its own. A run that needs more samples (a larger ``max_steps``)
+therefore sees the same samples in the same order first: the arrays for ``E`` epochs are a
+prefix of those for ``E + 1``. For that, the stream is built one epoch longer than the
+samples need (the last samples of an epoch end in the next one).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+_DOCUMENT_ORDER, _SAMPLE_ORDER = 0, 1  # the streams of randomness, per epoch
+
+
+def samples_starting_before(tokens: int, seq_length: int) -> int:
+    """How many sample starts (multiples of ``seq_length``) lie in ``[0, tokens)``."""
+    return -(-tokens // seq_length)
+
+
+def epochs_for(num_samples: int, *, tokens_per_epoch: int, seq_length: int) -> int:
+    """The fewest data epochs whose tokens hold the starts of ``num_samples`` samples."""
+    epochs = max(1, -(-(num_samples * seq_length) // tokens_per_epoch))
+    while samples_starting_before(epochs * tokens_per_epoch, seq_length) < num_samples:
+        epochs += 1
+    while epochs > 1 and samples_starting_before((epochs - 1) * tokens_per_epoch, seq_length) >= num_samples:
+        epochs -= 1
+    return epochs
+
+
+def _smallest_int(limit: int) -> type:
+    return np.int32 if limit < 2**31 else np.int64
+
+
+def _epoch_rng(seed: int, epoch: int, stream: int) -> np.random.Generator:
+    return np.random.default_rng([seed, epoch, stream])
+
+
+@dataclass(frozen=True)
+class SampleIndex:
+    # int32 wherever the values fit (12 bytes per sample in all), else int64
+    document_order: np.ndarray  # positions into the split's documents
+    sample_document: np.ndarray  # index into document_order of each sample's first token
+    sample_offset: np.ndarray  # token offset into that document (documents are shorter than 2**31 tokens)
+    shuffle: np.ndarray  # the dataset's order of the samples
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.shuffle)
+
+
+def build_sample_index(document_lengths: np.ndarray, *, seq_length: int, epochs: int, seed: int) -> SampleIndex:
+    """The index of ``epochs`` data epochs over documents of ``document_lengths`` tokens (eos included).
+
+    Every array is built with whole-array numpy operations: the cost is a few passes over
+    ``epochs * len(document_lengths)`` documents and over the samples, never over the tokens.
+    """
+    num_documents = len(document_lengths)
+    tokens_per_epoch = int(document_lengths.sum(dtype=np.int64))
+    if tokens_per_epoch < seq_length + 1:
+        raise ValueError(f"{tokens_per_epoch} tokens cannot make one sample of seq_length + 1 = {seq_length + 1}.")
+    position_dtype = _smallest_int(num_documents)
+    orders = [_epoch_rng(seed, epoch, _DOCUMENT_ORDER).permutation(num_documents).astype(position_dtype)
+              for epoch in range(epochs + 1)]  # one more epoch: the last samples run into it
+    document_order = np.concatenate(orders)
+    stream_ends = np.cumsum(document_lengths[document_order], dtype=np.int64)  # end of each document in the stream
+    num_samples = samples_starting_before(epochs * tokens_per_epoch, seq_length)
+    starts = np.arange(num_samples, dtype=np.int64) * seq_length
+    sample_document = np.searchsorted(stream_ends, starts, side="right")
+    document_start = np.where(sample_document > 0, stream_ends[np.maximum(sample_document - 1, 0)], 0)
+    sample_offset = starts - document_start
+
+    blocks = [samples_starting_before(epoch * tokens_per_epoch, seq_length) for epoch in range(epochs + 1)]
+    shuffle = np.concatenate([
+        first + _epoch_rng(seed, epoch, _SAMPLE_ORDER).permutation(end - first)
+        for epoch, (first, end) in enumerate(zip(blocks[:-1], blocks[1:]))
+    ]).astype(_smallest_int(num_samples))
+    return SampleIndex(document_order, sample_document.astype(_smallest_int(len(document_order))),
+                       sample_offset.astype(np.int32), shuffle)

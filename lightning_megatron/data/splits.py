@@ -1,0 +1,52 @@
+"""Train, validation and test splits as contiguous document ranges, from Megatron-LM's ``"969,30,1"`` string.
+
+Megatron-LM splits an indexed dataset by document: the first ~96.9% of its documents are
+for training, the next ~3% for validation, the last ~0.1% for test. The ranges never
+overlap, so validation and test never see a document that training saw, and they depend
+only on the split string and the number of documents, never on the layout or the seed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+SPLIT_NAMES = ("train", "validation", "test")
+
+
+def parse_split(split: str | Sequence[float]) -> tuple[float, float, float]:
+    """``"969,30,1"`` (or ``[969, 30, 1]``, ``"98,2"``) -> normalised weights of (train, validation, test).
+
+    Missing trailing parts are 0; the weights need not sum to anything in particular.
+    """
+    text = split if isinstance(split, str) else ",".join(str(part) for part in split)
+    parts = [part.strip() for part in text.replace("/", ",").split(",")]
+    try:
+        weights = [float(part) for part in parts if part]
+    except ValueError:
+        raise ValueError(
+            f"split={split!r} is not a list of numbers; give train, validation and test weights as Megatron-LM "
+            f"does, e.g. split='969,30,1'."
+        ) from None
+    if not 1 <= len(weights) <= 3 or any(w < 0 for w in weights) or sum(weights) <= 0 or weights[0] <= 0:
+        raise ValueError(
+            f"split={split!r} must give 1 to 3 non-negative weights (train, validation, test) with a positive train "
+            f"weight, e.g. split='969,30,1'."
+        )
+    weights += [0.0] * (3 - len(weights))
+    total = sum(weights)
+    return tuple(w / total for w in weights)  # type: ignore[return-value]
+
+
+def split_document_ranges(split: str | Sequence[float], num_documents: int) -> dict[str, range]:
+    """The document range of each split, as Megatron-LM computes it: the boundaries are the cumulative shares
+    times ``num_documents``, rounded (half to even).
+
+    Example::
+
+        >>> {name: (r.start, r.stop) for name, r in split_document_ranges("969,30,1", 1000).items()}
+        {'train': (0, 969), 'validation': (969, 999), 'test': (999, 1000)}
+    """
+    weights = parse_split(split)
+    shares = [0.0, weights[0], weights[0] + weights[1], 1.0]
+    bounds = [int(round(share * num_documents)) for share in shares]
+    return {name: range(bounds[i], bounds[i + 1]) for i, name in enumerate(SPLIT_NAMES)}
