@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Optional, Sequence, Union
+from typing import Optional, Union
 
 import numpy as np
 from torch.utils.data import Dataset
 
 from lightning_megatron.data.base import DataParallelDataModule
-from lightning_megatron.data.blend import BlendedDataset, DataPrefix, parse_data_prefix
+from lightning_megatron.data.blend import BlendedDataset, parse_data_prefix
 from lightning_megatron.data.corpus import cache_root, stdlib_indexed_corpus
 from lightning_megatron.data.gpt_dataset import DocumentMasks, GPTDataset
 from lightning_megatron.data.index_cache import Ranks
