@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from launch import child_env
 from lightning_megatron.checkpoint import consolidated_state_dict, open_sharded
@@ -73,6 +74,17 @@ def test_print_config_parses_and_overrides(capsys):
     assert "max_steps: 7" in printed
     assert "lightning_megatron.Megatron3DStrategy" in printed
     assert "tensor_parallel_size: 2" in printed
+
+
+def test_a_weighted_blend_parses_from_the_command_line_as_megatron_writes_it(capsys, tmp_path):
+    from lightning_megatron.data.blend import parse_data_prefix
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", str(CONFIG), "--data.data_prefix=[0.3, data/code, 0.7, data/web]", "--print_config"])
+    assert exit_info.value.code == 0
+    printed = yaml.safe_load(capsys.readouterr().out)["data"]["init_args"]
+    assert parse_data_prefix(printed["data_prefix"]) == (["data/code", "data/web"], [0.3, 0.7])
+    assert printed["split"] == "969,30,1"
 
 
 def run_command(tmp_path, *args):

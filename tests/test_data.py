@@ -112,3 +112,49 @@ def test_without_trainer_data_module_is_single_process():
     batch = next(iter(dm.train_dataloader()))
     assert batch["input_ids"].shape == batch["labels"].shape == (4, 16)
     assert torch.equal(batch["input_ids"][:, 1:], batch["labels"][:, :-1])
+
+
+def _tiny_trainer(**kwargs):
+    import lightning as L
+
+    from lightning_megatron import Megatron3DStrategy
+
+    return L.Trainer(accelerator="cpu", devices=1, strategy=Megatron3DStrategy(), logger=False,
+                     enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                     num_sanity_val_steps=0, **kwargs)
+
+
+def _tiny_gpt():
+    from lightning_megatron.models import GPT, GPTConfig
+
+    return GPT(GPTConfig(vocab_size=257, max_seq_length=16, hidden_size=16, num_layers=1, num_heads=2))
+
+
+def test_overfit_batches_trains_on_the_same_ordered_batches_every_epoch():
+    import lightning as L
+
+    seen = []
+
+    class Record(L.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            seen.append((trainer.current_epoch, _rows(batch)))
+
+    trainer = _tiny_trainer(overfit_batches=2, max_epochs=3, callbacks=[Record()])
+    trainer.fit(_tiny_gpt(), datamodule=GPTDataModule(seq_length=16, global_batch_size=4, max_files=6))
+    assert [epoch for epoch, _ in seen] == [0, 0, 1, 1, 2, 2]
+    assert [rows for _, rows in seen[:2]] == [rows for _, rows in seen[2:4]] == [rows for _, rows in seen[4:]]
+
+
+def test_validation_split_smaller_than_a_global_batch_is_evaluated_with_a_smaller_batch(tmp_path):
+    from lightning_megatron.data.indexed import IndexedDatasetWriter
+
+    with IndexedDatasetWriter(tmp_path / "few", dtype=np.uint16) as writer:
+        for i in range(50):
+            writer.add_document(np.full(30, i % 250, dtype=np.uint16))
+    data = GPTDataModule(data_prefix=str(tmp_path / "few"), tokenizer="byte", seq_length=16, global_batch_size=8,
+                         split="96,4,0")
+    trainer = _tiny_trainer(max_steps=2, val_check_interval=2)
+    with pytest.warns(UserWarning, match=r"validation split has 4 samples, fewer than one global batch \(8\); its "
+                                         r"loader uses batches of 4"):
+        trainer.fit(_tiny_gpt(), datamodule=data)
+    assert "val_loss" in trainer.callback_metrics, "validation ran (and ModelCheckpoint/EarlyStopping can use it)"

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from launch import launch
-from workers.gpt_setup import CLIP, CONFIG, LLAMA_CONFIG, SEED, batches, optimizer, sgd_optimizer
+from workers.gpt_setup import CLIP, CONFIG, LLAMA_CONFIG, SEED, batches, document_batches, optimizer, sgd_optimizer
 from lightning_megatron.models import GPTModel
 
 LAYOUTS = {
@@ -19,6 +19,9 @@ LAYOUTS[2] += ["llama-tp2-dp1", "llama-tp2-dp1-sp-mb2", "llama-pp2-tp1-dp1-mb4",
                "llama-tp1-dp2-z1"]
 LAYOUTS[4] += ["llama-tp4-dp1", "llama-tp4-dp1-sp-mb2", "llama-tp2-dp2-sp-z1", "llama-pp2-tp2-dp1-sp-mb2",
                "llama-tp1-dp4-mb2-z2"]
+# Packed samples with Megatron-LM's document masks (learned and rotary positions restarting per document).
+LAYOUTS[2] += ["doc-tp2-dp1-sp-mb2", "doc-pp2-tp1-dp1-mb4", "llama-doc-tp1-dp2-z1"]
+LAYOUTS[4] += ["llama-doc-pp2-tp2-dp1-sp-mb2", "doc-tp2-dp2-z2"]
 LOSS_TOL, WEIGHT_TOL = 1e-5, 1e-5
 
 
@@ -26,16 +29,17 @@ LOSS_TOL, WEIGHT_TOL = 1e-5, 1e-5
 def reference():
     """Plain PyTorch, one process, the whole global batch, torch's own clipping; per optimizer."""
     return {"adamw": _reference(optimizer, CONFIG), "sgd": _reference(sgd_optimizer, CONFIG),
-            "llama": _reference(optimizer, LLAMA_CONFIG)}
+            "llama": _reference(optimizer, LLAMA_CONFIG), "doc": _reference(optimizer, CONFIG, documents=True),
+            "llama-doc": _reference(optimizer, LLAMA_CONFIG, documents=True)}
 
 
-def _reference(make_optimizer, config):
+def _reference(make_optimizer, config, documents=False):
     torch.manual_seed(SEED)
     model = GPTModel(config)
     opt = make_optimizer(model.parameters())
     losses = []
-    for input_ids, labels in batches():
-        loss_sum, tokens = model.loss(input_ids, labels)
+    for input_ids, labels, side in document_batches() if documents else [(*batch, {}) for batch in batches()]:
+        loss_sum, tokens = model.loss(input_ids, labels, **side)
         loss = loss_sum / tokens
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
@@ -50,6 +54,8 @@ def test_layouts_match_single_process(world, reference, tmp_path):
     launch("layout_invariance.py", world, tmp_path, ",".join(LAYOUTS[world]))
     for layout in LAYOUTS[world]:
         kind = "llama" if layout.startswith("llama-") else "sgd" if layout.endswith("-sgd") else "adamw"
+        if "doc-" in layout:
+            kind = "llama-doc" if kind == "llama" else "doc"
         ref_losses, ref_weights = reference[kind]
         result = torch.load(tmp_path / f"{layout}.pt", weights_only=True)
         loss_dev = max(abs(a - b) for a, b in zip(result["losses"], ref_losses))

@@ -21,6 +21,9 @@ CONFIGS = {"gpt": CONFIG, "llama": LLAMA_CONFIG, "mqa": MQA_CONFIG}
 LR, WEIGHT_DECAY, CLIP = 1e-2, 0.1, 0.5
 
 
+EOS = 256
+
+
 def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
     """(input_ids, labels) per step; about 10% of the labels are ignored (-100), unevenly per sample."""
     generator = torch.Generator().manual_seed(SEED)
@@ -30,6 +33,22 @@ def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
         labels = tokens[:, 1:].clone()
         labels[torch.rand(labels.shape, generator=generator) < 0.1] = -100
         out.append((tokens[:, :-1], labels))
+    return out
+
+
+def document_batches() -> list[tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]]:
+    """(input_ids, labels, side inputs) per step: packed samples of several documents each (an end-of-document id
+    every ~5 tokens), with all three of Megatron-LM's document masks, as GPTDataset makes them."""
+    from lightning_megatron.data.gpt_dataset import DocumentMasks, document_masked_sample
+
+    generator = torch.Generator().manual_seed(SEED + 1)
+    out = []
+    for _ in range(STEPS):
+        tokens = torch.randint(0, EOS, (GLOBAL_BATCH, SEQ + 1), generator=generator)
+        tokens[torch.rand(tokens.shape, generator=generator) < 0.2] = EOS
+        samples = [document_masked_sample(row.numpy(), EOS, DocumentMasks(True, True, True)) for row in tokens]
+        batch = {key: torch.stack([sample[key] for sample in samples]) for key in samples[0]}
+        out.append((batch.pop("input_ids"), batch.pop("labels"), batch))
     return out
 
 

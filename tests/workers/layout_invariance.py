@@ -1,7 +1,8 @@
 """Train the tiny GPT for a few steps under several layouts over the same processes.
 
 argv: OUT_DIR LAYOUTS, where LAYOUTS is a comma list of
-``[llama-|mqa-][pp{P}-][vpp{V}-]tp{T}-dp{D}[-sp][-mb{M}][-gpipe][-z{Z}][-sgd]``: M micro-batches per step
+``[llama-|mqa-][doc-][pp{P}-][vpp{V}-]tp{T}-dp{D}[-sp][-mb{M}][-gpipe][-z{Z}][-sgd]``: ``doc``: packed samples with
+Megatron-LM's document masks (position ids and attention confined to each document); M micro-batches per step
 (without pipelining, a loop of backward passes; with it, the schedule's micro-batches),
 ZeRO stage Z, SGD with momentum instead of AdamW. For each
 layout, rank 0 writes the losses and the full (gathered) weights to ``{layout}.pt``; the
@@ -17,7 +18,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from gpt_setup import CLIP, CONFIG, CONFIGS, GLOBAL_BATCH, SEED, batches, optimizer, sgd_optimizer
+from gpt_setup import CLIP, CONFIG, CONFIGS, GLOBAL_BATCH, SEED, batches, document_batches, optimizer, sgd_optimizer
 from lightning_megatron.checkpoint import gather_full_state_dict, merge_pipeline_stages
 from lightning_megatron.models import GPTModel
 from lightning_megatron.optim import GradientSynchronizer, clip_grads_by_global_norm
@@ -30,7 +31,7 @@ from lightning_megatron.pipeline.runner import PipelineRunner
 from lightning_megatron.pipeline.stage import split_for_pipeline
 from lightning_megatron.tensor_parallel import parallelize
 
-LAYOUT = re.compile(r"(?:(llama|mqa)-)?(?:pp(\d+)-)?(?:vpp(\d+)-)?tp(\d+)-dp(\d+)(-sp)?(?:-mb(\d+))?(-gpipe)?(?:-z(\d))?(-sgd)?")
+LAYOUT = re.compile(r"(?:(llama|mqa)-)?(doc-)?(?:pp(\d+)-)?(?:vpp(\d+)-)?tp(\d+)-dp(\d+)(-sp)?(?:-mb(\d+))?(-gpipe)?(?:-z(\d))?(-sgd)?")
 
 
 def build(state: ParallelState, virtual: int, schedule: str, micro_batches: int, config=CONFIG):
@@ -57,10 +58,11 @@ def build(state: ParallelState, virtual: int, schedule: str, micro_batches: int,
 def train(layout: str) -> tuple[list[float], dict]:
     match = LAYOUT.fullmatch(layout)
     model_config = CONFIGS[match[1] or "gpt"]
-    pp, virtual, tp, dp = int(match[2] or 1), int(match[3] or 1), int(match[4]), int(match[5])
-    sp, micro_batches = bool(match[6]), int(match[7] or 1)
-    schedule = "gpipe" if match[8] else ("interleaved_1f1b" if virtual > 1 else "1f1b")
-    zero_stage, sgd = int(match[9] or 0), bool(match[10])
+    documents = bool(match[2])
+    pp, virtual, tp, dp = int(match[3] or 1), int(match[4] or 1), int(match[5]), int(match[6])
+    sp, micro_batches = bool(match[7]), int(match[8] or 1)
+    schedule = "gpipe" if match[9] else ("interleaved_1f1b" if virtual > 1 else "1f1b")
+    zero_stage, sgd = int(match[10] or 0), bool(match[11])
     config = ParallelConfig(tensor_parallel_size=tp, pipeline_parallel_size=pp, data_parallel_size=dp,
                             sequence_parallel=sp, virtual_pipeline_size=virtual, zero_stage=zero_stage)
     state = ParallelState.create(config, "cpu")
@@ -74,16 +76,19 @@ def train(layout: str) -> tuple[list[float], dict]:
         runner.before_backward = lambda n, _tokens: sync.start_micro_batch(sync=True, backward_passes=n)
 
     losses = []
-    for input_ids, labels in batches():
+    steps = document_batches() if documents else [(ids, lbl, {}) for ids, lbl in batches()]
+    for input_ids, labels, side in steps:
         rows = slice(state.data_parallel_rank * GLOBAL_BATCH // dp, (state.data_parallel_rank + 1) * GLOBAL_BATCH // dp)
+        side = {name: value[rows] for name, value in side.items()}
         if runner is not None:
-            step_sum, step_tokens = runner.loss(input_ids[rows], labels[rows])
+            step_sum, step_tokens = runner.loss(input_ids[rows], labels[rows], **side)
         else:
             step_sum, step_tokens = torch.zeros(()), torch.zeros((), dtype=torch.long)
+            chunked = {name: value.chunk(micro_batches) for name, value in side.items()}
             chunks = list(zip(input_ids[rows].chunk(micro_batches), labels[rows].chunk(micro_batches)))
             for i, (ids, lbl) in enumerate(chunks):
                 sync.start_micro_batch(sync=i == len(chunks) - 1)
-                loss_sum, tokens = model.loss(ids, lbl)
+                loss_sum, tokens = model.loss(ids, lbl, **{name: value[i] for name, value in chunked.items()})
                 loss_sum.backward()
                 step_sum, step_tokens = step_sum + loss_sum.detach(), step_tokens + tokens
         sync.finish(step_tokens)

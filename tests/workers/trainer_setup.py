@@ -26,7 +26,7 @@ def model(options: dict) -> GPT:
 
 
 def datamodule(options: dict) -> GPTDataModule:
-    return GPTDataModule(seq_length=32, global_batch_size=8, max_files=24, seed=3)
+    return GPTDataModule(seq_length=32, global_batch_size=8, max_files=24, seed=3, split="80,10,10")
 
 
 def trainer_kwargs(options: dict) -> dict:
