@@ -36,7 +36,7 @@ from lightning_megatron.data.sample_index import (
 )
 
 IGNORE_INDEX = -100
-_INDEX_VERSION = 1  # bump when the arrays' meaning changes: old cache entries are then rebuilt
+_INDEX_VERSION = 2  # bump when the arrays' meaning changes: old cache entries are then rebuilt
 
 
 @dataclass(frozen=True)
@@ -50,7 +50,8 @@ class DocumentMasks:
 
 def split_documents(dataset: IndexedDataset, documents: range, eos_id: int) -> dict[str, np.ndarray]:
     """``starts`` (first token), ``stored`` (tokens in the ``.bin``) and ``lengths`` (with the end-of-document
-    token) of each non-empty document of ``documents``.
+    token) of each non-empty document of ``documents``, and ``tokens``: their sum (one value, so that a rank
+    opening the cache need not read every length).
 
     Lengths come from the ``.idx``; whether a document already ends with ``eos_id`` is read from
     its last token alone, through a mapping that is closed again, so the pages read do not stay
@@ -65,8 +66,9 @@ def split_documents(dataset: IndexedDataset, documents: range, eos_id: int) -> d
     tokens = np.memmap(data_file(dataset.prefix), dtype=dataset.dtype, mode="r") if len(starts) else None
     ends_with_eos = tokens[starts + stored - 1] == eos_id if tokens is not None else np.zeros(0, bool)
     del tokens
-    return {"starts": starts.astype(np.int64), "stored": stored.astype(np.int32),
-            "lengths": (stored + ~ends_with_eos).astype(np.int32)}
+    lengths = (stored + ~ends_with_eos).astype(np.int32)
+    return {"starts": starts.astype(np.int64), "stored": stored.astype(np.int32), "lengths": lengths,
+            "tokens": np.array([lengths.sum(dtype=np.int64)])}
 
 
 def documents_key(dataset: IndexedDataset, documents: range, eos_id: int) -> dict:
@@ -126,10 +128,10 @@ class GPTDataset(Dataset):
         # Two cache entries, both built by one rank and memory-mapped by all: the split's documents (shared by
         # every seq_length and seed), then its samples. No rank holds an array that grows with the corpus.
         documents_entry = documents_key(dataset, documents, eos_id)
-        split = load_or_build(cache_dir, documents_entry, lambda: split_documents(dataset, documents, eos_id),
-                              ranks=ranks, what=f"{name} documents").arrays
-        lengths = split["lengths"]
-        self.tokens_per_epoch = int(lengths.sum(dtype=np.int64))
+        documents_cache = load_or_build(cache_dir, documents_entry, lambda: split_documents(dataset, documents, eos_id),
+                                        ranks=ranks, what=f"{name} documents")
+        split = documents_cache.arrays
+        self.tokens_per_epoch = int(split["tokens"][0])
         if self.tokens_per_epoch < seq_length + 1:
             raise ValueError(
                 f"{name}: documents {documents.start}..{documents.stop - 1} of {dataset.prefix} hold "
@@ -143,6 +145,8 @@ class GPTDataset(Dataset):
                "seed": seed}
 
         def build() -> dict[str, np.ndarray]:
+            # read, not mapped: the builder's long-lived mapping of the lengths then holds no page of them
+            lengths = np.load(documents_cache.directory / "lengths.npy")
             index = build_sample_index(lengths, seq_length=seq_length, epochs=self.epochs, seed=seed)
             return {"document_order": index.document_order, "sample_document": index.sample_document,
                     "sample_offset": index.sample_offset, "shuffle": index.shuffle}
@@ -153,7 +157,7 @@ class GPTDataset(Dataset):
         arrays = cached.arrays
         self._document_order, self._shuffle = arrays["document_order"], arrays["shuffle"]
         self._sample_document, self._sample_offset = arrays["sample_document"], arrays["sample_offset"]
-        self._starts, self._stored, self._lengths = split["starts"], split["stored"], lengths
+        self._starts, self._stored, self._lengths = split["starts"], split["stored"], split["lengths"]
         self._tokens = np.memmap(data_file(dataset.prefix), dtype=dataset.dtype, mode="r")
         self._length = wanted
 

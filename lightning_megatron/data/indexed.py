@@ -243,6 +243,15 @@ class IndexedDatasetWriter:
             self.abort()
 
 
+def _index_arrays(index: np.ndarray, count: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Views of the sequence lengths, sequence pointers and document indices in a mapped ``.idx``."""
+    offset = _HEADER.size
+    lengths = index[offset : offset + 4 * count].view(np.int32)
+    offset += 4 * count
+    pointers = index[offset : offset + 8 * count].view(np.int64)
+    return lengths, pointers, index[offset + 8 * count :].view(np.int64)
+
+
 def _non_decreasing(values: np.ndarray, chunk: int = 1 << 20) -> bool:
     """Checked a chunk at a time: a corpus of millions of documents costs no array of their size."""
     return all(not np.any(np.diff(values[i : i + chunk + 1]) < 0) for i in range(0, max(len(values) - 1, 1), chunk))
@@ -283,23 +292,22 @@ class IndexedDataset:
                 f"indices) implies {expected}; the index is truncated or not a plain-text Megatron index."
             )
         self.dtype: np.dtype = DTYPE_CODES[code]
-        offset = _HEADER.size
-        self.sequence_lengths: np.ndarray = index[offset : offset + 4 * count].view(np.int32)
-        offset += 4 * count
-        self.sequence_pointers: np.ndarray = index[offset : offset + 8 * count].view(np.int64)
-        offset += 8 * count
-        self.document_indices: np.ndarray = index[offset:].view(np.int64)
-        docs = self.document_indices
+        lengths, _, docs = _index_arrays(index, count)
         if len(docs) == 0 or docs[0] != 0 or docs[-1] != count or not _non_decreasing(docs):
             raise ValueError(f"{idx_path} has invalid document indices: they must rise from 0 to {count}.")
 
-        num_bytes = int(self.sequence_lengths.sum(dtype=np.int64)) * self.dtype.itemsize
+        num_bytes = int(lengths.sum(dtype=np.int64)) * self.dtype.itemsize
         bin_size = bin_path.stat().st_size
         if bin_size != num_bytes:
             raise ValueError(
                 f"Index/bin mismatch: {idx_path} describes {num_bytes} bytes of {self.dtype} tokens but {bin_path} "
                 f"is {bin_size} bytes; the .bin is truncated or belongs to another index. Re-run the preprocessing."
             )
+        # The checks read the whole .idx through that mapping; a fresh one keeps those pages out of this
+        # process (the .idx of a corpus of millions of documents is tens of megabytes): reads touch what they use.
+        del index, lengths, docs
+        index = np.memmap(idx_path, dtype=np.uint8, mode="r")
+        self.sequence_lengths, self.sequence_pointers, self.document_indices = _index_arrays(index, count)
         self._tokens = np.memmap(bin_path, dtype=self.dtype, mode="r") if bin_size else np.empty(0, self.dtype)
 
     def __len__(self) -> int:
