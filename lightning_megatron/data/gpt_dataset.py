@@ -1,9 +1,10 @@
 """GPT samples over a memory-mapped indexed dataset, with cached index arrays (Megatron-LM's ``GPTDataset``).
 
-Opening the dataset reads the ``.idx`` and three small cached arrays
-(``data/sample_index.py``, ``data/index_cache.py``); a sample reads only its own
-``seq_length + 1`` tokens from the memory-mapped ``.bin``. A corpus of any size therefore
-costs each rank the index (a few bytes per document and per sample), never the tokens.
+Opening the dataset reads the ``.idx`` header and opens small cached arrays
+(``data/sample_index.py``, ``data/index_cache.py``); a sample reads its own entries of
+them and its ``seq_length + 1`` tokens from the ``.bin`` (``os.pread``, nothing mapped:
+``data/file_array.py``). A corpus of any size therefore costs each rank the samples it
+reads, never the tokens or the index.
 
 Optional per-document masks, as Megatron-LM offers them for packed samples:
 
@@ -27,6 +28,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from lightning_megatron.data.file_array import FileArray
 from lightning_megatron.data.index_cache import Ranks, load_or_build
 from lightning_megatron.data.indexed import IndexedDataset, data_file, index_file
 from lightning_megatron.data.sample_index import (
@@ -54,9 +56,10 @@ def split_documents(dataset: IndexedDataset, documents: range, eos_id: int) -> d
     opening the cache need not read every length).
 
     Lengths come from the ``.idx``; whether a document already ends with ``eos_id`` is read from
-    its last token alone, through a mapping that is closed again, so the pages read do not stay
-    in this process.
+    its last token alone. Both are read through mappings of a fresh ``IndexedDataset`` that are
+    closed again, so the pages read do not stay in this process (the builder's).
     """
+    dataset = IndexedDataset(dataset.prefix)
     boundaries = np.asarray(dataset.document_indices[documents.start : documents.stop + 1])
     sequence_ends = np.concatenate([[0], np.cumsum(dataset.sequence_lengths, dtype=np.int64)])
     stored = sequence_ends[boundaries[1:]] - sequence_ends[boundaries[:-1]]
@@ -65,7 +68,7 @@ def split_documents(dataset: IndexedDataset, documents: range, eos_id: int) -> d
     starts = np.asarray(dataset.sequence_pointers[first_sequence]) // dataset.dtype.itemsize
     tokens = np.memmap(data_file(dataset.prefix), dtype=dataset.dtype, mode="r") if len(starts) else None
     ends_with_eos = tokens[starts + stored - 1] == eos_id if tokens is not None else np.zeros(0, bool)
-    del tokens
+    del tokens, dataset
     lengths = (stored + ~ends_with_eos).astype(np.int32)
     return {"starts": starts.astype(np.int64), "stored": stored.astype(np.int32), "lengths": lengths,
             "tokens": np.array([lengths.sum(dtype=np.int64)])}
@@ -158,7 +161,8 @@ class GPTDataset(Dataset):
         self._document_order, self._shuffle = arrays["document_order"], arrays["shuffle"]
         self._sample_document, self._sample_offset = arrays["sample_document"], arrays["sample_offset"]
         self._starts, self._stored, self._lengths = split["starts"], split["stored"], split["lengths"]
-        self._tokens = np.memmap(data_file(dataset.prefix), dtype=dataset.dtype, mode="r")
+        bin_path = data_file(dataset.prefix)
+        self._tokens = FileArray(bin_path, dataset.dtype, 0, bin_path.stat().st_size // dataset.dtype.itemsize)
         self._length = wanted
 
     def __len__(self) -> int:

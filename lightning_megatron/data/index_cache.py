@@ -1,4 +1,4 @@
-"""Index arrays cached on disk, built by one rank and memory-mapped by every other.
+"""Index arrays cached on disk, built by one rank and read by every other.
 
 A cache entry is a directory named by a hash of everything the arrays depend on (its
 *key*). It holds one ``.npy`` file per array and ``manifest.json``, written last, with the
@@ -10,7 +10,7 @@ half an entry and two builders racing on a shared file system both leave a whole
 
 Who builds: global rank 0 first, while the others wait at a barrier; then, for a cache
 directory that is not shared between nodes, the first rank of every node that still finds
-no valid entry; then every rank memory-maps the files. No rank builds while another reads.
+no valid entry; then every rank opens the files (read where indexed, never mapped: ``data/file_array.py``). No rank builds while another reads.
 The builders verify every checksum; the other ranks, after them, the manifest and the sizes.
 """
 
@@ -30,6 +30,8 @@ from typing import Any, Optional
 
 import numpy as np
 import torch
+
+from lightning_megatron.data.file_array import FileArray
 
 
 
@@ -152,7 +154,7 @@ def build_once(ranks: Ranks, *, needs_build: Callable[[], bool], build: Callable
 
 @dataclass
 class CachedArrays:
-    arrays: dict[str, np.ndarray]
+    arrays: dict[str, FileArray]
     directory: Path
     built_here: bool  # this process built the entry (tests count builds across ranks)
     build_seconds: float = 0.0
@@ -166,8 +168,8 @@ def load_or_build(
     ranks: Ranks,
     what: str,
 ) -> CachedArrays:
-    """The arrays of ``key``: memory-mapped from ``cache_dir`` when a valid entry is there, else built by one
-    rank (see the module docstring), written, and memory-mapped. ``what`` names the arrays in the log."""
+    """The arrays of ``key``: read from ``cache_dir`` when a valid entry is there, else built by one rank (see
+    the module docstring) and written first. ``what`` names the arrays in the log."""
     entry = Path(cache_dir) / key_digest(key)
     built_here, seconds = False, 0.0
 
@@ -190,5 +192,5 @@ def load_or_build(
         raise RuntimeError(f"The {what} index at {entry} is not usable after it was built: {problem or 'missing'}; "
                            f"is {cache_dir} writable and on a file system every rank of a node sees?")
     manifest = json.loads((entry / MANIFEST).read_text())
-    arrays = {name: np.load(entry / f"{name}.npy", mmap_mode="r") for name in manifest["files"]}
+    arrays = {name: FileArray.of_npy(entry / f"{name}.npy") for name in manifest["files"]}
     return CachedArrays(arrays, entry, built_here, seconds)
