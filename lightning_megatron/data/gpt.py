@@ -1,4 +1,4 @@
-"""GPT pre-training data: memory-mapped indexed datasets (one, or a weighted blend), split over dp ranks.
+"""GPT pre-training data: indexed datasets (one, or a weighted blend) of any size, split over dp ranks.
 
 Every corpus goes through :class:`~lightning_megatron.data.gpt_dataset.GPTDataset`: a
 preprocessed ``data_prefix``, a Megatron-LM blend of several, and the built-in stdlib corpus
@@ -43,7 +43,7 @@ class GPTDataModule(DataParallelDataModule):
         data_prefix: a Megatron-LM indexed dataset ``PREFIX.bin``/``PREFIX.idx`` (written by
             ``lightning-megatron preprocess`` or Megatron-LM's tools), or a weighted blend in
             Megatron-LM's form ``[0.3, "data/a", 0.7, "data/b"]`` (also as a YAML list). The
-            ``.bin`` is memory-mapped, never read whole: a rank holds only the samples it loads.
+            ``.bin`` is never read whole: a rank reads only the samples it loads.
         tokenizer: ``"byte"`` or a ``tokenizer.json``: the tokenizer the data was made with,
             which gives :attr:`vocab_size` and the end-of-document id. By default the one that
             ``preprocess`` recorded in ``PREFIX.meta.json`` (``"byte"`` for the built-in corpus);
