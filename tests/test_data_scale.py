@@ -46,10 +46,9 @@ def test_resident_memory_does_not_grow_with_the_corpus(scale_run):
         small, big = result["runs"][1]["resident_kib"], result["runs"][2]["resident_kib"]
         private, mapped = ((big[field] - small[field]) * 1024 for field in ("RssAnon", "RssFile"))
         # Reading the corpus into memory, as before, grew every rank's private memory by at least the corpus
-        # (116 MB here). Mapped file pages are the page cache of what was read: the samples, a page or a few
-        # around each (the kernel maps neighbouring cached pages on a fault), shared and reclaimable.
+        # (116 MB here); memory-mapping it grew the mapped pages by a page-cache folio per random read.
         assert private < 0.05 * corpus_growth_bytes, (rank, small, big, corpus_growth_bytes)
-        assert mapped < 0.25 * corpus_growth_bytes, (rank, small, big, corpus_growth_bytes)
+        assert mapped < 0.05 * corpus_growth_bytes, (rank, small, big, corpus_growth_bytes)
 
 
 def test_each_index_is_built_by_one_rank_and_read_by_the_others(scale_run):
