@@ -110,3 +110,18 @@ def test_throughput_benchmark_llama_dtensor_baseline_trains_the_same_model(tmp_p
         L.seed_everything(1234, verbose=False)  # as the benchmark's worker does
         _, _, reference = throughput.run_plain(throughput.parse_args(size), torch.device("cpu"))
     assert abs(ranks[0]["loss"] - reference) < 1e-4, (ranks[0]["loss"], reference)
+
+
+def test_data_benchmark_builds_and_reads_the_index_of_its_corpus(tmp_path):
+    result = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "data.py"), "--quick", "--sizes-gb", "0.004", "--seq-length", "128",
+         "--read-samples", "64", f"--dir={tmp_path}"],
+        capture_output=True, text=True, timeout=300, env=child_env(),
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [[cell.strip() for cell in line.split(" | ")] for line in result.stdout.splitlines() if " | " in line]
+    index = next(row for row in rows if row[0] == "lightning-megatron" and len(row) == 5)
+    loader = next(row for row in rows if row[0] == "lightning-megatron" and len(row) == 4)
+    assert int(index[1]) > 1000 and float(index[2]) > 0, index  # samples of a 2M-token corpus at seq_length 128
+    assert float(loader[1]) > 0 and float(loader[2]) > 0, loader
+    assert any(row[0].startswith("Megatron-Core") for row in rows)  # its row, or the line saying it is not installed
