@@ -25,8 +25,9 @@ from lightning_megatron.data.preprocess import train_tokenizer_main
 
 # name -> (one-line help, main(argv) function); each tool parses its own arguments.
 TOOLS: dict[str, tuple[str, Callable[[Sequence[str]], None]]] = {
-    "preprocess": ("tokenise a .jsonl/.txt file into a Megatron .bin/.idx dataset", preprocess_main),
-    "train-tokenizer": ("train a byte-level BPE tokenizer.json on .jsonl/.txt files", train_tokenizer_main),
+    "preprocess": ("tokenise a .jsonl/.txt/.parquet file or a Hugging Face datasets directory into a Megatron "
+                   ".bin/.idx dataset", preprocess_main),
+    "train-tokenizer": ("train a byte-level BPE or BERT WordPiece tokenizer.json", train_tokenizer_main),
     "checkpoint": ("inspect, consolidate or convert (Hugging Face) a sharded checkpoint", checkpoint_main),
 }
 

@@ -64,6 +64,22 @@ class DataParallelDataModule(L.LightningDataModule):
         """How the user chose the data, for error messages."""
         return "the data"
 
+    @staticmethod
+    def check_data_choice(*, max_files: Optional[int], data_prefix: Any, tokenizer: Optional[str],
+                          preprocess_hint: str = "") -> None:
+        """The built-in corpus (``max_files``, byte tokens) and preprocessed data (``data_prefix``, its tokenizer)
+        are two choices; refuse a mix of them."""
+        if data_prefix is not None and max_files is not None:
+            raise ValueError(
+                f"max_files={max_files} selects files of the built-in corpus and cannot be combined with "
+                f"data_prefix={data_prefix!r}; leave max_files unset."
+            )
+        if data_prefix is None and tokenizer not in (None, "byte"):
+            raise ValueError(
+                f"The built-in corpus is byte-tokenised; tokenizer={tokenizer!r} needs preprocessed data: run "
+                f"`lightning-megatron preprocess --tokenizer {tokenizer}{preprocess_hint} ...` and pass data_prefix."
+            )
+
     # ------------------------------------------------------------------ layout
     @property
     def data_parallel_size(self) -> int:

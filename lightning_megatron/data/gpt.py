@@ -19,8 +19,8 @@ from lightning_megatron.data.blend import BlendedDataset, parse_data_prefix
 from lightning_megatron.data.corpus import cache_root, stdlib_indexed_corpus
 from lightning_megatron.data.gpt_dataset import DocumentMasks, GPTDataset
 from lightning_megatron.data.index_cache import Ranks
-from lightning_megatron.data.indexed import IndexedDataset, check_dataset_files
-from lightning_megatron.data.preprocess import metadata_file, read_metadata
+from lightning_megatron.data.indexed import IndexedDataset
+from lightning_megatron.data.preprocess import load_dataset_tokenizer, read_metadata
 from lightning_megatron.data.tokenizers import Tokenizer, check_vocab_fits, load_tokenizer
 
 _SPLIT_SEEDS = {"train": 0, "validation": 1, "test": 2}  # each split's samples are shuffled by its own stream
@@ -87,11 +87,7 @@ class GPTDataModule(DataParallelDataModule):
         index_cache_dir: Optional[str] = None,
     ) -> None:
         super().__init__(global_batch_size=global_batch_size, split=split, seed=seed, num_workers=num_workers)
-        if data_prefix is not None and max_files is not None:
-            raise ValueError(
-                f"max_files={max_files} selects files of the built-in corpus and cannot be combined with "
-                f"data_prefix={data_prefix!r}; leave max_files unset."
-            )
+        self.check_data_choice(max_files=max_files, data_prefix=data_prefix, tokenizer=tokenizer)
         if seq_length < 1:
             raise ValueError(f"seq_length must be at least 1, got {seq_length}.")
         self.seq_length = seq_length
@@ -100,8 +96,6 @@ class GPTDataModule(DataParallelDataModule):
         self.masks = DocumentMasks(reset_position_ids, reset_attention_mask, eod_mask_loss)
         self.index_cache_dir = index_cache_dir
         self.prefixes, self.weights = parse_data_prefix(data_prefix) if data_prefix is not None else ([], [1.0])
-        for prefix in self.prefixes:  # before the tokenizer: no files, no advice on it
-            check_dataset_files(prefix, argument="data_prefix")
         self.tokenizer = self._load_tokenizer(tokenizer)
         self._corpora: list[IndexedDataset] = []
 
@@ -109,35 +103,14 @@ class GPTDataModule(DataParallelDataModule):
         """The tokenizer the data was made with: ``spec``, else the one ``preprocess`` recorded (the same for
         every dataset of a blend)."""
         if not self.prefixes:
-            if spec not in (None, "byte"):
-                raise ValueError(
-                    f"The built-in corpus is byte-tokenised; tokenizer={spec!r} needs preprocessed data: run "
-                    f"`lightning-megatron preprocess --tokenizer {spec} ...` and pass data_prefix."
-                )
             return load_tokenizer("byte")
-        records = {prefix: read_metadata(prefix) for prefix in self.prefixes}
-        if spec is None:
-            unrecorded = [prefix for prefix, record in records.items() if record is None]
-            if unrecorded:
-                raise ValueError(
-                    f"data_prefix {unrecorded[0]!r} has no {metadata_file(unrecorded[0]).name} naming its tokenizer (it "
-                    f"was not written by `lightning-megatron preprocess`); pass tokenizer='byte' or the path of the "
-                    f"tokenizer.json the data was made with."
-                )
-            named = {prefix: record["tokenizer"] for prefix, record in records.items()}
+        tokenizers = [load_dataset_tokenizer(prefix, spec) for prefix in self.prefixes]
+        if spec is None and len(self.prefixes) > 1:
+            named = {prefix: read_metadata(prefix)["tokenizer"] for prefix in self.prefixes}
             if len(set(named.values())) > 1:
                 raise ValueError(f"The blended datasets were made with different tokenizers ({named}); a model "
                                  f"trains on one vocabulary: preprocess them with the same tokenizer.")
-            spec = next(iter(named.values()))
-        tokenizer = load_tokenizer(spec)
-        for prefix, record in records.items():
-            if record is not None and tokenizer.vocab_size != record["vocab_size"]:
-                raise ValueError(
-                    f"tokenizer={spec!r} has {tokenizer.vocab_size} ids but data_prefix={prefix!r} was made with "
-                    f"{record['tokenizer']!r} ({record['vocab_size']} ids); pass that tokenizer or leave tokenizer "
-                    f"unset."
-                )
-        return tokenizer
+        return tokenizers[0]
 
     @property
     def vocab_size(self) -> int:

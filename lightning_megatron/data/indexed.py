@@ -18,15 +18,15 @@ Layout (little-endian; ``n`` sequences, ``d`` documents)::
                        so the array starts at 0 and ends at n
     .bin  the sequences' tokens, back to back, in the dtype of the code
 
-A document may hold several sequences (Megatron splits BERT data into sentences); data
-written by :class:`IndexedDatasetWriter` has one sequence per document.
+A document may hold several sequences (Megatron splits BERT data into sentences):
+:meth:`IndexedDatasetWriter.add_document` takes their lengths, as Megatron-LM's does.
 """
 
 from __future__ import annotations
 
 import os
 import struct
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from types import TracebackType
 
@@ -173,19 +173,25 @@ class IndexedDatasetWriter:
         self._bin_tmp = data_file(f"{self.prefix}.tmp")
         self._idx_tmp = index_file(f"{self.prefix}.tmp")
         self._bin = open(self._bin_tmp, "wb")
-        self._lengths: list[int] = []
+        self._lengths: list[int] = []  # per sequence
+        self._document_indices = [0]  # document k is sequences [k, k + 1) of these
         self._closed = False
 
     @property
     def num_documents(self) -> int:
+        return len(self._document_indices) - 1
+
+    @property
+    def num_sequences(self) -> int:
         return len(self._lengths)
 
     @property
     def num_tokens(self) -> int:
         return sum(self._lengths)
 
-    def add_document(self, tokens: Iterable[int] | np.ndarray) -> None:
-        """Append one document as one sequence; values that the dtype cannot hold are refused."""
+    def add_document(self, tokens: Iterable[int] | np.ndarray, sequence_lengths: Sequence[int] | None = None) -> None:
+        """Append one document: ``tokens`` back to back, cut into sequences of ``sequence_lengths`` tokens (one
+        sequence when ``None``; e.g. its sentences for BERT); values that the dtype cannot hold are refused."""
         if self._closed:
             raise RuntimeError(f"The writer for {self.prefix} is already finalized or aborted.")
         array = np.asarray(tokens)
@@ -201,8 +207,13 @@ class IndexedDatasetWriter:
                     f"Token values {low}..{high} do not fit the dataset dtype {self.dtype} ({info.min}..{info.max}); "
                     f"write the dataset with a wider dtype."
                 )
+        lengths = [int(array.size)] if sequence_lengths is None else [int(n) for n in sequence_lengths]
+        if min(lengths, default=0) < 0 or sum(lengths) != array.size:
+            raise ValueError(f"sequence_lengths {lengths} must be non-negative and add up to the document's "
+                             f"{array.size} tokens.")
         self._bin.write(array.astype(self.dtype, copy=False).tobytes(order="C"))
-        self._lengths.append(int(array.size))
+        self._lengths.extend(lengths)
+        self._document_indices.append(len(self._lengths))
 
     def finalize(self) -> None:
         """Write the index and move both files into place (``.bin`` first, then ``.idx``)."""
@@ -214,7 +225,7 @@ class IndexedDatasetWriter:
         pointers = np.zeros(len(lengths), dtype=np.int64)
         np.cumsum(lengths[:-1], dtype=np.int64, out=pointers[1:])
         pointers *= self.dtype.itemsize
-        document_indices = np.arange(len(lengths) + 1, dtype=np.int64)
+        document_indices = np.array(self._document_indices, dtype=np.int64)
         header = _HEADER.pack(INDEX_MAGIC, INDEX_VERSION, _CODE_OF_DTYPE[self.dtype], len(lengths), len(document_indices))
         with open(self._idx_tmp, "wb") as f:
             f.write(header)

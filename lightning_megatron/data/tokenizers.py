@@ -1,15 +1,21 @@
-"""Tokenizers: the built-in byte tokenizer, Hugging Face ``tokenizer.json`` files, and BPE training.
+"""Tokenizers: the built-in byte tokenizer, Hugging Face ``tokenizer.json`` files, and BPE and WordPiece training.
 
 Everything that turns text into ids goes through the small :class:`Tokenizer` protocol, so
 preprocessing and the data modules work the same with any of them. The Hugging Face
 ``tokenizers`` library is optional (``pip install 'lightning-megatron[hf]'``) and imported
 only when a ``tokenizer.json`` is loaded or trained; the byte tokenizer needs nothing.
+
+Two kinds are trained here, offline: a byte-level BPE for GPT (:func:`train_bpe_tokenizer`)
+and a BERT-style WordPiece (:func:`train_wordpiece_tokenizer`), whose ``[PAD] [CLS] [SEP]
+[MASK]`` the BERT data module reads from the file, as it does from a ``tokenizer.json`` saved
+by transformers' ``BertTokenizerFast``. A WordPiece vocabulary has no end-of-document token of
+its own: its ``[SEP]`` separates documents (``--append-eos`` appends it).
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from types import ModuleType
 from typing import Protocol, runtime_checkable
@@ -18,9 +24,13 @@ from lightning_megatron.data.corpus import ByteTokenizer
 
 #: The end-of-document token that :func:`train_bpe_tokenizer` adds (GPT-2's spelling).
 DEFAULT_EOS_TOKEN = "<|endoftext|>"
+#: BERT's special tokens, as :func:`train_wordpiece_tokenizer` writes them (ids 0 to 4) and BERT's vocabularies
+#: spell them.
+BERT_SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
 # End-of-document tokens of common tokenizer.json files, tried in order when none is named:
-# GPT-2 and ours, Llama 3, Llama 2 / T5 / BART, Gemma.
-_KNOWN_EOS_TOKENS = (DEFAULT_EOS_TOKEN, "<|end_of_text|>", "</s>", "<eos>")
+# GPT-2 and ours, Llama 3, Llama 2 / T5 / BART, Gemma, and last BERT's WordPiece, whose [SEP]
+# separates documents.
+_KNOWN_EOS_TOKENS = (DEFAULT_EOS_TOKEN, "<|end_of_text|>", "</s>", "<eos>", "[SEP]")
 
 
 @runtime_checkable
@@ -56,10 +66,12 @@ class HFTokenizer:
     Args:
         path: the ``tokenizer.json`` file.
         eos_token: the end-of-document token; by default the first of ``<|endoftext|>``,
-            ``<|end_of_text|>``, ``</s>``, ``<eos>`` that the vocabulary has.
+            ``<|end_of_text|>``, ``</s>``, ``<eos>``, ``[SEP]`` that the vocabulary has.
 
     ``encode`` adds no special tokens (documents are separated by ``eos_id`` when packed);
-    ``decode`` drops them.
+    ``decode`` drops them. BERT's special ids (``pad_id``, ``cls_id``, ``sep_id``, ``mask_id``)
+    are those of ``[PAD] [CLS] [SEP] [MASK]``, ``None`` where the vocabulary lacks the token;
+    ``special_ids`` are the ids of all the file's special tokens.
 
     Example::
 
@@ -84,12 +96,28 @@ class HFTokenizer:
             )
         self.eos_token, self.eos_id = found[0]
         self.vocab_size: int = self._tokenizer.get_vocab_size(with_added_tokens=True)
+        added = self._tokenizer.get_added_tokens_decoder()
+        #: Ids of the special tokens ([UNK], end of document, BERT's, ...), which are no ordinary text.
+        self.special_ids = frozenset(i for i, token in added.items() if token.special)
+        self.pad_id, _, self.cls_id, self.sep_id, self.mask_id = map(self._tokenizer.token_to_id, BERT_SPECIAL_TOKENS)
 
     def encode(self, text: str) -> list[int]:
         return self._tokenizer.encode(text, add_special_tokens=False).ids
 
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        """``encode`` of each text, in one call into the library (which threads the batch over all cores unless
+        ``TOKENIZERS_PARALLELISM=false``, as ``preprocess`` sets it while it runs)."""
+        return [encoding.ids for encoding in self._tokenizer.encode_batch(list(texts), add_special_tokens=False)]
+
     def decode(self, ids: Iterable[int]) -> str:
         return self._tokenizer.decode([int(i) for i in ids], skip_special_tokens=True)
+
+
+def encode_batch(tokenizer: Tokenizer, texts: Sequence[str]) -> list[list[int]]:
+    """``tokenizer.encode`` of each text, in one call for a tokenizer that encodes batches (Hugging Face's)."""
+    if isinstance(tokenizer, HFTokenizer):
+        return tokenizer.encode_batch(texts)
+    return [tokenizer.encode(text) for text in texts]
 
 
 def load_tokenizer(spec: str | os.PathLike) -> Tokenizer:
@@ -137,8 +165,7 @@ def train_bpe_tokenizer(
 
     Byte-level (as GPT-2) means the 256 byte values are in the vocabulary from the start, so
     any text is encodable and nothing maps to an unknown token; ``eos_token`` is added as a
-    special token that separates documents. The file is written under a temporary name and
-    renamed, so an interrupted run never leaves a broken tokenizer behind.
+    special token that separates documents.
 
     Example::
 
@@ -162,6 +189,57 @@ def train_bpe_tokenizer(
         initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
+    _train_and_save(tokenizer, trainer, texts, output_path)
+    return HFTokenizer(output_path, eos_token=eos_token)
+
+
+def train_wordpiece_tokenizer(
+    texts: Iterable[str],
+    *,
+    vocab_size: int,
+    output_path: str | os.PathLike,
+    lowercase: bool = False,
+) -> HFTokenizer:
+    """Train a BERT-style WordPiece tokenizer on ``texts`` offline and save it as a ``tokenizer.json``.
+
+    As BERT's: the normalizer cleans control characters, spaces out CJK characters and, with
+    ``lowercase``, lowercases and strips accents (an "uncased" vocabulary); the pre-tokenizer
+    splits at whitespace and punctuation; word pieces after the first carry ``##``. The
+    special tokens ``[PAD] [UNK] [CLS] [SEP] [MASK]`` get ids 0 to 4, and the file's
+    post-processor adds ``[CLS] A [SEP] B [SEP]`` as transformers' ``BertTokenizerFast`` does
+    (``HFTokenizer.encode`` adds nothing). Characters never seen in ``texts`` become ``[UNK]``.
+    The end-of-document id of the returned tokenizer is ``[SEP]``'s.
+
+    Example::
+
+        >>> tok = train_wordpiece_tokenizer(["The cat sat on the mat."] * 100, vocab_size=200,
+        ...                                 output_path="tokenizer.json")  # doctest: +SKIP
+        >>> tok.cls_id, tok.sep_id, tok.mask_id                                # doctest: +SKIP
+        (2, 3, 4)
+    """
+    tokenizers = _import_tokenizers()
+    minimum = len(BERT_SPECIAL_TOKENS) + 1
+    if vocab_size < minimum:
+        raise ValueError(f"vocab_size={vocab_size} is too small for a WordPiece vocabulary: it needs at least {minimum} "
+                         f"ids ({', '.join(BERT_SPECIAL_TOKENS)} and a piece of text).")
+    unk, cls, sep = BERT_SPECIAL_TOKENS[1:4]
+    tokenizer = tokenizers.Tokenizer(tokenizers.models.WordPiece(unk_token=unk))
+    tokenizer.normalizer = tokenizers.normalizers.BertNormalizer(lowercase=lowercase)
+    tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.BertPreTokenizer()
+    tokenizer.decoder = tokenizers.decoders.WordPiece()
+    tokenizer.post_processor = tokenizers.processors.TemplateProcessing(
+        single=f"{cls} $A {sep}", pair=f"{cls} $A {sep} $B:1 {sep}:1",
+        special_tokens=[(cls, 2), (sep, 3)],
+    )
+    trainer = tokenizers.trainers.WordPieceTrainer(vocab_size=vocab_size, special_tokens=list(BERT_SPECIAL_TOKENS),
+                                                   show_progress=False)
+    _train_and_save(tokenizer, trainer, texts, output_path)
+    return HFTokenizer(output_path, eos_token=sep)
+
+
+def _train_and_save(tokenizer, trainer, texts: Iterable[str], output_path: str | os.PathLike) -> None:
+    """Train ``tokenizer`` on ``texts`` and write it to ``output_path`` under a temporary name, then renamed, so an
+    interrupted run never leaves a broken tokenizer behind."""
     texts_seen = 0
 
     def counted(texts: Iterable[str]) -> Iterable[str]:
@@ -172,9 +250,8 @@ def train_bpe_tokenizer(
 
     tokenizer.train_from_iterator(counted(texts), trainer)
     output_path = Path(output_path)
-    if not texts_seen:  # it would be a tokenizer of the bare byte alphabet, trained on nothing
+    if not texts_seen:  # it would be a tokenizer of the bare alphabet, trained on nothing
         raise ValueError(f"No text to train a tokenizer on (every text was empty); nothing was written to {output_path}.")
     tmp = output_path.with_name(output_path.name + ".tmp")
     tokenizer.save(str(tmp))
     os.replace(tmp, output_path)
-    return HFTokenizer(output_path, eos_token=eos_token)
