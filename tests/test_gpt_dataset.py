@@ -231,3 +231,12 @@ def test_blend_gives_the_same_global_batches_at_dp_1_2_4_and_after_a_resume(tmp_
     assert global_batches(2) == single and global_batches(4) == single
     assert global_batches(4, resume_at=5)[5:] == single[5:] and global_batches(2, resume_at=7)[7:] == single[7:]
     assert len({row for batch in single for row in batch}) == steps * 8
+
+
+def test_an_unwritable_cache_directory_says_which_setting_to_change(corpus, tmp_path):
+    indexed, _ = corpus
+    (tmp_path / "not-a-directory").write_text("a file where the cache would go")
+    with pytest.raises(OSError, match=r"Cannot write the GPT documents index to .*not-a-directory.*index_cache_dir="):
+        GPTDataset(indexed, range(0, 40), seq_length=16, num_samples=10, seed=0, eos_id=EOS,
+                   cache_dir=tmp_path / "not-a-directory")
+    assert (tmp_path / "not-a-directory").read_text() == "a file where the cache would go"

@@ -181,7 +181,13 @@ def load_or_build(
         if problem is not None:
             say(f"the cached {what} index {entry} is not usable ({problem}); rebuilding it")
         start = time.perf_counter()
-        _write_entry(entry, key, build())
+        arrays = build()
+        try:
+            _write_entry(entry, key, arrays)
+        except OSError as error:
+            raise OSError(error.errno, f"Cannot write the {what} index to {cache_dir} ({error.strerror or error}); "
+                          f"give the data module an index_cache_dir= that is writable and seen by every rank of a "
+                          f"node, or set LIGHTNING_MEGATRON_CACHE", str(entry)) from error
         seconds, built_here = time.perf_counter() - start, True
         say(f"built the {what} index in {seconds:.2f} s: {entry}")
 
