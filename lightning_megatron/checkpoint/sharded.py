@@ -24,7 +24,6 @@ import json
 import os
 import threading
 import warnings
-import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Optional, Union
@@ -37,6 +36,7 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
+from lightning_megatron.checksums import file_crc32
 from lightning_megatron.models.formats import ShardedCheckpointReader, register_sharded_checkpoint_reader
 from lightning_megatron.checkpoint.pieces import ShardedEntry
 from lightning_megatron.checkpoint.replacement import (  # noqa: F401 (write_atomically, replaced_path: re-exported)
@@ -119,13 +119,8 @@ def write_tensors(partial: Path, tensors: Entries, *, process_group: Optional[di
 
 
 def file_checksum(path: Path) -> str:
-    """CRC-32 of a file (zlib's, read in 16 MiB chunks): catches bytes changed in place, at about the speed
-    of reading the file back (``benchmarks/checkpoint_checks.py`` measures it)."""
-    crc = 0
-    with open(path, "rb") as file:
-        while chunk := file.read(16 * 2**20):
-            crc = zlib.crc32(chunk, crc)
-    return f"{crc:08x}"
+    """The file's CRC-32 as recorded in ``megatron_3d.json`` (``benchmarks/checkpoint_checks.py`` measures it)."""
+    return f"{file_crc32(path):08x}"
 
 
 def checksum_own_files(partial: Path, rank: int) -> dict[str, dict]:

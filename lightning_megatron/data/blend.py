@@ -91,11 +91,16 @@ def blend_index(weights: Sequence[float], num_samples: int) -> tuple[np.ndarray,
     return dataset, sample
 
 
+def samples_per_dataset(dataset_index: Any, num_datasets: int) -> list[int]:
+    """How many of a blend's samples come from each dataset (``dataset_index``: the blend's dataset array)."""
+    return np.bincount(np.asarray(dataset_index), minlength=num_datasets).tolist()
+
+
 class BlendedDataset(Dataset):
     """``num_samples`` samples drawn from ``datasets`` by ``weights`` (see the module docstring).
 
-    Build it with :meth:`build`: the number of samples each dataset must provide follows from
-    the blend index, so the index comes first. ``sample_counts(n)`` says how many of the first
+    The index comes first (:meth:`index`): the number of samples each dataset must provide
+    follows from it (:func:`samples_per_dataset`). ``sample_counts(n)`` says how many of the first
     ``n`` samples each dataset gave (the consumed-data log). Its order is always the blend's
     (``shuffles_samples``): a sampler's shuffle would break the running shares; each dataset's
     own order is shuffled.
@@ -108,7 +113,8 @@ class BlendedDataset(Dataset):
         self.datasets, self.names = list(datasets), list(names)
         self.dataset_index, self.dataset_sample = dataset_index, dataset_sample
         #: samples the whole blend takes from each dataset
-        self.totals = dict(zip(self.names, np.bincount(np.asarray(dataset_index), minlength=len(self.datasets)).tolist()))
+        self.totals = dict(zip(self.names, samples_per_dataset(dataset_index, len(self.datasets))))
+        self._counted = (0, np.zeros(len(self.datasets), dtype=np.int64))  # sample_counts' last position and counts
         for dataset, name in zip(self.datasets, self.names):
             if len(dataset) < self.totals[name]:
                 raise ValueError(f"Blend dataset {name} has {len(dataset)} samples; the blend needs {self.totals[name]}.")
@@ -140,7 +146,7 @@ class BlendedDataset(Dataset):
         rank, with no communication). Counted on from the previous call's position when it is not past this one,
         so a call per training step costs a batch, not the whole prefix."""
         num_samples = min(num_samples, len(self))
-        start, counts = getattr(self, "_counted", (0, np.zeros(len(self.datasets), dtype=np.int64)))
+        start, counts = self._counted
         if start > num_samples:
             start, counts = 0, np.zeros(len(self.datasets), dtype=np.int64)
         counts = counts + np.bincount(np.asarray(self.dataset_index[start:num_samples]), minlength=len(self.datasets))

@@ -11,11 +11,10 @@ import os
 from pathlib import Path
 from typing import Optional, Union
 
-import numpy as np
 from torch.utils.data import Dataset
 
 from lightning_megatron.data.base import DataParallelDataModule
-from lightning_megatron.data.blend import BlendedDataset, parse_data_prefix
+from lightning_megatron.data.blend import BlendedDataset, parse_data_prefix, samples_per_dataset
 from lightning_megatron.data.corpus import cache_root, stdlib_indexed_corpus
 from lightning_megatron.data.gpt_dataset import DocumentMasks, GPTDataset
 from lightning_megatron.data.index_cache import Ranks
@@ -165,7 +164,7 @@ class GPTDataModule(DataParallelDataModule):
         weights = [self.weights[d] for d in present]
         dataset_index, dataset_sample = BlendedDataset.index(weights, num_samples, cache_dir=self.cache_dir(),
                                                              ranks=self.ranks)
-        needed = np.bincount(np.asarray(dataset_index), minlength=len(present)).tolist()
+        needed = samples_per_dataset(dataset_index, len(present))
         parts = [self._gpt_dataset(d, documents[d], count, split) for d, count in zip(present, needed)]
         return BlendedDataset(parts, [self.prefixes[d] for d in present], dataset_index, dataset_sample)
 

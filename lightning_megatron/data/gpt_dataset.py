@@ -128,7 +128,7 @@ class GPTDataset(Dataset):
         self.dataset, self.documents, self.seq_length, self.eos_id = dataset, documents, seq_length, eos_id
         self.masks, self.vocab_size, self.name = masks, vocab_size, name
         self.shuffles_samples = num_samples is not None
-        # Two cache entries, both built by one rank and memory-mapped by all: the split's documents (shared by
+        # Two cache entries, both built by one rank and read by all: the split's documents (shared by
         # every seq_length and seed), then its samples. No rank holds an array that grows with the corpus.
         documents_entry = documents_key(dataset, documents, eos_id)
         documents_cache = load_or_build(cache_dir, documents_entry, lambda: split_documents(dataset, documents, eos_id),

@@ -22,7 +22,6 @@ import os
 import shutil
 import sys
 import time
-import zlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,6 +30,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
+from lightning_megatron.checksums import file_crc32
 from lightning_megatron.data.file_array import FileArray
 
 
@@ -40,7 +40,6 @@ def say(message: str) -> None:
     print(f"lightning-megatron: {message}", file=sys.stderr, flush=True)
 
 MANIFEST = "manifest.json"
-_CRC_CHUNK = 1 << 20  # small reads: a 16 MB buffer would stay in the heap of every rank
 
 
 @dataclass
@@ -71,15 +70,6 @@ class Ranks:
 
 def key_digest(key: Mapping[str, Any]) -> str:
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
-
-
-def file_crc32(path: Path) -> int:
-    """CRC-32 of a file, read in chunks (not memory-mapped, so the pages do not stay in this process)."""
-    crc = 0
-    with open(path, "rb") as f:
-        while chunk := f.read(_CRC_CHUNK):
-            crc = zlib.crc32(chunk, crc)
-    return crc
 
 
 def _entry_problem(entry: Path, key: Mapping[str, Any], *, checksums: bool = True) -> Optional[str]:
