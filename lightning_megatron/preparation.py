@@ -31,6 +31,7 @@ from lightning_megatron.parallel.random import TensorParallelRNG
 from lightning_megatron.parallel.recompute import apply_activation_checkpointing
 from lightning_megatron.parallel.state import ParallelState
 from lightning_megatron.pipeline.blocks import PipelineBlocks
+from lightning_megatron.pipeline.inference import PipelineInference
 from lightning_megatron.pipeline.layout import PipelineLayout
 from lightning_megatron.pipeline.runner import PipelineRunner
 from lightning_megatron.pipeline.stage import StageModule, split_for_pipeline
@@ -99,12 +100,16 @@ def start_pipeline(split: PipelineSplit, state: ParallelState, *, device: torch.
                             micro_batch_size=micro_batch_size, root=root, recorder=recorder,
                             before_backward=before_backward)
     root.loss = runner.loss  # the model's loss() now runs the schedule
+    # Generation and predict walk the stages themselves (one batch, shapes that change, a key/value cache).
+    root.pipeline_inference = PipelineInference(split.stage_modules, split.local_stages, num_stages=layout.num_stages,
+                                                group=state.pipeline_parallel_group, device=device)
 
     def forward_needs_the_whole_model(*args, **kwargs):
         raise RuntimeError(
             f"Under pipeline_parallel_size={layout.pipeline_parallel_size} each rank holds only some stages of "
-            f"{type(root).__name__}, so forward() (and predict) cannot run; call the model's loss(...), which "
-            f"runs the pipeline schedule, or gather the weights (strategy.full_state_dict()) into one process."
+            f"{type(root).__name__}, so forward() cannot run on one rank; call the model's loss(...), which "
+            f"runs the pipeline schedule, root.pipeline_inference(...) for logits on the last stage, or the "
+            f"LightningModule's predict_step / generate, which work at every layout."
         )
 
     root.forward = forward_needs_the_whole_model

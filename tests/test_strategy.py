@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from launch import launch
-from workers.trainer_setup import datamodule, model, trainer_kwargs
+from workers.trainer_setup import PREDICT_GENERATION, PREDICT_PROMPTS, datamodule, model, trainer_kwargs
 import lightning_megatron  # noqa: F401  (registers "megatron_3d")
 from lightning_megatron.cli import main as cli_main
 from lightning_megatron import Megatron3DStrategy
@@ -15,7 +15,8 @@ from lightning_megatron.checkpoint import consolidated_state_dict, open_sharded
 
 FIT = {"tp": 2, "sp": True, "accumulate": 2, "clip": 0.5, "steps": 5, "zero_stage": 1, "checksums": True}
 PIPELINE_FIT = {"tp": 2, "pp": 2, "sp": True, "accumulate": 2, "clip": 0.5, "steps": 4, "micro_batch_size": 2,
-                "layers": 4, "timeline": True, "recompute": "selective", "zero_stage": 2, "test": True}
+                "layers": 4, "timeline": True, "recompute": "selective", "zero_stage": 2, "test": True,
+                "predict": True}
 
 
 def plain_lightning_run(options):
@@ -102,6 +103,22 @@ def test_fit_pp2_tp2_dp2_matches_plain_lightning(tmp_path):
     bubble = results[0]["bubble"]
     assert (tmp_path / "timeline.png").stat().st_size > 10_000
     assert 0.0 < bubble["measured"] < 1.0 and bubble["theory"] == pytest.approx(1 / 3)  # p=2, m=2: (1/2)/(1+1/2)
+
+    # trainer.predict on the split model: every rank returns what the one-process model generates from (and the
+    # full, unpadded logits of) the same batch; Lightning gives data-parallel rank d the items d, d + 2, ...
+    reference = model(PIPELINE_FIT)
+    reference.configure_model()
+    reference.load_state_dict(ref_weights)
+    for rank, result in enumerate(results):
+        dp_rank = (rank // 2) % 2
+        expected = reference.generate(PREDICT_PROMPTS[dp_rank::2], **PREDICT_GENERATION)
+        assert result["predicted"]["tokens"] == [expected], (rank, result["predicted"], expected)
+        ids = torch.stack([torch.arange(i, i + 12) % 257 for i in range(0, 40, 10)][dp_rank::2])
+        (logits,) = torch.load(tmp_path / f"logits{rank}.pt", weights_only=True)["logits"]
+        with torch.no_grad():
+            want = reference(ids)
+        assert logits.shape == want.shape == (2, 12, 257)
+        assert (logits - want).abs().max() < 1e-5
 
 
 def test_dp2_with_uneven_token_counts_matches_plain_lightning(tmp_path):

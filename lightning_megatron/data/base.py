@@ -127,7 +127,7 @@ class DataParallelDataModule(L.LightningDataModule):
         config = getattr(getattr(self.trainer, "lightning_module", None), "config", None)
         if config is not None:
             self.check_model(config)
-        if self.train_dataset is not None:
+        if self.train_dataset is not None or stage == "predict":  # predicting reads prompts, not the corpus
             return
         counts = self.open_corpus()
         blended = isinstance(counts, list)

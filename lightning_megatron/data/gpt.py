@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 from typing import Optional, Union
 
-from torch.utils.data import Dataset
+from torch.utils.data import DataLoader, Dataset
 
 from lightning_megatron.data.base import DataParallelDataModule
 from lightning_megatron.data.blend import BlendedDataset, parse_data_prefix, samples_per_dataset
@@ -20,6 +20,7 @@ from lightning_megatron.data.gpt_dataset import DocumentMasks, GPTDataset
 from lightning_megatron.data.index_cache import Ranks
 from lightning_megatron.data.indexed import IndexedDataset
 from lightning_megatron.data.preprocess import load_dataset_tokenizer, read_metadata
+from lightning_megatron.data.prompts import PromptDataset
 from lightning_megatron.data.tokenizers import Tokenizer, check_vocab_fits, load_tokenizer
 
 _SPLIT_SEEDS = {"train": 0, "validation": 1, "test": 2}  # each split's samples are shuffled by its own stream
@@ -52,6 +53,10 @@ class GPTDataModule(DataParallelDataModule):
         index_cache_dir: where the index arrays are cached; by default ``index_cache`` next
             to the (first) dataset, or under ``$LIGHTNING_MEGATRON_CACHE`` when that directory
             is not writable.
+        predict_prompts: text (or token-id lists) for ``trainer.predict``: ``GPT.predict_step``
+            continues each (``data/prompts.py``), with the ``generation`` settings
+            (``{"max_new_tokens": 32, "temperature": 0.0, ...}``; ``eos_id`` defaults to the
+            tokenizer's). Predicting opens no corpus.
 
     Example::
 
@@ -84,6 +89,8 @@ class GPTDataModule(DataParallelDataModule):
         reset_attention_mask: bool = False,
         eod_mask_loss: bool = False,
         index_cache_dir: Optional[str] = None,
+        predict_prompts: Optional[list[Union[str, list[int]]]] = None,
+        generation: Optional[dict] = None,
     ) -> None:
         super().__init__(global_batch_size=global_batch_size, split=split, seed=seed, num_workers=num_workers)
         self.check_data_choice(max_files=max_files, data_prefix=data_prefix, tokenizer=tokenizer)
@@ -97,6 +104,7 @@ class GPTDataModule(DataParallelDataModule):
         self.prefixes, self.weights = parse_data_prefix(data_prefix) if data_prefix is not None else ([], [1.0])
         self.tokenizer = self._load_tokenizer(tokenizer)
         self._corpora: list[IndexedDataset] = []
+        self.prompts = PromptDataset(predict_prompts, self.tokenizer, generation) if predict_prompts else None
 
     def _load_tokenizer(self, spec: Optional[str]) -> Tokenizer:
         """The tokenizer the data was made with: ``spec``, else the one ``preprocess`` recorded (the same for
@@ -171,6 +179,14 @@ class GPTDataModule(DataParallelDataModule):
     def train_dataloader(self):
         self._train_loader = super().train_dataloader()
         return self._train_loader
+
+    def predict_dataloader(self) -> DataLoader:
+        """The prompts, in order, ``per_rank_batch_size`` at a time (Lightning splits them over dp)."""
+        if self.prompts is None:
+            raise ValueError("trainer.predict needs prompts: GPTDataModule(predict_prompts=['...'], generation="
+                             "{'max_new_tokens': 32}) (or --data.predict_prompts on the command line).")
+        return DataLoader(self.prompts, batch_size=self.per_rank_batch_size, collate_fn=self.prompts.collate,
+                          shuffle=False)
 
     def consumed_tokens(self) -> dict[str, int]:
         """Tokens each blended dataset has given to training so far (empty for one dataset), read from the

@@ -85,7 +85,11 @@ class SelfAttention(nn.Module):
         groups = max(1, rows // (self.heads_per_group + 2))
         return groups, rows // groups - 2
 
-    def forward(self, x: Tensor, attention_mask: Optional[Tensor] = None, positions: Optional[Tensor] = None) -> Tensor:
+    def forward(self, x: Tensor, attention_mask: Optional[Tensor] = None, positions: Optional[Tensor] = None,
+                kv_cache=None) -> Tensor:
+        """``kv_cache``: when generating, the keys and values of the tokens before ``x`` (a
+        :class:`~lightning_megatron.generation.KVCache`): this call's are appended to it, attention reads all of
+        them, and the cache's mask (causal over the cached positions, padding excluded) applies."""
         qkv = self.qkv(x)
         batch, seq = qkv.shape[:2]  # the full sequence, also when x is a sequence-parallel chunk
         groups, heads_per_group = self.local_layout()
@@ -95,5 +99,8 @@ class SelfAttention(nn.Module):
         k, v = k.squeeze(3).transpose(1, 2), v.squeeze(3).transpose(1, 2)
         if self.rotary is not None:
             q, k = self.rotary(q, k, positions)
+        if kv_cache is not None:
+            k, v = kv_cache.append(self, k, v)
+            attention_mask = kv_cache.mask
         y = self.core_attention(q, k, v, attention_mask)
         return self.proj(y.transpose(1, 2).reshape(batch, seq, groups * heads_per_group * self.head_dim))

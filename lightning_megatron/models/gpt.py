@@ -17,6 +17,7 @@ import torch
 from torch import Tensor, nn
 from torchmetrics import MeanMetric
 
+from lightning_megatron.generation import full_logits, generate
 from lightning_megatron.models.formats import HFFormat, hf_format_for
 from lightning_megatron.models.optim_recipe import PretrainingRecipe
 from lightning_megatron.models.attention import SelfAttention
@@ -250,15 +251,20 @@ class GPTModel(nn.Module):
         return self.embedding(input_ids, position_ids)
 
     def layer_kwargs(self, *, position_ids: Optional[Tensor] = None, document_ids: Optional[Tensor] = None,
-                     **side: Tensor) -> dict:
+                     kv_cache=None, **side) -> dict:
         kwargs = {}
         if document_ids is not None:
             kwargs["attention_mask"] = document_causal_mask(document_ids)
         if position_ids is not None and self.config.position_embedding_type == "rope":
             kwargs["positions"] = position_ids
+        if kv_cache is not None:
+            kwargs["kv_cache"] = kv_cache
         return kwargs
 
-    def head(self, x: Tensor, **side: Tensor) -> Tensor:
+    def head(self, x: Tensor, *, logits_to_keep: int = 0, **side) -> Tensor:
+        """Logits of every position, or of the last ``logits_to_keep`` (generation needs only the last)."""
+        if logits_to_keep:
+            x = x[:, -logits_to_keep:]
         return self.lm_head(self.ln_f(x))
 
     def pipeline_batch(self, input_ids: Tensor, labels: Tensor, *, position_ids: Optional[Tensor] = None,
@@ -273,8 +279,10 @@ class GPTModel(nn.Module):
         return loss_sum, num_tokens
 
     def forward(self, input_ids: Tensor, *, position_ids: Optional[Tensor] = None,
-                document_ids: Optional[Tensor] = None) -> Tensor:
-        side = _present(position_ids=position_ids, document_ids=document_ids)
+                document_ids: Optional[Tensor] = None, kv_cache=None, logits_to_keep: int = 0) -> Tensor:
+        """``kv_cache`` and ``logits_to_keep``: generation's (``lightning_megatron.generation``)."""
+        side = _present(position_ids=position_ids, document_ids=document_ids, kv_cache=kv_cache,
+                        logits_to_keep=logits_to_keep or None)
         x = self.embed(input_ids, **side)
         layer_kwargs = self.layer_kwargs(**side)
         for block in self.blocks.values():
@@ -385,6 +393,32 @@ class GPT(PretrainingRecipe):
 
     def on_test_epoch_end(self) -> None:
         self._log_held_out("test")
+
+    def generate(self, input_ids, max_new_tokens: int = 32, temperature: float = 0.0, top_k: int = 0,
+                 top_p: float = 1.0, eos_id: Optional[int] = None, seed: int = 0, *,
+                 attention_mask: Optional[Tensor] = None, pad_id: Optional[int] = None):
+        """Continue the prompts; greedy by default. In one process and under ``Megatron3DStrategy`` at any
+        layout, with the same tokens for the same seed (see :func:`lightning_megatron.generation.generate`
+        for the arguments and what it returns).
+
+        Example::
+
+            gpt = GPT.from_hf("gpt2_dir")
+            gpt.generate(torch.tensor([[464, 2068, 7586]]), max_new_tokens=20)  # prompt + 20 tokens, as HF's
+        """
+        return generate(self.model, input_ids, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+                        top_p=top_p, eos_id=eos_id, seed=seed, attention_mask=attention_mask, pad_id=pad_id)
+
+    def predict_step(self, batch: dict, batch_idx: int = 0) -> dict:
+        """A batch of prompts (with ``attention_mask``, as ``data.prompts.PromptDataset`` gives): ``{"tokens": one
+        list per prompt, its tokens and the generated ones}`` with the batch's ``generation`` settings. A batch of
+        samples (``input_ids``, e.g. ``GPTDataModule``'s): ``{"logits": [B, S, vocab_size]}`` in fp32 over the whole,
+        unpadded vocabulary. Both on every rank, at every layout."""
+        if "attention_mask" in batch:
+            mask = batch["attention_mask"].bool()
+            prompts = [row[keep].tolist() for row, keep in zip(batch["input_ids"], mask)]
+            return {"tokens": self.generate(prompts, **batch.get("generation", {}))}
+        return {"logits": full_logits(self.model, batch["input_ids"], **self._side(batch))}
 
     def _log_held_out(self, split: str) -> None:
         """Per-token loss and perplexity over the whole split (the metric syncs over dp)."""

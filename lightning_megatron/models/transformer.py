@@ -43,13 +43,15 @@ class TransformerLayer(nn.Module):
         self.mlp = mlp
         self.drop = nn.Dropout(dropout)
 
-    def forward(self, x: Tensor, attention_mask: Optional[Tensor] = None, positions: Optional[Tensor] = None) -> Tensor:
+    def forward(self, x: Tensor, attention_mask: Optional[Tensor] = None, positions: Optional[Tensor] = None,
+                kv_cache=None) -> Tensor:
         """``attention_mask``: booleans broadcast to ``[B, heads, S, S]``, True = attend (``None``: the attention's
-        own causal or full pattern); ``positions``: ``[B, S]`` token positions for rotary attention."""
+        own causal or full pattern); ``positions``: ``[B, S]`` token positions for rotary attention; ``kv_cache``:
+        the keys and values of earlier tokens when generating (see ``SelfAttention.forward``)."""
         if self.post_norm:
-            x = self.ln_1(x + self.drop(self.attn(x, attention_mask, positions)))
+            x = self.ln_1(x + self.drop(self.attn(x, attention_mask, positions, kv_cache)))
             return self.ln_2(x + self.drop(self.mlp(x)))
-        x = x + self.drop(self.attn(self.ln_1(x), attention_mask, positions))
+        x = x + self.drop(self.attn(self.ln_1(x), attention_mask, positions, kv_cache))
         return x + self.drop(self.mlp(self.ln_2(x)))
 
 

@@ -8,8 +8,15 @@ from lightning_megatron.tensor_parallel.layers import (
     VocabParallelEmbedding,
     VocabParallelHead,
 )
+from lightning_megatron.tensor_parallel.logits import (
+    VocabParallelLogits,
+    VocabShard,
+    find_vocab_head,
+    gather_vocab_logits,
+)
 from lightning_megatron.tensor_parallel.mappings import (
     copy_to_tensor_parallel,
+    full_sequences,
     gather_from_sequence,
     gather_from_tensor_parallel,
     gather_sequence_to_replicated,
@@ -33,10 +40,15 @@ __all__ = [
     "VocabParallelCrossEntropy",
     "VocabParallelEmbedding",
     "VocabParallelHead",
+    "VocabParallelLogits",
+    "VocabShard",
     "copy_to_tensor_parallel",
+    "find_vocab_head",
+    "full_sequences",
     "gather_from_sequence",
     "gather_from_tensor_parallel",
     "gather_sequence_to_replicated",
+    "gather_vocab_logits",
     "parallelize",
     "reduce_from_tensor_parallel",
     "reduce_scatter_to_sequence",

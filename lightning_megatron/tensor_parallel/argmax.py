@@ -15,6 +15,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from lightning_megatron.tensor_parallel.logits import as_plain
+
 
 class Argmax(nn.Module):
     """``logits.argmax(-1)``: a module only so that a tensor-parallel plan can swap it (style ``"vocab"``)."""
@@ -29,6 +31,7 @@ def vocab_parallel_argmax(logits: Tensor, group: Optional[dist.ProcessGroup]) ->
 
     Ties go to the smallest id, as ``torch.argmax`` does; padding rows hold ``-inf`` and never win.
     """
+    logits = as_plain(logits)
     if group is None:
         return logits.argmax(dim=-1)
     local_max, local_ids = logits.max(dim=-1)

@@ -15,6 +15,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from lightning_megatron.tensor_parallel.logits import as_plain
+
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
@@ -56,6 +58,7 @@ def vocab_parallel_cross_entropy(
     logits: Tensor, target: Tensor, group: Optional[dist.ProcessGroup], ignore_index: int = -100
 ) -> Tensor:
     """Per-token losses (``reduction="none"``) of logits split along the last dimension over ``group``."""
+    logits = as_plain(logits)
     if group is None:
         return F.cross_entropy(logits.float(), target, ignore_index=ignore_index, reduction="none")
     return _VocabParallelCrossEntropy.apply(logits, target, group, ignore_index)

@@ -25,6 +25,7 @@ from lightning_megatron.tensor_parallel.mappings import (
     reduce_from_tensor_parallel,
     reduce_scatter_to_sequence,
 )
+from lightning_megatron.tensor_parallel.logits import VocabShard, mark_vocab_parallel
 from lightning_megatron.tensor_parallel.sharding import RankRanges, make_shard, new_parameter
 
 Group = Optional[dist.ProcessGroup]
@@ -162,8 +163,9 @@ class VocabParallelEmbedding(nn.Module):
 class VocabParallelHead(ColumnParallelLinear):
     """The output projection onto a vocab-parallel embedding's rows; its logits stay split.
 
-    Logits of padding rows are set to ``-inf`` so that no softmax ever predicts them.
-    Feed the result to ``VocabParallelCrossEntropy``, or gather it for generation.
+    Logits of padding rows are set to ``-inf`` so that no softmax ever predicts them. Split over
+    more than one rank they come back marked (``logits.VocabParallelLogits``): feed them to
+    ``VocabParallelCrossEntropy``, or ``gather_vocab_logits`` them; full-vocabulary functions refuse them.
     """
 
     def __init__(self, in_features: int, num_embeddings: int, bias: bool = False, *, pad_to_multiple_of: int = 128,
@@ -171,9 +173,12 @@ class VocabParallelHead(ColumnParallelLinear):
         super().__init__(in_features, num_embeddings, bias, pad_to_multiple_of=pad_to_multiple_of, **kwargs)
         self.real_local_size = self.weight.tensor_shard.real_local_size()
 
+    def vocab_shard(self) -> VocabShard:
+        return VocabShard.of_head(self)
+
     def forward(self, x: Tensor) -> Tensor:
         logits = super().forward(x)
-        if self.real_local_size == logits.shape[-1]:
-            return logits
-        padding = torch.arange(logits.shape[-1], device=logits.device) >= self.real_local_size
-        return logits.masked_fill(padding, float("-inf"))
+        if self.real_local_size != logits.shape[-1]:
+            padding = torch.arange(logits.shape[-1], device=logits.device) >= self.real_local_size
+            logits = logits.masked_fill(padding, float("-inf"))
+        return logits if self.group is None else mark_vocab_parallel(logits, self.vocab_shard())

@@ -17,17 +17,36 @@ operator                       forward                 backward
 
 ``group=None`` means a group of one: every operator is then the identity. Collectives
 are looked up on ``torch.distributed`` at call time, so a test can count them.
+
+Inside :func:`full_sequences` the sequence-parallel operators fall back to plain tensor
+parallelism (the two sequence all-gathers become f, the reduce-scatter becomes g, the
+scatter keeps the whole sequence): generation feeds one token at a time, which no
+sequence split can divide, and the result is the same function.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+import contextlib
+from typing import Iterator, Optional
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 Group = Optional[dist.ProcessGroup]
+
+_full_sequences = False
+
+
+@contextlib.contextmanager
+def full_sequences() -> Iterator[None]:
+    """Run a sequence-parallel model on whole sequences (any length), with tensor parallelism's f and g."""
+    global _full_sequences
+    previous, _full_sequences = _full_sequences, True
+    try:
+        yield
+    finally:
+        _full_sequences = previous
 
 
 def _all_reduce(x: Tensor, group: Group) -> Tensor:
@@ -166,16 +185,22 @@ def reduce_from_tensor_parallel(x: Tensor, group: Group) -> Tensor:
 
 def gather_from_sequence(x: Tensor, group: Group, dim: int = 1) -> Tensor:
     """Sequence-parallel f: rebuild the full sequence before a column-parallel layer."""
+    if _full_sequences:
+        return copy_to_tensor_parallel(x, group)
     return x if group is None else _GatherFromSequence.apply(x, group, dim)
 
 
 def reduce_scatter_to_sequence(x: Tensor, group: Group, dim: int = 1) -> Tensor:
     """Sequence-parallel g: sum partial outputs and keep only this rank's sequence chunk."""
+    if _full_sequences:
+        return reduce_from_tensor_parallel(x, group)
     return x if group is None else _ReduceScatterToSequence.apply(x, group, dim)
 
 
 def scatter_to_sequence(x: Tensor, group: Group, dim: int = 1) -> Tensor:
     """Enter the sequence-parallel region from a replicated tensor (no communication forward)."""
+    if _full_sequences:
+        return x
     return x if group is None else _ScatterToSequence.apply(x, group, dim)
 
 
@@ -186,6 +211,8 @@ def gather_sequence_to_replicated(x: Tensor, group: Group, dim: int = 1) -> Tens
     whole gradient: backward keeps this rank's chunk instead of reduce-scattering (which would
     count it ``tp`` times). Megatron-LM: ``tensor_parallel_output_grad=False``.
     """
+    if _full_sequences:
+        return x
     return x if group is None else _GatherSequenceToReplicated.apply(x, group, dim)
 
 

@@ -14,7 +14,7 @@ import lightning as L
 import torch
 import torch.distributed as dist
 
-from trainer_setup import datamodule, model, trainer_kwargs
+from trainer_setup import PREDICT_GENERATION, PREDICT_PROMPTS, datamodule, model, trainer_kwargs
 from lightning_megatron import Megatron3DStrategy
 from lightning_megatron.callbacks import PipelineTimeline
 
@@ -52,11 +52,23 @@ val_loss = float(trainer.callback_metrics["val_loss"])
 test_loss = None
 if options.get("test"):  # forward-only schedules again, after fit, with the same trainer
     test_loss = float(trainer.test(trainer.lightning_module, datamodule=datamodule(options), verbose=False)[0]["test_loss"])
+predicted = None
+if options.get("predict"):  # after fit, the split model predicts: prompts (generation) and samples (full logits)
+    from torch.utils.data import DataLoader
+
+    from lightning_megatron.data.prompts import PromptDataset
+
+    prompts = PromptDataset(PREDICT_PROMPTS, generation=PREDICT_GENERATION)
+    out = trainer.predict(trainer.lightning_module, DataLoader(prompts, batch_size=2, collate_fn=prompts.collate))
+    samples = [{"input_ids": torch.arange(i, i + 12) % 257} for i in range(0, 40, 10)]
+    logits = trainer.predict(trainer.lightning_module, DataLoader(samples, batch_size=2))
+    predicted = {"tokens": [batch["tokens"] for batch in out]}
+    torch.save({"logits": [batch["logits"] for batch in logits]}, out_dir / f"logits{rank}.pt")
 weights = trainer.strategy.full_state_dict()
 trainer.save_checkpoint(out_dir / "last.ckpt")
 if rank == 0:
     torch.save(weights, out_dir / "weights.pt")
-result = {"losses": losses, "val_loss": val_loss, "test_loss": test_loss,
+result = {"losses": losses, "val_loss": val_loss, "test_loss": test_loss, "predicted": predicted,
           "sampler_replicas": trainer.strategy.distributed_sampler_kwargs["num_replicas"]}
 if options.get("timeline"):
     result["bubble"] = {"measured": timeline.measured, "theory": timeline.theory}

@@ -29,6 +29,11 @@ def datamodule(options: dict) -> GPTDataModule:
     return GPTDataModule(seq_length=32, global_batch_size=8, max_files=24, seed=3, split="80,10,10")
 
 
+# What the Trainer worker's predict option generates from (sampling: the tokens must not depend on the layout).
+PREDICT_PROMPTS = [[5, 9, 12], [40], [7, 7, 7, 7, 7], [100, 3]]
+PREDICT_GENERATION = {"max_new_tokens": 6, "temperature": 0.9, "top_k": 10, "seed": 4}
+
+
 def trainer_kwargs(options: dict) -> dict:
     steps = options.get("steps", 5)
     return dict(max_steps=steps, accumulate_grad_batches=options.get("accumulate", 1),
