@@ -274,3 +274,17 @@ def test_checkpoint_command_converts_a_post_norm_bert_and_back(tmp_path):
     back, saved = consolidated_state_dict(tmp_path / "back.ckpt"), consolidated_state_dict(tmp_path / "bert.ckpt")
     assert all(torch.equal(back[name], value) for name, value in saved.items())
 
+
+
+def test_generate_command_continues_prompts_from_a_sharded_checkpoint(checkpoint, capsys):
+    from lightning_megatron.data.tokenizers import load_tokenizer
+    from lightning_megatron.generation.cli import main as generate_main
+
+    generate_main(["--checkpoint", str(checkpoint), "--prompt", "def f(x):", "--prompt", "import",
+                   "--max-new-tokens", "12", "--temperature", "0.8", "--seed", "3", "--no-eos"])
+    printed = capsys.readouterr()
+    byte = load_tokenizer("byte")
+    gpt = GPT.load_from_checkpoint(checkpoint)
+    expected = gpt.generate([byte.encode("def f(x):"), byte.encode("import")], max_new_tokens=12, temperature=0.8, seed=3)
+    assert printed.out.split("-" * 40 + "\n")[:2] == [byte.decode(tokens) + "\n" for tokens in expected]
+    assert "24 new tokens in" in printed.err

@@ -21,7 +21,8 @@ import hf_llama_setup  # noqa: E402
 
 transformers = pytest.importorskip("transformers")
 
-LAYOUTS = {"gpt2": ["tp2", "pp2", "tp2-pp2", "tp2-sp"], "llama-gqa": ["tp2", "pp2", "tp4", "tp2-pp2-sp"]}
+LAYOUTS = {"gpt2": ["tp2", "pp2", "tp2-pp2", "tp2-sp"], "llama-gqa": ["tp2", "pp2", "tp4", "tp2-pp2-sp"],
+           "bert": ["tp2-sp", "pp2"]}
 
 
 @pytest.fixture(scope="module", params=["gpt2", "llama-gqa"])
@@ -124,9 +125,40 @@ def test_every_layout_generates_what_transformers_and_one_process_do(tmp_path):
     for rank, result in enumerate(results):
         for check in checks:
             got = result[check]
+            assert got["full_logits_max_abs_diff"] < 1e-5, (rank, check, got["full_logits_max_abs_diff"])
+            if check.startswith("bert"):
+                continue
             assert got["greedy_equals_hf"], (rank, check, got["greedy_mismatches"])
             assert all(got["sampled_equal"].values()), (rank, check, got["sampled_equal"])
-            assert got["full_logits_max_abs_diff"] < 1e-5, (rank, check, got["full_logits_max_abs_diff"])
             if "tp" in check and "pp" not in check:
                 assert "cross_entropy() was given vocab-parallel logits" in got["cross_entropy_error"], (rank, check)
                 assert "gather_vocab_logits" in got["cross_entropy_error"]
+
+
+def test_generate_command_reads_a_hugging_face_directory_and_matches_its_generate(tmp_path, capsys):
+    from lightning_megatron.data.tokenizers import load_tokenizer
+    from lightning_megatron.generation.cli import main as generate_main
+
+    hf = hf_gpt2_setup.build_hf_model(vocab_size=257)  # the byte vocabulary: no tokenizer.json needed
+    hf.save_pretrained(tmp_path)
+    generate_main(["--checkpoint", str(tmp_path), "--prompt", "print(", "--max-new-tokens", "10", "--no-eos"])
+    byte = load_tokenizer("byte")
+    expected = hf.generate(torch.tensor([byte.encode("print(")]), max_new_tokens=10, do_sample=False, pad_token_id=0)
+    assert capsys.readouterr().out.split("\n" + "-" * 40)[0] == byte.decode(expected[0].tolist())
+    with pytest.raises(ValueError, match="holds no tokenizer.json: pass --tokenizer"):
+        hf_gpt2_setup.build_hf_model().save_pretrained(tmp_path / "other")  # vocabulary 300
+        generate_main(["--checkpoint", str(tmp_path / "other"), "--prompt", "x"])
+
+
+def test_bert_predict_step_gives_the_masked_tokens_of_hugging_face_bert():
+    import hf_bert_setup
+    from lightning_megatron.models import BERT
+
+    hf = hf_bert_setup.build_hf_model()
+    inputs = hf_bert_setup.sample_inputs()
+    with torch.no_grad():
+        expected = hf(**inputs).prediction_logits
+    out = BERT.from_hf(hf).predict_step(inputs)
+    assert out["logits"].dtype == torch.float32 and out["logits"].shape == expected.shape
+    assert (out["logits"] - expected).abs().max() < 1e-5
+    assert torch.equal(out["predictions"], expected.argmax(dim=-1))

@@ -108,18 +108,21 @@ def generate(
 
 
 @torch.no_grad()
-def full_logits(model: nn.Module, input_ids: Tensor, **side: Tensor) -> Tensor:
+def full_logits(model: nn.Module, input_ids: Tensor, *, head: str = "lm_head", **side: Tensor) -> Tensor:
     """fp32 logits over the whole, unpadded vocabulary ``[B, S, V]`` on every rank, at any layout.
 
     For prediction: under tensor parallelism they are gathered over the group, under pipeline parallelism
-    broadcast from the last stage (``B * S * V`` floats: mind the size at a large vocabulary).
+    broadcast from the last stage (``B * S * V`` floats: mind the size at a large vocabulary). ``head``: the
+    name of the output layer whose logits these are (it lives on the last pipeline stage only); a model whose
+    forward returns several outputs (BERT's) gives its logits first.
     """
     pipeline = getattr(model, "pipeline_inference", None)
     with _evaluating(model), full_sequences():
-        logits = pipeline(input_ids, **side) if pipeline is not None else model(input_ids, **side)
+        output = pipeline(input_ids, **side) if pipeline is not None else model(input_ids, **side)
         full = None
         if pipeline is None or pipeline.is_last:
-            full = gather_vocab_logits(logits, model.lm_head).float()
+            logits = output if isinstance(output, Tensor) else output[0]
+            full = gather_vocab_logits(logits, model.get_submodule(head)).float()
         if pipeline is not None:
             full = pipeline.broadcast_from_last(full)
     return full

@@ -23,6 +23,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torchmetrics import MeanMetric
 
+from lightning_megatron.generation import full_logits
+from lightning_megatron.models.flops import bert_flops_per_batch
 from lightning_megatron.models.formats import HFFormat, hf_format_for
 from lightning_megatron.models.optim_recipe import PretrainingRecipe
 from lightning_megatron.models.attention import SelfAttention
@@ -357,6 +359,10 @@ class BERT(PretrainingRecipe):
         if self.model is None:
             self.model = BERTModel(self.config)
 
+    def flops_per_batch(self, batch_size: int, seq_length: int) -> int:
+        """Model FLOPs (forward + backward) of ``batch_size`` sequences of ``seq_length`` (``models/flops.py``)."""
+        return bert_flops_per_batch(self.config, batch_size, seq_length)
+
     @staticmethod
     def hf_format() -> HFFormat:
         """``from_hf``/``to_hf`` convert to and from ``transformers.BertForPreTraining`` (or ``BertForMaskedLM``:
@@ -417,6 +423,14 @@ class BERT(PretrainingRecipe):
 
     def on_test_epoch_end(self) -> None:
         self._log_held_out("test")
+
+    def predict_step(self, batch: dict[str, Tensor], batch_idx: int = 0) -> dict[str, Tensor]:
+        """Masked-token prediction: ``{"logits": [B, S, vocab_size] fp32 over the whole, unpadded vocabulary,
+        "predictions": [B, S] the most likely id}`` at every position (read them where ``input_ids`` holds
+        ``[MASK]``), on every rank at every layout; ``attention_mask`` and ``token_type_ids`` as in training."""
+        side = {name: batch[name] for name in ("attention_mask", "token_type_ids") if batch.get(name) is not None}
+        logits = full_logits(self.model, batch["input_ids"], head="mlm_head.decoder", **side)
+        return {"logits": logits, "predictions": logits.argmax(dim=-1)}
 
     def _log_held_out(self, split: str) -> None:
         metrics = {"loss": self.val_loss, "accuracy": self.val_accuracy, "sentence_order_loss": self.val_sentence_order_loss}

@@ -18,6 +18,7 @@ from torch import Tensor, nn
 from torchmetrics import MeanMetric
 
 from lightning_megatron.generation import full_logits, generate
+from lightning_megatron.models.flops import gpt_flops_per_batch
 from lightning_megatron.models.formats import HFFormat, hf_format_for
 from lightning_megatron.models.optim_recipe import PretrainingRecipe
 from lightning_megatron.models.attention import SelfAttention
@@ -346,6 +347,10 @@ class GPT(PretrainingRecipe):
     def configure_model(self) -> None:
         if self.model is None:
             self.model = GPTModel(self.config)
+
+    def flops_per_batch(self, batch_size: int, seq_length: int) -> int:
+        """Model FLOPs (forward + backward) of ``batch_size`` sequences of ``seq_length`` (``models/flops.py``)."""
+        return gpt_flops_per_batch(self.config, batch_size, seq_length)
 
     @staticmethod
     def hf_format() -> HFFormat:

@@ -2,7 +2,9 @@
 
 Matrices (weights, embeddings) get weight decay; vectors (biases, LayerNorm gains) do not,
 as in GPT-2, BERT and Megatron-LM. The learning rate rises linearly for ``warmup_steps``
-and then follows a cosine down to ``min_learning_rate`` at the Trainer's last step.
+and then follows a cosine down to ``min_learning_rate`` at the Trainer's last step. A run with no
+last step (``Trainer(max_time=..., max_steps=-1)``, or ``max_epochs=-1``) has no cosine to follow:
+the learning rate warms up and then holds at ``learning_rate``.
 """
 
 from __future__ import annotations
@@ -14,27 +16,35 @@ from typing import Any, Callable, Mapping, Optional, Union
 
 import lightning as L
 import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
 from lightning_megatron.models.formats import HFFormat, sharded_checkpoint_reader
 
 
 def warmup_cosine_factor(
-    *, learning_rate: float, min_learning_rate: float, warmup_steps: int, total_steps: int
+    *, learning_rate: float, min_learning_rate: float, warmup_steps: int, total_steps: Optional[int]
 ) -> Callable[[int], float]:
     """The multiplier of ``learning_rate`` at each optimizer step (for ``LambdaLR``).
+
+    ``total_steps=None`` (no horizon): after the warmup the multiplier stays 1.
 
     Example::
 
         >>> factor = warmup_cosine_factor(learning_rate=1.0, min_learning_rate=0.1, warmup_steps=2, total_steps=4)
         >>> [round(factor(step), 2) for step in range(5)]
         [0.5, 1.0, 1.0, 0.55, 0.1]
+        >>> factor = warmup_cosine_factor(learning_rate=1.0, min_learning_rate=0.1, warmup_steps=2, total_steps=None)
+        >>> [round(factor(step), 2) for step in range(5)]
+        [0.5, 1.0, 1.0, 1.0, 1.0]
     """
     floor = min_learning_rate / learning_rate
 
     def factor(step: int) -> float:
         if step < warmup_steps:
             return (step + 1) / warmup_steps
+        if total_steps is None:
+            return 1.0
         progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
         return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
 
@@ -50,10 +60,15 @@ def adamw_warmup_cosine(
     betas: tuple[float, float],
     eps: float = 1e-8,
     warmup_steps: int,
+    decay_steps: Optional[int] = None,
 ) -> dict:
     """What ``configure_optimizers`` returns: AdamW over ``module``'s parameters, stepped per optimizer step.
 
-    The cosine spans ``trainer.estimated_stepping_batches``, so it ends where training ends.
+    The cosine spans ``decay_steps`` optimizer steps (warmup included), by default
+    ``trainer.estimated_stepping_batches``, so it ends where training ends. When the Trainer has no
+    last step (``max_time`` with ``max_steps=-1``, or ``max_epochs=-1``) and ``decay_steps`` is not
+    given, the learning rate warms up and then holds at ``learning_rate`` (an info message says so):
+    set ``Trainer(max_steps=...)`` for the cosine.
     """
     params = list(module.parameters())
     optimizer = torch.optim.AdamW(
@@ -65,12 +80,26 @@ def adamw_warmup_cosine(
         betas=betas,
         eps=eps,
     )
-    total_steps = max(int(module.trainer.estimated_stepping_batches), 1) if module._trainer is not None else 1
+    total_steps = decay_steps if decay_steps is not None else _training_horizon(module, warmup_steps)
     factor = warmup_cosine_factor(
         learning_rate=learning_rate, min_learning_rate=min_learning_rate, warmup_steps=warmup_steps, total_steps=total_steps
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
     return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def _training_horizon(module: L.LightningModule, warmup_steps: int) -> Optional[int]:
+    """The optimizer steps the Trainer will run, or None when it has no last step (stopped by time, or never)."""
+    if module._trainer is None:
+        return 1
+    steps = module.trainer.estimated_stepping_batches
+    if math.isinf(steps):
+        rank_zero_info(
+            f"{type(module).__name__}: the Trainer has no last step (max_steps=-1 with max_time or max_epochs=-1), "
+            f"so the learning rate warms up for {warmup_steps} steps and then holds at learning_rate; set "
+            f"Trainer(max_steps=...) for the cosine decay to min_learning_rate.")
+        return None
+    return max(int(steps), 1)
 
 
 class PretrainingRecipe(L.LightningModule):

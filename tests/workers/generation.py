@@ -21,10 +21,10 @@ import torch.nn.functional as F
 
 import hf_gpt2_setup
 import hf_llama_setup
-from hf_parity import converted, parallel_config
+from hf_parity import bert_case, converted, parallel_config
 from lightning_megatron.checkpoint.full import local_state_dict_from_full
 from lightning_megatron.generation import full_logits, generate
-from lightning_megatron.models import GPTModel
+from lightning_megatron.models import BERTModel, GPTModel
 from lightning_megatron.models.gpt import gpt_tensor_parallel_plan
 from lightning_megatron.parallel import ParallelState
 from lightning_megatron.parallel.initialize import initialize_parameters
@@ -61,10 +61,10 @@ def case_of(name: str):
     return case
 
 
-def build(state: ParallelState, case) -> GPTModel:
+def build(state: ParallelState, case, model_class=GPTModel, plan=gpt_tensor_parallel_plan):
     with torch.device("meta"):
-        model = GPTModel(case.config)
-    parallelize(model, gpt_tensor_parallel_plan(case.config), state)
+        model = model_class(case.config)
+    parallelize(model, plan(case.config), state)
     split = split_pipeline(model, state)
     initialize_parameters(model, case.seed, device="cpu", only_meta=True)
     model.load_state_dict(local_state_dict_from_full(model, case.full_state_dict))
@@ -95,6 +95,13 @@ def check(state: ParallelState, case) -> dict:
     return result
 
 
+def check_bert(state: ParallelState, case) -> dict:
+    """BERT's predict path: full masked-LM logits (with padding and segments) against Hugging Face's."""
+    model = build(state, case, BERTModel, BERTModel.tensor_parallel_plan)
+    logits = full_logits(model, case.input_ids, head="mlm_head.decoder", **case.side)
+    return {"full_logits_max_abs_diff": (logits - case.expected[0]).abs().max().item()}
+
+
 if __name__ == "__main__":
     out_dir, checks = Path(sys.argv[1]), sys.argv[2].split(",")
     dist.init_process_group("gloo")
@@ -102,10 +109,10 @@ if __name__ == "__main__":
     for item in checks:
         name, layout = item.split(":")
         if name not in cases:
-            cases[name] = case_of(name)
+            cases[name] = bert_case() if name == "bert" else case_of(name)
         if layout not in states:
             states[layout] = ParallelState.create(parallel_config(layout, dist.get_world_size()), "cpu")
-        results[item] = check(states[layout], cases[name])
+        results[item] = (check_bert if name == "bert" else check)(states[layout], cases[name])
     (out_dir / f"rank{dist.get_rank()}.json").write_text(json.dumps(results))
     dist.barrier()
     os._exit(0)  # skip gloo's C++ teardown: with several meshes alive it aborts at random (torch 2.13)

@@ -1,0 +1,119 @@
+"""Model FLOPs of a training step: the count behind TFLOP/s per device and MFU.
+
+*Model* FLOPs, the definition of MFU in PaLM (Chowdhery et al. 2022): the matrix multiplies the
+model needs, forward and backward, whatever the implementation does besides (activation
+recomputation, padded vocabulary rows, pipeline bubbles are not counted).
+
+One formula for every model here, per token and per layer: Narayanan et al. 2021 ("Efficient
+Large-Scale Language Model Training on GPU Clusters"; its ``96 B s l h^2 (1 + s / 6h + V / 16 l h)``
+counts the recomputed forward, without which it is the ``72 ...`` below), generalised to grouped-query
+attention and gated MLPs. A matrix multiply ``[m, k] @ [k, n]`` costs ``2 m n k``; per token, with
+``h = hidden_size``, ``a = num_heads``, ``g = num_query_groups`` (key/value heads), ``d = head_dim``,
+``f = ffn_hidden_size``, sequence ``s`` and vocabulary ``V``:
+
+===========================  ====================================
+query, key, value            ``2 h (a + 2 g) d``
+attention scores ``Q K^T``   ``2 s a d``
+attention over values        ``2 s a d``
+output projection            ``2 a d h``
+MLP                          ``2 h f`` per matrix: 2 (GELU), 3 (SwiGLU: gate, up, down)
+logits (once, after layers)  ``2 h V``
+===========================  ====================================
+
+The backward pass costs twice the forward (a gradient for the input and one for the weight per
+multiply), so a training step is ``3 x`` the forward. The attention terms count the whole ``s x s``
+score matrix, as Megatron-LM and PaLM do, also for causal attention. Tied or untied output
+layers cost the same (the logits are a multiply either way; an embedding lookup is not one).
+
+For GPT-2-shaped models (``a d = h``, ``g = a``, ``f = 4 h``, GELU) a layer is
+``24 h^2 + 4 s h`` per token, and a batch of ``B`` sequences
+``3 B s (l (24 h^2 + 4 s h) + 2 h V) = 72 B s l h^2 (1 + s / 6h + V / 12 l h)``: Megatron-LM's formula.
+BERT adds its masked-LM transform (a ``h x h`` dense layer on every token) and, with the
+sentence-order head, the pooler and the classifier on the [CLS] token of each sequence; it is
+bidirectional, so the full score matrix is exactly what it computes.
+
+Example::
+
+    >>> from lightning_megatron.models.gpt import GPTConfig
+    >>> config = GPTConfig.from_name("gpt2-124m")
+    >>> round(gpt_flops_per_batch(config, batch_size=8, seq_length=1024) / 1e12, 2)   # TFLOPs per step
+    7.0
+"""
+
+from __future__ import annotations
+
+from fractions import Fraction
+from typing import Any, Optional, Union
+
+__all__ = ["bert_flops_per_batch", "flops_per_batch", "forward_flops_per_token", "gpt_flops_per_batch",
+           "megatron_flops_per_batch"]
+
+#: Forward + backward: the backward pass does two multiplies (input and weight gradient) per forward one.
+FORWARD_AND_BACKWARD = 3
+
+
+def forward_flops_per_token(*, hidden_size: int, num_layers: int, num_heads: int, seq_length: int, vocab_size: int,
+                            ffn_size: int, num_query_groups: Optional[int] = None, head_dim: Optional[int] = None,
+                            gated_mlp: bool = False, head_transform: bool = False) -> int:
+    """Forward FLOPs of one token of a sequence of ``seq_length``: the table in this module's docstring.
+
+    ``num_query_groups``: key/value heads (None: ``num_heads``, multi-head attention); ``head_dim``: None for
+    ``hidden_size // num_heads``; ``gated_mlp``: three ``ffn_size`` matrices (SwiGLU) instead of two;
+    ``head_transform``: a ``hidden_size x hidden_size`` layer before the logits (BERT's masked-LM head).
+    """
+    h, s = hidden_size, seq_length
+    groups = num_query_groups or num_heads
+    d = head_dim or hidden_size // num_heads
+    qkv = 2 * h * (num_heads + 2 * groups) * d
+    scores_and_values = 2 * (2 * s * num_heads * d)
+    projection = 2 * num_heads * d * h
+    mlp = (3 if gated_mlp else 2) * 2 * h * ffn_size
+    layer = qkv + scores_and_values + projection + mlp
+    logits = 2 * h * vocab_size + (2 * h * h if head_transform else 0)
+    return num_layers * layer + logits
+
+
+def gpt_flops_per_batch(config: Any, batch_size: int, seq_length: int) -> int:
+    """Training FLOPs (forward + backward, no recomputation) of ``batch_size`` sequences of ``seq_length`` tokens
+    for a ``GPTConfig``: GPT-2, or Llama-shaped (grouped-query attention, SwiGLU, untied head)."""
+    per_token = forward_flops_per_token(
+        hidden_size=config.hidden_size, num_layers=config.num_layers, num_heads=config.num_heads,
+        num_query_groups=config.num_query_groups, head_dim=config.head_dim, seq_length=seq_length,
+        vocab_size=config.vocab_size, ffn_size=config.ffn_size, gated_mlp=config.activation == "swiglu")
+    return FORWARD_AND_BACKWARD * batch_size * seq_length * per_token
+
+
+def bert_flops_per_batch(config: Any, batch_size: int, seq_length: int) -> int:
+    """Training FLOPs of ``batch_size`` sequences of ``seq_length`` tokens (padding included: it is computed) for a
+    ``BERTConfig``: the encoder, the masked-LM head on every token, and with ``binary_head`` the pooler
+    (``h x h``) and the sentence-order classifier (``h x 2``) on each sequence's [CLS] token."""
+    h = config.hidden_size
+    per_token = forward_flops_per_token(
+        hidden_size=h, num_layers=config.num_layers, num_heads=config.num_heads, seq_length=seq_length,
+        vocab_size=config.vocab_size, ffn_size=config.ffn_size, head_transform=True)
+    per_sequence = (2 * h * h + 2 * h * 2) if config.binary_head else 0
+    return FORWARD_AND_BACKWARD * batch_size * (seq_length * per_token + per_sequence)
+
+
+def flops_per_batch(config: Any, batch_size: int, seq_length: int) -> int:
+    """:func:`gpt_flops_per_batch` or :func:`bert_flops_per_batch`, by the type of ``config``."""
+    from lightning_megatron.models.bert import BERTConfig  # here: gpt.py and bert.py may import this module
+    from lightning_megatron.models.gpt import GPTConfig
+
+    if isinstance(config, GPTConfig):
+        return gpt_flops_per_batch(config, batch_size, seq_length)
+    if isinstance(config, BERTConfig):
+        return bert_flops_per_batch(config, batch_size, seq_length)
+    raise TypeError(f"No FLOPs formula for {type(config).__name__}: expected a GPTConfig or a BERTConfig. Give the "
+                    f"LightningModule a `flops_per_batch(batch_size, seq_length)` method instead.")
+
+
+def megatron_flops_per_batch(*, batch_size: int, seq_length: int, num_layers: int, hidden_size: int,
+                             vocab_size: int) -> Union[int, Fraction]:
+    """Narayanan et al. 2021 without recomputation: ``72 B s l h^2 (1 + s / 6h + V / 12 l h)``.
+
+    Exact (a ``Fraction`` where it is not a whole number); :func:`gpt_flops_per_batch` equals it for every
+    GPT-2-shaped config."""
+    b, s, l, h, v = batch_size, seq_length, num_layers, hidden_size, vocab_size
+    value = 72 * b * s * l * h * h * (1 + Fraction(s, 6 * h) + Fraction(v, 12 * l * h))
+    return int(value) if value.denominator == 1 else value
