@@ -4,6 +4,7 @@ import json
 import shutil
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -125,3 +126,41 @@ def test_bert_tiny_config_trains_two_steps(tmp_path):
     checkpoint = open_sharded(next(tmp_path.rglob("*.ckpt"))).trainer_state()
     assert checkpoint["global_step"] == 2
     assert checkpoint["hyper_parameters"]["config"]["norm_position"] == "pre"
+
+
+ARGS_WARNING = "LightningCLI's args parameter is intended"
+
+
+def test_the_console_command_does_not_warn_about_lightning_clis_args_parameter(tmp_path):
+    """The console entry point (``lightning_megatron.cli:main``, as ``python -m`` runs it) with warnings shown: no
+    warning that LightningCLI got both ``args`` and a command line (every run printed it)."""
+    env = {key: value for key, value in child_env().items() if key != "PYTHONWARNINGS"}  # child_env hides warnings
+    result = subprocess.run([sys.executable, "-W", "default", "-m", "lightning_megatron.cli", "fit", "--config",
+                             str(CONFIG), "--trainer.max_steps=3", "--print_config"],
+                            cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "max_steps: 3" in result.stdout
+    assert ARGS_WARNING not in result.stderr, result.stderr[-3000:]
+
+
+def test_main_with_its_own_arguments_hides_that_one_warning_and_no_other(monkeypatch, capsys):
+    """``main([...])`` inside a process whose sys.argv holds other arguments (pytest's here): LightningCLI's warning
+    about it is not shown, a warning raised next to it still is."""
+    from lightning.pytorch.cli import LightningCLI
+
+    parse_arguments = LightningCLI.parse_arguments
+
+    def parse_and_warn(self, parser, args):
+        warnings.warn("another warning while parsing", UserWarning)
+        parse_arguments(self, parser, args)
+
+    monkeypatch.setattr(LightningCLI, "parse_arguments", parse_and_warn)
+    monkeypatch.setattr(sys, "argv", ["lightning-megatron", "fit", "--something-else"])
+    with warnings.catch_warnings(record=True) as caught, pytest.raises(SystemExit) as exit_info:
+        warnings.simplefilter("always")
+        main(["fit", "--config", str(CONFIG), "--print_config"])
+    assert exit_info.value.code == 0
+    messages = [str(warning.message) for warning in caught]
+    assert "another warning while parsing" in messages
+    assert not [message for message in messages if ARGS_WARNING in message], messages
+    assert "lightning_megatron.Megatron3DStrategy" in capsys.readouterr().out

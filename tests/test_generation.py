@@ -145,9 +145,12 @@ def test_generate_command_reads_a_hugging_face_directory_and_matches_its_generat
     byte = load_tokenizer("byte")
     expected = hf.generate(torch.tensor([byte.encode("print(")]), max_new_tokens=10, do_sample=False, pad_token_id=0)
     assert capsys.readouterr().out.split("\n" + "-" * 40)[0] == byte.decode(expected[0].tolist())
-    with pytest.raises(ValueError, match="holds no tokenizer.json: pass --tokenizer"):
-        hf_gpt2_setup.build_hf_model().save_pretrained(tmp_path / "other")  # vocabulary 300
-        generate_main(["--checkpoint", str(tmp_path / "other"), "--prompt", "x"])
+    hf_gpt2_setup.build_hf_model().save_pretrained(tmp_path / "other")  # vocabulary 300, no tokenizer.json
+    for checkpoint, message in [(tmp_path / "other", "holds no tokenizer.json: pass --tokenizer"),
+                                (tmp_path / "missing", "No checkpoint at")]:
+        with pytest.raises(SystemExit):
+            generate_main(["--checkpoint", str(checkpoint), "--prompt", "x"])
+        assert message in capsys.readouterr().err.splitlines()[-1]
 
 
 def test_bert_predict_step_gives_the_masked_tokens_of_hugging_face_bert():

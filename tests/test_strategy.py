@@ -84,6 +84,25 @@ def test_fit_llama_with_replicated_key_value_heads_matches_plain_lightning(tmp_p
     assert worst < 1e-5, f"weights deviate by {worst:.2e}"
 
 
+def assert_predictions_match(options, ref_weights, results, out_dir, *, dp_rank):
+    """trainer.predict on the split model (the worker's predict option): every rank returns what the one-process
+    model generates from, and the full unpadded logits of, the same batch; Lightning gives data-parallel rank d the
+    items d, d + 2, ... (dp=2)."""
+    reference = model(options)
+    reference.configure_model()
+    reference.load_state_dict(ref_weights)
+    for rank, result in enumerate(results):
+        d = dp_rank(rank)
+        expected = reference.generate(PREDICT_PROMPTS[d::2], **PREDICT_GENERATION)
+        assert result["predicted"]["tokens"] == [expected], (rank, result["predicted"], expected)
+        ids = torch.stack([torch.arange(i, i + 12) % 257 for i in range(0, 40, 10)][d::2])
+        (logits,) = torch.load(out_dir / f"logits{rank}.pt", weights_only=True)["logits"]
+        with torch.no_grad():
+            want = reference(ids)
+        assert logits.shape == want.shape == (2, 12, 257)
+        assert (logits - want).abs().max() < 1e-5
+
+
 def test_fit_pp2_tp2_dp2_matches_plain_lightning(tmp_path):
     """8 ranks: the pipeline schedule inside Lightning's loop, with tp, sequence parallel, dp, ZeRO-2,
     selective recomputation and accumulation."""
@@ -104,21 +123,7 @@ def test_fit_pp2_tp2_dp2_matches_plain_lightning(tmp_path):
     assert (tmp_path / "timeline.png").stat().st_size > 10_000
     assert 0.0 < bubble["measured"] < 1.0 and bubble["theory"] == pytest.approx(1 / 3)  # p=2, m=2: (1/2)/(1+1/2)
 
-    # trainer.predict on the split model: every rank returns what the one-process model generates from (and the
-    # full, unpadded logits of) the same batch; Lightning gives data-parallel rank d the items d, d + 2, ...
-    reference = model(PIPELINE_FIT)
-    reference.configure_model()
-    reference.load_state_dict(ref_weights)
-    for rank, result in enumerate(results):
-        dp_rank = (rank // 2) % 2
-        expected = reference.generate(PREDICT_PROMPTS[dp_rank::2], **PREDICT_GENERATION)
-        assert result["predicted"]["tokens"] == [expected], (rank, result["predicted"], expected)
-        ids = torch.stack([torch.arange(i, i + 12) % 257 for i in range(0, 40, 10)][dp_rank::2])
-        (logits,) = torch.load(tmp_path / f"logits{rank}.pt", weights_only=True)["logits"]
-        with torch.no_grad():
-            want = reference(ids)
-        assert logits.shape == want.shape == (2, 12, 257)
-        assert (logits - want).abs().max() < 1e-5
+    assert_predictions_match(PIPELINE_FIT, ref_weights, results, tmp_path, dp_rank=lambda rank: (rank // 2) % 2)
 
 
 def test_dp2_with_uneven_token_counts_matches_plain_lightning(tmp_path):
@@ -135,12 +140,13 @@ def test_dp2_with_uneven_token_counts_matches_plain_lightning(tmp_path):
 
 @pytest.mark.parametrize(
     "options",
-    [{"tp": 2, "sp": True, "accumulate": 2, "clip": 0.5, "steps": 4, "zero_stage": 3},
-     {"tp": 1, "pp": 2, "micro_batch_size": 2, "layers": 4, "clip": 0.5, "steps": 4, "zero_stage": 3}],
+    [{"tp": 2, "sp": True, "accumulate": 2, "clip": 0.5, "steps": 4, "zero_stage": 3, "predict": True},
+     {"tp": 1, "pp": 2, "micro_batch_size": 2, "layers": 4, "clip": 0.5, "steps": 4, "zero_stage": 3, "predict": True}],
     ids=["tp2-sp-dp2", "pp2-dp2"],
 )
 def test_fit_zero3_matches_plain_lightning(options, tmp_path):
-    """Parameters sharded over dp (FSDP2 per layer) with tensor or pipeline parallelism, clipping, accumulation."""
+    """Parameters sharded over dp (FSDP2 per layer) with tensor or pipeline parallelism, clipping, accumulation;
+    then trainer.predict (generation and full logits) on the sharded model."""
     results, _ = launch("trainer_fit.py", 4, tmp_path, json.dumps(options))
     ref_losses, ref_val, ref_weights = plain_lightning_run(options)
     per_rank = torch.tensor([r["losses"] for r in results])
@@ -151,6 +157,9 @@ def test_fit_zero3_matches_plain_lightning(options, tmp_path):
     assert weights.keys() == ref_weights.keys()
     worst = max((weights[k] - ref_weights[k]).abs().max().item() for k in ref_weights)
     assert worst < 1e-5, f"weights deviate by {worst:.2e}"
+    # rank = (pp * dp + dp_rank) * tp + tp_rank
+    tp = options["tp"]
+    assert_predictions_match(options, ref_weights, results, tmp_path, dp_rank=lambda rank: (rank // tp) % 2)
 
 
 def test_checkpoint_is_layout_free_and_loads_without_unpickling(fit_tp2_dp2):

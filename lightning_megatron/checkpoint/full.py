@@ -3,11 +3,19 @@
 Saving gathers each tensor-parallel shard into its global tensor; loading cuts this
 rank's shard back out. A checkpoint written at one tensor-parallel size therefore loads
 at any other. Sharded checkpoints (``checkpoint.sharded``) never gather; these are for export and tests.
+
+``Megatron3DStrategy(checkpoint_format="full")`` saves one such state dict as Lightning's
+single checkpoint file (a ``torch.save`` archive); ``open_full`` reads one in a single process,
+with ``weights_only=True`` and memory-mapped, for ``lightning-megatron checkpoint``.
 """
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional
+import pickle
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -92,3 +100,71 @@ def full_optimizer_state_unusable(saved_layout: Mapping[str, Any], config: Any, 
             f"zero_stage={saved_layout.get('zero_stage', '?')}; now tp={config.tensor_parallel_size}, "
             f"zero_stage={config.zero_stage}); the weights and the trainer state are. The optimizer starts fresh. "
             f"Sharded checkpoints (checkpoint_format='sharded', the default) restore it at any layout.")
+
+
+@dataclass
+class FullCheckpoint:
+    """A single-file checkpoint as ``torch.load(weights_only=True, mmap=True)`` reads it: Lightning's dict, its
+    tensors memory-mapped (a tensor's bytes are read when it is used)."""
+
+    path: Path
+    checkpoint: dict[str, Any]
+
+    def tensors(self) -> dict[str, Tensor]:
+        """Its tensors under the keys a sharded checkpoint uses where the file knows them: ``state_dict/<name>``,
+        and ``optimizer/<i>/<position>/<key>`` (the file numbers parameters by their position in the optimizer's
+        param groups, as ``torch.optim.Optimizer.state_dict()`` does; it does not record their names)."""
+        tensors = {f"state_dict/{name}": value for name, value in self.checkpoint["state_dict"].items()
+                   if isinstance(value, Tensor)}
+        for index, optimizer in enumerate(self.checkpoint.get("optimizer_states") or []):
+            state = optimizer.get("state", {}) if isinstance(optimizer, Mapping) else {}
+            for position, values in state.items():
+                for key, value in (values.items() if isinstance(values, Mapping) else ()):
+                    if isinstance(value, Tensor):
+                        tensors[f"optimizer/{index}/{position}/{key}"] = value
+        return tensors
+
+    def trainer_state(self) -> dict[str, Any]:
+        """Everything but the model weights (hyper-parameters, loops, optimizer state, ...)."""
+        return {key: value for key, value in self.checkpoint.items() if key != "state_dict"}
+
+
+def open_full(path: Union[str, Path]) -> FullCheckpoint:
+    """Read a ``checkpoint_format="full"`` file in one process, never unpickling anything but tensors and plain
+    containers. Raises ``RuntimeError`` naming the file and what is wrong with it."""
+    path = Path(path)
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except pickle.UnpicklingError as error:
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise RuntimeError(
+            f"{path} holds pickled objects other than tensors and plain Python values, and lightning-megatron never "
+            f"unpickles those (torch.load(weights_only=True) refused: {reason}). Checkpoints that Megatron3DStrategy "
+            f"saves hold none; if you trust this file, load it with torch.load(weights_only=False) yourself and save "
+            f"its tensors again.") from error
+    except Exception as error:
+        raise RuntimeError(f"Could not read {path}: {error}. The file is damaged or truncated; use another "
+                           f"checkpoint.") from error
+    if not isinstance(checkpoint, dict) or not isinstance(checkpoint.get("state_dict"), Mapping):
+        keys = sorted(map(str, checkpoint))[:8] if isinstance(checkpoint, dict) else type(checkpoint).__name__
+        raise RuntimeError(f"{path} is a torch.save file but not a Lightning checkpoint: it holds no 'state_dict' "
+                           f"(it holds {keys}). Pass a checkpoint that Trainer.save_checkpoint or ModelCheckpoint "
+                           f"wrote.")
+    return FullCheckpoint(path, checkpoint)
+
+
+def verify_full(path: Union[str, Path]) -> tuple[int, int]:
+    """Compare every record of a full checkpoint (a zip archive) with the CRC-32 the archive recorded for it;
+    returns (records, bytes). A full checkpoint records no checksums of its own: the archive's are what there is."""
+    path = Path(path)
+    try:
+        with zipfile.ZipFile(path) as archive:
+            damaged = archive.testzip()
+            records = len(archive.infolist())
+    except (OSError, zipfile.BadZipFile) as error:
+        raise RuntimeError(f"Could not read {path} as a torch.save archive: {error}. The file is damaged or "
+                           f"truncated; use another checkpoint.") from error
+    if damaged is not None:
+        raise RuntimeError(f"Checkpoint file {path} is damaged: the CRC-32 of its record {damaged!r} does not match "
+                           f"the one the archive recorded. Copy the checkpoint again or use another one.")
+    return records, path.stat().st_size

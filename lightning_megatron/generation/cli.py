@@ -67,13 +67,16 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args(argv)
 
-    gpt = load_gpt(args.checkpoint).to(args.device)
-    tokenizer = choose_tokenizer(args.tokenizer, Path(args.checkpoint), gpt.config.vocab_size)
-    prompts = [tokenizer.encode(prompt) for prompt in args.prompt]
-    eos_id = None if args.no_eos else tokenizer.eos_id
-    start = time.perf_counter()
-    outputs = gpt.generate(prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                           top_k=args.top_k, top_p=args.top_p, eos_id=eos_id, seed=args.seed)
+    try:
+        gpt = load_gpt(args.checkpoint).to(args.device)
+        tokenizer = choose_tokenizer(args.tokenizer, Path(args.checkpoint), gpt.config.vocab_size)
+        prompts = [tokenizer.encode(prompt) for prompt in args.prompt]
+        eos_id = None if args.no_eos else tokenizer.eos_id
+        start = time.perf_counter()
+        outputs = gpt.generate(prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                               top_k=args.top_k, top_p=args.top_p, eos_id=eos_id, seed=args.seed)
+    except (FileNotFoundError, ValueError) as error:  # what the user can fix: said as the last line, no traceback
+        parser.error(str(error))
     seconds = time.perf_counter() - start
     new_tokens = sum(len(out) - len(prompt) for out, prompt in zip(outputs, prompts))
     for prompt_text, prompt, out in zip(args.prompt, prompts, outputs):

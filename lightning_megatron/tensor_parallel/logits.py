@@ -38,13 +38,17 @@ class VocabShard:
 
     @staticmethod
     def of_head(head: nn.Module) -> "VocabShard":
-        """The shard of an output layer: a ``VocabParallelHead`` (under the strategy) or a plain ``nn.Linear``."""
-        shard = getattr(head.weight, "tensor_shard", None)
+        """The shard of an output layer: a ``VocabParallelHead`` (under the strategy) or a plain ``nn.Linear``.
+
+        Read from the layer, not from its weight's shard tag: under ZeRO-3 the weight is FSDP's DTensor, whose
+        shape is still this rank's tensor-parallel slice."""
         width = head.weight.shape[0]
-        if shard is None:
+        real = getattr(head, "real_local_size", None)
+        if real is None:  # not split, not padded
             return VocabShard(None, 0, width, width, width)
-        group = getattr(head, "group", None)
-        return VocabShard(group, shard.rank * width, shard.real_local_size(), width, shard.global_shape[0])
+        group = head.group
+        rank = dist.get_rank(group) if group is not None else 0
+        return VocabShard(group, rank * width, real, width, head.out_features)
 
 
 def find_vocab_head(module: nn.Module) -> nn.Module:
