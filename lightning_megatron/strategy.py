@@ -37,7 +37,6 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 from torch import Tensor
 from torch.optim import Optimizer
-from torchmetrics import Metric
 
 from lightning_megatron.launcher import InPlaceLauncher, SubprocessLauncher, die_with_launcher
 from lightning_megatron.optim.clip import clip_grads_by_global_norm
@@ -47,7 +46,7 @@ from lightning_megatron.optim.nonfinite import NonFiniteCheck
 from lightning_megatron.optim.step import StepGradients, build_step_gradients
 from lightning_megatron.optim.zero3 import ZeRO3
 from lightning_megatron.optim.zero3 import load_full_state_dict as load_zero3_state_dict
-from lightning_megatron.optim.main_params import MainParamOptimizer, model_state_bytes
+from lightning_megatron.optim.main_params import MainParamOptimizer
 from lightning_megatron.parallel.config import ParallelConfig
 from lightning_megatron.parallel.diagnostics import (
     DEFAULT_TIMEOUT,
@@ -61,9 +60,16 @@ from lightning_megatron.parallel.diagnostics import (
     warn_if_replicated,
 )
 from lightning_megatron.parallel.initialize import initialize_parameters
+from lightning_megatron.parallel.lightning_features import (
+    PreparedModel,
+    check_trainer_features,
+    evaluation_mode,
+    prepare_metrics,
+)
 from lightning_megatron.parallel.random import TensorParallelRNG
 from lightning_megatron.parallel.recompute import MODES as RECOMPUTE_MODES
 from lightning_megatron.parallel.state import ParallelState
+from lightning_megatron.parallel.summary import install_global_summary, layout_line, model_state_line, model_state_sizes
 from lightning_megatron.checkpoint.full import (
     full_optimizer_state_unusable,
     gather_full_state_dict,
@@ -309,6 +315,7 @@ class Megatron3DStrategy(ParallelStrategy):
         validate = getattr(self.lightning_module, "validate_parallel_config", None)
         if validate is not None:
             validate(config)  # every rank raises the same error before any collective
+        check_trainer_features(getattr(self.lightning_module, "_trainer", None), config)  # SWA, detect_anomaly
         reset_seed()
         backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
         self._process_group_backend = backend
@@ -322,13 +329,7 @@ class Megatron3DStrategy(ParallelStrategy):
         # Dropout in different pipeline stages must not repeat the same masks (Megatron: +100 per stage).
         torch.manual_seed(self._seed + 100 * self._parallel_state.pipeline_parallel_rank)
         self._rng = TensorParallelRNG(self._seed, self._parallel_state.tensor_parallel_rank, self.root_device)
-        rank_zero_info(
-            f"Megatron3DStrategy: tp={config.tensor_parallel_size} pp={config.pipeline_parallel_size} "
-            f"dp={config.data_parallel_size} sequence_parallel={config.sequence_parallel}"
-            + (f" vpp={config.virtual_pipeline_size} schedule={self.pipeline_schedule} micro_batch_size="
-               f"{self.micro_batch_size}" if config.pipeline_parallel_size > 1 else "")
-            + f" on {self.world_size} processes"
-        )
+        rank_zero_info(layout_line(config, self.pipeline_schedule, self.micro_batch_size, self.world_size))
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
@@ -347,20 +348,28 @@ class Megatron3DStrategy(ParallelStrategy):
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
         module = self.lightning_module
-        prepared = getattr(module, "_megatron_3d_layout", None)
-        if prepared is None:
-            self._prepare_model(module, trainer)
-            module._megatron_3d_layout = self.parallel_config
-        elif prepared != self.parallel_config:
+        layout = getattr(module, "_megatron_3d_layout", None)
+        if layout is None:
+            prepared = self._prepare_model(module)
+            module._megatron_3d_layout, module._megatron_3d_prepared = self.parallel_config, prepared
+        elif layout != self.parallel_config:
             raise ValueError(
-                f"This LightningModule was already split for {prepared}; it cannot be re-split for "
+                f"This LightningModule was already split for {layout}; it cannot be re-split for "
                 f"{self.parallel_config}. Build a new module (or load a checkpoint into one)."
             )
-        else:  # trainer.test/validate after fit: the model is split already
-            self.model = module
-            if self._pipeline is not None:
-                trainer.fit_loop._skip_backward = True
-        self._sync_metrics_over_data_parallel()
+        else:  # a second fit, or test/validate after fit: split already, maybe by another strategy object
+            prepared = module._megatron_3d_prepared
+            self._zero3, self._rng = prepared.zero3, prepared.rng  # the model's dropout stream, not a new one
+        if self._zero3 is None:
+            self.model = self.precision_plugin.convert_module(module)
+            self.model_to_device()
+        else:
+            self.model = module  # fp32 shards stay: the FSDP policy casts for compute
+        if prepared.split is not None:
+            self._start_pipeline(prepared.split, trainer)  # a runner bound to this strategy and its groups
+        state = self.parallel_state
+        prepare_metrics(module, state.mesh.get_group("dp") if state.mesh is not None else None)
+        install_global_summary(trainer.callbacks, state.pipeline_parallel_group)
         self.barrier()
         self.setup_precision_plugin()
         # Lightning's clip_grad_norm_ would clip each rank by its own shards' norm.
@@ -371,7 +380,7 @@ class Megatron3DStrategy(ParallelStrategy):
             self._step = self._build_step_gradients(module)
             self._main_params = self._step.main_params  # outlives teardown: a checkpoint after fit needs it
 
-    def _prepare_model(self, module, trainer: "L.Trainer") -> None:
+    def _prepare_model(self, module) -> PreparedModel:
         """Split the model for this layout, once: tp plan, recomputation, pipeline stages, local shards."""
         plan = module.tensor_parallel_plan() if hasattr(module, "tensor_parallel_plan") else {}
         config = self.parallel_config
@@ -384,14 +393,9 @@ class Megatron3DStrategy(ParallelStrategy):
             precision = getattr(self.precision_plugin, "precision", "32-true")
             self._zero3 = shard_zero3(module, self.parallel_state, precision=precision, seed=self._seed,
                                       device=self.root_device)
-            self.model = module  # fp32 shards stay: the FSDP policy casts for compute
-        else:
-            if any(p.is_meta for p in module.parameters()):
-                initialize_parameters(module, self._seed, device=self.root_device, only_meta=True)
-            self.model = self.precision_plugin.convert_module(module)
-            self.model_to_device()
-        if split is not None:
-            self._start_pipeline(split, trainer)
+        elif any(p.is_meta for p in module.parameters()):
+            initialize_parameters(module, self._seed, device=self.root_device, only_meta=True)
+        return PreparedModel(split=split, zero3=self._zero3, rng=self._rng)
 
     def _build_step_gradients(self, module) -> StepGradients:
         return build_step_gradients(module, self.parallel_state, self.optimizers, zero3=self._zero3,
@@ -432,15 +436,6 @@ class Megatron3DStrategy(ParallelStrategy):
         if self._step is not None:
             self._step.sync.start_micro_batch(sync=not self._blocking_sync, backward_passes=micro_batches)
             self._pipeline.loss_scale = self._backward_scale(num_tokens)
-
-    def _sync_metrics_over_data_parallel(self) -> None:
-        """torchmetrics sync over the world by default; model replicas are the dp group."""
-        if self.parallel_state.mesh is None:
-            return
-        group = self.parallel_state.mesh.get_group("dp")
-        for metric in self.lightning_module.modules():
-            if isinstance(metric, Metric):
-                metric.process_group = group
 
     def model_to_device(self) -> None:
         assert self.model is not None
@@ -492,14 +487,7 @@ class Megatron3DStrategy(ParallelStrategy):
             return super().predict_step(*args, **kwargs)
 
     def _evaluation_mode(self):
-        """Lightning evaluates under inference_mode (on NCCL); FSDP's sharded parameters must not be
-        touched there, or training afterwards fails on "inplace update to inference tensor"."""
-        if self._zero3 is None:
-            return contextlib.nullcontext()
-        stack = contextlib.ExitStack()
-        stack.enter_context(torch.inference_mode(False))
-        stack.enter_context(torch.no_grad())
-        return stack
+        return evaluation_mode(zero3=self._zero3 is not None)
 
     def _backward_scale(self, micro_batch_tokens) -> float:
         # Our fp16 scaler scales in backward; Lightning's GradScaler (16-mixed) does so itself in
@@ -563,18 +551,12 @@ class Megatron3DStrategy(ParallelStrategy):
         return norm
 
     def _report_model_state_bytes(self, optimizer: Optimizer) -> None:
-        """Each rank states its model-state memory once, after the first step has allocated optimizer state."""
+        """After the first step (optimizer state exists): this rank's bytes in ``model_state_bytes``, and one
+        line on rank 0 with every rank's extremes (one all-reduce)."""
         self._reported_bytes = True
-        optimizer = getattr(optimizer, "_optimizer", optimizer)
-        step = self._step
-        if self._zero3 is not None:
-            sizes = {"main_parameters": 0, **self._zero3.model_state_bytes(optimizer)}
-        else:
-            sizes = model_state_bytes(list(self.lightning_module.parameters()), step.sync if step else None,
-                                      step.main_params if step else None, optimizer)
-        self.model_state_bytes = sizes
-        summary = ", ".join(f"{name.replace('_', ' ')} {size / 2**20:.2f} MiB" for name, size in sizes.items())
-        print(f"[rank {self.global_rank}] model state: {summary} (total {sum(sizes.values()) / 2**20:.2f} MiB)", flush=True)
+        self.model_state_bytes = model_state_sizes(self.lightning_module, getattr(optimizer, "_optimizer", optimizer),
+                                                   self._step, self._zero3)
+        rank_zero_info(model_state_line(self.model_state_bytes, device=self.root_device))
 
     def clip_grad_by_global_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> Tensor:
         norm = self._step_grad_norm  # measured by the non-finite check this step: no second all-reduce

@@ -105,8 +105,9 @@ def test_default_run_trains_with_tensor_parallelism_and_saves_a_layout_free_chec
     assert "tp=2 pp=1 dp=1" in result.stdout + result.stderr
     # What the strategy reports after the first step is what configs/model_state.py predicts for the config.
     total = model_state_numbers([CONFIG])[CONFIG.stem]["peak_state"]
-    assert "[rank 0] model state: " in result.stdout
-    assert f"(total {total / 2**20:.2f} MiB)" in next(line for line in result.stdout.splitlines() if "[rank 0] model state" in line)
+    lines = [line for line in (result.stdout + result.stderr).splitlines() if "model state" in line]
+    assert len(lines) == 1 and lines[0].startswith("model state per rank"), lines  # one line, not one per rank
+    assert lines[0].endswith(f"(total {total / 2**20:.2f} MiB)"), lines
     checkpoints = list(tmp_path.rglob("*.ckpt"))
     assert len(checkpoints) == 1, checkpoints
     saved = open_sharded(checkpoints[0])  # a directory: each rank wrote its own shards

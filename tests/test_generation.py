@@ -133,6 +133,8 @@ def test_every_layout_generates_what_transformers_and_one_process_do(tmp_path):
             if "tp" in check and "pp" not in check:
                 assert "cross_entropy() was given vocab-parallel logits" in got["cross_entropy_error"], (rank, check)
                 assert "gather_vocab_logits" in got["cross_entropy_error"]
+                assert got["argmax_error"].startswith("argmax() was given vocab-parallel logits"), (rank, check)
+                assert got["gathered_max_abs_diff"] < 1e-5, (rank, check, got["gathered_max_abs_diff"])
 
 
 def test_generate_command_reads_a_hugging_face_directory_and_matches_its_generate(tmp_path, capsys):

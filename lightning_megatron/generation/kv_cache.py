@@ -31,7 +31,11 @@ class KVCache:
         self.batch_size, self.max_length, self.device = batch_size, max_length, device
         self.length = 0  # tokens cached before the current step
         self.valid = torch.zeros(batch_size, max_length, dtype=torch.bool, device=device)
-        self.mask: Optional[Tensor] = None  # [B, 1, new, length + new] booleans of the current step, True = attend
+        # The current step's pattern: ``mask`` [B, 1, new, length + new] booleans (True = attend), or None and
+        # ``causal`` (a prefill: plain causal attention; one new token: it sees every cached one).
+        self.mask: Optional[Tensor] = None
+        self.causal = True
+        self._padded = False
         self._new = 0
         self._buffers: dict[int, tuple[Tensor, Tensor]] = {}
 
@@ -43,9 +47,11 @@ class KVCache:
             raise ValueError(f"The cache holds {self.max_length} tokens per sequence; this step would make {end}.")
         self.valid[:, self.length:end] = valid
         self._new = new
-        if self.length == 0 and bool(valid.all()):
-            self.mask = None  # a prefill without padding: plain causal attention
+        self._padded = self._padded or not bool(valid.all())
+        if not self._padded and (self.length == 0 or new == 1):  # SDPA's own patterns, its fastest kernels
+            self.mask, self.causal = None, self.length == 0
             return
+        self.causal = False
         query = torch.arange(self.length, end, device=self.device)[:, None]
         key = torch.arange(end, device=self.device)[None, :]
         mask = (key <= query) & self.valid[:, None, :end]

@@ -32,15 +32,18 @@ class CoreAttention(nn.Module):
         super().__init__()
         self.attention_dropout, self.causal = attention_dropout, causal
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, attention_mask: Optional[Tensor] = None) -> Tensor:
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, attention_mask: Optional[Tensor] = None, *,
+                causal: Optional[bool] = None) -> Tensor:
+        """``causal``: overrides the module's pattern (generation: one new query attends to every cached key)."""
         grouped = q.shape[1] != k.shape[1]
+        causal = self.causal if causal is None else causal
         return F.scaled_dot_product_attention(
             q,
             k,
             v,
             attn_mask=attention_mask,
             dropout_p=self.attention_dropout if self.training else 0.0,
-            is_causal=self.causal and attention_mask is None,
+            is_causal=causal and attention_mask is None,
             **({"enable_gqa": True} if grouped else {}),
         )
 
@@ -89,7 +92,7 @@ class SelfAttention(nn.Module):
                 kv_cache=None) -> Tensor:
         """``kv_cache``: when generating, the keys and values of the tokens before ``x`` (a
         :class:`~lightning_megatron.generation.KVCache`): this call's are appended to it, attention reads all of
-        them, and the cache's mask (causal over the cached positions, padding excluded) applies."""
+        them, and the cache's pattern applies (causal over the cached positions, padding excluded)."""
         qkv = self.qkv(x)
         batch, seq = qkv.shape[:2]  # the full sequence, also when x is a sequence-parallel chunk
         groups, heads_per_group = self.local_layout()
@@ -99,8 +102,9 @@ class SelfAttention(nn.Module):
         k, v = k.squeeze(3).transpose(1, 2), v.squeeze(3).transpose(1, 2)
         if self.rotary is not None:
             q, k = self.rotary(q, k, positions)
+        causal = None
         if kv_cache is not None:
             k, v = kv_cache.append(self, k, v)
-            attention_mask = kv_cache.mask
-        y = self.core_attention(q, k, v, attention_mask)
+            attention_mask, causal = kv_cache.mask, kv_cache.causal
+        y = self.core_attention(q, k, v, attention_mask, causal=causal)
         return self.proj(y.transpose(1, 2).reshape(batch, seq, groups * heads_per_group * self.head_dim))

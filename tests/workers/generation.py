@@ -29,7 +29,7 @@ from lightning_megatron.models.gpt import gpt_tensor_parallel_plan
 from lightning_megatron.parallel import ParallelState
 from lightning_megatron.parallel.initialize import initialize_parameters
 from lightning_megatron.preparation import split_pipeline, start_pipeline
-from lightning_megatron.tensor_parallel import full_sequences, parallelize
+from lightning_megatron.tensor_parallel import full_sequences, gather_vocab_logits, parallelize
 
 NEW_TOKENS = 12
 SAMPLING = {"temperature": dict(temperature=0.8), "top_k+top_p": dict(temperature=0.9, top_k=20, top_p=0.8),
@@ -92,6 +92,12 @@ def check(state: ParallelState, case) -> dict:
             F.cross_entropy(logits.flatten(0, 1), ids.flatten())
         except RuntimeError as error:
             result["cross_entropy_error"] = str(error)
+        try:
+            logits.float()[:, -1].argmax(dim=-1)  # casts and indexing keep the mark
+        except RuntimeError as error:
+            result["argmax_error"] = str(error)
+        # The documented way for a predict_step of one's own.
+        result["gathered_max_abs_diff"] = (gather_vocab_logits(logits) - case.hf_logits).abs().max().item()
     return result
 
 
