@@ -5,7 +5,7 @@ present), the same prompts and the same number of new tokens, and must produce t
 whether they did). For each model shape and batch size it prints new tokens per second of each side, their ratio
 (ours / transformers, above 1 means faster), and ours without the cache (every step recomputes the whole
 sequence: what the cache saves; timed once, at the first batch size only). Timings are the median of ``--repeats``
-runs after one warm-up run.
+rounds after a warm-up round, the two sides taking turns in every round.
 
 Example::
 
@@ -30,7 +30,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--prompt-length", type=int, default=32)
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--quick", action="store_true", help="tiny models, few tokens")
     return parser.parse_args(argv)
@@ -52,14 +52,17 @@ def hf_models(quick: bool):
     yield "llama", transformers.LlamaForCausalLM(transformers.LlamaConfig(**llama, **common))
 
 
-def timed(function, repeats: int) -> tuple[float, object]:
-    result = function()  # warm-up
-    times = []
+def timed_side_by_side(functions: dict, repeats: int) -> tuple[dict[str, float], dict[str, object]]:
+    """Median seconds of each function over ``repeats`` rounds after a warm-up round; the functions take turns in
+    every round, so a machine that slows down or speeds up meanwhile affects both sides alike."""
+    results = {name: function() for name, function in functions.items()}  # warm-up
+    times: dict[str, list[float]] = {name: [] for name in functions}
     for _ in range(repeats):
-        start = time.perf_counter()
-        result = function()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times), result
+        for name, function in functions.items():
+            start = time.perf_counter()
+            results[name] = function()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(values) for name, values in times.items()}, results
 
 
 def without_cache(model, ids: torch.Tensor, new_tokens: int) -> torch.Tensor:
@@ -90,15 +93,18 @@ def main(argv=None) -> None:
         for batch in args.batch_sizes:
             ids = torch.randint(0, vocab, (batch, prompt_length), generator=torch.Generator().manual_seed(0)).to(device)
             mask = torch.ones_like(ids)
-            hf_seconds, hf_tokens = timed(lambda: hf.generate(ids, attention_mask=mask, max_new_tokens=new_tokens,
-                                                              min_new_tokens=new_tokens, do_sample=False,
-                                                              pad_token_id=0), args.repeats)
-            our_seconds, our_tokens = timed(lambda: generate(ours, ids, max_new_tokens=new_tokens), args.repeats)
+            seconds, tokens = timed_side_by_side({
+                "hf": lambda: hf.generate(ids, attention_mask=mask, max_new_tokens=new_tokens,
+                                          min_new_tokens=new_tokens, do_sample=False, pad_token_id=0),
+                "ours": lambda: generate(ours, ids, max_new_tokens=new_tokens)}, args.repeats)
+            hf_seconds, our_seconds = seconds["hf"], seconds["ours"]
+            hf_tokens, our_tokens = tokens["hf"], tokens["ours"]
             produced = batch * new_tokens
             no_cache = "-"
             if batch == args.batch_sizes[0]:
-                plain_seconds, _ = timed(lambda: without_cache(ours, ids, new_tokens), 1)
-                no_cache = f"{produced / plain_seconds:,.1f}"
+                start = time.perf_counter()
+                without_cache(ours, ids, new_tokens)
+                no_cache = f"{produced / (time.perf_counter() - start):,.1f}"
             print(" | ".join([name, str(batch), f"{produced / hf_seconds:,.1f}", f"{produced / our_seconds:,.1f}",
                               f"{hf_seconds / our_seconds:.2f}", no_cache,
                               "yes" if torch.equal(hf_tokens, our_tokens) else "NO"]), flush=True)

@@ -125,3 +125,14 @@ def test_data_benchmark_builds_and_reads_the_index_of_its_corpus(tmp_path):
     assert int(index[1]) > 1000 and float(index[2]) > 0, index  # samples of a 2M-token corpus at seq_length 128
     assert float(loader[1]) > 0 and float(loader[2]) > 0, loader
     assert any(row[0].startswith("Megatron-Core") for row in rows)  # its row, or the line saying it is not installed
+
+
+def test_generation_benchmark_generates_what_transformers_does():
+    result = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "generation.py"), "--quick", "--repeats=1", "--batch-sizes", "2"],
+        capture_output=True, text=True, timeout=300, env=child_env(),
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [[cell.strip() for cell in line.split(" | ")] for line in result.stdout.splitlines() if " | " in line][2:]
+    assert [row[:2] for row in rows] == [["gpt2", "2"], ["llama", "2"]], rows
+    assert all(row[-1] == "yes" and float(row[4]) > 0 for row in rows), rows
