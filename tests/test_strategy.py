@@ -91,6 +91,9 @@ def assert_predictions_match(options, ref_weights, results, out_dir, *, dp_rank)
     reference = model(options)
     reference.configure_model()
     reference.load_state_dict(ref_weights)
+    # Greedy from a callback at the (last) validation inside fit: the final weights, the same on every rank.
+    during_fit = reference.generate(PREDICT_PROMPTS[:2], max_new_tokens=5)
+    assert all(result["predicted"]["during_fit"] == during_fit for result in results), during_fit
     for rank, result in enumerate(results):
         d = dp_rank(rank)
         expected = reference.generate(PREDICT_PROMPTS[d::2], **PREDICT_GENERATION)

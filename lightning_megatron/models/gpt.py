@@ -404,7 +404,8 @@ class GPT(PretrainingRecipe):
                  attention_mask: Optional[Tensor] = None, pad_id: Optional[int] = None):
         """Continue the prompts; greedy by default. In one process and under ``Megatron3DStrategy`` at any
         layout, with the same tokens for the same seed (see :func:`lightning_megatron.generation.generate`
-        for the arguments and what it returns).
+        for the arguments and what it returns). Under the strategy every rank must call it (tensor and
+        pipeline ranks communicate), e.g. from a callback's hook, which Lightning runs on every rank.
 
         Example::
 

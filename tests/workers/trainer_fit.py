@@ -35,7 +35,18 @@ strategy = Megatron3DStrategy(
     zero_stage=options.get("zero_stage", 0), activation_checkpointing=options.get("recompute", "none"),
     checkpoint_checksums=options.get("checksums", False),
 )
-callbacks = [RecordLosses()]
+class GenerateAtValidation(L.Callback):
+    """Generation from a callback inside fit, as a user samples text during training: every rank calls it, under the
+    inference mode Lightning validates in, between training steps."""
+
+    tokens = None
+
+    def on_validation_epoch_end(self, trainer, pl_module):
+        self.tokens = pl_module.generate(PREDICT_PROMPTS[:2], max_new_tokens=5)
+
+
+generate_at_validation = GenerateAtValidation()
+callbacks = [RecordLosses(), generate_at_validation] if options.get("predict") else [RecordLosses()]
 if options.get("timeline"):
     timeline = PipelineTimeline(step=1, path=str(out_dir / "timeline.png"))
     callbacks.append(timeline)
@@ -62,7 +73,7 @@ if options.get("predict"):  # after fit, the split model predicts: prompts (gene
     out = trainer.predict(trainer.lightning_module, DataLoader(prompts, batch_size=2, collate_fn=prompts.collate))
     samples = [{"input_ids": torch.arange(i, i + 12) % 257} for i in range(0, 40, 10)]
     logits = trainer.predict(trainer.lightning_module, DataLoader(samples, batch_size=2))
-    predicted = {"tokens": [batch["tokens"] for batch in out]}
+    predicted = {"tokens": [batch["tokens"] for batch in out], "during_fit": generate_at_validation.tokens}
     torch.save({"logits": [batch["logits"] for batch in logits]}, out_dir / f"logits{rank}.pt")
 weights = trainer.strategy.full_state_dict()
 trainer.save_checkpoint(out_dir / "last.ckpt")
