@@ -12,6 +12,8 @@ import lightning as L
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
+from lightning_megatron.models.flops import flops_per_batch
+
 # Peak dense (no 2:4 sparsity) FLOP/s per device, from NVIDIA's datasheets: the tensor-core numbers, whose
 # datasheet values are quoted "with sparsity" and are twice these. "tf32" is what fp32 matmuls run at when
 # torch.set_float32_matmul_precision("high" or "medium") lets them use TF32 tensor cores; "fp32" is the plain rate.
@@ -188,8 +190,6 @@ def _model_flops(pl_module: L.LightningModule, batch_size: int, seq_length: int)
     config = getattr(pl_module, "config", None)
     if config is None:
         return None
-    from lightning_megatron.models.flops import flops_per_batch
-
     try:
         return flops_per_batch(config, batch_size, seq_length)
     except TypeError:

@@ -74,7 +74,3 @@ class KVCache:
         """The step's tokens are now part of the cached prefix."""
         self.length += self._new
         self._new = 0
-
-    def nbytes(self) -> int:
-        """Bytes of the key/value buffers on this rank."""
-        return sum(k.nbytes + v.nbytes for k, v in self._buffers.values())

@@ -60,15 +60,13 @@ def adamw_warmup_cosine(
     betas: tuple[float, float],
     eps: float = 1e-8,
     warmup_steps: int,
-    decay_steps: Optional[int] = None,
 ) -> dict:
     """What ``configure_optimizers`` returns: AdamW over ``module``'s parameters, stepped per optimizer step.
 
-    The cosine spans ``decay_steps`` optimizer steps (warmup included), by default
-    ``trainer.estimated_stepping_batches``, so it ends where training ends. When the Trainer has no
-    last step (``max_time`` with ``max_steps=-1``, or ``max_epochs=-1``) and ``decay_steps`` is not
-    given, the learning rate warms up and then holds at ``learning_rate`` (an info message says so):
-    set ``Trainer(max_steps=...)`` for the cosine.
+    The cosine spans ``trainer.estimated_stepping_batches`` (warmup included), so it ends where training
+    ends. When the Trainer has no last step (``max_time`` with ``max_steps=-1``, or ``max_epochs=-1``),
+    the learning rate warms up and then holds at ``learning_rate`` (an info message says so): set
+    ``Trainer(max_steps=...)`` for the cosine.
     """
     params = list(module.parameters())
     optimizer = torch.optim.AdamW(
@@ -80,7 +78,7 @@ def adamw_warmup_cosine(
         betas=betas,
         eps=eps,
     )
-    total_steps = decay_steps if decay_steps is not None else _training_horizon(module, warmup_steps)
+    total_steps = _training_horizon(module, warmup_steps)
     factor = warmup_cosine_factor(
         learning_rate=learning_rate, min_learning_rate=min_learning_rate, warmup_steps=warmup_steps, total_steps=total_steps
     )

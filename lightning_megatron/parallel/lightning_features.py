@@ -19,6 +19,7 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
+from lightning.pytorch.callbacks import StochasticWeightAveraging
 from torch import Tensor, nn
 from torchmetrics import Metric
 
@@ -87,8 +88,6 @@ def check_trainer_features(trainer, config: ParallelConfig) -> None:
     """Raise (the same error on every rank) for Trainer features that cannot run at this layout."""
     if trainer is None:
         return
-    from lightning.pytorch.callbacks import StochasticWeightAveraging
-
     split = config.tensor_parallel_size > 1 or config.pipeline_parallel_size > 1 or config.zero_stage == 3
     if split and any(isinstance(callback, StochasticWeightAveraging) for callback in trainer.callbacks):
         raise ValueError(

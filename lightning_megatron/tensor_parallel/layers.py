@@ -172,13 +172,14 @@ class VocabParallelHead(ColumnParallelLinear):
                  **kwargs) -> None:
         super().__init__(in_features, num_embeddings, bias, pad_to_multiple_of=pad_to_multiple_of, **kwargs)
         self.real_local_size = self.weight.tensor_shard.real_local_size()
+        self._vocab_shard = VocabShard.of_head(self)
 
     def vocab_shard(self) -> VocabShard:
-        return VocabShard.of_head(self)
+        return self._vocab_shard
 
     def forward(self, x: Tensor) -> Tensor:
         logits = super().forward(x)
         if self.real_local_size != logits.shape[-1]:
             padding = torch.arange(logits.shape[-1], device=logits.device) >= self.real_local_size
             logits = logits.masked_fill(padding, float("-inf"))
-        return logits if self.group is None else mark_vocab_parallel(logits, self.vocab_shard())
+        return logits if self.group is None else mark_vocab_parallel(logits, self._vocab_shard)
