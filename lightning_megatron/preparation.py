@@ -8,10 +8,15 @@ on the one before):
 2. :func:`apply_recompute`: wrap the transformer layers for activation recomputation. After the
    swaps (a swapped layer would lose the wrapper), before the pipeline split (so that every
    rank checks every layer and fails alike).
-3. :func:`split_pipeline`: delete the layers, embedding and head this rank's stages do not run.
-4. :func:`shard_zero3` (``zero_stage=3``) or ``initialize_parameters``: materialise only the
+3. :func:`apply_expert_parallel` (``expert_parallel_size > 1``): keep this rank's experts of every
+   MoE layer and dispatch tokens to the others with all-to-alls; after the swaps (the experts'
+   tensor-parallel layers are the ones tagged), before the split (every rank checks every layer).
+   :func:`wire_auxiliary_losses`: the MoE statistics are summed over the model-parallel ranks.
+4. :func:`split_pipeline`: delete the layers, embedding and head this rank's stages do not run.
+5. :func:`shard_zero3` (``zero_stage=3``) or ``initialize_parameters``: materialise only the
    local shards, with the layout-invariant initial values.
-5. :func:`start_pipeline` (``pp > 1``): the schedule behind the root model's ``loss()``.
+6. :func:`start_pipeline` (``pp > 1``): the schedule behind the root model's ``loss()``; MoE layers
+   then attach their auxiliary losses to their outputs (a stage may not hold the loss).
 
 The model declares *what* can be split (``tensor_parallel_plan()``, ``pipeline_blocks()``);
 these functions decide *how*, from the layout.
@@ -26,6 +31,8 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
+from lightning_megatron.expert_parallel import apply_expert_parallel, wire_auxiliary_losses
+from lightning_megatron.expert_parallel.apply import auxiliary_losses
 from lightning_megatron.optim.zero3 import ZeRO3, apply_zero3
 from lightning_megatron.parallel.random import TensorParallelRNG
 from lightning_megatron.parallel.recompute import apply_activation_checkpointing
@@ -60,6 +67,12 @@ def apply_recompute(module: nn.Module, mode: str, rng: Optional[TensorParallelRN
     blocks = _blocks(module, f"activation_checkpointing={mode!r}")
     pattern = f"{blocks.root}.{blocks.layers}.*" if blocks.root else f"{blocks.layers}.*"
     apply_activation_checkpointing(module, mode=mode, layer_pattern=pattern, rng=rng)
+
+
+def prepare_experts(module: nn.Module, state: ParallelState) -> None:
+    """This rank's experts and their dispatch (``expert_parallel_size > 1``); the MoE statistics' reduction."""
+    apply_expert_parallel(module, state)
+    wire_auxiliary_losses(module, state)
 
 
 @dataclass
@@ -100,6 +113,8 @@ def start_pipeline(split: PipelineSplit, state: ParallelState, *, device: torch.
                             micro_batch_size=micro_batch_size, root=root, recorder=recorder,
                             before_backward=before_backward)
     root.loss = runner.loss  # the model's loss() now runs the schedule
+    for aux in auxiliary_losses(root):  # their gradient scaled as the schedule scales the loss sum's
+        aux.attach_with(lambda: runner.loss_scale)
     # Generation and predict walk the stages themselves (one batch, shapes that change, a key/value cache).
     root.pipeline_inference = PipelineInference(split.stage_modules, split.local_stages, num_stages=layout.num_stages,
                                                 group=state.pipeline_parallel_group, device=device)

@@ -39,7 +39,6 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_megatron.launcher import InPlaceLauncher, SubprocessLauncher, die_with_launcher
-from lightning_megatron.optim.clip import clip_grads_by_global_norm
 from lightning_megatron.optim.grad_sync import DEFAULT_BUCKET_SIZE_MB
 from lightning_megatron.optim.loss_scaler import DynamicLossScaler, agree_on_overflow
 from lightning_megatron.optim.nonfinite import NonFiniteCheck
@@ -91,7 +90,14 @@ from lightning_megatron.checkpoint.training_state import (
 from lightning_megatron.pipeline.layout import check_schedule
 from lightning_megatron.pipeline.runner import PipelineRunner
 from lightning_megatron.pipeline.timeline import TimelineRecorder
-from lightning_megatron.preparation import PipelineSplit, apply_recompute, shard_zero3, split_pipeline, start_pipeline
+from lightning_megatron.preparation import (
+    PipelineSplit,
+    apply_recompute,
+    prepare_experts,
+    shard_zero3,
+    split_pipeline,
+    start_pipeline,
+)
 from lightning_megatron.tensor_parallel.plan import parallelize
 
 CHECKPOINT_FORMATS = ("sharded", "full")
@@ -106,6 +112,9 @@ class Megatron3DStrategy(ParallelStrategy):
         pipeline_parallel_size: pipeline ranks; the model needs ``pipeline_blocks()``.
         data_parallel_size: model replicas; ``"auto"`` takes ``world_size / (tp * pp)``.
         sequence_parallel: also split LayerNorm/dropout activations along the sequence over tp.
+        expert_parallel_size: ranks that split the experts of Mixture-of-Experts layers, carved out of dp
+            (it must divide ``data_parallel_size``); tokens reach their experts by all-to-all, and the experts'
+            gradients are reduced over the ranks holding the same experts (ZeRO 1/2 shards them there).
         zero_stage: ZeRO over dp: 1 shards fp32 main params and optimizer state, 2 also gradients,
             3 also the parameters (FSDP2 per transformer layer; gathered for forward and backward).
         virtual_pipeline_size: stages per pipeline rank (interleaved 1F1B when > 1).
@@ -167,6 +176,7 @@ class Megatron3DStrategy(ParallelStrategy):
         zero_stage: int = 0,
         *,
         virtual_pipeline_size: int = 1,
+        expert_parallel_size: int = 1,
         pipeline_schedule: str = "1f1b",
         micro_batch_size: int = 1,
         pipeline_layers_per_stage: Optional[list[int]] = None,
@@ -219,10 +229,11 @@ class Megatron3DStrategy(ParallelStrategy):
         ParallelConfig(
             tensor_parallel_size=tensor_parallel_size,
             pipeline_parallel_size=pipeline_parallel_size,
-            data_parallel_size=1 if data_parallel_size == "auto" else data_parallel_size,
+            data_parallel_size=expert_parallel_size if data_parallel_size == "auto" else data_parallel_size,
             sequence_parallel=sequence_parallel,
             zero_stage=zero_stage,
             virtual_pipeline_size=virtual_pipeline_size,
+            expert_parallel_size=expert_parallel_size,
         )
         self._requested = dict(
             tensor_parallel_size=tensor_parallel_size,
@@ -232,6 +243,7 @@ class Megatron3DStrategy(ParallelStrategy):
             zero_stage=zero_stage,
             virtual_pipeline_size=virtual_pipeline_size,
             pipeline_layers_per_stage=tuple(pipeline_layers_per_stage) if pipeline_layers_per_stage else None,
+            expert_parallel_size=expert_parallel_size,
         )
         self.pipeline_schedule = pipeline_schedule
         self.micro_batch_size = micro_batch_size
@@ -387,6 +399,7 @@ class Megatron3DStrategy(ParallelStrategy):
         warn_if_replicated(module, plan, config.tensor_parallel_size, config.data_parallel_size)
         parallelize(module, plan, self.parallel_state, rng=self._rng, pad_vocab_to_multiple_of=self.pad_vocab_to_multiple_of)
         apply_recompute(module, self.activation_checkpointing, self._rng)
+        prepare_experts(module, self.parallel_state)
         split = split_pipeline(module, self.parallel_state)
         if self.parallel_config.zero_stage == 3:
             # Already on the device; no .to(): FSDP would replace the sharded parameters and drop their tags.
@@ -563,16 +576,8 @@ class Megatron3DStrategy(ParallelStrategy):
         if self._zero3 is not None:
             return self._zero3.clip_grad_norm_(float(clip_val), norm=norm)
         params = [p for group in optimizer.param_groups for p in group["params"]]
-        state = self.parallel_state
-        return clip_grads_by_global_norm(
-            params,
-            float(clip_val),
-            model_parallel_group=state.model_parallel_group,
-            is_first_tensor_rank=state.tensor_parallel_rank == 0,
-            data_parallel_group=state.data_parallel_group if state.config.zero_stage else None,
-            reduce_device=self.root_device,
-            norm=norm,
-        )
+        return self._step.clip(params, float(clip_val), is_first_tensor_rank=self.parallel_state.tensor_parallel_rank == 0,
+                               norm=norm)
 
     # ------------------------------------------------------------------ collectives
     @records_phase("barrier", argument(0, "name"))
@@ -644,7 +649,8 @@ class Megatron3DStrategy(ParallelStrategy):
         if self._zero3 is not None:
             self._zero3.retag()  # Lightning's teardown moves the module to the CPU, and FSDP drops our tags
         full = gather_full_state_dict(self.lightning_module, state.tensor_parallel_group)
-        return merge_pipeline_stages(full, state.pipeline_parallel_group)
+        full = merge_pipeline_stages(full, state.pipeline_parallel_group)
+        return merge_pipeline_stages(full, state.expert_parallel_group if state.config.expert_parallel_size > 1 else None)
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """What Lightning puts under ``"state_dict"``: the gathered weights for ``checkpoint_format="full"``;

@@ -55,7 +55,8 @@ def gather_full_state_dict(module: nn.Module, group: Optional[dist.ProcessGroup]
 
 
 def merge_pipeline_stages(state: dict[str, Any], group: Optional[dist.ProcessGroup]) -> dict[str, Any]:
-    """Each pipeline stage holds some keys; every rank gets their union (a collective over ``group``)."""
+    """Each pipeline stage (or expert-parallel rank: its experts) holds some keys; every rank gets their union
+    (a collective over ``group``)."""
     if group is None:
         return state
     parts: list = [None] * dist.get_world_size(group)

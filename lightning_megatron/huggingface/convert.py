@@ -2,14 +2,15 @@
 
 ``read_hf`` picks the family by ``config.json``'s ``model_type``; ``write_hf`` by ``model_type`` when
 given, else by our config: a ``BERTConfig`` is BERT, a ``GPTConfig`` with learned positions is GPT-2,
-one with rotary positions is Llama-shaped: ``qwen2`` when it has biases on qkv alone (Qwen2's), else
+one with rotary positions is Llama-shaped: with Mixture-of-Experts layers ``qwen2_moe`` when they have
+a shared expert, else ``mixtral``; dense, ``qwen2`` when it has biases on qkv alone (Qwen2's), else
 ``llama`` (``mistral`` only when asked for). The family then refuses, by name, any piece it lacks. State dicts are our
 models' own, full and unsharded (``GPTModel``/``BERTModel`` names, ``blocks.0.attn.qkv.weight``); a
 LightningModule's (names under ``model.``) is accepted too.
 
 Example::
 
-    config, state_dict = read_hf("path/to/hf_model")          # GPT-2, BERT, Llama, Mistral or Qwen2
+    config, state_dict = read_hf("path/to/hf_model")          # GPT-2, BERT, Llama, Mistral, Qwen2, Mixtral, ...
     module = lightning_module_for(config)(config)
     module.configure_model()
     module.model.load_state_dict(state_dict)
@@ -23,7 +24,7 @@ from typing import Any, Mapping, Optional, Sequence, Union
 
 from torch import Tensor, nn
 
-from lightning_megatron.huggingface import bert, gpt2, llama, mistral, qwen2
+from lightning_megatron.huggingface import bert, gpt2, llama, mistral, mixtral, qwen2, qwen2_moe
 from lightning_megatron.huggingface.family import Family, TensorSource
 from lightning_megatron.huggingface.io import DEFAULT_MAX_SHARD_SIZE, read_hf_config
 from lightning_megatron.models.bert import BERTConfig
@@ -31,7 +32,8 @@ from lightning_megatron.models.gpt import GPTConfig
 
 ModelConfig = Union[GPTConfig, BERTConfig]
 FAMILIES: dict[str, Family] = {family.model_type: family for family in
-                               (gpt2.FAMILY, bert.FAMILY, llama.FAMILY, mistral.FAMILY, qwen2.FAMILY)}
+                               (gpt2.FAMILY, bert.FAMILY, llama.FAMILY, mistral.FAMILY, qwen2.FAMILY,
+                                mixtral.FAMILY, qwen2_moe.FAMILY)}
 HF_MODEL_TYPES = tuple(sorted(FAMILIES))
 
 
@@ -65,6 +67,8 @@ def family_for(config: Any, model_type: Optional[str] = None) -> Family:
             model_type = "bert"
         elif config.position_embedding_type == "learned_absolute":  # GPT-2's; its checks name any other piece
             model_type = "gpt2"
+        elif config.moe is not None:
+            model_type = "qwen2_moe" if config.moe.shared_expert_size else "mixtral"
         else:
             model_type = "qwen2" if config.add_qkv_bias and not config.add_bias_linear else "llama"
     valid = model_types_of(type(config))

@@ -69,19 +69,29 @@ class Family:
     hf_name: Callable[[str], Optional[str]]
     expected: str  # what read() accepts, for its TypeError: "a transformers GPT2LMHeadModel"
 
-    def state_dict_from_hf(self, hf_state_dict: Mapping[str, Tensor], config: Any) -> dict[str, Tensor]:
-        """Our model's full state dict (global names) from a full Hugging Face one."""
+    def _renamed(self, hf_state_dict: Mapping[str, Tensor]) -> dict[str, Tensor]:
         renamed = {}
         for name, value in hf_state_dict.items():
             name = self.hf_name(name)
             if name is not None:
                 renamed[name] = value
-        return self.mapping(config).to_ours(renamed)
+        return renamed
+
+    def state_dict_from_hf(self, hf_state_dict: Mapping[str, Tensor], config: Any) -> dict[str, Tensor]:
+        """Our model's full state dict (global names) from a full Hugging Face one."""
+        return self.mapping(config).to_ours(self._renamed(hf_state_dict))
 
     def hf_state_dict(self, state_dict: Mapping[str, Tensor], config: Any) -> dict[str, Tensor]:
-        """The Hugging Face state dict (tied entries included) of our full state dict. Under tensor or pipeline
+        """The Hugging Face state dict (tied entries included) of our full state dict, spelled as checkpoints
+        store it (one tensor per expert; see ``canonical_hf_state_dict``). Under tensor or pipeline
         parallelism, convert the gathered state dict, not a rank's own."""
         return self.mapping(config).to_hf(state_dict)
+
+    def canonical_hf_state_dict(self, hf_state_dict: Mapping[str, Tensor], config: Any) -> dict[str, Tensor]:
+        """A Hugging Face state dict (a model's or a checkpoint's) spelled as ``hf_state_dict`` returns it: older
+        names renamed, buffers dropped, experts that ``transformers`` 5 stacks in memory split one per expert (as
+        ``save_pretrained`` writes them). What to compare a conversion back with."""
+        return self.mapping(config).unstacked(self._renamed(hf_state_dict))
 
     def read(self, model_or_dir: PathOrModel) -> tuple[Any, dict[str, Tensor]]:
         """Our config and full state dict from a ``transformers`` model or a ``save_pretrained`` directory."""

@@ -6,7 +6,9 @@ mapping and configs: a ``Dialect`` declares only the config fields a family spel
 (which biases it has, a sliding window). The tensors differ in two ways: our ``qkv`` is one tensor
 fused by query group where theirs are ``q_proj``/``k_proj``/``v_proj``, and our ``mlp.fc`` is
 ``[gate; up]`` where theirs are ``gate_proj``/``up_proj``. Rotary positions use the "rotate half"
-convention on both sides, so ``q_proj``/``k_proj`` need no permutation.
+convention on both sides, so ``q_proj``/``k_proj`` need no permutation. The Mixture-of-Experts families,
+``MixtralForCausalLM`` (``mixtral.py``) and ``Qwen2MoeForCausalLM`` (``qwen2_moe.py``), are dialects too:
+``ExpertNames`` says how one spells an MoE layer, each expert converting like a dense MLP.
 
 Not modelled, so refused with the field named: activations other than SiLU, a ``head_dim`` other
 than ``hidden_size / num_attention_heads``, rotary types other than ``default`` and ``llama3``
@@ -33,6 +35,8 @@ from lightning_megatron.huggingface.io import config_fields
 from lightning_megatron.huggingface.mapping import (
     Chunks,
     QueryGroups,
+    Rule,
+    Stacked,
     StateDictMapping,
     Texts,
     Tie,
@@ -54,6 +58,25 @@ COMMON_DEFAULTS: dict[str, Any] = {"hidden_act": "silu", "num_key_value_heads": 
                                    "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "attention_dropout": 0.0}
 
 Fields = Mapping[str, Any]
+DENSE_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+
+
+def checkpoint_name(name: str) -> Optional[str]:
+    """Older checkpoints store each layer's rotary frequencies as a buffer: not a weight (we compute them)."""
+    return None if name.endswith("rotary_emb.inv_freq") else name
+
+
+@dataclass(frozen=True)
+class ExpertNames:
+    """How a Mixture-of-Experts family's checkpoints spell an MoE layer's MLP: the module holding it (``mlp``, or
+    Mixtral's ``block_sparse_moe``) with the router (``gate``) and the experts (``experts.{e}``);
+    ``projections``: an expert's gate, up and down projections (Mixtral's ``w1``, ``w3``, ``w2``);
+    ``shared_expert``: every MoE layer also has a gated shared expert (Qwen2-MoE's ``shared_expert``, spelled
+    like the experts, and ``shared_expert_gate``)."""
+
+    block: str
+    projections: tuple[str, str, str] = DENSE_PROJECTIONS
+    shared_expert: bool = False
 
 
 @dataclass(frozen=True)
@@ -64,6 +87,9 @@ class Dialect:
 
     * ``read_fields(hf_fields, problems)``: ``GPTConfig`` fields, e.g. ``{"add_qkv_bias": True}``;
     * ``write_fields(config, problems)``: ``config.json`` fields, e.g. ``{"attention_bias": False}``.
+
+    A Mixture-of-Experts family also names its MoE layers (``experts``) and may rename the names of its
+    models' state dicts to its checkpoints' (``hf_name``, see ``Family``).
     """
 
     model_type: str
@@ -71,6 +97,8 @@ class Dialect:
     defaults: Fields
     read_fields: Callable[[Fields, list[str]], dict[str, Any]]
     write_fields: Callable[[GPTConfig, list[str]], dict[str, Any]]
+    experts: Optional[ExpertNames] = None
+    hf_name: Callable[[str], Optional[str]] = checkpoint_name
 
     def config_from_hf(self, hf_config: Union[Fields, Any]) -> GPTConfig:
         """Our ``GPTConfig`` for this family's config (a ``transformers`` config, its ``to_dict()``, or a parsed
@@ -105,7 +133,7 @@ class Dialect:
         written in both spellings: ``rope_parameters`` (transformers 5) and ``rope_theta``/``rope_scaling``
         (transformers 4).
         """
-        problems = _decoder_problems(config, self.architecture)
+        problems = _decoder_problems(config, self.architecture, self.experts)
         own = self.write_fields(config, problems)
         raise_problems(problems, what=f"This GPTConfig has no Hugging Face {self.architecture} equivalent",
                        fix=f"Configs with LayerNorm, learned positions and GELU export as 'gpt2'. The Llama-shaped "
@@ -133,17 +161,47 @@ class Dialect:
     def family(self) -> Family:
         return Family(model_type=self.model_type, config_class=GPTConfig, lightning_module=GPT,
                       config_from_hf=lambda fields, weight_names: self.config_from_hf(fields),
-                      hf_config=self.hf_config, mapping=lambda config: decoder_mapping(config, self.architecture),
-                      hf_name=_hf_name, expected=f"a transformers {self.architecture}")
+                      hf_config=self.hf_config,
+                      mapping=lambda config: decoder_mapping(config, self.architecture, self.experts),
+                      hf_name=self.hf_name, expected=f"a transformers {self.architecture}")
 
 
-DIALECT_NAMES = ("llama", "mistral", "qwen2")
+DIALECT_NAMES = ("llama", "mistral", "qwen2", "mixtral", "qwen2_moe")
 
 
 # ----------------------------------------------------------------------------- shared config pieces
-def _decoder_problems(config: GPTConfig, architecture: str) -> list[str]:
-    return [f"{name}={getattr(config, name)!r} ({architecture} has {value!r})"
-            for name, value in DECODER_PIECES.items() if getattr(config, name) != value]
+def _decoder_problems(config: GPTConfig, architecture: str, experts: Optional[ExpertNames] = None) -> list[str]:
+    problems = [f"{name}={getattr(config, name)!r} ({architecture} has {value!r})"
+                for name, value in DECODER_PIECES.items() if getattr(config, name) != value]
+    return problems + _moe_problems(config, architecture, experts)
+
+
+def _moe_problems(config: GPTConfig, architecture: str, experts: Optional[ExpertNames]) -> list[str]:
+    """What a family with (``experts``) or without Mixture-of-Experts layers cannot hold: checked before the
+    mapping is built, since most of it changes the tensors."""
+    moe = config.moe
+    if experts is None:
+        return [] if moe is None else [f"moe=MoEConfig(num_experts={moe.num_experts}, ...): {architecture}'s MLPs "
+                                       f"are dense; MoE models export with model_type='mixtral' or 'qwen2_moe'"]
+    if moe is None:
+        return [f"moe=None: {architecture}'s MLPs are Mixtures of Experts; dense models export with "
+                f"model_type='llama', 'mistral' or 'qwen2'"]
+    problems = []
+    if moe.score_function != "softmax":
+        problems.append(f"moe.score_function={moe.score_function!r}: {architecture} routes by softmax scores")
+    if moe.expert_bias:
+        problems.append(f"moe.expert_bias=True: {architecture}'s router has no per-expert bias")
+    if moe.top_k == 1 and moe.normalize_topk:
+        problems.append(f"moe.top_k=1 with normalize_topk=True: {architecture} renormalises the one weight to 1, our "
+                        f"router keeps the expert's score")
+    shared = (moe.shared_expert_size, moe.shared_expert_gate)
+    if experts.shared_expert and not all(shared):
+        problems.append(f"moe.shared_expert_size={shared[0]}, shared_expert_gate={shared[1]}: every {architecture} MoE "
+                        f"layer has a gated shared expert")
+    if not experts.shared_expert and any(shared):
+        problems.append(f"moe.shared_expert_size={shared[0]}: {architecture} has no shared expert; export with "
+                        f"model_type='qwen2_moe' (a gated one)")
+    return problems
 
 
 def _rotary_from_hf(fields: Fields, problems: list[str]) -> dict[str, Any]:
@@ -218,11 +276,35 @@ LLAMA = Dialect(
 
 
 # ----------------------------------------------------------------------------- state dicts (every dialect)
-def decoder_mapping(config: GPTConfig, architecture: str = "LlamaForCausalLM") -> StateDictMapping:
-    """Our ``GPTModel`` names <-> those of a Llama-shaped ``...ForCausalLM`` (the same in every dialect)."""
-    raise_problems(_decoder_problems(config, architecture), what=f"This GPTConfig has no {architecture} equivalent")
+def _gated_mlp_rules(ours: str, theirs: str, projections: tuple[str, str, str] = DENSE_PROJECTIONS) -> list[Rule]:
+    """Our ``GatedMLP`` (``fc`` = ``[gate; up]``, ``proj``) at ``ours`` <-> three projections at ``theirs``."""
+    gate, up, down = projections
+    return [*pair(f"{ours}.fc", [f"{theirs}.{gate}", f"{theirs}.{up}"], Chunks(2)),
+            *pair(f"{ours}.proj", f"{theirs}.{down}")]
+
+
+def _moe_rules(config: GPTConfig, names: ExpertNames) -> tuple[list[Rule], list[Stacked]]:
+    """An MoE layer's rules, and the tensors ``transformers`` 5 stacks in memory. A layer's rules are expanded for
+    every layer and skipped where our model lacks the name, so dense and MoE layers can alternate."""
+    block = "model.layers.{i}." + names.block
+    rules = pair("blocks.{i}.mlp.router", f"{block}.gate")
+    for index in range(config.moe.num_experts):
+        rules += _gated_mlp_rules(f"blocks.{{i}}.mlp.experts.{index}", f"{block}.experts.{index}", names.projections)
+    rules += _gated_mlp_rules("blocks.{i}.mlp.shared_expert", f"{block}.shared_expert", names.projections)
+    rules += pair("blocks.{i}.mlp.shared_expert_gate", f"{block}.shared_expert_gate")
+    gate, up, down = (f"{block}.experts.{{e}}.{name}.weight" for name in names.projections)
+    return rules, [Stacked(f"{block}.experts.gate_up_proj", (gate, up)), Stacked(f"{block}.experts.down_proj", (down,))]
+
+
+def decoder_mapping(config: GPTConfig, architecture: str = "LlamaForCausalLM",
+                    experts: Optional[ExpertNames] = None) -> StateDictMapping:
+    """Our ``GPTModel`` names <-> those of a Llama-shaped ``...ForCausalLM`` (the same in every dialect; ``experts``:
+    how a Mixture-of-Experts family names its MoE layers)."""
+    raise_problems(_decoder_problems(config, architecture, experts),
+                   what=f"This GPTConfig has no {architecture} equivalent")
     layer = "model.layers.{i}"
     tied = config.tie_embeddings
+    moe_rules, stacked = _moe_rules(config, experts) if experts is not None else ([], [])
     return StateDictMapping.build(
         state_dict_shapes(GPTModel, config), num_layers=config.num_layers,
         first=pair("embedding.wte", "model.embed_tokens"),
@@ -231,19 +313,14 @@ def decoder_mapping(config: GPTConfig, architecture: str = "LlamaForCausalLM") -
                      QueryGroups(config.num_heads, config.query_groups)),
                *pair("blocks.{i}.attn.proj", f"{layer}.self_attn.o_proj"),
                *pair("blocks.{i}.ln_2", f"{layer}.post_attention_layernorm"),
-               *pair("blocks.{i}.mlp.fc", [f"{layer}.mlp.gate_proj", f"{layer}.mlp.up_proj"], Chunks(2)),
-               *pair("blocks.{i}.mlp.proj", f"{layer}.mlp.down_proj")],
+               *_gated_mlp_rules("blocks.{i}.mlp", f"{layer}.mlp"), *moe_rules],
         last=pair("ln_f", "model.norm") + ([] if tied else pair("lm_head", "lm_head")),
         our_ties=[Tie("lm_head.weight", "embedding.wte.weight", TIED_WHY)] if tied else [],
         their_ties=[Tie("lm_head.weight", "model.embed_tokens.weight", TIED_WHY)] if tied else [],
         texts=Texts(hf=f"The Hugging Face {architecture} state dict", ours="The GPT state dict",
                     hf_fix="Pass the config that belongs to these weights (GPT.from_hf reads both from one directory)."),
+        stacked=stacked,
     )
-
-
-def _hf_name(name: str) -> Optional[str]:
-    """Older checkpoints store each layer's rotary frequencies as a buffer: not a weight (we compute them)."""
-    return None if name.endswith("rotary_emb.inv_freq") else name
 
 
 FAMILY = LLAMA.family()

@@ -2,7 +2,8 @@
 
 A family declares ``Rule``s: our name (``blocks.{i}.attn.qkv.weight``, ``{i}`` the layer), the Hugging
 Face name or names it becomes (several where we fuse what they keep apart: q/k/v, gate/up) and the
-``Transform`` between them, plus ``Tie``s (names that are copies of others). ``StateDictMapping``
+``Transform`` between them, plus ``Tie``s (names that are copies of others) and ``Stacked`` tensors (one
+Hugging Face tensor holding every expert's, as ``transformers`` 5 keeps them in memory). ``StateDictMapping``
 expands the rules for one config over the names our model really has, so an optional tensor (a
 bias, a position table) needs no condition in any family, and does every check in one place:
 missing, unexpected and wrongly shaped names, ties, and names no rule covers.
@@ -153,6 +154,23 @@ class Tie:
 
 
 @dataclass(frozen=True)
+class Stacked:
+    """A Hugging Face tensor stacking one tensor per expert along dim 0, each expert's slice being ``parts`` fused
+    along its first dim, <-> the per-expert names the rules use (``{i}``: the layer, ``{e}``: the expert).
+
+    ``transformers`` 5 keeps a layer's experts so in memory (``mlp.experts.gate_up_proj`` ``[E, 2f, h]``, gate
+    then up; ``mlp.experts.down_proj`` ``[E, h, f]``), but ``save_pretrained`` writes, and checkpoints on the Hub
+    hold, one tensor per expert and projection (``experts.{e}.gate_proj.weight``), which ``from_pretrained``
+    stacks when it loads. The rules name the stored tensors, so every entry stays one of our tensors (an
+    expert's ``fc``) and its parts and an export writes what ``save_pretrained`` writes; reading splits stacked
+    tensors first (``StateDictMapping.unstacked``), so a model's own state dict converts too.
+    """
+
+    stacked: str  # e.g. "model.layers.{i}.mlp.experts.gate_up_proj"
+    parts: tuple[str, ...]  # e.g. ("model.layers.{i}.mlp.experts.{e}.gate_proj.weight", "...up_proj.weight")
+
+
+@dataclass(frozen=True)
 class Texts:
     """How errors name the two state dicts, and the fix for a Hugging Face one that does not fit."""
 
@@ -229,20 +247,23 @@ def _fill_ties(state: dict[str, Tensor], ties: Iterable[Tie]) -> None:
 # ----------------------------------------------------------------------------- one config's mapping
 @dataclass(frozen=True)
 class StateDictMapping:
-    """Every entry of one config's model (in file order), the ties on both sides, and the checks."""
+    """Every entry of one config's model (in file order), the ties on both sides, the stacked Hugging Face tensors
+    of each layer (``(Stacked, layer)``), and the checks."""
 
     entries: tuple[Entry, ...]
     our_shapes: Mapping[str, Shape]
     our_ties: tuple[Tie, ...]
     their_ties: tuple[Tie, ...]
     texts: Texts
+    stacks: tuple[tuple[Stacked, int], ...] = ()
 
     @classmethod
     def build(cls, our_shapes: Mapping[str, Shape], *, num_layers: int, first: Sequence[Rule], layer: Sequence[Rule],
-              last: Sequence[Rule], texts: Texts, our_ties: Sequence[Tie] = (),
-              their_ties: Sequence[Tie] = ()) -> "StateDictMapping":
-        """``first`` and ``last`` rules once, ``layer`` rules for each layer between them; a rule whose name our
-        model does not have (``our_shapes``) is skipped. Every name our model has must be covered."""
+              last: Sequence[Rule], texts: Texts, our_ties: Sequence[Tie] = (), their_ties: Sequence[Tie] = (),
+              stacked: Sequence[Stacked] = ()) -> "StateDictMapping":
+        """``first`` and ``last`` rules once, ``layer`` rules (and ``stacked`` tensors) for each layer between them;
+        a rule whose name our model does not have (``our_shapes``) is skipped. Every name our model has must be
+        covered."""
         expanded = [(rule, None) for rule in first]
         expanded += [(rule, index) for index in range(num_layers) for rule in layer]
         expanded += [(rule, None) for rule in last]
@@ -255,7 +276,8 @@ class StateDictMapping:
         if uncovered:
             raise ValueError(f"{texts.ours} has tensors with no Hugging Face counterpart in this family: "
                              f"{', '.join(uncovered[:4])}. The config describes a model this family cannot hold.")
-        return cls(tuple(entries), dict(our_shapes), tuple(our_ties), tuple(their_ties), texts)
+        stacks = tuple((stack, index) for index in range(num_layers) for stack in stacked)
+        return cls(tuple(entries), dict(our_shapes), tuple(our_ties), tuple(their_ties), texts, stacks)
 
     def expected_hf_shapes(self) -> dict[str, Shape]:
         shapes = {theirs: shape for entry in self.entries
@@ -264,9 +286,23 @@ class StateDictMapping:
         return shapes
 
     # --------------------------------------------------------------- Hugging Face -> ours
-    def to_ours(self, hf_state: Mapping[str, Tensor]) -> dict[str, Tensor]:
-        """Our full state dict from a full Hugging Face one (a tied copy may be absent, as on disk)."""
+    def unstacked(self, hf_state: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        """``hf_state`` with every stacked tensor (``Stacked``) split into the per-expert tensors the rules name;
+        the other names pass through. A stack of the wrong size leaves names the checks report."""
         state = dict(hf_state)
+        for stack, layer in self.stacks:
+            tensor = state.pop(stack.stacked.format(i=layer), None)
+            if tensor is None:
+                continue
+            for expert, expert_slice in enumerate(tensor):
+                state.update({part.format(i=layer, e=expert): chunk
+                              for part, chunk in zip(stack.parts, expert_slice.chunk(len(stack.parts)))})
+        return state
+
+    def to_ours(self, hf_state: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        """Our full state dict from a full Hugging Face one (a tied copy may be absent, as on disk; experts may be
+        stacked, as ``transformers`` 5 holds them in memory)."""
+        state = self.unstacked(hf_state)
         _fill_ties(state, self.their_ties)
         check_names_and_shapes(_shapes(state), self.expected_hf_shapes(), what=self.texts.hf, fix=self.texts.hf_fix)
         for tie in self.their_ties:

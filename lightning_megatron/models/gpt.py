@@ -23,6 +23,7 @@ from lightning_megatron.models.formats import HFFormat, hf_format_for
 from lightning_megatron.models.optim_recipe import PretrainingRecipe
 from lightning_megatron.models.attention import SelfAttention
 from lightning_megatron.models.mlp import ACTIVATIONS, build_mlp
+from lightning_megatron.models.moe import MoE, AuxLosses, MoEConfig, moe_tensor_parallel_plan, update_expert_biases
 from lightning_megatron.models.norms import NORMALIZATIONS, build_norm
 from lightning_megatron.models.rotary import RopeScaling, RotaryEmbedding
 from lightning_megatron.models.transformer import TransformerLayer, TransformerSizes, layer_tensor_parallel_plan
@@ -50,6 +51,8 @@ class GPTConfig(TransformerSizes):
     * ``add_bias_linear``: biases on every linear layer; ``add_qkv_bias``: a bias on ``qkv`` even
       without them (Qwen2).
     * ``tie_embeddings``: the output layer shares the input embedding's weights.
+    * ``moe``: a :class:`~lightning_megatron.models.moe.MoEConfig` (or a dict of its fields) makes the MLP
+      of every (or every ``layer_freq``-th) layer a Mixture of Experts; None: dense.
     """
 
     vocab_size: int = 257
@@ -70,11 +73,16 @@ class GPTConfig(TransformerSizes):
     add_bias_linear: bool = True
     add_qkv_bias: bool = False
     tie_embeddings: bool = True
+    moe: Optional[MoEConfig] = None
 
     def __post_init__(self) -> None:
         self._check_heads()
         if isinstance(self.rope_scaling, dict):  # from YAML / a dict config
             object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
+        if isinstance(self.moe, dict):
+            object.__setattr__(self, "moe", MoEConfig(**self.moe))
+        if self.moe is not None:
+            self.moe.moe_layers(self.num_layers)  # checks a 0/1 pattern's length
         choices = {"normalization": NORMALIZATIONS, "position_embedding_type": POSITION_EMBEDDINGS,
                    "activation": ACTIVATIONS}
         for field, valid in choices.items():
@@ -110,16 +118,65 @@ class GPTConfig(TransformerSizes):
     def qkv_bias(self) -> bool:
         return self.add_bias_linear or self.add_qkv_bias
 
+    def validate_expert_layout(self, tensor_parallel_size: int, expert_parallel_size: int) -> None:
+        """Experts split over ``expert_parallel_size`` ranks and each expert over ``tensor_parallel_size``."""
+        tp, ep = tensor_parallel_size, expert_parallel_size
+        if self.moe is None:
+            if ep > 1:
+                raise ValueError(f"expert_parallel_size={ep} splits the experts of Mixture-of-Experts layers, but this "
+                                 f"GPTConfig has moe=None. Set GPTConfig(moe=MoEConfig(num_experts=...)) or use "
+                                 f"expert_parallel_size=1.")
+            return
+        if self.moe.num_experts % ep:
+            raise ValueError(f"expert_parallel_size={ep} does not divide num_experts={self.moe.num_experts}: every "
+                             f"expert-parallel rank holds the same number of experts. Use one of "
+                             f"{[d for d in range(1, self.moe.num_experts + 1) if self.moe.num_experts % d == 0]}.")
+        widths = {"MoEConfig.ffn_hidden_size": self.moe_ffn_size, "MoEConfig.shared_expert_size": self.moe.shared_expert_size}
+        problems = [f"{name}={width}" for name, width in widths.items() if width % tp]
+        if problems:
+            raise ValueError(f"tensor_parallel_size={tp} does not divide {' and '.join(problems)}: each expert is split "
+                             f"over tp like a dense MLP. Choose widths divisible by {tp} or a smaller tensor_parallel_size.")
+
+    @property
+    def moe_ffn_size(self) -> int:
+        """Width of each routed expert (``moe.ffn_hidden_size``, else ``ffn_size``)."""
+        return (self.moe.ffn_hidden_size if self.moe is not None else None) or self.ffn_size
+
+    def is_moe_layer(self, index: int) -> bool:
+        return self.moe is not None and self.moe.is_moe_layer(index, self.num_layers)
+
     def num_parameters(self) -> int:
+        """All parameters (every expert counted); ``num_active_parameters`` counts those one token uses."""
+        return self._count_parameters(active=False)
+
+    def num_active_parameters(self) -> int:
+        """Parameters one token's forward uses: the ``top_k`` routed experts of an MoE layer, not all of them."""
+        return self._count_parameters(active=True)
+
+    def _count_parameters(self, *, active: bool) -> int:
         h, ffn, bias = self.hidden_size, self.ffn_size, self.add_bias_linear
         norm = 2 * h if self.normalization == "LayerNorm" else h
         qkv_rows = (self.num_heads + 2 * self.query_groups) * self.head_dim
         attention = qkv_rows * (h + self.qkv_bias) + h * self.num_heads * self.head_dim + h * bias
-        up_rows = 2 * ffn if self.activation == "swiglu" else ffn
-        mlp = up_rows * (h + bias) + ffn * h + h * bias
+        matrices = 3 if self.activation == "swiglu" else 2
+
+        def mlp(width: int, with_bias: bool) -> int:
+            return matrices * width * h + (with_bias * ((matrices - 1) * width + h))
+
+        layers = 0
+        for index in range(self.num_layers):
+            if self.is_moe_layer(index):
+                moe = self.moe
+                experts = moe.top_k if active else moe.num_experts
+                layers += (moe.num_experts * h + experts * mlp(self.moe_ffn_size, False)
+                           + (mlp(moe.shared_expert_size, False) if moe.shared_expert_size else 0)
+                           + h * moe.shared_expert_gate)
+            else:
+                layers += mlp(ffn, bias)
+            layers += 2 * norm + attention
         embeddings = self.vocab_size * h * (1 if self.tie_embeddings else 2)
         positions = self.max_seq_length * h if self.position_embedding_type == "learned_absolute" else 0
-        return embeddings + positions + self.num_layers * (2 * norm + attention + mlp) + norm
+        return embeddings + positions + layers + norm
 
 
 # Megatron-LM paper (Shoeybi et al. 2019), table 1: hidden, heads, layers; vocab 51,200, sequence 1024.
@@ -183,26 +240,42 @@ class GPTEmbedding(nn.Module):
         return self.drop(x)
 
 
-def gpt_layer(config: GPTConfig) -> TransformerLayer:
-    """One decoder layer with the pieces the config names."""
+def gpt_layer(config: GPTConfig, index: int = 0, aux_losses: Optional[AuxLosses] = None) -> TransformerLayer:
+    """Decoder layer ``index`` with the pieces the config names (its MLP a Mixture of Experts where ``moe`` says)."""
     rotary = None
     if config.position_embedding_type == "rope":
         rotary = RotaryEmbedding(config.head_dim, base=config.rotary_base, scaling=config.rope_scaling)
     attention = SelfAttention(config.hidden_size, config.num_heads, num_query_groups=config.num_query_groups,
                               attention_dropout=config.attention_dropout, causal=True, qkv_bias=config.qkv_bias,
                               proj_bias=config.add_bias_linear, rotary=rotary)
-    mlp = build_mlp(config.activation, config.hidden_size, config.ffn_size, bias=config.add_bias_linear)
+    if config.is_moe_layer(index):
+        mlp = MoE(config.hidden_size, config.moe, default_ffn_size=config.ffn_size, activation=config.activation,
+                  aux_losses=aux_losses)
+    else:
+        mlp = build_mlp(config.activation, config.hidden_size, config.ffn_size, bias=config.add_bias_linear)
     return TransformerLayer(attention, mlp, partial(build_norm, config.normalization, config.hidden_size,
                                                     eps=config.layer_norm_eps), dropout=config.dropout)
 
 
 def gpt_tensor_parallel_plan(config: GPTConfig) -> dict[str, object]:
     """What tensor parallelism may split in a ``GPTModel`` of this config (names relative to the model)."""
+    gated = config.activation == "swiglu"
+    if config.moe is None:
+        layers = layer_tensor_parallel_plan("blocks.*", num_heads=config.num_heads,
+                                            num_query_groups=config.num_query_groups, gated_mlp=gated)
+    else:  # MoE and dense layers have different MLPs: one entry per layer
+        layers = {}
+        for index in range(config.num_layers):
+            prefix, moe = f"blocks.{index}", config.is_moe_layer(index)
+            layer = layer_tensor_parallel_plan(prefix, num_heads=config.num_heads,
+                                               num_query_groups=config.num_query_groups, gated_mlp=gated, mlp=not moe)
+            layers.update(layer)
+            if moe:
+                layers.update(moe_tensor_parallel_plan(f"{prefix}.mlp", config.moe, gated_mlp=gated))
     return {
         "embedding.wte": "vocab",
         "embedding": "sequence_scatter",
-        **layer_tensor_parallel_plan("blocks.*", num_heads=config.num_heads, num_query_groups=config.num_query_groups,
-                                     gated_mlp=config.activation == "swiglu"),
+        **layers,
         "ln_f": "sequence_parallel",
         "lm_head": "vocab",
         "loss_fn": "vocab",
@@ -216,9 +289,12 @@ class GPTModel(nn.Module):
         super().__init__()
         self.config = config
         self.embedding = GPTEmbedding(config)
+        # The MoE layers' load-balancing and z-losses (shared by all of them; see models/moe.py).
+        self.moe_aux_losses = AuxLosses()
         # A dict keyed "0", "1", ... (not a list): a pipeline stage keeps only its layers, and their
         # parameter names (blocks.7.mlp.fc.weight) stay global.
-        self.blocks = nn.ModuleDict({str(index): gpt_layer(config) for index in range(config.num_layers)})
+        self.blocks = nn.ModuleDict({str(index): gpt_layer(config, index, self.moe_aux_losses)
+                                     for index in range(config.num_layers)})
         self.ln_f = build_norm(config.normalization, config.hidden_size, eps=config.layer_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_embeddings:
@@ -284,6 +360,7 @@ class GPTModel(nn.Module):
         """``kv_cache`` and ``logits_to_keep``: generation's (``lightning_megatron.generation``)."""
         side = _present(position_ids=position_ids, document_ids=document_ids, kv_cache=kv_cache,
                         logits_to_keep=logits_to_keep or None)
+        self.moe_aux_losses.drain()  # what an earlier forward left (loss() takes them; see models/moe.py)
         x = self.embed(input_ids, **side)
         layer_kwargs = self.layer_kwargs(**side)
         for block in self.blocks.values():
@@ -295,6 +372,9 @@ class GPTModel(nn.Module):
         optional ``position_ids`` and ``document_ids`` of packed samples."""
         batch = self.pipeline_batch(input_ids, labels, **side)
         loss_sum, extras = self.pipeline_loss(self(input_ids, **batch.side), labels)
+        aux = self.moe_aux_losses.drain()
+        if aux is not None:  # in the gradient, not in the value: the loss reported stays the language model's
+            loss_sum = loss_sum + (aux - aux.detach())
         return self.pipeline_result(loss_sum, batch.num_tokens, extras)
 
 
@@ -366,6 +446,7 @@ class GPT(PretrainingRecipe):
 
     def validate_parallel_config(self, parallel_config) -> None:
         self.config.validate_tensor_parallel_size(parallel_config.tensor_parallel_size)
+        self.config.validate_expert_layout(parallel_config.tensor_parallel_size, parallel_config.expert_parallel_size)
         PipelineLayout(
             num_layers=self.config.num_layers,
             pipeline_parallel_size=parallel_config.pipeline_parallel_size,
@@ -384,7 +465,19 @@ class GPT(PretrainingRecipe):
         loss_sum, num_tokens = self.model.loss(batch["input_ids"], batch["labels"], **self._side(batch))
         loss = loss_sum / num_tokens.clamp(min=1)
         self.log("train_loss", loss, prog_bar=True, sync_dist=True)
+        if self.config.moe is not None:
+            statistics = self.model.moe_aux_losses.statistics()  # every rank: it sums over the model-parallel ranks
+            if statistics is not None:
+                self.log("moe_load_balancing", statistics[0], sync_dist=True)
+                self.log("moe_z_loss", statistics[1], sync_dist=True)
         return {"loss": loss, "num_tokens": num_tokens}
+
+    def optimizer_step(self, *args, **kwargs) -> None:
+        super().optimizer_step(*args, **kwargs)
+        moe = self.config.moe
+        if moe is not None and moe.expert_bias:  # DeepSeek-V3's aux-loss-free balancing, from the global batch's loads
+            update_expert_biases(self.model, moe.expert_bias_update_rate,
+                                 reduce=lambda counts: self.trainer.strategy.reduce(counts, reduce_op="sum"))
 
     def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
         loss_sum, num_tokens = self.model.loss(batch["input_ids"], batch["labels"], **self._side(batch))

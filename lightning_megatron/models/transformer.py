@@ -19,7 +19,7 @@ from lightning_megatron.models.mlp import MLP, GatedMLP
 from lightning_megatron.tensor_parallel.styles import PackedColumn, QueryGroupColumn
 
 __all__ = ["CoreAttention", "GatedMLP", "MLP", "SelfAttention", "TransformerLayer", "TransformerSizes",
-           "check_tensor_parallel_split", "layer_tensor_parallel_plan"]
+           "check_tensor_parallel_split", "dense_mlp_tensor_parallel_plan", "layer_tensor_parallel_plan"]
 
 
 class TransformerLayer(nn.Module):
@@ -56,17 +56,24 @@ class TransformerLayer(nn.Module):
 
 
 def layer_tensor_parallel_plan(prefix: str, *, num_heads: int, num_query_groups: Optional[int] = None,
-                               gated_mlp: bool = False) -> dict[str, object]:
+                               gated_mlp: bool = False, mlp: bool = True) -> dict[str, object]:
     """The plan of every ``TransformerLayer`` under ``prefix`` (e.g. ``"blocks.*"``): Megatron's split, the
-    fused ``qkv`` by query group, a gated MLP's ``[gate | up]`` chunk by chunk."""
-    return {
+    fused ``qkv`` by query group, a gated MLP's ``[gate | up]`` chunk by chunk. ``mlp=False``: the layer's MLP
+    is another piece with a plan of its own (an MoE layer: ``models.moe.moe_tensor_parallel_plan``)."""
+    plan = {
         prefix: "sequence_parallel",
         f"{prefix}.attn": "sharded_dropout",
         f"{prefix}.attn.qkv": QueryGroupColumn(num_heads, num_query_groups or num_heads),
         f"{prefix}.attn.proj": "row",
-        f"{prefix}.mlp.fc": PackedColumn(2) if gated_mlp else "column",
-        f"{prefix}.mlp.proj": "row",
     }
+    if mlp:
+        plan.update(dense_mlp_tensor_parallel_plan(f"{prefix}.mlp", gated_mlp=gated_mlp))
+    return plan
+
+
+def dense_mlp_tensor_parallel_plan(prefix: str, *, gated_mlp: bool) -> dict[str, object]:
+    """An ``MLP``/``GatedMLP`` at ``prefix``: ``fc`` column-parallel (``[gate | up]`` chunk by chunk), ``proj`` row."""
+    return {f"{prefix}.fc": PackedColumn(2) if gated_mlp else "column", f"{prefix}.proj": "row"}
 
 
 class TransformerSizes:

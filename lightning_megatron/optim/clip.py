@@ -7,7 +7,9 @@ its primary only), replicated ones on tensor-parallel rank 0 only, and an embedd
 tied across pipeline stages on the first stage only; the squares are then summed over the
 model-parallel group (tp x pp). After an all-reduce every dp rank holds the same
 gradients, so no dp reduction is needed; under ZeRO each dp rank holds different pieces,
-and the squares are summed over dp too.
+and the squares are summed over dp too. Under expert parallelism without ZeRO the dp ranks
+hold different experts, so the squares are summed over dp as well, each replica counted once
+(``replicas``: dense parameters on dp rank 0, experts on expert-data-parallel rank 0).
 """
 
 from __future__ import annotations
@@ -34,6 +36,14 @@ def counted_squares(grad: Tensor, shard: Optional[TensorShard], *, flat_start: i
     parts = [flat[max(lo, flat_start) - flat_start : min(hi, stop) - flat_start] for lo, hi in ranges
              if lo < stop and hi > flat_start]
     return torch.cat(parts).pow(2).sum() if parts else grad.new_zeros(())
+
+
+def first_replicas(params: Iterable[nn.Parameter], *, data_parallel_rank: int,
+                   expert_data_parallel_rank: int) -> list[nn.Parameter]:
+    """The parameters whose squares this rank counts when the norm is summed over dp without ZeRO (expert
+    parallelism): dense ones on dp rank 0, ``expert_parallel`` ones on expert-data-parallel rank 0."""
+    return [p for p in params
+            if (expert_data_parallel_rank if getattr(p, "expert_parallel", False) else data_parallel_rank) == 0]
 
 
 def local_grad_squares(params: Iterable[nn.Parameter], *, is_first_tensor_rank: bool) -> Tensor:
@@ -85,16 +95,19 @@ def clip_grads_by_global_norm(
     data_parallel_group: Optional[dist.ProcessGroup] = None,
     reduce_device: Optional[torch.device] = None,
     norm: Optional[Tensor] = None,
+    counted: Optional[list[nn.Parameter]] = None,
 ) -> Tensor:
     """Scale gradients so their global norm is at most ``max_norm``; returns the norm before clipping.
 
-    Pass ``data_parallel_group`` when each dp rank holds different pieces of the gradients (ZeRO).
+    Pass ``data_parallel_group`` when each dp rank holds different pieces of the gradients (ZeRO, or
+    experts under expert parallelism: then ``counted`` = :func:`first_replicas` of them).
     ``norm``: this step's global norm if it is known already (the strategy's non-finite check
     computes it right after the gradients are reduced); it is used as it is, with no collective.
     """
     params = [p for p in dict.fromkeys(params) if p.grad is not None]
     if norm is None:
-        norm = global_grad_norm(params, model_parallel_group=model_parallel_group,
+        norm = global_grad_norm(params if counted is None else [p for p in counted if p.grad is not None],
+                                model_parallel_group=model_parallel_group,
                                 is_first_tensor_rank=is_first_tensor_rank, data_parallel_group=data_parallel_group,
                                 reduce_device=reduce_device)
     clip_coef = max_norm / (float(norm) + 1e-6)

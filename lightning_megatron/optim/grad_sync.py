@@ -15,6 +15,10 @@ while backward goes on computing the rest.
   persistent owned slice (``1/dp`` of the gradients) and freed. Under gradient
   accumulation this reduces after every micro-batch (ZeRO-2's price for its memory).
 
+Each bucket is reduced over its parameters' group: the data-parallel group, or for the experts of
+an expert-parallel layout (parameters tagged ``expert_parallel``) the expert-data-parallel group, the
+ranks holding the same experts; ZeRO then shards each bucket over its own group.
+
 The training loss is a sum over tokens (see ``Megatron3DStrategy.backward``); after the
 reduction gradients are divided by the number of tokens in the global batch, so they are
 those of the per-token mean over the global batch whatever dp and the micro-batching are.
@@ -73,6 +77,7 @@ def _reduce_scatter(out: Tensor, full: Tensor, group: dist.ProcessGroup) -> dist
 
 @dataclass
 class _Bucket:
+    group: Optional[dist.ProcessGroup]  # the group it is reduced (and, under ZeRO, sharded) over
     params: list[nn.Parameter]
     offsets: list[int]  # start of each param in the flat bucket
     numel: int  # padded to a multiple of dp
@@ -109,6 +114,8 @@ class GradientSynchronizer:
     some other group (``optim.partial_grads.partial_grad_groups``: sequence-parallel replicated
     parameters over tp, a pipeline-tied embedding over the embedding group, replicated ranges of
     a segmented tp shard over a tp subgroup); they are summed there, one all-reduce per group.
+
+    ``expert_data_parallel_group``: where the ``expert_parallel`` parameters are reduced (default: dp).
     """
 
     def __init__(
@@ -119,14 +126,16 @@ class GradientSynchronizer:
         partial_grad_groups: Sequence[PartialGrads] = (),
         bucket_size_mb: float = DEFAULT_BUCKET_SIZE_MB,
         zero_stage: int = 0,
+        expert_data_parallel_group: Optional[dist.ProcessGroup] | str = "data_parallel_group",
     ) -> None:
         if bucket_size_mb <= 0:
             raise ValueError(f"bucket_size_mb must be positive, got {bucket_size_mb}.")
         if zero_stage not in (0, 1, 2):
             raise ValueError(f"GradientSynchronizer handles zero_stage 0, 1 or 2, got {zero_stage}.")
         self.data_parallel_group = data_parallel_group
-        self.data_parallel_size = 1 if data_parallel_group is None else dist.get_world_size(data_parallel_group)
-        self.data_parallel_rank = 0 if data_parallel_group is None else dist.get_rank(data_parallel_group)
+        if expert_data_parallel_group == "data_parallel_group":
+            expert_data_parallel_group = data_parallel_group
+        self.expert_data_parallel_group = expert_data_parallel_group
         self.zero_stage = zero_stage
         self.params = [p for p in dict.fromkeys(params) if p.requires_grad]
         self.partial_grad_groups = list(partial_grad_groups)
@@ -142,12 +151,14 @@ class GradientSynchronizer:
     # ---------------------------------------------------------------- layout
     def _build_buckets(self, bucket_bytes: int, own_bucket: set[int]) -> None:
         """Reverse order; a pipeline-tied embedding gets a bucket of its own so that its layout (and
-        hence its owned slice) is the same on the first and the last stage."""
+        hence its owned slice) is the same on the first and the last stage; experts' buckets hold only
+        experts (they are reduced over another group)."""
         pending: list[nn.Parameter] = []
         size = 0
         for param in reversed(self.params):
             alone = id(param) in own_bucket
-            if pending and (alone or param.dtype != pending[0].dtype or size >= bucket_bytes):
+            other_group = pending and self._group_of(param) is not self._group_of(pending[0])
+            if pending and (alone or other_group or param.dtype != pending[0].dtype or size >= bucket_bytes):
                 self._add_bucket(pending)
                 pending, size = [], 0
             pending.append(param)
@@ -158,18 +169,24 @@ class GradientSynchronizer:
         if pending:
             self._add_bucket(pending)
 
+    def _group_of(self, param: nn.Parameter) -> Optional[dist.ProcessGroup]:
+        if getattr(param, "expert_parallel", False):
+            return self.expert_data_parallel_group
+        return self.data_parallel_group
+
     def _add_bucket(self, params: list[nn.Parameter]) -> None:
         offsets, total = [], 0
         for param in params:
             offsets.append(total)
             total += param.numel()
-        dp = self.data_parallel_size
+        group = self._group_of(params[0])
+        size, rank = (1, 0) if group is None else (dist.get_world_size(group), dist.get_rank(group))
         if self.zero_stage:
-            numel = math.ceil(total / dp) * dp
-            shard_start, shard_numel = self.data_parallel_rank * (numel // dp), numel // dp
+            numel = math.ceil(total / size) * size
+            shard_start, shard_numel = rank * (numel // size), numel // size
         else:
             numel, shard_start, shard_numel = total, 0, total  # every rank "owns" everything
-        bucket = _Bucket(params=params, offsets=offsets, numel=numel, dtype=params[0].dtype,
+        bucket = _Bucket(group=group, params=params, offsets=offsets, numel=numel, dtype=params[0].dtype,
                          device=params[0].device, shard_start=shard_start, shard_numel=shard_numel)
         if self.zero_stage < 2:
             bucket.buffer = torch.zeros(numel, dtype=bucket.dtype, device=bucket.device)
@@ -211,7 +228,7 @@ class GradientSynchronizer:
 
     def _launch(self, bucket: _Bucket) -> None:
         bucket.launched = True
-        group = self.data_parallel_group
+        group = bucket.group
         if self.zero_stage == 0:
             if group is not None:
                 bucket.pending.append((dist.all_reduce(bucket.buffer, group=group, async_op=True), None))

@@ -33,7 +33,7 @@ ELEMENTWISE_OPTIMIZERS = (
     torch.optim.RMSprop,
     torch.optim.Adagrad,
 )
-_TAGS = ("tensor_shard", "tied_names")
+_TAGS = ("tensor_shard", "tied_names", "expert_parallel")
 
 
 def check_wrappable(optimizer: Optimizer, zero_stage: int) -> None:
@@ -123,12 +123,11 @@ class MainParamOptimizer:
                 if owned.data_ptr() != main.data_ptr():
                     owned.copy_(main)
                 main.grad = None
-            group = self.sync.data_parallel_group
-            if self._param_buffers and group is not None:
-                for bucket, buffer in zip(self.sync.buckets, self._param_buffers):
+            for bucket, buffer in zip(self.sync.buckets, self._param_buffers):
+                if bucket.group is not None:  # each bucket over its own group (experts: expert-data-parallel)
                     owned = buffer.narrow(0, bucket.shard_start, bucket.shard_numel).clone()
                     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-                    gather(buffer, owned, group=group)
+                    gather(buffer, owned, group=bucket.group)
 
     def main_param_bytes(self) -> int:
         """Bytes of fp32 copies; pieces that are views of fp32 parameters cost nothing extra."""

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from lightning_megatron.optim.clip import local_grad_squares
+from lightning_megatron.optim.clip import clip_grads_by_global_norm, first_replicas, local_grad_squares
 from lightning_megatron.optim.grad_sync import GradientSynchronizer, LocalGradients
 from lightning_megatron.optim.loss_scaler import DynamicLossScaler, found_overflow
 from lightning_megatron.optim.main_params import MainParamOptimizer, uses_main_params
@@ -37,13 +37,17 @@ class StepGradients:
         device: torch.device,
         model_parallel_group: Optional[dist.ProcessGroup] = None,
         nonfinite: Optional[NonFiniteCheck] = None,
+        replica_ranks: Optional[tuple[int, int]] = None,
     ) -> None:
         """``nonfinite``: the check to run in :meth:`check_finite` (None: no check, e.g. under fp16,
-        whose loss scaler handles overflows itself); ``model_parallel_group`` (tp x pp) is where it sums."""
+        whose loss scaler handles overflows itself); ``model_parallel_group`` (tp x pp) is where it sums.
+        ``replica_ranks``: (dp rank, expert-data-parallel rank) under expert parallelism without ZeRO, where
+        the norm is summed over dp with each replica counted once (``clip.first_replicas``)."""
         self.sync, self.main_params, self.loss_scaler = sync, main_params, loss_scaler
         self.data_parallel_group, self.device = data_parallel_group, device
         self.data_parallel_size = 1 if data_parallel_group is None else dist.get_world_size(data_parallel_group)
         self.model_parallel_group, self.nonfinite = model_parallel_group, nonfinite
+        self.replica_ranks = replica_ranks
         self._tokens: Tensor | float = 0.0
         self._token_estimate: Optional[float] = None
         self._loss_flags: Optional[Tensor] = None  # this rank's [NaN losses, Inf losses] of the step
@@ -122,11 +126,14 @@ class StepGradients:
         mp, dp = self.model_parallel_group, self.data_parallel_group
         if hasattr(self.sync, "grad_squares"):  # ZeRO-3: its shards, summed over dp then tp x pp (its grad_norm)
             squares, grads, reductions = self.sync.grad_squares(), self.sync.main_grads(), [(dp, False), (mp, True)]
-        else:  # clip.py's order: tp x pp, then dp where dp ranks hold different pieces (ZeRO-1/2)
+        else:  # clip.py's order: tp x pp, then dp where dp ranks hold different pieces (ZeRO-1/2, experts)
             params = [p for p in dict.fromkeys(params) if p.grad is not None]
-            squares = local_grad_squares(params, is_first_tensor_rank=is_first_tensor_rank)
+            counted = params if self.replica_ranks is None else first_replicas(
+                params, data_parallel_rank=self.replica_ranks[0], expert_data_parallel_rank=self.replica_ranks[1])
+            squares = local_grad_squares(counted, is_first_tensor_rank=is_first_tensor_rank)
             grads = [p.grad for p in params]
-            reductions = [(mp, True)] + ([(dp, False)] if self.sync.zero_stage else [])
+            over_dp = self.sync.zero_stage or self.replica_ranks is not None
+            reductions = [(mp, True)] + ([(dp, False)] if over_dp else [])
         norm, finite = check.global_norm(squares, losses, reductions, device=self.device)
         if finite:
             check.passed()
@@ -135,6 +142,18 @@ class StepGradients:
         warning = check.non_finite(local_losses, grads_finite=grads_finite, step=step, epoch=epoch, device=self.device)
         self.drop_grads()
         return norm, warning
+
+    def clip(self, params: Iterable[nn.Parameter], max_norm: float, *, is_first_tensor_rank: bool,
+             norm: Optional[Tensor] = None) -> Tensor:
+        """Clip by the global norm (``optim.clip``), counted and summed as :meth:`check_finite` counts it."""
+        params = list(params)
+        counted = None if self.replica_ranks is None else first_replicas(
+            params, data_parallel_rank=self.replica_ranks[0], expert_data_parallel_rank=self.replica_ranks[1])
+        over_dp = self.sync.zero_stage or self.replica_ranks is not None
+        return clip_grads_by_global_norm(params, max_norm, model_parallel_group=self.model_parallel_group,
+                                         is_first_tensor_rank=is_first_tensor_rank,
+                                         data_parallel_group=self.data_parallel_group if over_dp else None,
+                                         reduce_device=self.device, norm=norm, counted=counted)
 
     def after_step(self) -> None:
         if self.main_params is not None:
@@ -145,6 +164,14 @@ class StepGradients:
         self.sync.remove()
 
 
+def replica_ranks(state: ParallelState) -> Optional[tuple[int, int]]:
+    """(dp rank, expert-data-parallel rank) where the gradient norm must count replicas once over dp: expert
+    parallelism without ZeRO (ZeRO's pieces are distinct anyway); None otherwise."""
+    if state.config.expert_parallel_size == 1 or state.config.zero_stage:
+        return None
+    return state.data_parallel_rank, state.expert_data_parallel_rank
+
+
 def build_step_gradients(module: nn.Module, state: ParallelState, optimizers: list, *, zero3=None,
                          loss_scaler: Optional[DynamicLossScaler], nonfinite: Optional[NonFiniteCheck],
                          bucket_size_mb: float, offload: bool, device: torch.device) -> StepGradients:
@@ -152,7 +179,8 @@ def build_step_gradients(module: nn.Module, state: ParallelState, optimizers: li
     main params), or flat buckets reduced over dp; plus fp32 main parameters where ZeRO, 16-bit
     parameters or offloading ask for them."""
     common = dict(data_parallel_group=state.data_parallel_group, device=device,
-                  model_parallel_group=state.model_parallel_group, nonfinite=nonfinite)
+                  model_parallel_group=state.model_parallel_group, nonfinite=nonfinite,
+                  replica_ranks=replica_ranks(state))
     if zero3 is not None:
         return StepGradients(zero3, None, loss_scaler, **common)
     params = [p for p in module.parameters() if p.requires_grad]
@@ -163,7 +191,8 @@ def build_step_gradients(module: nn.Module, state: ParallelState, optimizers: li
     else:
         sync = GradientSynchronizer(params, data_parallel_group=state.data_parallel_group,
                                     partial_grad_groups=partial, bucket_size_mb=bucket_size_mb,
-                                    zero_stage=state.config.zero_stage)
+                                    zero_stage=state.config.zero_stage,
+                                    expert_data_parallel_group=state.expert_data_parallel_group)
     main_params = None
     if needs_main_params:
         if len(optimizers) != 1:

@@ -123,6 +123,7 @@ from lightning_megatron.optim.partial_grads import partial_grad_groups
 from lightning_megatron.parallel.initialize import (
     PARAMETER_TAGS,
     default_initializer,
+    initialize_buffers,
     initializer_owners,
     local_initial_values,
     original_name,
@@ -176,6 +177,7 @@ class ZeRO3:
         keep = {name: local_tensor(p).detach().clone() for name, p in named.items() if not local_tensor(p).is_meta}
         self.module.to_empty(device=device)  # every parameter: FSDP re-pads the shards; tags may be lost
         self.retag()
+        initialize_buffers(self.module, device, only_meta=False)  # to_empty left them uninitialised
         buffers = [name for name, buffer in self.module.named_buffers() if buffer.is_meta]
         if buffers:
             raise RuntimeError(f"Buffers {buffers} are on the meta device; create them in forward or in setup.")

@@ -18,7 +18,9 @@ def _check_positive(name: str, value: object) -> None:
 class ParallelConfig:
     """Sizes of the three parallel dimensions and the features layered on them.
 
-    ``world_size == tensor_parallel_size * pipeline_parallel_size * data_parallel_size``.
+    ``world_size == tensor_parallel_size * pipeline_parallel_size * data_parallel_size``. Expert parallelism is
+    carved out of data parallelism: ``expert_parallel_size`` divides ``data_parallel_size``, and data-parallel
+    rank ``d`` is expert-parallel rank ``d % ep`` of expert-data-parallel rank ``d // ep``.
 
     Example::
 
@@ -33,10 +35,22 @@ class ParallelConfig:
     zero_stage: int = 0
     virtual_pipeline_size: int = 1
     pipeline_layers_per_stage: Optional[tuple[int, ...]] = None
+    expert_parallel_size: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size", "expert_parallel_size"):
             _check_positive(name, getattr(self, name))
+        ep, dp = self.expert_parallel_size, self.data_parallel_size
+        if dp % ep:
+            raise ValueError(
+                f"expert_parallel_size={ep} must divide data_parallel_size={dp}: the experts are split over groups of "
+                f"{ep} data-parallel ranks (Megatron-Core's layout), each rank holding 1/{ep} of them. Use an "
+                f"expert_parallel_size in {[d for d in range(1, dp + 1) if dp % d == 0]} or more data-parallel ranks.")
+        if ep > 1 and self.zero_stage == 3:
+            raise ValueError(
+                f"zero_stage=3 with expert_parallel_size={ep} is not supported: FSDP would shard the experts over all "
+                f"{dp} data-parallel ranks, not over their expert-data-parallel group of {dp // ep}. Use zero_stage=1 "
+                f"or 2 (sharded over each group), or expert_parallel_size=1.")
         _check_positive("virtual_pipeline_size", self.virtual_pipeline_size)
         if self.virtual_pipeline_size > 1 and self.pipeline_parallel_size == 1:
             raise ValueError(
@@ -59,6 +73,11 @@ class ParallelConfig:
     def world_size(self) -> int:
         return self.tensor_parallel_size * self.pipeline_parallel_size * self.data_parallel_size
 
+    @property
+    def expert_data_parallel_size(self) -> int:
+        """Replicas of each expert: the data-parallel ranks left once the experts are split ``expert_parallel_size`` ways."""
+        return self.data_parallel_size // self.expert_parallel_size
+
     @classmethod
     def for_world(
         cls,
@@ -71,6 +90,7 @@ class ParallelConfig:
         zero_stage: int = 0,
         virtual_pipeline_size: int = 1,
         pipeline_layers_per_stage: Optional[tuple[int, ...]] = None,
+        expert_parallel_size: int = 1,
     ) -> "ParallelConfig":
         """Build a config for ``world_size`` processes; ``data_parallel_size="auto"`` takes what is left."""
         _check_positive("tensor_parallel_size", tensor_parallel_size)
@@ -92,6 +112,7 @@ class ParallelConfig:
             zero_stage=zero_stage,
             virtual_pipeline_size=virtual_pipeline_size,
             pipeline_layers_per_stage=pipeline_layers_per_stage,
+            expert_parallel_size=expert_parallel_size,
         )
         if config.world_size != world_size:
             raise ValueError(

@@ -24,7 +24,7 @@ from lightning_megatron.tensor_parallel.sharding import shard_of
 Initializer = Callable[[str, Tensor, torch.Generator], None]
 INIT_STD = 0.02
 # Python attributes our code puts on parameters; whatever replaces a parameter must carry them over.
-PARAMETER_TAGS = ("tensor_shard", "sequence_parallel_grad", "pipeline_tied", "tied_names")
+PARAMETER_TAGS = ("tensor_shard", "sequence_parallel_grad", "pipeline_tied", "tied_names", "expert_parallel")
 
 
 def parameter_seed(seed: int, name: str) -> int:
@@ -73,6 +73,22 @@ def local_initial_values(param: Tensor, name: str, seed: int, initializer: Initi
     return full if shard is None else shard.local_slice(full)
 
 
+def initialize_buffers(root: nn.Module, device: Optional[torch.device | str], *, only_meta: bool = True) -> None:
+    """Modules that define ``initialize_buffers()`` (e.g. a router's expert bias, a persistent state that starts at
+    zero) get their own buffers allocated on ``device`` and filled by it: those still on the meta device, or all of
+    them with ``only_meta=False`` (after ``to_empty``, which leaves them uninitialised)."""
+    for module in root.modules():
+        fill = getattr(module, "initialize_buffers", None)
+        own = list(module.buffers(recurse=False))
+        if fill is None or not own or (only_meta and not any(b.is_meta for b in own)):
+            continue
+        for name, buffer in list(module.named_buffers(recurse=False)):
+            if buffer.is_meta:  # its own buffers only (to_empty would also empty the parameters)
+                module._buffers[name] = torch.empty_like(buffer, device=device)
+        with torch.no_grad():
+            fill()
+
+
 def initialize_parameters(
     root: nn.Module, seed: int, device: Optional[torch.device | str] = None, *, only_meta: bool = False
 ) -> None:
@@ -110,6 +126,7 @@ def initialize_parameters(
                     new = param
                 done[id(param)] = new
                 done[id(new)] = new
+    initialize_buffers(root, device)
     meta_buffers = [name for name, buffer in root.named_buffers() if buffer.is_meta]
     if meta_buffers:
         raise RuntimeError(

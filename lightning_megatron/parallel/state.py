@@ -33,6 +33,8 @@ class ParallelState:
     mesh: Optional[DeviceMesh] = None
     model_parallel_group: Optional[dist.ProcessGroup] = None
     embedding_group: Optional[dist.ProcessGroup] = None
+    expert_parallel_group: Optional[dist.ProcessGroup] = None
+    expert_data_parallel_group: Optional[dist.ProcessGroup] = None
     timeout: Optional[timedelta] = None
     _subgroups: dict[int, Optional[dist.ProcessGroup]] = field(default_factory=dict, repr=False)
 
@@ -58,12 +60,15 @@ class ParallelState:
         shape = (config.pipeline_parallel_size, config.data_parallel_size, config.tensor_parallel_size)
         mesh = init_device_mesh(device.type, shape, mesh_dim_names=MESH_DIM_NAMES)
         model_parallel_group, embedding_group = _model_parallel_and_embedding_groups(config)
+        expert_group, expert_data_group = _expert_groups(config, mesh.get_group("dp"))
         if timeout is not None:
-            groups = [mesh.get_group(dim) for dim in MESH_DIM_NAMES] + [model_parallel_group, embedding_group]
+            groups = [mesh.get_group(dim) for dim in MESH_DIM_NAMES] + [model_parallel_group, embedding_group,
+                                                                        expert_group, expert_data_group]
             for group in {id(g): g for g in groups if g is not None}.values():
                 dist.distributed_c10d._set_pg_timeout(timeout, group)  # gloo and NCCL (set_timeout: gloo only)
         return cls(config=config, device=device, mesh=mesh, model_parallel_group=model_parallel_group,
-                   embedding_group=embedding_group, timeout=timeout)
+                   embedding_group=embedding_group, expert_parallel_group=expert_group,
+                   expert_data_parallel_group=expert_data_group, timeout=timeout)
 
     def tensor_parallel_subgroup(self, size: int) -> Optional[dist.ProcessGroup]:
         """This rank's group of ``size`` consecutive tp ranks (tp ranks ``k * size`` to ``(k + 1) * size - 1``),
@@ -123,12 +128,47 @@ class ParallelState:
         return self._local_rank("tp")
 
     @property
+    def expert_parallel_rank(self) -> int:
+        """Which ``1/ep`` of the experts this rank holds: data-parallel rank ``d`` is expert-parallel rank ``d % ep``."""
+        return self.data_parallel_rank % self.config.expert_parallel_size
+
+    @property
+    def expert_data_parallel_rank(self) -> int:
+        return self.data_parallel_rank // self.config.expert_parallel_size
+
+    @property
     def data_parallel_rank(self) -> int:
         return self._local_rank("dp")
 
     @property
     def pipeline_parallel_rank(self) -> int:
         return self._local_rank("pp")
+
+
+def _expert_groups(config: ParallelConfig, data_parallel_group: Optional[dist.ProcessGroup]):
+    """The expert-parallel group (``ep`` consecutive dp ranks: they exchange tokens, each holding ``1/ep`` of the
+    experts) and the expert-data-parallel group (the dp ranks holding the same experts: they sum the experts'
+    gradients), for this rank; ``None`` for a group of one. Every rank creates every group, in the same order."""
+    ep, edp = config.expert_parallel_size, config.expert_data_parallel_size
+    if ep == 1:
+        return None, data_parallel_group
+    if edp == 1:
+        return data_parallel_group, None
+    rank = dist.get_rank()
+    expert_group = expert_data_group = None
+    for p in range(config.pipeline_parallel_size):
+        for t in range(config.tensor_parallel_size):
+            ranks_of = lambda dps: [config.rank_of(pipeline_rank=p, data_rank=d, tensor_rank=t) for d in dps]  # noqa: E731
+            for first in range(0, config.data_parallel_size, ep):
+                group = dist.new_group(ranks_of(range(first, first + ep)))
+                if rank in ranks_of(range(first, first + ep)):
+                    expert_group = group
+            for offset in range(ep):
+                ranks = ranks_of(range(offset, config.data_parallel_size, ep))
+                group = dist.new_group(ranks)
+                if rank in ranks:
+                    expert_data_group = group
+    return expert_group, expert_data_group
 
 
 def _model_parallel_and_embedding_groups(config: ParallelConfig):

@@ -24,6 +24,23 @@ from lightning_megatron.pipeline.timeline import TimelineRecorder
 _SCHEDULES = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe, "interleaved_1f1b": ScheduleInterleaved1F1B}
 
 
+class _Stage(PipelineStage):
+    """torch infers the stages' shapes on a schedule's first step by running each stage once more, on stand-in
+    inputs (uninitialised ones after the first stage). Run that pass in eval mode so that it leaves nothing behind:
+    no dropout draws from the training streams, no MoE expert loads or routing statistics counted."""
+
+    def _compute_outputs(self, *args, module: nn.Module, **kwargs):
+        modules = {*module.modules(), *getattr(module, "root", module).modules()}
+        modes = [(m, m.training) for m in modules]
+        for m in modules:
+            m.training = False
+        try:
+            return super()._compute_outputs(*args, module=module, **kwargs)
+        finally:
+            for m, training in modes:
+                m.training = training
+
+
 class PipelineRunner:
     def __init__(
         self,
@@ -61,7 +78,7 @@ class PipelineRunner:
         key = (micro_batches, shape, training)
         if key not in self._schedules:
             stages = [
-                PipelineStage(module, stage_id, self.num_stages, self.device, group=self.group)
+                _Stage(module, stage_id, self.num_stages, self.device, group=self.group)
                 for module, stage_id in zip(self.stage_modules, self.stage_ids)
             ]
             if self.recorder is not None:

@@ -43,8 +43,11 @@ class ColumnParallelLinear(nn.Module):
     output features are zero-padded to a multiple of ``tp * pad_to_multiple_of`` (what
     :class:`VocabParallelHead` does for the vocabulary). ``rank_ranges``: which ranges of the
     output features each rank holds, instead of one contiguous block (a segmented shard, see
-    ``tensor_parallel.styles``); weight and bias are split alike.
+    ``tensor_parallel.styles``); weight and bias are split alike. ``communicates = False``: the input is
+    already in the tensor-parallel region (an MoE layer's experts, ``tensor_parallel.region``).
     """
+
+    communicates = True
 
     def __init__(
         self,
@@ -76,7 +79,8 @@ class ColumnParallelLinear(nn.Module):
             self.register_parameter("bias", None)
 
     def forward(self, x: Tensor) -> Tensor:
-        x = gather_from_sequence(x, self.group) if self.sequence_parallel else copy_to_tensor_parallel(x, self.group)
+        if self.communicates:
+            x = gather_from_sequence(x, self.group) if self.sequence_parallel else copy_to_tensor_parallel(x, self.group)
         y = F.linear(x, self.weight, self.bias)
         return gather_from_tensor_parallel(y, self.group) if self.gather_output else y
 
@@ -85,7 +89,10 @@ class ColumnParallelLinear(nn.Module):
 
 
 class RowParallelLinear(nn.Module):
-    """``y = x A^T + b`` with ``A`` split along its columns; the input arrives already split."""
+    """``y = x A^T + b`` with ``A`` split along its columns; the input arrives already split. ``communicates =
+    False``: the partial outputs stay partial (an enclosing module leaves the region, ``tensor_parallel.region``)."""
+
+    communicates = True
 
     def __init__(
         self,
@@ -112,6 +119,8 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         y = F.linear(x, self.weight)
+        if not self.communicates:
+            return y  # no bias: the plan refuses one inside a region
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence(y, self.group)
         else:

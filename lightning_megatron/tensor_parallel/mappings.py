@@ -49,6 +49,16 @@ def full_sequences() -> Iterator[None]:
         _full_sequences = previous
 
 
+def sequences_are_whole() -> bool:
+    """True inside :func:`full_sequences` (sequence-parallel operators then act as plain tensor parallelism)."""
+    return _full_sequences
+
+
+def all_gather_along(x: Tensor, group: Group, dim: int) -> Tensor:
+    """All-gather ``x`` along ``dim`` with no autograd (integer tensors, e.g. routing decisions)."""
+    return x if group is None else _all_gather(x, group, dim)
+
+
 def _all_reduce(x: Tensor, group: Group) -> Tensor:
     # In place is safe: every caller passes a fresh matmul output or a fresh gradient.
     dist.all_reduce(x, group=group)

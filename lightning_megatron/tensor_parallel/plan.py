@@ -36,6 +36,11 @@ style                effect
 ``"sequence_gather"`` the module's input leaves the sequence-parallel region: it is
                      all-gathered along the sequence when sequence parallelism is on, for a
                      replicated module that needs every position (BERT's pooler reads [CLS])
+``InsideRegion(s)``  split a Linear as ``s`` (``"column"``, ``"row"``, ``PackedColumn``) without
+                     communicating: an enclosing module enters and leaves the region (an MoE
+                     layer's experts; ``tensor_parallel.region``)
+``"experts_region"`` the module (an MoE layer) gets a ``TensorParallelRegion`` as its ``region``:
+                     it enters the region once for all its experts and leaves it once
 ==================== =====================================================================
 
 Swapped layers keep the parameter names of the layers they replace, so a parameter's
@@ -62,16 +67,19 @@ from lightning_megatron.tensor_parallel.layers import (
     mark_sequence_parallel_grad,
 )
 from lightning_megatron.tensor_parallel.mappings import gather_sequence_to_replicated, scatter_to_sequence
+from lightning_megatron.tensor_parallel.region import InsideRegion, TensorParallelRegion
 from lightning_megatron.tensor_parallel.sharding import shard_of
 from lightning_megatron.tensor_parallel.styles import LAYOUT_STYLES, PackedColumn, QueryGroupColumn
 
 SWAP_STYLES = ("column", "row", "vocab")
-REGION_STYLES = ("sequence_scatter", "sequence_parallel", "sharded_dropout", "sequence_gather")
+REGION_STYLES = ("sequence_scatter", "sequence_parallel", "sharded_dropout", "sequence_gather", "experts_region")
 STYLES = SWAP_STYLES + REGION_STYLES
 Style = Union[str, PackedColumn, QueryGroupColumn]
 
 
 def _is_swap(style: Style) -> bool:
+    if isinstance(style, InsideRegion):
+        return True
     return isinstance(style, LAYOUT_STYLES) or style in SWAP_STYLES
 
 
@@ -84,7 +92,7 @@ def name_matches(pattern: str, name: str) -> bool:
 def _styles_by_module(module: nn.Module, plan: Mapping[str, Style]) -> dict[str, list[Style]]:
     found: dict[str, list[Style]] = {}
     for pattern, style in plan.items():
-        if not isinstance(style, LAYOUT_STYLES) and not (isinstance(style, str) and style in STYLES):
+        if not isinstance(style, (*LAYOUT_STYLES, InsideRegion)) and not (isinstance(style, str) and style in STYLES):
             raise ValueError(f"Unknown tensor-parallel style {style!r} for {pattern!r}. Valid styles: "
                              f"{', '.join(STYLES)}, PackedColumn(...), QueryGroupColumn(...).")
         names = [name for name, _ in module.named_modules() if name and name_matches(pattern, name)]
@@ -101,6 +109,13 @@ def _styles_by_module(module: nn.Module, plan: Mapping[str, Style]) -> dict[str,
 def _swap(old: nn.Module, style: Style, name: str, state: ParallelState, vocab_multiple: int) -> nn.Module:
     group, sequence_parallel = state.tensor_parallel_group, state.config.sequence_parallel
     factory_kwargs = {"device": "meta"}
+    if isinstance(old, nn.Linear) and isinstance(style, InsideRegion):
+        if old.bias is not None and style.style == "row":
+            raise ValueError(f"{name}: a row-parallel layer inside a region has partial outputs until the region is "
+                             f"left, so a bias would be added once per rank; build it without a bias.")
+        new = _swap(old, style.style, name, state, vocab_multiple)
+        new.communicates = False
+        return new
     if isinstance(old, nn.Linear) and isinstance(style, LAYOUT_STYLES):
         rank_ranges = style.rank_ranges(old.out_features, state.config.tensor_parallel_size, name=name)
         return ColumnParallelLinear(old.in_features, old.out_features, old.bias is not None, group=group,
@@ -237,6 +252,8 @@ def parallelize(
             target.register_forward_hook(_scatter_output(group))
         if "sequence_gather" in module_styles and sequence_parallel:
             target.register_forward_pre_hook(_gather_input(group))
+        if "experts_region" in module_styles and group is not None:
+            target.region = TensorParallelRegion(group, sequence_parallel)
         if "sequence_parallel" in module_styles and sequence_parallel:
             for param in target.parameters():
                 if shard_of(param) is None:

@@ -1,0 +1,74 @@
+"""Token dispatch over the expert-parallel group: an all-to-all there, the experts, an all-to-all back.
+
+The MoE layer hands over its assignments sorted by expert (so also by the rank holding the expert)
+with their counts per expert. One all-gather of those counts (``E`` integers per rank) tells every
+rank how many tokens it sends to and receives from each peer; an uneven ``all_to_all_single`` then
+moves the tokens, which arrive ordered by (source rank, local expert) and are regrouped by local
+expert for the experts. ``combine`` undoes both steps. The all-to-all's backward is the all-to-all
+with the splits swapped, so a layer costs exactly two all-to-alls forward and two backward (plus the
+counts' all-gather in forward), whatever tp and pp do.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, output_splits: list[int], input_splits: list[int], group) -> Tensor:
+        ctx.splits, ctx.group = (output_splits, input_splits), group
+        out = x.new_empty((sum(output_splits), *x.shape[1:]))
+        dist.all_to_all_single(out, x.contiguous(), output_splits, input_splits, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        output_splits, input_splits = ctx.splits
+        return _AllToAll.apply(grad.contiguous(), input_splits, output_splits, ctx.group), None, None, None
+
+
+def all_to_all(x: Tensor, output_splits: list[int], input_splits: list[int], group) -> Tensor:
+    """Rows ``input_splits[r]`` of ``x`` go to rank ``r``; ``output_splits[r]`` rows arrive from it. Differentiable."""
+    return _AllToAll.apply(x, output_splits, input_splits, group)
+
+
+class AllToAllDispatcher:
+    """The ``MoE.dispatcher`` of one rank of an expert-parallel ``group`` holding ``num_local_experts`` experts
+    (ep rank ``r`` holds experts ``r * num_local_experts`` onwards)."""
+
+    def __init__(self, group: dist.ProcessGroup, num_local_experts: int) -> None:
+        self.group, self.num_local_experts = group, num_local_experts
+        self.size, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self._pending: Optional[tuple] = None
+
+    def dispatch(self, tokens: Tensor, tokens_per_expert: Tensor) -> tuple[Tensor, list[int]]:
+        """``tokens`` sorted by expert; ``tokens_per_expert`` ``[E]`` -> this rank's experts' tokens (from every peer),
+        grouped by local expert, and their counts per local expert."""
+        counts = tokens_per_expert.to(torch.int64).reshape(1, -1)
+        every = counts.new_empty((self.size, counts.shape[1]))
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        gather(every, counts, group=self.group)  # every[s, e]: tokens rank s sends to expert e
+        local = self.num_local_experts
+        every = every.view(self.size, self.size, local).cpu()  # [source, destination rank, local expert]
+        send = every[self.rank].sum(dim=1).tolist()
+        received = every[:, self.rank]  # [source, local expert]
+        recv = received.sum(dim=1).tolist()
+        arrived = all_to_all(tokens, recv, send, self.group)
+        # Arrived ordered (source, local expert): regroup by local expert.
+        starts = (received.reshape(-1).cumsum(0) - received.reshape(-1)).view(self.size, local)
+        order = torch.cat([torch.arange(int(starts[s, e]), int(starts[s, e] + received[s, e]))
+                           for e in range(local) for s in range(self.size)] or [torch.zeros(0, dtype=torch.int64)])
+        order = order.to(tokens.device)
+        self._pending = (order, send, recv)
+        return arrived.index_select(0, order), received.sum(dim=0).tolist()
+
+    def combine(self, expert_output: Tensor) -> Tensor:
+        order, send, recv = self._pending
+        self._pending = None
+        back = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+        return all_to_all(expert_output.index_select(0, back), send, recv, self.group)

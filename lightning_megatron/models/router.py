@@ -1,0 +1,131 @@
+"""The top-k router of a Mixture-of-Experts layer: which experts each token goes to, and with what weight.
+
+Scores are computed in fp32 from the router's logits: ``"softmax"`` over the experts (Mixtral,
+Qwen-MoE) or ``"sigmoid"`` per expert (DeepSeek-V3). The ``top_k`` experts with the highest
+score are chosen (with the aux-loss-free ``expert_bias`` added for the choice only, DeepSeek-V3's
+load balancing), and their scores become the combine weights, renormalised to sum to one when
+``normalize_topk`` (Mixtral, DeepSeek-V3) or left as they are (Qwen2-MoE's default).
+
+Two auxiliary losses keep the routing healthy; both are returned in *token-sum* units (like the
+language-model loss before it is divided by the global token count), so that micro-batching and
+data parallelism never change them:
+
+* load balancing (Switch Transformer / GShard, as Megatron-Core writes it), per sequence:
+  ``E / (S^2 k) * sum_i c_i * sum_t p_ti`` where ``c_i`` counts the sequence's tokens routed
+  to expert ``i`` and ``p_ti`` is the token's normalised score. It is 1 for perfectly uniform
+  routing. Per sequence (DeepSeek's sequence-wise balance) rather than per micro-batch, so it is
+  the same function at every layout; its token-sum contribution is ``coeff * S * value`` per sequence.
+* the router z-loss (ST-MoE, Zoph et al. 2022): ``coeff * sum_t logsumexp(logits_t)^2``.
+
+The counts ``c_i`` are computed from the routing of whole sequences (``expert_ids``), which the
+MoE layer has even under sequence parallelism (it gathers them); the scores may be those of a
+sequence chunk, the sum over chunks is then the full loss (each chunk's share is exact).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+SCORE_FUNCTIONS = ("softmax", "sigmoid")
+
+
+class Routing(NamedTuple):
+    """Per token ``[B, S, top_k]``: the chosen experts and their combine weights (fp32); ``scores`` ``[B, S, E]``:
+    the normalised scores of every expert (the load-balancing loss reads them); ``logits`` ``[B, S, E]``."""
+
+    expert_ids: Tensor
+    weights: Tensor
+    scores: Tensor
+    logits: Tensor
+
+
+class TopKRouter(nn.Module):
+    """``weight`` ``[E, hidden]`` (Megatron-Core's and Hugging Face's router layout); ``expert_bias``, when
+    enabled, is a persistent buffer (saved in checkpoints) moved by :meth:`update_expert_bias` after each
+    optimizer step, never by gradients."""
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, *, score_function: str = "softmax",
+                 normalize_topk: bool = True, expert_bias: bool = False) -> None:
+        super().__init__()
+        if score_function not in SCORE_FUNCTIONS:
+            raise ValueError(f"score_function={score_function!r} is not one of {SCORE_FUNCTIONS}.")
+        self.num_experts, self.top_k = num_experts, top_k
+        self.score_function, self.normalize_topk = score_function, normalize_topk
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
+        if expert_bias:
+            self.register_buffer("expert_bias", torch.zeros(num_experts, dtype=torch.float32))
+            # Tokens routed to each expert since the last update (training forwards only); not saved.
+            self.register_buffer("tokens_per_expert", torch.zeros(num_experts, dtype=torch.float32), persistent=False)
+        else:
+            self.expert_bias = None
+            self.tokens_per_expert = None
+
+    def initialize_buffers(self) -> None:
+        """Called when the model is materialised (``parallel.initialize``): the bias and the counts start at zero."""
+        for buffer in self.buffers(recurse=False):
+            buffer.zero_()
+
+    def forward(self, x: Tensor) -> Routing:
+        logits = F.linear(x, self.weight).float()
+        if self.score_function == "softmax":
+            scores = torch.softmax(logits, dim=-1)
+        else:
+            scores = torch.sigmoid(logits)
+        choice = scores if self.expert_bias is None else scores + self.expert_bias
+        _, expert_ids = torch.topk(choice, self.top_k, dim=-1)
+        weights = scores.gather(-1, expert_ids)
+        if self.normalize_topk and (self.top_k > 1 or self.score_function == "sigmoid"):
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        if self.score_function == "sigmoid":  # the balance loss reads a distribution over experts
+            scores = scores / scores.sum(dim=-1, keepdim=True)
+        return Routing(expert_ids, weights, scores, logits)
+
+    def count_tokens(self, expert_ids: Tensor) -> Tensor:
+        """Tokens per expert ``[E]`` of whole sequences' routing; accumulated for the expert-bias update in training."""
+        counts = torch.bincount(expert_ids.reshape(-1), minlength=self.num_experts)
+        if self.tokens_per_expert is not None and self.training and torch.is_grad_enabled() and not _in_backward():
+            self.tokens_per_expert += counts
+        return counts
+
+    @torch.no_grad()
+    def update_expert_bias(self, global_counts: Tensor, rate: float) -> None:
+        """DeepSeek-V3's aux-loss-free balancing: raise the bias of under-loaded experts by ``rate``, lower the
+        over-loaded ones' (``global_counts``: the step's tokens per expert over the whole global batch)."""
+        self.expert_bias += rate * torch.sign(global_counts.mean() - global_counts)
+        self.tokens_per_expert.zero_()
+
+
+def _in_backward() -> bool:
+    """True while autograd recomputes a checkpointed forward: its routing was counted the first time."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def load_balancing_loss(scores: Tensor, counts: Tensor, top_k: int, seq_length: int) -> Tensor:
+    """Token-sum units: ``sum over sequences of S * E / (S^2 k) * sum_i c_si * sum_t p_sti`` (module docstring).
+
+    ``scores`` ``[B, S_local, E]`` (the tokens this rank routed, possibly a sequence chunk); ``counts``
+    ``[B, E]``: each whole sequence's tokens per expert; ``seq_length``: the whole sequence's length."""
+    num_experts = scores.shape[-1]
+    per_expert = scores.sum(dim=1)  # [B, E]
+    return (per_expert * counts).sum() * (num_experts / (seq_length * top_k))
+
+
+def balance_of(scores: Tensor, counts: Tensor, top_k: int, seq_length: int) -> Tensor:
+    """The load-balancing value per sequence, averaged (1.0: uniform), of this rank's share of each sequence."""
+    return load_balancing_loss(scores, counts, top_k, seq_length) / (seq_length * counts.shape[0])
+
+
+def z_loss(logits: Tensor) -> Tensor:
+    """Token-sum units: ``sum_t logsumexp(logits_t)^2``."""
+    return torch.logsumexp(logits, dim=-1).pow(2).sum()
+
+
+def sequence_counts(expert_ids: Tensor, num_experts: int) -> Tensor:
+    """``[B, E]``: tokens of each sequence routed to each expert (``expert_ids`` ``[B, S, k]``)."""
+    ids = expert_ids.reshape(expert_ids.shape[0], -1)
+    counts = torch.zeros(ids.shape[0], num_experts, dtype=torch.float32, device=ids.device)
+    return counts.scatter_add_(1, ids, torch.ones(ids.shape, dtype=torch.float32, device=ids.device))

@@ -1,0 +1,169 @@
+"""Train the tiny MoE GPT for a few steps at several expert-parallel layouts over the same processes, and count
+the collectives of one step.
+
+argv: OUT_DIR LAYOUTS, a comma list of ``<variant>-ep{E}[-pp{P}]-tp{T}-dp{D}[-sp][-mb{M}][-z{Z}]`` (variants:
+``moe_setup.VARIANTS``), or ``count-ep{E}-tp{T}-dp{D}[-sp]`` for a counting run. The model is built by the
+strategy's own steps (``parallelize``, ``prepare_experts``, ``split_pipeline``, ``start_pipeline``,
+``build_step_gradients``), and stepped as the strategy steps it: token-summed losses times the backward scale,
+``StepGradients.finish``, its global-norm clip, AdamW, the expert-bias update over dp. Rank 0 writes each
+layout's losses and full weights (gathered over tp, pp and ep) to ``{layout}.pt``; a counting run writes, per
+rank, the collectives of one training step's forward and backward, by kind and group size.
+"""
+
+import json
+import os
+import re
+import sys
+from collections import Counter
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from gpt_setup import CLIP, GLOBAL_BATCH, SEED, batches, optimizer
+from moe_setup import CONFIGS
+from lightning_megatron.checkpoint import gather_full_state_dict, merge_pipeline_stages
+from lightning_megatron.models import GPTModel
+from lightning_megatron.models.moe import update_expert_biases
+from lightning_megatron.optim.step import build_step_gradients
+from lightning_megatron.parallel import ParallelConfig, ParallelState, TensorParallelRNG
+from lightning_megatron.parallel.initialize import initialize_parameters
+from lightning_megatron.preparation import prepare_experts, split_pipeline, start_pipeline
+from lightning_megatron.tensor_parallel import parallelize
+
+LAYOUT = re.compile(r"(\w+)-ep(\d+)(?:-pp(\d+))?-tp(\d+)-dp(\d+)(-sp)?(?:-mb(\d+))?(?:-z(\d))?")
+
+
+def build(name: str, config: ParallelConfig, micro_batches: int):
+    state = ParallelState.create(config, "cpu")
+    with torch.device("meta"):
+        model = GPTModel(CONFIGS[name if name in CONFIGS else "moe"])
+    parallelize(model, model.tensor_parallel_plan(), state, rng=TensorParallelRNG(SEED, state.tensor_parallel_rank, "cpu"))
+    prepare_experts(model, state)
+    split = split_pipeline(model, state)
+    initialize_parameters(model, SEED, device="cpu", only_meta=True)
+    opt = optimizer(model.parameters())
+    step = build_step_gradients(model, state, [opt], loss_scaler=None, nonfinite=None, bucket_size_mb=0.01,
+                                offload=False, device=torch.device("cpu"))
+    runner = None
+    if split is not None:
+        per_rank = GLOBAL_BATCH // config.data_parallel_size
+
+        def before_backward(count, tokens):
+            step.sync.start_micro_batch(sync=True, backward_passes=count)
+            runner.loss_scale = step.backward_scale(tokens, accumulation=1, loss_scale=1.0)
+
+        runner = start_pipeline(split, state, device=torch.device("cpu"), schedule="1f1b",
+                                micro_batch_size=per_rank // micro_batches, recorder=None,
+                                before_backward=before_backward)
+    return state, model, opt, step, runner
+
+
+def parse(layout: str):
+    match = LAYOUT.fullmatch(layout)
+    ep, pp, tp, dp = int(match[2]), int(match[3] or 1), int(match[4]), int(match[5])
+    config = ParallelConfig(tensor_parallel_size=tp, pipeline_parallel_size=pp, data_parallel_size=dp,
+                            sequence_parallel=bool(match[6]), zero_stage=int(match[8] or 0), expert_parallel_size=ep)
+    return match[1], config, int(match[7] or 1)
+
+
+def train_step(state, model, step, runner, input_ids, labels, micro_batches):
+    """One step's forward and backward as the strategy runs them; returns (loss sum, tokens) of this rank."""
+    dp = state.config.data_parallel_size
+    rows = slice(state.data_parallel_rank * GLOBAL_BATCH // dp, (state.data_parallel_rank + 1) * GLOBAL_BATCH // dp)
+    if runner is not None:
+        loss_sum, tokens = runner.loss(input_ids[rows], labels[rows])
+        step.add_tokens(tokens)
+        return loss_sum, tokens
+    total, count = torch.zeros(()), torch.zeros((), dtype=torch.long)
+    chunks = list(zip(input_ids[rows].chunk(micro_batches), labels[rows].chunk(micro_batches)))
+    for i, (ids, lbl) in enumerate(chunks):
+        step.sync.start_micro_batch(sync=i == len(chunks) - 1)
+        loss_sum, tokens = model.loss(ids, lbl)
+        (loss_sum * step.backward_scale(tokens, accumulation=micro_batches, loss_scale=1.0)).backward()
+        step.add_tokens(tokens)
+        total, count = total + loss_sum.detach(), count + tokens
+    return total, count
+
+
+def train(layout: str):
+    name, config, micro_batches = parse(layout)
+    state, model, opt, step, runner = build(name, config, micro_batches)
+    moe = CONFIGS[name].moe
+    losses = []
+    for input_ids, labels in batches():
+        loss_sum, tokens = train_step(state, model, step, runner, input_ids, labels, micro_batches)
+        step.finish(accumulation=1 if runner is not None else micro_batches, loss_scale=1.0)
+        step.clip([p for g in opt.param_groups for p in g["params"]], CLIP,
+                  is_first_tensor_rank=state.tensor_parallel_rank == 0)
+        opt.step()
+        step.after_step()
+        if moe.expert_bias:
+            update_expert_biases(model, moe.expert_bias_update_rate, reduce=lambda t: _sum(t, state.data_parallel_group))
+        totals = _sum(torch.stack([loss_sum.detach().float(), tokens.float()]), state.data_parallel_group)
+        losses.append((totals[0] / totals[1]).item())
+    weights = merge_pipeline_stages(gather_full_state_dict(model, state.tensor_parallel_group),
+                                    state.pipeline_parallel_group)
+    weights = merge_pipeline_stages(weights, state.expert_parallel_group if config.expert_parallel_size > 1 else None)
+    step.remove()
+    return losses, weights
+
+
+def _sum(tensor, group):
+    if group is not None:
+        dist.all_reduce(tensor, group=group)
+    return tensor
+
+
+def count(layout: str) -> dict:
+    """The collectives of one step's forward and of its backward, as ``"<kind>/<group>": calls`` (the group named
+    as the layout names it: tp, ep, dp, pp, expert-dp; the first match, so ep == dp is named ep)."""
+    _, config, _ = parse(layout.removeprefix("count-").join(("moe-", "")))
+    state, model, opt, step, runner = build("moe", config, 1)
+    input_ids, labels = batches()[0]
+    rows = slice(state.data_parallel_rank * GLOBAL_BATCH // config.data_parallel_size,
+                 (state.data_parallel_rank + 1) * GLOBAL_BATCH // config.data_parallel_size)
+    calls: Counter = Counter()
+    names = {id(group): name for name, group in (
+        ("dp", state.data_parallel_group), ("expert-dp", state.expert_data_parallel_group),
+        ("ep", state.expert_parallel_group), ("tp", state.tensor_parallel_group), ("pp", state.pipeline_parallel_group))
+        if group is not None}
+    originals = {}
+    for kind in ("all_to_all_single", "all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor",
+                 "all_gather_single", "reduce_scatter_single", "all_gather", "send", "recv", "broadcast"):
+        if hasattr(dist, kind):
+            originals[kind] = getattr(dist, kind)
+
+            def counted(*args, _kind=kind, **kwargs):
+                group = kwargs.get("group")
+                calls[f"{_kind}/{names.get(id(group), 'world' if group is None else 'other')}"] += 1
+                return originals[_kind](*args, **kwargs)
+            setattr(dist, kind, counted)
+    step.sync.start_micro_batch(sync=False)  # no gradient reduction: only the layers' own communication
+    loss_sum, tokens = model.loss(input_ids[rows], labels[rows])
+    forward = dict(calls)
+    calls.clear()
+    loss_sum.backward()
+    backward = dict(calls)
+    for kind, original in originals.items():
+        setattr(dist, kind, original)
+    step.remove()
+    return {"forward": forward, "backward": backward}
+
+
+if __name__ == "__main__":
+    out_dir, layouts = Path(sys.argv[1]), sys.argv[2].split(",")
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    summary = {}
+    for layout in layouts:
+        if layout.startswith("count-"):
+            summary[layout] = count(layout)
+            continue
+        losses, weights = train(layout)
+        if rank == 0:
+            torch.save({"losses": losses, "weights": weights}, out_dir / f"{layout}.pt")
+        summary[layout] = losses
+    (out_dir / f"rank{rank}.json").write_text(json.dumps(summary))
+    dist.barrier()
+    os._exit(0)  # skip gloo's C++ teardown: with several meshes alive it aborts at random (torch 2.13)
