@@ -2,7 +2,7 @@
 the collectives of one step.
 
 argv: OUT_DIR LAYOUTS, a comma list of ``<variant>-ep{E}[-pp{P}]-tp{T}-dp{D}[-sp][-mb{M}][-z{Z}]`` (variants:
-``moe_setup.VARIANTS``), or ``count-ep{E}-tp{T}-dp{D}[-sp]`` for a counting run. The model is built by the
+``gpt_setup.VARIANTS``), or ``count-ep{E}-tp{T}-dp{D}[-sp]`` for a counting run. The model is built by the
 strategy's own steps (``parallelize``, ``prepare_experts``, ``split_pipeline``, ``start_pipeline``,
 ``build_step_gradients``), and stepped as the strategy steps it: token-summed losses times the backward scale,
 ``StepGradients.finish``, its global-norm clip, AdamW, the expert-bias update over dp. Rank 0 writes each
@@ -20,8 +20,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from gpt_setup import CLIP, GLOBAL_BATCH, SEED, batches, optimizer
-from moe_setup import CONFIGS
+from gpt_setup import CLIP, GLOBAL_BATCH, MOE_CONFIGS as CONFIGS, SEED, batches, optimizer
+
 from lightning_megatron.checkpoint import gather_full_state_dict, merge_pipeline_stages
 from lightning_megatron.models import GPTModel
 from lightning_megatron.models.moe import update_expert_biases

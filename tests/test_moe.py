@@ -1,0 +1,261 @@
+"""Mixture of Experts and expert parallelism: the layer's pieces in one process, then the layout matrix (every
+expert-parallel layout against one process) and the collectives of one step, in one 4-rank launch."""
+
+import math
+
+import pytest
+import torch
+
+from launch import launch
+from workers.gpt_setup import CLIP, MOE, SEED, batches, optimizer
+from workers.gpt_setup import MOE_CONFIGS as CONFIGS
+from lightning_megatron.models import GPT, GPTConfig, GPTModel
+from lightning_megatron.models.moe import MoEConfig, capacity_mask, update_expert_biases
+from lightning_megatron.models.router import TopKRouter
+from lightning_megatron.parallel import ParallelConfig
+
+# <variant>-ep{E}[-pp{P}]-tp{T}-dp{D}[-sp][-mb{M}][-z{Z}] on 4 ranks (tests/workers/moe_layouts.py).
+LAYOUTS = [
+    "moe-ep2-tp1-dp4",            # 2 replicas of each expert: expert gradients summed over the expert-data-parallel group
+    "moe-ep4-tp1-dp4",            # one expert per rank
+    "moe-ep2-tp2-dp2",            # experts split over tp inside one region
+    "moe-ep2-tp2-dp2-sp-mb2",     # ... with sequence parallelism and two micro-batches
+    "moe-ep2-pp2-tp1-dp2-mb2",    # a pipeline stage without... and with MoE layers; auxiliary losses attached
+    "moe-ep2-tp1-dp4-z1",         # ZeRO-1 sharded over each group
+    "moe-ep4-tp1-dp4-mb2-z2",     # ZeRO-2, expert buckets over a group of one
+    "cap-ep2-tp1-dp4",            # capacity factor: the same tokens dropped
+    "cap-ep2-tp2-dp2-sp",
+    "bias-ep4-tp1-dp4",           # sigmoid scores, aux-loss-free expert bias moved by the global batch's loads
+    "bias-ep2-pp2-tp1-dp2-mb2",
+    "plain-ep2-tp2-dp2-z1",       # Qwen2-MoE's routing (no renormalisation), no shared expert
+]
+COUNTS = ["count-ep2-tp1-dp4", "count-ep2-tp2-dp2", "count-ep2-tp2-dp2-sp"]
+LOSS_TOL, WEIGHT_TOL = 1e-5, 1e-5
+
+
+def _reference(name):
+    """Plain PyTorch, one process, the whole global batch, torch's own clipping (what every layout must give)."""
+    torch.manual_seed(SEED)
+    config = CONFIGS[name]
+    model = GPTModel(config)
+    opt = optimizer(model.parameters())
+    losses = []
+    for input_ids, labels in batches():
+        loss_sum, tokens = model.loss(input_ids, labels)
+        loss = loss_sum / tokens
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        opt.step()
+        opt.zero_grad()
+        if config.moe.expert_bias:
+            update_expert_biases(model, config.moe.expert_bias_update_rate)
+        losses.append(loss.item())
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory):
+    out = tmp_path_factory.mktemp("moe_layouts")
+    results, _ = launch("moe_layouts.py", 4, out, ",".join(LAYOUTS + COUNTS))
+    return out, results
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_expert_parallel_layouts_match_one_process(launched, layout):
+    out, _ = launched
+    name = layout.split("-")[0]
+    ref_losses, ref_weights = _reference(name)
+    result = torch.load(out / f"{layout}.pt", weights_only=True)
+    assert len(result["losses"]) == len(ref_losses)
+    loss_dev = max(abs(a - b) for a, b in zip(result["losses"], ref_losses))
+    assert loss_dev < LOSS_TOL, f"{layout}: losses {result['losses']} vs reference {ref_losses}"
+    assert result["weights"].keys() == ref_weights.keys()  # every expert, under its global index
+    weight_dev = {k: (result["weights"][k] - ref_weights[k]).abs().max().item() for k in ref_weights}
+    worst = max(weight_dev, key=weight_dev.get)
+    print(f"{layout}: loss deviation {loss_dev:.2e}, worst weight deviation {weight_dev[worst]:.2e} ({worst})")
+    assert weight_dev[worst] < WEIGHT_TOL, f"{layout}: {worst} deviates by {weight_dev[worst]:.2e}"
+    if name == "bias":  # the bias moved (and alike at every layout): the check above covers its values
+        assert ref_weights["blocks.0.mlp.router.expert_bias"].abs().sum() > 0
+
+
+@pytest.mark.parametrize("layout", COUNTS)
+def test_each_moe_layer_does_two_all_to_alls_each_way(launched, layout):
+    """On the expert-parallel group: per MoE layer 2 all-to-alls forward (dispatch, combine) and 2 backward, plus
+    the counts' all-gather (``E`` integers) forward that an uneven all-to-all needs; nothing else, on any rank."""
+    _, results = launched
+    moe_layers = len(MOE.moe_layers(CONFIGS["moe"].num_layers))
+    sp, tp = layout.endswith("-sp"), "tp2" in layout
+    for rank_results in results:
+        calls = rank_results[layout]
+        on_ep = {phase: {k: v for k, v in calls[phase].items() if k.endswith("/ep")} for phase in calls}
+        assert on_ep["forward"] == {"all_to_all_single/ep": 2 * moe_layers, "all_gather_single/ep": moe_layers}
+        assert on_ep["backward"] == {"all_to_all_single/ep": 2 * moe_layers}
+        assert not any(k.endswith(("/dp", "/expert-dp", "/world")) for phase in calls for k in calls[phase]), calls
+        if not tp:
+            assert set(calls["forward"]) == set(on_ep["forward"]) and set(calls["backward"]) == set(on_ep["backward"])
+            continue
+        # What tp adds is what a dense layer's MLP adds, once per MoE layer (entering and leaving the experts'
+        # region) and once per shared expert, plus the combine weights' gradient entering with the tokens.
+        layers, dense, shared = CONFIGS["moe"].num_layers, layers_dense(), moe_layers
+        embedding_and_loss = 1 + 3  # vocab-parallel embedding; cross-entropy's max, sum and target logit
+        if not sp:
+            assert calls["forward"]["all_reduce/tp"] == layers + dense + moe_layers + shared + embedding_and_loss
+            # f of attention, dense MLPs, shared experts, the experts' tokens and their combine weights; the head's f
+            assert calls["backward"]["all_reduce/tp"] == layers + dense + shared + 2 * moe_layers + 1
+        else:
+            # Entering: tokens, weights and expert ids gathered along the sequence; leaving: one reduce-scatter.
+            gathers = layers + dense + shared + 3 * moe_layers + 1  # + the head's gather
+            assert calls["forward"]["all_gather_single/tp"] == gathers
+            assert calls["forward"]["reduce_scatter_single/tp"] == layers + dense + shared + moe_layers
+            assert calls["backward"]["reduce_scatter_single/tp"] == gathers - moe_layers  # ids have no gradient
+
+
+def layers_dense():
+    config = CONFIGS["moe"]
+    return config.num_layers - len(config.moe.moe_layers(config.num_layers))
+
+
+# ---------------------------------------------------------------------------------------------- one process
+def _tiny(**moe):
+    return GPTConfig.from_name("llama-tiny", hidden_size=32, num_heads=4, num_query_groups=2, num_layers=2,
+                               max_seq_length=16, moe=MoEConfig(**{"num_experts": 4, "top_k": 2, **moe}))
+
+
+def test_reported_loss_is_the_language_model_loss_and_the_aux_gradient_is_the_formula():
+    """The balance and z-losses change the gradient by exactly coeff x their formulas' gradients (written out here
+    from the definitions), and never the loss that is reported."""
+    torch.manual_seed(0)
+    ids = torch.randint(0, 257, (3, 16))
+    grads, losses, inputs = {}, {}, {}
+    for coeffs in ((0.0, 0.0), (0.1, 0.01)):
+        torch.manual_seed(1)
+        model = GPTModel(_tiny(aux_loss_coeff=coeffs[0], z_loss_coeff=coeffs[1]))
+        router = model.blocks["1"].mlp.router
+        router.register_forward_hook(lambda m, args, out: inputs.__setitem__(coeffs, args[0].detach()))
+        loss_sum, tokens = model.loss(ids, ids)
+        (loss_sum / tokens).backward()
+        grads[coeffs], losses[coeffs] = router.weight.grad.clone(), loss_sum.item()
+    assert losses[(0.0, 0.0)] == losses[(0.1, 0.01)]
+    torch.manual_seed(1)
+    weight = GPTModel(_tiny()).blocks["1"].mlp.router.weight.detach().clone().requires_grad_()
+    x = inputs[(0.1, 0.01)]
+    logits = x @ weight.t()
+    probs = logits.softmax(-1)
+    chosen = probs.topk(2, dim=-1).indices
+    counts = torch.nn.functional.one_hot(chosen, 4).sum(dim=(1, 2)).float()  # [B, E] per sequence
+    seq = ids.shape[1]
+    balance = sum(4 / (seq * seq * 2) * (counts[b] * probs[b].sum(0)).sum() for b in range(3))
+    z = torch.logsumexp(logits, -1).pow(2).sum()
+    (0.1 * seq * balance + 0.01 * z).backward()
+    expected = weight.grad / (3 * seq)  # the token-sum units are divided by the tokens, as the loss is
+    torch.testing.assert_close(grads[(0.1, 0.01)] - grads[(0.0, 0.0)], expected, atol=1e-7, rtol=1e-4)
+
+
+def test_statistics_of_uniform_routing():
+    torch.manual_seed(0)
+    model = GPTModel(_tiny())
+    for name, param in model.named_parameters():
+        if name.endswith("router.weight"):
+            param.data.zero_()  # every expert scores 1/E: the balance value is 1 whatever is chosen
+    ids = torch.randint(0, 257, (2, 16))
+    model.loss(ids, ids)
+    balance, z = model.moe_aux_losses.statistics()
+    assert balance.item() == pytest.approx(1.0, abs=1e-6)
+    assert z.item() == pytest.approx(math.log(4) ** 2, rel=1e-5)  # logsumexp of E zeros
+    assert model.moe_aux_losses.statistics() is None  # read once
+
+
+def test_capacity_keeps_the_highest_weights_per_sequence_and_expert():
+    torch.manual_seed(0)
+    ids = torch.randint(0, 4, (3, 20, 2))
+    weights = torch.rand(3, 20, 2)
+    keep = capacity_mask(ids, weights, 4, capacity=3)
+    for b in range(3):
+        for e in range(4):
+            chosen = ids[b] == e
+            kept = keep[b] & chosen
+            assert kept.sum() == min(3, chosen.sum())
+            if chosen.sum() > 3:  # the kept ones are the highest weights of this expert in this sequence
+                assert weights[b][kept].min() >= weights[b][chosen & ~keep[b]].max()
+    assert capacity_mask(ids, weights, 4, capacity=40).all()
+
+
+def test_an_expert_that_gets_no_tokens_still_has_a_zero_gradient():
+    """Every local expert runs (on an empty batch if need be), so bucketed gradient hooks always complete."""
+    torch.manual_seed(0)
+    model = GPTModel(_tiny())
+    def never_expert_3(module, args, routing):
+        return routing._replace(expert_ids=routing.expert_ids.clamp(max=2))
+
+    for block in model.blocks.values():
+        block.mlp.router.register_forward_hook(never_expert_3)
+    ids = torch.randint(0, 257, (2, 16))
+    loss_sum, tokens = model.loss(ids, ids)
+    loss_sum.backward()
+    for block in model.blocks.values():
+        grad = block.mlp.experts["3"].fc.weight.grad
+        assert grad is not None and torch.count_nonzero(grad) == 0
+        assert torch.count_nonzero(block.mlp.experts["0"].fc.weight.grad) > 0
+
+
+def test_expert_bias_moves_toward_equal_loads():
+    router = TopKRouter(8, 4, 2, expert_bias=True)
+    router.initialize_buffers()
+    router.update_expert_bias(torch.tensor([10.0, 0.0, 5.0, 5.0]), rate=0.1)
+    assert router.expert_bias.tolist() == pytest.approx([-0.1, 0.1, 0.0, 0.0])
+    assert "expert_bias" in router.state_dict() and "tokens_per_expert" not in router.state_dict()
+
+
+def test_sigmoid_routing_normalises_the_chosen_scores():
+    router = TopKRouter(8, 4, 2, score_function="sigmoid")
+    torch.nn.init.normal_(router.weight)
+    x = torch.randn(2, 3, 8)
+    routing = router(x)
+    scores = torch.sigmoid(x @ router.weight.t())
+    top = scores.topk(2, dim=-1)
+    torch.testing.assert_close(routing.weights, top.values / top.values.sum(-1, keepdim=True))
+    assert torch.equal(routing.expert_ids, top.indices)
+
+
+def test_parameter_counts():
+    config = CONFIGS["moe"]
+    model = GPTModel(config)
+    assert config.num_parameters() == sum(p.numel() for p in model.parameters())
+    expert = sum(p.numel() for p in model.blocks["0"].mlp.experts["0"].parameters())
+    assert config.num_parameters() - config.num_active_parameters() == 3 * (4 - 2) * expert
+
+
+@pytest.mark.parametrize("sizes, message", [
+    (dict(data_parallel_size=4, expert_parallel_size=3), "must divide data_parallel_size=4"),
+    (dict(data_parallel_size=2, expert_parallel_size=2, zero_stage=3), "zero_stage=3 with expert_parallel_size=2"),
+])
+def test_bad_expert_layouts_are_refused(sizes, message):
+    with pytest.raises(ValueError, match=message):
+        ParallelConfig(**sizes)
+
+
+@pytest.mark.parametrize("config, sizes, message", [
+    (GPTConfig.from_name("llama-tiny"), (1, 2), "has moe=None"),
+    (_tiny(), (1, 3), "does not divide num_experts=4"),
+    (_tiny(ffn_hidden_size=30), (4, 1), r"does not divide MoEConfig.ffn_hidden_size=30"),
+])
+def test_the_model_refuses_layouts_its_experts_cannot_take(config, sizes, message):
+    tp, ep = sizes
+    with pytest.raises(ValueError, match=message):
+        GPT(config).validate_parallel_config(ParallelConfig(tensor_parallel_size=tp, data_parallel_size=ep,
+                                                            expert_parallel_size=ep))
+
+
+def test_generation_with_experts_matches_the_full_forward():
+    """Greedy generation with the key/value cache routes each new token as the whole-sequence forward does."""
+    torch.manual_seed(0)
+    gpt = GPT(_tiny(shared_expert_size=32, shared_expert_gate=True))
+    gpt.configure_model()
+    gpt.eval()
+    prompt = torch.randint(0, 257, (2, 5))
+    out = gpt.generate(prompt, max_new_tokens=6)
+    tokens = prompt
+    with torch.no_grad():
+        for _ in range(6):
+            tokens = torch.cat([tokens, gpt.model(tokens)[:, -1].argmax(-1, keepdim=True)], dim=1)
+    assert torch.equal(out, tokens)
