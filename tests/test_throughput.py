@@ -5,6 +5,8 @@ import json
 import logging
 
 import lightning as L
+from fractions import Fraction
+
 import pytest
 import torch
 from torch import nn
@@ -57,7 +59,11 @@ def counted_by_torch(model, loss_of_model):
     GPTConfig.from_name("llama-tiny", hidden_size=32, num_heads=4, num_query_groups=2, ffn_hidden_size=48),
     GPTConfig.from_name("llama-tiny", num_query_groups=1, tie_embeddings=True),  # multi-query, tied
     GPTConfig.from_name("llama-tiny", num_layers=2, add_qkv_bias=True, ffn_hidden_size=40),
-], ids=["gpt2", "llama-gqa", "mqa-tied", "qkv-bias"])
+    # dropless MoE: every token through its top-2 of 4 experts, a dense layer, a gated shared expert
+    GPTConfig.from_name("llama-tiny", num_layers=3, moe=dict(num_experts=4, top_k=2, ffn_hidden_size=24,
+                                                             layer_freq=(1, 0, 1), shared_expert_size=16,
+                                                             shared_expert_gate=True)),
+], ids=["gpt2", "llama-gqa", "mqa-tied", "qkv-bias", "moe"])
 def test_gpt_formula_counts_what_torch_counts(config):
     torch.manual_seed(0)
     batch, seq = 3, 16
@@ -88,7 +94,11 @@ def test_formula_is_six_n_plus_attention_for_every_preset(name):
     config = GPTConfig.from_name(name)
     with torch.device("meta"):
         model = GPTModel(config)
-    n = sum(module.weight.numel() for module in model.modules() if isinstance(module, nn.Linear))
+    # An expert's weights are used by top_k / num_experts of the tokens; the router is a matrix multiply too.
+    share = (lambda name: Fraction(config.moe.top_k, config.moe.num_experts) if ".experts." in name else 1) if (
+        config.moe) else (lambda name: 1)
+    n = sum(share(name) * module.weight.numel() for name, module in model.named_modules() if isinstance(module, nn.Linear))
+    n += sum(module.weight.numel() for name, module in model.named_modules() if name.endswith("router"))
     batch, seq = 2, 4096
     attention = 12 * config.num_layers * seq * config.num_heads * config.head_dim
     assert gpt_flops_per_batch(config, batch, seq) == batch * seq * (6 * n + attention)

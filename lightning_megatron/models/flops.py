@@ -17,6 +17,8 @@ attention scores ``Q K^T``   ``2 s a d``
 attention over values        ``2 s a d``
 output projection            ``2 a d h``
 MLP                          ``2 h f`` per matrix: 2 (GELU), 3 (SwiGLU: gate, up, down)
+MoE MLP (instead)            router ``2 h E``, the ``top_k`` chosen experts' MLPs, the shared expert's MLP
+                             and its gate ``2 h`` where present (dropless: every token visits ``top_k``)
 logits (once, after layers)  ``2 h V``
 ===========================  ====================================
 
@@ -46,7 +48,7 @@ from fractions import Fraction
 from typing import Any, Optional, Union
 
 __all__ = ["bert_flops_per_batch", "flops_per_batch", "forward_flops_per_token", "gpt_flops_per_batch",
-           "megatron_flops_per_batch"]
+           "megatron_flops_per_batch", "mlp_forward_flops", "moe_forward_flops"]
 
 #: Forward + backward: the backward pass does two multiplies (input and weight gradient) per forward one.
 FORWARD_AND_BACKWARD = 3
@@ -67,19 +69,36 @@ def forward_flops_per_token(*, hidden_size: int, num_layers: int, num_heads: int
     qkv = 2 * h * (num_heads + 2 * groups) * d
     scores_and_values = 2 * (2 * s * num_heads * d)
     projection = 2 * num_heads * d * h
-    mlp = (3 if gated_mlp else 2) * 2 * h * ffn_size
+    mlp = mlp_forward_flops(h, ffn_size, gated=gated_mlp)
     layer = qkv + scores_and_values + projection + mlp
     logits = 2 * h * vocab_size + (2 * h * h if head_transform else 0)
     return num_layers * layer + logits
 
 
+def mlp_forward_flops(hidden_size: int, ffn_size: int, *, gated: bool) -> int:
+    """One token through an MLP of width ``ffn_size``: 2 (GELU) or 3 (SwiGLU) matrices of ``2 h f``."""
+    return (3 if gated else 2) * 2 * hidden_size * ffn_size
+
+
+def moe_forward_flops(config: Any) -> int:
+    """One token through an MoE layer of a ``GPTConfig``: the router, ``top_k`` experts, the shared expert and gate."""
+    h, moe, gated = config.hidden_size, config.moe, config.activation == "swiglu"
+    shared = mlp_forward_flops(h, moe.shared_expert_size, gated=gated) + (2 * h if moe.shared_expert_gate else 0)
+    return 2 * h * moe.num_experts + moe.top_k * mlp_forward_flops(h, config.moe_ffn_size, gated=gated) + shared
+
+
 def gpt_flops_per_batch(config: Any, batch_size: int, seq_length: int) -> int:
     """Training FLOPs (forward + backward, no recomputation) of ``batch_size`` sequences of ``seq_length`` tokens
-    for a ``GPTConfig``: GPT-2, or Llama-shaped (grouped-query attention, SwiGLU, untied head)."""
+    for a ``GPTConfig``: GPT-2, or Llama-shaped (grouped-query attention, SwiGLU, untied head), dense or MoE."""
+    gated = config.activation == "swiglu"
     per_token = forward_flops_per_token(
         hidden_size=config.hidden_size, num_layers=config.num_layers, num_heads=config.num_heads,
         num_query_groups=config.num_query_groups, head_dim=config.head_dim, seq_length=seq_length,
-        vocab_size=config.vocab_size, ffn_size=config.ffn_size, gated_mlp=config.activation == "swiglu")
+        vocab_size=config.vocab_size, ffn_size=config.ffn_size, gated_mlp=gated)
+    if config.moe is not None:  # its layers' MLPs are MoE ones instead
+        moe_layers = len(config.moe.moe_layers(config.num_layers))
+        per_token += moe_layers * (moe_forward_flops(config) - mlp_forward_flops(config.hidden_size, config.ffn_size,
+                                                                                 gated=gated))
     return FORWARD_AND_BACKWARD * batch_size * seq_length * per_token
 
 

@@ -196,7 +196,7 @@ GPT_PRESETS: dict[str, GPTConfig] = {
     },
 }
 
-# Llama-shaped decoders: RMSNorm, rotary positions, SwiGLU, grouped-query attention, no biases.
+# Llama-shaped decoders: RMSNorm, rotary positions, SwiGLU, grouped-query attention, no biases (MoE ones below).
 LLAMA = dict(normalization="RMSNorm", position_embedding_type="rope", activation="swiglu", add_bias_linear=False)
 LLAMA_3_1_ROPE = dict(rotary_base=500000.0, rope_scaling=RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                                                                      original_max_position_embeddings=8192))
@@ -218,6 +218,20 @@ GPT_PRESETS.update({
     "qwen2.5-7b": GPTConfig(vocab_size=152064, max_seq_length=131072, hidden_size=3584, num_layers=28, num_heads=28,
                             num_query_groups=4, ffn_hidden_size=18944, rotary_base=1000000.0, layer_norm_eps=1e-6,
                             add_qkv_bias=True, tie_embeddings=False, **LLAMA),
+    # Mixtures of Experts. For tests and the examples: llama-tiny with 8 experts of which each token uses 2.
+    "mixtral-tiny": GPTConfig(hidden_size=64, num_layers=4, num_heads=4, num_query_groups=2, ffn_hidden_size=176,
+                              tie_embeddings=False, moe=MoEConfig(num_experts=8, top_k=2, ffn_hidden_size=64,
+                                                                  aux_loss_coeff=1e-2), **LLAMA),
+    "mixtral-8x7b": GPTConfig(vocab_size=32000, max_seq_length=32768, hidden_size=4096, num_layers=32, num_heads=32,
+                              num_query_groups=8, ffn_hidden_size=14336, rotary_base=1000000.0, tie_embeddings=False,
+                              moe=MoEConfig(num_experts=8, top_k=2, aux_loss_coeff=0.02), **LLAMA),
+    # Qwen1.5-MoE-A2.7B: 60 experts of width 1408, 4 per token (weights not renormalised), one gated shared expert.
+    "qwen1.5-moe-a2.7b": GPTConfig(vocab_size=151936, max_seq_length=8192, hidden_size=2048, num_layers=24,
+                                   num_heads=16, ffn_hidden_size=5632, rotary_base=1000000.0, layer_norm_eps=1e-6,
+                                   add_qkv_bias=True, tie_embeddings=False,
+                                   moe=MoEConfig(num_experts=60, top_k=4, ffn_hidden_size=1408, normalize_topk=False,
+                                                 aux_loss_coeff=1e-3, shared_expert_size=5632, shared_expert_gate=True),
+                                   **LLAMA),
 })
 
 
