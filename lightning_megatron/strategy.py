@@ -381,7 +381,8 @@ class Megatron3DStrategy(ParallelStrategy):
             self._start_pipeline(prepared.split, trainer)  # a runner bound to this strategy and its groups
         state = self.parallel_state
         prepare_metrics(module, state.mesh.get_group("dp") if state.mesh is not None else None)
-        install_global_summary(trainer.callbacks, state.pipeline_parallel_group)
+        install_global_summary(trainer.callbacks, state.pipeline_parallel_group,
+                               state.expert_parallel_group if state.config.expert_parallel_size > 1 else None)
         self.barrier()
         self.setup_precision_plugin()
         # Lightning's clip_grad_norm_ would clip each rank by its own shards' norm.

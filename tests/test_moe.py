@@ -30,6 +30,7 @@ LAYOUTS = [
     "plain-ep2-tp2-dp2-z1",       # Qwen2-MoE's routing (no renormalisation), no shared expert
 ]
 COUNTS = ["count-ep2-tp1-dp4", "count-ep2-tp2-dp2", "count-ep2-tp2-dp2-sp"]
+GENERATION = ["gen-ep2-tp1-dp4", "gen-ep2-pp2-tp1-dp2", "gen-ep2-tp2-dp2-sp"]
 LOSS_TOL, WEIGHT_TOL = 1e-5, 1e-5
 
 
@@ -56,7 +57,7 @@ def _reference(name):
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory):
     out = tmp_path_factory.mktemp("moe_layouts")
-    results, _ = launch("moe_layouts.py", 4, out, ",".join(LAYOUTS + COUNTS))
+    results, _ = launch("moe_layouts.py", 4, out, ",".join(LAYOUTS + COUNTS + GENERATION))
     return out, results
 
 
@@ -108,6 +109,16 @@ def test_each_moe_layer_does_two_all_to_alls_each_way(launched, layout):
             assert calls["forward"]["all_gather_single/tp"] == gathers
             assert calls["forward"]["reduce_scatter_single/tp"] == layers + dense + shared + moe_layers
             assert calls["backward"]["reduce_scatter_single/tp"] == gathers - moe_layers  # ids have no gradient
+
+
+@pytest.mark.parametrize("layout", GENERATION)
+def test_generation_under_expert_parallelism_matches_one_process(launched, layout):
+    """Each dp rank generates its own prompts; dp rank 0's batch ends at its first token, yet every rank keeps
+    stepping until all of its expert-parallel group are done (else the all-to-alls would hang)."""
+    _, results = launched
+    for rank_results in results:
+        assert rank_results[layout]["got"] == rank_results[layout]["expected"]
+    assert [len(tokens) for tokens in results[0][layout]["expected"]] == [4]  # rank 0's batch stopped at once
 
 
 def layers_dense():

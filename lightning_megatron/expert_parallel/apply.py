@@ -46,6 +46,11 @@ def apply_expert_parallel(module: nn.Module, state: ParallelState) -> None:
         for param in layer.experts.parameters():
             param.expert_parallel = True
         layer.dispatcher = AllToAllDispatcher(state.expert_parallel_group, local)
+    # Generation stops early only when every rank of the group is done (``generation.generate``); every rank's
+    # model root gets the group, also on a pipeline stage without MoE layers (it follows the others' tokens).
+    for m in module.modules():
+        if isinstance(getattr(m, "moe_aux_losses", None), AuxLosses):
+            m.expert_parallel_group = state.expert_parallel_group
 
 
 def wire_auxiliary_losses(module: nn.Module, state: ParallelState) -> None:

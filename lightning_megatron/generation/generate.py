@@ -21,6 +21,7 @@ import contextlib
 from typing import Iterator, Optional, Sequence, Union
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_megatron.generation.kv_cache import KVCache
@@ -29,6 +30,17 @@ from lightning_megatron.tensor_parallel.logits import VocabShard, gather_vocab_l
 from lightning_megatron.tensor_parallel.mappings import full_sequences
 
 Prompts = Union[Tensor, Sequence[Sequence[int]]]
+
+
+def _all_finished(model: nn.Module, finished: Tensor) -> bool:
+    """Whether every sequence has ended, here and, under expert parallelism, on every rank this one exchanges
+    tokens with: they stop together, or the next step's all-to-alls would wait for ranks that stopped."""
+    done = finished.all()
+    group = getattr(model, "expert_parallel_group", None)  # set by expert_parallel.apply_expert_parallel
+    if group is not None:
+        done = done.to(torch.int32)
+        dist.all_reduce(done, op=dist.ReduceOp.MIN, group=group)
+    return bool(done)
 
 
 @torch.no_grad()
@@ -99,7 +111,7 @@ def generate(
                 token = token.masked_fill(finished, fill)
                 finished |= token == eos_id
             pieces.append(token[:, None])
-            if eos_id is not None and bool(finished.all()):
+            if eos_id is not None and _all_finished(model, finished):
                 break
             step_ids, step_valid = token[:, None], torch.ones(batch, 1, dtype=torch.bool, device=device)
             positions = positions[:, -1:] + 1

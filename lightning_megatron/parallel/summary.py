@@ -120,15 +120,19 @@ class _Row:
 
 class GlobalModelSummary(ModelSummary):
     """Lightning's model summary of the whole model (all tp shards at their global shapes, all pipeline
-    stages, tied parameters once). A collective over ``pipeline_group``: build it on every rank."""
+    stages, all experts, tied parameters once). A collective over ``pipeline_group`` and then
+    ``expert_group`` (the ranks holding other experts): build it on every rank."""
 
-    def __init__(self, model, max_depth: int = 1, *, pipeline_group: Optional[dist.ProcessGroup] = None) -> None:
-        self._pipeline_group = pipeline_group
+    def __init__(self, model, max_depth: int = 1, *, pipeline_group: Optional[dist.ProcessGroup] = None,
+                 expert_group: Optional[dist.ProcessGroup] = None) -> None:
+        self._groups = (pipeline_group, expert_group)
         super().__init__(model, max_depth=max_depth)
 
     def summarize(self) -> dict[str, _Row]:  # called by ModelSummary.__init__
         modules = {name: _Module(type(m).__name__, m.training) for name, m in self._model.named_modules() if name}
-        stages = _gather_over(self._pipeline_group, (list(modules), modules, _local_parameters(self._model)))
+        stages = [(list(modules), modules, _local_parameters(self._model))]
+        for group in self._groups:  # every stage's, then every expert-parallel rank's modules
+            stages = [stage for gathered in _gather_over(group, stages) for stage in gathered]
         self._modules = {name: info for _, stage_modules, _ in stages for name, info in stage_modules.items()}
         self._parameters: dict[str, _Parameter] = {}
         for _, _, params in stages:
@@ -165,12 +169,14 @@ class GlobalModelSummary(ModelSummary):
         return {name: {} for name in self.layer_names}  # no example forward: a stage cannot run alone
 
 
-def install_global_summary(callbacks: Iterable[Any], pipeline_group: Optional[dist.ProcessGroup]) -> None:
+def install_global_summary(callbacks: Iterable[Any], pipeline_group: Optional[dist.ProcessGroup],
+                           expert_group: Optional[dist.ProcessGroup] = None) -> None:
     """Make the Trainer's ``ModelSummary`` callbacks summarise the whole model (see the module docstring)."""
     for callback in callbacks:
         if isinstance(callback, ModelSummaryCallback):
             def summary(trainer, pl_module, depth=callback._max_depth):
-                return GlobalModelSummary(pl_module, max_depth=depth, pipeline_group=pipeline_group)
+                return GlobalModelSummary(pl_module, max_depth=depth, pipeline_group=pipeline_group,
+                                          expert_group=expert_group)
 
             callback._summary = summary
 

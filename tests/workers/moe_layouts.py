@@ -2,7 +2,7 @@
 the collectives of one step.
 
 argv: OUT_DIR LAYOUTS, a comma list of ``<variant>-ep{E}[-pp{P}]-tp{T}-dp{D}[-sp][-mb{M}][-z{Z}]`` (variants:
-``gpt_setup.VARIANTS``), or ``count-ep{E}-tp{T}-dp{D}[-sp]`` for a counting run. The model is built by the
+``gpt_setup.VARIANTS``), or ``count-ep{E}-tp{T}-dp{D}[-sp]`` for a counting run, or ``gen-...`` for generation. The model is built by the
 strategy's own steps (``parallelize``, ``prepare_experts``, ``split_pipeline``, ``start_pipeline``,
 ``build_step_gradients``), and stepped as the strategy steps it: token-summed losses times the backward scale,
 ``StepGradients.finish``, its global-norm clip, AdamW, the expert-bias update over dp. Rank 0 writes each
@@ -115,6 +115,27 @@ def _sum(tensor, group):
     return tensor
 
 
+def generate_at(layout: str) -> dict:
+    """Greedy generation with different prompts on every dp rank (different counts and lengths), with an eos that
+    ends dp rank 0's whole batch (one prompt) at its first token: its expert-parallel peers go on, so it must keep
+    stepping with them (their all-to-alls pair up); every rank gives the tokens of one process."""
+    from lightning_megatron.generation import generate
+
+    _, config, _ = parse(layout.removeprefix("gen-").join(("moe-", "")))
+    state, model, opt, step, runner = build("moe", config, 1)
+    step.remove()
+    torch.manual_seed(SEED)
+    reference = GPTModel(CONFIGS["moe"]).eval()
+    generator = torch.Generator().manual_seed(state.data_parallel_rank)
+    lengths = (3,) if state.data_parallel_rank == 0 else (3 + state.data_parallel_rank, 5)
+    prompts = [torch.randint(0, 256, (n,), generator=generator).tolist() for n in lengths]
+    first = generate(reference, prompts, max_new_tokens=1)
+    eos = first[0][-1] if state.data_parallel_rank == 0 else 256
+    expected = generate(reference, prompts, max_new_tokens=6, eos_id=eos)
+    got = generate(model, prompts, max_new_tokens=6, eos_id=eos)
+    return {"expected": expected, "got": got}
+
+
 def count(layout: str) -> dict:
     """The collectives of one step's forward and of its backward, as ``"<kind>/<group>": calls`` (the group named
     as the layout names it: tp, ep, dp, pp, expert-dp; the first match, so ep == dp is named ep)."""
@@ -159,6 +180,9 @@ if __name__ == "__main__":
     for layout in layouts:
         if layout.startswith("count-"):
             summary[layout] = count(layout)
+            continue
+        if layout.startswith("gen-"):
+            summary[layout] = generate_at(layout)
             continue
         losses, weights = train(layout)
         if rank == 0:
