@@ -136,3 +136,34 @@ def test_generation_benchmark_generates_what_transformers_does():
     rows = [[cell.strip() for cell in line.split(" | ")] for line in result.stdout.splitlines() if " | " in line][2:]
     assert [row[:2] for row in rows] == [["gpt2", "2"], ["llama", "2"]], rows
     assert all(row[-1] == "yes" and float(row[4]) > 0 for row in rows), rows
+
+
+def test_moe_benchmark_prints_its_three_tables():
+    """ep 1/2/4 train the same model (same loss) with exactly 1/ep of the expert bytes per rank; the three load-balance
+    runs start from the same routing; the grouped GEMM computes what the loop does."""
+    result = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "moe.py"), "--quick"],
+        capture_output=True, text=True, timeout=300, env=child_env(),
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    tables: dict[str, list[list[str]]] = {}
+    section = None
+    for line in result.stdout.splitlines():
+        if line.startswith("("):
+            section = line[1]
+        elif " | " in line and section:
+            tables.setdefault(section, []).append([cell.strip() for cell in line.split(" | ")])
+    layouts = {row[0]: dict(zip(tables["1"][0], row)) for row in tables["1"][1:]}
+    assert list(layouts) == ["1", "2", "4"], tables["1"]
+    for ep, row in layouts.items():
+        assert row["experts/layer/rank"] == f"{8 // int(ep)} of 8" and row["ranks equal"] == "yes", row
+        assert float(row["tokens/s"].replace(",", "")) > 0
+        assert abs(float(row["last loss"]) - float(layouts["1"]["last loss"])) < 1e-4, layouts
+    assert [layouts[ep]["params vs ep1"] for ep in layouts] == ["1.000", "0.500", "0.250"]  # exact bytes: 1/ep
+    balance = {row[0]: row[1:] for row in tables["2"][1:]}
+    assert tables["2"][0][1:] == ["aux 0", "aux 1e-2", "aux 1e-1", "expert_bias (aux-free)"], tables["2"][0]
+    first = balance["max/mean load, step 1, worst layer"]
+    assert len(set(first)) == 1 and float(first[0]) >= 1.0, first  # the same seed and batch: the same first routing
+    grouped = tables["3"][1:]
+    assert [row[0] for row in grouped] == ["8", "4", "2"] and all(row[-1] == "yes" for row in grouped), grouped
+    assert "Verdict: " in result.stdout

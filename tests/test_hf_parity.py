@@ -3,8 +3,9 @@ after conversion, and gathering the weights back and converting them to Hugging 
 
 GPT-2 and BERT at tp=2 (with and without sequence parallelism) and pp=2; the Llama-shaped cases of
 ``workers/hf_llama_setup.py`` (GQA, MQA, Mistral, Qwen2, Llama-3.1 rotary scaling) at tp=1, tp=2, tp=4
-(more ranks than key/value groups: their heads are replicated), pp=2 and tp=2 x pp=2; data parallelism
-takes the remaining ranks.
+(more ranks than key/value groups: their heads are replicated), pp=2 and tp=2 x pp=2; the Mixture-of-Experts
+cases (``MOE_CASES``: Mixtral, Qwen2-MoE) at tp=2 with and without sequence parallelism (every expert split over
+tp inside one region); data parallelism takes the remaining ranks.
 """
 
 import pytest
@@ -20,6 +21,8 @@ CHECKS = {
     **{f"{case}:{layout}": hf_llama_setup.TOLERANCE for case in hf_llama_setup.CASES
        for layout in ("tp1", "tp2", "tp4", "pp2", "tp2-pp2")},
     "llama-gqa:tp2-sp": hf_llama_setup.TOLERANCE,
+    **{f"{case}:{layout}": hf_llama_setup.TOLERANCE for case in hf_llama_setup.MOE_CASES
+       for layout in ("tp1", "tp2", "tp2-sp", "ep2", "ep4", "ep2-tp2")},
 }
 
 

@@ -11,7 +11,7 @@ data-parallel size: a run may resume with another layout.
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional
 
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, SequentialSampler
@@ -27,10 +27,15 @@ class ResumableDistributedSampler(DistributedSampler):
     """
 
     start_index = 0
+    #: Set by a restore of an epoch that ended before this (rebuilt, longer) dataset does: the next epoch goes on
+    #: from there. A dataset ordered over the whole run (``train_samples``) is rebuilt longer when ``max_steps``
+    #: grows; its order over the first samples stays, so the resumed run must not read them again.
+    carry_over: Optional[int] = None
 
     def set_epoch(self, epoch: int) -> None:
         if epoch != self.epoch:
-            self.start_index = 0
+            self.start_index = self.carry_over if self.carry_over is not None and epoch == self.epoch + 1 else 0
+            self.carry_over = None
         super().set_epoch(epoch)
 
     def __iter__(self) -> Iterator[int]:
@@ -81,8 +86,11 @@ class ResumableDataLoader(DataLoader):
             yield batch
 
     def state_dict(self) -> dict[str, int]:
-        return {"epoch": self.sampler.epoch, "consumed_batches": self._consumed_batches}
+        return {"epoch": self.sampler.epoch, "consumed_batches": self._consumed_batches, "epoch_batches": len(self)}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.sampler.set_epoch(state["epoch"])
         self.sampler.start_index = state["consumed_batches"] * self.batch_size
+        ended = state["consumed_batches"] >= state.get("epoch_batches", float("inf"))
+        if ended and not self.sampler.shuffle and self.sampler.start_index < self.sampler.num_samples:
+            self.sampler.carry_over = self.sampler.start_index  # Lightning starts the next epoch: go on from here

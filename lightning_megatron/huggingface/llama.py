@@ -191,9 +191,6 @@ def _moe_problems(config: GPTConfig, architecture: str, experts: Optional[Expert
         problems.append(f"moe.score_function={moe.score_function!r}: {architecture} routes by softmax scores")
     if moe.expert_bias:
         problems.append(f"moe.expert_bias=True: {architecture}'s router has no per-expert bias")
-    if moe.top_k == 1 and moe.normalize_topk:
-        problems.append(f"moe.top_k=1 with normalize_topk=True: {architecture} renormalises the one weight to 1, our "
-                        f"router keeps the expert's score")
     shared = (moe.shared_expert_size, moe.shared_expert_gate)
     if experts.shared_expert and not all(shared):
         problems.append(f"moe.shared_expert_size={shared[0]}, shared_expert_gate={shared[1]}: every {architecture} MoE "

@@ -14,8 +14,7 @@ per-expert tensors, as ``save_pretrained`` does, so ``from_pretrained`` of any v
 the model was trained with (ours is Megatron-Core's per-sequence loss, not ``transformers``'
 per-batch one), whether or not ``output_router_logits`` (``transformers``' switch that adds it to
 its loss) is on; an export writes it back, with ``output_router_logits: false``. Not modelled, so
-refused: ``router_jitter_noise`` (input noise in training) and a single expert per token (Mixtral
-renormalises its weight to 1; our router keeps the expert's score). The sliding window is treated
+refused: ``router_jitter_noise`` (input noise in training). The sliding window is treated
 as Mistral's (``mistral.py``). ``capacity_factor`` and ``z_loss_coeff`` only change training and
 have no Mixtral field: they are not exported.
 """
@@ -33,9 +32,6 @@ def _mixtral_fields(fields: Fields, problems: list[str]) -> dict[str, Any]:
     if fields["router_jitter_noise"]:
         problems.append(f"router_jitter_noise={fields['router_jitter_noise']}: our router does not perturb its "
                         f"inputs (0.0)")
-    if fields["num_experts_per_tok"] == 1:
-        problems.append("num_experts_per_tok=1: Mixtral renormalises the one weight to 1, our router keeps the "
-                        "expert's score")
     moe = MoEConfig(num_experts=fields["num_local_experts"], top_k=fields["num_experts_per_tok"],
                     score_function="softmax", normalize_topk=True,
                     aux_loss_coeff=float(fields["router_aux_loss_coef"]))
@@ -55,7 +51,7 @@ def _mixtral_hf_fields(config: GPTConfig, problems: list[str]) -> dict[str, Any]
                         f"(layers {dense} are dense)")
     if not moe.normalize_topk:
         problems.append("moe.normalize_topk=False: Mixtral renormalises the chosen experts' weights to sum to 1")
-    return {"head_dim": config.head_dim, "intermediate_size": config.moe_ffn_size, "sliding_window": None,
+    return {"intermediate_size": config.moe_ffn_size, "sliding_window": None,
             "num_local_experts": moe.num_experts, "num_experts_per_tok": moe.top_k,
             "router_aux_loss_coef": moe.aux_loss_coeff, "output_router_logits": False, "router_jitter_noise": 0.0}
 

@@ -35,9 +35,6 @@ def _qwen2_moe_fields(fields: Fields, problems: list[str]) -> dict[str, Any]:
     if not shared:
         problems.append("shared_expert_intermediate_size=0: our MoE layers have a shared expert of some width or none "
                         "(and then no shared_expert_gate)")
-    if fields["num_experts_per_tok"] == 1 and normalize:
-        problems.append("num_experts_per_tok=1 with norm_topk_prob=True: Qwen2-MoE renormalises the one weight to 1, "
-                        "our router keeps the expert's score")
     moe = MoEConfig(num_experts=fields["num_experts"], top_k=fields["num_experts_per_tok"],
                     ffn_hidden_size=fields["moe_intermediate_size"], layer_freq=1 if all(pattern) else pattern,
                     score_function="softmax", normalize_topk=normalize,

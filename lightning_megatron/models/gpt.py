@@ -449,7 +449,8 @@ class GPT(PretrainingRecipe):
     @staticmethod
     def hf_format() -> HFFormat:
         """``from_hf``/``to_hf`` convert to and from ``transformers``' ``GPT2LMHeadModel``, ``LlamaForCausalLM``,
-        ``MistralForCausalLM`` and ``Qwen2ForCausalLM`` (reading: by ``model_type``; writing: by the config)."""
+        ``MistralForCausalLM``, ``Qwen2ForCausalLM``, ``MixtralForCausalLM`` and ``Qwen2MoeForCausalLM`` (reading: by
+        ``model_type``; writing: by the config)."""
         return hf_format_for(GPTConfig)
 
     def tensor_parallel_plan(self) -> dict[str, object]:

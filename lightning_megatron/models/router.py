@@ -78,7 +78,7 @@ class TopKRouter(nn.Module):
         choice = scores if self.expert_bias is None else scores + self.expert_bias
         _, expert_ids = torch.topk(choice, self.top_k, dim=-1)
         weights = scores.gather(-1, expert_ids)
-        if self.normalize_topk and (self.top_k > 1 or self.score_function == "sigmoid"):
+        if self.normalize_topk:  # (one expert per token then weighs 1, as Mixtral's and Switch's routers give it)
             weights = weights / weights.sum(dim=-1, keepdim=True)
         if self.score_function == "sigmoid":  # the balance loss reads a distribution over experts
             scores = scores / scores.sum(dim=-1, keepdim=True)

@@ -5,6 +5,12 @@ key/value groups: tp=4 replicates each group's key/value heads on 2 ranks), mult
 group), Mistral (its sliding window longer than the sequences), Qwen2 (biases on q, k, v; tied
 embeddings) and Llama-3.1's rotary frequency scaling (an original context short enough that the
 scaling changes the logits of these sequences: without it they move by ~5e-2).
+
+Three Mixture-of-Experts cases (``MOE_CASES``, ``tests/test_hf_moe.py``): Mixtral (4 experts, top-2,
+renormalised weights, every layer MoE), Qwen2-MoE with MoE in every second layer
+(``decoder_sparse_step=2``: layers 1 and 3 of 4; 8 experts, weights not renormalised, a gated shared
+expert), and Qwen2-MoE with a dense layer named by ``mlp_only_layers``, ``norm_topk_prob=True`` and
+tied embeddings. Every width and the heads split over tp=2.
 """
 
 import torch
@@ -23,24 +29,38 @@ CASES = {  # name -> (transformers class, config fields)
     "llama-3.1-rope": ("LlamaForCausalLM", {**BASE_FIELDS, "max_position_embeddings": 256,
                                             "rope_parameters": LLAMA_3_1_ROPE}),
 }
+QWEN2_MOE_FIELDS = {**BASE_FIELDS, "num_hidden_layers": 4, "decoder_sparse_step": 2, "num_experts": 8,
+                    "num_experts_per_tok": 2, "moe_intermediate_size": 24, "shared_expert_intermediate_size": 40,
+                    "norm_topk_prob": False}
+MOE_CASES = {
+    "mixtral": ("MixtralForCausalLM", {**BASE_FIELDS, "intermediate_size": 48, "num_local_experts": 4,
+                                       "num_experts_per_tok": 2}),
+    "qwen2-moe": ("Qwen2MoeForCausalLM", QWEN2_MOE_FIELDS),
+    "qwen2-moe-norm": ("Qwen2MoeForCausalLM", {**QWEN2_MOE_FIELDS, "num_hidden_layers": 3, "decoder_sparse_step": 1,
+                                               "mlp_only_layers": [1], "norm_topk_prob": True,
+                                               "tie_word_embeddings": True}),
+}
 MODEL_TYPES = {"llama-gqa": "llama", "llama-mqa": "llama", "mistral": "mistral", "qwen2": "qwen2",
-               "llama-3.1-rope": "llama"}
+               "llama-3.1-rope": "llama", "mixtral": "mixtral", "qwen2-moe": "qwen2_moe", "qwen2-moe-norm": "qwen2_moe"}
 BATCH, SEQ = 2, 32  # shorter than Mistral's window; splits over tp=2 under sequence parallelism
-TOLERANCE = 1e-4  # fp32; measured 0.0 at every layout (the same ops in the same order)
+TOLERANCE = 1e-4  # fp32; measured 0.0 at every layout (the same ops in the same order); MoE: see test_hf_moe.py
 
 
 def build_hf_model(case: str, **overrides):
-    """The case's ``transformers`` model built offline, every parameter random (RMSNorm gains and biases
-    included, so that no mapping error hides behind an init of ones or zeros), in eval mode."""
+    """The case's (``CASES`` or ``MOE_CASES``) ``transformers`` model built offline, every parameter random (RMSNorm
+    gains, biases and routers included, so that no mapping error hides behind an init of ones or zeros), in eval
+    mode."""
     import transformers
 
-    class_name, fields = CASES[case]
+    class_name, fields = {**CASES, **MOE_CASES}[case]
     config_class = getattr(transformers, class_name.replace("ForCausalLM", "Config"))
     torch.manual_seed(SEED)
     model = getattr(transformers, class_name)(config_class(**{**fields, **overrides})).eval()
     with torch.no_grad():
         for param in model.parameters():
             param.normal_(0.0, 0.2)
+        if case in MOE_CASES:  # tokens that differ enough to reach every expert (else attention's average dominates)
+            model.model.embed_tokens.weight.normal_(0.0, 2.0)
     return model
 
 

@@ -1,14 +1,15 @@
 """Hugging Face outputs vs our converted model, every family at several layouts over the same processes.
 
 argv: OUT_DIR CHECKS, a comma list of ``<case>:<layout>``: a case is ``gpt2``, ``bert`` or one of
-``hf_llama_setup.CASES``; a layout is ``tp<t>`` or ``pp<p>`` or ``tp<t>-pp<p>``, optionally ``-sp``
+``hf_llama_setup.CASES`` or ``MOE_CASES``; a layout is ``tp<t>`` or ``pp<p>`` or ``tp<t>-pp<p>``, optionally ``-sp``
 (sequence parallel), data parallelism taking the remaining ranks. Every rank builds the random HF
 model from the shared seed and computes its outputs (the oracle: the logits; BERT's masked-LM and
 sentence-order logits, with padding), converts its state dict, builds our model the way the
 strategy does (meta device, tensor-parallel plan, pipeline split, materialise) and loads this rank's
 part of the converted weights. Each rank writes ``rank{r}.json``: per check, the max |output
 difference| where this rank holds the outputs (else null), and whether gathering the weights back
-and converting them to HF gives the HF state dict bit for bit.
+and converting them to HF gives the HF state dict bit for bit (spelled as checkpoints store it: one tensor
+per expert).
 """
 
 import json
@@ -32,6 +33,7 @@ from lightning_megatron.parallel import ParallelConfig, ParallelState
 from lightning_megatron.parallel.initialize import initialize_parameters
 from lightning_megatron.pipeline import PipelineLayout
 from lightning_megatron.pipeline.stage import split_for_pipeline
+from lightning_megatron.preparation import prepare_experts
 from lightning_megatron.tensor_parallel import parallelize
 from lightning_megatron.tensor_parallel.mappings import gather_from_tensor_parallel
 
@@ -41,8 +43,8 @@ def converted(hf, **case):
     family = FAMILIES[hf.config.model_type]
     hf_state = hf.state_dict()
     config = family.config_from_hf(hf.config.to_dict(), hf_state.keys())
-    return SimpleNamespace(config=config, hf_state_dict=hf_state, full_state_dict=family.state_dict_from_hf(hf_state, config),
-                           to_hf=family.hf_state_dict, **case)
+    return SimpleNamespace(config=config, hf_state_dict=family.canonical_hf_state_dict(hf_state, config),
+                           full_state_dict=family.state_dict_from_hf(hf_state, config), to_hf=family.hf_state_dict, **case)
 
 
 def gpt2_case():
@@ -74,11 +76,12 @@ def llama_case(name: str):
 
 
 def parallel_config(layout: str, world_size: int) -> ParallelConfig:
-    match = re.fullmatch(r"(?:tp(\d+))?-?(?:pp(\d+))?(-sp)?", layout)
-    if match is None or not (match[1] or match[2]):
-        raise ValueError(f"Unknown layout {layout!r}: expected e.g. tp2, pp2, tp2-pp2, tp2-sp.")
-    return ParallelConfig.for_world(world_size, tensor_parallel_size=int(match[1] or 1),
-                                    pipeline_parallel_size=int(match[2] or 1), sequence_parallel=bool(match[3]))
+    match = re.fullmatch(r"(?:ep(\d+)-?)?(?:tp(\d+))?-?(?:pp(\d+))?(-sp)?", layout)
+    if match is None or not (match[1] or match[2] or match[3]):
+        raise ValueError(f"Unknown layout {layout!r}: expected e.g. tp2, pp2, tp2-pp2, tp2-sp, ep2, ep2-tp2.")
+    return ParallelConfig.for_world(world_size, tensor_parallel_size=int(match[2] or 1),
+                                    pipeline_parallel_size=int(match[3] or 1), sequence_parallel=bool(match[4]),
+                                    expert_parallel_size=int(match[1] or 1))
 
 
 def build(state: ParallelState, case):
@@ -86,6 +89,7 @@ def build(state: ParallelState, case):
     with torch.device("meta"):
         model = case.model_class(case.config)
     parallelize(model, case.plan(case.config), state)
+    prepare_experts(model, state)
     stage = None
     pp = state.config.pipeline_parallel_size
     if pp > 1:
@@ -127,6 +131,8 @@ def check(state: ParallelState, case) -> dict:
         deviation = max((got - want).abs().max().item() for got, want in zip(outputs, case.expected, strict=True))
     gathered = merge_pipeline_stages(gather_full_state_dict(model, state.tensor_parallel_group),
                                      state.pipeline_parallel_group)
+    if state.config.expert_parallel_size > 1:
+        gathered = merge_pipeline_stages(gathered, state.expert_parallel_group)
     back = case.to_hf(gathered, case.config)
     identical = back.keys() == case.hf_state_dict.keys() and all(torch.equal(back[k], v) for k, v in case.hf_state_dict.items())
     return {"max_abs_diff": deviation, "round_trip_identical": identical}
@@ -136,7 +142,8 @@ if __name__ == "__main__":
     out_dir, checks = Path(sys.argv[1]), sys.argv[2].split(",")
     dist.init_process_group("gloo")
     builders = {"gpt2": gpt2_case, "bert": bert_case,
-                **{name: (lambda name=name: llama_case(name)) for name in hf_llama_setup.CASES}}
+                **{name: (lambda name=name: llama_case(name))
+                   for name in (*hf_llama_setup.CASES, *hf_llama_setup.MOE_CASES)}}
     cases, states, results = {}, {}, {}
     for item in checks:
         name, layout = item.split(":")

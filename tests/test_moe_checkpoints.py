@@ -1,0 +1,106 @@
+"""Mixture-of-Experts checkpoints: the tiny MoE GPT trained by the Trainer at ep2 x tp2 (dp2, ZeRO-1, AdamW), a
+sharded checkpoint of an interrupted run, resumed at ep1 and at ep4 with the uninterrupted run's losses."""
+
+import json
+
+import pytest
+import torch
+
+from launch import launch
+from lightning_megatron.checkpoint import consolidated_state_dict, open_sharded, read_full_tensors
+from workers.gpt_setup import MOE_CONFIGS
+
+STEPS, STOP_AT = 4, 2
+SAVED = "save/epoch=0-step=2.ckpt"
+SHORT = "short/epoch=0-step=2.ckpt"
+RESUMED = {  # run name: (tp, ep) on 4 ranks, dp = 4 / tp
+    "ep2": (2, 2),  # the saving layout: exact
+    "ep1": (2, 1),  # every rank holds all 4 experts, reduced and ZeRO-sharded over dp2
+    "ep4": (1, 4),  # one expert per rank, no tp
+}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """One launch: the uninterrupted run, the interrupted one (checkpoint after step 2), then each resume."""
+    out = tmp_path_factory.mktemp("moe")
+    plan = [{"name": "straight", "tp": 2, "ep": 2, "steps": STEPS},
+            {"name": "save", "tp": 2, "ep": 2, "steps": STEPS, "stop_at": STOP_AT, "save_every": STOP_AT}]
+    plan += [{"name": name, "tp": tp, "ep": ep, "steps": STEPS, "ckpt_path": str(out / SAVED)}
+             for name, (tp, ep) in RESUMED.items()]
+    # A run that ended at max_steps=2, continued with max_steps=4: the data index is rebuilt for 4 steps.
+    plan += [{"name": "short", "tp": 2, "ep": 2, "steps": STOP_AT, "save_every": STOP_AT},
+             {"name": "extended", "tp": 2, "ep": 2, "steps": STEPS, "ckpt_path": str(out / SHORT)}]
+    results, _ = launch("moe_resume.py", 4, out, json.dumps({"variant": "moe", "runs": plan}))
+    assert len(results) == 4 and all("error" not in run for result in results for run in result.values()), results
+    return out, results[0]
+
+
+def test_the_checkpoint_holds_every_expert_under_its_global_name_and_shape(runs):
+    out, result = runs
+    assert result["save"]["losses"] == result["straight"]["losses"][:STOP_AT]
+    saved = open_sharded(out / SAVED)
+    assert saved.info["layout"]["expert_parallel_size"] == 2 and saved.info["global_step"] == STOP_AT
+    tensors = saved.tensors()
+    config = MOE_CONFIGS["moe"]
+    width, hidden = config.moe.ffn_hidden_size, config.hidden_size
+    expert_names = {name for name in tensors if ".mlp.experts." in name}
+    expected = set()
+    for layer in (0, 1, 3):  # layer 2 is dense
+        for expert in range(config.moe.num_experts):
+            for part, shape in (("fc", (2 * width, hidden)), ("proj", (hidden, width))):  # fc: gate | up
+                parameter = f"model.blocks.{layer}.mlp.experts.{expert}.{part}.weight"
+                expected |= {f"state_dict/{parameter}", f"optimizer/0/{parameter}/exp_avg",
+                             f"optimizer/0/{parameter}/exp_avg_sq", f"optimizer/0/{parameter}/step"}
+                for key in (f"state_dict/{parameter}", f"optimizer/0/{parameter}/exp_avg_sq"):
+                    assert tuple(tensors[key].size) == shape, key
+                    # written once, by the ranks of the one expert-parallel rank holding it (2 tp halves of the
+                    # gate and of the up rows for fc): its boxes tile it exactly
+                    chunks = tensors[key].chunks
+                    assert sum(chunk.sizes.numel() for chunk in chunks) == torch.Size(shape).numel(), key
+                    assert len(chunks) == (4 if part == "fc" else 2), (key, chunks)
+    assert expert_names == expected
+    weights = torch.load(out / "save.pt", weights_only=True)["weights"]  # the interrupted run's, gathered at step 2
+    consolidated = consolidated_state_dict(out / SAVED)
+    assert consolidated.keys() == weights.keys()
+    assert all(torch.equal(consolidated[name], value) for name, value in weights.items())
+
+
+@pytest.mark.parametrize("name", list(RESUMED))
+def test_resume_at_another_expert_parallel_size_continues_the_uninterrupted_run(runs, name):
+    out, result = runs
+    straight, resumed = result["straight"], result[name]
+    assert resumed["samples"] == straight["samples"][STOP_AT:], "the resumed run sees the samples still due"
+    final = torch.load(out / f"{name}.pt", weights_only=True)["weights"]
+    expected = torch.load(out / "straight.pt", weights_only=True)["weights"]
+    assert final.keys() == expected.keys()
+    if name == "ep2":
+        assert resumed["losses"] == straight["losses"][STOP_AT:]
+        assert all(torch.equal(final[key], expected[key]) for key in expected)
+    else:
+        assert resumed["losses"] == pytest.approx(straight["losses"][STOP_AT:], abs=1e-5)
+        worst = max((final[key] - expected[key]).abs().max().item() for key in expected)
+        assert worst < 1e-5, f"weights deviate by {worst:.2e}"
+
+    saved_again = consolidated_state_dict(out / f"{name}_final.ckpt")  # this layout saves what it holds
+    assert saved_again.keys() == final.keys() and all(torch.equal(saved_again[k], final[k]) for k in final)
+
+    # What each rank holds right after the restore (weights, optimizer state of its experts and ZeRO pieces) is
+    # the checkpoint's, box by box, and together the ranks hold all of it.
+    saved = read_full_tensors(out / SAVED)
+    covered = {key: torch.zeros(value.shape, dtype=torch.bool) for key, value in saved.items()}
+    for rank in range(4):
+        for key, offsets, piece in torch.load(out / f"{name}_pieces{rank}.pt", weights_only=True):
+            region = tuple(slice(o, o + s) for o, s in zip(offsets, piece.shape))
+            assert torch.equal(piece, saved[key][region]), (rank, key, offsets)
+            covered[key][region] = True
+    assert all(covered[key].all() for key in covered), [key for key in covered if not covered[key].all()]
+
+
+def test_a_finished_run_continued_with_more_steps_reads_the_samples_still_due(runs):
+    """A checkpoint saved at the last batch of a max_steps=2 run, resumed with max_steps=4: Lightning starts its next
+    epoch, and the sampler goes on from the samples already read (it used to start again at sample 0)."""
+    _, result = runs
+    assert result["short"]["losses"] == result["straight"]["losses"][:STOP_AT]
+    assert result["extended"]["samples"] == result["straight"]["samples"][STOP_AT:]
+    assert result["extended"]["losses"] == result["straight"]["losses"][STOP_AT:]
