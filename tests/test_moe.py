@@ -19,14 +19,14 @@ LAYOUTS = [
     "moe-ep2-tp1-dp4",            # 2 replicas of each expert: expert gradients summed over the expert-data-parallel group
     "moe-ep4-tp1-dp4",            # one expert per rank
     "moe-ep2-tp2-dp2",            # experts split over tp inside one region
-    "moe-ep2-tp2-dp2-sp-mb2",     # ... with sequence parallelism and two micro-batches
-    "moe-ep2-pp2-tp1-dp2-mb2",    # a pipeline stage without... and with MoE layers; auxiliary losses attached
+    "moe-ep2-tp2-dp2-sp-mb2-rc",  # ... with sequence parallelism, two micro-batches and full recomputation
+    "moe-ep2-pp2-tp1-dp2-mb2",    # auxiliary losses attached on both stages (one of whose layers is dense)
     "moe-ep2-tp1-dp4-z1",         # ZeRO-1 sharded over each group
     "moe-ep4-tp1-dp4-mb2-z2",     # ZeRO-2, expert buckets over a group of one
     "cap-ep2-tp1-dp4",            # capacity factor: the same tokens dropped
     "cap-ep2-tp2-dp2-sp",
     "bias-ep4-tp1-dp4",           # sigmoid scores, aux-loss-free expert bias moved by the global batch's loads
-    "bias-ep2-pp2-tp1-dp2-mb2",
+    "bias-ep2-pp2-tp1-dp2-mb2-rc",  # recomputed MoE layers replay their all-to-alls, counted once
     "plain-ep2-tp2-dp2-z1",       # Qwen2-MoE's routing (no renormalisation), no shared expert
 ]
 COUNTS = ["count-ep2-tp1-dp4", "count-ep2-tp2-dp2", "count-ep2-tp2-dp2-sp"]

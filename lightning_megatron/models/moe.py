@@ -42,6 +42,7 @@ from lightning_megatron.models.transformer import dense_mlp_tensor_parallel_plan
 from lightning_megatron.models.router import (
     SCORE_FUNCTIONS,
     TopKRouter,
+    counts_routing,
     load_balancing_loss,
     sequence_counts,
     z_loss,
@@ -181,7 +182,7 @@ class AuxLosses:
         self.scale = scale
 
     def add(self, output: Tensor, loss: Optional[Tensor]) -> Tensor:
-        if loss is None or not loss.requires_grad or _in_backward():
+        if loss is None or not loss.requires_grad or torch._C._current_graph_task_id() != -1:  # recomputing: added once
             return output
         if self.scale is None:
             self.terms.append(loss)
@@ -195,7 +196,7 @@ class AuxLosses:
 
     def record(self, balance: Tensor, z: Tensor, *, sequences: int, tokens: int) -> None:
         """One layer's forward: ``balance`` summed over its sequences, ``z`` over its tokens (this rank's share)."""
-        if _in_backward():
+        if not counts_routing():
             return
         values = torch.stack([balance.double() / sequences * self.value_share, z.double() / tokens * self.value_share,
                               balance.new_tensor(self.forward_share, dtype=torch.float64)])
@@ -208,11 +209,6 @@ class AuxLosses:
             totals = torch.zeros(3, dtype=torch.float64)
         totals = self.reduce(totals)
         return (totals[:2] / totals[2]).float() if float(totals[2]) > 0 else None
-
-
-def _in_backward() -> bool:
-    """True while autograd recomputes a checkpointed forward (activation recomputation)."""
-    return torch._C._current_graph_task_id() != -1
 
 
 def capacity_mask(expert_ids: Tensor, weights: Tensor, num_experts: int, capacity: int) -> Tensor:

@@ -24,7 +24,8 @@ sequence chunk, the sum over chunks is then the full loss (each chunk's share is
 
 from __future__ import annotations
 
-from typing import NamedTuple
+import contextlib
+from typing import Iterator, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -87,7 +88,7 @@ class TopKRouter(nn.Module):
     def count_tokens(self, expert_ids: Tensor) -> Tensor:
         """Tokens per expert ``[E]`` of whole sequences' routing; accumulated for the expert-bias update in training."""
         counts = torch.bincount(expert_ids.reshape(-1), minlength=self.num_experts)
-        if self.tokens_per_expert is not None and self.training and torch.is_grad_enabled() and not _in_backward():
+        if self.tokens_per_expert is not None and self.training and torch.is_grad_enabled() and counts_routing():
             self.tokens_per_expert += counts
         return counts
 
@@ -99,9 +100,25 @@ class TopKRouter(nn.Module):
         self.tokens_per_expert.zero_()
 
 
-def _in_backward() -> bool:
-    """True while autograd recomputes a checkpointed forward: its routing was counted the first time."""
-    return torch._C._current_graph_task_id() != -1
+_counting = True
+
+
+@contextlib.contextmanager
+def routing_uncounted() -> Iterator[None]:
+    """Forwards inside are not training steps (torch's pipeline stages run once more to infer shapes): they leave
+    the expert loads and the routing statistics alone."""
+    global _counting
+    previous, _counting = _counting, False
+    try:
+        yield
+    finally:
+        _counting = previous
+
+
+def counts_routing() -> bool:
+    """Whether this forward's routing counts: not inside :func:`routing_uncounted`, nor while autograd recomputes
+    a checkpointed forward (it was counted the first time)."""
+    return _counting and torch._C._current_graph_task_id() == -1
 
 
 def load_balancing_loss(scores: Tensor, counts: Tensor, top_k: int, seq_length: int) -> Tensor:

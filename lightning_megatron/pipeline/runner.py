@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
+from lightning_megatron.models.router import routing_uncounted
 from lightning_megatron.pipeline.layout import check_micro_batches
 from lightning_megatron.pipeline.timeline import TimelineRecorder
 
@@ -26,19 +27,13 @@ _SCHEDULES = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe, "interleaved_1f1b": 
 
 class _Stage(PipelineStage):
     """torch infers the stages' shapes on a schedule's first step by running each stage once more, on stand-in
-    inputs (uninitialised ones after the first stage). Run that pass in eval mode so that it leaves nothing behind:
-    no dropout draws from the training streams, no MoE expert loads or routing statistics counted."""
+    inputs (uninitialised ones after the first stage), forward and backward. That pass counts no MoE expert loads
+    and no routing statistics (it is not a training step). It keeps the training mode: its backward may recompute
+    checkpointed layers, which must see the forward they saved."""
 
     def _compute_outputs(self, *args, module: nn.Module, **kwargs):
-        modules = {*module.modules(), *getattr(module, "root", module).modules()}
-        modes = [(m, m.training) for m in modules]
-        for m in modules:
-            m.training = False
-        try:
+        with routing_uncounted():
             return super()._compute_outputs(*args, module=module, **kwargs)
-        finally:
-            for m, training in modes:
-                m.training = training
 
 
 class PipelineRunner:
