@@ -22,7 +22,9 @@ bf16-mixed         4           4          0 (views of params)  8 (/N at ZeRO >= 
 =================  ==========  =========  ===================  ===================  ===============
 
 (N = data-parallel size; ZeRO-2 also divides the gradients by N.) Bucket padding to a
-multiple of N is ignored (under a KiB per bucket).
+multiple of N is ignored (under a KiB per bucket). Experts of MoE layers: a rank holds ``1/ep`` of
+them (``expert_parallel_size``), and ZeRO shards their state over the ``dp / ep`` ranks holding
+the same experts (N = dp / ep for them).
 
 Activations (rough, per GPU, *not* part of the model state): per transformer layer and per
 token of a micro-batch, the tensors autograd keeps, in the compute dtype: the two norms'
@@ -76,6 +78,7 @@ class Layout:
     vpp: int
     sequence_parallel: bool
     zero_stage: int
+    expert_parallel_size: int
     precision: str
     schedule: str
     micro_batch_size: int
@@ -98,7 +101,8 @@ class Layout:
         return cls(
             name=path.stem, world=world, tp=tp, pp=pp, dp=world // (tp * pp) if dp == "auto" else dp,
             vpp=strategy.get("virtual_pipeline_size", 1), sequence_parallel=strategy.get("sequence_parallel", False),
-            zero_stage=strategy.get("zero_stage", 0), precision=str(trainer.get("precision", "32-true")),
+            zero_stage=strategy.get("zero_stage", 0), expert_parallel_size=strategy.get("expert_parallel_size", 1),
+            precision=str(trainer.get("precision", "32-true")),
             schedule=strategy.get("pipeline_schedule", "1f1b"), micro_batch_size=strategy.get("micro_batch_size", 1),
             seq_length=data.get("seq_length", 128), global_batch_size=data.get("global_batch_size", 16),
             pad_vocab=strategy.get("pad_vocab_to_multiple_of", 128), layers_per_stage=tuple(layers) if layers else None,
@@ -123,7 +127,8 @@ def build_module(layout: Layout) -> nn.Module:
 @dataclass(frozen=True)
 class RankCount:
     pp_rank: int
-    parameters: int  # this rank's parameter elements (tied ones once)
+    parameters: int  # this rank's parameter elements (tied ones once), its experts included
+    expert_parameters: int  # of which the experts of MoE layers (1/ep of them)
     layers: int
     activation_elements_per_token: int  # summed over this rank's layers, one micro-batch
     head_logits_per_token: int  # this rank's vocabulary slice (last stage), else 0
@@ -144,13 +149,15 @@ def count_rank(layout: Layout, pp_rank: int, tp_rank: int = 0) -> RankCount:
         module = build_module(layout)
         parallelize(module, module.tensor_parallel_plan(), state, pad_vocab_to_multiple_of=layout.pad_vocab)
         split_pipeline(module, state)
-        parameters = sum(p.numel() for p in dict.fromkeys(module.parameters()))
+        every_expert = sum(p.numel() for name, p in module.named_parameters() if ".experts." in name)
+        experts = every_expert // layout.expert_parallel_size  # experts split evenly (validate() checked it)
+        parameters = sum(p.numel() for p in dict.fromkeys(module.parameters())) - every_expert + experts
         layers = [m for m in module.modules() if isinstance(m, TransformerLayer)]
         activations = sum(layer_activation_elements(layer, layout) for layer in layers)
         last = pp_rank == layout.pp - 1
         sizes = module.config
         vocab = padded_size(sizes.vocab_size, layout.tp, layout.pad_vocab) // layout.tp if last else 0
-        return RankCount(pp_rank, parameters, len(layers), activations, vocab)
+        return RankCount(pp_rank, parameters, experts, len(layers), activations, vocab)
     finally:
         dist.destroy_process_group()
 
@@ -161,8 +168,15 @@ def layer_activation_elements(layer: TransformerLayer, layout: Layout) -> int:
     norms = 2 * hidden // layout.tp + 2 * hidden if layout.sequence_parallel else 4 * hidden
     qkv_rows = layer.attn.qkv.weight.shape[0]
     attention_out = layer.attn.proj.weight.shape[1]
-    fc_rows = layer.mlp.fc.weight.shape[0]
-    return norms + qkv_rows + 2 * attention_out + 2 * fc_rows
+    experts = getattr(layer.mlp, "experts", None)
+    if experts is None:
+        return norms + qkv_rows + 2 * attention_out + 2 * layer.mlp.fc.weight.shape[0]
+    # MoE: each token's top_k dispatched copies (the experts' inputs), two fc-wide tensors per copy as a dense MLP
+    # keeps (dropless, so on average), and the shared expert's like a dense MLP.
+    top_k, fc_rows = layer.mlp.config.top_k, next(iter(experts.values())).fc.weight.shape[0]
+    shared = getattr(layer.mlp, "shared_expert", None)
+    mlp = top_k * (hidden + 2 * fc_rows) + (2 * shared.fc.weight.shape[0] if shared is not None else 0)
+    return norms + qkv_rows + 2 * attention_out + mlp
 
 
 def in_flight(layout: Layout, pp_rank: int) -> float:
@@ -178,9 +192,10 @@ def in_flight(layout: Layout, pp_rank: int) -> float:
     return float(min(layout.pp - pp_rank, micro_batches))
 
 
-def bytes_per_parameter(layout: Layout) -> dict[str, float]:
-    """Bytes per local parameter of each model-state category, as ``model_state_bytes`` counts them."""
-    n = layout.dp
+def bytes_per_parameter(layout: Layout, *, experts: bool = False) -> dict[str, float]:
+    """Bytes per local parameter of each model-state category, as ``model_state_bytes`` counts them (``experts``:
+    of an MoE layer's experts, whose ZeRO group is the ``dp / ep`` ranks holding the same ones)."""
+    n = layout.dp // layout.expert_parallel_size if experts else layout.dp
     sixteen = layout.precision in SIXTEEN_BIT
     param = 2 if sixteen else 4
     main = 4 if sixteen else 0
@@ -202,7 +217,9 @@ class Report:
         return max(self.ranks, key=lambda r: r.parameters)
 
     def model_state(self, rank: RankCount) -> dict[str, float]:
-        return {name: per * rank.parameters for name, per in bytes_per_parameter(self.layout).items()}
+        dense, experts = bytes_per_parameter(self.layout), bytes_per_parameter(self.layout, experts=True)
+        return {name: dense[name] * (rank.parameters - rank.expert_parameters) + experts[name] * rank.expert_parameters
+                for name in dense}
 
     def activations(self, rank: RankCount) -> float:
         layout = self.layout
@@ -219,9 +236,11 @@ class Report:
         worst = max(self.ranks, key=lambda r: sum(self.model_state(r).values()) + self.activations(r))
         lines = [
             f"{layout.name}: {self.total_parameters:,} parameters; {layout.world} GPUs = tp {layout.tp} x pp {layout.pp}"
-            f"{f' (vpp {layout.vpp})' if layout.vpp > 1 else ''} x dp {layout.dp}, {layout.precision}, "
+            f"{f' (vpp {layout.vpp})' if layout.vpp > 1 else ''} x dp {layout.dp}"
+            f"{f' (ep {layout.expert_parallel_size})' if layout.expert_parallel_size > 1 else ''}, {layout.precision}, "
             f"zero_stage {layout.zero_stage}, sequence_parallel {layout.sequence_parallel}",
-            f"  largest rank (pp stage {peak.pp_rank}): {peak.parameters:,} parameters, {peak.layers} layers",
+            f"  largest rank (pp stage {peak.pp_rank}): {peak.parameters:,} parameters"
+            f"{f' ({peak.expert_parameters:,} of them experts)' if peak.expert_parameters else ''}, {peak.layers} layers",
             "  model state per GPU: " + ", ".join(f"{k.replace('_', ' ')} {size(v)} ({per[k]:g} B/param)"
                                                    for k, v in state.items())
             + f" = {size(sum(state.values()))}",
@@ -241,7 +260,8 @@ def validate(layout: Layout, module: nn.Module) -> None:
         raise ValueError(f"{layout.name}: global_batch_size={layout.global_batch_size} does not divide over dp={layout.dp}.")
     config = ParallelConfig(tensor_parallel_size=layout.tp, pipeline_parallel_size=layout.pp, data_parallel_size=layout.dp,
                             sequence_parallel=layout.sequence_parallel, zero_stage=layout.zero_stage,
-                            virtual_pipeline_size=layout.vpp, pipeline_layers_per_stage=layout.layers_per_stage)
+                            virtual_pipeline_size=layout.vpp, pipeline_layers_per_stage=layout.layers_per_stage,
+                            expert_parallel_size=layout.expert_parallel_size)
     if hasattr(module, "validate_parallel_config"):
         module.validate_parallel_config(config)
     if layout.pp > 1:

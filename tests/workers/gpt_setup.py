@@ -34,6 +34,7 @@ VARIANTS = {
     "plain": replace(MOE, normalize_topk=False, shared_expert_size=0, shared_expert_gate=False),
 }
 MOE_CONFIGS = {name: replace(LLAMA_CONFIG, moe=moe) for name, moe in VARIANTS.items()}
+CONFIGS["moe"] = MOE_CONFIGS["moe"]
 
 LR, WEIGHT_DECAY, CLIP = 1e-2, 0.1, 0.5
 
