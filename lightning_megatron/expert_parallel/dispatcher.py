@@ -59,11 +59,9 @@ class AllToAllDispatcher:
         received = every[:, self.rank]  # [source, local expert]
         recv = received.sum(dim=1).tolist()
         arrived = all_to_all(tokens, recv, send, self.group)
-        # Arrived ordered (source, local expert): regroup by local expert.
-        starts = (received.reshape(-1).cumsum(0) - received.reshape(-1)).view(self.size, local)
-        order = torch.cat([torch.arange(int(starts[s, e]), int(starts[s, e] + received[s, e]))
-                           for e in range(local) for s in range(self.size)] or [torch.zeros(0, dtype=torch.int64)])
-        order = order.to(tokens.device)
+        # Arrived ordered (source, local expert): a stable sort by local expert regroups them, sources in order.
+        local_expert = torch.arange(local).repeat(self.size).repeat_interleave(received.reshape(-1))
+        order = torch.argsort(local_expert, stable=True).to(tokens.device)
         self._pending = (order, send, recv)
         return arrived.index_select(0, order), received.sum(dim=0).tolist()
 
