@@ -36,6 +36,7 @@ rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 class Record(L.Callback):
     def __init__(self, name: str, resumed: bool, stop_at=None):
         self.name, self.resumed, self.stop_at, self.losses, self.samples = name, resumed, stop_at, [], []
+        self.statistics = []  # the logged MoE statistics: load balancing, z-loss
 
     def on_train_start(self, trainer, pl_module):
         if not self.resumed:
@@ -53,6 +54,8 @@ class Record(L.Callback):
         self.losses.append(float(trainer.strategy.reduce(outputs["loss"].detach(), reduce_op="mean")))
         # Which samples the global batch held, in one number (every tp rank counts them: the same factor everywhere).
         self.samples.append(float(trainer.strategy.reduce(batch["input_ids"].double().pow(2).sum(), reduce_op="sum")))
+        metrics = trainer.callback_metrics
+        self.statistics.append([float(metrics["moe_load_balancing"]), float(metrics["moe_z_loss"])])
         if trainer.global_step == self.stop_at:  # an interrupted run: its schedule and data still span max_steps
             trainer.should_stop = True
 
@@ -78,13 +81,13 @@ def fit(run: dict) -> tuple[list[float], list[float]]:
         torch.save({"losses": record.losses, "weights": weights}, out_dir / f"{run['name']}.pt")
     if run.get("ckpt_path"):
         trainer.save_checkpoint(out_dir / f"{run['name']}_final.ckpt")
-    return record.losses, record.samples
+    return record.losses, record.samples, record.statistics
 
 
 result = {}
 for run in options["runs"]:
     try:
-        result[run["name"]] = dict(zip(("losses", "samples"), fit(run)))
+        result[run["name"]] = dict(zip(("losses", "samples", "statistics"), fit(run)))
     except (OSError, RuntimeError, ValueError) as error:  # every rank reports; the runs after it still run
         result[run["name"]] = {"error": f"{type(error).__name__}: {error}"}
 (out_dir / f"rank{rank}.json").write_text(json.dumps(result))
