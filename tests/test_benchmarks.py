@@ -139,7 +139,7 @@ def test_generation_benchmark_generates_what_transformers_does():
 
 
 def test_moe_benchmark_prints_its_three_tables():
-    """ep 1/2/4 train the same model (same loss) with exactly 1/ep of the expert bytes per rank; the three load-balance
+    """ep 1/2/4 train the same model (same loss) with exactly 1/ep of the expert bytes per rank; the four load-balance
     runs start from the same routing; the grouped GEMM computes what the loop does."""
     result = subprocess.run(
         [sys.executable, str(REPO / "benchmarks" / "moe.py"), "--quick"],

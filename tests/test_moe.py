@@ -170,8 +170,9 @@ def test_statistics_of_uniform_routing():
             param.data.zero_()  # every expert scores 1/E: the balance value is 1 whatever is chosen
     ids = torch.randint(0, 257, (2, 16))
     model.loss(ids, ids)
-    balance, z = model.moe_aux_losses.statistics()
+    balance, z, max_load = model.moe_aux_losses.statistics()
     assert balance.item() == pytest.approx(1.0, abs=1e-6)
+    assert max_load.item() == pytest.approx(2.0)  # every token picks the first 2 of the 4 tied experts
     assert z.item() == pytest.approx(math.log(4) ** 2, rel=1e-5)  # logsumexp of E zeros
     assert model.moe_aux_losses.statistics() is None  # read once
 

@@ -485,6 +485,7 @@ class GPT(PretrainingRecipe):
             if statistics is not None:
                 self.log("moe_load_balancing", statistics[0], sync_dist=True)
                 self.log("moe_z_loss", statistics[1], sync_dist=True)
+                self.log("moe_max_load", statistics[2], sync_dist=True)
         return {"loss": loss, "num_tokens": num_tokens}
 
     def optimizer_step(self, *args, **kwargs) -> None:

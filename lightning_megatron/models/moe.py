@@ -163,9 +163,12 @@ class AuxLosses:
     a layer may sit on a stage that never sees the loss: :meth:`attach_with` makes each layer attach its
     loss to its output, whose backward gives it the gradient the loss sum gets.
 
-    ``statistics()`` is ``[load_balancing, z_loss]`` averaged over the MoE layers and forwards since
-    the last call (load balancing 1.0 = uniform routing; z-loss per token), the numbers
-    ``GPT.training_step`` logs; ``reduce`` (set by the strategy) sums this rank's shares over the ranks
+    ``statistics()`` is ``[load_balancing, z_loss, max_load]`` averaged over the MoE layers and forwards
+    since the last call, the numbers ``GPT.training_step`` logs: the load-balancing value (1.0 for uniform
+    routing; it weighs loads by router probabilities, so it can read near 1 while one expert takes twice its
+    share), the z-loss per token, and the busiest expert's tokens over the mean (1.0: even loads; ``top_k``
+    experts of ``E`` can reach ``E / top_k``) in the micro-batch one data-parallel rank routes (so, unlike the
+    other two, it depends on how the global batch is cut); ``reduce`` (set by the strategy) sums this rank's shares over the ranks
     that hold the other layers and sequence chunks.
     """
 
@@ -194,21 +197,24 @@ class AuxLosses:
         terms, self.terms = self.terms, []
         return torch.stack(terms).sum() if terms else None
 
-    def record(self, balance: Tensor, z: Tensor, *, sequences: int, tokens: int) -> None:
-        """One layer's forward: ``balance`` summed over its sequences, ``z`` over its tokens (this rank's share)."""
+    def record(self, balance: Tensor, z: Tensor, load: Tensor, *, sequences: int, tokens: int) -> None:
+        """One layer's forward: ``balance`` summed over its sequences and ``z`` over its tokens (this rank's share);
+        ``load``: tokens per expert of whole sequences (the same on every tp rank)."""
         if not counts_routing():
             return
+        max_load = load.max().double() / load.double().mean().clamp(min=1e-12)
         values = torch.stack([balance.double() / sequences * self.value_share, z.double() / tokens * self.value_share,
-                              balance.new_tensor(self.forward_share, dtype=torch.float64)])
+                              max_load * self.forward_share, balance.new_tensor(self.forward_share, dtype=torch.float64)])
         self._totals = values if self._totals is None else self._totals + values
 
     def statistics(self) -> Optional[Tensor]:
-        """``[load_balancing, z_loss]`` since the last call (every rank must call it: ``reduce`` may communicate)."""
+        """``[load_balancing, z_loss, max_load]`` since the last call (every rank must call it: ``reduce`` may
+        communicate)."""
         totals, self._totals = self._totals, None
         if totals is None:  # this rank has no MoE layer (a pipeline stage without one) or ran no training forward
-            totals = torch.zeros(3, dtype=torch.float64)
+            totals = torch.zeros(4, dtype=torch.float64)
         totals = self.reduce(totals)
-        return (totals[:2] / totals[2]).float() if float(totals[2]) > 0 else None
+        return (totals[:3] / totals[3]).float() if float(totals[3]) > 0 else None
 
 
 def capacity_mask(expert_ids: Tensor, weights: Tensor, num_experts: int, capacity: int) -> Tensor:
@@ -291,7 +297,7 @@ class MoE(nn.Module):
         counts = sequence_counts(expert_ids, config.num_experts)
         balance = load_balancing_loss(routing.scores, counts, config.top_k, seq)
         z = z_loss(routing.logits)
-        self.aux_losses.record(balance.detach() / seq, z.detach(), sequences=expert_ids.shape[0],
+        self.aux_losses.record(balance.detach() / seq, z.detach(), counts.sum(dim=0), sequences=expert_ids.shape[0],
                                tokens=routing.logits.shape[:-1].numel())
         losses = [coeff * term for coeff, term in ((config.aux_loss_coeff, balance), (config.z_loss_coeff, z)) if coeff]
         return sum(losses) if losses else None

@@ -55,7 +55,7 @@ class Record(L.Callback):
         # Which samples the global batch held, in one number (every tp rank counts them: the same factor everywhere).
         self.samples.append(float(trainer.strategy.reduce(batch["input_ids"].double().pow(2).sum(), reduce_op="sum")))
         metrics = trainer.callback_metrics
-        self.statistics.append([float(metrics["moe_load_balancing"]), float(metrics["moe_z_loss"])])
+        self.statistics.append([float(metrics[name]) for name in ("moe_load_balancing", "moe_z_loss", "moe_max_load")])
         if trainer.global_step == self.stop_at:  # an interrupted run: its schedule and data still span max_steps
             trainer.should_stop = True
 
