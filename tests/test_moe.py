@@ -213,9 +213,13 @@ def test_an_expert_that_gets_no_tokens_still_has_a_zero_gradient():
 def test_expert_bias_moves_toward_equal_loads():
     router = TopKRouter(8, 4, 2, expert_bias=True)
     router.initialize_buffers()
-    router.update_expert_bias(torch.tensor([10.0, 0.0, 5.0, 5.0]), rate=0.1)
+    router.update_expert_bias(torch.tensor([10, 0, 5, 5]), rate=0.1)
     assert router.expert_bias.tolist() == pytest.approx([-0.1, 0.1, 0.0, 0.0])
     assert "expert_bias" in router.state_dict() and "tokens_per_expert" not in router.state_dict()
+    router.to(torch.bfloat16)  # bf16-true: the weight is cast, the bias stays fp32 (a 1e-3 step on 0.1 needs it)
+    assert router.weight.dtype == torch.bfloat16 and router.expert_bias.dtype == torch.float32
+    router.update_expert_bias(torch.tensor([0, 5, 5, 10]), rate=1e-3)
+    assert router.expert_bias.tolist() == pytest.approx([-0.099, 0.1, 0.0, -0.001], abs=1e-7)
 
 
 def test_sigmoid_routing_normalises_the_chosen_scores():

@@ -252,7 +252,7 @@ class MoE(nn.Module):
         self.aux_losses = aux_losses if aux_losses is not None else AuxLosses()
 
     def forward(self, x: Tensor) -> Tensor:
-        batch, seq_local, hidden = x.shape
+        batch, _, hidden = x.shape  # (a sequence chunk under sequence parallelism)
         routing = self.router(x)
         # The routing of whole sequences (gathered over tp under sequence parallelism): the same on every tp rank.
         expert_ids = self.region.enter_ids(routing.expert_ids)

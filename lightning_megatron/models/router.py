@@ -59,11 +59,20 @@ class TopKRouter(nn.Module):
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
         if expert_bias:
             self.register_buffer("expert_bias", torch.zeros(num_experts, dtype=torch.float32))
-            # Tokens routed to each expert since the last update (training forwards only); not saved.
-            self.register_buffer("tokens_per_expert", torch.zeros(num_experts, dtype=torch.float32), persistent=False)
+            # Tokens routed to each expert since the last update (training forwards only; integers, which a
+            # precision conversion leaves alone); not saved.
+            self.register_buffer("tokens_per_expert", torch.zeros(num_experts, dtype=torch.int64), persistent=False)
         else:
             self.expert_bias = None
             self.tokens_per_expert = None
+
+    def _apply(self, fn, recurse: bool = True):
+        """The expert bias stays fp32 through ``.to(bfloat16)`` (``bf16-true``): steps of ``1e-3`` would vanish in bf16."""
+        super()._apply(fn, recurse)
+        bias = self.expert_bias
+        if bias is not None and bias.dtype != torch.float32:
+            self._buffers["expert_bias"] = bias.float()
+        return self
 
     def initialize_buffers(self) -> None:
         """Called when the model is materialised (``parallel.initialize``): the bias and the counts start at zero."""
@@ -96,7 +105,8 @@ class TopKRouter(nn.Module):
     def update_expert_bias(self, global_counts: Tensor, rate: float) -> None:
         """DeepSeek-V3's aux-loss-free balancing: raise the bias of under-loaded experts by ``rate``, lower the
         over-loaded ones' (``global_counts``: the step's tokens per expert over the whole global batch)."""
-        self.expert_bias += rate * torch.sign(global_counts.mean() - global_counts)
+        counts = global_counts.double()
+        self.expert_bias += rate * torch.sign(counts.mean() - counts).float()
         self.tokens_per_expert.zero_()
 
 
