@@ -68,10 +68,11 @@ class TopKRouter(nn.Module):
 
     def _apply(self, fn, recurse: bool = True):
         """The expert bias stays fp32 through ``.to(bfloat16)`` (``bf16-true``): steps of ``1e-3`` would vanish in bf16."""
+        before = self.expert_bias
         super()._apply(fn, recurse)
-        bias = self.expert_bias
-        if bias is not None and bias.dtype != torch.float32:
-            self._buffers["expert_bias"] = bias.float()
+        after = self.expert_bias
+        if after is not None and after.dtype != torch.float32:  # the fp32 values, where the conversion put them
+            self._buffers["expert_bias"] = before.to(device=after.device, dtype=torch.float32)
         return self
 
     def initialize_buffers(self) -> None:
