@@ -134,7 +134,9 @@ def test_resume_from_last_after_a_crash_between_the_renames_continues_from_the_n
     trainer, losses = fit(tmp_path / "resumed", 5, ckpt_path="last",
                           callbacks=[ModelCheckpoint(dirpath=directory, every_n_train_steps=1, save_last=True,
                                                      save_top_k=0)])
-    assert losses == straight[3:]  # resumed at step 3, the save the crash interrupted: not from step 0
+    # Resumed at step 3, the save the crash interrupted, not from step 0 (nor 2: those losses differ by > 0.05). The
+    # crashed run was another process, whose matmuls may split their work over another number of threads.
+    assert losses == pytest.approx(straight[3:], abs=1e-5)
     assert open_sharded(directory / "last.ckpt").info["global_step"] == 5
     assert sorted(p.name for p in directory.iterdir() if not p.name.endswith(".lock")) == ["last.ckpt"]
 
