@@ -20,9 +20,8 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from trainer_setup import datamodule, model, trainer_kwargs
+from trainer_setup import datamodule, held_pieces, model, trainer_kwargs
 from lightning_megatron import Megatron3DStrategy
-from lightning_megatron.checkpoint import entries
 
 out_dir, options = Path(sys.argv[1]), json.loads(sys.argv[2])
 rank = int(os.environ["RANK"])
@@ -33,13 +32,7 @@ class Record(L.Callback):
     def on_train_start(self, trainer, pl_module):
         if not options.get("ckpt_path"):
             return
-        training = trainer.strategy._rank_training()
-        placements = training.placements()
-        held = {**training.model_entries(), **entries.main_param_entries(training.main_params, placements)}
-        for index, optimizer in enumerate(training.optimizers):
-            held.update(entries.optimizer_entries(optimizer, index, placements))
-        rows = [(key, list(offsets), piece.clone()) for key, entry in held.items()
-                for offsets, piece in entry.pieces.items()]
+        rows = held_pieces(trainer)
         torch.save(rows, out_dir / f"pieces{rank}.pt")
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):

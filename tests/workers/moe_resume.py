@@ -23,9 +23,8 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from gpt_setup import MOE_CONFIGS
-from trainer_setup import trainer_kwargs
+from trainer_setup import held_pieces, trainer_kwargs
 from lightning_megatron import Megatron3DStrategy
-from lightning_megatron.checkpoint import entries
 from lightning_megatron.data import GPTDataModule
 from lightning_megatron.models import GPT
 
@@ -41,13 +40,7 @@ class Record(L.Callback):
     def on_train_start(self, trainer, pl_module):
         if not self.resumed:
             return
-        training = trainer.strategy._rank_training()
-        placements = training.placements()
-        held = {**training.model_entries(), **entries.main_param_entries(training.main_params, placements)}
-        for index, optimizer in enumerate(training.optimizers):
-            held.update(entries.optimizer_entries(optimizer, index, placements))
-        rows = [(key, list(offsets), piece.clone()) for key, entry in held.items()
-                for offsets, piece in entry.pieces.items()]
+        rows = held_pieces(trainer)
         torch.save(rows, out_dir / f"{self.name}_pieces{rank}.pt")
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):

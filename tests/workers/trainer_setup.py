@@ -1,5 +1,6 @@
 """Model, data and Trainer options shared by the Trainer worker and its single-process reference."""
 
+from lightning_megatron.checkpoint import entries
 from lightning_megatron.data import GPTDataModule
 from lightning_megatron.models import GPT, GPTConfig
 
@@ -40,3 +41,14 @@ def trainer_kwargs(options: dict) -> dict:
                 gradient_clip_val=options.get("clip", 0.5), limit_val_batches=2, limit_test_batches=2, val_check_interval=steps,
                 num_sanity_val_steps=0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                 enable_model_summary=False)
+
+
+def held_pieces(trainer) -> list:
+    """Every tensor piece this rank holds for a checkpoint (weights, fp32 main params, optimizer state) as
+    ``(key, offsets, piece)`` rows: what a resumed run must hold box for box."""
+    training = trainer.strategy._rank_training()
+    placements = training.placements()
+    held = {**training.model_entries(), **entries.main_param_entries(training.main_params, placements)}
+    for index, optimizer in enumerate(training.optimizers):
+        held.update(entries.optimizer_entries(optimizer, index, placements))
+    return [(key, list(offsets), piece.clone()) for key, entry in held.items() for offsets, piece in entry.pieces.items()]
