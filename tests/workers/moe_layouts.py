@@ -5,7 +5,7 @@ argv: OUT_DIR LAYOUTS, a comma list of ``<variant>-ep{E}[-pp{P}]-tp{T}-dp{D}[-sp
 ``gpt_setup.VARIANTS``), or ``count-ep{E}-tp{T}-dp{D}[-sp]`` for a counting run, or ``gen-...`` for generation. The model is built by the
 strategy's own steps (``parallelize``, ``prepare_experts``, ``split_pipeline``, ``start_pipeline``,
 ``build_step_gradients``), and stepped as the strategy steps it: token-summed losses times the backward scale,
-``StepGradients.finish``, its global-norm clip, AdamW, the expert-bias update over dp. Rank 0 writes each
+``StepGradients.finish``, the non-finite check's global norm reused by the clip, AdamW, the expert-bias update over dp. Rank 0 writes each
 layout's losses and full weights (gathered over tp, pp and ep) to ``{layout}.pt``; a counting run writes, per
 rank, the collectives of one training step's forward and backward, by kind and group size.
 """
@@ -25,6 +25,7 @@ from gpt_setup import CLIP, GLOBAL_BATCH, MOE_CONFIGS as CONFIGS, SEED, batches,
 from lightning_megatron.checkpoint import gather_full_state_dict, merge_pipeline_stages
 from lightning_megatron.models import GPTModel
 from lightning_megatron.models.moe import update_expert_biases
+from lightning_megatron.optim.nonfinite import NonFiniteCheck
 from lightning_megatron.optim.step import build_step_gradients
 from lightning_megatron.parallel import ParallelConfig, ParallelState, TensorParallelRNG
 from lightning_megatron.parallel.initialize import initialize_parameters
@@ -45,8 +46,8 @@ def build(name: str, config: ParallelConfig, micro_batches: int, recompute: str 
     split = split_pipeline(model, state)
     initialize_parameters(model, SEED, device="cpu", only_meta=True)
     opt = optimizer(model.parameters())
-    step = build_step_gradients(model, state, [opt], loss_scaler=None, nonfinite=None, bucket_size_mb=0.01,
-                                offload=False, device=torch.device("cpu"))
+    step = build_step_gradients(model, state, [opt], loss_scaler=None, nonfinite=NonFiniteCheck("error", 10),
+                                bucket_size_mb=0.01, offload=False, device=torch.device("cpu"))
     runner = None
     if split is not None:
         per_rank = GLOBAL_BATCH // config.data_parallel_size
@@ -96,8 +97,11 @@ def train(layout: str):
     for input_ids, labels in batches():
         loss_sum, tokens = train_step(state, model, step, runner, input_ids, labels, micro_batches)
         step.finish(accumulation=1 if runner is not None else micro_batches, loss_scale=1.0)
-        step.clip([p for g in opt.param_groups for p in g["params"]], CLIP,
-                  is_first_tensor_rank=state.tensor_parallel_rank == 0)
+        # As the strategy: the non-finite check measures the global norm, the clip reuses it.
+        params = [p for g in opt.param_groups for p in g["params"]]
+        first = state.tensor_parallel_rank == 0
+        norm, _ = step.check_finite(params, is_first_tensor_rank=first, step=len(losses), epoch=0)
+        step.clip(params, CLIP, is_first_tensor_rank=first, norm=norm)
         opt.step()
         step.after_step()
         if moe.expert_bias:
