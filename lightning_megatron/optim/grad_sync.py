@@ -80,7 +80,7 @@ class _Bucket:
     group: Optional[dist.ProcessGroup]  # the group it is reduced (and, under ZeRO, sharded) over
     params: list[nn.Parameter]
     offsets: list[int]  # start of each param in the flat bucket
-    numel: int  # padded to a multiple of dp
+    numel: int  # padded to a multiple of its group's size (under ZeRO)
     dtype: torch.dtype
     device: torch.device
     shard_start: int  # this rank's owned range [shard_start, shard_start + shard_numel)
