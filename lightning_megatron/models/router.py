@@ -142,11 +142,6 @@ def load_balancing_loss(scores: Tensor, counts: Tensor, top_k: int, seq_length: 
     return (per_expert * counts).sum() * (num_experts / (seq_length * top_k))
 
 
-def balance_of(scores: Tensor, counts: Tensor, top_k: int, seq_length: int) -> Tensor:
-    """The load-balancing value per sequence, averaged (1.0: uniform), of this rank's share of each sequence."""
-    return load_balancing_loss(scores, counts, top_k, seq_length) / (seq_length * counts.shape[0])
-
-
 def z_loss(logits: Tensor) -> Tensor:
     """Token-sum units: ``sum_t logsumexp(logits_t)^2``."""
     return torch.logsumexp(logits, dim=-1).pow(2).sum()

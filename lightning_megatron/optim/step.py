@@ -128,11 +128,9 @@ class StepGradients:
             squares, grads, reductions = self.sync.grad_squares(), self.sync.main_grads(), [(dp, False), (mp, True)]
         else:  # clip.py's order: tp x pp, then dp where dp ranks hold different pieces (ZeRO-1/2, experts)
             params = [p for p in dict.fromkeys(params) if p.grad is not None]
-            counted = params if self.replica_ranks is None else first_replicas(
-                params, data_parallel_rank=self.replica_ranks[0], expert_data_parallel_rank=self.replica_ranks[1])
+            counted, over_dp = self._norm_counting(params)
             squares = local_grad_squares(counted, is_first_tensor_rank=is_first_tensor_rank)
             grads = [p.grad for p in params]
-            over_dp = self.sync.zero_stage or self.replica_ranks is not None
             reductions = [(mp, True)] + ([(dp, False)] if over_dp else [])
         norm, finite = check.global_norm(squares, losses, reductions, device=self.device)
         if finite:
@@ -143,13 +141,19 @@ class StepGradients:
         self.drop_grads()
         return norm, warning
 
+    def _norm_counting(self, params: list[nn.Parameter]) -> tuple[list[nn.Parameter], bool]:
+        """What this rank counts in the global norm, and whether the squares are summed over dp too (ZeRO's pieces
+        and expert parallelism's experts differ across dp ranks; then each replica is counted once)."""
+        if self.replica_ranks is None:
+            return params, bool(self.sync.zero_stage)
+        data_rank, expert_data_rank = self.replica_ranks
+        return first_replicas(params, data_parallel_rank=data_rank, expert_data_parallel_rank=expert_data_rank), True
+
     def clip(self, params: Iterable[nn.Parameter], max_norm: float, *, is_first_tensor_rank: bool,
              norm: Optional[Tensor] = None) -> Tensor:
         """Clip by the global norm (``optim.clip``), counted and summed as :meth:`check_finite` counts it."""
         params = list(params)
-        counted = None if self.replica_ranks is None else first_replicas(
-            params, data_parallel_rank=self.replica_ranks[0], expert_data_parallel_rank=self.replica_ranks[1])
-        over_dp = self.sync.zero_stage or self.replica_ranks is not None
+        counted, over_dp = self._norm_counting(params)
         return clip_grads_by_global_norm(params, max_norm, model_parallel_group=self.model_parallel_group,
                                          is_first_tensor_rank=is_first_tensor_rank,
                                          data_parallel_group=self.data_parallel_group if over_dp else None,
