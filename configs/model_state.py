@@ -21,7 +21,8 @@ bf16-mixed         4           4          0 (views of params)  8 (/N at ZeRO >= 
 32-true            4           4          0                    8                    8 + 8/N
 =================  ==========  =========  ===================  ===================  ===============
 
-(N = data-parallel size; ZeRO-2 also divides the gradients by N.) Bucket padding to a
+(N = data-parallel size x context-parallel size, the ranks holding the same weights; ZeRO-2 also divides the
+gradients by N.) Bucket padding to a
 multiple of N is ignored (under a KiB per bucket). Experts of MoE layers: a rank holds ``1/ep`` of
 them (``expert_parallel_size``), and ZeRO shards their state over the ``dp / ep`` ranks holding
 the same experts (N = dp / ep for them).
@@ -37,7 +38,8 @@ two tensors of this rank's ``fc`` width (SwiGLU: gate, up, silu(gate), their pro
 transients and allocator fragmentation are left out. A pipeline rank holds that for its
 layers times the micro-batches in flight (1F1B: ``pp - stage``; interleaved 1F1B: Megatron's
 warmup count ``2 (pp - stage - 1) + (vpp - 1) pp + 1`` virtual stages; pp=1: one forward of
-the whole per-rank batch). The last stage adds the vocab-parallel cross-entropy: this rank's
+the whole per-rank batch); under context parallelism a rank holds ``seq_length / cp`` tokens of each
+sequence. The last stage adds the vocab-parallel cross-entropy: this rank's
 logits in the compute dtype plus their fp32 copy and the saved fp32 softmax.
 """
 
@@ -79,6 +81,7 @@ class Layout:
     sequence_parallel: bool
     zero_stage: int
     expert_parallel_size: int
+    context_parallel_size: int
     precision: str
     schedule: str
     micro_batch_size: int
@@ -97,9 +100,11 @@ class Layout:
         tp, pp = strategy.get("tensor_parallel_size", 1), strategy.get("pipeline_parallel_size", 1)
         world = trainer.get("devices", 1) * (nodes or trainer.get("num_nodes", 1))
         dp = strategy.get("data_parallel_size", "auto")
+        cp = strategy.get("context_parallel_size", 1)
         layers = strategy.get("pipeline_layers_per_stage")
         return cls(
-            name=path.stem, world=world, tp=tp, pp=pp, dp=world // (tp * pp) if dp == "auto" else dp,
+            name=path.stem, world=world, tp=tp, pp=pp, dp=world // (tp * pp * cp) if dp == "auto" else dp,
+            context_parallel_size=cp,
             vpp=strategy.get("virtual_pipeline_size", 1), sequence_parallel=strategy.get("sequence_parallel", False),
             zero_stage=strategy.get("zero_stage", 0), expert_parallel_size=strategy.get("expert_parallel_size", 1),
             precision=str(trainer.get("precision", "32-true")),
@@ -195,7 +200,7 @@ def in_flight(layout: Layout, pp_rank: int) -> float:
 def bytes_per_parameter(layout: Layout, *, experts: bool = False) -> dict[str, float]:
     """Bytes per local parameter of each model-state category, as ``model_state_bytes`` counts them (``experts``:
     of an MoE layer's experts, whose ZeRO group is the ``dp / ep`` ranks holding the same ones)."""
-    n = layout.dp // layout.expert_parallel_size if experts else layout.dp
+    n = layout.dp // layout.expert_parallel_size if experts else layout.dp * layout.context_parallel_size  # dp x cp
     sixteen = layout.precision in SIXTEEN_BIT
     param = 2 if sixteen else 4
     main = 4 if sixteen else 0
@@ -224,7 +229,8 @@ class Report:
     def activations(self, rank: RankCount) -> float:
         layout = self.layout
         compute = 2 if layout.precision.startswith(("bf16", "16")) else 4
-        tokens = layout.seq_length * (layout.micro_batch_size if layout.pp > 1 else layout.global_batch_size // layout.dp)
+        seq = layout.seq_length // layout.context_parallel_size  # a context-parallel rank's share of each sequence
+        tokens = seq * (layout.micro_batch_size if layout.pp > 1 else layout.global_batch_size // layout.dp)
         layers = rank.activation_elements_per_token * tokens * compute * in_flight(layout, rank.pp_rank)
         head = rank.head_logits_per_token * tokens * (compute + 8)
         return layers + head
@@ -236,7 +242,8 @@ class Report:
         worst = max(self.ranks, key=lambda r: sum(self.model_state(r).values()) + self.activations(r))
         lines = [
             f"{layout.name}: {self.total_parameters:,} parameters; {layout.world} GPUs = tp {layout.tp} x pp {layout.pp}"
-            f"{f' (vpp {layout.vpp})' if layout.vpp > 1 else ''} x dp {layout.dp}"
+            f"{f' (vpp {layout.vpp})' if layout.vpp > 1 else ''}"
+            f"{f' x cp {layout.context_parallel_size}' if layout.context_parallel_size > 1 else ''} x dp {layout.dp}"
             f"{f' (ep {layout.expert_parallel_size})' if layout.expert_parallel_size > 1 else ''}, {layout.precision}, "
             f"zero_stage {layout.zero_stage}, sequence_parallel {layout.sequence_parallel}",
             f"  largest rank (pp stage {peak.pp_rank}): {peak.parameters:,} parameters"
@@ -254,21 +261,26 @@ class Report:
 
 def validate(layout: Layout, module: nn.Module) -> None:
     """The checks the strategy and the data module make before any collective (sizes that do not divide)."""
-    if layout.world % (layout.tp * layout.pp) or layout.world != layout.tp * layout.pp * layout.dp:
-        raise ValueError(f"{layout.name}: {layout.world} GPUs do not make tp {layout.tp} x pp {layout.pp} x dp {layout.dp}.")
+    cp = layout.context_parallel_size
+    if layout.world != layout.tp * layout.pp * cp * layout.dp:
+        raise ValueError(f"{layout.name}: {layout.world} GPUs do not make tp {layout.tp} x pp {layout.pp} x cp {cp} x "
+                         f"dp {layout.dp}.")
     if layout.global_batch_size % layout.dp:
         raise ValueError(f"{layout.name}: global_batch_size={layout.global_batch_size} does not divide over dp={layout.dp}.")
     config = ParallelConfig(tensor_parallel_size=layout.tp, pipeline_parallel_size=layout.pp, data_parallel_size=layout.dp,
                             sequence_parallel=layout.sequence_parallel, zero_stage=layout.zero_stage,
                             virtual_pipeline_size=layout.vpp, pipeline_layers_per_stage=layout.layers_per_stage,
-                            expert_parallel_size=layout.expert_parallel_size)
+                            expert_parallel_size=layout.expert_parallel_size, context_parallel_size=cp)
     if hasattr(module, "validate_parallel_config"):
         module.validate_parallel_config(config)
     if layout.pp > 1:
         check_schedule(layout.schedule, layout.vpp)
         check_micro_batches(schedule=layout.schedule, batch_size=layout.global_batch_size // layout.dp,
                             micro_batch_size=layout.micro_batch_size, pipeline_parallel_size=layout.pp)
-    if layout.sequence_parallel and layout.seq_length % layout.tp:
+    if layout.seq_length % (2 * cp):
+        raise ValueError(f"{layout.name}: context parallelism cuts seq_length={layout.seq_length} into 2 x cp = {2 * cp} "
+                         f"chunks.")
+    if layout.sequence_parallel and (layout.seq_length // cp) % layout.tp:
         raise ValueError(f"{layout.name}: sequence parallelism splits seq_length={layout.seq_length} over tp={layout.tp}.")
 
 

@@ -12,6 +12,9 @@ on the one before):
    MoE layer and dispatch tokens to the others with all-to-alls; after the swaps (the experts'
    tensor-parallel layers are the ones tagged), before the split (every rank checks every layer).
    :func:`wire_auxiliary_losses`: the MoE statistics are summed over the model-parallel ranks.
+   :func:`prepare_context_parallel` (``context_parallel_size > 1``): ring (or all-gather) attention over the
+   context-parallel group in every attention core, and the batch splitter the strategy applies to each
+   batch; before the split, so that every rank checks every layer and the model's declaration.
 4. :func:`split_pipeline`: delete the layers, embedding and head this rank's stages do not run.
 5. :func:`shard_zero3` (``zero_stage=3``) or ``initialize_parameters``: materialise only the
    local shards, with the layout-invariant initial values.
@@ -31,6 +34,7 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
+from lightning_megatron.context_parallel.apply import BatchSplitter, apply_context_parallel
 from lightning_megatron.expert_parallel import apply_expert_parallel, wire_auxiliary_losses
 from lightning_megatron.expert_parallel.apply import auxiliary_losses
 from lightning_megatron.optim.zero3 import ZeRO3, apply_zero3
@@ -73,6 +77,15 @@ def prepare_experts(module: nn.Module, state: ParallelState) -> None:
     """This rank's experts and their dispatch (``expert_parallel_size > 1``); the MoE statistics' reduction."""
     apply_expert_parallel(module, state)
     wire_auxiliary_losses(module, state)
+
+
+def prepare_context_parallel(module: nn.Module, state: ParallelState, attention: str) -> Optional[BatchSplitter]:
+    """Split attention over the sequence (``context_parallel_size > 1``); returns what cuts each batch."""
+    if state.config.context_parallel_size == 1:
+        return None
+    splitter = BatchSplitter(module, state)  # first: a module without the declaration is told before anything
+    apply_context_parallel(module, state, attention)
+    return splitter
 
 
 @dataclass

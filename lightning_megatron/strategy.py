@@ -1,9 +1,10 @@
 """``Megatron3DStrategy``: Megatron-LM's tensor, pipeline and data parallelism in Lightning's Trainer.
 
-The strategy owns the layout (a ``ParallelState`` over a ("pp", "dp", "tp") DeviceMesh),
+The strategy owns the layout (a ``ParallelState`` over a ("pp", "dp", "cp", "tp") DeviceMesh),
 applies the model's ``tensor_parallel_plan()``, keeps this rank's pipeline stages of the
-model's ``pipeline_blocks()``, materialises only this rank's shards, reduces gradients over
-the data-parallel group (bucketed, overlapped with backward), and clips by the global norm.
+model's ``pipeline_blocks()``, materialises only this rank's shards, cuts each batch's sequence
+over the context-parallel ranks (the model's ``sequence_inputs()``), reduces gradients over
+dp x cp (bucketed, overlapped with backward), and clips by the global norm.
 Importing ``lightning_megatron`` registers it as ``"megatron_3d"``.
 
 Under pipeline parallelism the root model's ``loss(*inputs, labels)`` runs the pipeline
@@ -13,7 +14,7 @@ schedule (forward and backward of every micro-batch), so the LightningModule's
 
 Lightning contracts honoured here (lightning 2.6): ``is_distributed`` (else ``sync_dist``
 and sampler injection switch off), ``distributed_sampler_kwargs`` over dp only,
-``reduce`` over dp by default, ``reduce_boolean_decision`` over the world, gradient
+``reduce`` over dp x cp by default, ``reduce_boolean_decision`` over the world, gradient
 clipping replaced by the global-norm version.
 """
 
@@ -36,6 +37,8 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_megatron.checkpoint.strategy_hooks import CheckpointHooks
+from lightning_megatron.context_parallel import VARIANTS as CONTEXT_PARALLEL_ATTENTION
+from lightning_megatron.context_parallel.apply import BatchSplitter
 from lightning_megatron.launcher import InPlaceLauncher, SubprocessLauncher, die_with_launcher
 from lightning_megatron.optim.grad_sync import DEFAULT_BUCKET_SIZE_MB
 from lightning_megatron.optim.loss_scaler import DynamicLossScaler, agree_on_overflow
@@ -76,11 +79,13 @@ from lightning_megatron.pipeline.timeline import TimelineRecorder
 from lightning_megatron.preparation import (
     PipelineSplit,
     apply_recompute,
+    prepare_context_parallel,
     prepare_experts,
     shard_zero3,
     split_pipeline,
     start_pipeline,
 )
+from lightning_megatron.tensor_parallel.mappings import full_sequences
 from lightning_megatron.tensor_parallel.plan import parallelize
 
 CHECKPOINT_FORMATS = ("sharded", "full")
@@ -94,6 +99,13 @@ class Megatron3DStrategy(CheckpointHooks, ParallelStrategy):
         pipeline_parallel_size: pipeline ranks; the model needs ``pipeline_blocks()``.
         data_parallel_size: model replicas; ``"auto"`` takes ``world_size / (tp * pp)``.
         sequence_parallel: also split LayerNorm/dropout activations along the sequence over tp.
+        context_parallel_size: ranks that split every sample's sequence (long context): each holds two of
+            ``2 * cp`` chunks (Megatron's causal load balancing), attention is exact over the whole sequence
+            (``context_parallel_attention``), and the weights are replicated over them, so gradients are reduced
+            and ZeRO shards over dp x cp. The model declares its batch's sequence entries (``sequence_inputs()``).
+        context_parallel_attention: ``"ring"`` (default: keys and values passed round the ranks with send/recv,
+            overlapped with each block's compute) or ``"all_gather"`` (one all-gather of keys and values per
+            layer and one SDPA call; suits grouped-query attention with few key/value heads).
         expert_parallel_size: ranks that split the experts of Mixture-of-Experts layers, carved out of dp
             (it must divide ``data_parallel_size``); tokens reach their experts by all-to-all, and the experts'
             gradients are reduced over the ranks holding the same experts (ZeRO 1/2 shards them there).
@@ -159,6 +171,8 @@ class Megatron3DStrategy(CheckpointHooks, ParallelStrategy):
         *,
         virtual_pipeline_size: int = 1,
         expert_parallel_size: int = 1,
+        context_parallel_size: int = 1,
+        context_parallel_attention: str = "ring",
         pipeline_schedule: str = "1f1b",
         micro_batch_size: int = 1,
         pipeline_layers_per_stage: Optional[list[int]] = None,
@@ -195,6 +209,10 @@ class Megatron3DStrategy(CheckpointHooks, ParallelStrategy):
                 f"activation_checkpointing={activation_checkpointing!r} is not one of {RECOMPUTE_MODES}."
             )
         self.activation_checkpointing = activation_checkpointing
+        if context_parallel_attention not in CONTEXT_PARALLEL_ATTENTION:
+            raise ValueError(f"context_parallel_attention={context_parallel_attention!r} is not one of "
+                             f"{sorted(CONTEXT_PARALLEL_ATTENTION)}.")
+        self.context_parallel_attention = context_parallel_attention
         if micro_batch_size < 1:
             raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}.")
         check_schedule(pipeline_schedule, virtual_pipeline_size)
@@ -216,6 +234,7 @@ class Megatron3DStrategy(CheckpointHooks, ParallelStrategy):
             zero_stage=zero_stage,
             virtual_pipeline_size=virtual_pipeline_size,
             expert_parallel_size=expert_parallel_size,
+            context_parallel_size=context_parallel_size,
         )
         self._requested = dict(
             tensor_parallel_size=tensor_parallel_size,
@@ -226,6 +245,7 @@ class Megatron3DStrategy(CheckpointHooks, ParallelStrategy):
             virtual_pipeline_size=virtual_pipeline_size,
             pipeline_layers_per_stage=tuple(pipeline_layers_per_stage) if pipeline_layers_per_stage else None,
             expert_parallel_size=expert_parallel_size,
+            context_parallel_size=context_parallel_size,
         )
         self.pipeline_schedule = pipeline_schedule
         self.micro_batch_size = micro_batch_size
@@ -254,6 +274,7 @@ class Megatron3DStrategy(CheckpointHooks, ParallelStrategy):
         self._seed = 0
         self._blocking_sync = False
         self._micro_batch_weight: Tensor | float = 1.0
+        self._batch_splitter: Optional[BatchSplitter] = None
 
     # ------------------------------------------------------------------ layout
     @property
@@ -354,6 +375,7 @@ class Megatron3DStrategy(CheckpointHooks, ParallelStrategy):
         else:  # a second fit, or test/validate after fit: split already, maybe by another strategy object
             prepared = module._megatron_3d_prepared
             self._zero3, self._rng = prepared.zero3, prepared.rng  # the model's dropout stream, not a new one
+        self._batch_splitter = prepared.batch_splitter
         if self._zero3 is None:
             self.model = self.precision_plugin.convert_module(module)
             self.model_to_device()
@@ -362,7 +384,8 @@ class Megatron3DStrategy(CheckpointHooks, ParallelStrategy):
         if prepared.split is not None:
             self._start_pipeline(prepared.split, trainer)  # a runner bound to this strategy and its groups
         state = self.parallel_state
-        prepare_metrics(module, state.mesh.get_group("dp") if state.mesh is not None else None)
+        # Over dp x cp (each of those ranks saw other tokens), also when that is this rank alone: not the world.
+        prepare_metrics(module, state.replica_mesh.get_group() if state.replica_mesh is not None else None)
         install_global_summary(trainer.callbacks, state.pipeline_parallel_group,
                                state.expert_parallel_group if state.config.expert_parallel_size > 1 else None)
         self.barrier()
@@ -383,6 +406,7 @@ class Megatron3DStrategy(CheckpointHooks, ParallelStrategy):
         parallelize(module, plan, self.parallel_state, rng=self._rng, pad_vocab_to_multiple_of=self.pad_vocab_to_multiple_of)
         apply_recompute(module, self.activation_checkpointing, self._rng)
         prepare_experts(module, self.parallel_state)
+        splitter = prepare_context_parallel(module, self.parallel_state, self.context_parallel_attention)
         split = split_pipeline(module, self.parallel_state)
         if self.parallel_config.zero_stage == 3:
             # Already on the device; no .to(): FSDP would replace the sharded parameters and drop their tags.
@@ -391,7 +415,7 @@ class Megatron3DStrategy(CheckpointHooks, ParallelStrategy):
                                       device=self.root_device)
         elif any(p.is_meta for p in module.parameters()):
             initialize_parameters(module, self._seed, device=self.root_device, only_meta=True)
-        return PreparedModel(split=split, zero3=self._zero3, rng=self._rng)
+        return PreparedModel(split=split, zero3=self._zero3, rng=self._rng, batch_splitter=splitter)
 
     def _build_step_gradients(self, module) -> StepGradients:
         return build_step_gradients(module, self.parallel_state, self.optimizers, zero3=self._zero3,
@@ -457,7 +481,7 @@ class Megatron3DStrategy(CheckpointHooks, ParallelStrategy):
         if self._step is not None:
             # ZeRO-3 reduce-scatters every micro-batch: accumulating unsharded gradients would break its memory bound.
             self._step.sync.start_micro_batch(sync=not self._blocking_sync or self._zero3 is not None)
-        output = super().training_step(*args, **kwargs)
+        output = super().training_step(*self._rank_part(args), **kwargs)
         tokens = output.get("num_tokens") if isinstance(output, Mapping) else None
         self._micro_batch_weight = tokens.detach() if isinstance(tokens, Tensor) else 1.0
         if self._step is not None:
@@ -470,20 +494,27 @@ class Megatron3DStrategy(CheckpointHooks, ParallelStrategy):
     @records_phase("validation step")
     def validation_step(self, *args: Any, **kwargs: Any):
         with self._evaluation_mode():
-            return super().validation_step(*args, **kwargs)
+            return super().validation_step(*self._rank_part(args), **kwargs)
 
     @records_phase("test step")
     def test_step(self, *args: Any, **kwargs: Any):
         with self._evaluation_mode():
-            return super().test_step(*args, **kwargs)
+            return super().test_step(*self._rank_part(args), **kwargs)
 
     @records_phase("predict step")
     def predict_step(self, *args: Any, **kwargs: Any):
-        with self._evaluation_mode():
+        # Whole sequences on every rank: context- and sequence-parallel attention step aside (as in generation).
+        with self._evaluation_mode(), full_sequences():
             return super().predict_step(*args, **kwargs)
 
     def _evaluation_mode(self):
         return evaluation_mode(zero3=self._zero3 is not None)
+
+    def _rank_part(self, args: tuple) -> tuple:
+        """``(batch, ...)`` with the batch cut to this context-parallel rank's part of each sequence."""
+        if self._batch_splitter is None or not args:
+            return args
+        return (self._batch_splitter(args[0]), *args[1:])
 
     def _backward_scale(self, micro_batch_tokens) -> float:
         # Our fp16 scaler scales in backward; Lightning's GradScaler (16-mixed) does so itself in
@@ -578,11 +609,12 @@ class Megatron3DStrategy(CheckpointHooks, ParallelStrategy):
 
     @records_phase("metric reduction")
     def reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Union[dist.ReduceOp, str]] = "mean") -> Any:
-        """Reduce over the data-parallel group by default: tp/pp ranks of one replica hold the same value."""
+        """Reduce over dp x cp by default: tp/pp ranks of one replica hold the same value, and context-parallel
+        ranks each a value of their own tokens (equal shares of every sequence)."""
         if not isinstance(tensor, Tensor):
             return tensor
         if group is None:
-            group = self.parallel_state.data_parallel_group
+            group = self.parallel_state.replica_group
             if group is None:
                 return tensor
         return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)

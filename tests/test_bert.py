@@ -211,10 +211,10 @@ def test_bad_input_raises_clear_errors():
     with pytest.raises(ValueError, match=r"tensor_parallel_size=2 does not divide num_heads=3.*\[1, 3\]"):
         config.validate_tensor_parallel_size(2)
     with pytest.raises(ValueError, match=r"tensor_parallel_size=2 does not divide num_heads=3"):
-        BERT(config).validate_parallel_config(SimpleNamespace(tensor_parallel_size=2, pipeline_parallel_size=1,
+        BERT(config).validate_parallel_config(SimpleNamespace(tensor_parallel_size=2, context_parallel_size=1, pipeline_parallel_size=1,
                                                               virtual_pipeline_size=1, pipeline_layers_per_stage=None))
     with pytest.raises(ValueError, match=r"num_layers=2 does not divide into .* 4 \* 1 = 4"):
-        BERT().validate_parallel_config(SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=4,
+        BERT().validate_parallel_config(SimpleNamespace(tensor_parallel_size=1, context_parallel_size=1, pipeline_parallel_size=4,
                                                         virtual_pipeline_size=1, pipeline_layers_per_stage=None))
     with pytest.raises(ValueError, match=r"Unknown BERT preset 'bert-huge'\. Available presets: bert-1\.3b, bert-3\.9b"):
         BERT("bert-huge")

@@ -11,10 +11,22 @@ def test_rank_layout_puts_tensor_parallel_innermost():
     config = ParallelConfig(tensor_parallel_size=2, data_parallel_size=4)
     seen = set()
     for rank in range(config.world_size):
-        pp, dp, tp = config.coordinates_of(rank)
+        pp, dp, cp, tp = config.coordinates_of(rank)
+        assert cp == 0
         assert rank == (pp * 4 + dp) * 2 + tp == config.rank_of(pipeline_rank=pp, data_rank=dp, tensor_rank=tp)
         seen.add((pp, dp, tp))
     assert len(seen) == 8
+
+
+def test_context_parallel_sits_between_data_and_tensor_parallel():
+    config = ParallelConfig(tensor_parallel_size=2, context_parallel_size=2, data_parallel_size=2,
+                            pipeline_parallel_size=2)
+    assert config.world_size == 16 and config.replica_size == 4
+    coordinates = [config.coordinates_of(rank) for rank in range(16)]
+    assert len(set(coordinates)) == 16
+    for rank, (pp, dp, cp, tp) in enumerate(coordinates):
+        assert rank == ((pp * 2 + dp) * 2 + cp) * 2 + tp
+        assert config.rank_of(pipeline_rank=pp, data_rank=dp, context_rank=cp, tensor_rank=tp) == rank
 
 
 def test_data_parallel_size_auto_takes_the_rest():
@@ -30,6 +42,10 @@ def test_data_parallel_size_auto_takes_the_rest():
         (dict(world_size=2, pipeline_parallel_size=2, virtual_pipeline_size=0), r"virtual_pipeline_size must be a positive integer, got 0"),
         (dict(world_size=2, zero_stage=5), r"zero_stage must be 0 \(no sharding\), 1 .* got 5"),
         (dict(world_size=2, data_parallel_size=2, sequence_parallel=True), r"sequence_parallel=True needs tensor_parallel_size > 1"),
+        (dict(world_size=6, context_parallel_size=4), r"not a multiple of .* context_parallel_size = 1 \* 1 \* 4 = 4"),
+        (dict(world_size=4, context_parallel_size=2, expert_parallel_size=2),
+         r"context_parallel_size=2 with expert_parallel_size=2 is not supported"),
+        (dict(world_size=2, context_parallel_size=0), r"context_parallel_size must be a positive integer, got 0"),
     ],
 )
 def test_bad_layouts_name_the_numbers(kwargs, message):

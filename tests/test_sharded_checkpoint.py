@@ -69,26 +69,29 @@ def test_each_rank_writes_its_own_shards_of_the_saved_weights(saved_run):
         assert torch.equal(consolidated[name], value), name
 
 
-LOADS = {  # (tp, pp, virtual pp, zero_stage): world size
-    (2, 2, 1, 1): 8,  # the saving layout: exact
-    (1, 1, 1, 0): 1,
-    (4, 1, 1, 2): 8,
-    (1, 2, 2, 1): 8,  # interleaved: each rank holds layers 0 and 2 or 1 and 3
-    (2, 1, 1, 3): 2,
+LOADS = {  # (tp, pp, virtual pp, zero_stage, context parallel): world size
+    (2, 2, 1, 1, 1): 8,  # the saving layout: exact
+    (1, 1, 1, 0, 1): 1,
+    (4, 1, 1, 2, 1): 8,
+    (1, 2, 2, 1, 1): 8,  # interleaved: each rank holds layers 0 and 2 or 1 and 3
+    (2, 1, 1, 3, 1): 2,
+    (1, 1, 1, 1, 2): 4,  # cp2 x dp2, ZeRO-1 over the 4 replicas: the batches cut along the sequence by the strategy
+    (2, 1, 1, 3, 2): 4,  # tp2 x cp2, ZeRO-3: FSDP over the 2 context-parallel replicas
 }
 
 
-@pytest.mark.parametrize("layout", list(LOADS), ids=[f"tp{t}-pp{p}-vpp{v}-zero{z}" for t, p, v, z in LOADS])
+@pytest.mark.parametrize("layout", list(LOADS), ids=[f"tp{t}-pp{p}-vpp{v}-zero{z}-cp{c}" for t, p, v, z, c in LOADS])
 def test_resume_at_another_layout_continues_the_same_run(saved_run, layout, tmp_path):
     out, straight_losses, straight_weights = saved_run
-    tp, pp, vpp, zero = layout
+    tp, pp, vpp, zero, cp = layout
     world = LOADS[layout]
-    options = {"tp": tp, "pp": pp, "vpp": vpp, "zero_stage": zero, "layers": 4, "steps": 4, "ckpt_path": str(out / STEP2)}
+    options = {"tp": tp, "pp": pp, "vpp": vpp, "zero_stage": zero, "cp": cp, "layers": 4, "steps": 4,
+               "ckpt_path": str(out / STEP2)}
     results, _ = launch("checkpoint_layouts.py", world, tmp_path, json.dumps(options))
     assert all("error" not in r for r in results), results
     losses = results[0]["losses"]
     weights = torch.load(tmp_path / "weights.pt", weights_only=True)
-    if layout == (2, 2, 1, 1):
+    if layout == (2, 2, 1, 1, 1):
         assert losses == straight_losses[2:]
         assert all(torch.equal(weights[k], straight_weights[k]) for k in straight_weights)
     else:

@@ -50,11 +50,11 @@ class RankTraining:
     rng: Optional[TensorParallelRNG] = None
 
     def placements(self) -> E.Placements:
-        return E.parameter_placements(self.module, self.state.data_parallel_rank,
-                                      self.state.config.data_parallel_size, self.main_params)
+        return E.parameter_placements(self.module, self.state.replica_rank,
+                                      self.state.config.replica_size, self.main_params)
 
     def model_entries(self) -> dict:
-        return E.model_entries(self.module, self.state.data_parallel_rank, self.state.config.data_parallel_size)
+        return E.model_entries(self.module, self.state.replica_rank, self.state.config.replica_size)
 
 
 def _rng_state(rng: Optional[TensorParallelRNG]) -> dict[str, Any]:

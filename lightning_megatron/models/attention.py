@@ -31,12 +31,21 @@ class CoreAttention(nn.Module):
     def __init__(self, *, attention_dropout: float, causal: bool) -> None:
         super().__init__()
         self.attention_dropout, self.causal = attention_dropout, causal
+        # Set by a context-parallel layout (lightning_megatron.context_parallel): attention of this rank's part of
+        # the sequence over every rank's keys. It is given :meth:`attend` for calls on whole sequences.
+        self.context_parallel: Optional[nn.Module] = None
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, attention_mask: Optional[Tensor] = None, *,
                 causal: Optional[bool] = None) -> Tensor:
         """``causal``: overrides the module's pattern (generation: one new query attends to every cached key)."""
-        grouped = q.shape[1] != k.shape[1]
         causal = self.causal if causal is None else causal
+        if self.context_parallel is not None:
+            return self.context_parallel(q, k, v, attention_mask, causal=causal, local=self.attend)
+        return self.attend(q, k, v, attention_mask, causal)
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, attention_mask: Optional[Tensor], causal: bool) -> Tensor:
+        """SDPA over the keys given."""
+        grouped = q.shape[1] != k.shape[1]
         return F.scaled_dot_product_attention(
             q,
             k,

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torchmetrics import MeanMetric
 
+from lightning_megatron.context_parallel.inputs import SequenceInputs
 from lightning_megatron.generation import full_logits
 from lightning_megatron.models.flops import bert_flops_per_batch
 from lightning_megatron.models.formats import HFFormat, hf_format_for
@@ -129,8 +130,8 @@ class BERTEmbedding(nn.Module):
         self.norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps) if post else None
         self.drop = nn.Dropout(config.dropout)
 
-    def forward(self, input_ids: Tensor, token_type_ids: Tensor) -> Tensor:
-        positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+    def forward(self, input_ids: Tensor, token_type_ids: Tensor, position_ids: Optional[Tensor] = None) -> Tensor:
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device) if position_ids is None else position_ids
         x = self.word_embeddings(input_ids) + self.token_type_embeddings(token_type_ids) + self.position_embeddings(positions)
         return self.drop(x if self.norm is None else self.norm(x))
 
@@ -231,25 +232,28 @@ class BERTModel(nn.Module):
                               last=("ln_f", "mlm_head", "pooler", "binary_head", "loss_fn", "argmax"))
 
     # The pipeline protocol (pipeline/blocks.py); forward and loss are built from it.
-    def embed(self, input_ids: Tensor, *, token_type_ids: Optional[Tensor] = None, **side: Tensor) -> Tensor:
+    def embed(self, input_ids: Tensor, *, token_type_ids: Optional[Tensor] = None,
+              position_ids: Optional[Tensor] = None, **side: Tensor) -> Tensor:
         if input_ids.shape[1] > self.config.max_seq_length:
             raise ValueError(
                 f"Sequence length {input_ids.shape[1]} exceeds max_seq_length={self.config.max_seq_length} of the model."
             )
         if token_type_ids is None:
             token_type_ids = torch.zeros_like(input_ids)
-        return self.embeddings(input_ids, token_type_ids)
+        return self.embeddings(input_ids, token_type_ids, position_ids)
 
     def layer_kwargs(self, *, attention_mask: Optional[Tensor] = None, **side: Tensor) -> dict:
         # [B, 1, 1, S] booleans, True = attend: broadcast over heads and query positions.
         return {"attention_mask": None if attention_mask is None else attention_mask.bool()[:, None, None, :]}
 
     def head(self, x: Tensor, *, sentence_order_labels: Optional[Tensor] = None, **side: Tensor):
-        """``(masked-LM logits, sentence-order logits, sentence-order labels)``: all the loss needs."""
+        """``(masked-LM logits, sentence-order logits, sentence-order labels)``, or ``(masked-LM logits,)`` without
+        the sentence-order head: all the loss needs."""
         if self.ln_f is not None:
             x = self.ln_f(x)
-        binary_logits = None if self.binary_head is None else self.binary_head(self.pooler(x))
-        return self.mlm_head(x), binary_logits, sentence_order_labels
+        if self.binary_head is None:  # tensors only: a pipeline stage's outputs may not hold None
+            return (self.mlm_head(x),)
+        return self.mlm_head(x), self.binary_head(self.pooler(x)), sentence_order_labels
 
     def pipeline_batch(
         self,
@@ -259,14 +263,16 @@ class BERTModel(nn.Module):
         attention_mask: Optional[Tensor] = None,
         token_type_ids: Optional[Tensor] = None,
         sentence_order_labels: Optional[Tensor] = None,
+        position_ids: Optional[Tensor] = None,
     ) -> PipelineBatch:
+        """``position_ids``: the tokens' positions when they are not ``0..S-1`` (a context-parallel rank's chunks)."""
         if self.config.binary_head and sentence_order_labels is None:
             raise ValueError(
                 "This BERT has a sentence-order head (binary_head=True) but the batch has no sentence-order labels: "
                 "use BERTDataModule(sentence_order=True) or BERTConfig(binary_head=False)."
             )
         side = {"attention_mask": attention_mask, "token_type_ids": token_type_ids,
-                "sentence_order_labels": sentence_order_labels}
+                "sentence_order_labels": sentence_order_labels, "position_ids": position_ids}
         return PipelineBatch(inputs=(input_ids,), target=labels, num_tokens=(labels != IGNORE_INDEX).sum(),
                              side={name: value for name, value in side.items() if value is not None})
 
@@ -279,7 +285,7 @@ class BERTModel(nn.Module):
         whenever ranks hold different numbers of masked tokens). With samples of equal length
         every weight is the same and this is the usual per-sample mean.
         """
-        logits, binary_logits, sentence_order_labels = outputs
+        logits, binary_logits, sentence_order_labels = _head_outputs(outputs)
         masked = labels != IGNORE_INDEX
         mlm_loss_sum = self.loss_fn(logits.flatten(0, 1), labels.flatten())
         extras = {"mlm_loss_sum": mlm_loss_sum.detach(),
@@ -309,7 +315,7 @@ class BERTModel(nn.Module):
         self, input_ids: Tensor, *, attention_mask: Optional[Tensor] = None, token_type_ids: Optional[Tensor] = None
     ) -> BERTOutput:
         side = {"attention_mask": attention_mask, "token_type_ids": token_type_ids}
-        logits, binary_logits, _ = self._run(input_ids, {k: v for k, v in side.items() if v is not None})
+        logits, binary_logits, _ = _head_outputs(self._run(input_ids, {k: v for k, v in side.items() if v is not None}))
         return BERTOutput(logits, binary_logits)
 
     def loss(self, input_ids: Tensor, labels: Tensor, **kwargs: Optional[Tensor]) -> BERTLoss:
@@ -317,6 +323,13 @@ class BERTModel(nn.Module):
         batch = self.pipeline_batch(input_ids, labels, **kwargs)
         loss_sum, extras = self.pipeline_loss(self._run(input_ids, batch.side), labels)
         return self.pipeline_result(loss_sum, batch.num_tokens, extras)
+
+
+def _head_outputs(outputs) -> tuple:
+    """:meth:`BERTModel.head`'s outputs as three (None where there is no sentence-order head); a pipeline stage
+    hands a one-tensor output over as the tensor."""
+    outputs = (outputs,) if isinstance(outputs, Tensor) else tuple(outputs)
+    return (*outputs, None, None)[:3]
 
 
 class BERT(PretrainingRecipe):
@@ -378,12 +391,24 @@ class BERT(PretrainingRecipe):
 
     def validate_parallel_config(self, parallel_config) -> None:
         self.config.validate_tensor_parallel_size(parallel_config.tensor_parallel_size)
+        if parallel_config.context_parallel_size > 1 and self.config.binary_head:
+            raise ValueError(
+                f"context_parallel_size={parallel_config.context_parallel_size} splits each sequence over ranks, and "
+                f"the sentence-order head reads [CLS] from one of them and weights each sample by its masked tokens "
+                f"on all of them; that is not supported. Use BERTConfig(binary_head=False) (masked-LM only, as "
+                f"RoBERTa trains) and BERTDataModule(sentence_order=False), or context_parallel_size=1.")
         PipelineLayout(
             num_layers=self.config.num_layers,
             pipeline_parallel_size=parallel_config.pipeline_parallel_size,
             virtual_pipeline_size=parallel_config.virtual_pipeline_size,
             layers_per_stage=parallel_config.pipeline_layers_per_stage,
         )
+
+    @staticmethod
+    def sequence_inputs() -> SequenceInputs:
+        """How context parallelism cuts a batch: tokens, labels and token types by position, the padding mask kept
+        whole (every rank's attention reads every key's)."""
+        return SequenceInputs(split=("input_ids", "labels", "token_type_ids"), key_masks=("attention_mask",))
 
     def forward(self, input_ids: Tensor, **kwargs: Tensor) -> BERTOutput:
         return self.model(input_ids, **kwargs)
@@ -395,6 +420,7 @@ class BERT(PretrainingRecipe):
             attention_mask=batch.get("attention_mask"),
             token_type_ids=batch.get("token_type_ids"),
             sentence_order_labels=batch.get("sentence_order_label"),
+            position_ids=batch.get("position_ids"),
         )
 
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> dict[str, Tensor]:

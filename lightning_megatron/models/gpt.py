@@ -17,6 +17,7 @@ import torch
 from torch import Tensor, nn
 from torchmetrics import MeanMetric
 
+from lightning_megatron.context_parallel.inputs import SequenceInputs
 from lightning_megatron.generation import full_logits, generate
 from lightning_megatron.models.flops import gpt_flops_per_batch
 from lightning_megatron.models.formats import HFFormat, hf_format_for
@@ -462,12 +463,27 @@ class GPT(PretrainingRecipe):
     def validate_parallel_config(self, parallel_config) -> None:
         self.config.validate_tensor_parallel_size(parallel_config.tensor_parallel_size)
         self.config.validate_expert_layout(parallel_config.tensor_parallel_size, parallel_config.expert_parallel_size)
+        if parallel_config.context_parallel_size > 1 and self.config.moe is not None:
+            raise ValueError(
+                f"context_parallel_size={parallel_config.context_parallel_size} with a Mixture-of-Experts model is not "
+                f"supported: its load-balancing loss and capacity are per sequence, and each sequence would be split "
+                f"over ranks. Use context_parallel_size=1 (expert_parallel_size for the experts).")
         PipelineLayout(
             num_layers=self.config.num_layers,
             pipeline_parallel_size=parallel_config.pipeline_parallel_size,
             virtual_pipeline_size=parallel_config.virtual_pipeline_size,
             layers_per_stage=parallel_config.pipeline_layers_per_stage,
         )
+
+    @staticmethod
+    def sequence_inputs() -> SequenceInputs:
+        """How context parallelism cuts a batch: tokens, labels and positions by position (learned and rotary
+        positions both read ``position_ids``)."""
+        return SequenceInputs(split=("input_ids", "labels", "position_ids"), refused={
+            "document_ids": "per-document attention masks (GPTDataModule(reset_attention_mask=True)) need each "
+                            "rank's attention to know every key's document, which the split attention does not "
+                            "take yet. Use reset_attention_mask=False (reset_position_ids works), or "
+                            "context_parallel_size=1."})
 
     def forward(self, input_ids: Tensor, **side: Tensor) -> Tensor:
         return self.model(input_ids, **side)

@@ -182,7 +182,9 @@ def build_step_gradients(module: nn.Module, state: ParallelState, optimizers: li
     """The gradient path this layout needs: ZeRO-3's own, one replica's plain ``param.grad`` (no dp, no
     main params), or flat buckets reduced over dp; plus fp32 main parameters where ZeRO, 16-bit
     parameters or offloading ask for them."""
-    common = dict(data_parallel_group=state.data_parallel_group, device=device,
+    # Weights are replicated over dp x cp (context-parallel ranks hold other tokens of the same samples): gradients
+    # are summed, token counts added and ZeRO pieces cut over that one group.
+    common = dict(data_parallel_group=state.replica_group, device=device,
                   model_parallel_group=state.model_parallel_group, nonfinite=nonfinite,
                   replica_ranks=replica_ranks(state))
     if zero3 is not None:
@@ -190,10 +192,10 @@ def build_step_gradients(module: nn.Module, state: ParallelState, optimizers: li
     params = [p for p in module.parameters() if p.requires_grad]
     partial = partial_grad_groups(params, state)
     needs_main_params = uses_main_params(params, state.config.zero_stage, offload)
-    if state.data_parallel_group is None and not needs_main_params:
+    if state.replica_group is None and not needs_main_params:
         sync = LocalGradients(params, partial_grad_groups=partial)
     else:
-        sync = GradientSynchronizer(params, data_parallel_group=state.data_parallel_group,
+        sync = GradientSynchronizer(params, data_parallel_group=state.replica_group,
                                     partial_grad_groups=partial, bucket_size_mb=bucket_size_mb,
                                     zero_stage=state.config.zero_stage,
                                     expert_data_parallel_group=state.expert_data_parallel_group)

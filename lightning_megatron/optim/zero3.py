@@ -185,7 +185,7 @@ class ZeRO3:
         done = {id(named[name]) for name in keep}
         owners = [(owner, owner.initialize_parameter) for _, owner in initializer_owners(self.module)]
         owners.append((self.module, default_initializer))
-        dp_rank, dp_size = self.state.data_parallel_rank, self.state.config.data_parallel_size
+        dp_rank, dp_size = self.state.replica_rank, self.state.config.replica_size
         with torch.no_grad():
             for name, values in keep.items():
                 local_tensor(named[name]).copy_(values)
@@ -221,7 +221,7 @@ class ZeRO3:
         """
         params = [p for p in self.module.parameters() if p.grad is not None]
         device = local_tensor(params[0].grad).device if params else torch.device("cpu")
-        tokens, also_sum = sum_tokens(num_tokens, self.state.data_parallel_group, device, also_sum)
+        tokens, also_sum = sum_tokens(num_tokens, self.state.replica_group, device, also_sum)
         named = dict(self.module.named_parameters())
         for group, parts in self._partial:
             sum_over_group([part for name, start, stop in parts if named[name].grad is not None
@@ -235,7 +235,7 @@ class ZeRO3:
     def _dp_flat_start(self, param: nn.Parameter) -> int:
         """Where this rank's dp chunk of ``param`` begins in the flat tp-local tensor."""
         rows = param.shape[0]
-        start = dp_chunk_start(rows, self.state.data_parallel_rank, self.state.config.data_parallel_size)
+        start = dp_chunk_start(rows, self.state.replica_rank, self.state.config.replica_size)
         return start * (param.numel() // rows if rows else 0)
 
     def _local_part(self, param: nn.Parameter, start: int, stop: int) -> list[Tensor]:
@@ -280,7 +280,7 @@ class ZeRO3:
     def grad_norm(self) -> Tensor:
         """The L2 norm of the global model's gradients, identical on every rank."""
         squares = self.grad_squares()
-        for group in (self.state.data_parallel_group, self.state.model_parallel_group):
+        for group in (self.state.replica_group, self.state.model_parallel_group):
             if group is not None:
                 dist.all_reduce(squares, group=group)
         return squares.sqrt().float()
@@ -350,7 +350,7 @@ def apply_zero3(
             f"layers_pattern {layers_pattern!r} matches no submodule of {type(module).__name__}. "
             f"Check it against `[n for n, _ in model.named_modules()]`."
         )
-    kwargs: dict[str, Any] = {"mesh": state.mesh["dp"]}
+    kwargs: dict[str, Any] = {"mesh": state.replica_mesh}
     if mixed_precision is not None:
         kwargs["mp_policy"] = mixed_precision
     fsdp_modules = [fully_shard(layer, reshard_after_forward=reshard_after_forward, **kwargs) for layer in layers]
@@ -372,7 +372,7 @@ def apply_zero3(
 
 def load_full_state_dict(module: nn.Module, full: Mapping[str, Tensor], state: ParallelState) -> None:
     """Copy this rank's tp shard, dp chunk of each entry of ``full`` into ``module``'s (sharded) tensors."""
-    dp_rank, dp_size = state.data_parallel_rank, state.config.data_parallel_size
+    dp_rank, dp_size = state.replica_rank, state.config.replica_size
     with torch.no_grad():
         for name, value in module.state_dict(keep_vars=True).items():
             if name not in full or not isinstance(value, Tensor):

@@ -16,9 +16,11 @@ def _check_positive(name: str, value: object) -> None:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """Sizes of the three parallel dimensions and the features layered on them.
+    """Sizes of the four parallel dimensions and the features layered on them.
 
-    ``world_size == tensor_parallel_size * pipeline_parallel_size * data_parallel_size``. Expert parallelism is
+    ``world_size == tensor_parallel_size * context_parallel_size * pipeline_parallel_size * data_parallel_size``.
+    Context parallelism splits every sample's sequence over ``context_parallel_size`` ranks that hold the same
+    weights, so the weights are replicated over ``dp x cp`` (:attr:`replica_size`). Expert parallelism is
     carved out of data parallelism: ``expert_parallel_size`` divides ``data_parallel_size``, and data-parallel
     rank ``d`` is expert-parallel rank ``d % ep`` of expert-data-parallel rank ``d // ep``.
 
@@ -36,10 +38,17 @@ class ParallelConfig:
     virtual_pipeline_size: int = 1
     pipeline_layers_per_stage: Optional[tuple[int, ...]] = None
     expert_parallel_size: int = 1
+    context_parallel_size: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size", "expert_parallel_size"):
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size", "expert_parallel_size",
+                     "context_parallel_size"):
             _check_positive(name, getattr(self, name))
+        if self.context_parallel_size > 1 and self.expert_parallel_size > 1:
+            raise ValueError(
+                f"context_parallel_size={self.context_parallel_size} with expert_parallel_size="
+                f"{self.expert_parallel_size} is not supported: the MoE routing statistics and capacity are per "
+                f"sequence, and under context parallelism a sequence is split over ranks. Use one of the two.")
         ep, dp = self.expert_parallel_size, self.data_parallel_size
         if dp % ep:
             raise ValueError(
@@ -71,7 +80,13 @@ class ParallelConfig:
 
     @property
     def world_size(self) -> int:
-        return self.tensor_parallel_size * self.pipeline_parallel_size * self.data_parallel_size
+        return self.tensor_parallel_size * self.context_parallel_size * self.pipeline_parallel_size * self.data_parallel_size
+
+    @property
+    def replica_size(self) -> int:
+        """Ranks that hold the same weight shards (the same tp and pp coordinates): ``dp x cp``. Gradients are
+        reduced, and ZeRO shards, over them."""
+        return self.data_parallel_size * self.context_parallel_size
 
     @property
     def expert_data_parallel_size(self) -> int:
@@ -91,15 +106,18 @@ class ParallelConfig:
         virtual_pipeline_size: int = 1,
         pipeline_layers_per_stage: Optional[tuple[int, ...]] = None,
         expert_parallel_size: int = 1,
+        context_parallel_size: int = 1,
     ) -> "ParallelConfig":
         """Build a config for ``world_size`` processes; ``data_parallel_size="auto"`` takes what is left."""
         _check_positive("tensor_parallel_size", tensor_parallel_size)
         _check_positive("pipeline_parallel_size", pipeline_parallel_size)
-        model_parallel = tensor_parallel_size * pipeline_parallel_size
+        _check_positive("context_parallel_size", context_parallel_size)
+        model_parallel = tensor_parallel_size * pipeline_parallel_size * context_parallel_size
         if world_size % model_parallel != 0:
             raise ValueError(
                 f"The world size ({world_size} processes) is not a multiple of tensor_parallel_size * "
-                f"pipeline_parallel_size = {tensor_parallel_size} * {pipeline_parallel_size} = {model_parallel}. "
+                f"pipeline_parallel_size * context_parallel_size = {tensor_parallel_size} * {pipeline_parallel_size} "
+                f"* {context_parallel_size} = {model_parallel}. "
                 f"Launch a multiple of {model_parallel} processes (devices * num_nodes) or change the sizes."
             )
         if data_parallel_size == "auto":
@@ -113,22 +131,27 @@ class ParallelConfig:
             virtual_pipeline_size=virtual_pipeline_size,
             pipeline_layers_per_stage=pipeline_layers_per_stage,
             expert_parallel_size=expert_parallel_size,
+            context_parallel_size=context_parallel_size,
         )
         if config.world_size != world_size:
             raise ValueError(
-                f"tensor_parallel_size * pipeline_parallel_size * data_parallel_size = {tensor_parallel_size} * "
-                f"{pipeline_parallel_size} * {data_parallel_size} = {config.world_size}, but {world_size} processes "
+                f"tensor_parallel_size * context_parallel_size * pipeline_parallel_size * data_parallel_size = "
+                f"{tensor_parallel_size} * {context_parallel_size} * {pipeline_parallel_size} * {data_parallel_size} "
+                f"= {config.world_size}, but {world_size} processes "
                 f"were launched. Set data_parallel_size='auto' or launch {config.world_size} processes."
             )
         return config
 
-    def rank_of(self, *, pipeline_rank: int, data_rank: int, tensor_rank: int) -> int:
-        """Global rank of a coordinate: tensor-parallel is innermost, so a TP group sits on one node."""
-        return (pipeline_rank * self.data_parallel_size + data_rank) * self.tensor_parallel_size + tensor_rank
+    def rank_of(self, *, pipeline_rank: int, data_rank: int, tensor_rank: int, context_rank: int = 0) -> int:
+        """Global rank of a coordinate of the ("pp", "dp", "cp", "tp") mesh: tensor-parallel is innermost, so a TP
+        group sits on one node, and context-parallel next to it (its ring also wants fast links)."""
+        replica = (pipeline_rank * self.data_parallel_size + data_rank) * self.context_parallel_size + context_rank
+        return replica * self.tensor_parallel_size + tensor_rank
 
-    def coordinates_of(self, rank: int) -> tuple[int, int, int]:
-        """``(pipeline_rank, data_rank, tensor_rank)`` of a global rank; the inverse of :meth:`rank_of`."""
+    def coordinates_of(self, rank: int) -> tuple[int, int, int, int]:
+        """``(pipeline_rank, data_rank, context_rank, tensor_rank)`` of a global rank; the inverse of :meth:`rank_of`."""
         tensor_rank = rank % self.tensor_parallel_size
-        data_rank = (rank // self.tensor_parallel_size) % self.data_parallel_size
-        pipeline_rank = rank // (self.tensor_parallel_size * self.data_parallel_size)
-        return pipeline_rank, data_rank, tensor_rank
+        rest = rank // self.tensor_parallel_size
+        context_rank = rest % self.context_parallel_size
+        rest //= self.context_parallel_size
+        return rest // self.data_parallel_size, rest % self.data_parallel_size, context_rank, tensor_rank

@@ -32,11 +32,13 @@ _HALF = (torch.float16, torch.bfloat16)
 class PreparedModel:
     """What the strategy that split a module leaves on it (``module._megatron_3d_prepared``) for the next
     ``fit``/``validate``/``test``, which may come with another strategy object: this rank's pipeline split
-    (to start a runner on), the ZeRO-3 sharding and the dropout stream the layers fork to."""
+    (to start a runner on), the ZeRO-3 sharding, the dropout stream the layers fork to and what cuts each batch
+    under context parallelism."""
 
     split: Optional[Any]  # preparation.PipelineSplit, None without pipelining
     zero3: Optional[Any]  # optim.zero3.ZeRO3 under zero_stage=3
     rng: Optional[Any]  # parallel.random.TensorParallelRNG
+    batch_splitter: Optional[Any] = None  # context_parallel.apply.BatchSplitter under context parallelism
 
 
 def _half_to_fp32(tensor: Tensor) -> Tensor:

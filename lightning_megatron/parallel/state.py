@@ -1,4 +1,4 @@
-"""Process groups of one parallel layout, built from a DeviceMesh ("pp", "dp", "tp").
+"""Process groups of one parallel layout, built from a DeviceMesh ("pp", "dp", "cp", "tp").
 
 A ``ParallelState`` is an ordinary object handed to whatever needs a group, not a
 module-level global as in Megatron-LM: several layouts can then live side by side in
@@ -17,7 +17,9 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from lightning_megatron.parallel.config import ParallelConfig
 
-MESH_DIM_NAMES = ("pp", "dp", "tp")
+MESH_DIM_NAMES = ("pp", "dp", "cp", "tp")
+#: The flattened ("dp", "cp") dimension: the ranks that hold the same weight shards.
+REPLICA_DIM = "dp_cp"
 
 
 @dataclass
@@ -35,6 +37,7 @@ class ParallelState:
     embedding_group: Optional[dist.ProcessGroup] = None
     expert_parallel_group: Optional[dist.ProcessGroup] = None
     expert_data_parallel_group: Optional[dist.ProcessGroup] = None
+    replica_mesh: Optional[DeviceMesh] = None
     timeout: Optional[timedelta] = None
     _subgroups: dict[int, Optional[dist.ProcessGroup]] = field(default_factory=dict, repr=False)
 
@@ -53,22 +56,24 @@ class ParallelState:
             return cls(config=config, device=device)
         if dist.get_world_size() != config.world_size:
             raise ValueError(
-                f"The layout tp={config.tensor_parallel_size} x pp={config.pipeline_parallel_size} x "
-                f"dp={config.data_parallel_size} needs {config.world_size} processes, but the world has "
-                f"{dist.get_world_size()}. Change the sizes or the number of processes."
+                f"The layout tp={config.tensor_parallel_size} x cp={config.context_parallel_size} x "
+                f"pp={config.pipeline_parallel_size} x dp={config.data_parallel_size} needs {config.world_size} "
+                f"processes, but the world has {dist.get_world_size()}. Change the sizes or the number of processes."
             )
-        shape = (config.pipeline_parallel_size, config.data_parallel_size, config.tensor_parallel_size)
+        shape = (config.pipeline_parallel_size, config.data_parallel_size, config.context_parallel_size,
+                 config.tensor_parallel_size)
         mesh = init_device_mesh(device.type, shape, mesh_dim_names=MESH_DIM_NAMES)
+        replica_mesh = mesh["dp", "cp"]._flatten(REPLICA_DIM)  # kept: slicing a flattened dim from the root is deprecated
         model_parallel_group, embedding_group = _model_parallel_and_embedding_groups(config)
-        expert_group, expert_data_group = _expert_groups(config, mesh.get_group("dp"))
+        expert_group, expert_data_group = _expert_groups(config, replica_mesh.get_group())
         if timeout is not None:
-            groups = [mesh.get_group(dim) for dim in MESH_DIM_NAMES] + [model_parallel_group, embedding_group,
-                                                                        expert_group, expert_data_group]
+            groups = [mesh.get_group(dim) for dim in MESH_DIM_NAMES] + [replica_mesh.get_group(), model_parallel_group,
+                                                                        embedding_group, expert_group, expert_data_group]
             for group in {id(g): g for g in groups if g is not None}.values():
                 dist.distributed_c10d._set_pg_timeout(timeout, group)  # gloo and NCCL (set_timeout: gloo only)
         return cls(config=config, device=device, mesh=mesh, model_parallel_group=model_parallel_group,
                    embedding_group=embedding_group, expert_parallel_group=expert_group,
-                   expert_data_parallel_group=expert_data_group, timeout=timeout)
+                   expert_data_parallel_group=expert_data_group, replica_mesh=replica_mesh, timeout=timeout)
 
     def tensor_parallel_subgroup(self, size: int) -> Optional[dist.ProcessGroup]:
         """This rank's group of ``size`` consecutive tp ranks (tp ranks ``k * size`` to ``(k + 1) * size - 1``),
@@ -76,7 +81,7 @@ class ParallelState:
         heads); ``None`` for a group of one. ``size == tp`` is the tp group itself.
 
         Collective the first time a size is asked for: every rank of the world creates every such group
-        of every (pp, dp) coordinate, in the same order, with the layout's timeout; cached afterwards.
+        of every (pp, dp, cp) coordinate, in the same order, with the layout's timeout; cached afterwards.
         """
         tp = self.config.tensor_parallel_size
         if size < 1 or tp % size:
@@ -90,12 +95,13 @@ class ParallelState:
             config, rank = self.config, dist.get_rank()
             for p in range(config.pipeline_parallel_size):
                 for d in range(config.data_parallel_size):
-                    for first in range(0, tp, size):
-                        ranks = [config.rank_of(pipeline_rank=p, data_rank=d, tensor_rank=t)
-                                 for t in range(first, first + size)]
-                        group = dist.new_group(ranks, timeout=self.timeout)
-                        if rank in ranks:
-                            self._subgroups[size] = group
+                    for c in range(config.context_parallel_size):
+                        for first in range(0, tp, size):
+                            ranks = [config.rank_of(pipeline_rank=p, data_rank=d, context_rank=c, tensor_rank=t)
+                                     for t in range(first, first + size)]
+                            group = dist.new_group(ranks, timeout=self.timeout)
+                            if rank in ranks:
+                                self._subgroups[size] = group
         return self._subgroups[size]
 
     def group(self, dim: str) -> Optional[dist.ProcessGroup]:
@@ -119,6 +125,28 @@ class ParallelState:
     @property
     def pipeline_parallel_group(self) -> Optional[dist.ProcessGroup]:
         return self.group("pp")
+
+    @property
+    def context_parallel_group(self) -> Optional[dist.ProcessGroup]:
+        """The ranks that split one sample's sequence (the ring of ring attention)."""
+        return self.group("cp")
+
+    @property
+    def replica_group(self) -> Optional[dist.ProcessGroup]:
+        """The ranks that hold the same weight shards, ``dp x cp``: gradients are summed and ZeRO shards over it,
+        and metrics are averaged over it (each of its ranks saw different tokens). ``None`` for one rank."""
+        if self.replica_mesh is None or self.replica_mesh.size() == 1:
+            return None
+        return self.replica_mesh.get_group()
+
+    @property
+    def replica_rank(self) -> int:
+        """This rank's index in :attr:`replica_group`: ``dp_rank * cp + cp_rank``."""
+        return self.data_parallel_rank * self.config.context_parallel_size + self.context_parallel_rank
+
+    @property
+    def context_parallel_rank(self) -> int:
+        return self._local_rank("cp")
 
     def _local_rank(self, dim: str) -> int:
         return 0 if self.mesh is None else self.mesh.get_local_rank(dim)
@@ -145,15 +173,15 @@ class ParallelState:
         return self._local_rank("pp")
 
 
-def _expert_groups(config: ParallelConfig, data_parallel_group: Optional[dist.ProcessGroup]):
+def _expert_groups(config: ParallelConfig, replica_group: Optional[dist.ProcessGroup]):
     """The expert-parallel group (``ep`` consecutive dp ranks: they exchange tokens, each holding ``1/ep`` of the
     experts) and the expert-data-parallel group (the dp ranks holding the same experts: they sum the experts'
     gradients), for this rank; ``None`` for a group of one. Every rank creates every group, in the same order."""
     ep, edp = config.expert_parallel_size, config.expert_data_parallel_size
     if ep == 1:
-        return None, data_parallel_group
-    if edp == 1:
-        return data_parallel_group, None
+        return None, replica_group
+    if edp == 1:  # (expert parallelism runs without context parallelism: the replicas are the dp ranks)
+        return replica_group, None
     rank = dist.get_rank()
     expert_group = expert_data_group = None
     for p in range(config.pipeline_parallel_size):
@@ -174,23 +202,26 @@ def _expert_groups(config: ParallelConfig, data_parallel_group: Optional[dist.Pr
 def _model_parallel_and_embedding_groups(config: ParallelConfig):
     """Groups that are not mesh dimensions; every rank creates every group, in the same order.
 
-    The model-parallel group (all tp x pp ranks of one replica) sums squared gradient norms;
-    the embedding group (first and last pipeline stage of one (dp, tp) coordinate) sums the
-    gradients of the embedding tied across them.
+    The model-parallel group (all tp x pp ranks of one replica, one (dp, cp) coordinate) sums squared
+    gradient norms; the embedding group (first and last pipeline stage of one (dp, cp, tp) coordinate)
+    sums the gradients of the embedding tied across them.
     """
-    tp, pp, dp = config.tensor_parallel_size, config.pipeline_parallel_size, config.data_parallel_size
+    tp, pp, dp, cp = (config.tensor_parallel_size, config.pipeline_parallel_size, config.data_parallel_size,
+                      config.context_parallel_size)
     rank = dist.get_rank()
     model_parallel_group = embedding_group = None
+    replicas = [(d, c) for d in range(dp) for c in range(cp)]
     if tp * pp > 1:  # a replica of one rank needs no group (and every extra group is one more to tear down)
-        for d in range(dp):
-            ranks = [config.rank_of(pipeline_rank=p, data_rank=d, tensor_rank=t) for p in range(pp) for t in range(tp)]
+        for d, c in replicas:
+            ranks = [config.rank_of(pipeline_rank=p, data_rank=d, context_rank=c, tensor_rank=t)
+                     for p in range(pp) for t in range(tp)]
             group = dist.new_group(ranks)
             if rank in ranks:
                 model_parallel_group = group
     if pp > 1:
-        for d in range(dp):
+        for d, c in replicas:
             for t in range(tp):
-                ranks = [config.rank_of(pipeline_rank=p, data_rank=d, tensor_rank=t) for p in (0, pp - 1)]
+                ranks = [config.rank_of(pipeline_rank=p, data_rank=d, context_rank=c, tensor_rank=t) for p in (0, pp - 1)]
                 group = dist.new_group(ranks)
                 if rank in ranks:
                     embedding_group = group

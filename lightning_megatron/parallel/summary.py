@@ -37,7 +37,8 @@ def layout_line(config: ParallelConfig, schedule: str, micro_batch_size: int, wo
     pipeline = (f" vpp={config.virtual_pipeline_size} schedule={schedule} micro_batch_size={micro_batch_size}"
                 if config.pipeline_parallel_size > 1 else "")
     experts = f" ep={config.expert_parallel_size}" if config.expert_parallel_size > 1 else ""
-    return (f"Megatron3DStrategy: tp={config.tensor_parallel_size} pp={config.pipeline_parallel_size} "
+    context = f" cp={config.context_parallel_size}" if config.context_parallel_size > 1 else ""
+    return (f"Megatron3DStrategy: tp={config.tensor_parallel_size}{context} pp={config.pipeline_parallel_size} "
             f"dp={config.data_parallel_size}{experts} sequence_parallel={config.sequence_parallel}{pipeline} "
             f"on {world_size} processes")
 

@@ -1,0 +1,229 @@
+"""Context parallelism: the batch cut and the refusals in one process, then one 4-rank launch with the layout matrix
+(GPT with learned positions, Llama-shaped with rotary and grouped-query attention, BERT with padding, each against
+one process), the two attentions against SDPA, the ring's messages counted, generation and bad input."""
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from launch import launch
+from workers import bert_setup, gpt_setup
+from workers.cp_setup import BERT_CONFIG, MODELS, model_batches, model_loss
+from lightning_megatron.context_parallel import SequenceInputs, apply_context_parallel, chunk_indices, split_batch
+from lightning_megatron.context_parallel.apply import BatchSplitter
+from lightning_megatron.models import BERT, GPT, BERTConfig
+from lightning_megatron.parallel import ParallelConfig, ParallelState
+
+# <model>-cp{C}[-pp{P}]-tp{T}-dp{D}[-sp][-mb{M}][-z{Z}][-rc|-sel][-ag] on 4 ranks (tests/workers/cp_layouts.py).
+LAYOUTS = [
+    "gpt-cp2-tp1-dp2",              # learned positions follow the chunks; gradients summed over dp x cp in one go
+    "gpt-cp4-tp1-dp1",
+    "gpt-cp2-tp2-dp1-sp",           # each rank's chunks split again over tp by sequence parallelism
+    "gpt-cp2-pp2-tp1-dp1-mb2",      # the ring inside pipeline stages, two micro-batches
+    "gpt-cp2-tp1-dp2-z1",           # ZeRO-1 over the 4 replicas
+    "llama-cp4-tp1-dp1",            # rotary positions, grouped-query ring
+    "llama-cp2-tp2-dp1-sp-mb2-rc",  # + full recomputation: the ring replayed in backward
+    "llama-cp2-pp2-tp1-dp1-mb2",
+    "llama-cp2-tp1-dp2-z1-ag",      # the all-gather attention
+    "gpt-cp4-tp1-dp1-sel-ag",       # selective recomputation of the all-gather attention
+    "bert-cp2-tp1-dp2",             # bidirectional: every block whole, the padding mask of every rank's keys
+    "bert-cp4-tp1-dp1",
+    "bert-cp2-tp2-dp1-sp",
+    "bert-cp2-pp2-tp1-dp1-mb2",
+    "bert-cp2-tp1-dp2-z1",
+]
+COUNTS = ["count-gpt-cp4-tp1-dp1", "count-llama-cp2-tp1-dp2", "count-bert-cp2-tp2-dp1-sp", "count-llama-cp4-tp1-dp1-ag"]
+EXTRAS = ["kernels-gpt-cp4-tp1-dp1", "kernels-gpt-cp2-tp1-dp2", "gen-llama-cp2-tp2-dp1-sp", "errors-gpt-cp4-tp1-dp1"]
+LOSS_TOL, WEIGHT_TOL = 1e-5, 1e-5
+
+
+def test_each_rank_holds_an_early_and_a_late_chunk_and_together_every_position():
+    for size in (1, 2, 4):
+        held = [chunk_indices(32, size, rank) for rank in range(size)]
+        assert torch.equal(torch.sort(torch.cat(held)).values, torch.arange(32))
+        chunk = 32 // (2 * size)
+        for rank, positions in enumerate(held):
+            assert positions.tolist() == [*range(rank * chunk, (rank + 1) * chunk),
+                                          *range((2 * size - 1 - rank) * chunk, (2 * size - rank) * chunk)]
+        # Causal work is balanced: every rank's queries see the same number of keys in total.
+        assert len({int((positions + 1).sum()) for positions in held}) == 1
+
+
+def test_split_batch_cuts_by_position_and_keeps_key_masks_whole_in_ring_order():
+    batch = {"input_ids": torch.arange(16).repeat(2, 1), "labels": torch.arange(16).repeat(2, 1) + 100,
+             "attention_mask": torch.arange(16).repeat(2, 1) + 200, "sentence_order_label": torch.tensor([0, 1])}
+    inputs = SequenceInputs(split=("input_ids", "labels"), key_masks=("attention_mask",))
+    part = split_batch(batch, inputs, 2, 1)
+    assert part["input_ids"][0].tolist() == [4, 5, 6, 7, 8, 9, 10, 11]
+    assert part["labels"][0].tolist() == [104, 105, 106, 107, 108, 109, 110, 111]
+    assert part["position_ids"][1].tolist() == [4, 5, 6, 7, 8, 9, 10, 11]
+    assert (part["attention_mask"][0] - 200).tolist() == [0, 1, 2, 3, 12, 13, 14, 15, 4, 5, 6, 7, 8, 9, 10, 11]
+    assert torch.equal(part["sentence_order_label"], batch["sentence_order_label"])
+    restarting = {**batch, "position_ids": torch.arange(16).repeat(2, 1) % 5}  # cut too, not replaced
+    assert split_batch(restarting, inputs, 2, 1)["position_ids"][0].tolist() == [4, 0, 1, 2, 3, 4, 0, 1]
+
+
+def test_split_batch_refuses_what_it_cannot_cut():
+    inputs = GPT.sequence_inputs()
+    ids = torch.zeros(2, 20, dtype=torch.long)
+    with pytest.raises(ValueError, match=r"multiple of 8; it is 20. Use seq_length=16 or 24"):
+        split_batch({"input_ids": ids, "labels": ids}, inputs, 4, 0)
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=2 by sequence parallelism.*multiple of 16; it is 20"):
+        split_batch({"input_ids": ids, "labels": ids}, inputs, 4, 0, tensor_parallel_size=2, sequence_parallel=True)
+    with pytest.raises(ValueError, match=r"'loss_mask' \(shape \[2, 20\]\) has the sequence dimension, but GPT"):
+        split_batch({"input_ids": ids, "labels": ids, "loss_mask": ids}, inputs, 2, 0, model_name="GPT")
+    with pytest.raises(ValueError, match=r"'document_ids' cannot be used with context parallelism.*reset_attention_mask"):
+        split_batch({"input_ids": ids, "labels": ids, "document_ids": ids}, inputs, 2, 0)
+
+
+def _state(**sizes) -> ParallelState:
+    return ParallelState(config=ParallelConfig(**sizes), device=torch.device("cpu"))  # no groups: nothing to wait in
+
+
+def test_models_the_split_attention_cannot_serve_are_refused_before_anything_runs():
+    state = _state(context_parallel_size=2)
+    with pytest.raises(ValueError, match=r"define sequence_inputs\(\)"):
+        BatchSplitter(torch.nn.Linear(2, 2), state)
+    with pytest.raises(ValueError, match=r"offering the hook .*CoreAttention.*: Sequential has none"):
+        apply_context_parallel(torch.nn.Sequential(torch.nn.Linear(2, 2)), state)
+    dropping = GPT(replace(gpt_setup.CONFIG, attention_dropout=0.1))
+    dropping.configure_model()
+    with pytest.raises(ValueError, match=r"attention dropout.*model.blocks.0.attn.core_attention, attention_dropout=0.1"):
+        apply_context_parallel(dropping, state)
+    with pytest.raises(ValueError, match=r"sentence-order head .* BERTConfig\(binary_head=False\)"):
+        BERT(BERTConfig(max_seq_length=16, hidden_size=32, num_layers=2, num_heads=4)).validate_parallel_config(
+            state.config)
+    with pytest.raises(ValueError, match=r"Mixture-of-Experts model is not supported"):
+        GPT(gpt_setup.CONFIGS["moe"]).validate_parallel_config(state.config)
+
+
+def _reference(name):
+    """One process, the whole global batch, torch's own clipping: what every layout must give."""
+    torch.manual_seed(gpt_setup.SEED)
+    module = MODELS[name]()
+    module.configure_model()
+    model = module.model
+    opt = (bert_setup if name == "bert" else gpt_setup).optimizer(model.parameters())
+    losses = []
+    for batch in model_batches(name):
+        loss_sum, tokens = model_loss(model, batch)
+        loss = loss_sum / tokens
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), gpt_setup.CLIP)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory):
+    out = tmp_path_factory.mktemp("cp_layouts")
+    results, _ = launch("cp_layouts.py", 4, out, ",".join(LAYOUTS + COUNTS + EXTRAS))
+    return out, results
+
+
+@pytest.fixture(scope="module")
+def references():
+    return {name: _reference(name) for name in MODELS}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_context_parallel_layouts_match_one_process(launched, references, layout):
+    out, _ = launched
+    ref_losses, ref_weights = references[layout.split("-")[0]]
+    result = torch.load(out / f"{layout}.pt", weights_only=True)
+    assert len(result["losses"]) == len(ref_losses) == gpt_setup.STEPS
+    loss_dev = max(abs(a - b) for a, b in zip(result["losses"], ref_losses))
+    assert loss_dev < LOSS_TOL, f"{layout}: losses {result['losses']} vs reference {ref_losses}"
+    assert result["weights"].keys() == ref_weights.keys()
+    weight_dev = {k: (result["weights"][k] - ref_weights[k]).abs().max().item() for k in ref_weights}
+    worst = max(weight_dev, key=weight_dev.get)
+    print(f"{layout}: loss deviation {loss_dev:.2e}, worst weight deviation {weight_dev[worst]:.2e} ({worst})")
+    assert weight_dev[worst] < WEIGHT_TOL, f"{layout}: {worst} deviates by {weight_dev[worst]:.2e}"
+
+
+def test_the_reference_batches_are_padded_and_the_sequence_long_enough_to_cut_four_ways():
+    assert not BERT_CONFIG.binary_head
+    assert (model_batches("bert")[0]["attention_mask"] == 0).any()  # so the key masks are exercised
+    assert gpt_setup.SEQ % (2 * 4) == 0
+
+
+def test_ring_and_all_gather_attention_equal_sdpa_in_fp64(launched):
+    _, results = launched
+    for layout in ("kernels-gpt-cp4-tp1-dp1", "kernels-gpt-cp2-tp1-dp2"):
+        for rank, result in enumerate(results):
+            worst = result[layout]
+            assert len(worst) == 2 * 3 * 3  # both attentions x causal / bidirectional / padded x MHA / GQA / MQA
+            assert max(worst.values()) < 1e-12, (layout, rank, worst)
+
+
+def test_the_ring_sends_keys_and_values_round_once_forward_and_their_gradients_home_backward(launched):
+    _, results = launched
+    layers = gpt_setup.CONFIG.num_layers
+    for layout, cp in (("count-gpt-cp4-tp1-dp1", 4), ("count-llama-cp2-tp1-dp2", 2)):
+        for rank, result in enumerate(results):
+            # Forward: K and V passed cp - 1 times: 2 (cp - 1) sends and receives per attention layer, nothing else.
+            assert result[layout]["forward"] == {"send/cp": 2 * (cp - 1) * layers, "recv/cp": 2 * (cp - 1) * layers}
+            # Backward: K and V round again (2 (cp - 1)), and dK, dV cp hops, the last one home (2 cp).
+            assert result[layout]["backward"] == {"send/cp": (4 * cp - 2) * layers, "recv/cp": (4 * cp - 2) * layers}
+    for rank, result in enumerate(results):  # BERT under tp + sequence parallelism: the ring besides tp's own
+        counted = result["count-bert-cp2-tp2-dp1-sp"]
+        layers = BERT_CONFIG.num_layers
+        assert counted["forward"]["send/cp"] == 2 * layers and counted["backward"]["send/cp"] == 6 * layers
+        assert {key.split("/")[1] for key in counted["forward"]} == {"cp", "tp"}
+        # The all-gather attention: one all-gather of K and one of V per layer, reduce-scatters of their gradients.
+        gathered = result["count-llama-cp4-tp1-dp1-ag"]
+        layers = gpt_setup.LLAMA_CONFIG.num_layers
+        assert gathered["forward"] == {"all_gather_single/cp": 2 * layers}
+        assert gathered["backward"] == {"reduce_scatter_single/cp": 2 * layers}
+
+
+def test_generation_under_context_parallelism_gives_the_tokens_of_one_process(launched):
+    _, results = launched
+    for result in results:
+        generated = result["gen-llama-cp2-tp2-dp1-sp"]
+        assert generated["got"] == generated["expected"]
+
+
+def test_every_rank_refuses_bad_input_with_the_numbers_and_the_fix(launched):
+    _, results = launched
+    said = [result["errors-gpt-cp4-tp1-dp1"] for result in results]
+    assert all(s == said[0] for s in said)  # the same message on every rank
+    assert "multiple of 8; it is 12" in said[0]["length"]
+    assert "reset_attention_mask=False" in said[0]["documents"]
+    assert "CoreAttention" in said[0]["attention"]
+
+
+@pytest.mark.parametrize("causal, padded", [(True, False), (False, False), (False, True)])
+def test_a_block_in_matmuls_equals_the_flash_kernel_and_sdpa(causal, padded):
+    """The matmul form (off CPU) and torch's CPU flash kernel give one block's output, log-sum-exp and gradients
+    alike, and SDPA's; a query whose keys are all padding gets 0 and -inf, never NaN."""
+    from lightning_megatron.context_parallel.blocks import _additive, _block_backward, _block_forward
+
+    generator = torch.Generator().manual_seed(0)
+    q, k, v, grad = (torch.randn(2, 4, 12, 8, generator=generator, dtype=torch.float64) for _ in range(4))
+    keys = torch.ones(2, 12, dtype=torch.bool)
+    if padded:
+        keys[1] = False  # the second sample's keys all padding in this block
+    mask = _additive(keys, q.dtype) if padded else None
+    results = {}
+    for flash in (True, False):
+        out, lse = _block_forward(q, k, v, causal, mask, flash=flash)
+        grads = _block_backward(grad, q, k, v, out, lse, causal, mask, flash=flash)
+        results[flash] = (out, lse, *grads)
+    for a, b in zip(results[True], results[False]):
+        assert torch.allclose(a, b, atol=1e-12, equal_nan=False), (a - b).abs().max()
+    out, lse = results[False][:2]
+    assert torch.isfinite(out).all()
+    full = [t.clone().requires_grad_() for t in (q, k, v)]
+    expected = torch.nn.functional.scaled_dot_product_attention(*full, is_causal=causal)
+    (expected * grad).sum().backward()
+    rows = slice(0, 1) if padded else slice(0, 2)  # the fully padded sample's SDPA output is NaN
+    assert torch.allclose(out[rows], expected[rows], atol=1e-12)
+    if padded:
+        assert torch.equal(out[1], torch.zeros_like(out[1])) and torch.isinf(lse[1]).all()
+    else:
+        for mine, theirs in zip(results[False][2:], (t.grad for t in full)):
+            assert torch.allclose(mine, theirs, atol=1e-12)

@@ -1,0 +1,262 @@
+"""Train tiny GPT, Llama-shaped and BERT models for a few steps at several context-parallel layouts over the same
+processes, count the ring's messages, and generate under context parallelism.
+
+argv: OUT_DIR LAYOUTS, a comma list of ``<model>-cp{C}[-pp{P}]-tp{T}-dp{D}[-sp][-mb{M}][-z{Z}][-rc|-sel][-ag]``
+(models: ``gpt`` learned positions, ``llama`` rotary + grouped-query, ``bert`` bidirectional with padding; ``rc``
+full and ``sel`` selective recomputation; ``ag`` the all-gather attention), ``count-<layout>`` for the
+collectives of one step, ``gen-<layout>`` for greedy generation, ``kernels-<layout>`` for the two attentions against
+SDPA in fp64, or ``errors-<layout>`` for what every rank says to bad input. The model is the LightningModule, split by the
+strategy's own steps (``parallelize``, ``apply_recompute``, ``prepare_context_parallel``, ``split_pipeline``,
+``start_pipeline``, ``build_step_gradients``), and each batch is cut by the splitter the strategy applies. Rank 0
+writes each layout's losses and full weights to ``{layout}.pt``.
+"""
+
+import json
+import os
+import re
+import sys
+from collections import Counter
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from cp_setup import MODELS, bert_setup, gpt_setup, model_batches, model_loss
+from lightning_megatron.checkpoint import gather_full_state_dict, merge_pipeline_stages
+from lightning_megatron.models import GPT
+from lightning_megatron.optim.nonfinite import NonFiniteCheck
+from lightning_megatron.optim.step import build_step_gradients
+from lightning_megatron.parallel import ParallelConfig, ParallelState, TensorParallelRNG
+from lightning_megatron.parallel.initialize import initialize_parameters
+from lightning_megatron.preparation import apply_recompute, prepare_context_parallel, split_pipeline, start_pipeline
+from lightning_megatron.tensor_parallel import parallelize
+
+LAYOUT = re.compile(r"(\w+)-cp(\d+)(?:-pp(\d+))?-tp(\d+)-dp(\d+)(-sp)?(?:-mb(\d+))?(?:-z(\d))?(?:-(rc|sel))?(-ag)?")
+SEED, GLOBAL_BATCH, CLIP = gpt_setup.SEED, gpt_setup.GLOBAL_BATCH, gpt_setup.CLIP
+
+
+def parse(layout: str):
+    match = LAYOUT.fullmatch(layout)
+    cp, pp, tp, dp = int(match[2]), int(match[3] or 1), int(match[4]), int(match[5])
+    config = ParallelConfig(tensor_parallel_size=tp, pipeline_parallel_size=pp, data_parallel_size=dp,
+                            sequence_parallel=bool(match[6]), zero_stage=int(match[8] or 0), context_parallel_size=cp)
+    recompute = {"rc": "full", "sel": "selective"}.get(match[9], "none")
+    return match[1], config, int(match[7] or 1), recompute, "all_gather" if match[10] else "ring"
+
+
+def build(name: str, config: ParallelConfig, micro_batches: int, recompute: str, attention: str):
+    state = ParallelState.create(config, "cpu")
+    module = MODELS[name]()
+    with torch.device("meta"):
+        module.configure_model()
+    rng = TensorParallelRNG(SEED, state.tensor_parallel_rank, "cpu")
+    parallelize(module, module.tensor_parallel_plan(), state, rng=rng)
+    apply_recompute(module, recompute, rng)
+    splitter = prepare_context_parallel(module, state, attention)
+    split = split_pipeline(module, state)
+    initialize_parameters(module, SEED, device="cpu", only_meta=True)
+    opt = (bert_setup if name == "bert" else gpt_setup).optimizer(module.parameters())
+    step = build_step_gradients(module, state, [opt], loss_scaler=None, nonfinite=NonFiniteCheck("error", 10),
+                                bucket_size_mb=0.01, offload=False, device=torch.device("cpu"))
+    root, runner = module.model, None
+    if split is not None:
+        per_rank = GLOBAL_BATCH // config.data_parallel_size
+
+        def before_backward(count, tokens):
+            step.sync.start_micro_batch(sync=True, backward_passes=count)
+            runner.loss_scale = step.backward_scale(tokens, accumulation=1, loss_scale=1.0)
+
+        runner = start_pipeline(split, state, device=torch.device("cpu"), schedule="1f1b",
+                                micro_batch_size=per_rank // micro_batches, recorder=None,
+                                before_backward=before_backward)
+    return state, module, root, opt, step, runner, splitter
+
+
+def rank_batch(state, splitter, batch: dict) -> dict:
+    """This rank's part: its dp rows (the sampler's), then its context-parallel chunks (the strategy's splitter)."""
+    dp = state.config.data_parallel_size
+    rows = slice(state.data_parallel_rank * GLOBAL_BATCH // dp, (state.data_parallel_rank + 1) * GLOBAL_BATCH // dp)
+    batch = {key: value[rows] for key, value in batch.items()}
+    return batch if splitter is None else splitter(batch)
+
+
+def train_step(state, root, step, runner, batch, micro_batches):
+    """One step's forward and backward as the strategy runs them; returns (loss sum, tokens) of this rank."""
+    if runner is not None:
+        loss_sum, tokens = model_loss(root, batch)
+        step.add_tokens(tokens)
+        return loss_sum, tokens
+    total, count = torch.zeros(()), torch.zeros((), dtype=torch.long)
+    pieces = [{key: value.chunk(micro_batches)[i] for key, value in batch.items()} for i in range(micro_batches)]
+    for i, piece in enumerate(pieces):
+        step.sync.start_micro_batch(sync=i == len(pieces) - 1)
+        loss_sum, tokens = model_loss(root, piece)
+        (loss_sum * step.backward_scale(tokens, accumulation=micro_batches, loss_scale=1.0)).backward()
+        step.add_tokens(tokens)
+        total, count = total + loss_sum.detach(), count + tokens
+    return total, count
+
+
+def train(layout: str):
+    name, config, micro_batches, recompute, attention = parse(layout)
+    state, module, root, opt, step, runner, splitter = build(name, config, micro_batches, recompute, attention)
+    losses = []
+    for batch in model_batches(name):
+        loss_sum, tokens = train_step(state, root, step, runner, rank_batch(state, splitter, batch), micro_batches)
+        step.finish(accumulation=1 if runner is not None else micro_batches, loss_scale=1.0)
+        params = [p for g in opt.param_groups for p in g["params"]]
+        first = state.tensor_parallel_rank == 0
+        norm, _ = step.check_finite(params, is_first_tensor_rank=first, step=len(losses), epoch=0)
+        step.clip(params, CLIP, is_first_tensor_rank=first, norm=norm)
+        opt.step()
+        step.after_step()
+        totals = torch.stack([loss_sum.detach().float(), tokens.float()])
+        if state.replica_group is not None:  # every dp x cp rank holds other tokens
+            dist.all_reduce(totals, group=state.replica_group)
+        losses.append((totals[0] / totals[1]).item())
+    weights = merge_pipeline_stages(gather_full_state_dict(root, state.tensor_parallel_group),
+                                    state.pipeline_parallel_group)
+    step.remove()
+    return losses, weights
+
+
+def count(layout: str) -> dict:
+    """The collectives of one step's forward and of its backward (no gradient reduction), as ``"<kind>/<group>":
+    calls``; point-to-point messages counted one per tensor sent or received."""
+    name, config, _, recompute, attention = parse(layout.removeprefix("count-"))
+    state, module, root, opt, step, runner, splitter = build(name, config, 1, recompute, attention)
+    batch = rank_batch(state, splitter, model_batches(name)[0])
+    calls: Counter = Counter()
+    names = {id(group): label for label, group in (  # the last name wins where groups coincide: cp
+        ("replicas", state.replica_group), ("dp", state.data_parallel_group), ("tp", state.tensor_parallel_group),
+        ("pp", state.pipeline_parallel_group), ("cp", state.context_parallel_group)) if group is not None}
+
+    def group_name(group):
+        return names.get(id(group), "world" if group is None else "other")
+
+    originals = {}
+    for kind in ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "all_gather_single",
+                 "reduce_scatter_single", "all_gather", "all_to_all_single", "send", "recv", "broadcast",
+                 "batch_isend_irecv"):  # (not isend / irecv themselves: P2POp accepts only the originals)
+        if hasattr(dist, kind):
+            originals[kind] = getattr(dist, kind)
+
+            def counted(*args, _kind=kind, **kwargs):
+                if _kind == "batch_isend_irecv":
+                    for op in args[0]:
+                        calls[f"{'send' if op.op is dist.isend else 'recv'}/{group_name(op.group)}"] += 1
+                else:
+                    calls[f"{_kind}/{group_name(kwargs.get('group'))}"] += 1
+                return originals[_kind](*args, **kwargs)
+            setattr(dist, kind, counted)
+    step.sync.start_micro_batch(sync=False)
+    loss_sum, tokens = model_loss(root, batch)
+    forward = dict(calls)
+    calls.clear()
+    loss_sum.backward()
+    backward = dict(calls)
+    for kind, original in originals.items():
+        setattr(dist, kind, original)
+    step.remove()
+    return {"forward": forward, "backward": backward}
+
+
+def kernels(layout: str) -> dict:
+    """Ring and all-gather attention against SDPA over the whole sequence, in fp64, forward and backward: causal and
+    bidirectional with key padding, multi-head and grouped-query; the worst deviation of each."""
+    import torch.nn.functional as F
+
+    from lightning_megatron.context_parallel import chunk_indices, ring_order
+    from lightning_megatron.context_parallel.all_gather import all_gather_attention
+    from lightning_megatron.context_parallel.ring import ring_attention
+
+    _, config, _, _, _ = parse(layout.removeprefix("kernels-"))
+    state = ParallelState.create(config, "cpu")
+    group, size, rank = state.context_parallel_group, config.context_parallel_size, state.context_parallel_rank
+    generator = torch.Generator().manual_seed(SEED)
+    worst: dict = {}
+    for heads, groups in ((4, 4), (4, 2), (4, 1)):
+        batch, seq, dim = 2, 8 * size, 8
+        q, k, v, grad = (torch.randn(batch, h, seq, dim, generator=generator, dtype=torch.float64)
+                         for h in (heads, groups, groups, heads))
+        padding = torch.ones(batch, seq, dtype=torch.bool)
+        padding[1, -5:] = False
+        mine = chunk_indices(seq, size, rank)
+        for causal, masked in ((True, False), (False, False), (False, True)):
+            full = [t.clone().requires_grad_() for t in (q, k, v)]
+            expected = F.scaled_dot_product_attention(*full, attn_mask=padding[:, None, None, :] if masked else None,
+                                                      is_causal=causal, enable_gqa=groups != heads)
+            (expected * grad).sum().backward()
+            for name, attention in (("ring", ring_attention), ("all_gather", all_gather_attention)):
+                local = [t[:, :, mine].clone().requires_grad_() for t in (q, k, v)]
+                out = attention(*local, causal=causal, group=group,
+                                key_mask=padding[:, ring_order(seq, size)] if masked else None)
+                (out * grad[:, :, mine]).sum().backward()
+                deviations = [(out - expected[:, :, mine]).abs().max()] + [
+                    (mine_t.grad - full_t.grad[:, :, mine]).abs().max() for mine_t, full_t in zip(local, full)]
+                key = f"{name}-{'causal' if causal else 'padded' if masked else 'bidirectional'}-{heads}h{groups}g"
+                worst[key] = max(float(d) for d in deviations)
+    return worst
+
+
+def errors(layout: str) -> dict:
+    """What each rank says, before any collective, to a batch it cannot cut or a model it cannot split."""
+    from lightning_megatron.context_parallel import apply_context_parallel
+    from lightning_megatron.context_parallel.apply import BatchSplitter
+
+    _, config, _, _, _ = parse(layout.removeprefix("errors-"))
+    state = ParallelState.create(config, "cpu")
+    said = {}
+    splitter = BatchSplitter(GPT(gpt_setup.CONFIG), state)
+    for case, batch in (("length", {"input_ids": torch.zeros(2, 12, dtype=torch.long), "labels": torch.zeros(2, 12)}),
+                        ("documents", {"input_ids": torch.zeros(2, 16, dtype=torch.long),
+                                       "labels": torch.zeros(2, 16), "document_ids": torch.zeros(2, 16)})):
+        try:
+            splitter(batch)
+        except ValueError as error:
+            said[case] = str(error)
+    try:
+        apply_context_parallel(torch.nn.Sequential(torch.nn.Linear(4, 4)), state)
+    except ValueError as error:
+        said["attention"] = str(error)
+    return said
+
+
+def generate_at(layout: str) -> dict:
+    """Greedy generation under context parallelism: whole prompts on every rank (the split attention steps aside),
+    the tokens of one process."""
+    from lightning_megatron.generation import generate
+
+    name, config, _, _, attention = parse(layout.removeprefix("gen-"))
+    state, module, root, opt, step, runner, splitter = build(name, config, 1, "none", attention)
+    step.remove()
+    torch.manual_seed(SEED)
+    reference = MODELS[name]()
+    reference.configure_model()
+    prompts = [[5, 6, 7], [1, 2, 3, 4, 9]]
+    return {"expected": generate(reference.model.eval(), prompts, max_new_tokens=6),
+            "got": generate(root, prompts, max_new_tokens=6)}
+
+
+if __name__ == "__main__":
+    out_dir, layouts = Path(sys.argv[1]), sys.argv[2].split(",")
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    summary = {}
+    for layout in layouts:
+        if layout.startswith("count-"):
+            summary[layout] = count(layout)
+            continue
+        if layout.startswith("gen-"):
+            summary[layout] = generate_at(layout)
+            continue
+        if layout.startswith(("kernels-", "errors-")):
+            summary[layout] = (kernels if layout.startswith("kernels-") else errors)(layout)
+            continue
+        losses, weights = train(layout)
+        if rank == 0:
+            torch.save({"losses": losses, "weights": weights}, out_dir / f"{layout}.pt")
+        summary[layout] = losses
+    (out_dir / f"rank{rank}.json").write_text(json.dumps(summary))
+    dist.barrier()
+    os._exit(0)  # skip gloo's C++ teardown: with several meshes alive it aborts at random (torch 2.13)

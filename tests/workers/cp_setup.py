@@ -1,0 +1,34 @@
+"""The models and data of the context-parallel worker (``cp_layouts.py``) and of its single-process references."""
+
+from dataclasses import replace
+
+try:  # as a worker's import (tests/workers on the path) and as the tests' (tests on the path)
+    import bert_setup
+    import gpt_setup
+except ImportError:
+    from workers import bert_setup, gpt_setup
+
+from lightning_megatron.models import BERT, GPT
+
+# BERT without the sentence-order head (refused under context parallelism), masked-LM over padded samples.
+BERT_CONFIG = replace(bert_setup.PRE_NORM, binary_head=False)
+MODELS = {"gpt": lambda: GPT(gpt_setup.CONFIG), "llama": lambda: GPT(gpt_setup.LLAMA_CONFIG),
+          "bert": lambda: BERT(BERT_CONFIG)}
+__all__ = ["BERT_CONFIG", "MODELS", "bert_setup", "gpt_setup", "model_batches", "model_loss"]
+
+
+def model_batches(name: str) -> list[dict]:
+    """The whole global batch of every step, as the model's training_step receives it."""
+    if name == "bert":
+        return [{key: batch[key] for key in ("input_ids", "labels", "attention_mask", "token_type_ids")}
+                for batch in bert_setup.batches()]
+    return [{"input_ids": ids, "labels": labels} for ids, labels in gpt_setup.batches()]
+
+
+def model_loss(root, batch: dict):
+    """(loss sum, tokens) of the root model (GPTModel / BERTModel, or its pipeline runner) on one batch."""
+    side = {key: value for key, value in batch.items() if key not in ("input_ids", "labels")}
+    out = root.loss(batch["input_ids"], batch["labels"], **side)
+    return (out.loss_sum, out.num_tokens) if hasattr(out, "loss_sum") else out
+
+
