@@ -32,7 +32,7 @@ from lightning.fabric.utilities.distributed import _get_default_process_group_ba
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from torch import Tensor
 from torch.optim import Optimizer
 
@@ -41,8 +41,9 @@ from lightning_megatron.context_parallel import VARIANTS as CONTEXT_PARALLEL_ATT
 from lightning_megatron.context_parallel.apply import BatchSplitter
 from lightning_megatron.launcher import InPlaceLauncher, SubprocessLauncher, die_with_launcher
 from lightning_megatron.optim.grad_sync import DEFAULT_BUCKET_SIZE_MB
-from lightning_megatron.optim.loss_scaler import DynamicLossScaler, agree_on_overflow
+from lightning_megatron.optim.loss_scaler import DynamicLossScaler
 from lightning_megatron.optim.nonfinite import NonFiniteCheck
+from lightning_megatron.optim.strategy_hooks import StepHooks
 from lightning_megatron.optim.step import StepGradients, build_step_gradients
 from lightning_megatron.optim.zero3 import ZeRO3
 from lightning_megatron.optim.main_params import MainParamOptimizer
@@ -91,7 +92,7 @@ from lightning_megatron.tensor_parallel.plan import parallelize
 CHECKPOINT_FORMATS = ("sharded", "full")
 
 
-class Megatron3DStrategy(CheckpointHooks, ParallelStrategy):
+class Megatron3DStrategy(CheckpointHooks, StepHooks, ParallelStrategy):
     """Tensor, pipeline and data parallelism in the style of Megatron-LM.
 
     Args:
@@ -423,27 +424,6 @@ class Megatron3DStrategy(CheckpointHooks, ParallelStrategy):
                                     bucket_size_mb=self.bucket_size_mb, offload=self.offload_optimizer,
                                     device=self.root_device)
 
-    def _nonfinite_check(self) -> Optional[NonFiniteCheck]:
-        """The check, unless fp16 runs: its loss scaler (ours, or Lightning's GradScaler under ``16-mixed``,
-        whose gradients are still scaled when the check would run) skips overflowing steps itself."""
-        fp16 = self.loss_scaler is not None or getattr(self.precision_plugin, "scaler", None) is not None
-        return self.nonfinite if self.nonfinite.enabled and not fp16 else None
-
-    def _setup_loss_scaling(self) -> None:
-        """fp16 needs one overflow decision for the whole world, whichever precision flavour runs it."""
-        precision = getattr(self.precision_plugin, "precision", "32-true")
-        if precision == "16-true":
-            self.loss_scaler = DynamicLossScaler(**self._loss_scaler_settings)
-        grad_scaler = getattr(self.precision_plugin, "scaler", None)
-        if precision == "16-mixed" and grad_scaler is not None:
-            agree_on_overflow(grad_scaler)
-
-    def _current_loss_scale(self) -> float:
-        if self.loss_scaler is not None:
-            return self.loss_scaler.scale
-        grad_scaler = getattr(self.precision_plugin, "scaler", None)
-        return float(grad_scaler.get_scale()) if grad_scaler is not None else 1.0
-
     def _start_pipeline(self, split: PipelineSplit, trainer: "L.Trainer") -> None:
         self.pipeline_recorder = TimelineRecorder(self.parallel_state.pipeline_parallel_rank)
         self._pipeline = start_pipeline(split, self.parallel_state, device=self.root_device,
@@ -516,15 +496,6 @@ class Megatron3DStrategy(CheckpointHooks, ParallelStrategy):
             return args
         return (self._batch_splitter(args[0]), *args[1:])
 
-    def _backward_scale(self, micro_batch_tokens) -> float:
-        # Our fp16 scaler scales in backward; Lightning's GradScaler (16-mixed) does so itself in
-        # pre_backward, except under pipelining, where Lightning's backward is skipped.
-        loss_scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
-        if self._pipeline is not None:
-            loss_scale = self._current_loss_scale()
-        accumulation = self.lightning_module.trainer.accumulate_grad_batches
-        return self._step.backward_scale(micro_batch_tokens, accumulation=accumulation, loss_scale=loss_scale)
-
     def backward(self, closure_loss: Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any) -> Tensor:
         """Backward on the micro-batch's token sum (times :meth:`_backward_scale`).
 
@@ -553,29 +524,6 @@ class Megatron3DStrategy(CheckpointHooks, ParallelStrategy):
         if not self._reported_bytes:
             self._report_model_state_bytes(optimizer)
         return output
-
-    def _log_loss_scale(self, overflow: bool) -> None:
-        if self.loss_scaler is None:
-            return
-        if overflow:
-            rank_zero_warn(f"fp16 overflow: step skipped on every rank, loss scale now {self.loss_scaler.scale:g}")
-        module = self.lightning_module
-        module.log("loss_scale", self.loss_scaler.scale, on_step=True, on_epoch=False)
-        module.log("skipped_steps", float(self.loss_scaler.skipped_steps), on_step=True, on_epoch=False)
-
-    def _check_nonfinite(self, optimizer: Optimizer) -> Optional[Tensor]:
-        """Raise (or skip the step) on every rank if a loss or the global gradient norm is not finite
-        (``optim/nonfinite.py``); returns the norm, which the clip reuses. Same parameters as the clip."""
-        trainer = self.lightning_module.trainer
-        norm, skipped = self._step.check_finite([p for group in optimizer.param_groups for p in group["params"]],
-                                                is_first_tensor_rank=self.parallel_state.tensor_parallel_rank == 0,
-                                                step=trainer.global_step, epoch=trainer.current_epoch)
-        if skipped is not None:
-            rank_zero_warn(skipped)
-        if self._step.nonfinite is not None and self.nonfinite.mode == "skip":
-            self.lightning_module.log("skipped_steps", float(self.nonfinite.skipped_steps), on_step=True,
-                                      on_epoch=False)
-        return norm
 
     def _report_model_state_bytes(self, optimizer: Optimizer) -> None:
         """After the first step (optimizer state exists): this rank's bytes in ``model_state_bytes``, and one

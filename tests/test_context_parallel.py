@@ -65,7 +65,10 @@ def test_split_batch_cuts_by_position_and_keeps_key_masks_whole_in_ring_order():
 
 
 def test_split_batch_refuses_what_it_cannot_cut():
-    inputs = GPT.sequence_inputs()
+    inputs = GPT(replace(gpt_setup.CONFIG, max_seq_length=32)).sequence_inputs()
+    with pytest.raises(ValueError, match=r"Sequence length 40 exceeds max_seq_length=32 of GPT"):  # a rank sees 10
+        long = torch.zeros(2, 40, dtype=torch.long)
+        split_batch({"input_ids": long, "labels": long}, inputs, 4, 0, model_name="GPT")
     ids = torch.zeros(2, 20, dtype=torch.long)
     with pytest.raises(ValueError, match=r"multiple of 8; it is 20. Use seq_length=16 or 24"):
         split_batch({"input_ids": ids, "labels": ids}, inputs, 4, 0)

@@ -20,7 +20,7 @@ over dp only) and cuts its own part.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Mapping, Optional
 
 import torch
 from torch import Tensor
@@ -34,12 +34,14 @@ class SequenceInputs:
     ring's order. ``positions``: the entry the global positions of the rank's tokens go to (cut if the batch
     has it, e.g. positions that restart at each document; made from ``arange(S)`` otherwise).
     ``refused``: entries the model cannot take under context parallelism, with the reason and the fix.
+    ``max_length``: the longest whole sequence the model takes (its own check sees only a rank's part).
     """
 
     split: tuple[str, ...]
     key_masks: tuple[str, ...] = ()
     positions: str = "position_ids"
     refused: Mapping[str, str] = field(default_factory=dict)
+    max_length: Optional[int] = None
 
 
 def chunk_indices(seq_length: int, size: int, rank: int, device=None) -> Tensor:
@@ -94,6 +96,8 @@ def split_batch(batch: Mapping[str, object], inputs: SequenceInputs, size: int, 
                 f"The batch entry {name!r} (shape {list(value.shape)}) has the sequence dimension, but "
                 f"{model_name}.sequence_inputs() does not say how context parallelism cuts it (split: "
                 f"{list(inputs.split)}, key masks: {list(inputs.key_masks)}). Declare it there, or leave it out.")
+    if inputs.max_length is not None and seq_length > inputs.max_length:
+        raise ValueError(f"Sequence length {seq_length} exceeds max_seq_length={inputs.max_length} of {model_name}.")
     check_sequence_length(seq_length, size, tensor_parallel_size=tensor_parallel_size,
                           sequence_parallel=sequence_parallel)
     mine = chunk_indices(seq_length, size, rank, reference.device)

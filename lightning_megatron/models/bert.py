@@ -404,11 +404,11 @@ class BERT(PretrainingRecipe):
             layers_per_stage=parallel_config.pipeline_layers_per_stage,
         )
 
-    @staticmethod
-    def sequence_inputs() -> SequenceInputs:
+    def sequence_inputs(self) -> SequenceInputs:
         """How context parallelism cuts a batch: tokens, labels and token types by position, the padding mask kept
         whole (every rank's attention reads every key's)."""
-        return SequenceInputs(split=("input_ids", "labels", "token_type_ids"), key_masks=("attention_mask",))
+        return SequenceInputs(split=("input_ids", "labels", "token_type_ids"), key_masks=("attention_mask",),
+                              max_length=self.config.max_seq_length)
 
     def forward(self, input_ids: Tensor, **kwargs: Tensor) -> BERTOutput:
         return self.model(input_ids, **kwargs)

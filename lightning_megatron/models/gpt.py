@@ -475,11 +475,11 @@ class GPT(PretrainingRecipe):
             layers_per_stage=parallel_config.pipeline_layers_per_stage,
         )
 
-    @staticmethod
-    def sequence_inputs() -> SequenceInputs:
+    def sequence_inputs(self) -> SequenceInputs:
         """How context parallelism cuts a batch: tokens, labels and positions by position (learned and rotary
         positions both read ``position_ids``)."""
-        return SequenceInputs(split=("input_ids", "labels", "position_ids"), refused={
+        return SequenceInputs(split=("input_ids", "labels", "position_ids"), max_length=self.config.max_seq_length,
+                              refused={
             "document_ids": "per-document attention masks (GPTDataModule(reset_attention_mask=True)) need each "
                             "rank's attention to know every key's document, which the split attention does not "
                             "take yet. Use reset_attention_mask=False (reset_position_ids works), or "

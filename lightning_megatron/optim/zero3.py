@@ -1,10 +1,13 @@
 """ZeRO stage 3 over the data-parallel group, composed with our tensor parallelism (FSDP2 underneath).
 
+"dp" here means the ranks holding the same weight shards: dp x cp under context parallelism
+(``ParallelState.replica_mesh``), plain dp otherwise.
+
 Parameters, gradients and optimizer state are all sharded over dp (Rajbhandari et al. 2020):
 each transformer layer's parameters are all-gathered just before its forward and freed
 after it, gathered again for its backward, and its gradients are reduce-scattered and
 freed right after. This is ``torch.distributed.fsdp.fully_shard`` (FSDP2) applied on the
-``"dp"`` sub-mesh, one group per layer plus one for the rest (embedding, final norm, head):
+replica (``"dp_cp"``) mesh, one group per layer plus one for the rest (embedding, final norm, head):
 
 * Our tensor-parallel parameters are plain local tensors tagged with ``param.tensor_shard``.
   FSDP2 takes each as if it were a whole tensor and shards it again on dim 0 over dp,
