@@ -85,7 +85,7 @@ class TokenThroughput(L.Callback):
     ``per-rank batch x dp x accumulate_grad_batches`` samples (``dp`` is the strategy's
     ``distributed_sampler_kwargs["num_replicas"]``, 1 without one). Its model FLOPs
     (``models/flops.py``: forward + backward, recomputation not counted) are done by all
-    ``world_size = tp x pp x dp`` devices together, so per device they are ``global FLOPs / step
+    ``world_size = tp x cp x pp x dp`` devices together, so per device they are ``global FLOPs / step
     time / world_size``. The model's FLOPs come from its ``flops_per_batch(batch_size, seq_length)``
     method; without one, from ``models/flops.py`` on ``pl_module.config``; a ``flops_per_batch`` *number*
     (the attribute Lightning's ``ThroughputMonitor`` reads) is taken as the model FLOPs of one rank's batch.
@@ -234,8 +234,8 @@ class PipelineTimeline(L.Callback):
 
         strategy = trainer.strategy
         state = strategy.parallel_state
-        # One pipeline is enough: the ranks with dp rank 0 and tp rank 0.
-        mine = recorder.events if state.data_parallel_rank == 0 and state.tensor_parallel_rank == 0 else []
+        # One pipeline is enough: the ranks with dp rank 0, cp rank 0 and tp rank 0.
+        mine = recorder.events if state.replica_rank == 0 and state.tensor_parallel_rank == 0 else []
         gathered = [None] * trainer.world_size
         torch.distributed.all_gather_object(gathered, mine)
         events = [event for part in gathered for event in part]

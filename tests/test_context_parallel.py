@@ -17,18 +17,16 @@ from lightning_megatron.parallel import ParallelConfig, ParallelState
 
 # <model>-cp{C}[-pp{P}]-tp{T}-dp{D}[-sp][-mb{M}][-z{Z}][-rc|-sel][-ag] on 4 ranks (tests/workers/cp_layouts.py).
 LAYOUTS = [
-    "gpt-cp2-tp1-dp2",              # learned positions follow the chunks; gradients summed over dp x cp in one go
-    "gpt-cp4-tp1-dp1",
+    "gpt-cp4-tp1-dp1",              # learned positions follow the chunks
     "gpt-cp2-tp2-dp1-sp",           # each rank's chunks split again over tp by sequence parallelism
     "gpt-cp2-pp2-tp1-dp1-mb2",      # the ring inside pipeline stages, two micro-batches
-    "gpt-cp2-tp1-dp2-z1",           # ZeRO-1 over the 4 replicas
+    "gpt-cp2-tp1-dp2-z1",           # gradients summed over dp x cp in one go, ZeRO-1 over the 4 replicas
     "llama-cp4-tp1-dp1",            # rotary positions, grouped-query ring
     "llama-cp2-tp2-dp1-sp-mb2-rc",  # + full recomputation: the ring replayed in backward
     "llama-cp2-pp2-tp1-dp1-mb2",
     "llama-cp2-tp1-dp2-z1-ag",      # the all-gather attention
     "gpt-cp4-tp1-dp1-sel-ag",       # selective recomputation of the all-gather attention
-    "bert-cp2-tp1-dp2",             # bidirectional: every block whole, the padding mask of every rank's keys
-    "bert-cp4-tp1-dp1",
+    "bert-cp4-tp1-dp1",             # bidirectional: every block whole, the padding mask of every rank's keys
     "bert-cp2-tp2-dp1-sp",
     "bert-cp2-pp2-tp1-dp1-mb2",
     "bert-cp2-tp1-dp2-z1",

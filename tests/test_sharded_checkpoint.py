@@ -73,10 +73,8 @@ LOADS = {  # (tp, pp, virtual pp, zero_stage, context parallel): world size
     (2, 2, 1, 1, 1): 8,  # the saving layout: exact
     (1, 1, 1, 0, 1): 1,
     (4, 1, 1, 2, 1): 8,
-    (1, 2, 2, 1, 1): 8,  # interleaved: each rank holds layers 0 and 2 or 1 and 3
-    (2, 1, 1, 3, 1): 2,
-    (1, 1, 1, 1, 2): 4,  # cp2 x dp2, ZeRO-1 over the 4 replicas: the batches cut along the sequence by the strategy
-    (2, 1, 1, 3, 2): 4,  # tp2 x cp2, ZeRO-3: FSDP over the 2 context-parallel replicas
+    (1, 2, 2, 1, 1): 4,  # interleaved: each rank holds layers 0 and 2 or 1 and 3; ZeRO-1 over dp2
+    (2, 1, 1, 3, 2): 4,  # tp2 x cp2, ZeRO-3: FSDP over the 2 context-parallel replicas, each batch cut by the strategy
 }
 
 

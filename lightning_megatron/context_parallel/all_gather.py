@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_megatron.context_parallel.blocks import Block, compute_dtype, start
+from lightning_megatron.context_parallel.blocks import Block, compute_dtype, save_for_backward, saved, start
 
 
 def _gather(x: Tensor, group: dist.ProcessGroup) -> Tensor:
@@ -49,15 +49,12 @@ class AllGatherAttention(torch.autograd.Function):
             block = Block(step=step, rank=rank, size=size, causal=causal, length=length)
             block.forward(q, keys[block.source], values[block.source], key_mask, out, lse)
         out = out.to(q.dtype)
-        ctx.save_for_backward(q, keys, values, out, lse, key_mask)
-        ctx.causal, ctx.group, ctx.has_mask = causal, group, key_mask is not None
+        save_for_backward(ctx, q, keys, values, out, lse, key_mask, causal, group)
         return out
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):
-        q, keys, values, out, lse, key_mask = ctx.saved_tensors
-        key_mask = key_mask if ctx.has_mask else None
-        group, causal = ctx.group, ctx.causal
+        q, keys, values, out, lse, key_mask, causal, group = saved(ctx)
         rank, size, length = dist.get_rank(group), dist.get_world_size(group), q.shape[2]
         dtype = compute_dtype(q.dtype)
         grad_out = grad_out.contiguous()

@@ -168,3 +168,17 @@ def start(q: Tensor) -> tuple[Tensor, Tensor]:
     dtype = compute_dtype(q.dtype)
     return (torch.zeros(q.shape, dtype=dtype, device=q.device),
             torch.full(q.shape[:-1], NEG_INF, dtype=dtype, device=q.device))
+
+
+def save_for_backward(ctx, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, key_mask: Optional[Tensor],
+                      causal: bool, group) -> None:
+    """What both attentions' backward needs: the inputs, the whole output and log-sum-exp, the pattern, the group."""
+    ctx.save_for_backward(q, k, v, out, lse, key_mask)
+    ctx.causal, ctx.group, ctx.has_mask = causal, group, key_mask is not None
+
+
+def saved(ctx) -> tuple:
+    """``(q, k, v, out, lse, key_mask, causal, group)`` as :func:`save_for_backward` kept them."""
+    q, k, v, out, lse, key_mask = ctx.saved_tensors
+    return q, k, v, out, lse, key_mask if ctx.has_mask else None, ctx.causal, ctx.group
+

@@ -11,16 +11,13 @@ strategy's own steps (``parallelize``, ``apply_recompute``, ``prepare_context_pa
 writes each layout's losses and full weights to ``{layout}.pt``.
 """
 
-import json
-import os
 import re
-import sys
-from collections import Counter
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from layout_runs import run_layouts
+from collective_counter import CollectiveCounter
 from cp_setup import MODELS, bert_setup, gpt_setup, model_batches, model_loss
 from lightning_megatron.checkpoint import gather_full_state_dict, merge_pipeline_stages
 from lightning_megatron.models import GPT
@@ -126,37 +123,14 @@ def count(layout: str) -> dict:
     name, config, _, recompute, attention = parse(layout.removeprefix("count-"))
     state, module, root, opt, step, runner, splitter = build(name, config, 1, recompute, attention)
     batch = rank_batch(state, splitter, model_batches(name)[0])
-    calls: Counter = Counter()
-    names = {id(group): label for label, group in (  # the last name wins where groups coincide: cp
-        ("replicas", state.replica_group), ("dp", state.data_parallel_group), ("tp", state.tensor_parallel_group),
-        ("pp", state.pipeline_parallel_group), ("cp", state.context_parallel_group)) if group is not None}
-
-    def group_name(group):
-        return names.get(id(group), "world" if group is None else "other")
-
-    originals = {}
-    for kind in ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "all_gather_single",
-                 "reduce_scatter_single", "all_gather", "all_to_all_single", "send", "recv", "broadcast",
-                 "batch_isend_irecv"):  # (not isend / irecv themselves: P2POp accepts only the originals)
-        if hasattr(dist, kind):
-            originals[kind] = getattr(dist, kind)
-
-            def counted(*args, _kind=kind, **kwargs):
-                if _kind == "batch_isend_irecv":
-                    for op in args[0]:
-                        calls[f"{'send' if op.op is dist.isend else 'recv'}/{group_name(op.group)}"] += 1
-                else:
-                    calls[f"{_kind}/{group_name(kwargs.get('group'))}"] += 1
-                return originals[_kind](*args, **kwargs)
-            setattr(dist, kind, counted)
+    names = (("replicas", state.replica_group), ("dp", state.data_parallel_group), ("tp", state.tensor_parallel_group),
+             ("pp", state.pipeline_parallel_group), ("cp", state.context_parallel_group))  # cp wins where they coincide
     step.sync.start_micro_batch(sync=False)
-    loss_sum, tokens = model_loss(root, batch)
-    forward = dict(calls)
-    calls.clear()
-    loss_sum.backward()
-    backward = dict(calls)
-    for kind, original in originals.items():
-        setattr(dist, kind, original)
+    with CollectiveCounter(names) as calls:
+        loss_sum, tokens = model_loss(root, batch)
+        forward = calls.take()
+        loss_sum.backward()
+        backward = calls.take()
     step.remove()
     return {"forward": forward, "backward": backward}
 
@@ -239,24 +213,4 @@ def generate_at(layout: str) -> dict:
 
 
 if __name__ == "__main__":
-    out_dir, layouts = Path(sys.argv[1]), sys.argv[2].split(",")
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
-    summary = {}
-    for layout in layouts:
-        if layout.startswith("count-"):
-            summary[layout] = count(layout)
-            continue
-        if layout.startswith("gen-"):
-            summary[layout] = generate_at(layout)
-            continue
-        if layout.startswith(("kernels-", "errors-")):
-            summary[layout] = (kernels if layout.startswith("kernels-") else errors)(layout)
-            continue
-        losses, weights = train(layout)
-        if rank == 0:
-            torch.save({"losses": losses, "weights": weights}, out_dir / f"{layout}.pt")
-        summary[layout] = losses
-    (out_dir / f"rank{rank}.json").write_text(json.dumps(summary))
-    dist.barrier()
-    os._exit(0)  # skip gloo's C++ teardown: with several meshes alive it aborts at random (torch 2.13)
+    run_layouts(train, {"count-": count, "gen-": generate_at, "kernels-": kernels, "errors-": errors})

@@ -9,15 +9,12 @@ layout, rank 0 writes the losses and the full (gathered) weights to ``{layout}.p
 pytest process compares them with a single-process reference.
 """
 
-import json
-import os
 import re
-import sys
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from layout_runs import run_layouts
 from gpt_setup import CLIP, CONFIG, CONFIGS, GLOBAL_BATCH, SEED, batches, document_batches, optimizer, sgd_optimizer
 from lightning_megatron.checkpoint import gather_full_state_dict, merge_pipeline_stages
 from lightning_megatron.models import GPTModel
@@ -114,15 +111,4 @@ def train(layout: str) -> tuple[list[float], dict]:
 
 
 if __name__ == "__main__":
-    out_dir, layouts = Path(sys.argv[1]), sys.argv[2].split(",")
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
-    summary = {}
-    for layout in layouts:
-        losses, weights = train(layout)
-        if rank == 0:
-            torch.save({"losses": losses, "weights": weights}, out_dir / f"{layout}.pt")
-        summary[layout] = losses
-    (out_dir / f"rank{rank}.json").write_text(json.dumps(summary))
-    dist.barrier()
-    os._exit(0)  # skip gloo's C++ teardown: with several meshes alive it aborts at random (torch 2.13)
+    run_layouts(train)

@@ -10,16 +10,13 @@ layout's losses and full weights (gathered over tp, pp and ep) to ``{layout}.pt`
 rank, the collectives of one training step's forward and backward, by kind and group size.
 """
 
-import json
-import os
 import re
-import sys
-from collections import Counter
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from layout_runs import run_layouts
+from collective_counter import CollectiveCounter
 from gpt_setup import CLIP, GLOBAL_BATCH, MOE_CONFIGS as CONFIGS, SEED, batches, optimizer
 
 from lightning_megatron.checkpoint import gather_full_state_dict, merge_pipeline_stages
@@ -150,50 +147,17 @@ def count(layout: str) -> dict:
     input_ids, labels = batches()[0]
     rows = slice(state.data_parallel_rank * GLOBAL_BATCH // config.data_parallel_size,
                  (state.data_parallel_rank + 1) * GLOBAL_BATCH // config.data_parallel_size)
-    calls: Counter = Counter()
-    names = {id(group): name for name, group in (
-        ("dp", state.data_parallel_group), ("expert-dp", state.expert_data_parallel_group),
-        ("ep", state.expert_parallel_group), ("tp", state.tensor_parallel_group), ("pp", state.pipeline_parallel_group))
-        if group is not None}
-    originals = {}
-    for kind in ("all_to_all_single", "all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor",
-                 "all_gather_single", "reduce_scatter_single", "all_gather", "send", "recv", "broadcast"):
-        if hasattr(dist, kind):
-            originals[kind] = getattr(dist, kind)
-
-            def counted(*args, _kind=kind, **kwargs):
-                group = kwargs.get("group")
-                calls[f"{_kind}/{names.get(id(group), 'world' if group is None else 'other')}"] += 1
-                return originals[_kind](*args, **kwargs)
-            setattr(dist, kind, counted)
+    names = (("dp", state.data_parallel_group), ("expert-dp", state.expert_data_parallel_group),
+             ("ep", state.expert_parallel_group), ("tp", state.tensor_parallel_group), ("pp", state.pipeline_parallel_group))
     step.sync.start_micro_batch(sync=False)  # no gradient reduction: only the layers' own communication
-    loss_sum, tokens = model.loss(input_ids[rows], labels[rows])
-    forward = dict(calls)
-    calls.clear()
-    loss_sum.backward()
-    backward = dict(calls)
-    for kind, original in originals.items():
-        setattr(dist, kind, original)
+    with CollectiveCounter(names) as calls:
+        loss_sum, tokens = model.loss(input_ids[rows], labels[rows])
+        forward = calls.take()
+        loss_sum.backward()
+        backward = calls.take()
     step.remove()
     return {"forward": forward, "backward": backward}
 
 
 if __name__ == "__main__":
-    out_dir, layouts = Path(sys.argv[1]), sys.argv[2].split(",")
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
-    summary = {}
-    for layout in layouts:
-        if layout.startswith("count-"):
-            summary[layout] = count(layout)
-            continue
-        if layout.startswith("gen-"):
-            summary[layout] = generate_at(layout)
-            continue
-        losses, weights = train(layout)
-        if rank == 0:
-            torch.save({"losses": losses, "weights": weights}, out_dir / f"{layout}.pt")
-        summary[layout] = losses
-    (out_dir / f"rank{rank}.json").write_text(json.dumps(summary))
-    dist.barrier()
-    os._exit(0)  # skip gloo's C++ teardown: with several meshes alive it aborts at random (torch 2.13)
+    run_layouts(train, {"count-": count, "gen-": generate_at})

@@ -1,0 +1,35 @@
+"""The main loop of the layout workers: every layout named on the command line, one after another, over the same
+processes (starting processes and importing Lightning costs ~10 s a launch).
+
+``run_layouts(train, tools)``: argv is ``OUT_DIR LAYOUTS`` (a comma list). A layout starting with one of ``tools``'
+prefixes goes to that function, whose result is this rank's entry; any other goes to ``train(layout) -> (losses,
+weights)``, rank 0 writing ``{layout}.pt`` with both. Each rank writes its entries to ``rank{r}.json``.
+"""
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Callable, Mapping
+
+import torch
+import torch.distributed as dist
+
+
+def run_layouts(train: Callable, tools: Mapping[str, Callable] = {}) -> None:
+    out_dir, layouts = Path(sys.argv[1]), sys.argv[2].split(",")
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    summary = {}
+    for layout in layouts:
+        tool = next((tool for prefix, tool in tools.items() if layout.startswith(prefix)), None)
+        if tool is not None:
+            summary[layout] = tool(layout)
+            continue
+        losses, weights = train(layout)
+        if rank == 0:
+            torch.save({"losses": losses, "weights": weights}, out_dir / f"{layout}.pt")
+        summary[layout] = losses
+    (out_dir / f"rank{rank}.json").write_text(json.dumps(summary))
+    dist.barrier()
+    os._exit(0)  # skip gloo's C++ teardown: with several meshes alive it aborts at random (torch 2.13)
