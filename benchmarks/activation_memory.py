@@ -1,0 +1,289 @@
+"""``benchmarks/memory.py --activations``: the bytes autograd saves for backward per rank under context
+parallelism (ring and all-gather attention) and sequence parallelism, against the whole sequence on one rank.
+
+``memory.py`` is the entry point (its flags, its ``--worker activations`` re-launch under torchrun); this module
+is the mode itself: the layouts, the counting (``SavedActivations``), the worker and the table. See
+``benchmarks/README.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from lightning_megatron.models.gpt import GPT
+from throughput import MIB
+
+ACTIVATION_RANKS = 4  # every activation layout runs over the same four processes, dp filling what it leaves
+ENTRY = Path(__file__).resolve().with_name("memory.py")
+
+
+# ---------------------------------------------------------------------------- --activations: the layouts
+@dataclass(frozen=True)
+class ActivationLayout:
+    key: str
+    context_parallel: int
+    tensor_parallel: int = 1  # with sequence parallelism whenever > 1
+    attention: str = "ring"  # the context-parallel attention: "ring" or "all_gather"
+
+    @property
+    def data_parallel(self) -> int:
+        return ACTIVATION_RANKS // (self.context_parallel * self.tensor_parallel)
+
+    @property
+    def label(self) -> str:
+        parts = []
+        if self.context_parallel > 1 or self.tensor_parallel == 1:
+            parts.append(f"cp{self.context_parallel}" + {"ring": " ring", "all_gather": " all-gather"}[self.attention]
+                         * (self.context_parallel > 1))
+        if self.tensor_parallel > 1:
+            parts.append(f"tp{self.tensor_parallel}+SP")
+        if self.data_parallel > 1:
+            parts.append(f"dp{self.data_parallel}")
+        return " x ".join(parts)
+
+    @property
+    def expected(self) -> float:
+        """The share of the whole-sequence rank's activations this layout should hold: each rank holds 1/cp of
+        the tokens, and tp+SP divides both the sequence-parallel activations (norms, residuals, dropout) by
+        splitting the sequence and the tensor-parallel ones (attention, MLP, logits) by splitting the heads, the
+        MLP width and the vocabulary, so 1/tp in all (Korthikanti et al. 2022, what is not divided aside)."""
+        return 1.0 / (self.context_parallel * self.tensor_parallel)
+
+    @property
+    def expected_text(self) -> str:
+        return "1" if self.expected == 1 else f"1/{self.context_parallel * self.tensor_parallel}"
+
+
+ACTIVATION_LAYOUTS = (
+    ActivationLayout("cp1", 1),
+    ActivationLayout("cp2", 2),
+    ActivationLayout("cp4", 4),
+    ActivationLayout("cp2-ag", 2, attention="all_gather"),
+    ActivationLayout("cp4-ag", 4, attention="all_gather"),
+    ActivationLayout("tp2-sp", 1, 2),
+    ActivationLayout("tp4-sp", 1, 4),
+    ActivationLayout("cp2-tp2-sp", 2, 2),
+)
+
+
+def activation_gpt_config(args: argparse.Namespace):
+    """``llama-tiny`` resized by the flags: RMSNorm, rotary, SwiGLU of width 2h, heads/2 key/value groups, untied
+    output layer, no dropout."""
+    from lightning_megatron.models.gpt import GPTConfig
+
+    return GPTConfig.from_name("llama-tiny", vocab_size=args.vocab, max_seq_length=args.seq, hidden_size=args.hidden,
+                               num_layers=args.layers, num_heads=args.heads,
+                               num_query_groups=max(1, args.heads // 2), ffn_hidden_size=2 * args.hidden,
+                               dropout=0.0, attention_dropout=0.0)
+
+
+# ---------------------------------------------------------------------------- --activations: counting
+class SavedActivations:
+    """The storages autograd saves for backward while active (``saved_tensors_hooks``), each counted once by its
+    ``data_ptr`` with its whole ``nbytes`` (a saved view keeps its whole storage alive; ``q``, ``k`` and ``v`` are
+    views of one ``qkv`` output), parameters' storages left out (model state, not activations). A storage is
+    attributed to ``attention core`` when it is first saved inside a ``CoreAttention`` forward (SDPA, the ring,
+    the all-gather of K/V), to ``rest`` otherwise."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        from lightning_megatron.models.attention import CoreAttention
+
+        self.parameters = {p.untyped_storage().data_ptr() for p in module.parameters()}
+        self.storages: dict[int, tuple[int, str]] = {}
+        self.region = "rest"
+        self.cores = [m for m in module.modules() if isinstance(m, CoreAttention)]
+        self.handles: list = []
+        self.hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, lambda saved: saved)
+
+    def pack(self, tensor: Tensor) -> Tensor:
+        storage = tensor.untyped_storage()
+        pointer = storage.data_ptr()
+        if pointer not in self.parameters and pointer not in self.storages:
+            self.storages[pointer] = (storage.nbytes(), self.region)
+        return tensor
+
+    def _enter(self, *_) -> None:
+        self.region = "attention core"
+
+    def _leave(self, *_) -> None:
+        self.region = "rest"
+
+    def __enter__(self) -> "SavedActivations":
+        for core in self.cores:
+            self.handles += [core.register_forward_pre_hook(self._enter), core.register_forward_hook(self._leave)]
+        self.hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.hooks.__exit__(*exc)
+        for handle in self.handles:
+            handle.remove()
+
+    def bytes(self, region: Optional[str] = None) -> int:
+        return sum(n for n, where in self.storages.values() if region is None or where == region)
+
+
+def activation_batch(args: argparse.Namespace) -> dict[str, Tensor]:
+    """One sample of ``--seq`` tokens, the same on every rank (so every layout computes the same loss)."""
+    generator = torch.Generator().manual_seed(args.seed)
+    tokens = torch.randint(0, args.vocab, (1, args.seq + 1), generator=generator)
+    return {"input_ids": tokens[:, :-1], "labels": tokens[:, 1:]}
+
+
+def measure_activations(layout: ActivationLayout, args: argparse.Namespace) -> dict:
+    """Build the model for ``layout`` by the strategy's own steps, cut this rank's part of the batch with the
+    splitter the strategy applies, and count what one forward + loss saves for backward."""
+    import torch.distributed as dist
+
+    from lightning_megatron.parallel import ParallelConfig, ParallelState, TensorParallelRNG
+    from lightning_megatron.parallel.initialize import initialize_parameters
+    from lightning_megatron.preparation import apply_recompute, prepare_context_parallel, split_pipeline
+    from lightning_megatron.tensor_parallel import parallelize
+
+    config = ParallelConfig(tensor_parallel_size=layout.tensor_parallel, data_parallel_size=layout.data_parallel,
+                            context_parallel_size=layout.context_parallel,
+                            sequence_parallel=layout.tensor_parallel > 1)
+    state = ParallelState.create(config, "cpu")
+    module = GPT(activation_gpt_config(args))
+    with torch.device("meta"):
+        module.configure_model()
+    rng = TensorParallelRNG(args.seed, state.tensor_parallel_rank, "cpu")
+    parallelize(module, module.tensor_parallel_plan(), state, rng=rng, pad_vocab_to_multiple_of=args.pad_vocab)
+    apply_recompute(module, "none", rng)
+    splitter = prepare_context_parallel(module, state, layout.attention)
+    split_pipeline(module, state)  # pp = 1: nothing to split
+    initialize_parameters(module, args.seed, device="cpu", only_meta=True)
+    module.train()
+    batch = activation_batch(args)  # every dp rank's own one-sample batch (the same sample)
+    batch = batch if splitter is None else splitter(batch)
+    side = {key: value for key, value in batch.items() if key not in ("input_ids", "labels")}
+    with SavedActivations(module) as saved:
+        loss_sum, tokens = module.model.loss(batch["input_ids"], batch["labels"], **side)
+    totals = torch.stack([loss_sum.detach().float(), tokens.float()])
+    if state.replica_group is not None:  # the dp x cp ranks hold the other tokens (and copies of the sample)
+        dist.all_reduce(totals, group=state.replica_group)
+    del loss_sum  # drops the graph and what it saved
+    return {"bytes": saved.bytes(), "attention_core": saved.bytes("attention core"), "storages": len(saved.storages),
+            "tokens": int(tokens), "loss": (totals[0] / totals[1]).item()}
+
+
+def activation_worker(args: argparse.Namespace) -> None:
+    """Every layout, one after another over the same four processes; ``rank{r}.json`` per rank."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    torch.manual_seed(args.seed)
+    rank = dist.get_rank()
+    results = {layout.key: measure_activations(layout, args) for layout in ACTIVATION_LAYOUTS}
+    (args.result_dir / f"rank{rank}.json").write_text(json.dumps(results))
+    dist.barrier()
+    os._exit(0)  # skip gloo's C++ teardown: with several meshes alive it aborts at random (torch 2.13)
+
+
+# ---------------------------------------------------------------------------- --activations: the parent
+def check_activation_args(args: argparse.Namespace) -> None:
+    if args.device != "cpu":
+        sys.exit("--activations runs on the CPU (gloo; the counting does not depend on the device, but which SDPA "
+                 "kernel runs, and so what it saves, does)")
+    if args.seq % 8:  # cp4: 2 * 4 load-balanced chunks; cp2 x tp2+SP: 2 * 2 chunks, each rank's share over tp2
+        sys.exit(f"--seq must be a multiple of 8 (cp4 cuts it into 8 chunks); got {args.seq}")
+    if args.heads % 4 or args.vocab % 4:
+        sys.exit("--heads and --vocab must divide by tp=4")
+
+
+def launch_activations(args: argparse.Namespace, result_dir: Path, env: dict[str, str]) -> list[dict]:
+    script = [str(ENTRY), "--worker", "activations", "--result-dir", str(result_dir),
+              *(f"--{name.replace('_', '-')}={getattr(args, name)}"
+                for name in ("hidden", "layers", "heads", "seq", "vocab", "pad_vocab", "seed"))]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ACTIVATION_RANKS}",
+           *script]
+    proc = subprocess.run(cmd, env=env, cwd=result_dir, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"--activations failed (exit code {proc.returncode}):\n{proc.stdout[-3000:]}\n"
+                           f"{proc.stderr[-6000:]}")
+    return [json.loads((result_dir / f"rank{r}.json").read_text()) for r in range(ACTIVATION_RANKS)]
+
+
+def format_activation_table(ranks: list[dict]) -> str:
+    header = ["layout", "tokens/rank", "activations MiB/rank", "attention core MiB", "rest MiB", "vs cp1", "expected",
+              "deviation", "max/min over ranks", "loss"]
+    baseline = max(r["cp1"]["bytes"] for r in ranks)
+    rows = [header]
+    for layout in ACTIVATION_LAYOUTS:
+        mine = [r[layout.key] for r in ranks]
+        worst = max(mine, key=lambda m: m["bytes"])
+        ratio = worst["bytes"] / baseline
+        rows.append([
+            layout.label,
+            f"{worst['tokens']:,}",
+            f"{worst['bytes'] / MIB:.2f}",
+            f"{worst['attention_core'] / MIB:.2f}",
+            f"{(worst['bytes'] - worst['attention_core']) / MIB:.2f}",
+            f"{ratio:.3f}",
+            f"{layout.expected_text} = {layout.expected:.3f}",
+            f"{100 * (ratio / layout.expected - 1):+.1f}%",
+            f"{worst['bytes'] / min(m['bytes'] for m in mine):.3f}",
+            f"{worst['loss']:.4f}",
+        ])
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    lines = [" | ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths)))
+             for row in rows]
+    lines.insert(1, "-+-".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def describe_activations(args: argparse.Namespace) -> str:
+    config = activation_gpt_config(args)
+    return (f"Llama-shaped GPT h={config.hidden_size} layers={config.num_layers} heads={config.num_heads} "
+            f"kv-groups={config.query_groups} ffn={config.ffn_hidden_size} vocab={config.vocab_size} "
+            f"(pad_vocab_to_multiple_of={args.pad_vocab}), one sample of {args.seq} tokens per dp rank, fp32, "
+            f"dropout 0, cpu; {ACTIVATION_RANKS} processes, every layout in one torchrun launch; "
+            f"torch {torch.__version__}")
+
+
+def activation_footer() -> str:
+    notes = [
+        "activations MiB/rank: the bytes of the storages autograd saves for backward during one training forward + "
+        "loss of the micro-batch (saved_tensors_hooks; each storage once, by data_ptr, with its nbytes; parameters' "
+        "storages left out), on the rank with the most; attention core: the storages first saved inside "
+        "CoreAttention (SDPA / ring / all-gather attention), rest: everything else (norms, qkv, rotary, MLP, "
+        "residuals, logits, cross-entropy). tokens/rank: the sequence positions a rank's loss covers (tp+SP ranks "
+        "hold 1/tp of them between the layers).",
+        "vs cp1: over the whole-sequence rank's (cp1 x dp4). expected: 1/cp for context parallelism (each rank "
+        "holds 1/cp of the tokens; the ring saves q, k, v, out, lse of its own tokens only); 1/tp for tp+SP "
+        "(Korthikanti et al. 2022: SP divides the norm/residual activations by tp along the sequence, and the "
+        "tensor-parallel attention, MLP and vocabulary splits divide the rest by tp). deviation: measured over "
+        "expected, minus 1.",
+        "Not divided, so above the expected share: all-gather attention saves the gathered keys and values of the "
+        "whole sequence (linear in S, 2 G d values per token); tp+SP "
+        "saves the all-gathered full-sequence inputs of the column-parallel layers (qkv, MLP fc, lm_head; "
+        "Megatron-Core saves the local chunk and gathers again in backward), the rotary cos/sin, the whole embedding "
+        "output (at one sample the sequence scatter's chunk is a view of it, which the first norm saves) and, where "
+        "tp exceeds the key/value groups, the replicated K/V heads.",
+        "max/min over ranks: the largest rank's bytes over the smallest's (every context-parallel rank holds the "
+        "same number of tokens; the load-balanced chunks even out the attention work, which saved bytes do not "
+        "depend on). loss: the layout's loss over every token (the same sample everywhere, so every row must agree).",
+    ]
+    return "\n".join(f"* {note}" for note in notes)
+
+
+def activations_main(args: argparse.Namespace, env: dict[str, str]) -> None:
+    """Launch the workers (``env``: memory.py's worker environment), then print the table."""
+    check_activation_args(args)
+    with tempfile.TemporaryDirectory(prefix="memory-activations-") as tmp:
+        print(f"  {len(ACTIVATION_LAYOUTS)} layouts on {ACTIVATION_RANKS} ranks ...", file=sys.stderr, flush=True)
+        ranks = launch_activations(args, Path(tmp), env)
+    print(describe_activations(args))
+    print(format_activation_table(ranks))
+    print(activation_footer())
