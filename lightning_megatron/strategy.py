@@ -98,7 +98,7 @@ class Megatron3DStrategy(CheckpointHooks, StepHooks, ParallelStrategy):
     Args:
         tensor_parallel_size: ranks that split each layer (Megatron's column/row split); keep it within a node.
         pipeline_parallel_size: pipeline ranks; the model needs ``pipeline_blocks()``.
-        data_parallel_size: model replicas; ``"auto"`` takes ``world_size / (tp * pp)``.
+        data_parallel_size: model replicas; ``"auto"`` takes ``world_size / (tp * cp * pp)``.
         sequence_parallel: also split LayerNorm/dropout activations along the sequence over tp.
         context_parallel_size: ranks that split every sample's sequence (long context): each holds two of
             ``2 * cp`` chunks (Megatron's causal load balancing), attention is exact over the whole sequence
