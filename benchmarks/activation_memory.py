@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from lightning_megatron.models.gpt import GPT
-from throughput import MIB
+from throughput import MIB, format_rows
 
 ACTIVATION_RANKS = 4  # every activation layout runs over the same four processes, dp filling what it leaves
 ENTRY = Path(__file__).resolve().with_name("memory.py")
@@ -236,11 +236,7 @@ def format_activation_table(ranks: list[dict]) -> str:
             f"{worst['bytes'] / min(m['bytes'] for m in mine):.3f}",
             f"{worst['loss']:.4f}",
         ])
-    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
-    lines = [" | ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths)))
-             for row in rows]
-    lines.insert(1, "-+-".join("-" * w for w in widths))
-    return "\n".join(lines)
+    return format_rows(rows)
 
 
 def describe_activations(args: argparse.Namespace) -> str:

@@ -52,7 +52,7 @@ from lightning_megatron import Megatron3DStrategy
 from lightning_megatron.models.gpt import GPT
 from lightning_megatron.models.transformer import TransformerLayer
 from memory import FullyShardedGPT
-from throughput import MIB, REPO_ROOT, DTensorGPT, SyntheticTokens, gpt_config
+from throughput import DTensorGPT, MIB, REPO_ROOT, SyntheticTokens, format_rows, gpt_config
 
 DCP_SHARD_FILE = re.compile(r"__(\d+)_\d+\.distcp")  # torch's FileSystemWriter: __<rank>_<file>.distcp
 
@@ -382,12 +382,7 @@ def format_table(args: argparse.Namespace, variants: list[Variant], results: dic
                      f"{statistics.median(s['resume']):.2f}", restored_text(results[v.key]),
                      f"{s['min_rank'] / MIB:.2f}-{s['max_rank'] / MIB:.2f}", f"{s['small'] / 1024:.1f}",
                      f"{s['total'] / MIB:.2f}", ratio(v.key, "save"), ratio(v.key, "load"), ratio(v.key, "max_rank")])
-    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
-    left = {0, 1, 5}  # the text columns
-    lines = [" | ".join(cell.ljust(w) if i in left else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths)))
-             for row in rows]
-    lines.insert(1, "-+-".join("-" * w for w in widths))
-    return "\n".join(lines)
+    return format_rows(rows, left={0, 1, 5})
 
 
 def describe(args: argparse.Namespace, results: dict[str, dict]) -> str:

@@ -51,7 +51,7 @@ from lightning_megatron import Megatron3DStrategy
 from lightning_megatron.models.gpt import GPT
 from lightning_megatron.models.transformer import TransformerLayer
 from activation_memory import activation_worker, activations_main
-from throughput import MIB, REPO_ROOT, PeakMemory, Run, Stopwatch, StopwatchCallback, SyntheticTokens, make_module, total_steps
+from throughput import MIB, PeakMemory, REPO_ROOT, Run, Stopwatch, StopwatchCallback, SyntheticTokens, format_rows, make_module, total_steps
 
 DATA_PARALLEL_SIZE = 2
 CATEGORIES = ("parameters", "gradients", "main_parameters", "optimizer_state")
@@ -347,11 +347,7 @@ def format_table(args: argparse.Namespace, configurations: list[Configuration], 
     header = ["configuration", "Ψ/rank", "params MiB", "grads MiB", "main params MiB", "optim MiB", "total MiB",
               "ZeRO formula", "formula MiB", "total/formula", "peak MiB/rank", "tokens/s", "last loss"]
     rows = [header] + [table_row(args, c, results[c.key]) for c in configurations]
-    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
-    lines = [" | ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths)))
-             for row in rows]
-    lines.insert(1, "-+-".join("-" * w for w in widths))
-    return "\n".join(lines)
+    return format_rows(rows)
 
 
 def describe(args: argparse.Namespace) -> str:

@@ -54,6 +54,7 @@ from lightning_megatron.models.gpt import GPT, GPTConfig, GPTModel
 from lightning_megatron.models.mlp import GatedMLP
 from lightning_megatron.models.moe import MoEConfig, update_expert_biases
 from lightning_megatron.models.router import TopKRouter
+from throughput import format_rows
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 MIB = 2**20
@@ -456,15 +457,6 @@ def _grouped_table(args: argparse.Namespace) -> str:
         "Verdict: " + verdict,
     ]
     return format_rows(rows) + "\n" + "\n".join(f"* {note}" for note in notes)
-
-
-# ---------------------------------------------------------------------------- output
-def format_rows(rows: list[list[str]]) -> str:
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    lines = [" | ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths)))
-             for row in rows]
-    lines.insert(1, "-+-".join("-" * w for w in widths))
-    return "\n".join(lines)
 
 
 def main() -> None:

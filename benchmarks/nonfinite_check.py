@@ -42,7 +42,7 @@ import lightning as L
 import torch
 
 from lightning_megatron import Megatron3DStrategy
-from throughput import REPO_ROOT, Stopwatch, StopwatchCallback, gpt_config, make_loader, make_module
+from throughput import REPO_ROOT, Stopwatch, StopwatchCallback, format_rows, gpt_config, make_loader, make_module
 
 MODELS = {"tiny": {"hidden": 64, "layers": 4, "heads": 4}, "wide": {"hidden": 256, "layers": 4, "heads": 8}}
 CLIP = 1.0
@@ -175,11 +175,7 @@ def format_table(args: argparse.Namespace, ranks: list[dict]) -> str:
                          f"{min(on_s) / min(off_s):.3f}", f"{min(ratios):.3f}-{max(ratios):.3f}",
                          f"{(min(on_s) - min(off_s)) * 1e3:+.2f}", f"{norm_off:.3f}", f"{norm_on:.3f}",
                          "yes" if same else "NO"])
-    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
-    lines = [" | ".join(cell.ljust(w) if i < 3 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths)))
-             for row in rows]
-    lines.insert(1, "-+-".join("-" * w for w in widths))
-    return "\n".join(lines)
+    return format_rows(rows, left=range(3))
 
 
 def describe(args: argparse.Namespace) -> str:

@@ -39,7 +39,7 @@ import time
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Iterable, Optional
 
 import lightning as L
 import torch
@@ -580,6 +580,17 @@ def table_row(args: argparse.Namespace, variant: Variant, summary: Summary, base
     return row
 
 
+def format_rows(rows: list[list[str]], left: Iterable[int] = (0,)) -> str:
+    """``rows`` (the header first) as a text table: columns padded to their widest cell, the ``left`` ones (text)
+    left-aligned and the rest (numbers) right-aligned, a rule under the header. Every benchmark prints with it."""
+    left = set(left)
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = [" | ".join(cell.ljust(w) if i in left else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths)))
+             for row in rows]
+    lines.insert(1, "-+-".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
 def format_table(args: argparse.Namespace, jobs: list[Job], runs: dict[Job, list[Run]]) -> str:
     """One row per job; with several models a leading ``model`` column, each model's ratios against its own rows."""
     summaries = {(model, variant.key): Summary.of(job_runs) for (model, variant), job_runs in runs.items()}
@@ -591,11 +602,7 @@ def format_table(args: argparse.Namespace, jobs: list[Job], runs: dict[Job, list
     rows = [header] + [[model] * several + table_row(for_model(args, model), variant, summaries[(model, variant.key)],
                                                      summaries.get((model, variant.baseline)))
                        for model, variant in jobs]
-    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
-    lines = [" | ".join(cell.ljust(w) if i <= several else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths)))
-             for row in rows]
-    lines.insert(1, "-+-".join("-" * w for w in widths))
-    return "\n".join(lines)
+    return format_rows(rows, left=range(several + 1))
 
 
 def describe_model(args: argparse.Namespace) -> str:

@@ -58,6 +58,9 @@ def test_split_batch_cuts_by_position_and_keeps_key_masks_whole_in_ring_order():
     assert part["position_ids"][1].tolist() == [4, 5, 6, 7, 8, 9, 10, 11]
     assert (part["attention_mask"][0] - 200).tolist() == [0, 1, 2, 3, 12, 13, 14, 15, 4, 5, 6, 7, 8, 9, 10, 11]
     assert torch.equal(part["sentence_order_label"], batch["sentence_order_label"])
+    without_types = split_batch({"input_ids": batch["input_ids"], "labels": batch["labels"]},
+                                BERT(BERT_CONFIG).sequence_inputs(), 2, 1)  # BERT's token types are optional
+    assert without_types["input_ids"][0].tolist() == [4, 5, 6, 7, 8, 9, 10, 11] and "token_type_ids" not in without_types
     restarting = {**batch, "position_ids": torch.arange(16).repeat(2, 1) % 5}  # cut too, not replaced
     assert split_batch(restarting, inputs, 2, 1)["position_ids"][0].tolist() == [4, 0, 1, 2, 3, 4, 0, 1]
 

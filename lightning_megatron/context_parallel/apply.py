@@ -14,13 +14,13 @@ from lightning_megatron.context_parallel.inputs import SequenceInputs, split_bat
 from lightning_megatron.parallel.state import ParallelState
 
 
-def apply_context_parallel(module: nn.Module, state: ParallelState, variant: str = "ring") -> int:
+def apply_context_parallel(module: nn.Module, state: ParallelState, variant: str = "ring") -> None:
     """Install ring (or all-gather) attention over the context-parallel group in every ``CoreAttention`` of
-    ``module``; returns how many. Raises, on every rank alike, when the model's attention is not ours or
+    ``module``. Raises, on every rank alike, when the model's attention is not ours or
     uses attention dropout (which the split attention does not draw)."""
     size = state.config.context_parallel_size
     if size == 1:
-        return 0
+        return
     cores = [(name, m) for name, m in module.named_modules() if _offers_hook(m)]
     if not cores:
         raise ValueError(
@@ -37,7 +37,6 @@ def apply_context_parallel(module: nn.Module, state: ParallelState, variant: str
     attention = ContextParallelAttention(state.context_parallel_group, variant)
     for _, core in cores:
         core.context_parallel = attention
-    return len(cores)
 
 
 def _offers_hook(module: nn.Module) -> bool:

@@ -30,7 +30,7 @@ from torch import Tensor
 class SequenceInputs:
     """The entries of a model's batch dictionary that have a sequence dimension (dim 1).
 
-    ``split``: cut into this rank's chunks. ``key_masks``: ``[B, S]`` key-padding masks, kept whole in the
+    ``split``: cut into this rank's chunks (the first must be in every batch, e.g. the tokens). ``key_masks``: ``[B, S]`` key-padding masks, kept whole in the
     ring's order. ``positions``: the entry the global positions of the rank's tokens go to (cut if the batch
     has it, e.g. positions that restart at each document; made from ``arange(S)`` otherwise).
     ``refused``: entries the model cannot take under context parallelism, with the reason and the fix.
@@ -80,10 +80,9 @@ def split_batch(batch: Mapping[str, object], inputs: SequenceInputs, size: int, 
     if not isinstance(batch, Mapping):
         raise TypeError(f"Context parallelism cuts dictionary batches by the names {model_name}.sequence_inputs() "
                         f"declares; this batch is a {type(batch).__name__}.")
-    missing = [name for name in inputs.split if name != inputs.positions and name not in batch]
-    if missing or not inputs.split:
-        raise ValueError(f"{model_name}.sequence_inputs() names {missing or 'no'} entries to split, which the batch "
-                         f"(keys {sorted(batch)}) does not have.")
+    if not inputs.split or inputs.split[0] not in batch:  # the others are optional (BERT's token types)
+        raise ValueError(f"{model_name}.sequence_inputs() names {inputs.split[:1] or 'no'} as the first entry to "
+                         f"split, which the batch (keys {sorted(batch)}) does not have.")
     reference = batch[inputs.split[0]]
     seq_length = reference.shape[1]
     declared = {*inputs.split, *inputs.key_masks, inputs.positions}

@@ -16,7 +16,7 @@ import re
 import torch
 import torch.distributed as dist
 
-from layout_runs import run_layouts
+from layout_runs import run_layouts, start_worker_pipeline
 from collective_counter import CollectiveCounter
 from cp_setup import MODELS, bert_setup, gpt_setup, model_batches, model_loss
 from lightning_megatron.checkpoint import gather_full_state_dict, merge_pipeline_stages
@@ -25,7 +25,7 @@ from lightning_megatron.optim.nonfinite import NonFiniteCheck
 from lightning_megatron.optim.step import build_step_gradients
 from lightning_megatron.parallel import ParallelConfig, ParallelState, TensorParallelRNG
 from lightning_megatron.parallel.initialize import initialize_parameters
-from lightning_megatron.preparation import apply_recompute, prepare_context_parallel, split_pipeline, start_pipeline
+from lightning_megatron.preparation import apply_recompute, prepare_context_parallel, split_pipeline
 from lightning_megatron.tensor_parallel import parallelize
 
 LAYOUT = re.compile(r"(\w+)-cp(\d+)(?:-pp(\d+))?-tp(\d+)-dp(\d+)(-sp)?(?:-mb(\d+))?(?:-z(\d))?(?:-(rc|sel))?(-ag)?")
@@ -57,15 +57,7 @@ def build(name: str, config: ParallelConfig, micro_batches: int, recompute: str,
                                 bucket_size_mb=0.01, offload=False, device=torch.device("cpu"))
     root, runner = module.model, None
     if split is not None:
-        per_rank = GLOBAL_BATCH // config.data_parallel_size
-
-        def before_backward(count, tokens):
-            step.sync.start_micro_batch(sync=True, backward_passes=count)
-            runner.loss_scale = step.backward_scale(tokens, accumulation=1, loss_scale=1.0)
-
-        runner = start_pipeline(split, state, device=torch.device("cpu"), schedule="1f1b",
-                                micro_batch_size=per_rank // micro_batches, recorder=None,
-                                before_backward=before_backward)
+        runner = start_worker_pipeline(split, state, step, GLOBAL_BATCH // config.data_parallel_size // micro_batches)
     return state, module, root, opt, step, runner, splitter
 
 

@@ -1,5 +1,6 @@
-"""The main loop of the layout workers: every layout named on the command line, one after another, over the same
-processes (starting processes and importing Lightning costs ~10 s a launch).
+"""What the layout workers share: the main loop (every layout named on the command line, one after another, over the
+same processes: starting processes and importing Lightning costs ~10 s a launch), and the pipeline schedule wired
+to the step's gradient bookkeeping as the strategy wires it.
 
 ``run_layouts(train, tools)``: argv is ``OUT_DIR LAYOUTS`` (a comma list). A layout starting with one of ``tools``'
 prefixes goes to that function, whose result is this rank's entry; any other goes to ``train(layout) -> (losses,
@@ -33,3 +34,18 @@ def run_layouts(train: Callable, tools: Mapping[str, Callable] = {}) -> None:
     (out_dir / f"rank{rank}.json").write_text(json.dumps(summary))
     dist.barrier()
     os._exit(0)  # skip gloo's C++ teardown: with several meshes alive it aborts at random (torch 2.13)
+
+
+def start_worker_pipeline(split, state, step, micro_batch_size: int):
+    """``preparation.start_pipeline`` (1F1B) with the strategy's ``before_backward``: the gradient buckets expect one
+    backward per micro-batch, and the schedule scales each loss sum by ``step``'s backward scale."""
+    from lightning_megatron.preparation import start_pipeline
+
+    def before_backward(count, tokens):
+        step.sync.start_micro_batch(sync=True, backward_passes=count)
+        runner.loss_scale = step.backward_scale(tokens, accumulation=1, loss_scale=1.0)
+
+    runner = start_pipeline(split, state, device=torch.device("cpu"), schedule="1f1b",
+                            micro_batch_size=micro_batch_size, recorder=None, before_backward=before_backward)
+    return runner
+
