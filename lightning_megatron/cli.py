@@ -23,6 +23,7 @@ import lightning_megatron  # noqa: F401  (registers the "megatron_3d" strategy)
 from lightning_megatron.checkpoint.commands import main as checkpoint_main
 from lightning_megatron.data.preprocess import main as preprocess_main
 from lightning_megatron.generation.cli import main as generate_main
+from lightning_megatron.plan.command import main as plan_main
 from lightning_megatron.data.preprocess import train_tokenizer_main
 
 # name -> (one-line help, main(argv) function); each tool parses its own arguments.
@@ -32,6 +33,8 @@ TOOLS: dict[str, tuple[str, Callable[[Sequence[str]], None]]] = {
     "train-tokenizer": ("train a byte-level BPE or BERT WordPiece tokenizer.json", train_tokenizer_main),
     "checkpoint": ("inspect, consolidate or convert (Hugging Face) a checkpoint, sharded or full", checkpoint_main),
     "generate": ("continue prompts with a GPT from a checkpoint or a Hugging Face directory (KV cache)", generate_main),
+    "plan": ("predict memory per GPU and step time of every valid layout of a config on N GPUs; write the best",
+             plan_main),
 }
 
 

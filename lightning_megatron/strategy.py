@@ -47,7 +47,7 @@ from lightning_megatron.optim.strategy_hooks import StepHooks
 from lightning_megatron.optim.step import StepGradients, build_step_gradients
 from lightning_megatron.optim.zero3 import ZeRO3
 from lightning_megatron.optim.main_params import MainParamOptimizer
-from lightning_megatron.parallel.config import ParallelConfig
+from lightning_megatron.parallel.config import ParallelConfig, requested_layout
 from lightning_megatron.parallel.diagnostics import (
     DEFAULT_TIMEOUT,
     PhaseRecord,
@@ -75,6 +75,7 @@ from lightning_megatron.checkpoint.training_state import (
     set_rng_state,
 )
 from lightning_megatron.pipeline.layout import check_schedule
+from lightning_megatron.plan.auto import AUTO_SIZES, choose_sizes
 from lightning_megatron.pipeline.runner import PipelineRunner
 from lightning_megatron.pipeline.timeline import TimelineRecorder
 from lightning_megatron.preparation import (
@@ -97,6 +98,10 @@ class Megatron3DStrategy(CheckpointHooks, StepHooks, ParallelStrategy):
 
     Args:
         tensor_parallel_size: ranks that split each layer (Megatron's column/row split); keep it within a node.
+            Any of the sizes (tensor, pipeline, virtual pipeline, context, expert parallel) may be ``"auto"``:
+            the layout planner (``lightning_megatron.plan``) then chooses them, on every rank alike, as the
+            layout that fits the devices with the most predicted tokens/s, keeping the other arguments, and logs
+            its choice (``strategy.auto_choice``).
         pipeline_parallel_size: pipeline ranks; the model needs ``pipeline_blocks()``.
         data_parallel_size: model replicas; ``"auto"`` takes ``world_size / (tp * cp * pp)``.
         sequence_parallel: also split LayerNorm/dropout activations along the sequence over tp.
@@ -164,15 +169,15 @@ class Megatron3DStrategy(CheckpointHooks, StepHooks, ParallelStrategy):
 
     def __init__(
         self,
-        tensor_parallel_size: int = 1,
-        pipeline_parallel_size: int = 1,
+        tensor_parallel_size: Union[int, str] = 1,
+        pipeline_parallel_size: Union[int, str] = 1,
         data_parallel_size: Union[int, str] = "auto",
         sequence_parallel: bool = False,
         zero_stage: int = 0,
         *,
-        virtual_pipeline_size: int = 1,
-        expert_parallel_size: int = 1,
-        context_parallel_size: int = 1,
+        virtual_pipeline_size: Union[int, str] = 1,
+        expert_parallel_size: Union[int, str] = 1,
+        context_parallel_size: Union[int, str] = 1,
         context_parallel_attention: str = "ring",
         pipeline_schedule: str = "1f1b",
         micro_batch_size: int = 1,
@@ -203,8 +208,6 @@ class Megatron3DStrategy(CheckpointHooks, StepHooks, ParallelStrategy):
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
         )
-        if data_parallel_size != "auto" and (not isinstance(data_parallel_size, int) or data_parallel_size < 1):
-            raise ValueError(f"data_parallel_size must be a positive integer or 'auto', got {data_parallel_size!r}.")
         if activation_checkpointing not in RECOMPUTE_MODES:
             raise ValueError(
                 f"activation_checkpointing={activation_checkpointing!r} is not one of {RECOMPUTE_MODES}."
@@ -216,7 +219,8 @@ class Megatron3DStrategy(CheckpointHooks, StepHooks, ParallelStrategy):
         self.context_parallel_attention = context_parallel_attention
         if micro_batch_size < 1:
             raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}.")
-        check_schedule(pipeline_schedule, virtual_pipeline_size)
+        check_schedule(pipeline_schedule, virtual_pipeline_size if virtual_pipeline_size != "auto"
+                       else 2 if pipeline_schedule == "interleaved_1f1b" else 1)
         if pad_vocab_to_multiple_of < 1:
             raise ValueError(f"pad_vocab_to_multiple_of must be >= 1, got {pad_vocab_to_multiple_of}.")
         if checkpoint_format not in CHECKPOINT_FORMATS:
@@ -226,28 +230,11 @@ class Megatron3DStrategy(CheckpointHooks, StepHooks, ParallelStrategy):
         self.checkpoint_format = checkpoint_format
         self.checkpoint_checksums, self.verify_checkpoint = checkpoint_checksums, verify_checkpoint
         self._background_saver = BackgroundSaver() if async_checkpoint else None
-        # Validate what can be validated before any process exists.
-        ParallelConfig(
-            tensor_parallel_size=tensor_parallel_size,
-            pipeline_parallel_size=pipeline_parallel_size,
-            data_parallel_size=expert_parallel_size if data_parallel_size == "auto" else data_parallel_size,
-            sequence_parallel=sequence_parallel,
-            zero_stage=zero_stage,
-            virtual_pipeline_size=virtual_pipeline_size,
-            expert_parallel_size=expert_parallel_size,
-            context_parallel_size=context_parallel_size,
-        )
-        self._requested = dict(
-            tensor_parallel_size=tensor_parallel_size,
-            pipeline_parallel_size=pipeline_parallel_size,
-            data_parallel_size=data_parallel_size,
-            sequence_parallel=sequence_parallel,
-            zero_stage=zero_stage,
-            virtual_pipeline_size=virtual_pipeline_size,
-            pipeline_layers_per_stage=tuple(pipeline_layers_per_stage) if pipeline_layers_per_stage else None,
-            expert_parallel_size=expert_parallel_size,
-            context_parallel_size=context_parallel_size,
-        )
+        self._requested = requested_layout(  # checked as far as it can be before any process exists
+            tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
+            data_parallel_size=data_parallel_size, sequence_parallel=sequence_parallel, zero_stage=zero_stage,
+            virtual_pipeline_size=virtual_pipeline_size, pipeline_layers_per_stage=pipeline_layers_per_stage,
+            expert_parallel_size=expert_parallel_size, context_parallel_size=context_parallel_size)
         self.pipeline_schedule = pipeline_schedule
         self.micro_batch_size = micro_batch_size
         self.bucket_size_mb = bucket_size_mb
@@ -276,6 +263,7 @@ class Megatron3DStrategy(CheckpointHooks, StepHooks, ParallelStrategy):
         self._blocking_sync = False
         self._micro_batch_weight: Tensor | float = 1.0
         self._batch_splitter: Optional[BatchSplitter] = None
+        self.auto_choice = None  # what the planner chose for "auto" sizes (lightning_megatron.plan.auto.AutoChoice)
 
     # ------------------------------------------------------------------ layout
     @property
@@ -327,6 +315,8 @@ class Megatron3DStrategy(CheckpointHooks, StepHooks, ParallelStrategy):
         check_process_count(self.cluster_environment, self.num_processes, self.num_nodes)
         super().setup_environment()
         self.set_world_ranks()
+        if any(self._requested[name] == "auto" for name in AUTO_SIZES):
+            self._choose_auto_sizes()  # the same on every rank, before any process group
         config = ParallelConfig.for_world(self.world_size, **self._requested)
         validate = getattr(self.lightning_module, "validate_parallel_config", None)
         if validate is not None:
@@ -346,6 +336,28 @@ class Megatron3DStrategy(CheckpointHooks, StepHooks, ParallelStrategy):
         torch.manual_seed(self._seed + 100 * self._parallel_state.pipeline_parallel_rank)
         self._rng = TensorParallelRNG(self._seed, self._parallel_state.tensor_parallel_rank, self.root_device)
         rank_zero_info(layout_line(config, self.pipeline_schedule, self.micro_batch_size, self.world_size))
+
+    def _choose_auto_sizes(self) -> None:
+        """The layout planner fills the ``"auto"`` sizes (``lightning_megatron.plan.auto``) and says why."""
+        module = self.lightning_module
+        trainer = getattr(module, "_trainer", None)
+        datamodule = getattr(trainer, "datamodule", None)
+        settings = dict(zero_stage=self._requested["zero_stage"], sequence_parallel=self._requested["sequence_parallel"],
+                        activation_checkpointing=self.activation_checkpointing, offload_optimizer=self.offload_optimizer,
+                        micro_batch_size=self.micro_batch_size)
+        if self.pipeline_schedule != "1f1b":  # 1F1B (the default) may become interleaved 1F1B for virtual stages
+            settings["pipeline_schedule"] = self.pipeline_schedule
+        choice = choose_sizes(module, self._requested, world_size=self.world_size, device=self.root_device,
+                              gpus_per_node=self.num_processes, global_batch_size=getattr(datamodule, "global_batch_size", None),
+                              seq_length=getattr(datamodule, "seq_length", None),
+                              precision=str(getattr(self.precision_plugin, "precision", "32-true")), settings=settings,
+                              accumulate_grad_batches=getattr(trainer, "accumulate_grad_batches", 1),
+                              bucket_size_mb=self.bucket_size_mb, pad_vocab_to_multiple_of=self.pad_vocab_to_multiple_of)
+        self._requested.update(choice.sizes)
+        if self.pipeline_schedule == "1f1b" and choice.pipeline_schedule != "1f1b":
+            self.pipeline_schedule = choice.pipeline_schedule  # interleaving for the virtual stages it chose
+        self.auto_choice = choice
+        rank_zero_info(choice.message)
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:

@@ -27,40 +27,49 @@ def test_every_config_parses(config, capsys):
     assert "lightning_megatron.Megatron3DStrategy" in printed and "class_path: lightning_megatron.models." in printed
 
 
-MODEL_STATE = """
-import json, pathlib, sys, importlib.util
-spec = importlib.util.spec_from_file_location("model_state", sys.argv[1])
-module = importlib.util.module_from_spec(spec)
-sys.modules["model_state"] = module  # dataclasses look their module up there
-spec.loader.exec_module(module)
+PLAN_CONFIGS = """
+import json, pathlib, sys, yaml
+from lightning_megatron.plan import GPUS
+from lightning_megatron.plan.command import configured_layout, planner_from_config
+from lightning_megatron.plan.layout import check_layout
 numbers = {}
-for path in sys.argv[2:]:
-    report = module.report(pathlib.Path(path))
+for path in sys.argv[1:]:
+    config = yaml.safe_load(pathlib.Path(path).read_text())
+    trainer = config["trainer"]
+    gpus = trainer.get("devices", 1) * trainer.get("num_nodes", 1)
+    planner = planner_from_config(config, gpus=gpus, hardware=GPUS["a100"])
+    layout = configured_layout(config, gpus, planner.workload)
+    check_layout(layout, planner.workload, planner.module, planner.shape.num_layers)  # the strategy's checks
+    ranks = planner.rank_memory(layout)
+    inventory = planner.inventory(layout.tensor_parallel_size, layout.expert_parallel_size)
+    held = [inventory.rank_parameters(pipeline_parallel_size=layout.pipeline_parallel_size,
+                                      virtual_pipeline_size=layout.virtual_pipeline_size, pipeline_rank=r)
+            for r in range(layout.pipeline_parallel_size)]
     numbers[pathlib.Path(path).stem] = {
-        "peak_state": sum(report.model_state(report.peak_rank).values()),
-        "peak_total": max(sum(report.model_state(r).values()) + report.activations(r) for r in report.ranks),
-        "layers": [r.layers for r in report.ranks], "peak_parameters": report.peak_rank.parameters}
+        "peak_state": max(sum(rank.model_state_bytes.values()) for rank in ranks),
+        "peak_total": max(rank.total for rank in ranks),
+        "layers": [len({n.split(".")[2] for p in rank for n in p.entry.names if ".blocks." in n}) for rank in held],
+        "peak_parameters": max(sum(p.entry.numel for p in rank) for rank in held)}
 print(json.dumps(numbers))
 """
 
 
-def model_state_numbers(paths) -> dict:
-    """What configs/model_state.py counts for each config. It plays every rank over torch's fake process group,
-    which needs a process without a default group (earlier tests in this one may have made one): a fresh one."""
-    result = subprocess.run([sys.executable, "-c", MODEL_STATE, str(REPO / "configs" / "model_state.py"),
-                             *map(str, paths)], capture_output=True, text=True, timeout=300, env=child_env())
+def planned_configs(paths) -> dict:
+    """What the layout planner predicts for each config's own layout (``lightning-megatron plan --as-configured``).
+    It builds every rank's shards over torch's fake process group, which needs a process without a default group
+    (earlier tests in this one may have made one): a fresh one."""
+    result = subprocess.run([sys.executable, "-c", PLAN_CONFIGS, *map(str, paths)], capture_output=True, text=True,
+                            timeout=300, env=child_env())
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(result.stdout.splitlines()[-1])
 
 
-def test_every_config_layout_validates_and_the_large_ones_fit_80_gb_gpus():
-    """configs/model_state.py builds every rank's shards on the meta device (as the strategy does) and
-    runs the strategy's layout checks; the per-GPU numbers it prints are the ones in the YAML comments."""
-    reports = model_state_numbers(sorted((REPO / "configs").glob("*.yaml")))
+def test_every_config_layout_validates_and_fits_its_gpus():
+    """The planner runs the strategy's layout checks on every config and predicts its memory per GPU: each fits an
+    80 GB GPU (A100), the byte-exact model states and the predicted activations together."""
+    reports = planned_configs(sorted((REPO / "configs").glob("*.yaml")))
     for name, report in reports.items():
-        assert report["peak_state"] < 80 * 2**30, (name, report)
-        if name.startswith(("llama-3", "mistral", "qwen")):  # with the rough activation estimate, too
-            assert report["peak_total"] < 72 * 2**30, (name, report)
+        assert report["peak_total"] < 80 * 10**9, (name, report)
     report = reports["llama-3.1-70b"]
     assert report["layers"] == [20] * 4
     assert report["peak_parameters"] == 2_271_551_488  # 20 layers / 8 + the output layer / 8 + the final norm
@@ -106,8 +115,8 @@ def test_default_run_trains_with_tensor_parallelism_and_saves_a_layout_free_chec
     assert "tp=2 pp=1 dp=1" in result.stdout + result.stderr
     # The console command, warnings shown: no warning that LightningCLI got both `args` and a command line.
     assert ARGS_WARNING not in result.stderr, result.stderr[-3000:]
-    # What the strategy reports after the first step is what configs/model_state.py predicts for the config.
-    total = model_state_numbers([CONFIG])[CONFIG.stem]["peak_state"]
+    # What the strategy reports after the first step is what the planner predicts for the config.
+    total = planned_configs([CONFIG])[CONFIG.stem]["peak_state"]
     lines = [line for line in (result.stdout + result.stderr).splitlines() if "model state" in line]
     assert len(lines) == 1 and lines[0].startswith("model state per rank"), lines  # one line, not one per rank
     assert lines[0].endswith(f"(total {total / 2**20:.2f} MiB)"), lines

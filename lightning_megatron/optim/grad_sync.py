@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Iterator, NamedTuple, Optional, Sequence
+from typing import Callable, Iterator, NamedTuple, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -68,6 +68,41 @@ def sum_tokens(num_tokens: Tensor, group: Optional[dist.ProcessGroup], device, a
     if group is not None:
         dist.all_reduce(packed, group=group)
     return packed[0], None if also_sum is None else packed[1:]
+
+
+def cut_buckets(params: Sequence, *, bucket_bytes: int, group_of: Callable, own_bucket: set[int]) -> list[list]:
+    """The bucket layout: ``params`` (anything with ``numel()``, ``element_size()`` and ``dtype``, so the planner
+    can lay out parameters it never allocates) cut in reverse order, roughly the order backward produces their
+    gradients, into runs of at least ``bucket_bytes``. A new bucket starts at a change of reduction group (experts'
+    buckets hold only experts: they are reduced over another group) or dtype; a parameter whose ``id`` is in
+    ``own_bucket`` (a pipeline-tied embedding) gets a bucket of its own, so that its layout, hence its owned slice,
+    is the same on the first and the last stage."""
+    buckets: list[list] = []
+    pending: list = []
+    size = 0
+    for param in reversed(list(params)):
+        alone = id(param) in own_bucket
+        other_group = pending and group_of(param) is not group_of(pending[0])
+        if pending and (alone or other_group or param.dtype != pending[0].dtype or size >= bucket_bytes):
+            buckets.append(pending)
+            pending, size = [], 0
+        pending.append(param)
+        size += param.numel() * param.element_size()
+        if alone:
+            buckets.append(pending)
+            pending, size = [], 0
+    if pending:
+        buckets.append(pending)
+    return buckets
+
+
+def bucket_numel(total: int, group_size: int, zero_stage: int) -> tuple[int, int]:
+    """``(numel, shard_numel)`` of a bucket of ``total`` gradient elements reduced over ``group_size`` ranks: under
+    ZeRO the bucket is padded to a multiple of the group so that every rank owns an equal slice."""
+    if not zero_stage:
+        return total, total
+    numel = math.ceil(total / group_size) * group_size
+    return numel, numel // group_size
 
 
 def _reduce_scatter(out: Tensor, full: Tensor, group: dist.ProcessGroup) -> dist.Work:
@@ -150,24 +185,9 @@ class GradientSynchronizer:
 
     # ---------------------------------------------------------------- layout
     def _build_buckets(self, bucket_bytes: int, own_bucket: set[int]) -> None:
-        """Reverse order; a pipeline-tied embedding gets a bucket of its own so that its layout (and
-        hence its owned slice) is the same on the first and the last stage; experts' buckets hold only
-        experts (they are reduced over another group)."""
-        pending: list[nn.Parameter] = []
-        size = 0
-        for param in reversed(self.params):
-            alone = id(param) in own_bucket
-            other_group = pending and self._group_of(param) is not self._group_of(pending[0])
-            if pending and (alone or other_group or param.dtype != pending[0].dtype or size >= bucket_bytes):
-                self._add_bucket(pending)
-                pending, size = [], 0
-            pending.append(param)
-            size += param.numel() * param.element_size()
-            if alone:
-                self._add_bucket(pending)
-                pending, size = [], 0
-        if pending:
-            self._add_bucket(pending)
+        for params in cut_buckets(self.params, bucket_bytes=bucket_bytes, group_of=self._group_of,
+                                  own_bucket=own_bucket):
+            self._add_bucket(params)
 
     def _group_of(self, param: nn.Parameter) -> Optional[dist.ProcessGroup]:
         if getattr(param, "expert_parallel", False):
@@ -181,11 +201,8 @@ class GradientSynchronizer:
             total += param.numel()
         group = self._group_of(params[0])
         size, rank = (1, 0) if group is None else (dist.get_world_size(group), dist.get_rank(group))
-        if self.zero_stage:
-            numel = math.ceil(total / size) * size
-            shard_start, shard_numel = rank * (numel // size), numel // size
-        else:
-            numel, shard_start, shard_numel = total, 0, total  # every rank "owns" everything
+        numel, shard_numel = bucket_numel(total, size, self.zero_stage)
+        shard_start = rank * shard_numel if self.zero_stage else 0  # stage 0: every rank "owns" everything
         bucket = _Bucket(group=group, params=params, offsets=offsets, numel=numel, dtype=params[0].dtype,
                          device=params[0].device, shard_start=shard_start, shard_numel=shard_numel)
         if self.zero_stage < 2:

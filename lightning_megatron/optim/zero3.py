@@ -313,7 +313,9 @@ class ZeRO3:
         nbytes = lambda t: local_tensor(t).numel() * local_tensor(t).element_size()  # noqa: E731
         return {
             "parameters": sum(nbytes(p) for p in params),
-            "gradients": sum(nbytes(p.grad) for p in params if p.grad is not None),
+            # What the gradient shards take from backward to zero_grad (like LocalGradients: whether or not they are
+            # held right now, e.g. after Lightning's zero_grad): each trainable parameter's shard, in fp32.
+            "gradients": sum(nbytes(p) for p in params if p.requires_grad),
             "optimizer_state": sum(nbytes(v) for v in state),
         }
 

@@ -7,7 +7,7 @@ reported by every rank with the same message before any process group exists.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional, Sequence
 
 def _check_positive(name: str, value: object) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -155,3 +155,22 @@ class ParallelConfig:
         context_rank = rest % self.context_parallel_size
         rest //= self.context_parallel_size
         return rest // self.data_parallel_size, rest % self.data_parallel_size, context_rank, tensor_rank
+
+
+def requested_layout(*, tensor_parallel_size: int | str, pipeline_parallel_size: int | str,
+                     data_parallel_size: int | str, sequence_parallel: bool, zero_stage: int,
+                     virtual_pipeline_size: int | str, pipeline_layers_per_stage: Optional[Sequence[int]],
+                     expert_parallel_size: int | str, context_parallel_size: int | str) -> dict[str, Any]:
+    """``Megatron3DStrategy``'s layout arguments as given, checked as far as they can be before any process exists
+    (the world size is known only then): ``"auto"`` sizes, which the layout planner fills in, count as 1 here;
+    ``data_parallel_size="auto"`` takes what the others leave. What :meth:`ParallelConfig.for_world` takes."""
+    if data_parallel_size != "auto" and (not isinstance(data_parallel_size, int) or data_parallel_size < 1):
+        raise ValueError(f"data_parallel_size must be a positive integer or 'auto', got {data_parallel_size!r}.")
+    sizes = dict(tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
+                 virtual_pipeline_size=virtual_pipeline_size, expert_parallel_size=expert_parallel_size,
+                 context_parallel_size=context_parallel_size)
+    known = {name: 1 if value == "auto" else value for name, value in sizes.items()}
+    ParallelConfig(data_parallel_size=known["expert_parallel_size"] if data_parallel_size == "auto" else data_parallel_size,
+                   sequence_parallel=sequence_parallel and tensor_parallel_size != "auto", zero_stage=zero_stage, **known)
+    return dict(sizes, data_parallel_size=data_parallel_size, sequence_parallel=sequence_parallel, zero_stage=zero_stage,
+                pipeline_layers_per_stage=tuple(pipeline_layers_per_stage) if pipeline_layers_per_stage else None)

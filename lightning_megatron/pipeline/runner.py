@@ -102,7 +102,9 @@ class PipelineRunner:
         if training:
             if self.before_backward is not None:
                 self.before_backward(micro_batches, batch.num_tokens)
-            schedule.step(*inputs, target=batch.target, **batch.side)
+            # The loss sums arrive through pipeline_loss; keeping every micro-batch's output (the logits) to
+            # concatenate them at the end would hold m x [micro-batch, seq, vocab / tp] on the last stage.
+            schedule.step(*inputs, target=batch.target, return_outputs=False, **batch.side)
         else:
             # Lightning may validate under inference_mode; P2P buffers must be ordinary tensors.
             with torch.inference_mode(False), torch.no_grad():

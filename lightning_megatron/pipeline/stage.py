@@ -13,7 +13,8 @@ original's name) and stay equal (their gradients are summed over the embedding g
 
 from __future__ import annotations
 
-from typing import Sequence
+from dataclasses import dataclass
+from typing import Container, Sequence
 
 import torch
 from torch import nn
@@ -52,12 +53,44 @@ class StageModule(nn.Module):
         return self.root.head(x, **side) if self.is_last else x
 
 
+@dataclass(frozen=True)
+class StageContents:
+    """What a rank keeps of the root model for its pipeline stages: the keys of its layers in the
+    ``blocks.layers`` dict, and the first/last-stage submodules it drops. The planner asks it which
+    parameters a rank holds without building the rank."""
+
+    layers: str  # the ModuleDict's name, relative to the root
+    layer_keys: frozenset[str]
+    dropped: tuple[str, ...]
+
+    def keeps(self, name: str) -> bool:
+        """Whether the parameter (or submodule) ``name``, relative to the root, stays on this rank."""
+        prefix = self.layers + "."
+        if name.startswith(prefix):
+            return name[len(prefix):].split(".", 1)[0] in self.layer_keys
+        return not any(name == drop or name.startswith(drop + ".") for drop in self.dropped)
+
+
+def stage_contents(blocks: PipelineBlocks, stage_layers: list[list[int]], local_stages: list[int]) -> StageContents:
+    num_stages = len(stage_layers)
+    dropped = (() if 0 in local_stages else tuple(blocks.first)) + \
+        (() if num_stages - 1 in local_stages else tuple(blocks.last))
+    keys = frozenset(str(i) for stage in local_stages for i in stage_layers[stage])
+    return StageContents(blocks.layers, keys, dropped)
+
+
+def split_across_stages(names: Sequence[str], present: Container[str]) -> bool:
+    """A parameter registered under several ``names`` (a tied embedding) some of which another rank holds: its
+    gradient is summed with that rank's copy (``pipeline_tied``)."""
+    return len(names) > 1 and any(name not in present for name in names)
+
+
 def split_for_pipeline(
     root: nn.Module, blocks: PipelineBlocks, stage_layers: list[list[int]], local_stages: list[int]
 ) -> list[StageModule]:
     """Remove from ``root`` what this rank's ``local_stages`` do not run; return their ``StageModule``s."""
     num_stages = len(stage_layers)
-    has_first, has_last = 0 in local_stages, num_stages - 1 in local_stages
+    contents = stage_contents(blocks, stage_layers, local_stages)
     names_of: dict[int, list[str]] = {}
     for name, param in root.named_parameters(remove_duplicate=False):
         names_of.setdefault(id(param), []).append(name)
@@ -68,21 +101,16 @@ def split_for_pipeline(
             f"{blocks.layers} must be an nn.ModuleDict keyed by layer index so that a stage keeps global names; "
             f"got {type(layers).__name__}."
         )
-    local_layers = {str(i) for stage in local_stages for i in stage_layers[stage]}
     for key in list(layers.keys()):
-        if key not in local_layers:
+        if key not in contents.layer_keys:
             del layers[key]
-    if not has_first:
-        for name in blocks.first:
-            _set_submodule(root, name, None)
-    if not has_last:
-        for name in blocks.last:
-            _set_submodule(root, name, None)
+    for name in contents.dropped:
+        _set_submodule(root, name, None)
 
     present = {name for name, _ in root.named_parameters(remove_duplicate=False)}
     for name, param in root.named_parameters():
         original = names_of[id(param)]
-        if len(original) > 1 and any(other not in present for other in original):
+        if split_across_stages(original, present):
             param.pipeline_tied = True  # its partner lives on another stage: sum their gradients
             if name != original[0]:
                 param.tied_names = (name, original[0])  # initialise as the original; count it once in norms

@@ -1,0 +1,140 @@
+"""Activation memory per GPU: Korthikanti et al. 2022's accounting, term by term for this package's layers.
+
+Korthikanti et al. ("Reducing Activation Recomputation in Large Transformer Models", 2022) count, per
+layer and token, the tensors autograd keeps for backward: ``34 h`` bytes at 16 bits for a GPT-2 layer
+(layer norms 4h, attention 11h, MLP 19h) plus ``5 a s`` for the materialised scores, divided by ``t``
+where tensor and sequence parallelism split them, ``2 h`` under full recomputation. Our layers keep
+different tensors (flash attention: no ``s x s`` scores, but its output and log-sum-exp; no dropout mask
+when dropout is off; SwiGLU's gate and up; rotary's rotated queries and keys; grouped-query key/value
+heads), so the terms are this package's, counted in elements per token (``w`` bytes each, the compute
+dtype, unless noted) for tensor-parallel size ``t`` and ``q = t`` under sequence parallelism, else 1:
+
+==================================  =====================================  ==============================
+tensor (who keeps it)               elements per token                     split by
+==================================  =====================================  ==============================
+norm inputs (2 norms)               ``2 h`` (+ fp32 mean/rstd per norm)    ``q``
+qkv input, fc input                 ``2 h``                                replicated (gathered under SP)
+q, k, v (SDPA's inputs)             ``(a + 2 g) d``                        ``t``
+rotated q, k (rotary)               ``(a + g) d``                          ``t``
+attention output + log-sum-exp      ``a d`` (+ ``a`` fp32)                 ``t``; recomputed: selective
+proj input                          ``a d``                                ``t``
+MLP (GELU: fc out, GELU out)        ``2 f``; SwiGLU ``4 f`` (gate|up, silu,    ``t``
+                                    product)
+dropout masks (dropout > 0)         ``2 h`` bytes                          ``q``
+==================================  =====================================  ==============================
+
+Full recomputation keeps only each layer's input (``h / q``). The first pipeline stage adds the
+embedding's token ids (8 bytes); the last the final norm's input, the head's input, the logits
+(``V / t``) and the vocab-parallel cross-entropy's fp32 softmax.
+
+Pipelining holds several micro-batches at once: under 1F1B pipeline rank ``r`` of ``p`` holds
+``min(p - r, m)`` micro-batches of its layers; interleaved 1F1B (``v`` virtual stages) Megatron's warmup
+``2 (p - r - 1) + (v - 1) p + 1`` virtual stages, i.e. ``that / v`` micro-batches of all its layers; GPipe
+all ``m``. Without pipelining one micro-batch (``micro_batch_size``) is alive at a time.
+
+The peak comes in backward, on top of what is kept: the gradient of the residual stream and of the
+layer being differentiated, and under full recomputation that layer's recomputed activations.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from lightning_megatron.plan.layout import Layout, Workload
+from lightning_megatron.plan.shape import ModelShape
+from lightning_megatron.tensor_parallel.sharding import padded_size
+
+GIB = 2**30
+#: CUDA context, cuBLAS and NCCL workspaces, allocator slack: a stated allowance, not a prediction.
+FRAMEWORK_BYTES = 2 * GIB
+
+
+def layer_saved_bytes(shape: ModelShape, layout: Layout, w: int, mode: Optional[str] = None) -> float:
+    """Bytes per token one layer keeps for backward (the table in the module docstring); ``mode``: the
+    recomputation (default: the layout's)."""
+    t = layout.tensor_parallel_size
+    q = t if layout.sequence_parallel else 1
+    h, a, g, d = shape.hidden_size, shape.num_heads, shape.query_groups, shape.head_dim
+    kv_heads = max(g, t)  # key/value heads are replicated when tp exceeds them
+    mode = mode or layout.activation_checkpointing
+    if mode == "full":
+        return h / q * w
+    norms = 2 * (h * w + (4 if shape.rms_norm else 8)) / q
+    inputs = 2 * h * w
+    qkv = (a + 2 * kv_heads) * d / t * w
+    rotary = (a + kv_heads) * d / t * w if shape.rotary else 0.0
+    attention_out = a * d / t * w  # the flash kernel's output, a view of which proj keeps
+    lse = a / t * 4 if mode == "none" else 0.0
+    mlp = _mlp_saved(shape, t) * w
+    masks = 2 * h / q if shape.dropout > 0 else 0.0
+    return norms + inputs + qkv + rotary + attention_out + lse + mlp + masks
+
+
+def _mlp_saved(shape: ModelShape, t: int) -> float:
+    """Elements per token an MLP keeps: GELU fc's output and the GELU's (2 f); SwiGLU the gate|up output, the
+    SiLU's, its contiguous gate and the product (5 f, measured on ``models.mlp.GatedMLP``)."""
+    per_width = 5 if shape.gated_mlp else 2
+    if not shape.moe_layers:
+        return per_width * shape.ffn_size / t
+    dense = per_width * shape.ffn_size / t
+    moe = shape.top_k * (shape.hidden_size + per_width * shape.expert_ffn_size / t) \
+        + per_width * shape.shared_expert_size / t
+    return (shape.dense_layers * dense + shape.moe_layers * moe) / shape.num_layers
+
+
+def _mlp_gradient(shape: ModelShape, t: int) -> float:
+    """Elements per token of the widest gradient an MLP's backward makes (fc's output's)."""
+    width = shape.expert_ffn_size * shape.top_k if shape.moe_layers else shape.ffn_size
+    return (2 if shape.gated_mlp else 1) * width / t
+
+
+def in_flight(layout: Layout, workload: Workload, pipeline_rank: int) -> float:
+    """Micro-batches (in units of the rank's whole layer set) whose activations the rank holds at its peak."""
+    pp = layout.pipeline_parallel_size
+    if pp == 1:
+        return 1.0
+    micro_batches = layout.micro_batches(workload)
+    if layout.pipeline_schedule == "gpipe":
+        return float(micro_batches)
+    if layout.virtual_pipeline_size > 1:
+        vpp = layout.virtual_pipeline_size
+        virtual = 2 * (pp - pipeline_rank - 1) + (vpp - 1) * pp + 1
+        return min(virtual, micro_batches * vpp) / vpp
+    return float(min(pp - pipeline_rank, micro_batches))
+
+
+def activation_bytes(shape: ModelShape, layout: Layout, workload: Workload, *, pipeline_rank: int = 0) -> int:
+    """Peak bytes of activations (and the transients at the peak) on that pipeline rank."""
+    w = workload.compute_bytes
+    t, pp = layout.tensor_parallel_size, layout.pipeline_parallel_size
+    q = t if layout.sequence_parallel else 1
+    h = shape.hidden_size
+    tokens = layout.micro_batch_size * workload.seq_length / layout.context_parallel_size
+    first, last = pipeline_rank == 0, pipeline_rank == pp - 1
+    vocab = padded_size(shape.vocab_size, t, workload.pad_vocab_to_multiple_of) / t  # this rank's logits
+    head = (h * w / q + h * w + vocab * 4) if last else 0.0  # final norm's and head's inputs, fp32 log-softmax
+    per_micro_batch = shape.num_layers / pp * layer_saved_bytes(shape, layout, w) + head + (8.0 if first else 0.0)
+    if pp > 1:  # torch's pipeline stage keeps each in-flight micro-batch's output for its backward
+        per_micro_batch += vocab * w if last else h * w / q
+    kept = tokens * per_micro_batch * in_flight(layout, workload, pipeline_rank)
+    loss = tokens * 8 * vocab if last else 0.0  # the cross-entropy's fp32 temporaries
+    backward = 2 * h * w / q + _mlp_gradient(shape, t) * w  # the residual stream's gradient, the MLP's
+    if layout.activation_checkpointing == "full":
+        backward += layer_saved_bytes(shape, layout, w, mode="none")  # the layer being recomputed
+    return int(kept + max(loss, tokens * (backward - head)))
+
+
+def buffer_bytes(shape: ModelShape, layout: Layout, workload: Workload, model_state: dict[str, int]) -> int:
+    """What a GPU holds besides model states and activations: ``FRAMEWORK_BYTES``, ZeRO-2's two full-size
+    gradient buckets in flight, and ZeRO-3's gathered layers (this one and the prefetched next, in the compute
+    dtype, and one layer's fp32 gradients before their reduce-scatter)."""
+    extra = FRAMEWORK_BYTES
+    if layout.zero_stage == 2:
+        extra += 2 * int(workload.bucket_size_mb * 2**20)
+    if layout.zero_stage == 3:
+        replicas = layout.parallel_config.replica_size
+        layer_elements = model_state["parameters"] / 4 * replicas * layout.pipeline_parallel_size / shape.num_layers
+        extra += int(layer_elements * (2 * workload.compute_bytes + 4))
+    return extra
+
+

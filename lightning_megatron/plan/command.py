@@ -1,0 +1,265 @@
+"""``lightning-megatron plan``: the best layouts of a config's model on N GPUs, and a config that runs the best.
+
+    lightning-megatron plan --config configs/gpt-8.3b.yaml --gpus 512 --gpu v100 --nodes-of 16
+    lightning-megatron plan --config configs/llama-3.1-70b.yaml --gpus 64 --gpu h100 --write-config best.yaml
+    lightning-megatron plan --config configs/gpt-1.3b.yaml --gpus 8 --gpu-memory 40GB --json
+
+The model, global batch, sequence length and precision come from the config (``--global-batch-size``,
+``--seq-length`` and ``--precision`` override them); the layout is searched (``--keep`` keeps some of the
+config's strategy arguments as they are). The table lists the fastest layouts that fit, ranked by predicted
+tokens/s; ``--json`` prints every evaluated layout; ``--write-config`` writes the config with the best
+layout, which ``lightning-megatron fit --config`` runs; ``--plot`` draws memory and tokens/s per layout
+(``pip install lightning-megatron[plot]``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import importlib
+import json
+import sys
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence
+
+import yaml
+
+from lightning_megatron.plan.hardware import GPUS, Hardware, parse_gpu
+from lightning_megatron.plan.layout import Layout, Workload
+from lightning_megatron.plan.planner import SEARCHED, LayoutPlan, Planner, PlanResult
+
+GIB = 2**30
+
+
+def module_factory(model_section: dict) -> Callable[[], Any]:
+    """A function building the config's LightningModule (``class_path`` and ``init_args``) anew."""
+    class_path = model_section.get("class_path")
+    if not class_path or "." not in class_path:
+        raise ValueError(f"The config's model section needs a class_path (e.g. lightning_megatron.models.GPT); "
+                         f"got {model_section!r}.")
+    module_name, class_name = class_path.rsplit(".", 1)
+    cls = getattr(importlib.import_module(module_name), class_name)
+    init_args = dict(model_section.get("init_args") or {})
+    return lambda: cls(**copy.deepcopy(init_args))
+
+
+def planner_from_config(config: dict, *, gpus: int, hardware: Hardware, global_batch_size: Optional[int] = None,
+                        seq_length: Optional[int] = None, precision: Optional[str] = None,
+                        keep: Sequence[str] = ()) -> Planner:
+    trainer = config.get("trainer") or {}
+    strategy = (trainer.get("strategy") or {}).get("init_args") or {} if isinstance(trainer.get("strategy"), dict) else {}
+    data = (config.get("data") or {}).get("init_args") or {}
+    unknown = sorted(set(keep) - set(SEARCHED))
+    if unknown:
+        raise ValueError(f"--keep {','.join(unknown)}: not layout fields; choose among {', '.join(SEARCHED)}.")
+    fixed = {name: strategy.get(name, Layout.__dataclass_fields__[name].default) for name in keep}
+    if strategy.get("pipeline_layers_per_stage"):
+        fixed["pipeline_layers_per_stage"] = tuple(strategy["pipeline_layers_per_stage"])
+    workload = Workload(
+        # The data module's global batch is one loader batch; the Trainer's accumulation makes the optimizer step's.
+        global_batch_size=global_batch_size or (data.get("global_batch_size") or _missing("global_batch_size"))
+        * int(trainer.get("accumulate_grad_batches", 1)),
+        seq_length=seq_length or data.get("seq_length") or _missing("seq_length"),
+        precision=str(precision or trainer.get("precision", "bf16-true")),
+        bucket_size_mb=float(strategy.get("bucket_size_mb", 25.0)),
+        pad_vocab_to_multiple_of=int(strategy.get("pad_vocab_to_multiple_of", 128)))
+    return Planner(module_factory(config.get("model") or {}), workload, hardware, world_size=gpus, fixed=fixed)
+
+
+def _missing(name: str):
+    raise ValueError(f"The config's data section has no {name}; pass --{name.replace('_', '-')}.")
+
+
+def configured_layout(config: dict, world: int, workload: Workload) -> Layout:
+    """The layout a config's strategy arguments (and Trainer accumulation) describe on ``world`` GPUs."""
+    trainer = config.get("trainer") or {}
+    strategy = (trainer.get("strategy") or {}).get("init_args") or {} if isinstance(trainer.get("strategy"), dict) else {}
+    fields = {name: strategy[name] for name in Layout.__dataclass_fields__ if name in strategy}
+    if fields.get("pipeline_layers_per_stage"):
+        fields["pipeline_layers_per_stage"] = tuple(fields["pipeline_layers_per_stage"])
+    model_parallel = (fields.get("tensor_parallel_size", 1) * fields.get("pipeline_parallel_size", 1)
+                      * fields.get("context_parallel_size", 1))
+    if fields.get("data_parallel_size", "auto") == "auto":
+        if world % model_parallel:
+            raise ValueError(f"{world} GPUs are not a multiple of the config's tp x pp x cp = {model_parallel}.")
+        fields["data_parallel_size"] = world // model_parallel
+    accumulate = int(trainer.get("accumulate_grad_batches", 1))
+    if fields.get("pipeline_parallel_size", 1) == 1:  # one pass takes the loader's whole per-rank batch
+        fields["micro_batch_size"] = max(1, workload.global_batch_size // fields["data_parallel_size"] // accumulate)
+    return Layout(**fields, accumulate_grad_batches=accumulate)
+
+
+def describe_configured(planner: Planner, layout: Layout) -> str:
+    """Every pipeline rank's predicted memory for the config's own layout, and its step time."""
+    from lightning_megatron.plan.layout import check_layout
+
+    check_layout(layout, planner.workload, planner.module, planner.shape.num_layers)
+    plan = planner.evaluate(layout)
+    lines = [f"as configured: {layout.label()} on {planner.world_size} GPUs"]
+    for rank in planner.rank_memory(layout):
+        state = ", ".join(f"{key.replace('_', ' ')} {value / GIB:.2f}" for key, value in rank.model_state_bytes.items())
+        lines.append(f"  pipeline rank {rank.pipeline_rank}: model state {sum(rank.model_state_bytes.values()) / GIB:.2f} "
+                     f"GiB ({state}), activations {rank.activation_bytes / GIB:.2f} GiB, buffers "
+                     f"{rank.buffer_bytes / GIB:.2f} GiB: {rank.total / GIB:.2f} GiB per GPU")
+    lines.append(f"  {'fits' if plan.fits else 'does NOT fit'} in {planner.hardware.memory_bytes / GIB:.1f} GiB; "
+                 f"step {plan.step_seconds:.3g} s, {plan.tokens_per_second:,.0f} tokens/s, MFU {plan.mfu:.1%}")
+    return "\n".join(lines)
+
+
+def layout_config(config: dict, plan: LayoutPlan, workload: Workload, hardware: Hardware, world: int) -> dict:
+    """``config`` with the strategy, devices and batch of ``plan``: what ``lightning-megatron fit`` runs."""
+    out = copy.deepcopy(config)
+    trainer = out.setdefault("trainer", {})
+    strategy = trainer.get("strategy") if isinstance(trainer.get("strategy"), dict) else {}
+    init_args = {**(strategy.get("init_args") or {}), **plan.layout.strategy_arguments()}
+    trainer["strategy"] = {"class_path": "lightning_megatron.Megatron3DStrategy", "init_args": init_args}
+    devices = min(world, hardware.gpus_per_node)
+    trainer["devices"], trainer["num_nodes"] = devices, world // devices
+    trainer["precision"] = workload.precision
+    trainer["accumulate_grad_batches"] = plan.layout.accumulate_grad_batches
+    data = out.setdefault("data", {}).setdefault("init_args", {})
+    # The data module's global batch is one loader batch; accumulation makes the optimizer step's.
+    data["global_batch_size"] = workload.global_batch_size // plan.layout.accumulate_grad_batches
+    data["seq_length"] = workload.seq_length
+    return out
+
+
+def format_table(plans: Sequence[LayoutPlan], hardware: Hardware) -> str:
+    rows = [("#", "layout", "memory/GPU", "fits", "step s", "tokens/s", "MFU", "where the time goes")]
+    for index, plan in enumerate(plans, 1):
+        parts = sorted(((v, k) for k, v in plan.time.parts().items() if v > 0), reverse=True)[:3]
+        rows.append((str(index), plan.layout.label(), f"{plan.memory_per_gpu_bytes / GIB:.1f} GiB",
+                     "yes" if plan.fits else "no", f"{plan.step_seconds:.3g}", f"{plan.tokens_per_second:,.0f}",
+                     f"{plan.mfu:.1%}", ", ".join(f"{k.replace('_', ' ')} {v / plan.step_seconds:.0%}" for v, k in parts)))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows]
+    lines.insert(1, "  ".join("-" * width for width in widths))
+    return "\n".join(lines)
+
+
+def explain_no_fit(result: PlanResult, planner: Planner) -> str:
+    """Why nothing fits or nothing is valid, and the nearest layout that would run."""
+    hardware, world = planner.hardware, planner.world_size
+    if not result.plans:
+        reasons = "\n  ".join(list(result.refused.values())[:4]) or "(no candidate layouts)"
+        nearby = nearest_world_with_layout(planner)
+        hint = (f"\nThe nearest GPU count with a valid layout is {nearby[0]}: {nearby[1].layout.label()} "
+                f"({nearby[1].memory_per_gpu_bytes / GIB:.1f} GiB per GPU, {'fits' if nearby[1].fits else 'does not fit'})."
+                if nearby else "")
+        return f"No layout of {type(planner.module).__name__} is valid on {world} GPUs:\n  {reasons}{hint}"
+    nearest = result.nearest
+    states = nearest.memory_per_gpu_bytes - nearest.activation_bytes - nearest.buffer_bytes  # the GPU's part
+    text = (f"No layout fits in {hardware.memory_bytes / GIB:.1f} GiB per GPU on {world} GPUs: the smallest, "
+            f"{nearest.layout.label()}, needs {nearest.memory_per_gpu_bytes / GIB:.1f} GiB (model states "
+            f"{states / GIB:.1f} GiB, activations {nearest.activation_bytes / GIB:.1f} GiB, buffers "
+            f"{nearest.buffer_bytes / GIB:.1f} GiB).")
+    bigger = nearest_world_with_layout(planner, must_fit=True)
+    if bigger is not None:
+        text += (f" It would fit on {bigger[0]} GPUs as {bigger[1].layout.label()} "
+                 f"({bigger[1].memory_per_gpu_bytes / GIB:.1f} GiB per GPU).")
+    else:
+        text += " More GPUs (up to 8x) do not make it fit either: lower the micro-batch, the sequence, or use GPUs " \
+                "with more memory."
+    return text
+
+
+def nearest_world_with_layout(planner: Planner, *, must_fit: bool = False) -> Optional[tuple[int, LayoutPlan]]:
+    """The GPU count nearest ``planner.world_size`` (whole nodes, up to 8x more; fewer too unless ``must_fit``)
+    with a valid (``must_fit``: fitting) layout, and that layout."""
+    world, node = planner.world_size, planner.hardware.gpus_per_node
+    step = node if world >= node else 1
+    counts = sorted({w for w in range(step, 8 * world + 1, step) if w != world and (w > world or not must_fit)},
+                    key=lambda w: (abs(w - world), w))
+    for count in counts[:16]:
+        other = Planner(planner.make_module, planner.workload, planner.hardware, world_size=count, fixed=planner.fixed)
+        other._inventories = planner._inventories  # the same tp builds
+        result = other.plan()
+        chosen = result.best if must_fit else (result.best or result.nearest)
+        if chosen is not None:
+            return count, chosen
+    return None
+
+
+def plot(plans: Sequence[LayoutPlan], hardware: Hardware, path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise SystemExit("--plot needs matplotlib: pip install 'lightning-megatron[plot]'.") from None
+    figure, axis = plt.subplots(figsize=(8, 5))
+    memory = [p.memory_per_gpu_bytes / GIB for p in plans]
+    speed = [p.tokens_per_second for p in plans]
+    axis.scatter(memory, speed, c=["tab:blue" if p.fits else "tab:gray" for p in plans], s=12)
+    axis.axvline(hardware.memory_bytes / GIB, color="tab:red", linestyle="--", label="GPU memory")
+    best = [p for p in plans if p.fits][:5]
+    for p in best:
+        axis.annotate(p.layout.label(), (p.memory_per_gpu_bytes / GIB, p.tokens_per_second), fontsize=7)
+    axis.set_xlabel("predicted memory per GPU (GiB)")
+    axis.set_ylabel("predicted tokens/s")
+    axis.set_xscale("log")
+    axis.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    parser = argparse.ArgumentParser(prog="lightning-megatron plan", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", type=Path, required=True, help="a lightning-megatron fit config (YAML)")
+    parser.add_argument("--gpus", type=int, help="GPUs in all (default: the config's devices x num_nodes)")
+    parser.add_argument("--gpu", default="a100", help=f"one of {', '.join(GPUS)}, or custom:peak=TFLOPS,hbm=GBPS,"
+                                                      f"nvlink=GBPS,network=GBPS[,memory=GB,node=N,base=PRESET]")
+    parser.add_argument("--gpu-memory", help="memory per GPU, e.g. 80GB or 40GiB (default: the GPU's)")
+    parser.add_argument("--nodes-of", type=int, help="GPUs per node (default: the GPU's DGX node)")
+    parser.add_argument("--global-batch-size", type=int, help="sequences per optimizer step (default: the config's)")
+    parser.add_argument("--seq-length", type=int, help="tokens per sequence (default: the config's)")
+    parser.add_argument("--precision", help="trainer precision (default: the config's)")
+    parser.add_argument("--keep", default="", help=f"comma list of strategy arguments to keep from the config: "
+                                                   f"{', '.join(SEARCHED)}")
+    parser.add_argument("--as-configured", action="store_true",
+                        help="predict the config's own layout (every pipeline rank's memory) instead of searching")
+    parser.add_argument("--top", type=int, default=10, help="rows of the table")
+    parser.add_argument("--json", action="store_true", help="print every evaluated layout as JSON instead")
+    parser.add_argument("--write-config", type=Path, help="write the config with the best layout here")
+    parser.add_argument("--plot", type=Path, help="draw memory and tokens/s per layout into this image")
+    args = parser.parse_args(argv)
+    try:
+        hardware = parse_gpu(args.gpu, memory=args.gpu_memory, gpus_per_node=args.nodes_of)
+        config = yaml.safe_load(args.config.read_text())
+        trainer = config.get("trainer") or {}
+        gpus = args.gpus or int(trainer.get("devices", 1)) * int(trainer.get("num_nodes", 1))
+        planner = planner_from_config(config, gpus=gpus, hardware=hardware, global_batch_size=args.global_batch_size,
+                                      seq_length=args.seq_length, precision=args.precision,
+                                      keep=[k for k in args.keep.split(",") if k])
+        if args.as_configured:
+            print(describe_configured(planner, configured_layout(config, gpus, planner.workload)))
+            return
+        result = planner.plan()
+    except (ValueError, TypeError, OSError) as error:
+        raise SystemExit(f"lightning-megatron plan: {error}") from None
+    if args.json:
+        print(json.dumps([p.to_json(planner.workload.precision) for p in result.plans], indent=1))
+    else:
+        shape = planner.shape
+        total = planner.inventory(1).total_parameters
+        count = f"{total / 1e9:.2f}B" if total >= 1e9 else f"{total / 1e6:.2f}M"
+        print(f"{args.config.name}: {count} parameters, {shape.num_layers} layers, "
+              f"hidden {shape.hidden_size}; global batch {planner.workload.global_batch_size} x "
+              f"{planner.workload.seq_length} tokens, {planner.workload.precision}, {planner.optimizer_name}")
+        print(f"{gpus} x {hardware.name} ({hardware.memory_bytes / GIB:.1f} GiB, {hardware.gpus_per_node} per node): "
+              f"{len(result.plans)} valid layouts, {len(result.fitting)} fit")
+        if result.plans:
+            print(format_table(result.fitting[: args.top] or result.plans[: min(args.top, 3)], hardware))
+    if result.best is None:
+        print(explain_no_fit(result, planner), file=sys.stderr)
+        raise SystemExit(1)
+    if args.write_config is not None:
+        written = layout_config(config, result.best, planner.workload, hardware, gpus)
+        if args.write_config.exists():
+            raise SystemExit(f"--write-config {args.write_config} exists; the planner never overwrites a file. "
+                             f"Choose a new name.")
+        args.write_config.write_text(yaml.safe_dump(written, sort_keys=False))
+        print(f"wrote {args.write_config}: lightning-megatron fit --config {args.write_config}", file=sys.stderr)
+    if args.plot is not None:
+        plot(result.plans, hardware, args.plot)

@@ -1,0 +1,165 @@
+"""The machines the planner predicts for: every constant the step-time and memory predictions assume.
+
+A GPU is its dense peak in the training dtype, its memory, its memory bandwidth and the bandwidth of
+its links: NVLink inside a node (the tensor-parallel and context-parallel groups, and data-parallel
+groups that fit in a node) and the network between nodes (the per-GPU share of the node's InfiniBand
+adapters: every GPU of a node talks to other nodes at once). Two efficiencies turn peaks into what
+kernels sustain: ``matmul_efficiency`` (the fraction of the dense peak that large transformer GEMMs
+reach) and ``memory_efficiency`` (of the memory bandwidth, for element-wise kernels). Link bandwidths
+are NCCL *bus* bandwidths (``nccl-tests``' ``busbw``), so that a ring all-reduce of ``n`` bytes over
+``k`` ranks takes ``2 (k - 1) / k * n / bandwidth`` and an all-gather or reduce-scatter half that.
+
+=========  ============  ======  =========  =========  ==========  =====================================
+preset     bf16 (fp32)   memory  HBM        NVLink     network     node
+           TFLOP/s       GB      GB/s       busbw GB/s per GPU GB/s
+=========  ============  ======  =========  =========  ==========  =====================================
+v100       125 (15.7)    32      900        130        6.25        DGX-2H: 16 GPUs, 8 x 100 Gb/s IB
+a100       312 (19.5)    80      2039       230        25          DGX A100: 8 GPUs, 8 x 200 Gb/s IB
+h100       989 (67)      80      3350       370        50          DGX H100: 8 GPUs, 8 x 400 Gb/s IB
+h200       989 (67)      141     4800       370        50          DGX H200: 8 GPUs, 8 x 400 Gb/s IB
+=========  ============  ======  =========  =========  ==========  =====================================
+
+Sources: the peaks, memories and bandwidths are NVIDIA's data sheets (V100: 125 TFLOP/s fp16 tensor,
+900 GB/s; A100 80GB SXM: 312 TFLOP/s bf16 dense, 2,039 GB/s; H100 SXM: 989 TFLOP/s bf16 dense,
+3.35 TB/s; H200 SXM: 989 TFLOP/s, 141 GB, 4.8 TB/s) and the DGX system guides for the node
+networks. The V100 keeps fp16 as its 16-bit dtype (it has no bf16). NVLink bus bandwidths are below
+the links' nominal per-direction rates (V100 150, A100 300, H100/H200 450 GB/s), at what NCCL's
+all-reduce sustains for large messages; the network figures are the adapters' nominal rates per GPU.
+
+The efficiencies are calibrations, not data-sheet numbers: V100's ``matmul_efficiency`` is chosen so
+that the planner predicts the Megatron-LM paper's single-GPU baseline (the 1.2B GPT at 39 TFLOP/s on
+one V100 of a DGX-2H; Shoeybi et al. 2019); A100's so that it predicts the Megatron-LM README's 1.7B GPT
+on 32 A100s without model parallelism (137 TFLOP/s per GPU, counting recomputation). H100 and H200
+take A100's fractions: an assumption, until a measurement replaces it. ``overlap_efficiency`` (0.5: a
+collective overlapped with compute hides behind half of that compute; NCCL's kernels take SMs and memory
+bandwidth from it) is fitted to Narayanan et al. 2021's table 2, GPT-3 175B under ZeRO-3 without model
+parallelism on 384, 768 and 1536 A100s (144, 88 and 44 TFLOP/s per GPU), the runs whose time is most
+communication. ``attention_efficiency`` (0.5 of the peak for flash attention's kernels, forward and backward
+together) is the lower end of FlashAttention-2's 50-73% of peak on A100 (Dao 2023; its backward is the
+slower half). ``memory_efficiency`` (0.7 of HBM for element-wise kernels) is an assumption. ``--gpu
+custom:...`` sets any of them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+from typing import Optional
+
+GB = 10**9
+TFLOPS = 10**12
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """One GPU model and the node it sits in (see the module docstring for every number's source)."""
+
+    name: str
+    peak_flops: float  # dense, in the 16-bit training dtype
+    peak_fp32_flops: float
+    memory_bytes: int
+    memory_bandwidth: float  # bytes/s of HBM
+    intra_node_bandwidth: float  # NCCL bus bandwidth inside a node, bytes/s
+    inter_node_bandwidth: float  # per GPU, between nodes, bytes/s
+    gpus_per_node: int
+    matmul_efficiency: float  # of peak_flops, for large transformer GEMMs
+    memory_efficiency: float = 0.7  # of memory_bandwidth, for element-wise kernels
+    overlap_efficiency: float = 0.5  # of the compute a collective runs under, the share that hides it
+    attention_efficiency: float = 0.5  # of peak_flops, for flash attention's fused kernels (forward + backward)
+    collective_latency: float = 20e-6  # seconds a collective costs besides its bytes
+    host_bandwidth: float = 12 * GB  # PCIe, for optimizer offloading
+    host_optimizer_rate: float = 1e9  # parameter elements per second the CPU's Adam updates (offloading)
+
+    def __post_init__(self) -> None:
+        for field in fields(self):
+            value = getattr(self, field.name)
+            if field.name != "name" and (not isinstance(value, (int, float)) or value <= 0):
+                raise ValueError(f"Hardware.{field.name} must be a positive number, got {value!r}.")
+        for name in ("matmul_efficiency", "memory_efficiency", "overlap_efficiency", "attention_efficiency"):
+            if getattr(self, name) > 1:
+                raise ValueError(f"Hardware.{name} is a fraction of the peak (at most 1), got {getattr(self, name)}.")
+
+    def peak(self, sixteen_bit: bool) -> float:
+        """The dense peak in the training dtype (fp32 runs at the fp32 peak): what MFU divides by."""
+        return self.peak_flops if sixteen_bit else self.peak_fp32_flops
+
+    def flops(self, sixteen_bit: bool) -> float:
+        """What large GEMMs sustain in the training dtype."""
+        return self.peak(sixteen_bit) * self.matmul_efficiency
+
+
+GPUS: dict[str, Hardware] = {
+    "v100": Hardware("v100", 125 * TFLOPS, 15.7 * TFLOPS, 32 * GB, 900 * GB, 115 * GB, 6.25 * GB, 16,
+                     matmul_efficiency=0.434),
+    "a100": Hardware("a100", 312 * TFLOPS, 19.5 * TFLOPS, 80 * GB, 2039 * GB, 230 * GB, 25 * GB, 8,
+                     matmul_efficiency=0.756, host_bandwidth=25 * GB),
+    "h100": Hardware("h100", 989 * TFLOPS, 67 * TFLOPS, 80 * GB, 3350 * GB, 370 * GB, 50 * GB, 8,
+                     matmul_efficiency=0.756, host_bandwidth=50 * GB),
+    "h200": Hardware("h200", 989 * TFLOPS, 67 * TFLOPS, 141 * GB, 4800 * GB, 370 * GB, 50 * GB, 8,
+                     matmul_efficiency=0.756, host_bandwidth=50 * GB),
+}
+
+# Units a ``--gpu custom:...`` value may carry, and the fields that take each.
+_UNITS = {"tflops": TFLOPS, "gbps": GB, "gb": GB}
+_FIELDS = {
+    "peak": ("peak_flops", TFLOPS), "fp32": ("peak_fp32_flops", TFLOPS), "memory": ("memory_bytes", GB),
+    "hbm": ("memory_bandwidth", GB), "nvlink": ("intra_node_bandwidth", GB), "network": ("inter_node_bandwidth", GB),
+    "node": ("gpus_per_node", 1), "matmul": ("matmul_efficiency", 1), "elementwise": ("memory_efficiency", 1),
+    "overlap": ("overlap_efficiency", 1), "attention": ("attention_efficiency", 1),
+    "pcie": ("host_bandwidth", GB),
+}
+
+
+def parse_gpu(spec: str, *, memory: Optional[str] = None, gpus_per_node: Optional[int] = None) -> Hardware:
+    """A preset name (``"a100"``) or ``"custom:peak=400,hbm=3000,nvlink=300,network=25[,base=a100,...]"`` (TFLOP/s
+    for ``peak``/``fp32``, GB/s for bandwidths, GB for ``memory``; ``base`` names the preset the rest starts
+    from, default ``a100``); ``memory`` (``"80GB"``, ``"40GiB"``) and ``gpus_per_node`` override the preset's."""
+    name, _, rest = spec.partition(":")
+    name = name.strip().lower()
+    if name != "custom":
+        if rest or name not in GPUS:
+            raise ValueError(f"--gpu {spec!r}: choose one of {', '.join(GPUS)}, or custom:peak=TFLOPS,hbm=GBPS,"
+                             f"nvlink=GBPS,network=GBPS[,memory=GB,node=GPUS,matmul=FRACTION,base=PRESET].")
+        hardware = GPUS[name]
+    else:
+        values = dict(item.split("=", 1) for item in rest.split(",") if "=" in item)
+        unknown = sorted(set(values) - set(_FIELDS) - {"base"})
+        if unknown or len(values) != len([item for item in rest.split(",") if item.strip()]):
+            raise ValueError(f"--gpu {spec!r}: every item is KEY=VALUE with KEY one of {', '.join([*_FIELDS, 'base'])}"
+                             f"{f'; unknown: {unknown}' if unknown else ''}.")
+        base = values.pop("base", "a100")
+        if base not in GPUS:
+            raise ValueError(f"--gpu {spec!r}: base={base!r} is not one of {', '.join(GPUS)}.")
+        changes = {}
+        for key, text in values.items():
+            field, unit = _FIELDS[key]
+            try:
+                number = float(text)
+            except ValueError:
+                raise ValueError(f"--gpu {spec!r}: {key}={text!r} is not a number.") from None
+            changes[field] = int(number) if field in ("gpus_per_node", "memory_bytes") and unit == 1 else number * unit
+        hardware = replace(GPUS[base], name="custom", **{k: (int(v) if k == "memory_bytes" else v)
+                                                          for k, v in changes.items()})
+    if memory is not None:
+        hardware = replace(hardware, memory_bytes=parse_bytes(memory))
+    if gpus_per_node is not None:
+        hardware = replace(hardware, gpus_per_node=gpus_per_node)
+    return hardware
+
+
+def parse_bytes(text: str) -> int:
+    """``"80GB"`` (10^9), ``"80GiB"`` (2^30), ``"512MB"``, ``"512MiB"`` or a plain number of bytes."""
+    units = {"gib": 2**30, "mib": 2**20, "gb": 10**9, "mb": 10**6, "tb": 10**12, "tib": 2**40, "b": 1}
+    stripped = text.strip().lower().replace(" ", "")
+    for unit in sorted(units, key=len, reverse=True):
+        if stripped.endswith(unit):
+            number = stripped[: -len(unit)]
+            break
+    else:
+        unit, number = "b", stripped
+    try:
+        value = float(number)
+    except ValueError:
+        raise ValueError(f"A memory size looks like 80GB, 80GiB or 512MiB; got {text!r}.") from None
+    if value <= 0:
+        raise ValueError(f"A memory size must be positive; got {text!r}.")
+    return int(value * units[unit])

@@ -1,0 +1,164 @@
+"""A candidate layout in the strategy's own argument names, the run it is for, and the checks it must pass.
+
+``Layout`` holds what ``Megatron3DStrategy(...)`` takes (plus the Trainer's ``accumulate_grad_batches``, which
+cuts a pipeline-free step into micro-batches); ``Workload`` holds what the layout does not choose: the model,
+the global batch, the sequence length, the precision. :func:`check_layout` runs the validation the strategy
+and the data module run before any collective (``ParallelConfig``, the model's ``validate_parallel_config``,
+the pipeline's layer split, schedule and micro-batch checks, context parallelism's sequence cut), calling
+them rather than restating them, so the planner proposes exactly the layouts the strategy accepts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any, Optional
+
+from lightning_megatron.context_parallel.inputs import check_sequence_length
+from lightning_megatron.parallel.config import ParallelConfig
+from lightning_megatron.pipeline.layout import PipelineLayout, check_micro_batches, check_schedule
+from lightning_megatron.preparation import ZERO3_PRECISIONS
+
+SIXTEEN_BIT_PRECISIONS = ("bf16-true", "16-true", "bf16-mixed", "16-mixed")
+PRECISIONS = ("32-true", *SIXTEEN_BIT_PRECISIONS)
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What a layout is asked to run: ``global_batch_size`` sequences of ``seq_length`` tokens per optimizer step
+    in ``precision``, with the strategy's ``bucket_size_mb`` and ``pad_vocab_to_multiple_of``.
+
+    ``attention``: how attention's core runs. ``"flash"`` (what this package runs: SDPA's fused kernels, no
+    ``s x s`` scores in memory, causal blocks skipped) or ``"materialized"`` (the scores written out and
+    scaled, masked, soft-maxed and dropped out by element-wise kernels, as Megatron-LM did before flash
+    attention: for predicting its published runs)."""
+
+    global_batch_size: int
+    seq_length: int
+    precision: str = "bf16-true"
+    bucket_size_mb: float = 25.0
+    pad_vocab_to_multiple_of: int = 128
+    attention: str = "flash"
+
+    def __post_init__(self) -> None:
+        for name in ("global_batch_size", "seq_length", "pad_vocab_to_multiple_of"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}.")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision={self.precision!r} is not one of {PRECISIONS}.")
+        if self.attention not in ("flash", "materialized"):
+            raise ValueError(f"attention={self.attention!r} is not 'flash' or 'materialized'.")
+
+    @property
+    def sixteen_bit_compute(self) -> bool:
+        return self.precision in SIXTEEN_BIT_PRECISIONS
+
+    @property
+    def compute_bytes(self) -> int:
+        """Bytes of an activation element: the compute dtype."""
+        return 2 if self.sixteen_bit_compute else 4
+
+    @property
+    def parameter_bytes(self) -> int:
+        """Bytes of a parameter element: 16-bit under the ``-true`` 16-bit precisions, else fp32."""
+        return 2 if self.precision in ("bf16-true", "16-true") else 4
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One way to run a workload; the field names are ``Megatron3DStrategy``'s arguments."""
+
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    data_parallel_size: int = 1
+    sequence_parallel: bool = False
+    zero_stage: int = 0
+    virtual_pipeline_size: int = 1
+    context_parallel_size: int = 1
+    expert_parallel_size: int = 1
+    pipeline_schedule: str = "1f1b"
+    micro_batch_size: int = 1
+    activation_checkpointing: str = "none"
+    offload_optimizer: bool = False
+    pipeline_layers_per_stage: Optional[tuple[int, ...]] = None
+    accumulate_grad_batches: int = 1  # the Trainer's: micro-batches of a step without pipelining
+
+    @property
+    def world_size(self) -> int:
+        return self.parallel_config.world_size
+
+    @property
+    def parallel_config(self) -> ParallelConfig:
+        return ParallelConfig(
+            tensor_parallel_size=self.tensor_parallel_size, pipeline_parallel_size=self.pipeline_parallel_size,
+            data_parallel_size=self.data_parallel_size, sequence_parallel=self.sequence_parallel,
+            zero_stage=self.zero_stage, virtual_pipeline_size=self.virtual_pipeline_size,
+            pipeline_layers_per_stage=self.pipeline_layers_per_stage, expert_parallel_size=self.expert_parallel_size,
+            context_parallel_size=self.context_parallel_size)
+
+    def micro_batches(self, workload: Workload) -> int:
+        """Forward/backward passes of a step on one rank: pipeline micro-batches, or accumulated batches."""
+        per_rank = workload.global_batch_size // self.data_parallel_size
+        return per_rank // self.micro_batch_size
+
+    def strategy_arguments(self) -> dict[str, Any]:
+        """``Megatron3DStrategy(**this)``."""
+        arguments = asdict(self)
+        arguments.pop("accumulate_grad_batches")
+        if arguments["pipeline_layers_per_stage"] is not None:
+            arguments["pipeline_layers_per_stage"] = list(arguments["pipeline_layers_per_stage"])
+        return arguments
+
+    def label(self) -> str:
+        """A short name: ``tp8 pp16v2 dp8 z1 sp sel mb1``."""
+        parts = [f"tp{self.tensor_parallel_size}"]
+        if self.pipeline_parallel_size > 1:
+            parts.append(f"pp{self.pipeline_parallel_size}"
+                         + (f"v{self.virtual_pipeline_size}" if self.virtual_pipeline_size > 1 else ""))
+        if self.context_parallel_size > 1:
+            parts.append(f"cp{self.context_parallel_size}")
+        parts.append(f"dp{self.data_parallel_size}")
+        if self.expert_parallel_size > 1:
+            parts.append(f"ep{self.expert_parallel_size}")
+        parts.append(f"z{self.zero_stage}" + ("+off" if self.offload_optimizer else ""))
+        if self.sequence_parallel:
+            parts.append("sp")
+        parts.append({"none": "rc-", "selective": "rc-sel", "full": "rc-full"}[self.activation_checkpointing])
+        parts.append(f"mb{self.micro_batch_size}")
+        return " ".join(parts)
+
+
+def check_layout(layout: Layout, workload: Workload, module: Any, num_layers: int) -> None:
+    """Raise the ``ValueError`` the strategy (or the data module) would raise for this layout, before any
+    collective; return quietly if it would run."""
+    config = layout.parallel_config
+    validate = getattr(module, "validate_parallel_config", None)
+    if validate is not None:
+        validate(config)
+    check_schedule(layout.pipeline_schedule, layout.virtual_pipeline_size)
+    if layout.pipeline_parallel_size > 1:
+        PipelineLayout(num_layers=num_layers, pipeline_parallel_size=layout.pipeline_parallel_size,
+                       virtual_pipeline_size=layout.virtual_pipeline_size, layers_per_stage=layout.pipeline_layers_per_stage)
+    if workload.global_batch_size % layout.data_parallel_size:
+        raise ValueError(f"global_batch_size={workload.global_batch_size} is not divisible by the data-parallel size "
+                         f"{layout.data_parallel_size}; choose a global_batch_size that is a multiple of it.")
+    per_rank = workload.global_batch_size // layout.data_parallel_size
+    if layout.pipeline_parallel_size > 1:
+        if layout.accumulate_grad_batches != 1:
+            raise ValueError("Under pipeline parallelism the schedule cuts the step into micro-batches; keep "
+                             "accumulate_grad_batches=1.")
+        check_micro_batches(schedule=layout.pipeline_schedule, batch_size=per_rank,
+                            micro_batch_size=layout.micro_batch_size, pipeline_parallel_size=layout.pipeline_parallel_size)
+    elif per_rank != layout.micro_batch_size * layout.accumulate_grad_batches:
+        raise ValueError(f"Without pipelining a step's {per_rank} samples per data-parallel rank are "
+                         f"accumulate_grad_batches={layout.accumulate_grad_batches} batches of "
+                         f"{layout.micro_batch_size}; they must multiply to {per_rank}.")
+    if layout.context_parallel_size > 1:
+        check_sequence_length(workload.seq_length, layout.context_parallel_size,
+                              tensor_parallel_size=layout.tensor_parallel_size, sequence_parallel=layout.sequence_parallel)
+    elif layout.sequence_parallel and workload.seq_length % layout.tensor_parallel_size:
+        raise ValueError(f"Sequence parallelism splits each sequence over tensor_parallel_size="
+                         f"{layout.tensor_parallel_size}; seq_length={workload.seq_length} does not divide.")
+    if layout.zero_stage == 3 and workload.precision not in ZERO3_PRECISIONS:
+        raise ValueError(f"zero_stage=3 supports precision {', '.join(map(repr, ZERO3_PRECISIONS))}, not "
+                         f"{workload.precision!r}.")

@@ -1,0 +1,104 @@
+"""A rank's model-state bytes, as ``strategy.model_state_bytes`` reports them after the first step.
+
+The same keys (``parallel.summary.MODEL_STATE_KEYS``) and, byte for byte, the same numbers: the rank's
+parameters come from the inventory (its shards, as the strategy builds them), its gradient buckets from
+``optim.grad_sync.cut_buckets`` and ``bucket_numel`` (the functions the ``GradientSynchronizer`` lays its
+buffers out with, called on meta tensors of the rank's parameters), the fp32 main parameters from
+``optim.main_params.uses_main_params`` and the owned slice of each bucket. The paths are the strategy's:
+
+* one replica (dp x cp = 1) without fp32 main parameters: plain ``param.grad`` (``LocalGradients``);
+* ZeRO 0-2: flat gradient buckets in the parameters' dtype (padded to a multiple of the group under ZeRO;
+  ZeRO-2 keeps only this rank's slice), fp32 main copies of this rank's owned slices unless they are views
+  of fp32 parameters, and the optimizer's state for those slices;
+* ZeRO-3: FSDP2's dim-0 chunk of every (fp32) parameter, its gradient and its optimizer state.
+
+Optimizer state is ``optimizer_state_bytes_per_element`` per element stepped (AdamW: 8). With
+``offload_optimizer`` the main parameters and the optimizer state live in CPU memory: counted here (the
+strategy counts them) and left out of the GPU's memory by :func:`gpu_bytes`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from lightning_megatron.optim.grad_sync import bucket_numel, cut_buckets
+from lightning_megatron.optim.main_params import uses_main_params
+from lightning_megatron.parallel.summary import MODEL_STATE_KEYS
+from lightning_megatron.plan.inventory import RankParameter
+from lightning_megatron.plan.layout import Layout, Workload
+
+DTYPES = {2: torch.bfloat16, 4: torch.float32}
+
+
+def rank_model_state_bytes(parameters: Sequence[RankParameter], layout: Layout, workload: Workload, *,
+                           state_bytes_per_element: int, data_rank: int = 0, context_rank: int = 0) -> dict[str, int]:
+    """``strategy.model_state_bytes`` of the rank at (``data_rank``, ``context_rank``) holding ``parameters``."""
+    config = layout.parallel_config
+    replicas = config.replica_size
+    replica_rank = data_rank * config.context_parallel_size + context_rank
+    trainable = [p for p in parameters if p.entry.requires_grad]
+    if layout.zero_stage == 3:
+        # FSDP2 shards dim 0 of every parameter (fp32: the main parameters) over the replicas, torch.chunk's way.
+        local = sum(_fsdp_chunk(p.entry.shape, replicas, replica_rank) for p in parameters)
+        grads = sum(_fsdp_chunk(p.entry.shape, replicas, replica_rank) for p in trainable)
+        return {"parameters": 4 * local, "gradients": 4 * grads, "main_parameters": 0,
+                "optimizer_state": state_bytes_per_element * grads}
+    element = workload.parameter_bytes
+    params = [_meta_parameter(p, element) for p in parameters]
+    stepped = [param for param in params if param.requires_grad]
+    parameter_bytes = sum(p.numel() * element for p in params)
+    main = uses_main_params(stepped, layout.zero_stage, layout.offload_optimizer)
+    if replicas == 1 and not main:  # LocalGradients: param.grad, the optimizer on the parameters themselves
+        grads = sum(p.numel() for p in stepped)
+        return {"parameters": parameter_bytes, "gradients": grads * element, "main_parameters": 0,
+                "optimizer_state": state_bytes_per_element * grads}
+    ep = config.expert_parallel_size
+    group_of = (lambda p: "experts" if p.expert_parallel else "dense") if ep > 1 else (lambda p: "dense")
+    sizes = {"dense": replicas, "experts": config.expert_data_parallel_size}
+    ranks = {"dense": replica_rank, "experts": data_rank // ep}
+    own_bucket = {id(p) for p in stepped if p.pipeline_tied}
+    gradient_bytes = owned_elements = 0
+    for bucket in cut_buckets(stepped, bucket_bytes=int(workload.bucket_size_mb * 2**20), group_of=group_of,
+                              own_bucket=own_bucket):
+        total = sum(p.numel() for p in bucket)
+        group = group_of(bucket[0])
+        numel, shard = bucket_numel(total, sizes[group], layout.zero_stage)
+        gradient_bytes += (shard if layout.zero_stage == 2 else numel) * element
+        start = ranks[group] * shard if layout.zero_stage else 0
+        owned_elements += max(0, min(start + shard, total) - start)  # the padding is owned by nobody
+    shares = element == 4 and not layout.offload_optimizer  # fp32 pieces are views of the parameters
+    return {"parameters": parameter_bytes, "gradients": gradient_bytes,
+            "main_parameters": 0 if (not main or shares) else 4 * owned_elements,
+            "optimizer_state": state_bytes_per_element * owned_elements}
+
+
+def gpu_bytes(state: dict[str, int], layout: Layout) -> int:
+    """The part of ``state`` in GPU memory: all of it, less what ``offload_optimizer`` keeps in CPU memory."""
+    if layout.offload_optimizer:
+        return state["parameters"] + state["gradients"]
+    return sum(state[key] for key in MODEL_STATE_KEYS)
+
+
+def _fsdp_chunk(shape: tuple[int, ...], world: int, rank: int) -> int:
+    """Elements of rank ``rank``'s FSDP2 shard of a tensor of ``shape``: chunks of ``ceil(dim0 / world)`` rows, the
+    last ranks' shorter or empty."""
+    if not shape:
+        return 1 if rank == 0 else 0
+    rows = shape[0]
+    chunk = math.ceil(rows / world)
+    mine = max(0, min(chunk, rows - rank * chunk))
+    return mine * math.prod(shape[1:])
+
+
+def _meta_parameter(parameter: RankParameter, element: int) -> nn.Parameter:
+    """A meta tensor standing for the rank's parameter (size, dtype, tags) for the bucket layout functions."""
+    entry = parameter.entry
+    param = nn.Parameter(torch.empty(entry.shape, dtype=DTYPES[element], device="meta"),
+                         requires_grad=entry.requires_grad)
+    param.expert_parallel = entry.expert
+    param.pipeline_tied = parameter.pipeline_tied
+    return param

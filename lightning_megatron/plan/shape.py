@@ -1,0 +1,64 @@
+"""The sizes of a transformer that the activation and step-time predictions read, from its config.
+
+The planner predicts for this package's transformers (``models.GPT``, ``models.BERT`` and their subclasses:
+any LightningModule whose ``config`` is a ``GPTConfig`` or ``BERTConfig``). A module with another config
+has shapes the formulas do not know, and is refused with that reason.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    config: Any
+    causal: bool  # GPT: each query sees the keys before it (flash attention does half the work)
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    query_groups: int
+    head_dim: int
+    ffn_size: int
+    gated_mlp: bool  # SwiGLU: gate and up, then their product
+    vocab_size: int
+    rms_norm: bool
+    rotary: bool
+    dropout: float
+    attention_dropout: float
+    num_experts: int = 0
+    top_k: int = 0
+    expert_ffn_size: int = 0
+    shared_expert_size: int = 0
+    moe_layers: int = 0
+    head_transform: bool = False  # BERT's masked-LM dense layer + norm before the logits
+
+    @classmethod
+    def of(cls, module: Any) -> "ModelShape":
+        from lightning_megatron.models.bert import BERTConfig
+        from lightning_megatron.models.gpt import GPTConfig
+
+        config = getattr(module, "config", None)
+        if isinstance(config, GPTConfig):
+            moe = config.moe
+            return cls(config, True, config.hidden_size, config.num_layers, config.num_heads, config.query_groups,
+                       config.head_dim, config.ffn_size, config.activation == "swiglu", config.vocab_size,
+                       config.normalization == "RMSNorm", config.position_embedding_type == "rope", config.dropout,
+                       config.attention_dropout,
+                       num_experts=moe.num_experts if moe else 0, top_k=moe.top_k if moe else 0,
+                       expert_ffn_size=config.moe_ffn_size if moe else 0,
+                       shared_expert_size=moe.shared_expert_size if moe else 0,
+                       moe_layers=len(moe.moe_layers(config.num_layers)) if moe else 0)
+        if isinstance(config, BERTConfig):
+            return cls(config, False, config.hidden_size, config.num_layers, config.num_heads, config.num_heads,
+                       config.hidden_size // config.num_heads, config.ffn_size, False, config.vocab_size, False, False,
+                       config.dropout, config.attention_dropout, head_transform=True)
+        raise TypeError(f"The layout planner predicts memory and time for lightning_megatron's GPT and BERT (a module "
+                        f"whose config is a GPTConfig or BERTConfig); {type(module).__name__}.config is "
+                        f"{type(config).__name__}. Subclass GPT or BERT, or plan with one of their configs of the same "
+                        f"sizes.")
+
+    @property
+    def dense_layers(self) -> int:
+        return self.num_layers - self.moe_layers

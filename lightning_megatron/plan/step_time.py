@@ -1,0 +1,235 @@
+"""A step's time from a roofline: what each GPU computes and moves, at the rates the hardware sustains.
+
+For the slowest pipeline rank and one micro-batch of ``T = micro_batch_size * seq_length / cp`` tokens:
+
+* **compute**: the GEMM FLOPs of its layers (``qkv``, ``proj``, the MLP's or the experts' matrices, the
+  logits on the last rank), each ``/ tp``, forward + backward = 3 x forward, plus the forward again under
+  ``full`` recomputation, at ``matmul_efficiency`` of the dense peak; attention's ``Q K^T`` and ``P V`` (again
+  under either recomputation) at ``attention_efficiency`` (flash kernels, which skip causal attention's
+  masked half; materialised scores: batched GEMMs at ``matmul_efficiency``); plus the element-wise kernels (norms, residual adds, dropout, the activation,
+  rotary, head transposes, the vocab-parallel cross-entropy) as bytes at ``memory_efficiency`` of the
+  memory bandwidth, ``/ tp`` where sequence parallelism splits them;
+* **tensor parallel**: Megatron's two all-reduces per layer forward and two backward (two more in a
+  recomputed forward), or under sequence parallelism the all-gathers and reduce-scatters moving the same
+  bytes, plus the embedding's and the head's, over NVLink while ``tp x cp`` fits in a node; not overlapped;
+* **context parallel**: the ring's key/value blocks (forward ``cp - 1`` hops, backward ``cp - 1`` and the
+  ``cp`` hops of their gradients), overlapped with the attention blocks' compute;
+* **expert parallel**: the MoE layers' four all-to-alls per micro-batch (dispatch and combine, forward and
+  backward), over the network when the expert group leaves the node;
+* **pipeline**: one send forward and one backward of the stage's output per micro-batch and virtual
+  stage, and the bubble: the step takes ``(m + (p - 1) / v)`` micro-batch times instead of ``m``;
+* **data parallel**: the gradient reduction over dp x cp (all-reduce; reduce-scatter under ZeRO), which
+  the strategy overlaps with the last micro-batch's backward (ZeRO-2: every micro-batch's), so only its
+  excess and its last bucket show; ZeRO 1/2's all-gather of the updated parameters after the step (not
+  overlapped); ZeRO-3's per-layer gathers and reduce-scatters each micro-batch, prefetched under compute;
+* **optimizer**: Adam's element-wise update of the rank's owned fp32 elements at memory bandwidth, or on
+  the CPU with the gradients and parameters over PCIe when offloaded.
+
+Overlapped communication is hidden by at most ``overlap_efficiency`` of the compute it runs under (NCCL's
+kernels slow the compute they share the GPU with). Every collective also pays ``collective_latency``. A ring collective over ``k`` ranks moves
+``2 (k - 1) / k`` (all-reduce) or ``(k - 1) / k`` (all-gather, reduce-scatter) of its bytes per rank at the
+group's bus bandwidth: NVLink when the group sits in a node, else the per-GPU share of the network (times the
+group's members per node for a data-parallel ring, which leaves each node once per direction).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from lightning_megatron.plan.hardware import Hardware
+from lightning_megatron.plan.layout import Layout, Workload
+from lightning_megatron.plan.shape import ModelShape
+from lightning_megatron.tensor_parallel.sharding import padded_size
+
+#: Bytes per score element and 16-bit byte of a materialised attention's forward: the scores' write by Q K^T, the
+#: fused scale + mask + softmax's read and write, dropout's read, write and mask, P V's read.
+MATERIALIZED_SCORE_BYTES = 10
+ADAM_BYTES_PER_ELEMENT = 36  # fp32 main param read + write, gradient read, two moments read + write, + slack
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """Seconds of one optimizer step, by cause (each the part that does not overlap with compute)."""
+
+    compute: float
+    tensor_parallel: float
+    context_parallel: float
+    expert_parallel: float
+    pipeline_p2p: float
+    bubble: float
+    data_parallel: float
+    optimizer: float
+
+    @property
+    def total(self) -> float:
+        return sum(asdict(self).values())
+
+    def parts(self) -> dict[str, float]:
+        return asdict(self)
+
+
+def step_time(shape: ModelShape, layout: Layout, workload: Workload, hardware: Hardware,
+              model_state: dict[str, int], *, state_bytes_per_element: int = 8) -> StepTime:
+    """The predicted step time of ``layout`` (``model_state``: the rank's ``model_state_bytes``;
+    ``state_bytes_per_element``: the optimizer's, AdamW's 8 by default)."""
+    tp, pp, cp, vpp = (layout.tensor_parallel_size, layout.pipeline_parallel_size, layout.context_parallel_size,
+                       layout.virtual_pipeline_size)
+    w = workload.compute_bytes
+    tokens = layout.micro_batch_size * workload.seq_length // cp
+    micro_batches = layout.micro_batches(workload)
+    layers = _layers_of_slowest_rank(shape, layout)
+    node = hardware.gpus_per_node
+    tp_link = _bandwidth(hardware, tp * cp <= node)
+    flops_rate = hardware.flops(workload.sixteen_bit_compute)
+    memory_rate = hardware.memory_bandwidth * hardware.memory_efficiency
+
+    # ---- compute of one micro-batch on the slowest rank
+    core = _attention_core_flops(shape, workload) / tp  # per token, forward
+    layer_forward = _layer_gemm_flops(shape) / tp
+    recomputed_gemm = layer_forward if layout.activation_checkpointing == "full" else 0.0
+    recomputed_core = core if layout.activation_checkpointing != "none" else 0.0
+    # Flash attention's fused kernels run at attention_efficiency; materialised scores are batched GEMMs.
+    core_rate = (hardware.peak(workload.sixteen_bit_compute) * hardware.attention_efficiency
+                 if workload.attention == "flash" else flops_rate)
+    vocab = padded_size(shape.vocab_size, tp, workload.pad_vocab_to_multiple_of) / tp  # this rank's logits
+    head_forward = (2 * shape.hidden_size * vocab
+                    + (2 * shape.hidden_size ** 2 if shape.head_transform else 0))
+    gemm = tokens * (layers * (3 * layer_forward + recomputed_gemm) + 3 * head_forward)
+    attention = tokens * layers * (3 * core + recomputed_core)
+    elementwise_forward = _layer_elementwise_bytes(shape, layout, w)
+    if workload.attention == "materialized":  # the a x s scores of each token, /tp: written, soft-maxed, dropped
+        elementwise_forward += MATERIALIZED_SCORE_BYTES * shape.num_heads * workload.seq_length / tp * w / 2
+    elementwise = tokens * (layers * elementwise_forward * (3 + (layout.activation_checkpointing == "full"))
+                            + 20 * vocab)
+    compute_mb = gemm / flops_rate + attention / core_rate + elementwise / memory_rate
+
+    # ---- tensor parallel (not overlapped)
+    tp_mb = 0.0
+    if tp > 1:
+        per_layer = 4 + 2 * (layout.activation_checkpointing == "full")  # all-reduces, or their AG + RS pairs
+        volume = tokens * shape.hidden_size * w
+        collectives = layers * per_layer + 2  # + the embedding's and the head's
+        tp_mb = collectives * (2 * (tp - 1) / tp * volume / tp_link + hardware.collective_latency
+                               * (2 if layout.sequence_parallel else 1))
+
+    # ---- context parallel ring, overlapped with the attention blocks
+    cp_mb = 0.0
+    if cp > 1:
+        kv_bytes = tokens * 2 * shape.query_groups * shape.head_dim / min(tp, shape.query_groups) * w
+        ring = (3 * cp - 2) * (kv_bytes / tp_link + hardware.collective_latency)
+        attention_compute = tokens * 3 * core / core_rate
+        cp_mb = layers * _exposed(ring, attention_compute, hardware)
+
+    # ---- expert parallel all-to-alls
+    ep_mb = 0.0
+    if layout.expert_parallel_size > 1 and shape.moe_layers:
+        ep = layout.expert_parallel_size
+        moe_layers = shape.moe_layers * layers / shape.num_layers
+        link = _bandwidth(hardware, tp * cp * ep <= node)
+        ep_mb = moe_layers * 4 * ((ep - 1) / ep * tokens * shape.top_k * shape.hidden_size * w / link
+                                  + hardware.collective_latency)
+
+    # ---- pipeline point-to-point and bubble
+    p2p_mb = 0.0
+    if pp > 1:
+        sent = tokens * shape.hidden_size * w / (tp if layout.sequence_parallel else 1)
+        link = _bandwidth(hardware, tp * cp * layout.data_parallel_size * pp <= node)
+        p2p_mb = 2 * vpp * (sent / link + hardware.collective_latency)
+    micro_batch_time = compute_mb + tp_mb + cp_mb + ep_mb
+    compute, tensor, context, expert = (micro_batches * t for t in (compute_mb, tp_mb, cp_mb, ep_mb))
+    bubble = (pp - 1) / vpp * (micro_batch_time + p2p_mb) if pp > 1 else 0.0
+
+    # ---- data parallel and the optimizer
+    data = _data_parallel(layout, workload, hardware, model_state, micro_batches, compute_mb, micro_batch_time)
+    owned = model_state["optimizer_state"] / state_bytes_per_element  # fp32 elements this rank steps
+    optimizer = _optimizer(layout, workload, hardware, owned, memory_rate)
+    return StepTime(compute, tensor, context, expert, micro_batches * p2p_mb, bubble, data, optimizer)
+
+
+def _exposed(communication: float, concurrent_compute: float, hardware: Hardware) -> float:
+    """What shows of ``communication`` overlapped with ``concurrent_compute``: the compute hides at most
+    ``overlap_efficiency`` of itself."""
+    return communication - hardware.overlap_efficiency * min(communication, concurrent_compute)
+
+
+def _bandwidth(hardware: Hardware, inside_node: bool) -> float:
+    return hardware.intra_node_bandwidth if inside_node else hardware.inter_node_bandwidth
+
+
+def _layers_of_slowest_rank(shape: ModelShape, layout: Layout) -> float:
+    if layout.pipeline_layers_per_stage is None:
+        return shape.num_layers / layout.pipeline_parallel_size
+    pp = layout.pipeline_parallel_size
+    counts = layout.pipeline_layers_per_stage
+    return max(sum(counts[rank::pp]) for rank in range(pp))
+
+
+def _layer_gemm_flops(shape: ModelShape) -> float:
+    """Forward GEMM FLOPs per token of an average layer, outside attention's core (the whole layer's, not /tp)."""
+    h, d = shape.hidden_size, shape.head_dim
+    qkv = 2 * h * (shape.num_heads + 2 * shape.query_groups) * d
+    proj = 2 * shape.num_heads * d * h
+    matrices = 3 if shape.gated_mlp else 2
+    dense_mlp = matrices * 2 * h * shape.ffn_size
+    moe_mlp = (2 * h * shape.num_experts + shape.top_k * matrices * 2 * h * shape.expert_ffn_size
+               + matrices * 2 * h * shape.shared_expert_size)
+    mlp = (shape.dense_layers * dense_mlp + shape.moe_layers * moe_mlp) / shape.num_layers
+    return qkv + proj + mlp
+
+
+def _attention_core_flops(shape: ModelShape, workload: Workload) -> float:
+    """Forward FLOPs per token of ``Q K^T`` and ``P V`` (not /tp); flash attention skips causal's masked half."""
+    full = 4 * workload.seq_length * shape.num_heads * shape.head_dim
+    return full / 2 if shape.causal and workload.attention == "flash" else full
+
+
+def _layer_elementwise_bytes(shape: ModelShape, layout: Layout, w: int) -> float:
+    """Bytes per token the element-wise kernels of one layer's forward read and write (backward: twice that)."""
+    tp = layout.tensor_parallel_size
+    h = shape.hidden_size
+    sequence_split = tp if layout.sequence_parallel else 1  # norms, residuals and dropout run on T / tp tokens
+    replicated = (4 * h + 6 * h + (5 * h if shape.dropout > 0 else 0)) * w / sequence_split
+    width = shape.ffn_size if not shape.moe_layers else shape.top_k * shape.expert_ffn_size
+    activation = (3 if shape.gated_mlp else 2) * width / tp * w
+    heads = (2 * (shape.num_heads + 2 * shape.query_groups) + 2 * shape.num_heads) * shape.head_dim / tp * w
+    rotary = 2 * (shape.num_heads + shape.query_groups) * shape.head_dim / tp * w if shape.rotary else 0
+    return replicated + activation + heads + rotary
+
+
+def _data_parallel(layout: Layout, workload: Workload, hardware: Hardware, model_state: dict[str, int],
+                   micro_batches: int, compute_mb: float, micro_batch_time: float) -> float:
+    """Exposed seconds of the gradient reduction and (ZeRO 1-3) the parameter gathers over dp x cp."""
+    n = layout.parallel_config.replica_size
+    if n == 1:
+        return 0.0
+    inner = layout.tensor_parallel_size * layout.context_parallel_size  # the mesh dims inside dp
+    if inner * layout.data_parallel_size <= hardware.gpus_per_node:
+        bandwidth = hardware.intra_node_bandwidth
+    else:  # a ring with k members per node leaves each node once per direction: k times a GPU's network share
+        members_per_node = max(1, min(layout.data_parallel_size, hardware.gpus_per_node // inner))
+        bandwidth = min(hardware.intra_node_bandwidth, hardware.inter_node_bandwidth * members_per_node)
+    latency = hardware.collective_latency
+    share = (n - 1) / n
+    backward_window = compute_mb * 2 / 3  # the last micro-batch's backward, which the buckets overlap
+    if layout.zero_stage == 3:
+        parameters = model_state["parameters"] * n / 4 * workload.compute_bytes  # gathered in the compute dtype
+        gradients = model_state["gradients"] * n  # reduced in fp32
+        per_micro_batch = share * (2 * parameters + gradients) / bandwidth + 3 * latency
+        return micro_batches * _exposed(per_micro_batch, micro_batch_time, hardware)
+    gradients = model_state["gradients"] * (n if layout.zero_stage == 2 else 1)
+    bucket = min(gradients, workload.bucket_size_mb * 2**20)
+    factor = 2 * share if layout.zero_stage == 0 else share
+    reduce = factor * gradients / bandwidth
+    last_bucket = factor * bucket / bandwidth + latency
+    reductions = micro_batches if layout.zero_stage == 2 else 1
+    exposed = reductions * max(last_bucket, _exposed(reduce, backward_window, hardware))
+    if layout.zero_stage in (1, 2):  # the updated parameters, all-gathered after the step
+        exposed += share * model_state["parameters"] / bandwidth + latency
+    return exposed
+
+
+def _optimizer(layout: Layout, workload: Workload, hardware: Hardware, owned: float, memory_rate: float) -> float:
+    if layout.offload_optimizer:
+        transfers = owned * (4 + workload.parameter_bytes) / hardware.host_bandwidth  # gradients out, parameters in
+        return transfers + owned / hardware.host_optimizer_rate
+    return owned * ADAM_BYTES_PER_ELEMENT / memory_rate

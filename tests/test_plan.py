@@ -1,0 +1,238 @@
+"""The layout planner (``lightning_megatron.plan``): its model-state bytes against what the strategy reports, its
+activation peaks against measurement, its step times against the papers, and its command."""
+
+import inspect
+import json
+import math
+import shutil
+import subprocess
+import sys
+
+import yaml
+
+from launch import REPO_ROOT, WORKERS, child_env, launch
+
+from lightning_megatron import Megatron3DStrategy
+from lightning_megatron.parallel.summary import MODEL_STATE_KEYS
+
+sys.path.insert(0, str(WORKERS))
+from plan_layouts import BYTE_LAYOUTS  # noqa: E402
+
+PREDICT_BYTES = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+from plan_layouts import BYTE_LAYOUTS, byte_model
+from lightning_megatron.plan import GPUS, Planner, Workload
+out = {}
+for key, case in BYTE_LAYOUTS.items():
+    workload = Workload(global_batch_size=8, seq_length=32, precision=case["precision"],
+                        bucket_size_mb=case["bucket_size_mb"])
+    planner = Planner(lambda: byte_model(case), workload, GPUS["a100"], world_size=4)
+    layout = planner.with_layout(**case["strategy"])
+    out[key] = {f"{p},{d},{c}": planner.model_state_bytes(layout, pipeline_rank=p, data_rank=d, context_rank=c)
+                for p in range(layout.pipeline_parallel_size) for d in range(layout.data_parallel_size)
+                for c in range(layout.context_parallel_size)}
+print(json.dumps(out))
+"""
+
+
+def predicted_bytes() -> dict:
+    """The planner's bytes for every rank of every ``BYTE_LAYOUTS`` layout. It builds each rank's shards over torch's
+    fake process group, which needs a process without a default group: a fresh one."""
+    result = subprocess.run([sys.executable, "-c", PREDICT_BYTES, str(WORKERS)], capture_output=True, text=True,
+                            timeout=300, env=child_env(), cwd=REPO_ROOT)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return json.loads(result.stdout.splitlines()[-1])
+
+
+def test_model_state_bytes_are_what_the_strategy_reports_on_every_rank(tmp_path):
+    """17 layouts (ZeRO 0-3, tp, pp, vpp, cp, ep, bf16-true / bf16-mixed / fp32, offload, tied and untied embeddings,
+    grouped-query attention, MoE) each trained one step through the Trainer on 4 ranks; on every rank the planner's
+    prediction equals ``strategy.model_state_bytes`` byte for byte."""
+    keys = list(BYTE_LAYOUTS)
+    results, _ = launch("plan_bytes.py", 4, tmp_path, ",".join(keys), timeout=900)
+    predicted = predicted_bytes()
+    assert len(results) == 4
+    for key in keys:
+        for rank, result in enumerate(results):
+            pp, dp, cp, _ = result[key]["coordinates"]
+            measured = result[key]["bytes"]
+            assert predicted[key][f"{pp},{dp},{cp}"] == measured, (key, rank, predicted[key], measured)
+        # The layouts differ: ZeRO, precision and the split all show in the bytes.
+    distinct = {json.dumps(results[0][key]["bytes"], sort_keys=True) for key in keys}
+    assert len(distinct) >= 15, distinct
+
+
+def run_python(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    """A fresh process (the planner builds shards over torch's fake process group: no default group may exist)."""
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout, env=child_env(),
+                          cwd=REPO_ROOT)
+
+
+def test_activation_peaks_are_predicted_within_15_percent():
+    """Every rank's measured peak of activation bytes on the CPU (``benchmarks/activation_peak.py``: tp 1/2, sequence
+    parallelism, pp 2 under 1F1B, no / selective / full recomputation, GPT- and Llama-shaped models of two sizes) and
+    the planner's ``activation_bytes`` for the same layout."""
+    script = ("import json, sys; sys.path.insert(0, 'benchmarks'); import planner_check as c; from activation_peak "
+              "import measure; print(json.dumps(c.activation_rows(measure())))")
+    result = run_python("-c", script)
+    assert result.returncode == 0, result.stderr[-4000:]
+    rows = json.loads(result.stdout.splitlines()[-1])
+    assert len(rows) >= 20  # every layout, and both pipeline ranks of the pipelined ones
+    assert {r["layout"].rsplit("-", 1)[-1] for r in rows} >= {"none", "selective", "full"}
+    for row in rows:
+        assert abs(row["deviation"]) <= 0.15, row
+    # Recomputation and sequence parallelism move the peak, and the prediction follows.
+    by_key = {(r["layout"], r["pipeline_rank"]): r for r in rows}
+    assert by_key[("tp1-full", 0)]["measured"] < 0.5 * by_key[("tp1-none", 0)]["measured"]
+    assert by_key[("tp1-full", 0)]["predicted"] < 0.5 * by_key[("tp1-none", 0)]["predicted"]
+    for key in ("measured", "predicted"):  # under 1F1B stage 0 holds two micro-batches in flight, stage 1 one
+        assert by_key[("pp2-none", 0)][key] > by_key[("pp2-none", 1)][key]
+
+
+def test_the_papers_runs_are_predicted_within_their_margins():
+    """Shoeybi et al. 2019: 8.3B on 512 V100s at 76% weak-scaling efficiency (within 5 points); Narayanan et al.
+    2021: GPT-3 175B on 1024 A100s at 140 TFLOP/s per GPU (within 15%, the paper's layout and the planner's best
+    under the paper's rules), and its table 2's PTD-P runs (within 15%). The calibrations reproduce their runs."""
+    result = run_python("benchmarks/planner_check.py", "--papers", "--json")
+    assert result.returncode == 0, result.stderr[-4000:]
+    report = json.loads(result.stdout.splitlines()[-1])
+    rows = {row["run"]: row for row in report["papers"]}
+    scaling = rows["Megatron-LM 8.3B, 512 V100 (tp8 x dp64)"]
+    assert abs(scaling["weak_scaling_efficiency"] - 0.76) <= 0.05, scaling
+    for name, row in rows.items():
+        if row["calibration"]:
+            assert abs(row["ratio"] - 1) < 0.02, row  # hardware.py's constants are the calibrated ones
+        elif name.startswith("GPT-3") and "any tp" not in name:
+            assert abs(row["ratio"] - 1) <= 0.15, row
+    paper = rows["GPT-3 175B, 1024 A100, the paper's layout"]
+    assert paper["layout"].startswith("tp8 pp16")
+    for gpu, efficiency in report["calibrated"].items():
+        from lightning_megatron.plan import GPUS
+
+        assert abs(GPUS[gpu].matmul_efficiency - efficiency) < 0.005, (gpu, efficiency)
+
+
+CONFIGS = REPO_ROOT / "configs"
+
+
+def plan_command(tmp_path, *args: str) -> subprocess.CompletedProcess:
+    executable = shutil.which("lightning-megatron")
+    assert executable, "install the package (pip install -e .) so the lightning-megatron command exists"
+    return subprocess.run([executable, "plan", *args], capture_output=True, text=True, timeout=600, env=child_env(),
+                          cwd=tmp_path)
+
+
+def test_plan_json_lists_every_valid_layout_in_the_strategys_words_ranked_by_tokens_per_second(tmp_path):
+    result = plan_command(tmp_path, "--config", str(CONFIGS / "gpt-tiny.yaml"), "--gpus", "4", "--gpu",
+                          "custom:memory=2.1548,base=a100", "--json")
+    assert result.returncode == 0, result.stderr[-3000:]
+    plans = json.loads(result.stdout)
+    assert len(plans) > 20
+    strategy_arguments = set(inspect.signature(Megatron3DStrategy).parameters)
+    for plan in plans:
+        layout = {k: v for k, v in plan.items() if k in strategy_arguments}
+        assert {"tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size", "zero_stage",
+                "activation_checkpointing", "micro_batch_size"} <= set(layout)
+        Megatron3DStrategy(**layout)  # the strategy takes them as they are
+        assert set(plan["model_state_bytes"]) == set(MODEL_STATE_KEYS)
+        assert plan["fits"] == (plan["memory_per_gpu_bytes"] <= 2.1548e9)
+        assert plan["memory_per_gpu_bytes"] >= plan["activation_bytes"] + plan["buffer_bytes"]
+        assert plan["step_seconds"] > 0 and 0 < plan["mfu"] < 1
+        assert abs(plan["tokens_per_second"] * plan["step_seconds"] - 16 * 128) < 1e-6 * 16 * 128
+    fitting = [p for p in plans if p["fits"]]
+    assert fitting and len(fitting) < len(plans)  # the memory given leaves some out
+    assert plans[: len(fitting)] == fitting  # fitting first,
+    speeds = [p["tokens_per_second"] for p in fitting]
+    assert speeds == sorted(speeds, reverse=True)  # fastest first
+    # ZeRO shards the optimizer state: among otherwise equal layouts, each stage holds less.
+    same = {p["zero_stage"]: p["model_state_bytes"]["optimizer_state"] for p in plans if p["tensor_parallel_size"] == 1
+            and p["pipeline_parallel_size"] == 1 and not p["offload_optimizer"]}
+    assert same[0] > same[1] == same[2] == same[3]
+
+
+def test_plan_writes_a_config_that_trains(tmp_path):
+    """The best layout for 2 processes, written as a config; ``lightning-megatron fit`` runs it."""
+    written = tmp_path / "best.yaml"
+    result = plan_command(tmp_path, "--config", str(CONFIGS / "gpt-tiny.yaml"), "--gpus", "2", "--gpu",
+                          "custom:memory=8,node=2,base=a100", "--write-config", str(written))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "tokens/s" in result.stdout and written.exists()
+    config = yaml.safe_load(written.read_text())
+    assert config["trainer"]["devices"] * config["trainer"]["num_nodes"] == 2
+    # It never overwrites.
+    again = plan_command(tmp_path, "--config", str(CONFIGS / "gpt-tiny.yaml"), "--gpus", "2", "--write-config",
+                         str(written))
+    assert again.returncode != 0 and "never overwrites" in again.stderr
+    fit = subprocess.run([shutil.which("lightning-megatron"), "fit", "--config", str(written), "--trainer.max_steps=2",
+                          "--trainer.val_check_interval=2", "--trainer.limit_val_batches=1", "--data.max_files=30",
+                          "--trainer.accelerator=cpu", f"--trainer.default_root_dir={tmp_path}"],
+                         capture_output=True, text=True, timeout=600, env=child_env(), cwd=tmp_path)
+    assert fit.returncode == 0, fit.stderr[-3000:]
+    chosen = config["trainer"]["strategy"]["init_args"]
+    assert f"tp={chosen['tensor_parallel_size']} pp={chosen['pipeline_parallel_size']}" in fit.stdout + fit.stderr
+
+
+BAD_INPUT = """
+import contextlib, io, json, sys
+from lightning_megatron.plan.command import main
+out = {}
+for name, argv in json.loads(sys.argv[1]).items():
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        try:
+            main(argv)
+            code = 0
+        except SystemExit as exit:
+            code = exit.code if isinstance(exit.code, int) else 1
+            err.write(exit.code if isinstance(exit.code, str) else "")
+    out[name] = {"code": code, "stderr": err.getvalue()}
+print(json.dumps(out))
+"""
+
+
+def test_plan_says_why_nothing_fits_and_what_would():
+    """A model too big for the GPUs given, a GPU count no layout divides, an unknown GPU: one process, three runs."""
+    cases = {"too_small": ["--config", str(CONFIGS / "gpt-1.3b.yaml"), "--gpus", "2", "--gpu", "custom:memory=4,base=a100"],
+             "invalid": ["--config", str(CONFIGS / "gpt-tiny.yaml"), "--gpus", "7"],
+             "bad_gpu": ["--config", str(CONFIGS / "gpt-tiny.yaml"), "--gpus", "2", "--gpu", "b200"]}
+    result = run_python("-c", BAD_INPUT, json.dumps(cases))
+    assert result.returncode == 0, result.stderr[-3000:]
+    runs = json.loads(result.stdout.splitlines()[-1])
+    too_small, invalid, bad_gpu = runs["too_small"], runs["invalid"], runs["bad_gpu"]
+    assert too_small["code"] == 1
+    assert "No layout fits in 3.7 GiB per GPU on 2 GPUs" in too_small["stderr"], too_small
+    assert "It would fit on 4 GPUs as tp4" in too_small["stderr"], too_small
+    assert invalid["code"] == 1
+    assert "No layout of GPT is valid on 7 GPUs" in invalid["stderr"]
+    assert "tensor_parallel_size=7 does not divide num_heads=4" in invalid["stderr"]
+    assert "global_batch_size=16 is not divisible by the data-parallel size 7" in invalid["stderr"]
+    assert "The nearest GPU count with a valid layout is 8" in invalid["stderr"]
+    assert bad_gpu["code"] != 0 and "choose one of v100, a100, h100, h200" in bad_gpu["stderr"]
+
+
+def test_auto_sizes_are_the_planners_choice_on_every_rank(tmp_path):
+    """``tensor_parallel_size="auto", pipeline_parallel_size="auto"`` on 2 CPU processes: the planner's best layout
+    (computed again here, in a fresh process) on both ranks, logged, then trained; a model that fits no layout
+    raises the planner's explanation on every rank before any process group exists."""
+    results, proc = launch("plan_auto.py", 2, tmp_path, timeout=600)
+    for result in results:
+        assert result["too_big"]["error"] is not None and not result["too_big"]["distributed_initialized"]
+        assert "could not choose the 'auto' sizes: No layout fits" in result["too_big"]["error"]
+        for key in ("sizes", "message", "layout"):  # the same choice everywhere (the losses are each dp rank's own)
+            assert result["chosen"][key] == results[0]["chosen"][key]
+    chosen = results[0]["chosen"]
+    assert "chose tp" in chosen["message"] and chosen["message"] in proc.stdout + proc.stderr
+    script = ("import json, sys, torch; sys.path.insert(0, sys.argv[1]); from trainer_setup import model; "
+              "from lightning_megatron.plan.auto import choose_sizes; "
+              "c = choose_sizes(model({'layers': 4}), {'tensor_parallel_size': 'auto', 'pipeline_parallel_size': 'auto'},"
+              " world_size=2, device=torch.device('cpu'), gpus_per_node=2, global_batch_size=8, seq_length=32,"
+              " precision='32-true', settings=dict(zero_stage=0, sequence_parallel=False, activation_checkpointing="
+              "'none', offload_optimizer=False, micro_batch_size=1), bucket_size_mb=0.01); print(json.dumps(c.sizes))")
+    again = run_python("-c", script, str(WORKERS))
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert json.loads(again.stdout.splitlines()[-1]) == chosen["sizes"]
+    tp, pp, dp = chosen["layout"]
+    assert [chosen["sizes"][k] for k in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size")] == \
+        [tp, pp, dp]
+    assert len(chosen["losses"]) == 2 and all(math.isfinite(loss) for loss in chosen["losses"])

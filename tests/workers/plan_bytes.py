@@ -1,0 +1,34 @@
+"""What ``strategy.model_state_bytes`` reports after the first step, for many layouts over the same 4 ranks.
+
+argv: OUT_DIR LAYOUTS (a comma list of ``tests/test_plan.py``'s ``BYTE_LAYOUTS`` keys). Each layout is one
+``Trainer.fit`` of one step; rank r writes rank{r}.json: per layout, its (pp, dp, cp, tp) coordinates and the
+strategy's ``model_state_bytes``.
+"""
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import lightning as L
+
+from plan_layouts import BYTE_LAYOUTS, byte_model
+from trainer_setup import datamodule, trainer_kwargs
+from lightning_megatron import Megatron3DStrategy
+
+out_dir, keys = Path(sys.argv[1]), sys.argv[2].split(",")
+rank = int(os.environ["RANK"])
+results = {}
+for key in keys:
+    case = BYTE_LAYOUTS[key]
+    L.seed_everything(7)
+    strategy = Megatron3DStrategy(**case["strategy"], bucket_size_mb=case.get("bucket_size_mb", 0.01))
+    trainer = L.Trainer(accelerator="cpu", devices=4, strategy=strategy, precision=case["precision"],
+                        **trainer_kwargs({"steps": 1}))
+    trainer.fit(byte_model(case), datamodule=datamodule({}))
+    state = strategy.parallel_state
+    results[key] = {"coordinates": [state.pipeline_parallel_rank, state.data_parallel_rank,
+                                    state.context_parallel_rank, state.tensor_parallel_rank],
+                    "bytes": strategy.model_state_bytes}
+(out_dir / f"rank{rank}.json").write_text(json.dumps(results))
+os._exit(0)  # skip gloo's C++ teardown: with several meshes alive it aborts at random (torch 2.13)

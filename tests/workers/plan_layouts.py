@@ -1,0 +1,45 @@
+"""The layouts whose model-state bytes the planner must predict byte for byte (``tests/test_plan.py``), and the
+models they train: the Trainer worker's tiny GPT (4 layers, tied embeddings), a Llama-shaped one (grouped-query
+attention, untied output layer) and a Mixture-of-Experts one."""
+
+from dataclasses import replace
+
+from trainer_setup import model
+from lightning_megatron.models import GPT
+from lightning_megatron.models.moe import MoEConfig
+
+
+def _case(precision, model="gpt", bucket_size_mb=0.01, **strategy):
+    return {"precision": precision, "model": model, "bucket_size_mb": bucket_size_mb, "strategy": strategy}
+
+
+BYTE_LAYOUTS = {
+    "dp4-z0": _case("32-true", zero_stage=0),
+    "dp4-z1": _case("32-true", zero_stage=1),
+    "dp4-z2-bf16": _case("bf16-true", zero_stage=2),
+    "dp4-z3": _case("32-true", zero_stage=3),
+    "tp2-dp2-z1-bf16": _case("bf16-true", tensor_parallel_size=2, zero_stage=1),
+    "tp2-dp2-z3-mixed": _case("bf16-mixed", tensor_parallel_size=2, zero_stage=3),
+    "tp4-bf16": _case("bf16-true", tensor_parallel_size=4),
+    "tp4": _case("32-true", tensor_parallel_size=4, bucket_size_mb=25.0),
+    "pp2-dp2-z1": _case("32-true", pipeline_parallel_size=2, zero_stage=1, micro_batch_size=2),
+    "pp2-tp2-mixed": _case("bf16-mixed", pipeline_parallel_size=2, tensor_parallel_size=2, micro_batch_size=2),
+    "pp2v2-dp2-z2-bf16": _case("bf16-true", pipeline_parallel_size=2, virtual_pipeline_size=2, zero_stage=2,
+                               pipeline_schedule="interleaved_1f1b", micro_batch_size=2),
+    "pp2-dp2-z3": _case("32-true", pipeline_parallel_size=2, zero_stage=3, micro_batch_size=2),
+    "tp2-dp2-z1-offload-bf16": _case("bf16-true", tensor_parallel_size=2, zero_stage=1, offload_optimizer=True),
+    "dp4-offload": _case("32-true", offload_optimizer=True),
+    "tp2-cp2-z1": _case("32-true", tensor_parallel_size=2, context_parallel_size=2, zero_stage=1),
+    "llama-tp2-dp2-z1-bf16": _case("bf16-true", model="llama", tensor_parallel_size=2, zero_stage=1),
+    "moe-dp4-ep2-z1": _case("32-true", model="moe", expert_parallel_size=2, zero_stage=1),
+}
+
+
+def byte_model(case) -> GPT:
+    if case["model"] == "llama":
+        return model({"layers": 4, "preset": "llama-tiny", "groups": 2})
+    gpt = model({"layers": 4, **({"preset": "llama-tiny", "groups": 2} if case["model"] == "moe" else {})})
+    if case["model"] == "moe":
+        moe = MoEConfig(num_experts=4, top_k=2, ffn_hidden_size=32, layer_freq=(1, 0, 1, 1))
+        gpt = GPT(replace(gpt.config, moe=moe), learning_rate=3e-3, warmup_steps=2, adam_eps=1e-6)
+    return gpt
