@@ -125,8 +125,9 @@ def plan_command(tmp_path, *args: str) -> subprocess.CompletedProcess:
 
 def test_plan_json_lists_every_valid_layout_in_the_strategys_words_ranked_by_tokens_per_second(tmp_path):
     result = plan_command(tmp_path, "--config", str(CONFIGS / "gpt-tiny.yaml"), "--gpus", "4", "--gpu",
-                          "custom:memory=2.1548,base=a100", "--json")
+                          "custom:memory=2.1548,base=a100", "--json", "--plot", "layouts.png")
     assert result.returncode == 0, result.stderr[-3000:]
+    assert (tmp_path / "layouts.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # the [plot] extra's picture
     plans = json.loads(result.stdout)
     assert len(plans) > 20
     strategy_arguments = set(inspect.signature(Megatron3DStrategy).parameters)

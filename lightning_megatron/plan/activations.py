@@ -132,7 +132,7 @@ def buffer_bytes(shape: ModelShape, layout: Layout, workload: Workload, model_st
     if layout.zero_stage == 2:
         extra += 2 * int(workload.bucket_size_mb * 2**20)
     if layout.zero_stage == 3:
-        replicas = layout.parallel_config.replica_size
+        replicas = layout.replica_size
         layer_elements = model_state["parameters"] / 4 * replicas * layout.pipeline_parallel_size / shape.num_layers
         extra += int(layer_elements * (2 * workload.compute_bytes + 4))
     return extra

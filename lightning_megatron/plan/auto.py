@@ -10,7 +10,7 @@ devices present with the most predicted tokens/s.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Optional
 
 import torch
@@ -41,18 +41,12 @@ def device_hardware(device: torch.device, gpus_per_node: int) -> tuple[Hardware,
         preset = next((key for key in GPUS if key in name.lower()), None)
         hardware = GPUS[preset or "a100"]
         note = f"{name}" + ("" if preset else " (not a known GPU: A100's rates assumed)")
-        return _with(hardware, memory_bytes=memory, gpus_per_node=gpus_per_node), note
+        return replace(hardware, memory_bytes=memory, gpus_per_node=gpus_per_node), note
     # No GPU: nominal numbers, so that "auto" runs (and is tested) on CPU; its ranking is not a speed model.
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     cpu = Hardware("cpu", 1 * TFLOPS, 1 * TFLOPS, ram // max(gpus_per_node, 1), 20 * GB, 10 * GB, 1 * GB,
                    gpus_per_node, matmul_efficiency=0.5)
     return cpu, f"CPU (its memory shared by {gpus_per_node} processes; nominal rates)"
-
-
-def _with(hardware: Hardware, **changes: Any) -> Hardware:
-    from dataclasses import replace
-
-    return replace(hardware, **changes)
 
 
 def choose_sizes(module: Any, requested: dict[str, Any], *, world_size: int, device: torch.device,

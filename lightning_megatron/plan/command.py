@@ -47,7 +47,7 @@ def planner_from_config(config: dict, *, gpus: int, hardware: Hardware, global_b
                         seq_length: Optional[int] = None, precision: Optional[str] = None,
                         keep: Sequence[str] = ()) -> Planner:
     trainer = config.get("trainer") or {}
-    strategy = (trainer.get("strategy") or {}).get("init_args") or {} if isinstance(trainer.get("strategy"), dict) else {}
+    strategy = _strategy_arguments(config)
     data = (config.get("data") or {}).get("init_args") or {}
     unknown = sorted(set(keep) - set(SEARCHED))
     if unknown:
@@ -66,6 +66,12 @@ def planner_from_config(config: dict, *, gpus: int, hardware: Hardware, global_b
     return Planner(module_factory(config.get("model") or {}), workload, hardware, world_size=gpus, fixed=fixed)
 
 
+def _strategy_arguments(config: dict) -> dict:
+    """The config's ``trainer.strategy.init_args`` (empty when the strategy is given by name)."""
+    strategy = (config.get("trainer") or {}).get("strategy")
+    return dict((strategy.get("init_args") or {}) if isinstance(strategy, dict) else {})
+
+
 def _missing(name: str):
     raise ValueError(f"The config's data section has no {name}; pass --{name.replace('_', '-')}.")
 
@@ -73,7 +79,7 @@ def _missing(name: str):
 def configured_layout(config: dict, world: int, workload: Workload) -> Layout:
     """The layout a config's strategy arguments (and Trainer accumulation) describe on ``world`` GPUs."""
     trainer = config.get("trainer") or {}
-    strategy = (trainer.get("strategy") or {}).get("init_args") or {} if isinstance(trainer.get("strategy"), dict) else {}
+    strategy = _strategy_arguments(config)
     fields = {name: strategy[name] for name in Layout.__dataclass_fields__ if name in strategy}
     if fields.get("pipeline_layers_per_stage"):
         fields["pipeline_layers_per_stage"] = tuple(fields["pipeline_layers_per_stage"])
@@ -193,13 +199,16 @@ def plot(plans: Sequence[LayoutPlan], hardware: Hardware, path: Path) -> None:
     speed = [p.tokens_per_second for p in plans]
     axis.scatter(memory, speed, c=["tab:blue" if p.fits else "tab:gray" for p in plans], s=12)
     axis.axvline(hardware.memory_bytes / GIB, color="tab:red", linestyle="--", label="GPU memory")
-    best = [p for p in plans if p.fits][:5]
-    for p in best:
-        axis.annotate(p.layout.label(), (p.memory_per_gpu_bytes / GIB, p.tokens_per_second), fontsize=7)
+    for rank, p in enumerate([p for p in plans if p.fits][:3]):  # the best three, labelled apart
+        point = (p.memory_per_gpu_bytes / GIB, p.tokens_per_second)
+        axis.scatter(*point, marker="*", s=120, color="tab:orange", zorder=3)
+        axis.annotate(f"{rank + 1}. {p.layout.label()}", point, xytext=(-150, -18 * (rank + 1)),
+                      textcoords="offset points", fontsize=8, arrowprops={"arrowstyle": "-", "color": "0.5"})
     axis.set_xlabel("predicted memory per GPU (GiB)")
     axis.set_ylabel("predicted tokens/s")
     axis.set_xscale("log")
-    axis.legend()
+    axis.set_title(f"{len(plans)} layouts on {hardware.name} (blue: fit, grey: do not)")
+    axis.legend(loc="lower right")
     figure.tight_layout()
     figure.savefig(path, dpi=120)
 

@@ -11,7 +11,7 @@ them rather than restating them, so the planner proposes exactly the layouts the
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any, Optional
+from typing import Any
 
 from lightning_megatron.context_parallel.inputs import check_sequence_length
 from lightning_megatron.parallel.config import ParallelConfig
@@ -65,36 +65,16 @@ class Workload:
 
 
 @dataclass(frozen=True)
-class Layout:
-    """One way to run a workload; the field names are ``Megatron3DStrategy``'s arguments."""
+class Layout(ParallelConfig):
+    """One way to run a workload: a ``ParallelConfig`` (whose checks run when it is built) and the strategy's
+    schedule, micro-batch, recomputation and offload arguments, and the Trainer's ``accumulate_grad_batches``.
+    The field names are ``Megatron3DStrategy``'s."""
 
-    tensor_parallel_size: int = 1
-    pipeline_parallel_size: int = 1
-    data_parallel_size: int = 1
-    sequence_parallel: bool = False
-    zero_stage: int = 0
-    virtual_pipeline_size: int = 1
-    context_parallel_size: int = 1
-    expert_parallel_size: int = 1
     pipeline_schedule: str = "1f1b"
     micro_batch_size: int = 1
     activation_checkpointing: str = "none"
     offload_optimizer: bool = False
-    pipeline_layers_per_stage: Optional[tuple[int, ...]] = None
     accumulate_grad_batches: int = 1  # the Trainer's: micro-batches of a step without pipelining
-
-    @property
-    def world_size(self) -> int:
-        return self.parallel_config.world_size
-
-    @property
-    def parallel_config(self) -> ParallelConfig:
-        return ParallelConfig(
-            tensor_parallel_size=self.tensor_parallel_size, pipeline_parallel_size=self.pipeline_parallel_size,
-            data_parallel_size=self.data_parallel_size, sequence_parallel=self.sequence_parallel,
-            zero_stage=self.zero_stage, virtual_pipeline_size=self.virtual_pipeline_size,
-            pipeline_layers_per_stage=self.pipeline_layers_per_stage, expert_parallel_size=self.expert_parallel_size,
-            context_parallel_size=self.context_parallel_size)
 
     def micro_batches(self, workload: Workload) -> int:
         """Forward/backward passes of a step on one rank: pipeline micro-batches, or accumulated batches."""
@@ -110,7 +90,7 @@ class Layout:
         return arguments
 
     def label(self) -> str:
-        """A short name: ``tp8 pp16v2 dp8 z1 sp sel mb1``."""
+        """A short name: ``tp8 pp16v2 dp8 z1 sp ac-sel mb1`` (``ac-``: activation checkpointing)."""
         parts = [f"tp{self.tensor_parallel_size}"]
         if self.pipeline_parallel_size > 1:
             parts.append(f"pp{self.pipeline_parallel_size}"
@@ -123,7 +103,8 @@ class Layout:
         parts.append(f"z{self.zero_stage}" + ("+off" if self.offload_optimizer else ""))
         if self.sequence_parallel:
             parts.append("sp")
-        parts.append({"none": "rc-", "selective": "rc-sel", "full": "rc-full"}[self.activation_checkpointing])
+        if self.activation_checkpointing != "none":
+            parts.append({"selective": "ac-sel", "full": "ac-full"}[self.activation_checkpointing])
         parts.append(f"mb{self.micro_batch_size}")
         return " ".join(parts)
 
@@ -131,10 +112,9 @@ class Layout:
 def check_layout(layout: Layout, workload: Workload, module: Any, num_layers: int) -> None:
     """Raise the ``ValueError`` the strategy (or the data module) would raise for this layout, before any
     collective; return quietly if it would run."""
-    config = layout.parallel_config
     validate = getattr(module, "validate_parallel_config", None)
     if validate is not None:
-        validate(config)
+        validate(layout)  # a Layout is the ParallelConfig the strategy hands the model
     check_schedule(layout.pipeline_schedule, layout.virtual_pipeline_size)
     if layout.pipeline_parallel_size > 1:
         PipelineLayout(num_layers=num_layers, pipeline_parallel_size=layout.pipeline_parallel_size,

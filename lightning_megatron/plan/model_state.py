@@ -37,7 +37,7 @@ DTYPES = {2: torch.bfloat16, 4: torch.float32}
 def rank_model_state_bytes(parameters: Sequence[RankParameter], layout: Layout, workload: Workload, *,
                            state_bytes_per_element: int, data_rank: int = 0, context_rank: int = 0) -> dict[str, int]:
     """``strategy.model_state_bytes`` of the rank at (``data_rank``, ``context_rank``) holding ``parameters``."""
-    config = layout.parallel_config
+    config = layout
     replicas = config.replica_size
     replica_rank = data_rank * config.context_parallel_size + context_rank
     trainable = [p for p in parameters if p.entry.requires_grad]

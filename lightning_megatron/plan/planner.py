@@ -9,7 +9,7 @@ buffers) and its step time (``plan.step_time``), and ranks the ones that fit by 
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator, Optional
 
 from torch import nn
@@ -173,8 +173,8 @@ class Planner:
                           fullest.pipeline_rank)
 
     # ------------------------------------------------------------------ the search
-    def candidates(self) -> Iterator[Layout]:
-        """Every combination of the searched fields (those in ``fixed`` kept), before validation."""
+    def candidates(self) -> Iterator[dict[str, Any]]:
+        """Every combination of the searched fields (those in ``fixed`` kept), as ``Layout`` arguments, unchecked."""
         world, shape, fixed = self.world_size, self.shape, self.fixed
         batch, seq = self.workload.global_batch_size, self.workload.seq_length
 
@@ -197,10 +197,10 @@ class Planner:
                         for ep in choices("expert_parallel_size", eps):
                             yield from self._with_options(tp, pp, vpp, cp, dp, ep, batch, choices)
 
-    def _with_options(self, tp, pp, vpp, cp, dp, ep, batch, choices) -> Iterator[Layout]:
+    def _with_options(self, tp, pp, vpp, cp, dp, ep, batch, choices) -> Iterator[dict[str, Any]]:
         if batch % dp:  # one candidate, for check_layout to say why
-            yield Layout(tensor_parallel_size=tp, pipeline_parallel_size=pp, data_parallel_size=dp,
-                         virtual_pipeline_size=vpp, context_parallel_size=cp, expert_parallel_size=ep)
+            yield dict(tensor_parallel_size=tp, pipeline_parallel_size=pp, data_parallel_size=dp,
+                       virtual_pipeline_size=vpp, context_parallel_size=cp, expert_parallel_size=ep)
             return
         per_rank = batch // dp
         micro = [m for m in (1, 2, 4, 8, 16) if per_rank % m == 0 and (pp == 1 or per_rank // m >= pp)]
@@ -217,18 +217,18 @@ class Planner:
                 micro if pp == 1 and "accumulate_grad_batches" in self.fixed else choices("micro_batch_size", micro)):
             if offload and zero == 3:
                 continue  # ZeRO-3's shards are FSDP's, not offloaded
-            yield Layout(tensor_parallel_size=tp, pipeline_parallel_size=pp, data_parallel_size=dp, sequence_parallel=sp,
-                         zero_stage=zero, virtual_pipeline_size=vpp, context_parallel_size=cp, expert_parallel_size=ep,
-                         pipeline_schedule=schedule, micro_batch_size=mbs, activation_checkpointing=recompute,
-                         offload_optimizer=offload,
-                         pipeline_layers_per_stage=self.fixed.get("pipeline_layers_per_stage"),
-                         accumulate_grad_batches=1 if pp > 1 else per_rank // mbs)
+            yield dict(tensor_parallel_size=tp, pipeline_parallel_size=pp, data_parallel_size=dp, sequence_parallel=sp,
+                       zero_stage=zero, virtual_pipeline_size=vpp, context_parallel_size=cp, expert_parallel_size=ep,
+                       pipeline_schedule=schedule, micro_batch_size=mbs, activation_checkpointing=recompute,
+                       offload_optimizer=offload, pipeline_layers_per_stage=self.fixed.get("pipeline_layers_per_stage"),
+                       accumulate_grad_batches=1 if pp > 1 else per_rank // mbs)
 
     def plan(self) -> PlanResult:
         """Evaluate every valid layout; fitting ones first, fastest first; then the rest, smallest first."""
         plans, refused = [], {}
-        for layout in self.candidates():
+        for fields in self.candidates():
             try:
+                layout = Layout(**fields)  # ParallelConfig's checks
                 check_layout(layout, self.workload, self.module, self.shape.num_layers)
             except ValueError as error:
                 refused.setdefault(str(error)[:60], str(error))  # one message per kind of refusal
@@ -239,11 +239,9 @@ class Planner:
 
     def with_layout(self, **changes: Any) -> Layout:
         """A layout of this world from a few sizes (``data_parallel_size`` taking what is left)."""
-        layout = replace(Layout(), **changes)
-        model_parallel = layout.tensor_parallel_size * layout.pipeline_parallel_size * layout.context_parallel_size
-        if "data_parallel_size" not in changes:
-            layout = replace(layout, data_parallel_size=self.world_size // model_parallel)
-        return layout
+        model_parallel = (changes.get("tensor_parallel_size", 1) * changes.get("pipeline_parallel_size", 1)
+                          * changes.get("context_parallel_size", 1))
+        return Layout(**{"data_parallel_size": self.world_size // model_parallel, **changes})
 
 
 def _divisors(n: int) -> list[int]:

@@ -199,7 +199,7 @@ def _layer_elementwise_bytes(shape: ModelShape, layout: Layout, w: int) -> float
 def _data_parallel(layout: Layout, workload: Workload, hardware: Hardware, model_state: dict[str, int],
                    micro_batches: int, compute_mb: float, micro_batch_time: float) -> float:
     """Exposed seconds of the gradient reduction and (ZeRO 1-3) the parameter gathers over dp x cp."""
-    n = layout.parallel_config.replica_size
+    n = layout.replica_size
     if n == 1:
         return 0.0
     inner = layout.tensor_parallel_size * layout.context_parallel_size  # the mesh dims inside dp
