@@ -84,6 +84,11 @@ class Layout:
     hidden_size: int = 64
     num_layers: int = 4
     num_heads: int = 4
+    virtual_pipeline_size: int = 1  # > 1: interleaved 1F1B
+
+    @property
+    def pipeline_schedule(self) -> str:
+        return "interleaved_1f1b" if self.virtual_pipeline_size > 1 else "1f1b"
 
     @property
     def data_parallel_size(self) -> int:
@@ -101,6 +106,8 @@ LAYOUTS = (
     *(Layout(f"tp2-sp-{mode}", "gpt", tensor_parallel_size=2, sequence_parallel=True, activation_checkpointing=mode)
       for mode in MODES),
     *(Layout(f"pp2-{mode}", "gpt", activation_checkpointing=mode, **PIPELINE) for mode in MODES),
+    *(Layout(f"pp2v2-{mode}", "gpt", activation_checkpointing=mode, virtual_pipeline_size=2, **PIPELINE)
+      for mode in ("none", "full")),
     Layout("llama-tp1-none", "llama"),
     Layout("llama-tp2-sp-none", "llama", tensor_parallel_size=2, sequence_parallel=True),
     Layout("llama-tp2-sp-full", "llama", tensor_parallel_size=2, sequence_parallel=True,
@@ -245,14 +252,14 @@ class Built:
     stage: Optional[nn.Module]  # this rank's pipeline stage (pp > 1)
 
 
-def start_pipeline(split, state, step, micro_batch_size: int):
-    """The test workers' ``start_worker_pipeline``: ``preparation.start_pipeline`` (1F1B) with the strategy's
+def start_pipeline(split, state, step, micro_batch_size: int, schedule: str):
+    """The test workers' ``start_worker_pipeline``: ``preparation.start_pipeline`` (1F1B or interleaved) with the strategy's
     ``before_backward`` wiring to the step's gradient bookkeeping."""
     if str(WORKERS) not in sys.path:
         sys.path.insert(0, str(WORKERS))
     from layout_runs import start_worker_pipeline
 
-    return start_worker_pipeline(split, state, step, micro_batch_size)
+    return start_worker_pipeline(split, state, step, micro_batch_size, schedule)
 
 
 def build(layout: Layout) -> Built:
@@ -265,7 +272,8 @@ def build(layout: Layout) -> Built:
 
     config = ParallelConfig(tensor_parallel_size=layout.tensor_parallel_size,
                             pipeline_parallel_size=layout.pipeline_parallel_size,
-                            data_parallel_size=layout.data_parallel_size, sequence_parallel=layout.sequence_parallel)
+                            data_parallel_size=layout.data_parallel_size, sequence_parallel=layout.sequence_parallel,
+                            virtual_pipeline_size=layout.virtual_pipeline_size)
     state = ParallelState.create(config, "cpu")
     torch.manual_seed(SEED + 100 * state.pipeline_parallel_rank)  # the strategy's per-stage dropout seed
     module = GPT(model_config(layout))
@@ -282,7 +290,7 @@ def build(layout: Layout) -> Built:
                                 bucket_size_mb=25.0, offload=False, device=torch.device("cpu"))
     runner = stage = None
     if split is not None:
-        runner = start_pipeline(split, state, step, layout.micro_batch_size)
+        runner = start_pipeline(split, state, step, layout.micro_batch_size, layout.pipeline_schedule)
         stage = split.stage_modules[0]
     return Built(state, module, optimizer, step, runner, stage)
 

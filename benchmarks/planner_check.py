@@ -147,6 +147,7 @@ def activation_rows(measured: list[dict]) -> list[dict]:
         spec = LAYOUTS_BY_KEY[row["layout"]]
         pipelined = spec.pipeline_parallel_size > 1
         layout = Layout(tensor_parallel_size=spec.tensor_parallel_size, pipeline_parallel_size=spec.pipeline_parallel_size,
+                        virtual_pipeline_size=spec.virtual_pipeline_size, pipeline_schedule=spec.pipeline_schedule,
                         data_parallel_size=spec.data_parallel_size, sequence_parallel=spec.sequence_parallel,
                         activation_checkpointing=spec.activation_checkpointing, micro_batch_size=spec.micro_batch_size,
                         accumulate_grad_batches=1 if pipelined else spec.micro_batches)

@@ -78,7 +78,7 @@ def test_activation_peaks_are_predicted_within_15_percent():
     result = run_python("-c", script)
     assert result.returncode == 0, result.stderr[-4000:]
     rows = json.loads(result.stdout.splitlines()[-1])
-    assert len(rows) >= 20  # every layout, and both pipeline ranks of the pipelined ones
+    assert len(rows) >= 28  # every layout, and both pipeline ranks of the pipelined ones
     assert {r["layout"].rsplit("-", 1)[-1] for r in rows} >= {"none", "selective", "full"}
     for row in rows:
         assert abs(row["deviation"]) <= 0.15, row

@@ -36,16 +36,16 @@ def run_layouts(train: Callable, tools: Mapping[str, Callable] = {}) -> None:
     os._exit(0)  # skip gloo's C++ teardown: with several meshes alive it aborts at random (torch 2.13)
 
 
-def start_worker_pipeline(split, state, step, micro_batch_size: int):
-    """``preparation.start_pipeline`` (1F1B) with the strategy's ``before_backward``: the gradient buckets expect one
-    backward per micro-batch, and the schedule scales each loss sum by ``step``'s backward scale."""
+def start_worker_pipeline(split, state, step, micro_batch_size: int, schedule: str = "1f1b"):
+    """``preparation.start_pipeline`` (1F1B by default) with the strategy's ``before_backward``: the gradient buckets
+    expect one backward per micro-batch, and the schedule scales each loss sum by ``step``'s backward scale."""
     from lightning_megatron.preparation import start_pipeline
 
     def before_backward(count, tokens):
         step.sync.start_micro_batch(sync=True, backward_passes=count)
         runner.loss_scale = step.backward_scale(tokens, accumulation=1, loss_scale=1.0)
 
-    runner = start_pipeline(split, state, device=torch.device("cpu"), schedule="1f1b",
+    runner = start_pipeline(split, state, device=torch.device("cpu"), schedule=schedule,
                             micro_batch_size=micro_batch_size, recorder=None, before_backward=before_backward)
     return runner
 
