@@ -38,6 +38,9 @@ from lightning_megatron.context_parallel.apply import BatchSplitter, apply_conte
 from lightning_megatron.expert_parallel import apply_expert_parallel, wire_auxiliary_losses
 from lightning_megatron.expert_parallel.apply import auxiliary_losses
 from lightning_megatron.optim.zero3 import ZeRO3, apply_zero3
+from lightning_megatron.parallel.diagnostics import warn_if_replicated
+from lightning_megatron.parallel.initialize import initialize_parameters
+from lightning_megatron.parallel.lightning_features import PreparedModel
 from lightning_megatron.parallel.random import TensorParallelRNG
 from lightning_megatron.parallel.recompute import apply_activation_checkpointing
 from lightning_megatron.parallel.state import ParallelState
@@ -47,6 +50,7 @@ from lightning_megatron.pipeline.layout import PipelineLayout
 from lightning_megatron.pipeline.runner import PipelineRunner
 from lightning_megatron.pipeline.stage import StageModule, split_for_pipeline
 from lightning_megatron.pipeline.timeline import TimelineRecorder
+from lightning_megatron.tensor_parallel.plan import parallelize
 
 ZERO3_PRECISIONS = ("32-true", "bf16-true", "bf16-mixed", "16-true")
 # The fp32 shards are the main parameters; FSDP gathers them in the compute dtype and reduces in fp32.
@@ -142,6 +146,27 @@ def start_pipeline(split: PipelineSplit, state: ParallelState, *, device: torch.
 
     root.forward = forward_needs_the_whole_model
     return runner
+
+
+def prepare_model(module: nn.Module, state: ParallelState, *, rng: Optional[TensorParallelRNG], seed: int,
+                  device: Union[torch.device, str], pad_vocab_to_multiple_of: int, activation_checkpointing: str,
+                  context_parallel_attention: str, precision: str) -> PreparedModel:
+    """Steps 1-5 above, in their order, for ``Megatron3DStrategy.setup`` (once per module): this rank's part of the
+    model, materialised. The pipeline schedule (step 6) is bound to the strategy afterwards."""
+    plan = module.tensor_parallel_plan() if hasattr(module, "tensor_parallel_plan") else {}
+    warn_if_replicated(module, plan, state.config.tensor_parallel_size, state.config.data_parallel_size)
+    parallelize(module, plan, state, rng=rng, pad_vocab_to_multiple_of=pad_vocab_to_multiple_of)
+    apply_recompute(module, activation_checkpointing, rng)
+    prepare_experts(module, state)
+    splitter = prepare_context_parallel(module, state, context_parallel_attention)
+    split = split_pipeline(module, state)
+    zero3 = None
+    if state.config.zero_stage == 3:
+        # Already on the device; no .to(): FSDP would replace the sharded parameters and drop their tags.
+        zero3 = shard_zero3(module, state, precision=precision, seed=seed, device=device)
+    elif any(p.is_meta for p in module.parameters()):
+        initialize_parameters(module, seed, device=device, only_meta=True)
+    return PreparedModel(split=split, zero3=zero3, rng=rng, batch_splitter=splitter)
 
 
 def shard_zero3(module: nn.Module, state: ParallelState, *, precision: str, seed: int,

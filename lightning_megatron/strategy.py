@@ -57,9 +57,7 @@ from lightning_megatron.parallel.diagnostics import (
     explain_collective_failure,
     meta_model_left_in_place,
     records_phase,
-    warn_if_replicated,
 )
-from lightning_megatron.parallel.initialize import initialize_parameters
 from lightning_megatron.parallel.lightning_features import (
     PreparedModel,
     check_trainer_features,
@@ -78,17 +76,8 @@ from lightning_megatron.pipeline.layout import check_schedule
 from lightning_megatron.plan.auto import AUTO_SIZES, choose_sizes
 from lightning_megatron.pipeline.runner import PipelineRunner
 from lightning_megatron.pipeline.timeline import TimelineRecorder
-from lightning_megatron.preparation import (
-    PipelineSplit,
-    apply_recompute,
-    prepare_context_parallel,
-    prepare_experts,
-    shard_zero3,
-    split_pipeline,
-    start_pipeline,
-)
+from lightning_megatron.preparation import PipelineSplit, prepare_model, start_pipeline
 from lightning_megatron.tensor_parallel.mappings import full_sequences
-from lightning_megatron.tensor_parallel.plan import parallelize
 
 CHECKPOINT_FORMATS = ("sharded", "full")
 
@@ -412,23 +401,14 @@ class Megatron3DStrategy(CheckpointHooks, StepHooks, ParallelStrategy):
             self._main_params = self._step.main_params  # outlives teardown: a checkpoint after fit needs it
 
     def _prepare_model(self, module) -> PreparedModel:
-        """Split the model for this layout, once: tp plan, recomputation, pipeline stages, local shards."""
-        plan = module.tensor_parallel_plan() if hasattr(module, "tensor_parallel_plan") else {}
-        config = self.parallel_config
-        warn_if_replicated(module, plan, config.tensor_parallel_size, config.data_parallel_size)
-        parallelize(module, plan, self.parallel_state, rng=self._rng, pad_vocab_to_multiple_of=self.pad_vocab_to_multiple_of)
-        apply_recompute(module, self.activation_checkpointing, self._rng)
-        prepare_experts(module, self.parallel_state)
-        splitter = prepare_context_parallel(module, self.parallel_state, self.context_parallel_attention)
-        split = split_pipeline(module, self.parallel_state)
-        if self.parallel_config.zero_stage == 3:
-            # Already on the device; no .to(): FSDP would replace the sharded parameters and drop their tags.
-            precision = getattr(self.precision_plugin, "precision", "32-true")
-            self._zero3 = shard_zero3(module, self.parallel_state, precision=precision, seed=self._seed,
-                                      device=self.root_device)
-        elif any(p.is_meta for p in module.parameters()):
-            initialize_parameters(module, self._seed, device=self.root_device, only_meta=True)
-        return PreparedModel(split=split, zero3=self._zero3, rng=self._rng, batch_splitter=splitter)
+        """Split the model for this layout, once (``preparation.prepare_model``)."""
+        prepared = prepare_model(module, self.parallel_state, rng=self._rng, seed=self._seed, device=self.root_device,
+                                 pad_vocab_to_multiple_of=self.pad_vocab_to_multiple_of,
+                                 activation_checkpointing=self.activation_checkpointing,
+                                 context_parallel_attention=self.context_parallel_attention,
+                                 precision=getattr(self.precision_plugin, "precision", "32-true"))
+        self._zero3 = prepared.zero3
+        return prepared
 
     def _build_step_gradients(self, module) -> StepGradients:
         return build_step_gradients(module, self.parallel_state, self.optimizers, zero3=self._zero3,
