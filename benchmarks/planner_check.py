@@ -82,15 +82,15 @@ class PaperRun:
 
 FULL = dict(activation_checkpointing="full", context_parallel_size=1, offload_optimizer=False, zero_stage=0)
 # Shoeybi et al. 2019: 1.2B on one V100 (batch 8, activation checkpointing after every layer): 39 TFLOP/s.
-V100_BASELINE = PaperRun("Megatron-LM 1.2B, 1 V100", megatron_gpt(1536, 16, 40, 1024), 1, 8, 1024, "16-true", "v100",
+V100_BASELINE = PaperRun("Megatron-LM 1.2B, 1 V100", GPTConfig.from_name("gpt-1.2b"), 1, 8, 1024, "16-true", "v100",
                          dict(FULL, tensor_parallel_size=1, pipeline_parallel_size=1, micro_batch_size=8), 39.0)
-V100_8_3B = PaperRun("Megatron-LM 8.3B, 512 V100 (tp8 x dp64)", megatron_gpt(3072, 32, 72, 1024), 512, 512, 1024,
+V100_8_3B = PaperRun("Megatron-LM 8.3B, 512 V100 (tp8 x dp64)", GPTConfig.from_name("gpt-8.3b"), 512, 512, 1024,
                      "16-true", "v100", dict(FULL, tensor_parallel_size=8, pipeline_parallel_size=1,
                                              sequence_parallel=False, micro_batch_size=8), 15.1e3 / 512)
 # Narayanan et al. 2021, table 1, first row: 1.7B, t = p = 1, 32 GPUs, batch 512: 137 TFLOP/s (44% of peak).
 A100_1_7B = PaperRun("Narayanan 2021 1.7B, 32 A100 (dp32)", megatron_gpt(2304, 24, 24, 2048), 32, 512, 2048,
                      "bf16-true", "a100", dict(FULL, tensor_parallel_size=1, pipeline_parallel_size=1), 137.0)
-GPT3 = megatron_gpt(12288, 96, 96, 2048)
+GPT3 = GPTConfig.from_name("gpt3-175b")
 GPT3_PAPER = PaperRun("GPT-3 175B, 1024 A100, the paper's layout", GPT3, 1024, 1536, 2048, "bf16-true", "a100",
                       dict(FULL, tensor_parallel_size=8, pipeline_parallel_size=16, sequence_parallel=False,
                            micro_batch_size=1), 140.0)

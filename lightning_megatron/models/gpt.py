@@ -195,6 +195,9 @@ GPT_PRESETS: dict[str, GPTConfig] = {
             "gpt-8.3b": (3072, 32, 72),
         }.items()
     },
+    # GPT-3 175B (Brown et al. 2020, table 2.1) as Narayanan et al. 2021 ran it: sequence 2048, vocabulary 51,200.
+    "gpt3-175b": GPTConfig(vocab_size=51200, max_seq_length=2048, hidden_size=12288, num_heads=96, num_layers=96,
+                           dropout=0.1, attention_dropout=0.1),
 }
 
 # Llama-shaped decoders: RMSNorm, rotary positions, SwiGLU, grouped-query attention, no biases (MoE ones below).

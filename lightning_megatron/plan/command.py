@@ -245,7 +245,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             print(describe_configured(planner, configured_layout(config, gpus, planner.workload)))
             return
         result = planner.plan()
-    except (ValueError, TypeError, OSError) as error:
+    except (ValueError, TypeError, OSError, yaml.YAMLError) as error:
         raise SystemExit(f"lightning-megatron plan: {error}") from None
     if args.json:
         print(json.dumps([p.to_json(planner.workload.precision) for p in result.plans], indent=1))
