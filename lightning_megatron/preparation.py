@@ -64,10 +64,6 @@ def _blocks(module: nn.Module, needed_for: str) -> PipelineBlocks:
     return module.pipeline_blocks()
 
 
-def _root(module: nn.Module, blocks: PipelineBlocks) -> nn.Module:
-    return module.get_submodule(blocks.root) if blocks.root else module
-
-
 def apply_recompute(module: nn.Module, mode: str, rng: Optional[TensorParallelRNG]) -> None:
     """Recompute each ``pipeline_blocks()`` layer (``"full"``) or its attention core (``"selective"``)."""
     if mode == "none":
@@ -108,7 +104,7 @@ def split_pipeline(module: nn.Module, state: ParallelState) -> Optional[Pipeline
     if config.pipeline_parallel_size == 1:
         return None
     blocks = _blocks(module, f"pipeline_parallel_size={config.pipeline_parallel_size}")
-    root = _root(module, blocks)
+    root = blocks.root_of(module)
     layout = PipelineLayout(
         num_layers=len(root.get_submodule(blocks.layers)),
         pipeline_parallel_size=config.pipeline_parallel_size,
@@ -176,7 +172,7 @@ def shard_zero3(module: nn.Module, state: ParallelState, *, precision: str, seed
         raise ValueError(f"zero_stage=3 supports precision {', '.join(map(repr, ZERO3_PRECISIONS))}, not {precision!r}; "
                          f"use '16-true' for fp16 (dynamic loss scaling by the strategy).")
     blocks = _blocks(module, "zero_stage=3")
-    root = _root(module, blocks)
+    root = blocks.root_of(module)
     other_groups = None
     if state.config.pipeline_parallel_size > 1:  # stages call root.embed/head: no root forward hook
         other_groups = [name for name in (*blocks.first, *blocks.last)

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from torch import Tensor
+from torch import Tensor, nn
 
 
 @dataclass(frozen=True)
@@ -34,6 +34,10 @@ class PipelineBlocks:
     layers: str
     last: tuple[str, ...]
     root: str = ""
+
+    def root_of(self, module: nn.Module) -> nn.Module:
+        """The submodule of ``module`` (the model that declared these blocks) that implements the protocol."""
+        return module.get_submodule(self.root) if self.root else module
 
     def under(self, prefix: str) -> "PipelineBlocks":
         """The same blocks, seen from a parent module that holds the model as ``prefix``."""

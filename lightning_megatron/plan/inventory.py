@@ -107,7 +107,7 @@ class Inventory:
                                         param.requires_grad)
                     for key, names, param in ((id(p), names_of[id(p)], p) for _, p in named)}
         blocks = module.pipeline_blocks() if hasattr(module, "pipeline_blocks") else None
-        num_layers = len(_root(module, blocks).get_submodule(blocks.layers)) if blocks is not None else 0
+        num_layers = len(blocks.root_of(module).get_submodule(blocks.layers)) if blocks is not None else 0
         return cls([(name, entry_of[id(param)]) for name, param in named], blocks, num_layers)
 
     def rank_parameters(self, *, pipeline_parallel_size: int = 1, virtual_pipeline_size: int = 1,
@@ -133,10 +133,6 @@ class Inventory:
     @cached_property
     def total_parameters(self) -> int:
         return sum(entry.numel for entry in self.entries)
-
-
-def _root(module: nn.Module, blocks: PipelineBlocks) -> nn.Module:
-    return module.get_submodule(blocks.root) if blocks.root else module
 
 
 def optimizer_state_bytes_per_element(module: Any) -> tuple[int, str]:
