@@ -115,7 +115,7 @@ CALIBRATIONS = {"v100": V100_BASELINE, "a100": A100_1_7B}
 def calibrate(run: PaperRun) -> float:
     """The matmul_efficiency at which the planner predicts ``run``'s reported throughput (bisection)."""
     low, high = 0.05, 1.0
-    for _ in range(30):
+    for _ in range(20):  # to 1e-6 of the efficiency
         middle = (low + high) / 2
         rate, _ = run.predicted_tflops(replace(GPUS[run.gpu], matmul_efficiency=middle))
         low, high = (middle, high) if rate < run.reported_tflops else (low, middle)

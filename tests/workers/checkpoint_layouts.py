@@ -60,7 +60,7 @@ try:
     trainer.fit(model(options), datamodule=datamodule(options), ckpt_path=options.get("ckpt_path"))
 except (OSError, RuntimeError, ValueError) as error:  # a damaged checkpoint: every rank must say so, none hang
     (out_dir / f"rank{rank}.json").write_text(json.dumps({"error": f"{type(error).__name__}: {error}"}))
-    sys.exit(0)
+    os._exit(0)  # not sys.exit: gloo's C++ teardown after a failed collective aborts at random (torch 2.13)
 weights = trainer.strategy.full_state_dict()
 if rank == 0:
     torch.save(weights, out_dir / "weights.pt")
