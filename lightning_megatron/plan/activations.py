@@ -40,11 +40,11 @@ from __future__ import annotations
 
 from typing import Optional
 
+from lightning_megatron.plan.hardware import GIB
 from lightning_megatron.plan.layout import Layout, Workload
 from lightning_megatron.plan.shape import ModelShape
 from lightning_megatron.tensor_parallel.sharding import padded_size
 
-GIB = 2**30
 #: CUDA context, cuBLAS and NCCL workspaces, allocator slack: a stated allowance, not a prediction.
 FRAMEWORK_BYTES = 2 * GIB
 

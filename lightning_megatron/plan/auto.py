@@ -15,14 +15,13 @@ from typing import Any, Optional
 
 import torch
 
-from lightning_megatron.plan.hardware import GB, GPUS, TFLOPS, Hardware
+from lightning_megatron.plan.hardware import GB, GIB, GPUS, TFLOPS, Hardware
 from lightning_megatron.plan.layout import Workload
 from lightning_megatron.plan.planner import LayoutPlan, Planner
 
 #: The strategy's size arguments that may be ``"auto"``.
 AUTO_SIZES = ("tensor_parallel_size", "pipeline_parallel_size", "virtual_pipeline_size", "context_parallel_size",
               "expert_parallel_size")
-GIB = 2**30
 
 
 @dataclass(frozen=True)

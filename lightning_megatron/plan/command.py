@@ -24,11 +24,10 @@ from typing import Any, Callable, Optional, Sequence
 
 import yaml
 
-from lightning_megatron.plan.hardware import GPUS, Hardware, parse_gpu
+from lightning_megatron.plan.hardware import GIB, GPUS, Hardware, parse_gpu
 from lightning_megatron.plan.layout import Layout, Workload
 from lightning_megatron.plan.planner import SEARCHED, LayoutPlan, Planner, PlanResult
 
-GIB = 2**30
 
 
 def module_factory(model_section: dict) -> Callable[[], Any]:

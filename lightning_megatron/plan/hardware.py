@@ -46,6 +46,7 @@ from dataclasses import dataclass, fields, replace
 from typing import Optional
 
 GB = 10**9
+GIB = 2**30
 TFLOPS = 10**12
 
 

@@ -57,7 +57,6 @@ class LayoutPlan:
     time: StepTime
     tokens_per_second: float
     mfu: float
-    fullest_pipeline_rank: int
 
     @property
     def step_seconds(self) -> float:
@@ -169,8 +168,7 @@ class Planner:
         model_flops = flops_per_batch(self.shape.config, workload.global_batch_size, workload.seq_length)
         mfu = model_flops / (time.total * self.world_size * hardware.peak(workload.sixteen_bit_compute))
         return LayoutPlan(layout, fullest.model_state_bytes, fullest.activation_bytes, fullest.buffer_bytes,
-                          fullest.total, fullest.total <= hardware.memory_bytes, time, tokens / time.total, mfu,
-                          fullest.pipeline_rank)
+                          fullest.total, fullest.total <= hardware.memory_bytes, time, tokens / time.total, mfu)
 
     # ------------------------------------------------------------------ the search
     def candidates(self) -> Iterator[dict[str, Any]]:
