@@ -1,9 +1,12 @@
 """Measured vs theoretical pipeline bubble, with synthetic stages of known cost, on the CPU.
 
-Each stage sleeps a fixed time per micro-batch (forward ``t``, backward ``2t``, split over
-the virtual stages of a rank), so the schedule alone decides the idle time. The table
-compares the measured bubble (share of the step a rank computes nothing) with theory:
-``(p-1)/m`` of the ideal time for 1F1B and GPipe, divided by ``v`` when interleaved.
+Each stage sleeps a fixed time per micro-batch (forward ``t``, backward ``2t``: ``t`` for the
+input gradient and ``t`` for the weight gradient, which the zero-bubble schedules run as two
+passes; all split over the virtual stages of a rank), so the schedule alone decides the idle
+time. The table compares the measured bubble (share of the step a rank computes nothing) with
+theory: ``(p-1)/m`` of the ideal time for 1F1B and GPipe, divided by ``v`` when interleaved;
+for the zero-bubble schedules, their own action table played out with these costs
+(``lightning_megatron.pipeline.timeline.simulated_bubble``).
 
     python benchmarks/pipeline_bubble.py                 # 4 ranks, 8 micro-batches
     python benchmarks/pipeline_bubble.py --ranks 4 --micro-batches 16 --plot docs/pipeline_timeline.png
@@ -25,10 +28,12 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_megatron.pipeline.blocks import PipelineBatch
+from lightning_megatron.pipeline.layout import PipelineLayout
 from lightning_megatron.pipeline.runner import PipelineRunner
-from lightning_megatron.pipeline.timeline import TimelineRecorder, measured_bubble, render, theoretical_bubble
+from lightning_megatron.pipeline.timeline import TimelineRecorder, measured_bubble, render, schedule_theory
 
-SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2)]
+SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("interleaved_zero_bubble", 1),
+             ("interleaved_zero_bubble", 2), ("zbv", 2), ("dualpipev", 2)]
 
 
 class _Sleep(torch.autograd.Function):
@@ -47,13 +52,16 @@ class _Sleep(torch.autograd.Function):
 
 
 class SyntheticStage(nn.Module):
+    """Forward ``t``; backward ``t`` on the input's path and ``t`` on the weight's (a split backward's two passes)."""
+
     def __init__(self, forward_s: float) -> None:
         super().__init__()
         self.scale = nn.Parameter(torch.ones(()))
         self.forward_s = forward_s
 
     def forward(self, x):
-        return _Sleep.apply(x * self.scale, self.forward_s, 2 * self.forward_s)
+        weight = _Sleep.apply(self.scale, 0.0, self.forward_s)
+        return _Sleep.apply(x, self.forward_s, self.forward_s) * weight
 
 
 class SyntheticModel:
@@ -75,7 +83,8 @@ def worker(args) -> None:
     results = {}
     for schedule, virtual in SCHEDULES:
         num_stages = ranks * virtual
-        stage_ids = [rank + v * ranks for v in range(virtual)]
+        stage_ids = PipelineLayout(num_layers=num_stages, pipeline_parallel_size=ranks, virtual_pipeline_size=virtual,
+                                   schedule=schedule).stages_of_rank(rank)
         recorder = TimelineRecorder(rank)
         runner = PipelineRunner(
             [SyntheticStage(args.stage_ms / 1e3 / virtual) for _ in stage_ids], stage_ids, num_stages=num_stages,
@@ -93,14 +102,15 @@ def worker(args) -> None:
         dist.all_gather_object(gathered, recorder.events)
         events = [e for part in gathered for e in part]
         if rank == 0:
-            results[schedule] = {
+            results[f"{schedule} v{virtual}"] = {
+                "schedule": schedule,
                 "virtual": virtual,
                 "measured": measured_bubble(events),
-                "theory": theoretical_bubble(ranks, args.micro_batches, virtual),
+                "theory": schedule_theory(schedule, recorder, ranks, args.micro_batches, virtual),
             }
             if args.plot and schedule == args.plot_schedule:
                 render(events, Path(args.plot), title=f"{schedule}, pp={ranks}, vpp={virtual}",
-                       theory=results[schedule]["theory"])
+                       theory=results[f"{schedule} v{virtual}"]["theory"])
     if rank == 0:
         Path(args.out).write_text(json.dumps(results))
     dist.barrier()
@@ -128,10 +138,10 @@ def main() -> None:
         subprocess.run(command, check=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
         results = json.loads(out.read_text())
     print(f"pipeline bubble, p={args.ranks}, m={args.micro_batches}, stage forward {args.stage_ms} ms, backward 2x")
-    print(f"{'schedule':<18}{'v':>3}{'measured':>11}{'theory':>9}{'diff (points)':>15}")
-    for schedule, row in results.items():
+    print(f"{'schedule':<25}{'v':>3}{'measured':>11}{'theory':>9}{'diff (points)':>15}")
+    for row in results.values():
         diff = 100 * (row["measured"] - row["theory"])
-        print(f"{schedule:<18}{row['virtual']:>3}{row['measured']:>11.1%}{row['theory']:>9.1%}{diff:>+15.1f}")
+        print(f"{row['schedule']:<25}{row['virtual']:>3}{row['measured']:>11.1%}{row['theory']:>9.1%}{diff:>+15.1f}")
 
 
 if __name__ == "__main__":

@@ -200,7 +200,7 @@ class PipelineTimeline(L.Callback):
     """Records one training step's pipeline schedule and renders it as a PNG (needs the ``[plot]`` extra).
 
     Rows are pipeline ranks, boxes are the forward (light) and backward (dark) of each
-    micro-batch; the title compares the measured bubble with the theoretical one. The
+    micro-batch (hatched: the weight-gradient pass of a zero-bubble schedule); the title compares the measured bubble with the theoretical one. The
     measured fraction is also logged as ``pipeline_bubble``.
 
     Example::
@@ -230,7 +230,7 @@ class PipelineTimeline(L.Callback):
         if not recorder.active:
             return
         recorder.active = False
-        from lightning_megatron.pipeline.timeline import measured_bubble, render, theoretical_bubble
+        from lightning_megatron.pipeline.timeline import measured_bubble, render, schedule_theory
 
         strategy = trainer.strategy
         state = strategy.parallel_state
@@ -242,7 +242,8 @@ class PipelineTimeline(L.Callback):
         micro_batches = len({(e.stage, e.micro_batch) for e in events if e.kind == "forward"}) // max(
             1, len({e.stage for e in events}))
         config = state.config
-        self.theory = theoretical_bubble(config.pipeline_parallel_size, micro_batches, config.virtual_pipeline_size)
+        self.theory = schedule_theory(strategy.pipeline_schedule, recorder, config.pipeline_parallel_size, micro_batches,
+                                      config.virtual_pipeline_size)
         self.measured = measured_bubble(events)
         pl_module.log("pipeline_bubble", self.measured, rank_zero_only=True)
         if trainer.is_global_zero:

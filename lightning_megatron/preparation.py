@@ -46,7 +46,7 @@ from lightning_megatron.parallel.recompute import apply_activation_checkpointing
 from lightning_megatron.parallel.state import ParallelState
 from lightning_megatron.pipeline.blocks import PipelineBlocks
 from lightning_megatron.pipeline.inference import PipelineInference
-from lightning_megatron.pipeline.layout import PipelineLayout
+from lightning_megatron.pipeline.layout import SCHEDULE_SPECS, PipelineLayout
 from lightning_megatron.pipeline.runner import PipelineRunner
 from lightning_megatron.pipeline.stage import StageModule, split_for_pipeline
 from lightning_megatron.pipeline.timeline import TimelineRecorder
@@ -98,8 +98,9 @@ class PipelineSplit:
     root: nn.Module
 
 
-def split_pipeline(module: nn.Module, state: ParallelState) -> Optional[PipelineSplit]:
-    """Keep only this rank's pipeline stages of the model (before anything is materialised)."""
+def split_pipeline(module: nn.Module, state: ParallelState, schedule: str = "1f1b") -> Optional[PipelineSplit]:
+    """Keep only this rank's pipeline stages of the model (before anything is materialised); the schedule decides
+    which stages a rank runs (``PipelineLayout``)."""
     config = state.config
     if config.pipeline_parallel_size == 1:
         return None
@@ -110,6 +111,7 @@ def split_pipeline(module: nn.Module, state: ParallelState) -> Optional[Pipeline
         pipeline_parallel_size=config.pipeline_parallel_size,
         virtual_pipeline_size=config.virtual_pipeline_size,
         layers_per_stage=config.pipeline_layers_per_stage,
+        schedule=schedule,
     )
     local_stages = layout.stages_of_rank(state.pipeline_parallel_rank)
     stage_modules = split_for_pipeline(root, blocks, layout.stage_layers(), local_stages)
@@ -121,6 +123,10 @@ def start_pipeline(split: PipelineSplit, state: ParallelState, *, device: torch.
                    before_backward: Callable[[int, torch.Tensor], None]) -> PipelineRunner:
     """The schedule behind the root model's ``loss()``; its ``forward()`` now says why it cannot run alone."""
     layout, root = split.layout, split.root
+    if SCHEDULE_SPECS[schedule].placement != SCHEDULE_SPECS[layout.schedule].placement:
+        raise ValueError(
+            f"This model was split for pipeline_schedule={layout.schedule!r}, which places the stages on the ranks "
+            f"differently from {schedule!r}. Build a new module (or load a checkpoint into one) for {schedule!r}.")
     runner = PipelineRunner(split.stage_modules, split.local_stages, num_stages=layout.num_stages,
                             group=state.pipeline_parallel_group, device=device, schedule=schedule,
                             micro_batch_size=micro_batch_size, root=root, recorder=recorder,
@@ -130,7 +136,8 @@ def start_pipeline(split: PipelineSplit, state: ParallelState, *, device: torch.
         aux.attach_with(lambda: runner.loss_scale)
     # Generation and predict walk the stages themselves (one batch, shapes that change, a key/value cache).
     root.pipeline_inference = PipelineInference(split.stage_modules, split.local_stages, num_stages=layout.num_stages,
-                                                group=state.pipeline_parallel_group, device=device)
+                                                group=state.pipeline_parallel_group, device=device,
+                                                schedule=layout.schedule)
 
     def forward_needs_the_whole_model(*args, **kwargs):
         raise RuntimeError(
@@ -146,7 +153,7 @@ def start_pipeline(split: PipelineSplit, state: ParallelState, *, device: torch.
 
 def prepare_model(module: nn.Module, state: ParallelState, *, rng: Optional[TensorParallelRNG], seed: int,
                   device: Union[torch.device, str], pad_vocab_to_multiple_of: int, activation_checkpointing: str,
-                  context_parallel_attention: str, precision: str) -> PreparedModel:
+                  context_parallel_attention: str, precision: str, pipeline_schedule: str = "1f1b") -> PreparedModel:
     """Steps 1-5 above, in their order, for ``Megatron3DStrategy.setup`` (once per module): this rank's part of the
     model, materialised. The pipeline schedule (step 6) is bound to the strategy afterwards."""
     plan = module.tensor_parallel_plan() if hasattr(module, "tensor_parallel_plan") else {}
@@ -155,7 +162,7 @@ def prepare_model(module: nn.Module, state: ParallelState, *, rng: Optional[Tens
     apply_recompute(module, activation_checkpointing, rng)
     prepare_experts(module, state)
     splitter = prepare_context_parallel(module, state, context_parallel_attention)
-    split = split_pipeline(module, state)
+    split = split_pipeline(module, state, pipeline_schedule)
     zero3 = None
     if state.config.zero_stage == 3:
         # Already on the device; no .to(): FSDP would replace the sharded parameters and drop their tags.

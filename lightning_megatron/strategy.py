@@ -107,7 +107,11 @@ class Megatron3DStrategy(CheckpointHooks, StepHooks, ParallelStrategy):
         zero_stage: ZeRO over dp: 1 shards fp32 main params and optimizer state, 2 also gradients,
             3 also the parameters (FSDP2 per transformer layer; gathered for forward and backward).
         virtual_pipeline_size: stages per pipeline rank (interleaved 1F1B when > 1).
-        pipeline_schedule: ``"1f1b"``, ``"interleaved_1f1b"`` or ``"gpipe"`` (torch.distributed.pipelining).
+        pipeline_schedule: ``"1f1b"``, ``"interleaved_1f1b"`` or ``"gpipe"`` (torch.distributed.pipelining), or a
+            zero-bubble schedule, whose backward is an input-gradient pass and a weight-gradient pass run in what
+            would be bubbles (Qi et al. 2024): ``"interleaved_zero_bubble"`` (any ``virtual_pipeline_size``),
+            ``"zbv"`` and ``"dualpipev"`` (``virtual_pipeline_size=2``, stages placed in a V: rank ``r`` runs
+            stages ``r`` and ``2 pp - 1 - r``). Not with ``zero_stage=3``.
         micro_batch_size: samples per pipeline micro-batch; the per-rank batch is cut into micro-batches.
         pipeline_layers_per_stage: layers of each of the ``pp * vpp`` stages (default: even).
         activation_checkpointing: ``"none"``, ``"full"`` (recompute each transformer layer in
@@ -208,8 +212,7 @@ class Megatron3DStrategy(CheckpointHooks, StepHooks, ParallelStrategy):
         self.context_parallel_attention = context_parallel_attention
         if micro_batch_size < 1:
             raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}.")
-        check_schedule(pipeline_schedule, virtual_pipeline_size if virtual_pipeline_size != "auto"
-                       else 2 if pipeline_schedule == "interleaved_1f1b" else 1)
+        check_schedule(pipeline_schedule, virtual_pipeline_size, zero_stage=zero_stage)
         if pad_vocab_to_multiple_of < 1:
             raise ValueError(f"pad_vocab_to_multiple_of must be >= 1, got {pad_vocab_to_multiple_of}.")
         if checkpoint_format not in CHECKPOINT_FORMATS:
@@ -406,7 +409,8 @@ class Megatron3DStrategy(CheckpointHooks, StepHooks, ParallelStrategy):
                                  pad_vocab_to_multiple_of=self.pad_vocab_to_multiple_of,
                                  activation_checkpointing=self.activation_checkpointing,
                                  context_parallel_attention=self.context_parallel_attention,
-                                 precision=getattr(self.precision_plugin, "precision", "32-true"))
+                                 precision=getattr(self.precision_plugin, "precision", "32-true"),
+                                 pipeline_schedule=self.pipeline_schedule)
         self._zero3 = prepared.zero3
         return prepared
 

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from launch import launch
-from workers.gpt_setup import CLIP, CONFIG, LLAMA_CONFIG, SEED, batches, document_batches, optimizer, sgd_optimizer
+from workers.gpt_setup import (CLIP, CONFIG, DEEP_CONFIG, LLAMA_CONFIG, SEED, batches, document_batches, optimizer,
+                               sgd_optimizer)
 from lightning_megatron.models import GPTModel
 
 LAYOUTS = {
@@ -22,6 +23,11 @@ LAYOUTS[4] += ["llama-tp4-dp1", "llama-tp4-dp1-sp-mb2", "llama-tp2-dp2-sp-z1", "
 # Packed samples with Megatron-LM's document masks (learned and rotary positions restarting per document).
 LAYOUTS[2] += ["doc-tp2-dp1-sp-mb2", "doc-pp2-tp1-dp1-mb4", "llama-doc-tp1-dp2-z1"]
 LAYOUTS[4] += ["llama-doc-pp2-tp2-dp1-sp-mb2", "doc-tp2-dp2-z2"]
+# Zero-bubble schedules: the backward split into input- and weight-gradient passes (the weight pass must reach the dp
+# buckets and ZeRO); ZB-V and DualPipeV put the first and last stage, hence both uses of the tied embedding, on rank 0.
+LAYOUTS[2] += ["pp2-tp1-dp1-mb4-zb", "pp2-vpp2-tp1-dp1-mb4-zbv", "llama-pp2-vpp2-tp1-dp1-mb4-dualpipev"]
+LAYOUTS[4] += ["pp2-vpp2-tp1-dp2-mb2-zbv-z1", "pp2-vpp2-tp1-dp2-mb4-dualpipev-z2", "llama-pp2-vpp2-tp2-dp1-sp-mb2-zbv"]
+LAYOUTS[8] += ["pp4-tp1-dp2-mb4-zb-z1", "deep-pp4-vpp2-tp1-dp2-mb4-zbv-z2"]
 LOSS_TOL, WEIGHT_TOL = 1e-5, 1e-5
 
 
@@ -30,7 +36,7 @@ def reference():
     """Plain PyTorch, one process, the whole global batch, torch's own clipping; per optimizer."""
     return {"adamw": _reference(optimizer, CONFIG), "sgd": _reference(sgd_optimizer, CONFIG),
             "llama": _reference(optimizer, LLAMA_CONFIG), "doc": _reference(optimizer, CONFIG, documents=True),
-            "llama-doc": _reference(optimizer, LLAMA_CONFIG, documents=True)}
+            "llama-doc": _reference(optimizer, LLAMA_CONFIG, documents=True), "deep": _reference(optimizer, DEEP_CONFIG)}
 
 
 def _reference(make_optimizer, config, documents=False):
@@ -53,7 +59,8 @@ def _reference(make_optimizer, config, documents=False):
 def test_layouts_match_single_process(world, reference, tmp_path):
     launch("layout_invariance.py", world, tmp_path, ",".join(LAYOUTS[world]))
     for layout in LAYOUTS[world]:
-        kind = "llama" if layout.startswith("llama-") else "sgd" if layout.endswith("-sgd") else "adamw"
+        kind = "llama" if layout.startswith("llama-") else "deep" if layout.startswith("deep-") else \
+            "sgd" if layout.endswith("-sgd") else "adamw"
         if "doc-" in layout:
             kind = "llama-doc" if kind == "llama" else "doc"
         ref_losses, ref_weights = reference[kind]

@@ -73,3 +73,46 @@ def test_split_keeps_global_names_and_marks_the_tied_embedding_copy():
 def test_theoretical_bubble():
     assert theoretical_bubble(4, 8) == pytest.approx((3 / 8) / (1 + 3 / 8))
     assert theoretical_bubble(4, 8, 2) == pytest.approx((3 / 16) / (1 + 3 / 16))
+
+
+def test_zero_bubble_schedules_placement_and_checks():
+    v = PipelineLayout(num_layers=8, pipeline_parallel_size=4, virtual_pipeline_size=2, schedule="zbv")
+    assert [v.stages_of_rank(r) for r in range(4)] == [[0, 7], [1, 6], [2, 5], [3, 4]]
+    assert [v.rank_of_stage(s) for s in range(8)] == [0, 1, 2, 3, 3, 2, 1, 0]
+    loop = PipelineLayout(num_layers=8, pipeline_parallel_size=4, virtual_pipeline_size=2,
+                          schedule="interleaved_zero_bubble")
+    assert loop.stages_of_rank(1) == [1, 5] and loop.rank_of_stage(5) == 1
+    with pytest.raises(ValueError, match="exactly two stages on each rank"):
+        PipelineLayout(num_layers=12, pipeline_parallel_size=2, virtual_pipeline_size=3, schedule="dualpipev")
+    with pytest.raises(ValueError, match=r"2 \* pipeline_parallel_size=8 micro-batches .* gives 6"):
+        check_micro_batches(schedule="dualpipev", batch_size=6, micro_batch_size=1, pipeline_parallel_size=4)
+    with pytest.raises(ValueError, match=r"m=9 micro-batches .*\(9 % 2 != 0\)"):
+        check_micro_batches(schedule="interleaved_zero_bubble", batch_size=9, micro_batch_size=1, pipeline_parallel_size=4)
+    with pytest.raises(ValueError, match="zero_stage=3"):
+        Megatron3DStrategy(pipeline_parallel_size=2, virtual_pipeline_size=2, pipeline_schedule="zbv", zero_stage=3)
+    with pytest.raises(ValueError, match="needs a schedule with several stages per rank"):
+        Megatron3DStrategy(pipeline_parallel_size=2, virtual_pipeline_size=2, pipeline_schedule="1f1b")
+
+
+def test_simulated_bubble_plays_out_an_action_table():
+    """GPipe's table (every forward, then every full backward) played out gives Narayanan et al.'s formula."""
+    from types import SimpleNamespace
+
+    from lightning_megatron.pipeline.timeline import simulated_bubble, theoretical_bubble
+
+    def action(kind, stage, mb):
+        return SimpleNamespace(computation_type=SimpleNamespace(value=kind), stage_index=stage, microbatch_index=mb,
+                               sub_actions=None)
+
+    p, m = 4, 8
+    table = {r: [action("F", r, i) for i in range(m)] + [None] + [action("B", r, i) for i in range(m)]
+             for r in range(p)}
+    assert simulated_bubble(table) == pytest.approx(theoretical_bubble(p, m))
+    # The same order with the backward split: the previous stage waits only for I, so the drain costs (p-1)(F + I)
+    # instead of (p-1)(F + I + W) against m(F + I + W) of work (Qi et al.'s point).
+    split = {r: [action("F", r, i) for i in range(m)] + [a for i in range(m) for a in (action("I", r, i),
+             action("W", r, i))] for r in range(p)}
+    ratio = 2 * (p - 1) / (3 * m)
+    assert simulated_bubble(split) == pytest.approx(ratio / (1 + ratio))
+    with pytest.raises(RuntimeError, match="cannot be played out"):
+        simulated_bubble({0: [action("B", 0, 0)], 1: [action("F", 1, 0)]})

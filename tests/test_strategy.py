@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from launch import launch
+from lightning_megatron.pipeline.timeline import theoretical_bubble
 from workers.trainer_setup import PREDICT_GENERATION, PREDICT_PROMPTS, datamodule, model, trainer_kwargs
 import lightning_megatron  # noqa: F401  (registers "megatron_3d")
 from lightning_megatron.cli import main as cli_main
@@ -127,6 +128,29 @@ def test_fit_pp2_tp2_dp2_matches_plain_lightning(tmp_path):
     assert 0.0 < bubble["measured"] < 1.0 and bubble["theory"] == pytest.approx(1 / 3)  # p=2, m=2: (1/2)/(1+1/2)
 
     assert_predictions_match(PIPELINE_FIT, ref_weights, results, tmp_path, dp_rank=lambda rank: (rank // 2) % 2)
+
+
+# ZB-V: a split backward (weight passes in the bubbles) and the V placement (embedding and head on rank 0).
+ZERO_BUBBLE_FIT = {"tp": 1, "pp": 2, "vpp": 2, "schedule": "zbv", "clip": 0.5, "steps": 4, "micro_batch_size": 1,
+                   "layers": 4, "timeline": True, "recompute": "full", "zero_stage": 1, "test": True, "predict": True}
+
+
+def test_fit_zero_bubble_pp2_dp2_matches_plain_lightning(tmp_path):
+    """4 ranks, pp2 x dp2 under ZB-V with full recomputation and ZeRO-1: training, validation and test (forward-only
+    schedule), the timeline of a split backward against the schedule's own theory, then generation and predict
+    through the V placement (stages 0 and 3 on pipeline rank 0, 1 and 2 on rank 1)."""
+    results, _ = launch("trainer_fit.py", 4, tmp_path, json.dumps(ZERO_BUBBLE_FIT))
+    ref_losses, ref_val, ref_weights = plain_lightning_run(ZERO_BUBBLE_FIT)
+    per_rank = torch.tensor([r["losses"] for r in results])
+    assert torch.allclose((per_rank[0] + per_rank[1]) / 2, torch.tensor(ref_losses), atol=1e-5)  # dp ranks 0, 1
+    assert all(abs(r["val_loss"] - ref_val) < 1e-5 for r in results)
+    assert all(abs(r["test_loss"] - plain_lightning_run.test_loss) < 1e-5 for r in results)
+    weights = torch.load(tmp_path / "weights.pt", weights_only=True)
+    worst = max((weights[k] - ref_weights[k]).abs().max().item() for k in ref_weights)
+    assert worst < 1e-5, f"weights deviate by {worst:.2e}"
+    bubble = results[0]["bubble"]
+    assert 0.0 < bubble["measured"] < 1.0 and 0.0 < bubble["theory"] < theoretical_bubble(2, 4, 2)
+    assert_predictions_match(ZERO_BUBBLE_FIT, ref_weights, results, tmp_path, dp_rank=lambda rank: rank % 2)
 
 
 def test_dp2_with_uneven_token_counts_matches_plain_lightning(tmp_path):

@@ -122,6 +122,7 @@ class _Bucket:
     shard_numel: int
     buffer: Optional[Tensor] = None  # full-size gradients (persistent for stages 0-1, transient for 2)
     shard: Optional[Tensor] = None  # owned summed gradients: a view of buffer (stage 1) or persistent (stage 2)
+    arrivals: int = 0  # gradient arrivals per backward pass: one per parameter and pipeline stage using it
     ready: int = 0
     launched: bool = False
     pending: list[tuple[dist.Work, Optional[Tensor]]] = field(default_factory=list)
@@ -204,7 +205,8 @@ class GradientSynchronizer:
         numel, shard_numel = bucket_numel(total, size, self.zero_stage)
         shard_start = rank * shard_numel if self.zero_stage else 0  # stage 0: every rank "owns" everything
         bucket = _Bucket(group=group, params=params, offsets=offsets, numel=numel, dtype=params[0].dtype,
-                         device=params[0].device, shard_start=shard_start, shard_numel=shard_numel)
+                         device=params[0].device, shard_start=shard_start, shard_numel=shard_numel,
+                         arrivals=sum(getattr(p, "pipeline_stage_uses", 1) for p in params))
         if self.zero_stage < 2:
             bucket.buffer = torch.zeros(numel, dtype=bucket.dtype, device=bucket.device)
             bucket.shard = bucket.buffer.narrow(0, shard_start, shard_numel)
@@ -239,7 +241,7 @@ class GradientSynchronizer:
         self._grad_view(bucket, index).add_(param.grad)
         param.grad = None
         bucket.ready += 1
-        complete = bucket.ready == len(bucket.params) * self.backward_passes
+        complete = bucket.ready == bucket.arrivals * self.backward_passes
         if complete and (self.sync or self.zero_stage == 2):
             self._launch(bucket)
 

@@ -24,7 +24,8 @@ from lightning_megatron.tensor_parallel.sharding import shard_of
 Initializer = Callable[[str, Tensor, torch.Generator], None]
 INIT_STD = 0.02
 # Python attributes our code puts on parameters; whatever replaces a parameter must carry them over.
-PARAMETER_TAGS = ("tensor_shard", "sequence_parallel_grad", "pipeline_tied", "tied_names", "expert_parallel")
+PARAMETER_TAGS = ("tensor_shard", "sequence_parallel_grad", "pipeline_tied", "pipeline_stage_uses", "tied_names",
+                  "expert_parallel")
 
 
 def parameter_seed(seed: int, name: str) -> int:

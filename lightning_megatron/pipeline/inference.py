@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_megatron.pipeline.layout import rank_of_stage
 from lightning_megatron.pipeline.stage import StageModule
 
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64]
@@ -27,15 +28,16 @@ class PipelineInference:
     """This rank's stages run forward without a schedule (see the module docstring)."""
 
     def __init__(self, stage_modules: list[StageModule], stage_ids: list[int], *, num_stages: int,
-                 group: dist.ProcessGroup, device: torch.device) -> None:
+                 group: dist.ProcessGroup, device: torch.device, schedule: str = "1f1b") -> None:
         self.stages = dict(zip(stage_ids, stage_modules))
         self.num_stages, self.group, self.device = num_stages, group, device
         self.pipeline_size = dist.get_world_size(group)
-        self.last_stage_rank = (num_stages - 1) % self.pipeline_size
+        self.schedule = schedule  # its placement says which rank runs which stage
+        self.last_stage_rank = self._rank_of(num_stages - 1)
         self.is_last = num_stages - 1 in self.stages
 
     def _rank_of(self, stage: int) -> int:
-        return stage % self.pipeline_size
+        return rank_of_stage(stage, self.pipeline_size, self.schedule)
 
     def forward(self, *inputs: Tensor, **side) -> Optional[Tensor]:
         """The last stage's output on the rank that runs it; ``None`` on the others."""
@@ -44,10 +46,10 @@ class PipelineInference:
             stage = self.stages.get(stage_id)
             if stage is None:
                 continue
-            if stage_id > 0:
+            if stage_id > 0 and stage_id - 1 not in self.stages:  # a V placement runs stages p-1 and p on one rank
                 x = self._receive(self._rank_of(stage_id - 1))
             x = stage(*inputs, **side) if stage_id == 0 else stage(x, **side)
-            if stage_id < self.num_stages - 1:
+            if stage_id < self.num_stages - 1 and stage_id + 1 not in self.stages:
                 self._send(x, self._rank_of(stage_id + 1))
         return x if self.is_last else None
 

@@ -9,6 +9,9 @@ optimizer and checkpoints see.
 Tied parameters split across stages (GPT's input embedding on the first stage, output
 head on the last) become two copies that start equal (the copy is initialised under the
 original's name) and stay equal (their gradients are summed over the embedding group).
+When both stages run on one rank (the V placement of ZB-V and DualPipeV) the parameter stays
+one tensor used by two stages: each stage's backward accumulates into it, so it is tagged
+``pipeline_stage_uses = 2`` for the gradient buckets that count arrivals.
 """
 
 from __future__ import annotations
@@ -34,11 +37,20 @@ class StageModule(nn.Module):
     embedding and head and implements the protocol, is referenced, not registered.
     """
 
-    def __init__(self, root: nn.Module, layers: Sequence[nn.Module], *, is_first: bool, is_last: bool) -> None:
+    def __init__(self, root: nn.Module, layers: Sequence[nn.Module], *, is_first: bool, is_last: bool,
+                 root_modules: Sequence[nn.Module] = ()) -> None:
         super().__init__()
         object.__setattr__(self, "root", root)
+        object.__setattr__(self, "root_modules", tuple(root_modules))  # the root's first/last-stage modules it runs
         self.layers = nn.ModuleList(layers)
         self.is_first, self.is_last = is_first, is_last
+
+    def stage_parameters(self) -> list[nn.Parameter]:
+        """Every parameter this stage's forward uses: its layers' and those of the root's embedding (first stage)
+        or head (last stage), which the root owns. A split backward (zero-bubble schedules) computes the weight
+        gradients of exactly these; ``parameters()`` would miss the root's."""
+        params = [p for module in (self.layers, *self.root_modules) for p in module.parameters()]
+        return list(dict.fromkeys(params))
 
     def forward(self, *inputs, **side):
         x = self.root.embed(*inputs, **side) if self.is_first else inputs[0]
@@ -115,8 +127,28 @@ def split_for_pipeline(
             if name != original[0]:
                 param.tied_names = (name, original[0])  # initialise as the original; count it once in norms
 
-    return [
+    def root_modules(names: Sequence[str]) -> list[nn.Module]:
+        found = []
+        for name in names:
+            module = root
+            for part in name.split("."):
+                module = getattr(module, part, None)
+            if isinstance(module, nn.Module):  # a model may leave an optional block out (None)
+                found.append(module)
+        return found
+
+    stages = [
         StageModule(root, [layers[str(i)] for i in stage_layers[stage]], is_first=stage == 0,
-                    is_last=stage == num_stages - 1)
+                    is_last=stage == num_stages - 1,
+                    root_modules=(root_modules(blocks.first) if stage == 0 else [])
+                    + (root_modules(blocks.last) if stage == num_stages - 1 else []))
         for stage in local_stages
     ]
+    uses: dict[int, int] = {}
+    for stage in stages:
+        for param in stage.stage_parameters():
+            uses[id(param)] = uses.get(id(param), 0) + 1
+    for param in root.parameters():
+        if uses.get(id(param), 1) > 1:
+            param.pipeline_stage_uses = uses[id(param)]
+    return stages

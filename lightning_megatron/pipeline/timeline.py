@@ -1,10 +1,13 @@
 """Measure a pipeline schedule: per-rank forward/backward events, bubble fraction, a picture.
 
 Events are wall-clock intervals of each stage's forward and backward of each micro-batch,
-recorded around ``PipelineStage.forward_one_chunk`` / ``backward_one_chunk``. The bubble of
+recorded around ``PipelineStage.forward_one_chunk`` / ``backward_one_chunk`` (and, for the
+zero-bubble schedules' split backward, ``backward_weight_one_chunk``). The bubble of
 a rank is the share of the step during which it computes nothing; theory for 1F1B is
 ``(p - 1) / m`` of the ideal time (``(p - 1) / (m + p - 1)`` of the step), divided by ``v``
-when interleaved (Narayanan et al. 2021).
+when interleaved (Narayanan et al. 2021). The zero-bubble schedules' theory is their own
+action table played out (:func:`simulated_bubble`) with the costs of Qi et al. 2024's analysis:
+forward, input-gradient and weight-gradient passes of equal time.
 """
 
 from __future__ import annotations
@@ -26,15 +29,19 @@ class Event:
 
 
 class TimelineRecorder:
-    """Wraps pipeline stages' per-chunk methods to record events while ``active``."""
+    """Wraps pipeline stages' per-chunk methods to record events while ``active``. ``action_tables`` keeps, per
+    micro-batch count, the compute actions of a schedule that has a table (torch's multi-stage schedules), for
+    the theory of the split-backward schedules."""
 
     def __init__(self, rank: int) -> None:
         self.rank = rank
         self.active = False
         self.events: list[Event] = []
+        self.action_tables: dict[int, dict] = {}
 
     def instrument(self, stage) -> None:
-        for method, kind in (("forward_one_chunk", "forward"), ("backward_one_chunk", "backward")):
+        for method, kind in (("forward_one_chunk", "forward"), ("backward_one_chunk", "backward"),
+                             ("backward_weight_one_chunk", "weight")):
             original = getattr(stage, method)
 
             def timed(chunk_id, *args, _original=original, _kind=kind, **kwargs):
@@ -55,6 +62,65 @@ def theoretical_bubble(pipeline_parallel_size: int, micro_batches: int, virtual_
     return ratio / (1 + ratio)
 
 
+_COSTS = {"F": 1.0, "I": 1.0, "W": 1.0, "B": 2.0}  # a full backward is the input- and the weight-gradient pass
+
+
+def simulated_bubble(action_table: dict[int, list]) -> float:
+    """Idle share of a step (mean over ranks) when each rank runs its actions in the table's order, each as soon as
+    its inputs exist: a forward after the previous stage's forward of the micro-batch, a backward (full ``B`` or
+    input-gradient ``I``) after its own forward and the next stage's backward, a weight pass ``W`` after its ``I``.
+    Costs: F = I = W = 1, B = 2 per stage; communication is free. ``action_table`` is torch's ``pipeline_order``
+    (rank -> actions with ``stage_index``, ``computation_type``, ``microbatch_index``, ``sub_actions``; ``None``
+    for an idle slot)."""
+    def flatten(action):
+        return [leaf for sub in action.sub_actions for leaf in flatten(sub)] if action.sub_actions else [action]
+
+    queues = {rank: [leaf for action in actions if action is not None for leaf in flatten(action)
+                     if leaf.computation_type.value in _COSTS] for rank, actions in action_table.items()}
+    last_stage = max(leaf.stage_index for actions in queues.values() for leaf in actions)
+    finished: dict[tuple, float] = {}  # ("F" | "G" (input gradient ready) | "W", stage, micro-batch) -> time
+    clock, busy, position = dict.fromkeys(queues, 0.0), dict.fromkeys(queues, 0.0), dict.fromkeys(queues, 0)
+
+    def needs(kind: str, stage: int, mb: int) -> list[tuple]:
+        if kind == "F":
+            return [("F", stage - 1, mb)] if stage > 0 else []
+        if kind in ("I", "B"):
+            return [("F", stage, mb)] + ([("G", stage + 1, mb)] if stage < last_stage else [])
+        return [("G", stage, mb)]
+
+    progress = True
+    while progress:
+        progress = False
+        for rank, actions in queues.items():
+            while position[rank] < len(actions):
+                action = actions[position[rank]]
+                kind, stage, mb = action.computation_type.value, action.stage_index, action.microbatch_index
+                inputs = needs(kind, stage, mb)
+                if any(need not in finished for need in inputs):
+                    break
+                start = max([clock[rank], *(finished[need] for need in inputs)])
+                clock[rank] = start + _COSTS[kind]
+                busy[rank] += _COSTS[kind]
+                finished[("G" if kind in ("I", "B") else kind, stage, mb)] = clock[rank]
+                position[rank] += 1
+                progress = True
+    if any(position[rank] < len(actions) for rank, actions in queues.items()):
+        raise RuntimeError("The pipeline action table cannot be played out: an action waits for one never run.")
+    span = max(clock.values())
+    return sum(1 - busy[rank] / span for rank in queues) / len(queues)
+
+
+def schedule_theory(schedule: str, recorder: TimelineRecorder, pipeline_parallel_size: int, micro_batches: int,
+                    virtual_pipeline_size: int = 1) -> float:
+    """The theoretical bubble of ``schedule``: Narayanan et al.'s formula for GPipe and (interleaved) 1F1B, the
+    played-out action table for the split-backward (zero-bubble) schedules."""
+    from lightning_megatron.pipeline.layout import SCHEDULE_SPECS
+
+    if SCHEDULE_SPECS[schedule].split_backward:
+        return simulated_bubble(recorder.action_tables[micro_batches])
+    return theoretical_bubble(pipeline_parallel_size, micro_batches, virtual_pipeline_size)
+
+
 def measured_bubble(events: list[Event]) -> float:
     """Mean idle share over ranks between the first event start and the last event end of the step."""
     start, end = min(e.start for e in events), max(e.end for e in events)
@@ -65,7 +131,8 @@ def measured_bubble(events: list[Event]) -> float:
 
 
 def render(events: list[Event], path: Path, *, title: str = "", theory: Optional[float] = None) -> Path:
-    """Draw ranks as rows and micro-batches as coloured boxes (light: forward, dark: backward)."""
+    """Draw ranks as rows and micro-batches as coloured boxes (light: forward, dark: backward, hatched: the weight
+    pass of a split backward)."""
     try:
         import matplotlib
 
@@ -82,9 +149,11 @@ def render(events: list[Event], path: Path, *, title: str = "", theory: Optional
         row = ranks.index(event.rank)
         colour = colours(event.micro_batch % 10)
         ax.barh(row, (event.end - event.start) * 1e3, left=(event.start - start) * 1e3, color=colour,
-                alpha=0.55 if event.kind == "forward" else 1.0, edgecolor="black", linewidth=0.4)
+                alpha=0.55 if event.kind == "forward" else 1.0, edgecolor="black", linewidth=0.4,
+                hatch="//" if event.kind == "weight" else None)
+        letter = {"forward": "F", "backward": "B", "weight": "W"}[event.kind]
         ax.text((event.start - start + (event.end - event.start) / 2) * 1e3, row,
-                f"{'F' if event.kind == 'forward' else 'B'}{event.micro_batch}", ha="center", va="center", fontsize=7)
+                f"{letter}{event.micro_batch}", ha="center", va="center", fontsize=7)
     measured = measured_bubble(events)
     label = f"bubble measured {measured:.1%}" + (f", theory {theory:.1%}" if theory is not None else "")
     ax.set_yticks(range(len(ranks)), [f"pp rank {r}" for r in ranks])

@@ -15,7 +15,7 @@ from typing import Any
 
 from lightning_megatron.context_parallel.inputs import check_sequence_length
 from lightning_megatron.parallel.config import ParallelConfig
-from lightning_megatron.pipeline.layout import PipelineLayout, check_micro_batches, check_schedule
+from lightning_megatron.pipeline.layout import SCHEDULE_SPECS, PipelineLayout, check_micro_batches, check_schedule
 from lightning_megatron.preparation import ZERO3_PRECISIONS
 
 SIXTEEN_BIT_PRECISIONS = ("bf16-true", "16-true", "bf16-mixed", "16-mixed")
@@ -115,7 +115,11 @@ def check_layout(layout: Layout, workload: Workload, module: Any, num_layers: in
     validate = getattr(module, "validate_parallel_config", None)
     if validate is not None:
         validate(layout)  # a Layout is the ParallelConfig the strategy hands the model
-    check_schedule(layout.pipeline_schedule, layout.virtual_pipeline_size)
+    check_schedule(layout.pipeline_schedule, layout.virtual_pipeline_size, zero_stage=layout.zero_stage)
+    if SCHEDULE_SPECS[layout.pipeline_schedule].split_backward:
+        raise ValueError(f"The planner models 1f1b, interleaved_1f1b and gpipe; pipeline_schedule="
+                         f"{layout.pipeline_schedule!r} (a split backward, another stage placement and bubble) is not "
+                         f"planned yet. Plan with interleaved_1f1b and switch the schedule in the config.")
     if layout.pipeline_parallel_size > 1:
         PipelineLayout(num_layers=num_layers, pipeline_parallel_size=layout.pipeline_parallel_size,
                        virtual_pipeline_size=layout.virtual_pipeline_size, layers_per_stage=layout.pipeline_layers_per_stage)

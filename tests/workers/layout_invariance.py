@@ -1,9 +1,10 @@
 """Train the tiny GPT for a few steps under several layouts over the same processes.
 
 argv: OUT_DIR LAYOUTS, where LAYOUTS is a comma list of
-``[llama-|mqa-][doc-][pp{P}-][vpp{V}-]tp{T}-dp{D}[-sp][-mb{M}][-gpipe][-z{Z}][-sgd]``: ``doc``: packed samples with
+``[llama-|mqa-|deep-][doc-][pp{P}-][vpp{V}-]tp{T}-dp{D}[-sp][-mb{M}][-SCHEDULE][-z{Z}][-sgd]``: ``doc``: packed samples with
 Megatron-LM's document masks (position ids and attention confined to each document); M micro-batches per step
-(without pipelining, a loop of backward passes; with it, the schedule's micro-batches),
+(without pipelining, a loop of backward passes; with it, the schedule's micro-batches), SCHEDULE one of
+``gpipe``, ``zb`` (interleaved zero bubble), ``zbv``, ``dualpipev`` (default: 1F1B, interleaved with vpp),
 ZeRO stage Z, SGD with momentum instead of AdamW. For each
 layout, rank 0 writes the losses and the full (gathered) weights to ``{layout}.pt``; the
 pytest process compares them with a single-process reference.
@@ -28,7 +29,8 @@ from lightning_megatron.pipeline.runner import PipelineRunner
 from lightning_megatron.pipeline.stage import split_for_pipeline
 from lightning_megatron.tensor_parallel import parallelize
 
-LAYOUT = re.compile(r"(?:(llama|mqa)-)?(doc-)?(?:pp(\d+)-)?(?:vpp(\d+)-)?tp(\d+)-dp(\d+)(-sp)?(?:-mb(\d+))?(-gpipe)?(?:-z(\d))?(-sgd)?")
+LAYOUT = re.compile(r"(?:(llama|mqa|deep)-)?(doc-)?(?:pp(\d+)-)?(?:vpp(\d+)-)?tp(\d+)-dp(\d+)(-sp)?(?:-mb(\d+))?(?:-(gpipe|zb|zbv|dualpipev))?(?:-z(\d))?(-sgd)?")
+SCHEDULE_NAMES = {"zb": "interleaved_zero_bubble"}
 
 
 def build(state: ParallelState, virtual: int, schedule: str, micro_batches: int, config=CONFIG):
@@ -40,7 +42,8 @@ def build(state: ParallelState, virtual: int, schedule: str, micro_batches: int,
     runner = None
     pp = state.config.pipeline_parallel_size
     if pp > 1:
-        layout = PipelineLayout(num_layers=config.num_layers, pipeline_parallel_size=pp, virtual_pipeline_size=virtual)
+        layout = PipelineLayout(num_layers=config.num_layers, pipeline_parallel_size=pp, virtual_pipeline_size=virtual,
+                                schedule=schedule)
         local = layout.stages_of_rank(state.pipeline_parallel_rank)
         stages = split_for_pipeline(model, GPTModel.pipeline_blocks(), layout.stage_layers(), local)
     initialize_parameters(model, SEED, device="cpu", only_meta=True)
@@ -58,7 +61,7 @@ def train(layout: str) -> tuple[list[float], dict]:
     documents = bool(match[2])
     pp, virtual, tp, dp = int(match[3] or 1), int(match[4] or 1), int(match[5]), int(match[6])
     sp, micro_batches = bool(match[7]), int(match[8] or 1)
-    schedule = "gpipe" if match[9] else ("interleaved_1f1b" if virtual > 1 else "1f1b")
+    schedule = SCHEDULE_NAMES.get(match[9], match[9]) or ("interleaved_1f1b" if virtual > 1 else "1f1b")
     zero_stage, sgd = int(match[10] or 0), bool(match[11])
     config = ParallelConfig(tensor_parallel_size=tp, pipeline_parallel_size=pp, data_parallel_size=dp,
                             sequence_parallel=sp, virtual_pipeline_size=virtual, zero_stage=zero_stage)

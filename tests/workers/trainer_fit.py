@@ -32,6 +32,7 @@ L.seed_everything(options.get("seed", 7))
 strategy = Megatron3DStrategy(
     tensor_parallel_size=options["tp"], sequence_parallel=options.get("sp", False), bucket_size_mb=0.01,
     pipeline_parallel_size=options.get("pp", 1), micro_batch_size=options.get("micro_batch_size", 1),
+    virtual_pipeline_size=options.get("vpp", 1), pipeline_schedule=options.get("schedule", "1f1b"),
     zero_stage=options.get("zero_stage", 0), activation_checkpointing=options.get("recompute", "none"),
     checkpoint_checksums=options.get("checksums", False),
 )
