@@ -30,7 +30,7 @@ family                      budget      expected
 features (27 rows)          25 s/row    ~2-5 s a row after the first (CUDA and NCCL start-up, ~20 s)
 collectives (2 rows)        60 s/row    ~15 s (torchrun, NCCL start-up; a refusal is immediate)
 sdpa (4 rows)               20 s/row    ~2 s
-speed + memory (2 rows)     150 s/row   ~60 s: model build, planner inventory, 3 warmup + 10 measured steps
+speed + memory (2 rows)     150 s/row   ~60 s: a process each, model build, planner inventory, 3 warmup + 10 measured steps
 ==========================  ==========  =========================================================================
 
 Worst case (every row at its timeout) exceeds the cap; the cap wins. Expected total: about 4 minutes.
@@ -42,6 +42,7 @@ import argparse
 import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -139,7 +140,8 @@ def plan_rows(cpu: bool) -> list[Row]:
              for model in MODELS for check in ("kernel profiled", "forced flash")]
     rows += [Row("collectives", f"{backend}: 2 ranks, 1 device", "collectives", 60, {"backend": backend}, group=backend)
              for backend in ("nccl", "gloo")]
-    rows += [Row("speed", label, "speed", 150, {"label": label, "preset": preset}, group="speed")
+    # A process each: clean memory peaks, and the planner needs a process without a default process group.
+    rows += [Row("speed", label, "speed", 150, {"label": label, "preset": preset}, group=f"speed {label}")
              for label, preset in sizes.speed_models]
     return rows
 
@@ -302,8 +304,15 @@ def small_model(sizes: Sizes, model: str):
     return net, ids
 
 
+FUSED_OPS = ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+             "_scaled_dot_product_cudnn_attention", "_flash_attention_forward", "_efficient_attention_forward")
+MATH_OP = "_scaled_dot_product_attention_math"
+KERNEL_WORDS = ("flash", "fmha", "cudnn", "attention", "sdpa")  # in the CUDA kernels' names
+
+
 def kernel_profiled_row(row: Row, sizes: Sizes, work: Path, memo: dict) -> dict:
-    """The attention kernels one forward runs, from the profiler: a fused one, and no math fallback."""
+    """What one forward of our attention runs, from the profiler: SDPA's backend op (flash, cuDNN or efficient,
+    not the math fallback) and, on CUDA, the kernel it launched."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -314,13 +323,12 @@ def kernel_profiled_row(row: Row, sizes: Sizes, work: Path, memo: dict) -> dict:
         if ids.is_cuda:
             torch.cuda.synchronize()
     names = {event.key for event in prof.key_averages()}
-    attention = sorted(n for n in names if "scaled_dot_product" in n or any(f in n.lower() for f in FUSED))
-    kernels = sorted(n for n in attention if not n.startswith("aten::")) if ids.is_cuda else attention
-    math = [n for n in names if "_scaled_dot_product_attention_math" in n]
-    fused = [n for n in kernels if any(f in n.lower() for f in FUSED)]
-    status = "passed" if fused and not math else "failed"
-    shown = fused or attention
-    return {"status": status, "detail": ", ".join(_short(n) for n in shown[:2]) + (f"; math fallback: {math[0]}" if math else "")}
+    fused = sorted(n for n in names if any(op in n for op in FUSED_OPS))
+    math = sorted(n for n in names if MATH_OP in n)
+    kernels = sorted(n for n in names if not n.startswith("aten::") and any(w in n.lower() for w in KERNEL_WORDS))
+    passed = bool(fused) and not math and (bool(kernels) or not ids.is_cuda)
+    shown = [*fused[:1], *math[:1], *[_short(k, 50) for k in kernels[:1]]]
+    return {"status": "passed" if passed else "failed", "detail": "; ".join(shown) or "no attention op in the profile"}
 
 
 def _short(name: str, width: int = 60) -> str:
@@ -539,8 +547,18 @@ def worker_main(rows: list[Row], sizes: Sizes, results: Path) -> None:
                 traceback.print_exc()
                 result = {"status": "failed", "detail": last_line(error)}
             _append(results, {"row": row.key, "s": time.monotonic() - started, **result})
+            _leave_process_group()
             if result["status"] == "failed" and sizes.device == "cuda" and not _cuda_usable():
                 sys.exit(3)  # a sticky CUDA error: the parent starts a fresh worker for the rest
+
+
+def _leave_process_group() -> None:
+    """The strategy's one-rank default group does not outlive its row: the next row's strategy starts its own."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
 
 
 def _cuda_usable() -> bool:
@@ -570,18 +588,31 @@ def tail_line(proc: subprocess.CompletedProcess) -> str:
 
 
 # ---------------------------------------------------------------------------- the parent
+def child_env() -> dict:
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])))
+
+
+def kill_tree(proc: subprocess.Popen) -> None:
+    """The process and everything it started (its own session): torchrun's ranks must not outlive a timeout."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
 def run_with_timeout(cmd: list[str], timeout: float, cwd: Path) -> tuple[subprocess.CompletedProcess, bool]:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])))
+    proc = subprocess.Popen(cmd, cwd=cwd, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
     try:
-        return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=max(timeout, 1)), False
-    except subprocess.TimeoutExpired as expired:
-        return subprocess.CompletedProcess(cmd, -9, expired.stdout, expired.stderr), True
+        stdout, stderr = proc.communicate(timeout=max(timeout, 1))
+        return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr), False
+    except subprocess.TimeoutExpired:
+        kill_tree(proc)
+        return subprocess.CompletedProcess(cmd, -9, "", ""), True
 
 
 def run_group(rows: list[Row], args: argparse.Namespace, work: Path, deadline: float) -> dict[str, dict]:
     """The rows of one worker group: a worker process runs them in order; when it dies or a row outlives its budget,
     that row is failed and a new worker starts at the next one."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])))
     done: dict[str, dict] = {}
     pending = list(rows)
     attempt = 0
@@ -596,7 +627,8 @@ def run_group(rows: list[Row], args: argparse.Namespace, work: Path, deadline: f
         spec.write_text(json.dumps([asdict(row) for row in pending]))
         stderr = open(work / f"{pending[0].group}-{attempt}.log", "w")
         cmd = [sys.executable, __file__, "--worker", str(spec), "--results", str(results)] + ["--cpu"] * args.cpu
-        proc = subprocess.Popen(cmd, cwd=work, env=env, stdout=stderr, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(cmd, cwd=work, env=child_env(), stdout=stderr, stderr=subprocess.STDOUT,
+                                start_new_session=True)
         current, since = None, time.monotonic()
         budget = {row.key: row.budget_s for row in pending}
         while True:
@@ -611,8 +643,7 @@ def run_group(rows: list[Row], args: argparse.Namespace, work: Path, deadline: f
                 break
             over = current is not None and current not in done and time.monotonic() - since > budget[current]
             if over or time.monotonic() >= deadline:
-                proc.kill()
-                proc.wait()
+                kill_tree(proc)
                 if current is not None and current not in done:
                     done[current] = {"status": "failed", "s": time.monotonic() - since,
                                      "detail": f"timed out after {time.monotonic() - since:.0f} s"}
@@ -661,8 +692,10 @@ def format_cell(key: str, value: Any) -> str:
     return str(value)
 
 
-def table(records: list[dict]) -> str:
-    rows = [list(COLUMNS)] + [[format_cell(c, record.get(c)) for c in COLUMNS] for record in records]
+def table(records: list[dict], detail_width: int = 110) -> str:
+    """The text table (details cut to ``detail_width``; the JSON keeps them whole)."""
+    rows = [list(COLUMNS)] + [[_short(format_cell(c, record.get(c)), detail_width) if c == "detail" else
+                               format_cell(c, record.get(c)) for c in COLUMNS] for record in records]
     return format_rows(rows, left=(0, 1, 2, len(COLUMNS) - 1))
 
 
@@ -673,7 +706,8 @@ def describe(cpu: bool) -> str:
     if cpu:
         where = "CPU smoke mode: tiny sizes, gloo; speed rows run gpt-tiny / llama-tiny at seq 64"
     else:
-        nccl = ".".join(map(str, torch.cuda.nccl.version())) if hasattr(torch.cuda, "nccl") else "?"
+        version = torch.cuda.nccl.version()
+        nccl = ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
         where = f"{torch.cuda.get_device_name(0)}, CUDA {torch.version.cuda}, NCCL {nccl}"
     return f"gpu_check: {where}; torch {torch.__version__}, lightning {L.__version__}"
 
@@ -699,6 +733,11 @@ def main(argv: Optional[list[str]] = None) -> None:
         collectives_worker(args.collectives_worker, args.device, args.out)
         return
     sizes = sizes_for(args.cpu)
+    if not args.cpu and not args.worker:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise SystemExit(f"gpu_check: torch {torch.__version__} sees no CUDA device; run with --cpu for the smoke mode.")
     if args.worker:
         worker_main([Row(**row) for row in json.loads(args.worker.read_text())], sizes, args.results)
         return
