@@ -138,11 +138,11 @@ def plan_rows(cpu: bool) -> list[Row]:
     rows.append(Row("features", "moe (mixtral-tiny, ep=1)", "feature", 25, {"model": "moe", "feature": "reference fp32 z0"}))
     rows += [Row("sdpa", f"{model} {check}", check.replace(" ", "_"), 20, {"model": model})
              for model in MODELS for check in ("kernel profiled", "forced flash")]
-    rows += [Row("collectives", f"{backend}: 2 ranks, 1 device", "collectives", 60, {"backend": backend}, group=backend)
-             for backend in ("nccl", "gloo")]
     # A process each: clean memory peaks, and the planner needs a process without a default process group.
     rows += [Row("speed", label, "speed", 150, {"label": label, "preset": preset}, group=f"speed {label}")
              for label, preset in sizes.speed_models]
+    rows += [Row("collectives", f"{backend}: 2 ranks, 1 device", "collectives", 60, {"backend": backend}, group=backend)
+             for backend in ("nccl", "gloo")]
     return rows
 
 
@@ -363,68 +363,95 @@ def hardware_of(device):
 
 def speed_row(row: Row, sizes: Sizes, work: Path, memo: dict) -> dict:
     """``gpt-1.3b`` / ``llama-3.2-1b`` through the strategy at tp=1, bf16-true: tokens/s, TFLOP/s, MFU, and the peak
-    allocated memory against the planner's model states + activations for the same layout and batch."""
-    import gc
-    import statistics
+    allocated memory against the planner's model states + activations for the same layout and batch.
 
-    import lightning as L
+    The batch: the largest of ``sizes.speed_batches`` the planner predicts to fit in 90% of the device (its buffer
+    allowance included); should that run out of memory after all, the next smaller one, and the detail says so."""
     import torch
 
-    from lightning_megatron import Megatron3DStrategy
     from lightning_megatron.models import GPT, GPTConfig
-    from lightning_megatron.models.flops import gpt_flops_per_batch
     from lightning_megatron.plan import GPUS, Planner, Workload
     from lightning_megatron.plan.model_state import gpu_bytes
 
     device = device_for(sizes)
-    seq, precision = sizes.speed_seq, "bf16-true"
-    config = GPTConfig.from_name(row.options["preset"], max_seq_length=seq)
+    config = GPTConfig.from_name(row.options["preset"], max_seq_length=sizes.speed_seq)
     hardware = hardware_of(device)
     capacity = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
-
-    def predict(batch: int):
-        planner = Planner(lambda: GPT(config), Workload(batch, seq, precision), hardware or GPUS["h200"], world_size=1)
+    predictions: dict[int, int] = {}  # before any fit: the planner needs a process without a default process group
+    for batch in sizes.speed_batches:
+        planner = Planner(lambda: GPT(config), Workload(batch, sizes.speed_seq, SPEED_PRECISION),
+                          hardware or GPUS["h200"], world_size=1)
         layout = planner.with_layout(micro_batch_size=batch)
         rank = planner.rank_memory(layout)[0]
-        return gpu_bytes(rank.model_state_bytes, layout) + rank.activation_bytes, rank.total
+        if capacity is None or rank.total <= 0.9 * capacity:
+            predictions[batch] = gpu_bytes(rank.model_state_bytes, layout) + rank.activation_bytes
+    if not predictions:
+        return {"status": "failed", "detail": f"the planner predicts no batch of {sizes.speed_batches} fits"}
+    notes = []
+    for batch, predicted in predictions.items():
+        try:
+            return timed_fit(config, batch, predicted, sizes, device, hardware, work, notes)
+        except torch.cuda.OutOfMemoryError:
+            notes.append(f"batch {batch} ran out of memory (planned {predicted / GIB:.1f} GiB)")
+            _leave_process_group()
+            _free_cuda()
+    return {"status": "failed", "detail": "; ".join(notes)}
 
-    for batch in sizes.speed_batches:  # the largest batch the planner predicts to fit in 90% of the device
-        predicted, with_buffers = predict(batch)
-        if capacity is None or with_buffers <= 0.9 * capacity:
-            break
-    steps = sizes.speed_warmup + sizes.speed_steps
-    args = argparse.Namespace(steps=steps, batch=batch, seq=seq, seed=1234)
-    data = SyntheticTokens(steps * batch, seq, config.vocab_size, args.seed)
-    from torch.utils.data import DataLoader
+
+SPEED_PRECISION = "bf16-true"  # what configs/gpt-1.3b.yaml and configs/llama-3.2-1b.yaml train in
+
+
+def _free_cuda() -> None:
+    import gc
+
+    import torch
 
     gc.collect()
-    if device.type == "cuda":
+    if torch.cuda.is_available():
         torch.cuda.empty_cache()
+
+
+def timed_fit(config, batch: int, predicted: int, sizes: Sizes, device, hardware, work: Path, notes: list) -> dict:
+    """One speed run: warmup + measured steps of ``Trainer.fit``, timed by CUDA events at the batch hooks."""
+    import statistics
+
+    import lightning as L
+    import torch
+    from torch.utils.data import DataLoader
+
+    from lightning_megatron import Megatron3DStrategy
+    from lightning_megatron.models import GPT
+    from lightning_megatron.models.flops import gpt_flops_per_batch
+
+    seq, steps = sizes.speed_seq, sizes.speed_warmup + sizes.speed_steps
+    data = SyntheticTokens(steps * batch, seq, config.vocab_size, seed=1234)
+    _free_cuda()
+    if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
         baseline = torch.cuda.memory_allocated(device)
-    L.seed_everything(args.seed, verbose=False)
+    L.seed_everything(1234, verbose=False)
     stopwatch = StopwatchCallback(Stopwatch(sizes.speed_warmup, sizes.speed_steps, device))
-    trainer = L.Trainer(strategy=Megatron3DStrategy(), accelerator=sizes.device, devices=1, precision=precision,
+    trainer = L.Trainer(strategy=Megatron3DStrategy(), accelerator=sizes.device, devices=1, precision=SPEED_PRECISION,
                         max_steps=steps, callbacks=[stopwatch], logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(work))
     trainer.fit(GPT(config, warmup_steps=steps), DataLoader(data, batch_size=batch, shuffle=False))
     seconds = statistics.median(stopwatch.stopwatch.step_seconds())
     tflops = gpt_flops_per_batch(config, batch, seq) / seconds / 1e12
+    detail = [f"batch {batch} x seq {seq}, {SPEED_PRECISION}, median of {sizes.speed_steps} steps after "
+              f"{sizes.speed_warmup}", *notes]
     result = {"status": "passed", "loss": stopwatch.last_loss.item(), "tokens/s": batch * seq / seconds,
-              "TFLOP/s": tflops, "planned GiB": predicted / GIB,
-              "detail": f"batch {batch} x seq {seq}, {precision}, median of {sizes.speed_steps} steps after "
-                        f"{sizes.speed_warmup}"}
+              "TFLOP/s": tflops, "planned GiB": predicted / GIB}
     if hardware is not None:
         result["MFU"] = tflops * 1e12 / hardware.peak(True)
-        result["detail"] += f"; peak {hardware.peak(True) / 1e12:.0f} TFLOP/s ({hardware.name})"
+        detail.append(f"MFU of {hardware.peak(True) / 1e12:.0f} TFLOP/s ({hardware.name})")
     elif device.type == "cuda":
-        result["detail"] += f"; no preset for {torch.cuda.get_device_name(device)!r}: no MFU"
+        detail.append(f"no preset for {torch.cuda.get_device_name(device)!r}: no MFU")
     if device.type == "cuda":
         measured = torch.cuda.max_memory_allocated(device) - baseline
         result.update({"peak GiB": measured / GIB, "mem ratio": measured / predicted})
     else:
-        result["detail"] += "; CPU: no allocator peak to compare (the planner's prediction shown)"
-    return result
+        detail.append("CPU: no allocator peak to compare (the planner's prediction shown)")
+    return {**result, "detail": "; ".join(detail)}
 
 
 # ---------------------------------------------------------------------------- family 1b: two ranks on one device
@@ -445,6 +472,9 @@ def collectives_worker(backend: str, device_type: str, out: Path) -> None:
     else:
         checks = collective_checks(dist, rank, world, device)
         for name, check in checks.items():
+            report[name] = "hung (the row timed out in it)"
+            if rank == 0:  # written before each collective: a hang or an abort still leaves what came before
+                out.write_text(json.dumps(report))
             try:
                 report[name] = "ok" if check() else "wrong values"
                 if device.type == "cuda":
@@ -510,10 +540,8 @@ def collectives_row(row: Row, sizes: Sizes, work: Path, deadline: float) -> dict
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", __file__,
            "--collectives-worker", backend, "--device", sizes.device, "--out", str(out)]
     proc, timed_out = run_with_timeout(cmd, min(row.budget_s, deadline - time.monotonic()), work)
-    if timed_out:
-        return {"status": "failed", "detail": f"timed out after {row.budget_s:.0f} s (hung collective?)"}
     if not out.exists():
-        return {"status": "failed", "detail": tail_line(proc)}
+        return {"status": "failed", "detail": f"timed out after {row.budget_s:.0f} s" if timed_out else tail_line(proc)}
     report = json.loads(out.read_text())
     ok = [name for name, value in report.items() if value == "ok"]
     refused = {name: value for name, value in report.items() if value != "ok"}
@@ -522,7 +550,9 @@ def collectives_row(row: Row, sizes: Sizes, work: Path, deadline: float) -> dict
     if refused:
         first = next(iter(refused))
         detail += f"; refused: {', '.join(refused)} ({first}: {refused[first]})"
-    return {"status": "passed" if not refused else "failed", "detail": detail}
+    # refused: the backend raised (its limit, not our bug); failed: a wrong result or a hang
+    broken = [name for name, value in refused.items() if value == "wrong values" or value.startswith("hung")]
+    return {"status": "failed" if broken or timed_out else "refused" if refused else "passed", "detail": detail}
 
 
 # ---------------------------------------------------------------------------- the worker process
@@ -534,11 +564,12 @@ WORKERS: dict[str, Callable[[Row, Sizes, Path, dict], dict]] = {
 }
 
 
-def worker_main(rows: list[Row], sizes: Sizes, results: Path) -> None:
-    """Run ``rows`` in order, appending ``{"start": key}`` before each and its result after it to ``results``."""
-    memo: dict = {}
+def worker_main(rows: list[Row], sizes: Sizes, results: Path, memo: dict) -> None:
+    """Run ``rows`` in order, appending ``{"start": key}`` before each and its result after it to ``results``.
+    ``memo``: what rows leave for later ones (the reference losses), carried over from an earlier worker."""
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:
         for index, row in enumerate(rows):
+            print(f"{ROW_MARK}{row.key}", flush=True)  # the parent reads a dead worker's log from here
             _append(results, {"start": row.key})
             started = time.monotonic()
             try:
@@ -550,6 +581,9 @@ def worker_main(rows: list[Row], sizes: Sizes, results: Path) -> None:
             _leave_process_group()
             if result["status"] == "failed" and sizes.device == "cuda" and not _cuda_usable():
                 sys.exit(3)  # a sticky CUDA error: the parent starts a fresh worker for the rest
+
+
+ROW_MARK = "=== gpu_check row: "
 
 
 def _leave_process_group() -> None:
@@ -582,9 +616,11 @@ def last_line(error: BaseException) -> str:
 
 
 def tail_line(proc: subprocess.CompletedProcess) -> str:
-    lines = [line for line in (proc.stderr or "").splitlines() if line.strip() and not line.startswith(" ")]
-    errors = [line for line in lines if "Error" in line or "error" in line]
-    return ((errors or lines or [f"exit code {proc.returncode}"])[-1]).strip()[:200]
+    """A dead process's last error line from its output (after the last row mark, in a worker's log), or its exit."""
+    text = (proc.stderr or "").rpartition(ROW_MARK)[2]
+    errors = [line.strip() for line in text.splitlines() if "Error" in line or "error:" in line]
+    died = f"exit code {proc.returncode}" if proc.returncode >= 0 else f"killed by signal {-proc.returncode}"
+    return (f"{died}: {errors[-1]}" if errors else died)[:200]
 
 
 # ---------------------------------------------------------------------------- the parent
@@ -624,7 +660,9 @@ def run_group(rows: list[Row], args: argparse.Namespace, work: Path, deadline: f
         attempt += 1
         results = work / f"{pending[0].group}-{attempt}.jsonl"
         spec = work / f"{pending[0].group}-{attempt}.json"
-        spec.write_text(json.dumps([asdict(row) for row in pending]))
+        memo = {row.options["model"]: done[row.key]["loss"] for row in rows  # the reference losses so far
+                if row.options.get("feature") == "reference fp32 z0" and "loss" in done.get(row.key, {})}
+        spec.write_text(json.dumps({"rows": [asdict(row) for row in pending], "memo": memo}))
         stderr = open(work / f"{pending[0].group}-{attempt}.log", "w")
         cmd = [sys.executable, __file__, "--worker", str(spec), "--results", str(results)] + ["--cpu"] * args.cpu
         proc = subprocess.Popen(cmd, cwd=work, env=child_env(), stdout=stderr, stderr=subprocess.STDOUT,
@@ -739,7 +777,8 @@ def main(argv: Optional[list[str]] = None) -> None:
         if not torch.cuda.is_available():
             raise SystemExit(f"gpu_check: torch {torch.__version__} sees no CUDA device; run with --cpu for the smoke mode.")
     if args.worker:
-        worker_main([Row(**row) for row in json.loads(args.worker.read_text())], sizes, args.results)
+        spec = json.loads(args.worker.read_text())
+        worker_main([Row(**row) for row in spec["rows"]], sizes, args.results, spec["memo"])
         return
     deadline = time.monotonic() + args.budget
     rows = selected(plan_rows(args.cpu), args.only)
