@@ -52,6 +52,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+import lightning as L
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from throughput import Stopwatch, StopwatchCallback, SyntheticTokens, format_rows  # noqa: E402
 
@@ -114,7 +116,8 @@ class Row:
         return f"{self.family}/{self.name}"
 
 
-FEATURES: dict[str, dict] = {  # row name -> (strategy arguments, precision); every other setting as the reference
+# Row name -> how it differs from the reference: strategy arguments, precision, or a resumed run / generation after.
+FEATURES: dict[str, dict] = {
     "reference fp32 z0": {},
     "zero1": {"strategy": {"zero_stage": 1}},
     "zero2": {"strategy": {"zero_stage": 2}},
@@ -182,20 +185,14 @@ def loader(args: argparse.Namespace):
     return ResumableDataLoader(dataset, batch_size=args.batch, sampler=sampler, drop_last=True)
 
 
-class Losses:
-    """Every step's training loss, as a Lightning callback."""
+class Losses(L.Callback):
+    """Every step's training loss."""
 
-    def __new__(cls):
-        import lightning as L
+    def __init__(self) -> None:
+        self.values: list[float] = []
 
-        class _Losses(L.Callback):
-            def __init__(self) -> None:
-                self.values: list[float] = []
-
-            def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-                self.values.append(float(outputs["loss"]))
-
-        return _Losses()
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.values.append(float(outputs["loss"]))
 
 
 def fit(args: argparse.Namespace, sizes: Sizes, root: Path, *, strategy: Optional[dict] = None,
@@ -206,8 +203,6 @@ def fit(args: argparse.Namespace, sizes: Sizes, root: Path, *, strategy: Optiona
     ``ModelCheckpoint`` saves there at the last step, during the fit as a training run does (the loader's position
     is in it; ``trainer.save_checkpoint`` after ``fit`` returns no longer has the loader to ask)."""
     from lightning.pytorch.callbacks import ModelCheckpoint
-
-    import lightning as L
 
     from lightning_megatron import Megatron3DStrategy
     from lightning_megatron.models import GPT
@@ -365,7 +360,7 @@ def speed_row(row: Row, sizes: Sizes, work: Path, memo: dict) -> dict:
     """``gpt-1.3b`` / ``llama-3.2-1b`` through the strategy at tp=1, bf16-true: tokens/s, TFLOP/s, MFU, and the peak
     allocated memory against the planner's model states + activations for the same layout and batch.
 
-    The batch: the largest of ``sizes.speed_batches`` the planner predicts to fit in 90% of the device (its buffer
+    The batch: the largest of ``sizes.speed_batches`` the planner predicts to fit in 80% of the device (its buffer
     allowance included); should that run out of memory after all, the next smaller one, and the detail says so."""
     import torch
 
@@ -383,7 +378,7 @@ def speed_row(row: Row, sizes: Sizes, work: Path, memo: dict) -> dict:
                           hardware or GPUS["h200"], world_size=1)
         layout = planner.with_layout(micro_batch_size=batch)
         rank = planner.rank_memory(layout)[0]
-        if capacity is None or rank.total <= 0.9 * capacity:
+        if capacity is None or rank.total <= FIT_FRACTION * capacity:
             predictions[batch] = gpu_bytes(rank.model_state_bytes, layout) + rank.activation_bytes
     if not predictions:
         return {"status": "failed", "detail": f"the planner predicts no batch of {sizes.speed_batches} fits"}
@@ -393,12 +388,13 @@ def speed_row(row: Row, sizes: Sizes, work: Path, memo: dict) -> dict:
             return timed_fit(config, batch, predicted, sizes, device, hardware, work, notes)
         except torch.cuda.OutOfMemoryError:
             notes.append(f"batch {batch} ran out of memory (planned {predicted / GIB:.1f} GiB)")
-            _leave_process_group()
-            _free_cuda()
+        _leave_process_group()  # here, once the exception (and the frames holding the tensors) is gone
+        _free_cuda()
     return {"status": "failed", "detail": "; ".join(notes)}
 
 
 SPEED_PRECISION = "bf16-true"  # what configs/gpt-1.3b.yaml and configs/llama-3.2-1b.yaml train in
+FIT_FRACTION = 0.8  # of the device's memory a speed run's predicted total may take: room for the planner's error
 
 
 def _free_cuda() -> None:
@@ -415,7 +411,6 @@ def timed_fit(config, batch: int, predicted: int, sizes: Sizes, device, hardware
     """One speed run: warmup + measured steps of ``Trainer.fit``, timed by CUDA events at the batch hooks."""
     import statistics
 
-    import lightning as L
     import torch
     from torch.utils.data import DataLoader
 
@@ -611,7 +606,8 @@ def _append(path: Path, record: dict) -> None:
 
 
 def last_line(error: BaseException) -> str:
-    lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
+    """The error's type and last line (NCCL's: "Duplicate GPU detected ..."), before any C++ stack torch appends."""
+    lines = [line.strip() for line in str(error).split("Exception raised from")[0].splitlines() if line.strip()]
     return f"{type(error).__name__}: {lines[-1] if lines else ''}"[:200]
 
 
@@ -738,7 +734,6 @@ def table(records: list[dict], detail_width: int = 110) -> str:
 
 
 def describe(cpu: bool) -> str:
-    import lightning as L
     import torch
 
     if cpu:
