@@ -3,15 +3,15 @@
 ``benchmarks/gpu_check.sh`` runs this driver under a global ``timeout``; ``--cpu`` runs every row at tiny sizes on
 the CPU (gloo instead of NCCL), the smoke mode ``tests/test_benchmarks.py`` runs. One function per row family:
 
-* ``feature_rows``: the default GPT and the Llama-shaped model through ``Trainer(strategy=Megatron3DStrategy(...))``
+* ``feature_row``: the default GPT and the Llama-shaped model through ``Trainer(strategy=Megatron3DStrategy(...))``
   for a few steps under each feature (tp=pp=dp=1: one-rank NCCL groups, but the strategy's own code paths), the
   last step's loss against the fp32 ZeRO-0 reference run of the same model, seed and batches; a sharded
   checkpoint saved mid-run and resumed; greedy generation with the KV cache against a full recompute; MoE (ep=1).
-* ``collective_rows``: can two ranks share one device? ``torchrun --nproc-per-node=2`` with both ranks on
+* ``collectives_row``: can two ranks share one device? ``torchrun --nproc-per-node=2`` with both ranks on
   ``cuda:0``, each collective the strategy uses tried once over NCCL and over gloo with CUDA tensors.
-* ``sdpa_rows``: which scaled-dot-product-attention kernel our attention runs (one profiled forward), and a
-  forward + backward under ``sdpa_kernel(FLASH_ATTENTION)``, which raises if flash cannot run.
-* ``speed_rows``: ``gpt-1.3b`` and ``llama-3.2-1b`` at seq 2048, bf16-true, tp=1, warmup + measured steps:
+* ``kernel_profiled_row``, ``forced_flash_row``: which scaled-dot-product-attention kernel our attention runs (one
+  profiled forward), and a forward + backward under ``sdpa_kernel(FLASH_ATTENTION)``, which raises if flash cannot run.
+* ``speed_row``: ``gpt-1.3b`` and ``llama-3.2-1b`` at seq 2048, bf16-true, tp=1, warmup + measured steps:
   tokens/s, model TFLOP/s (``models/flops.py``) and MFU against the device's preset in ``plan/hardware.py``; the
   batch is the largest the planner predicts to fit; the same runs' ``max_memory_allocated`` against the
   planner's model states + activations (its 2 GiB buffer allowance left out: the allocator does not see it).
@@ -42,6 +42,7 @@ import argparse
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -281,9 +282,6 @@ def generation_check(model, args: argparse.Namespace, device) -> dict:
 
 
 # ---------------------------------------------------------------------------- family 3: sdpa
-FUSED = ("flash", "cudnn", "efficient", "fmha")  # kernel names of SDPA's fused backends (CUDA and CPU)
-
-
 def small_model(sizes: Sizes, model: str):
     """This mode's small model on the device, eval mode, in bf16 on CUDA (flash has no fp32 kernel)."""
     import torch
@@ -535,6 +533,7 @@ def collectives_row(row: Row, sizes: Sizes, work: Path, deadline: float) -> dict
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", __file__,
            "--collectives-worker", backend, "--device", sizes.device, "--out", str(out)]
     proc, timed_out = run_with_timeout(cmd, min(row.budget_s, deadline - time.monotonic()), work)
+    (work / f"{backend}.log").write_text(f"{proc.stdout}\n{proc.stderr}")
     if not out.exists():
         return {"status": "failed", "detail": f"timed out after {row.budget_s:.0f} s" if timed_out else tail_line(proc)}
     report = json.loads(out.read_text())
@@ -794,10 +793,14 @@ def main(argv: Optional[list[str]] = None) -> None:
                     done[row.key] = {**collectives_row(row, sizes, work, deadline), "s": time.monotonic() - started}
             else:
                 done.update(run_group(members, args, work, deadline))
+        logs = args.json.parent / f"{args.json.stem}_logs"  # every process's output, for the rows' whole errors
+        logs.mkdir(parents=True, exist_ok=True)
+        for log in Path(tmp).glob("*/*.log"):
+            shutil.copy(log, logs / f"{log.parent.name}-{log.name}".replace(" ", "_"))
     records = [{"family": row.family, "row": row.name, **done[row.key]} for row in rows]
     print(table(records))
     args.json.write_text(json.dumps({"header": describe(args.cpu), "rows": records}, indent=1))
-    print(f"(JSON: {args.json})")
+    print(f"(JSON: {args.json}; the processes' logs: {logs})")
 
 
 if __name__ == "__main__":
