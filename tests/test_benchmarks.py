@@ -58,13 +58,19 @@ def test_checkpoint_checks_benchmark_times_each_check_against_its_baseline(tmp_p
     assert (tmp_path / "with.ckpt" / "megatron_3d.json").is_file()
 
 
-def load_throughput():
+def load_benchmark(name: str):
+    """A benchmark script as a module (``benchmarks/`` is not a package)."""
+    import importlib
+
     sys.path.insert(0, str(REPO / "benchmarks"))
     try:
-        import throughput
+        return importlib.import_module(name)
     finally:
         sys.path.remove(str(REPO / "benchmarks"))
-    return throughput
+
+
+def load_throughput():
+    return load_benchmark("throughput")
 
 
 def test_throughput_interleaved_gate_up_makes_a_contiguous_dtensor_split_of_swiglu_exact():
@@ -195,3 +201,43 @@ def test_memory_benchmark_activations_mode_divides_activation_bytes_by_cp():
     for label, cp in (("cp2 all-gather x dp2", 2), ("cp4 all-gather", 4)):  # + the gathered K/V: linear, not S^2
         ratio = float(rows[label]["vs cp1"])
         assert 1 <= ratio * cp <= 1.25, (label, ratio)
+
+
+GPU_CHECK_ROWS = ("gpt reference fp32 z0", "gpt zero3", "gpt bf16-mixed", "gpt sequence_parallel",
+                  "gpt checkpoint save+resume", "gpt generation", "gpt kernel profiled")
+
+
+def test_gpu_check_smoke_mode_prints_one_table_of_passing_rows(tmp_path, monkeypatch):
+    """``gpu_check.sh --cpu`` on a subset of rows (one worker process): the table parses, the JSON holds the same rows,
+    every row passes (sequence parallelism at tp=1 is refused with the strategy's reason: n/a), and the reference
+    row's loss is a plain PyTorch loop's over the same model, batches and schedule."""
+    import json
+
+    import lightning as L
+    import torch
+
+    result = subprocess.run(
+        ["bash", str(REPO / "benchmarks" / "gpu_check.sh"), "--cpu", "--json", str(tmp_path / "check.json"),
+         "--only", *GPU_CHECK_ROWS],
+        capture_output=True, text=True, timeout=300, env=child_env(), cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = [[cell.strip() for cell in line.split(" | ")] for line in result.stdout.splitlines() if " | " in line]
+    header, printed = lines[0], {row[1]: dict(zip(lines[0], row)) for row in lines[1:]}
+    assert header[:3] == ["family", "row", "status"] and list(printed) == list(GPU_CHECK_ROWS), printed
+    rows = {row["row"]: row for row in json.loads((tmp_path / "check.json").read_text())["rows"]}
+    assert list(rows) == list(GPU_CHECK_ROWS)
+    assert {name: row["status"] for name, row in printed.items()} == {
+        name: ("n/a" if name == "gpt sequence_parallel" else "passed") for name in GPU_CHECK_ROWS}, rows
+    assert "needs tensor_parallel_size > 1" in rows["gpt sequence_parallel"]["detail"]
+    assert "flash" in rows["gpt kernel profiled"]["detail"]
+    for name in ("gpt zero3", "gpt checkpoint save+resume"):  # fp32: the reference's loss to the invariant's 1e-5
+        assert abs(rows[name]["vs ref"]) < 1e-5, rows[name]
+
+    gpu_check = load_benchmark("gpu_check")
+    args = gpu_check.model_args(gpu_check.CPU, "gpt")
+    monkeypatch.delenv("PL_GLOBAL_SEED", raising=False)
+    with torch.random.fork_rng():
+        L.seed_everything(args.seed, verbose=False)  # as the driver's fit does
+        _, _, reference = load_throughput().run_plain(args, torch.device("cpu"))
+    assert abs(rows["gpt reference fp32 z0"]["loss"] - reference) < 1e-5, (rows["gpt reference fp32 z0"], reference)

@@ -1,0 +1,807 @@
+"""One GPU, one table: every parallel feature over CUDA/NCCL, bf16 speed and MFU, flash SDPA, memory vs the planner.
+
+``benchmarks/gpu_check.sh`` runs this driver under a global ``timeout``; ``--cpu`` runs every row at tiny sizes on
+the CPU (gloo instead of NCCL), the smoke mode ``tests/test_benchmarks.py`` runs. One function per row family:
+
+* ``feature_row``: the default GPT and the Llama-shaped model through ``Trainer(strategy=Megatron3DStrategy(...))``
+  for a few steps under each feature (tp=pp=dp=1: one-rank NCCL groups, but the strategy's own code paths), the
+  last step's loss against the fp32 ZeRO-0 reference run of the same model, seed and batches; a sharded
+  checkpoint saved mid-run and resumed; greedy generation with the KV cache against a full recompute; MoE (ep=1).
+* ``collectives_row``: can two ranks share one device? ``torchrun --nproc-per-node=2`` with both ranks on
+  ``cuda:0``, each collective the strategy uses tried once over NCCL and over gloo with CUDA tensors.
+* ``kernel_profiled_row``, ``forced_flash_row``: which scaled-dot-product-attention kernel our attention runs (one
+  profiled forward), and a forward + backward under ``sdpa_kernel(FLASH_ATTENTION)``, which raises if flash cannot run.
+* ``speed_row``: ``gpt-1.3b`` and ``llama-3.2-1b`` at seq 2048, bf16-true, tp=1, warmup + measured steps:
+  tokens/s, model TFLOP/s (``models/flops.py``) and MFU against the device's preset in ``plan/hardware.py``; the
+  batch is the largest the planner predicts to fit; the same runs' ``max_memory_allocated`` against the
+  planner's model states + activations (its 2 GiB buffer allowance left out: the allocator does not see it).
+
+Isolation: the single-process rows run in one worker process, one row at a time, each reporting as it ends; a row
+that raises is a failed row and the next one starts; a row that hangs past its budget or kills the process (a CUDA
+fault) is marked failed and the worker is started again for the rows after it. The speed rows get a process of
+their own (clean memory peaks), the two-rank rows a ``torchrun`` each.
+
+Budget on one H200 (seconds; each row's timeout, the whole run capped at ``--budget``, 540 by default, so that the
+table is printed before the shell wrapper's ``timeout`` of 570 s; rows that would start after it are "skipped"):
+
+==========================  ==========  =========================================================================
+family                      budget      expected
+==========================  ==========  =========================================================================
+features (27 rows)          25 s/row    ~2-5 s a row after the first (CUDA and NCCL start-up, ~20 s)
+collectives (2 rows)        60 s/row    ~15 s (torchrun, NCCL start-up; a refusal is immediate)
+sdpa (4 rows)               20 s/row    ~2 s
+speed + memory (2 rows)     150 s/row   ~60 s: a process each, model build, planner inventory, 3 warmup + 10 measured steps
+==========================  ==========  =========================================================================
+
+Worst case (every row at its timeout) exceeds the cap; the cap wins. Expected total: about 4 minutes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import lightning as L
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from throughput import Stopwatch, StopwatchCallback, SyntheticTokens, format_rows  # noqa: E402
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+GIB = 2**30
+FP32_TOLERANCE = 1e-4  # loss vs the fp32 reference: the same math (the invariant is 1e-5 on CPU; GPU kernels vary)
+SIXTEEN_BIT_TOLERANCE = 5e-2  # bf16 / fp16 runs of a few steps: the same model, rounded
+COLUMNS = ("family", "row", "status", "loss", "vs ref", "tokens/s", "TFLOP/s", "MFU", "peak GiB", "planned GiB",
+           "mem ratio", "s", "detail")
+
+
+# ---------------------------------------------------------------------------- sizes
+@dataclass(frozen=True)
+class Sizes:
+    """What a mode runs: the feature rows' model and steps, the speed rows' presets and steps."""
+
+    device: str
+    hidden: int
+    layers: int
+    heads: int
+    seq: int
+    batch: int
+    steps: int  # feature rows: optimizer steps (the checkpoint row saves after half of them)
+    speed_models: tuple[tuple[str, str], ...]  # (label, preset)
+    speed_seq: int
+    speed_warmup: int
+    speed_steps: int
+    speed_batches: tuple[int, ...]  # tried largest first: the first the planner predicts to fit
+    vocab: dict = field(default_factory=dict)  # per model; missing: throughput's default
+
+
+GPU = Sizes("cuda", hidden=512, layers=4, heads=8, seq=512, batch=8, steps=6,
+            speed_models=(("gpt-1.3b", "gpt-1.3b"), ("llama-3.2-1b", "llama-3.2-1b")), speed_seq=2048,
+            speed_warmup=3, speed_steps=10, speed_batches=(16, 8, 4, 2, 1))
+CPU = Sizes("cpu", hidden=32, layers=2, heads=4, seq=32, batch=4, steps=4,
+            speed_models=(("gpt-1.3b", "gpt-tiny"), ("llama-3.2-1b", "llama-tiny")), speed_seq=64,
+            speed_warmup=1, speed_steps=2, speed_batches=(2,), vocab={"gpt": 257, "llama": 512, "moe": 512})
+
+MODELS = ("gpt", "llama")
+
+
+def sizes_for(cpu: bool) -> Sizes:
+    return CPU if cpu else GPU
+
+
+# ---------------------------------------------------------------------------- rows
+@dataclass(frozen=True)
+class Row:
+    """One line of the table: ``kind`` names the worker function, ``options`` its arguments."""
+
+    family: str
+    name: str
+    kind: str
+    budget_s: float
+    options: dict = field(default_factory=dict)
+    group: str = "main"  # rows of a group share a worker process, in order
+
+    @property
+    def key(self) -> str:
+        return f"{self.family}/{self.name}"
+
+
+# Row name -> how it differs from the reference: strategy arguments, precision, or a resumed run / generation after.
+FEATURES: dict[str, dict] = {
+    "reference fp32 z0": {},
+    "zero1": {"strategy": {"zero_stage": 1}},
+    "zero2": {"strategy": {"zero_stage": 2}},
+    "zero3": {"strategy": {"zero_stage": 3}},
+    "bf16-true": {"precision": "bf16-true"},
+    "bf16-mixed": {"precision": "bf16-mixed"},
+    "16-true": {"precision": "16-true"},
+    "ac full": {"strategy": {"activation_checkpointing": "full"}},
+    "ac selective": {"strategy": {"activation_checkpointing": "selective"}},
+    "sequence_parallel": {"strategy": {"sequence_parallel": True}},
+    "offload_optimizer": {"strategy": {"offload_optimizer": True}},
+    "checkpoint save+resume": {"resume": True},
+    "generation": {"generate": True},
+}
+
+
+def plan_rows(cpu: bool) -> list[Row]:
+    sizes = sizes_for(cpu)
+    rows = [Row("features", f"{model} {name}", "feature", 25, {"model": model, "feature": name})
+            for model in MODELS for name in FEATURES]
+    rows.append(Row("features", "moe (mixtral-tiny, ep=1)", "feature", 25, {"model": "moe", "feature": "reference fp32 z0"}))
+    rows += [Row("sdpa", f"{model} {check}", check.replace(" ", "_"), 20, {"model": model})
+             for model in MODELS for check in ("kernel profiled", "forced flash")]
+    # A process each: clean memory peaks, and the planner needs a process without a default process group.
+    rows += [Row("speed", label, "speed", 150, {"label": label, "preset": preset}, group=f"speed {label}")
+             for label, preset in sizes.speed_models]
+    rows += [Row("collectives", f"{backend}: 2 ranks, 1 device", "collectives", 60, {"backend": backend}, group=backend)
+             for backend in ("nccl", "gloo")]
+    return rows
+
+
+# ---------------------------------------------------------------------------- shared pieces of the workers
+def device_for(sizes: Sizes):
+    import torch
+
+    return torch.device("cuda", 0) if sizes.device == "cuda" else torch.device("cpu")
+
+
+def model_args(sizes: Sizes, model: str) -> argparse.Namespace:
+    """``throughput.py``'s arguments for this mode's small model (its ``run_plain`` is the tests' reference)."""
+    return argparse.Namespace(model=model, hidden=sizes.hidden, layers=sizes.layers, heads=sizes.heads, seq=sizes.seq,
+                              batch=sizes.batch, vocab=sizes.vocab.get(model), query_groups=None, ffn=None,
+                              steps=sizes.steps, warmup=0, seed=1234, precision="32-true", clock="wall", pad_vocab=128)
+
+
+def gpt_config(args: argparse.Namespace):
+    """The feature rows' model: throughput's GPT or Llama-shaped config, or ``mixtral-tiny`` resized alike."""
+    import throughput
+    from lightning_megatron.models import GPTConfig
+
+    if args.model == "moe":
+        return GPTConfig.from_name("mixtral-tiny", vocab_size=args.vocab or 512, max_seq_length=args.seq,
+                                   hidden_size=args.hidden, num_layers=args.layers, num_heads=args.heads,
+                                   num_query_groups=max(1, args.heads // 2), ffn_hidden_size=args.hidden * 11 // 4)
+    return throughput.gpt_config(args)
+
+
+def loader(args: argparse.Namespace):
+    """The run's fixed batches (``throughput.make_loader``'s data and order) in the project's ``ResumableDataLoader``:
+    a run resumed from a mid-run checkpoint goes on at the next batch, as ``GPTDataModule``'s loaders do."""
+    from lightning_megatron.data.resumable import ResumableDataLoader, data_parallel_sampler
+
+    dataset = SyntheticTokens(args.steps * args.batch, args.seq, gpt_config(args).vocab_size, args.seed)
+    sampler = data_parallel_sampler(dataset, num_replicas=1, rank=0, shuffle=False, seed=args.seed)
+    return ResumableDataLoader(dataset, batch_size=args.batch, sampler=sampler, drop_last=True)
+
+
+class Losses(L.Callback):
+    """Every step's training loss."""
+
+    def __init__(self) -> None:
+        self.values: list[float] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.values.append(float(outputs["loss"]))
+
+
+def fit(args: argparse.Namespace, sizes: Sizes, root: Path, *, strategy: Optional[dict] = None,
+        precision: str = "32-true", max_steps: Optional[int] = None, ckpt_path: Optional[str] = None,
+        seed: Optional[int] = None, checkpoint_dir: Optional[Path] = None):
+    """``Trainer.fit`` of a fresh ``GPT`` under ``Megatron3DStrategy(**strategy)`` on one device, for ``max_steps``
+    (default: all the run's batches); the module, the trainer and the step losses. ``checkpoint_dir``: a
+    ``ModelCheckpoint`` saves there at the last step, during the fit as a training run does (the loader's position
+    is in it; ``trainer.save_checkpoint`` after ``fit`` returns no longer has the loader to ask)."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lightning_megatron import Megatron3DStrategy
+    from lightning_megatron.models import GPT
+
+    L.seed_everything(args.seed if seed is None else seed, verbose=False)
+    module = GPT(gpt_config(args), warmup_steps=args.steps)  # the learning rate rises over the whole run
+    losses, steps = Losses(), max_steps or args.steps
+    saver = [ModelCheckpoint(dirpath=checkpoint_dir, every_n_train_steps=steps, save_top_k=-1)] if checkpoint_dir else []
+    trainer = L.Trainer(strategy=Megatron3DStrategy(**(strategy or {})), accelerator=sizes.device, devices=1,
+                        precision=precision, max_steps=steps, callbacks=[losses, *saver], logger=False,
+                        enable_checkpointing=bool(saver), enable_progress_bar=False, enable_model_summary=False,
+                        num_sanity_val_steps=0, default_root_dir=str(root))
+    trainer.fit(module, loader(args), ckpt_path=ckpt_path)
+    return module, trainer, losses.values
+
+
+# ---------------------------------------------------------------------------- family 1: features
+def feature_row(row: Row, sizes: Sizes, work: Path, memo: dict) -> dict:
+    """One feature through the strategy; its last loss against the same model's fp32 reference (run once, kept)."""
+    model, feature = row.options["model"], row.options["feature"]
+    spec, args = FEATURES[feature], model_args(sizes, model)
+    precision = spec.get("precision", "32-true")
+    if spec.get("resume"):
+        half = args.steps // 2
+        fit(args, sizes, work / "first", max_steps=half, checkpoint_dir=work / "checkpoints")
+        path = next((work / "checkpoints").iterdir())
+        # Other initial weights: what the resumed run trains must come from the checkpoint.
+        _, _, losses = fit(args, sizes, work / "resumed", ckpt_path=str(path), seed=args.seed + 1)
+        result = {"detail": f"saved after {half} steps ({_checkpoint_kind(path)}), resumed for {args.steps - half}"}
+    else:
+        try:
+            module, _, losses = fit(args, sizes, work, strategy=spec.get("strategy"), precision=precision)
+        except ValueError as error:
+            if spec.get("strategy", {}).get("sequence_parallel"):  # refused at tp=1 with the reason: not applicable
+                return {"status": "n/a", "detail": last_line(error)}
+            raise
+        result = {"detail": ""}
+        if spec.get("generate"):
+            return {**result, **generation_check(module.model, args, device_for(sizes)), "loss": losses[-1]}
+    result["loss"] = losses[-1]
+    if feature == "reference fp32 z0":
+        memo[model] = losses[-1]
+        return {**result, "status": "passed", "detail": f"{len(losses)} steps"}
+    reference = memo.get(model)
+    if reference is None:
+        return {**result, "status": "passed", "detail": (result["detail"] + "; no reference loss").lstrip("; ")}
+    tolerance = SIXTEEN_BIT_TOLERANCE if precision != "32-true" else FP32_TOLERANCE
+    diff = losses[-1] - reference
+    passed = abs(diff) <= tolerance
+    note = f"|diff| {'<=' if passed else '>'} {tolerance:g}"
+    return {**result, "vs ref": diff, "status": "passed" if passed else "failed",
+            "detail": "; ".join(filter(None, [result["detail"], note]))}
+
+
+def _checkpoint_kind(path: Path) -> str:
+    return "sharded directory" if path.is_dir() else "one file"
+
+
+def generation_check(model, args: argparse.Namespace, device) -> dict:
+    """Greedy tokens from ``generate`` (KV cache) against an argmax loop recomputing the whole sequence each time."""
+    import torch
+
+    from lightning_megatron.generation import generate
+
+    model.eval()
+    prompts = torch.randint(gpt_config(args).vocab_size, (2, 8), generator=torch.Generator().manual_seed(0)).to(device)
+    new = 8
+    with torch.no_grad():
+        cached = generate(model, prompts, max_new_tokens=new)
+        tokens = prompts
+        for _ in range(new):
+            tokens = torch.cat([tokens, model(tokens)[:, -1, : gpt_config(args).vocab_size].argmax(-1, keepdim=True)], 1)
+    same = torch.equal(cached, tokens)
+    return {"status": "passed" if same else "failed",
+            "detail": f"{new} greedy tokens x 2 prompts {'==' if same else '!='} full recompute"}
+
+
+# ---------------------------------------------------------------------------- family 3: sdpa
+def small_model(sizes: Sizes, model: str):
+    """This mode's small model on the device, eval mode, in bf16 on CUDA (flash has no fp32 kernel)."""
+    import torch
+
+    from lightning_megatron.models.gpt import GPTModel
+
+    device = device_for(sizes)
+    args = model_args(sizes, model)
+    torch.manual_seed(0)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    net = GPTModel(gpt_config(args)).to(device=device, dtype=dtype)
+    ids = torch.randint(gpt_config(args).vocab_size, (2, args.seq), device=device)
+    return net, ids
+
+
+FUSED_OPS = ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+             "_scaled_dot_product_cudnn_attention", "_flash_attention_forward", "_efficient_attention_forward")
+MATH_OP = "_scaled_dot_product_attention_math"
+KERNEL_WORDS = ("flash", "fmha", "cudnn", "attention", "sdpa")  # in the CUDA kernels' names
+
+
+def kernel_profiled_row(row: Row, sizes: Sizes, work: Path, memo: dict) -> dict:
+    """What one forward of our attention runs, from the profiler: SDPA's backend op (flash, cuDNN or efficient,
+    not the math fallback) and, on CUDA, the kernel it launched."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    net, ids = small_model(sizes, row.options["model"])
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if ids.is_cuda else [])
+    with torch.no_grad(), profile(activities=activities) as prof:
+        net(ids)
+        if ids.is_cuda:
+            torch.cuda.synchronize()
+    names = {event.key for event in prof.key_averages()}
+    fused = sorted(n for n in names if any(op in n for op in FUSED_OPS))
+    math = sorted(n for n in names if MATH_OP in n)
+    kernels = sorted(n for n in names if not n.startswith("aten::") and any(w in n.lower() for w in KERNEL_WORDS))
+    passed = bool(fused) and not math and (bool(kernels) or not ids.is_cuda)
+    shown = [*fused[:1], *math[:1], *[_short(k, 50) for k in kernels[:1]]]
+    return {"status": "passed" if passed else "failed", "detail": "; ".join(shown) or "no attention op in the profile"}
+
+
+def _short(name: str, width: int = 60) -> str:
+    return name if len(name) <= width else name[: width - 3] + "..."
+
+
+def forced_flash_row(row: Row, sizes: Sizes, work: Path, memo: dict) -> dict:
+    """A forward and backward with only the flash backend allowed: SDPA raises if our call cannot use it."""
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    net, ids = small_model(sizes, row.options["model"])
+    net.train()
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        net(ids).float().logsumexp(-1).mean().backward()
+    return {"status": "passed", "detail": f"sdpa_kernel(FLASH_ATTENTION), {'bf16' if ids.is_cuda else 'fp32'}, "
+                                          f"seq {ids.shape[1]}, forward + backward"}
+
+
+# ---------------------------------------------------------------------------- family 2 + 4: speed and memory
+def hardware_of(device):
+    """The ``plan/hardware.py`` preset whose name is in the device's (``NVIDIA H200`` -> ``h200``), or None."""
+    import torch
+
+    from lightning_megatron.plan import GPUS
+
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device).lower()
+    return next((hw for key, hw in GPUS.items() if key in name.replace(" ", "").replace("-", "")), None)
+
+
+def speed_row(row: Row, sizes: Sizes, work: Path, memo: dict) -> dict:
+    """``gpt-1.3b`` / ``llama-3.2-1b`` through the strategy at tp=1, bf16-true: tokens/s, TFLOP/s, MFU, and the peak
+    allocated memory against the planner's model states + activations for the same layout and batch.
+
+    The batch: the largest of ``sizes.speed_batches`` the planner predicts to fit in 80% of the device (its buffer
+    allowance included); should that run out of memory after all, the next smaller one, and the detail says so."""
+    import torch
+
+    from lightning_megatron.models import GPT, GPTConfig
+    from lightning_megatron.plan import GPUS, Planner, Workload
+    from lightning_megatron.plan.model_state import gpu_bytes
+
+    device = device_for(sizes)
+    config = GPTConfig.from_name(row.options["preset"], max_seq_length=sizes.speed_seq)
+    hardware = hardware_of(device)
+    capacity = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
+    predictions: dict[int, int] = {}  # before any fit: the planner needs a process without a default process group
+    for batch in sizes.speed_batches:
+        planner = Planner(lambda: GPT(config), Workload(batch, sizes.speed_seq, SPEED_PRECISION),
+                          hardware or GPUS["h200"], world_size=1)
+        layout = planner.with_layout(micro_batch_size=batch)
+        rank = planner.rank_memory(layout)[0]
+        if capacity is None or rank.total <= FIT_FRACTION * capacity:
+            predictions[batch] = gpu_bytes(rank.model_state_bytes, layout) + rank.activation_bytes
+    if not predictions:
+        return {"status": "failed", "detail": f"the planner predicts no batch of {sizes.speed_batches} fits"}
+    notes = []
+    for batch, predicted in predictions.items():
+        try:
+            return timed_fit(config, batch, predicted, sizes, device, hardware, work, notes)
+        except torch.cuda.OutOfMemoryError:
+            notes.append(f"batch {batch} ran out of memory (planned {predicted / GIB:.1f} GiB)")
+        _leave_process_group()  # here, once the exception (and the frames holding the tensors) is gone
+        _free_cuda()
+    return {"status": "failed", "detail": "; ".join(notes)}
+
+
+SPEED_PRECISION = "bf16-true"  # what configs/gpt-1.3b.yaml and configs/llama-3.2-1b.yaml train in
+FIT_FRACTION = 0.8  # of the device's memory a speed run's predicted total may take: room for the planner's error
+
+
+def _free_cuda() -> None:
+    import gc
+
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def timed_fit(config, batch: int, predicted: int, sizes: Sizes, device, hardware, work: Path, notes: list) -> dict:
+    """One speed run: warmup + measured steps of ``Trainer.fit``, timed by CUDA events at the batch hooks."""
+    import statistics
+
+    import torch
+    from torch.utils.data import DataLoader
+
+    from lightning_megatron import Megatron3DStrategy
+    from lightning_megatron.models import GPT
+    from lightning_megatron.models.flops import gpt_flops_per_batch
+
+    seq, steps = sizes.speed_seq, sizes.speed_warmup + sizes.speed_steps
+    data = SyntheticTokens(steps * batch, seq, config.vocab_size, seed=1234)
+    _free_cuda()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        baseline = torch.cuda.memory_allocated(device)
+    L.seed_everything(1234, verbose=False)
+    stopwatch = StopwatchCallback(Stopwatch(sizes.speed_warmup, sizes.speed_steps, device))
+    trainer = L.Trainer(strategy=Megatron3DStrategy(), accelerator=sizes.device, devices=1, precision=SPEED_PRECISION,
+                        max_steps=steps, callbacks=[stopwatch], logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(work))
+    trainer.fit(GPT(config, warmup_steps=steps), DataLoader(data, batch_size=batch, shuffle=False))
+    seconds = statistics.median(stopwatch.stopwatch.step_seconds())
+    tflops = gpt_flops_per_batch(config, batch, seq) / seconds / 1e12
+    detail = [f"batch {batch} x seq {seq}, {SPEED_PRECISION}, median of {sizes.speed_steps} steps after "
+              f"{sizes.speed_warmup}", *notes]
+    result = {"status": "passed", "loss": stopwatch.last_loss.item(), "tokens/s": batch * seq / seconds,
+              "TFLOP/s": tflops, "planned GiB": predicted / GIB}
+    if hardware is not None:
+        result["MFU"] = tflops * 1e12 / hardware.peak(True)
+        detail.append(f"MFU of {hardware.peak(True) / 1e12:.0f} TFLOP/s ({hardware.name})")
+    elif device.type == "cuda":
+        detail.append(f"no preset for {torch.cuda.get_device_name(device)!r}: no MFU")
+    if device.type == "cuda":
+        measured = torch.cuda.max_memory_allocated(device) - baseline
+        result.update({"peak GiB": measured / GIB, "mem ratio": measured / predicted})
+    else:
+        detail.append("CPU: no allocator peak to compare (the planner's prediction shown)")
+    return {**result, "detail": "; ".join(detail)}
+
+
+# ---------------------------------------------------------------------------- family 1b: two ranks on one device
+def collectives_worker(backend: str, device_type: str, out: Path) -> None:
+    """Under torchrun, 2 ranks on device 0: each collective once, its result checked; rank 0 writes what worked."""
+    import torch
+    import torch.distributed as dist
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    device = torch.device("cuda", 0) if device_type == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    report: dict[str, str] = {}
+    try:
+        dist.init_process_group(backend, device_id=device if backend == "nccl" else None)
+    except Exception as error:  # noqa: BLE001 - the refusal is the finding
+        report["init_process_group"] = last_line(error)
+    else:
+        checks = collective_checks(dist, rank, world, device)
+        for name, check in checks.items():
+            report[name] = "hung (the row timed out in it)"
+            if rank == 0:  # written before each collective: a hang or an abort still leaves what came before
+                out.write_text(json.dumps(report))
+            try:
+                report[name] = "ok" if check() else "wrong values"
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+            except Exception as error:  # noqa: BLE001 - a refused collective is a finding, the next one still runs
+                report[name] = last_line(error)
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
+    if rank == 0:
+        out.write_text(json.dumps(report))
+
+
+def collective_checks(dist, rank: int, world: int, device) -> dict[str, Callable[[], bool]]:
+    """Each collective the strategy uses, on rank ``r``'s tensor of ``r + 1``s, returning whether the result is right."""
+    import torch
+
+    x = torch.full((world * 2,), float(rank + 1), device=device)
+    total = float(sum(range(1, world + 1)))
+
+    def all_reduce():
+        out = x.clone()
+        dist.all_reduce(out)
+        return bool((out == total).all())
+
+    def broadcast():
+        out = x.clone()
+        dist.broadcast(out, 0)
+        return bool((out == 1).all())
+
+    def all_gather():
+        out = torch.empty(world * x.numel(), device=device)
+        dist.all_gather_into_tensor(out, x)
+        return bool((out.view(world, -1) == torch.arange(1, world + 1, device=device)[:, None]).all())
+
+    def reduce_scatter():
+        out = torch.empty(x.numel() // world, device=device)
+        dist.reduce_scatter_tensor(out, x)
+        return bool((out == total).all())
+
+    def all_to_all():
+        out = torch.empty_like(x)
+        dist.all_to_all_single(out, x)
+        return bool((out.view(world, -1) == torch.arange(1, world + 1, device=device)[:, None]).all())
+
+    def send_recv():
+        if rank == 0:
+            for peer in range(1, world):
+                dist.send(x, peer)
+            return True
+        out = torch.empty_like(x)
+        dist.recv(out, 0)
+        return bool((out == 1).all())
+
+    return {"all_reduce": all_reduce, "broadcast": broadcast, "all_gather_into_tensor": all_gather,
+            "reduce_scatter_tensor": reduce_scatter, "all_to_all_single": all_to_all, "send/recv": send_recv}
+
+
+def collectives_row(row: Row, sizes: Sizes, work: Path, deadline: float) -> dict:
+    backend = row.options["backend"]
+    if backend == "nccl" and sizes.device != "cuda":
+        return {"status": "n/a", "detail": "no CUDA: NCCL needs a GPU"}
+    out = work / "collectives.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", __file__,
+           "--collectives-worker", backend, "--device", sizes.device, "--out", str(out)]
+    proc, timed_out = run_with_timeout(cmd, min(row.budget_s, deadline - time.monotonic()), work)
+    (work / f"{backend}.log").write_text(f"{proc.stdout}\n{proc.stderr}")
+    if not out.exists():
+        return {"status": "failed", "detail": f"timed out after {row.budget_s:.0f} s" if timed_out else tail_line(proc)}
+    report = json.loads(out.read_text())
+    ok = [name for name, value in report.items() if value == "ok"]
+    refused = {name: value for name, value in report.items() if value != "ok"}
+    where = "CUDA tensors" if sizes.device == "cuda" else "CPU tensors (smoke mode)"
+    detail = f"{where}; ok: {', '.join(ok) or 'none'}"
+    if refused:
+        first = next(iter(refused))
+        detail += f"; refused: {', '.join(refused)} ({first}: {refused[first]})"
+    # refused: the backend raised (its limit, not our bug); failed: a wrong result or a hang
+    broken = [name for name, value in refused.items() if value == "wrong values" or value.startswith("hung")]
+    return {"status": "failed" if broken or timed_out else "refused" if refused else "passed", "detail": detail}
+
+
+# ---------------------------------------------------------------------------- the worker process
+WORKERS: dict[str, Callable[[Row, Sizes, Path, dict], dict]] = {
+    "feature": feature_row,
+    "kernel_profiled": kernel_profiled_row,
+    "forced_flash": forced_flash_row,
+    "speed": speed_row,
+}
+
+
+def worker_main(rows: list[Row], sizes: Sizes, results: Path, memo: dict) -> None:
+    """Run ``rows`` in order, appending ``{"start": key}`` before each and its result after it to ``results``.
+    ``memo``: what rows leave for later ones (the reference losses), carried over from an earlier worker."""
+    with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:
+        for index, row in enumerate(rows):
+            print(f"{ROW_MARK}{row.key}", flush=True)  # the parent reads a dead worker's log from here
+            _append(results, {"start": row.key})
+            started = time.monotonic()
+            try:
+                result = WORKERS[row.kind](row, sizes, Path(tmp, str(index)), memo)
+            except Exception as error:  # noqa: BLE001 - a failing row does not stop the others
+                traceback.print_exc()
+                result = {"status": "failed", "detail": last_line(error)}
+            _append(results, {"row": row.key, "s": time.monotonic() - started, **result})
+            _leave_process_group()
+            if result["status"] == "failed" and sizes.device == "cuda" and not _cuda_usable():
+                sys.exit(3)  # a sticky CUDA error: the parent starts a fresh worker for the rest
+
+
+ROW_MARK = "=== gpu_check row: "
+
+
+def _leave_process_group() -> None:
+    """The strategy's one-rank default group does not outlive its row: the next row's strategy starts its own."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
+
+
+def _cuda_usable() -> bool:
+    import torch
+
+    try:
+        torch.cuda.synchronize()
+        return True
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def _append(path: Path, record: dict) -> None:
+    with open(path, "a") as out:
+        out.write(json.dumps(record) + "\n")
+
+
+def last_line(error: BaseException) -> str:
+    """The error's type and last line (NCCL's: "Duplicate GPU detected ..."), before any C++ stack torch appends."""
+    lines = [line.strip() for line in str(error).split("Exception raised from")[0].splitlines() if line.strip()]
+    return f"{type(error).__name__}: {lines[-1] if lines else ''}"[:200]
+
+
+def tail_line(proc: subprocess.CompletedProcess) -> str:
+    """A dead process's last error line from its output (after the last row mark, in a worker's log), or its exit."""
+    text = (proc.stderr or "").rpartition(ROW_MARK)[2]
+    errors = [line.strip() for line in text.splitlines() if "Error" in line or "error:" in line]
+    died = f"exit code {proc.returncode}" if proc.returncode >= 0 else f"killed by signal {-proc.returncode}"
+    return (f"{died}: {errors[-1]}" if errors else died)[:200]
+
+
+# ---------------------------------------------------------------------------- the parent
+def child_env() -> dict:
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])))
+
+
+def kill_tree(proc: subprocess.Popen) -> None:
+    """The process and everything it started (its own session): torchrun's ranks must not outlive a timeout."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+def run_with_timeout(cmd: list[str], timeout: float, cwd: Path) -> tuple[subprocess.CompletedProcess, bool]:
+    proc = subprocess.Popen(cmd, cwd=cwd, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=max(timeout, 1))
+        return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr), False
+    except subprocess.TimeoutExpired:
+        kill_tree(proc)
+        return subprocess.CompletedProcess(cmd, -9, "", ""), True
+
+
+def run_group(rows: list[Row], args: argparse.Namespace, work: Path, deadline: float) -> dict[str, dict]:
+    """The rows of one worker group: a worker process runs them in order; when it dies or a row outlives its budget,
+    that row is failed and a new worker starts at the next one."""
+    done: dict[str, dict] = {}
+    pending = list(rows)
+    attempt = 0
+    while pending:
+        if time.monotonic() >= deadline:
+            done.update({row.key: {"status": "skipped", "detail": f"global budget of {args.budget:.0f} s spent"}
+                         for row in pending})
+            break
+        attempt += 1
+        results = work / f"{pending[0].group}-{attempt}.jsonl"
+        spec = work / f"{pending[0].group}-{attempt}.json"
+        memo = {row.options["model"]: done[row.key]["loss"] for row in rows  # the reference losses so far
+                if row.options.get("feature") == "reference fp32 z0" and "loss" in done.get(row.key, {})}
+        spec.write_text(json.dumps({"rows": [asdict(row) for row in pending], "memo": memo}))
+        stderr = open(work / f"{pending[0].group}-{attempt}.log", "w")
+        cmd = [sys.executable, __file__, "--worker", str(spec), "--results", str(results)] + ["--cpu"] * args.cpu
+        proc = subprocess.Popen(cmd, cwd=work, env=child_env(), stdout=stderr, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        current, since = None, time.monotonic()
+        budget = {row.key: row.budget_s for row in pending}
+        while True:
+            code = proc.poll()
+            records = [json.loads(line) for line in results.read_text().splitlines()] if results.exists() else []
+            for record in records:
+                if "row" in record:
+                    done[record.pop("row")] = record
+                elif record["start"] != current:
+                    current, since = record["start"], time.monotonic()
+            if code is not None:
+                break
+            over = current is not None and current not in done and time.monotonic() - since > budget[current]
+            if over or time.monotonic() >= deadline:
+                kill_tree(proc)
+                if current is not None and current not in done:
+                    done[current] = {"status": "failed", "s": time.monotonic() - since,
+                                     "detail": f"timed out after {time.monotonic() - since:.0f} s"}
+                break
+            time.sleep(0.2)
+        stderr.close()
+        if code not in (None, 0) and current is not None and current not in done:
+            log = (work / f"{pending[0].group}-{attempt}.log").read_text()
+            done[current] = {"status": "failed", "s": time.monotonic() - since,
+                             "detail": tail_line(subprocess.CompletedProcess(cmd, code, "", log))}
+        if current is None and code not in (None, 0):  # died before its first row: nothing more would start
+            log = (work / f"{pending[0].group}-{attempt}.log").read_text()
+            done.update({row.key: {"status": "failed", "detail": tail_line(subprocess.CompletedProcess(cmd, code, "", log))}
+                         for row in pending})
+        pending = [row for row in pending if row.key not in done]
+    return done
+
+
+def selected(rows: list[Row], only: Optional[list[str]]) -> list[Row]:
+    """``--only``: families or row names (``features``, ``gpt zero3``, ``speed``)."""
+    if not only:
+        return rows
+    chosen = [row for row in rows if row.family in only or row.name in only or row.key in only]
+    unknown = set(only) - {row.family for row in rows} - {row.name for row in rows} - {row.key for row in rows}
+    if unknown:
+        raise SystemExit(f"--only: unknown {sorted(unknown)}; families: {sorted({r.family for r in rows})}; rows: "
+                         f"{[r.name for r in rows]}")
+    return chosen
+
+
+def format_cell(key: str, value: Any) -> str:
+    if value is None:
+        return "-"
+    if key == "loss":
+        return f"{value:.4f}"
+    if key == "vs ref":
+        return f"{value:+.2e}"
+    if key == "tokens/s":
+        return f"{value:,.0f}"
+    if key in ("TFLOP/s", "peak GiB", "planned GiB", "s"):
+        return f"{value:.1f}" if key != "planned GiB" or value >= 0.1 else f"{value:.3f}"
+    if key == "MFU":
+        return f"{value:.1%}"
+    if key == "mem ratio":
+        return f"{value:.2f}"
+    return str(value)
+
+
+def table(records: list[dict], detail_width: int = 110) -> str:
+    """The text table (details cut to ``detail_width``; the JSON keeps them whole)."""
+    rows = [list(COLUMNS)] + [[_short(format_cell(c, record.get(c)), detail_width) if c == "detail" else
+                               format_cell(c, record.get(c)) for c in COLUMNS] for record in records]
+    return format_rows(rows, left=(0, 1, 2, len(COLUMNS) - 1))
+
+
+def describe(cpu: bool) -> str:
+    import torch
+
+    if cpu:
+        where = "CPU smoke mode: tiny sizes, gloo; speed rows run gpt-tiny / llama-tiny at seq 64"
+    else:
+        version = torch.cuda.nccl.version()
+        nccl = ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
+        where = f"{torch.cuda.get_device_name(0)}, CUDA {torch.version.cuda}, NCCL {nccl}"
+    return f"gpu_check: {where}; torch {torch.__version__}, lightning {L.__version__}"
+
+
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--cpu", action="store_true", default=os.environ.get("GPU_CHECK_CPU") == "1",
+                        help="smoke mode: every row at tiny sizes on the CPU (also GPU_CHECK_CPU=1)")
+    parser.add_argument("--only", nargs="+", help="families (features, sdpa, collectives, speed) or row names")
+    parser.add_argument("--json", type=Path, default=Path("gpu_check.json"), help="where the table goes as JSON")
+    parser.add_argument("--budget", type=float, default=540.0, help="seconds for all rows; later rows are skipped")
+    parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--results", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--collectives-worker", choices=("nccl", "gloo"), help=argparse.SUPPRESS)
+    parser.add_argument("--device", choices=("cpu", "cuda"), help=argparse.SUPPRESS)
+    parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
+    return parser.parse_args(argv)
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    args = parse_args(argv)
+    if args.collectives_worker:
+        collectives_worker(args.collectives_worker, args.device, args.out)
+        return
+    sizes = sizes_for(args.cpu)
+    if not args.cpu and not args.worker:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise SystemExit(f"gpu_check: torch {torch.__version__} sees no CUDA device; run with --cpu for the smoke mode.")
+    if args.worker:
+        spec = json.loads(args.worker.read_text())
+        worker_main([Row(**row) for row in spec["rows"]], sizes, args.results, spec["memo"])
+        return
+    deadline = time.monotonic() + args.budget
+    rows = selected(plan_rows(args.cpu), args.only)
+    print(describe(args.cpu), flush=True)
+    done: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:
+        for group in dict.fromkeys(row.group for row in rows):
+            members = [row for row in rows if row.group == group]
+            work = Path(tmp, group)
+            work.mkdir()
+            print(f"  {group}: {len(members)} row(s) ...", file=sys.stderr, flush=True)
+            if group in ("nccl", "gloo"):
+                for row in members:
+                    started = time.monotonic()
+                    if time.monotonic() >= deadline:
+                        done[row.key] = {"status": "skipped", "detail": f"global budget of {args.budget:.0f} s spent"}
+                        continue
+                    done[row.key] = {**collectives_row(row, sizes, work, deadline), "s": time.monotonic() - started}
+            else:
+                done.update(run_group(members, args, work, deadline))
+        logs = args.json.parent / f"{args.json.stem}_logs"  # every process's output, for the rows' whole errors
+        logs.mkdir(parents=True, exist_ok=True)
+        for log in Path(tmp).glob("*/*.log"):
+            shutil.copy(log, logs / f"{log.parent.name}-{log.name}".replace(" ", "_"))
+    records = [{"family": row.family, "row": row.name, **done[row.key]} for row in rows]
+    print(table(records))
+    args.json.write_text(json.dumps({"header": describe(args.cpu), "rows": records}, indent=1))
+    print(f"(JSON: {args.json}; the processes' logs: {logs})")
+
+
+if __name__ == "__main__":
+    main()
