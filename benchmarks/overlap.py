@@ -23,7 +23,8 @@ Example::
 
     python benchmarks/overlap.py                          # CPU, dp=2, a few minutes on 2 idle cores
     python benchmarks/overlap.py --only param_gather --repeats 5
-    python benchmarks/overlap.py --device cuda --ranks 8 --hidden 2048 --layers 8 --seq 1024 --batch 4 --precision bf16-true
+    python benchmarks/overlap.py --device cuda --ranks 8 --hidden 2048 --layers 8 --seq 1024 --batch 4 \
+        --precision bf16-true
 """
 
 from __future__ import annotations
@@ -150,7 +151,8 @@ def worker_main(args: argparse.Namespace) -> None:
                     print(f"  round {repeat + 1}/{args.repeats}: {name} {variant} {'on' if on else 'off'} ...",
                           file=sys.stderr, flush=True)
                 result = OVERLAPS[name].run(args, variant, on, device)
-                runs.setdefault(json.dumps([name, variant]), {"on": [], "off": []})["on" if on else "off"].append(result)
+                job = runs.setdefault(json.dumps([name, variant]), {"on": [], "off": []})
+                job["on" if on else "off"].append(result)
     (args.result_dir / f"rank{rank}.json").write_text(json.dumps(runs))
 
 

@@ -128,12 +128,10 @@ class Megatron3DStrategy(CheckpointHooks, StepHooks, ParallelStrategy):
         max_consecutive_skips: under ``on_nonfinite="skip"``, the most steps in a row that may be skipped;
             the next non-finite one raises.
         offload_optimizer: keep fp32 main parameters and optimizer state in CPU memory and step there.
-        overlap_param_gather: ZeRO 1/2 only (a ValueError otherwise: stage 0 gathers nothing, stage 3 gathers per
-            layer itself): start the all-gathers of the updated parameters after the step, one per bucket in forward
-            order, and wait for each just before the first module that owns its parameters runs its next forward
-            (Megatron-Core's option), instead of completing them all in the step. Checkpoints, evaluation and
-            teardown wait first; a callback that reads parameter values between the step and the next forward
-            calls ``strategy.wait_for_parameters()``. Same losses and weights either way.
+        overlap_param_gather: ZeRO 1/2 only: start the all-gathers of the updated parameters after the step, one per
+            bucket in forward order, each waited for by the first module of the next forward that owns its
+            parameters (Megatron-Core's option). Checkpoints, evaluation and teardown wait first; so must a callback
+            reading parameters between the step and the next forward (``strategy.wait_for_parameters()``).
         bucket_size_mb: size of the gradient buckets reduced over dp while backward runs.
         pad_vocab_to_multiple_of: the vocabulary is padded to a multiple of ``tp * this`` (Megatron: 128).
         checkpoint_format: ``"sharded"`` (default): a checkpoint is a directory in which every rank writes

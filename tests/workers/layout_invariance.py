@@ -109,7 +109,7 @@ def train(layout: str) -> tuple[list[float], dict]:
             time.sleep(0.05)
         if main is not None:
             main.finish_step()
-            assert not overlap or dp == 1 or main.gather.in_flight, "overlap_param_gather must leave the gathers running"
+            assert not overlap or dp == 1 or main.gather.in_flight, "overlap_param_gather must leave gathers running"
         sync.zero()
 
     if main is not None:
