@@ -11,9 +11,9 @@ Entries:
 
 * ``param_gather``: ZeRO 1/2's all-gather of the updated parameters (``overlap_param_gather``): off, every
   bucket is gathered inside the optimizer step; on, the gathers are launched after the step and each bucket is
-  waited for by the first module of the next forward that owns its parameters. A wide, shallow GPT on a short
-  batch (few FLOPs per parameter) with several buckets, so that on CPU with gloo the gather is a visible part of
-  the step.
+  waited for by the first module of the next forward that owns its parameters. A wide, shallow GPT on 16 tokens
+  per rank (few FLOPs per parameter) with several buckets, so that on CPU with gloo the gather is a visible part
+  of the step. ``wait ms`` is the time blocked in ``ParamGather``'s waits.
 
 Each step's time is from its batch start to the next one's (the slowest rank), so the gathers a step launches
 are paid in the step that waits for them; a run's time is the median step, and the table shows the best of
@@ -36,6 +36,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
@@ -50,37 +51,51 @@ from throughput import REPO_ROOT, Stopwatch, StopwatchCallback, format_rows, gpt
 @dataclass(frozen=True)
 class Overlap:
     """One overlap to measure. ``variants(args)``: the names of its rows; ``run(args, variant, on, device)``:
-    train that variant with the overlap on or off, returning ``{"step_seconds": [...], "losses": [...]}``
-    (this rank's)."""
+    train that variant with the overlap on or off, returning this rank's ``{"step_seconds": [...], "losses":
+    [...], "wait_seconds": [...]}``, the last (per measured step: the time blocked waiting for the communication
+    the overlap hides; on, what of it stays exposed) optional."""
 
     name: str
     variants: Callable[[argparse.Namespace], list[str]]
     run: Callable[[argparse.Namespace, str, bool, torch.device], dict]
 
 
-class RecordLosses(StopwatchCallback):
-    """The stopwatch's callback, keeping every step's loss."""
+class RecordSteps(StopwatchCallback):
+    """The stopwatch's callback, keeping every step's loss and, per step (batch start to batch start), the
+    seconds a ``wait_clock`` (a function of the strategy that returns a running total) advanced."""
 
-    def __init__(self, stopwatch: Stopwatch) -> None:
+    def __init__(self, stopwatch: Stopwatch, wait_clock: Optional[Callable] = None) -> None:
         super().__init__(stopwatch)
         self.losses: list[float] = []
+        self.wait_clock, self.waits, self._last_wait = wait_clock, [], 0.0
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
+        super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
+        if self.wait_clock is not None:
+            total = self.wait_clock(trainer.strategy)
+            self.waits.append(total - self._last_wait)
+            self._last_wait = total
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
         self.losses.append(float(outputs["loss"]))
 
 
-def fit_timed(args: argparse.Namespace, strategy: Megatron3DStrategy, device: torch.device) -> dict:
+def fit_timed(args: argparse.Namespace, strategy: Megatron3DStrategy, device: torch.device,
+              wait_clock: Optional[Callable] = None) -> dict:
     """``throughput.py``'s GPT and synthetic batches, fitted for ``warmup + steps + 1`` steps; the steps after the
     warmup are timed up to the start of the last one (which pays for what the step before it left running)."""
     L.seed_everything(args.seed, verbose=False)  # the same weights and batches on and off
     sized = argparse.Namespace(**{**vars(args), "warmup": args.warmup, "steps": args.steps + 1})
-    stopwatch = RecordLosses(Stopwatch(args.warmup, args.steps + 1, device, "wall"))
+    record = RecordSteps(Stopwatch(args.warmup, args.steps + 1, device, "wall"), wait_clock)
     trainer = L.Trainer(strategy=strategy, accelerator=device.type, devices=args.ranks, precision=args.precision,
-                        max_steps=args.warmup + args.steps + 1, callbacks=[stopwatch], logger=False,
+                        max_steps=args.warmup + args.steps + 1, callbacks=[record], logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(make_module(sized), make_loader(sized))
-    return {"step_seconds": stopwatch.stopwatch.step_seconds()[:-1], "losses": stopwatch.losses}
+    result = {"step_seconds": record.stopwatch.step_seconds()[:-1], "losses": record.losses}
+    if wait_clock is not None:  # waits[i + 1]: from step i's start to step i + 1's
+        result["wait_seconds"] = record.waits[args.warmup + 1: args.warmup + args.steps + 1]
+    return result
 
 
 # ---------------------------------------------------------------------------- the overlaps
@@ -88,10 +103,25 @@ def _param_gather_variants(args: argparse.Namespace) -> list[str]:
     return [f"dp{args.ranks} z{stage}" for stage in args.zero_stages]
 
 
+def _gather_wait_clock(strategy: Megatron3DStrategy) -> float:
+    """Seconds this rank has spent blocked on parameter all-gathers (in the step when off; in the next forward's
+    hooks when on): ``ParamGather``'s one blocking call, timed on the instance."""
+    gather = strategy._main_params.gather
+    if not hasattr(gather, "waited_seconds"):
+        wait_bucket = gather._wait_bucket
+
+        def timed(index: int) -> None:
+            start = time.perf_counter()
+            wait_bucket(index)
+            gather.waited_seconds += time.perf_counter() - start
+        gather.waited_seconds, gather._wait_bucket = 0.0, timed
+    return gather.waited_seconds
+
+
 def _param_gather_run(args: argparse.Namespace, variant: str, on: bool, device: torch.device) -> dict:
     stage = int(variant.rsplit("z", 1)[1])
     strategy = Megatron3DStrategy(zero_stage=stage, overlap_param_gather=on, bucket_size_mb=args.bucket_mb)
-    return fit_timed(args, strategy, device)
+    return fit_timed(args, strategy, device, wait_clock=_gather_wait_clock)
 
 
 OVERLAPS: dict[str, Overlap] = {
@@ -109,8 +139,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--seq", type=int, default=32)
-    parser.add_argument("--batch", type=int, default=2, help="samples per step and rank")
+    parser.add_argument("--seq", type=int, default=16)
+    parser.add_argument("--batch", type=int, default=1, help="samples per step and rank")
     parser.add_argument("--vocab", type=int, default=257)
     parser.add_argument("--bucket-mb", type=float, default=4.0, help="the strategy's bucket_size_mb")
     parser.add_argument("--zero-stages", type=int, nargs="+", choices=(1, 2), default=[1, 2])
@@ -177,15 +207,20 @@ def run_seconds(ranks: list[dict], key: str, setting: str) -> list[float]:
 
 
 def format_table(args: argparse.Namespace, ranks: list[dict]) -> str:
-    rows = [["overlap", "variant", "step ms on", "step ms off", "ratio", "per-round ratios", "max loss diff"]]
+    rows = [["overlap", "variant", "step ms on", "step ms off", "ratio", "per-round ratios", "wait ms on",
+             "wait ms off", "max loss diff"]]
     for name, variant in jobs(args):
         key = json.dumps([name, variant])
         on, off = run_seconds(ranks, key, "on"), run_seconds(ranks, key, "off")
         ratios = [a / b for a, b in zip(on, off)]
         diff = max(abs(a - b) for rank in ranks for run_on, run_off in zip(rank[key]["on"], rank[key]["off"])
                    for a, b in zip(run_on["losses"], run_off["losses"]))
+        waits = ["-", "-"]
+        if "wait_seconds" in ranks[0][key]["on"][0]:  # rank 0's median step wait, median over rounds
+            waits = [f"{statistics.median(statistics.median(run['wait_seconds']) for run in ranks[0][key][s]) * 1e3:.1f}"
+                     for s in ("on", "off")]
         rows.append([name, variant, f"{min(on) * 1e3:.1f}", f"{min(off) * 1e3:.1f}", f"{min(on) / min(off):.3f}",
-                     f"{min(ratios):.3f}-{max(ratios):.3f}", f"{diff:.1e}"])
+                     f"{min(ratios):.3f}-{max(ratios):.3f}", *waits, f"{diff:.1e}"])
     return format_rows(rows, left=range(2))
 
 
@@ -197,7 +232,9 @@ def describe(args: argparse.Namespace) -> str:
             f"lightning {L.__version__}\n"
             f"step ms: median step (batch start to batch start, slowest rank) over {args.steps} steps after "
             f"{args.warmup} warmup, best of {args.repeats} interleaved rounds. ratio: on / off (< 1: the overlap "
-            f"saves time). max loss diff: over every step of every round (0: the same computation).")
+            f"saves time). wait ms: rank 0's time per step blocked on the communication the overlap hides (off: all of "
+            f"it; on: what stays exposed), median. max loss diff: over every step of every round (0: the same "
+            f"computation).")
 
 
 def main() -> None:
