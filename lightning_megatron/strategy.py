@@ -47,6 +47,7 @@ from lightning_megatron.optim.strategy_hooks import StepHooks
 from lightning_megatron.optim.step import StepGradients, build_step_gradients
 from lightning_megatron.optim.zero3 import ZeRO3
 from lightning_megatron.optim.main_params import MainParamOptimizer
+from lightning_megatron.optim.param_gather import check_overlap_param_gather
 from lightning_megatron.parallel.config import ParallelConfig, requested_layout
 from lightning_megatron.parallel.diagnostics import (
     DEFAULT_TIMEOUT,
@@ -131,6 +132,10 @@ class Megatron3DStrategy(CheckpointHooks, StepHooks, ParallelStrategy):
         max_consecutive_skips: under ``on_nonfinite="skip"``, the most steps in a row that may be skipped;
             the next non-finite one raises.
         offload_optimizer: keep fp32 main parameters and optimizer state in CPU memory and step there.
+        overlap_param_gather: ZeRO 1/2 only: start the all-gathers of the updated parameters after the step, one per
+            bucket in forward order, each waited for by the first module of the next forward that owns its
+            parameters (Megatron-Core's option). Checkpoints, evaluation and teardown wait first; so must a callback
+            reading parameters between the step and the next forward (``strategy.wait_for_parameters()``).
         bucket_size_mb: size of the gradient buckets reduced over dp while backward runs.
         pad_vocab_to_multiple_of: the vocabulary is padded to a multiple of ``tp * this`` (Megatron: 128).
         checkpoint_format: ``"sharded"`` (default): a checkpoint is a directory in which every rank writes
@@ -180,6 +185,7 @@ class Megatron3DStrategy(CheckpointHooks, StepHooks, ParallelStrategy):
         on_nonfinite: str = "error",
         max_consecutive_skips: int = 10,
         offload_optimizer: bool = False,
+        overlap_param_gather: bool = False,
         bucket_size_mb: float = DEFAULT_BUCKET_SIZE_MB,
         pad_vocab_to_multiple_of: int = 128,
         checkpoint_format: str = "sharded",
@@ -243,6 +249,8 @@ class Megatron3DStrategy(CheckpointHooks, StepHooks, ParallelStrategy):
         self._rng_state_to_restore: Optional[dict] = None
         self._zero3: Optional[ZeRO3] = None
         self.offload_optimizer = offload_optimizer
+        check_overlap_param_gather(overlap_param_gather, zero_stage)
+        self.overlap_param_gather = overlap_param_gather
         self._loss_scaler_settings = dict(loss_scaler or {})
         DynamicLossScaler(**self._loss_scaler_settings)  # validate the settings now, not after the launch
         self.loss_scaler: Optional[DynamicLossScaler] = None
@@ -336,7 +344,7 @@ class Megatron3DStrategy(CheckpointHooks, StepHooks, ParallelStrategy):
         datamodule = getattr(trainer, "datamodule", None)
         settings = dict(zero_stage=self._requested["zero_stage"], sequence_parallel=self._requested["sequence_parallel"],
                         activation_checkpointing=self.activation_checkpointing, offload_optimizer=self.offload_optimizer,
-                        micro_batch_size=self.micro_batch_size)
+                        micro_batch_size=self.micro_batch_size, overlap_param_gather=self.overlap_param_gather)
         if self.pipeline_schedule != "1f1b":  # 1F1B (the default) may become interleaved 1F1B for virtual stages
             settings["pipeline_schedule"] = self.pipeline_schedule
         choice = choose_sizes(module, self._requested, world_size=self.world_size, device=self.root_device,
@@ -418,7 +426,7 @@ class Megatron3DStrategy(CheckpointHooks, StepHooks, ParallelStrategy):
         return build_step_gradients(module, self.parallel_state, self.optimizers, zero3=self._zero3,
                                     loss_scaler=self.loss_scaler, nonfinite=self._nonfinite_check(),
                                     bucket_size_mb=self.bucket_size_mb, offload=self.offload_optimizer,
-                                    device=self.root_device)
+                                    device=self.root_device, overlap_param_gather=self.overlap_param_gather)
 
     def _start_pipeline(self, split: PipelineSplit, trainer: "L.Trainer") -> None:
         self.pipeline_recorder = TimelineRecorder(self.parallel_state.pipeline_parallel_rank)
@@ -484,6 +492,7 @@ class Megatron3DStrategy(CheckpointHooks, StepHooks, ParallelStrategy):
             return super().predict_step(*args, **kwargs)
 
     def _evaluation_mode(self):
+        self.wait_for_parameters()
         return evaluation_mode(zero3=self._zero3 is not None)
 
     def _rank_part(self, args: tuple) -> tuple:
@@ -586,6 +595,7 @@ class Megatron3DStrategy(CheckpointHooks, StepHooks, ParallelStrategy):
             if self._background_saver is not None:  # the last checkpoint must be complete before the process ends
                 self._background_saver.wait(together=not failed)
         if _distributed_is_initialized() and not failed:
+            self.wait_for_parameters()  # Lightning's teardown moves the parameters
             # Leave together: a process exiting while a peer's gloo threads still talk to it can abort.
             dist.barrier()
         if self._step is not None:

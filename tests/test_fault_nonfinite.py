@@ -150,9 +150,10 @@ def test_a_nan_loss_on_one_rank_stops_every_rank_with_the_same_error_naming_it(t
         assert len(ranks[run]["checksums"]) == BAD_STEP and all(ranks[run]["finite"])
 
 
-def test_an_inf_gradient_on_one_rank_is_skipped_on_every_rank(two_ranks):
+@pytest.mark.parametrize("name", ["tp2-bf16-inf-grad-skip", "dp2-zero1-overlap-inf-grad-skip"])
+def test_an_inf_gradient_on_one_rank_is_skipped_on_every_rank(two_ranks, name):
     for ranks in two_ranks:
-        run = ranks["tp2-bf16-inf-grad-skip"]
+        run = ranks[name]
         assert run["error"] is None and run["skipped"] == 1 and all(run["finite"])
         checksums = run["checksums"]
         assert [a == b for a, b in zip(checksums, checksums[1:])] == [step == BAD_STEP for step in range(1, 4)]

@@ -28,6 +28,9 @@ LAYOUTS[4] += ["llama-doc-pp2-tp2-dp1-sp-mb2", "doc-tp2-dp2-z2"]
 LAYOUTS[2] += ["pp2-tp1-dp1-mb4-zb", "pp2-vpp2-tp1-dp1-mb4-zbv", "llama-pp2-vpp2-tp1-dp1-mb4-dualpipev"]
 LAYOUTS[4] += ["pp2-vpp2-tp1-dp2-mb2-zbv-z1", "pp2-vpp2-tp1-dp2-mb4-dualpipev-z2", "llama-pp2-vpp2-tp2-dp1-sp-mb2-zbv"]
 LAYOUTS[8] += ["pp4-tp1-dp2-mb4-zb-z1", "deep-pp4-vpp2-tp1-dp2-mb4-zbv-z2"]
+# ZeRO 1/2 with the parameter all-gathers overlapped with the next forward (overlap_param_gather).
+LAYOUTS[2] += ["tp1-dp2-z1-ogather", "tp1-dp2-mb2-z2-ogather"]
+LAYOUTS[4] += ["tp2-dp2-sp-z1-ogather", "tp2-dp2-z2-ogather", "pp2-tp1-dp2-mb2-z1-ogather", "pp2-tp1-dp2-mb2-z2-ogather"]
 LOSS_TOL, WEIGHT_TOL = 1e-5, 1e-5
 
 
@@ -75,6 +78,14 @@ def test_layouts_match_single_process(world, reference, tmp_path):
         for k in sorted(weight_dev, key=weight_dev.get)[-4:]:
             print("   ", k, f"{weight_dev[k]:.2e}")
         assert weight_dev[worst] < WEIGHT_TOL, f"{layout}: {worst} deviates by {weight_dev[worst]:.2e}"
+
+    # Overlapping the parameter gathers moves when they complete, not what they compute: bit for bit the same run.
+    for layout in LAYOUTS[world]:
+        synchronous = layout.removesuffix("-ogather")
+        if layout.endswith("-ogather") and synchronous in LAYOUTS[world]:
+            overlapped, plain = (torch.load(tmp_path / f"{name}.pt", weights_only=True) for name in (layout, synchronous))
+            assert overlapped["losses"] == plain["losses"], layout
+            assert all(torch.equal(value, plain["weights"][name]) for name, value in overlapped["weights"].items()), layout
 
     if world == 2:
         # Same micro-batches, same per-micro-batch backward: the schedule only reorders work.

@@ -237,3 +237,32 @@ def test_auto_sizes_are_the_planners_choice_on_every_rank(tmp_path):
     assert [chosen["sizes"][k] for k in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size")] == \
         [tp, pp, dp]
     assert len(chosen["losses"]) == 2 and all(math.isfinite(loss) for loss in chosen["losses"])
+
+
+def test_overlapped_parameter_gather_is_predicted_under_the_next_forward():
+    """``overlap_param_gather``: ZeRO 1/2's all-gather after the step hides under the next forward but for its first
+    bucket (so it costs less than the gather it replaces, and at least that bucket); at ZeRO 0 or 3 the planner
+    refuses it with the strategy's error."""
+    import pytest
+
+    from lightning_megatron.models import GPT, GPTConfig
+    from lightning_megatron.plan import GPUS, Workload
+    from lightning_megatron.plan.layout import Layout, check_layout
+    from lightning_megatron.plan.shape import ModelShape
+    from lightning_megatron.plan.step_time import step_time
+
+    module = GPT(GPTConfig.from_name("gpt-tiny", hidden_size=1024, num_layers=4, num_heads=8))
+    shape, workload, hardware = ModelShape.of(module), Workload(global_batch_size=8, seq_length=512), GPUS["a100"]
+    state = {"parameters": 2 * 100_000_000, "gradients": 2 * 100_000_000, "main_parameters": 0, "optimizer_state": 0}
+    parts = {}
+    for overlap in (False, True):
+        layout = Layout(data_parallel_size=8, zero_stage=1, micro_batch_size=1, accumulate_grad_batches=1,
+                        overlap_param_gather=overlap)
+        check_layout(layout, workload, module, shape.num_layers)
+        parts[overlap] = step_time(shape, layout, workload, hardware, state).data_parallel
+    first_bucket = 7 / 8 * workload.bucket_size_mb * 2**20 / hardware.intra_node_bandwidth
+    assert first_bucket < parts[True] < parts[False], parts
+    for stage in (0, 3):
+        with pytest.raises(ValueError, match=f"overlap_param_gather=True .* zero_stage={stage}"):
+            check_layout(Layout(data_parallel_size=8, zero_stage=stage, overlap_param_gather=True), workload, module,
+                         shape.num_layers)

@@ -23,11 +23,16 @@ PIPELINE_FIT = {"tp": 2, "pp": 2, "sp": True, "accumulate": 2, "clip": 0.5, "ste
 def plain_lightning_run(options):
     """Lightning's default single-device strategy: no tensor parallelism, no dp, our model unchanged."""
     L.seed_everything(options.get("seed", 7))
-    losses = []
+    losses, plain_lightning_run.val_losses = [], []
 
     class RecordLosses(L.Callback):
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             losses.append(float(outputs["loss"]))
+            if trainer.global_step == options.get("save_at_step"):  # the weights the worker's checkpoint holds
+                plain_lightning_run.weights_at_step = {k: v.detach().clone() for k, v in pl_module.state_dict().items()}
+
+        def on_validation_end(self, trainer, pl_module):  # after the module logged its epoch's loss
+            plain_lightning_run.val_losses.append(float(trainer.callback_metrics["val_loss"]))
 
     trainer = L.Trainer(accelerator="cpu", devices=1, callbacks=[RecordLosses()], **trainer_kwargs(options))
     gpt = model(options)
@@ -153,15 +158,32 @@ def test_fit_zero_bubble_pp2_dp2_matches_plain_lightning(tmp_path):
     assert_predictions_match(ZERO_BUBBLE_FIT, ref_weights, results, tmp_path, dp_rank=lambda rank: rank % 2)
 
 
-def test_dp2_with_uneven_token_counts_matches_plain_lightning(tmp_path):
+def _worst(weights, reference):
+    assert weights.keys() == reference.keys()
+    return max((weights[k] - reference[k]).abs().max().item() for k in reference)
+
+
+def test_dp2_with_uneven_token_counts_and_overlapped_param_gather_matches_plain_lightning(tmp_path):
     """Each dp rank counts different tokens (ignored labels): the loss is still the per-token mean of the
-    global batch, as one process computes it (accumulation 1, so plain Lightning's mean is the same)."""
-    options = {"tp": 1, "steps": 4, "uneven_tokens": True, "zero_stage": 2}
+    global batch, as one process computes it (accumulation 1, so plain Lightning's mean is the same).
+
+    With ZeRO-2's parameter all-gathers overlapped with the next forward (``overlap_param_gather``), while rank 1
+    reaches every step late (rank 0's gathers are in flight when it goes on): a checkpoint saved right after step 2
+    holds the updated weights, the validation after step 3 and every forward see them, and the run ends with the
+    weights of plain Lightning, which never overlaps anything. (A full checkpoint: rank 0 reads its weights before
+    any collective of the save, so only the wait keeps it from reading them stale; a sharded save synchronises
+    with the late rank before it reads, on gloo.)"""
+    options = {"tp": 1, "steps": 4, "uneven_tokens": True, "zero_stage": 2, "overlap": True, "late_rank": 1,
+               "save_at_step": 2, "val_every": 3, "checkpoint_format": "full"}
     results, _ = launch("trainer_fit.py", 2, tmp_path, json.dumps(options))
-    _, ref_val, ref_weights = plain_lightning_run(options)
-    weights = torch.load(tmp_path / "weights.pt", weights_only=True)
-    worst = max((weights[k] - ref_weights[k]).abs().max().item() for k in ref_weights)
-    assert worst < 1e-5, f"weights deviate by {worst:.2e}"
+    ref_losses, ref_val, ref_weights = plain_lightning_run(options)
+    assert _worst(torch.load(tmp_path / "weights.pt", weights_only=True), ref_weights) < 1e-5
+    saved = torch.load(tmp_path / "step2.ckpt", weights_only=False)["state_dict"]
+    assert _worst(saved, plain_lightning_run.weights_at_step) < 1e-5
+    assert len(plain_lightning_run.val_losses) == 1
+    for result in results:
+        assert result["val_losses"] == pytest.approx(plain_lightning_run.val_losses, abs=1e-5)
+        assert len(result["losses"]) == len(ref_losses) == 4
     assert results[0]["losses"] != results[1]["losses"], "the ranks must have seen different batches"
 
 

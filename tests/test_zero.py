@@ -48,6 +48,8 @@ def test_non_elementwise_optimizer_is_refused():
     "kwargs, message",
     [
         (dict(zero_stage=4), "zero_stage must be 0"),
+        (dict(zero_stage=0, overlap_param_gather=True), r"overlap_param_gather=True .* zero_stage=0 has no such"),
+        (dict(zero_stage=3, overlap_param_gather=True), r"overlap_param_gather=True .* zero_stage=3 has no such"),
     ],
 )
 def test_bad_zero_stage(kwargs, message):

@@ -3,7 +3,7 @@
 Sharded checkpoints (the default) are written by every rank from its own shards and read back into them
 in place at any layout (``training_state.py``); ``checkpoint_format="full"`` gathers the weights into one
 file through Lightning's own path. The mixin reads the strategy's layout (``parallel_state``), its ZeRO-3
-sharding, fp32 main parameters, RNG streams, loss scaler and background saver.
+sharding, fp32 main parameters (whose overlapped gathers it waits for: ``wait_for_parameters``), RNG streams, loss scaler and background saver.
 """
 
 from __future__ import annotations
@@ -53,6 +53,7 @@ class CheckpointHooks:
                 model.to_hf("exported", state_dict=state_dict)
         """
         state = self.parallel_state
+        self.wait_for_parameters()  # ZeRO 1/2 with overlap_param_gather: the step's gathers may be in flight
         if self._zero3 is not None:
             self._zero3.retag()  # Lightning's teardown moves the module to the CPU, and FSDP drops our tags
         full = gather_full_state_dict(self.lightning_module, state.tensor_parallel_group)
@@ -71,6 +72,8 @@ class CheckpointHooks:
         return optimizer_hyperparameters(optimizer, self._rank_training().placements())
 
     def _rank_training(self) -> RankTraining:
+        """This rank's part of a checkpoint (saved or loaded), its parameters whole (no gather in flight)."""
+        self.wait_for_parameters()
         if self._zero3 is not None:
             self._zero3.retag()
         return RankTraining(self.lightning_module, [getattr(o, "_optimizer", o) for o in self.optimizers],
@@ -122,6 +125,7 @@ class CheckpointHooks:
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         if self._sharded_checkpoint is not None:
             return  # read in place by load_checkpoint
+        self.wait_for_parameters()  # a gather in flight would overwrite what is loaded
         if self._zero3 is not None:
             load_zero3_state_dict(self.lightning_module, checkpoint["state_dict"], self.parallel_state)
         else:

@@ -4,7 +4,8 @@ This is Megatron-LM's distributed optimizer (and ZeRO stages 1-2): the model kee
 parameters in their training dtype (16-bit under ``bf16-true``/``16-true``), while the
 optimizer steps on fp32 *main* copies of the flat ranges this data-parallel rank owns
 (``GradientSynchronizer.owned_pieces``; everything at stage 0). After the step the owned
-ranges are copied back into the model's parameters and, under ZeRO, all-gathered over dp.
+ranges are copied back into the model's parameters and, under ZeRO, all-gathered over dp (``ParamGather``:
+at once, or overlapped with the next forward).
 
 The optimizer that ``configure_optimizers`` returned is kept as the same object, with
 its param groups' tensors replaced by the fp32 pieces, so hyper-parameters, LR schedulers
@@ -17,11 +18,11 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_megatron.optim.grad_sync import GradientSynchronizer, OwnedPiece
+from lightning_megatron.optim.param_gather import ParamGather
 
 ELEMENTWISE_OPTIMIZERS = (
     torch.optim.SGD,
@@ -54,14 +55,19 @@ class MainParamOptimizer:
     costs no extra 4Ψ/N bytes.
     """
 
-    def __init__(self, optimizer: Optimizer, sync: GradientSynchronizer, *, offload: bool = False) -> None:
+    def __init__(self, optimizer: Optimizer, sync: GradientSynchronizer, *, offload: bool = False,
+                 overlap_with: Optional[nn.Module] = None) -> None:
         """``offload=True`` keeps the fp32 pieces and the optimizer state in CPU memory and steps there
-        (ZeRO-Offload's optimizer half): only 16-bit parameters and gradients stay on the accelerator."""
+        (ZeRO-Offload's optimizer half): only 16-bit parameters and gradients stay on the accelerator.
+        ``overlap_with`` (ZeRO only): the model whose next forward waits, module by module, for the parameter
+        all-gathers :meth:`finish_step` starts (``overlap_param_gather``); ``None``: they complete in it."""
         check_wrappable(optimizer, sync.zero_stage)
         self.optimizer, self.sync = optimizer, sync
         self.offload = offload
         group_of = {id(p): i for i, group in enumerate(optimizer.param_groups) for p in group["params"]}
-        self._param_buffers = self._flatten_params() if sync.zero_stage else []
+        self.gather: Optional[ParamGather] = None
+        if sync.zero_stage:
+            self.gather = ParamGather(sync.buckets, self._flatten_params(), overlap_with=overlap_with)
         self.pieces: list[tuple[OwnedPiece, nn.Parameter]] = []
         new_params: list[list[nn.Parameter]] = [[] for _ in optimizer.param_groups]
         for piece in sync.owned_pieces():
@@ -93,8 +99,15 @@ class MainParamOptimizer:
             buffers.append(buffer)
         return buffers
 
+    def wait_for_params(self) -> None:
+        """Complete the parameter all-gathers still in flight (``overlap_param_gather``): before anything other
+        than the next forward reads (or writes) the model's parameters."""
+        if self.gather is not None:
+            self.gather.wait()
+
     def copy_from_model(self) -> None:
         """Refresh the fp32 pieces from the model's parameters, after weights were loaded into the model."""
+        self.wait_for_params()
         with torch.no_grad():
             for piece, main in self.pieces:
                 owned = piece.param.detach().reshape(-1)[piece.start : piece.stop]
@@ -103,6 +116,7 @@ class MainParamOptimizer:
 
     def prepare_step(self) -> None:
         """Hand the reduced, token-normalised owned gradients to the fp32 pieces."""
+        self.wait_for_params()  # no gather in flight while the optimizer writes the owned slices
         for piece, main in self.pieces:
             grad = self.sync.owned_grad(piece)
             main.grad = grad if grad.dtype == torch.float32 and grad.device == main.device else grad.to(main.device, torch.float32)
@@ -116,18 +130,22 @@ class MainParamOptimizer:
             main.grad = None
 
     def finish_step(self) -> None:
-        """Write the updated pieces into the model's parameters, then share them over dp."""
+        """Write the updated pieces into the model's parameters, then share them over dp (each bucket over its
+        own group; experts: expert-data-parallel), or start doing so (``overlap_with``)."""
         with torch.no_grad():
+            self.wait_for_params()
             for piece, main in self.pieces:
                 owned = piece.param.view(-1)[piece.start : piece.stop]
                 if owned.data_ptr() != main.data_ptr():
                     owned.copy_(main)
                 main.grad = None
-            for bucket, buffer in zip(self.sync.buckets, self._param_buffers):
-                if bucket.group is not None:  # each bucket over its own group (experts: expert-data-parallel)
-                    owned = buffer.narrow(0, bucket.shard_start, bucket.shard_numel).clone()
-                    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-                    gather(buffer, owned, group=bucket.group)
+            if self.gather is not None:
+                self.gather.launch()
+
+    def remove(self) -> None:
+        """Remove the forward pre-hooks of the overlapped gathers."""
+        if self.gather is not None:
+            self.gather.remove()
 
     def main_param_bytes(self) -> int:
         """Bytes of fp32 copies; pieces that are views of fp32 parameters cost nothing extra."""

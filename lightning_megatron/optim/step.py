@@ -166,6 +166,8 @@ class StepGradients:
 
     def remove(self) -> None:
         self.sync.remove()
+        if self.main_params is not None:
+            self.main_params.remove()
 
 
 def replica_ranks(state: ParallelState) -> Optional[tuple[int, int]]:
@@ -178,10 +180,12 @@ def replica_ranks(state: ParallelState) -> Optional[tuple[int, int]]:
 
 def build_step_gradients(module: nn.Module, state: ParallelState, optimizers: list, *, zero3=None,
                          loss_scaler: Optional[DynamicLossScaler], nonfinite: Optional[NonFiniteCheck],
-                         bucket_size_mb: float, offload: bool, device: torch.device) -> StepGradients:
+                         bucket_size_mb: float, offload: bool, device: torch.device,
+                         overlap_param_gather: bool = False) -> StepGradients:
     """The gradient path this layout needs: ZeRO-3's own, one replica's plain ``param.grad`` (no dp, no
     main params), or flat buckets reduced over dp; plus fp32 main parameters where ZeRO, 16-bit
-    parameters or offloading ask for them."""
+    parameters or offloading ask for them, whose ZeRO 1/2 parameter all-gathers ``module``'s next forward
+    waits for under ``overlap_param_gather``."""
     # Weights are replicated over dp x cp (context-parallel ranks hold other tokens of the same samples): gradients
     # are summed, token counts added and ZeRO pieces cut over that one group.
     common = dict(data_parallel_group=state.replica_group, device=device,
@@ -204,7 +208,8 @@ def build_step_gradients(module: nn.Module, state: ParallelState, optimizers: li
         if len(optimizers) != 1:
             raise ValueError(f"fp32 main parameters (zero_stage > 0, 16-bit parameters or offload_optimizer) support "
                              f"one optimizer; configure_optimizers returned {len(optimizers)}.")
-        main_params = MainParamOptimizer(optimizers[0], sync, offload=offload)
+        main_params = MainParamOptimizer(optimizers[0], sync, offload=offload,
+                                         overlap_with=module if overlap_param_gather else None)
     if loss_scaler is not None and main_params is None:
         raise ValueError("precision='16-true' needs 16-bit parameters with fp32 main parameters.")
     return StepGradients(sync, main_params, loss_scaler, **common)

@@ -5,7 +5,8 @@ What each micro-batch's backward multiplies its token-summed loss by (the normal
 times the fp16 loss scale: ours under ``16-true``, Lightning's GradScaler under ``16-mixed``, which scales
 by itself except under pipelining), the loss scale's log, and the check that stops or skips a step whose
 loss or global gradient norm is not finite. The mixin reads the strategy's ``_step`` (``StepGradients``),
-``loss_scaler``, ``nonfinite``, ``_pipeline``, precision plugin and layout.
+``loss_scaler``, ``nonfinite``, ``_pipeline``, precision plugin and layout, and its ``_main_params``, whose
+parameter all-gathers may still be in flight after a step (``overlap_param_gather``).
 """
 
 from __future__ import annotations
@@ -21,6 +22,15 @@ from lightning_megatron.optim.nonfinite import NonFiniteCheck
 
 
 class StepHooks:
+    def wait_for_parameters(self) -> None:
+        """Complete ZeRO 1/2's parameter all-gathers still in flight after a step (``overlap_param_gather``).
+
+        The next forward (module by module), checkpoint saves and loads, evaluation and teardown do so
+        themselves; call it before reading parameter values anywhere else between a step and the next forward
+        (a callback's ``on_train_batch_end``)."""
+        if self._main_params is not None:
+            self._main_params.wait_for_params()
+
     def _nonfinite_check(self) -> Optional[NonFiniteCheck]:
         """The check, unless fp16 runs: its loss scaler (ours, or Lightning's GradScaler under ``16-mixed``,
         whose gradients are still scaled when the check would run) skips overflowing steps itself."""

@@ -3,8 +3,8 @@
 The strategy calls :func:`choose_sizes` in ``setup_environment``, on every rank, before any process group
 exists: planning is deterministic, so every rank chooses the same layout (or raises the same error). The
 sizes given as integers, and the strategy's other settings (ZeRO stage, sequence parallelism, recomputation,
-micro-batch size, offloading), are kept; the planner searches the ``"auto"`` ones for the layout that fits the
-devices present with the most predicted tokens/s.
+micro-batch size, offloading, parameter-gather overlap), are kept; the planner searches the ``"auto"`` ones
+for the layout that fits the devices present with the most predicted tokens/s.
 """
 
 from __future__ import annotations

@@ -52,6 +52,8 @@ def planner_from_config(config: dict, *, gpus: int, hardware: Hardware, global_b
     if unknown:
         raise ValueError(f"--keep {','.join(unknown)}: not layout fields; choose among {', '.join(SEARCHED)}.")
     fixed = {name: strategy.get(name, Layout.__dataclass_fields__[name].default) for name in keep}
+    if strategy.get("overlap_param_gather"):
+        fixed["overlap_param_gather"] = True
     if strategy.get("pipeline_layers_per_stage"):
         fixed["pipeline_layers_per_stage"] = tuple(strategy["pipeline_layers_per_stage"])
     workload = Workload(

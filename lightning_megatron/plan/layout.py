@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from lightning_megatron.context_parallel.inputs import check_sequence_length
+from lightning_megatron.optim.param_gather import check_overlap_param_gather
 from lightning_megatron.parallel.config import ParallelConfig
 from lightning_megatron.pipeline.layout import SCHEDULE_SPECS, PipelineLayout, check_micro_batches, check_schedule
 from lightning_megatron.preparation import ZERO3_PRECISIONS
@@ -67,13 +68,14 @@ class Workload:
 @dataclass(frozen=True)
 class Layout(ParallelConfig):
     """One way to run a workload: a ``ParallelConfig`` (whose checks run when it is built) and the strategy's
-    schedule, micro-batch, recomputation and offload arguments, and the Trainer's ``accumulate_grad_batches``.
+    schedule, micro-batch, recomputation, offload and parameter-gather overlap arguments, and the Trainer's ``accumulate_grad_batches``.
     The field names are ``Megatron3DStrategy``'s."""
 
     pipeline_schedule: str = "1f1b"
     micro_batch_size: int = 1
     activation_checkpointing: str = "none"
     offload_optimizer: bool = False
+    overlap_param_gather: bool = False
     accumulate_grad_batches: int = 1  # the Trainer's: micro-batches of a step without pipelining
 
     def micro_batches(self, workload: Workload) -> int:
@@ -100,7 +102,8 @@ class Layout(ParallelConfig):
         parts.append(f"dp{self.data_parallel_size}")
         if self.expert_parallel_size > 1:
             parts.append(f"ep{self.expert_parallel_size}")
-        parts.append(f"z{self.zero_stage}" + ("+off" if self.offload_optimizer else ""))
+        parts.append(f"z{self.zero_stage}" + ("+off" if self.offload_optimizer else "")
+                     + ("+og" if self.overlap_param_gather else ""))
         if self.sequence_parallel:
             parts.append("sp")
         if self.activation_checkpointing != "none":
@@ -143,6 +146,7 @@ def check_layout(layout: Layout, workload: Workload, module: Any, num_layers: in
     elif layout.sequence_parallel and workload.seq_length % layout.tensor_parallel_size:
         raise ValueError(f"Sequence parallelism splits each sequence over tensor_parallel_size="
                          f"{layout.tensor_parallel_size}; seq_length={workload.seq_length} does not divide.")
+    check_overlap_param_gather(layout.overlap_param_gather, layout.zero_stage)
     if layout.zero_stage == 3 and workload.precision not in ZERO3_PRECISIONS:
         raise ValueError(f"zero_stage=3 supports precision {', '.join(map(repr, ZERO3_PRECISIONS))}, not "
                          f"{workload.precision!r}.")

@@ -99,6 +99,7 @@ class Planner:
 
     ``make_module``: returns a new LightningModule (``configure_model`` not called: the planner builds it on the
     meta device). ``fixed``: layout fields to keep (e.g. ``{"zero_stage": 1}``); the others are searched.
+    ``fixed["overlap_param_gather"]`` applies to the ZeRO 1/2 layouts (the others have no parameter gather).
     """
 
     def __init__(self, make_module: Callable[[], nn.Module], workload: Workload, hardware: Hardware, *,
@@ -106,7 +107,8 @@ class Planner:
         if world_size < 1:
             raise ValueError(f"world_size must be a positive number of GPUs, got {world_size}.")
         unknown = sorted(set(fixed or {}) - set(SEARCHED) - {"pipeline_schedule", "pipeline_layers_per_stage",
-                                                                  "data_parallel_size", "accumulate_grad_batches"})
+                                                                  "data_parallel_size", "accumulate_grad_batches",
+                                                                  "overlap_param_gather"})
         if unknown:
             raise ValueError(f"fixed names {unknown} are not layout fields; use some of {', '.join(SEARCHED)}.")
         self.make_module, self.workload, self.hardware = make_module, workload, hardware
@@ -219,6 +221,7 @@ class Planner:
                        zero_stage=zero, virtual_pipeline_size=vpp, context_parallel_size=cp, expert_parallel_size=ep,
                        pipeline_schedule=schedule, micro_batch_size=mbs, activation_checkpointing=recompute,
                        offload_optimizer=offload, pipeline_layers_per_stage=self.fixed.get("pipeline_layers_per_stage"),
+                       overlap_param_gather=self.fixed.get("overlap_param_gather", False) and zero in (1, 2),
                        accumulate_grad_batches=1 if pp > 1 else per_rank // mbs)
 
     def plan(self) -> PlanResult:

@@ -21,7 +21,8 @@ For the slowest pipeline rank and one micro-batch of ``T = micro_batch_size * se
 * **data parallel**: the gradient reduction over dp x cp (all-reduce; reduce-scatter under ZeRO), which
   the strategy overlaps with the last micro-batch's backward (ZeRO-2: every micro-batch's), so only its
   excess and its last bucket show; ZeRO 1/2's all-gather of the updated parameters after the step (not
-  overlapped); ZeRO-3's per-layer gathers and reduce-scatters each micro-batch, prefetched under compute;
+  overlapped; under ``overlap_param_gather`` overlapped with the first micro-batch's forward, its first bucket
+  exposed); ZeRO-3's per-layer gathers and reduce-scatters each micro-batch, prefetched under compute;
 * **optimizer**: Adam's element-wise update of the rank's owned fp32 elements at memory bandwidth, or on
   the CPU with the gradients and parameters over PCIe when offloaded.
 
@@ -224,7 +225,11 @@ def _data_parallel(layout: Layout, workload: Workload, hardware: Hardware, model
     reductions = micro_batches if layout.zero_stage == 2 else 1
     exposed = reductions * max(last_bucket, _exposed(reduce, backward_window, hardware))
     if layout.zero_stage in (1, 2):  # the updated parameters, all-gathered after the step
-        exposed += share * model_state["parameters"] / bandwidth + latency
+        gather = share * model_state["parameters"] / bandwidth + latency
+        if layout.overlap_param_gather:  # bucket by bucket under the next forward; the first one is waited for
+            first_bucket = share * min(model_state["parameters"], workload.bucket_size_mb * 2**20) / bandwidth
+            gather = max(first_bucket + latency, _exposed(gather, compute_mb / 3, hardware))
+        exposed += gather
     return exposed
 
 

@@ -1,16 +1,19 @@
 """Train the tiny GPT for a few steps under several layouts over the same processes.
 
 argv: OUT_DIR LAYOUTS, where LAYOUTS is a comma list of
-``[llama-|mqa-|deep-][doc-][pp{P}-][vpp{V}-]tp{T}-dp{D}[-sp][-mb{M}][-SCHEDULE][-z{Z}][-sgd]``: ``doc``: packed samples with
-Megatron-LM's document masks (position ids and attention confined to each document); M micro-batches per step
-(without pipelining, a loop of backward passes; with it, the schedule's micro-batches), SCHEDULE one of
-``gpipe``, ``zb`` (interleaved zero bubble), ``zbv``, ``dualpipev`` (default: 1F1B, interleaved with vpp),
-ZeRO stage Z, SGD with momentum instead of AdamW. For each
+``[llama-|mqa-|deep-][doc-][pp{P}-][vpp{V}-]tp{T}-dp{D}[-sp][-mb{M}][-SCHEDULE][-z{Z}][-ogather][-sgd]``: ``doc``:
+packed samples with Megatron-LM's document masks (position ids and attention confined to each document); M
+micro-batches per step (without pipelining, a loop of backward passes; with it, the schedule's micro-batches),
+SCHEDULE one of ``gpipe``, ``zb`` (interleaved zero bubble), ``zbv``, ``dualpipev`` (default: 1F1B, interleaved
+with vpp), ZeRO stage Z, ``ogather``: its parameter all-gathers overlapped with the next forward
+(``overlap_param_gather``; the last dp rank starts its gathers late, so the other ranks' forwards and final weights
+must wait for theirs), SGD with momentum instead of AdamW. For each
 layout, rank 0 writes the losses and the full (gathered) weights to ``{layout}.pt``; the
 pytest process compares them with a single-process reference.
 """
 
 import re
+import time
 
 import torch
 import torch.distributed as dist
@@ -29,7 +32,7 @@ from lightning_megatron.pipeline.runner import PipelineRunner
 from lightning_megatron.pipeline.stage import split_for_pipeline
 from lightning_megatron.tensor_parallel import parallelize
 
-LAYOUT = re.compile(r"(?:(llama|mqa|deep)-)?(doc-)?(?:pp(\d+)-)?(?:vpp(\d+)-)?tp(\d+)-dp(\d+)(-sp)?(?:-mb(\d+))?(?:-(gpipe|zb|zbv|dualpipev))?(?:-z(\d))?(-sgd)?")
+LAYOUT = re.compile(r"(?:(llama|mqa|deep)-)?(doc-)?(?:pp(\d+)-)?(?:vpp(\d+)-)?tp(\d+)-dp(\d+)(-sp)?(?:-mb(\d+))?(?:-(gpipe|zb|zbv|dualpipev))?(?:-z(\d))?(-ogather)?(-sgd)?")
 SCHEDULE_NAMES = {"zb": "interleaved_zero_bubble"}
 
 
@@ -62,7 +65,7 @@ def train(layout: str) -> tuple[list[float], dict]:
     pp, virtual, tp, dp = int(match[3] or 1), int(match[4] or 1), int(match[5]), int(match[6])
     sp, micro_batches = bool(match[7]), int(match[8] or 1)
     schedule = SCHEDULE_NAMES.get(match[9], match[9]) or ("interleaved_1f1b" if virtual > 1 else "1f1b")
-    zero_stage, sgd = int(match[10] or 0), bool(match[11])
+    zero_stage, overlap, sgd = int(match[10] or 0), bool(match[11]), bool(match[12])
     config = ParallelConfig(tensor_parallel_size=tp, pipeline_parallel_size=pp, data_parallel_size=dp,
                             sequence_parallel=sp, virtual_pipeline_size=virtual, zero_stage=zero_stage)
     state = ParallelState.create(config, "cpu")
@@ -71,7 +74,9 @@ def train(layout: str) -> tuple[list[float], dict]:
     opt = sgd_optimizer(params) if sgd else optimizer(params)
     sync = GradientSynchronizer(params, data_parallel_group=state.data_parallel_group, bucket_size_mb=0.01,
                                 zero_stage=zero_stage, partial_grad_groups=partial_grad_groups(params, state))
-    main = MainParamOptimizer(opt, sync) if uses_main_params(params, zero_stage) else None
+    main = MainParamOptimizer(opt, sync, overlap_with=model if overlap else None) \
+        if uses_main_params(params, zero_stage) else None
+    late = overlap and state.data_parallel_rank == dp - 1
     if runner is not None:
         runner.before_backward = lambda n, _tokens: sync.start_micro_batch(sync=True, backward_passes=n)
 
@@ -91,6 +96,10 @@ def train(layout: str) -> tuple[list[float], dict]:
                 loss_sum, tokens = model.loss(ids, lbl, **{name: value[i] for name, value in chunked.items()})
                 loss_sum.backward()
                 step_sum, step_tokens = step_sum + loss_sum.detach(), step_tokens + tokens
+        totals = torch.stack([step_sum.detach().float(), step_tokens.float()])
+        if state.data_parallel_group is not None:  # before the step: no dp collective between it and the forward
+            dist.all_reduce(totals, group=state.data_parallel_group)
+        losses.append((totals[0] / totals[1]).item())
         sync.finish(step_tokens)
         if main is not None:
             main.prepare_step()
@@ -99,14 +108,16 @@ def train(layout: str) -> tuple[list[float], dict]:
                                   is_first_tensor_rank=state.tensor_parallel_rank == 0,
                                   data_parallel_group=state.data_parallel_group if zero_stage else None)
         opt.step()
+        if late:
+            time.sleep(0.05)
         if main is not None:
             main.finish_step()
+            assert not overlap or dp == 1 or main.gather.in_flight, "overlap_param_gather must leave gathers running"
         sync.zero()
-        totals = torch.stack([step_sum.detach().float(), step_tokens.float()])
-        if state.data_parallel_group is not None:
-            dist.all_reduce(totals, group=state.data_parallel_group)
-        losses.append((totals[0] / totals[1]).item())
 
+    if main is not None:
+        main.wait_for_params()  # as the strategy does before reading weights (full_state_dict)
+        main.remove()
     weights = merge_pipeline_stages(gather_full_state_dict(model, state.tensor_parallel_group),
                                     state.pipeline_parallel_group)
     sync.remove()

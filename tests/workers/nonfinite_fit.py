@@ -1,8 +1,8 @@
 """Non-finite steps on 2 ranks: a NaN loss on rank 1 only (dp=2, ZeRO-3 dp=2, pp=2) must stop every
 rank with the same error naming rank 1; an Inf gradient on rank 1 only (tp=2, bf16-true) under
-on_nonfinite='skip' must skip that step on both ranks; and with clipping on, the norm the check
-measures (and the clip reuses) must give the losses of on_nonfinite='ignore', where the clip
-measures it itself, at dp=2 ZeRO-0/1/3 and tp=2.
+on_nonfinite='skip' must skip that step on both ranks (also at dp=2 ZeRO-1 with overlap_param_gather);
+and with clipping on, the norm the check measures (and the clip reuses) must give the losses of
+on_nonfinite='ignore', where the clip measures it itself, at dp=2 ZeRO-0/1/3 and tp=2.
 
 argv: OUT_DIR. Rank r writes rank{r}.json: per run the error raised (or None), the losses,
 per-step checksums of its parameters and whether they stayed finite.
@@ -45,6 +45,9 @@ results = {
     "pp2-nan": run({"pipeline_parallel_size": 2, "micro_batch_size": 2}, faults=nan_on_rank1),
     "tp2-bf16-inf-grad-skip": run(TP2, precision="bf16-true", on_nonfinite="skip",
                                   faults={"inf_grad_steps": [BAD_STEP], "ranks": [1]}),
+    # The skipped step still writes back and gathers its (unchanged) pieces, overlapped with the next forward.
+    "dp2-zero1-overlap-inf-grad-skip": run({**DP2, "zero_stage": 1, "overlap_param_gather": True}, on_nonfinite="skip",
+                                           faults={"inf_grad_steps": [BAD_STEP], "ranks": [1]}),
 }
 for name, layout in {"dp2": DP2, "dp2-zero1": {**DP2, "zero_stage": 1}, "dp2-zero3": {**DP2, "zero_stage": 3},
                      "tp2": TP2}.items():

@@ -62,6 +62,7 @@ class RecordSteps(L.Callback):
         self.losses, self.checksums, self.finite = [], [], []
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        trainer.strategy.wait_for_parameters()  # under overlap_param_gather the step's gathers may be in flight
         params = local_parameters(pl_module)
         self.losses.append(float(outputs["loss"]))
         self.checksums.append(float(sum(p.double().sum() for p in params)))

@@ -1,13 +1,17 @@
 """A full ``Trainer.fit`` under ``Megatron3DStrategy``, launched by torchrun.
 
 argv: OUT_DIR JSON_OPTIONS. Rank r writes rank{r}.json with its per-step training losses,
-the validation loss and the error it raised (if any); rank 0 also saves the gathered
-weights to weights.pt and a Lightning checkpoint to last.ckpt.
+the validation losses and the error it raised (if any); rank 0 also saves the gathered
+weights to weights.pt and a Lightning checkpoint to last.ckpt. ``save_at_step``: also a checkpoint
+``step{k}.ckpt`` right after optimizer step k; ``late_rank``: that rank reaches every optimizer step
+0.2 s late, so that the other ranks' parameter gathers (``overlap_param_gather``) are still in flight
+when they go on to save, validate or run the next forward.
 """
 
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 import lightning as L
@@ -20,12 +24,24 @@ from lightning_megatron.callbacks import PipelineTimeline
 
 out_dir, options = Path(sys.argv[1]), json.loads(sys.argv[2])
 rank = int(os.environ["RANK"])
-losses = []
+losses, val_losses = [], []
 
 
 class RecordLosses(L.Callback):
+    saved = False
+
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         losses.append(float(outputs["loss"]))
+        if trainer.global_step == options.get("save_at_step") and not self.saved:
+            self.saved = True
+            trainer.save_checkpoint(out_dir / f"step{trainer.global_step}.ckpt")
+
+    def on_validation_end(self, trainer, pl_module):  # after the module logged its epoch's loss
+        val_losses.append(float(trainer.callback_metrics["val_loss"]))
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        if rank == options.get("late_rank"):
+            time.sleep(0.2)
 
 
 L.seed_everything(options.get("seed", 7))
@@ -34,7 +50,8 @@ strategy = Megatron3DStrategy(
     pipeline_parallel_size=options.get("pp", 1), micro_batch_size=options.get("micro_batch_size", 1),
     virtual_pipeline_size=options.get("vpp", 1), pipeline_schedule=options.get("schedule", "1f1b"),
     zero_stage=options.get("zero_stage", 0), activation_checkpointing=options.get("recompute", "none"),
-    checkpoint_checksums=options.get("checksums", False),
+    checkpoint_checksums=options.get("checksums", False), overlap_param_gather=options.get("overlap", False),
+    checkpoint_format=options.get("checkpoint_format", "sharded"),
 )
 class GenerateAtValidation(L.Callback):
     """Generation from a callback inside fit, as a user samples text during training: every rank calls it, under the
@@ -80,7 +97,7 @@ weights = trainer.strategy.full_state_dict()
 trainer.save_checkpoint(out_dir / "last.ckpt")
 if rank == 0:
     torch.save(weights, out_dir / "weights.pt")
-result = {"losses": losses, "val_loss": val_loss, "test_loss": test_loss, "predicted": predicted,
+result = {"losses": losses, "val_loss": val_loss, "val_losses": val_losses, "test_loss": test_loss, "predicted": predicted,
           "sampler_replicas": trainer.strategy.distributed_sampler_kwargs["num_replicas"]}
 if options.get("timeline"):
     result["bubble"] = {"measured": timeline.measured, "theory": timeline.theory}

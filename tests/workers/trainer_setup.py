@@ -38,7 +38,8 @@ PREDICT_GENERATION = {"max_new_tokens": 6, "temperature": 0.9, "top_k": 10, "see
 def trainer_kwargs(options: dict) -> dict:
     steps = options.get("steps", 5)
     return dict(max_steps=steps, accumulate_grad_batches=options.get("accumulate", 1),
-                gradient_clip_val=options.get("clip", 0.5), limit_val_batches=2, limit_test_batches=2, val_check_interval=steps,
+                gradient_clip_val=options.get("clip", 0.5), limit_val_batches=2, limit_test_batches=2,
+                val_check_interval=options.get("val_every", steps),
                 num_sanity_val_steps=0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                 enable_model_summary=False)
 
