@@ -22,6 +22,9 @@ LAYOUTS[4] += ["llama-tp4-dp1", "llama-tp4-dp1-sp-mb2", "llama-tp2-dp2-sp-z1", "
 # Packed samples with Megatron-LM's document masks (learned and rotary positions restarting per document).
 LAYOUTS[2] += ["doc-tp2-dp1-sp-mb2", "doc-pp2-tp1-dp1-mb4", "llama-doc-tp1-dp2-z1"]
 LAYOUTS[4] += ["llama-doc-pp2-tp2-dp1-sp-mb2", "doc-tp2-dp2-z2"]
+# tp_comm_overlap (the sequence-parallel collectives overlapped with the GEMMs), next to the same layout without it.
+LAYOUTS[2] += ["tp2-dp1-sp-mb2-tpo", "llama-tp2-dp1-sp-mb2-tpo"]
+LAYOUTS[4] += ["tp4-dp1-sp-tpo", "llama-tp4-dp1-sp-mb2-tpo", "pp2-tp2-dp1-sp-mb2-tpo"]
 LOSS_TOL, WEIGHT_TOL = 1e-5, 1e-5
 
 
@@ -68,6 +71,14 @@ def test_layouts_match_single_process(world, reference, tmp_path):
         for k in sorted(weight_dev, key=weight_dev.get)[-4:]:
             print("   ", k, f"{weight_dev[k]:.2e}")
         assert weight_dev[worst] < WEIGHT_TOL, f"{layout}: {worst} deviates by {weight_dev[worst]:.2e}"
+
+    for layout in [layout for layout in LAYOUTS[world] if layout.endswith("-tpo")]:
+        # Overlapping the communication changes only the order of fp32 sums inside GEMMs.
+        overlapped = torch.load(tmp_path / f"{layout}.pt", weights_only=True)
+        in_turn = torch.load(tmp_path / f"{layout.removesuffix('-tpo')}.pt", weights_only=True)
+        assert max(abs(a - b) for a, b in zip(overlapped["losses"], in_turn["losses"])) < LOSS_TOL, layout
+        for name, value in overlapped["weights"].items():
+            assert (value - in_turn["weights"][name]).abs().max() < WEIGHT_TOL, f"{layout}: {name}"
 
     if world == 2:
         # Same micro-batches, same per-micro-batch backward: the schedule only reorders work.

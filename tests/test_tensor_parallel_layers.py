@@ -48,6 +48,19 @@ def test_transformer_layer_issues_exactly_the_papers_collectives(layer_results, 
         assert _by_kind(sequence_parallel["backward"]) == {"all_gather": 2, "reduce_scatter": 2}
 
 
+@pytest.mark.parametrize("model", ["gpt2", "llama", "mqa"])
+def test_overlapped_sequence_parallelism_issues_the_papers_collectives_plus_the_input_regather(layer_results, model):
+    """tp_comm_overlap: the column layers keep only their input's sequence chunk and gather it again in backward
+    (overlapped with the input-gradient GEMM; Korthikanti et al. 2022, 4.2.2): one more all-gather per column layer
+    in backward, nothing else changes. Its row layers cut in 2 pieces: 2 reduce-scatters per row layer forward."""
+    for result in layer_results:
+        overlapped, pieces = result["counts"][f"{model}_tp_sp_tpo"], result["counts"][f"{model}_tp_sp_tpo2"]
+        assert _by_kind(overlapped["forward"]) == {"all_gather": 2, "reduce_scatter": 2}
+        assert _by_kind(overlapped["backward"]) == {"all_gather": 4, "reduce_scatter": 2}
+        assert _by_kind(pieces["forward"]) == {"all_gather": 2, "reduce_scatter": 4}
+        assert _by_kind(pieces["backward"]) == {"all_gather": 4, "reduce_scatter": 2}
+
+
 def test_replicated_key_value_heads_add_one_bucketed_reduction_per_step(layer_results):
     """3 multi-query layers at tp=2: the replicas' key/value weight rows of all layers are summed in one all-reduce
     after backward; with the 2 groups split (no replicas) nothing is added."""

@@ -1,10 +1,11 @@
 """Train the tiny GPT for a few steps under several layouts over the same processes.
 
 argv: OUT_DIR LAYOUTS, where LAYOUTS is a comma list of
-``[llama-|mqa-][doc-][pp{P}-][vpp{V}-]tp{T}-dp{D}[-sp][-mb{M}][-gpipe][-z{Z}][-sgd]``: ``doc``: packed samples with
+``[llama-|mqa-][doc-][pp{P}-][vpp{V}-]tp{T}-dp{D}[-sp][-mb{M}][-gpipe][-z{Z}][-sgd][-tpo]``: ``doc``: packed samples with
 Megatron-LM's document masks (position ids and attention confined to each document); M micro-batches per step
 (without pipelining, a loop of backward passes; with it, the schedule's micro-batches),
-ZeRO stage Z, SGD with momentum instead of AdamW. For each
+ZeRO stage Z, SGD with momentum instead of AdamW, ``tpo``: tp_comm_overlap (the sequence-parallel collectives
+overlapped with the GEMMs, ``tensor_parallel.overlap``). For each
 layout, rank 0 writes the losses and the full (gathered) weights to ``{layout}.pt``; the
 pytest process compares them with a single-process reference.
 """
@@ -27,16 +28,18 @@ from lightning_megatron.pipeline import PipelineLayout
 from lightning_megatron.pipeline.runner import PipelineRunner
 from lightning_megatron.pipeline.stage import split_for_pipeline
 from lightning_megatron.tensor_parallel import parallelize
+from lightning_megatron.tensor_parallel.overlap import overlapped_linear_for
 
-LAYOUT = re.compile(r"(?:(llama|mqa)-)?(doc-)?(?:pp(\d+)-)?(?:vpp(\d+)-)?tp(\d+)-dp(\d+)(-sp)?(?:-mb(\d+))?(-gpipe)?(?:-z(\d))?(-sgd)?")
+LAYOUT = re.compile(r"(?:(llama|mqa)-)?(doc-)?(?:pp(\d+)-)?(?:vpp(\d+)-)?tp(\d+)-dp(\d+)(-sp)?(?:-mb(\d+))?(-gpipe)?(?:-z(\d))?(-sgd)?(-tpo)?")
 
 
-def build(state: ParallelState, virtual: int, schedule: str, micro_batches: int, config=CONFIG):
+def build(state: ParallelState, virtual: int, schedule: str, micro_batches: int, config=CONFIG, overlap=False):
     """The model as the strategy builds it: meta, tensor-parallel plan, pipeline split, materialise."""
     with torch.device("meta"):
         model = GPTModel(config)
     rng = TensorParallelRNG(SEED, state.tensor_parallel_rank, torch.device("cpu"))
-    parallelize(model, model.tensor_parallel_plan(), state, rng=rng)
+    parallelize(model, model.tensor_parallel_plan(), state, rng=rng,
+                sequence_linear=overlapped_linear_for(state.config, overlap))
     runner = None
     pp = state.config.pipeline_parallel_size
     if pp > 1:
@@ -59,11 +62,11 @@ def train(layout: str) -> tuple[list[float], dict]:
     pp, virtual, tp, dp = int(match[3] or 1), int(match[4] or 1), int(match[5]), int(match[6])
     sp, micro_batches = bool(match[7]), int(match[8] or 1)
     schedule = "gpipe" if match[9] else ("interleaved_1f1b" if virtual > 1 else "1f1b")
-    zero_stage, sgd = int(match[10] or 0), bool(match[11])
+    zero_stage, sgd, overlap = int(match[10] or 0), bool(match[11]), bool(match[12])
     config = ParallelConfig(tensor_parallel_size=tp, pipeline_parallel_size=pp, data_parallel_size=dp,
                             sequence_parallel=sp, virtual_pipeline_size=virtual, zero_stage=zero_stage)
     state = ParallelState.create(config, "cpu")
-    model, runner = build(state, virtual, schedule, micro_batches, model_config)
+    model, runner = build(state, virtual, schedule, micro_batches, model_config, overlap)
     params = list(model.parameters())
     opt = sgd_optimizer(params) if sgd else optimizer(params)
     sync = GradientSynchronizer(params, data_parallel_group=state.data_parallel_group, bucket_size_mb=0.01,
