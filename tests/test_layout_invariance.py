@@ -23,8 +23,9 @@ LAYOUTS[4] += ["llama-tp4-dp1", "llama-tp4-dp1-sp-mb2", "llama-tp2-dp2-sp-z1", "
 LAYOUTS[2] += ["doc-tp2-dp1-sp-mb2", "doc-pp2-tp1-dp1-mb4", "llama-doc-tp1-dp2-z1"]
 LAYOUTS[4] += ["llama-doc-pp2-tp2-dp1-sp-mb2", "doc-tp2-dp2-z2"]
 # tp_comm_overlap (the sequence-parallel collectives overlapped with the GEMMs), next to the same layout without it.
+# GPT and Llama at tp2; at tp4 the Llama model's key/value heads are replicated; GPT under pp2.
 LAYOUTS[2] += ["tp2-dp1-sp-mb2-tpo", "llama-tp2-dp1-sp-mb2-tpo"]
-LAYOUTS[4] += ["tp4-dp1-sp-tpo", "llama-tp4-dp1-sp-mb2-tpo", "pp2-tp2-dp1-sp-mb2-tpo"]
+LAYOUTS[4] += ["llama-tp4-dp1-sp-mb2-tpo", "pp2-tp2-dp1-sp-mb2-tpo"]
 LOSS_TOL, WEIGHT_TOL = 1e-5, 1e-5
 
 

@@ -4,6 +4,8 @@ import pytest
 import torch
 
 from launch import launch
+from lightning_megatron.parallel import ParallelConfig
+from lightning_megatron.tensor_parallel.overlap import OverlappedSequenceParallelLinear, overlapped_linear_for
 
 
 @pytest.fixture(scope="module")
@@ -95,3 +97,22 @@ def test_pad_vocab_to_multiple_of_1_pads_an_indivisible_vocabulary_and_saves_it_
     assert {name: tuple(t.shape) for name, t in saved.items()} == {name: (257, 16) for name in reference}
     for name, tensor in reference.items():
         assert torch.equal(saved[name], tensor), name
+
+
+def test_overlapped_layers_fall_back_to_plain_tensor_parallelism_on_whole_sequences(layer_results):
+    """Generation (``full_sequences``): the overlapped layers take whole sequences, as the default ones do."""
+    for result in layer_results:
+        assert result["whole_sequences"] == {"column": True, "row": True}
+
+
+@pytest.mark.parametrize("config", [ParallelConfig(tensor_parallel_size=2), ParallelConfig(data_parallel_size=2)])
+def test_tp_comm_overlap_is_refused_without_sequence_parallel_communication(config):
+    tp, sp = config.tensor_parallel_size, config.sequence_parallel
+    with pytest.raises(ValueError, match=rf"tensor_parallel_size={tp} and sequence_parallel={sp}\. Set "
+                                         rf"sequence_parallel=True with tensor_parallel_size > 1"):
+        overlapped_linear_for(config, True)
+    assert overlapped_linear_for(config, False) is None
+    assert overlapped_linear_for(ParallelConfig(tensor_parallel_size=2, sequence_parallel=True), True) == \
+        OverlappedSequenceParallelLinear()
+    with pytest.raises(ValueError, match="row_chunks must be >= 1, got 0"):
+        OverlappedSequenceParallelLinear(row_chunks=0)

@@ -28,6 +28,7 @@ from lightning_megatron.tensor_parallel import (
     VocabParallelCrossEntropy,
     VocabParallelEmbedding,
     VocabParallelHead,
+    full_sequences,
     gather_from_tensor_parallel,
     parallelize,
 )
@@ -90,6 +91,19 @@ for sequence_parallel, overlap in [(False, ""), (True, ""), (True, "_tpo"), (Tru
     if sequence_parallel:
         dist.all_reduce(bias_grad, group=group)  # what the gradient synchroniser does for marked params
     err("row_bias_grad" + tag, bias_grad, plain.bias.grad)
+
+# Whole sequences (generation's full_sequences): the overlapped layers act as plain tensor parallelism, on any length.
+whole_sequences = {}
+with full_sequences(), torch.no_grad():
+    odd = x_full[:, :5]  # 5 positions: no sequence split of 2 ranks
+    col = ColumnParallelLinear(H, OUT, group=group, sequence_parallel=True, sequence_linear=OVERLAPS["_tpo"])
+    col.weight.data.copy_(shard(plain.weight.data, 0))
+    col.bias.data.copy_(shard(plain.bias.data, 0))
+    whole_sequences["column"] = bool((col(odd) - shard(plain(odd), 2)).abs().max() < 1e-5)
+    row = RowParallelLinear(H, OUT, group=group, sequence_parallel=True, sequence_linear=OVERLAPS["_tpo2"])
+    row.weight.data.copy_(shard(plain.weight.data, 1))
+    row.bias.data.copy_(plain.bias.data)
+    whole_sequences["row"] = bool((row(shard(odd, 2)) - plain(odd)).abs().max() < 1e-5)
 
 # Column with gathered output.
 col = ColumnParallelLinear(H, OUT, group=group, gather_output=True)
@@ -275,6 +289,7 @@ for name, dropout in regions.items():
     same_mask[name] = all(torch.equal(masks[0], m) for m in masks)
 
 (out_dir / f"rank{rank}.json").write_text(json.dumps({"errors": errors, "counts": layer_counts, "step_counts": step_counts, "same_dropout_mask": same_mask,
+                                                         "whole_sequences": whole_sequences,
                                                          "pad1": pad1}))
 dist.barrier()
 os._exit(0)  # skip gloo's C++ teardown: with several meshes alive it aborts at random (torch 2.13)
