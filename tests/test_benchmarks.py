@@ -195,3 +195,15 @@ def test_memory_benchmark_activations_mode_divides_activation_bytes_by_cp():
     for label, cp in (("cp2 all-gather x dp2", 2), ("cp4 all-gather", 4)):  # + the gathered K/V: linear, not S^2
         ratio = float(rows[label]["vs cp1"])
         assert 1 <= ratio * cp <= 1.25, (label, ratio)
+
+
+def test_tp_overlap_benchmark_times_overlap_on_and_off_with_the_same_losses():
+    result = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "tp_overlap.py"), "--quick", "--models", "gpt"],
+        capture_output=True, text=True, timeout=300, env=child_env(),
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [[cell.strip() for cell in line.split(" | ")] for line in result.stdout.splitlines() if " | " in line]
+    assert [row[0] for row in rows[1:]] == ["gpt tp=2 tp_comm_overlap", "gpt tp=2 tp_comm_overlap, row_chunks=2"]
+    assert all(float(row[1]) > 0 and float(row[2]) > 0 for row in rows[1:])
+    assert all(float(row[-1]) < 1e-5 for row in rows[1:]), "the overlap changed the training losses"

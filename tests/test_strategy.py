@@ -74,6 +74,7 @@ def test_fit_llama_with_replicated_key_value_heads_matches_plain_lightning(tmp_p
     sequence parallelism (its collectives overlapped with the GEMMs: tp_comm_overlap), dp=2, ZeRO-1 and
     accumulation, through Lightning's loop."""
     results, _ = launch("trainer_fit.py", 4, tmp_path, json.dumps(LLAMA_FIT))
+    assert all(r["sequence_linears"] == ["OverlappedSequenceParallelLinear"] for r in results)
     ref_losses, ref_val, ref_weights = plain_lightning_run(LLAMA_FIT)
     per_rank = torch.tensor([r["losses"] for r in results])
     assert torch.equal(per_rank[0], per_rank[1])

@@ -80,7 +80,9 @@ trainer.save_checkpoint(out_dir / "last.ckpt")
 if rank == 0:
     torch.save(weights, out_dir / "weights.pt")
 result = {"losses": losses, "val_loss": val_loss, "test_loss": test_loss, "predicted": predicted,
-          "sampler_replicas": trainer.strategy.distributed_sampler_kwargs["num_replicas"]}
+          "sampler_replicas": trainer.strategy.distributed_sampler_kwargs["num_replicas"],
+          "sequence_linears": sorted({type(m.sequence_linear).__name__ for m in trainer.lightning_module.modules()
+                                      if hasattr(m, "sequence_linear")})}
 if options.get("timeline"):
     result["bubble"] = {"measured": timeline.measured, "theory": timeline.theory}
 (out_dir / f"rank{rank}.json").write_text(json.dumps(result))
