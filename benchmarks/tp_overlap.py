@@ -132,7 +132,8 @@ def worker(settings: Settings, result_dir: Path) -> None:
     total = settings.warmup + settings.steps
     results: dict = {}
     for model in settings.models:
-        trainees = {name: Trainee(settings, model, chunks, state, device) for name, chunks in settings.variants().items()}
+        trainees = {name: Trainee(settings, model, chunks, state, device)
+                    for name, chunks in settings.variants().items()}
         batches = [torch.randint(0, settings.vocab, (settings.batch, settings.seq + 1), generator=generator)
                    for _ in range(total * settings.repeats)]
         runs = {name: {"seconds": [], "losses": []} for name in trainees}
@@ -226,7 +227,8 @@ def parse_args(argv: Optional[list[str]] = None) -> tuple[Settings, Optional[Pat
     if args.worker:
         saved = json.loads(args.worker.read_text())
         return Settings(**dict(saved, models=tuple(saved["models"]))), args.worker
-    settings = Settings(**{f.name: tuple(v) if isinstance(v := getattr(args, f.name), list) else v for f in fields(Settings)})
+    settings = Settings(**{f.name: getattr(args, f.name) for f in fields(Settings)})
+    settings.models = tuple(settings.models)
     if args.quick:
         settings = Settings(models=settings.models, tp=settings.tp, hidden=32, layers=1, heads=4, seq=16, batch=2,
                             vocab=64, steps=2, warmup=1, repeats=1)

@@ -186,7 +186,7 @@ class _ChunkedRow(torch.autograd.Function):
         grad = grad.contiguous()
         gathered = grad.new_empty((world * grad.shape[0], *grad.shape[1:]))
         all_gather_into(gathered, grad, ctx.group)
-        grad_full = gathered.view(world, *grad.shape).transpose(0, 1).reshape(x.shape[0], x.shape[1], grad.shape[-1])  # [batch, seq, out]
+        grad_full = gathered.view(world, *grad.shape).transpose(0, 1).reshape(*x.shape[:2], grad.shape[-1])
         grad_x = torch.matmul(grad_full, weight.to(grad.dtype)) if ctx.needs_input_grad[0] else None
         grad_weight = None
         if ctx.needs_input_grad[1]:

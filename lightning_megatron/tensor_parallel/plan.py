@@ -132,7 +132,8 @@ def _swap(old: nn.Module, style: Style, name: str, state: ParallelState, vocab_m
             return RowParallelLinear(old.in_features, old.out_features, has_bias, group=group,
                                      sequence_parallel=sequence_parallel, **linear_kwargs)
         return VocabParallelHead(old.in_features, old.out_features, has_bias, group=group,
-                                 sequence_parallel=sequence_parallel, pad_to_multiple_of=vocab_multiple, **linear_kwargs)
+                                 sequence_parallel=sequence_parallel, pad_to_multiple_of=vocab_multiple,
+                                 **linear_kwargs)
     if isinstance(old, nn.Embedding) and style == "vocab":
         if old.padding_idx is not None or old.max_norm is not None or old.sparse:
             raise ValueError(f"{name}: VocabParallelEmbedding supports plain embeddings only (no padding_idx, max_norm, sparse).")

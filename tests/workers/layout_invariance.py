@@ -1,13 +1,12 @@
 """Train the tiny GPT for a few steps under several layouts over the same processes.
 
 argv: OUT_DIR LAYOUTS, where LAYOUTS is a comma list of
-``[llama-|mqa-][doc-][pp{P}-][vpp{V}-]tp{T}-dp{D}[-sp][-mb{M}][-gpipe][-z{Z}][-sgd][-tpo]``: ``doc``: packed samples with
-Megatron-LM's document masks (position ids and attention confined to each document); M micro-batches per step
-(without pipelining, a loop of backward passes; with it, the schedule's micro-batches),
-ZeRO stage Z, SGD with momentum instead of AdamW, ``tpo``: tp_comm_overlap (the sequence-parallel collectives
-overlapped with the GEMMs, ``tensor_parallel.overlap``). For each
-layout, rank 0 writes the losses and the full (gathered) weights to ``{layout}.pt``; the
-pytest process compares them with a single-process reference.
+``[llama-|mqa-][doc-][pp{P}-][vpp{V}-]tp{T}-dp{D}[-sp][-mb{M}][-gpipe][-z{Z}][-sgd][-tpo]``: ``doc``: packed samples
+with Megatron-LM's document masks (position ids and attention confined to each document); M micro-batches per step
+(without pipelining, a loop of backward passes; with it, the schedule's micro-batches), ZeRO stage Z, SGD with
+momentum instead of AdamW, ``tpo``: tp_comm_overlap (the sequence-parallel collectives overlapped with the GEMMs,
+``tensor_parallel.overlap``). For each layout, rank 0 writes the losses and the full (gathered) weights to
+``{layout}.pt``; the pytest process compares them with a single-process reference.
 """
 
 import re
@@ -30,7 +29,8 @@ from lightning_megatron.pipeline.stage import split_for_pipeline
 from lightning_megatron.tensor_parallel import parallelize
 from lightning_megatron.tensor_parallel.overlap import overlapped_linear_for
 
-LAYOUT = re.compile(r"(?:(llama|mqa)-)?(doc-)?(?:pp(\d+)-)?(?:vpp(\d+)-)?tp(\d+)-dp(\d+)(-sp)?(?:-mb(\d+))?(-gpipe)?(?:-z(\d))?(-sgd)?(-tpo)?")
+LAYOUT = re.compile(r"(?:(llama|mqa)-)?(doc-)?(?:pp(\d+)-)?(?:vpp(\d+)-)?tp(\d+)-dp(\d+)(-sp)?(?:-mb(\d+))?(-gpipe)?"
+                    r"(?:-z(\d))?(-sgd)?(-tpo)?")
 
 
 def build(state: ParallelState, virtual: int, schedule: str, micro_batches: int, config=CONFIG, overlap=False):

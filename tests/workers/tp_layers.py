@@ -61,7 +61,8 @@ y_ref.backward(grad_full)
 
 # Sequence parallelism also with the collectives overlapped with the GEMMs (tp_comm_overlap), the row layer's GEMM
 # and reduce-scatter in 2 pieces (each rank's chunk of 4 positions cut in 2).
-OVERLAPS = {"": None, "_tpo": OverlappedSequenceParallelLinear(), "_tpo2": OverlappedSequenceParallelLinear(row_chunks=2)}
+OVERLAPS = {"": None, "_tpo": OverlappedSequenceParallelLinear(),
+            "_tpo2": OverlappedSequenceParallelLinear(row_chunks=2)}
 for sequence_parallel, overlap in [(False, ""), (True, ""), (True, "_tpo"), (True, "_tpo2")]:
     tag = ("_sp" if sequence_parallel else "") + overlap
     linear_kwargs = dict(group=group, sequence_parallel=sequence_parallel, sequence_linear=OVERLAPS[overlap])
