@@ -4,7 +4,8 @@
 on the one before):
 
 1. ``parallelize(module, module.tensor_parallel_plan(), ...)``: swap Linear/Embedding for the
-   column/row/vocab-parallel layers; their parameters are still on the meta device.
+   column/row/vocab-parallel layers; their parameters are still on the meta device. ``tp_comm_overlap``:
+   their sequence-parallel collectives overlap their GEMMs (``tensor_parallel.overlap``).
 2. :func:`apply_recompute`: wrap the transformer layers for activation recomputation. After the
    swaps (a swapped layer would lose the wrapper), before the pipeline split (so that every
    rank checks every layer and fails alike).
@@ -50,6 +51,7 @@ from lightning_megatron.pipeline.layout import SCHEDULE_SPECS, PipelineLayout
 from lightning_megatron.pipeline.runner import PipelineRunner
 from lightning_megatron.pipeline.stage import StageModule, split_for_pipeline
 from lightning_megatron.pipeline.timeline import TimelineRecorder
+from lightning_megatron.tensor_parallel.overlap import overlapped_linear_for
 from lightning_megatron.tensor_parallel.plan import parallelize
 
 ZERO3_PRECISIONS = ("32-true", "bf16-true", "bf16-mixed", "16-true")
@@ -153,12 +155,15 @@ def start_pipeline(split: PipelineSplit, state: ParallelState, *, device: torch.
 
 def prepare_model(module: nn.Module, state: ParallelState, *, rng: Optional[TensorParallelRNG], seed: int,
                   device: Union[torch.device, str], pad_vocab_to_multiple_of: int, activation_checkpointing: str,
-                  context_parallel_attention: str, precision: str, pipeline_schedule: str = "1f1b") -> PreparedModel:
+                  context_parallel_attention: str, precision: str, pipeline_schedule: str = "1f1b",
+                  tp_comm_overlap: bool = False) -> PreparedModel:
     """Steps 1-5 above, in their order, for ``Megatron3DStrategy.setup`` (once per module): this rank's part of the
     model, materialised. The pipeline schedule (step 6) is bound to the strategy afterwards."""
+    sequence_linear = overlapped_linear_for(state.config, tp_comm_overlap)  # refused first, on every rank alike
     plan = module.tensor_parallel_plan() if hasattr(module, "tensor_parallel_plan") else {}
     warn_if_replicated(module, plan, state.config.tensor_parallel_size, state.config.data_parallel_size)
-    parallelize(module, plan, state, rng=rng, pad_vocab_to_multiple_of=pad_vocab_to_multiple_of)
+    parallelize(module, plan, state, rng=rng, pad_vocab_to_multiple_of=pad_vocab_to_multiple_of,
+                sequence_linear=sequence_linear)
     apply_recompute(module, activation_checkpointing, rng)
     prepare_experts(module, state)
     splitter = prepare_context_parallel(module, state, context_parallel_attention)

@@ -95,6 +95,8 @@ class Megatron3DStrategy(CheckpointHooks, StepHooks, ParallelStrategy):
         pipeline_parallel_size: pipeline ranks; the model needs ``pipeline_blocks()``.
         data_parallel_size: model replicas; ``"auto"`` takes ``world_size / (tp * cp * pp)``.
         sequence_parallel: also split LayerNorm/dropout activations along the sequence over tp.
+        tp_comm_overlap: overlap the sequence-parallel all-gathers and reduce-scatters with the linears' GEMMs
+            (``tensor_parallel.overlap``); needs ``sequence_parallel=True`` and tp > 1.
         context_parallel_size: ranks that split every sample's sequence (long context): each holds two of
             ``2 * cp`` chunks (Megatron's causal load balancing), attention is exact over the whole sequence
             (``context_parallel_attention``), and the weights are replicated over them, so gradients are reduced
@@ -181,6 +183,7 @@ class Megatron3DStrategy(CheckpointHooks, StepHooks, ParallelStrategy):
         micro_batch_size: int = 1,
         pipeline_layers_per_stage: Optional[list[int]] = None,
         activation_checkpointing: str = "none",
+        tp_comm_overlap: bool = False,
         loss_scaler: Optional[dict] = None,
         on_nonfinite: str = "error",
         max_consecutive_skips: int = 10,
@@ -212,6 +215,7 @@ class Megatron3DStrategy(CheckpointHooks, StepHooks, ParallelStrategy):
                 f"activation_checkpointing={activation_checkpointing!r} is not one of {RECOMPUTE_MODES}."
             )
         self.activation_checkpointing = activation_checkpointing
+        self.tp_comm_overlap = tp_comm_overlap
         if context_parallel_attention not in CONTEXT_PARALLEL_ATTENTION:
             raise ValueError(f"context_parallel_attention={context_parallel_attention!r} is not one of "
                              f"{sorted(CONTEXT_PARALLEL_ATTENTION)}.")
@@ -417,6 +421,7 @@ class Megatron3DStrategy(CheckpointHooks, StepHooks, ParallelStrategy):
                                  pad_vocab_to_multiple_of=self.pad_vocab_to_multiple_of,
                                  activation_checkpointing=self.activation_checkpointing,
                                  context_parallel_attention=self.context_parallel_attention,
+                                 tp_comm_overlap=self.tp_comm_overlap,
                                  precision=getattr(self.precision_plugin, "precision", "32-true"),
                                  pipeline_schedule=self.pipeline_schedule)
         self._zero3 = prepared.zero3

@@ -241,3 +241,13 @@ def test_gpu_check_smoke_mode_prints_one_table_of_passing_rows(tmp_path, monkeyp
         L.seed_everything(args.seed, verbose=False)  # as the driver's fit does
         _, _, reference = load_throughput().run_plain(args, torch.device("cpu"))
     assert abs(rows["gpt reference fp32 z0"]["loss"] - reference) < 1e-5, (rows["gpt reference fp32 z0"], reference)
+def test_tp_overlap_benchmark_times_overlap_on_and_off_with_the_same_losses():
+    result = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "tp_overlap.py"), "--quick", "--models", "gpt"],
+        capture_output=True, text=True, timeout=300, env=child_env(),
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [[cell.strip() for cell in line.split(" | ")] for line in result.stdout.splitlines() if " | " in line]
+    assert [row[0] for row in rows[1:]] == ["gpt tp=2 tp_comm_overlap", "gpt tp=2 tp_comm_overlap, row_chunks=2"]
+    assert all(float(row[1]) > 0 and float(row[2]) > 0 for row in rows[1:])
+    assert all(float(row[-1]) < 1e-5 for row in rows[1:]), "the overlap changed the training losses"

@@ -31,6 +31,10 @@ LAYOUTS[8] += ["pp4-tp1-dp2-mb4-zb-z1", "deep-pp4-vpp2-tp1-dp2-mb4-zbv-z2"]
 # ZeRO 1/2 with the parameter all-gathers overlapped with the next forward (overlap_param_gather).
 LAYOUTS[2] += ["tp1-dp2-z1-ogather", "tp1-dp2-mb2-z2-ogather"]
 LAYOUTS[4] += ["tp2-dp2-sp-z1-ogather", "tp2-dp2-z2-ogather", "pp2-tp1-dp2-mb2-z1-ogather", "pp2-tp1-dp2-mb2-z2-ogather"]
+# tp_comm_overlap (the sequence-parallel collectives overlapped with the GEMMs), next to the same layout without it.
+# GPT and Llama at tp2; at tp4 the Llama model's key/value heads are replicated; GPT under pp2.
+LAYOUTS[2] += ["tp2-dp1-sp-mb2-tpo", "llama-tp2-dp1-sp-mb2-tpo"]
+LAYOUTS[4] += ["llama-tp4-dp1-sp-mb2-tpo", "pp2-tp2-dp1-sp-mb2-tpo"]
 LOSS_TOL, WEIGHT_TOL = 1e-5, 1e-5
 
 
@@ -86,6 +90,13 @@ def test_layouts_match_single_process(world, reference, tmp_path):
             overlapped, plain = (torch.load(tmp_path / f"{name}.pt", weights_only=True) for name in (layout, synchronous))
             assert overlapped["losses"] == plain["losses"], layout
             assert all(torch.equal(value, plain["weights"][name]) for name, value in overlapped["weights"].items()), layout
+    for layout in [layout for layout in LAYOUTS[world] if layout.endswith("-tpo")]:
+        # Overlapping the communication changes only the order of fp32 sums inside GEMMs.
+        overlapped = torch.load(tmp_path / f"{layout}.pt", weights_only=True)
+        in_turn = torch.load(tmp_path / f"{layout.removesuffix('-tpo')}.pt", weights_only=True)
+        assert max(abs(a - b) for a, b in zip(overlapped["losses"], in_turn["losses"])) < LOSS_TOL, layout
+        for name, value in overlapped["weights"].items():
+            assert (value - in_turn["weights"][name]).abs().max() < WEIGHT_TOL, f"{layout}: {name}"
 
     if world == 2:
         # Same micro-batches, same per-micro-batch backward: the schedule only reorders work.

@@ -71,14 +71,16 @@ def test_fit_tp2_dp2_sequence_parallel_zero1_matches_plain_lightning(fit_tp2_dp2
 
 
 # adam_eps: the untied embedding's rarely seen rows have near-zero gradients (see workers/gpt_setup.py: optimizer).
-LLAMA_FIT = {**FIT, "preset": "llama-tiny", "groups": 1, "checksums": False, "adam_eps": 1e-3}
+LLAMA_FIT = {**FIT, "preset": "llama-tiny", "groups": 1, "checksums": False, "adam_eps": 1e-3, "tp_comm_overlap": True}
 
 
 def test_fit_llama_with_replicated_key_value_heads_matches_plain_lightning(tmp_path):
     """The Llama-shaped model (RMSNorm, rotary, SwiGLU) with one key/value head on tp=2: each tp rank holds half the
     query heads and a replica of the key/value head, whose gradient the strategy sums over the two replicas; with
-    sequence parallelism, dp=2, ZeRO-1 and accumulation, through Lightning's loop."""
+    sequence parallelism (its collectives overlapped with the GEMMs: tp_comm_overlap), dp=2, ZeRO-1 and
+    accumulation, through Lightning's loop."""
     results, _ = launch("trainer_fit.py", 4, tmp_path, json.dumps(LLAMA_FIT))
+    assert all(r["sequence_linears"] == ["OverlappedSequenceParallelLinear"] for r in results)
     ref_losses, ref_val, ref_weights = plain_lightning_run(LLAMA_FIT)
     per_rank = torch.tensor([r["losses"] for r in results])
     assert torch.equal(per_rank[0], per_rank[1])

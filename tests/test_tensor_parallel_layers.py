@@ -4,6 +4,8 @@ import pytest
 import torch
 
 from launch import launch
+from lightning_megatron.parallel import ParallelConfig
+from lightning_megatron.tensor_parallel.overlap import OverlappedSequenceParallelLinear, overlapped_linear_for
 
 
 @pytest.fixture(scope="module")
@@ -48,6 +50,19 @@ def test_transformer_layer_issues_exactly_the_papers_collectives(layer_results, 
         assert _by_kind(sequence_parallel["backward"]) == {"all_gather": 2, "reduce_scatter": 2}
 
 
+@pytest.mark.parametrize("model", ["gpt2", "llama", "mqa"])
+def test_overlapped_sequence_parallelism_issues_the_papers_collectives_plus_the_input_regather(layer_results, model):
+    """tp_comm_overlap: the column layers keep only their input's sequence chunk and gather it again in backward
+    (overlapped with the input-gradient GEMM; Korthikanti et al. 2022, 4.2.2): one more all-gather per column layer
+    in backward, nothing else changes. Its row layers cut in 2 pieces: 2 reduce-scatters per row layer forward."""
+    for result in layer_results:
+        overlapped, pieces = result["counts"][f"{model}_tp_sp_tpo"], result["counts"][f"{model}_tp_sp_tpo2"]
+        assert _by_kind(overlapped["forward"]) == {"all_gather": 2, "reduce_scatter": 2}
+        assert _by_kind(overlapped["backward"]) == {"all_gather": 4, "reduce_scatter": 2}
+        assert _by_kind(pieces["forward"]) == {"all_gather": 2, "reduce_scatter": 4}
+        assert _by_kind(pieces["backward"]) == {"all_gather": 4, "reduce_scatter": 2}
+
+
 def test_replicated_key_value_heads_add_one_bucketed_reduction_per_step(layer_results):
     """3 multi-query layers at tp=2: the replicas' key/value weight rows of all layers are summed in one all-reduce
     after backward; with the 2 groups split (no replicas) nothing is added."""
@@ -82,3 +97,22 @@ def test_pad_vocab_to_multiple_of_1_pads_an_indivisible_vocabulary_and_saves_it_
     assert {name: tuple(t.shape) for name, t in saved.items()} == {name: (257, 16) for name in reference}
     for name, tensor in reference.items():
         assert torch.equal(saved[name], tensor), name
+
+
+def test_overlapped_layers_fall_back_to_plain_tensor_parallelism_on_whole_sequences(layer_results):
+    """Generation (``full_sequences``): the overlapped layers take whole sequences, as the default ones do."""
+    for result in layer_results:
+        assert result["whole_sequences"] == {"column": True, "row": True}
+
+
+@pytest.mark.parametrize("config", [ParallelConfig(tensor_parallel_size=2), ParallelConfig(data_parallel_size=2)])
+def test_tp_comm_overlap_is_refused_without_sequence_parallel_communication(config):
+    tp, sp = config.tensor_parallel_size, config.sequence_parallel
+    with pytest.raises(ValueError, match=rf"tensor_parallel_size={tp} and sequence_parallel={sp}\. Set "
+                                         rf"sequence_parallel=True with tensor_parallel_size > 1"):
+        overlapped_linear_for(config, True)
+    assert overlapped_linear_for(config, False) is None
+    assert overlapped_linear_for(ParallelConfig(tensor_parallel_size=2, sequence_parallel=True), True) == \
+        OverlappedSequenceParallelLinear()
+    with pytest.raises(ValueError, match="row_chunks must be >= 1, got 0"):
+        OverlappedSequenceParallelLinear(row_chunks=0)

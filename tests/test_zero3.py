@@ -23,7 +23,8 @@ from lightning_megatron.parallel import ParallelConfig, ParallelState
 
 LAYOUTS = ["tp2-dp2-sp", "tp1-dp4", "tp2-dp2-pre", "tp1-dp4-mb2-nosync-sgd", "tp2-dp2-sp-mb2-sgd", "pp2-tp1-dp2-mb2",
            "llama-tp2-dp2-sp", "mqa-tp2-dp2",  # Llama-shaped: key/value groups split over tp2; replicated (multi-query)
-           "moe-tp2-dp2-sp"]  # Mixture of Experts (ep1: every rank holds every expert, FSDP shards them over dp)
+           "moe-tp2-dp2-sp",  # Mixture of Experts (ep1: every rank holds every expert, FSDP shards them over dp)
+           "llama-tp2-dp2-sp-tpo"]  # tp_comm_overlap: FSDP's gathered weights in the overlapped linears
 
 
 @pytest.fixture(scope="module")

@@ -24,6 +24,7 @@ from lightning_megatron.tensor_parallel.mappings import (
     reduce_scatter_to_sequence,
     scatter_to_sequence,
 )
+from lightning_megatron.tensor_parallel.overlap import OverlappedSequenceParallelLinear, SequenceParallelLinear
 from lightning_megatron.tensor_parallel.plan import STYLES, parallelize
 from lightning_megatron.tensor_parallel.sharding import TensorShard
 from lightning_megatron.tensor_parallel.styles import PackedColumn, QueryGroupColumn
@@ -31,10 +32,12 @@ from lightning_megatron.tensor_parallel.styles import PackedColumn, QueryGroupCo
 __all__ = [
     "Argmax",
     "ColumnParallelLinear",
+    "OverlappedSequenceParallelLinear",
     "PackedColumn",
     "QueryGroupColumn",
     "RowParallelLinear",
     "STYLES",
+    "SequenceParallelLinear",
     "TensorShard",
     "VocabParallelArgmax",
     "VocabParallelCrossEntropy",

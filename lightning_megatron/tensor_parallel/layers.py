@@ -20,12 +20,11 @@ from torch import Tensor, nn
 
 from lightning_megatron.tensor_parallel.mappings import (
     copy_to_tensor_parallel,
-    gather_from_sequence,
     gather_from_tensor_parallel,
     reduce_from_tensor_parallel,
-    reduce_scatter_to_sequence,
 )
 from lightning_megatron.tensor_parallel.logits import VocabShard, mark_vocab_parallel
+from lightning_megatron.tensor_parallel.overlap import SequenceParallelLinear
 from lightning_megatron.tensor_parallel.sharding import RankRanges, make_shard, new_parameter
 
 Group = Optional[dist.ProcessGroup]
@@ -45,6 +44,8 @@ class ColumnParallelLinear(nn.Module):
     output features each rank holds, instead of one contiguous block (a segmented shard, see
     ``tensor_parallel.styles``); weight and bias are split alike. ``communicates = False``: the input is
     already in the tensor-parallel region (an MoE layer's experts, ``tensor_parallel.region``).
+    ``sequence_linear``: how the sequence all-gather and the GEMM run under ``sequence_parallel`` (in turn by
+    default; ``tensor_parallel.overlap`` overlaps them).
     """
 
     communicates = True
@@ -60,6 +61,7 @@ class ColumnParallelLinear(nn.Module):
         gather_output: bool = False,
         pad_to_multiple_of: Optional[int] = None,
         rank_ranges: Optional[RankRanges] = None,
+        sequence_linear: Optional[SequenceParallelLinear] = None,
         device=None,
         dtype=None,
     ) -> None:
@@ -69,6 +71,7 @@ class ColumnParallelLinear(nn.Module):
                              "output order of a segmented shard (rank_ranges); gather in the model instead.")
         self.in_features, self.out_features = in_features, out_features
         self.group, self.sequence_parallel, self.gather_output = group, sequence_parallel, gather_output
+        self.sequence_linear = sequence_linear or SequenceParallelLinear()
         split = dict(pad_to_multiple_of=pad_to_multiple_of, rank_ranges=rank_ranges)
         shard = make_shard(group, dim=0, global_shape=(out_features, in_features), **split)
         self.weight = new_parameter(shard, None, device=device, dtype=dtype)
@@ -79,9 +82,10 @@ class ColumnParallelLinear(nn.Module):
             self.register_parameter("bias", None)
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.communicates:
-            x = gather_from_sequence(x, self.group) if self.sequence_parallel else copy_to_tensor_parallel(x, self.group)
-        y = F.linear(x, self.weight, self.bias)
+        if self.communicates and self.sequence_parallel:
+            y = self.sequence_linear.column(x, self.weight, self.bias, self.group)
+        else:
+            y = F.linear(copy_to_tensor_parallel(x, self.group) if self.communicates else x, self.weight, self.bias)
         return gather_from_tensor_parallel(y, self.group) if self.gather_output else y
 
     def extra_repr(self) -> str:
@@ -90,7 +94,8 @@ class ColumnParallelLinear(nn.Module):
 
 class RowParallelLinear(nn.Module):
     """``y = x A^T + b`` with ``A`` split along its columns; the input arrives already split. ``communicates =
-    False``: the partial outputs stay partial (an enclosing module leaves the region, ``tensor_parallel.region``)."""
+    False``: the partial outputs stay partial (an enclosing module leaves the region, ``tensor_parallel.region``).
+    ``sequence_linear``: how the GEMM and the sequence reduce-scatter run under ``sequence_parallel``."""
 
     communicates = True
 
@@ -102,12 +107,14 @@ class RowParallelLinear(nn.Module):
         *,
         group: Group = None,
         sequence_parallel: bool = False,
+        sequence_linear: Optional[SequenceParallelLinear] = None,
         device=None,
         dtype=None,
     ) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.group, self.sequence_parallel = group, sequence_parallel
+        self.sequence_linear = sequence_linear or SequenceParallelLinear()
         shard = make_shard(group, dim=1, global_shape=(out_features, in_features))
         self.weight = new_parameter(shard, None, device=device, dtype=dtype)
         if bias:
@@ -118,13 +125,12 @@ class RowParallelLinear(nn.Module):
             self.register_parameter("bias", None)
 
     def forward(self, x: Tensor) -> Tensor:
-        y = F.linear(x, self.weight)
         if not self.communicates:
-            return y  # no bias: the plan refuses one inside a region
+            return F.linear(x, self.weight)  # no bias: the plan refuses one inside a region
         if self.sequence_parallel:
-            y = reduce_scatter_to_sequence(y, self.group)
+            y = self.sequence_linear.row(x, self.weight, self.group)
         else:
-            y = reduce_from_tensor_parallel(y, self.group)
+            y = reduce_from_tensor_parallel(F.linear(x, self.weight), self.group)
         # The bias is added once, after the reduction, not once per rank.
         return y if self.bias is None else y + self.bias
 

@@ -65,22 +65,24 @@ def _all_reduce(x: Tensor, group: Group) -> Tensor:
     return x
 
 
-def _gather_into(out: Tensor, x: Tensor, group: Group) -> None:
+def all_gather_into(out: Tensor, x: Tensor, group: Group, async_op: bool = False):
+    """``out`` (``tp`` times ``x`` along dim 0) <- every rank's ``x``; with ``async_op`` the work to wait on."""
     # torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor to *_single.
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    gather(out, x, group=group)
+    return gather(out, x, group=group, async_op=async_op)
 
 
-def _scatter_into(out: Tensor, x: Tensor, group: Group) -> None:
+def reduce_scatter_into(out: Tensor, x: Tensor, group: Group, async_op: bool = False):
+    """``out`` <- this rank's ``1/tp`` (along dim 0) of the sum of every rank's ``x``; with ``async_op`` the work."""
     scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    scatter(out, x, group=group)
+    return scatter(out, x, group=group, async_op=async_op)
 
 
 def _all_gather(x: Tensor, group: Group, dim: int) -> Tensor:
     world = dist.get_world_size(group)
     x = x.movedim(dim, 0).contiguous()
     out = x.new_empty((world * x.shape[0], *x.shape[1:]))
-    _gather_into(out, x, group)
+    all_gather_into(out, x, group)
     return out.movedim(0, dim)
 
 
@@ -93,7 +95,7 @@ def _reduce_scatter(x: Tensor, group: Group, dim: int) -> Tensor:
         )
     x = x.movedim(dim, 0).contiguous()
     out = x.new_empty((x.shape[0] // world, *x.shape[1:]))
-    _scatter_into(out, x, group)
+    reduce_scatter_into(out, x, group)
     return out.movedim(0, dim)
 
 

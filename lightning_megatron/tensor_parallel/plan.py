@@ -67,6 +67,7 @@ from lightning_megatron.tensor_parallel.layers import (
     mark_sequence_parallel_grad,
 )
 from lightning_megatron.tensor_parallel.mappings import gather_sequence_to_replicated, scatter_to_sequence
+from lightning_megatron.tensor_parallel.overlap import SequenceParallelLinear
 from lightning_megatron.tensor_parallel.region import InsideRegion, TensorParallelRegion
 from lightning_megatron.tensor_parallel.sharding import shard_of
 from lightning_megatron.tensor_parallel.styles import LAYOUT_STYLES, PackedColumn, QueryGroupColumn
@@ -106,30 +107,33 @@ def _styles_by_module(module: nn.Module, plan: Mapping[str, Style]) -> dict[str,
     return found
 
 
-def _swap(old: nn.Module, style: Style, name: str, state: ParallelState, vocab_multiple: int) -> nn.Module:
+def _swap(old: nn.Module, style: Style, name: str, state: ParallelState, vocab_multiple: int,
+          sequence_linear: Optional[SequenceParallelLinear]) -> nn.Module:
     group, sequence_parallel = state.tensor_parallel_group, state.config.sequence_parallel
     factory_kwargs = {"device": "meta"}
+    linear_kwargs = dict(factory_kwargs, sequence_linear=sequence_linear)
     if isinstance(old, nn.Linear) and isinstance(style, InsideRegion):
         if old.bias is not None and style.style == "row":
             raise ValueError(f"{name}: a row-parallel layer inside a region has partial outputs until the region is "
                              f"left, so a bias would be added once per rank; build it without a bias.")
-        new = _swap(old, style.style, name, state, vocab_multiple)
+        new = _swap(old, style.style, name, state, vocab_multiple, sequence_linear)
         new.communicates = False
         return new
     if isinstance(old, nn.Linear) and isinstance(style, LAYOUT_STYLES):
         rank_ranges = style.rank_ranges(old.out_features, state.config.tensor_parallel_size, name=name)
         return ColumnParallelLinear(old.in_features, old.out_features, old.bias is not None, group=group,
-                                    sequence_parallel=sequence_parallel, rank_ranges=rank_ranges, **factory_kwargs)
+                                    sequence_parallel=sequence_parallel, rank_ranges=rank_ranges, **linear_kwargs)
     if isinstance(old, nn.Linear) and style in ("column", "row", "vocab"):
         has_bias = old.bias is not None
         if style == "column":
             return ColumnParallelLinear(old.in_features, old.out_features, has_bias, group=group,
-                                        sequence_parallel=sequence_parallel, **factory_kwargs)
+                                        sequence_parallel=sequence_parallel, **linear_kwargs)
         if style == "row":
             return RowParallelLinear(old.in_features, old.out_features, has_bias, group=group,
-                                     sequence_parallel=sequence_parallel, **factory_kwargs)
+                                     sequence_parallel=sequence_parallel, **linear_kwargs)
         return VocabParallelHead(old.in_features, old.out_features, has_bias, group=group,
-                                 sequence_parallel=sequence_parallel, pad_to_multiple_of=vocab_multiple, **factory_kwargs)
+                                 sequence_parallel=sequence_parallel, pad_to_multiple_of=vocab_multiple,
+                                 **linear_kwargs)
     if isinstance(old, nn.Embedding) and style == "vocab":
         if old.padding_idx is not None or old.max_norm is not None or old.sparse:
             raise ValueError(f"{name}: VocabParallelEmbedding supports plain embeddings only (no padding_idx, max_norm, sparse).")
@@ -205,8 +209,12 @@ def parallelize(
     *,
     rng: Optional[TensorParallelRNG] = None,
     pad_vocab_to_multiple_of: int = 128,
+    sequence_linear: Optional[SequenceParallelLinear] = None,
 ) -> nn.Module:
     """Apply ``plan`` to ``module`` in place for the layout in ``state``; returns ``module``.
+
+    ``sequence_linear``: how the swapped column, row and vocab-head linears communicate under sequence
+    parallelism (default: in turn; ``overlap.OverlappedSequenceParallelLinear`` overlaps it with their GEMMs).
 
     Example::
 
@@ -225,7 +233,7 @@ def parallelize(
             raise ValueError(f"{name} has more than one layer style in the plan: {swap_styles}.")
         if swap_styles:
             old = module.get_submodule(name)
-            new = _swap(old, swap_styles[0], name, state, pad_vocab_to_multiple_of)
+            new = _swap(old, swap_styles[0], name, state, pad_vocab_to_multiple_of, sequence_linear)
             _copy_existing_values(old, new)
             _set_submodule(module, name, new)
 

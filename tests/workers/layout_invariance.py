@@ -1,13 +1,14 @@
 """Train the tiny GPT for a few steps under several layouts over the same processes.
 
 argv: OUT_DIR LAYOUTS, where LAYOUTS is a comma list of
-``[llama-|mqa-|deep-][doc-][pp{P}-][vpp{V}-]tp{T}-dp{D}[-sp][-mb{M}][-SCHEDULE][-z{Z}][-ogather][-sgd]``: ``doc``:
+``[llama-|mqa-|deep-][doc-][pp{P}-][vpp{V}-]tp{T}-dp{D}[-sp][-mb{M}][-SCHEDULE][-z{Z}][-ogather][-sgd][-tpo]``: ``doc``:
 packed samples with Megatron-LM's document masks (position ids and attention confined to each document); M
 micro-batches per step (without pipelining, a loop of backward passes; with it, the schedule's micro-batches),
 SCHEDULE one of ``gpipe``, ``zb`` (interleaved zero bubble), ``zbv``, ``dualpipev`` (default: 1F1B, interleaved
 with vpp), ZeRO stage Z, ``ogather``: its parameter all-gathers overlapped with the next forward
 (``overlap_param_gather``; the last dp rank starts its gathers late, so the other ranks' forwards and final weights
-must wait for theirs), SGD with momentum instead of AdamW. For each
+must wait for theirs), SGD with momentum instead of AdamW, ``tpo``: tp_comm_overlap (the sequence-parallel
+collectives overlapped with the GEMMs). For each
 layout, rank 0 writes the losses and the full (gathered) weights to ``{layout}.pt``; the
 pytest process compares them with a single-process reference.
 """
@@ -31,17 +32,20 @@ from lightning_megatron.pipeline import PipelineLayout
 from lightning_megatron.pipeline.runner import PipelineRunner
 from lightning_megatron.pipeline.stage import split_for_pipeline
 from lightning_megatron.tensor_parallel import parallelize
+from lightning_megatron.tensor_parallel.overlap import overlapped_linear_for
 
-LAYOUT = re.compile(r"(?:(llama|mqa|deep)-)?(doc-)?(?:pp(\d+)-)?(?:vpp(\d+)-)?tp(\d+)-dp(\d+)(-sp)?(?:-mb(\d+))?(?:-(gpipe|zb|zbv|dualpipev))?(?:-z(\d))?(-ogather)?(-sgd)?")
+LAYOUT = re.compile(r"(?:(llama|mqa|deep)-)?(doc-)?(?:pp(\d+)-)?(?:vpp(\d+)-)?tp(\d+)-dp(\d+)(-sp)?(?:-mb(\d+))?"
+                    r"(?:-(gpipe|zb|zbv|dualpipev))?(?:-z(\d))?(-ogather)?(-sgd)?(-tpo)?")
 SCHEDULE_NAMES = {"zb": "interleaved_zero_bubble"}
 
 
-def build(state: ParallelState, virtual: int, schedule: str, micro_batches: int, config=CONFIG):
+def build(state: ParallelState, virtual: int, schedule: str, micro_batches: int, config=CONFIG, tp_overlap=False):
     """The model as the strategy builds it: meta, tensor-parallel plan, pipeline split, materialise."""
     with torch.device("meta"):
         model = GPTModel(config)
     rng = TensorParallelRNG(SEED, state.tensor_parallel_rank, torch.device("cpu"))
-    parallelize(model, model.tensor_parallel_plan(), state, rng=rng)
+    parallelize(model, model.tensor_parallel_plan(), state, rng=rng,
+                sequence_linear=overlapped_linear_for(state.config, tp_overlap))
     runner = None
     pp = state.config.pipeline_parallel_size
     if pp > 1:
@@ -65,11 +69,11 @@ def train(layout: str) -> tuple[list[float], dict]:
     pp, virtual, tp, dp = int(match[3] or 1), int(match[4] or 1), int(match[5]), int(match[6])
     sp, micro_batches = bool(match[7]), int(match[8] or 1)
     schedule = SCHEDULE_NAMES.get(match[9], match[9]) or ("interleaved_1f1b" if virtual > 1 else "1f1b")
-    zero_stage, overlap, sgd = int(match[10] or 0), bool(match[11]), bool(match[12])
+    zero_stage, overlap, sgd, tp_overlap = int(match[10] or 0), bool(match[11]), bool(match[12]), bool(match[13])
     config = ParallelConfig(tensor_parallel_size=tp, pipeline_parallel_size=pp, data_parallel_size=dp,
                             sequence_parallel=sp, virtual_pipeline_size=virtual, zero_stage=zero_stage)
     state = ParallelState.create(config, "cpu")
-    model, runner = build(state, virtual, schedule, micro_batches, model_config)
+    model, runner = build(state, virtual, schedule, micro_batches, model_config, tp_overlap)
     params = list(model.parameters())
     opt = sgd_optimizer(params) if sgd else optimizer(params)
     sync = GradientSynchronizer(params, data_parallel_group=state.data_parallel_group, bucket_size_mb=0.01,

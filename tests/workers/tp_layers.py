@@ -28,9 +28,11 @@ from lightning_megatron.tensor_parallel import (
     VocabParallelCrossEntropy,
     VocabParallelEmbedding,
     VocabParallelHead,
+    full_sequences,
     gather_from_tensor_parallel,
     parallelize,
 )
+from lightning_megatron.tensor_parallel.overlap import OverlappedSequenceParallelLinear
 
 out_dir = Path(sys.argv[1])
 dist.init_process_group("gloo")
@@ -57,10 +59,15 @@ plain = nn.Linear(H, OUT)
 y_ref = plain(x_full.requires_grad_())
 y_ref.backward(grad_full)
 
-for sequence_parallel in (False, True):
-    tag = "_sp" if sequence_parallel else ""
+# Sequence parallelism also with the collectives overlapped with the GEMMs (tp_comm_overlap), the row layer's GEMM
+# and reduce-scatter in 2 pieces (each rank's chunk of 4 positions cut in 2).
+OVERLAPS = {"": None, "_tpo": OverlappedSequenceParallelLinear(),
+            "_tpo2": OverlappedSequenceParallelLinear(row_chunks=2)}
+for sequence_parallel, overlap in [(False, ""), (True, ""), (True, "_tpo"), (True, "_tpo2")]:
+    tag = ("_sp" if sequence_parallel else "") + overlap
+    linear_kwargs = dict(group=group, sequence_parallel=sequence_parallel, sequence_linear=OVERLAPS[overlap])
     # Column-parallel: output features split.
-    col = ColumnParallelLinear(H, OUT, group=group, sequence_parallel=sequence_parallel)
+    col = ColumnParallelLinear(H, OUT, **linear_kwargs)
     col.weight.data.copy_(shard(plain.weight.data, 0))
     col.bias.data.copy_(shard(plain.bias.data, 0))
     x = (shard(x_full.detach(), 1) if sequence_parallel else x_full.detach()).clone().requires_grad_()
@@ -72,7 +79,7 @@ for sequence_parallel in (False, True):
     err("column_bias_grad" + tag, col.bias.grad, shard(plain.bias.grad, 0))
 
     # Row-parallel: input features split; output reduced (or reduce-scattered over the sequence).
-    row = RowParallelLinear(H, OUT, group=group, sequence_parallel=sequence_parallel)
+    row = RowParallelLinear(H, OUT, **linear_kwargs)
     row.weight.data.copy_(shard(plain.weight.data, 1))
     row.bias.data.copy_(plain.bias.data)
     x = shard(x_full.detach(), 2).clone().requires_grad_()
@@ -85,6 +92,19 @@ for sequence_parallel in (False, True):
     if sequence_parallel:
         dist.all_reduce(bias_grad, group=group)  # what the gradient synchroniser does for marked params
     err("row_bias_grad" + tag, bias_grad, plain.bias.grad)
+
+# Whole sequences (generation's full_sequences): the overlapped layers act as plain tensor parallelism, on any length.
+whole_sequences = {}
+with full_sequences(), torch.no_grad():
+    odd = x_full[:, :5]  # 5 positions: no sequence split of 2 ranks
+    col = ColumnParallelLinear(H, OUT, group=group, sequence_parallel=True, sequence_linear=OVERLAPS["_tpo"])
+    col.weight.data.copy_(shard(plain.weight.data, 0))
+    col.bias.data.copy_(shard(plain.bias.data, 0))
+    whole_sequences["column"] = bool((col(odd) - shard(plain(odd), 2)).abs().max() < 1e-5)
+    row = RowParallelLinear(H, OUT, group=group, sequence_parallel=True, sequence_linear=OVERLAPS["_tpo2"])
+    row.weight.data.copy_(shard(plain.weight.data, 1))
+    row.bias.data.copy_(plain.bias.data)
+    whole_sequences["row"] = bool((row(shard(odd, 2)) - plain(odd)).abs().max() < 1e-5)
 
 # Column with gathered output.
 col = ColumnParallelLinear(H, OUT, group=group, gather_output=True)
@@ -207,15 +227,18 @@ LAYER_CONFIGS = {
     "mqa": GPTConfig.from_name("llama-tiny", hidden_size=H, ffn_hidden_size=24, num_query_groups=1),
 }
 layer_counts = {}
-for layout, layer_state in [(f"{model}_{kind}", kind_state) for model in LAYER_CONFIGS
-                            for kind, kind_state in (("tp", state), ("tp_sp", sp_state))]:
+KINDS = (("tp", state, None), ("tp_sp", sp_state, None), ("tp_sp_tpo", sp_state, OVERLAPS["_tpo"]),
+         ("tp_sp_tpo2", sp_state, OVERLAPS["_tpo2"]))
+for layout, layer_state, overlap in [(f"{model}_{kind}", kind_state, overlap) for model in LAYER_CONFIGS
+                                     for kind, kind_state, overlap in KINDS]:
     torch.manual_seed(1)
     config = LAYER_CONFIGS[layout.split("_")[0]]
     layer = gpt_layer(config)
     plan = layer_tensor_parallel_plan("layer", num_heads=config.num_heads, num_query_groups=config.num_query_groups,
                                       gated_mlp=config.activation == "swiglu")
-    parallelize(layer, {k.replace("layer.", ""): v for k, v in plan.items() if k != "layer"}, layer_state)
-    seq = S // world if layout.endswith("_tp_sp") else S
+    parallelize(layer, {k.replace("layer.", ""): v for k, v in plan.items() if k != "layer"}, layer_state,
+                sequence_linear=overlap)
+    seq = S // world if "_tp_sp" in layout else S
     x = torch.randn(B, seq, H, requires_grad=True)
     for name in COLLECTIVES:
         setattr(dist, name, counting(name))
@@ -267,6 +290,7 @@ for name, dropout in regions.items():
     same_mask[name] = all(torch.equal(masks[0], m) for m in masks)
 
 (out_dir / f"rank{rank}.json").write_text(json.dumps({"errors": errors, "counts": layer_counts, "step_counts": step_counts, "same_dropout_mask": same_mask,
+                                                         "whole_sequences": whole_sequences,
                                                          "pad1": pad1}))
 dist.barrier()
 os._exit(0)  # skip gloo's C++ teardown: with several meshes alive it aborts at random (torch 2.13)

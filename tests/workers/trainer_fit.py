@@ -51,7 +51,7 @@ strategy = Megatron3DStrategy(
     virtual_pipeline_size=options.get("vpp", 1), pipeline_schedule=options.get("schedule", "1f1b"),
     zero_stage=options.get("zero_stage", 0), activation_checkpointing=options.get("recompute", "none"),
     checkpoint_checksums=options.get("checksums", False), overlap_param_gather=options.get("overlap", False),
-    checkpoint_format=options.get("checkpoint_format", "sharded"),
+    checkpoint_format=options.get("checkpoint_format", "sharded"), tp_comm_overlap=options.get("tp_comm_overlap", False),
 )
 class GenerateAtValidation(L.Callback):
     """Generation from a callback inside fit, as a user samples text during training: every rank calls it, under the
@@ -98,7 +98,9 @@ trainer.save_checkpoint(out_dir / "last.ckpt")
 if rank == 0:
     torch.save(weights, out_dir / "weights.pt")
 result = {"losses": losses, "val_loss": val_loss, "val_losses": val_losses, "test_loss": test_loss, "predicted": predicted,
-          "sampler_replicas": trainer.strategy.distributed_sampler_kwargs["num_replicas"]}
+          "sampler_replicas": trainer.strategy.distributed_sampler_kwargs["num_replicas"],
+          "sequence_linears": sorted({type(m.sequence_linear).__name__ for m in trainer.lightning_module.modules()
+                                      if hasattr(m, "sequence_linear")})}
 if options.get("timeline"):
     result["bubble"] = {"measured": timeline.measured, "theory": timeline.theory}
 (out_dir / f"rank{rank}.json").write_text(json.dumps(result))

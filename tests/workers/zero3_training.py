@@ -2,13 +2,13 @@
 
 argv: OUT_DIR LAYOUTS, where LAYOUTS is a comma list of ``bytes`` (``zero3_bytes.measure_bytes``,
 in the same processes to save a launch) and
-``[llama-|mqa-][pp{P}-]tp{T}-dp{D}[-sp][-mb{M}][-nosync][-pre][-sgd]``: P pipeline stages (1F1B, the
+``[llama-|mqa-][pp{P}-]tp{T}-dp{D}[-sp][-mb{M}][-nosync][-pre][-sgd][-tpo]``: P pipeline stages (1F1B, the
 embedding and head in groups of their own), M micro-batches per step (``-nosync``:
 accumulate unsharded gradients and reduce-scatter only on the last; otherwise reduce-scatter
 every micro-batch; with micro-batches the backward is mean-sized, its factor divided out by
 ``finish(backward_scale=...)``), ``-pre``: materialise the tp shards before sharding over dp (otherwise
 ``ZeRO3.initialize`` materialises only the dp chunks from the meta device), SGD with
-momentum instead of AdamW. fp32 throughout. For each layout rank 0 writes the losses and the
+momentum instead of AdamW, ``-tpo``: tp_comm_overlap. fp32 throughout. For each layout rank 0 writes the losses and the
 full (gathered) weights to ``{layout}.pt``; the pytest process compares them with the
 single-process reference. The first training layout also checks that ``load_full_state_dict`` round-trips.
 """
@@ -35,16 +35,18 @@ from lightning_megatron.pipeline import PipelineLayout
 from lightning_megatron.pipeline.runner import PipelineRunner
 from lightning_megatron.pipeline.stage import split_for_pipeline
 from lightning_megatron.tensor_parallel import parallelize
+from lightning_megatron.tensor_parallel.overlap import overlapped_linear_for
 
-LAYOUT = re.compile(r"(?:(llama|mqa|moe)-)?(?:pp(\d+)-)?tp(\d+)-dp(\d+)(-sp)?(?:-mb(\d+))?(-nosync)?(-pre)?(-sgd)?")
+LAYOUT = re.compile(r"(?:(llama|mqa|moe)-)?(?:pp(\d+)-)?tp(\d+)-dp(\d+)(-sp)?(?:-mb(\d+))?(-nosync)?(-pre)?(-sgd)?(-tpo)?")
 
 
-def build(state: ParallelState, pre: bool, micro_batches: int = 1, config=CONFIG):
+def build(state: ParallelState, pre: bool, micro_batches: int = 1, config=CONFIG, overlap: bool = False):
     """As the strategy would: meta, tp plan, pipeline split, ZeRO-3 on the meta device, materialise."""
     with torch.device("meta"):
         model = GPTModel(config)
     rng = TensorParallelRNG(SEED, state.tensor_parallel_rank, torch.device("cpu"))
-    parallelize(model, model.tensor_parallel_plan(), state, rng=rng)
+    parallelize(model, model.tensor_parallel_plan(), state, rng=rng,
+                sequence_linear=overlapped_linear_for(state.config, overlap))
     pp, blocks, other_groups = state.config.pipeline_parallel_size, GPTModel.pipeline_blocks(), None
     if pp > 1:
         layout = PipelineLayout(num_layers=config.num_layers, pipeline_parallel_size=pp)
@@ -72,7 +74,7 @@ def train(layout: str, check_load: bool):
     config = ParallelConfig(tensor_parallel_size=tp, pipeline_parallel_size=pp, data_parallel_size=dp,
                             sequence_parallel=sp)
     state = ParallelState.create(config, "cpu")
-    model, zero3, runner = build(state, pre, micro_batches, model_config)
+    model, zero3, runner = build(state, pre, micro_batches, model_config, overlap=bool(match[10]))
     params = list(model.parameters())
     assert all(isinstance(p, DTensor) for p in params), "fully_shard should have made every parameter a DTensor"
     opt = sgd_optimizer(params) if sgd else optimizer(params)
