@@ -17,7 +17,7 @@ def test_pipeline_bubble_benchmark_prints_its_table(tmp_path):
     )
     assert result.returncode == 0, result.stderr[-3000:]
     rows = [line.split() for line in result.stdout.splitlines()]
-    assert {row[0] for row in rows if row} >= {"gpipe", "1f1b", "interleaved_1f1b"}
+    assert {row[0] for row in rows if row} >= {"gpipe", "1f1b", "interleaved_1f1b", "interleaved_zero_bubble", "zbv", "dualpipev"}
     assert (tmp_path / "timeline.png").stat().st_size > 10_000
 
 
