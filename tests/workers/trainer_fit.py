@@ -33,7 +33,7 @@ strategy = Megatron3DStrategy(
     tensor_parallel_size=options["tp"], sequence_parallel=options.get("sp", False), bucket_size_mb=0.01,
     pipeline_parallel_size=options.get("pp", 1), micro_batch_size=options.get("micro_batch_size", 1),
     zero_stage=options.get("zero_stage", 0), activation_checkpointing=options.get("recompute", "none"),
-    checkpoint_checksums=options.get("checksums", False),
+    checkpoint_checksums=options.get("checksums", False), compile=options.get("compile", False),
 )
 class GenerateAtValidation(L.Callback):
     """Generation from a callback inside fit, as a user samples text during training: every rank calls it, under the
