@@ -4,12 +4,17 @@ argv: OUT_DIR LAYOUTS, where LAYOUTS is a comma list of
 ``[llama-|mqa-][doc-][pp{P}-][vpp{V}-]tp{T}-dp{D}[-sp][-mb{M}][-gpipe][-z{Z}][-sgd]``: ``doc``: packed samples with
 Megatron-LM's document masks (position ids and attention confined to each document); M micro-batches per step
 (without pipelining, a loop of backward passes; with it, the schedule's micro-batches),
-ZeRO stage Z, SGD with momentum instead of AdamW. For each
+ZeRO stage Z, SGD with momentum instead of AdamW; ``-compile`` (inductor) or ``-compile_aot`` (aot_eager):
+regional compilation of every layer, ``-rc``: full recomputation (of the compiled layer); ``-fused`` / ``-foreach``:
+AdamW's fused or multi-tensor implementation (rebound to the fp32 pieces under ZeRO). For each
 layout, rank 0 writes the losses and the full (gathered) weights to ``{layout}.pt``; the
 pytest process compares them with a single-process reference.
 """
 
+import json
 import re
+import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -26,17 +31,23 @@ from lightning_megatron.parallel.initialize import initialize_parameters
 from lightning_megatron.pipeline import PipelineLayout
 from lightning_megatron.pipeline.runner import PipelineRunner
 from lightning_megatron.pipeline.stage import split_for_pipeline
+from lightning_megatron.preparation import apply_recompute, compile_blocks
 from lightning_megatron.tensor_parallel import parallelize
+from torch._dynamo.utils import counters
 
-LAYOUT = re.compile(r"(?:(llama|mqa)-)?(doc-)?(?:pp(\d+)-)?(?:vpp(\d+)-)?tp(\d+)-dp(\d+)(-sp)?(?:-mb(\d+))?(-gpipe)?(?:-z(\d))?(-sgd)?")
+LAYOUT = re.compile(r"(?:(llama|mqa)-)?(doc-)?(?:pp(\d+)-)?(?:vpp(\d+)-)?tp(\d+)-dp(\d+)(-sp)?(?:-mb(\d+))?(-gpipe)?(?:-z(\d))?(-sgd)?(?:-(compile|compile_aot))?(-rc)?(?:-(fused|foreach))?")
 
 
-def build(state: ParallelState, virtual: int, schedule: str, micro_batches: int, config=CONFIG):
-    """The model as the strategy builds it: meta, tensor-parallel plan, pipeline split, materialise."""
+def build(state: ParallelState, virtual: int, schedule: str, micro_batches: int, config=CONFIG, compile=None,
+          recompute="none"):
+    """The model as the strategy builds it: meta, tensor-parallel plan, (compile, recompute,) pipeline split,
+    materialise."""
     with torch.device("meta"):
         model = GPTModel(config)
     rng = TensorParallelRNG(SEED, state.tensor_parallel_rank, torch.device("cpu"))
     parallelize(model, model.tensor_parallel_plan(), state, rng=rng)
+    compile_blocks(model, compile, state.config, recompute)
+    apply_recompute(model, recompute, rng)
     runner = None
     pp = state.config.pipeline_parallel_size
     if pp > 1:
@@ -60,12 +71,17 @@ def train(layout: str) -> tuple[list[float], dict]:
     sp, micro_batches = bool(match[7]), int(match[8] or 1)
     schedule = "gpipe" if match[9] else ("interleaved_1f1b" if virtual > 1 else "1f1b")
     zero_stage, sgd = int(match[10] or 0), bool(match[11])
+    compile = {"compile": {}, "compile_aot": {"backend": "aot_eager"}}.get(match[12])
+    if compile is not None:
+        torch._dynamo.reset()  # this layout's compilations alone in the counters
+        counters.clear()
     config = ParallelConfig(tensor_parallel_size=tp, pipeline_parallel_size=pp, data_parallel_size=dp,
                             sequence_parallel=sp, virtual_pipeline_size=virtual, zero_stage=zero_stage)
     state = ParallelState.create(config, "cpu")
-    model, runner = build(state, virtual, schedule, micro_batches, model_config)
+    model, runner = build(state, virtual, schedule, micro_batches, model_config, compile, "full" if match[13] else "none")
     params = list(model.parameters())
-    opt = sgd_optimizer(params) if sgd else optimizer(params)
+    implementation = {match[14]: True} if match[14] else {}
+    opt = sgd_optimizer(params) if sgd else optimizer(params, **implementation)
     sync = GradientSynchronizer(params, data_parallel_group=state.data_parallel_group, bucket_size_mb=0.01,
                                 zero_stage=zero_stage, partial_grad_groups=partial_grad_groups(params, state))
     main = MainParamOptimizer(opt, sync) if uses_main_params(params, zero_stage) else None
@@ -107,6 +123,10 @@ def train(layout: str) -> tuple[list[float], dict]:
     weights = merge_pipeline_stages(gather_full_state_dict(model, state.tensor_parallel_group),
                                     state.pipeline_parallel_group)
     sync.remove()
+    if compile is not None:  # what dynamo made of the layers: graphs, breaks, recompilations
+        dynamo = {"graphs": counters["stats"]["unique_graphs"], "frames": counters["frames"]["ok"],
+                  "graph_breaks": sum(counters["graph_break"].values()), "recompiles": sum(counters["recompiles"].values())}
+        (Path(sys.argv[1]) / f"{layout}-dynamo{dist.get_rank()}.json").write_text(json.dumps(dynamo))
     return losses, weights
 
 
