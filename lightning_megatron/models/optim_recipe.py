@@ -54,7 +54,8 @@ def warmup_cosine_factor(
 ADAM_IMPLEMENTATIONS = ("auto", "fused", "foreach", "for_loop")
 
 
-def adamw_implementation(params: list[torch.Tensor], implementation: str = "auto") -> dict[str, bool]:
+def adamw_implementation(params: list[torch.Tensor], implementation: str = "auto", *,
+                         grad_scaler: bool = False) -> dict[str, bool]:
     """AdamW's ``fused``/``foreach`` arguments for ``implementation``.
 
     ``"auto"``: one fused kernel per step over all tensors (torch has it for CPU and CUDA) when every parameter
@@ -63,12 +64,15 @@ def adamw_implementation(params: list[torch.Tensor], implementation: str = "auto
     (``benchmarks/optimizer_step.py`` measures the three). The choice is made on the model's parameters and
     kept in the param groups, so it also applies once the distributed optimizer rebinds them to fp32 pieces
     (``optim.main_params``), which are floating-point tensors of the same device or, offloaded, of the CPU.
+    ``grad_scaler``: the Trainer scales the loss with a ``GradScaler`` (``16-mixed``); ``"auto"`` then takes
+    foreach, because Lightning clips after unscaling the gradients itself and refuses a fused optimizer, which
+    would unscale them inside its step.
     """
     if implementation not in ADAM_IMPLEMENTATIONS:
         raise ValueError(f"adam_implementation={implementation!r} is not one of {ADAM_IMPLEMENTATIONS}.")
     if implementation == "auto":
         fused_devices = torch.utils._foreach_utils._get_fused_kernels_supported_devices()
-        fusable = all(p.is_floating_point() and p.device.type in fused_devices for p in params)
+        fusable = not grad_scaler and all(p.is_floating_point() and p.device.type in fused_devices for p in params)
         implementation = "fused" if fusable else "foreach"
     return {"fused": implementation == "fused", "foreach": implementation == "foreach"}
 
@@ -101,7 +105,7 @@ def adamw_warmup_cosine(
         lr=learning_rate,
         betas=betas,
         eps=eps,
-        **adamw_implementation(params, implementation),
+        **adamw_implementation(params, implementation, grad_scaler=_scales_gradients(module)),
     )
     total_steps = _training_horizon(module, warmup_steps)
     factor = warmup_cosine_factor(
@@ -109,6 +113,11 @@ def adamw_warmup_cosine(
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
     return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def _scales_gradients(module: L.LightningModule) -> bool:
+    """Whether the Trainer's precision plugin scales the loss with a ``GradScaler`` (``16-mixed``)."""
+    return module._trainer is not None and getattr(module.trainer.precision_plugin, "scaler", None) is not None
 
 
 def _training_horizon(module: L.LightningModule, warmup_steps: int) -> Optional[int]:
