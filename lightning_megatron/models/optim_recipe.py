@@ -16,6 +16,7 @@ from typing import Any, Callable, Mapping, Optional, Union
 
 import lightning as L
 import torch
+from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
@@ -55,7 +56,7 @@ ADAM_IMPLEMENTATIONS = ("auto", "fused", "foreach", "for_loop")
 
 
 def adamw_implementation(params: list[torch.Tensor], implementation: str = "auto", *,
-                         grad_scaler: bool = False) -> dict[str, bool]:
+                         mixed_precision: bool = False) -> dict[str, bool]:
     """AdamW's ``fused``/``foreach`` arguments for ``implementation``.
 
     ``"auto"``: one fused kernel per step over all tensors (torch has it for CPU and CUDA) when every parameter
@@ -64,15 +65,15 @@ def adamw_implementation(params: list[torch.Tensor], implementation: str = "auto
     (``benchmarks/optimizer_step.py`` measures the three). The choice is made on the model's parameters and
     kept in the param groups, so it also applies once the distributed optimizer rebinds them to fp32 pieces
     (``optim.main_params``), which are floating-point tensors of the same device or, offloaded, of the CPU.
-    ``grad_scaler``: the Trainer scales the loss with a ``GradScaler`` (``16-mixed``); ``"auto"`` then takes
-    foreach, because Lightning clips after unscaling the gradients itself and refuses a fused optimizer, which
-    would unscale them inside its step.
+    ``mixed_precision``: the Trainer runs Lightning's ``MixedPrecision`` plugin (``16-mixed``, ``bf16-mixed``);
+    ``"auto"`` then takes foreach, because that plugin refuses to clip the gradients of a fused optimizer (which
+    could unscale fp16 gradients inside its step).
     """
     if implementation not in ADAM_IMPLEMENTATIONS:
         raise ValueError(f"adam_implementation={implementation!r} is not one of {ADAM_IMPLEMENTATIONS}.")
     if implementation == "auto":
         fused_devices = torch.utils._foreach_utils._get_fused_kernels_supported_devices()
-        fusable = not grad_scaler and all(p.is_floating_point() and p.device.type in fused_devices for p in params)
+        fusable = not mixed_precision and all(p.is_floating_point() and p.device.type in fused_devices for p in params)
         implementation = "fused" if fusable else "foreach"
     return {"fused": implementation == "fused", "foreach": implementation == "foreach"}
 
@@ -105,7 +106,7 @@ def adamw_warmup_cosine(
         lr=learning_rate,
         betas=betas,
         eps=eps,
-        **adamw_implementation(params, implementation, grad_scaler=_scales_gradients(module)),
+        **adamw_implementation(params, implementation, mixed_precision=_lightning_mixed_precision(module)),
     )
     total_steps = _training_horizon(module, warmup_steps)
     factor = warmup_cosine_factor(
@@ -115,9 +116,9 @@ def adamw_warmup_cosine(
     return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
-def _scales_gradients(module: L.LightningModule) -> bool:
-    """Whether the Trainer's precision plugin scales the loss with a ``GradScaler`` (``16-mixed``)."""
-    return module._trainer is not None and getattr(module.trainer.precision_plugin, "scaler", None) is not None
+def _lightning_mixed_precision(module: L.LightningModule) -> bool:
+    """Whether the Trainer runs Lightning's ``MixedPrecision`` plugin (``16-mixed``, ``bf16-mixed``)."""
+    return module._trainer is not None and isinstance(module.trainer.precision_plugin, MixedPrecision)
 
 
 def _training_horizon(module: L.LightningModule, warmup_steps: int) -> Optional[int]:
