@@ -7,6 +7,7 @@ from torch._dynamo.utils import counters
 
 from workers.recompute_setup import CONFIG, LAYERS, SEED, max_deviation, two_steps
 from lightning_megatron import Megatron3DStrategy
+from lightning_megatron.generation import generate
 from lightning_megatron.models import GPTModel
 from lightning_megatron.parallel import ParallelConfig
 from lightning_megatron.parallel.recompute import apply_activation_checkpointing
@@ -60,3 +61,14 @@ def test_compiling_after_recomputation_is_refused():
     model = apply_activation_checkpointing(GPTModel(CONFIG), mode="full", layer_pattern=LAYERS)
     with pytest.raises(ValueError, match=r"blocks.0 \(TransformerLayer\) already has its own `forward`.*before activation"):
         compile_layers(model, LAYERS, {})
+
+
+def test_generation_with_compiled_layers_gives_the_eager_tokens():
+    """The key/value cache and the changing sequence lengths of generation go through the compiled layers."""
+    torch.manual_seed(SEED)
+    eager = GPTModel(CONFIG).eval()
+    compiled = GPTModel(CONFIG).eval()
+    compiled.load_state_dict(eager.state_dict())
+    compile_layers(compiled, LAYERS, {"backend": "aot_eager"})
+    prompts = [[5, 9, 12], [40, 3]]
+    assert generate(compiled, prompts, max_new_tokens=6) == generate(eager, prompts, max_new_tokens=6)
