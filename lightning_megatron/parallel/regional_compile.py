@@ -11,8 +11,11 @@ What dynamo makes of the rest of a layer (torch 2.13, measured on a 2-layer GPT,
   reduce-scatter) are autograd functions calling ``torch.distributed`` collectives: dynamo traces them,
   forward and backward, into the layer's graphs without a break.
 - The per-rank dropout stream's fork (``tensor_parallel.plan._run_in_fork``) is kept out of tracing and runs
-  eagerly; each attention's fork is one graph break (three graphs a layer, or one under sequence
-  parallelism, where the layer's own fork, outside the compiled forward, makes attention's a no-op).
+  eagerly: attention's enter and leave hooks each break the graph, three graphs a layer at every layout
+  (measured at tp1 x dp2, tp2 + sequence parallelism, pp2: 3 graphs for 4 layers, no recompilation). Traced,
+  the fork would break inside a hook, where dynamo cannot resume (the layer falls back to eager), and the
+  always-called hook's id would be a guard: every layer compiled again, and past torch's recompile limit (8)
+  the rest run eagerly.
 
 Compiled dropout draws other masks than eager dropout (inductor and AOT's decompositions use their own random
 ops), from the same per-rank streams; with dropout off the compiled model computes the eager model's function.
