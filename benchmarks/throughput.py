@@ -74,7 +74,11 @@ VARIANTS = (
     Variant("megatron_tp1", "Megatron3DStrategy tp=1", 1, baseline="plain"),
     Variant("model_parallel_tp2", "ModelParallelStrategy tp=2 (DTensor)", 2),
     Variant("megatron_tp2", "Megatron3DStrategy tp=2", 2, baseline="model_parallel_tp2"),
+    # Regional compilation (``compile=True``: inductor, each layer's forward); not run unless named in --only.
+    Variant("megatron_tp1_compiled", "Megatron3DStrategy tp=1 compile=True", 1, baseline="megatron_tp1"),
+    Variant("megatron_tp2_compiled", "Megatron3DStrategy tp=2 compile=True", 2, baseline="megatron_tp2"),
 )
+COMPILED = ("megatron_tp1_compiled", "megatron_tp2_compiled")
 
 
 # ---------------------------------------------------------------------------- arguments
@@ -439,9 +443,10 @@ def run_lightning(args: argparse.Namespace, device: torch.device, module: L.Ligh
     return stopwatch.stopwatch.step_seconds(), memory.peak_bytes(), stopwatch.last_loss.item()
 
 
-def run_megatron(args: argparse.Namespace, device: torch.device, tensor_parallel_size: int) -> Measurement:
+def run_megatron(args: argparse.Namespace, device: torch.device, tensor_parallel_size: int,
+                 compile: bool = False) -> Measurement:
     strategy = Megatron3DStrategy(tensor_parallel_size=tensor_parallel_size, pad_vocab_to_multiple_of=args.pad_vocab,
-                                  on_nonfinite=getattr(args, "on_nonfinite", "error"))
+                                  on_nonfinite=getattr(args, "on_nonfinite", "error"), compile=compile)
     return run_lightning(args, device, make_module(args), strategy, devices=tensor_parallel_size)
 
 
@@ -456,6 +461,8 @@ WORKERS: dict[str, Callable[[argparse.Namespace, torch.device], Measurement]] = 
     "megatron_tp1": partial(run_megatron, tensor_parallel_size=1),
     "model_parallel_tp2": run_model_parallel,
     "megatron_tp2": partial(run_megatron, tensor_parallel_size=2),
+    "megatron_tp1_compiled": partial(run_megatron, tensor_parallel_size=1, compile=True),
+    "megatron_tp2_compiled": partial(run_megatron, tensor_parallel_size=2, compile=True),
 }
 
 
@@ -626,7 +633,7 @@ def describe(args: argparse.Namespace) -> str:
 
 def runnable_variants(args: argparse.Namespace) -> list[Variant]:
     """The variants asked for that this machine can run (a CUDA run needs a GPU per process)."""
-    variants = [v for v in VARIANTS if not args.only or v.key in args.only]
+    variants = [v for v in VARIANTS if v.key in args.only] if args.only else [v for v in VARIANTS if v.key not in COMPILED]
     if args.device != "cuda":
         return variants
     gpus = torch.cuda.device_count()

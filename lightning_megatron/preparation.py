@@ -6,7 +6,12 @@ on the one before):
 1. ``parallelize(module, module.tensor_parallel_plan(), ...)``: swap Linear/Embedding for the
    column/row/vocab-parallel layers; their parameters are still on the meta device. ``tp_comm_overlap``:
    their sequence-parallel collectives overlap their GEMMs (``tensor_parallel.overlap``).
-2. :func:`apply_recompute`: wrap the transformer layers for activation recomputation. After the
+2. :func:`compile_blocks` (``compile``): ``torch.compile`` of each transformer layer's forward (regional
+   compilation, ``parallel.regional_compile``). After the swaps, before recomputation: the checkpoint then
+   wraps the compiled forward (dynamo cannot compile through our checkpoint, which replays the per-rank
+   dropout stream in Python), and before ZeRO-3's ``fully_shard`` and the pipeline split (FSDP's hooks stay
+   eager around it; every rank checks every layer).
+   :func:`apply_recompute`: wrap the transformer layers for activation recomputation. After the
    swaps (a swapped layer would lose the wrapper), before the pipeline split (so that every
    rank checks every layer and fails alike).
 3. :func:`apply_expert_parallel` (``expert_parallel_size > 1``): keep this rank's experts of every
@@ -39,11 +44,13 @@ from lightning_megatron.context_parallel.apply import BatchSplitter, apply_conte
 from lightning_megatron.expert_parallel import apply_expert_parallel, wire_auxiliary_losses
 from lightning_megatron.expert_parallel.apply import auxiliary_losses
 from lightning_megatron.optim.zero3 import ZeRO3, apply_zero3
+from lightning_megatron.parallel.config import ParallelConfig
 from lightning_megatron.parallel.diagnostics import warn_if_replicated
 from lightning_megatron.parallel.initialize import initialize_parameters
 from lightning_megatron.parallel.lightning_features import PreparedModel
 from lightning_megatron.parallel.random import TensorParallelRNG
 from lightning_megatron.parallel.recompute import apply_activation_checkpointing
+from lightning_megatron.parallel.regional_compile import check_compile_layout, compile_layers
 from lightning_megatron.parallel.state import ParallelState
 from lightning_megatron.pipeline.blocks import PipelineBlocks
 from lightning_megatron.pipeline.inference import PipelineInference
@@ -66,13 +73,27 @@ def _blocks(module: nn.Module, needed_for: str) -> PipelineBlocks:
     return module.pipeline_blocks()
 
 
+def _layers_pattern(module: nn.Module, needed_for: str) -> str:
+    """The plan pattern (``model.blocks.*``) of the ``pipeline_blocks()`` layers, relative to ``module``."""
+    blocks = _blocks(module, needed_for)
+    return f"{blocks.root}.{blocks.layers}.*" if blocks.root else f"{blocks.layers}.*"
+
+
 def apply_recompute(module: nn.Module, mode: str, rng: Optional[TensorParallelRNG]) -> None:
     """Recompute each ``pipeline_blocks()`` layer (``"full"``) or its attention core (``"selective"``)."""
     if mode == "none":
         return
-    blocks = _blocks(module, f"activation_checkpointing={mode!r}")
-    pattern = f"{blocks.root}.{blocks.layers}.*" if blocks.root else f"{blocks.layers}.*"
+    pattern = _layers_pattern(module, f"activation_checkpointing={mode!r}")
     apply_activation_checkpointing(module, mode=mode, layer_pattern=pattern, rng=rng)
+
+
+def compile_blocks(module: nn.Module, options: Optional[dict], config: ParallelConfig,
+                   activation_checkpointing: str, pipeline_schedule: str = "1f1b") -> None:
+    """Compile each ``pipeline_blocks()`` layer's forward with ``torch.compile(**options)`` (``None``: off)."""
+    if options is None:
+        return
+    check_compile_layout(config, activation_checkpointing, pipeline_schedule)
+    compile_layers(module, _layers_pattern(module, "compile"), options)
 
 
 def prepare_experts(module: nn.Module, state: ParallelState) -> None:
@@ -156,14 +177,16 @@ def start_pipeline(split: PipelineSplit, state: ParallelState, *, device: torch.
 def prepare_model(module: nn.Module, state: ParallelState, *, rng: Optional[TensorParallelRNG], seed: int,
                   device: Union[torch.device, str], pad_vocab_to_multiple_of: int, activation_checkpointing: str,
                   context_parallel_attention: str, precision: str, pipeline_schedule: str = "1f1b",
-                  tp_comm_overlap: bool = False) -> PreparedModel:
+                  tp_comm_overlap: bool = False, compile: Optional[dict] = None) -> PreparedModel:
     """Steps 1-5 above, in their order, for ``Megatron3DStrategy.setup`` (once per module): this rank's part of the
-    model, materialised. The pipeline schedule (step 6) is bound to the strategy afterwards."""
+    model, materialised. The pipeline schedule (step 6) is bound to the strategy afterwards. ``compile``: the
+    ``torch.compile`` arguments of regional compilation (``regional_compile.compile_options``), ``None``: off."""
     sequence_linear = overlapped_linear_for(state.config, tp_comm_overlap)  # refused first, on every rank alike
     plan = module.tensor_parallel_plan() if hasattr(module, "tensor_parallel_plan") else {}
     warn_if_replicated(module, plan, state.config.tensor_parallel_size, state.config.data_parallel_size)
     parallelize(module, plan, state, rng=rng, pad_vocab_to_multiple_of=pad_vocab_to_multiple_of,
                 sequence_linear=sequence_linear)
+    compile_blocks(module, compile, state.config, activation_checkpointing, pipeline_schedule)
     apply_recompute(module, activation_checkpointing, rng)
     prepare_experts(module, state)
     splitter = prepare_context_parallel(module, state, context_parallel_attention)

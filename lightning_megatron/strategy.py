@@ -67,6 +67,7 @@ from lightning_megatron.parallel.lightning_features import (
 )
 from lightning_megatron.parallel.random import TensorParallelRNG
 from lightning_megatron.parallel.recompute import MODES as RECOMPUTE_MODES
+from lightning_megatron.parallel.regional_compile import compile_options
 from lightning_megatron.parallel.state import ParallelState
 from lightning_megatron.parallel.summary import install_global_summary, layout_line, model_state_line, model_state_sizes
 from lightning_megatron.checkpoint.sharded import BackgroundSaver, SavedCheckpoint
@@ -120,6 +121,12 @@ class Megatron3DStrategy(CheckpointHooks, StepHooks, ParallelStrategy):
         activation_checkpointing: ``"none"``, ``"full"`` (recompute each transformer layer in
             backward) or ``"selective"`` (recompute only attention's core, Korthikanti et al. 2022);
             the layers are the model's ``pipeline_blocks()`` layers. Dropout masks are replayed exactly.
+        compile: regional compilation: ``torch.compile`` of each ``pipeline_blocks()`` layer's forward, once for
+            all identical layers (``parallel.regional_compile``); the embedding, head, loss and schedule stay
+            eager. ``True``, or a dict of ``torch.compile`` arguments (``{"backend": "aot_eager"}``,
+            ``{"mode": "max-autotune"}``). With dropout off the model computes the same function (compiled
+            dropout draws other masks than eager). Not with ``activation_checkpointing="selective"``,
+            context or expert parallelism.
         loss_scaler: settings of the fp16 dynamic loss scaler for ``precision="16-true"``
             (``initial_scale``, ``min_scale``, ``growth_factor``, ``backoff_factor``, ``growth_interval``,
             ``hysteresis``; Megatron-LM's scheme). A step with an inf/NaN gradient on any rank is
@@ -184,6 +191,7 @@ class Megatron3DStrategy(CheckpointHooks, StepHooks, ParallelStrategy):
         pipeline_layers_per_stage: Optional[list[int]] = None,
         activation_checkpointing: str = "none",
         tp_comm_overlap: bool = False,
+        compile: Union[bool, dict] = False,
         loss_scaler: Optional[dict] = None,
         on_nonfinite: str = "error",
         max_consecutive_skips: int = 10,
@@ -216,6 +224,7 @@ class Megatron3DStrategy(CheckpointHooks, StepHooks, ParallelStrategy):
             )
         self.activation_checkpointing = activation_checkpointing
         self.tp_comm_overlap = tp_comm_overlap
+        self.compile = compile_options(compile)
         if context_parallel_attention not in CONTEXT_PARALLEL_ATTENTION:
             raise ValueError(f"context_parallel_attention={context_parallel_attention!r} is not one of "
                              f"{sorted(CONTEXT_PARALLEL_ATTENTION)}.")
@@ -423,7 +432,8 @@ class Megatron3DStrategy(CheckpointHooks, StepHooks, ParallelStrategy):
                                  context_parallel_attention=self.context_parallel_attention,
                                  tp_comm_overlap=self.tp_comm_overlap,
                                  precision=getattr(self.precision_plugin, "precision", "32-true"),
-                                 pipeline_schedule=self.pipeline_schedule)
+                                 pipeline_schedule=self.pipeline_schedule,
+                                 compile=self.compile)
         self._zero3 = prepared.zero3
         return prepared
 

@@ -165,3 +165,19 @@ def test_main_with_its_own_arguments_hides_that_one_warning_and_no_other(monkeyp
     assert "another warning while parsing" in messages
     assert not [message for message in messages if ARGS_WARNING in message], messages
     assert "lightning_megatron.Megatron3DStrategy" in capsys.readouterr().out
+
+
+def test_compile_and_adam_implementation_from_yaml(tmp_path, capsys):
+    """The strategy's ``compile`` (a dict of torch.compile arguments) and the recipe's ``adam_implementation``,
+    read from a config file as a user writes them."""
+    config = yaml.safe_load(CONFIG.read_text())
+    config["trainer"]["strategy"]["init_args"]["compile"] = {"backend": "aot_eager"}
+    config["model"]["init_args"]["adam_implementation"] = "foreach"
+    path = tmp_path / "compiled.yaml"
+    path.write_text(yaml.safe_dump(config))
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", str(path), "--print_config"])
+    assert exit_info.value.code == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed["trainer"]["strategy"]["init_args"]["compile"] == {"backend": "aot_eager"}
+    assert printed["model"]["init_args"]["adam_implementation"] == "foreach"

@@ -1,5 +1,7 @@
 """The core invariant: every layout gives the single-process losses and weights (fp32, dropout off)."""
 
+import json
+
 import pytest
 import torch
 
@@ -35,6 +37,16 @@ LAYOUTS[4] += ["tp2-dp2-sp-z1-ogather", "tp2-dp2-z2-ogather", "pp2-tp1-dp2-mb2-z
 # GPT and Llama at tp2; at tp4 the Llama model's key/value heads are replicated; GPT under pp2.
 LAYOUTS[2] += ["tp2-dp1-sp-mb2-tpo", "llama-tp2-dp1-sp-mb2-tpo"]
 LAYOUTS[4] += ["llama-tp4-dp1-sp-mb2-tpo", "pp2-tp2-dp1-sp-mb2-tpo"]
+# Regional compilation (every layer's forward compiled once for all 4), with sequence parallelism and full
+# recomputation of the compiled layers, at tp1-dp2 and at pp2. The aot_eager backend: dynamo's and AOT autograd's
+# tracing of our autograd functions and collectives, forward and backward, without inductor's code generation,
+# which costs ~2 minutes on 2 busy cores for a layer's 6 graphs (~3 s here). Inductor at tp2-sp with recomputation
+# ("-compile-rc") passes at the same 1e-5 (its fused fp32 kernels: 1.3e-7 worst weight deviation, eager 1.1e-7).
+COMPILE_LAYOUTS = ["tp2-dp1-sp-mb2-compile_aot-rc", "tp1-dp2-compile_aot", "pp2-tp1-dp1-mb4-compile_aot"]
+LAYOUTS[2] += COMPILE_LAYOUTS
+# AdamW's fused and multi-tensor kernels on the fp32 pieces of the distributed optimizer (ZeRO-1, dp2), against the
+# reference's for-loop AdamW: fused rounds differently (about 1e-7 after 10 steps of a lone AdamW), within 1e-5.
+LAYOUTS[2] += ["tp1-dp2-z1-fused", "tp1-dp2-mb2-z2-foreach"]
 LOSS_TOL, WEIGHT_TOL = 1e-5, 1e-5
 
 
@@ -99,6 +111,12 @@ def test_layouts_match_single_process(world, reference, tmp_path):
             assert (value - in_turn["weights"][name]).abs().max() < WEIGHT_TOL, f"{layout}: {name}"
 
     if world == 2:
+        for layout in COMPILE_LAYOUTS:
+            for rank in range(world):
+                dynamo = json.loads((tmp_path / f"{layout}-dynamo{rank}.json").read_text())
+                # A layer compiles into 3 graphs (attention's per-rank stream is swapped in eagerly between them):
+                # more would mean the 4 identical layers did not share the compiled code.
+                assert 0 < dynamo["graphs"] <= 3 and dynamo["recompiles"] == 0, f"{layout}, rank {rank}: {dynamo}"
         # Same micro-batches, same per-micro-batch backward: the schedule only reorders work.
         one_f_one_b = torch.load(tmp_path / "pp2-tp1-dp1-mb4.pt", weights_only=True)
         gpipe = torch.load(tmp_path / "pp2-tp1-dp1-mb4-gpipe.pt", weights_only=True)

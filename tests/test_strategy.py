@@ -174,9 +174,11 @@ def test_dp2_with_uneven_token_counts_and_overlapped_param_gather_matches_plain_
     holds the updated weights, the validation after step 3 and every forward see them, and the run ends with the
     weights of plain Lightning, which never overlaps anything. (A full checkpoint: rank 0 reads its weights before
     any collective of the save, so only the wait keeps it from reading them stale; a sharded save synchronises
-    with the late rank before it reads, on gloo.)"""
+    with the late rank before it reads, on gloo.) The layers are compiled (regional compilation through the
+    strategy's wiring; aot_eager: tracing without code generation, cheap on 2 cores): the uncompiled single-process
+    run is still the reference."""
     options = {"tp": 1, "steps": 4, "uneven_tokens": True, "zero_stage": 2, "overlap": True, "late_rank": 1,
-               "save_at_step": 2, "val_every": 3, "checkpoint_format": "full"}
+               "save_at_step": 2, "val_every": 3, "checkpoint_format": "full", "compile": {"backend": "aot_eager"}}
     results, _ = launch("trainer_fit.py", 2, tmp_path, json.dumps(options))
     ref_losses, ref_val, ref_weights = plain_lightning_run(options)
     assert _worst(torch.load(tmp_path / "weights.pt", weights_only=True), ref_weights) < 1e-5

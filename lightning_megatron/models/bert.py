@@ -360,10 +360,12 @@ class BERT(PretrainingRecipe):
         betas: tuple[float, float] = (0.9, 0.999),
         adam_eps: float = 1e-8,
         warmup_steps: int = 20,
+        adam_implementation: str = "auto",
     ) -> None:
         super().__init__()
         self.init_recipe(BERTConfig, config, learning_rate=learning_rate, min_learning_rate=min_learning_rate,
-                         weight_decay=weight_decay, betas=betas, adam_eps=adam_eps, warmup_steps=warmup_steps)
+                         weight_decay=weight_decay, betas=betas, adam_eps=adam_eps, warmup_steps=warmup_steps,
+                         adam_implementation=adam_implementation)
         self.model: Optional[BERTModel] = None
         self.val_loss, self.val_accuracy = MeanMetric(), MeanMetric()
         self.val_sentence_order_loss = MeanMetric() if self.config.binary_head else None

@@ -435,10 +435,12 @@ class GPT(PretrainingRecipe):
         betas: tuple[float, float] = (0.9, 0.95),
         adam_eps: float = 1e-8,
         warmup_steps: int = 20,
+        adam_implementation: str = "auto",
     ) -> None:
         super().__init__()
         self.init_recipe(GPTConfig, config, learning_rate=learning_rate, min_learning_rate=min_learning_rate,
-                         weight_decay=weight_decay, betas=betas, adam_eps=adam_eps, warmup_steps=warmup_steps)
+                         weight_decay=weight_decay, betas=betas, adam_eps=adam_eps, warmup_steps=warmup_steps,
+                         adam_implementation=adam_implementation)
         self.model: Optional[GPTModel] = None
         self.val_loss = MeanMetric()
 

@@ -16,6 +16,7 @@ from typing import Any, Callable, Mapping, Optional, Union
 
 import lightning as L
 import torch
+from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
@@ -51,6 +52,32 @@ def warmup_cosine_factor(
     return factor
 
 
+ADAM_IMPLEMENTATIONS = ("auto", "fused", "foreach", "for_loop")
+
+
+def adamw_implementation(params: list[torch.Tensor], implementation: str = "auto", *,
+                         mixed_precision: bool = False) -> dict[str, bool]:
+    """AdamW's ``fused``/``foreach`` arguments for ``implementation``.
+
+    ``"auto"``: one fused kernel per step over all tensors (torch has it for CPU and CUDA) when every parameter
+    is a floating-point tensor on a device that has it; else the multi-tensor (foreach) kernels. Not torch's own
+    default, which on CPU is a Python loop over the tensors, one kernel per operation and tensor
+    (``benchmarks/optimizer_step.py`` measures the three). The choice is made on the model's parameters and
+    kept in the param groups, so it also applies once the distributed optimizer rebinds them to fp32 pieces
+    (``optim.main_params``), which are floating-point tensors of the same device or, offloaded, of the CPU.
+    ``mixed_precision``: the Trainer runs Lightning's ``MixedPrecision`` plugin (``16-mixed``, ``bf16-mixed``);
+    ``"auto"`` then takes foreach, because that plugin refuses to clip the gradients of a fused optimizer (which
+    could unscale fp16 gradients inside its step).
+    """
+    if implementation not in ADAM_IMPLEMENTATIONS:
+        raise ValueError(f"adam_implementation={implementation!r} is not one of {ADAM_IMPLEMENTATIONS}.")
+    if implementation == "auto":
+        fused_devices = torch.utils._foreach_utils._get_fused_kernels_supported_devices()
+        fusable = not mixed_precision and all(p.is_floating_point() and p.device.type in fused_devices for p in params)
+        implementation = "fused" if fusable else "foreach"
+    return {"fused": implementation == "fused", "foreach": implementation == "foreach"}
+
+
 def adamw_warmup_cosine(
     module: L.LightningModule,
     *,
@@ -60,13 +87,15 @@ def adamw_warmup_cosine(
     betas: tuple[float, float],
     eps: float = 1e-8,
     warmup_steps: int,
+    implementation: str = "auto",
 ) -> dict:
     """What ``configure_optimizers`` returns: AdamW over ``module``'s parameters, stepped per optimizer step.
 
     The cosine spans ``trainer.estimated_stepping_batches`` (warmup included), so it ends where training
     ends. When the Trainer has no last step (``max_time`` with ``max_steps=-1``, or ``max_epochs=-1``),
     the learning rate warms up and then holds at ``learning_rate`` (an info message says so): set
-    ``Trainer(max_steps=...)`` for the cosine.
+    ``Trainer(max_steps=...)`` for the cosine. ``implementation``: ``"auto"`` (fused where the device has it),
+    ``"fused"``, ``"foreach"`` or ``"for_loop"`` (:func:`adamw_implementation`).
     """
     params = list(module.parameters())
     optimizer = torch.optim.AdamW(
@@ -77,6 +106,7 @@ def adamw_warmup_cosine(
         lr=learning_rate,
         betas=betas,
         eps=eps,
+        **adamw_implementation(params, implementation, mixed_precision=_lightning_mixed_precision(module)),
     )
     total_steps = _training_horizon(module, warmup_steps)
     factor = warmup_cosine_factor(
@@ -84,6 +114,11 @@ def adamw_warmup_cosine(
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
     return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def _lightning_mixed_precision(module: L.LightningModule) -> bool:
+    """Whether the Trainer runs Lightning's ``MixedPrecision`` plugin (``16-mixed``, ``bf16-mixed``)."""
+    return module._trainer is not None and isinstance(module.trainer.precision_plugin, MixedPrecision)
 
 
 def _training_horizon(module: L.LightningModule, warmup_steps: int) -> Optional[int]:
@@ -107,14 +142,16 @@ class PretrainingRecipe(L.LightningModule):
 
     def init_recipe(self, config_class: type, config: Any, **recipe: Any) -> None:
         """``config``: a preset name, a dict of fields, or a config object; ``recipe``: learning_rate,
-        min_learning_rate, weight_decay, betas, adam_eps, warmup_steps."""
+        min_learning_rate, weight_decay, betas, adam_eps, warmup_steps, adam_implementation."""
         if isinstance(config, str):
             config = config_class.from_name(config)
         elif isinstance(config, dict):
             config = config_class(**config)
         self.config = config
+        adamw_implementation([], recipe.get("adam_implementation", "auto"))  # a bad name fails here, not at fit
         self.save_hyperparameters({"config": asdict(config), **recipe})
-        self.optimizer_settings = {("eps" if name == "adam_eps" else name): value for name, value in recipe.items()}
+        names = {"adam_eps": "eps", "adam_implementation": "implementation"}
+        self.optimizer_settings = {names.get(name, name): value for name, value in recipe.items()}
 
     def configure_optimizers(self):
         return adamw_warmup_cosine(self, **self.optimizer_settings)

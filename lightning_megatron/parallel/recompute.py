@@ -31,6 +31,7 @@ from torch.utils.checkpoint import checkpoint, noop_context_fn
 
 from lightning_megatron.models.attention import CoreAttention
 from lightning_megatron.parallel.random import TensorParallelRNG
+from lightning_megatron.parallel.regional_compile import compiled_function
 from lightning_megatron.tensor_parallel.plan import name_matches
 
 MODES = ("none", "full", "selective")
@@ -91,14 +92,15 @@ def _checkpoint_forward(module: nn.Module, name: str, context_fn) -> None:
     into the per-rank stream that ``parallelize`` registers on a sequence-parallel layer) run
     once, around the checkpointed call, and are not re-entered in backward. Hooks of its
     submodules (attention's fork) do run again; :class:`_ReplayTracker` makes them behave as
-    they did in the forward. Bound as a method so that a deep copy calls its own module.
+    they did in the forward. Bound as a method so that a deep copy calls its own module. A forward
+    compiled by regional compilation is what gets checkpointed (recomputation runs the compiled code).
     """
-    if "forward" in vars(module):
+    forward = compiled_function(module) or type(module).forward
+    if "forward" in vars(module) and forward is type(module).forward:
         raise ValueError(
             f"{name} ({type(module).__name__}) already has its own `forward` attribute; was activation "
             f"checkpointing applied twice? Apply it once, to a model built without it."
         )
-    forward = type(module).forward
 
     def checkpointed(self, *args, **kwargs):
         return checkpoint(forward, self, *args, use_reentrant=False, context_fn=context_fn, **kwargs)

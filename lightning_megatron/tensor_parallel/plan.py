@@ -53,6 +53,7 @@ from __future__ import annotations
 import contextlib
 from typing import Callable, Mapping, Optional, Union
 
+import torch
 from torch import nn
 
 from lightning_megatron.parallel.random import TensorParallelRNG
@@ -168,14 +169,24 @@ def _copy_existing_values(old: nn.Module, new: nn.Module) -> None:
 
 
 def _run_in_fork(module: nn.Module, rng: TensorParallelRNG) -> None:
-    """Wrap the module's forward in the per-rank random stream."""
+    """Wrap the module's forward in the per-rank random stream.
+
+    The hooks swap generator states, Python state that ``torch.compile`` cannot put in a graph: traced, dynamo
+    breaks at ``torch.get_rng_state`` without being able to resume inside the hook (the whole layer falls back
+    to eager), and the always-called hook's id becomes a guard, so every layer would compile again. Kept out of
+    tracing (``torch.compiler.disable``), they run eagerly between the compiled graphs, the dropout inside
+    those graphs draws from the stream they swapped in, and identical layers share one compiled code
+    (``parallel.regional_compile``).
+    """
     stack: list[contextlib.ExitStack] = []
 
+    @torch.compiler.disable
     def enter(_module, _args):
         exits = contextlib.ExitStack()
         exits.enter_context(rng.fork())
         stack.append(exits)
 
+    @torch.compiler.disable
     def leave(_module, _args, _output):
         stack.pop().close()
 

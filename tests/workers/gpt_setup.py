@@ -72,12 +72,13 @@ def document_batches() -> list[tuple[torch.Tensor, torch.Tensor, dict[str, torch
     return out
 
 
-def optimizer(params) -> torch.optim.Optimizer:
+def optimizer(params, **implementation) -> torch.optim.Optimizer:
+    """torch's AdamW; ``implementation``: its ``fused``/``foreach`` arguments (none: the for-loop on CPU)."""
     # eps: AdamW divides by sqrt(v) + eps, which turns fp32 rounding noise in near-zero gradients into large
     # updates when eps is small: GPT's key bias has an exactly-zero gradient (softmax ignores a shift of all
     # scores), and the Llama model's untied input embedding has rows seen once or twice per batch. Measured on
     # the untied model at dp2: eps 1e-6 leaves 1e-5 deviations from the reference, 1e-4 6e-7, 1e-3 2e-7.
-    return torch.optim.AdamW(params, lr=LR, weight_decay=WEIGHT_DECAY, eps=1e-3)
+    return torch.optim.AdamW(params, lr=LR, weight_decay=WEIGHT_DECAY, eps=1e-3, **implementation)
 
 
 def sgd_optimizer(params) -> torch.optim.Optimizer:

@@ -1,23 +1,29 @@
 """Train the tiny GPT for a few steps under several layouts over the same processes.
 
 argv: OUT_DIR LAYOUTS, where LAYOUTS is a comma list of
-``[llama-|mqa-|deep-][doc-][pp{P}-][vpp{V}-]tp{T}-dp{D}[-sp][-mb{M}][-SCHEDULE][-z{Z}][-ogather][-sgd][-tpo]``: ``doc``:
+``[llama-|mqa-|deep-][doc-][pp{P}-][vpp{V}-]tp{T}-dp{D}[-sp][-mb{M}][-SCHEDULE][-z{Z}][-ogather][-sgd][-tpo][-compile|-compile_aot][-rc][-fused|-foreach]``: ``doc``:
 packed samples with Megatron-LM's document masks (position ids and attention confined to each document); M
 micro-batches per step (without pipelining, a loop of backward passes; with it, the schedule's micro-batches),
 SCHEDULE one of ``gpipe``, ``zb`` (interleaved zero bubble), ``zbv``, ``dualpipev`` (default: 1F1B, interleaved
 with vpp), ZeRO stage Z, ``ogather``: its parameter all-gathers overlapped with the next forward
 (``overlap_param_gather``; the last dp rank starts its gathers late, so the other ranks' forwards and final weights
 must wait for theirs), SGD with momentum instead of AdamW, ``tpo``: tp_comm_overlap (the sequence-parallel
-collectives overlapped with the GEMMs). For each
+collectives overlapped with the GEMMs); ``-compile`` (inductor) or ``-compile_aot`` (aot_eager): regional compilation
+of every layer, ``-rc``: full recomputation (of the compiled layer); ``-fused`` / ``-foreach``: AdamW's fused or
+multi-tensor implementation (rebound to the fp32 pieces under ZeRO). For each
 layout, rank 0 writes the losses and the full (gathered) weights to ``{layout}.pt``; the
 pytest process compares them with a single-process reference.
 """
 
+import json
 import re
+import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch._dynamo.utils import counters
 
 from layout_runs import run_layouts
 from gpt_setup import CLIP, CONFIG, CONFIGS, GLOBAL_BATCH, SEED, batches, document_batches, optimizer, sgd_optimizer
@@ -31,21 +37,27 @@ from lightning_megatron.parallel.initialize import initialize_parameters
 from lightning_megatron.pipeline import PipelineLayout
 from lightning_megatron.pipeline.runner import PipelineRunner
 from lightning_megatron.pipeline.stage import split_for_pipeline
+from lightning_megatron.preparation import apply_recompute, compile_blocks
 from lightning_megatron.tensor_parallel import parallelize
 from lightning_megatron.tensor_parallel.overlap import overlapped_linear_for
 
 LAYOUT = re.compile(r"(?:(llama|mqa|deep)-)?(doc-)?(?:pp(\d+)-)?(?:vpp(\d+)-)?tp(\d+)-dp(\d+)(-sp)?(?:-mb(\d+))?"
-                    r"(?:-(gpipe|zb|zbv|dualpipev))?(?:-z(\d))?(-ogather)?(-sgd)?(-tpo)?")
+                    r"(?:-(gpipe|zb|zbv|dualpipev))?(?:-z(\d))?(-ogather)?(-sgd)?(-tpo)?(?:-(compile|compile_aot))?(-rc)?"
+                    r"(?:-(fused|foreach))?")
 SCHEDULE_NAMES = {"zb": "interleaved_zero_bubble"}
 
 
-def build(state: ParallelState, virtual: int, schedule: str, micro_batches: int, config=CONFIG, tp_overlap=False):
-    """The model as the strategy builds it: meta, tensor-parallel plan, pipeline split, materialise."""
+def build(state: ParallelState, virtual: int, schedule: str, micro_batches: int, config=CONFIG, tp_overlap=False,
+          compile=None, recompute="none"):
+    """The model as the strategy builds it: meta, tensor-parallel plan, (compile, recompute,) pipeline split,
+    materialise."""
     with torch.device("meta"):
         model = GPTModel(config)
     rng = TensorParallelRNG(SEED, state.tensor_parallel_rank, torch.device("cpu"))
     parallelize(model, model.tensor_parallel_plan(), state, rng=rng,
                 sequence_linear=overlapped_linear_for(state.config, tp_overlap))
+    compile_blocks(model, compile, state.config, recompute)
+    apply_recompute(model, recompute, rng)
     runner = None
     pp = state.config.pipeline_parallel_size
     if pp > 1:
@@ -70,12 +82,18 @@ def train(layout: str) -> tuple[list[float], dict]:
     sp, micro_batches = bool(match[7]), int(match[8] or 1)
     schedule = SCHEDULE_NAMES.get(match[9], match[9]) or ("interleaved_1f1b" if virtual > 1 else "1f1b")
     zero_stage, overlap, sgd, tp_overlap = int(match[10] or 0), bool(match[11]), bool(match[12]), bool(match[13])
+    compile = {"compile": {}, "compile_aot": {"backend": "aot_eager"}}.get(match[14])
+    if compile is not None:
+        torch._dynamo.reset()  # this layout's compilations alone in the counters
+        counters.clear()
     config = ParallelConfig(tensor_parallel_size=tp, pipeline_parallel_size=pp, data_parallel_size=dp,
                             sequence_parallel=sp, virtual_pipeline_size=virtual, zero_stage=zero_stage)
     state = ParallelState.create(config, "cpu")
-    model, runner = build(state, virtual, schedule, micro_batches, model_config, tp_overlap)
+    model, runner = build(state, virtual, schedule, micro_batches, model_config, tp_overlap, compile,
+                          "full" if match[15] else "none")
     params = list(model.parameters())
-    opt = sgd_optimizer(params) if sgd else optimizer(params)
+    implementation = {match[16]: True} if match[16] else {}
+    opt = sgd_optimizer(params) if sgd else optimizer(params, **implementation)
     sync = GradientSynchronizer(params, data_parallel_group=state.data_parallel_group, bucket_size_mb=0.01,
                                 zero_stage=zero_stage, partial_grad_groups=partial_grad_groups(params, state))
     main = MainParamOptimizer(opt, sync, overlap_with=model if overlap else None) \
@@ -125,6 +143,10 @@ def train(layout: str) -> tuple[list[float], dict]:
     weights = merge_pipeline_stages(gather_full_state_dict(model, state.tensor_parallel_group),
                                     state.pipeline_parallel_group)
     sync.remove()
+    if compile is not None:  # what dynamo made of the layers: graphs, breaks, recompilations
+        dynamo = {"graphs": counters["stats"]["unique_graphs"], "frames": counters["frames"]["ok"],
+                  "graph_breaks": sum(counters["graph_break"].values()), "recompiles": sum(counters["recompiles"].values())}
+        (Path(sys.argv[1]) / f"{layout}-dynamo{dist.get_rank()}.json").write_text(json.dumps(dynamo))
     return losses, weights
 
 

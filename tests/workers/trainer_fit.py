@@ -51,7 +51,7 @@ strategy = Megatron3DStrategy(
     virtual_pipeline_size=options.get("vpp", 1), pipeline_schedule=options.get("schedule", "1f1b"),
     zero_stage=options.get("zero_stage", 0), activation_checkpointing=options.get("recompute", "none"),
     checkpoint_checksums=options.get("checksums", False), overlap_param_gather=options.get("overlap", False),
-    checkpoint_format=options.get("checkpoint_format", "sharded"), tp_comm_overlap=options.get("tp_comm_overlap", False),
+    checkpoint_format=options.get("checkpoint_format", "sharded"), tp_comm_overlap=options.get("tp_comm_overlap", False), compile=options.get("compile", False),
 )
 class GenerateAtValidation(L.Callback):
     """Generation from a callback inside fit, as a user samples text during training: every rank calls it, under the
