@@ -14,7 +14,7 @@ from lightning_megatron.models.moe import MoEConfig, capacity_mask, update_exper
 from lightning_megatron.models.router import TopKRouter
 from lightning_megatron.parallel import ParallelConfig
 
-# <variant>-ep{E}[-pp{P}]-tp{T}-dp{D}[-sp][-mb{M}][-z{Z}] on 4 ranks (tests/workers/moe_layouts.py).
+# <variant>-ep{E}[-pp{P}]-tp{T}-dp{D}[-sp][-mb{M}][-z{Z}][-rc][-zb] on 4 ranks (tests/workers/moe_layouts.py).
 LAYOUTS = [
     "moe-ep2-tp1-dp4",            # 2 replicas of each expert: expert gradients summed over the expert-data-parallel group
     "moe-ep4-tp1-dp4",            # one expert per rank
@@ -27,6 +27,7 @@ LAYOUTS = [
     "cap-ep2-tp2-dp2-sp",
     "bias-ep4-tp1-dp4",           # sigmoid scores, aux-loss-free expert bias moved by the global batch's loads
     "bias-ep2-pp2-tp1-dp2-mb2-rc",  # recomputed MoE layers replay their all-to-alls, counted once
+    "bias-ep2-pp2-tp1-dp2-mb2-rc-zb",  # ... under the zero-bubble schedule: aux losses through its weight pass
     "plain-ep2-tp2-dp2-z1",       # Qwen2-MoE's routing (no renormalisation), no shared expert
 ]
 COUNTS = ["count-ep2-tp1-dp4", "count-ep2-tp2-dp2", "count-ep2-tp2-dp2-sp"]

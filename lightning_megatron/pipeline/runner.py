@@ -181,10 +181,10 @@ class PipelineRunner:
             pipeline_parallel_size=dist.get_world_size(self.group),
         )
         training = torch.is_grad_enabled()
-        schedule = self._schedule(micro_batches, tuple(batch.target.shape), training)
         self._extras.clear()
         inputs = batch.inputs if self.has_first else ()
         if training:
+            schedule = self._schedule(micro_batches, tuple(batch.target.shape), training)
             if self.before_backward is not None:
                 self.before_backward(micro_batches, batch.num_tokens)
             # The loss sums arrive through pipeline_loss; keeping every micro-batch's output (the logits) to
@@ -194,6 +194,7 @@ class PipelineRunner:
             self._evaluate_stage_by_stage(batch, micro_batches)
         else:
             # Lightning may validate under inference_mode; P2P buffers must be ordinary tensors.
+            schedule = self._schedule(micro_batches, tuple(batch.target.shape), training)
             with torch.inference_mode(False), torch.no_grad():
                 clone = lambda t: t.clone()  # noqa: E731
                 schedule.eval(*map(clone, inputs), target=batch.target.clone(),

@@ -1,7 +1,8 @@
 """Train the tiny MoE GPT for a few steps at several expert-parallel layouts over the same processes, and count
 the collectives of one step.
 
-argv: OUT_DIR LAYOUTS, a comma list of ``<variant>-ep{E}[-pp{P}]-tp{T}-dp{D}[-sp][-mb{M}][-z{Z}][-rc]`` (``rc``: full recomputation; variants:
+argv: OUT_DIR LAYOUTS, a comma list of ``<variant>-ep{E}[-pp{P}]-tp{T}-dp{D}[-sp][-mb{M}][-z{Z}][-rc][-zb]`` (``rc``: full recomputation;
+``zb``: the interleaved zero-bubble schedule, its backward split in two passes; variants:
 ``gpt_setup.VARIANTS``), or ``count-ep{E}-tp{T}-dp{D}[-sp]`` for a counting run, or ``gen-...`` for generation. The model is built by the
 strategy's own steps (``parallelize``, ``prepare_experts``, ``split_pipeline``, ``start_pipeline``,
 ``build_step_gradients``), and stepped as the strategy steps it: token-summed losses times the backward scale,
@@ -29,10 +30,10 @@ from lightning_megatron.parallel.initialize import initialize_parameters
 from lightning_megatron.preparation import apply_recompute, prepare_experts, split_pipeline
 from lightning_megatron.tensor_parallel import parallelize
 
-LAYOUT = re.compile(r"(\w+)-ep(\d+)(?:-pp(\d+))?-tp(\d+)-dp(\d+)(-sp)?(?:-mb(\d+))?(?:-z(\d))?(-rc)?")
+LAYOUT = re.compile(r"(\w+)-ep(\d+)(?:-pp(\d+))?-tp(\d+)-dp(\d+)(-sp)?(?:-mb(\d+))?(?:-z(\d))?(-rc)?(-zb)?")
 
 
-def build(name: str, config: ParallelConfig, micro_batches: int, recompute: str = "none"):
+def build(name: str, config: ParallelConfig, micro_batches: int, recompute: str = "none", schedule: str = "1f1b"):
     state = ParallelState.create(config, "cpu")
     with torch.device("meta"):
         model = GPTModel(CONFIGS[name if name in CONFIGS else "moe"])
@@ -40,14 +41,15 @@ def build(name: str, config: ParallelConfig, micro_batches: int, recompute: str 
     parallelize(model, model.tensor_parallel_plan(), state, rng=rng)
     apply_recompute(model, recompute, rng)
     prepare_experts(model, state)
-    split = split_pipeline(model, state)
+    split = split_pipeline(model, state, schedule)
     initialize_parameters(model, SEED, device="cpu", only_meta=True)
     opt = optimizer(model.parameters())
     step = build_step_gradients(model, state, [opt], loss_scaler=None, nonfinite=NonFiniteCheck("error", 10),
                                 bucket_size_mb=0.01, offload=False, device=torch.device("cpu"))
     runner = None
     if split is not None:
-        runner = start_worker_pipeline(split, state, step, GLOBAL_BATCH // config.data_parallel_size // micro_batches)
+        runner = start_worker_pipeline(split, state, step, GLOBAL_BATCH // config.data_parallel_size // micro_batches,
+                                       schedule)
     return state, model, opt, step, runner
 
 
@@ -56,7 +58,8 @@ def parse(layout: str):
     ep, pp, tp, dp = int(match[2]), int(match[3] or 1), int(match[4]), int(match[5])
     config = ParallelConfig(tensor_parallel_size=tp, pipeline_parallel_size=pp, data_parallel_size=dp,
                             sequence_parallel=bool(match[6]), zero_stage=int(match[8] or 0), expert_parallel_size=ep)
-    return match[1], config, int(match[7] or 1), "full" if match[9] else "none"
+    return (match[1], config, int(match[7] or 1), "full" if match[9] else "none",
+            "interleaved_zero_bubble" if match[10] else "1f1b")
 
 
 def train_step(state, model, step, runner, input_ids, labels, micro_batches):
@@ -79,8 +82,8 @@ def train_step(state, model, step, runner, input_ids, labels, micro_batches):
 
 
 def train(layout: str):
-    name, config, micro_batches, recompute = parse(layout)
-    state, model, opt, step, runner = build(name, config, micro_batches, recompute)
+    name, config, micro_batches, recompute, schedule = parse(layout)
+    state, model, opt, step, runner = build(name, config, micro_batches, recompute, schedule)
     moe = CONFIGS[name].moe
     losses = []
     for input_ids, labels in batches():
@@ -116,7 +119,7 @@ def generate_at(layout: str) -> dict:
     stepping with them (their all-to-alls pair up); every rank gives the tokens of one process."""
     from lightning_megatron.generation import generate
 
-    _, config, _, _ = parse(layout.removeprefix("gen-").join(("moe-", "")))
+    _, config, _, _, _ = parse(layout.removeprefix("gen-").join(("moe-", "")))
     state, model, opt, step, runner = build("moe", config, 1)
     step.remove()
     torch.manual_seed(SEED)
@@ -134,7 +137,7 @@ def generate_at(layout: str) -> dict:
 def count(layout: str) -> dict:
     """The collectives of one step's forward and of its backward, as ``"<kind>/<group>": calls`` (the group named
     as the layout names it: tp, ep, dp, pp, expert-dp; the first match, so ep == dp is named ep)."""
-    _, config, _, _ = parse(layout.removeprefix("count-").join(("moe-", "")))
+    _, config, _, _, _ = parse(layout.removeprefix("count-").join(("moe-", "")))
     state, model, opt, step, runner = build("moe", config, 1)
     input_ids, labels = batches()[0]
     rows = slice(state.data_parallel_rank * GLOBAL_BATCH // config.data_parallel_size,
