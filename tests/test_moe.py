@@ -14,7 +14,7 @@ from lightning_megatron.models.moe import MoEConfig, capacity_mask, update_exper
 from lightning_megatron.models.router import TopKRouter
 from lightning_megatron.parallel import ParallelConfig
 
-# <variant>-ep{E}[-pp{P}]-tp{T}-dp{D}[-sp][-mb{M}][-z{Z}][-rc][-zb] on 4 ranks (tests/workers/moe_layouts.py).
+# <variant>-ep{E}[-pp{P}]-tp{T}-dp{D}[-sp][-mb{M}][-z{Z}][-og][-rc][-zb] on 4 ranks (tests/workers/moe_layouts.py).
 LAYOUTS = [
     "moe-ep2-tp1-dp4",            # 2 replicas of each expert: expert gradients summed over the expert-data-parallel group
     "moe-ep4-tp1-dp4",            # one expert per rank
@@ -23,6 +23,7 @@ LAYOUTS = [
     "moe-ep2-pp2-tp1-dp2-mb2",    # auxiliary losses attached on both stages (one of whose layers is dense)
     "moe-ep2-tp1-dp4-z1",         # ZeRO-1 sharded over each group
     "moe-ep4-tp1-dp4-mb2-z2",     # ZeRO-2, expert buckets over a group of one
+    "moe-ep2-tp1-dp4-z1-og",      # ZeRO-1 with the parameter all-gathers (dp; experts: expert-dp) overlapped
     "cap-ep2-tp1-dp4",            # capacity factor: the same tokens dropped
     "cap-ep2-tp2-dp2-sp",
     "bias-ep4-tp1-dp4",           # sigmoid scores, aux-loss-free expert bias moved by the global batch's loads

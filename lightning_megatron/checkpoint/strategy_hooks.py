@@ -3,7 +3,8 @@
 Sharded checkpoints (the default) are written by every rank from its own shards and read back into them
 in place at any layout (``training_state.py``); ``checkpoint_format="full"`` gathers the weights into one
 file through Lightning's own path. The mixin reads the strategy's layout (``parallel_state``), its ZeRO-3
-sharding, fp32 main parameters (whose overlapped gathers it waits for: ``wait_for_parameters``), RNG streams, loss scaler and background saver.
+sharding, fp32 main parameters (whose overlapped all-gathers it waits for: ``wait_for_parameters``), RNG
+streams, loss scaler and background saver.
 """
 
 from __future__ import annotations

@@ -8,18 +8,22 @@ With ``overlap`` (Megatron-Core's ``overlap_param_gather``) the gathers are only
 forward order (buckets are cut from the last parameter backwards, so the last bucket holds the first layers and
 is launched first), and a forward pre-hook on every module that owns bucketed parameters waits for those
 buckets just before that module runs: the gathers of later layers proceed while the earlier layers compute.
+A parameter is thus waited for by the module that registers it (tied weights: by each module holding them),
+which is where a forward reads it; a model whose forward read a submodule's parameter without running that
+submodule first would read it unfinished (this package's models do not).
 Whatever reads parameter values outside a forward between the step and the next forward (checkpoint saves,
 the strategy's evaluation steps, its teardown, a user's callback) calls :meth:`ParamGather.wait` first.
 """
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from lightning_megatron.optim.grad_sync import _Bucket
+if TYPE_CHECKING:
+    from lightning_megatron.optim.grad_sync import _Bucket
 
 OVERLAP_ZERO_STAGES = (1, 2)
 

@@ -1,8 +1,9 @@
 """Train the tiny MoE GPT for a few steps at several expert-parallel layouts over the same processes, and count
 the collectives of one step.
 
-argv: OUT_DIR LAYOUTS, a comma list of ``<variant>-ep{E}[-pp{P}]-tp{T}-dp{D}[-sp][-mb{M}][-z{Z}][-rc][-zb]`` (``rc``: full recomputation;
-``zb``: the interleaved zero-bubble schedule, its backward split in two passes; variants:
+argv: OUT_DIR LAYOUTS, a comma list of ``<variant>-ep{E}[-pp{P}]-tp{T}-dp{D}[-sp][-mb{M}][-z{Z}][-og][-rc][-zb]`` (``og``:
+overlap_param_gather; ``rc``: full recomputation; ``zb``: the interleaved zero-bubble schedule, its backward
+split in two passes; variants:
 ``gpt_setup.VARIANTS``), or ``count-ep{E}-tp{T}-dp{D}[-sp]`` for a counting run, or ``gen-...`` for generation. The model is built by the
 strategy's own steps (``parallelize``, ``prepare_experts``, ``split_pipeline``, ``start_pipeline``,
 ``build_step_gradients``), and stepped as the strategy steps it: token-summed losses times the backward scale,
@@ -30,10 +31,11 @@ from lightning_megatron.parallel.initialize import initialize_parameters
 from lightning_megatron.preparation import apply_recompute, prepare_experts, split_pipeline
 from lightning_megatron.tensor_parallel import parallelize
 
-LAYOUT = re.compile(r"(\w+)-ep(\d+)(?:-pp(\d+))?-tp(\d+)-dp(\d+)(-sp)?(?:-mb(\d+))?(?:-z(\d))?(-rc)?(-zb)?")
+LAYOUT = re.compile(r"(\w+)-ep(\d+)(?:-pp(\d+))?-tp(\d+)-dp(\d+)(-sp)?(?:-mb(\d+))?(?:-z(\d))?(-og)?(-rc)?(-zb)?")
 
 
-def build(name: str, config: ParallelConfig, micro_batches: int, recompute: str = "none", schedule: str = "1f1b"):
+def build(name: str, config: ParallelConfig, micro_batches: int, recompute: str = "none", overlap: bool = False,
+          schedule: str = "1f1b"):
     state = ParallelState.create(config, "cpu")
     with torch.device("meta"):
         model = GPTModel(CONFIGS[name if name in CONFIGS else "moe"])
@@ -45,7 +47,8 @@ def build(name: str, config: ParallelConfig, micro_batches: int, recompute: str 
     initialize_parameters(model, SEED, device="cpu", only_meta=True)
     opt = optimizer(model.parameters())
     step = build_step_gradients(model, state, [opt], loss_scaler=None, nonfinite=NonFiniteCheck("error", 10),
-                                bucket_size_mb=0.01, offload=False, device=torch.device("cpu"))
+                                bucket_size_mb=0.01, offload=False, device=torch.device("cpu"),
+                                overlap_param_gather=overlap)
     runner = None
     if split is not None:
         runner = start_worker_pipeline(split, state, step, GLOBAL_BATCH // config.data_parallel_size // micro_batches,
@@ -58,8 +61,8 @@ def parse(layout: str):
     ep, pp, tp, dp = int(match[2]), int(match[3] or 1), int(match[4]), int(match[5])
     config = ParallelConfig(tensor_parallel_size=tp, pipeline_parallel_size=pp, data_parallel_size=dp,
                             sequence_parallel=bool(match[6]), zero_stage=int(match[8] or 0), expert_parallel_size=ep)
-    return (match[1], config, int(match[7] or 1), "full" if match[9] else "none",
-            "interleaved_zero_bubble" if match[10] else "1f1b")
+    return (match[1], config, int(match[7] or 1), "full" if match[10] else "none", bool(match[9]),
+            "interleaved_zero_bubble" if match[11] else "1f1b")
 
 
 def train_step(state, model, step, runner, input_ids, labels, micro_batches):
@@ -82,8 +85,8 @@ def train_step(state, model, step, runner, input_ids, labels, micro_batches):
 
 
 def train(layout: str):
-    name, config, micro_batches, recompute, schedule = parse(layout)
-    state, model, opt, step, runner = build(name, config, micro_batches, recompute, schedule)
+    name, config, micro_batches, recompute, overlap, schedule = parse(layout)
+    state, model, opt, step, runner = build(name, config, micro_batches, recompute, overlap, schedule)
     moe = CONFIGS[name].moe
     losses = []
     for input_ids, labels in batches():
@@ -100,6 +103,8 @@ def train(layout: str):
             update_expert_biases(model, moe.expert_bias_update_rate, reduce=lambda t: _sum(t, state.data_parallel_group))
         totals = _sum(torch.stack([loss_sum.detach().float(), tokens.float()]), state.data_parallel_group)
         losses.append((totals[0] / totals[1]).item())
+    if step.main_params is not None:
+        step.main_params.wait_for_params()  # as the strategy does before reading weights (full_state_dict)
     weights = merge_pipeline_stages(gather_full_state_dict(model, state.tensor_parallel_group),
                                     state.pipeline_parallel_group)
     weights = merge_pipeline_stages(weights, state.expert_parallel_group if config.expert_parallel_size > 1 else None)
@@ -119,7 +124,7 @@ def generate_at(layout: str) -> dict:
     stepping with them (their all-to-alls pair up); every rank gives the tokens of one process."""
     from lightning_megatron.generation import generate
 
-    _, config, _, _, _ = parse(layout.removeprefix("gen-").join(("moe-", "")))
+    _, config, *_ = parse(layout.removeprefix("gen-").join(("moe-", "")))
     state, model, opt, step, runner = build("moe", config, 1)
     step.remove()
     torch.manual_seed(SEED)
@@ -137,7 +142,7 @@ def generate_at(layout: str) -> dict:
 def count(layout: str) -> dict:
     """The collectives of one step's forward and of its backward, as ``"<kind>/<group>": calls`` (the group named
     as the layout names it: tp, ep, dp, pp, expert-dp; the first match, so ep == dp is named ep)."""
-    _, config, _, _, _ = parse(layout.removeprefix("count-").join(("moe-", "")))
+    _, config, *_ = parse(layout.removeprefix("count-").join(("moe-", "")))
     state, model, opt, step, runner = build("moe", config, 1)
     input_ids, labels = batches()[0]
     rows = slice(state.data_parallel_rank * GLOBAL_BATCH // config.data_parallel_size,
