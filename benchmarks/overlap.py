@@ -4,8 +4,9 @@ Every overlap the strategy offers is one entry of ``OVERLAPS`` (:class:`Overlap`
 measures (table rows) and a function that trains a variant with the overlap on or off and returns the step times
 and losses. One invocation runs the chosen entries in the same processes (``torchrun`` with ``--ranks``),
 round by round, on and off interleaved (off-on, then on-off: drift on a shared machine falls on both alike), on
-the same model, batches and learning rates; an overlap changes when communication completes, never what is
-computed, so the losses must agree exactly (``max loss diff`` 0).
+the same model, batches and learning rates; an overlap changes when communication completes, not what is
+computed, so the losses agree exactly (``max loss diff`` 0), or to fp32 rounding where the overlap also splits a
+GEMM (``tp_comm``).
 
 Entries:
 
@@ -14,6 +15,13 @@ Entries:
   waited for by the first module of the next forward that owns its parameters. A wide, shallow GPT on 16 tokens
   per rank (few FLOPs per parameter) with several buckets, so that on CPU with gloo the gather is a visible part
   of the step. ``wait ms`` is the time blocked in ``ParamGather``'s waits.
+* ``tp_comm``: tensor parallelism over all ``--ranks`` with sequence parallelism (``tp_comm_overlap``): off, each
+  sequence-parallel linear all-gathers then multiplies (and multiplies then reduce-scatters); on, the column
+  linears' all-gather runs behind their own chunk's GEMM, and in backward the input re-gather behind the
+  input-gradient GEMM and the input-gradient reduce-scatter behind the weight-gradient GEMM.
+* ``pipeline_p2p``: pipeline parallelism over all ``--ranks``, ``2 x ranks`` micro-batches of one sample
+  (``overlap_p2p_comm``): on, the multi-stage schedules post every receive as early as their action table
+  allows; off, just before its use.
 
 Each step's time is from its batch start to the next one's (the slowest rank), so the gathers a step launches
 are paid in the step that waits for them; a run's time is the median step, and the table shows the best of
@@ -124,9 +132,35 @@ def _param_gather_run(args: argparse.Namespace, variant: str, on: bool, device: 
     return fit_timed(args, strategy, device, wait_clock=_gather_wait_clock)
 
 
+def _tp_comm_variants(args: argparse.Namespace) -> list[str]:
+    return [f"tp{args.ranks} sp"]
+
+
+def _tp_comm_run(args: argparse.Namespace, variant: str, on: bool, device: torch.device) -> dict:
+    strategy = Megatron3DStrategy(tensor_parallel_size=args.ranks, sequence_parallel=True, tp_comm_overlap=on)
+    return fit_timed(args, strategy, device)
+
+
+def _pipeline_p2p_variants(args: argparse.Namespace) -> list[str]:
+    variants = [f"pp{args.ranks} interleaved_zero_bubble"]
+    if args.layers % (2 * args.ranks) == 0:
+        variants.insert(0, f"pp{args.ranks} vpp2 interleaved_1f1b")
+    return variants
+
+
+def _pipeline_p2p_run(args: argparse.Namespace, variant: str, on: bool, device: torch.device) -> dict:
+    schedule = variant.rsplit(" ", 1)[1]
+    strategy = Megatron3DStrategy(pipeline_parallel_size=args.ranks, virtual_pipeline_size=2 if "vpp2" in variant else 1,
+                                  pipeline_schedule=schedule, micro_batch_size=1, overlap_p2p_comm=on)
+    micro_batches = argparse.Namespace(**{**vars(args), "batch": max(args.batch, 2 * args.ranks)})  # m = 2p
+    return fit_timed(micro_batches, strategy, device)
+
+
 OVERLAPS: dict[str, Overlap] = {
     overlap.name: overlap for overlap in [
         Overlap("param_gather", _param_gather_variants, _param_gather_run),
+        Overlap("tp_comm", _tp_comm_variants, _tp_comm_run),
+        Overlap("pipeline_p2p", _pipeline_p2p_variants, _pipeline_p2p_run),
     ]
 }
 

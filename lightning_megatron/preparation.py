@@ -143,7 +143,7 @@ def split_pipeline(module: nn.Module, state: ParallelState, schedule: str = "1f1
 
 def start_pipeline(split: PipelineSplit, state: ParallelState, *, device: torch.device, schedule: str,
                    micro_batch_size: int, recorder: Optional[TimelineRecorder],
-                   before_backward: Callable[[int, torch.Tensor], None]) -> PipelineRunner:
+                   before_backward: Callable[[int, torch.Tensor], None], overlap_p2p_comm: bool = True) -> PipelineRunner:
     """The schedule behind the root model's ``loss()``; its ``forward()`` now says why it cannot run alone."""
     layout, root = split.layout, split.root
     if SCHEDULE_SPECS[schedule].placement != SCHEDULE_SPECS[layout.schedule].placement:
@@ -153,7 +153,7 @@ def start_pipeline(split: PipelineSplit, state: ParallelState, *, device: torch.
     runner = PipelineRunner(split.stage_modules, split.local_stages, num_stages=layout.num_stages,
                             group=state.pipeline_parallel_group, device=device, schedule=schedule,
                             micro_batch_size=micro_batch_size, root=root, recorder=recorder,
-                            before_backward=before_backward)
+                            before_backward=before_backward, overlap_p2p_comm=overlap_p2p_comm)
     root.loss = runner.loss  # the model's loss() now runs the schedule
     for aux in auxiliary_losses(root):  # their gradient scaled as the schedule scales the loss sum's
         aux.attach_with(lambda: runner.loss_scale)

@@ -145,6 +145,8 @@ class Megatron3DStrategy(CheckpointHooks, StepHooks, ParallelStrategy):
             bucket in forward order, each waited for by the first module of the next forward that owns its
             parameters (Megatron-Core's option). Checkpoints, evaluation and teardown wait first; so must a callback
             reading parameters between the step and the next forward (``strategy.wait_for_parameters()``).
+        overlap_p2p_comm: the multi-stage pipeline schedules post each receive as early as they can, so it completes
+            under compute (Megatron-LM's ``--overlap-p2p-communication``); ``False`` posts it just before its use.
         bucket_size_mb: size of the gradient buckets reduced over dp while backward runs.
         pad_vocab_to_multiple_of: the vocabulary is padded to a multiple of ``tp * this`` (Megatron: 128).
         checkpoint_format: ``"sharded"`` (default): a checkpoint is a directory in which every rank writes
@@ -197,6 +199,7 @@ class Megatron3DStrategy(CheckpointHooks, StepHooks, ParallelStrategy):
         max_consecutive_skips: int = 10,
         offload_optimizer: bool = False,
         overlap_param_gather: bool = False,
+        overlap_p2p_comm: bool = True,
         bucket_size_mb: float = DEFAULT_BUCKET_SIZE_MB,
         pad_vocab_to_multiple_of: int = 128,
         checkpoint_format: str = "sharded",
@@ -264,6 +267,7 @@ class Megatron3DStrategy(CheckpointHooks, StepHooks, ParallelStrategy):
         self.offload_optimizer = offload_optimizer
         check_overlap_param_gather(overlap_param_gather, zero_stage)
         self.overlap_param_gather = overlap_param_gather
+        self.overlap_p2p_comm = overlap_p2p_comm
         self._loss_scaler_settings = dict(loss_scaler or {})
         DynamicLossScaler(**self._loss_scaler_settings)  # validate the settings now, not after the launch
         self.loss_scaler: Optional[DynamicLossScaler] = None
@@ -447,7 +451,7 @@ class Megatron3DStrategy(CheckpointHooks, StepHooks, ParallelStrategy):
         self.pipeline_recorder = TimelineRecorder(self.parallel_state.pipeline_parallel_rank)
         self._pipeline = start_pipeline(split, self.parallel_state, device=self.root_device,
                                         schedule=self.pipeline_schedule, micro_batch_size=self.micro_batch_size,
-                                        recorder=self.pipeline_recorder,
+                                        recorder=self.pipeline_recorder, overlap_p2p_comm=self.overlap_p2p_comm,
                                         before_backward=self._before_pipeline_backward)
         trainer.fit_loop._skip_backward = True  # the schedule already ran every backward
 

@@ -115,7 +115,12 @@ class PipelineRunner:
         root: nn.Module,
         recorder: Optional[TimelineRecorder] = None,
         before_backward: Optional[Callable[[int, Tensor], None]] = None,
+        overlap_p2p_comm: bool = True,
     ) -> None:
+        """``overlap_p2p_comm``: the multi-stage schedules (interleaved 1F1B, the zero-bubble ones) post each receive
+        as early as their action table allows, so it completes under the compute before its use; ``False`` posts it
+        just before (torch's ``defer_pp_recv``: fewer buffers waiting). 1F1B and GPipe batch their sends and receives
+        per step either way."""
         self.stage_modules, self.stage_ids, self.num_stages = stage_modules, stage_ids, num_stages
         self.group, self.device, self.schedule_name = group, device, schedule
         self.micro_batch_size = micro_batch_size
@@ -124,6 +129,7 @@ class PipelineRunner:
         self._extras: list[dict[str, Tensor]] = []
         self.recorder = recorder
         self.before_backward = before_backward
+        self.overlap_p2p_comm = overlap_p2p_comm
         self.has_first, self.has_last = 0 in stage_ids, num_stages - 1 in stage_ids
         self.last_stage_rank = rank_of_stage(num_stages - 1, dist.get_world_size(group), schedule)
         self._schedules: dict[tuple, object] = {}
@@ -146,10 +152,10 @@ class PipelineRunner:
                 for stage in stages:
                     self.recorder.instrument(stage)
             schedule_class = _SCHEDULES[self.schedule_name]
-            target = stages if issubclass(schedule_class, PipelineScheduleMulti) else stages[0]
+            multi = issubclass(schedule_class, PipelineScheduleMulti)
             self._schedules[key] = schedule_class(
-                target, micro_batches, loss_fn=self._loss_of_micro_batch, scale_grads=False
-            )
+                stages if multi else stages[0], micro_batches, loss_fn=self._loss_of_micro_batch, scale_grads=False,
+                **({"defer_pp_recv": not self.overlap_p2p_comm} if multi else {}))
             if self.recorder is not None and hasattr(self._schedules[key], "pipeline_order"):
                 self.recorder.action_tables[micro_batches] = self._schedules[key].pipeline_order
         return self._schedules[key]

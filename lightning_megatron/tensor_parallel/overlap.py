@@ -27,9 +27,9 @@ pipelining; off by default) issues ``k`` reduce-scatters per row layer forward i
 ``1/k`` piece of every rank's sequence chunk, launched as soon as that piece's GEMM is done; the row layer's
 backward is unchanged (one all-gather, then the GEMMs that need all of it).
 
-What it buys is measured by ``benchmarks/tp_overlap.py``: on CPU, where gloo's thread and the GEMMs share the
-same cores, it adds 2-5% work and shows no wall-clock gain on a busy machine; it is meant for GPUs, where the
-collectives run on the network while the GEMMs run.
+What it buys is measured by ``benchmarks/overlap.py --only tp_comm``: on CPU, where gloo's thread and the GEMMs
+share the same cores, it adds a few percent of work and shows no reliable wall-clock gain; it is meant for GPUs,
+where the collectives run on the network while the GEMMs run.
 
 Same numbers as the default up to the order of fp32 sums inside GEMMs (the chunked GEMMs and the weight gradient's
 sum over the sequence run in another order): ~1e-7, far inside the layout invariance's 1e-5. Inside
