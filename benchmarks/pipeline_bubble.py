@@ -81,7 +81,7 @@ def worker(args) -> None:
     dist.init_process_group("gloo")
     rank, ranks = dist.get_rank(), dist.get_world_size()
     results = {}
-    for schedule, virtual in SCHEDULES:
+    for schedule, virtual in [(name, v) for name, v in SCHEDULES if name in args.schedules]:
         num_stages = ranks * virtual
         stage_ids = PipelineLayout(num_layers=num_stages, pipeline_parallel_size=ranks, virtual_pipeline_size=virtual,
                                    schedule=schedule).stages_of_rank(rank)
@@ -124,6 +124,8 @@ def main() -> None:
     parser.add_argument("--stage-ms", type=float, default=20.0, help="forward time of one rank's stages per micro-batch")
     parser.add_argument("--plot", default="", help="write the timeline of --plot-schedule to this PNG")
     parser.add_argument("--plot-schedule", default="1f1b")
+    parser.add_argument("--schedules", nargs="+", default=sorted({name for name, _ in SCHEDULES}),
+                        choices=sorted({name for name, _ in SCHEDULES}), help="the schedules to run (default: all)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -134,7 +136,8 @@ def main() -> None:
         out = Path(tmp) / "bubble.json"
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.ranks}",
                    __file__, "--worker", f"--out={out}", f"--micro-batches={args.micro_batches}",
-                   f"--stage-ms={args.stage_ms}", f"--plot={args.plot}", f"--plot-schedule={args.plot_schedule}"]
+                   f"--stage-ms={args.stage_ms}", f"--plot={args.plot}", f"--plot-schedule={args.plot_schedule}",
+                   "--schedules", *args.schedules]
         subprocess.run(command, check=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
         results = json.loads(out.read_text())
     print(f"pipeline bubble, p={args.ranks}, m={args.micro_batches}, stage forward {args.stage_ms} ms, backward 2x")
