@@ -118,6 +118,8 @@ class RowParallelLinear(nn.Module):
             self.register_parameter("bias", None)
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.group is None:  # one rank: nothing to reduce, so the bias joins the matmul (addmm), as in nn.Linear
+            return F.linear(x, self.weight, self.bias)
         y = F.linear(x, self.weight)
         if not self.communicates:
             return y  # no bias: the plan refuses one inside a region
