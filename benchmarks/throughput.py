@@ -2,7 +2,9 @@
 
 Two comparisons on the same ``GPTModel``, config, batches, AdamW and learning-rate schedule:
 
-(a) one process: ``Megatron3DStrategy(tensor_parallel_size=1)`` against a plain PyTorch loop;
+(a) one process: ``Megatron3DStrategy(tensor_parallel_size=1)`` against a plain PyTorch loop, with
+    Lightning's default single-device strategy on the same module in between (what Lightning's own
+    loop costs, so the table separates the strategy's per-step cost from Lightning's);
 (b) two processes: ``Megatron3DStrategy(tensor_parallel_size=2)`` against Lightning's
     ``ModelParallelStrategy`` with torch's DTensor tensor-parallel plan on the same layers.
 
@@ -71,6 +73,7 @@ class Variant:
 
 VARIANTS = (
     Variant("plain", "plain PyTorch loop", 1),
+    Variant("lightning", "Lightning, single device", 1, baseline="plain"),
     Variant("megatron_tp1", "Megatron3DStrategy tp=1", 1, baseline="plain"),
     Variant("model_parallel_tp2", "ModelParallelStrategy tp=2 (DTensor)", 2),
     Variant("megatron_tp2", "Megatron3DStrategy tp=2", 2, baseline="model_parallel_tp2"),
@@ -103,6 +106,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--on-nonfinite", choices=("error", "skip", "ignore"), default="error",
                         help="Megatron3DStrategy's on_nonfinite (default 'error', the strategy's default: a global "
                              "gradient-norm check every step, which the plain loop does not do; 'ignore' turns it off)")
+    parser.add_argument("--clip-grad", type=float, default=None,
+                        help="clip gradients to this global norm in every variant (the plain loop: "
+                             "torch.nn.utils.clip_grad_norm_; Lightning: Trainer(gradient_clip_val=...)); default: no clipping")
     parser.add_argument("--steps", type=int, default=30, help="measured optimizer steps per run")
     parser.add_argument("--warmup", type=int, default=5, help="optimizer steps run before the clock starts")
     parser.add_argument("--repeats", type=int, default=3, help="runs per variant, interleaved")
@@ -415,6 +421,8 @@ def run_plain(args: argparse.Namespace, device: torch.device) -> Measurement:
             loss_sum, num_tokens = model.loss(ids, labels)
             loss = loss_sum / num_tokens
         loss.backward()
+        if args.clip_grad is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad)
         optimizer.step()
         optimizer.zero_grad()
         scheduler.step()
@@ -433,6 +441,7 @@ def run_lightning(args: argparse.Namespace, device: torch.device, module: L.Ligh
         devices=devices,
         precision=args.precision,
         max_steps=total_steps(args),
+        gradient_clip_val=getattr(args, "clip_grad", None),
         callbacks=[stopwatch],
         logger=False,
         enable_checkpointing=False,
@@ -441,6 +450,11 @@ def run_lightning(args: argparse.Namespace, device: torch.device, module: L.Ligh
     )
     trainer.fit(module, loader)
     return stopwatch.stopwatch.step_seconds(), memory.peak_bytes(), stopwatch.last_loss.item()
+
+
+def run_single_device(args: argparse.Namespace, device: torch.device) -> Measurement:
+    """The same ``GPT`` module under Lightning's default strategy for one device: Lightning's own per-step cost."""
+    return run_lightning(args, device, make_module(args), "auto", devices=1)
 
 
 def run_megatron(args: argparse.Namespace, device: torch.device, tensor_parallel_size: int,
@@ -458,6 +472,7 @@ def run_model_parallel(args: argparse.Namespace, device: torch.device) -> Measur
 
 WORKERS: dict[str, Callable[[argparse.Namespace, torch.device], Measurement]] = {
     "plain": run_plain,
+    "lightning": run_single_device,
     "megatron_tp1": partial(run_megatron, tensor_parallel_size=1),
     "model_parallel_tp2": run_model_parallel,
     "megatron_tp2": partial(run_megatron, tensor_parallel_size=2),
@@ -570,13 +585,16 @@ class Summary:
 
 
 def table_row(args: argparse.Namespace, variant: Variant, summary: Summary, baseline: Optional[Summary]) -> list[str]:
+    step_ms = lambda s: 1000 * args.batch * args.seq / s.best_tokens_per_s  # noqa: E731 (the best run's median step)
     row = [
         variant.label,
         str(variant.processes),
         f"{summary.best_tokens_per_s:,.0f}",
         f"{summary.worst_tokens_per_s:,.0f}",
+        f"{step_ms(summary):.2f}",
         f"{summary.peak_bytes / MIB:,.1f}",
         f"{summary.best_tokens_per_s / baseline.best_tokens_per_s:.3f}" if baseline else "-",
+        f"{step_ms(summary) - step_ms(baseline):+.2f}" if baseline else "-",
         f"{summary.peak_bytes / baseline.peak_bytes:.3f}" if baseline and baseline.peak_bytes > 0 else "-",
         f"{summary.loss:.4f}",
     ]
@@ -602,8 +620,8 @@ def format_table(args: argparse.Namespace, jobs: list[Job], runs: dict[Job, list
     """One row per job; with several models a leading ``model`` column, each model's ratios against its own rows."""
     summaries = {(model, variant.key): Summary.of(job_runs) for (model, variant), job_runs in runs.items()}
     several = len({model for model, _ in jobs}) > 1
-    header = ["model"] * several + ["variant", "procs", "tokens/s", "slowest run", "peak MiB/rank", "tok/s ratio",
-                                    "mem ratio", "last loss"]
+    header = ["model"] * several + ["variant", "procs", "tokens/s", "slowest run", "ms/step", "peak MiB/rank",
+                                    "tok/s ratio", "+ms/step", "mem ratio", "last loss"]
     if args.device == "cuda":
         header += ["TFLOP/s/dev", "MFU"]
     rows = [header] + [[model] * several + table_row(for_model(args, model), variant, summaries[(model, variant.key)],
@@ -628,7 +646,8 @@ def describe(args: argparse.Namespace) -> str:
             f"threads/process={args.threads or 'default'}, "
             f"Megatron pad_vocab_to_multiple_of={args.pad_vocab} on_nonfinite={args.on_nonfinite}, torch {torch.__version__}, lightning {L.__version__}\n"
             f"tokens/s: median step time ({args.clock} clock) over {args.steps} steps after {args.warmup} warmup; best of {args.repeats} "
-            f"interleaved runs. Ratios: row / the baseline row above it (goal tok/s >= 0.97).")
+            f"interleaved runs. Ratios and +ms/step: row against its baseline (1 process: the plain loop; "
+            f"Megatron tp=2: ModelParallelStrategy); goal tok/s ratio >= 0.97 for Megatron tp=1.")
 
 
 def runnable_variants(args: argparse.Namespace) -> list[Variant]:

@@ -458,7 +458,7 @@ class Megatron3DStrategy(CheckpointHooks, StepHooks, ParallelStrategy):
     def _before_pipeline_backward(self, micro_batches: int, num_tokens: Tensor) -> None:
         if self._step is not None:
             self._step.sync.start_micro_batch(sync=not self._blocking_sync, backward_passes=micro_batches)
-            self._pipeline.loss_scale = self._backward_scale(num_tokens)
+            self._pipeline.loss_scale = float(self._backward_scale(num_tokens))
 
     def model_to_device(self) -> None:
         assert self.model is not None
@@ -524,10 +524,13 @@ class Megatron3DStrategy(CheckpointHooks, StepHooks, ParallelStrategy):
         """Backward on the micro-batch's token sum (times :meth:`_backward_scale`).
 
         Lightning divided the loss by accumulate_grad_batches and the module returned a
-        per-token mean; undo both. ``16-mixed``: Lightning's GradScaler scales in pre_backward.
+        per-token mean; undo both, in one factor (one operation on the graph; exactly 1 for one
+        replica without accumulation). ``16-mixed``: Lightning's GradScaler scales in pre_backward.
         """
-        tokens_sum = closure_loss * self._micro_batch_weight * self.lightning_module.trainer.accumulate_grad_batches
-        return super().backward(tokens_sum * self._backward_scale(self._micro_batch_weight), optimizer, *args, **kwargs)
+        accumulation = self.lightning_module.trainer.accumulate_grad_batches
+        factor = self._micro_batch_weight * (accumulation * self._backward_scale(self._micro_batch_weight))
+        factor = factor.to(torch.promote_types(closure_loss.dtype, torch.float32))  # a float32 product, as before
+        return super().backward(closure_loss * factor, optimizer, *args, **kwargs)
 
     @records_phase("optimizer step")
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model=None, **kwargs: Any) -> Any:
@@ -561,9 +564,7 @@ class Megatron3DStrategy(CheckpointHooks, StepHooks, ParallelStrategy):
         norm = self._step_grad_norm  # measured by the non-finite check this step: no second all-reduce
         if self._zero3 is not None:
             return self._zero3.clip_grad_norm_(float(clip_val), norm=norm)
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        return self._step.clip(params, float(clip_val), is_first_tensor_rank=self.parallel_state.tensor_parallel_rank == 0,
-                               norm=norm)
+        return self._step.clip(optimizer.param_groups, float(clip_val), norm=norm)
 
     # ------------------------------------------------------------------ collectives
     @records_phase("barrier", argument(0, "name"))

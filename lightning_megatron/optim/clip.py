@@ -46,24 +46,68 @@ def first_replicas(params: Iterable[nn.Parameter], *, data_parallel_rank: int,
             if (expert_data_parallel_rank if getattr(p, "expert_parallel", False) else data_parallel_rank) == 0]
 
 
+class NormCounting:
+    """What this rank counts in the global gradient norm, decided once for a list of parameters.
+
+    The decision (counted whole, counted in some ranges of a segmented shard, or not at all) depends
+    only on the parameters' tags and this rank's tensor-parallel rank, which do not change while
+    training; deciding it once leaves each step only reading the current gradients of the counted
+    parameters and one ``torch._foreach_norm`` over them (``StepGradients`` keeps one per optimizer).
+    An fp32 main piece says where it starts in its shard with ``shard_flat_start`` (``MainParamOptimizer``).
+    """
+
+    def __init__(self, params: Iterable[nn.Parameter], *, is_first_tensor_rank: bool) -> None:
+        self.whole: list[nn.Parameter] = []
+        self.segmented: list[tuple[nn.Parameter, TensorShard, int]] = []
+        for param in dict.fromkeys(params):
+            shard = shard_of(param)
+            if shard is None and not is_first_tensor_rank:
+                continue  # replicated over tp: counted on tp rank 0
+            if hasattr(param, "tied_names"):  # the last stage's copy of a tied embedding
+                continue
+            if shard is None or shard.counted_flat_ranges() is None:
+                self.whole.append(param)
+            else:
+                self.segmented.append((param, shard, getattr(param, "shard_flat_start", 0)))
+
+    @torch.no_grad()
+    def squares(self) -> Tensor:
+        """This rank's share of the squared global gradient norm (before any reduction), float32."""
+        terms = [counted_squares(param.grad, shard, flat_start=start) for param, shard, start in self.segmented
+                 if param.grad is not None]
+        whole = [grad for param in self.whole if (grad := param.grad) is not None]
+        if whole:  # one fused kernel per dtype and device, not two passes per parameter
+            terms.append(torch.stack(torch._foreach_norm(whole, 2, dtype=torch.float32)).pow(2).sum())
+        if len(terms) == 1:
+            return terms[0]
+        return torch.stack(terms).sum() if terms else torch.zeros((), dtype=torch.float32)
+
+
 def local_grad_squares(params: Iterable[nn.Parameter], *, is_first_tensor_rank: bool) -> Tensor:
     """This rank's share of the squared global gradient norm (before any reduction), counted as
-    the module docstring says; ``optim.nonfinite`` sums the same shares for its check. An fp32 main
-    piece says where it starts in its shard with ``shard_flat_start`` (``MainParamOptimizer``)."""
-    whole, terms = [], []
-    for param in params:
-        if param.grad is None or (shard_of(param) is None and not is_first_tensor_rank):
-            continue
-        if hasattr(param, "tied_names"):  # the last stage's copy of a tied embedding
-            continue
-        shard = shard_of(param)
-        if shard is None or shard.counted_flat_ranges() is None:
-            whole.append(param.grad.detach())
-        else:
-            terms.append(counted_squares(param.grad, shard, flat_start=getattr(param, "shard_flat_start", 0)))
-    if whole:  # one fused kernel per dtype and device, not two passes per parameter
-        terms.append(torch.stack(torch._foreach_norm(whole, 2, dtype=torch.float32)).pow(2).sum())
-    return torch.stack(terms).sum() if terms else torch.zeros((), dtype=torch.float32)
+    the module docstring says; ``optim.nonfinite`` sums the same shares for its check."""
+    return NormCounting(params, is_first_tensor_rank=is_first_tensor_rank).squares()
+
+
+def reduce_squares(squares: Tensor, groups: Iterable[Optional[dist.ProcessGroup]], *,
+                   reduce_device: Optional[torch.device] = None) -> Tensor:
+    """The global norm from this rank's squares: summed (float64) over ``groups`` in order (None: nothing to sum).
+
+    ``reduce_device``: where the sum of squares is all-reduced (NCCL needs the accelerator even
+    when the gradients were offloaded to the CPU)."""
+    squares = squares.double() if reduce_device is None else squares.to(reduce_device, torch.float64)
+    for group in groups:
+        if group is not None:
+            dist.all_reduce(squares, group=group)
+    return squares.sqrt().float()
+
+
+@torch.no_grad()
+def scale_to_norm(grads: list[Tensor], max_norm: float, norm: Tensor) -> None:
+    """Scale ``grads`` in place so that a global norm of ``norm`` becomes at most ``max_norm`` (one fused kernel)."""
+    clip_coef = max_norm / (float(norm) + 1e-6)
+    if clip_coef < 1.0 and grads:
+        torch._foreach_mul_(grads, clip_coef)
 
 
 def global_grad_norm(
@@ -74,16 +118,9 @@ def global_grad_norm(
     data_parallel_group: Optional[dist.ProcessGroup] = None,
     reduce_device: Optional[torch.device] = None,
 ) -> Tensor:
-    """The L2 norm of all gradients of the global model, identical on every rank.
-
-    ``reduce_device``: where the sum of squares is all-reduced (NCCL needs the accelerator even
-    when the gradients were offloaded to the CPU)."""
+    """The L2 norm of all gradients of the global model, identical on every rank (see :func:`reduce_squares`)."""
     squares = local_grad_squares(params, is_first_tensor_rank=is_first_tensor_rank)
-    squares = squares.double() if reduce_device is None else squares.to(reduce_device, torch.float64)
-    for group in (model_parallel_group, data_parallel_group):
-        if group is not None:
-            dist.all_reduce(squares, group=group)
-    return squares.sqrt().float()
+    return reduce_squares(squares, (model_parallel_group, data_parallel_group), reduce_device=reduce_device)
 
 
 def clip_grads_by_global_norm(
@@ -110,8 +147,5 @@ def clip_grads_by_global_norm(
                                 model_parallel_group=model_parallel_group,
                                 is_first_tensor_rank=is_first_tensor_rank, data_parallel_group=data_parallel_group,
                                 reduce_device=reduce_device)
-    clip_coef = max_norm / (float(norm) + 1e-6)
-    if clip_coef < 1.0:
-        for param in params:
-            param.grad.detach().mul_(clip_coef)
+    scale_to_norm([p.grad for p in params], max_norm, norm)
     return norm

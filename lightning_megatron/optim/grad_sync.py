@@ -27,8 +27,9 @@ those of the per-token mean over the global batch whatever dp and the micro-batc
 from __future__ import annotations
 
 import math
+import struct
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, NamedTuple, Optional, Sequence
+from typing import Callable, Iterable, Iterator, NamedTuple, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -49,6 +50,18 @@ def sum_over_group(tensors: Sequence[Tensor], group: dist.ProcessGroup) -> None:
     for tensor in tensors:
         tensor.copy_(flat[offset : offset + tensor.numel()].view_as(tensor))
         offset += tensor.numel()
+
+
+def changes_nothing(scale: float, dtypes: Iterable[torch.dtype]) -> bool:
+    """Whether multiplying tensors of ``dtypes`` by ``scale`` leaves every value as it is, so the pass can be skipped.
+
+    torch multiplies 16- and 32-bit floats by a Python scalar converted to float32 (their compute type), so a
+    scale within rounding of 1 multiplies by exactly 1 there. That is the token normaliser of every step
+    that needs none (one replica, no accumulation: ``1 / (n * (1 / n))``); float64 needs exactly 1.
+    """
+    if scale == 1.0:
+        return True
+    return struct.unpack("f", struct.pack("f", scale))[0] == 1.0 and torch.float64 not in set(dtypes)
 
 
 def flat_part(tensor: Tensor, start: int, stop: int) -> Tensor:
@@ -300,8 +313,10 @@ class GradientSynchronizer:
             self._wait(bucket)
         self._sum_partial_grads()
         scale = 1.0 / (max(float(num_tokens), 1.0) * backward_scale)
+        rescale = not changes_nothing(scale, (bucket.dtype for bucket in self.buckets))
         for bucket in self.buckets:
-            bucket.shard.mul_(scale)
+            if rescale:
+                bucket.shard.mul_(scale)
             if self.zero_stage == 0:
                 for index, param in enumerate(bucket.params):
                     param.grad = self._grad_view(bucket, index)
@@ -366,6 +381,7 @@ class LocalGradients:
     ) -> None:
         self.params = [p for p in dict.fromkeys(params) if p.requires_grad]
         self.partial_grad_groups = list(partial_grad_groups)
+        self._dtypes = {p.dtype for p in self.params}
 
     def start_micro_batch(self, *, sync: bool, backward_passes: int = 1) -> None:
         """Nothing to schedule: there is no data-parallel reduction."""
@@ -376,9 +392,10 @@ class LocalGradients:
             sum_over_group([flat_part(p.grad, start, stop) for p, start, stop in partial.parts if p.grad is not None],
                            partial.group)
         scale = 1.0 / (max(float(num_tokens), 1.0) * backward_scale)
-        grads = [p.grad for p in self.params if p.grad is not None]
-        if grads:
-            torch._foreach_mul_(grads, scale)
+        if not changes_nothing(scale, self._dtypes):
+            grads = [p.grad for p in self.params if p.grad is not None]
+            if grads:
+                torch._foreach_mul_(grads, scale)
         return also_sum  # one replica: nothing to sum it over
 
     def zero(self) -> None:

@@ -10,14 +10,16 @@ Megatron-LM checks the loss and the gradient norm by default and stops; so does
 How, with no collective that clipping does not already make: the global gradient norm that
 clipping needs is computed once per step, right after the gradients are reduced and before
 Lightning's hooks, clipping and the optimizer see them (clipping then reuses it). The
-micro-batch losses are checked with it: each micro-batch adds ``[loss is NaN, loss is Inf]``
-(device tensors: no host sync per micro-batch); the step's counts are summed over dp in the
-all-reduce that already sums the token count (``grad_sync.sum_tokens``), then over tp x pp
-in the all-reduce of the squared norm (``[squares, NaN count, Inf count]``, float64). So every
-rank of the world sees every count, and the verdict is identical everywhere: all ranks raise
-(or skip) together and none is left waiting in a collective. The step costs one host
-synchronisation for the verdict. Only on a non-finite verdict does one more all-reduce collect
-which rank saw what, for the message.
+micro-batch losses are checked with it: each micro-batch adds ``loss * 0`` (0 for a finite
+loss, NaN for a NaN or an Inf; a device tensor: no host sync per micro-batch); the step's sum is
+summed over dp in the all-reduce that already sums the token count (``grad_sync.sum_tokens``)
+and added to the squared norm (float64) before its all-reduce over tp x pp. Adding 0 leaves a
+finite norm bit for bit as it was, and a NaN anywhere makes every rank's sum NaN, so the verdict
+(is the sum finite?) is identical everywhere: all ranks raise (or skip) together and none is
+left waiting in a collective. The step costs one host synchronisation for the verdict and a
+handful of scalar operations besides the norm. Only on a non-finite verdict does one more
+all-reduce collect which rank saw what (its NaN and Inf losses, its non-finite gradients), for
+the message.
 
 The squares are those ``clip.py`` (and ``ZeRO3.grad_norm``) count, summed over the same groups
 in the same order: sharded tensor-parallel parameters on every tp rank, replicated ones on tp
@@ -50,6 +52,12 @@ def loss_flags(loss: Tensor) -> Tensor:
     """``[loss has a NaN, loss has an Inf]`` of one micro-batch, float64 on the loss's device (no host sync)."""
     loss = loss.detach()
     return torch.stack([torch.isnan(loss).any(), torch.isinf(loss).any()]).to(torch.float64)
+
+
+def loss_poison(loss: Tensor) -> Tensor:
+    """0 for a finite loss, NaN for one with a NaN or an Inf (``inf * 0`` is NaN): added to the squared
+    gradient norm, it leaves a finite norm exactly as it is and turns the verdict of a bad loss non-finite."""
+    return (loss.detach() * 0.0).sum()
 
 
 def _world() -> tuple[int, int]:
@@ -86,29 +94,20 @@ class NonFiniteCheck:
     def enabled(self) -> bool:
         return self.mode != "ignore"
 
-    def global_norm(self, local_squares: Tensor, losses: Tensor,
-                    reductions: Sequence[tuple[Optional[dist.ProcessGroup], bool]], *,
+    def global_norm(self, local_squares: Tensor, poison: Tensor, groups: Sequence[Optional[dist.ProcessGroup]], *,
                     device: torch.device) -> tuple[Tensor, bool]:
         """The global gradient norm and whether the step is finite, identical on every rank.
 
-        ``local_squares``: this rank's share of the squared norm; ``losses``: its NaN/Inf loss
-        counts, already summed over dp (they rode along with the token count). ``reductions``:
-        the groups the squares are summed over, in the order clipping sums them, each with whether
-        the loss counts ride along (exactly one group spanning tp x pp does; None: a single rank).
-        One host synchronisation, for the verdict."""
-        squares = local_squares.detach().to(device=device, dtype=torch.float64).reshape(1)
-        flags = losses.detach().to(device=device, dtype=torch.float64).reshape(-1)
-        for group, with_losses in reductions:
-            if group is None:
-                continue
-            if with_losses:
-                packed = torch.cat([squares, flags])
-                dist.all_reduce(packed, group=group)
-                squares, flags = packed[:1], packed[1:]
-            else:
+        ``local_squares``: this rank's share of the squared norm; ``poison``: :func:`loss_poison` of
+        its losses, already summed over dp (it rode along with the token count), so NaN if any
+        loss of the dp group was not finite. ``groups``: where the squares are summed, in the order
+        clipping sums them (None: nothing to sum). One host synchronisation, for the verdict."""
+        squares = poison.detach().to(device=device, dtype=torch.float64).reshape(()) + local_squares.detach().to(device)
+        for group in groups:
+            if group is not None:
                 dist.all_reduce(squares, group=group)
-        finite = bool(torch.isfinite(squares).all() & (flags == 0).all())  # the step's one host sync
-        return squares[0].sqrt().float(), finite
+        finite = bool(torch.isfinite(squares))  # the step's one host sync
+        return squares.sqrt().float(), finite
 
     def passed(self) -> None:
         """A finite step: the run of skips is over."""

@@ -11,17 +11,17 @@ losses and global gradient norm are finite.
 
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from lightning_megatron.optim.clip import clip_grads_by_global_norm, first_replicas, local_grad_squares
+from lightning_megatron.optim.clip import NormCounting, first_replicas, reduce_squares, scale_to_norm
 from lightning_megatron.optim.grad_sync import GradientSynchronizer, LocalGradients
 from lightning_megatron.optim.loss_scaler import DynamicLossScaler, found_overflow
 from lightning_megatron.optim.main_params import MainParamOptimizer, uses_main_params
-from lightning_megatron.optim.nonfinite import NonFiniteCheck, loss_flags
+from lightning_megatron.optim.nonfinite import NonFiniteCheck, loss_flags, loss_poison
 from lightning_megatron.optim.partial_grads import partial_grad_groups
 from lightning_megatron.parallel.state import ParallelState
 
@@ -38,20 +38,24 @@ class StepGradients:
         model_parallel_group: Optional[dist.ProcessGroup] = None,
         nonfinite: Optional[NonFiniteCheck] = None,
         replica_ranks: Optional[tuple[int, int]] = None,
+        is_first_tensor_rank: bool = True,
     ) -> None:
         """``nonfinite``: the check to run in :meth:`check_finite` (None: no check, e.g. under fp16,
         whose loss scaler handles overflows itself); ``model_parallel_group`` (tp x pp) is where it sums.
         ``replica_ranks``: (dp rank, expert-data-parallel rank) under expert parallelism without ZeRO, where
-        the norm is summed over dp with each replica counted once (``clip.first_replicas``)."""
+        the norm is summed over dp with each replica counted once (``clip.first_replicas``).
+        ``is_first_tensor_rank``: this rank counts the parameters replicated over tp in the norm."""
         self.sync, self.main_params, self.loss_scaler = sync, main_params, loss_scaler
         self.data_parallel_group, self.device = data_parallel_group, device
         self.data_parallel_size = 1 if data_parallel_group is None else dist.get_world_size(data_parallel_group)
         self.model_parallel_group, self.nonfinite = model_parallel_group, nonfinite
-        self.replica_ranks = replica_ranks
+        self.replica_ranks, self.is_first_tensor_rank = replica_ranks, is_first_tensor_rank
+        self._counting: Optional[_Counting] = None
         self._tokens: Tensor | float = 0.0
-        self._token_estimate: Optional[float] = None
-        self._loss_flags: Optional[Tensor] = None  # this rank's [NaN losses, Inf losses] of the step
-        self._step_loss_flags: Optional[Tensor] = None  # the same, summed over dp by finish()
+        self._token_estimate: Optional[Tensor] = None
+        self._losses: list[Tensor] = []  # this step's micro-batch losses, for the message of a non-finite step
+        self._poison: Optional[Tensor] = None  # 0 while this rank's losses are finite, NaN otherwise (nonfinite.py)
+        self._step_poison: Optional[Tensor] = None  # the same, summed over dp by finish()
 
     def add_tokens(self, tokens: Tensor | float) -> None:
         """Tokens the loss of one micro-batch (or one pipeline schedule) counted on this rank."""
@@ -61,13 +65,15 @@ class StepGradients:
         """Note whether one micro-batch's loss (as ``training_step`` returned it) is NaN or Inf.
 
         Device tensors only: no host synchronisation per micro-batch; :meth:`check_finite`
-        reads the sum once per step, inside the gradient norm's all-reduce."""
+        reads the verdict once per step, inside the gradient norm's all-reduce."""
         if self.nonfinite is None:
             return
-        flags = loss_flags(loss)
-        self._loss_flags = flags if self._loss_flags is None else self._loss_flags + flags
+        loss = loss.detach()
+        self._losses.append(loss)
+        poison = loss_poison(loss)
+        self._poison = poison if self._poison is None else self._poison + poison
 
-    def backward_scale(self, micro_batch_tokens: Tensor | float, *, accumulation: int, loss_scale: float) -> float:
+    def backward_scale(self, micro_batch_tokens: Tensor | float, *, accumulation: int, loss_scale: float) -> Tensor:
         """What a micro-batch's token-summed loss is multiplied by before backward.
 
         The exact per-token mean needs the global token count, known only once every
@@ -76,24 +82,27 @@ class StepGradients:
         which keeps gradients at the size of a mean (fp16 would overflow on a sum), and
         :meth:`finish` divides out guess / true count. The guess must be the same on every dp
         rank, whose gradients are summed: hence one scalar all-reduce per step. An fp16 loss
-        scale joins the factor.
+        scale joins the factor. A float64 tensor on the device: reading the token count on the
+        host would stall the host until the forward pass had run, before it could queue backward.
         """
         if self._token_estimate is None:
-            tokens = torch.tensor(max(float(micro_batch_tokens), 1.0), device=self.device)
+            if isinstance(micro_batch_tokens, Tensor):
+                tokens = micro_batch_tokens.detach().to(self.device, torch.float64).clamp(min=1.0)
+            else:
+                tokens = torch.tensor(max(float(micro_batch_tokens), 1.0), dtype=torch.float64, device=self.device)
             if self.data_parallel_group is not None:
                 dist.all_reduce(tokens, op=dist.ReduceOp.MAX, group=self.data_parallel_group)
-            self._token_estimate = float(tokens) * accumulation * self.data_parallel_size
+            self._token_estimate = tokens * (accumulation * self.data_parallel_size)
         return loss_scale / self._token_estimate
 
     def finish(self, *, accumulation: int, loss_scale: float) -> bool:
         """Reduce, normalise, and prepare the optimizer's gradients; returns whether the step overflowed
         (fp16 with our loss scaler; then the optimizer finds no gradients and changes nothing)."""
         tokens = self._tokens if isinstance(self._tokens, Tensor) else torch.tensor(float(self._tokens))
-        if self.nonfinite is not None and self._loss_flags is None:  # every dp rank must send the same shape
-            self._loss_flags = torch.zeros(2, dtype=torch.float64, device=self.device)
-        self._step_loss_flags = self.sync.finish(
-            tokens, backward_scale=self.backward_scale(tokens, accumulation=accumulation, loss_scale=loss_scale),
-            also_sum=self._loss_flags if self.nonfinite is not None else None)
+        if self.nonfinite is not None and self._poison is None:  # every dp rank must send the same shape
+            self._poison = torch.zeros((), dtype=torch.float64, device=self.device)
+        backward_scale = float(self.backward_scale(tokens, accumulation=accumulation, loss_scale=loss_scale))
+        self._step_poison = self.sync.finish(tokens, backward_scale=backward_scale, also_sum=self._poison)
         self._tokens, self._token_estimate = 0.0, None
         if self.main_params is not None:
             self.main_params.prepare_step()
@@ -110,54 +119,62 @@ class StepGradients:
         """Skip this step on this rank: the optimizer finds no gradient on what it steps and changes nothing."""
         (self.main_params if self.main_params is not None else self.sync).drop_grads()
 
-    def check_finite(self, params: Iterable[nn.Parameter], *, is_first_tensor_rank: bool, step: int,
+    def check_finite(self, param_groups: Sequence[dict], *, step: int,
                      epoch: int) -> tuple[Optional[Tensor], Optional[str]]:
         """After :meth:`finish`: this step's global gradient norm, checked with the micro-batch losses.
 
-        ``params``: what the optimizer steps (the fp32 main pieces under ZeRO / 16-bit parameters),
-        counted as clipping counts them; under ZeRO-3 its own shards. Returns ``(norm, None)`` for
-        a finite step (the norm is for clipping to reuse), ``(norm, warning)`` for a step skipped on
-        every rank, and raises ``NonFiniteError`` on every rank otherwise. ``(None, None)`` without a check.
+        ``param_groups``: the optimizer's (their parameters are what it steps: the fp32 main pieces
+        under ZeRO / 16-bit parameters), counted as clipping counts them; under ZeRO-3 its own shards.
+        Returns ``(norm, None)`` for a finite step (the norm is for clipping to reuse), ``(norm, warning)``
+        for a step skipped on every rank, and raises ``NonFiniteError`` on every rank otherwise.
+        ``(None, None)`` without a check.
         """
-        check, local_losses, losses = self.nonfinite, self._loss_flags, self._step_loss_flags
-        self._loss_flags = self._step_loss_flags = None
+        check, losses, poison = self.nonfinite, self._losses, self._step_poison
+        self._losses, self._poison, self._step_poison = [], None, None
         if check is None:
             return None, None
         mp, dp = self.model_parallel_group, self.data_parallel_group
         if hasattr(self.sync, "grad_squares"):  # ZeRO-3: its shards, summed over dp then tp x pp (its grad_norm)
-            squares, grads, reductions = self.sync.grad_squares(), self.sync.main_grads(), [(dp, False), (mp, True)]
+            squares, groups = self.sync.grad_squares(), (dp, mp)
         else:  # clip.py's order: tp x pp, then dp where dp ranks hold different pieces (ZeRO-1/2, experts)
-            params = [p for p in dict.fromkeys(params) if p.grad is not None]
-            counted, over_dp = self._norm_counting(params)
-            squares = local_grad_squares(counted, is_first_tensor_rank=is_first_tensor_rank)
-            grads = [p.grad for p in params]
-            reductions = [(mp, True)] + ([(dp, False)] if over_dp else [])
-        norm, finite = check.global_norm(squares, losses, reductions, device=self.device)
+            counting = self._counting_of(param_groups)
+            squares, groups = counting.norm.squares(), (mp, dp if counting.over_dp else None)
+        norm, finite = check.global_norm(squares, poison, groups, device=self.device)
         if finite:
             check.passed()
             return norm, None
+        grads = self.sync.main_grads() if hasattr(self.sync, "grad_squares") else self._counting_of(param_groups).grads()
         grads_finite = all(bool(torch.isfinite(grad).all()) for grad in grads)
+        local_losses = sum(loss_flags(loss) for loss in losses) if losses else None
         warning = check.non_finite(local_losses, grads_finite=grads_finite, step=step, epoch=epoch, device=self.device)
         self.drop_grads()
         return norm, warning
 
-    def _norm_counting(self, params: list[nn.Parameter]) -> tuple[list[nn.Parameter], bool]:
-        """What this rank counts in the global norm, and whether the squares are summed over dp too (ZeRO's pieces
-        and expert parallelism's experts differ across dp ranks; then each replica is counted once)."""
-        if self.replica_ranks is None:
-            return params, bool(self.sync.zero_stage)
-        data_rank, expert_data_rank = self.replica_ranks
-        return first_replicas(params, data_parallel_rank=data_rank, expert_data_parallel_rank=expert_data_rank), True
+    def _counting_of(self, param_groups: Sequence[dict]) -> "_Counting":
+        """The optimizer's parameters and how this rank counts them in the global norm: worked out on first use
+        and again only when the optimizer's parameter lists change, so that a step runs no per-parameter Python
+        beyond reading the gradients."""
+        if self._counting is None or not self._counting.describes(param_groups):
+            params = list(dict.fromkeys(p for group in param_groups for p in group["params"]))
+            if self.replica_ranks is None:  # ZeRO's pieces differ across dp ranks: summed over dp too
+                counted, over_dp = params, bool(self.sync.zero_stage)
+            else:  # experts differ across dp ranks: each replica counted once
+                data_rank, expert_data_rank = self.replica_ranks
+                counted = first_replicas(params, data_parallel_rank=data_rank, expert_data_parallel_rank=expert_data_rank)
+                over_dp = True
+            self._counting = _Counting(param_groups, params, NormCounting(counted, is_first_tensor_rank=self.is_first_tensor_rank),
+                                       over_dp)
+        return self._counting
 
-    def clip(self, params: Iterable[nn.Parameter], max_norm: float, *, is_first_tensor_rank: bool,
-             norm: Optional[Tensor] = None) -> Tensor:
-        """Clip by the global norm (``optim.clip``), counted and summed as :meth:`check_finite` counts it."""
-        params = list(params)
-        counted, over_dp = self._norm_counting(params)
-        return clip_grads_by_global_norm(params, max_norm, model_parallel_group=self.model_parallel_group,
-                                         is_first_tensor_rank=is_first_tensor_rank,
-                                         data_parallel_group=self.data_parallel_group if over_dp else None,
-                                         reduce_device=self.device, norm=norm, counted=counted)
+    def clip(self, param_groups: Sequence[dict], max_norm: float, *, norm: Optional[Tensor] = None) -> Tensor:
+        """Clip by the global norm (``optim.clip``), counted and summed as :meth:`check_finite` counts it;
+        ``norm``: this step's, if the check measured it already (then no collective). Returns the norm."""
+        counting = self._counting_of(param_groups)
+        if norm is None:
+            groups = (self.model_parallel_group, self.data_parallel_group if counting.over_dp else None)
+            norm = reduce_squares(counting.norm.squares(), groups, reduce_device=self.device)
+        scale_to_norm(counting.grads(), max_norm, norm)
+        return norm
 
     def after_step(self) -> None:
         if self.main_params is not None:
@@ -168,6 +185,23 @@ class StepGradients:
         self.sync.remove()
         if self.main_params is not None:
             self.main_params.remove()
+
+
+class _Counting:
+    """An optimizer's parameters (each once) and the rank's :class:`NormCounting` of them, for the parameter
+    lists they were taken from (held, so that a list replaced later is told apart from them)."""
+
+    def __init__(self, param_groups: Sequence[dict], params: list[nn.Parameter], norm: NormCounting,
+                 over_dp: bool) -> None:
+        self.lists = [(group["params"], len(group["params"])) for group in param_groups]
+        self.params, self.norm, self.over_dp = params, norm, over_dp
+
+    def describes(self, param_groups: Sequence[dict]) -> bool:
+        return len(param_groups) == len(self.lists) and all(
+            group["params"] is held and len(held) == size for group, (held, size) in zip(param_groups, self.lists))
+
+    def grads(self) -> list[Tensor]:
+        return [grad for param in self.params if (grad := param.grad) is not None]
 
 
 def replica_ranks(state: ParallelState) -> Optional[tuple[int, int]]:
@@ -190,7 +224,7 @@ def build_step_gradients(module: nn.Module, state: ParallelState, optimizers: li
     # are summed, token counts added and ZeRO pieces cut over that one group.
     common = dict(data_parallel_group=state.replica_group, device=device,
                   model_parallel_group=state.model_parallel_group, nonfinite=nonfinite,
-                  replica_ranks=replica_ranks(state))
+                  replica_ranks=replica_ranks(state), is_first_tensor_rank=state.tensor_parallel_rank == 0)
     if zero3 is not None:
         return StepGradients(zero3, None, loss_scaler, **common)
     params = [p for p in module.parameters() if p.requires_grad]

@@ -52,7 +52,7 @@ class StepHooks:
         grad_scaler = getattr(self.precision_plugin, "scaler", None)
         return float(grad_scaler.get_scale()) if grad_scaler is not None else 1.0
 
-    def _backward_scale(self, micro_batch_tokens) -> float:
+    def _backward_scale(self, micro_batch_tokens) -> Tensor:
         # Our fp16 scaler scales in backward; Lightning's GradScaler (16-mixed) does so itself in
         # pre_backward, except under pipelining, where Lightning's backward is skipped.
         loss_scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
@@ -74,9 +74,8 @@ class StepHooks:
         """Raise (or skip the step) on every rank if a loss or the global gradient norm is not finite
         (``optim/nonfinite.py``); returns the norm, which the clip reuses. Same parameters as the clip."""
         trainer = self.lightning_module.trainer
-        norm, skipped = self._step.check_finite([p for group in optimizer.param_groups for p in group["params"]],
-                                                is_first_tensor_rank=self.parallel_state.tensor_parallel_rank == 0,
-                                                step=trainer.global_step, epoch=trainer.current_epoch)
+        norm, skipped = self._step.check_finite(optimizer.param_groups, step=trainer.global_step,
+                                                epoch=trainer.current_epoch)
         if skipped is not None:
             rank_zero_warn(skipped)
         if self._step.nonfinite is not None and self.nonfinite.mode == "skip":

@@ -125,6 +125,8 @@ class RowParallelLinear(nn.Module):
             self.register_parameter("bias", None)
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.group is None:  # one rank: nothing to reduce, so the bias joins the matmul (addmm), as in nn.Linear
+            return F.linear(x, self.weight, self.bias)
         if not self.communicates:
             return F.linear(x, self.weight)  # no bias: the plan refuses one inside a region
         if self.sequence_parallel:

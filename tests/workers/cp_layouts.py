@@ -93,10 +93,8 @@ def train(layout: str):
     for batch in model_batches(name):
         loss_sum, tokens = train_step(state, root, step, runner, rank_batch(state, splitter, batch), micro_batches)
         step.finish(accumulation=1 if runner is not None else micro_batches, loss_scale=1.0)
-        params = [p for g in opt.param_groups for p in g["params"]]
-        first = state.tensor_parallel_rank == 0
-        norm, _ = step.check_finite(params, is_first_tensor_rank=first, step=len(losses), epoch=0)
-        step.clip(params, CLIP, is_first_tensor_rank=first, norm=norm)
+        norm, _ = step.check_finite(opt.param_groups, step=len(losses), epoch=0)
+        step.clip(opt.param_groups, CLIP, norm=norm)
         opt.step()
         step.after_step()
         totals = torch.stack([loss_sum.detach().float(), tokens.float()])
