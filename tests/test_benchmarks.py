@@ -4,6 +4,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from launch import child_env
 
 REPO = Path(__file__).resolve().parents[1]
@@ -94,8 +96,10 @@ def test_throughput_interleaved_gate_up_makes_a_contiguous_dtensor_split_of_swig
     assert torch.allclose(sum(partial), expected, atol=1e-6)
 
 
-def test_throughput_benchmark_llama_dtensor_baseline_trains_the_same_model(tmp_path, monkeypatch):
-    """The Llama-shaped DTensor baseline (ModelParallelStrategy tp=2) ends at the single-process loss: its plan is right.
+@pytest.mark.parametrize("model", ["llama", "gpt"])
+def test_throughput_benchmark_dtensor_baseline_trains_the_same_model(model, tmp_path, monkeypatch):
+    """The DTensor baseline (ModelParallelStrategy tp=2) ends at the single-process loss: its plan is right, and our
+    recipe's AdamW runs on its DTensor parameters (GPT's mix DTensors and plain tensors: torch's default kernel).
 
     Its worker runs under torchrun directly (what the benchmark's parent launches, minus the parent's own imports)."""
     import json
@@ -104,7 +108,7 @@ def test_throughput_benchmark_llama_dtensor_baseline_trains_the_same_model(tmp_p
     import torch
 
     throughput = load_throughput()
-    size = ["--model", "llama", "--hidden=64", "--heads=4", "--layers=2", "--seq=32", "--batch=4", "--vocab=512",
+    size = ["--model", model, "--hidden=64", "--heads=4", "--layers=2", "--seq=32", "--batch=4", "--vocab=512",
             "--steps=2", "--warmup=1"]
     result = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",

@@ -16,6 +16,7 @@ from typing import Any, Callable, Mapping, Optional, Union
 
 import lightning as L
 import torch
+from torch.distributed.tensor import DTensor
 from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
@@ -67,11 +68,15 @@ def adamw_implementation(params: list[torch.Tensor], implementation: str = "auto
     (``optim.main_params``), which are floating-point tensors of the same device or, offloaded, of the CPU.
     ``mixed_precision``: the Trainer runs Lightning's ``MixedPrecision`` plugin (``16-mixed``, ``bf16-mixed``);
     ``"auto"`` then takes foreach, because that plugin refuses to clip the gradients of a fused optimizer (which
-    could unscale fp16 gradients inside its step).
+    could unscale fp16 gradients inside its step). DTensor parameters (another strategy's) get torch's default.
     """
     if implementation not in ADAM_IMPLEMENTATIONS:
         raise ValueError(f"adam_implementation={implementation!r} is not one of {ADAM_IMPLEMENTATIONS}.")
     if implementation == "auto":
+        if any(isinstance(p, DTensor) for p in params):
+            # Another strategy's DTensor parameters (Lightning's ModelParallelStrategy, FSDP2): torch's own choice,
+            # which knows which kernels take DTensors (its fused AdamW refuses a mix of DTensors and tensors).
+            return {"fused": None, "foreach": None}
         fused_devices = torch.utils._foreach_utils._get_fused_kernels_supported_devices()
         fusable = not mixed_precision and all(p.is_floating_point() and p.device.type in fused_devices for p in params)
         implementation = "fused" if fusable else "foreach"
