@@ -161,7 +161,8 @@ def model_args(sizes: Sizes, model: str) -> argparse.Namespace:
     """``throughput.py``'s arguments for this mode's small model (its ``run_plain`` is the tests' reference)."""
     return argparse.Namespace(model=model, hidden=sizes.hidden, layers=sizes.layers, heads=sizes.heads, seq=sizes.seq,
                               batch=sizes.batch, vocab=sizes.vocab.get(model), query_groups=None, ffn=None,
-                              steps=sizes.steps, warmup=0, seed=1234, precision="32-true", clock="wall", pad_vocab=128)
+                              steps=sizes.steps, warmup=0, seed=1234, precision="32-true", clock="wall", pad_vocab=128,
+                              clip_grad=None)
 
 
 def gpt_config(args: argparse.Namespace):
