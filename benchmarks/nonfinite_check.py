@@ -31,7 +31,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -42,7 +41,7 @@ import lightning as L
 import torch
 
 from lightning_megatron import Megatron3DStrategy
-from throughput import REPO_ROOT, Stopwatch, StopwatchCallback, format_rows, gpt_config, make_loader, make_module
+from throughput import Stopwatch, launch_workers, StopwatchCallback, format_rows, gpt_config, make_loader, make_module
 
 MODELS = {"tiny": {"hidden": 64, "layers": 4, "heads": 4}, "wide": {"hidden": 256, "layers": 4, "heads": 8}}
 CLIP = 1.0
@@ -140,19 +139,6 @@ def worker_main(args: argparse.Namespace) -> None:
     (args.result_dir / f"rank{rank}.json").write_text(json.dumps(runs))
 
 
-def launch(args: argparse.Namespace, argv: list[str], result_dir: Path) -> list[dict]:
-    script = [str(Path(__file__).resolve()), *argv, "--worker", "--result-dir", str(result_dir)]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.ranks}", *script]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
-               PYTHONWARNINGS="ignore")
-    if args.threads > 0:
-        env["OMP_NUM_THREADS"] = str(args.threads)
-    proc = subprocess.run(cmd, env=env, cwd=result_dir, stdout=subprocess.PIPE, text=True)
-    if proc.returncode != 0:
-        raise RuntimeError(f"the benchmark worker failed (exit code {proc.returncode}):\n{proc.stdout[-3000:]}")
-    return [json.loads((result_dir / f"rank{r}.json").read_text()) for r in range(args.ranks)]
-
-
 def run_seconds(ranks: list[dict], key: str, field: str = "step_seconds") -> list[float]:
     """Per run (round): the median over steps of the slowest rank's time."""
     rounds = zip(*(rank[key] for rank in ranks))
@@ -195,7 +181,7 @@ def main() -> None:
         worker_main(args)
         return
     with tempfile.TemporaryDirectory(prefix="nonfinite-") as tmp:
-        ranks = launch(args, sys.argv[1:], Path(tmp))
+        ranks = launch_workers(__file__, args.ranks, args.threads, sys.argv[1:], Path(tmp))
     print(describe(args))
     print(format_table(args, ranks))
 

@@ -62,6 +62,22 @@ MODELS = ("gpt", "llama")
 DEFAULT_VOCAB = {"gpt": 257, "llama": 32000}  # the byte tokenizer; Llama-2's / Mistral-v0.1's vocabulary
 
 
+
+def launch_workers(script: str, ranks: int, threads: int, argv: list[str], result_dir: Path) -> list[dict]:
+    """``script --worker`` (with this invocation's ``argv``) on ``ranks`` torchrun processes; each rank writes
+    ``rank{r}.json`` into ``result_dir``: the side-by-side benchmarks that train every variant in one launch."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
+           str(Path(script).resolve()), *argv, "--worker", "--result-dir", str(result_dir)]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
+               PYTHONWARNINGS="ignore")
+    if threads > 0:
+        env["OMP_NUM_THREADS"] = str(threads)
+    proc = subprocess.run(cmd, env=env, cwd=result_dir, stdout=subprocess.PIPE, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"the benchmark worker failed (exit code {proc.returncode}):\n{proc.stdout[-3000:]}")
+    return [json.loads((result_dir / f"rank{r}.json").read_text()) for r in range(ranks)]
+
+
 # ---------------------------------------------------------------------------- variants
 @dataclass(frozen=True)
 class Variant:

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from lightning_megatron.pipeline.layout import SCHEDULE_SPECS
+
 
 @dataclass(frozen=True)
 class Event:
@@ -114,8 +116,6 @@ def schedule_theory(schedule: str, recorder: TimelineRecorder, pipeline_parallel
                     virtual_pipeline_size: int = 1) -> float:
     """The theoretical bubble of ``schedule``: Narayanan et al.'s formula for GPipe and (interleaved) 1F1B, the
     played-out action table for the split-backward (zero-bubble) schedules."""
-    from lightning_megatron.pipeline.layout import SCHEDULE_SPECS
-
     if SCHEDULE_SPECS[schedule].split_backward:
         return simulated_bubble(recorder.action_tables[micro_batches])
     return theoretical_bubble(pipeline_parallel_size, micro_batches, virtual_pipeline_size)
