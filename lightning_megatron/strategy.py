@@ -40,6 +40,7 @@ from lightning_megatron.checkpoint.strategy_hooks import CheckpointHooks
 from lightning_megatron.context_parallel import VARIANTS as CONTEXT_PARALLEL_ATTENTION
 from lightning_megatron.context_parallel.apply import BatchSplitter
 from lightning_megatron.launcher import InPlaceLauncher, SubprocessLauncher, die_with_launcher
+from lightning_megatron.offload.settings import DEFAULT_BUFFER_MB, OffloadSettings
 from lightning_megatron.optim.grad_sync import DEFAULT_BUCKET_SIZE_MB
 from lightning_megatron.optim.loss_scaler import DynamicLossScaler
 from lightning_megatron.optim.nonfinite import NonFiniteCheck
@@ -140,7 +141,18 @@ class Megatron3DStrategy(CheckpointHooks, StepHooks, ParallelStrategy):
             fp16 (``16-true``, ``16-mixed``) keeps its loss scaler's overflow handling instead.
         max_consecutive_skips: under ``on_nonfinite="skip"``, the most steps in a row that may be skipped;
             the next non-finite one raises.
-        offload_optimizer: keep fp32 main parameters and optimizer state in CPU memory and step there.
+        offload_optimizer: where the fp32 main parameters and the optimizer state live (ZeRO 0-2): ``"cpu"`` (or
+            ``True``): host memory, the optimizer steps there (ZeRO-Offload); ``"nvme"``: files under
+            ``offload_path``, stepped tile by tile through a pool of three host buffers per state stream (reads and
+            writes overlapped with the update), so host memory stays bounded by the pool (ZeRO-Infinity's
+            optimizer tier); ``False``: the device. The disk space and host memory it needs are checked on every
+            rank before training; the files are deleted at teardown. Checkpoints hold the same tensors on every
+            tier, so a checkpoint made with one tier loads with any other.
+        offload_parameters: ZeRO-3 only: ``"cpu"`` keeps the sharded parameters, their gradients and the optimizer
+            state in host memory (FSDP2's ``CPUOffloadPolicy``); each layer's parameters are gathered to the device
+            for its forward and backward.
+        offload_path: the folder of the ``"nvme"`` tier (a fast local disk); each rank makes its own subfolder.
+        offload_buffer_mb: the size of each of the ``"nvme"`` tier's host buffers (one tile of one stream).
         overlap_param_gather: ZeRO 1/2 only: start the all-gathers of the updated parameters after the step, one per
             bucket in forward order, each waited for by the first module of the next forward that owns its
             parameters (Megatron-Core's option). Checkpoints, evaluation and teardown wait first; so must a callback
@@ -197,7 +209,10 @@ class Megatron3DStrategy(CheckpointHooks, StepHooks, ParallelStrategy):
         loss_scaler: Optional[dict] = None,
         on_nonfinite: str = "error",
         max_consecutive_skips: int = 10,
-        offload_optimizer: bool = False,
+        offload_optimizer: Union[bool, str] = False,
+        offload_parameters: Union[bool, str] = False,
+        offload_path: Optional[str] = None,
+        offload_buffer_mb: float = DEFAULT_BUFFER_MB,
         overlap_param_gather: bool = False,
         overlap_p2p_comm: bool = True,
         bucket_size_mb: float = DEFAULT_BUCKET_SIZE_MB,
@@ -241,6 +256,12 @@ class Megatron3DStrategy(CheckpointHooks, StepHooks, ParallelStrategy):
             raise ValueError(f"checkpoint_format={checkpoint_format!r} is not one of {CHECKPOINT_FORMATS}.")
         if async_checkpoint and checkpoint_format != "sharded":
             raise ValueError("async_checkpoint=True needs checkpoint_format='sharded'.")
+        self.offload = OffloadSettings.from_options(
+            offload_optimizer=offload_optimizer, offload_parameters=offload_parameters, offload_path=offload_path,
+            offload_buffer_mb=offload_buffer_mb, zero_stage=zero_stage)
+        if async_checkpoint and "nvme" in (self.offload.optimizer, self.offload.parameters):
+            raise ValueError("async_checkpoint=True copies this rank's optimizer state into host memory before writing "
+                             "it, which the 'nvme' offload tier exists to avoid; use async_checkpoint=False with it.")
         self.checkpoint_format = checkpoint_format
         self.checkpoint_checksums, self.verify_checkpoint = checkpoint_checksums, verify_checkpoint
         self._background_saver = BackgroundSaver() if async_checkpoint else None
@@ -264,7 +285,6 @@ class Megatron3DStrategy(CheckpointHooks, StepHooks, ParallelStrategy):
         self._main_params: Optional[MainParamOptimizer] = None
         self._rng_state_to_restore: Optional[dict] = None
         self._zero3: Optional[ZeRO3] = None
-        self.offload_optimizer = offload_optimizer
         check_overlap_param_gather(overlap_param_gather, zero_stage)
         self.overlap_param_gather = overlap_param_gather
         self.overlap_p2p_comm = overlap_p2p_comm
@@ -360,7 +380,7 @@ class Megatron3DStrategy(CheckpointHooks, StepHooks, ParallelStrategy):
         trainer = getattr(module, "_trainer", None)
         datamodule = getattr(trainer, "datamodule", None)
         settings = dict(zero_stage=self._requested["zero_stage"], sequence_parallel=self._requested["sequence_parallel"],
-                        activation_checkpointing=self.activation_checkpointing, offload_optimizer=self.offload_optimizer,
+                        activation_checkpointing=self.activation_checkpointing, offload_optimizer=self.offload.optimizer,
                         micro_batch_size=self.micro_batch_size, overlap_param_gather=self.overlap_param_gather)
         if self.pipeline_schedule != "1f1b":  # 1F1B (the default) may become interleaved 1F1B for virtual stages
             settings["pipeline_schedule"] = self.pipeline_schedule
@@ -427,6 +447,8 @@ class Megatron3DStrategy(CheckpointHooks, StepHooks, ParallelStrategy):
             self.setup_optimizers(trainer)
             self._step = self._build_step_gradients(module)
             self._main_params = self._step.main_params  # outlives teardown: a checkpoint after fit needs it
+            if self._main_params is not None and self._main_params.nvme is not None:
+                rank_zero_info(self._main_params.nvme.describe())
 
     def _prepare_model(self, module) -> PreparedModel:
         """Split the model for this layout, once (``preparation.prepare_model``)."""
@@ -444,8 +466,9 @@ class Megatron3DStrategy(CheckpointHooks, StepHooks, ParallelStrategy):
     def _build_step_gradients(self, module) -> StepGradients:
         return build_step_gradients(module, self.parallel_state, self.optimizers, zero3=self._zero3,
                                     loss_scaler=self.loss_scaler, nonfinite=self._nonfinite_check(),
-                                    bucket_size_mb=self.bucket_size_mb, offload=self.offload_optimizer,
-                                    device=self.root_device, overlap_param_gather=self.overlap_param_gather)
+                                    bucket_size_mb=self.bucket_size_mb, offload=self.offload,
+                                    device=self.root_device, overlap_param_gather=self.overlap_param_gather,
+                                    ranks_sharing_host=max(self.num_processes, 1))
 
     def _start_pipeline(self, split: PipelineSplit, trainer: "L.Trainer") -> None:
         self.pipeline_recorder = TimelineRecorder(self.parallel_state.pipeline_parallel_rank)

@@ -16,7 +16,7 @@ load time. Scalars (Adam's ``step``) are the same on every rank and written once
 from __future__ import annotations
 
 import math
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch import Tensor, nn
@@ -126,9 +126,12 @@ def restore_hyperparameters(optimizer: Optimizer, saved: dict[str, Any], placeme
 
 
 def allocate_optimizer_state(optimizer: Optimizer, index: int, placements: Placements,
-                             saved: dict[str, Any]) -> None:
+                             saved: dict[str, Any], *,
+                             home: Optional[Callable[[nn.Parameter, str], Optional[Tensor]]] = None) -> None:
     """Create the state tensors the checkpoint holds for each parameter (torch optimizers make them lazily
-    at the first step), so that they can be read in place. ``saved``: the checkpoint's tensor index."""
+    at the first step), so that they can be read in place. ``saved``: the checkpoint's tensor index.
+    ``home(param, key)``: where a state tensor already lives, if not in fresh memory (the ``"nvme"`` offload
+    tier's files: ``MainParamOptimizer.state_home``)."""
     by_param: dict[str, dict[str, Any]] = {}
     prefix = f"{OPTIMIZER}/{index}/"
     for key, md in saved.items():
@@ -147,4 +150,5 @@ def allocate_optimizer_state(optimizer: Optimizer, index: int, placements: Place
                 if len(md.size) == 0:  # a step counter: on the CPU unless the optimizer steps on the device
                     state[key] = torch.zeros((), dtype=dtype, device=local_tensor(param).device if on_device else "cpu")
                 else:
-                    state[key] = torch.zeros_like(param.detach(), dtype=dtype)
+                    kept = home(param, key) if home is not None else None
+                    state[key] = kept if kept is not None and kept.dtype == dtype else torch.zeros_like(param.detach(), dtype=dtype)

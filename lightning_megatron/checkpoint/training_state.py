@@ -32,6 +32,7 @@ from lightning_megatron.checkpoint.sharded import (
 from lightning_megatron.checkpoint.pieces import ShardedEntry
 from lightning_megatron.checkpoint.replacement import check_replaceable, finish_interrupted, report
 from lightning_megatron.optim.main_params import MainParamOptimizer
+from lightning_megatron.parallel.agree import on_every_rank
 from lightning_megatron.parallel.random import TensorParallelRNG
 from lightning_megatron.parallel.state import ParallelState
 
@@ -164,19 +165,7 @@ def _diverged(names: list[str], path) -> str:
 def _agree(check: Callable[[], Any]) -> Any:
     """Run a check that may fail on some ranks only, then fail on all of them (or none) before the next
     collective, so that no rank waits forever for one that gave up."""
-    error, result = None, None
-    try:
-        result = check()
-    except (OSError, RuntimeError, TypeError, ValueError) as caught:
-        error = caught
-    reports = all_gather_objects(None if error is None else f"{type(error).__name__}: {error}")
-    if error is not None:
-        raise error
-    failed = [(rank, report) for rank, report in enumerate(reports) if report is not None]
-    if failed:
-        rank, report = failed[0]
-        raise RuntimeError(f"Rank {rank} cannot load the checkpoint: {report}")
-    return result
+    return on_every_rank(check, doing="load the checkpoint")
 
 
 def load_model_state(path, training: RankTraining, *, verify: bool = False) -> tuple[SavedCheckpoint, dict[str, Any]]:
@@ -270,7 +259,8 @@ def _plan_optimizer_load(saved: SavedCheckpoint, trainer_state: dict[str, Any], 
     plans = []
     for index, (optimizer, hyper) in enumerate(zip(training.optimizers, saved_optimizers)):
         E.restore_hyperparameters(optimizer, hyper, placements, where=f"Checkpoint {saved.path}")
-        E.allocate_optimizer_state(optimizer, index, placements, available)
+        E.allocate_optimizer_state(optimizer, index, placements, available,
+                                   home=training.main_params.state_home if training.main_params is not None else None)
         entries = E.optimizer_entries(optimizer, index, placements)
         check_compatible(saved, entries, what="optimizer state")
         plans.append(entries)

@@ -15,12 +15,14 @@ this way: a piece may cut a tensor anywhere.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
+from lightning_megatron.offload.nvme import NvmeOptimizerTier
+from lightning_megatron.offload.settings import OffloadSettings, TierOption, tier_of
 from lightning_megatron.optim.grad_sync import GradientSynchronizer, OwnedPiece
 from lightning_megatron.optim.param_gather import ParamGather
 
@@ -55,37 +57,62 @@ class MainParamOptimizer:
     costs no extra 4Ψ/N bytes.
     """
 
-    def __init__(self, optimizer: Optimizer, sync: GradientSynchronizer, *, offload: bool = False,
-                 overlap_with: Optional[nn.Module] = None) -> None:
-        """``offload=True`` keeps the fp32 pieces and the optimizer state in CPU memory and steps there
-        (ZeRO-Offload's optimizer half): only 16-bit parameters and gradients stay on the accelerator.
+    def __init__(self, optimizer: Optimizer, sync: GradientSynchronizer, *,
+                 offload: Union[OffloadSettings, TierOption] = False, overlap_with: Optional[nn.Module] = None,
+                 rank: int = 0, ranks_sharing_host: int = 1) -> None:
+        """``offload``: where the fp32 pieces and the optimizer state live (``offload.settings``): ``"none"``
+        (the device), ``"cpu"`` (host memory, stepped there: ZeRO-Offload's optimizer half; only 16-bit
+        parameters and gradients stay on the accelerator) or ``"nvme"`` (files under ``offload.path``, stepped
+        in tiles through a host buffer pool: ``offload.nvme``); ``True`` is ``"cpu"``. ``rank`` and
+        ``ranks_sharing_host`` (ranks on this machine) size the ``"nvme"`` tier's checks and name its files.
         ``overlap_with`` (ZeRO only): the model whose next forward waits, module by module, for the parameter
         all-gathers :meth:`finish_step` starts (``overlap_param_gather``); ``None``: they complete in it."""
         check_wrappable(optimizer, sync.zero_stage)
-        self.optimizer, self.sync = optimizer, sync
-        self.offload = offload
+        settings = offload if isinstance(offload, OffloadSettings) else OffloadSettings(tier_of(offload, option="offload"))
+        self.optimizer, self.sync, self.tier = optimizer, sync, settings.optimizer
         group_of = {id(p): i for i, group in enumerate(optimizer.param_groups) for p in group["params"]}
         self.gather: Optional[ParamGather] = None
         if sync.zero_stage:
             self.gather = ParamGather(sync.buckets, self._flatten_params(), overlap_with=overlap_with)
+        owned = [(piece, group_of[id(piece.param)]) for piece in sync.owned_pieces() if id(piece.param) in group_of]
+        self.nvme: Optional[NvmeOptimizerTier] = None
+        if self.tier == "nvme":
+            grads_in_place = all(p.param.dtype == torch.float32 and p.param.device.type == "cpu" for p, _ in owned)
+            self.nvme = NvmeOptimizerTier(optimizer, [(self._owned(p), g) for p, g in owned], path=settings.path,
+                                          buffer_mb=settings.buffer_mb, grads_in_place=grads_in_place,
+                                          write_back=self._write_back, rank=rank, ranks_sharing_host=ranks_sharing_host)
+            mains = [tiled.main for tiled in self.nvme.mains]
+        else:
+            mains = [self._main_piece(self._owned(piece)) for piece, _ in owned]
         self.pieces: list[tuple[OwnedPiece, nn.Parameter]] = []
         new_params: list[list[nn.Parameter]] = [[] for _ in optimizer.param_groups]
-        for piece in sync.owned_pieces():
-            if id(piece.param) not in group_of:
-                continue  # trainable but not optimised by this optimizer
-            flat = piece.param.detach().reshape(-1)[piece.start : piece.stop]
-            shares = flat.dtype == torch.float32 and not offload
-            main = nn.Parameter(flat if shares else flat.to(device="cpu" if offload else flat.device,
-                                                            dtype=torch.float32, copy=True))
+        for (piece, group), main in zip(owned, mains):
             for tag in _TAGS:  # the global-norm clip needs to know how to count it
                 if hasattr(piece.param, tag):
                     setattr(main, tag, getattr(piece.param, tag))
             main.shard_flat_start = piece.start  # where in its shard: replicated ranges are counted once
-            new_params[group_of[id(piece.param)]].append(main)
+            new_params[group].append(main)
             self.pieces.append((piece, main))
+        self._index_of = {id(main): i for i, (_, main) in enumerate(self.pieces)}
         for group, params in zip(optimizer.param_groups, new_params):
             group["params"] = params
         optimizer.state.clear()
+
+    @staticmethod
+    def _owned(piece: OwnedPiece) -> Tensor:
+        """The model's elements of ``piece`` (a flat view of its parameter)."""
+        return piece.param.detach().reshape(-1)[piece.start : piece.stop]
+
+    def _main_piece(self, flat: Tensor) -> nn.Parameter:
+        """The fp32 main piece on the device or in host memory: fp32 device parameters are shared, not copied."""
+        if flat.dtype == torch.float32 and self.tier == "none":
+            return nn.Parameter(flat)
+        return nn.Parameter(flat.to(device="cpu" if self.tier == "cpu" else flat.device, dtype=torch.float32, copy=True))
+
+    def _write_back(self, index: int, lo: int, hi: int, values: Tensor) -> None:
+        """The ``"nvme"`` step's updated values of piece ``index``'s elements ``[lo, hi)``, into the model."""
+        piece = self.pieces[index][0]
+        piece.param.detach().view(-1)[piece.start + lo : piece.start + hi].copy_(values)
 
     def _flatten_params(self) -> list[Tensor]:
         """Under ZeRO the model's params live in flat per-bucket buffers, so one all-gather refreshes a bucket."""
@@ -117,9 +144,14 @@ class MainParamOptimizer:
     def prepare_step(self) -> None:
         """Hand the reduced, token-normalised owned gradients to the fp32 pieces."""
         self.wait_for_params()  # no gather in flight while the optimizer writes the owned slices
-        for piece, main in self.pieces:
+        for index, (piece, main) in enumerate(self.pieces):
             grad = self.sync.owned_grad(piece)
-            main.grad = grad if grad.dtype == torch.float32 and grad.device == main.device else grad.to(main.device, torch.float32)
+            if grad.dtype == torch.float32 and grad.device == main.device:
+                main.grad = grad
+            elif self.nvme is not None:  # a file-backed fp32 copy: no model-sized host memory
+                main.grad = self.nvme.grad_home(index).copy_(grad)
+            else:
+                main.grad = grad.to(main.device, torch.float32)
 
     def main_grads(self) -> list[Optional[Tensor]]:
         return [main.grad for _, main in self.pieces]
@@ -136,27 +168,46 @@ class MainParamOptimizer:
             self.wait_for_params()
             for piece, main in self.pieces:
                 owned = piece.param.view(-1)[piece.start : piece.stop]
-                if owned.data_ptr() != main.data_ptr():
+                if self.nvme is None and owned.data_ptr() != main.data_ptr():  # "nvme": its step wrote them
                     owned.copy_(main)
                 main.grad = None
             if self.gather is not None:
                 self.gather.launch()
 
+    def state_home(self, main: nn.Parameter, key: str) -> Optional[Tensor]:
+        """Where state ``key`` of ``main`` lives when it is not a fresh tensor like ``main`` (the ``"nvme"`` tier's
+        files), for loading a checkpoint in place; None otherwise."""
+        if self.nvme is None:
+            return None
+        index = self._index_of.get(id(main))
+        return None if index is None else self.nvme.state_home(index, key)
+
     def remove(self) -> None:
-        """Remove the forward pre-hooks of the overlapped gathers."""
+        """Remove the forward pre-hooks of the overlapped gathers; close the ``"nvme"`` tier (its folder goes)."""
         if self.gather is not None:
             self.gather.remove()
+        if self.nvme is not None:
+            self.nvme.close()
 
     def main_param_bytes(self) -> int:
-        """Bytes of fp32 copies; pieces that are views of fp32 parameters cost nothing extra."""
+        """Bytes of fp32 copies in memory; pieces that are views of fp32 parameters, or in the ``"nvme"`` tier's
+        files, cost nothing here (:meth:`disk_bytes`)."""
+        if self.nvme is not None:
+            return 0
         return sum(main.numel() * main.element_size() for piece, main in self.pieces
                    if main.data_ptr() != piece.param.view(-1)[piece.start : piece.stop].data_ptr())
 
+    def disk_bytes(self) -> int:
+        """Bytes of the ``"nvme"`` tier's files (main parameters, optimizer state, gradient copies)."""
+        return self.nvme.disk_bytes if self.nvme is not None else 0
 
-def uses_main_params(params: list[nn.Parameter], zero_stage: int, offload: bool = False) -> bool:
+
+def uses_main_params(params: list[nn.Parameter], zero_stage: int, offload: Union[OffloadSettings, TierOption] = False
+                     ) -> bool:
     """fp32 main copies are needed under ZeRO, for 16-bit parameters (Megatron's mixed precision)
-    and to step the optimizer in CPU memory."""
-    return offload or zero_stage > 0 or any(p.dtype in (torch.float16, torch.bfloat16) for p in params)
+    and to step the optimizer in host memory or on disk."""
+    tier = offload.optimizer if isinstance(offload, OffloadSettings) else tier_of(offload, option="offload")
+    return tier != "none" or zero_stage > 0 or any(p.dtype in (torch.float16, torch.bfloat16) for p in params)
 
 
 def model_state_bytes(
@@ -165,11 +216,13 @@ def model_state_bytes(
     main: Optional[MainParamOptimizer],
     optimizer: Optimizer,
 ) -> dict[str, int]:
-    """Per-rank bytes of parameters, gradients, fp32 main parameters and optimizer state (tensors, not step counters)."""
+    """Per-rank bytes in memory of parameters, gradients, fp32 main parameters and optimizer state (tensors, not step
+    counters); what the ``"nvme"`` tier keeps in its files is not in memory (``MainParamOptimizer.disk_bytes``)."""
     state = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, Tensor) and v.dim() > 0]
+    on_disk = main is not None and main.nvme is not None  # its state tensors are views of its files
     return {
         "parameters": sum(p.numel() * p.element_size() for p in dict.fromkeys(params)),
         "gradients": sync.gradient_bytes() if sync is not None else 0,
         "main_parameters": main.main_param_bytes() if main is not None else 0,
-        "optimizer_state": sum(v.numel() * v.element_size() for v in state),
+        "optimizer_state": 0 if on_disk else sum(v.numel() * v.element_size() for v in state),
     }

@@ -11,18 +11,20 @@ losses and global gradient norm are finite.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from lightning_megatron.offload.settings import OffloadSettings, TierOption
 from lightning_megatron.optim.clip import NormCounting, first_replicas, reduce_squares, scale_to_norm
 from lightning_megatron.optim.grad_sync import GradientSynchronizer, LocalGradients
 from lightning_megatron.optim.loss_scaler import DynamicLossScaler, found_overflow
 from lightning_megatron.optim.main_params import MainParamOptimizer, uses_main_params
 from lightning_megatron.optim.nonfinite import NonFiniteCheck, loss_flags, loss_poison
 from lightning_megatron.optim.partial_grads import partial_grad_groups
+from lightning_megatron.parallel.agree import on_every_rank
 from lightning_megatron.parallel.state import ParallelState
 
 
@@ -214,12 +216,14 @@ def replica_ranks(state: ParallelState) -> Optional[tuple[int, int]]:
 
 def build_step_gradients(module: nn.Module, state: ParallelState, optimizers: list, *, zero3=None,
                          loss_scaler: Optional[DynamicLossScaler], nonfinite: Optional[NonFiniteCheck],
-                         bucket_size_mb: float, offload: bool, device: torch.device,
-                         overlap_param_gather: bool = False) -> StepGradients:
+                         bucket_size_mb: float, offload: Union[OffloadSettings, TierOption], device: torch.device,
+                         overlap_param_gather: bool = False, ranks_sharing_host: int = 1) -> StepGradients:
     """The gradient path this layout needs: ZeRO-3's own, one replica's plain ``param.grad`` (no dp, no
     main params), or flat buckets reduced over dp; plus fp32 main parameters where ZeRO, 16-bit
-    parameters or offloading ask for them, whose ZeRO 1/2 parameter all-gathers ``module``'s next forward
-    waits for under ``overlap_param_gather``."""
+    parameters or offloading (``offload``: the optimizer's tier, ``offload.settings``) ask for them, whose
+    ZeRO 1/2 parameter all-gathers ``module``'s next forward waits for under ``overlap_param_gather``.
+    Collective where the ``"nvme"`` tier is set up: its disk and memory checks fail on every rank or on none
+    (``ranks_sharing_host``: this job's ranks on this machine, which share its disk and memory)."""
     # Weights are replicated over dp x cp (context-parallel ranks hold other tokens of the same samples): gradients
     # are summed, token counts added and ZeRO pieces cut over that one group.
     common = dict(data_parallel_group=state.replica_group, device=device,
@@ -242,8 +246,14 @@ def build_step_gradients(module: nn.Module, state: ParallelState, optimizers: li
         if len(optimizers) != 1:
             raise ValueError(f"fp32 main parameters (zero_stage > 0, 16-bit parameters or offload_optimizer) support "
                              f"one optimizer; configure_optimizers returned {len(optimizers)}.")
-        main_params = MainParamOptimizer(optimizers[0], sync, offload=offload,
-                                         overlap_with=module if overlap_param_gather else None)
+        rank = dist.get_rank() if dist.is_initialized() else 0
+
+        def make() -> MainParamOptimizer:
+            return MainParamOptimizer(optimizers[0], sync, offload=offload, rank=rank, ranks_sharing_host=ranks_sharing_host,
+                                      overlap_with=module if overlap_param_gather else None)
+
+        nvme = isinstance(offload, OffloadSettings) and offload.optimizer == "nvme"  # the same on every rank
+        main_params = on_every_rank(make, doing="set up the 'nvme' offload tier") if nvme else make()
     if loss_scaler is not None and main_params is None:
         raise ValueError("precision='16-true' needs 16-bit parameters with fp32 main parameters.")
     return StepGradients(sync, main_params, loss_scaler, **common)

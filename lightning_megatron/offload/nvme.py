@@ -1,0 +1,184 @@
+"""The ``"nvme"`` optimizer tier: fp32 main parameters and optimizer state in files, stepped in tiles.
+
+``MainParamOptimizer`` hands this tier the initial values of its fp32 pieces; the tier lays them out in its
+files (``offload.files``) and gives back parameters that are memory-mapped views of them, so the optimizer's
+param groups, its state dict and the checkpoint code see ordinary tensors. Its :meth:`NvmeOptimizerTier.step`
+replaces the optimizer's ``step``: the tiles go through the host buffer pool (``offload.tiled_step``).
+
+Which state tensors the optimizer keeps (``exp_avg``, ``exp_avg_sq``, ``momentum_buffer``, ...) is found by
+stepping it once on a one-element parameter per param group, before any file is made, so that the disk the
+state needs is known, checked and allocated before training starts.
+
+Gradients: the optimizer reads fp32 host gradients. Where the reduced gradient already is one (fp32 on the
+CPU) it is used in place; otherwise (16-bit or accelerator gradients) it is copied into a ``grad`` stream of
+its own, memory-mapped too, so that no model-sized gradient lives in private host memory either.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+from torch import Tensor, nn
+from torch.optim import Optimizer
+
+from lightning_megatron.offload.files import OffloadFiles
+from lightning_megatron.offload.tiled_step import MAIN, TiledPiece, TiledStep, state_stream
+
+GRAD = "grad"
+
+
+def probe_state_keys(optimizer: Optimizer, inner_step: Callable[[], object]) -> dict[str, torch.dtype]:
+    """The per-element state tensors ``optimizer`` makes (name -> dtype): its own step on a one-element
+    parameter with a zero gradient, once per param group (hyper-parameters such as ``amsgrad`` may differ)."""
+    groups = optimizer.param_groups
+    held = [group["params"] for group in groups]
+    keys: dict[str, torch.dtype] = {}
+    try:
+        for group in groups:
+            group["params"] = []
+        for group in groups:
+            probe = nn.Parameter(torch.zeros(1))
+            probe.grad = torch.zeros(1)
+            group["params"] = [probe]
+            inner_step()
+            keys.update({key: value.dtype for key, value in optimizer.state.pop(probe, {}).items()
+                         if isinstance(value, Tensor) and value.dim() > 0})
+            group["params"] = []
+    finally:
+        for group, params in zip(groups, held):
+            group["params"] = params
+    return keys
+
+
+class NvmeOptimizerTier:
+    """The files, the pool and the tiled step of one ``MainParamOptimizer``.
+
+    ``pieces``: (initial fp32 values, param group) of each main piece, in order; ``grads_in_place``: whether
+    the reduced gradients are fp32 host tensors the optimizer can read as they are; ``ranks_sharing_host``:
+    ranks of this job on this machine (they share its disk and memory: each needs its own share).
+    """
+
+    def __init__(self, optimizer: Optimizer, pieces: list[tuple[Tensor, int]], *, path: str, buffer_mb: float,
+                 grads_in_place: bool, write_back: Callable[[int, int, int, Tensor], None], rank: int = 0,
+                 ranks_sharing_host: int = 1) -> None:
+        self.optimizer = optimizer
+        self.inner_step = optimizer.step
+        self.state_keys = probe_state_keys(optimizer, self.inner_step)
+        total = sum(values.numel() for values, _ in pieces)
+        tile_numel = max(1, int(buffer_mb * 2**20) // 4)
+        streams = {MAIN: (total, torch.float32),
+                   **{state_stream(key): (total, dtype) for key, dtype in self.state_keys.items()}}
+        if not grads_in_place:
+            streams[GRAD] = (total, torch.float32)
+        pool_bytes = 3 * min(tile_numel, total) * sum(torch.empty((), dtype=dtype).element_size()
+                                                      for name, (_, dtype) in streams.items() if name != GRAD)
+        check_resources(path, disk_bytes=sum(n * torch.empty((), dtype=d).element_size() for n, d in streams.values()),
+                        pool_bytes=pool_bytes, ranks_sharing_host=ranks_sharing_host, rank=rank)
+        try:
+            self.files = OffloadFiles(path, streams, prefix=f"lightning-megatron-rank{rank}-")
+        except OSError as error:
+            raise RuntimeError(f"Rank {rank} could not allocate the 'nvme' offload tier's files under offload_path="
+                               f"{path!r}: {error}. Free disk space there or choose another offload_path.") from error
+        self.mains: list[TiledPiece] = []
+        start = 0
+        main_stream = self.files.view(MAIN)
+        with torch.no_grad():
+            for values, group in pieces:
+                main = nn.Parameter(main_stream.narrow(0, start, values.numel()))
+                main.copy_(values.reshape(-1))
+                self.mains.append(TiledPiece(main, group, start))
+                start += values.numel()
+        self.engine = TiledStep(optimizer, self.mains, self.files, self.state_keys, tile_numel=tile_numel,
+                                write_back=write_back)
+        optimizer.step = self.step  # the instance's step: Lightning, GradScaler and LR schedulers call this one
+
+    def step(self, closure: Optional[Callable[[], object]] = None):
+        """``torch.optim.Optimizer.step``'s contract: run ``closure`` (with grad), then step every tile."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        with torch.no_grad():
+            self.engine.step(self.inner_step)
+        return loss
+
+    def grad_home(self, index: int) -> Optional[Tensor]:
+        """Where piece ``index``'s fp32 gradient is kept when it cannot be read in place (else None)."""
+        if GRAD not in self.files.streams:
+            return None
+        piece = self.mains[index]
+        return self.files.view(GRAD).narrow(0, piece.start, piece.numel)
+
+    def state_home(self, index: int, key: str) -> Optional[Tensor]:
+        """The file-backed tensor of piece ``index``'s state ``key`` (for loading a checkpoint in place)."""
+        if key not in self.state_keys:
+            return None
+        piece = self.mains[index]
+        return self.files.view(state_stream(key)).narrow(0, piece.start, piece.numel)
+
+    def describe(self) -> str:
+        """One line for the log: where the files are, how big they and the pool are, how many tiles a step walks."""
+        return (f"'nvme' offload tier: {_gib(self.disk_bytes)} in {self.files.folder}, host buffer pool "
+                f"{_gib(self.pool_bytes)}, {len(self.engine.tiles)} tile(s) per step")
+
+    @property
+    def disk_bytes(self) -> int:
+        return self.files.nbytes
+
+    @property
+    def pool_bytes(self) -> int:
+        return self.engine.pool_bytes
+
+    def close(self) -> None:
+        """Stop the I/O threads, give the optimizer its own step back and delete this tier's folder. The
+        mapped views stay readable (a checkpoint after ``fit``) until they are dropped."""
+        self.engine.close()
+        self.optimizer.step = self.inner_step
+        self.files.close()
+
+
+def check_resources(path: str, *, disk_bytes: int, pool_bytes: int, ranks_sharing_host: int, rank: int) -> None:
+    """Raise a ``ValueError`` naming the numbers and the fix when ``path`` cannot hold the state of the ranks
+    sharing this machine, or its memory cannot hold their buffer pools (before any file is made)."""
+    folder = Path(path)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise ValueError(f"Rank {rank}: offload_path={path!r} cannot be created ({error}). Choose a folder on a "
+                         f"local disk this process can write.") from None
+    if not folder.is_dir() or not os.access(folder, os.W_OK | os.X_OK):
+        raise ValueError(f"Rank {rank}: offload_path={path!r} is not a folder this process can write. Choose a folder "
+                         f"on a local disk this process can write.")
+    free = shutil.disk_usage(folder).free
+    needed = disk_bytes * ranks_sharing_host
+    if needed > free:
+        raise ValueError(f"Rank {rank}: the 'nvme' offload tier needs {_gib(disk_bytes)} per rank x "
+                         f"{ranks_sharing_host} rank(s) on this machine = {_gib(needed)} under offload_path={path!r}, "
+                         f"which has {_gib(free)} free. Free disk space, choose another offload_path, or shard the "
+                         f"state over more data-parallel ranks (zero_stage=1).")
+    available = available_memory()
+    pools = pool_bytes * ranks_sharing_host
+    if available is not None and pools > available:
+        raise ValueError(f"Rank {rank}: the 'nvme' offload tier's buffer pool needs {_gib(pool_bytes)} per rank x "
+                         f"{ranks_sharing_host} rank(s) = {_gib(pools)} of host memory; {_gib(available)} is available. "
+                         f"Lower offload_buffer_mb.")
+
+
+def available_memory() -> Optional[int]:
+    """``MemAvailable`` of ``/proc/meminfo`` in bytes (None where there is no such file)."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def _gib(nbytes: int) -> str:
+    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.2f} MiB"
