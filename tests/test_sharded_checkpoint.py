@@ -14,6 +14,7 @@ from lightning_megatron.tensor_parallel.sharding import TensorShard
 
 SAVE = {"tp": 2, "pp": 2, "zero_stage": 1, "layers": 4, "steps": 4, "save_every": 2, "snapshot_step": 2, "async": True}
 STEP2 = "checkpoints/epoch=0-step=2.ckpt"
+STEP4 = "checkpoints/epoch=0-step=4.ckpt"
 
 
 @pytest.mark.parametrize("shape", [(7,), (3, 4), (2, 3, 4)])
@@ -69,22 +70,24 @@ def test_each_rank_writes_its_own_shards_of_the_saved_weights(saved_run):
         assert torch.equal(consolidated[name], value), name
 
 
-LOADS = {  # (tp, pp, virtual pp, zero_stage, context parallel): world size
-    (2, 2, 1, 1, 1): 8,  # the saving layout: exact
-    (1, 1, 1, 0, 1): 1,
-    (4, 1, 1, 2, 1): 8,
-    (1, 2, 2, 1, 1): 4,  # interleaved: each rank holds layers 0 and 2 or 1 and 3; ZeRO-1 over dp2
-    (2, 1, 1, 3, 2): 4,  # tp2 x cp2, ZeRO-3: FSDP over the 2 context-parallel replicas, each batch cut by the strategy
+LOADS = {  # (tp, pp, virtual pp, zero_stage, context parallel, optimizer offload tier): world size
+    (2, 2, 1, 1, 1, "none"): 8,  # the saving layout: exact
+    (1, 1, 1, 0, 1, "none"): 1,
+    (4, 1, 1, 2, 1, "none"): 8,
+    (1, 2, 2, 1, 1, "none"): 4,  # interleaved: each rank holds layers 0 and 2 or 1 and 3; ZeRO-1 over dp2
+    (2, 1, 1, 3, 2, "none"): 4,  # tp2 x cp2, ZeRO-3: FSDP over the 2 context-parallel replicas, each batch cut by the strategy
+    (2, 1, 1, 2, 1, "nvme"): 4,  # the optimizer state read into the 'nvme' tier's files in place, and saved from them
 }
 
 
-@pytest.mark.parametrize("layout", list(LOADS), ids=[f"tp{t}-pp{p}-vpp{v}-zero{z}-cp{c}" for t, p, v, z, c in LOADS])
+@pytest.mark.parametrize("layout", list(LOADS), ids=[f"tp{t}-pp{p}-vpp{v}-zero{z}-cp{c}" + (f"-{o}" if o != "none" else "")
+                                                     for t, p, v, z, c, o in LOADS])
 def test_resume_at_another_layout_continues_the_same_run(saved_run, layout, tmp_path):
     out, straight_losses, straight_weights = saved_run
-    tp, pp, vpp, zero, cp = layout
+    tp, pp, vpp, zero, cp, offload = layout
     world = LOADS[layout]
     options = {"tp": tp, "pp": pp, "vpp": vpp, "zero_stage": zero, "cp": cp, "layers": 4, "steps": 4,
-               "ckpt_path": str(out / STEP2)}
+               "ckpt_path": str(out / STEP2), "offload": offload if offload != "none" else False}
     results, _ = launch("checkpoint_layouts.py", world, tmp_path, json.dumps(options))
     assert all("error" not in r for r in results), results
     losses = results[0]["losses"]
@@ -99,6 +102,17 @@ def test_resume_at_another_layout_continues_the_same_run(saved_run, layout, tmp_
 
     final = consolidated_state_dict(tmp_path / "final.ckpt")  # and this layout saves what it holds
     assert final.keys() == weights.keys() and all(torch.equal(final[k], weights[k]) for k in weights)
+    if offload != "none":
+        # Saved from the offload tier's files: the same tensors, under the same keys, as the saving run's own step-4
+        # checkpoint made without offload, so either loads wherever the other does.
+        # Its fp32 main parameters are copies (saved too, equal to the fp32 weights); the rest is the same set of keys.
+        ours, theirs = read_full_tensors(tmp_path / "final.ckpt"), read_full_tensors(out / STEP4)
+        mains = {key for key in ours.keys() - theirs.keys() if key.startswith("main_params/")}
+        assert ours.keys() - mains == theirs.keys() and mains
+        assert all(torch.equal(ours[key], ours[key.replace("main_params/", "state_dict/", 1)]) for key in mains)
+        worst = max((ours[k].double() - theirs[k].double()).abs().max().item() for k in theirs)
+        assert worst < 1e-5, f"the offloaded run's checkpoint deviates by {worst:.2e}"
+        assert not list((tmp_path / "offload").iterdir()), "the 'nvme' tier's files outlived the run"
 
     # What each rank holds right after the restore (weights, optimizer state) is the checkpoint's, box by box,
     # and together the ranks hold all of it.
@@ -106,6 +120,8 @@ def test_resume_at_another_layout_continues_the_same_run(saved_run, layout, tmp_
     covered = {key: torch.zeros(value.shape, dtype=torch.bool) for key, value in saved.items()}
     for rank in range(world):
         for key, offsets, piece in torch.load(tmp_path / f"pieces{rank}.pt", weights_only=True):
+            if key not in saved and key.startswith("main_params/"):  # a copy the saving run did not need: its weights
+                key = key.replace("main_params/", "state_dict/", 1)
             region = tuple(slice(o, o + s) for o, s in zip(offsets, piece.shape))
             assert torch.equal(piece, saved[key][region]), (rank, key, offsets)
             covered[key][region] = True

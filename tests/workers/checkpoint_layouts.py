@@ -1,7 +1,8 @@
 """Train under one layout, saving sharded checkpoints, or resume one saved under another layout.
 
 argv: OUT_DIR JSON_OPTIONS with tp, pp, zero_stage, steps, layers and optionally vpp, cp, async (save in the
-background), save_every (steps between
+background), offload ("cpu" or "nvme": the optimizer's tier; nvme's files under OUT_DIR/offload, in tiles of 1000
+elements), save_every (steps between
 checkpoints, into OUT_DIR/checkpoints), ckpt_path (resume from it) and snapshot_step (gather the full
 weights after that step into weights_step{N}.pt). Rank r writes rank{r}.json (losses); after a resume
 it also writes pieces{r}.pt: every tensor it holds after the restore, as (key, global offsets, tensor)
@@ -48,7 +49,10 @@ vpp = options.get("vpp", 1)
 strategy = Megatron3DStrategy(tensor_parallel_size=options["tp"], pipeline_parallel_size=options["pp"],
                               virtual_pipeline_size=vpp, pipeline_schedule="interleaved_1f1b" if vpp > 1 else "1f1b",
                               zero_stage=options["zero_stage"], context_parallel_size=options.get("cp", 1),
-                              bucket_size_mb=0.01, async_checkpoint=options.get("async", False))
+                              bucket_size_mb=0.01, async_checkpoint=options.get("async", False),
+                              offload_optimizer=options.get("offload", False),
+                              offload_path=str(out_dir / "offload") if options.get("offload") == "nvme" else None,
+                              offload_buffer_mb=1000 * 4 / 2**20)
 callbacks = [Record()]
 if options.get("save_every"):
     callbacks.append(ModelCheckpoint(dirpath=out_dir / "checkpoints", every_n_train_steps=options["save_every"],

@@ -1,7 +1,7 @@
 """Train the tiny GPT for a few steps under several layouts over the same processes.
 
 argv: OUT_DIR LAYOUTS, where LAYOUTS is a comma list of
-``[llama-|mqa-|deep-][doc-][pp{P}-][vpp{V}-]tp{T}-dp{D}[-sp][-mb{M}][-SCHEDULE][-z{Z}][-ogather][-sgd][-tpo][-compile|-compile_aot][-rc][-fused|-foreach]``: ``doc``:
+``[llama-|mqa-|deep-][doc-][pp{P}-][vpp{V}-]tp{T}-dp{D}[-sp][-mb{M}][-SCHEDULE][-z{Z}][-ogather][-sgd][-tpo][-compile|-compile_aot][-rc][-fused|-foreach][-offcpu|-offnvme]``: ``doc``:
 packed samples with Megatron-LM's document masks (position ids and attention confined to each document); M
 micro-batches per step (without pipelining, a loop of backward passes; with it, the schedule's micro-batches),
 SCHEDULE one of ``gpipe``, ``zb`` (interleaved zero bubble), ``zbv``, ``dualpipev`` (default: 1F1B, interleaved
@@ -10,7 +10,9 @@ with vpp), ZeRO stage Z, ``ogather``: its parameter all-gathers overlapped with 
 must wait for theirs), SGD with momentum instead of AdamW, ``tpo``: tp_comm_overlap (the sequence-parallel
 collectives overlapped with the GEMMs); ``-compile`` (inductor) or ``-compile_aot`` (aot_eager): regional compilation
 of every layer, ``-rc``: full recomputation (of the compiled layer); ``-fused`` / ``-foreach``: AdamW's fused or
-multi-tensor implementation (rebound to the fp32 pieces under ZeRO). For each
+multi-tensor implementation (rebound to the fp32 pieces under ZeRO); ``-offcpu`` / ``-offnvme``: the fp32 main
+parameters and optimizer state offloaded to host memory or to files (in tiles of 1000 elements, so that pieces span
+tiles and tiles span pieces), ``{layout}-offload{rank}.json`` recording the bytes the files moved. For each
 layout, rank 0 writes the losses and the full (gathered) weights to ``{layout}.pt``; the
 pytest process compares them with a single-process reference.
 """
@@ -29,6 +31,7 @@ from layout_runs import run_layouts
 from gpt_setup import CLIP, CONFIG, CONFIGS, GLOBAL_BATCH, SEED, batches, document_batches, optimizer, sgd_optimizer
 from lightning_megatron.checkpoint import gather_full_state_dict, merge_pipeline_stages
 from lightning_megatron.models import GPTModel
+from lightning_megatron.offload import OffloadSettings
 from lightning_megatron.optim import GradientSynchronizer, clip_grads_by_global_norm
 from lightning_megatron.optim.main_params import MainParamOptimizer, uses_main_params
 from lightning_megatron.optim.partial_grads import partial_grad_groups
@@ -43,7 +46,8 @@ from lightning_megatron.tensor_parallel.overlap import overlapped_linear_for
 
 LAYOUT = re.compile(r"(?:(llama|mqa|deep)-)?(doc-)?(?:pp(\d+)-)?(?:vpp(\d+)-)?tp(\d+)-dp(\d+)(-sp)?(?:-mb(\d+))?"
                     r"(?:-(gpipe|zb|zbv|dualpipev))?(?:-z(\d))?(-ogather)?(-sgd)?(-tpo)?(?:-(compile|compile_aot))?(-rc)?"
-                    r"(?:-(fused|foreach))?")
+                    r"(?:-(fused|foreach))?(?:-off(cpu|nvme))?")
+TILE_MB = 1000 * 4 / 2**20  # 1000 fp32 elements a tile
 SCHEDULE_NAMES = {"zb": "interleaved_zero_bubble"}
 
 
@@ -96,8 +100,11 @@ def train(layout: str) -> tuple[list[float], dict]:
     opt = sgd_optimizer(params) if sgd else optimizer(params, **implementation)
     sync = GradientSynchronizer(params, data_parallel_group=state.data_parallel_group, bucket_size_mb=0.01,
                                 zero_stage=zero_stage, partial_grad_groups=partial_grad_groups(params, state))
-    main = MainParamOptimizer(opt, sync, overlap_with=model if overlap else None) \
-        if uses_main_params(params, zero_stage) else None
+    tier = match[17] or "none"
+    offload = OffloadSettings(tier, path=str(Path(sys.argv[1]) / "offload") if tier == "nvme" else None,
+                              buffer_mb=TILE_MB)
+    main = MainParamOptimizer(opt, sync, overlap_with=model if overlap else None, offload=offload) \
+        if uses_main_params(params, zero_stage, offload) else None
     late = overlap and state.data_parallel_rank == dp - 1
     if runner is not None:
         runner.before_backward = lambda n, _tokens: sync.start_micro_batch(sync=True, backward_passes=n)
@@ -139,7 +146,15 @@ def train(layout: str) -> tuple[list[float], dict]:
 
     if main is not None:
         main.wait_for_params()  # as the strategy does before reading weights (full_state_dict)
+        if main.nvme is not None:
+            files = main.nvme.files
+            moved = {"read": files.bytes_read, "written": files.bytes_written, "steps": len(losses),
+                     "elements": sum(m.numel() for _, m in main.pieces), "tiles": len(main.nvme.engine.tiles),
+                     "state_keys": sorted(main.nvme.state_keys), "on_cpu": all(m.device.type == "cpu" for _, m in main.pieces)}
         main.remove()
+        if main.nvme is not None:
+            moved["folder_removed"] = not files.folder.exists()
+            (Path(sys.argv[1]) / f"{layout}-offload{dist.get_rank()}.json").write_text(json.dumps(moved))
     weights = merge_pipeline_stages(gather_full_state_dict(model, state.tensor_parallel_group),
                                     state.pipeline_parallel_group)
     sync.remove()
