@@ -105,6 +105,16 @@ def test_model_without_a_plan_at_tp2_warns_once_on_rank_zero(checks, case, decla
     assert "Declare tensor_parallel_plan()" in warning and "tensor_parallel_size=1" in warning
 
 
+def test_an_offload_path_one_rank_cannot_use_stops_every_rank_in_setup(checks):
+    rank0, rank1 = checks[0]["nvme path"], checks[1]["nvme path"]
+    assert rank1 == ("ValueError: Rank 1: offload_path='offload_here' is a file, not a folder. Choose a folder on a "
+                     "local disk this process can write."), rank1
+    assert rank0 == f"RuntimeError: Rank 1 cannot set up the 'nvme' offload tier: {rank1}", rank0
+    # Rank 0 had made its files before hearing of rank 1: they are gone with the failed set-up, the file untouched.
+    assert checks[0]["nvme files left"] in ([], ["offload_here"]), checks[0]["nvme files left"]
+    assert checks[1]["nvme files left"] == ["offload_here"]
+
+
 def test_default_timeout_reaches_every_group_of_the_layout(checks):
     """init_process_group(timeout=) sets only the world group's; new_group would give the others torch's 30 min."""
     for result in checks:

@@ -145,14 +145,15 @@ def check_resources(path: str, *, disk_bytes: int, pool_bytes: int, ranks_sharin
     """Raise a ``ValueError`` naming the numbers and the fix when ``path`` cannot hold the state of the ranks
     sharing this machine, or its memory cannot hold their buffer pools (before any file is made)."""
     folder = Path(path)
+    fix = "Choose a folder on a local disk this process can write."
+    if folder.exists() and not folder.is_dir():
+        raise ValueError(f"Rank {rank}: offload_path={path!r} is a file, not a folder. {fix}")
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as error:
-        raise ValueError(f"Rank {rank}: offload_path={path!r} cannot be created ({error}). Choose a folder on a "
-                         f"local disk this process can write.") from None
-    if not folder.is_dir() or not os.access(folder, os.W_OK | os.X_OK):
-        raise ValueError(f"Rank {rank}: offload_path={path!r} is not a folder this process can write. Choose a folder "
-                         f"on a local disk this process can write.")
+        raise ValueError(f"Rank {rank}: offload_path={path!r} cannot be created ({error}). {fix}") from None
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise ValueError(f"Rank {rank}: offload_path={path!r} is not writable by this process. {fix}")
     free = shutil.disk_usage(folder).free
     needed = disk_bytes * ranks_sharing_host
     if needed > free:

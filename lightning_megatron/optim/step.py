@@ -253,7 +253,8 @@ def build_step_gradients(module: nn.Module, state: ParallelState, optimizers: li
                                       overlap_with=module if overlap_param_gather else None)
 
         nvme = isinstance(offload, OffloadSettings) and offload.optimizer == "nvme"  # the same on every rank
-        main_params = on_every_rank(make, doing="set up the 'nvme' offload tier") if nvme else make()
+        main_params = on_every_rank(make, doing="set up the 'nvme' offload tier", undo=MainParamOptimizer.remove) \
+            if nvme else make()
     if loss_scaler is not None and main_params is None:
         raise ValueError("precision='16-true' needs 16-bit parameters with fp32 main parameters.")
     return StepGradients(sync, main_params, loss_scaler, **common)

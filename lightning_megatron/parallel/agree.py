@@ -8,7 +8,7 @@ the failing rank its own error, the others a ``RuntimeError`` quoting the first 
 
 from __future__ import annotations
 
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Optional, TypeVar
 
 import torch.distributed as dist
 
@@ -16,9 +16,10 @@ T = TypeVar("T")
 EXPECTED_FAILURES = (OSError, RuntimeError, TypeError, ValueError)
 
 
-def on_every_rank(check: Callable[[], T], *, doing: str) -> T:
+def on_every_rank(check: Callable[[], T], *, doing: str, undo: Optional[Callable[[T], Any]] = None) -> T:
     """``check()``'s result if it succeeded on every rank; otherwise raise on every rank. ``doing`` completes
-    "Rank 3 cannot ..." in the other ranks' message (e.g. ``"load the checkpoint"``)."""
+    "Rank 3 cannot ..." in the other ranks' message (e.g. ``"load the checkpoint"``); ``undo(result)`` releases
+    what a rank that succeeded made (files, threads) before it raises for another rank's failure."""
     error, result = None, None
     try:
         result = check()
@@ -32,6 +33,8 @@ def on_every_rank(check: Callable[[], T], *, doing: str) -> T:
         raise error
     failed = [(rank, report) for rank, report in enumerate(reports) if report is not None]
     if failed:
+        if undo is not None:
+            undo(result)
         rank, report = failed[0]
         raise RuntimeError(f"Rank {rank} cannot {doing}: {report}")
     return result  # type: ignore[return-value]

@@ -9,7 +9,9 @@ Every rank's stderr goes to OUT_DIR/rank{r}.stderr (so a test reads exactly what
   is on the meta device. The error is not caught.
 * ``checks``: Trainer(devices=1) and Trainer(devices=4) against the 2 processes torchrun started (each error
   is recorded), then a tp=2 fit of a model without a plan and one with an empty plan (the warnings are
-  recorded), and the timeout of the world group and of the layout's groups. Rank r writes rank{r}.json.
+  recorded), the timeout of the world group and of the layout's groups, and last a dp=2 fit with the 'nvme'
+  optimizer tier at a relative offload_path that is a regular file in rank 1's working directory only (each
+  rank's error is recorded). Rank r writes rank{r}.json.
 """
 
 import json
@@ -72,6 +74,20 @@ elif scenario == "checks":
               "model_parallel": state.model_parallel_group}
     result["timeouts"] = {name: group._get_backend(torch.device("cpu")).options._timeout.total_seconds()
                           for name, group in groups.items()}
+    # The 'nvme' tier's checks fail on rank 1 alone: every rank must stop in set-up, none wait in a collective.
+    here = out_dir / f"cwd{rank}"
+    here.mkdir()
+    if rank == 1:
+        (here / "offload_here").write_text("a file, not a folder")
+    os.chdir(here)
+    trainer = L.Trainer(devices=2, strategy=Megatron3DStrategy(offload_optimizer="nvme", offload_path="offload_here"),
+                        max_steps=1, **trainer_kwargs())
+    try:
+        trainer.fit(Planned())
+        result["nvme path"] = None
+    except Exception as error:
+        result["nvme path"] = f"{type(error).__name__}: {error}"
+    result["nvme files left"] = sorted(str(p.relative_to(here)) for p in here.rglob("*"))
     (out_dir / f"rank{rank}.json").write_text(json.dumps(result))
     dist.barrier()
     os._exit(0)  # skip gloo's C++ teardown (see the other workers)
