@@ -62,6 +62,16 @@ replica (``"dp_cp"``) mesh, one group per layer plus one for the rest (embedding
   Transient: the gathered bf16 parameters and the bf16 gradients of the layer in flight,
   and the root group (embedding, final norm, head), which FSDP keeps gathered from forward
   to backward. Without a policy (fp32 training) the persistent bytes are the same 16Psi/N.
+* Parameter offload (ZeRO-Offload's parameter tier, ``offload_parameters="cpu"``): FSDP2's ``CPUOffloadPolicy``
+  on every group. The padded shards live in host memory (pinned when the mesh is CUDA's: asynchronous copies;
+  torch cannot pin without an accelerator); each is copied to the device for its group's all-gather, and the
+  reduce-scattered gradient shard is copied back, so the optimizer, which makes its state like the parameters,
+  steps in host memory and only the gathered layers occupy the device. :meth:`ZeRO3.initialize` therefore
+  materialises the parameters on the CPU (FSDP refuses offloaded shards elsewhere at its first forward) and the
+  buffers on the device. Collectives of our own on gradients (the token count, partial-gradient sums, the squared
+  norm) run on ``state.device``, NCCL's. Bytes and checkpoints are as without offload: the same shards, in host
+  memory. ``"nvme"`` (ZeRO-Infinity) is refused: FSDP2 allocates each step's gradient shards and torch optimizers
+  their state in private host memory, so file-backed storage would mean replacing FSDP's internal tensors.
 * Full state dict, layout-free: ``checkpoint.full.gather_full_state_dict`` gathers each
   parameter over dp (``DTensor.full_tensor()``, giving the tp-local shard) and then over tp,
   under global names and unpadded global shapes; :func:`load_full_state_dict` cuts this
@@ -97,7 +107,7 @@ summed as local shards; ``reshard_after_forward=False`` gave the same result in 
 Example::
 
     parallelize(model, model.tensor_parallel_plan(), state)           # on the meta device
-    zero3 = apply_zero3(model, state, layers_pattern="blocks.*")
+    zero3 = apply_zero3(model, state, layers_pattern="blocks.*")       # offload_parameters="cpu": host memory
     zero3.initialize(seed, device="cpu")
     optimizer = torch.optim.AdamW(model.parameters())                 # sharded DTensor params
     for micro_batch in micro_batches:
