@@ -205,8 +205,9 @@ def prepare_model(module: nn.Module, state: ParallelState, *, rng: Optional[Tens
 
 def shard_zero3(module: nn.Module, state: ParallelState, *, precision: str, seed: int,
                 device: Union[torch.device, str], offload_parameters: str = "none") -> ZeRO3:
-    """ZeRO-3: FSDP2 over dp, one group per transformer layer; materialises this rank's dp chunks (in host memory
-    with ``offload_parameters="cpu"``, where the optimizer then steps; ``"nvme"`` is refused, see ``offload_policy``)."""
+    """ZeRO-3: FSDP2 over dp, one group per transformer layer; materialises this rank's dp chunks (in host
+    memory with ``offload_parameters="cpu"``, where the optimizer then steps; ``"nvme"`` is refused, see
+    ``optim.zero3.offload_policy``)."""
     if precision not in ZERO3_PRECISIONS:
         raise ValueError(f"zero_stage=3 supports precision {', '.join(map(repr, ZERO3_PRECISIONS))}, not {precision!r}; "
                          f"use '16-true' for fp16 (dynamic loss scaling by the strategy).")

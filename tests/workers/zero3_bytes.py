@@ -3,9 +3,9 @@
 Run by ``zero3_training.py`` (layout ``bytes``), or alone (argv: OUT_DIR). For tp1-dp4 and
 tp2-dp2 over 4 ranks, with and without ``MixedPrecisionPolicy(param_dtype=bfloat16,
 reduce_dtype=float32)``, the latter also with ``offload_parameters="cpu"`` (``bf16-mixed-cpu``), each
-rank runs one step and reports: the measured bytes of its parameter, gradient and optimizer-state shards; Psi (its tp-local parameter count) and dp; the bytes FSDP's dim-0
-chunking predicts for this dp rank; and what a layer's forward saw (type and dtype of
-the gathered weight) and the gradients' dtype.
+rank runs one step and reports: the measured bytes of its parameter, gradient and optimizer-state shards;
+Psi (its tp-local parameter count) and dp; the bytes FSDP's dim-0 chunking predicts for this dp rank; and
+what a layer's forward saw (type and dtype of the gathered weight) and the gradients' dtype.
 """
 
 import json

@@ -50,8 +50,8 @@ from lightning_megatron.pipeline.stage import split_for_pipeline
 from lightning_megatron.tensor_parallel import parallelize
 from lightning_megatron.tensor_parallel.overlap import overlapped_linear_for
 
-LAYOUT = re.compile(r"(?:(llama|mqa|moe)-)?(?:pp(\d+)-)?tp(\d+)-dp(\d+)(-sp)?(?:-mb(\d+))?(-nosync)?(-pre)?(-sgd)?(-tpo)?"
-                    r"(-cpu)?(-ckpt)?")
+LAYOUT = re.compile(r"(?:(llama|mqa|moe)-)?(?:pp(\d+)-)?tp(\d+)-dp(\d+)(-sp)?(?:-mb(\d+))?(-nosync)?(-pre)?(-sgd)?"
+                    r"(-tpo)?(-cpu)?(-ckpt)?")
 
 
 def build(state: ParallelState, pre: bool, micro_batches: int = 1, config=CONFIG, overlap: bool = False,
