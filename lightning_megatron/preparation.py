@@ -22,8 +22,8 @@ on the one before):
    context-parallel group in every attention core, and the batch splitter the strategy applies to each
    batch; before the split, so that every rank checks every layer and the model's declaration.
 4. :func:`split_pipeline`: delete the layers, embedding and head this rank's stages do not run.
-5. :func:`shard_zero3` (``zero_stage=3``) or ``initialize_parameters``: materialise only the
-   local shards, with the layout-invariant initial values.
+5. :func:`shard_zero3` (``zero_stage=3``, its shards in host memory under ``offload_parameters="cpu"``) or
+   ``initialize_parameters``: materialise only the local shards, with the layout-invariant initial values.
 6. :func:`start_pipeline` (``pp > 1``): the schedule behind the root model's ``loss()``; MoE layers
    then attach their auxiliary losses to their outputs (a stage may not hold the loss).
 
@@ -177,10 +177,12 @@ def start_pipeline(split: PipelineSplit, state: ParallelState, *, device: torch.
 def prepare_model(module: nn.Module, state: ParallelState, *, rng: Optional[TensorParallelRNG], seed: int,
                   device: Union[torch.device, str], pad_vocab_to_multiple_of: int, activation_checkpointing: str,
                   context_parallel_attention: str, precision: str, pipeline_schedule: str = "1f1b",
-                  tp_comm_overlap: bool = False, compile: Optional[dict] = None) -> PreparedModel:
+                  tp_comm_overlap: bool = False, compile: Optional[dict] = None,
+                  offload_parameters: str = "none") -> PreparedModel:
     """Steps 1-5 above, in their order, for ``Megatron3DStrategy.setup`` (once per module): this rank's part of the
     model, materialised. The pipeline schedule (step 6) is bound to the strategy afterwards. ``compile``: the
-    ``torch.compile`` arguments of regional compilation (``regional_compile.compile_options``), ``None``: off."""
+    ``torch.compile`` arguments of regional compilation (``regional_compile.compile_options``), ``None``: off.
+    ``offload_parameters``: ZeRO-3's offload tier (``OffloadSettings.parameters``; see :func:`shard_zero3`)."""
     sequence_linear = overlapped_linear_for(state.config, tp_comm_overlap)  # refused first, on every rank alike
     plan = module.tensor_parallel_plan() if hasattr(module, "tensor_parallel_plan") else {}
     warn_if_replicated(module, plan, state.config.tensor_parallel_size, state.config.data_parallel_size)
@@ -194,15 +196,18 @@ def prepare_model(module: nn.Module, state: ParallelState, *, rng: Optional[Tens
     zero3 = None
     if state.config.zero_stage == 3:
         # Already on the device; no .to(): FSDP would replace the sharded parameters and drop their tags.
-        zero3 = shard_zero3(module, state, precision=precision, seed=seed, device=device)
+        zero3 = shard_zero3(module, state, precision=precision, seed=seed, device=device,
+                            offload_parameters=offload_parameters)
     elif any(p.is_meta for p in module.parameters()):
         initialize_parameters(module, seed, device=device, only_meta=True)
     return PreparedModel(split=split, zero3=zero3, rng=rng, batch_splitter=splitter)
 
 
 def shard_zero3(module: nn.Module, state: ParallelState, *, precision: str, seed: int,
-                device: Union[torch.device, str]) -> ZeRO3:
-    """ZeRO-3: FSDP2 over dp, one group per transformer layer; materialises this rank's dp chunks."""
+                device: Union[torch.device, str], offload_parameters: str = "none") -> ZeRO3:
+    """ZeRO-3: FSDP2 over dp, one group per transformer layer; materialises this rank's dp chunks (in host
+    memory with ``offload_parameters="cpu"``, where the optimizer then steps; ``"nvme"`` is refused, see
+    ``optim.zero3.offload_policy``)."""
     if precision not in ZERO3_PRECISIONS:
         raise ValueError(f"zero_stage=3 supports precision {', '.join(map(repr, ZERO3_PRECISIONS))}, not {precision!r}; "
                          f"use '16-true' for fp16 (dynamic loss scaling by the strategy).")
@@ -217,6 +222,6 @@ def shard_zero3(module: nn.Module, state: ParallelState, *, precision: str, seed
         mixed = MixedPrecisionPolicy(param_dtype=COMPUTE_DTYPES[precision], reduce_dtype=torch.float32)
     root.to(torch.float32)
     zero3 = apply_zero3(root, state, layers_pattern=f"{blocks.layers}.*", other_groups=other_groups,
-                        mixed_precision=mixed)
+                        mixed_precision=mixed, offload_parameters=offload_parameters)
     zero3.initialize(seed, device)
     return zero3

@@ -8,23 +8,34 @@
   (``-pre``: tp shards materialised first); the full state dict gathers and loads back.
 * Bytes: each rank's parameter, gradient and Adam-state shards are exactly FSDP's dim-0
   chunks of its tp-local parameters, 4 + 4 + 8 bytes per element: 16 Psi / N, the ZeRO-3
-  formula, in fp32 and under bf16 mixed precision (fp32 sharded params = the main params).
+  formula, in fp32 and under bf16 mixed precision (fp32 sharded params = the main params),
+  also with ``offload_parameters="cpu"`` (the same bytes, in host memory).
+* Parameter offload (``offload_parameters="cpu"``, FSDP's ``CPUOffloadPolicy``) at tp2-dp2-sp: every FSDP
+  group carries the policy, shards, gradients and Adam state are on the CPU, and the run matches the
+  single process and, bit for bit, the same layout without offload (on this CPU-only machine the
+  "device" is the CPU too). A sharded checkpoint saved from it loads at tp2-dp2 ZeRO-1 without offload,
+  every piece as saved.
 """
 
 import pytest
 import torch
 
+from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+
 from launch import launch
 from test_layout_invariance import LOSS_TOL, WEIGHT_TOL, _reference
 from workers.gpt_setup import CONFIG, CONFIGS, optimizer, sgd_optimizer
+from lightning_megatron.checkpoint import consolidated_state_dict, read_full_tensors
 from lightning_megatron.models import GPTModel
-from lightning_megatron.optim.zero3 import apply_zero3
+from lightning_megatron.optim.zero3 import apply_zero3, offload_policy
 from lightning_megatron.parallel import ParallelConfig, ParallelState
 
 LAYOUTS = ["tp2-dp2-sp", "tp1-dp4", "tp2-dp2-pre", "tp1-dp4-mb2-nosync-sgd", "tp2-dp2-sp-mb2-sgd", "pp2-tp1-dp2-mb2",
            "llama-tp2-dp2-sp", "mqa-tp2-dp2",  # Llama-shaped: key/value groups split over tp2; replicated (multi-query)
            "moe-tp2-dp2-sp",  # Mixture of Experts (ep1: every rank holds every expert, FSDP shards them over dp)
-           "llama-tp2-dp2-sp-tpo"]  # tp_comm_overlap: FSDP's gathered weights in the overlapped linears
+           "llama-tp2-dp2-sp-tpo",  # tp_comm_overlap: FSDP's gathered weights in the overlapped linears
+           "tp2-dp2-sp-cpu-ckpt"]  # offload_parameters="cpu"; then a checkpoint saved, resumed at ZeRO-1
+OFFLOADED = "tp2-dp2-sp-cpu-ckpt"
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +71,7 @@ def test_full_state_dict_round_trips(run):
 
 
 @pytest.mark.parametrize("layout", ["tp1-dp4", "tp2-dp2"])
-@pytest.mark.parametrize("precision", ["fp32", "bf16-mixed"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16-mixed", "bf16-mixed-cpu"])
 def test_model_state_bytes_are_16_psi_over_n(run, layout, precision):
     """Psi tp-local params, N = dp: fp32 param shards 4Psi/N + fp32 grad shards 4Psi/N + Adam 8Psi/N."""
     _, results = run
@@ -73,7 +84,7 @@ def test_model_state_bytes_are_16_psi_over_n(run, layout, precision):
         assert sum(sizes.values()) == pytest.approx(16 * psi / n, abs=16 * n)  # FSDP chunking; here it divides
         assert entry["grad_dtypes"] == ["torch.float32"]
         # Layers see plain tensors of the tp-local shape, in the compute dtype.
-        assert entry["forward_weight"] == ["Tensor", "torch.bfloat16" if precision == "bf16-mixed" else "torch.float32"]
+        assert entry["forward_weight"] == ["Tensor", "torch.float32" if precision == "fp32" else "torch.bfloat16"]
     for tp_rank in range(len(results) // n):  # summed over the dp ranks of one tp rank: exactly 16 Psi
         group = entries[tp_rank::len(results) // n]
         assert sum(sum(e["bytes"].values()) for e in group) == 16 * group[0]["psi"]
@@ -84,3 +95,41 @@ def test_zero3_needs_a_mesh():
         model = GPTModel(CONFIG)
     with pytest.raises(ValueError, match="needs torch.distributed"):
         apply_zero3(model, ParallelState(ParallelConfig(), torch.device("cpu")), layers_pattern="blocks.*")
+
+
+def test_cpu_parameter_offload_is_configured_and_changes_no_result(run):
+    out, results = run
+    for rank in results:
+        assert rank[OFFLOADED]["offload"] == {"policies": ["CPUOffloadPolicy"], "params": ["cpu"], "grads": ["cpu"],
+                                              "optimizer_state": ["cpu"]}
+        assert rank["tp2-dp2-sp"]["offload"]["policies"] == ["OffloadPolicy"]
+    offloaded = torch.load(out / f"{OFFLOADED}.pt", weights_only=True)
+    plain = torch.load(out / "tp2-dp2-sp.pt", weights_only=True)
+    assert offloaded["losses"] == plain["losses"]
+    assert all(torch.equal(offloaded["weights"][k], plain["weights"][k]) for k in plain["weights"])
+
+
+def test_checkpoint_saved_with_cpu_offload_resumes_at_zero1(run):
+    out, results = run
+    path = out / f"{OFFLOADED}.ckpt"
+    weights = torch.load(out / f"{OFFLOADED}.pt", weights_only=True)["weights"]
+    consolidated = consolidated_state_dict(path)
+    assert consolidated.keys() == weights.keys()
+    assert all(torch.equal(consolidated[k], weights[k]) for k in weights)
+    saved = read_full_tensors(path)
+    covered = {key: torch.zeros(value.shape, dtype=torch.bool) for key, value in saved.items()}
+    for rank in range(len(results)):
+        for key, offsets, piece in torch.load(out / f"{OFFLOADED}-resumed{rank}.pt", weights_only=True):
+            region = tuple(slice(o, o + s) for o, s in zip(offsets, piece.shape))
+            assert torch.equal(piece, saved[key][region]), (rank, key, offsets)
+            covered[key][region] = True
+    assert any(key.endswith("/exp_avg_sq") for key in saved)
+    assert all(covered[key].all() for key in covered), [key for key in covered if not covered[key].all()]
+
+
+def test_offload_policy_per_tier():
+    assert type(offload_policy("none", "cuda")) is OffloadPolicy
+    assert offload_policy("cpu", "cuda") == CPUOffloadPolicy(pin_memory=True)
+    assert offload_policy("cpu", "cpu") == CPUOffloadPolicy(pin_memory=False)  # nothing to pin for without a GPU
+    with pytest.raises(ValueError, match="offload_parameters='cpu'.*offload_optimizer='nvme'"):
+        offload_policy("nvme", "cuda")

@@ -40,11 +40,13 @@ from lightning_megatron.optim.partial_grads import PartialGrads
 DEFAULT_BUCKET_SIZE_MB = 25.0
 
 
-def sum_over_group(tensors: Sequence[Tensor], group: dist.ProcessGroup) -> None:
-    """All-reduce several tensors in place with one collective (flattened into one buffer)."""
+def sum_over_group(tensors: Sequence[Tensor], group: dist.ProcessGroup,
+                   device: Optional[torch.device] = None) -> None:
+    """All-reduce several tensors in place with one collective (flattened into one buffer); ``device``: where
+    the buffer is reduced (NCCL's device, for tensors offloaded to host memory), by default the tensors'."""
     if not tensors:
         return
-    flat = torch.cat([t.reshape(-1) for t in tensors])
+    flat = torch.cat([t.reshape(-1) for t in tensors]).to(device)
     dist.all_reduce(flat, group=group)
     offset = 0
     for tensor in tensors:

@@ -62,6 +62,16 @@ replica (``"dp_cp"``) mesh, one group per layer plus one for the rest (embedding
   Transient: the gathered bf16 parameters and the bf16 gradients of the layer in flight,
   and the root group (embedding, final norm, head), which FSDP keeps gathered from forward
   to backward. Without a policy (fp32 training) the persistent bytes are the same 16Psi/N.
+* Parameter offload (ZeRO-Offload's parameter tier, ``offload_parameters="cpu"``): FSDP2's ``CPUOffloadPolicy``
+  on every group. The padded shards live in host memory (pinned when the mesh is CUDA's: asynchronous copies;
+  torch cannot pin without an accelerator); each is copied to the device for its group's all-gather, and the
+  reduce-scattered gradient shard is copied back, so the optimizer, which makes its state like the parameters,
+  steps in host memory and only the gathered layers occupy the device. :meth:`ZeRO3.initialize` therefore
+  materialises the parameters on the CPU (FSDP refuses offloaded shards elsewhere at its first forward) and the
+  buffers on the device. Collectives of our own on gradients (the token count, partial-gradient sums, the squared
+  norm) run on ``state.device``, NCCL's. Bytes and checkpoints are as without offload: the same shards, in host
+  memory. ``"nvme"`` (ZeRO-Infinity) is refused: FSDP2 allocates each step's gradient shards and torch optimizers
+  their state in private host memory, so file-backed storage would mean replacing FSDP's internal tensors.
 * Full state dict, layout-free: ``checkpoint.full.gather_full_state_dict`` gathers each
   parameter over dp (``DTensor.full_tensor()``, giving the tp-local shard) and then over tp,
   under global names and unpadded global shapes; :func:`load_full_state_dict` cuts this
@@ -97,7 +107,7 @@ summed as local shards; ``reshard_after_forward=False`` gave the same result in 
 Example::
 
     parallelize(model, model.tensor_parallel_plan(), state)           # on the meta device
-    zero3 = apply_zero3(model, state, layers_pattern="blocks.*")
+    zero3 = apply_zero3(model, state, layers_pattern="blocks.*")       # offload_parameters="cpu": host memory
     zero3.initialize(seed, device="cpu")
     optimizer = torch.optim.AdamW(model.parameters())                 # sharded DTensor params
     for micro_batch in micro_batches:
@@ -115,12 +125,11 @@ from __future__ import annotations
 from typing import Any, Mapping, Optional, Sequence, Union
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from lightning_megatron.optim.clip import counted_squares
+from lightning_megatron.optim.clip import counted_squares, reduce_squares
 from lightning_megatron.optim.grad_sync import flat_part, sum_over_group, sum_tokens
 from lightning_megatron.optim.partial_grads import partial_grad_groups
 from lightning_megatron.parallel.initialize import (
@@ -151,12 +160,43 @@ def _dp_chunk(values: Tensor, local_rows: int, dp_rank: int, dp_size: int) -> Te
     return values.narrow(0, dp_chunk_start(values.shape[0], dp_rank, dp_size), local_rows)
 
 
+def offload_policy(offload_parameters: str, device_type: str) -> OffloadPolicy:
+    """FSDP2's policy for the ``offload_parameters`` tier (``offload.settings``) on a ``device_type`` mesh.
+
+    ``"cpu"``: the sharded parameters and their gradients live in host memory, so the optimizer, which makes its
+    state like the parameters, steps there too; pinned on CUDA, where pinning makes the per-layer copies
+    asynchronous (without an accelerator there is nothing to pin for, and torch refuses to pin).
+    """
+    if offload_parameters == "none":
+        return OffloadPolicy()
+    if offload_parameters == "cpu":
+        return CPUOffloadPolicy(pin_memory=device_type == "cuda")
+    if offload_parameters == "nvme":
+        raise ValueError(
+            "offload_parameters='nvme' is not supported: under ZeRO-3, FSDP2 allocates each step's gradient shards, "
+            "and the optimizer its state, in private host memory, so they cannot be kept in files under "
+            "offload_path. Use offload_parameters='cpu' (parameters, gradients and optimizer state in host memory), "
+            "or zero_stage=1 or 2 with offload_optimizer='nvme'.")
+    raise ValueError(f"offload_parameters={offload_parameters!r} under zero_stage=3: use 'none' or 'cpu'.")
+
+
+def _buffers_to(module: nn.Module, device: Union[torch.device, str]) -> None:
+    """Every buffer of ``module`` on ``device`` (FSDP's CPU offload concerns the parameters only)."""
+    for submodule in module.modules():
+        for name, buffer in submodule._buffers.items():
+            if buffer is not None:
+                submodule._buffers[name] = buffer.to(device)
+
+
 class ZeRO3:
     """The ZeRO-3 sharding of one module; made by :func:`apply_zero3`."""
 
     def __init__(self, module: nn.Module, state: ParallelState, fsdp_modules: list[FSDPModule],
-                 tags: dict[str, dict[str, Any]]) -> None:
+                 tags: dict[str, dict[str, Any]], offload_parameters: str = "none") -> None:
         self.module, self.state, self.fsdp_modules, self._tags = module, state, fsdp_modules, tags
+        self.offload_parameters = offload_parameters
+        # Where the shards, their gradients and the optimizer state live; collectives still run on state.device.
+        self.shard_device = torch.device("cpu") if offload_parameters == "cpu" else state.device
         self.retag()
         # By parameter name: to_empty (and Lightning's moves) replace the parameter objects.
         names = {id(p): name for name, p in module.named_parameters()}
@@ -178,7 +218,11 @@ class ZeRO3:
         if not any(local_tensor(p).is_meta for p in named.values()):
             return
         keep = {name: local_tensor(p).detach().clone() for name, p in named.items() if not local_tensor(p).is_meta}
-        self.module.to_empty(device=device)  # every parameter: FSDP re-pads the shards; tags may be lost
+        offloaded = self.offload_parameters == "cpu"
+        # Every parameter (FSDP re-pads the shards; tags may be lost), in host memory under CPU offload (FSDP checks).
+        self.module.to_empty(device="cpu" if offloaded else device)
+        if offloaded:
+            _buffers_to(self.module, device)
         self.retag()
         initialize_buffers(self.module, device, only_meta=False)  # to_empty left them uninitialised
         buffers = [name for name, buffer in self.module.named_buffers() if buffer.is_meta]
@@ -223,12 +267,12 @@ class ZeRO3:
         ``also_sum``, summed over dp with the tokens and returned).
         """
         params = [p for p in self.module.parameters() if p.grad is not None]
-        device = local_tensor(params[0].grad).device if params else torch.device("cpu")
-        tokens, also_sum = sum_tokens(num_tokens, self.state.replica_group, device, also_sum)
+        # On the training device (NCCL's), also when the gradient shards were offloaded to host memory.
+        tokens, also_sum = sum_tokens(num_tokens, self.state.replica_group, self.state.device, also_sum)
         named = dict(self.module.named_parameters())
         for group, parts in self._partial:
             sum_over_group([part for name, start, stop in parts if named[name].grad is not None
-                            for part in self._local_part(named[name], start, stop)], group)
+                            for part in self._local_part(named[name], start, stop)], group, device=self.state.device)
         scale = 1.0 / (max(float(tokens), 1.0) * backward_scale)
         with torch.no_grad():
             for param in params:
@@ -268,7 +312,7 @@ class ZeRO3:
         """This rank's share of the squared global norm (float64, not reduced): its dp shards, a tp-replicated
         parameter on tp rank 0 only, a replicated range of a segmented shard on its primary only, a
         pipeline-tied copy on the first stage only."""
-        squares = torch.zeros((), dtype=torch.float64, device=self.state.device)
+        squares = torch.zeros((), dtype=torch.float64, device=self.shard_device)  # where the gradient shards are
         is_first_tensor_rank = self.state.tensor_parallel_rank == 0
         for param in self.module.parameters():
             if param.grad is None or hasattr(param, "tied_names"):
@@ -281,12 +325,9 @@ class ZeRO3:
         return squares
 
     def grad_norm(self) -> Tensor:
-        """The L2 norm of the global model's gradients, identical on every rank."""
-        squares = self.grad_squares()
-        for group in (self.state.replica_group, self.state.model_parallel_group):
-            if group is not None:
-                dist.all_reduce(squares, group=group)
-        return squares.sqrt().float()
+        """The L2 norm of the global model's gradients, identical on every rank (reduced on the training device)."""
+        return reduce_squares(self.grad_squares(), (self.state.replica_group, self.state.model_parallel_group),
+                              reduce_device=self.state.device)
 
     def clip_grad_norm_(self, max_norm: float, norm: Optional[Tensor] = None) -> Tensor:
         """Scale the gradient shards so that the global norm is at most ``max_norm``; returns the norm before.
@@ -306,7 +347,10 @@ class ZeRO3:
                    for p in dict.fromkeys(self.module.parameters()) if p.grad is not None)
 
     def model_state_bytes(self, optimizer: Optional[torch.optim.Optimizer] = None) -> dict[str, int]:
-        """Per-rank bytes of the parameter, gradient and optimizer-state shards (tensors, not step counters)."""
+        """Per-rank bytes of the parameter, gradient and optimizer-state shards (tensors, not step counters), under
+        the keys ZeRO 0-2 report them with; with ``offload_parameters="cpu"`` all three are in host memory (as the
+        fp32 main parameters and optimizer state are under ``offload_optimizer``), nothing stays on the device
+        but the layers being gathered."""
         params = list(dict.fromkeys(self.module.parameters()))
         state = [] if optimizer is None else [v for s in optimizer.state.values() for v in s.values()
                                              if isinstance(v, Tensor) and v.dim() > 0]
@@ -328,6 +372,7 @@ def apply_zero3(
     other_groups: Optional[Sequence[str]] = None,
     mixed_precision: Optional[MixedPrecisionPolicy] = None,
     reshard_after_forward: bool = True,
+    offload_parameters: str = "none",
 ) -> ZeRO3:
     """Shard ``module``'s parameters over the dp group of ``state``: one FSDP2 group per submodule matching
     ``layers_pattern`` (``*`` matches one name component, e.g. ``"blocks.*"``) and one for the rest.
@@ -343,9 +388,12 @@ def apply_zero3(
     device (then call :meth:`ZeRO3.initialize`). Build the optimizer afterwards, on
     ``module.parameters()``. ``reshard_after_forward=False`` keeps the layers gathered from
     forward to backward (one all-gather per layer and micro-batch less, more memory).
+    ``offload_parameters="cpu"``: the shards, their gradients and the optimizer state in host memory
+    (:func:`offload_policy`); each layer is copied to the device for its all-gather.
     """
     if state.mesh is None:
         raise ValueError("ZeRO stage 3 needs torch.distributed and a ParallelState with a mesh.")
+    policy = offload_policy(offload_parameters, state.replica_mesh.device_type)
     patterns = [layers_pattern] if isinstance(layers_pattern, str) else list(layers_pattern)
     tags = {name: {tag: getattr(p, tag) for tag in PARAMETER_TAGS if hasattr(p, tag)}
             for name, p in module.named_parameters(remove_duplicate=False)}
@@ -355,7 +403,7 @@ def apply_zero3(
             f"layers_pattern {layers_pattern!r} matches no submodule of {type(module).__name__}. "
             f"Check it against `[n for n, _ in model.named_modules()]`."
         )
-    kwargs: dict[str, Any] = {"mesh": state.replica_mesh}
+    kwargs: dict[str, Any] = {"mesh": state.replica_mesh, "offload_policy": policy}
     if mixed_precision is not None:
         kwargs["mp_policy"] = mixed_precision
     fsdp_modules = [fully_shard(layer, reshard_after_forward=reshard_after_forward, **kwargs) for layer in layers]
@@ -372,7 +420,7 @@ def apply_zero3(
     for fsdp_module in fsdp_modules:
         fsdp_module.set_gradient_divide_factor(1.0)  # a SUM over dp: the loss is a token sum, finish() divides
         fsdp_module.set_force_sum_reduction_for_comms(True)
-    return ZeRO3(module, state, fsdp_modules, tags)
+    return ZeRO3(module, state, fsdp_modules, tags, offload_parameters)
 
 
 def load_full_state_dict(module: nn.Module, full: Mapping[str, Tensor], state: ParallelState) -> None:

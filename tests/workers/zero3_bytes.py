@@ -2,10 +2,10 @@
 
 Run by ``zero3_training.py`` (layout ``bytes``), or alone (argv: OUT_DIR). For tp1-dp4 and
 tp2-dp2 over 4 ranks, with and without ``MixedPrecisionPolicy(param_dtype=bfloat16,
-reduce_dtype=float32)``, each rank runs one step and reports: the measured bytes of its parameter, gradient and
-optimizer-state shards; Psi (its tp-local parameter count) and dp; the bytes FSDP's dim-0
-chunking predicts for this dp rank; and what a layer's forward saw (type and dtype of
-the gathered weight) and the gradients' dtype.
+reduce_dtype=float32)``, the latter also with ``offload_parameters="cpu"`` (``bf16-mixed-cpu``), each
+rank runs one step and reports: the measured bytes of its parameter, gradient and optimizer-state shards;
+Psi (its tp-local parameter count) and dp; the bytes FSDP's dim-0 chunking predicts for this dp rank; and
+what a layer's forward saw (type and dtype of the gathered weight) and the gradients' dtype.
 """
 
 import json
@@ -28,7 +28,7 @@ from lightning_megatron.tensor_parallel import parallelize
 def measure_bytes() -> dict:
     results = {}
     for tp, dp in ((1, 4), (2, 2)):
-        for precision in ("fp32", "bf16-mixed"):
+        for precision in ("fp32", "bf16-mixed", "bf16-mixed-cpu"):
             results[f"tp{tp}-dp{dp}-{precision}"] = _one_step(tp, dp, precision)
     return results
 
@@ -39,7 +39,8 @@ def _one_step(tp: int, dp: int, precision: str) -> dict:
         model = GPTModel(CONFIG)
     parallelize(model, model.tensor_parallel_plan(), state)
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if precision != "fp32" else None
-    zero3 = apply_zero3(model, state, layers_pattern="blocks.*", mixed_precision=policy)
+    zero3 = apply_zero3(model, state, layers_pattern="blocks.*", mixed_precision=policy,
+                        offload_parameters="cpu" if precision.endswith("-cpu") else "none")
     zero3.initialize(SEED, device="cpu")
     seen = []
     qkv = model.get_submodule("blocks.0.attn.qkv")

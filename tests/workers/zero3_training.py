@@ -8,7 +8,11 @@ accumulate unsharded gradients and reduce-scatter only on the last; otherwise re
 every micro-batch; with micro-batches the backward is mean-sized, its factor divided out by
 ``finish(backward_scale=...)``), ``-pre``: materialise the tp shards before sharding over dp (otherwise
 ``ZeRO3.initialize`` materialises only the dp chunks from the meta device), SGD with
-momentum instead of AdamW, ``-tpo``: tp_comm_overlap. fp32 throughout. For each layout rank 0 writes the losses and the
+momentum instead of AdamW, ``-tpo``: tp_comm_overlap, ``-cpu``: ``offload_parameters="cpu"`` (FSDP's CPU offload;
+each rank reports the FSDP groups' policies and where its shards, gradients and optimizer state lived), ``-ckpt``:
+after training save a sharded checkpoint (``checkpoint.training_state``) to ``{layout}.ckpt`` and load it at the
+same tp / sp under dp ZeRO-1 without offload; each rank writes the pieces it then holds to
+``{layout}-resumed{rank}.pt``. fp32 throughout. For each layout rank 0 writes the losses and the
 full (gathered) weights to ``{layout}.pt``; the pytest process compares them with the
 single-process reference. The first training layout also checks that ``load_full_state_dict`` round-trips.
 """
@@ -25,10 +29,19 @@ from torch.distributed.tensor import DTensor
 
 from gpt_setup import CLIP, CONFIG, CONFIGS, GLOBAL_BATCH, SEED, batches, optimizer, sgd_optimizer
 from zero3_bytes import measure_bytes
-from lightning_megatron.checkpoint import merge_pipeline_stages
+from lightning_megatron.checkpoint import entries, merge_pipeline_stages
+from lightning_megatron.checkpoint.training_state import (
+    RankTraining,
+    load_model_state,
+    load_optimizer_state,
+    save_training_state,
+)
 from lightning_megatron.models import GPTModel
 from lightning_megatron.checkpoint import gather_full_state_dict
-from lightning_megatron.optim.zero3 import apply_zero3, load_full_state_dict
+from lightning_megatron.optim.grad_sync import GradientSynchronizer
+from lightning_megatron.optim.main_params import MainParamOptimizer
+from lightning_megatron.optim.partial_grads import partial_grad_groups
+from lightning_megatron.optim.zero3 import apply_zero3, load_full_state_dict, local_tensor
 from lightning_megatron.parallel import ParallelConfig, ParallelState, TensorParallelRNG
 from lightning_megatron.parallel.initialize import initialize_parameters
 from lightning_megatron.pipeline import PipelineLayout
@@ -37,10 +50,12 @@ from lightning_megatron.pipeline.stage import split_for_pipeline
 from lightning_megatron.tensor_parallel import parallelize
 from lightning_megatron.tensor_parallel.overlap import overlapped_linear_for
 
-LAYOUT = re.compile(r"(?:(llama|mqa|moe)-)?(?:pp(\d+)-)?tp(\d+)-dp(\d+)(-sp)?(?:-mb(\d+))?(-nosync)?(-pre)?(-sgd)?(-tpo)?")
+LAYOUT = re.compile(r"(?:(llama|mqa|moe)-)?(?:pp(\d+)-)?tp(\d+)-dp(\d+)(-sp)?(?:-mb(\d+))?(-nosync)?(-pre)?(-sgd)?"
+                    r"(-tpo)?(-cpu)?(-ckpt)?")
 
 
-def build(state: ParallelState, pre: bool, micro_batches: int = 1, config=CONFIG, overlap: bool = False):
+def build(state: ParallelState, pre: bool, micro_batches: int = 1, config=CONFIG, overlap: bool = False,
+          offload: str = "none"):
     """As the strategy would: meta, tp plan, pipeline split, ZeRO-3 on the meta device, materialise."""
     with torch.device("meta"):
         model = GPTModel(config)
@@ -55,7 +70,8 @@ def build(state: ParallelState, pre: bool, micro_batches: int = 1, config=CONFIG
         other_groups = [name for name in (*blocks.first, *blocks.last) if getattr(model, name) is not None]
     if pre:
         initialize_parameters(model, SEED, device="cpu", only_meta=True)
-    zero3 = apply_zero3(model, state, layers_pattern=f"{blocks.layers}.*", other_groups=other_groups)
+    zero3 = apply_zero3(model, state, layers_pattern=f"{blocks.layers}.*", other_groups=other_groups,
+                        offload_parameters=offload)
     zero3.initialize(SEED, device="cpu")
     runner = None
     if pp > 1:
@@ -66,18 +82,25 @@ def build(state: ParallelState, pre: bool, micro_batches: int = 1, config=CONFIG
     return model, zero3, runner
 
 
-def train(layout: str, check_load: bool):
+def devices(tensors) -> list[str]:
+    return sorted({str(local_tensor(t).device) + (" pinned" if local_tensor(t).is_pinned() else "") for t in tensors})
+
+
+def train(layout: str, check_load: bool, out_dir: Path):
     match = LAYOUT.fullmatch(layout)
     model_config = CONFIGS[match[1] or "gpt"]
     pp, tp, dp, sp = int(match[2] or 1), int(match[3]), int(match[4]), bool(match[5])
     micro_batches, nosync, pre, sgd = int(match[6] or 1), bool(match[7]), bool(match[8]), bool(match[9])
+    offload = "cpu" if match[11] else "none"
     config = ParallelConfig(tensor_parallel_size=tp, pipeline_parallel_size=pp, data_parallel_size=dp,
                             sequence_parallel=sp)
     state = ParallelState.create(config, "cpu")
-    model, zero3, runner = build(state, pre, micro_batches, model_config, overlap=bool(match[10]))
+    model, zero3, runner = build(state, pre, micro_batches, model_config, overlap=bool(match[10]), offload=offload)
     params = list(model.parameters())
     assert all(isinstance(p, DTensor) for p in params), "fully_shard should have made every parameter a DTensor"
     opt = sgd_optimizer(params) if sgd else optimizer(params)
+    policies = {type(m._get_fsdp_state()._fsdp_param_group.offload_policy).__name__ for m in zero3.fsdp_modules}
+    report = {"policies": sorted(policies), "params": devices(params)}
     losses = []
     for input_ids, labels in batches():
         rows = slice(state.data_parallel_rank * GLOBAL_BATCH // dp, (state.data_parallel_rank + 1) * GLOBAL_BATCH // dp)
@@ -97,6 +120,7 @@ def train(layout: str, check_load: bool):
                 step_sum, step_tokens = step_sum + loss_sum.detach(), step_tokens + tokens
         zero3.finish(step_tokens, backward_scale=backward_scale)
         zero3.clip_grad_norm_(CLIP)
+        report["grads"] = devices(p.grad for p in params)
         opt.step()
         zero3.zero()
         totals = torch.stack([step_sum.detach().float(), step_tokens.float()])
@@ -106,6 +130,13 @@ def train(layout: str, check_load: bool):
 
     weights = merge_pipeline_stages(gather_full_state_dict(model, state.tensor_parallel_group),
                                     state.pipeline_parallel_group)
+    report["optimizer_state"] = devices(v for s in opt.state.values() for v in s.values() if v.dim() > 0)
+    if match[12]:
+        path = out_dir / f"{layout}.ckpt"
+        training = RankTraining(model, [opt], state)
+        hyper = entries.optimizer_hyperparameters(opt, training.placements())
+        save_training_state(path, {"optimizer_states": [hyper]}, training, {})
+        resume_at_zero1(path, tp, dp, sp, out_dir / f"{layout}-resumed{dist.get_rank()}.pt")
     load_ok = None
     if check_load:  # a fresh ZeRO-3 model at this layout takes the full weights back exactly
         fresh, _, _ = build(state, pre=False)
@@ -113,7 +144,30 @@ def train(layout: str, check_load: bool):
         again = merge_pipeline_stages(gather_full_state_dict(fresh, state.tensor_parallel_group),
                                       state.pipeline_parallel_group)
         load_ok = all(torch.equal(again[k], weights[k]) for k in weights)
-    return losses, weights, load_ok
+    return losses, weights, load_ok, report
+
+
+def resume_at_zero1(path: Path, tp: int, dp: int, sp: bool, pieces_file: Path) -> None:
+    """Load the checkpoint at ``path`` into a fresh model at tp / dp ZeRO-1 (fp32 main pieces, no offload), as the
+    strategy restores one, and write every piece this rank then holds as ``(key, offsets, tensor)`` rows."""
+    config = ParallelConfig(tensor_parallel_size=tp, data_parallel_size=dp, sequence_parallel=sp, zero_stage=1)
+    state = ParallelState.create(config, "cpu")
+    with torch.device("meta"):
+        model = GPTModel(CONFIG)
+    parallelize(model, model.tensor_parallel_plan(), state)
+    initialize_parameters(model, SEED + 1, device="cpu", only_meta=True)  # other values: the load must replace them
+    params = list(model.parameters())
+    opt = optimizer(params)
+    sync = GradientSynchronizer(params, data_parallel_group=state.data_parallel_group, bucket_size_mb=0.01,
+                                zero_stage=1, partial_grad_groups=partial_grad_groups(params, state))
+    main = MainParamOptimizer(opt, sync)
+    training = RankTraining(model, [opt], state, main_params=main)
+    saved, trainer_state = load_model_state(path, training)
+    load_optimizer_state(saved, trainer_state, training)
+    placements = training.placements()
+    held = {**training.model_entries(), **entries.optimizer_entries(opt, 0, placements)}
+    torch.save([(key, list(offsets), piece.clone()) for key, entry in held.items()
+                for offsets, piece in entry.pieces.items()], pieces_file)
 
 
 if __name__ == "__main__":
@@ -127,10 +181,10 @@ if __name__ == "__main__":
         if layout == "bytes":
             summary["bytes"] = measure_bytes()
             continue
-        losses, weights, load_ok = train(layout, check_load=layout == first)
+        losses, weights, load_ok, report = train(layout, check_load=layout == first, out_dir=out_dir)
         if rank == 0:
             torch.save({"losses": losses, "weights": weights}, out_dir / f"{layout}.pt")
-        summary[layout] = {"losses": losses, "load_ok": load_ok}
+        summary[layout] = {"losses": losses, "load_ok": load_ok, "offload": report}
     (out_dir / f"rank{rank}.json").write_text(json.dumps(summary))
     dist.barrier()
     os._exit(0)  # skip gloo's C++ teardown: with several meshes alive it aborts at random (torch 2.13)
