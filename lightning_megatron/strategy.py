@@ -259,7 +259,7 @@ class Megatron3DStrategy(CheckpointHooks, StepHooks, ParallelStrategy):
         self.offload = OffloadSettings.from_options(
             offload_optimizer=offload_optimizer, offload_parameters=offload_parameters, offload_path=offload_path,
             offload_buffer_mb=offload_buffer_mb, zero_stage=zero_stage)
-        if async_checkpoint and "nvme" in (self.offload.optimizer, self.offload.parameters):
+        if async_checkpoint and self.offload.optimizer == "nvme":
             raise ValueError("async_checkpoint=True copies this rank's optimizer state into host memory before writing "
                              "it, which the 'nvme' offload tier exists to avoid; use async_checkpoint=False with it.")
         self.checkpoint_format = checkpoint_format
@@ -459,7 +459,7 @@ class Megatron3DStrategy(CheckpointHooks, StepHooks, ParallelStrategy):
                                  tp_comm_overlap=self.tp_comm_overlap,
                                  precision=getattr(self.precision_plugin, "precision", "32-true"),
                                  pipeline_schedule=self.pipeline_schedule,
-                                 compile=self.compile)
+                                 compile=self.compile, offload_parameters=self.offload.parameters)
         self._zero3 = prepared.zero3
         return prepared
 

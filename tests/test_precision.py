@@ -65,3 +65,14 @@ def test_offloaded_optimizer_steps_in_cpu_memory_with_identical_results(runs):
         offloaded, reference = result["bf16-true-offload"], result["bf16-true"]
         assert offloaded["losses"] == reference["losses"] and offloaded["checksums"] == reference["checksums"]
         assert offloaded["optimizer_devices"] == ["cpu"]
+
+
+def test_nvme_tier_steps_16_bit_runs_exactly_as_the_device_and_skips_fp16_overflows(runs):
+    """16-bit gradients reach the 'nvme' tier through its file-backed fp32 copies; an fp16 overflow on one rank skips
+    the step on every rank without touching the files."""
+    for result in runs:
+        for offloaded, reference in (("bf16-true-nvme", "bf16-true"), ("fp16-overflow-nvme", "fp16-overflow")):
+            assert result[offloaded]["losses"] == result[reference]["losses"], offloaded
+            assert result[offloaded]["checksums"] == result[reference]["checksums"], offloaded
+            assert result[offloaded]["skipped"] == result[reference]["skipped"], offloaded
+            assert result[offloaded]["optimizer_devices"] == ["cpu"]

@@ -63,20 +63,19 @@ class OffloadSettings:
             raise ValueError(f"offload_parameters={self.parameters!r} offloads the sharded parameters of ZeRO-3; "
                              f"got zero_stage={zero_stage}. Use zero_stage=3, or offload_optimizer="
                              f"{self.parameters!r} to offload only the fp32 main parameters and optimizer state.")
+        if self.parameters == "nvme":
+            raise ValueError("offload_parameters='nvme' (ZeRO-3's parameters in files) is not supported: FSDP2 makes its "
+                             "gradient shards and re-padded parameters in private host memory. Use "
+                             "offload_parameters='cpu', or zero_stage=1 or 2 with offload_optimizer='nvme'.")
         if zero_stage == 3 and self.optimizer != "none":
             raise ValueError(f"offload_optimizer={self.optimizer!r} with zero_stage=3: ZeRO-3's optimizer steps on "
                              f"its sharded parameters, so offload them with offload_parameters={self.optimizer!r} "
                              f"(parameters, gradients and optimizer state together), or use zero_stage 0-2.")
-        if "nvme" in (self.optimizer, self.parameters) and not self.path:
+        if self.optimizer == "nvme" and not self.path:
             raise ValueError("The 'nvme' offload tier keeps its files under offload_path: pass "
                              "offload_path='/path/on/a/fast/local/disk'.")
-        if self.path and "nvme" not in (self.optimizer, self.parameters):
-            raise ValueError(f"offload_path={self.path!r} is only used by the 'nvme' tier: set offload_optimizer='nvme' "
-                             f"(or offload_parameters='nvme' under ZeRO-3), or drop offload_path.")
+        if self.path and self.optimizer != "nvme":
+            raise ValueError(f"offload_path={self.path!r} is only used by the 'nvme' tier: set offload_optimizer='nvme', "
+                             f"or drop offload_path.")
         if not self.buffer_mb > 0:
             raise ValueError(f"offload_buffer_mb must be > 0, got {self.buffer_mb}.")
-
-    @property
-    def optimizer_on_host(self) -> bool:
-        """Whether the optimizer steps in host memory (either tier)."""
-        return self.optimizer != "none" or self.parameters != "none"

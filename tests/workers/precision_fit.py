@@ -43,12 +43,14 @@ class Record(L.Callback):
         self.checksums.append(float(sum(p.detach().double().sum() for p in local)))
 
 
-def run(precision: str, overflow: bool = False, offload: bool = False, zero3: bool = False) -> dict:
+def run(precision: str, overflow: bool = False, offload=False, zero3: bool = False) -> dict:
     L.seed_everything(7)
     options = {"tp": 1 if zero3 else 2, "steps": 5, "clip": 1.0}
     record = Record()
     strategy = Megatron3DStrategy(tensor_parallel_size=options["tp"], zero_stage=3 if zero3 else 0,
-                                  loss_scaler={"initial_scale": 2.0**12, "hysteresis": 1}, offload_optimizer=offload)
+                                  loss_scaler={"initial_scale": 2.0**12, "hysteresis": 1}, offload_optimizer=offload,
+                                  offload_path=str(out_dir / "offload") if offload == "nvme" else None,
+                                  offload_buffer_mb=1000 * 4 / 2**20)
     kwargs = trainer_kwargs(options)
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, precision=precision, callbacks=[record], **kwargs)
     gpt = model(options)
@@ -68,7 +70,8 @@ results = {name: run(precision, overflow, offload, zero3) for name, precision, o
     ("fp32", "32-true", False, False, False), ("bf16-true", "bf16-true", False, False, False),
     ("fp16-true", "16-true", False, False, False), ("fp16-mixed", "16-mixed", False, False, False),
     ("bf16-mixed", "bf16-mixed", False, False, False), ("fp16-overflow", "16-true", True, False, False),
-    ("bf16-true-offload", "bf16-true", False, True, False),
+    ("bf16-true-offload", "bf16-true", False, True, False), ("bf16-true-nvme", "bf16-true", False, "nvme", False),
+    ("fp16-overflow-nvme", "16-true", True, "nvme", False),
     ("fp16-true-zero3", "16-true", False, False, True), ("fp16-overflow-zero3", "16-true", True, False, True),
 )}
 (out_dir / f"rank{int(os.environ['RANK'])}.json").write_text(json.dumps(results))
