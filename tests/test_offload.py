@@ -1,0 +1,137 @@
+"""The offload tiers in one process: the settings' checks, the 'nvme' tier's resource checks, and its tiled step
+against the same optimizer stepping whole tensors in memory (multi-rank layouts: test_layout_invariance.py,
+test_sharded_checkpoint.py, test_precision.py, test_fault_lifecycle.py)."""
+
+import shutil
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_megatron import Megatron3DStrategy
+from lightning_megatron.offload import OffloadSettings
+from lightning_megatron.offload.files import OffloadFiles
+from lightning_megatron.offload.nvme import available_memory, check_resources
+from lightning_megatron.offload.tiled_step import TiledPiece, cut_into_tiles
+from lightning_megatron.optim.grad_sync import GradientSynchronizer
+from lightning_megatron.optim.main_params import MainParamOptimizer
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"offload_optimizer": "disk"}, r"offload_optimizer='disk' is not one of \('none', 'cpu', 'nvme'\)"),
+    ({"offload_optimizer": "nvme"}, "The 'nvme' offload tier keeps its files under offload_path"),
+    ({"offload_optimizer": "cpu", "offload_path": "/tmp/x"}, "offload_path='/tmp/x' is only used by the 'nvme' tier"),
+    ({"offload_parameters": "cpu", "zero_stage": 1}, "offload_parameters='cpu' offloads the sharded parameters of ZeRO-3"),
+    ({"offload_optimizer": "cpu", "zero_stage": 3}, "with zero_stage=3: ZeRO-3's optimizer steps on its sharded"),
+    ({"offload_parameters": "nvme", "zero_stage": 3}, "offload_parameters='nvme' .* is not supported"),
+    ({"offload_optimizer": "nvme", "offload_path": "/tmp/x", "async_checkpoint": True},
+     "async_checkpoint=True copies this rank's optimizer state into host memory"),
+    ({"offload_optimizer": "nvme", "offload_path": "/tmp/x", "offload_buffer_mb": 0}, "offload_buffer_mb must be > 0"),
+])
+def test_offload_arguments_that_cannot_run_are_refused_when_the_strategy_is_made(options, message):
+    with pytest.raises(ValueError, match=message):
+        Megatron3DStrategy(**options)
+
+
+def test_true_still_means_cpu():
+    assert Megatron3DStrategy(offload_optimizer=True).offload == OffloadSettings("cpu")
+    assert Megatron3DStrategy(zero_stage=3, offload_parameters=True).offload.parameters == "cpu"
+
+
+def test_a_disk_or_memory_too_small_is_refused_with_the_numbers(tmp_path):
+    free = shutil.disk_usage(tmp_path).free
+    with pytest.raises(ValueError, match=r"needs .* per rank x 2 rank\(s\) on this machine = .* which has .* free"):
+        check_resources(str(tmp_path), disk_bytes=free // 2 + 2**20, pool_bytes=1, ranks_sharing_host=2, rank=0)
+    check_resources(str(tmp_path), disk_bytes=2**20, pool_bytes=1, ranks_sharing_host=2, rank=0)
+    with pytest.raises(ValueError, match="buffer pool needs .* of host memory; .* is available. Lower offload_buffer_mb"):
+        check_resources(str(tmp_path), disk_bytes=1, pool_bytes=available_memory() + 1, ranks_sharing_host=1, rank=3)
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ValueError, match="Rank 0: offload_path=.* cannot be created"):
+        check_resources(str(tmp_path / "file" / "below"), disk_bytes=1, pool_bytes=1, ranks_sharing_host=1, rank=0)
+
+
+def test_files_move_exactly_the_bytes_asked_and_leave_nothing_behind(tmp_path):
+    files = OffloadFiles(tmp_path, {"a": (10, torch.float32), "b": (0, torch.float32)}, prefix="t-")
+    assert files.path("a").stat().st_size == 40
+    files.write("a", 3, torch.arange(4.0))
+    into = torch.empty(6)
+    files.read("a", 2, into)
+    assert into.tolist() == [0.0, 0.0, 1.0, 2.0, 3.0, 0.0]
+    assert files.view("a")[3:7].tolist() == [0.0, 1.0, 2.0, 3.0]  # the mapping sees what was written
+    assert (files.bytes_read, files.bytes_written) == (24, 16)
+    files.close()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_tiles_cover_every_element_once():
+    pieces = [TiledPiece(nn.Parameter(torch.zeros(n)), 0, start) for n, start in ((5, 0), (1, 5), (7, 6))]
+    tiles = cut_into_tiles(pieces, 4)
+    covered = [pieces[i].start + k for tile in tiles for i, lo, hi in tile.parts for k in range(lo, hi)]
+    assert covered == list(range(13)) and [t.stop - t.start for t in tiles] == [4, 4, 4, 1]
+
+
+OPTIMIZERS = {
+    "adamw": lambda groups: torch.optim.AdamW(groups, lr=1e-2),
+    "adamw-amsgrad-foreach": lambda groups: torch.optim.AdamW(groups, lr=1e-2, amsgrad=True, foreach=True),
+    "adam-fused": lambda groups: torch.optim.Adam(groups, lr=1e-2, fused=True),
+    "sgd-momentum": lambda groups: torch.optim.SGD(groups, lr=0.1, momentum=0.9),
+    "rmsprop": lambda groups: torch.optim.RMSprop(groups, lr=1e-3),
+}
+
+
+def _train(tier, make_optimizer, dtype, tmp_path, tile_elements=37):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8)).to(dtype)
+    params = list(model.parameters())
+    optimizer = make_optimizer([{"params": params[:2], "weight_decay": 0.1}, {"params": params[2:], "weight_decay": 0.0}])
+    sync = GradientSynchronizer(params, data_parallel_group=None, bucket_size_mb=0.001, zero_stage=0)
+    settings = OffloadSettings(tier, path=str(tmp_path) if tier == "nvme" else None, buffer_mb=tile_elements * 4 / 2**20)
+    main = MainParamOptimizer(optimizer, sync, offload=settings)
+    for step in range(4):
+        sync.start_micro_batch(sync=True)
+        inputs = torch.randn(4, 16, generator=torch.Generator().manual_seed(step)).to(dtype)
+        model(inputs).float().pow(2).sum().backward()
+        sync.finish(torch.tensor(1.0))
+        main.prepare_step()
+        if step == 2:
+            main.drop_grads()  # a skipped step: nothing may change
+        optimizer.step()
+        main.finish_step()
+        sync.zero()
+    state = {key: value.clone() for _, m in main.pieces for key, value in optimizer.state[m].items()}
+    weights = [p.detach().clone() for p in model.parameters()]
+    main.remove()
+    return weights, state, main
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_tiled_step_equals_the_optimizer_stepping_whole_tensors(name, dtype, tmp_path):
+    """Tiles of 37 elements cut pieces anywhere and span pieces and param groups; the first step creates the
+    state inside the tiles, a piece spanning tiles has its step counter advanced once. Bit for bit, but for the
+    fused kernel, whose vector loop and scalar tail round differently and fall elsewhere in a tile (~1e-8)."""
+    in_memory, state_in_memory, _ = _train("cpu", OPTIMIZERS[name], dtype, tmp_path)
+    tiled, state_tiled, main = _train("nvme", OPTIMIZERS[name], dtype, tmp_path)
+    tolerance = 1e-7 if "fused" in name else 0.0
+    assert all((a.float() - b.float()).abs().max() <= tolerance for a, b in zip(in_memory, tiled))
+    assert state_in_memory.keys() == state_tiled.keys()
+    assert all((state_in_memory[k].float() - state_tiled[k].float()).abs().max() <= tolerance for k in state_tiled)
+    assert len(main.nvme.engine.tiles) > len(main.pieces) > 1
+    # 16-bit gradients need fp32 host copies: in a file of their own, never in private memory.
+    assert ("grad" in main.nvme.files.streams) == (dtype == torch.bfloat16)
+    assert list(tmp_path.iterdir()) == []  # remove() deleted this tier's folder
+
+
+def test_checkpoint_state_is_loaded_into_the_files(tmp_path):
+    """``state_home``: where a checkpoint's optimizer state is read in place (the files, not fresh memory)."""
+    model = nn.Linear(4, 3)
+    optimizer = torch.optim.AdamW(model.parameters())
+    sync = GradientSynchronizer(list(model.parameters()), data_parallel_group=None, bucket_size_mb=0.001, zero_stage=0)
+    main = MainParamOptimizer(optimizer, sync, offload=OffloadSettings("nvme", path=str(tmp_path)))
+    piece = main.pieces[1][1]
+    home = main.state_home(piece, "exp_avg")
+    home.fill_(3.0)
+    stream = main.nvme.files.view("state.exp_avg")
+    assert home.shape == piece.shape and stream[-piece.numel():].eq(3.0).all() and stream[:-piece.numel()].eq(0).all()
+    assert main.state_home(piece, "not_a_state") is None
+    main.remove()
