@@ -10,11 +10,13 @@ in fresh processes (a high-water mark of memory belongs to one run only):
   loads with the other).
 
 Memory is the private resident set (``RssAnon`` of ``/proc/self/status``: not the page cache, where the files'
-pages live), sampled every 2 ms by a thread; its *growth* is the peak while training less the value before the
-first forward (the model, its gradient buffers and, for ``cpu``, the fp32 main copies already exist then). The
-claim checked: the fp32 optimizer state (main parameters, exp_avg, exp_avg_sq: 12 bytes per parameter) is at
-least 3x the growth allowed to the 'nvme' tier (its buffer pool plus ``--headroom-mb`` for activations and
-allocator slack), and the measured growth stays within it. Disk traffic per step is counted twice: the bytes the
+pages live), sampled every 2 ms by a thread, as growth over its value before the first forward (the model, its
+gradient buffers and, for ``cpu``, the fp32 main copies exist then), by phase: forward + backward (the model's
+activations and transient gradients, the same on every tier), the optimizer step (over its value when the step
+starts), what stays after the step, and the checkpoint saves. The tier's growth is the largest of the last three.
+The claim checked: the fp32 optimizer state (main parameters, exp_avg, exp_avg_sq: 12 bytes per parameter) is at
+least 3x the growth allowed to the 'nvme' tier (its buffer pool plus ``--headroom-mb`` of allocator slack), and
+the tier's measured growth stays within it. Disk traffic per step is counted twice: the bytes the
 tier asked to move (exactly 2x the state: every tile read once and written once) and the block-device bytes of
 ``/proc/self/io`` (``read_bytes``/``write_bytes``: reads served by the page cache are not counted there, writes
 are counted when the pages are dirtied). Step times are medians after the first step; the ratio is nvme / cpu.
@@ -54,7 +56,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=6, help="training steps; the checkpoint is taken at half")
     p.add_argument("--buffer-mb", type=float, default=4.0, help="offload_buffer_mb: one tile of one stream")
     p.add_argument("--headroom-mb", type=float, default=64.0,
-                   help="growth allowed beyond the buffer pool (activations, logits, allocator slack)")
+                   help="growth allowed to the nvme tier beyond its buffer pool (allocator slack)")
     p.add_argument("--path", default=None, help="offload_path (default: a temporary folder on this machine's disk)")
     p.add_argument("--smoke", action="store_true", help="a tiny model (the test suite's run)")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -112,34 +114,47 @@ def child(options: dict) -> None:
               "block_written": []}
 
     class Measure(L.Callback):
+        """RssAnon growth by phase, over the value before the first forward: forward + backward (the model's
+        activations: the same on every tier), the optimizer step (over the value it started at), what stays after
+        the step, and the checkpoint saves (between steps)."""
+
         def on_train_start(self, trainer, pl_module):
             main = trainer.strategy._main_params
             record["params"] = sum(p.numel() for p in pl_module.parameters())
             record["pool_bytes"] = main.nvme.pool_bytes if main.nvme is not None else 0
             record["baseline"] = sampler.reset()
 
+        def _files(self, trainer):
+            return getattr(trainer.strategy._main_params.nvme, "files", None)
+
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            record["save_peak"] = max(record.get("save_peak", 0), sampler.peak)  # the save after the last step
+            sampler.reset()
             self.started, self.io = time.perf_counter(), block_io()
-            files = getattr(trainer.strategy._main_params.nvme, "files", None)
+            files = self._files(trainer)
             self.moved = (files.bytes_read, files.bytes_written) if files is not None else (0, 0)
 
         def on_before_optimizer_step(self, trainer, pl_module, optimizer):
-            self.optimizer_started = time.perf_counter()
+            record["forward_backward_peak"] = max(record.get("forward_backward_peak", 0), sampler.peak)
+            self.optimizer_started, self.optimizer_rss = time.perf_counter(), sampler.reset()
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             now, io = time.perf_counter(), block_io()
+            record["optimizer_growth"] = max(record.get("optimizer_growth", 0), sampler.peak - self.optimizer_rss)
+            record["after_step"] = rss_anon()
+            sampler.reset()
             record["losses"].append(float(outputs["loss"]))
             record["step_s"].append(now - self.started)
             record["optimizer_s"].append(now - self.optimizer_started)
             record["block_read"].append(io[0] - self.io[0])
             record["block_written"].append(io[1] - self.io[1])
-            files = getattr(trainer.strategy._main_params.nvme, "files", None)
+            files = self._files(trainer)
             if files is not None:
                 record["tier_read"].append(files.bytes_read - self.moved[0])
                 record["tier_written"].append(files.bytes_written - self.moved[1])
 
         def on_train_end(self, trainer, pl_module):
-            record["peak"] = sampler.peak
+            record["save_peak"] = max(record.get("save_peak", 0), sampler.peak)
 
     torch.manual_seed(0)
     config = GPTConfig(vocab_size=options["vocab"], max_seq_length=options["seq"], hidden_size=options["hidden"],
@@ -200,36 +215,40 @@ def main(argv=None) -> dict:
     report = {"parameters": params, "state_bytes": state_bytes, "allowed_growth": allowed,
               "state_over_allowed": state_bytes / allowed, "leftover_files": leftovers, "runs": {}}
     print(f"GPT {params / 1e6:.1f}M parameters: fp32 optimizer state {state_bytes / MIB:.0f} MiB; 'nvme' pool "
-          f"{runs['nvme']['pool_bytes'] / MIB:.0f} MiB + {args.headroom_mb:.0f} MiB headroom = allowed growth "
-          f"{allowed / MIB:.0f} MiB (state / allowed = {state_bytes / allowed:.1f}x)\n")
-    header = (f"{'run':<14} {'RssAnon growth':>15} {'step ms':>9} {'optimizer ms':>13} {'vs cpu':>7} "
-              f"{'tier read/step':>15} {'tier write/step':>16} {'disk read/step':>15} {'disk write/step':>16} "
-              f"{'max |loss - cpu|':>17} {'max |w - cpu|':>14}")
+          f"{runs['nvme']['pool_bytes'] / MIB:.0f} MiB + {args.headroom_mb:.0f} MiB headroom = growth allowed to the "
+          f"tier {allowed / MIB:.0f} MiB (state / allowed = {state_bytes / allowed:.1f}x)\n")
+    print("RssAnon growth over the value before the first forward, by phase (MiB); the tier's = the largest of the "
+          "optimizer step's, after-step and save columns")
+    header = (f"{'run':<14} {'fwd+bwd':>8} {'opt step':>9} {'after step':>11} {'saves':>7} {'tier':>7} "
+              f"{'step ms':>8} {'opt ms':>7} {'vs cpu':>7} {'tier r/w per step':>18} {'disk r/w per step':>18} "
+              f"{'|loss - cpu|':>13} {'|w - cpu|':>10}")
     print(header)
     print("-" * len(header))
-    cpu_step = statistics.median(runs["cpu"]["step_s"][later])
+    median = lambda values: statistics.median(values[later] if len(values) > 1 else values) if values else 0  # noqa: E731
+    cpu_step = median(runs["cpu"]["step_s"])
     for name, r in runs.items():
-        growth = r["peak"] - r["baseline"]
-        step = statistics.median(r["step_s"][later]) if len(r["step_s"]) > 1 else r["step_s"][0]
-        optimizer = statistics.median(r["optimizer_s"][later]) if len(r["optimizer_s"]) > 1 else r["optimizer_s"][0]
+        base = r["baseline"]
+        growth = {"forward_backward": r["forward_backward_peak"] - base, "optimizer": r["optimizer_growth"],
+                  "after_step": r["after_step"] - base, "saves": r["save_peak"] - base}
+        tier = max(growth["optimizer"], growth["after_step"], growth["saves"])
         reference = runs["cpu"]["losses"][-len(r["losses"]):]
-        loss_dev = max(abs(a - b) for a, b in zip(r["losses"], reference))
-        weight_dev = max((weights[name][k] - weights["cpu"][k]).abs().max().item() for k in weights["cpu"])
-        per_step = lambda key: statistics.median(r[key]) if r[key] else 0  # noqa: E731
-        row = {"growth": growth, "step_ms": 1e3 * step, "optimizer_ms": 1e3 * optimizer, "vs_cpu": step / cpu_step,
-               "tier_read": per_step("tier_read"), "tier_written": per_step("tier_written"),
-               "block_read": per_step("block_read"), "block_written": per_step("block_written"),
-               "loss_dev": loss_dev, "weight_dev": weight_dev}
+        row = {**growth, "tier": tier, "step_ms": 1e3 * median(r["step_s"]), "optimizer_ms": 1e3 * median(r["optimizer_s"]),
+               "vs_cpu": median(r["step_s"]) / cpu_step, "tier_read": median(r["tier_read"]),
+               "tier_written": median(r["tier_written"]), "block_read": median(r["block_read"]),
+               "block_written": median(r["block_written"]),
+               "loss_dev": max(abs(a - b) for a, b in zip(r["losses"], reference)),
+               "weight_dev": max((weights[name][k] - weights["cpu"][k]).abs().max().item() for k in weights["cpu"])}
         report["runs"][name] = row
-        print(f"{name:<14} {growth / MIB:>11.1f} MiB {row['step_ms']:>9.0f} {row['optimizer_ms']:>13.0f} "
-              f"{row['vs_cpu']:>6.2f}x {row['tier_read'] / MIB:>11.1f} MiB {row['tier_written'] / MIB:>12.1f} MiB "
-              f"{row['block_read'] / MIB:>11.1f} MiB {row['block_written'] / MIB:>12.1f} MiB "
-              f"{loss_dev:>17.1e} {weight_dev:>14.1e}")
+        mib = lambda key: row[key] / MIB  # noqa: E731
+        print(f"{name:<14} {mib('forward_backward'):>8.0f} {mib('optimizer'):>9.0f} {mib('after_step'):>11.0f} "
+              f"{mib('saves'):>7.0f} {mib('tier'):>7.0f} {row['step_ms']:>8.0f} {row['optimizer_ms']:>7.0f} "
+              f"{row['vs_cpu']:>6.2f}x {mib('tier_read'):>8.0f} / {mib('tier_written'):<7.0f} "
+              f"{mib('block_read'):>8.0f} / {mib('block_written'):<7.0f} {row['loss_dev']:>13.1e} {row['weight_dev']:>10.1e}")
     nvme = report["runs"]["nvme"]
-    print(f"\n'nvme': tier bytes per step = {nvme['tier_read'] / state_bytes:.2f}x (read) + "
-          f"{nvme['tier_written'] / state_bytes:.2f}x (written) the state; RssAnon growth {nvme['growth'] / MIB:.1f} MiB "
-          f"{'within' if nvme['growth'] <= allowed else 'OVER'} the allowed {allowed / MIB:.0f} MiB; files left after "
-          f"the runs: {len(leftovers)}")
+    print(f"\n'nvme': the tier moved {nvme['tier_read'] / state_bytes:.2f}x (read) + {nvme['tier_written'] / state_bytes:.2f}x "
+          f"(written) the state per step; its RssAnon growth {nvme['tier'] / MIB:.0f} MiB is "
+          f"{'within' if nvme['tier'] <= allowed else 'OVER'} the allowed {allowed / MIB:.0f} MiB "
+          f"(the cpu tier's: {report['runs']['cpu']['tier'] / MIB:.0f} MiB); files left after the runs: {len(leftovers)}")
     return report
 
 

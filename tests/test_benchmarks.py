@@ -262,3 +262,22 @@ def test_overlap_benchmark_measures_every_overlap_on_and_off_with_the_same_losse
     assert all(float(row[2]) > 0 and float(row[3]) > 0 for row in rows[1:])
     assert all(float(row[-1]) < 1e-5 for row in rows[1:]), "an overlap changed the training losses"
     assert all(float(row[-1]) == 0 for row in rows[1:3]), "the parameter gathers' overlap must not change a bit"
+
+
+def test_offload_benchmark_bounds_the_nvme_tiers_memory_and_resumes_the_same_run(monkeypatch):
+    """The 'nvme' tier against the 'cpu' one (tiny model): the same losses and weights straight, resumed from its own
+    checkpoint, and with the 'cpu' tier loading the 'nvme' checkpoint; its files moved exactly 2x the state per step
+    and were all deleted; its memory growth is within the pool and headroom, the cpu tier's above its state."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    monkeypatch.setenv("PYTHONPATH", str(REPO))
+    import offload
+
+    report = offload.main(["--smoke"])
+    runs, state = report["runs"], report["state_bytes"]
+    assert set(runs) == {"cpu", "nvme", "nvme-resumed", "cpu-from-nvme"}
+    for name, row in runs.items():
+        assert row["loss_dev"] < 1e-5 and row["weight_dev"] < 1e-5, (name, row)
+    for name in ("nvme", "nvme-resumed"):
+        assert runs[name]["tier_read"] == runs[name]["tier_written"] == state, runs[name]
+        assert runs[name]["tier"] <= report["allowed_growth"], runs[name]
+    assert runs["cpu"]["tier_read"] == 0 and report["leftover_files"] == []

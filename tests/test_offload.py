@@ -57,8 +57,13 @@ def test_files_move_exactly_the_bytes_asked_and_leave_nothing_behind(tmp_path):
     into = torch.empty(6)
     files.read("a", 2, into)
     assert into.tolist() == [0.0, 0.0, 1.0, 2.0, 3.0, 0.0]
-    assert files.view("a")[3:7].tolist() == [0.0, 1.0, 2.0, 3.0]  # the mapping sees what was written
-    assert (files.bytes_read, files.bytes_written) == (24, 16)
+    mapped = files.piece("a", 3, 4)
+    assert mapped.tolist() == [0.0, 1.0, 2.0, 3.0]  # the mapping sees what was written
+    assert mapped.untyped_storage().nbytes() == 16  # its storage is the range alone (saved without a copy)
+    mapped.fill_(7.0)
+    files.read("a", 0, into)
+    assert into.tolist() == [0.0, 0.0, 0.0, 7.0, 7.0, 7.0]  # and what is written through it reaches the file
+    assert (files.bytes_read, files.bytes_written) == (48, 16)
     files.close()
     assert list(tmp_path.iterdir()) == []
 
@@ -131,7 +136,8 @@ def test_checkpoint_state_is_loaded_into_the_files(tmp_path):
     piece = main.pieces[1][1]
     home = main.state_home(piece, "exp_avg")
     home.fill_(3.0)
-    stream = main.nvme.files.view("state.exp_avg")
+    stream = torch.empty(main.nvme.files.streams["state.exp_avg"][0])
+    main.nvme.files.read("state.exp_avg", 0, stream)
     assert home.shape == piece.shape and stream[-piece.numel():].eq(3.0).all() and stream[:-piece.numel()].eq(0).all()
     assert main.state_home(piece, "not_a_state") is None
     main.remove()

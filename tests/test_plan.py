@@ -148,7 +148,7 @@ def test_plan_json_lists_every_valid_layout_in_the_strategys_words_ranked_by_tok
     assert speeds == sorted(speeds, reverse=True)  # fastest first
     # ZeRO shards the optimizer state: among otherwise equal layouts, each stage holds less.
     same = {p["zero_stage"]: p["model_state_bytes"]["optimizer_state"] for p in plans if p["tensor_parallel_size"] == 1
-            and p["pipeline_parallel_size"] == 1 and not p["offload_optimizer"]}
+            and p["pipeline_parallel_size"] == 1 and "offload_optimizer" not in p and "offload_parameters" not in p}
     assert same[0] > same[1] == same[2] == same[3]
 
 
@@ -194,7 +194,7 @@ print(json.dumps(out))
 
 def test_plan_says_why_nothing_fits_and_what_would():
     """A model too big for the GPUs given, a GPU count no layout divides, an unknown GPU: one process, three runs."""
-    cases = {"too_small": ["--config", str(CONFIGS / "gpt-1.3b.yaml"), "--gpus", "2", "--gpu", "custom:memory=4,base=a100"],
+    cases = {"too_small": ["--config", str(CONFIGS / "gpt-1.3b.yaml"), "--gpus", "2", "--gpu", "custom:memory=3,base=a100"],
              "invalid": ["--config", str(CONFIGS / "gpt-tiny.yaml"), "--gpus", "7"],
              "bad_gpu": ["--config", str(CONFIGS / "gpt-tiny.yaml"), "--gpus", "2", "--gpu", "b200"]}
     result = run_python("-c", BAD_INPUT, json.dumps(cases))
@@ -202,7 +202,8 @@ def test_plan_says_why_nothing_fits_and_what_would():
     runs = json.loads(result.stdout.splitlines()[-1])
     too_small, invalid, bad_gpu = runs["too_small"], runs["invalid"], runs["bad_gpu"]
     assert too_small["code"] == 1
-    assert "No layout fits in 3.7 GiB per GPU on 2 GPUs" in too_small["stderr"], too_small
+    assert "No layout fits in 2.8 GiB per GPU on 2 GPUs" in too_small["stderr"], too_small
+    assert "exceeds GPU memory" in too_small["stderr"], too_small
     assert "It would fit on 4 GPUs as tp4" in too_small["stderr"], too_small
     assert invalid["code"] == 1
     assert "No layout of GPT is valid on 7 GPUs" in invalid["stderr"]
@@ -266,3 +267,71 @@ def test_overlapped_parameter_gather_is_predicted_under_the_next_forward():
         with pytest.raises(ValueError, match=f"overlap_param_gather=True .* zero_stage={stage}"):
             check_layout(Layout(data_parallel_size=8, zero_stage=stage, overlap_param_gather=True), workload, module,
                          shape.num_layers)
+
+
+def test_offload_tiers_move_the_zero_formulas_bytes_off_the_device():
+    """Mixed-precision Adam over N=4 (bf16 parameters, Ψ of them): ZeRO-1 holds 2Ψ + 2Ψ + 12Ψ/N on the device;
+    ``offload_optimizer="cpu"`` moves the 12Ψ/N of main parameters and moments to host RAM (with the step's fp32
+    host gradients, 4Ψ/N), ``"nvme"`` moves them and those gradients to disk and keeps only the tile pool in RAM.
+    ZeRO-3's 16Ψ/N (fp32 shards, gradients, moments) leave the device altogether under ``offload_parameters``."""
+    import pytest
+
+    from lightning_megatron.models import GPT, GPTConfig
+    from lightning_megatron.plan import GPUS, Layout, Planner, Workload, check_layout
+    from lightning_megatron.plan.model_state import placement
+
+    planner = Planner(lambda: GPT(GPTConfig.from_name("gpt-tiny")), Workload(8, 32, "bf16-true", bucket_size_mb=1000),
+                      GPUS["a100"], world_size=4)
+    psi, n = planner.inventory(1).total_parameters, 4
+    assert psi % n == 0  # no ZeRO padding: the formulas hold exactly
+    pool = 3 * (1 + 2) * 64 * 2**20  # 3 tiles of (main, exp_avg, exp_avg_sq) x offload_buffer_mb
+    expected = {  # (zero_stage, offload argument): (device, host, disk)
+        (1, "none"): (4 * psi + 12 * psi // n, 0, 0),
+        (1, "cpu"): (4 * psi, 12 * psi // n + 4 * psi // n, 0),
+        (1, "nvme"): (4 * psi, pool, 12 * psi // n + 4 * psi // n),
+        (2, "cpu"): (2 * psi + 2 * psi // n, 16 * psi // n, 0),
+        (3, "none"): (16 * psi // n, 0, 0),
+        (3, "pcpu"): (0, 16 * psi // n, 0),
+    }
+    for (zero, tier), (device, host, disk) in expected.items():
+        argument = {"offload_parameters": tier[1:]} if tier.startswith("p") else {"offload_optimizer": tier}
+        layout = planner.with_layout(zero_stage=zero, **argument)
+        assert f"z{zero}" + ("" if tier == "none" else f"+{tier}") in layout.label()
+        where = placement(planner.model_state_bytes(layout), layout, state_bytes_per_element=8)
+        assert (where.device, where.host, where.disk) == (device, host, disk), (zero, tier, where)
+    # True still means "cpu" (and False "none"), as offload_optimizer=True always did.
+    assert Layout(data_parallel_size=4, zero_stage=1, offload_optimizer=True).offload_optimizer == "cpu"
+    assert Layout(data_parallel_size=4, offload_optimizer=False).offload_optimizer == "none"
+    assert planner.with_layout(zero_stage=1, offload_optimizer=True) == planner.with_layout(zero_stage=1,
+                                                                                          offload_optimizer="cpu")
+    # The planned nvme layout hands the strategy a placeholder path; the tiers' rules are the strategy's.
+    arguments = planner.with_layout(zero_stage=1, offload_optimizer="nvme").strategy_arguments()
+    assert arguments["offload_optimizer"] == "nvme" and arguments["offload_path"].startswith("/SET/")
+    with pytest.raises(ValueError, match="offload_parameters='cpu' offloads the sharded parameters of ZeRO-3"):
+        check_layout(planner.with_layout(zero_stage=1, offload_parameters="cpu", micro_batch_size=2), planner.workload,
+                     planner.module, planner.shape.num_layers)
+
+
+def test_llama_8b_fits_one_24gb_gpu_with_its_state_on_the_host(capsys):
+    """The workstation question: Llama-3.1-8B on one 24 GB GPU. ZeRO 0-2 keep 16-bit parameters and gradients on the
+    device (4 bytes x 8.03B = 32 GB), so only ZeRO-3 with its parameters offloaded to host memory fits, and that needs
+    the 16 bytes a parameter of fp32 shards, gradients and moments in RAM; with 64 GB of RAM nothing fits, and the
+    planner says so, naming the limit and the smallest machine that would do (the 'nvme' optimizer tier there)."""
+    from lightning_megatron.plan.command import main
+
+    config = str(CONFIGS / "llama-3.1-8b.yaml")
+    main(["--config", config, "--gpus", "1", "--gpu-memory", "24GB", "--json"])
+    plans = json.loads(capsys.readouterr().out)
+    best = plans[0]
+    assert best["fits"] and best["zero_stage"] == 3 and best["offload_parameters"] == "cpu", best
+    psi = 8_030_261_248
+    assert best["memory_per_gpu_bytes"] <= 24e9 and best["host_bytes_per_gpu"] >= 16 * psi and best["disk_bytes_per_gpu"] == 0
+    assert not any(p["fits"] for p in plans if p["zero_stage"] < 3)  # 4 bytes a parameter stay on the GPU
+    main(["--config", config, "--gpus", "1", "--gpu-memory", "24GB"])
+    table = capsys.readouterr().out
+    assert table.splitlines()[3].split()[:5] == ["1", "tp1", "dp1", "z3+pcpu", "ac-full"], table
+    assert "host/node" in table
+    main(["--config", config, "--gpus", "1", "--gpu-memory", "24GB", "--host-memory", "64GB"])
+    said = capsys.readouterr().out
+    assert "0 fit" in said and "exceeds host memory: 123.7 GiB per node of 59.6 GiB (--host-memory)" in said, said
+    assert "It would fit on 4 GPUs as tp2 dp2 z2+nvme" in said, said

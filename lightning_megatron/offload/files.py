@@ -3,10 +3,12 @@ the gradients where they need a host fp32 copy), in a folder of this rank's own 
 
 Two ways in, for two jobs:
 
-* :meth:`OffloadFiles.view`: the whole stream as a tensor memory-mapped from its file (``torch.from_file``,
-  shared). It is what the optimizer's state dict, the checkpoint code and ``copy_from_model`` see, so they work
-  unchanged; its pages are the page cache's (reclaimable, written back by the kernel), never this process's
-  private memory.
+* :meth:`OffloadFiles.piece`: a range of a stream as a tensor memory-mapped from its file (``numpy.memmap``,
+  shared), whose storage is exactly that range. It is what the optimizer's param groups and state dict, the
+  checkpoint code and ``copy_from_model`` see, so they work unchanged; its pages are the page cache's
+  (reclaimable, written back by the kernel), never this process's private memory. (A view into one mapping of the
+  whole stream would do for reading and writing, but torch.distributed.checkpoint copies a tensor whose storage is
+  larger than itself before saving it: a state-sized private copy at every save.)
 * :meth:`OffloadFiles.read` / :meth:`OffloadFiles.write`: a tile of a stream into or out of a host buffer with
   ``os.preadv`` / ``os.pwritev``. The optimizer step uses these from worker threads (they release the GIL), so
   the next tile's read and the previous tile's write overlap the current tile's update
@@ -25,6 +27,7 @@ import threading
 from pathlib import Path
 from typing import Mapping
 
+import numpy
 import torch
 from torch import Tensor
 
@@ -37,7 +40,6 @@ class OffloadFiles:
         self.folder = Path(tempfile.mkdtemp(prefix=prefix, dir=root))  # ours alone: close() removes only it
         self.streams = dict(streams)
         self._fds: dict[str, int] = {}
-        self._views: dict[str, Tensor] = {}
         self._lock = threading.Lock()
         self.bytes_read = self.bytes_written = 0
         try:
@@ -59,15 +61,16 @@ class OffloadFiles:
     def nbytes(self) -> int:
         return sum(numel * _element_size(dtype) for numel, dtype in self.streams.values())
 
-    def view(self, name: str) -> Tensor:
-        """The whole stream, memory-mapped from its file (one mapping per stream, made on first use)."""
-        view = self._views.get(name)
-        if view is None:
-            numel, dtype = self.streams[name]
-            view = torch.from_file(str(self.path(name)), shared=True, size=numel, dtype=dtype) if numel else \
-                torch.empty(0, dtype=dtype)
-            self._views[name] = view
-        return view
+    def piece(self, name: str, start: int, numel: int) -> Tensor:
+        """Elements ``[start, start + numel)`` of a stream, memory-mapped from its file (shared: writes reach it)."""
+        total, dtype = self.streams[name]
+        if start < 0 or start + numel > total:
+            raise IndexError(f"elements [{start}, {start + numel}) are outside stream {name!r} of {total}")
+        if not numel:
+            return torch.empty(0, dtype=dtype)
+        item = _element_size(dtype)
+        array = numpy.memmap(self.path(name), dtype=numpy.uint8, mode="r+", offset=start * item, shape=(numel * item,))
+        return torch.from_numpy(array).view(dtype)
 
     def read(self, name: str, start: int, buffer: Tensor) -> None:
         """Fill ``buffer`` (a contiguous host tensor) from elements ``[start, start + buffer.numel())``."""
@@ -94,8 +97,8 @@ class OffloadFiles:
             done += moved
 
     def close(self) -> None:
-        """Drop the mappings, close and delete this rank's folder (only the one this object made)."""
-        self._views.clear()
+        """Close and delete this rank's folder (only the one this object made); mapped pieces stay readable until
+        they are dropped."""
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()

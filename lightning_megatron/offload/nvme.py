@@ -84,11 +84,11 @@ class NvmeOptimizerTier:
             raise RuntimeError(f"Rank {rank} could not allocate the 'nvme' offload tier's files under offload_path="
                                f"{path!r}: {error}. Free disk space there or choose another offload_path.") from error
         self.mains: list[TiledPiece] = []
+        self._grads: dict[int, Tensor] = {}  # the file-backed fp32 gradients, mapped once
         start = 0
-        main_stream = self.files.view(MAIN)
         with torch.no_grad():
             for values, group in pieces:
-                main = nn.Parameter(main_stream.narrow(0, start, values.numel()))
+                main = nn.Parameter(self.files.piece(MAIN, start, values.numel()))
                 main.copy_(values.reshape(-1))
                 self.mains.append(TiledPiece(main, group, start))
                 start += values.numel()
@@ -111,14 +111,14 @@ class NvmeOptimizerTier:
         if GRAD not in self.files.streams:
             return None
         piece = self.mains[index]
-        return self.files.view(GRAD).narrow(0, piece.start, piece.numel)
+        return self._grads.setdefault(index, self.files.piece(GRAD, piece.start, piece.numel))
 
     def state_home(self, index: int, key: str) -> Optional[Tensor]:
         """The file-backed tensor of piece ``index``'s state ``key`` (for loading a checkpoint in place)."""
         if key not in self.state_keys:
             return None
         piece = self.mains[index]
-        return self.files.view(state_stream(key)).narrow(0, piece.start, piece.numel)
+        return self.files.piece(state_stream(key), piece.start, piece.numel)
 
     def describe(self) -> str:
         """One line for the log: where the files are, how big they and the pool are, how many tiles a step walks."""

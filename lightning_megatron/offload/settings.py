@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Optional, Union
 
 TIERS = ("none", "cpu", "nvme")
+PARAMETER_TIERS = ("none", "cpu")  # ZeRO-3's parameters: FSDP2 keeps its gradient shards in private host memory
 DEFAULT_BUFFER_MB = 64.0
 TierOption = Union[bool, str, None]
 

@@ -151,7 +151,7 @@ class TiledStep:
                 if value.data_ptr() != buffer.data_ptr():  # made by the optimizer at its first step
                     buffer.copy_(value)
                 if key not in kept:
-                    kept[key] = self.files.view(state_stream(key)).narrow(0, piece.start, piece.numel)
+                    kept[key] = self.files.piece(state_stream(key), piece.start, piece.numel)
             self.write_back(i, lo, hi, view.detach())
 
     def _read(self, tile: Tile, slot: dict[str, Tensor]) -> None:

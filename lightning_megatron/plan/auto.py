@@ -33,16 +33,17 @@ class AutoChoice:
 
 
 def device_hardware(device: torch.device, gpus_per_node: int) -> tuple[Hardware, str]:
-    """The hardware preset of ``device`` (by its CUDA name) with its real memory, and what was assumed."""
+    """The hardware preset of ``device`` (by its CUDA name) with its real memory and the host's RAM, and what was
+    assumed."""
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
         memory = torch.cuda.get_device_properties(device).total_memory
         preset = next((key for key in GPUS if key in name.lower()), None)
         hardware = GPUS[preset or "a100"]
         note = f"{name}" + ("" if preset else " (not a known GPU: A100's rates assumed)")
-        return replace(hardware, memory_bytes=memory, gpus_per_node=gpus_per_node), note
+        return replace(hardware, memory_bytes=memory, gpus_per_node=gpus_per_node, host_memory_bytes=ram), note
     # No GPU: nominal numbers, so that "auto" runs (and is tested) on CPU; its ranking is not a speed model.
-    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     cpu = Hardware("cpu", 1 * TFLOPS, 1 * TFLOPS, ram // max(gpus_per_node, 1), 20 * GB, 10 * GB, 1 * GB,
                    gpus_per_node, matmul_efficiency=0.5)
     return cpu, f"CPU (its memory shared by {gpus_per_node} processes; nominal rates)"
@@ -71,6 +72,8 @@ def choose_sizes(module: Any, requested: dict[str, Any], *, world_size: int, dev
     hardware, note = device_hardware(device, gpus_per_node)
     fixed = {name: value for name, value in requested.items() if name in AUTO_SIZES and value != "auto"}
     fixed.update(settings)
+    for name in ("offload_optimizer", "offload_parameters"):  # the user's choice (or none), never searched for "auto"
+        fixed.setdefault(name, "none")
     if requested.get("data_parallel_size", "auto") != "auto":
         fixed["data_parallel_size"] = requested["data_parallel_size"]
     fixed["accumulate_grad_batches"] = accumulate_grad_batches

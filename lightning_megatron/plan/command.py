@@ -3,13 +3,15 @@
     lightning-megatron plan --config configs/gpt-8.3b.yaml --gpus 512 --gpu v100 --nodes-of 16
     lightning-megatron plan --config configs/llama-3.1-70b.yaml --gpus 64 --gpu h100 --write-config best.yaml
     lightning-megatron plan --config configs/gpt-1.3b.yaml --gpus 8 --gpu-memory 40GB --json
+    lightning-megatron plan --config configs/llama-3.1-8b.yaml --gpus 1 --gpu-memory 24GB --host-memory 64GB --disk 1TB
 
 The model, global batch, sequence length and precision come from the config (``--global-batch-size``,
 ``--seq-length`` and ``--precision`` override them); the layout is searched (``--keep`` keeps some of the
 config's strategy arguments as they are). The table lists the fastest layouts that fit, ranked by predicted
 tokens/s; ``--json`` prints every evaluated layout; ``--write-config`` writes the config with the best
 layout, which ``lightning-megatron fit --config`` runs; ``--plot`` draws memory and tokens/s per layout
-(``pip install lightning-megatron[plot]``).
+(``pip install lightning-megatron[plot]``). The offload tiers (``offload_optimizer``, ``offload_parameters``:
+``cpu``, ``nvme``) are searched too: ``--host-memory`` and ``--disk`` (a node's RAM and free NVMe) bound them.
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ from typing import Any, Callable, Optional, Sequence
 import yaml
 
 from lightning_megatron.plan.hardware import GIB, GPUS, Hardware, parse_gpu
-from lightning_megatron.plan.layout import Layout, Workload
+from lightning_megatron.offload.settings import DEFAULT_BUFFER_MB
+from lightning_megatron.plan.layout import OFFLOAD_PATH_PLACEHOLDER, Layout, Workload
 from lightning_megatron.plan.planner import SEARCHED, LayoutPlan, Planner, PlanResult
 
 
@@ -63,7 +66,8 @@ def planner_from_config(config: dict, *, gpus: int, hardware: Hardware, global_b
         seq_length=seq_length or data.get("seq_length") or _missing("seq_length"),
         precision=str(precision or trainer.get("precision", "bf16-true")),
         bucket_size_mb=float(strategy.get("bucket_size_mb", 25.0)),
-        pad_vocab_to_multiple_of=int(strategy.get("pad_vocab_to_multiple_of", 128)))
+        pad_vocab_to_multiple_of=int(strategy.get("pad_vocab_to_multiple_of", 128)),
+        offload_buffer_mb=float(strategy.get("offload_buffer_mb", DEFAULT_BUFFER_MB)))
     return Planner(module_factory(config.get("model") or {}), workload, hardware, world_size=gpus, fixed=fixed)
 
 
@@ -108,7 +112,10 @@ def describe_configured(planner: Planner, layout: Layout) -> str:
         lines.append(f"  pipeline rank {rank.pipeline_rank}: model state {sum(rank.model_state_bytes.values()) / GIB:.2f} "
                      f"GiB ({state}), activations {rank.activation_bytes / GIB:.2f} GiB, buffers "
                      f"{rank.buffer_bytes / GIB:.2f} GiB: {rank.total / GIB:.2f} GiB per GPU")
-    lines.append(f"  {'fits' if plan.fits else 'does NOT fit'} in {planner.hardware.memory_bytes / GIB:.1f} GiB; "
+    lines.append(f"  host RAM {plan.host_bytes_per_gpu / GIB:.2f} GiB per GPU, disk {plan.disk_bytes_per_gpu / GIB:.2f} GiB "
+                 f"per GPU ({plan.ranks_per_node} GPUs per node)")
+    verdict = ("fits" if plan.fits else "does NOT fit (" + "; ".join(plan.limits) + ")")
+    lines.append(f"  {verdict} in {planner.hardware.memory_bytes / GIB:.1f} GiB per GPU; "
                  f"step {plan.step_seconds:.3g} s, {plan.tokens_per_second:,.0f} tokens/s, MFU {plan.mfu:.1%}")
     return "\n".join(lines)
 
@@ -118,7 +125,13 @@ def layout_config(config: dict, plan: LayoutPlan, workload: Workload, hardware: 
     out = copy.deepcopy(config)
     trainer = out.setdefault("trainer", {})
     strategy = trainer.get("strategy") if isinstance(trainer.get("strategy"), dict) else {}
-    init_args = {**(strategy.get("init_args") or {}), **plan.layout.strategy_arguments()}
+    configured = dict(strategy.get("init_args") or {})
+    path = configured.pop("offload_path", None)
+    for name in ("offload_optimizer", "offload_parameters"):  # the plan's arguments name them where they are used
+        configured.pop(name, None)
+    init_args = {**configured, **plan.layout.strategy_arguments()}
+    if path and "offload_path" in init_args:  # the config already names the disk: keep it over the placeholder
+        init_args["offload_path"] = path
     trainer["strategy"] = {"class_path": "lightning_megatron.Megatron3DStrategy", "init_args": init_args}
     devices = min(world, hardware.gpus_per_node)
     trainer["devices"], trainer["num_nodes"] = devices, world // devices
@@ -131,12 +144,27 @@ def layout_config(config: dict, plan: LayoutPlan, workload: Workload, hardware: 
     return out
 
 
+def written_config_text(written: dict) -> str:
+    """The YAML of a written config; a planned ``"nvme"`` tier's ``offload_path`` is a placeholder, said so on top."""
+    text = yaml.safe_dump(written, sort_keys=False)
+    if OFFLOAD_PATH_PLACEHOLDER in text:
+        text = (f"# SET offload_path: the planner chose the 'nvme' offload tier; replace {OFFLOAD_PATH_PLACEHOLDER}\n"
+                f"# with a folder on a fast local NVMe disk with the free space the plan names.\n") + text
+    return text
+
+
 def format_table(plans: Sequence[LayoutPlan], hardware: Hardware) -> str:
-    rows = [("#", "layout", "memory/GPU", "fits", "step s", "tokens/s", "MFU", "where the time goes")]
+    """One row per layout; ``host/node`` and ``disk/node``: the offload tiers' RAM (with ``HOST_PROCESS_BYTES`` a
+    rank) and files of a node's ranks together, the figures ``--host-memory`` and ``--disk`` bound."""
+    rows = [("#", "layout", "memory/GPU", "host/node", "disk/node", "fits", "step s", "tokens/s", "MFU",
+             "where the time goes")]
     for index, plan in enumerate(plans, 1):
         parts = sorted(((v, k) for k, v in plan.time.parts().items() if v > 0), reverse=True)[:3]
+        verdict = "yes" if plan.fits else "no: " + ", ".join(limit.split(":")[0] for limit in plan.limits)
         rows.append((str(index), plan.layout.label(), f"{plan.memory_per_gpu_bytes / GIB:.1f} GiB",
-                     "yes" if plan.fits else "no", f"{plan.step_seconds:.3g}", f"{plan.tokens_per_second:,.0f}",
+                     f"{plan.host_bytes_per_node / GIB:.1f} GiB", f"{plan.disk_bytes_per_node / GIB:.1f} GiB"
+                     if plan.disk_bytes_per_node else "-",
+                     verdict, f"{plan.step_seconds:.3g}", f"{plan.tokens_per_second:,.0f}",
                      f"{plan.mfu:.1%}", ", ".join(f"{k.replace('_', ' ')} {v / plan.step_seconds:.0%}" for v, k in parts)))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows]
@@ -156,10 +184,12 @@ def explain_no_fit(result: PlanResult, planner: Planner) -> str:
         return f"No layout of {type(planner.module).__name__} is valid on {world} GPUs:\n  {reasons}{hint}"
     nearest = result.nearest
     states = nearest.memory_per_gpu_bytes - nearest.activation_bytes - nearest.buffer_bytes  # the GPU's part
-    text = (f"No layout fits in {hardware.memory_bytes / GIB:.1f} GiB per GPU on {world} GPUs: the smallest, "
-            f"{nearest.layout.label()}, needs {nearest.memory_per_gpu_bytes / GIB:.1f} GiB (model states "
-            f"{states / GIB:.1f} GiB, activations {nearest.activation_bytes / GIB:.1f} GiB, buffers "
-            f"{nearest.buffer_bytes / GIB:.1f} GiB).")
+    text = (f"No layout fits in {hardware.memory_bytes / GIB:.1f} GiB per GPU on {world} GPUs (with "
+            f"{hardware.host_memory_bytes / GIB:.1f} GiB of host memory and {hardware.disk_bytes / GIB:.1f} GiB of disk "
+            f"per node): the smallest on the GPU, {nearest.layout.label()}, needs {nearest.memory_per_gpu_bytes / GIB:.1f} GiB (model "
+            f"states {states / GIB:.1f} GiB, activations {nearest.activation_bytes / GIB:.1f} GiB, buffers "
+            f"{nearest.buffer_bytes / GIB:.1f} GiB), {nearest.host_bytes_per_node / GIB:.1f} GiB of host memory and "
+            f"{nearest.disk_bytes_per_node / GIB:.1f} GiB of disk per node, and exceeds {'; '.join(nearest.limits)}.")
     bigger = nearest_world_with_layout(planner, must_fit=True)
     if bigger is not None:
         text += (f" It would fit on {bigger[0]} GPUs as {bigger[1].layout.label()} "
@@ -220,7 +250,11 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("--gpus", type=int, help="GPUs in all (default: the config's devices x num_nodes)")
     parser.add_argument("--gpu", default="a100", help=f"one of {', '.join(GPUS)}, or custom:peak=TFLOPS,hbm=GBPS,"
                                                       f"nvlink=GBPS,network=GBPS[,memory=GB,node=N,base=PRESET]")
-    parser.add_argument("--gpu-memory", help="memory per GPU, e.g. 80GB or 40GiB (default: the GPU's)")
+    parser.add_argument("--gpu-memory", help="memory per GPU, e.g. 80GB, 24GB or 40GiB (default: the GPU's)")
+    parser.add_argument("--host-memory", help="RAM of a node for the offload tiers, e.g. 256GB (default: the GPU's DGX "
+                                              "node's, 2 TB; 1.5 TB for v100)")
+    parser.add_argument("--disk", help="free NVMe disk of a node for the 'nvme' offload tier, e.g. 2TB (default: the "
+                                       "DGX node's 30 TB)")
     parser.add_argument("--nodes-of", type=int, help="GPUs per node (default: the GPU's DGX node)")
     parser.add_argument("--global-batch-size", type=int, help="sequences per optimizer step (default: the config's)")
     parser.add_argument("--seq-length", type=int, help="tokens per sequence (default: the config's)")
@@ -235,7 +269,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("--plot", type=Path, help="draw memory and tokens/s per layout into this image")
     args = parser.parse_args(argv)
     try:
-        hardware = parse_gpu(args.gpu, memory=args.gpu_memory, gpus_per_node=args.nodes_of)
+        hardware = parse_gpu(args.gpu, memory=args.gpu_memory, gpus_per_node=args.nodes_of,
+                             host_memory=args.host_memory, disk=args.disk)
         config = yaml.safe_load(args.config.read_text())
         trainer = config.get("trainer") or {}
         gpus = args.gpus or int(trainer.get("devices", 1)) * int(trainer.get("num_nodes", 1))
@@ -257,8 +292,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         print(f"{args.config.name}: {count} parameters, {shape.num_layers} layers, "
               f"hidden {shape.hidden_size}; global batch {planner.workload.global_batch_size} x "
               f"{planner.workload.seq_length} tokens, {planner.workload.precision}, {planner.optimizer_name}")
-        print(f"{gpus} x {hardware.name} ({hardware.memory_bytes / GIB:.1f} GiB, {hardware.gpus_per_node} per node): "
-              f"{len(result.plans)} valid layouts, {len(result.fitting)} fit")
+        print(f"{gpus} x {hardware.name} ({hardware.memory_bytes / GIB:.1f} GiB, {hardware.gpus_per_node} per node; "
+              f"{hardware.host_memory_bytes / GIB:,.0f} GiB host memory, {hardware.disk_bytes / GIB:,.0f} GiB disk per "
+              f"node): {len(result.plans)} valid layouts, {len(result.fitting)} fit")
         if result.plans:
             print(format_table(result.fitting[: args.top] or result.plans[: min(args.top, 3)], hardware))
     if result.best is None:
@@ -269,7 +305,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         if args.write_config.exists():
             raise SystemExit(f"--write-config {args.write_config} exists; the planner never overwrites a file. "
                              f"Choose a new name.")
-        args.write_config.write_text(yaml.safe_dump(written, sort_keys=False))
+        args.write_config.write_text(written_config_text(written))
         print(f"wrote {args.write_config}: lightning-megatron fit --config {args.write_config}", file=sys.stderr)
+        if "offload_path" in written["trainer"]["strategy"]["init_args"]:
+            print(f"set offload_path in {args.write_config} to a folder on a fast local NVMe disk with "
+                  f"{result.best.disk_bytes_per_gpu / GIB:.1f} GiB free per GPU", file=sys.stderr)
     if args.plot is not None:
         plot(result.plans, hardware, args.plot)

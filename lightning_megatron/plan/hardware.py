@@ -38,6 +38,18 @@ communication. ``attention_efficiency`` (0.5 of the peak for flash attention's k
 together) is the lower end of FlashAttention-2's 50-73% of peak on A100 (Dao 2023; its backward is the
 slower half). ``memory_efficiency`` (0.7 of HBM for element-wise kernels) is an assumption. ``--gpu
 custom:...`` sets any of them.
+
+**The host, for the offload tiers** (``offload_optimizer``/``offload_parameters`` ``"cpu"``/``"nvme"``): each
+GPU's PCIe link (``host_bandwidth``, one direction, what a pinned ``cudaMemcpy`` sustains: about 80% of the
+nominal x16 rate, PCIe 3.0 16, 4.0 32, 5.0 64 GB/s: 12, 25 and 50 GB/s; V100 of a DGX-2H: 3.0, A100: 4.0,
+H100/H200: 5.0), and per node the CPUs' Adam (``host_optimizer_rate``: 1e9 fp32 elements per second for all
+the node's ranks together, Adam's ~36 bytes per element at ~36 GB/s of sustained host-memory bandwidth, a few
+DDR channels), its RAM (``host_memory_bytes``) and its NVMe disk (``disk_bytes``; ``disk_read_bandwidth``
+6.5 GB/s and ``disk_write_bandwidth`` 5 GB/s: a typical PCIe 4.0 NVMe drive's sequential rates, one drive).
+RAM and disk default to the DGX node's (DGX-2H 1.5 TB RAM, 30 TB NVMe; DGX A100 80GB, DGX H100/H200 2 TB RAM,
+30 TB NVMe); a workstation says its own with ``--host-memory`` and ``--disk``. All of these are uncalibrated
+data-sheet or assumed numbers: ``benchmarks/gpu_check.sh`` (host<->device copies, a CPU Adam step) and a disk
+benchmark (``fio`` sequential read and write on the ``offload_path`` disk) should replace them.
 """
 
 from __future__ import annotations
@@ -67,8 +79,12 @@ class Hardware:
     overlap_efficiency: float = 0.5  # of the compute a collective runs under, the share that hides it
     attention_efficiency: float = 0.5  # of peak_flops, for flash attention's fused kernels (forward + backward)
     collective_latency: float = 20e-6  # seconds a collective costs besides its bytes
-    host_bandwidth: float = 12 * GB  # PCIe, for optimizer offloading
-    host_optimizer_rate: float = 1e9  # parameter elements per second the CPU's Adam updates (offloading)
+    host_bandwidth: float = 12 * GB  # PCIe per GPU, one direction, bytes/s (the offload tiers)
+    host_optimizer_rate: float = 1e9  # fp32 elements per second the node's CPUs step Adam on (all its ranks)
+    host_memory_bytes: int = 2000 * GB  # RAM of a node
+    disk_bytes: int = 30 * 10**12  # free NVMe of a node (the "nvme" tier's files)
+    disk_read_bandwidth: float = 6.5 * GB  # of a node's NVMe, sequential, bytes/s
+    disk_write_bandwidth: float = 5 * GB
 
     def __post_init__(self) -> None:
         for field in fields(self):
@@ -90,7 +106,7 @@ class Hardware:
 
 GPUS: dict[str, Hardware] = {
     "v100": Hardware("v100", 125 * TFLOPS, 15.7 * TFLOPS, 32 * GB, 900 * GB, 115 * GB, 6.25 * GB, 16,
-                     matmul_efficiency=0.434),
+                     matmul_efficiency=0.434, host_memory_bytes=1500 * GB),
     "a100": Hardware("a100", 312 * TFLOPS, 19.5 * TFLOPS, 80 * GB, 2039 * GB, 230 * GB, 25 * GB, 8,
                      matmul_efficiency=0.756, host_bandwidth=25 * GB),
     "h100": Hardware("h100", 989 * TFLOPS, 67 * TFLOPS, 80 * GB, 3350 * GB, 370 * GB, 50 * GB, 8,
@@ -106,14 +122,20 @@ _FIELDS = {
     "hbm": ("memory_bandwidth", GB), "nvlink": ("intra_node_bandwidth", GB), "network": ("inter_node_bandwidth", GB),
     "node": ("gpus_per_node", 1), "matmul": ("matmul_efficiency", 1), "elementwise": ("memory_efficiency", 1),
     "overlap": ("overlap_efficiency", 1), "attention": ("attention_efficiency", 1),
-    "pcie": ("host_bandwidth", GB),
+    "pcie": ("host_bandwidth", GB), "host": ("host_memory_bytes", GB), "disk": ("disk_bytes", GB),
+    "diskread": ("disk_read_bandwidth", GB), "diskwrite": ("disk_write_bandwidth", GB),
+    "adam": ("host_optimizer_rate", 1e9),  # billions of fp32 elements per second
 }
 
+_BYTE_FIELDS = ("memory_bytes", "host_memory_bytes", "disk_bytes")
 
-def parse_gpu(spec: str, *, memory: Optional[str] = None, gpus_per_node: Optional[int] = None) -> Hardware:
+
+def parse_gpu(spec: str, *, memory: Optional[str] = None, gpus_per_node: Optional[int] = None,
+              host_memory: Optional[str] = None, disk: Optional[str] = None) -> Hardware:
     """A preset name (``"a100"``) or ``"custom:peak=400,hbm=3000,nvlink=300,network=25[,base=a100,...]"`` (TFLOP/s
-    for ``peak``/``fp32``, GB/s for bandwidths, GB for ``memory``; ``base`` names the preset the rest starts
-    from, default ``a100``); ``memory`` (``"80GB"``, ``"40GiB"``) and ``gpus_per_node`` override the preset's."""
+    for ``peak``/``fp32``, GB/s for bandwidths, GB for ``memory``, ``host`` and ``disk``; ``base`` names the preset
+    the rest starts from, default ``a100``); ``memory`` (``"80GB"``, ``"40GiB"``: per GPU), ``gpus_per_node``,
+    ``host_memory`` and ``disk`` (a node's RAM and free NVMe, ``"256GB"``, ``"2TB"``) override the preset's."""
     name, _, rest = spec.partition(":")
     name = name.strip().lower()
     if name != "custom":
@@ -137,11 +159,15 @@ def parse_gpu(spec: str, *, memory: Optional[str] = None, gpus_per_node: Optiona
                 number = float(text)
             except ValueError:
                 raise ValueError(f"--gpu {spec!r}: {key}={text!r} is not a number.") from None
-            changes[field] = int(number) if field in ("gpus_per_node", "memory_bytes") and unit == 1 else number * unit
-        hardware = replace(GPUS[base], name="custom", **{k: (int(v) if k == "memory_bytes" else v)
+            changes[field] = int(number) if field == "gpus_per_node" else number * unit
+        hardware = replace(GPUS[base], name="custom", **{k: (int(v) if k in _BYTE_FIELDS else v)
                                                           for k, v in changes.items()})
     if memory is not None:
         hardware = replace(hardware, memory_bytes=parse_bytes(memory))
+    if host_memory is not None:
+        hardware = replace(hardware, host_memory_bytes=parse_bytes(host_memory))
+    if disk is not None:
+        hardware = replace(hardware, disk_bytes=parse_bytes(disk))
     if gpus_per_node is not None:
         hardware = replace(hardware, gpus_per_node=gpus_per_node)
     return hardware

@@ -14,19 +14,23 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from lightning_megatron.context_parallel.inputs import check_sequence_length
+from lightning_megatron.offload.settings import DEFAULT_BUFFER_MB, OffloadSettings, tier_of
 from lightning_megatron.optim.param_gather import check_overlap_param_gather
 from lightning_megatron.parallel.config import ParallelConfig
 from lightning_megatron.pipeline.layout import SCHEDULE_SPECS, PipelineLayout, check_micro_batches, check_schedule
 from lightning_megatron.preparation import ZERO3_PRECISIONS
 
 SIXTEEN_BIT_PRECISIONS = ("bf16-true", "16-true", "bf16-mixed", "16-mixed")
+#: What a planned ``"nvme"`` layout passes as ``offload_path``: the planner cannot know the disk, the user sets it.
+OFFLOAD_PATH_PLACEHOLDER = "/SET/offload_path/TO/A/FOLDER/ON/A/LOCAL/NVME/DISK"
 PRECISIONS = ("32-true", *SIXTEEN_BIT_PRECISIONS)
 
 
 @dataclass(frozen=True)
 class Workload:
     """What a layout is asked to run: ``global_batch_size`` sequences of ``seq_length`` tokens per optimizer step
-    in ``precision``, with the strategy's ``bucket_size_mb`` and ``pad_vocab_to_multiple_of``.
+    in ``precision``, with the strategy's ``bucket_size_mb``, ``pad_vocab_to_multiple_of`` and ``offload_buffer_mb``
+    (the ``"nvme"`` tier's host buffers).
 
     ``attention``: how attention's core runs. ``"flash"`` (what this package runs: SDPA's fused kernels, no
     ``s x s`` scores in memory, causal blocks skipped) or ``"materialized"`` (the scores written out and
@@ -39,8 +43,11 @@ class Workload:
     bucket_size_mb: float = 25.0
     pad_vocab_to_multiple_of: int = 128
     attention: str = "flash"
+    offload_buffer_mb: float = DEFAULT_BUFFER_MB
 
     def __post_init__(self) -> None:
+        if not self.offload_buffer_mb > 0:
+            raise ValueError(f"offload_buffer_mb must be > 0, got {self.offload_buffer_mb}.")
         for name in ("global_batch_size", "seq_length", "pad_vocab_to_multiple_of"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
@@ -69,14 +76,33 @@ class Workload:
 class Layout(ParallelConfig):
     """One way to run a workload: a ``ParallelConfig`` (whose checks run when it is built) and the strategy's
     schedule, micro-batch, recomputation, offload and parameter-gather overlap arguments, and the Trainer's ``accumulate_grad_batches``.
-    The field names are ``Megatron3DStrategy``'s."""
+    The field names are ``Megatron3DStrategy``'s. ``offload_optimizer`` (ZeRO 0-2) and ``offload_parameters``
+    (ZeRO-3) are tiers of ``offload.TIERS`` (``"none"``, ``"cpu"``, ``"nvme"``); ``True``/``False`` are accepted and
+    stored as ``"cpu"``/``"none"``, as the strategy reads them."""
 
     pipeline_schedule: str = "1f1b"
     micro_batch_size: int = 1
     activation_checkpointing: str = "none"
-    offload_optimizer: bool = False
+    offload_optimizer: str = "none"
+    offload_parameters: str = "none"
     overlap_param_gather: bool = False
     accumulate_grad_batches: int = 1  # the Trainer's: micro-batches of a step without pipelining
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for name in ("offload_optimizer", "offload_parameters"):
+            object.__setattr__(self, name, tier_of(getattr(self, name), option=name))
+
+    @property
+    def offload_tier(self) -> str:
+        """Where this layout's fp32 main parameters and optimizer state live (ZeRO-3: also the parameters)."""
+        return self.offload_parameters if self.zero_stage == 3 else self.offload_optimizer
+
+    def offload_settings(self) -> OffloadSettings:
+        """The strategy's ``OffloadSettings`` for this layout (``offload_path``: the placeholder where ``"nvme"``)."""
+        nvme = "nvme" in (self.offload_optimizer, self.offload_parameters)
+        path = OFFLOAD_PATH_PLACEHOLDER if nvme else None
+        return OffloadSettings(self.offload_optimizer, self.offload_parameters, path)
 
     def micro_batches(self, workload: Workload) -> int:
         """Forward/backward passes of a step on one rank: pipeline micro-batches, or accumulated batches."""
@@ -84,15 +110,25 @@ class Layout(ParallelConfig):
         return per_rank // self.micro_batch_size
 
     def strategy_arguments(self) -> dict[str, Any]:
-        """``Megatron3DStrategy(**this)``."""
+        """``Megatron3DStrategy(**this)``. The offload arguments appear only when used (a tier other than
+        ``"none"``, the strategy's default), so a plan without offloading reads as before the tiers existed, and
+        ``offload_path`` only for the ``"nvme"`` tier, as :data:`OFFLOAD_PATH_PLACEHOLDER`: the user must set it."""
         arguments = asdict(self)
         arguments.pop("accumulate_grad_batches")
         if arguments["pipeline_layers_per_stage"] is not None:
             arguments["pipeline_layers_per_stage"] = list(arguments["pipeline_layers_per_stage"])
+        for name in ("offload_optimizer", "offload_parameters"):
+            if arguments[name] == "none":
+                arguments.pop(name)
+        path = self.offload_settings().path
+        if path is not None:
+            arguments["offload_path"] = path
         return arguments
 
     def label(self) -> str:
-        """A short name: ``tp8 pp16v2 dp8 z1 sp ac-sel mb1`` (``ac-``: activation checkpointing)."""
+        """A short name: ``tp8 pp16v2 dp8 z1+cpu sp ac-sel mb1`` (``ac-``: activation checkpointing). After the ZeRO
+        stage: ``+cpu``/``+nvme`` the optimizer's offload tier, ``+pcpu`` ZeRO-3's parameters' tier,
+        ``+og`` the overlapped parameter gather."""
         parts = [f"tp{self.tensor_parallel_size}"]
         if self.pipeline_parallel_size > 1:
             parts.append(f"pp{self.pipeline_parallel_size}"
@@ -102,8 +138,9 @@ class Layout(ParallelConfig):
         parts.append(f"dp{self.data_parallel_size}")
         if self.expert_parallel_size > 1:
             parts.append(f"ep{self.expert_parallel_size}")
-        parts.append(f"z{self.zero_stage}" + ("+off" if self.offload_optimizer else "")
-                     + ("+og" if self.overlap_param_gather else ""))
+        offload = ("" if self.offload_optimizer == "none" else f"+{self.offload_optimizer}") + (
+            "" if self.offload_parameters == "none" else f"+p{self.offload_parameters}")
+        parts.append(f"z{self.zero_stage}{offload}" + ("+og" if self.overlap_param_gather else ""))
         if self.sequence_parallel:
             parts.append("sp")
         if self.activation_checkpointing != "none":
@@ -147,6 +184,7 @@ def check_layout(layout: Layout, workload: Workload, module: Any, num_layers: in
         raise ValueError(f"Sequence parallelism splits each sequence over tensor_parallel_size="
                          f"{layout.tensor_parallel_size}; seq_length={workload.seq_length} does not divide.")
     check_overlap_param_gather(layout.overlap_param_gather, layout.zero_stage)
+    layout.offload_settings().check(layout.zero_stage)
     if layout.zero_stage == 3 and workload.precision not in ZERO3_PRECISIONS:
         raise ValueError(f"zero_stage=3 supports precision {', '.join(map(repr, ZERO3_PRECISIONS))}, not "
                          f"{workload.precision!r}.")

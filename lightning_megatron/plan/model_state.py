@@ -12,19 +12,42 @@ buffers out with, called on meta tensors of the rank's parameters), the fp32 mai
   of fp32 parameters, and the optimizer's state for those slices;
 * ZeRO-3: FSDP2's dim-0 chunk of every (fp32) parameter, its gradient and its optimizer state.
 
-Optimizer state is ``optimizer_state_bytes_per_element`` per element stepped (AdamW: 8). With
-``offload_optimizer`` the main parameters and the optimizer state live in CPU memory: counted here (the
-strategy counts them) and left out of the GPU's memory by :func:`gpu_bytes`.
+Optimizer state is ``optimizer_state_bytes_per_element`` per element stepped (AdamW: 8).
+
+**Where the bytes live** (:func:`placement`; the report counts them wherever they are). With Ψ' this rank's
+owned elements (``optimizer_state / state bytes per element``) and Adam's 12 bytes of main parameter and
+moments per owned element:
+
+==============================  =========================  ================================  ===============
+tier                            device                     host RAM                          disk
+==============================  =========================  ================================  ===============
+none                            everything                 0                                 0
+``offload_optimizer="cpu"``     parameters + gradients     main + state 12Ψ' + fp32 grads    0
+  (ZeRO 0-2)                                               4Ψ'
+``offload_optimizer="nvme"``    parameters + gradients     the pool                          main + state
+                                                                                             + fp32 grads
+``offload_parameters="cpu"``    0 (gathered layers:        parameters + gradients + state    0
+  (ZeRO-3)                      buffers)
+==============================  =========================  ================================  ===============
+
+The fp32 host gradients (``MainParamOptimizer.prepare_step`` copies each owned gradient to its main
+parameter's device and dtype) exist during the step only, so the report, taken after it, does not show them;
+the ``"cpu"`` tier's host memory must hold them, the ``"nvme"`` tier keeps them in a file of its own
+(``offload.nvme``). ZeRO-3's parameters have no ``"nvme"`` tier (``OffloadSettings.check`` refuses it). The
+``"nvme"`` tier walks its files through a pool of 3 tiles (read ahead, step,
+write behind) of ``1 + state tensors`` buffers of ``offload_buffer_mb`` each (:func:`nvme_pool_bytes`).
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 from torch import nn
 
+from lightning_megatron.offload.settings import DEFAULT_BUFFER_MB
 from lightning_megatron.optim.grad_sync import bucket_numel, cut_buckets
 from lightning_megatron.optim.main_params import uses_main_params
 from lightning_megatron.parallel.summary import MODEL_STATE_KEYS
@@ -32,6 +55,9 @@ from lightning_megatron.plan.inventory import RankParameter
 from lightning_megatron.plan.layout import Layout, Workload
 
 DTYPES = {2: torch.bfloat16, 4: torch.float32}
+#: Host RAM a training process takes besides the model state it offloads (Python, torch, CUDA's host side, pinned
+#: staging buffers, the data loader): a stated allowance, like the GPU's ``activations.FRAMEWORK_BYTES``.
+HOST_PROCESS_BYTES = 4 * 2**30
 
 
 def rank_model_state_bytes(parameters: Sequence[RankParameter], layout: Layout, workload: Workload, *,
@@ -51,7 +77,8 @@ def rank_model_state_bytes(parameters: Sequence[RankParameter], layout: Layout, 
     params = [_meta_parameter(p, element) for p in parameters]
     stepped = [param for param in params if param.requires_grad]
     parameter_bytes = sum(p.numel() * element for p in params)
-    main = uses_main_params(stepped, layout.zero_stage, layout.offload_optimizer)
+    offload = layout.offload_optimizer != "none"
+    main = uses_main_params(stepped, layout.zero_stage, offload)
     if replicas == 1 and not main:  # LocalGradients: param.grad, the optimizer on the parameters themselves
         grads = sum(p.numel() for p in stepped)
         return {"parameters": parameter_bytes, "gradients": grads * element, "main_parameters": 0,
@@ -70,17 +97,50 @@ def rank_model_state_bytes(parameters: Sequence[RankParameter], layout: Layout, 
         gradient_bytes += (shard if layout.zero_stage == 2 else numel) * element
         start = ranks[group] * shard if layout.zero_stage else 0
         owned_elements += max(0, min(start + shard, total) - start)  # the padding is owned by nobody
-    shares = element == 4 and not layout.offload_optimizer  # fp32 pieces are views of the parameters
+    shares = element == 4 and not offload  # fp32 pieces are views of the parameters
     return {"parameters": parameter_bytes, "gradients": gradient_bytes,
             "main_parameters": 0 if (not main or shares) else 4 * owned_elements,
             "optimizer_state": state_bytes_per_element * owned_elements}
 
 
+@dataclass(frozen=True)
+class Placement:
+    """A rank's bytes by where they live: the model state on the ``device``, and the offload tiers' ``host`` RAM
+    (offloaded state, fp32 host gradients, the ``"nvme"`` pool) and ``disk`` (the ``"nvme"`` tier's files)."""
+
+    device: int
+    host: int
+    disk: int
+
+
+def placement(state: dict[str, int], layout: Layout, *, state_bytes_per_element: int,
+              buffer_mb: float = DEFAULT_BUFFER_MB) -> Placement:
+    """Where ``state`` (``rank_model_state_bytes``) lives under ``layout``'s offload tier (the module's table)."""
+    tier = layout.offload_tier
+    if tier == "none":
+        return Placement(sum(state[key] for key in MODEL_STATE_KEYS), 0, 0)
+    pool = nvme_pool_bytes(state_bytes_per_element, buffer_mb) if tier == "nvme" else 0
+    if layout.zero_stage == 3:  # FSDP's fp32 shards are the main parameters; their gradients are fp32 on the host
+        stored = state["parameters"] + state["optimizer_state"]
+        return Placement(0, state["gradients"] + (stored if tier == "cpu" else pool), stored if tier == "nvme" else 0)
+    stored = state["main_parameters"] + state["optimizer_state"]
+    host_gradients = 4 * (state["optimizer_state"] // state_bytes_per_element)  # "nvme": in a file of their own
+    if tier == "cpu":
+        return Placement(gpu_bytes(state, layout), host_gradients + stored, 0)
+    return Placement(gpu_bytes(state, layout), pool, stored + host_gradients)
+
+
 def gpu_bytes(state: dict[str, int], layout: Layout) -> int:
-    """The part of ``state`` in GPU memory: all of it, less what ``offload_optimizer`` keeps in CPU memory."""
-    if layout.offload_optimizer:
-        return state["parameters"] + state["gradients"]
-    return sum(state[key] for key in MODEL_STATE_KEYS)
+    """The part of ``state`` in GPU memory: all of it, less what the offload tier keeps off the device."""
+    if layout.offload_tier == "none":
+        return sum(state[key] for key in MODEL_STATE_KEYS)
+    return 0 if layout.zero_stage == 3 else state["parameters"] + state["gradients"]
+
+
+def nvme_pool_bytes(state_bytes_per_element: int, buffer_mb: float = DEFAULT_BUFFER_MB) -> int:
+    """The ``"nvme"`` tier's host buffers: 3 tiles (read ahead, step, write behind), each a buffer of
+    ``buffer_mb`` MiB for the fp32 main parameters and one per fp32 state tensor (AdamW: 2)."""
+    return 3 * (1 + state_bytes_per_element // 4) * int(buffer_mb * 2**20)
 
 
 def _fsdp_chunk(shape: tuple[int, ...], world: int, rank: int) -> int:

@@ -3,7 +3,10 @@
 ``Planner(make_module, workload, hardware, world_size=N)`` enumerates the layouts the strategy would accept
 (:func:`lightning_megatron.plan.layout.check_layout`), predicts for each the memory of its fullest GPU
 (model states exactly, ``plan.model_state``; activations, ``plan.activations``; a stated allowance for
-buffers) and its step time (``plan.step_time``), and ranks the ones that fit by predicted tokens/s.
+buffers) and its step time (``plan.step_time``), and ranks the ones that fit by predicted tokens/s. A layout
+fits when its fullest GPU's bytes fit the GPU's memory and, per node (its ranks together), the offload tiers'
+host bytes (``plan.model_state.placement``, plus ``HOST_PROCESS_BYTES`` a rank) fit the host's RAM and the
+``"nvme"`` tier's files its disk; ``LayoutPlan.limits`` says which limit a layout exceeds.
 """
 
 from __future__ import annotations
@@ -15,12 +18,13 @@ from typing import Any, Callable, Iterable, Iterator, Optional
 from torch import nn
 
 from lightning_megatron.models.flops import flops_per_batch
+from lightning_megatron.offload.settings import PARAMETER_TIERS, TIERS, tier_of
 from lightning_megatron.parallel.recompute import MODES as RECOMPUTE_MODES
 from lightning_megatron.plan.activations import activation_bytes, buffer_bytes
-from lightning_megatron.plan.hardware import Hardware
+from lightning_megatron.plan.hardware import GIB, Hardware
 from lightning_megatron.plan.inventory import Inventory, optimizer_state_bytes_per_element
 from lightning_megatron.plan.layout import Layout, Workload, check_layout
-from lightning_megatron.plan.model_state import gpu_bytes, rank_model_state_bytes
+from lightning_megatron.plan.model_state import HOST_PROCESS_BYTES, placement, rank_model_state_bytes
 from lightning_megatron.plan.shape import ModelShape
 from lightning_megatron.plan.step_time import StepTime, step_time
 
@@ -28,20 +32,23 @@ from lightning_megatron.plan.step_time import StepTime, step_time
 MIN_CONTEXT_TOKENS = 2048
 #: Layout fields the search may choose; ``Planner(fixed=...)`` pins any of them.
 SEARCHED = ("tensor_parallel_size", "pipeline_parallel_size", "virtual_pipeline_size", "context_parallel_size",
-            "expert_parallel_size", "sequence_parallel", "zero_stage", "offload_optimizer", "activation_checkpointing",
-            "micro_batch_size")
+            "expert_parallel_size", "sequence_parallel", "zero_stage", "offload_optimizer", "offload_parameters",
+            "activation_checkpointing", "micro_batch_size")
 
 
 @dataclass(frozen=True)
 class RankMemory:
     """One pipeline rank's predicted bytes: model states (the strategy's keys), activations, buffers, and what of
-    all that is in GPU memory (``total``: offloaded optimizer state is not)."""
+    all that is in GPU memory (``total``: offloaded state is not), in host RAM (``host``: offloaded state, host
+    gradients, the ``"nvme"`` pool and ``HOST_PROCESS_BYTES``) and on disk (``disk``)."""
 
     pipeline_rank: int
     model_state_bytes: dict[str, int]
     activation_bytes: int
     buffer_bytes: int
     total: int
+    host: int = 0
+    disk: int = 0
 
 
 @dataclass(frozen=True)
@@ -57,17 +64,31 @@ class LayoutPlan:
     time: StepTime
     tokens_per_second: float
     mfu: float
+    host_bytes_per_gpu: int = 0  # host RAM of the rank with the most (HOST_PROCESS_BYTES included)
+    disk_bytes_per_gpu: int = 0
+    ranks_per_node: int = 1
+    limits: tuple[str, ...] = ()  # why it does not fit: each limit exceeded, in words
 
     @property
     def step_seconds(self) -> float:
         return self.time.total
+
+    @property
+    def host_bytes_per_node(self) -> int:
+        return self.host_bytes_per_gpu * self.ranks_per_node
+
+    @property
+    def disk_bytes_per_node(self) -> int:
+        return self.disk_bytes_per_gpu * self.ranks_per_node
 
     def to_json(self, precision: str) -> dict[str, Any]:
         """The object ``lightning-megatron plan --json`` prints for this layout."""
         return {**self.layout.strategy_arguments(), "accumulate_grad_batches": self.layout.accumulate_grad_batches,
                 "precision": precision, "model_state_bytes": dict(self.model_state_bytes),
                 "activation_bytes": self.activation_bytes, "buffer_bytes": self.buffer_bytes,
-                "memory_per_gpu_bytes": self.memory_per_gpu_bytes, "fits": self.fits,
+                "memory_per_gpu_bytes": self.memory_per_gpu_bytes, "host_bytes_per_gpu": self.host_bytes_per_gpu,
+                "host_bytes_per_node": self.host_bytes_per_node, "disk_bytes_per_gpu": self.disk_bytes_per_gpu,
+                "disk_bytes_per_node": self.disk_bytes_per_node, "fits": self.fits, "limits": list(self.limits),
                 "step_seconds": self.step_seconds, "tokens_per_second": self.tokens_per_second, "mfu": self.mfu,
                 "step_time_parts": self.time.parts()}
 
@@ -133,8 +154,8 @@ class Planner:
         """What ``strategy.model_state_bytes`` reports on that rank after the first step."""
         key = (layout.tensor_parallel_size, layout.expert_parallel_size, layout.pipeline_parallel_size,
                layout.virtual_pipeline_size, layout.pipeline_layers_per_stage, layout.data_parallel_size,
-               layout.context_parallel_size, layout.zero_stage, layout.offload_optimizer, pipeline_rank, data_rank,
-               context_rank)
+               layout.context_parallel_size, layout.zero_stage, layout.offload_optimizer != "none", pipeline_rank,
+               data_rank, context_rank)
         if key not in self._model_states:  # recomputation, sequence parallelism and micro-batches do not change it
             self._model_states[key] = self._count_model_state(layout, pipeline_rank, data_rank, context_rank)
         return self._model_states[key]
@@ -156,21 +177,27 @@ class Planner:
             state = self.model_state_bytes(layout, pipeline_rank=pipeline_rank)
             activations = activation_bytes(self.shape, layout, self.workload, pipeline_rank=pipeline_rank)
             buffers = buffer_bytes(self.shape, layout, self.workload, state)
-            ranks.append(RankMemory(pipeline_rank, state, activations, buffers, gpu_bytes(state, layout) + activations
-                                    + buffers))
+            where = placement(state, layout, state_bytes_per_element=self.state_bytes_per_element,
+                              buffer_mb=self.workload.offload_buffer_mb)
+            ranks.append(RankMemory(pipeline_rank, state, activations, buffers, where.device + activations + buffers,
+                                    where.host + HOST_PROCESS_BYTES, where.disk))
         return ranks
 
     def evaluate(self, layout: Layout) -> LayoutPlan:
         """Predictions for one layout (``check_layout`` it first)."""
         workload, hardware = self.workload, self.hardware
-        fullest = max(self.rank_memory(layout), key=lambda rank: rank.total)
+        ranks = self.rank_memory(layout)
+        fullest = max(ranks, key=lambda rank: rank.total)
+        host, disk = max(rank.host for rank in ranks), max(rank.disk for rank in ranks)
+        per_node = min(self.world_size, hardware.gpus_per_node)
         time = step_time(self.shape, layout, workload, hardware, self.model_state_bytes(layout),
                          state_bytes_per_element=self.state_bytes_per_element)
         tokens = workload.global_batch_size * workload.seq_length
         model_flops = flops_per_batch(self.shape.config, workload.global_batch_size, workload.seq_length)
         mfu = model_flops / (time.total * self.world_size * hardware.peak(workload.sixteen_bit_compute))
+        limits = _limits(fullest.total, host * per_node, disk * per_node, hardware)
         return LayoutPlan(layout, fullest.model_state_bytes, fullest.activation_bytes, fullest.buffer_bytes,
-                          fullest.total, fullest.total <= hardware.memory_bytes, time, tokens / time.total, mfu)
+                          fullest.total, not limits, time, tokens / time.total, mfu, host, disk, per_node, limits)
 
     # ------------------------------------------------------------------ the search
     def candidates(self) -> Iterator[dict[str, Any]]:
@@ -211,16 +238,23 @@ class Planner:
             elif accumulate != 1:
                 return
         schedule = self.fixed.get("pipeline_schedule", "interleaved_1f1b" if vpp > 1 else "1f1b")
-        for sp, zero, offload, recompute, mbs in itertools.product(
+        tiers = {name: [tier_of(self.fixed[name], option=name)] if name in self.fixed else list(searched)
+                 for name, searched in (("offload_optimizer", TIERS), ("offload_parameters", PARAMETER_TIERS))}
+        for sp, zero, optimizer_tier, parameter_tier, recompute, mbs in itertools.product(
                 choices("sequence_parallel", (False, True) if tp > 1 else (False,)), choices("zero_stage", range(4)),
-                choices("offload_optimizer", (False, True)), choices("activation_checkpointing", RECOMPUTE_MODES),
+                tiers["offload_optimizer"], tiers["offload_parameters"],
+                choices("activation_checkpointing", RECOMPUTE_MODES),
                 micro if pp == 1 and "accumulate_grad_batches" in self.fixed else choices("micro_batch_size", micro)):
-            if offload and zero == 3:
-                continue  # ZeRO-3's shards are FSDP's, not offloaded
+            # The optimizer's tiers are ZeRO 0-2's, the parameters' ZeRO-3's: searched where they apply (a fixed one
+            # that does not apply is left to check_layout, which says why).
+            if (zero == 3 and optimizer_tier != "none" and "offload_optimizer" not in self.fixed) or (
+                    zero != 3 and parameter_tier != "none" and "offload_parameters" not in self.fixed):
+                continue
             yield dict(tensor_parallel_size=tp, pipeline_parallel_size=pp, data_parallel_size=dp, sequence_parallel=sp,
                        zero_stage=zero, virtual_pipeline_size=vpp, context_parallel_size=cp, expert_parallel_size=ep,
                        pipeline_schedule=schedule, micro_batch_size=mbs, activation_checkpointing=recompute,
-                       offload_optimizer=offload, pipeline_layers_per_stage=self.fixed.get("pipeline_layers_per_stage"),
+                       offload_optimizer=optimizer_tier, offload_parameters=parameter_tier,
+                       pipeline_layers_per_stage=self.fixed.get("pipeline_layers_per_stage"),
                        overlap_param_gather=self.fixed.get("overlap_param_gather", False) and zero in (1, 2),
                        accumulate_grad_batches=1 if pp > 1 else per_rank // mbs)
 
@@ -243,6 +277,19 @@ class Planner:
         model_parallel = (changes.get("tensor_parallel_size", 1) * changes.get("pipeline_parallel_size", 1)
                           * changes.get("context_parallel_size", 1))
         return Layout(**{"data_parallel_size": self.world_size // model_parallel, **changes})
+
+
+def _limits(gpu: int, host_per_node: int, disk_per_node: int, hardware: Hardware) -> tuple[str, ...]:
+    """The limits a layout's bytes exceed, in words (empty: it fits)."""
+    limits = []
+    if gpu > hardware.memory_bytes:
+        limits.append(f"GPU memory: {gpu / GIB:.1f} of {hardware.memory_bytes / GIB:.1f} GiB")
+    if host_per_node > hardware.host_memory_bytes:
+        limits.append(f"host memory: {host_per_node / GIB:.1f} GiB per node of {hardware.host_memory_bytes / GIB:.1f} "
+                      f"GiB (--host-memory)")
+    if disk_per_node > hardware.disk_bytes:
+        limits.append(f"disk: {disk_per_node / GIB:.1f} GiB per node of {hardware.disk_bytes / GIB:.1f} GiB (--disk)")
+    return tuple(limits)
 
 
 def _divisors(n: int) -> list[int]:

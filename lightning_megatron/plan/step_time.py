@@ -23,8 +23,17 @@ For the slowest pipeline rank and one micro-batch of ``T = micro_batch_size * se
   excess and its last bucket show; ZeRO 1/2's all-gather of the updated parameters after the step (not
   overlapped; under ``overlap_param_gather`` overlapped with the first micro-batch's forward, its first bucket
   exposed); ZeRO-3's per-layer gathers and reduce-scatters each micro-batch, prefetched under compute;
-* **optimizer**: Adam's element-wise update of the rank's owned fp32 elements at memory bandwidth, or on
-  the CPU with the gradients and parameters over PCIe when offloaded.
+* **optimizer**: Adam's element-wise update of the rank's owned fp32 elements at memory bandwidth, or, under an
+  offload tier, on the host: the node's CPUs step all its ranks' owned elements at ``host_optimizer_rate``;
+* **host transfers** (PCIe, ``host_bandwidth`` per GPU): the optimizer tiers move the owned gradients to the
+  host (fp32) and the updated parameters back after the backward, not overlapped; ZeRO-3's parameter tiers
+  bring the fp32 shards in for the forward and again for the backward and send the fp32 gradient shards out,
+  every micro-batch, prefetched under its compute;
+* **disk** (``"nvme"``, the node's one drive shared by its ranks): the step reads and writes the stored state
+  once (main parameters and optimizer state; ZeRO-3: the parameters too) through the tile pool, which overlaps
+  it with the CPU's Adam, so only its excess over that shows; ZeRO-3's ``"nvme"`` parameters are also read
+  for the forward and the backward of every micro-batch (ZeRO-Infinity's parameter streaming), under its compute
+  together with their PCIe copies.
 
 Overlapped communication is hidden by at most ``overlap_efficiency`` of the compute it runs under (NCCL's
 kernels slow the compute they share the GPU with). Every collective also pays ``collective_latency``. A ring collective over ``k`` ranks moves
@@ -60,6 +69,8 @@ class StepTime:
     bubble: float
     data_parallel: float
     optimizer: float
+    host_transfers: float = 0.0
+    disk: float = 0.0
 
     @property
     def total(self) -> float:
@@ -143,8 +154,11 @@ def step_time(shape: ModelShape, layout: Layout, workload: Workload, hardware: H
     # ---- data parallel and the optimizer
     data = _data_parallel(layout, workload, hardware, model_state, micro_batches, compute_mb, micro_batch_time)
     owned = model_state["optimizer_state"] / state_bytes_per_element  # fp32 elements this rank steps
-    optimizer = _optimizer(layout, workload, hardware, owned, memory_rate)
-    return StepTime(compute, tensor, context, expert, micro_batches * p2p_mb, bubble, data, optimizer)
+    if layout.offload_tier == "none":
+        offloaded = (owned * ADAM_BYTES_PER_ELEMENT / memory_rate, 0.0, 0.0)
+    else:
+        offloaded = _offloaded_step(layout, workload, hardware, model_state, owned, micro_batches, micro_batch_time)
+    return StepTime(compute, tensor, context, expert, micro_batches * p2p_mb, bubble, data, *offloaded)
 
 
 def _exposed(communication: float, concurrent_compute: float, hardware: Hardware) -> float:
@@ -233,8 +247,24 @@ def _data_parallel(layout: Layout, workload: Workload, hardware: Hardware, model
     return exposed
 
 
-def _optimizer(layout: Layout, workload: Workload, hardware: Hardware, owned: float, memory_rate: float) -> float:
-    if layout.offload_optimizer:
+def _offloaded_step(layout: Layout, workload: Workload, hardware: Hardware, model_state: dict[str, int],
+                    owned: float, micro_batches: int, micro_batch_time: float) -> tuple[float, float, float]:
+    """Seconds of the host's Adam, of the exposed PCIe copies and of the exposed disk traffic of an offload tier."""
+    ranks_on_node = min(layout.world_size, hardware.gpus_per_node)  # they share the node's CPUs and disk
+    cpu_adam = ranks_on_node * owned / hardware.host_optimizer_rate
+    nvme = layout.offload_tier == "nvme"
+    disk = 0.0
+    if layout.zero_stage == 3:
+        parameters, stored = model_state["parameters"], model_state["parameters"] + model_state["optimizer_state"]
+        pcie = (2 * parameters + model_state["gradients"]) / hardware.host_bandwidth
+        # "nvme": read for the forward and the backward, beside their PCIe copies; the slower of the two shows.
+        read = ranks_on_node * 2 * parameters / hardware.disk_read_bandwidth if nvme else 0.0
+        exposed = micro_batches * _exposed(max(pcie, read), micro_batch_time, hardware)
+        transfers, disk = (0.0, exposed) if read > pcie else (exposed, 0.0)
+    else:
+        stored = model_state["main_parameters"] + model_state["optimizer_state"]
         transfers = owned * (4 + workload.parameter_bytes) / hardware.host_bandwidth  # gradients out, parameters in
-        return transfers + owned / hardware.host_optimizer_rate
-    return owned * ADAM_BYTES_PER_ELEMENT / memory_rate
+    if nvme:  # read and written once, tile by tile, under the CPU's step
+        rates = 1 / hardware.disk_read_bandwidth + 1 / hardware.disk_write_bandwidth
+        disk += max(0.0, ranks_on_node * stored * rates - cpu_adam)
+    return cpu_adam, transfers, disk
