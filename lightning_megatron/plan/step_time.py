@@ -29,11 +29,9 @@ For the slowest pipeline rank and one micro-batch of ``T = micro_batch_size * se
   host (fp32) and the updated parameters back after the backward, not overlapped; ZeRO-3's parameter tiers
   bring the fp32 shards in for the forward and again for the backward and send the fp32 gradient shards out,
   every micro-batch, prefetched under its compute;
-* **disk** (``"nvme"``, the node's one drive shared by its ranks): the step reads and writes the stored state
-  once (main parameters and optimizer state; ZeRO-3: the parameters too) through the tile pool, which overlaps
-  it with the CPU's Adam, so only its excess over that shows; ZeRO-3's ``"nvme"`` parameters are also read
-  for the forward and the backward of every micro-batch (ZeRO-Infinity's parameter streaming), under its compute
-  together with their PCIe copies.
+* **disk** (``"nvme"``, ZeRO 0-2, the node's one drive shared by its ranks): the step reads and writes the stored
+  state once (main parameters and optimizer state) through the tile pool, which overlaps it with the CPU's Adam,
+  so only its excess over that shows; the fp32 gradients go through a file of their own (written, then read).
 
 Overlapped communication is hidden by at most ``overlap_efficiency`` of the compute it runs under (NCCL's
 kernels slow the compute they share the GPU with). Every collective also pays ``collective_latency``. A ring collective over ``k`` ranks moves
@@ -252,19 +250,13 @@ def _offloaded_step(layout: Layout, workload: Workload, hardware: Hardware, mode
     """Seconds of the host's Adam, of the exposed PCIe copies and of the exposed disk traffic of an offload tier."""
     ranks_on_node = min(layout.world_size, hardware.gpus_per_node)  # they share the node's CPUs and disk
     cpu_adam = ranks_on_node * owned / hardware.host_optimizer_rate
-    nvme = layout.offload_tier == "nvme"
-    disk = 0.0
-    if layout.zero_stage == 3:
-        parameters, stored = model_state["parameters"], model_state["parameters"] + model_state["optimizer_state"]
-        pcie = (2 * parameters + model_state["gradients"]) / hardware.host_bandwidth
-        # "nvme": read for the forward and the backward, beside their PCIe copies; the slower of the two shows.
-        read = ranks_on_node * 2 * parameters / hardware.disk_read_bandwidth if nvme else 0.0
-        exposed = micro_batches * _exposed(max(pcie, read), micro_batch_time, hardware)
-        transfers, disk = (0.0, exposed) if read > pcie else (exposed, 0.0)
-    else:
-        stored = model_state["main_parameters"] + model_state["optimizer_state"]
-        transfers = owned * (4 + workload.parameter_bytes) / hardware.host_bandwidth  # gradients out, parameters in
-    if nvme:  # read and written once, tile by tile, under the CPU's step
-        rates = 1 / hardware.disk_read_bandwidth + 1 / hardware.disk_write_bandwidth
-        disk += max(0.0, ranks_on_node * stored * rates - cpu_adam)
-    return cpu_adam, transfers, disk
+    if layout.zero_stage == 3:  # the fp32 shards in for the forward and the backward, the gradient shards out
+        pcie = (2 * model_state["parameters"] + model_state["gradients"]) / hardware.host_bandwidth
+        return cpu_adam, micro_batches * _exposed(pcie, micro_batch_time, hardware), 0.0
+    transfers = owned * (4 + workload.parameter_bytes) / hardware.host_bandwidth  # gradients out, parameters in
+    if layout.offload_tier != "nvme":
+        return cpu_adam, transfers, 0.0
+    # Main parameters, optimizer state and the fp32 gradients: written and read once, tile by tile, under the step.
+    stored = model_state["main_parameters"] + model_state["optimizer_state"] + 4 * owned
+    rates = 1 / hardware.disk_read_bandwidth + 1 / hardware.disk_write_bandwidth
+    return cpu_adam, transfers, max(0.0, ranks_on_node * stored * rates - cpu_adam)
