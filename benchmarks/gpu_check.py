@@ -130,6 +130,12 @@ FEATURES: dict[str, dict] = {
     "ac selective": {"strategy": {"activation_checkpointing": "selective"}},
     "sequence_parallel": {"strategy": {"sequence_parallel": True}},
     "offload_optimizer": {"strategy": {"offload_optimizer": True}},
+    # The 'nvme' tier (its files under the row's work folder; fp32 gradients copied to the host and through a file
+    # under bf16) and ZeRO-3's parameters in host memory, each against the same fp32 reference.
+    "offload_optimizer nvme": {"strategy": {"offload_optimizer": "nvme", "offload_path": "{work}/offload"}},
+    "bf16-true offload nvme": {"precision": "bf16-true",
+                               "strategy": {"offload_optimizer": "nvme", "offload_path": "{work}/offload"}},
+    "zero3 offload_parameters cpu": {"strategy": {"zero_stage": 3, "offload_parameters": "cpu"}},
     "checkpoint save+resume": {"resume": True},
     "generation": {"generate": True},
 }
@@ -236,7 +242,9 @@ def feature_row(row: Row, sizes: Sizes, work: Path, memo: dict) -> dict:
         result = {"detail": f"saved after {half} steps ({_checkpoint_kind(path)}), resumed for {args.steps - half}"}
     else:
         try:
-            module, _, losses = fit(args, sizes, work, strategy=spec.get("strategy"), precision=precision)
+            strategy = {key: value.format(work=work) if key == "offload_path" else value
+                        for key, value in spec.get("strategy", {}).items()}
+            module, _, losses = fit(args, sizes, work, strategy=strategy, precision=precision)
         except ValueError as error:
             if spec.get("strategy", {}).get("sequence_parallel"):  # refused at tp=1 with the reason: not applicable
                 return {"status": "n/a", "detail": last_line(error)}

@@ -25,6 +25,7 @@ Example::
 
     python benchmarks/offload.py                      # ~40M parameters, ~3 minutes on 2 CPU cores
     python benchmarks/offload.py --path /mnt/nvme/offload --hidden 1024 --layers 12
+    python benchmarks/offload.py --accelerator gpu --path /mnt/nvme/offload   # PCIe in the loop (not yet measured)
     python benchmarks/offload.py --smoke              # a tiny model, for the test suite
 """
 
@@ -57,6 +58,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--buffer-mb", type=float, default=4.0, help="offload_buffer_mb: one tile of one stream")
     p.add_argument("--headroom-mb", type=float, default=64.0,
                    help="growth allowed to the nvme tier beyond its buffer pool (allocator slack)")
+    p.add_argument("--accelerator", default="cpu", help="the Trainer's: 'gpu' moves gradients and parameters over PCIe")
     p.add_argument("--path", default=None, help="offload_path (default: a temporary folder on this machine's disk)")
     p.add_argument("--smoke", action="store_true", help="a tiny model (the test suite's run)")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -168,7 +170,7 @@ def child(options: dict) -> None:
     strategy = Megatron3DStrategy(offload_optimizer=tier, offload_path=options["path"] if tier == "nvme" else None,
                                   offload_buffer_mb=options["buffer_mb"])
     checkpoint = ModelCheckpoint(dirpath=out / "checkpoints", every_n_train_steps=options["steps"] // 2, save_top_k=-1)
-    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=options["steps"],
+    trainer = L.Trainer(accelerator=options["accelerator"], devices=1, strategy=strategy, max_steps=options["steps"],
                         callbacks=[Measure(), checkpoint], logger=False, enable_progress_bar=False,
                         enable_model_summary=False, num_sanity_val_steps=0, gradient_clip_val=1.0)
     trainer.fit(module, train_dataloaders=data, ckpt_path=options.get("resume"))
@@ -181,7 +183,7 @@ def run(name: str, args: argparse.Namespace, work: Path, path: str, tier: str, r
     out = work / name
     out.mkdir()
     options = {**{k: getattr(args, k) for k in ("hidden", "layers", "heads", "vocab", "seq", "batch", "steps",
-                                                "buffer_mb")},
+                                                "buffer_mb", "accelerator")},
                "tier": tier, "path": path, "out": str(out), "resume": resume}
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "PYTHONWARNINGS": "ignore"}
     proc = subprocess.run([sys.executable, __file__, "--child", json.dumps(options)], env=env, capture_output=True,
