@@ -64,7 +64,7 @@ class NvmeOptimizerTier:
 
     def __init__(self, optimizer: Optimizer, pieces: list[tuple[Tensor, int]], *, path: str, buffer_mb: float,
                  grads_in_place: bool, write_back: Callable[[int, int, int, Tensor], None], rank: int = 0,
-                 ranks_sharing_host: int = 1) -> None:
+                 ranks_sharing_host: int = 1, pin_memory: bool = False) -> None:
         self.optimizer = optimizer
         self.inner_step = optimizer.step
         self.state_keys = probe_state_keys(optimizer, self.inner_step)
@@ -93,7 +93,7 @@ class NvmeOptimizerTier:
                 self.mains.append(TiledPiece(main, group, start))
                 start += values.numel()
         self.engine = TiledStep(optimizer, self.mains, self.files, self.state_keys, tile_numel=tile_numel,
-                                write_back=write_back)
+                                write_back=write_back, pin_memory=pin_memory)
         optimizer.step = self.step  # the instance's step: Lightning, GradScaler and LR schedulers call this one
 
     def step(self, closure: Optional[Callable[[], object]] = None):

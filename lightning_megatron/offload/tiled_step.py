@@ -79,13 +79,14 @@ class TiledStep:
 
     def __init__(self, optimizer: Optimizer, pieces: list[TiledPiece], files: OffloadFiles,
                  state_keys: dict[str, torch.dtype], *, tile_numel: int,
-                 write_back: Callable[[int, int, int, Tensor], None]) -> None:
+                 write_back: Callable[[int, int, int, Tensor], None], pin_memory: bool = False) -> None:
         self.optimizer, self.pieces, self.files = optimizer, pieces, files
         self.state_keys, self.write_back = state_keys, write_back
         self.tiles = cut_into_tiles(pieces, tile_numel)
         size = min(tile_numel, max((tile.stop - tile.start for tile in self.tiles), default=0))
         streams = {MAIN: torch.float32, **{state_stream(k): dtype for k, dtype in state_keys.items()}}
-        self.pool = [{name: torch.empty(size, dtype=dtype) for name, dtype in streams.items()} for _ in range(SLOTS)]
+        self.pool = [{name: torch.empty(size, dtype=dtype, pin_memory=pin_memory) for name, dtype in streams.items()}
+                     for _ in range(SLOTS)]
         self._io = ThreadPoolExecutor(max_workers=2, thread_name_prefix="offload-io")
 
     @property

@@ -80,7 +80,8 @@ class MainParamOptimizer:
             grads_in_place = all(p.param.dtype == torch.float32 and p.param.device.type == "cpu" for p, _ in owned)
             self.nvme = NvmeOptimizerTier(optimizer, [(self._owned(p), g) for p, g in owned], path=settings.path,
                                           buffer_mb=settings.buffer_mb, grads_in_place=grads_in_place,
-                                          write_back=self._write_back, rank=rank, ranks_sharing_host=ranks_sharing_host)
+                                          write_back=self._write_back, rank=rank, ranks_sharing_host=ranks_sharing_host,
+                                          pin_memory=any(p.param.device.type == "cuda" for p, _ in owned))
             mains = [tiled.main for tiled in self.nvme.mains]
         else:
             mains = [self._main_piece(self._owned(piece)) for piece, _ in owned]
