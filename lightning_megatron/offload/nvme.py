@@ -59,7 +59,8 @@ class NvmeOptimizerTier:
 
     ``pieces``: (initial fp32 values, param group) of each main piece, in order; ``grads_in_place``: whether
     the reduced gradients are fp32 host tensors the optimizer can read as they are; ``ranks_sharing_host``:
-    ranks of this job on this machine (they share its disk and memory: each needs its own share).
+    ranks of this job on this machine (they share its disk and memory: each needs its own share); ``pin_memory``:
+    page-locked pool buffers (the model is on an accelerator).
     """
 
     def __init__(self, optimizer: Optimizer, pieces: list[tuple[Tensor, int]], *, path: str, buffer_mb: float,
