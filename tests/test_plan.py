@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import sys
 
+import pytest
 import yaml
 
 from launch import REPO_ROOT, WORKERS, child_env, launch
@@ -244,7 +245,6 @@ def test_overlapped_parameter_gather_is_predicted_under_the_next_forward():
     """``overlap_param_gather``: ZeRO 1/2's all-gather after the step hides under the next forward but for its first
     bucket (so it costs less than the gather it replaces, and at least that bucket); at ZeRO 0 or 3 the planner
     refuses it with the strategy's error."""
-    import pytest
 
     from lightning_megatron.models import GPT, GPTConfig
     from lightning_megatron.plan import GPUS, Workload
@@ -274,7 +274,6 @@ def test_offload_tiers_move_the_zero_formulas_bytes_off_the_device():
     ``offload_optimizer="cpu"`` moves the 12Ψ/N of main parameters and moments to host RAM (with the step's fp32
     host gradients, 4Ψ/N), ``"nvme"`` moves them and those gradients to disk and keeps only the tile pool in RAM.
     ZeRO-3's 16Ψ/N (fp32 shards, gradients, moments) leave the device altogether under ``offload_parameters``."""
-    import pytest
 
     from lightning_megatron.models import GPT, GPTConfig
     from lightning_megatron.plan import GPUS, Layout, Planner, Workload, check_layout
@@ -332,7 +331,10 @@ def test_llama_8b_fits_one_24gb_gpu_with_its_state_on_the_host(capsys):
     best_row = next(line for line in table.splitlines() if line.split()[:2] == ["1", "tp1"])
     assert best_row.split()[:5] == ["1", "tp1", "dp1", "z3+pcpu", "ac-full"], table
     assert "host/node" in table
-    main(["--config", config, "--gpus", "1", "--gpu-memory", "24GB", "--host-memory", "64GB"])
-    said = capsys.readouterr().out
+    with pytest.raises(SystemExit) as exit_code:
+        main(["--config", config, "--gpus", "1", "--gpu-memory", "24GB", "--host-memory", "64GB"])
+    said = capsys.readouterr()
+    assert exit_code.value.code == 1
+    said = said.out + said.err
     assert "0 fit" in said and "exceeds host memory: 123.7 GiB per node of 59.6 GiB (--host-memory)" in said, said
     assert "It would fit on 4 GPUs as tp2 dp2 z2+nvme" in said, said
