@@ -262,3 +262,20 @@ def test_overlap_benchmark_measures_every_overlap_on_and_off_with_the_same_losse
     assert all(float(row[2]) > 0 and float(row[3]) > 0 for row in rows[1:])
     assert all(float(row[-1]) < 1e-5 for row in rows[1:]), "an overlap changed the training losses"
     assert all(float(row[-1]) == 0 for row in rows[1:3]), "the parameter gathers' overlap must not change a bit"
+
+
+def test_cpu_adam_benchmark_compares_the_offloaded_step_with_torch_and_deepspeed():
+    result = subprocess.run([sys.executable, str(REPO / "benchmarks" / "cpu_adam.py"), "--smoke"],
+                            capture_output=True, text=True, timeout=300, env=child_env())
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [[cell.strip() for cell in line.split(" | ")] for line in result.stdout.splitlines() if " | " in line]
+    names = {(row[0].split()[0], row[1]) for row in rows[1:]}
+    try:
+        import deepspeed.ops.adam  # noqa: F401  (only its row depends on it)
+        expected = {"deepspeed", "cpu_kernel *", "fused", "for_loop", "foreach"}
+    except ImportError:
+        expected = {"cpu_kernel *", "fused", "for_loop", "foreach"}
+        assert "deepspeed: not importable here" in result.stdout
+    assert names == {(layout, name) for layout in ("list", "flat") for name in expected}, names
+    for row in rows[1:]:
+        assert float(row[2]) > 0 and float(row[-1]) < 1e-5, row  # every kernel ends where the for-loop does

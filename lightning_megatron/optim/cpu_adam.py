@@ -1,25 +1,27 @@
-"""AdamW with a faster step for large CPU tensors: one compiled, vectorised pass per tensor.
+"""AdamW whose CPU step is one OpenMP-parallel, vectorised pass over all its tensors at once.
 
-Why: with ``offload_optimizer="cpu"`` the optimizer steps ~all of a rank's fp32 main parameters in host memory,
-once per step, and that step competes with DeepSpeed's ``DeepSpeedCPUAdam`` (hand-written AVX-512 + OpenMP).
-The step is bound by memory traffic (read p, g, m, v; write p, m, v: 28 bytes per parameter) and, on few cores,
-by its divisions. torch's fused CPU kernel is one pass but divides twice per element; this one is inductor's
-C++ code for the same arithmetic written with one division (``sqrt(v) * (1/sqrt(bc2))`` instead of
-``sqrt(v) / sqrt(bc2)``), vectorised (AVX-512/AVX2) and spread over the OpenMP threads of one loop.
+Why: with ``offload_optimizer`` the optimizer steps every fp32 main piece in host memory each step, and that step
+is compared with DeepSpeed's ``DeepSpeedCPUAdam``. torch's fused CPU AdamW and DeepSpeed's kernel both open one
+parallel loop per tensor (DeepSpeed also one Python call per tensor), so each of a model's hundreds of tensors pays
+a fork/join of the threads, which costs most when a core is busy with something else. This kernel splits the
+concatenated elements of all the tensors evenly over the threads in one parallel region: one fork/join per step.
+Per element it does what the other two do (read p, g, m, v; write p, m, v; one square root, one division, FMAs),
+vectorised by the C compiler for the machine it runs on (``-march=native``: AVX-512 or AVX2).
 ``benchmarks/cpu_adam.py`` measures it against DeepSpeed's and torch's kernels side by side.
 
-It stays a :class:`torch.optim.AdamW` (so ``optim.main_params`` wraps it, and its state dict is AdamW's, loadable
-either way): only float32 CPU tensors of at least ``min_compiled_numel`` elements, in groups without amsgrad,
-maximize, capturable or differentiable, and steps without a ``GradScaler``'s ``grad_scale``, take the compiled
-pass; everything else (small tensors, CUDA tensors) takes torch's own AdamW path chosen by ``fused``/``foreach``
-as usual. Small tensors never compile anything, so a tiny model costs no compile time. The first compiled step
-builds the kernel with the machine's C++ compiler (seconds; cached on disk by inductor); where that fails, a
-warning says so and torch's path steps those tensors from then on.
+The kernel is a few lines of C built with the system's C compiler (``$CC``, default ``cc``) when first used in a
+process, in well under a second, into a temporary directory (not cached: ``-march=native`` code must not be
+loaded on another machine's CPU). It runs on ``torch.get_num_threads()`` threads of the OpenMP runtime torch
+already loaded (the same ``libgomp``). Where no compiler works, a warning says so and torch's kernels step.
 """
 
 from __future__ import annotations
 
+import ctypes
 import math
+import os
+import subprocess
+import tempfile
 import warnings
 from typing import Any, Callable, Optional
 
@@ -27,91 +29,113 @@ import torch
 from torch import Tensor
 from torch.optim.adam import adam
 
-MIN_COMPILED_NUMEL = 1 << 18
-CHUNK = 16
+_SOURCE = r"""
+#include <math.h>
+#include <stdint.h>
+#include <omp.h>
+
+/* One AdamW step of n float32 tensors, in the order of torch's single-tensor AdamW: p *= 1 - lr*wd;
+   m = lerp(m, g, 1 - beta1); v = v*beta2 + (1 - beta2)*g*g; p += -lr/bc1 * m / (sqrt(v)/sqrt(bc2) + eps).
+   s: 1 - lr*wd, 1 - beta1, beta2, 1 - beta2, 1/sqrt(bc2), eps, -lr/bc1. The elements of all tensors, end to
+   end, are split into one contiguous range per thread (multiples of 16 floats: whole cache lines). */
+void adamw_step(int64_t n, float **params, const float **grads, float **exp_avgs, float **exp_avg_sqs,
+                const int64_t *numels, const float *s, int threads) {
+    const float decay = s[0], w = s[1], beta2 = s[2], one_minus_beta2 = s[3], inv_bc2_sqrt = s[4], eps = s[5],
+                neg_step_size = s[6];
+    int64_t total = 0;
+    for (int64_t k = 0; k < n; k++) total += numels[k];
+    #pragma omp parallel num_threads(threads)
+    {
+        int64_t count = omp_get_num_threads(), id = omp_get_thread_num();
+        int64_t per = ((total + count - 1) / count + 15) / 16 * 16;
+        int64_t lo = per * id < total ? per * id : total, hi = lo + per < total ? lo + per : total, base = 0;
+        for (int64_t k = 0; k < n && base < hi; base += numels[k], k++) {
+            int64_t a = lo > base ? lo - base : 0, b = hi - base < numels[k] ? hi - base : numels[k];
+            float *restrict p = params[k], *restrict m = exp_avgs[k], *restrict v = exp_avg_sqs[k];
+            const float *restrict g = grads[k];
+            #pragma omp simd
+            for (int64_t i = a; i < b; i++) {
+                float gi = g[i];
+                float mi = m[i] + w * (gi - m[i]);
+                float vi = v[i] * beta2 + one_minus_beta2 * gi * gi;
+                m[i] = mi;
+                v[i] = vi;
+                p[i] = p[i] * decay + neg_step_size * (mi / (sqrtf(vi) * inv_bc2_sqrt + eps));
+            }
+        }
+    }
+}
+"""
+_FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC")
+_library: Any = None  # the loaded kernel, False once building it failed
 
 
-def _adamw_passes(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor],
-                  scalars: Tensor) -> None:
-    """One AdamW update of each tensor, in place. ``scalars``: ``1 - lr * wd``, ``beta1``, ``1 - beta1``,
-    ``beta2``, ``1 - beta2``, ``1 / sqrt(1 - beta2**t)``, ``eps``, ``-lr / (1 - beta1**t)`` (a tensor, so a new
-    step's values reuse the compiled kernel instead of recompiling it for each float)."""
-    decay, beta1, one_minus_beta1, beta2, one_minus_beta2, inv_bias_correction2_sqrt, eps, neg_step_size = (
-        scalars.unbind())
-    for param, grad, exp_avg, exp_avg_sq in zip(params, grads, exp_avgs, exp_avg_sqs):
-        m = exp_avg * beta1 + grad * one_minus_beta1
-        v = exp_avg_sq * beta2 + grad * grad * one_minus_beta2
-        exp_avg.copy_(m)
-        exp_avg_sq.copy_(v)
-        param.copy_(param * decay + m / (v.sqrt() * inv_bias_correction2_sqrt + eps) * neg_step_size)
+def _kernel() -> Optional[Callable[..., None]]:
+    """``adamw_step`` from the C source, built on first use in this process; None where it cannot be built."""
+    global _library
+    if _library is None:
+        compiler = os.environ.get("CC", "cc")
+        try:
+            with tempfile.TemporaryDirectory(prefix="lightning_megatron_cpu_adam_") as build:
+                source, shared = os.path.join(build, "cpu_adam.c"), os.path.join(build, "cpu_adam.so")
+                with open(source, "w") as file:
+                    file.write(_SOURCE)
+                subprocess.run([compiler, *_FLAGS, source, "-o", shared], check=True, capture_output=True, text=True)
+                library = ctypes.CDLL(shared)  # mapped: the file may go with the directory
+            library.adamw_step.restype = None
+            library.adamw_step.argtypes = [ctypes.c_int64] + [ctypes.c_void_p] * 6 + [ctypes.c_int]
+            _library = library
+        except (OSError, subprocess.CalledProcessError) as error:
+            detail = getattr(error, "stderr", None) or error
+            warnings.warn(f"CPUAdamW: could not build its CPU kernel with {compiler!r} ({detail}); torch's AdamW "
+                          f"kernels step instead.", stacklevel=3)
+            _library = False
+    return _library.adamw_step if _library else None
 
 
-_compiled_passes: Optional[Callable[..., None]] = None
-
-
-def _kernel() -> Callable[..., None]:
-    """The compiled passes over ``CHUNK`` tensors, built once per process: every size is its own symbol
-    (``dynamic=True`` without duck sizing, so two tensors that happened to be equal are not assumed to stay so)."""
-    global _compiled_passes
-    if _compiled_passes is None:
-        compiled = torch.compile(_adamw_passes, fullgraph=True, dynamic=True)
-
-        def passes(*args: Any) -> None:
-            with torch.fx.experimental._config.patch(use_duck_shape=False):
-                compiled(*args)
-
-        _compiled_passes = passes
-    return _compiled_passes
+def _pointers(tensors: list[Tensor]) -> ctypes.Array:
+    return (ctypes.c_void_p * len(tensors))(*[t.data_ptr() for t in tensors])
 
 
 class CPUAdamW(torch.optim.AdamW):
-    """:class:`torch.optim.AdamW` whose large float32 CPU tensors are stepped by compiled vectorised passes.
+    """:class:`torch.optim.AdamW` whose float32 CPU tensors are stepped by one parallel pass over all of them.
 
-    Same arguments as AdamW, plus ``min_compiled_numel``: the smallest tensor that takes the compiled passes (below
-    it torch's fused or foreach kernel is as fast). Results equal torch's AdamW to float32 rounding.
+    Same arguments and state as AdamW (so ``optim.main_params`` wraps it and either loads the other's state dict);
+    results equal torch's AdamW to float32 rounding. Tensors the kernel does not cover (not float32, not on the
+    CPU, not contiguous, sparse or complex; groups with amsgrad, maximize, capturable or differentiable; steps
+    under a ``GradScaler``'s ``grad_scale``) take torch's AdamW path chosen by ``fused``/``foreach`` as usual.
 
     Example::
 
         optimizer = CPUAdamW(model.parameters(), lr=3e-4, weight_decay=0.1, fused=True)
     """
 
-    def __init__(self, params: Any, *args: Any, min_compiled_numel: int = MIN_COMPILED_NUMEL, **kwargs: Any) -> None:
-        super().__init__(params, *args, **kwargs)
-        self.min_compiled_numel = min_compiled_numel  # not a group default: AdamW's state dicts load unchanged
-        self.compiled_passes_failed = False
-        # Stand-ins that fill a short last chunk, so every call has CHUNK tensors and one kernel serves them all.
-        self._padding = [[torch.zeros(2) for _ in range(CHUNK)] for _ in range(4)]
-
-    def _takes_compiled_passes(self, group: dict, param: Tensor, grad: Tensor) -> bool:
-        return (not self.compiled_passes_failed and param.device.type == "cpu" and param.dtype == torch.float32
-                and grad.dtype == torch.float32 and not grad.is_sparse and param.numel() >= self.min_compiled_numel
-                and param.is_contiguous() and grad.is_contiguous()
+    def _takes_kernel(self, group: dict, param: Tensor, grad: Tensor) -> bool:
+        return (param.device.type == "cpu" and param.dtype == torch.float32 and grad.dtype == torch.float32
+                and grad.layout == torch.strided and param.is_contiguous() and grad.is_contiguous()
                 and not (group["amsgrad"] or group["maximize"] or group["capturable"] or group["differentiable"]))
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:
-        """AdamW's step: compiled passes for the tensors that take them, torch's AdamW path for the rest."""
+        """AdamW's step: the kernel for the tensors it covers, torch's AdamW path for the rest."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         scaled = getattr(self, "grad_scale", None) is not None or getattr(self, "found_inf", None) is not None
+        kernel = None if scaled else _kernel()
         for group in self.param_groups:
-            lists: tuple[list[Tensor], ...] = ([], [], [], [], [], [])
+            lists: tuple[list[Tensor], ...] = ([], [], [], [], [], [])  # params, grads, m, v, max v, steps
             has_complex = self._init_group(group, *lists)
-            compiled: dict[float, list[int]] = {}  # by step count: one set of bias corrections per call
+            by_step: dict[float, list[int]] = {}  # one set of bias corrections per kernel call
             for i, (param, grad) in enumerate(zip(*lists[:2])):
-                if not scaled and self._takes_compiled_passes(group, param, grad):
-                    compiled.setdefault(float(lists[5][i]), []).append(i)
-            stepped = set()
-            for step, indices in compiled.items():
-                for start in range(0, len(indices), CHUNK):
-                    chunk = indices[start:start + CHUNK]
-                    if not self._compiled_passes(group, step + 1, [[values[i] for i in chunk] if values else [] for values in lists]):
-                        break
-                    stepped.update(chunk)
-            rest = tuple([value for i, value in enumerate(values) if i not in stepped] if values else []
-                         for values in lists)  # max_exp_avg_sqs is empty without amsgrad
+                if kernel is not None and self._takes_kernel(group, param, grad):
+                    by_step.setdefault(float(lists[5][i]) + 1, []).append(i)
+            for step, indices in by_step.items():
+                self._run_kernel(kernel, group, step, *([values[i] for i in indices] for values in lists[:4]))
+                torch._foreach_add_([lists[5][i] for i in indices], 1)
+            stepped = {i for indices in by_step.values() for i in indices}
+            rest = tuple([value for i, value in enumerate(values) if i not in stepped] for values in lists)
             if rest[0]:
                 beta1, beta2 = group["betas"]
                 adam(*rest, amsgrad=group["amsgrad"], has_complex=has_complex, beta1=beta1, beta2=beta2,
@@ -121,24 +145,13 @@ class CPUAdamW(torch.optim.AdamW):
                      found_inf=getattr(self, "found_inf", None), decoupled_weight_decay=True)
         return loss
 
-    def _compiled_passes(self, group: dict, step: float, chunk: list[list[Tensor]]) -> bool:
-        """Step one chunk (params, grads, exp_avgs, exp_avg_sqs, _, steps) at ``step``; False (nothing changed)
-        when the kernel cannot be built."""
-        params, grads, exp_avgs, exp_avg_sqs, _, state_steps = chunk
+    @staticmethod
+    def _run_kernel(kernel: Callable[..., None], group: dict, step: float, params: list[Tensor],
+                    grads: list[Tensor], exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor]) -> None:
         lr, wd, eps = float(group["lr"]), float(group["weight_decay"]), float(group["eps"])
         beta1, beta2 = (float(beta) for beta in group["betas"])
-        scalars = torch.tensor([1 - lr * wd, beta1, 1 - beta1, beta2, 1 - beta2, 1 / math.sqrt(1 - beta2**step),
-                                eps, -lr / (1 - beta1**step)], dtype=torch.float32)
-        pad = CHUNK - len(params)
-        # detached: dynamo compiles an nn.Parameter's sizes in as constants, a plain tensor's as a symbol
-        tensors = [[t.detach() for t in ts] + padding[:pad]
-                   for ts, padding in zip((params, grads, exp_avgs, exp_avg_sqs), self._padding)]
-        try:
-            _kernel()(*tensors, scalars)
-        except Exception as error:  # no working C++ compiler, or inductor refuses: torch's kernels step instead
-            self.compiled_passes_failed = True
-            warnings.warn(f"CPUAdamW: the compiled AdamW passes could not be built ({type(error).__name__}: {error});"
-                          f" torch's AdamW kernels step every tensor instead.", stacklevel=3)
-            return False
-        torch._foreach_add_(state_steps, 1)
-        return True
+        scalars = (ctypes.c_float * 7)(1 - lr * wd, 1 - beta1, beta2, 1 - beta2, 1 / math.sqrt(1 - beta2**step), eps,
+                                       -lr / (1 - beta1**step))
+        numels = (ctypes.c_int64 * len(params))(*[p.numel() for p in params])
+        kernel(len(params), _pointers(params), _pointers(grads), _pointers(exp_avgs), _pointers(exp_avg_sqs), numels,
+               scalars, torch.get_num_threads())
