@@ -22,6 +22,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
 from lightning_megatron.models.formats import HFFormat, sharded_checkpoint_reader
+from lightning_megatron.offload.settings import tier_of
 from lightning_megatron.optim.cpu_adam import CPUAdamW
 
 
@@ -147,8 +148,14 @@ def adamw_warmup_cosine(
 
 
 def _offloads_optimizer(module: L.LightningModule) -> bool:
-    """Whether the Trainer's strategy steps the optimizer in host memory (``Megatron3DStrategy(offload_optimizer=)``)."""
-    return module._trainer is not None and getattr(module.trainer.strategy, "offload_optimizer", False) in (True, "cpu")
+    """Whether the Trainer's strategy steps the optimizer in host memory (``Megatron3DStrategy(offload_optimizer=)``:
+    ``True``, ``"cpu"`` or ``"nvme"``, whose tiles are stepped on the host too)."""
+    if module._trainer is None:
+        return False
+    try:
+        return tier_of(getattr(module.trainer.strategy, "offload_optimizer", False), option="offload_optimizer") != "none"
+    except ValueError:  # another strategy's own meaning of the name
+        return False
 
 
 def _lightning_mixed_precision(module: L.LightningModule) -> bool:
