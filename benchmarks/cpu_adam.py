@@ -155,7 +155,7 @@ def run_layout(args: argparse.Namespace, shapes: list[tuple[int, ...]]) -> dict[
                                    for p, r in zip(run["params"], reference))} for name, run in runs.items()}
 
 
-def table(args: argparse.Namespace, layouts: dict[str, tuple[int, dict]], offloaded: str) -> str:
+def table(layouts: dict[str, tuple[int, dict]], offloaded: str) -> str:
     from throughput import format_rows
 
     header = ["layout", "implementation", "ms/step", "Gparams/s", "vs DeepSpeed", "vs torch for-loop",
@@ -190,7 +190,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     print(f"AdamW step on {numel / 1e6:.1f}M fp32 parameters (GPT-2 h={args.hidden} tensors, or one flat tensor), "
           f"{torch.get_num_threads()} threads, median of {args.steps} steps after {args.warmup} warm-up, load average "
           f"{os.getloadavg()[0]:.1f}; ratios: the baseline's time / the row's (> 1: faster); * = the offloaded step")
-    print(table(args, layouts, offloaded_implementation()))
+    print(table(layouts, offloaded_implementation()))
     if "deepspeed" in args.implementations and not any("deepspeed" in runs for _, runs in layouts.values()):
         print("deepspeed: not importable here, row skipped (install: see this script's docstring)")
 

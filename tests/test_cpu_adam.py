@@ -13,8 +13,8 @@ SHAPES = [(300, 77), (5,), (4097,), (64, 64), (1,), (3, 5, 7)]
 def train(optimizer_class, steps=6, **kwargs):
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(shape)) for shape in SHAPES]
-    optimizer = optimizer_class([{"params": params[:3], "weight_decay": 0.1}, {"params": params[3:], "weight_decay": 0.0}],
-                                lr=1e-2, betas=(0.9, 0.95), eps=1e-8, **kwargs)
+    groups = [{"params": params[:3], "weight_decay": 0.1}, {"params": params[3:], "weight_decay": 0.0}]
+    optimizer = optimizer_class(groups, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, **kwargs)
     generator = torch.Generator().manual_seed(1)
     for step in range(steps):
         for param in params:

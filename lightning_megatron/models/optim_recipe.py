@@ -153,7 +153,8 @@ def _offloads_optimizer(module: L.LightningModule) -> bool:
     if module._trainer is None:
         return False
     try:
-        return tier_of(getattr(module.trainer.strategy, "offload_optimizer", False), option="offload_optimizer") != "none"
+        offload = getattr(module.trainer.strategy, "offload_optimizer", False)
+        return tier_of(offload, option="offload_optimizer") != "none"
     except ValueError:  # another strategy's own meaning of the name
         return False
 
