@@ -281,3 +281,20 @@ def test_offload_benchmark_bounds_the_nvme_tiers_memory_and_resumes_the_same_run
         assert runs[name]["tier_read"] == runs[name]["tier_written"] == state, runs[name]
         assert runs[name]["tier"] <= report["allowed_growth"], runs[name]
     assert runs["cpu"]["tier_read"] == 0 and report["leftover_files"] == []
+
+
+def test_cpu_adam_benchmark_compares_the_offloaded_step_with_torch_and_deepspeed():
+    result = subprocess.run([sys.executable, str(REPO / "benchmarks" / "cpu_adam.py"), "--smoke"],
+                            capture_output=True, text=True, timeout=300, env=child_env())
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [[cell.strip() for cell in line.split(" | ")] for line in result.stdout.splitlines() if " | " in line]
+    names = {(row[0].split()[0], row[1]) for row in rows[1:]}
+    try:
+        import deepspeed.ops.adam  # noqa: F401  (only its row depends on it)
+        expected = {"deepspeed", "cpu_kernel *", "fused", "for_loop", "foreach"}
+    except ImportError:
+        expected = {"cpu_kernel *", "fused", "for_loop", "foreach"}
+        assert "deepspeed: not importable here" in result.stdout
+    assert names == {(layout, name) for layout in ("list", "flat") for name in expected}, names
+    for row in rows[1:]:
+        assert float(row[2]) > 0 and float(row[-1]) < 1e-5, row  # every kernel ends where the for-loop does

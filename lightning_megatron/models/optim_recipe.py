@@ -22,6 +22,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
 from lightning_megatron.models.formats import HFFormat, sharded_checkpoint_reader
+from lightning_megatron.offload.settings import tier_of
+from lightning_megatron.optim.cpu_adam import CPUAdamW
 
 
 def warmup_cosine_factor(
@@ -53,7 +55,7 @@ def warmup_cosine_factor(
     return factor
 
 
-ADAM_IMPLEMENTATIONS = ("auto", "fused", "foreach", "for_loop")
+ADAM_IMPLEMENTATIONS = ("auto", "cpu_kernel", "fused", "foreach", "for_loop")
 
 
 def adamw_implementation(params: list[torch.Tensor], implementation: str = "auto", *,
@@ -83,6 +85,27 @@ def adamw_implementation(params: list[torch.Tensor], implementation: str = "auto
     return {"fused": implementation == "fused", "foreach": implementation == "foreach"}
 
 
+def adamw_optimizer(groups: list[dict], implementation: str = "auto", *, mixed_precision: bool = False,
+                    offloaded: bool = False, **hyper: Any) -> torch.optim.AdamW:
+    """AdamW over param ``groups`` (``hyper``: lr, betas, eps, weight_decay) with ``implementation``'s kernels.
+
+    ``"cpu_kernel"``: :class:`~lightning_megatron.optim.cpu_adam.CPUAdamW`, one parallel pass over all float32 CPU
+    tensors per step (as fast as DeepSpeed's ``DeepSpeedCPUAdam`` or faster, and faster than torch's fused CPU
+    kernel: ``benchmarks/cpu_adam.py``), with :func:`adamw_implementation`'s ``"auto"`` kernels for other tensors.
+    ``"auto"`` takes it when the step runs on the CPU: every parameter is there, or ``offloaded`` (the strategy's
+    ``offload_optimizer``: the parameters are on the accelerator, but the optimizer is rebound to fp32 pieces in
+    host memory); else :func:`adamw_implementation`'s choice.
+    """
+    params = [p for group in groups for p in group["params"]]
+    on_cpu = offloaded or (bool(params) and all(p.device.type == "cpu" for p in params))
+    if implementation == "auto" and on_cpu and not any(isinstance(p, DTensor) for p in params):
+        implementation = "cpu_kernel"
+    if implementation == "cpu_kernel":
+        return CPUAdamW(groups, **hyper, **adamw_implementation(params, "auto", mixed_precision=mixed_precision))
+    return torch.optim.AdamW(groups, **hyper, **adamw_implementation(params, implementation,
+                                                                      mixed_precision=mixed_precision))
+
+
 def adamw_warmup_cosine(
     module: L.LightningModule,
     *,
@@ -99,19 +122,22 @@ def adamw_warmup_cosine(
     The cosine spans ``trainer.estimated_stepping_batches`` (warmup included), so it ends where training
     ends. When the Trainer has no last step (``max_time`` with ``max_steps=-1``, or ``max_epochs=-1``),
     the learning rate warms up and then holds at ``learning_rate`` (an info message says so): set
-    ``Trainer(max_steps=...)`` for the cosine. ``implementation``: ``"auto"`` (fused where the device has it),
-    ``"fused"``, ``"foreach"`` or ``"for_loop"`` (:func:`adamw_implementation`).
+    ``Trainer(max_steps=...)`` for the cosine. ``implementation``: ``"auto"`` (this
+    package's CPU kernel where the step runs on the CPU, else fused where the device has it), ``"cpu_kernel"``,
+    ``"fused"``, ``"foreach"`` or ``"for_loop"`` (:func:`adamw_optimizer`).
     """
     params = list(module.parameters())
-    optimizer = torch.optim.AdamW(
+    optimizer = adamw_optimizer(
         [
             {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
         ],
+        implementation,
+        mixed_precision=_lightning_mixed_precision(module),
+        offloaded=_offloads_optimizer(module),
         lr=learning_rate,
         betas=betas,
         eps=eps,
-        **adamw_implementation(params, implementation, mixed_precision=_lightning_mixed_precision(module)),
     )
     total_steps = _training_horizon(module, warmup_steps)
     factor = warmup_cosine_factor(
@@ -119,6 +145,18 @@ def adamw_warmup_cosine(
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
     return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def _offloads_optimizer(module: L.LightningModule) -> bool:
+    """Whether the Trainer's strategy steps the optimizer in host memory (``Megatron3DStrategy(offload_optimizer=)``:
+    ``True``, ``"cpu"`` or ``"nvme"``, whose tiles are stepped on the host too)."""
+    if module._trainer is None:
+        return False
+    try:
+        offload = getattr(module.trainer.strategy, "offload_optimizer", False)
+        return tier_of(offload, option="offload_optimizer") != "none"
+    except ValueError:  # another strategy's own meaning of the name
+        return False
 
 
 def _lightning_mixed_precision(module: L.LightningModule) -> bool:

@@ -1,0 +1,59 @@
+"""optim.cpu_adam.CPUAdamW: torch's AdamW to float32 rounding, with the same state, and the recipe's choice of it."""
+
+import pytest
+import torch
+
+from lightning_megatron.models.optim_recipe import adamw_optimizer
+from lightning_megatron.optim.cpu_adam import CPUAdamW
+
+# A few large and many small tensors, sizes that split unevenly over threads and cache lines, a 1-element one.
+SHAPES = [(300, 77), (5,), (4097,), (64, 64), (1,), (3, 5, 7)]
+
+
+def train(optimizer_class, steps=6, **kwargs):
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(shape)) for shape in SHAPES]
+    groups = [{"params": params[:3], "weight_decay": 0.1}, {"params": params[3:], "weight_decay": 0.0}]
+    optimizer = optimizer_class(groups, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, **kwargs)
+    generator = torch.Generator().manual_seed(1)
+    for step in range(steps):
+        for param in params:
+            param.grad = torch.randn(param.shape, generator=generator) * (1e-3 if step % 2 else 1.0)
+        optimizer.step()
+        optimizer.param_groups[0]["lr"] *= 0.9  # a schedule: the hyper-parameters are read every step
+    return params, optimizer
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_matches_torch_adamw_to_float32_rounding(threads):
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        ours, optimizer = train(CPUAdamW, fused=True, amsgrad=False)
+    finally:
+        torch.set_num_threads(previous)
+    reference, torch_optimizer = train(torch.optim.AdamW, foreach=False, amsgrad=False)
+    for mine, theirs in zip(ours, reference):
+        torch.testing.assert_close(mine.detach(), theirs.detach(), rtol=2e-6, atol=2e-6)
+    state, torch_state = optimizer.state_dict(), torch_optimizer.state_dict()
+    # AdamW's state dict, entry for entry: either optimizer loads the other's checkpoints
+    assert [set(group) for group in state["param_groups"]] == [set(group) for group in torch_state["param_groups"]]
+    for index, entry in torch_state["state"].items():
+        assert set(state["state"][index]) == set(entry) and state["state"][index]["step"] == entry["step"]
+        torch.testing.assert_close(state["state"][index]["exp_avg_sq"], entry["exp_avg_sq"], rtol=2e-6, atol=1e-12)
+
+
+def test_tensors_outside_the_kernel_take_torchs_path():
+    """amsgrad is not in the kernel: those groups step exactly as torch's own AdamW does."""
+    ours, _ = train(CPUAdamW, amsgrad=True, foreach=False)
+    reference, _ = train(torch.optim.AdamW, amsgrad=True, foreach=False)
+    assert all(torch.equal(a.detach(), b.detach()) for a, b in zip(ours, reference))
+
+
+def test_recipe_auto_picks_it_where_the_step_runs_on_the_cpu():
+    cpu = [{"params": [torch.nn.Parameter(torch.zeros(4))]}]
+    assert type(adamw_optimizer(cpu, "auto", lr=1e-3)) is CPUAdamW
+    assert type(adamw_optimizer(cpu, "fused", lr=1e-3)) is torch.optim.AdamW
+    meta = [{"params": [torch.nn.Parameter(torch.zeros(4, device="meta"))]}]  # an accelerator's parameters
+    assert type(adamw_optimizer(meta, "auto", lr=1e-3)) is torch.optim.AdamW
+    assert type(adamw_optimizer(meta, "auto", offloaded=True, lr=1e-3)) is CPUAdamW
