@@ -57,3 +57,21 @@ def test_recipe_auto_picks_it_where_the_step_runs_on_the_cpu():
     meta = [{"params": [torch.nn.Parameter(torch.zeros(4, device="meta"))]}]  # an accelerator's parameters
     assert type(adamw_optimizer(meta, "auto", lr=1e-3)) is torch.optim.AdamW
     assert type(adamw_optimizer(meta, "auto", offloaded=True, lr=1e-3)) is CPUAdamW
+
+
+@pytest.mark.parametrize("offload, expected", [(False, torch.optim.AdamW), ("cpu", CPUAdamW), ("nvme", CPUAdamW)])
+def test_recipe_reads_the_strategys_offload_tier(offload, expected, tmp_path):
+    """The GPT recipe under a Trainer: parameters on an accelerator (meta here) step on the host when the strategy
+    offloads the optimizer, to either tier."""
+    import lightning as L
+
+    from lightning_megatron import Megatron3DStrategy
+    from lightning_megatron.models import GPT
+
+    strategy = Megatron3DStrategy(offload_optimizer=offload, offload_path=str(tmp_path) if offload == "nvme" else None)
+    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=1, logger=False, max_steps=1)
+    module = GPT("gpt-tiny")
+    with torch.device("meta"):
+        module.configure_model()
+    module.trainer = trainer
+    assert type(module.configure_optimizers()["optimizer"]) is expected

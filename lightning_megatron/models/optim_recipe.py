@@ -22,7 +22,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
 from lightning_megatron.models.formats import HFFormat, sharded_checkpoint_reader
-from lightning_megatron.offload.settings import tier_of
+from lightning_megatron.offload.settings import OffloadSettings
 from lightning_megatron.optim.cpu_adam import CPUAdamW
 
 
@@ -148,15 +148,10 @@ def adamw_warmup_cosine(
 
 
 def _offloads_optimizer(module: L.LightningModule) -> bool:
-    """Whether the Trainer's strategy steps the optimizer in host memory (``Megatron3DStrategy(offload_optimizer=)``:
-    ``True``, ``"cpu"`` or ``"nvme"``, whose tiles are stepped on the host too)."""
-    if module._trainer is None:
-        return False
-    try:
-        offload = getattr(module.trainer.strategy, "offload_optimizer", False)
-        return tier_of(offload, option="offload_optimizer") != "none"
-    except ValueError:  # another strategy's own meaning of the name
-        return False
+    """Whether the Trainer's strategy steps the optimizer in host memory (``Megatron3DStrategy``'s ``offload``
+    settings: ``offload_optimizer="cpu"`` or ``"nvme"``, whose tiles are stepped on the host too)."""
+    offload = getattr(module.trainer.strategy, "offload", None) if module._trainer is not None else None
+    return isinstance(offload, OffloadSettings) and offload.optimizer != "none"
 
 
 def _lightning_mixed_precision(module: L.LightningModule) -> bool:
