@@ -381,6 +381,7 @@ class Megatron3DStrategy(CheckpointHooks, StepHooks, ParallelStrategy):
         datamodule = getattr(trainer, "datamodule", None)
         settings = dict(zero_stage=self._requested["zero_stage"], sequence_parallel=self._requested["sequence_parallel"],
                         activation_checkpointing=self.activation_checkpointing, offload_optimizer=self.offload.optimizer,
+                        offload_parameters=self.offload.parameters,
                         micro_batch_size=self.micro_batch_size, overlap_param_gather=self.overlap_param_gather)
         if self.pipeline_schedule != "1f1b":  # 1F1B (the default) may become interleaved 1F1B for virtual stages
             settings["pipeline_schedule"] = self.pipeline_schedule

@@ -73,10 +73,9 @@ def test_each_rank_writes_its_own_shards_of_the_saved_weights(saved_run):
 LOADS = {  # (tp, pp, virtual pp, zero_stage, context parallel, optimizer offload tier): world size
     (2, 2, 1, 1, 1, "none"): 8,  # the saving layout: exact
     (1, 1, 1, 0, 1, "none"): 1,
-    (4, 1, 1, 2, 1, "none"): 8,
+    (4, 1, 1, 2, 1, "nvme"): 8,  # the optimizer state read into the 'nvme' tier's files in place, and saved from them
     (1, 2, 2, 1, 1, "none"): 4,  # interleaved: each rank holds layers 0 and 2 or 1 and 3; ZeRO-1 over dp2
     (2, 1, 1, 3, 2, "none"): 4,  # tp2 x cp2, ZeRO-3: FSDP over the 2 context-parallel replicas, each batch cut by the strategy
-    (2, 1, 1, 2, 1, "nvme"): 4,  # the optimizer state read into the 'nvme' tier's files in place, and saved from them
 }
 
 
