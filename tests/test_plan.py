@@ -37,6 +37,16 @@ print(json.dumps(out))
 """
 
 
+@pytest.fixture
+def no_process_group():
+    """The planner builds shards over torch's fake process group, which needs a process without a default group; an
+    in-process Trainer earlier in the session may have left one (each Trainer makes its own when it starts)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def predicted_bytes() -> dict:
     """The planner's bytes for every rank of every ``BYTE_LAYOUTS`` layout. It builds each rank's shards over torch's
     fake process group, which needs a process without a default group: a fresh one."""
@@ -269,7 +279,7 @@ def test_overlapped_parameter_gather_is_predicted_under_the_next_forward():
                          shape.num_layers)
 
 
-def test_offload_tiers_move_the_zero_formulas_bytes_off_the_device():
+def test_offload_tiers_move_the_zero_formulas_bytes_off_the_device(no_process_group):
     """Mixed-precision Adam over N=4 (bf16 parameters, Ψ of them): ZeRO-1 holds 2Ψ + 2Ψ + 12Ψ/N on the device;
     ``offload_optimizer="cpu"`` moves the 12Ψ/N of main parameters and moments to host RAM (with the step's fp32
     host gradients, 4Ψ/N), ``"nvme"`` moves them and those gradients to disk and keeps only the tile pool in RAM.
@@ -311,7 +321,7 @@ def test_offload_tiers_move_the_zero_formulas_bytes_off_the_device():
                      planner.module, planner.shape.num_layers)
 
 
-def test_llama_8b_fits_one_24gb_gpu_with_its_state_on_the_host(capsys):
+def test_llama_8b_fits_one_24gb_gpu_with_its_state_on_the_host(capsys, no_process_group):
     """The workstation question: Llama-3.1-8B on one 24 GB GPU. ZeRO 0-2 keep 16-bit parameters and gradients on the
     device (4 bytes x 8.03B = 32 GB), so only ZeRO-3 with its parameters offloaded to host memory fits, and that needs
     the 16 bytes a parameter of fp32 shards, gradients and moments in RAM; with 64 GB of RAM nothing fits, and the
