@@ -47,7 +47,7 @@ class OffloadFiles:
                 path = self.path(name)
                 fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
                 self._fds[name] = fd
-                nbytes = numel * _element_size(dtype)
+                nbytes = numel * element_size(dtype)
                 if nbytes:
                     os.posix_fallocate(fd, 0, nbytes)  # the disk space, now; ENOSPC here, not mid-step
         except BaseException:
@@ -59,7 +59,7 @@ class OffloadFiles:
 
     @property
     def nbytes(self) -> int:
-        return sum(numel * _element_size(dtype) for numel, dtype in self.streams.values())
+        return sum(numel * element_size(dtype) for numel, dtype in self.streams.values())
 
     def piece(self, name: str, start: int, numel: int) -> Tensor:
         """Elements ``[start, start + numel)`` of a stream, memory-mapped from its file (shared: writes reach it)."""
@@ -68,7 +68,7 @@ class OffloadFiles:
             raise IndexError(f"elements [{start}, {start + numel}) are outside stream {name!r} of {total}")
         if not numel:
             return torch.empty(0, dtype=dtype)
-        item = _element_size(dtype)
+        item = element_size(dtype)
         array = numpy.memmap(self.path(name), dtype=numpy.uint8, mode="r+", offset=start * item, shape=(numel * item,))
         return torch.from_numpy(array).view(dtype)
 
@@ -105,5 +105,5 @@ class OffloadFiles:
         shutil.rmtree(self.folder, ignore_errors=True)
 
 
-def _element_size(dtype: torch.dtype) -> int:
+def element_size(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()

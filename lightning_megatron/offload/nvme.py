@@ -25,8 +25,8 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_megatron.offload.files import OffloadFiles
-from lightning_megatron.offload.tiled_step import MAIN, TiledPiece, TiledStep, state_stream
+from lightning_megatron.offload.files import OffloadFiles, element_size
+from lightning_megatron.offload.tiled_step import MAIN, TiledPiece, TiledStep, pool_bytes, state_stream, tile_numel
 
 GRAD = "grad"
 
@@ -70,15 +70,15 @@ class NvmeOptimizerTier:
         self.inner_step = optimizer.step
         self.state_keys = probe_state_keys(optimizer, self.inner_step)
         total = sum(values.numel() for values, _ in pieces)
-        tile_numel = max(1, int(buffer_mb * 2**20) // 4)
+        tile = tile_numel(buffer_mb)
         streams = {MAIN: (total, torch.float32),
                    **{state_stream(key): (total, dtype) for key, dtype in self.state_keys.items()}}
         if not grads_in_place:
             streams[GRAD] = (total, torch.float32)
-        pool_bytes = 3 * min(tile_numel, total) * sum(torch.empty((), dtype=dtype).element_size()
-                                                      for name, (_, dtype) in streams.items() if name != GRAD)
-        check_resources(path, disk_bytes=sum(n * torch.empty((), dtype=d).element_size() for n, d in streams.values()),
-                        pool_bytes=pool_bytes, ranks_sharing_host=ranks_sharing_host, rank=rank)
+        pool = pool_bytes(buffer_mb, [element_size(dtype) for name, (_, dtype) in streams.items() if name != GRAD],
+                          total)
+        check_resources(path, disk_bytes=sum(n * element_size(d) for n, d in streams.values()), pool_bytes=pool,
+                        ranks_sharing_host=ranks_sharing_host, rank=rank)
         try:
             self.files = OffloadFiles(path, streams, prefix=f"lightning-megatron-rank{rank}-")
         except OSError as error:
@@ -93,7 +93,7 @@ class NvmeOptimizerTier:
                 main.copy_(values.reshape(-1))
                 self.mains.append(TiledPiece(main, group, start))
                 start += values.numel()
-        self.engine = TiledStep(optimizer, self.mains, self.files, self.state_keys, tile_numel=tile_numel,
+        self.engine = TiledStep(optimizer, self.mains, self.files, self.state_keys, tile_numel=tile,
                                 write_back=write_back, pin_memory=pin_memory)
         optimizer.step = self.step  # the instance's step: Lightning, GradScaler and LR schedulers call this one
 

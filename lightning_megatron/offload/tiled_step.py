@@ -34,6 +34,18 @@ MAIN = "main"
 SLOTS = 3  # read ahead, step, write behind
 
 
+def tile_numel(buffer_mb: float) -> int:
+    """fp32 elements in a tile whose buffers hold ``buffer_mb`` MiB each (``offload_buffer_mb``)."""
+    return max(1, int(buffer_mb * 2**20) // 4)
+
+
+def pool_bytes(buffer_mb: float, element_sizes: list[int], total: Optional[int] = None) -> int:
+    """Host bytes of the pool: :data:`SLOTS` tiles of one buffer per stream (``element_sizes``: bytes of an element of
+    each; a tile holds at most ``total`` elements, the whole layout, where that is smaller)."""
+    elements = tile_numel(buffer_mb) if total is None else min(tile_numel(buffer_mb), total)
+    return SLOTS * elements * sum(element_sizes)
+
+
 def state_stream(key: str) -> str:
     """The stream (file) of an optimizer state tensor, e.g. ``state.exp_avg``."""
     return f"state.{key}"

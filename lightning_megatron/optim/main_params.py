@@ -192,15 +192,11 @@ class MainParamOptimizer:
 
     def main_param_bytes(self) -> int:
         """Bytes of fp32 copies in memory; pieces that are views of fp32 parameters, or in the ``"nvme"`` tier's
-        files, cost nothing here (:meth:`disk_bytes`)."""
+        files, cost nothing here (``nvme.disk_bytes``)."""
         if self.nvme is not None:
             return 0
         return sum(main.numel() * main.element_size() for piece, main in self.pieces
                    if main.data_ptr() != piece.param.view(-1)[piece.start : piece.stop].data_ptr())
-
-    def disk_bytes(self) -> int:
-        """Bytes of the ``"nvme"`` tier's files (main parameters, optimizer state, gradient copies)."""
-        return self.nvme.disk_bytes if self.nvme is not None else 0
 
 
 def uses_main_params(params: list[nn.Parameter], zero_stage: int, offload: Union[OffloadSettings, TierOption] = False
@@ -218,7 +214,7 @@ def model_state_bytes(
     optimizer: Optimizer,
 ) -> dict[str, int]:
     """Per-rank bytes in memory of parameters, gradients, fp32 main parameters and optimizer state (tensors, not step
-    counters); what the ``"nvme"`` tier keeps in its files is not in memory (``MainParamOptimizer.disk_bytes``)."""
+    counters); what the ``"nvme"`` tier keeps in its files is not in memory (``NvmeOptimizerTier.disk_bytes``)."""
     state = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, Tensor) and v.dim() > 0]
     on_disk = main is not None and main.nvme is not None  # its state tensors are views of its files
     return {

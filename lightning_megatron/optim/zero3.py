@@ -129,6 +129,7 @@ from torch import Tensor, nn
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
+from lightning_megatron.offload.settings import OffloadSettings
 from lightning_megatron.optim.clip import counted_squares, reduce_squares
 from lightning_megatron.optim.grad_sync import flat_part, sum_over_group, sum_tokens
 from lightning_megatron.optim.partial_grads import partial_grad_groups
@@ -167,17 +168,8 @@ def offload_policy(offload_parameters: str, device_type: str) -> OffloadPolicy:
     state like the parameters, steps there too; pinned on CUDA, where pinning makes the per-layer copies
     asynchronous (without an accelerator there is nothing to pin for, and torch refuses to pin).
     """
-    if offload_parameters == "none":
-        return OffloadPolicy()
-    if offload_parameters == "cpu":
-        return CPUOffloadPolicy(pin_memory=device_type == "cuda")
-    if offload_parameters == "nvme":
-        raise ValueError(
-            "offload_parameters='nvme' is not supported: under ZeRO-3, FSDP2 allocates each step's gradient shards, "
-            "and the optimizer its state, in private host memory, so they cannot be kept in files under "
-            "offload_path. Use offload_parameters='cpu' (parameters, gradients and optimizer state in host memory), "
-            "or zero_stage=1 or 2 with offload_optimizer='nvme'.")
-    raise ValueError(f"offload_parameters={offload_parameters!r} under zero_stage=3: use 'none' or 'cpu'.")
+    tier = OffloadSettings.from_options(offload_parameters=offload_parameters, zero_stage=3).parameters  # refuses "nvme"
+    return CPUOffloadPolicy(pin_memory=device_type == "cuda") if tier == "cpu" else OffloadPolicy()
 
 
 def _buffers_to(module: nn.Module, device: Union[torch.device, str]) -> None:

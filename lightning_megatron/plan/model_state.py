@@ -48,6 +48,7 @@ import torch
 from torch import nn
 
 from lightning_megatron.offload.settings import DEFAULT_BUFFER_MB
+from lightning_megatron.offload.tiled_step import pool_bytes
 from lightning_megatron.optim.grad_sync import bucket_numel, cut_buckets
 from lightning_megatron.optim.main_params import uses_main_params
 from lightning_megatron.parallel.summary import MODEL_STATE_KEYS
@@ -138,9 +139,9 @@ def gpu_bytes(state: dict[str, int], layout: Layout) -> int:
 
 
 def nvme_pool_bytes(state_bytes_per_element: int, buffer_mb: float = DEFAULT_BUFFER_MB) -> int:
-    """The ``"nvme"`` tier's host buffers: 3 tiles (read ahead, step, write behind), each a buffer of
-    ``buffer_mb`` MiB for the fp32 main parameters and one per fp32 state tensor (AdamW: 2)."""
-    return 3 * (1 + state_bytes_per_element // 4) * int(buffer_mb * 2**20)
+    """The ``"nvme"`` tier's host buffers (``offload.tiled_step.pool_bytes``): 3 tiles (read ahead, step, write
+    behind), each a buffer of ``buffer_mb`` MiB for the fp32 main parameters and one per fp32 state tensor (AdamW: 2)."""
+    return pool_bytes(buffer_mb, [4] * (1 + state_bytes_per_element // 4))
 
 
 def _fsdp_chunk(shape: tuple[int, ...], world: int, rank: int) -> int:
