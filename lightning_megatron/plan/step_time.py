@@ -44,6 +44,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from lightning_megatron.plan.flops import attention_core_flops, layer_gemm_flops
 from lightning_megatron.plan.hardware import Hardware
 from lightning_megatron.plan.layout import Layout, Workload
 from lightning_megatron.plan.shape import ModelShape
@@ -94,8 +95,8 @@ def step_time(shape: ModelShape, layout: Layout, workload: Workload, hardware: H
     memory_rate = hardware.memory_bandwidth * hardware.memory_efficiency
 
     # ---- compute of one micro-batch on the slowest rank
-    core = _attention_core_flops(shape, workload) / tp  # per token, forward
-    layer_forward = _layer_gemm_flops(shape) / tp
+    core = attention_core_flops(shape, workload.seq_length, skip_masked_half=workload.attention == "flash") / tp
+    layer_forward = layer_gemm_flops(shape) / tp  # per token, forward
     recomputed_gemm = layer_forward if layout.activation_checkpointing == "full" else 0.0
     recomputed_core = core if layout.activation_checkpointing != "none" else 0.0
     # Flash attention's fused kernels run at attention_efficiency; materialised scores are batched GEMMs.
@@ -175,25 +176,6 @@ def _layers_of_slowest_rank(shape: ModelShape, layout: Layout) -> float:
     pp = layout.pipeline_parallel_size
     counts = layout.pipeline_layers_per_stage
     return max(sum(counts[rank::pp]) for rank in range(pp))
-
-
-def _layer_gemm_flops(shape: ModelShape) -> float:
-    """Forward GEMM FLOPs per token of an average layer, outside attention's core (the whole layer's, not /tp)."""
-    h, d = shape.hidden_size, shape.head_dim
-    qkv = 2 * h * (shape.num_heads + 2 * shape.query_groups) * d
-    proj = 2 * shape.num_heads * d * h
-    matrices = 3 if shape.gated_mlp else 2
-    dense_mlp = matrices * 2 * h * shape.ffn_size
-    moe_mlp = (2 * h * shape.num_experts + shape.top_k * matrices * 2 * h * shape.expert_ffn_size
-               + matrices * 2 * h * shape.shared_expert_size)
-    mlp = (shape.dense_layers * dense_mlp + shape.moe_layers * moe_mlp) / shape.num_layers
-    return qkv + proj + mlp
-
-
-def _attention_core_flops(shape: ModelShape, workload: Workload) -> float:
-    """Forward FLOPs per token of ``Q K^T`` and ``P V`` (not /tp); flash attention skips causal's masked half."""
-    full = 4 * workload.seq_length * shape.num_heads * shape.head_dim
-    return full / 2 if shape.causal and workload.attention == "flash" else full
 
 
 def _layer_elementwise_bytes(shape: ModelShape, layout: Layout, w: int) -> float:
