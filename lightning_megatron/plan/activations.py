@@ -20,8 +20,16 @@ attention output + log-sum-exp      ``a d`` (+ ``a`` fp32)                 ``t``
 proj input                          ``a d``                                ``t``
 MLP (GELU: fc out, GELU out)        ``2 f``; SwiGLU ``4 f`` (gate|up, silu,    ``t``
                                     product)
+MoE MLP (instead)                   ``top_k (3 h + MLP of f_e)``: the        ``t`` (the experts')
+                                    arrived copies, the returned ones and
+                                    their weighted view; the router's
+                                    fp32 ``2 E + 2 top_k + 2`` and int64
+                                    ``4 top_k`` (scores, ids, indices)
 dropout masks (dropout > 0)         ``2 h`` bytes                          ``q``
 ==================================  =====================================  ==============================
+
+RMSNorm (``models.norms``, unfused) keeps more than the fused LayerNorm: its input in fp32 (``4 h`` bytes per norm)
+besides the normalised input (``h``, the ``norm inputs`` row) and rstd.
 
 Full recomputation keeps only each layer's input (``h / q``). The first pipeline stage adds the
 embedding's token ids (8 bytes); the last the final norm's input, the head's input, the logits
@@ -65,21 +73,32 @@ def layer_saved_bytes(shape: ModelShape, layout: Layout, w: int, mode: Optional[
     rotary = (a + kv_heads) * d / t * w if shape.rotary else 0.0
     attention_out = a * d / t * w  # the flash kernel's output, a view of which proj keeps
     lse = a / t * 4 if mode == "none" else 0.0
-    mlp = _mlp_saved(shape, t) * w
+    mlp = _mlp_saved(shape, t) * w + _router_saved_bytes(shape)
     masks = 2 * h / q if shape.dropout > 0 else 0.0
-    return norms + inputs + qkv + rotary + attention_out + lse + mlp + masks
+    # RMSNorm (models.norms) also keeps its input in fp32 (4 bytes; besides the normalised input in ``norms``).
+    norm_fp32_inputs = 2 * h * 4 / q if shape.rms_norm else 0.0
+    return norm_fp32_inputs + norms + inputs + qkv + rotary + attention_out + lse + mlp + masks
 
 
 def _mlp_saved(shape: ModelShape, t: int) -> float:
     """Elements per token an MLP keeps: GELU fc's output and the GELU's (2 f); SwiGLU the gate|up output, the
-    SiLU's, its contiguous gate and the product (5 f, measured on ``models.mlp.GatedMLP``)."""
-    per_width = 5 if shape.gated_mlp else 2
+    SiLU's and the product (4 f; the SiLU's input is a view of gate|up; measured on ``models.mlp.GatedMLP``). An MoE
+    layer's experts keep that of each of the ``top_k`` copies of a token, and the layer the copies that arrive, the
+    ones that come back and their weighted view (``3 h`` each; measured on ``models.moe.MoE``)."""
+    per_width = 4 if shape.gated_mlp else 2
     if not shape.moe_layers:
         return per_width * shape.ffn_size / t
     dense = per_width * shape.ffn_size / t
-    moe = shape.top_k * (shape.hidden_size + per_width * shape.expert_ffn_size / t) \
+    moe = shape.top_k * (3 * shape.hidden_size + per_width * shape.expert_ffn_size / t) \
         + per_width * shape.shared_expert_size / t
     return (shape.dense_layers * dense + shape.moe_layers * moe) / shape.num_layers
+
+
+def _router_saved_bytes(shape: ModelShape) -> float:
+    """Bytes per token an average layer's router keeps (MoE layers only): fp32 scores and probabilities
+    (``2 E``), the chosen weights (twice) and two per-token sums; int64 expert ids and the dispatch's indices."""
+    per_moe_layer = (2 * shape.num_experts + 2 * shape.top_k + 2) * 4 + 4 * shape.top_k * 8
+    return per_moe_layer * shape.moe_layers / shape.num_layers
 
 
 def _mlp_gradient(shape: ModelShape, t: int) -> float:
