@@ -44,7 +44,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from lightning_megatron.plan.flops import attention_core_flops, layer_gemm_flops
+from lightning_megatron.plan.communication import Collective, step_collectives
+from lightning_megatron.plan.flops import attention_core_flops, layer_gemm_flops, pipeline_rank_layers
 from lightning_megatron.plan.hardware import Hardware
 from lightning_megatron.plan.layout import Layout, Workload
 from lightning_megatron.plan.shape import ModelShape
@@ -88,7 +89,8 @@ def step_time(shape: ModelShape, layout: Layout, workload: Workload, hardware: H
     w = workload.compute_bytes
     tokens = layout.micro_batch_size * workload.seq_length // cp
     micro_batches = layout.micro_batches(workload)
-    layers = _layers_of_slowest_rank(shape, layout)
+    slowest = _slowest_rank(shape, layout)
+    layers = pipeline_rank_layers(shape, layout, slowest)
     node = hardware.gpus_per_node
     tp_link = _bandwidth(hardware, tp * cp <= node)
     flops_rate = hardware.flops(workload.sixteen_bit_compute)
@@ -114,50 +116,54 @@ def step_time(shape: ModelShape, layout: Layout, workload: Workload, hardware: H
                             + 20 * vocab)
     compute_mb = gemm / flops_rate + attention / core_rate + elementwise / memory_rate
 
-    # ---- tensor parallel (not overlapped)
-    tp_mb = 0.0
-    if tp > 1:
-        per_layer = 4 + 2 * (layout.activation_checkpointing == "full")  # all-reduces, or their AG + RS pairs
-        volume = tokens * shape.hidden_size * w
-        collectives = layers * per_layer + 2  # + the embedding's and the head's
-        tp_mb = collectives * (2 * (tp - 1) / tp * volume / tp_link + hardware.collective_latency
-                               * (2 if layout.sequence_parallel else 1))
+    # ---- communication: the bytes and calls of plan.communication, per micro-batch
+    collectives = step_collectives(shape, layout, workload, model_state, pipeline_rank=slowest)
+    tp_bytes, tp_calls = _per_micro_batch(collectives, "tp", micro_batches)
+    tp_mb = tp_bytes / tp_link + tp_calls * hardware.collective_latency  # not overlapped
 
-    # ---- context parallel ring, overlapped with the attention blocks
-    cp_mb = 0.0
-    if cp > 1:
-        kv_bytes = tokens * 2 * shape.query_groups * shape.head_dim / min(tp, shape.query_groups) * w
-        ring = (3 * cp - 2) * (kv_bytes / tp_link + hardware.collective_latency)
-        attention_compute = tokens * 3 * core / core_rate
-        cp_mb = layers * _exposed(ring, attention_compute, hardware)
+    # ---- context parallel ring, overlapped with the attention blocks (K and V travel together: one latency a hop)
+    cp_bytes, cp_calls = _per_micro_batch(collectives, "cp", micro_batches)
+    attention_compute = layers * tokens * 3 * core / core_rate
+    cp_mb = _exposed(cp_bytes / tp_link + cp_calls / 2 * hardware.collective_latency, attention_compute, hardware) \
+        if cp > 1 else 0.0
 
     # ---- expert parallel all-to-alls
-    ep_mb = 0.0
-    if layout.expert_parallel_size > 1 and shape.moe_layers:
-        ep = layout.expert_parallel_size
-        moe_layers = shape.moe_layers * layers / shape.num_layers
-        link = _bandwidth(hardware, tp * cp * ep <= node)
-        ep_mb = moe_layers * 4 * ((ep - 1) / ep * tokens * shape.top_k * shape.hidden_size * w / link
-                                  + hardware.collective_latency)
+    ep_bytes, ep_calls = _per_micro_batch(collectives, "ep", micro_batches)
+    ep_link = _bandwidth(hardware, tp * cp * layout.expert_parallel_size <= node)
+    ep_mb = ep_bytes / ep_link + ep_calls * hardware.collective_latency
 
-    # ---- pipeline point-to-point and bubble
+    # ---- pipeline point-to-point (the rank that sends the most: a middle one) and bubble
     p2p_mb = 0.0
     if pp > 1:
-        sent = tokens * shape.hidden_size * w / (tp if layout.sequence_parallel else 1)
         link = _bandwidth(hardware, tp * cp * layout.data_parallel_size * pp <= node)
-        p2p_mb = 2 * vpp * (sent / link + hardware.collective_latency)
+        p2p_mb = max(bytes_ / link + calls * hardware.collective_latency for bytes_, calls in (
+            _per_micro_batch(step_collectives(shape, layout, workload, model_state, pipeline_rank=rank), "pp",
+                             micro_batches) for rank in range(pp)))
     micro_batch_time = compute_mb + tp_mb + cp_mb + ep_mb
     compute, tensor, context, expert = (micro_batches * t for t in (compute_mb, tp_mb, cp_mb, ep_mb))
     bubble = (pp - 1) / vpp * (micro_batch_time + p2p_mb) if pp > 1 else 0.0
 
     # ---- data parallel and the optimizer
-    data = _data_parallel(layout, workload, hardware, model_state, micro_batches, compute_mb, micro_batch_time)
+    data = _data_parallel(layout, workload, hardware, model_state, collectives, micro_batches, compute_mb,
+                          micro_batch_time)
     owned = model_state["optimizer_state"] / state_bytes_per_element  # fp32 elements this rank steps
     if layout.offload_tier == "none":
         offloaded = (owned * ADAM_BYTES_PER_ELEMENT / memory_rate, 0.0, 0.0)
     else:
         offloaded = _offloaded_step(layout, workload, hardware, model_state, owned, micro_batches, micro_batch_time)
     return StepTime(compute, tensor, context, expert, micro_batches * p2p_mb, bubble, data, *offloaded)
+
+
+def _per_micro_batch(collectives: list[Collective], group: str, micro_batches: int) -> tuple[float, float]:
+    """Bytes sent and calls over ``group`` per micro-batch."""
+    mine = [c for c in collectives if c.group == group]
+    return sum(c.sent for c in mine) / micro_batches, sum(c.calls for c in mine) / micro_batches
+
+
+def _slowest_rank(shape: ModelShape, layout: Layout) -> int:
+    """The pipeline rank with the most layers (the last of them: it also runs the head)."""
+    layers = [pipeline_rank_layers(shape, layout, rank) for rank in range(layout.pipeline_parallel_size)]
+    return max(range(len(layers)), key=lambda rank: (layers[rank], rank))
 
 
 def _exposed(communication: float, concurrent_compute: float, hardware: Hardware) -> float:
@@ -168,14 +174,6 @@ def _exposed(communication: float, concurrent_compute: float, hardware: Hardware
 
 def _bandwidth(hardware: Hardware, inside_node: bool) -> float:
     return hardware.intra_node_bandwidth if inside_node else hardware.inter_node_bandwidth
-
-
-def _layers_of_slowest_rank(shape: ModelShape, layout: Layout) -> float:
-    if layout.pipeline_layers_per_stage is None:
-        return shape.num_layers / layout.pipeline_parallel_size
-    pp = layout.pipeline_parallel_size
-    counts = layout.pipeline_layers_per_stage
-    return max(sum(counts[rank::pp]) for rank in range(pp))
 
 
 def _layer_elementwise_bytes(shape: ModelShape, layout: Layout, w: int) -> float:
@@ -192,8 +190,10 @@ def _layer_elementwise_bytes(shape: ModelShape, layout: Layout, w: int) -> float
 
 
 def _data_parallel(layout: Layout, workload: Workload, hardware: Hardware, model_state: dict[str, int],
-                   micro_batches: int, compute_mb: float, micro_batch_time: float) -> float:
-    """Exposed seconds of the gradient reduction and (ZeRO 1-3) the parameter gathers over dp x cp."""
+                   collectives: list[Collective], micro_batches: int, compute_mb: float,
+                   micro_batch_time: float) -> float:
+    """Exposed seconds of the gradient reduction and (ZeRO 1-3) the parameter gathers over dp x cp (their bytes:
+    ``collectives``, ``plan.communication``'s)."""
     n = layout.replica_size
     if n == 1:
         return 0.0
@@ -204,24 +204,23 @@ def _data_parallel(layout: Layout, workload: Workload, hardware: Hardware, model
         members_per_node = max(1, min(layout.data_parallel_size, hardware.gpus_per_node // inner))
         bandwidth = min(hardware.intra_node_bandwidth, hardware.inter_node_bandwidth * members_per_node)
     latency = hardware.collective_latency
-    share = (n - 1) / n
+    replicas = [c for c in collectives if c.group in ("dp", "edp")]
+    reduced = sum(c.sent for c in replicas if c.kind != "all_gather")
+    gathered = sum(c.sent for c in replicas if c.kind == "all_gather")
     backward_window = compute_mb * 2 / 3  # the last micro-batch's backward, which the buckets overlap
     if layout.zero_stage == 3:
-        parameters = model_state["parameters"] * n / 4 * workload.compute_bytes  # gathered in the compute dtype
-        gradients = model_state["gradients"] * n  # reduced in fp32
-        per_micro_batch = share * (2 * parameters + gradients) / bandwidth + 3 * latency
+        per_micro_batch = (reduced + gathered) / micro_batches / bandwidth + 3 * latency
         return micro_batches * _exposed(per_micro_batch, micro_batch_time, hardware)
-    gradients = model_state["gradients"] * (n if layout.zero_stage == 2 else 1)
-    bucket = min(gradients, workload.bucket_size_mb * 2**20)
-    factor = 2 * share if layout.zero_stage == 0 else share
-    reduce = factor * gradients / bandwidth
-    last_bucket = factor * bucket / bandwidth + latency
     reductions = micro_batches if layout.zero_stage == 2 else 1
+    gradients = model_state["gradients"] * (n if layout.zero_stage == 2 else 1)
+    bucket_share = min(1.0, workload.bucket_size_mb * 2**20 / gradients) if gradients else 1.0
+    reduce = reduced / reductions / bandwidth
+    last_bucket = bucket_share * reduce + latency
     exposed = reductions * max(last_bucket, _exposed(reduce, backward_window, hardware))
     if layout.zero_stage in (1, 2):  # the updated parameters, all-gathered after the step
-        gather = share * model_state["parameters"] / bandwidth + latency
+        gather = gathered / bandwidth + latency
         if layout.overlap_param_gather:  # bucket by bucket under the next forward; the first one is waited for
-            first_bucket = share * min(model_state["parameters"], workload.bucket_size_mb * 2**20) / bandwidth
+            first_bucket = bucket_share * gathered / bandwidth
             gather = max(first_bucket + latency, _exposed(gather, compute_mb / 3, hardware))
         exposed += gather
     return exposed
