@@ -348,3 +348,43 @@ def test_llama_8b_fits_one_24gb_gpu_with_its_state_on_the_host(capsys, no_proces
     said = said.out + said.err
     assert "0 fit" in said and "exceeds host memory: 123.7 GiB per node of 59.6 GiB (--host-memory)" in said, said
     assert "It would fit on 4 GPUs as tp2 dp2 z2+nvme" in said, said
+
+def test_rank_flops_share_out_the_model_flops_and_add_what_the_kernels_execute(no_process_group):
+    """``plan.flops.rank_step_flops``: the ranks' model FLOPs add up to ``models.flops.gpt_flops_per_batch`` (an
+    independent count) under every parallelism, dense and MoE; recomputation and flash attention's backward are on
+    top; context parallelism's causal blocks skip half of the other ranks' scores."""
+    from dataclasses import replace
+
+    from lightning_megatron.models import GPT, GPTConfig
+    from lightning_megatron.models.flops import gpt_flops_per_batch
+    from lightning_megatron.models.moe import MoEConfig
+    from lightning_megatron.plan import Layout, Workload
+    from lightning_megatron.plan.flops import rank_step_flops
+    from lightning_megatron.plan.shape import ModelShape
+
+    llama = GPTConfig.from_name("llama-tiny", hidden_size=64, num_layers=8, num_heads=4, num_query_groups=2,
+                                ffn_hidden_size=96, vocab_size=512, max_seq_length=128)
+    moe = replace(llama, moe=MoEConfig(num_experts=4, top_k=2, ffn_hidden_size=32, layer_freq=2))
+    workload = Workload(global_batch_size=16, seq_length=128, precision="32-true", pad_vocab_to_multiple_of=1)
+    for config in (llama, moe, GPTConfig.from_name("gpt-tiny")):
+        shape = ModelShape.of(GPT(config))
+        expected = gpt_flops_per_batch(config, 16, 128)
+        for sizes in ({"data_parallel_size": 8}, {"tensor_parallel_size": 2, "data_parallel_size": 4},
+                      {"pipeline_parallel_size": 2, "virtual_pipeline_size": 2, "data_parallel_size": 2},
+                      {"context_parallel_size": 2, "tensor_parallel_size": 2, "data_parallel_size": 2}):
+            layout = Layout(**sizes, micro_batch_size=1, accumulate_grad_batches=16 // sizes["data_parallel_size"]
+                            if "pipeline_parallel_size" not in sizes else 1)
+            ranks = layout.world_size // layout.pipeline_parallel_size
+            per_rank = [rank_step_flops(shape, layout, workload, pipeline_rank=r)
+                        for r in range(layout.pipeline_parallel_size)]
+            assert sum(f.model for f in per_rank) * ranks == pytest.approx(expected, rel=1e-12), (config, sizes)
+            assert all(f.recomputation == 0 for f in per_rank)
+            if layout.context_parallel_size == 1:  # flash attention's backward computes the scores again
+                assert all(f.executed > f.model for f in per_rank)
+            full = rank_step_flops(shape, replace(layout, activation_checkpointing="full"), workload)
+            selective = rank_step_flops(shape, replace(layout, activation_checkpointing="selective"), workload)
+            assert 0 < selective.recomputation < full.recomputation < full.model / 3
+    cp1 = rank_step_flops(shape, Layout(data_parallel_size=8, accumulate_grad_batches=2), workload)
+    cp2 = rank_step_flops(shape, Layout(context_parallel_size=2, data_parallel_size=4, accumulate_grad_batches=4),
+                          workload)
+    assert cp2.model == pytest.approx(cp1.model) and cp2.executed < cp1.executed  # the ring skips masked halves
