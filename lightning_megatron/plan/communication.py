@@ -119,7 +119,7 @@ def step_collectives(shape: ModelShape, layout: Layout, workload: Workload, mode
         add("tp", "reduce_scatter", m * layers * (4 + recomputed[1]), x, "layers' row outputs")
         add("tp", "reduce_scatter", m * first, x, "embedding output")
         add("tp", "all_gather", m * first, x, "embedding output's gradient")
-        add("tp", "all_gather", m * last * (2 + regather // 2), x, "head input")
+        add("tp", "all_gather", m * last * (1 + regather // 2), x, "head input")
         add("tp", "reduce_scatter", m * last, x, "head input's gradient")
         norms = (2 * layers + last) * h * workload.parameter_bytes
         add("tp", "all_reduce", 1, norms, "norm weights' gradients")
