@@ -33,7 +33,7 @@ import subprocess
 import sys
 import tempfile
 from collections import defaultdict
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
@@ -136,7 +136,8 @@ class SentBytes(TorchDispatchMode):
     (from ``torch.distributed``'s functions, FSDP2's and the pipeline schedule's alike: they all dispatch these ops).
     A ring algorithm's bytes (``plan.communication.ring_sent``): all-reduce ``2 (n - 1) / n`` of the tensor,
     all-gather and reduce-scatter ``(n - 1) / n`` of the full one, a send its tensor, an all-to-all what leaves for
-    the other ranks (its split sizes), a receive nothing. ``names``: ``{name: group}``; an unnamed group is ``other``."""
+    the other ranks (its split sizes), a receive nothing. ``names``: ``{name: group}``; an unnamed group is
+    ``other``. Scalars (at most 2 elements) and broadcasts (the pipeline's loss totals) go to ``control``."""
 
     def __init__(self, names: dict) -> None:
         super().__init__()
@@ -335,17 +336,14 @@ def train_step(row: Row, built: Built, batch: dict) -> None:
     reduction (``finish``), the non-finite check whose norm the clip reuses, AdamW, ZeRO's parameter gathers."""
     step, root = built.step, built.module.model
     side = {key: value for key, value in batch.items() if key not in ("input_ids", "labels")}
-    if built.runner is not None:
+    if built.runner is not None:  # the schedule runs every micro-batch's forward and backward
         _, tokens = root.loss(batch["input_ids"], batch["labels"], **side)
-        step.add_tokens(tokens)
-        accumulation = 1
-    else:
+    else:  # one micro-batch
         step.sync.start_micro_batch(sync=True)
         loss_sum, tokens = root.loss(batch["input_ids"], batch["labels"], **side)
         (loss_sum * step.backward_scale(tokens, accumulation=1, loss_scale=1.0)).backward()
-        step.add_tokens(tokens)
-        accumulation = 1
-    step.finish(accumulation=accumulation, loss_scale=1.0)
+    step.add_tokens(tokens)
+    step.finish(accumulation=1, loss_scale=1.0)
     norm, _ = step.check_finite(built.optimizer.param_groups, step=0, epoch=0)
     if built.zero3 is not None:
         built.zero3.clip_grad_norm_(1.0, norm=norm)
@@ -487,6 +485,7 @@ def formulas(row: Row, pipeline_rank: int, routed_away: Optional[float]) -> dict
     token_layers = GLOBAL_BATCH // row.dp * SEQ // row.cp * pipeline_rank_layers(shape, layout, pipeline_rank)
     return {"flops": flops.executed, "model_flops": flops.model + flops.recomputation,
             "sent": sent_by_group(collectives),
+            "collectives": [f"{c.group} {c.kind} x{c.calls:g}: {c.what}" for c in collectives],
             "saved": token_layers * layer_saved_bytes(shape, layout, w),
             "korthikanti": token_layers * korthikanti_bytes(shape, layout, w)}
 
@@ -532,6 +531,7 @@ def table_rows(keys: list[str], ranks: list[dict]) -> list[dict]:
                 "activations": sum(m["saved_layers"] for m in mine) / sum(p["saved"] for p in predicted),
                 "korthikanti": sum(m["saved_layers"] for m in mine) / sum(p["korthikanti"] for p in predicted),
                 "saved_bytes": sum(m["saved_layers"] for m in mine) / len(mine),
+                "formula_collectives": predicted[0]["collectives"],
             })
     return out
 

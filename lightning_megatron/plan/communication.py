@@ -84,14 +84,12 @@ def group_sizes(layout: Layout) -> dict[str, int]:
 
 def step_collectives(shape: ModelShape, layout: Layout, workload: Workload, model_state: dict[str, int], *,
                      pipeline_rank: int = 0, context_parallel_attention: str = "ring",
-                     routed_away: Optional[float] = None,
-                     regather_sequence_parallel_inputs: bool = True) -> list[Collective]:
+                     routed_away: Optional[float] = None) -> list[Collective]:
     """The collectives of one training step on a rank of ``pipeline_rank`` (the module docstring's table).
 
     ``model_state``: the rank's ``model_state_bytes`` (``Planner.model_state_bytes``: its gradient buffers and
-    parameters); ``context_parallel_attention``: the strategy's (``"ring"`` or ``"all_gather"``); ``routed_away``: the share of the routed token copies that leave the rank (``None``: even routing,
-    ``(ep - 1) / ep``); ``regather_sequence_parallel_inputs``: sequence-parallel column layers save their input's
-    chunk and gather it again in backward (Megatron-Core's; ``False``: they save the gathered input)."""
+    parameters); ``context_parallel_attention``: the strategy's (``"ring"`` or ``"all_gather"``); ``routed_away``:
+    the share of the routed token copies that leave the rank (``None``: even routing, ``(ep - 1) / ep``)."""
     sizes = group_sizes(layout)
     out: list[Collective] = []
 
@@ -113,13 +111,13 @@ def step_collectives(shape: ModelShape, layout: Layout, workload: Workload, mode
 
     # ---- tensor parallel
     if sp:
-        regather = 2 if regather_sequence_parallel_inputs else 0
         recomputed = (2, 1) if mode == "full" else (0, 0)  # all-gathers, reduce-scatters of the recomputed forward
-        add("tp", "all_gather", m * layers * (4 + regather + recomputed[0]), x, "layers' column inputs")
+        # Forward and backward 2 all-gathers each, and backward gathers the 2 column layers' inputs again.
+        add("tp", "all_gather", m * layers * (6 + recomputed[0]), x, "layers' column inputs")
         add("tp", "reduce_scatter", m * layers * (4 + recomputed[1]), x, "layers' row outputs")
         add("tp", "reduce_scatter", m * first, x, "embedding output")
         add("tp", "all_gather", m * first, x, "embedding output's gradient")
-        add("tp", "all_gather", m * last * (1 + regather // 2), x, "head input")
+        add("tp", "all_gather", m * last * 2, x, "head input (forward, again in backward)")
         add("tp", "reduce_scatter", m * last, x, "head input's gradient")
         norms = (2 * layers + last) * h * workload.parameter_bytes
         add("tp", "all_reduce", 1, norms, "norm weights' gradients")
