@@ -9,15 +9,16 @@ For the slowest pipeline rank and one micro-batch of ``T = micro_batch_size * se
   masked half; materialised scores: batched GEMMs at ``matmul_efficiency``); plus the element-wise kernels (norms, residual adds, dropout, the activation,
   rotary, head transposes, the vocab-parallel cross-entropy) as bytes at ``memory_efficiency`` of the
   memory bandwidth, ``/ tp`` where sequence parallelism splits them;
-* **tensor parallel**: Megatron's two all-reduces per layer forward and two backward (two more in a
+* **tensor parallel**: Megatron's two all-reduces per layer forward and two backward (one more in a
   recomputed forward), or under sequence parallelism the all-gathers and reduce-scatters moving the same
-  bytes, plus the embedding's and the head's, over NVLink while ``tp x cp`` fits in a node; not overlapped;
+  bytes and the column inputs gathered again in backward, plus the embedding's, the head's and the
+  cross-entropy's, over NVLink while ``tp x cp`` fits in a node; not overlapped;
 * **context parallel**: the ring's key/value blocks (forward ``cp - 1`` hops, backward ``cp - 1`` and the
   ``cp`` hops of their gradients), overlapped with the attention blocks' compute;
 * **expert parallel**: the MoE layers' four all-to-alls per micro-batch (dispatch and combine, forward and
   backward), over the network when the expert group leaves the node;
 * **pipeline**: one send forward and one backward of the stage's output per micro-batch and virtual
-  stage, and the bubble: the step takes ``(m + (p - 1) / v)`` micro-batch times instead of ``m``;
+  stage (none forward from the last stage, none backward from the first), and the bubble: the step takes ``(m + (p - 1) / v)`` micro-batch times instead of ``m``;
 * **data parallel**: the gradient reduction over dp x cp (all-reduce; reduce-scatter under ZeRO), which
   the strategy overlaps with the last micro-batch's backward (ZeRO-2: every micro-batch's), so only its
   excess and its last bucket show; ZeRO 1/2's all-gather of the updated parameters after the step (not
@@ -33,7 +34,9 @@ For the slowest pipeline rank and one micro-batch of ``T = micro_batch_size * se
   state once (main parameters and optimizer state) through the tile pool, which overlaps it with the CPU's Adam,
   so only its excess over that shows; the fp32 gradients go through a file of their own (written, then read).
 
-Overlapped communication is hidden by at most ``overlap_efficiency`` of the compute it runs under (NCCL's
+The bytes and calls of every collective are ``plan.communication.step_collectives``'s (the formula
+``benchmarks/formulas.py`` checks against each rank's ``c10d`` ops); the pipeline's sends are those of the rank that
+sends the most. Overlapped communication is hidden by at most ``overlap_efficiency`` of the compute it runs under (NCCL's
 kernels slow the compute they share the GPU with). Every collective also pays ``collective_latency``. A ring collective over ``k`` ranks moves
 ``2 (k - 1) / k`` (all-reduce) or ``(k - 1) / k`` (all-gather, reduce-scatter) of its bytes per rank at the
 group's bus bandwidth: NVLink when the group sits in a node, else the per-GPU share of the network (times the
