@@ -70,9 +70,11 @@ class Row:
     def dp(self) -> int:
         return RANKS // (self.tp * self.pp * self.cp)
 
+    gpt2: bool = False  # GPT-2-shaped: LayerNorm, GELU, biases, learned positions, tied head
+
     @property
-    def moe(self) -> bool:
-        return self.ep > 1
+    def model(self) -> str:
+        return "moe" if self.ep > 1 else "gpt2" if self.gpt2 else "llama"
 
 
 ROWS = (
@@ -91,19 +93,25 @@ ROWS = (
     Row("cp2", cp=2),
     Row("cp2-ag", cp=2, cp_attention="all_gather"),
     Row("ep2", ep=2),
+    Row("gpt2-tp2-sp", tp=2, sp=True, gpt2=True),
+    Row("gpt2-dp4-z1", zero=1, gpt2=True),
 )
 ROWS_BY_KEY = {row.key: row for row in ROWS}
 SMOKE = ("dp4-z3", "tp2-full", "pp2-v2", "cp2", "ep2")
 
 
-def model_config(moe: bool):
+def model_config(model: str):
+    """``llama``: Llama-shaped (RMSNorm, rotary, SwiGLU, grouped-query, untied head); ``moe``: the same with 4
+    experts top-2 in every layer; ``gpt2``: GPT-2-shaped (LayerNorm, GELU, biases, learned positions, tied head)."""
     from lightning_megatron.models.gpt import GPTConfig
     from lightning_megatron.models.moe import MoEConfig
 
-    return GPTConfig.from_name("llama-tiny", vocab_size=VOCAB, max_seq_length=SEQ, hidden_size=HIDDEN,
-                               num_layers=LAYERS, num_heads=HEADS, num_query_groups=GROUPS, ffn_hidden_size=FFN,
-                               dropout=0.0, attention_dropout=0.0,
-                               moe=MoEConfig(num_experts=4, top_k=2, ffn_hidden_size=FFN // 2) if moe else None)
+    sizes = dict(vocab_size=VOCAB, max_seq_length=SEQ, hidden_size=HIDDEN, num_layers=LAYERS, num_heads=HEADS,
+                 dropout=0.0, attention_dropout=0.0)
+    if model == "gpt2":
+        return GPTConfig(**sizes)
+    return GPTConfig.from_name("llama-tiny", **sizes, num_query_groups=GROUPS, ffn_hidden_size=FFN,
+                               moe=MoEConfig(num_experts=4, top_k=2, ffn_hidden_size=FFN // 2) if model == "moe" else None)
 
 
 # ---------------------------------------------------------------------------- measuring
@@ -287,7 +295,7 @@ def build(row: Row) -> Built:
                             expert_parallel_size=row.ep, zero_stage=row.zero)
     state = ParallelState.create(config, "cpu")
     torch.manual_seed(SEED)
-    module = GPT(model_config(row.moe))
+    module = GPT(model_config(row.model))
     with torch.device("meta"):
         module.configure_model()
     rng = TensorParallelRNG(SEED, state.tensor_parallel_rank, "cpu")
@@ -452,7 +460,7 @@ def plan_inputs(row: Row):
                     expert_parallel_size=row.ep, context_parallel_size=row.cp,
                     pipeline_schedule="interleaved_1f1b" if row.vpp > 1 else "1f1b",
                     micro_batch_size=per_rank // row.micro_batches, activation_checkpointing=row.recompute)
-    planner = Planner(lambda: GPT(model_config(row.moe)), workload, GPUS["a100"], world_size=RANKS)
+    planner = Planner(lambda: GPT(model_config(row.model)), workload, GPUS["a100"], world_size=RANKS)
     states = [planner.model_state_bytes(layout, pipeline_rank=r) for r in range(row.pp)]
     return planner.shape, layout, workload, states
 
@@ -586,10 +594,11 @@ def main() -> None:
 
 
 def describe() -> str:
-    config = model_config(False)
+    config = model_config("llama")
     return (f"Llama-shaped GPT h={config.hidden_size} layers={config.num_layers} heads={config.num_heads} "
             f"kv-groups={config.query_groups} SwiGLU ffn={config.ffn_hidden_size} vocab={config.vocab_size}, "
-            f"seq {SEQ}, global batch {GLOBAL_BATCH}, fp32, dropout 0 (ep2: 4 experts top-2 of width {FFN // 2}); "
+            f"seq {SEQ}, global batch {GLOBAL_BATCH}, fp32, dropout 0 (ep2: 4 experts top-2 of width {FFN // 2}; "
+            f"gpt2-: GPT-2-shaped, the same sizes, ffn {4 * HIDDEN}); "
             f"{RANKS} CPU processes (gloo), every layout in one launch; one measured step after a warm-up step; "
             f"torch {torch.__version__}")
 

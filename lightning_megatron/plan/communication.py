@@ -19,8 +19,8 @@ tp           each layer: forward two all-reduces of ``X`` (the row-parallel outp
              all-reduce; SP: all-gather, backward reduce-scatter and gather again), the vocab-parallel
              cross-entropy's three ``[T]`` fp32 all-reduces (max, target logit, sum of exponentials). Full
              recomputation runs a layer's forward collectives again but the last (``plan.flops``: the checkpoint
-             stops before the MLP's output projection). Per step under SP: the all-reduce of the norms'
-             (sequence-parallel) weight gradients.
+             stops before the MLP's output projection). Per step under SP: the all-reduce of the
+             sequence-parallel parameters' gradients (norms, row layers' biases).
 cp           ring: each layer's keys and values go ``cp - 1`` hops forward and ``cp - 1`` again in backward with
              their gradients' ``cp`` hops: ``2 (3 cp - 2)`` sends of ``T g d w`` (``g``: this rank's key/value
              heads), ``2 (cp - 1)`` more where the core is recomputed; all-gather attention: the keys and values
@@ -90,6 +90,9 @@ def step_collectives(shape: ModelShape, layout: Layout, workload: Workload, mode
     ``model_state``: the rank's ``model_state_bytes`` (``Planner.model_state_bytes``: its gradient buffers and
     parameters); ``context_parallel_attention``: the strategy's (``"ring"`` or ``"all_gather"``); ``routed_away``:
     the share of the routed token copies that leave the rank (``None``: even routing, ``(ep - 1) / ep``)."""
+    if context_parallel_attention not in ("ring", "all_gather"):
+        raise ValueError(f"context_parallel_attention={context_parallel_attention!r} is not 'ring' or 'all_gather' "
+                         f"(the strategy's choices).")
     sizes = group_sizes(layout)
     out: list[Collective] = []
 
@@ -119,8 +122,11 @@ def step_collectives(shape: ModelShape, layout: Layout, workload: Workload, mode
         add("tp", "all_gather", m * first, x, "embedding output's gradient")
         add("tp", "all_gather", m * last * 2, x, "head input (forward, again in backward)")
         add("tp", "reduce_scatter", m * last, x, "head input's gradient")
-        norms = (2 * layers + last) * h * workload.parameter_bytes
-        add("tp", "all_reduce", 1, norms, "norm weights' gradients")
+        # The sequence-parallel parameters: each norm's weight (and LayerNorm's bias), the row layers' biases.
+        per_norm = h * (1 if shape.rms_norm else 2)
+        row_biases = 2 * h if getattr(shape.config, "add_bias_linear", False) else 0
+        replicated = layers * (2 * per_norm + row_biases) + last * per_norm
+        add("tp", "all_reduce", 1, replicated * workload.parameter_bytes, "sequence-parallel parameters' gradients")
     else:
         add("tp", "all_reduce", m * layers * (4 + (mode == "full")), x, "layers")
         add("tp", "all_reduce", m * (first + last), x, "embedding output, head input's gradient")
