@@ -97,7 +97,7 @@ ROWS = (
     Row("gpt2-dp4-z1", zero=1, gpt2=True),
 )
 ROWS_BY_KEY = {row.key: row for row in ROWS}
-SMOKE = ("dp4-z3", "tp2-full", "pp2-v2", "cp2", "ep2")
+SMOKE = ("dp4-z3", "tp2-full", "pp2-v2", "cp2", "ep2", "gpt2-dp4-z1")
 
 
 def model_config(model: str):
