@@ -35,6 +35,7 @@ class ActivationLayout:
     context_parallel: int
     tensor_parallel: int = 1  # with sequence parallelism whenever > 1
     attention: str = "ring"  # the context-parallel attention: "ring" or "all_gather"
+    documents: bool = False  # packed documents: document ids and restarting positions (reset_attention_mask)
 
     @property
     def data_parallel(self) -> int:
@@ -50,7 +51,7 @@ class ActivationLayout:
             parts.append(f"tp{self.tensor_parallel}+SP")
         if self.data_parallel > 1:
             parts.append(f"dp{self.data_parallel}")
-        return " x ".join(parts)
+        return " x ".join(parts) + ", packed docs" * self.documents
 
     @property
     def expected(self) -> float:
@@ -74,6 +75,10 @@ ACTIVATION_LAYOUTS = (
     ActivationLayout("tp2-sp", 1, 2),
     ActivationLayout("tp4-sp", 1, 4),
     ActivationLayout("cp2-tp2-sp", 2, 2),
+    # Packed documents: the document mask costs the ids only (O(S)), so each is expected at its plain row's share.
+    ActivationLayout("cp1-doc", 1, documents=True),
+    ActivationLayout("cp2-doc", 2, documents=True),
+    ActivationLayout("cp2-ag-doc", 2, attention="all_gather", documents=True),
 )
 
 
@@ -134,11 +139,21 @@ class SavedActivations:
         return sum(n for n, where in self.storages.values() if region is None or where == region)
 
 
-def activation_batch(args: argparse.Namespace) -> dict[str, Tensor]:
-    """One sample of ``--seq`` tokens, the same on every rank (so every layout computes the same loss)."""
+def activation_batch(args: argparse.Namespace, documents: bool = False) -> dict[str, Tensor]:
+    """One sample of ``--seq`` tokens, the same on every rank (so every layout computes the same loss); with
+    ``documents``, packed from documents of random lengths (a new one starts at a token with probability 1/512)
+    with their ids and restarting positions, as ``GPTDataModule(reset_attention_mask=True, reset_position_ids=True)``
+    gives them."""
     generator = torch.Generator().manual_seed(args.seed)
     tokens = torch.randint(0, args.vocab, (1, args.seq + 1), generator=generator)
-    return {"input_ids": tokens[:, :-1], "labels": tokens[:, 1:]}
+    batch = {"input_ids": tokens[:, :-1], "labels": tokens[:, 1:]}
+    if documents:
+        starts = torch.rand(1, args.seq, generator=generator) < 1 / 512
+        starts[:, 0] = True
+        positions = torch.arange(args.seq)
+        batch["document_ids"] = starts.long().cumsum(1) - 1
+        batch["position_ids"] = positions - torch.where(starts, positions, 0).cummax(1).values
+    return batch
 
 
 def measure_activations(layout: ActivationLayout, args: argparse.Namespace) -> dict:
@@ -165,7 +180,7 @@ def measure_activations(layout: ActivationLayout, args: argparse.Namespace) -> d
     split_pipeline(module, state)  # pp = 1: nothing to split
     initialize_parameters(module, args.seed, device="cpu", only_meta=True)
     module.train()
-    batch = activation_batch(args)  # every dp rank's own one-sample batch (the same sample)
+    batch = activation_batch(args, layout.documents)  # every dp rank's own one-sample batch (the same sample)
     batch = batch if splitter is None else splitter(batch)
     side = {key: value for key, value in batch.items() if key not in ("input_ids", "labels")}
     with SavedActivations(module) as saved:
@@ -267,9 +282,12 @@ def activation_footer() -> str:
         "Megatron-Core saves the local chunk and gathers again in backward), the rotary cos/sin, the whole embedding "
         "output (at one sample the sequence scatter's chunk is a view of it, which the first norm saves) and, where "
         "tp exceeds the key/value groups, the replicated K/V heads.",
+        "packed docs: the same sample cut into documents (~1 per 512 tokens; document ids and restarting "
+        "positions), each token attending only within its own: the mask is applied tile by tile from the ids, so "
+        "the only extra is the ids themselves (8 bytes a token, one storage for all layers).",
         "max/min over ranks: the largest rank's bytes over the smallest's (every context-parallel rank holds the "
         "same number of tokens; the load-balanced chunks even out the attention work, which saved bytes do not "
-        "depend on). loss: the layout's loss over every token (the same sample everywhere, so every row must agree).",
+        "depend on). loss: the layout's loss over every token (the same sample everywhere, so every row must agree, the packed rows among themselves).",
     ]
     return "\n".join(f"* {note}" for note in notes)
 

@@ -181,9 +181,12 @@ class Block:
 
 
 def start(q: Tensor) -> tuple[Tensor, Tensor]:
-    """The running output (zeros) and log-sum-exp (-inf) of the online softmax, in the compute dtype."""
+    """The running output (zeros) and log-sum-exp (-inf) of the online softmax, in the compute dtype. The output
+    ``[B, H, S, D]`` is laid out as ``[B, S, H, D]`` in memory, as SDPA's flash kernels lay theirs: attention's
+    ``transpose(1, 2).reshape(B, S, H * D)`` is then a view, not a second copy that the projection keeps."""
     dtype = compute_dtype(q.dtype)
-    return (torch.zeros(q.shape, dtype=dtype, device=q.device),
+    batch, heads, seq, dim = q.shape
+    return (torch.zeros(batch, seq, heads, dim, dtype=dtype, device=q.device).transpose(1, 2),
             torch.full(q.shape[:-1], NEG_INF, dtype=dtype, device=q.device))
 
 
