@@ -141,14 +141,14 @@ class SavedActivations:
 
 def activation_batch(args: argparse.Namespace, documents: bool = False) -> dict[str, Tensor]:
     """One sample of ``--seq`` tokens, the same on every rank (so every layout computes the same loss); with
-    ``documents``, packed from documents of random lengths (a new one starts at a token with probability 1/512)
+    ``documents``, packed from ~16 documents of random lengths (one starts at a token with probability 16 / seq)
     with their ids and restarting positions, as ``GPTDataModule(reset_attention_mask=True, reset_position_ids=True)``
     gives them."""
     generator = torch.Generator().manual_seed(args.seed)
     tokens = torch.randint(0, args.vocab, (1, args.seq + 1), generator=generator)
     batch = {"input_ids": tokens[:, :-1], "labels": tokens[:, 1:]}
     if documents:
-        starts = torch.rand(1, args.seq, generator=generator) < 1 / 512
+        starts = torch.rand(1, args.seq, generator=generator) < 16 / args.seq
         starts[:, 0] = True
         positions = torch.arange(args.seq)
         batch["document_ids"] = starts.long().cumsum(1) - 1
@@ -282,7 +282,7 @@ def activation_footer() -> str:
         "Megatron-Core saves the local chunk and gathers again in backward), the rotary cos/sin, the whole embedding "
         "output (at one sample the sequence scatter's chunk is a view of it, which the first norm saves) and, where "
         "tp exceeds the key/value groups, the replicated K/V heads.",
-        "packed docs: the same sample cut into documents (~1 per 512 tokens; document ids and restarting "
+        "packed docs: the same sample cut into ~16 documents (document ids and restarting "
         "positions), each token attending only within its own: the mask is applied tile by tile from the ids, so "
         "the only extra is the ids themselves (8 bytes a token, one storage for all layers).",
         "max/min over ranks: the largest rank's bytes over the smallest's (every context-parallel rank holds the "

@@ -184,8 +184,9 @@ def test_moe_benchmark_prints_its_three_tables():
 
 def test_memory_benchmark_activations_mode_divides_activation_bytes_by_cp():
     """``memory.py --activations``: every layout's row, the same loss everywhere, and the ring's saved activations per
-    rank within 5% of 1/cp of the whole-sequence rank's (measured: about 2% below, from storage layouts: see
-    benchmarks/README.md)."""
+    rank within 5% above or 8% below 1/cp of the whole-sequence rank's (measured: about 6% below, because the ring
+    keeps a compact ``v`` where SDPA at cp1 keeps the whole ``qkv`` storage: see benchmarks/README.md); packed
+    documents within 2% of the same layout's plain causal bytes (the ids only, no ``[S, S]`` mask)."""
     result = subprocess.run(
         [sys.executable, str(REPO / "benchmarks" / "memory.py"), "--activations", "--seq=512", "--hidden=32"],
         capture_output=True, text=True, timeout=300, env=child_env(),
@@ -193,21 +194,26 @@ def test_memory_benchmark_activations_mode_divides_activation_bytes_by_cp():
     assert result.returncode == 0, result.stderr[-3000:]
     lines = [[cell.strip() for cell in line.split(" | ")] for line in result.stdout.splitlines() if " | " in line]
     header, rows = lines[0], {row[0]: dict(zip(lines[0], row)) for row in lines[1:]}
+    packed = ["cp1 x dp4", "cp2 ring x dp2", "cp2 all-gather x dp2"]
     assert list(rows) == ["cp1 x dp4", "cp2 ring x dp2", "cp4 ring", "cp2 all-gather x dp2", "cp4 all-gather",
-                          "tp2+SP x dp2", "tp4+SP", "cp2 ring x tp2+SP"], list(rows)
+                          "tp2+SP x dp2", "tp4+SP", "cp2 ring x tp2+SP"] + [f"{label}, packed docs" for label in packed], \
+        list(rows)
     assert float(rows["cp1 x dp4"]["vs cp1"]) == 1.0 and float(rows["cp1 x dp4"]["activations MiB/rank"]) > 1.0
-    losses = [float(row["loss"]) for row in rows.values()]
-    assert max(losses) - min(losses) < 1e-4, losses  # every layout computes the same function of the same sample
-    margin = 0.05
+    for documents in (False, True):  # every layout computes the same function of the same sample
+        losses = [float(row["loss"]) for label, row in rows.items() if label.endswith("packed docs") == documents]
+        assert max(losses) - min(losses) < 1e-4, losses
+    for label in packed:  # the document mask adds the ids (8 bytes a token), not an [S, S] mask
+        ratio = float(rows[f"{label}, packed docs"]["vs cp1"]) / float(rows[label]["vs cp1"])
+        assert 1 <= ratio <= 1.02, (label, ratio)
     for label, cp in (("cp2 ring x dp2", 2), ("cp4 ring", 4)):
         row = rows[label]
         ratio = float(row["vs cp1"])
-        assert abs(ratio * cp - 1) <= margin, (label, ratio, header)
+        assert -0.08 <= ratio * cp - 1 <= 0.05, (label, ratio, header)
         assert float(row["max/min over ranks"]) == 1.0, row  # every rank holds the same number of tokens
         assert row["expected"] == f"1/{cp} = {1 / cp:.3f}" and row["tokens/rank"] == f"{512 // cp:,}", row
     for label, cp in (("cp2 all-gather x dp2", 2), ("cp4 all-gather", 4)):  # + the gathered K/V: linear, not S^2
         ratio = float(rows[label]["vs cp1"])
-        assert 1 <= ratio * cp <= 1.25, (label, ratio)
+        assert 0.95 <= ratio * cp <= 1.25, (label, ratio)
 
 
 GPU_CHECK_ROWS = ("gpt reference fp32 z0", "gpt zero3", "gpt bf16-mixed", "gpt sequence_parallel",
