@@ -12,7 +12,9 @@ blocks:
   half of the queries x all the keys.
 
 The other half is skipped, so every rank computes the same amount per source. Bidirectional attention
-(BERT) computes every block whole, with the key-padding mask of the source's tokens.
+(BERT) computes every block whole, with the key-padding mask of the source's tokens. With a document mask
+(``documents.py``) a block is cut into tiles, those whose queries and keys share no document are skipped, and
+each other tile gets its own small mask (same document, causal on the diagonal).
 
 A block runs torch's flash-attention kernel on CPU (``_scaled_dot_product_flash_attention_for_cpu`` and its
 backward, which return and take the log-sum-exp); elsewhere the same computation in matmuls with fp32 scores (a
