@@ -195,9 +195,9 @@ def test_memory_benchmark_activations_mode_divides_activation_bytes_by_cp():
     lines = [[cell.strip() for cell in line.split(" | ")] for line in result.stdout.splitlines() if " | " in line]
     header, rows = lines[0], {row[0]: dict(zip(lines[0], row)) for row in lines[1:]}
     packed = ["cp1 x dp4", "cp2 ring x dp2", "cp2 all-gather x dp2"]
-    assert list(rows) == ["cp1 x dp4", "cp2 ring x dp2", "cp4 ring", "cp2 all-gather x dp2", "cp4 all-gather",
-                          "tp2+SP x dp2", "tp4+SP", "cp2 ring x tp2+SP"] + [f"{label}, packed docs" for label in packed], \
-        list(rows)
+    plain = ["cp1 x dp4", "cp2 ring x dp2", "cp4 ring", "cp2 all-gather x dp2", "cp4 all-gather", "tp2+SP x dp2",
+             "tp4+SP", "cp2 ring x tp2+SP"]
+    assert list(rows) == plain + [f"{label}, packed docs" for label in packed], list(rows)
     assert float(rows["cp1 x dp4"]["vs cp1"]) == 1.0 and float(rows["cp1 x dp4"]["activations MiB/rank"]) > 1.0
     for documents in (False, True):  # every layout computes the same function of the same sample
         losses = [float(row["loss"]) for label, row in rows.items() if label.endswith("packed docs") == documents]

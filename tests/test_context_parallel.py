@@ -213,7 +213,7 @@ def test_a_block_in_matmuls_equals_the_flash_kernel_and_sdpa(causal, padded):
     keys = torch.ones(2, 12, dtype=torch.bool)
     if padded:
         keys[1] = False  # the second sample's keys all padding in this block
-    mask = _additive(keys, q.dtype) if padded else None
+    mask = _additive(keys[:, None, None], q.dtype) if padded else None
     results = {}
     for flash in (True, False):
         out, lse = _block_forward(q, k, v, causal, mask, flash=flash)

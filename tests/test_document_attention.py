@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lightning_megatron.context_parallel.blocks import _block_backward, _block_forward
+from lightning_megatron.context_parallel.blocks import _additive, _block_backward, _block_forward
 from lightning_megatron.context_parallel.documents import DocumentMask
 from lightning_megatron.context_parallel.local import document_attention
 from lightning_megatron.models import GPTConfig, GPTModel
@@ -72,8 +72,7 @@ def test_a_tile_of_documents_in_matmuls_equals_the_flash_kernel():
     generator = torch.Generator().manual_seed(1)
     q, k, v, grad = (torch.randn(2, 4, 6, 8, generator=generator, dtype=torch.float64) for _ in range(4))
     queries, keys = torch.tensor([[0, 0, 1, 1, 2, 2]] * 2), torch.tensor([[0, 1, 1, 1, 1, 1]] * 2)
-    keep = DocumentMask.keep(queries, keys, slice(0, 6), slice(0, 6), False, None)
-    mask = torch.zeros(keep.shape, dtype=q.dtype).masked_fill(~keep, float("-inf"))
+    mask = _additive(DocumentMask.keep(queries, keys, slice(0, 6), slice(0, 6), False, None), q.dtype)
     results = {}
     for flash in (True, False):
         out, lse = _block_forward(q, k, v, False, mask, flash=flash)

@@ -43,11 +43,12 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def _additive(key_mask: Optional[Tensor], dtype: torch.dtype) -> Optional[Tensor]:
-    """``[B, Sk]`` booleans (True = attend) as SDPA's additive ``[B, 1, 1, Sk]`` mask (0 or -inf) in ``dtype``."""
-    if key_mask is None:
+def _additive(keep: Optional[Tensor], dtype: torch.dtype) -> Optional[Tensor]:
+    """Booleans (True = attend: ``[B, 1, 1, Sk]`` key padding, ``[B, 1, Sq, Sk]`` a tile of documents) as SDPA's
+    additive mask (0 or -inf) in ``dtype``."""
+    if keep is None:
         return None
-    return torch.zeros(key_mask.shape, dtype=dtype, device=key_mask.device).masked_fill(~key_mask, NEG_INF)[:, None, None]
+    return torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill(~keep, NEG_INF)
 
 
 def uses_flash_kernel(device: torch.device) -> bool:
@@ -144,13 +145,13 @@ class Block:
         mask, or its tiles that share a document, each with its own mask (causality folded in)."""
         keys = None if key_mask is None else self._positions(key_mask, self.source)
         if documents is None:
-            yield self.rows, self.cols, self.causal, _additive(None if keys is None else keys[:, self.cols], dtype)
+            padding = None if keys is None else keys[:, None, None, self.cols]
+            yield self.rows, self.cols, self.causal, _additive(padding, dtype)
             return
         ids = documents.ids
         queries, sources = self._positions(ids, self.rank), self._positions(ids, self.source)
         for rows, cols, on_diagonal in documents.tiles(queries, sources, self.rows, self.cols, self.causal):
-            keep = documents.keep(queries, sources, rows, cols, on_diagonal, keys)
-            yield rows, cols, False, torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill(~keep, NEG_INF)
+            yield rows, cols, False, _additive(documents.keep(queries, sources, rows, cols, on_diagonal, keys), dtype)
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, key_mask: Optional[Tensor], documents: Optional[DocumentMask],
                 out: Tensor, lse: Tensor) -> None:
@@ -159,7 +160,8 @@ class Block:
         heads = q.shape[1]
         for rows, cols, causal, mask in self._parts(key_mask, documents, q.dtype):
             kb, vb = (_heads(t[:, :, cols], heads) for t in (k, v))
-            block_out, block_lse = _block_forward(q[:, :, rows], kb, vb, causal, mask, flash=uses_flash_kernel(q.device))
+            block_out, block_lse = _block_forward(q[:, :, rows], kb, vb, causal, mask,
+                                                  flash=uses_flash_kernel(q.device))
             merged = torch.logaddexp(lse[..., rows], block_lse)
             safe = _finite(merged)
             out[:, :, rows] = (out[:, :, rows] * torch.exp(lse[..., rows] - safe)[..., None]
