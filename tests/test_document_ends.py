@@ -1,9 +1,8 @@
 """PREFIX.ends, each document's last token beside an indexed dataset: written with the data, read instead of the
 .bin by the GPT index build, written for an existing dataset by a command, and never trusted once stale."""
 
-import os
-import shutil
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -97,6 +96,41 @@ def test_the_index_build_gives_the_same_documents_with_the_record_without_it_and
     cli_main(["document-ends", prefix])
     assert ends.stat().st_mtime_ns == before and ends.read_bytes() == recorded
     assert index_file(prefix).read_bytes() == idx and data_file(prefix).read_bytes() == data  # only read
+
+
+def _peak_growth(function):
+    """How far this process's peak resident memory (VmHWM, reset first) rises above its memory before ``function``."""
+    def kib(field):
+        return int(next(line for line in Path("/proc/self/status").read_text().splitlines()
+                        if line.startswith(field)).split()[1])
+
+    Path("/proc/self/clear_refs").write_text("5")
+    before = kib("VmRSS:")
+    function()
+    return (kib("VmHWM:") - before) * 1024
+
+
+def test_the_index_build_does_not_bring_the_corpus_into_memory(tmp_path):
+    rng = np.random.default_rng(0)
+    with IndexedDatasetWriter(tmp_path / "corpus", dtype=np.uint16) as writer:  # 40 MB in 20k documents
+        for block in range(20):
+            lengths = rng.integers(200, 1800, 1000)
+            tokens = rng.integers(0, 100, int(lengths.sum()), dtype=np.uint16)
+            for document in np.split(tokens, np.cumsum(lengths)[:-1]):
+                writer.add_document(document)
+    prefix, corpus_bytes = str(tmp_path / "corpus"), data_file(tmp_path / "corpus").stat().st_size
+    dataset, everything = IndexedDataset(prefix), range(20_000)
+    reference = _memory_map_reference(prefix, everything, EOS)
+    # the previous probe, a memory map of the .bin, holds about the corpus at its peak; the measurement sees it
+    assert _peak_growth(lambda: _memory_map_reference(prefix, everything, EOS)) > 0.5 * corpus_bytes
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert _peak_growth(lambda: _assert_same(split_documents(dataset, everything, EOS), reference)) < 0.05 * (
+            corpus_bytes)
+    document_ends_file(prefix).unlink()
+    with pytest.warns(UserWarning, match="does not exist"):  # read from the .bin by pread: nothing mapped
+        assert _peak_growth(lambda: _assert_same(split_documents(dataset, everything, EOS), reference)) < 0.05 * (
+            corpus_bytes)
 
 
 def test_preprocess_records_the_last_tokens_with_and_without_appended_eos(tmp_path):
