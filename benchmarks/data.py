@@ -1,7 +1,7 @@
 """Data at pretraining scale: per-rank memory over corpora of growing size, index build time and loader speed,
 side by side with Megatron-Core's own ``GPTDataset`` on the same files.
 
-Three tables, one invocation:
+Four tables, one invocation:
 
 1. **Memory per rank.** For each corpus size (``--sizes-gb``, default 0.2 1 2: gigabytes of
    uint16 tokens, written here), ``--ranks`` fresh processes (torchrun, gloo, CPU) train the
@@ -20,6 +20,10 @@ Three tables, one invocation:
    3 datasets) is timed too.
 3. **Loader speed**: samples/s reading the first ``--read-samples`` samples of each train
    dataset, by ``dataset[i]`` and through a ``DataLoader`` of batch 8.
+4. **The end-of-document probe** of that index build (the last token of every document), timed
+   alone, each way with its peak RSS (one after the other, in this process): from
+   ``PREFIX.ends``, from the ``.bin`` by ``pread`` (the sidecar moved aside), and through a
+   memory map of the ``.bin`` (how the build read it before ``PREFIX.ends``: the baseline).
 
 Megatron-Core is a peer only (``pip install --no-deps megatron-core``); without it its rows
 say so. See ``benchmarks/README.md`` for the numbers measured here.
@@ -41,6 +45,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -156,6 +161,51 @@ def ours(prefix: str, seq_length: int, cache_dir: Path):
     return dataset, time.perf_counter() - start
 
 
+def probe(how: str, prefix: str) -> dict:
+    """The train split's documents array built with the last tokens read ``how``: seconds, documents, and how far
+    this process's peak RSS rose (reset first; the probes run one after the other in this process)."""
+    import numpy as np
+
+    from lightning_megatron.data import IndexedDataset
+    from lightning_megatron.data.gpt_dataset import split_documents
+    from lightning_megatron.data.indexed import data_file
+    from lightning_megatron.data.splits import split_document_ranges
+
+    train = split_document_ranges(SPLIT, IndexedDataset(prefix).num_documents)["train"]
+    Path("/proc/self/clear_refs").write_text("5")
+    before, start = resident_kib()["VmRSS"], time.perf_counter()
+    if how == "memory map":  # the baseline: the build's reading before PREFIX.ends
+        dataset = IndexedDataset(prefix)
+        starts, stored = dataset.document_extents(train)
+        tokens = np.memmap(data_file(prefix), dtype=dataset.dtype, mode="r")
+        documents = int((tokens[(starts + stored - 1)[stored > 0]] == EOS).size)
+        del tokens
+    else:
+        with warnings.catch_warnings():  # pread: the warning that PREFIX.ends is missing
+            warnings.simplefilter("ignore")
+            documents = len(split_documents(IndexedDataset(prefix), train, EOS)["starts"])
+    seconds = time.perf_counter() - start
+    return {"seconds": seconds, "peak_kib": resident_kib()["VmHWM"] - before, "documents": documents}
+
+
+def probe_table(prefix: str) -> None:
+    print("\n4. The end-of-document probe alone (the train split's documents array)")
+    print("last tokens from | documents | seconds | peak RSS growth MiB | peak vs memory map")
+    rows = {}
+    sidecar, aside = Path(f"{prefix}.ends"), Path(f"{prefix}.ends.aside")
+    for how in ("PREFIX.ends", "pread", "memory map"):
+        if how == "pread":
+            sidecar.rename(aside)
+        try:
+            rows[how] = probe(how, prefix)
+        finally:
+            if aside.exists():
+                aside.rename(sidecar)
+    for how, row in rows.items():
+        print(f"{how} | {row['documents']} | {row['seconds']:.3f} | {row['peak_kib'] / 1024:.1f} | "
+              f"{row['peak_kib'] / max(rows['memory map']['peak_kib'], 1):.3f}")
+
+
 def index_and_loader_tables(prefix: str, tokens: int, args: argparse.Namespace, work: Path) -> None:
     from lightning_megatron.data.blend import blend_index
 
@@ -220,6 +270,7 @@ def main(argv=None) -> None:
         if not args.quick:
             memory_table(corpora, args, work)
         index_and_loader_tables(*corpora[-1], args, work)
+        probe_table(corpora[-1][0])
     finally:
         if not args.dir:
             shutil.rmtree(work, ignore_errors=True)
