@@ -363,9 +363,7 @@ class IndexedDataset:
     def document_extents(self, documents: range) -> tuple[np.ndarray, np.ndarray]:
         """``(first token, tokens)`` of each document of ``documents`` in the ``.bin`` (int64 each; 0 and 0 for an
         empty document), from the ``.idx`` alone."""
-        if documents.step != 1 or not 0 <= documents.start <= documents.stop <= self.num_documents:
-            raise ValueError(f"documents={documents} is not a contiguous range of the {self.num_documents} documents "
-                             f"of {self.prefix}.")
+        self._check_range(documents)
         boundaries = np.asarray(self.document_indices[documents.start : documents.stop + 1])
         first = int(boundaries[0])
         sequence_ends = np.concatenate([[0], np.cumsum(self.sequence_lengths[first : boundaries[-1]], dtype=np.int64)])
@@ -398,18 +396,21 @@ class IndexedDataset:
 
         Raises ``FileNotFoundError`` without the file, :class:`StaleDocumentEnds` when it does not belong here.
         """
+        self._check_range(documents)
         recorded = read_document_ends(self.prefix, documents, dtype=self.dtype, num_documents=self.num_documents,
                                       idx_path=index_file(self.prefix), bin_path=data_file(self.prefix))
-        starts, stored = self.document_extents(documents)
-        non_empty = np.flatnonzero(stored > 0)
-        picked = non_empty[np.linspace(0, len(non_empty) - 1, min(_SPOT_CHECKS, len(non_empty))).astype(np.int64)]
-        found = self._token_file().gather(starts[picked] + stored[picked] - 1)
-        wrong = np.flatnonzero(found != recorded[picked])
-        if len(wrong):
-            k = int(picked[wrong[0]])
-            raise StaleDocumentEnds(f"{document_ends_file(self.prefix)} records {recorded[k]} as the last token of "
-                                    f"document {documents.start + k} but {data_file(self.prefix).name} holds "
-                                    f"{found[wrong[0]]}: the dataset was rewritten since")
+        spread = np.linspace(documents.start, documents.stop - 1, min(_SPOT_CHECKS, len(documents)))
+        checked, positions = [], []
+        for k in np.unique(spread.astype(np.int64)).tolist():
+            start, stored = self._extent(k)
+            if stored:
+                checked.append(k)
+                positions.append(start + stored - 1)
+        for k, token in zip(checked, self._token_file().gather(np.array(positions, np.int64)).tolist()):
+            if recorded[k - documents.start] != token:
+                raise StaleDocumentEnds(f"{document_ends_file(self.prefix)} records {recorded[k - documents.start]} "
+                                        f"as the last token of document {k} but {data_file(self.prefix).name} holds "
+                                        f"{token}: the dataset was rewritten since")
         return recorded
 
     def last_tokens_from_bin(self, documents: range) -> np.ndarray:
@@ -421,6 +422,17 @@ class IndexedDataset:
         non_empty = stored > 0
         last[non_empty] = self._token_file().gather(starts[non_empty] + stored[non_empty] - 1)
         return last
+
+    def _check_range(self, documents: range) -> None:
+        if documents.step != 1 or not 0 <= documents.start <= documents.stop <= self.num_documents:
+            raise ValueError(f"documents={documents} is not a contiguous range of the {self.num_documents} documents "
+                             f"of {self.prefix}.")
+
+    def _extent(self, document: int) -> tuple[int, int]:
+        """``(first token, tokens)`` of one document (see :meth:`document_extents`)."""
+        first, end = int(self.document_indices[document]), int(self.document_indices[document + 1])
+        stored = int(self.sequence_lengths[first:end].sum(dtype=np.int64))
+        return (int(self.sequence_pointers[first]) // self.dtype.itemsize if stored else 0), stored
 
     def _token_file(self) -> FileArray:
         return FileArray(data_file(self.prefix), self.dtype, 0, len(self._tokens))

@@ -405,7 +405,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     parser.add_argument("--input", required=True, help=_INPUT_HELP)
     parser.add_argument("--tokenizer", required=True, help="'byte' or the path of a Hugging Face tokenizer.json")
-    parser.add_argument("--output-prefix", required=True, help="writes PREFIX.bin, PREFIX.idx, PREFIX.ends, PREFIX.meta.json")
+    parser.add_argument("--output-prefix", required=True,
+                        help="writes PREFIX.bin, PREFIX.idx, PREFIX.ends, PREFIX.meta.json")
     parser.add_argument("--json-key", default="text", help=_JSON_KEY_HELP)
     parser.add_argument("--split", help=_SPLIT_HELP)
     parser.add_argument("--workers", type=int, default=1, help="tokenising processes, one core each")
@@ -431,7 +432,6 @@ def write_document_ends_of(prefix: str | os.PathLike) -> str:
     reading each document's last token from its ``.bin``; what was done, in words. The ``.bin``/``.idx`` are
     only read, and an existing ``PREFIX.ends`` is never replaced: one that belongs to the dataset is kept, a
     stale one is refused (``ValueError``) for the user to delete."""
-    check_dataset_files(prefix)
     dataset, path = IndexedDataset(prefix), document_ends_file(prefix)
     everything = range(dataset.num_documents)
     if path.exists():
