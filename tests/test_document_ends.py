@@ -180,6 +180,13 @@ def test_a_stale_record_is_ignored_with_its_reason_and_the_cache_stays_right(tmp
     ends.write_bytes(ends.read_bytes()[:-1])
     with pytest.raises(ValueError, match=r"records 40 documents of <u2 in \d+ bytes, but the dataset holds 40"):
         IndexedDataset(prefix).recorded_last_tokens(range(0, 40))
+    ends.unlink()
+    ends.mkdir()  # not a file at all: not used, and not replaced
+    with pytest.warns(UserWarning, match=r"corpus.ends cannot be read \(\[Errno 21\] Is a directory"):
+        IndexedDataset(prefix).last_tokens(range(0, 40))
+    with pytest.raises(ValueError, match="Is a directory.*It is left as it is"):
+        cli_main(["document-ends", prefix])
+    ends.rmdir()
     ends.write_bytes(b"LMDOC")
     with pytest.warns(UserWarning, match="shorter than its"):
         assert IndexedDataset(prefix).last_tokens(range(0, 40)).tolist() == [

@@ -85,12 +85,11 @@ def read_document_ends(prefix: str | os.PathLike, documents: range, *, dtype: np
             raise StaleDocumentEnds(f"{path} is not a version-{VERSION} document-ends file ({magic!r}, version "
                                     f"{version})")
         stored_dtype = stored_dtype.rstrip(b"\0").decode(errors="replace")
-        size = path.stat().st_size
-        expected = (count, stored_dtype, _HEADER.size + count * dtype.itemsize)
-        if expected != (num_documents, dtype.str, size):
+        size, wanted_size = path.stat().st_size, _HEADER.size + num_documents * dtype.itemsize
+        if (count, stored_dtype, size) != (num_documents, dtype.str, wanted_size):
             raise StaleDocumentEnds(
                 f"{path} records {count} documents of {stored_dtype} in {size} bytes, but the dataset holds "
-                f"{num_documents} documents of {dtype.str} (expected {expected[2]} bytes)")
+                f"{num_documents} documents of {dtype.str} ({wanted_size} bytes)")
         found = _fingerprint(idx_path, bin_path)
         if found != (idx_bytes, idx_crc, bin_bytes):
             raise StaleDocumentEnds(

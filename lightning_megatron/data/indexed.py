@@ -98,7 +98,8 @@ def _close_datasets(name: str, candidates: list[str]) -> list[str]:
     form of it (``corpus`` for ``corpus_text_document``), then spelling neighbours."""
     import difflib
 
-    stripped = [name[: -len(suffix)] for suffix in (".bin", ".idx", ".meta.json", ".") if name.endswith(suffix)]
+    suffixes = (".bin", ".idx", ".ends", ".meta.json", ".")
+    stripped = [name[: -len(suffix)] for suffix in suffixes if name.endswith(suffix)]
     ranked = [c for c in candidates if c in stripped]
     if ranked:  # the dataset's own files were named: no other guess is as good
         return ranked
@@ -388,6 +389,8 @@ class IndexedDataset:
                        f"writes it")
         except StaleDocumentEnds as error:
             _tell_once(self.prefix, f"{error}; it is ignored: {stale_advice(self.prefix)}")
+        except OSError as error:  # optional: an unreadable one is not worth failing the build over
+            _tell_once(self.prefix, f"{document_ends_file(self.prefix)} cannot be read ({error})")
         return self.last_tokens_from_bin(documents)
 
     def recorded_last_tokens(self, documents: range) -> np.ndarray:

@@ -374,7 +374,7 @@ def preprocess(
         if documents == 0:  # raised inside the writer: it deletes its temporary files, an old dataset stays
             counts.skipped = skipped
             raise counts.no_documents_error(str(reader.path), record_name=reader.record_name, keyed=reader.keyed,
-                                            json_key=json_key, written=f"{output_prefix}.bin/.idx/.meta.json")
+                                            json_key=json_key, written=f"{output_prefix}.bin/.idx/.ends/.meta.json")
         # The new .bin/.idx replace the old ones as the writer closes; a crash before the new record
         # is written then leaves no record rather than the old tokenizer's, which would misdescribe them.
         meta_path = metadata_file(output_prefix)
@@ -437,7 +437,7 @@ def write_document_ends_of(prefix: str | os.PathLike) -> str:
     if path.exists():
         try:
             dataset.recorded_last_tokens(everything)
-        except StaleDocumentEnds as error:
+        except (StaleDocumentEnds, OSError) as error:
             raise ValueError(f"{error}. It is left as it is; delete it and run this command again.") from None
         return f"{path}: already records the {dataset.num_documents} documents; nothing written"
     start = time.perf_counter()
