@@ -72,7 +72,8 @@ def split_documents(dataset: IndexedDataset, documents: range, eos_id: int) -> d
 
 
 def documents_key(dataset: IndexedDataset, documents: range, eos_id: int) -> dict:
-    """Everything a split's document arrays depend on; a change in any of them selects another cache entry."""
+    """Everything a split's document arrays depend on; a change in any of them selects another cache entry.
+    ``PREFIX.ends`` is not part of it: the arrays are the same with it and without it, and a stale one is not used."""
     files = {}
     for path in (index_file(dataset.prefix), data_file(dataset.prefix)):
         stat = path.stat()
