@@ -28,6 +28,7 @@ so that :meth:`IndexedDataset.last_tokens` need not read the ``.bin``.
 
 from __future__ import annotations
 
+import array as stdlib_array  # typed lists: an item costs its bytes, not a Python int
 import os
 import struct
 import warnings
@@ -191,7 +192,8 @@ class IndexedDatasetWriter:
         self._ends_tmp = document_ends_file(f"{self.prefix}.tmp")
         self._bin = open(self._bin_tmp, "wb")
         self._lengths: list[int] = []  # per sequence
-        self._last_tokens: list[int | float] = []  # per document (0 for an empty one), for PREFIX.ends
+        # per document (0 for an empty one), for PREFIX.ends
+        self._last_tokens = stdlib_array.array(self.dtype.char)
         self._document_indices = [0]  # document k is sequences [k, k + 1) of these
         self._closed = False
 
@@ -229,10 +231,11 @@ class IndexedDatasetWriter:
         if min(lengths, default=0) < 0 or sum(lengths) != array.size:
             raise ValueError(f"sequence_lengths {lengths} must be non-negative and add up to the document's "
                              f"{array.size} tokens.")
-        self._bin.write(array.astype(self.dtype, copy=False).tobytes(order="C"))
+        stored = array.astype(self.dtype, copy=False)
+        self._bin.write(stored.tobytes(order="C"))
         self._lengths.extend(lengths)
         self._document_indices.append(len(self._lengths))
-        self._last_tokens.append(array[-1].item() if array.size else 0)
+        self._last_tokens.append(stored[-1].item() if stored.size else 0)
 
     def finalize(self) -> None:
         """Write the index and the last tokens and move the files into place (``.bin`` first, ``.idx`` last)."""
@@ -251,7 +254,7 @@ class IndexedDatasetWriter:
             f.write(lengths.tobytes())
             f.write(pointers.tobytes())
             f.write(document_indices.tobytes())
-        write_document_ends(self._ends_tmp, np.array(self._last_tokens, dtype=self.dtype), dtype=self.dtype,
+        write_document_ends(self._ends_tmp, np.frombuffer(self._last_tokens, dtype=self.dtype), dtype=self.dtype,
                             idx_path=self._idx_tmp, bin_path=self._bin_tmp)
         os.replace(self._bin_tmp, data_file(self.prefix))
         os.replace(self._ends_tmp, document_ends_file(self.prefix))
