@@ -138,6 +138,8 @@ def test_data_benchmark_builds_and_reads_the_index_of_its_corpus(tmp_path):
     assert int(index[1]) > 1000 and float(index[2]) > 0, index  # samples of a 2M-token corpus at seq_length 128
     assert float(loader[1]) > 0 and float(loader[2]) > 0, loader
     assert any(row[0].startswith("Megatron-Core") for row in rows)  # its row, or the line saying it is not installed
+    probes = {row[0]: row for row in rows if row[0] in ("PREFIX.ends", "pread", "memory map")}
+    assert len(probes) == 3 and len({row[1] for row in probes.values()}) == 1, probes  # the same documents each way
 
 
 def test_generation_benchmark_generates_what_transformers_does():
