@@ -95,6 +95,8 @@ class RotaryEmbedding(nn.Module):
     def cos_sin(self, seq_length: int, positions: Optional[Tensor], device, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """The tables that broadcast against ``q`` ``[B, heads, S, D]``: of ``positions`` (``[S]`` or ``[B, S]``), or
         of ``0 .. seq_length-1`` (shared by every layer)."""
+        if positions is None and torch.compiler.is_compiling():  # computed in the graph (no Python cache in it)
+            positions = torch.arange(seq_length, device=device)
         if positions is None:
             return _cos_sin_from_zero(seq_length, self.head_dim, self.base, self.scaling, torch.device(device), dtype,
                                       torch.is_inference_mode_enabled())

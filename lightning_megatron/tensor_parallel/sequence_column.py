@@ -65,6 +65,12 @@ def sequence_parallel_column(x: Tensor, weight: Tensor, bias: Optional[Tensor], 
     return _SequenceParallelColumn.apply(x, weight, bias, group, overlap_forward)
 
 
+def _asynchronous() -> bool:
+    """Whether to issue the collectives with ``async_op=True``: not while ``torch.compile`` traces (dynamo breaks the
+    graph on it; a compiled graph's collectives are scheduled by the compiler instead)."""
+    return not torch.compiler.is_compiling()
+
+
 def _to_rank_order(y: Tensor, world: int) -> Tensor:
     """``[batch, seq, ...]`` -> ``[tp * batch, seq / tp, ...]``, rank ``r``'s chunk at rows ``r * batch`` onwards:
     the layout of an all-gather along dimension 0, which the collectives send and receive."""
@@ -83,9 +89,10 @@ class _SequenceParallelColumn(torch.autograd.Function):
         x = x.contiguous()
         gathered = x.new_empty((world * x.shape[0], *x.shape[1:]))  # rank order (_to_rank_order)
         if overlap_forward:
-            work = all_gather_into(gathered, x, group, async_op=True)
+            work = all_gather_into(gathered, x, group, async_op=_asynchronous())
             own = F.linear(x, weight, bias)  # while the other chunks arrive
-            work.wait()
+            if work is not None:
+                work.wait()
             chunks = gathered.view(world, *x.shape)
             y = torch.cat([own if r == rank else F.linear(chunks[r], weight, bias) for r in range(world)], dim=1)
         else:
@@ -104,7 +111,7 @@ class _SequenceParallelColumn(torch.autograd.Function):
         gathered, gathering = None, None
         if need_weight:  # the input again, while the input gradient's GEMM runs
             gathered = x.new_empty((world * x.shape[0], *x.shape[1:]))
-            gathering = all_gather_into(gathered, x, group, async_op=True)
+            gathering = all_gather_into(gathered, x, group, async_op=_asynchronous())
         grad_parts = _to_rank_order(grad, world)  # what the reduce-scatter sends
         grad_x, scattering = None, None
         if need_input:
@@ -113,7 +120,7 @@ class _SequenceParallelColumn(torch.autograd.Function):
                 gathering.wait()
                 gathering = None
             grad_x = grad_x_parts.new_empty(ctx.input_shape)
-            scattering = reduce_scatter_into(grad_x, grad_x_parts, group, async_op=True)
+            scattering = reduce_scatter_into(grad_x, grad_x_parts, group, async_op=_asynchronous())
         grad_weight = grad_bias = None
         flat_grad = grad_parts.reshape(-1, grad.shape[-1])
         if need_weight:  # while the input gradient is reduce-scattered
