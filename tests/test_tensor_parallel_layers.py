@@ -66,12 +66,17 @@ def test_overlapped_sequence_parallelism_issues_the_same_collectives_its_row_pie
 
 def test_sequence_parallel_column_layer_saves_only_its_sequence_chunk(layer_results):
     """Counted with saved_tensors_hooks against the same layer without sequence parallelism: the input saved for
-    the weight gradient is this rank's 1/tp of the sequence (default and overlapped); a frozen layer saves none.
+    the weight gradient is this rank's 1/tp of the sequence (default and overlapped; in bf16 under autocast); a
+    frozen layer saves none.
     The sequence scatter copies a one-sample chunk rather than keeping a view of the whole input."""
     for result in layer_results:
         saved = result["saved_bytes"]
         assert saved["tp"] > 0 and saved["sp"] * 2 == saved["tp"] and saved["sp_tpo"] == saved["sp"], saved
         assert saved["sp_frozen"] == 0, saved
+        # Under bf16 autocast: the chunk in bf16, and the values of the layer without sequence parallelism (bf16 GEMMs).
+        assert saved["sp_autocast"] == saved["sp"] // 2 + saved["weight_bf16"], saved
+        assert saved["sp_autocast_dtype"] == "torch.bfloat16", saved
+        assert saved["sp_autocast_error"] < 1e-2, saved  # relative to the largest value: bf16 rounding
         assert saved["scatter_chunk_storage"] * 2 == saved["scatter_input_storage"], saved
 
 

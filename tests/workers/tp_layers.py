@@ -143,6 +143,27 @@ for name, sequence_parallel, overlap, frozen in [("tp", False, "", False), ("sp"
         y = col(x)
     saved_bytes[name] = saved.total()
     y.backward(shard(grad_full, 2))
+# Under autocast the chunk is saved in the compute dtype (bf16: half the fp32 chunk), and the layer computes what the
+# same layer without sequence parallelism computes under autocast.
+autocast_outputs = {}
+for sequence_parallel in (False, True):
+    col = ColumnParallelLinear(H, OUT, group=group, sequence_parallel=sequence_parallel)
+    col.weight.data.copy_(shard(plain.weight.data, 0))
+    col.bias.data.copy_(shard(plain.bias.data, 0))
+    x = (shard(x_full.detach(), 1) if sequence_parallel else x_full.detach()).clone().requires_grad_()
+    saved = SavedBytes(col)
+    with saved, torch.autocast("cpu", dtype=torch.bfloat16):
+        y = col(x)
+    y.float().backward(shard(grad_full, 2))
+    autocast_outputs[sequence_parallel] = (y.float(), x.grad, col.weight.grad)
+    if sequence_parallel:
+        saved_bytes["sp_autocast"] = saved.total()
+        saved_bytes["sp_autocast_dtype"] = str(y.dtype)
+        saved_bytes["weight_bf16"] = col.weight.numel() * 2  # autocast's copy of the weight, saved as F.linear does
+plain_out, plain_x_grad, plain_w_grad = autocast_outputs[False]
+sp_out, sp_x_grad, sp_w_grad = autocast_outputs[True]
+saved_bytes["sp_autocast_error"] = max(((a - b).abs().max() / b.abs().max()).item() for a, b in  # relative
+                                       ((sp_out, plain_out), (sp_x_grad, shard(plain_x_grad, 1)), (sp_w_grad, plain_w_grad)))
 # The sequence scatter's chunk of a one-sample batch is contiguous already: it must still be a copy, not a view
 # that keeps the whole input alive (the first norm saves it).
 one_sample = torch.randn(1, S, H, generator=torch.Generator().manual_seed(7))  # (the global stream left as it was)
