@@ -17,8 +17,7 @@ qkv input, fc input                 ``2 h``                                ``q``
                                                                            chunk is kept, gathered again in
                                                                            backward)
 q, k, v (SDPA's inputs)             ``(a + 2 g) d``                        ``t``
-rotated q, k (rotary; its cos/sin    ``(a + g) d``                          ``t``
-are not kept)
+rotated q, k (rotary)               ``(a + g) d``                          ``t`` (its cos/sin are not kept)
 attention output + log-sum-exp      ``a d`` (+ ``a`` fp32)                 ``t``; recomputed: selective
 proj input                          ``a d``                                ``t``
 MLP (GELU: fc out, GELU out)        ``2 f``; SwiGLU ``4 f`` (gate|up, silu,    ``t``
