@@ -53,17 +53,30 @@ class ActivationLayout:
             parts.append(f"dp{self.data_parallel}")
         return " x ".join(parts) + ", packed docs" * self.documents
 
-    @property
-    def expected(self) -> float:
-        """The share of the whole-sequence rank's activations this layout should hold: each rank holds 1/cp of
-        the tokens, and tp+SP divides both the sequence-parallel activations (norms, residuals, dropout) by
-        splitting the sequence and the tensor-parallel ones (attention, MLP, logits) by splitting the heads, the
-        MLP width and the vocabulary, so 1/tp in all (Korthikanti et al. 2022, what is not divided aside)."""
-        return 1.0 / (self.context_parallel * self.tensor_parallel)
+    def replicated_key_value_bytes(self, config, seq: int) -> float:
+        """What a rank saves beyond its 1/tp share when tp exceeds the key/value groups ``g``: each rank then holds
+        one whole key/value head where 1/tp would be ``g / tp`` of one (the heads are replicated, not split:
+        ``tensor_parallel.styles.QueryGroupColumn``), in the three key/value-wide tensors a layer saves (k and v in
+        the ``qkv`` output, which SDPA's ``v`` keeps; the rotated k), fp32."""
+        tp, groups = self.tensor_parallel, config.query_groups
+        if tp <= groups:
+            return 0.0
+        tensors = 3 if config.position_embedding_type == "rope" else 2
+        tokens = seq / self.context_parallel
+        return config.num_layers * tensors * (tp - groups) / tp * config.head_dim * tokens * 4
 
-    @property
-    def expected_text(self) -> str:
-        return "1" if self.expected == 1 else f"1/{self.context_parallel * self.tensor_parallel}"
+    def expected(self, config, seq: int, baseline_bytes: int) -> tuple[float, str]:
+        """The share of the whole-sequence rank's activations this layout should hold, and how it is made up: each
+        rank holds 1/cp of the tokens, and tp+SP divides both the sequence-parallel activations (norms, residuals,
+        dropout) by splitting the sequence and the tensor-parallel ones (attention, MLP, logits) by splitting the
+        heads, the MLP width and the vocabulary, so 1/tp in all (Korthikanti et al. 2022), plus the replicated
+        key/value heads where tp exceeds the key/value groups (:meth:`replicated_key_value_bytes`)."""
+        parts = self.context_parallel * self.tensor_parallel
+        share, text = 1.0 / parts, "1" if parts == 1 else f"1/{parts}"
+        replicated = self.replicated_key_value_bytes(config, seq) / baseline_bytes
+        if replicated:
+            share, text = share + replicated, f"{text} + K/V {replicated:.3f}"
+        return share, text
 
 
 ACTIVATION_LAYOUTS = (
@@ -230,15 +243,17 @@ def launch_activations(args: argparse.Namespace, result_dir: Path, env: dict[str
     return [json.loads((result_dir / f"rank{r}.json").read_text()) for r in range(ACTIVATION_RANKS)]
 
 
-def format_activation_table(ranks: list[dict]) -> str:
+def format_activation_table(ranks: list[dict], args: argparse.Namespace) -> str:
     header = ["layout", "tokens/rank", "activations MiB/rank", "attention core MiB", "rest MiB", "vs cp1", "expected",
               "deviation", "max/min over ranks", "loss"]
     baseline = max(r["cp1"]["bytes"] for r in ranks)
+    config = activation_gpt_config(args)
     rows = [header]
     for layout in ACTIVATION_LAYOUTS:
         mine = [r[layout.key] for r in ranks]
         worst = max(mine, key=lambda m: m["bytes"])
         ratio = worst["bytes"] / baseline
+        expected, expected_text = layout.expected(config, args.seq, baseline)
         rows.append([
             layout.label,
             f"{worst['tokens']:,}",
@@ -246,8 +261,8 @@ def format_activation_table(ranks: list[dict]) -> str:
             f"{worst['attention_core'] / MIB:.2f}",
             f"{(worst['bytes'] - worst['attention_core']) / MIB:.2f}",
             f"{ratio:.3f}",
-            f"{layout.expected_text} = {layout.expected:.3f}",
-            f"{100 * (ratio / layout.expected - 1):+.1f}%",
+            f"{expected_text} = {expected:.3f}",
+            f"{100 * (ratio / expected - 1):+.1f}%",
             f"{worst['bytes'] / min(m['bytes'] for m in mine):.3f}",
             f"{worst['loss']:.4f}",
         ])
@@ -274,14 +289,12 @@ def activation_footer() -> str:
         "vs cp1: over the whole-sequence rank's (cp1 x dp4). expected: 1/cp for context parallelism (each rank "
         "holds 1/cp of the tokens; the ring saves q, k, v, out, lse of its own tokens only); 1/tp for tp+SP "
         "(Korthikanti et al. 2022: SP divides the norm/residual activations by tp along the sequence, and the "
-        "tensor-parallel attention, MLP and vocabulary splits divide the rest by tp). deviation: measured over "
-        "expected, minus 1.",
+        "tensor-parallel attention, MLP and vocabulary splits divide the rest by tp; the column-parallel layers "
+        "save their input's sequence chunk and gather it again in backward), plus, where tp exceeds the key/value "
+        "groups, the replicated key/value heads (K/V: each rank holds a whole head where 1/tp is a fraction of "
+        "one; in k, v and the rotated k). deviation: measured over expected, minus 1.",
         "Not divided, so above the expected share: all-gather attention saves the gathered keys and values of the "
-        "whole sequence (linear in S, 2 G d values per token); tp+SP "
-        "saves the all-gathered full-sequence inputs of the column-parallel layers (qkv, MLP fc, lm_head; "
-        "Megatron-Core saves the local chunk and gathers again in backward), the rotary cos/sin, the whole embedding "
-        "output (at one sample the sequence scatter's chunk is a view of it, which the first norm saves) and, where "
-        "tp exceeds the key/value groups, the replicated K/V heads.",
+        "whole sequence (linear in S, 2 G d values per token).",
         "packed docs: the same sample cut into ~16 documents (document ids and restarting "
         "positions), each token attending only within its own: the mask is applied tile by tile from the ids, so "
         "the only extra is the ids themselves (8 bytes a token, one storage for all layers).",
@@ -299,5 +312,5 @@ def activations_main(args: argparse.Namespace, env: dict[str, str]) -> None:
         print(f"  {len(ACTIVATION_LAYOUTS)} layouts on {ACTIVATION_RANKS} ranks ...", file=sys.stderr, flush=True)
         ranks = launch_activations(args, Path(tmp), env)
     print(describe_activations(args))
-    print(format_activation_table(ranks))
+    print(format_activation_table(ranks, args))
     print(activation_footer())

@@ -185,9 +185,10 @@ def test_moe_benchmark_prints_its_three_tables():
 
 
 def test_memory_benchmark_activations_mode_divides_activation_bytes_by_cp():
-    """``memory.py --activations``: every layout's row, the same loss everywhere, and the ring's saved activations per
-    rank within 5% above or 8% below 1/cp of the whole-sequence rank's (measured: about 6% below, because the ring
-    keeps a compact ``v`` where SDPA at cp1 keeps the whole ``qkv`` storage: see benchmarks/README.md); packed
+    """``memory.py --activations``: every layout's row, the same loss everywhere; the ring's saved activations per
+    rank within 5% above or 8% below 1/cp of the whole-sequence rank's (it keeps a compact ``v`` where SDPA at cp1
+    keeps the whole ``qkv`` storage: see benchmarks/README.md); sequence parallelism's within 5% of 1/tp (1/(cp tp)
+    with the ring): the column layers keep only their input's sequence chunk, rotary keeps no cos/sin; packed
     documents within 2% of the same layout's plain causal bytes (the ids only, no ``[S, S]`` mask)."""
     result = subprocess.run(
         [sys.executable, str(REPO / "benchmarks" / "memory.py"), "--activations", "--seq=512", "--hidden=32"],
@@ -216,6 +217,10 @@ def test_memory_benchmark_activations_mode_divides_activation_bytes_by_cp():
     for label, cp in (("cp2 all-gather x dp2", 2), ("cp4 all-gather", 4)):  # + the gathered K/V: linear, not S^2
         ratio = float(rows[label]["vs cp1"])
         assert 0.95 <= ratio * cp <= 1.25, (label, ratio)
+    for label, parts in (("tp2+SP x dp2", 2), ("tp4+SP", 4), ("cp2 ring x tp2+SP", 4)):  # 4 key/value groups: split
+        ratio = float(rows[label]["vs cp1"])
+        assert abs(ratio * parts - 1) <= 0.05, (label, ratio, header)
+        assert rows[label]["expected"] == f"1/{parts} = {1 / parts:.3f}", rows[label]
 
 
 GPU_CHECK_ROWS = ("gpt reference fp32 z0", "gpt zero3", "gpt bf16-mixed", "gpt sequence_parallel",
