@@ -56,14 +56,13 @@ class ActivationLayout:
     def replicated_key_value_bytes(self, config, seq: int) -> float:
         """What a rank saves beyond its 1/tp share when tp exceeds the key/value groups ``g``: each rank then holds
         one whole key/value head where 1/tp would be ``g / tp`` of one (the heads are replicated, not split:
-        ``tensor_parallel.styles.QueryGroupColumn``), in the three key/value-wide tensors a layer saves (k and v in
-        the ``qkv`` output, which SDPA's ``v`` keeps; the rotated k), fp32."""
+        ``tensor_parallel.styles.QueryGroupColumn``), in the two key/value-wide tensors a layer saves for attention (k
+        and v: the ``qkv`` output's, or with rotary the rotated k and the compact copy of v), fp32."""
         tp, groups = self.tensor_parallel, config.query_groups
         if tp <= groups:
             return 0.0
-        tensors = 3 if config.position_embedding_type == "rope" else 2
         tokens = seq / self.context_parallel
-        return config.num_layers * tensors * (tp - groups) / tp * config.head_dim * tokens * 4
+        return config.num_layers * 2 * (tp - groups) / tp * config.head_dim * tokens * 4
 
     def expected(self, config, seq: int, baseline_bytes: int) -> tuple[float, str]:
         """The share of the whole-sequence rank's activations this layout should hold, and how it is made up: each
@@ -292,7 +291,7 @@ def activation_footer() -> str:
         "tensor-parallel attention, MLP and vocabulary splits divide the rest by tp; the column-parallel layers "
         "save their input's sequence chunk and gather it again in backward), plus, where tp exceeds the key/value "
         "groups, the replicated key/value heads (K/V: each rank holds a whole head where 1/tp is a fraction of "
-        "one; in k, v and the rotated k). deviation: measured over expected, minus 1.",
+        "one; in the k and v attention saves). deviation: measured over expected, minus 1.",
         "Not divided, so above the expected share: all-gather attention saves the gathered keys and values of the "
         "whole sequence (linear in S, 2 G d values per token).",
         "packed docs: the same sample cut into ~16 documents (document ids and restarting "

@@ -122,6 +122,9 @@ class SelfAttention(nn.Module):
         k, v = k.squeeze(3).transpose(1, 2), v.squeeze(3).transpose(1, 2)
         if self.rotary is not None:
             q, k = self.rotary(q, k, positions)
+            # Attention saves q, k and v for backward; v alone, a view, would keep the whole qkv output alive (its
+            # unrotated queries and keys too, (a + g) d a token): a compact copy of v lets that storage go.
+            v = v.contiguous()
         causal = None
         if kv_cache is not None:
             k, v = kv_cache.append(self, k, v)
