@@ -35,6 +35,7 @@ class ActivationLayout:
     context_parallel: int
     tensor_parallel: int = 1  # with sequence parallelism whenever > 1
     attention: str = "ring"  # the context-parallel attention: "ring" or "all_gather"
+    documents: bool = False  # packed documents: document ids and restarting positions (reset_attention_mask)
 
     @property
     def data_parallel(self) -> int:
@@ -50,19 +51,31 @@ class ActivationLayout:
             parts.append(f"tp{self.tensor_parallel}+SP")
         if self.data_parallel > 1:
             parts.append(f"dp{self.data_parallel}")
-        return " x ".join(parts)
+        return " x ".join(parts) + ", packed docs" * self.documents
 
-    @property
-    def expected(self) -> float:
-        """The share of the whole-sequence rank's activations this layout should hold: each rank holds 1/cp of
-        the tokens, and tp+SP divides both the sequence-parallel activations (norms, residuals, dropout) by
-        splitting the sequence and the tensor-parallel ones (attention, MLP, logits) by splitting the heads, the
-        MLP width and the vocabulary, so 1/tp in all (Korthikanti et al. 2022, what is not divided aside)."""
-        return 1.0 / (self.context_parallel * self.tensor_parallel)
+    def replicated_key_value_bytes(self, config, seq: int) -> float:
+        """What a rank saves beyond its 1/tp share when tp exceeds the key/value groups ``g``: each rank then holds
+        one whole key/value head where 1/tp would be ``g / tp`` of one (the heads are replicated, not split:
+        ``tensor_parallel.styles.QueryGroupColumn``), in the two key/value-wide tensors a layer saves for attention (k
+        and v: the ``qkv`` output's, or with rotary the rotated k and the compact copy of v), fp32."""
+        tp, groups = self.tensor_parallel, config.query_groups
+        if tp <= groups:
+            return 0.0
+        tokens = seq / self.context_parallel
+        return config.num_layers * 2 * (tp - groups) / tp * config.head_dim * tokens * 4
 
-    @property
-    def expected_text(self) -> str:
-        return "1" if self.expected == 1 else f"1/{self.context_parallel * self.tensor_parallel}"
+    def expected(self, config, seq: int, baseline_bytes: int) -> tuple[float, str]:
+        """The share of the whole-sequence rank's activations this layout should hold, and how it is made up: each
+        rank holds 1/cp of the tokens, and tp+SP divides both the sequence-parallel activations (norms, residuals,
+        dropout) by splitting the sequence and the tensor-parallel ones (attention, MLP, logits) by splitting the
+        heads, the MLP width and the vocabulary, so 1/tp in all (Korthikanti et al. 2022), plus the replicated
+        key/value heads where tp exceeds the key/value groups (:meth:`replicated_key_value_bytes`)."""
+        parts = self.context_parallel * self.tensor_parallel
+        share, text = 1.0 / parts, "1" if parts == 1 else f"1/{parts}"
+        replicated = self.replicated_key_value_bytes(config, seq) / baseline_bytes
+        if replicated:
+            share, text = share + replicated, f"{text} + K/V {replicated:.3f}"
+        return share, text
 
 
 ACTIVATION_LAYOUTS = (
@@ -74,6 +87,10 @@ ACTIVATION_LAYOUTS = (
     ActivationLayout("tp2-sp", 1, 2),
     ActivationLayout("tp4-sp", 1, 4),
     ActivationLayout("cp2-tp2-sp", 2, 2),
+    # Packed documents: the document mask costs the ids only (O(S)), so each is expected at its plain row's share.
+    ActivationLayout("cp1-doc", 1, documents=True),
+    ActivationLayout("cp2-doc", 2, documents=True),
+    ActivationLayout("cp2-ag-doc", 2, attention="all_gather", documents=True),
 )
 
 
@@ -134,11 +151,21 @@ class SavedActivations:
         return sum(n for n, where in self.storages.values() if region is None or where == region)
 
 
-def activation_batch(args: argparse.Namespace) -> dict[str, Tensor]:
-    """One sample of ``--seq`` tokens, the same on every rank (so every layout computes the same loss)."""
+def activation_batch(args: argparse.Namespace, documents: bool = False) -> dict[str, Tensor]:
+    """One sample of ``--seq`` tokens, the same on every rank (so every layout computes the same loss); with
+    ``documents``, packed from ~16 documents of random lengths (one starts at a token with probability 16 / seq)
+    with their ids and restarting positions, as ``GPTDataModule(reset_attention_mask=True, reset_position_ids=True)``
+    gives them."""
     generator = torch.Generator().manual_seed(args.seed)
     tokens = torch.randint(0, args.vocab, (1, args.seq + 1), generator=generator)
-    return {"input_ids": tokens[:, :-1], "labels": tokens[:, 1:]}
+    batch = {"input_ids": tokens[:, :-1], "labels": tokens[:, 1:]}
+    if documents:
+        starts = torch.rand(1, args.seq, generator=generator) < 16 / args.seq
+        starts[:, 0] = True
+        positions = torch.arange(args.seq)
+        batch["document_ids"] = starts.long().cumsum(1) - 1
+        batch["position_ids"] = positions - torch.where(starts, positions, 0).cummax(1).values
+    return batch
 
 
 def measure_activations(layout: ActivationLayout, args: argparse.Namespace) -> dict:
@@ -165,7 +192,7 @@ def measure_activations(layout: ActivationLayout, args: argparse.Namespace) -> d
     split_pipeline(module, state)  # pp = 1: nothing to split
     initialize_parameters(module, args.seed, device="cpu", only_meta=True)
     module.train()
-    batch = activation_batch(args)  # every dp rank's own one-sample batch (the same sample)
+    batch = activation_batch(args, layout.documents)  # every dp rank's own one-sample batch (the same sample)
     batch = batch if splitter is None else splitter(batch)
     side = {key: value for key, value in batch.items() if key not in ("input_ids", "labels")}
     with SavedActivations(module) as saved:
@@ -215,15 +242,17 @@ def launch_activations(args: argparse.Namespace, result_dir: Path, env: dict[str
     return [json.loads((result_dir / f"rank{r}.json").read_text()) for r in range(ACTIVATION_RANKS)]
 
 
-def format_activation_table(ranks: list[dict]) -> str:
+def format_activation_table(ranks: list[dict], args: argparse.Namespace) -> str:
     header = ["layout", "tokens/rank", "activations MiB/rank", "attention core MiB", "rest MiB", "vs cp1", "expected",
               "deviation", "max/min over ranks", "loss"]
     baseline = max(r["cp1"]["bytes"] for r in ranks)
+    config = activation_gpt_config(args)
     rows = [header]
     for layout in ACTIVATION_LAYOUTS:
         mine = [r[layout.key] for r in ranks]
         worst = max(mine, key=lambda m: m["bytes"])
         ratio = worst["bytes"] / baseline
+        expected, expected_text = layout.expected(config, args.seq, baseline)
         rows.append([
             layout.label,
             f"{worst['tokens']:,}",
@@ -231,8 +260,8 @@ def format_activation_table(ranks: list[dict]) -> str:
             f"{worst['attention_core'] / MIB:.2f}",
             f"{(worst['bytes'] - worst['attention_core']) / MIB:.2f}",
             f"{ratio:.3f}",
-            f"{layout.expected_text} = {layout.expected:.3f}",
-            f"{100 * (ratio / layout.expected - 1):+.1f}%",
+            f"{expected_text} = {expected:.3f}",
+            f"{100 * (ratio / expected - 1):+.1f}%",
             f"{worst['bytes'] / min(m['bytes'] for m in mine):.3f}",
             f"{worst['loss']:.4f}",
         ])
@@ -259,17 +288,18 @@ def activation_footer() -> str:
         "vs cp1: over the whole-sequence rank's (cp1 x dp4). expected: 1/cp for context parallelism (each rank "
         "holds 1/cp of the tokens; the ring saves q, k, v, out, lse of its own tokens only); 1/tp for tp+SP "
         "(Korthikanti et al. 2022: SP divides the norm/residual activations by tp along the sequence, and the "
-        "tensor-parallel attention, MLP and vocabulary splits divide the rest by tp). deviation: measured over "
-        "expected, minus 1.",
+        "tensor-parallel attention, MLP and vocabulary splits divide the rest by tp; the column-parallel layers "
+        "save their input's sequence chunk and gather it again in backward), plus, where tp exceeds the key/value "
+        "groups, the replicated key/value heads (K/V: each rank holds a whole head where 1/tp is a fraction of "
+        "one; in the k and v attention saves). deviation: measured over expected, minus 1.",
         "Not divided, so above the expected share: all-gather attention saves the gathered keys and values of the "
-        "whole sequence (linear in S, 2 G d values per token); tp+SP "
-        "saves the all-gathered full-sequence inputs of the column-parallel layers (qkv, MLP fc, lm_head; "
-        "Megatron-Core saves the local chunk and gathers again in backward), the rotary cos/sin, the whole embedding "
-        "output (at one sample the sequence scatter's chunk is a view of it, which the first norm saves) and, where "
-        "tp exceeds the key/value groups, the replicated K/V heads.",
+        "whole sequence (linear in S, 2 G d values per token).",
+        "packed docs: the same sample cut into ~16 documents (document ids and restarting "
+        "positions), each token attending only within its own: the mask is applied tile by tile from the ids, so "
+        "the only extra is the ids themselves (8 bytes a token, one storage for all layers).",
         "max/min over ranks: the largest rank's bytes over the smallest's (every context-parallel rank holds the "
         "same number of tokens; the load-balanced chunks even out the attention work, which saved bytes do not "
-        "depend on). loss: the layout's loss over every token (the same sample everywhere, so every row must agree).",
+        "depend on). loss: the layout's loss over every token (the same sample everywhere, so every row must agree, the packed rows among themselves).",
     ]
     return "\n".join(f"* {note}" for note in notes)
 
@@ -281,5 +311,5 @@ def activations_main(args: argparse.Namespace, env: dict[str, str]) -> None:
         print(f"  {len(ACTIVATION_LAYOUTS)} layouts on {ACTIVATION_RANKS} ranks ...", file=sys.stderr, flush=True)
         ranks = launch_activations(args, Path(tmp), env)
     print(describe_activations(args))
-    print(format_activation_table(ranks))
+    print(format_activation_table(ranks, args))
     print(activation_footer())

@@ -1,15 +1,18 @@
 """Data at pretraining scale: per-rank memory over corpora of growing size, index build time and loader speed,
 side by side with Megatron-Core's own ``GPTDataset`` on the same files.
 
-Three tables, one invocation:
+Four tables, one invocation:
 
 1. **Memory per rank.** For each corpus size (``--sizes-gb``, default 0.2 1 2: gigabytes of
    uint16 tokens, written here), ``--ranks`` fresh processes (torchrun, gloo, CPU) train the
    tiny GPT for ``--steps`` steps under ``Megatron3DStrategy`` (tp=2 when the ranks allow it)
    on ``GPTDataModule(data_prefix=...)``. Each rank reports its resident memory before
    ``fit`` and after it: private (``RssAnon``) and mapped file pages (``RssFile``, the page
-   cache of what was read, shared and reclaimable). Reading the corpus into memory, as
-   ``GPTDataModule`` did before, would add the corpus size to every rank.
+   cache of what was read, shared and reclaimable), and its peak during ``fit`` (``VmHWM``,
+   reset just before: the index build's transient pages show there). Reading the corpus into
+   memory, as ``GPTDataModule`` did before, would add the corpus size to every rank.
+   ``--document-ends without`` (or ``both``) trains on the corpus with its ``PREFIX.ends``
+   moved aside, so the index build reads each document's last token from the ``.bin``.
 2. **Index build**, on the largest corpus: ours (the documents and samples indices of the
    train split, fresh cache) and Megatron-Core's (``BlendedMegatronDatasetBuilder`` in one
    process, fresh cache), for one data epoch at ``--seq-length``; seconds, seconds per
@@ -17,6 +20,10 @@ Three tables, one invocation:
    3 datasets) is timed too.
 3. **Loader speed**: samples/s reading the first ``--read-samples`` samples of each train
    dataset, by ``dataset[i]`` and through a ``DataLoader`` of batch 8.
+4. **The end-of-document probe** of that index build (the last token of every document), timed
+   alone, each way with its peak RSS (one after the other, in this process): from
+   ``PREFIX.ends``, from the ``.bin`` by ``pread`` (the sidecar moved aside), and through a
+   memory map of the ``.bin`` (how the build read it before ``PREFIX.ends``: the baseline).
 
 Megatron-Core is a peer only (``pip install --no-deps megatron-core``); without it its rows
 say so. See ``benchmarks/README.md`` for the numbers measured here.
@@ -25,6 +32,7 @@ Example::
 
     python benchmarks/data.py                                  # 0.2, 1, 2 GB corpora, 4 ranks (~3 min, 3.2 GB disk)
     python benchmarks/data.py --sizes-gb 0.01 --ranks 2 --quick   # seconds
+    python benchmarks/data.py --sizes-gb 0.572 --document-ends both   # peak RSS, with and without PREFIX.ends
 """
 
 from __future__ import annotations
@@ -37,6 +45,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -61,6 +70,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--read-samples", type=int, default=2000)
     parser.add_argument("--dir", help="where the corpora go (default: a temporary directory, removed after)")
     parser.add_argument("--quick", action="store_true", help="no memory table (no torchrun launches)")
+    parser.add_argument("--document-ends", choices=("with", "without", "both"), default="with",
+                        help="memory table: train with the corpus's PREFIX.ends sidecar, without it (moved aside: "
+                        "the last tokens are read from the .bin), or both")
     parser.add_argument("--worker", help=argparse.SUPPRESS)  # a rank of the memory table: the corpus prefix
     parser.add_argument("--result-dir", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
@@ -71,7 +83,7 @@ def resident_kib() -> dict[str, int]:
     fields = {}
     for line in Path("/proc/self/status").read_text().splitlines():
         name, _, value = line.partition(":")
-        if name in ("VmRSS", "RssAnon", "RssFile"):
+        if name in ("VmRSS", "VmHWM", "RssAnon", "RssFile"):
             fields[name] = int(value.split()[0])
     return fields
 
@@ -93,6 +105,7 @@ def worker(args: argparse.Namespace) -> None:
                         val_check_interval=args.steps, num_sanity_val_steps=0, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False,
                         strategy=Megatron3DStrategy(tensor_parallel_size=2 if world % 2 == 0 else 1))
+    Path("/proc/self/clear_refs").write_text("5")  # the peak (VmHWM) restarts from here: what fit adds
     before = resident_kib()
     trainer.fit(model, datamodule=data)
     after = resident_kib()
@@ -103,24 +116,35 @@ def worker(args: argparse.Namespace) -> None:
 
 def memory_table(corpora: list[tuple[str, int]], args: argparse.Namespace, work: Path) -> None:
     print(f"\n1. Resident memory per rank ({args.ranks} ranks, {args.steps} steps of the tiny GPT, MiB)")
-    print("corpus GB | rank | RSS before | RSS after | private growth | mapped-file growth | corpus MiB")
+    print("corpus GB | PREFIX.ends | rank | RSS before | RSS after | peak growth | private growth | "
+          "mapped-file growth | corpus MiB")
+    variants = ("with", "without") if args.document_ends == "both" else (args.document_ends,)
     for prefix, tokens in corpora:
-        result_dir = work / f"ranks-{Path(prefix).name}"
-        result_dir.mkdir(parents=True, exist_ok=True)
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.ranks}",
-               str(Path(__file__).resolve()), "--worker", prefix, "--result-dir", str(result_dir),
-               "--steps", str(args.steps)]
-        proc = subprocess.run(cmd, env=env, cwd=result_dir, capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise RuntimeError(f"the ranks failed on {prefix}:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
-        for rank in range(args.ranks):
-            result = json.loads((result_dir / f"rank{rank}.json").read_text())
-            before, after = result["before"], result["after"]
-            mib = lambda kib: f"{kib / 1024:.0f}"  # noqa: E731
-            print(f"{tokens * 2 / 1e9:9.2f} | {rank:4d} | {mib(before['VmRSS']):>10} | {mib(after['VmRSS']):>9} | "
-                  f"{mib(after['RssAnon'] - before['RssAnon']):>14} | {mib(after['RssFile'] - before['RssFile']):>18} | "
-                  f"{tokens * 2 / 2**20:10.0f}")
+        for variant in variants:
+            result_dir = work / f"ranks-{Path(prefix).name}-{variant}"
+            result_dir.mkdir(parents=True, exist_ok=True)
+            env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.ranks}",
+                   str(Path(__file__).resolve()), "--worker", prefix, "--result-dir", str(result_dir),
+                   "--steps", str(args.steps)]
+            sidecar, aside = Path(f"{prefix}.ends"), Path(f"{prefix}.ends.aside")
+            if variant == "without" and sidecar.exists():
+                sidecar.rename(aside)
+            try:
+                proc = subprocess.run(cmd, env=env, cwd=result_dir, capture_output=True, text=True)
+            finally:
+                if aside.exists():
+                    aside.rename(sidecar)
+            if proc.returncode != 0:
+                raise RuntimeError(f"the ranks failed on {prefix}:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+            for rank in range(args.ranks):
+                result = json.loads((result_dir / f"rank{rank}.json").read_text())
+                before, after = result["before"], result["after"]
+                mib = lambda kib: f"{kib / 1024:.0f}"  # noqa: E731
+                print(f"{tokens * 2 / 1e9:9.3f} | {variant:>11} | {rank:4d} | {mib(before['VmRSS']):>10} | "
+                      f"{mib(after['VmRSS']):>9} | {mib(after['VmHWM'] - before['VmRSS']):>11} | "
+                      f"{mib(after['RssAnon'] - before['RssAnon']):>14} | "
+                      f"{mib(after['RssFile'] - before['RssFile']):>18} | {tokens * 2 / 2**20:10.0f}", flush=True)
 
 
 # ------------------------------------------------------------------------------------------------ index and loader
@@ -135,6 +159,51 @@ def ours(prefix: str, seq_length: int, cache_dir: Path):
     dataset = GPTDataset(corpus, train, seq_length=seq_length, num_samples=None, seed=1234, eos_id=EOS,
                          cache_dir=cache_dir)
     return dataset, time.perf_counter() - start
+
+
+def probe(how: str, prefix: str) -> dict:
+    """The train split's documents array built with the last tokens read ``how``: seconds, documents, and how far
+    this process's peak RSS rose (reset first; the probes run one after the other in this process)."""
+    import numpy as np
+
+    from lightning_megatron.data import IndexedDataset
+    from lightning_megatron.data.gpt_dataset import split_documents
+    from lightning_megatron.data.indexed import data_file
+    from lightning_megatron.data.splits import split_document_ranges
+
+    train = split_document_ranges(SPLIT, IndexedDataset(prefix).num_documents)["train"]
+    Path("/proc/self/clear_refs").write_text("5")
+    before, start = resident_kib()["VmRSS"], time.perf_counter()
+    if how == "memory map":  # the baseline: the build's reading before PREFIX.ends
+        dataset = IndexedDataset(prefix)
+        starts, stored = dataset.document_extents(train)
+        tokens = np.memmap(data_file(prefix), dtype=dataset.dtype, mode="r")
+        documents = int((tokens[(starts + stored - 1)[stored > 0]] == EOS).size)
+        del tokens
+    else:
+        with warnings.catch_warnings():  # pread: the warning that PREFIX.ends is missing
+            warnings.simplefilter("ignore")
+            documents = len(split_documents(IndexedDataset(prefix), train, EOS)["starts"])
+    seconds = time.perf_counter() - start
+    return {"seconds": seconds, "peak_kib": resident_kib()["VmHWM"] - before, "documents": documents}
+
+
+def probe_table(prefix: str) -> None:
+    print("\n4. The end-of-document probe alone (the train split's documents array)")
+    print("last tokens from | documents | seconds | peak RSS growth MiB | peak vs memory map")
+    rows = {}
+    sidecar, aside = Path(f"{prefix}.ends"), Path(f"{prefix}.ends.aside")
+    for how in ("PREFIX.ends", "pread", "memory map"):
+        if how == "pread":
+            sidecar.rename(aside)
+        try:
+            rows[how] = probe(how, prefix)
+        finally:
+            if aside.exists():
+                aside.rename(sidecar)
+    for how, row in rows.items():
+        print(f"{how} | {row['documents']} | {row['seconds']:.3f} | {row['peak_kib'] / 1024:.1f} | "
+              f"{row['peak_kib'] / max(rows['memory map']['peak_kib'], 1):.3f}")
 
 
 def index_and_loader_tables(prefix: str, tokens: int, args: argparse.Namespace, work: Path) -> None:
@@ -201,6 +270,7 @@ def main(argv=None) -> None:
         if not args.quick:
             memory_table(corpora, args, work)
         index_and_loader_tables(*corpora[-1], args, work)
+        probe_table(corpora[-1][0])
     finally:
         if not args.dir:
             shutil.rmtree(work, ignore_errors=True)

@@ -79,11 +79,11 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--activations", action="store_true",
                         help="measure the activation bytes per rank of context and sequence parallelism instead "
-                             "(defaults then: --hidden 64 --layers 2 --heads 4 --seq 8192 --pad-vocab 1; fp32 on the "
+                             "(defaults then: --hidden 64 --layers 2 --heads 8 --seq 8192 --pad-vocab 1; fp32 on the "
                              "CPU, one sample per rank: --batch, --steps, --warmup, --precision, --only do not apply)")
     parser.add_argument("--hidden", type=int, help="default 256 (--activations: 64)")
     parser.add_argument("--layers", type=int, help="default 4 (--activations: 2)")
-    parser.add_argument("--heads", type=int, help="default 4 (--activations: 4)")
+    parser.add_argument("--heads", type=int, help="default 4 (--activations: 8, 4 key/value groups: tp4 splits them)")
     parser.add_argument("--seq", type=int, help="default 128 (--activations: 8192)")
     parser.add_argument("--batch", type=int, default=4, help="samples per step on each rank (the global batch is N times this)")
     parser.add_argument("--vocab", type=int, default=256,
@@ -112,7 +112,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
 
 
 MODEL_STATE_DEFAULTS = {"hidden": 256, "layers": 4, "heads": 4, "seq": 128, "pad_vocab": 128}
-ACTIVATION_DEFAULTS = {"hidden": 64, "layers": 2, "heads": 4, "seq": 8192, "pad_vocab": 1}
+ACTIVATION_DEFAULTS = {"hidden": 64, "layers": 2, "heads": 8, "seq": 8192, "pad_vocab": 1}
 
 
 # ---------------------------------------------------------------------------- the ZeRO formulas

@@ -17,8 +17,8 @@ Entries:
   of the step. ``wait ms`` is the time blocked in ``ParamGather``'s waits.
 * ``tp_comm``: tensor parallelism over all ``--ranks`` with sequence parallelism (``tp_comm_overlap``): off, each
   sequence-parallel linear all-gathers then multiplies (and multiplies then reduce-scatters); on, the column
-  linears' all-gather runs behind their own chunk's GEMM, and in backward the input re-gather behind the
-  input-gradient GEMM and the input-gradient reduce-scatter behind the weight-gradient GEMM.
+  linears' all-gather runs behind their own chunk's GEMM. Both overlap the column layers' backward (the input
+  re-gather behind the input-gradient GEMM, the reduce-scatter behind the weight-gradient GEMM).
 * ``pipeline_p2p``: pipeline parallelism over all ``--ranks``, ``2 x ranks`` micro-batches of one sample
   (``overlap_p2p_comm``): on, the multi-stage schedules post every receive as early as their action table
   allows; off, just before its use.

@@ -21,6 +21,7 @@ from lightning.pytorch.cli import LightningCLI
 
 import lightning_megatron  # noqa: F401  (registers the "megatron_3d" strategy)
 from lightning_megatron.checkpoint.commands import main as checkpoint_main
+from lightning_megatron.data.preprocess import document_ends_main
 from lightning_megatron.data.preprocess import main as preprocess_main
 from lightning_megatron.generation.cli import main as generate_main
 from lightning_megatron.plan.command import main as plan_main
@@ -30,6 +31,8 @@ from lightning_megatron.data.preprocess import train_tokenizer_main
 TOOLS: dict[str, tuple[str, Callable[[Sequence[str]], None]]] = {
     "preprocess": ("tokenise a .jsonl/.txt/.parquet file or a Hugging Face datasets directory into a Megatron "
                    ".bin/.idx dataset", preprocess_main),
+    "document-ends": ("record each document's last token of an existing .bin/.idx dataset in PREFIX.ends (index "
+                      "builds then read only the .idx)", document_ends_main),
     "train-tokenizer": ("train a byte-level BPE or BERT WordPiece tokenizer.json", train_tokenizer_main),
     "checkpoint": ("inspect, consolidate or convert (Hugging Face) a checkpoint, sharded or full", checkpoint_main),
     "generate": ("continue prompts with a GPT from a checkpoint or a Hugging Face directory (KV cache)", generate_main),

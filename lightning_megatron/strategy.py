@@ -97,7 +97,7 @@ class Megatron3DStrategy(CheckpointHooks, StepHooks, ParallelStrategy):
         pipeline_parallel_size: pipeline ranks; the model needs ``pipeline_blocks()``.
         data_parallel_size: model replicas; ``"auto"`` takes ``world_size / (tp * cp * pp)``.
         sequence_parallel: also split LayerNorm/dropout activations along the sequence over tp.
-        tp_comm_overlap: overlap the sequence-parallel all-gathers and reduce-scatters with the linears' GEMMs
+        tp_comm_overlap: overlap the sequence-parallel forward collectives with the linears' GEMMs too
             (``tensor_parallel.overlap``); needs ``sequence_parallel=True`` and tp > 1.
         context_parallel_size: ranks that split every sample's sequence (long context): each holds two of
             ``2 * cp`` chunks (Megatron's causal load balancing), attention is exact over the whole sequence

@@ -30,6 +30,9 @@ LAYOUTS = [
     "bert-cp2-tp2-dp1-sp",
     "bert-cp2-pp2-tp1-dp1-mb2",
     "bert-cp2-tp1-dp2-z1",
+    "llamadoc-cp2-tp2-dp1-sp",      # packed documents: every rank reads the document ids of every key (ring, SP)
+    "doc-cp2-tp1-dp2-ag",           # the same with the all-gather attention
+    "doc-cp4-tp1-dp1-sel",          # documents across the 2-token chunks of cp4, attention recomputed in backward
 ]
 COUNTS = ["count-gpt-cp4-tp1-dp1", "count-llama-cp2-tp1-dp2", "count-bert-cp2-tp2-dp1-sp", "count-llama-cp4-tp1-dp1-ag"]
 EXTRAS = ["kernels-gpt-cp4-tp1-dp1", "kernels-gpt-cp2-tp1-dp2", "gen-llama-cp2-tp2-dp1-sp", "errors-gpt-cp4-tp1-dp1"]
@@ -77,9 +80,9 @@ def test_split_batch_refuses_what_it_cannot_cut():
         split_batch({"input_ids": ids, "labels": ids}, inputs, 4, 0, tensor_parallel_size=2, sequence_parallel=True)
     with pytest.raises(ValueError, match=r"'loss_mask' \(shape \[2, 20\]\) has the sequence dimension, but GPT"):
         split_batch({"input_ids": ids, "labels": ids, "loss_mask": ids}, inputs, 2, 0, model_name="GPT")
-    with pytest.raises(ValueError, match=r"'document_ids' cannot be used with context parallelism.*reset_attention_mask"):
-        split_batch({"input_ids": ids, "labels": ids, "document_ids": ids}, inputs, 2, 0)
-
+    documents = torch.arange(16).repeat(2, 1) // 5  # kept whole in the ring's order, as key masks are
+    part = split_batch({"input_ids": ids[:, :16], "labels": ids[:, :16], "document_ids": documents}, inputs, 2, 1)
+    assert part["document_ids"][0].tolist() == [0, 0, 0, 0, 2, 2, 2, 3, 0, 1, 1, 1, 1, 1, 2, 2]
 
 def _state(**sizes) -> ParallelState:
     return ParallelState(config=ParallelConfig(**sizes), device=torch.device("cpu"))  # no groups: nothing to wait in
@@ -159,7 +162,7 @@ def test_ring_and_all_gather_attention_equal_sdpa_in_fp64(launched):
     for layout in ("kernels-gpt-cp4-tp1-dp1", "kernels-gpt-cp2-tp1-dp2"):
         for rank, result in enumerate(results):
             worst = result[layout]
-            assert len(worst) == 2 * 3 * 3  # both attentions x causal / bidirectional / padded x MHA / GQA / MQA
+            assert len(worst) == 2 * 4 * 3  # both attentions x causal / bidirectional / padded / documents x MHA / GQA / MQA
             assert max(worst.values()) < 1e-12, (layout, rank, worst)
 
 
@@ -196,7 +199,6 @@ def test_every_rank_refuses_bad_input_with_the_numbers_and_the_fix(launched):
     said = [result["errors-gpt-cp4-tp1-dp1"] for result in results]
     assert all(s == said[0] for s in said)  # the same message on every rank
     assert "multiple of 8; it is 12" in said[0]["length"]
-    assert "reset_attention_mask=False" in said[0]["documents"]
     assert "CoreAttention" in said[0]["attention"]
 
 
@@ -211,7 +213,7 @@ def test_a_block_in_matmuls_equals_the_flash_kernel_and_sdpa(causal, padded):
     keys = torch.ones(2, 12, dtype=torch.bool)
     if padded:
         keys[1] = False  # the second sample's keys all padding in this block
-    mask = _additive(keys, q.dtype) if padded else None
+    mask = _additive(keys[:, None, None], q.dtype) if padded else None
     results = {}
     for flash in (True, False):
         out, lse = _block_forward(q, k, v, causal, mask, flash=flash)

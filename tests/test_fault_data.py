@@ -123,7 +123,7 @@ def test_preprocess_of_an_input_without_documents_fails_and_leaves_the_old_datas
     (tmp_path / "old.txt").write_text("an older dataset\n")
     preprocess(input=tmp_path / "old.txt", tokenizer="byte", output_prefix=out / "corpus", progress=False)
     before = _snapshot(out)
-    assert sorted(before) == ["corpus.bin", "corpus.idx", "corpus.meta.json"]
+    assert sorted(before) == ["corpus.bin", "corpus.ends", "corpus.idx", "corpus.meta.json"]
 
     with pytest.raises(EmptyInputError) as error:
         cli_main(["preprocess", "--input", str(source), "--tokenizer", "byte", "--output-prefix", str(out / "corpus"),

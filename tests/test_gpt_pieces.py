@@ -90,3 +90,22 @@ def test_checkpoints_saved_before_the_llama_fields_still_name_their_config():
     assert model_config({"config": asdict(bert)}) == bert
     llama = GPTConfig.from_name("llama-3.1-8b")
     assert model_config({"config": asdict(llama)}) == llama
+
+
+def test_rotary_saves_no_cos_sin_and_its_backward_is_the_gradient():
+    """The rotation keeps nothing for backward but the positions it was given (autograd's own product would keep
+    the [S, head_dim] cos/sin in every layer, whole-sequence under tp + SP); its hand-written backward against
+    finite differences (gradcheck), with default positions, per-document positions and Llama-3.1 scaling."""
+    from lightning_megatron.models.rotary import RopeScaling, RotaryEmbedding
+
+    rotary = RotaryEmbedding(8, base=100.0, scaling=RopeScaling(original_max_position_embeddings=4))
+    q = torch.randn(2, 4, 6, 8, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(2, 2, 6, 8, dtype=torch.float64, requires_grad=True)
+    positions = torch.tensor([[0, 1, 2, 0, 1, 2], [3, 4, 5, 6, 7, 8]])
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        rotary(q, k)
+        rotary(q, k, positions)
+    assert len(saved) == 1 and saved[0] is positions
+    for given in (None, positions):
+        assert torch.autograd.gradcheck(lambda q, k: rotary(q, k, given), (q, k))

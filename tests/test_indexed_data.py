@@ -42,7 +42,8 @@ def test_writer_is_byte_compatible_and_round_trips(tmp_path, dtype):
                                       [0, 1, 2, 3, 4])
     assert index_file(prefix).read_bytes() == expected_idx
     assert data_file(prefix).read_bytes() == np.concatenate(docs).astype(dtype).tobytes()
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["data.bin", "data.idx"]  # no temporary files left
+    # no temporary files left; the last tokens beside the two Megatron-LM files, which stay as they were
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data.bin", "data.ends", "data.idx"]
 
     ds = IndexedDataset(prefix)
     assert len(ds) == ds.num_documents == 4 and ds.dtype == np.dtype(dtype)
@@ -50,6 +51,7 @@ def test_writer_is_byte_compatible_and_round_trips(tmp_path, dtype):
     for i, doc in enumerate(docs):
         assert ds[i].dtype == np.dtype(dtype) and ds[i].tolist() == doc.tolist() == ds.document(i).tolist()
     assert ds[-1].tolist() == [4, 5, 6, 100]
+    assert ds.recorded_last_tokens(range(4)).tolist() == [3, 0, 7, 100]
     with pytest.raises(IndexError):
         ds[4]
 

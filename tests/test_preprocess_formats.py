@@ -95,7 +95,8 @@ def test_a_dataset_dict_needs_a_split_and_lists_its_splits(inputs, tmp_path):
     (tmp_path / "plain").mkdir()
     with pytest.raises(ValueError, match=r"plain is a directory but not one written by .*save_to_disk"):
         preprocess(input=tmp_path / "plain", tokenizer="byte", output_prefix=tmp_path / "x")
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.bin", "out.idx", "out.meta.json", "plain"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.bin", "out.ends", "out.idx", "out.meta.json",
+                                                          "plain"]
 
 
 def test_an_input_of_empty_rows_writes_nothing(tmp_path):
@@ -170,6 +171,6 @@ def test_split_sentences_stores_a_sequence_per_sentence_and_the_eos_after_the_la
     assert metadata["split_sentences"] is True and metadata["sequences"] == len(dataset)
     preprocess(input=inputs / "in.parquet", output_prefix=tmp_path / "from_parquet", **kwargs)
     assert _files(tmp_path / "from_parquet") == _files(tmp_path / "sentences")
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["from_parquet.bin", "from_parquet.idx",
-                                                          "from_parquet.meta.json", "sentences.bin", "sentences.idx",
-                                                          "sentences.meta.json"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["from_parquet.bin", "from_parquet.ends", "from_parquet.idx",
+                                                          "from_parquet.meta.json", "sentences.bin", "sentences.ends",
+                                                          "sentences.idx", "sentences.meta.json"]

@@ -41,26 +41,43 @@ def _by_kind(counts):
 def test_transformer_layer_issues_exactly_the_papers_collectives(layer_results, model):
     """GPT-2's layer; a Llama layer (RMSNorm, rotary, SwiGLU, 2 key/value groups split over tp=2); a multi-query
     one whose single key/value head is replicated on both ranks: rotary positions, the gated MLP and replicated
-    key/value heads add no collective to the layer (the replicas' weight gradients are summed once per step)."""
+    key/value heads add no collective to the layer (the replicas' weight gradients are summed once per step).
+    Under sequence parallelism the column layers keep only their input's sequence chunk and gather it again in
+    backward (Korthikanti et al. 2022, 4.2.2): one more all-gather per column layer in backward."""
     for result in layer_results:
         plain, sequence_parallel = result["counts"][f"{model}_tp"], result["counts"][f"{model}_tp_sp"]
         assert _by_kind(plain["forward"]) == {"all_reduce": 2}
         assert _by_kind(plain["backward"]) == {"all_reduce": 2}
         assert _by_kind(sequence_parallel["forward"]) == {"all_gather": 2, "reduce_scatter": 2}
-        assert _by_kind(sequence_parallel["backward"]) == {"all_gather": 2, "reduce_scatter": 2}
+        assert _by_kind(sequence_parallel["backward"]) == {"all_gather": 4, "reduce_scatter": 2}
 
 
 @pytest.mark.parametrize("model", ["gpt2", "llama", "mqa"])
-def test_overlapped_sequence_parallelism_issues_the_papers_collectives_plus_the_input_regather(layer_results, model):
-    """tp_comm_overlap: the column layers keep only their input's sequence chunk and gather it again in backward
-    (overlapped with the input-gradient GEMM; Korthikanti et al. 2022, 4.2.2): one more all-gather per column layer
-    in backward, nothing else changes. Its row layers cut in 2 pieces: 2 reduce-scatters per row layer forward."""
+def test_overlapped_sequence_parallelism_issues_the_same_collectives_its_row_pieces_more(layer_results, model):
+    """tp_comm_overlap: the same collectives as the default (the column layer's forward gather overlapped with its
+    own chunk's GEMM); its row layers cut in 2 pieces: 2 reduce-scatters per row layer forward."""
     for result in layer_results:
         overlapped, pieces = result["counts"][f"{model}_tp_sp_tpo"], result["counts"][f"{model}_tp_sp_tpo2"]
         assert _by_kind(overlapped["forward"]) == {"all_gather": 2, "reduce_scatter": 2}
         assert _by_kind(overlapped["backward"]) == {"all_gather": 4, "reduce_scatter": 2}
         assert _by_kind(pieces["forward"]) == {"all_gather": 2, "reduce_scatter": 4}
         assert _by_kind(pieces["backward"]) == {"all_gather": 4, "reduce_scatter": 2}
+
+
+def test_sequence_parallel_column_layer_saves_only_its_sequence_chunk(layer_results):
+    """Counted with saved_tensors_hooks against the same layer without sequence parallelism: the input saved for
+    the weight gradient is this rank's 1/tp of the sequence (default and overlapped; in bf16 under autocast); a
+    frozen layer saves none.
+    The sequence scatter copies a one-sample chunk rather than keeping a view of the whole input."""
+    for result in layer_results:
+        saved = result["saved_bytes"]
+        assert saved["tp"] > 0 and saved["sp"] * 2 == saved["tp"] and saved["sp_tpo"] == saved["sp"], saved
+        assert saved["sp_frozen"] == 0, saved
+        # Under bf16 autocast: the chunk in bf16, and the values of the layer without sequence parallelism (bf16 GEMMs).
+        assert saved["sp_autocast"] == saved["sp"] // 2 + saved["weight_bf16"], saved
+        assert saved["sp_autocast_dtype"] == "torch.bfloat16", saved
+        assert saved["sp_autocast_error"] < 1e-2, saved  # relative to the largest value: bf16 rounding
+        assert saved["scatter_chunk_storage"] * 2 == saved["scatter_input_storage"], saved
 
 
 def test_replicated_key_value_heads_add_one_bucketed_reduction_per_step(layer_results):

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_megatron.context_parallel.blocks import Block, compute_dtype, save_for_backward, saved, start
+from lightning_megatron.context_parallel.documents import DocumentMask
 
 
 def _gather(x: Tensor, group: dist.ProcessGroup) -> Tensor:
@@ -40,21 +41,21 @@ class AllGatherAttention(torch.autograd.Function):
     """``attention(q, k, v)`` over the whole sequence (shapes and ``key_mask`` as :class:`ring.RingAttention`)."""
 
     @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, key_mask: Optional[Tensor], causal: bool,
-                group: dist.ProcessGroup) -> Tensor:
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, key_mask: Optional[Tensor], documents: Optional[DocumentMask],
+                causal: bool, group: dist.ProcessGroup) -> Tensor:
         rank, size, length = dist.get_rank(group), dist.get_world_size(group), q.shape[2]
         keys, values = _gather(k, group), _gather(v, group)
         out, lse = start(q)
         for step in range(size):
             block = Block(step=step, rank=rank, size=size, causal=causal, length=length)
-            block.forward(q, keys[block.source], values[block.source], key_mask, out, lse)
+            block.forward(q, keys[block.source], values[block.source], key_mask, documents, out, lse)
         out = out.to(q.dtype)
-        save_for_backward(ctx, q, keys, values, out, lse, key_mask, causal, group)
+        save_for_backward(ctx, q, keys, values, out, lse, key_mask, documents, causal, group)
         return out
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):
-        q, keys, values, out, lse, key_mask, causal, group = saved(ctx)
+        q, keys, values, out, lse, key_mask, documents, causal, group = saved(ctx)
         rank, size, length = dist.get_rank(group), dist.get_world_size(group), q.shape[2]
         dtype = compute_dtype(q.dtype)
         grad_out = grad_out.contiguous()
@@ -63,12 +64,12 @@ class AllGatherAttention(torch.autograd.Function):
         for step in range(size):
             block = Block(step=step, rank=rank, size=size, causal=causal, length=length)
             s = block.source
-            block.backward(grad_out, q, keys[s], values[s], out, lse, key_mask, dq, dkeys[s], dvalues[s])
+            block.backward(grad_out, q, keys[s], values[s], out, lse, key_mask, documents, dq, dkeys[s], dvalues[s])
         dk, dv = (_reduce_scatter(t, group).to(keys.dtype) for t in (dkeys, dvalues))
-        return dq.to(q.dtype), dk, dv, None, None, None
+        return dq.to(q.dtype), dk, dv, None, None, None, None
 
 
 def all_gather_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool, group: dist.ProcessGroup,
-                         key_mask: Optional[Tensor] = None) -> Tensor:
+                         key_mask: Optional[Tensor] = None, documents: Optional[DocumentMask] = None) -> Tensor:
     """Exact softmax attention of this rank's queries (``[B, H, S_l, D]``) over every rank's keys and values."""
-    return AllGatherAttention.apply(q, k, v, key_mask, causal, group)
+    return AllGatherAttention.apply(q, k, v, key_mask, documents, causal, group)

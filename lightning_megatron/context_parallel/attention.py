@@ -8,6 +8,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_megatron.context_parallel.all_gather import all_gather_attention
+from lightning_megatron.context_parallel.documents import DocumentMask
 from lightning_megatron.context_parallel.ring import ring_attention
 from lightning_megatron.tensor_parallel.mappings import sequences_are_whole
 
@@ -34,8 +35,20 @@ class ContextParallelAttention(nn.Module):
                 local: Callable[..., Tensor]) -> Tensor:
         if sequences_are_whole():
             return local(q, k, v, attention_mask, causal)
+        if isinstance(attention_mask, DocumentMask):
+            return VARIANTS[self.variant](q, k, v, causal=causal, group=self.group,
+                                          documents=self._documents(attention_mask, q.shape[2]))
         return VARIANTS[self.variant](q, k, v, causal=causal, group=self.group,
                                       key_mask=self._key_mask(attention_mask, q.shape[2]))
+
+    def _documents(self, documents: DocumentMask, length: int) -> DocumentMask:
+        """The document ids must cover the whole sequence (``[B, n * S_l]``, in the ring's order)."""
+        if documents.ids.shape[1] != self.size * length:
+            raise RuntimeError(
+                f"Context parallelism takes the document ids of the whole sequence, [B, {self.size * length}] in the "
+                f"ring's order (split_batch keeps the model's key_masks entries whole); this attention got "
+                f"{list(documents.ids.shape)}. Declare the entry in sequence_inputs().key_masks.")
+        return documents
 
     def _key_mask(self, attention_mask: Optional[Tensor], length: int) -> Optional[Tensor]:
         """``[B, n * S_l]`` from the ``[B, 1, 1, n * S_l]`` key-padding mask a model builds from the whole-sequence
@@ -47,7 +60,8 @@ class ContextParallelAttention(nn.Module):
             raise RuntimeError(
                 f"Context parallelism takes a key-padding mask [B, 1, 1, {total}] over the whole sequence (in the "
                 f"ring's order, as split_batch gives it); this attention got a mask of shape "
-                f"{list(attention_mask.shape)}. Masks over query and key positions (documents) are not supported.")
+                f"{list(attention_mask.shape)}. Masks over query and key positions cannot be split; give packed "
+                f"documents as a DocumentMask of their ids.")
         return attention_mask[:, 0, 0, :].bool()
 
     def extra_repr(self) -> str:

@@ -12,7 +12,9 @@ blocks:
   half of the queries x all the keys.
 
 The other half is skipped, so every rank computes the same amount per source. Bidirectional attention
-(BERT) computes every block whole, with the key-padding mask of the source's tokens.
+(BERT) computes every block whole, with the key-padding mask of the source's tokens. With a document mask
+(``documents.py``) a block is cut into tiles, those whose queries and keys share no document are skipped, and
+each other tile gets its own small mask (same document, causal on the diagonal).
 
 A block runs torch's flash-attention kernel on CPU (``_scaled_dot_product_flash_attention_for_cpu`` and its
 backward, which return and take the log-sum-exp); elsewhere the same computation in matmuls with fp32 scores (a
@@ -26,10 +28,12 @@ transient copy) and their gradients summed back.
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 from torch import Tensor
+
+from lightning_megatron.context_parallel.documents import DocumentMask
 
 NEG_INF = float("-inf")
 
@@ -39,11 +43,12 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def _additive(key_mask: Optional[Tensor], dtype: torch.dtype) -> Optional[Tensor]:
-    """``[B, Sk]`` booleans (True = attend) as SDPA's additive ``[B, 1, 1, Sk]`` mask (0 or -inf) in ``dtype``."""
-    if key_mask is None:
+def _additive(keep: Optional[Tensor], dtype: torch.dtype) -> Optional[Tensor]:
+    """Booleans (True = attend: ``[B, 1, 1, Sk]`` key padding, ``[B, 1, Sq, Sk]`` a tile of documents) as SDPA's
+    additive mask (0 or -inf) in ``dtype``."""
+    if keep is None:
         return None
-    return torch.zeros(key_mask.shape, dtype=dtype, device=key_mask.device).masked_fill(~key_mask, NEG_INF)[:, None, None]
+    return torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill(~keep, NEG_INF)
 
 
 def uses_flash_kernel(device: torch.device) -> bool:
@@ -60,7 +65,7 @@ def _block_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, mask: Optional
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=mask)
         lse = lse.to(compute_dtype(q.dtype))
         if mask is not None:  # the kernel reports 0, not -inf, for a query whose keys are all masked
-            empty = torch.isinf(mask).all(dim=-1)  # [B, 1, 1]: the key mask is the same for every query
+            empty = torch.isinf(mask).all(dim=-1)  # [B, 1, 1] (a key mask) or [B, 1, Sq] (a tile of documents)
             lse = lse.masked_fill(empty, NEG_INF)
             out = out.masked_fill(empty[..., None], 0.0)
         return out, lse
@@ -116,12 +121,13 @@ def _grouped_sum(grad: Tensor, groups: int) -> Tensor:
 
 class Block:
     """Which queries and keys of the rank's ``S_l`` positions the block of one source computes (see the module
-    docstring); ``step``: the source is rank ``rank - step``."""
+    docstring); ``step``: the source is rank ``rank - step``. With a document mask the block is computed tile by
+    tile (``documents.py``), skipping tiles whose queries and keys share no document."""
 
     def __init__(self, *, step: int, rank: int, size: int, causal: bool, length: int) -> None:
         source = (rank - step) % size
         half = length // 2
-        self.source, self.length = source, length
+        self.rank, self.source, self.length = rank, source, length
         self.causal = causal and source == rank
         self.rows, self.cols = slice(0, length), slice(0, length)
         if causal and source < rank:
@@ -129,56 +135,77 @@ class Block:
         elif causal and source > rank:
             self.rows = slice(half, length)
 
-    def key_mask(self, key_mask: Optional[Tensor]) -> Optional[Tensor]:
-        """The source's keys' part of the ``[B, n * S_l]`` key-padding mask (ring order), this block's columns."""
-        if key_mask is None:
-            return None
-        return key_mask[:, self.source * self.length:(self.source + 1) * self.length][:, self.cols]
+    def _positions(self, whole: Tensor, rank: int) -> Tensor:
+        """Rank ``rank``'s part of a ``[B, n * S_l]`` per-position tensor in the ring's order."""
+        return whole[:, rank * self.length:(rank + 1) * self.length]
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, key_mask: Optional[Tensor], out: Tensor, lse: Tensor) -> None:
+    def _parts(self, key_mask: Optional[Tensor], documents: Optional[DocumentMask], dtype: torch.dtype
+               ) -> Iterator[tuple[slice, slice, bool, Optional[Tensor]]]:
+        """``(rows, cols, causal, additive mask)`` of each kernel call: the whole block with the source's key-padding
+        mask, or its tiles that share a document, each with its own mask (causality folded in)."""
+        keys = None if key_mask is None else self._positions(key_mask, self.source)
+        if documents is None:
+            padding = None if keys is None else keys[:, None, None, self.cols]
+            yield self.rows, self.cols, self.causal, _additive(padding, dtype)
+            return
+        ids = documents.ids
+        queries, sources = self._positions(ids, self.rank), self._positions(ids, self.source)
+        for rows, cols, on_diagonal in documents.tiles(queries, sources, self.rows, self.cols, self.causal):
+            yield rows, cols, False, _additive(documents.keep(queries, sources, rows, cols, on_diagonal, keys), dtype)
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, key_mask: Optional[Tensor], documents: Optional[DocumentMask],
+                out: Tensor, lse: Tensor) -> None:
         """Attend ``q`` (the rank's, ``[B, H, S_l, D]``) to the source's ``k, v`` (``[B, G, S_l, D]``) and merge the
         block into the running ``out`` and ``lse`` (compute dtype) in place."""
-        heads, rows = q.shape[1], self.rows
-        kb, vb = (_heads(t[:, :, self.cols], heads) for t in (k, v))
-        block_out, block_lse = _block_forward(q[:, :, rows], kb, vb, self.causal,
-                                              _additive(self.key_mask(key_mask), q.dtype),
-                                              flash=uses_flash_kernel(q.device))
-        merged = torch.logaddexp(lse[..., rows], block_lse)
-        safe = _finite(merged)
-        out[:, :, rows] = (out[:, :, rows] * torch.exp(lse[..., rows] - safe)[..., None]
-                           + block_out.to(out.dtype) * torch.exp(block_lse - safe)[..., None])
-        lse[..., rows] = merged
+        heads = q.shape[1]
+        for rows, cols, causal, mask in self._parts(key_mask, documents, q.dtype):
+            kb, vb = (_heads(t[:, :, cols], heads) for t in (k, v))
+            block_out, block_lse = _block_forward(q[:, :, rows], kb, vb, causal, mask,
+                                                  flash=uses_flash_kernel(q.device))
+            merged = torch.logaddexp(lse[..., rows], block_lse)
+            safe = _finite(merged)
+            out[:, :, rows] = (out[:, :, rows] * torch.exp(lse[..., rows] - safe)[..., None]
+                               + block_out.to(out.dtype) * torch.exp(block_lse - safe)[..., None])
+            lse[..., rows] = merged
 
     def backward(self, grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                 key_mask: Optional[Tensor], dq: Tensor, dk: Tensor, dv: Tensor) -> None:
+                 key_mask: Optional[Tensor], documents: Optional[DocumentMask], dq: Tensor, dk: Tensor,
+                 dv: Tensor) -> None:
         """Add this block's gradients: to ``dq`` (the rank's queries) and to ``dk, dv`` (the source's keys and
         values, ``[B, G, S_l, D]``), all in the compute dtype, in place."""
-        heads, groups, rows, cols = q.shape[1], k.shape[1], self.rows, self.cols
-        kb, vb = (_heads(t[:, :, cols], heads) for t in (k, v))
-        dq_block, dk_block, dv_block = _block_backward(
-            grad[:, :, rows], q[:, :, rows], kb, vb, out[:, :, rows], lse[..., rows], self.causal,
-            _additive(self.key_mask(key_mask), q.dtype), flash=uses_flash_kernel(q.device))
-        dq[:, :, rows] += dq_block.to(dq.dtype)
-        dk[:, :, cols] += _grouped_sum(dk_block.to(dk.dtype), groups)
-        dv[:, :, cols] += _grouped_sum(dv_block.to(dv.dtype), groups)
+        heads, groups = q.shape[1], k.shape[1]
+        for rows, cols, causal, mask in self._parts(key_mask, documents, q.dtype):
+            kb, vb = (_heads(t[:, :, cols], heads) for t in (k, v))
+            dq_block, dk_block, dv_block = _block_backward(
+                grad[:, :, rows], q[:, :, rows], kb, vb, out[:, :, rows], lse[..., rows], causal, mask,
+                flash=uses_flash_kernel(q.device))
+            dq[:, :, rows] += dq_block.to(dq.dtype)
+            dk[:, :, cols] += _grouped_sum(dk_block.to(dk.dtype), groups)
+            dv[:, :, cols] += _grouped_sum(dv_block.to(dv.dtype), groups)
 
 
 def start(q: Tensor) -> tuple[Tensor, Tensor]:
-    """The running output (zeros) and log-sum-exp (-inf) of the online softmax, in the compute dtype."""
+    """The running output (zeros) and log-sum-exp (-inf) of the online softmax, in the compute dtype. The output
+    ``[B, H, S, D]`` is laid out as ``[B, S, H, D]`` in memory, as SDPA's flash kernels lay theirs: attention's
+    ``transpose(1, 2).reshape(B, S, H * D)`` is then a view, not a second copy that the projection keeps."""
     dtype = compute_dtype(q.dtype)
-    return (torch.zeros(q.shape, dtype=dtype, device=q.device),
+    batch, heads, seq, dim = q.shape
+    return (torch.zeros(batch, seq, heads, dim, dtype=dtype, device=q.device).transpose(1, 2),
             torch.full(q.shape[:-1], NEG_INF, dtype=dtype, device=q.device))
 
 
 def save_for_backward(ctx, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, key_mask: Optional[Tensor],
-                      causal: bool, group) -> None:
-    """What both attentions' backward needs: the inputs, the whole output and log-sum-exp, the pattern, the group."""
-    ctx.save_for_backward(q, k, v, out, lse, key_mask)
+                      documents: Optional[DocumentMask], causal: bool, group) -> None:
+    """What the block attentions' backward needs: the inputs, the whole output and log-sum-exp, the pattern (the
+    document ids among the saved tensors, so that they are counted with the rest), the group."""
+    ctx.save_for_backward(q, k, v, out, lse, key_mask, None if documents is None else documents.ids)
     ctx.causal, ctx.group, ctx.has_mask = causal, group, key_mask is not None
+    ctx.tile = None if documents is None else documents.tile
 
 
 def saved(ctx) -> tuple:
-    """``(q, k, v, out, lse, key_mask, causal, group)`` as :func:`save_for_backward` kept them."""
-    q, k, v, out, lse, key_mask = ctx.saved_tensors
-    return q, k, v, out, lse, key_mask if ctx.has_mask else None, ctx.causal, ctx.group
+    """``(q, k, v, out, lse, key_mask, documents, causal, group)`` as :func:`save_for_backward` kept them."""
+    q, k, v, out, lse, key_mask, ids = ctx.saved_tensors
+    documents = None if ctx.tile is None else DocumentMask(ids, ctx.tile)
+    return q, k, v, out, lse, key_mask if ctx.has_mask else None, documents, ctx.causal, ctx.group
 

@@ -8,10 +8,10 @@ are then ``S / n`` positions in increasing order, and their global positions go 
 each rank's loss is a sum over its own tokens, and the token counts add up over ``dp x cp``.
 
 The model declares which entries of its batch dictionary carry the sequence (:class:`SequenceInputs`):
-entries cut into the rank's chunks (tokens, labels, token types, positions), and key-padding masks, kept
-whole but reordered into the ring's order (rank 0's chunks, then rank 1's, ...), since each rank's
-attention reads the padding of every rank's keys. Any other entry of shape ``[B, S, ...]`` is refused
-by name: cutting it wrongly would change the model silently.
+entries cut into the rank's chunks (tokens, labels, token types, positions), and per-key masks (key padding,
+the document ids of packed samples), kept whole but reordered into the ring's order (rank 0's chunks, then
+rank 1's, ...), since each rank's attention reads them for every rank's keys. Any other entry of shape
+``[B, S, ...]`` is refused by name: cutting it wrongly would change the model silently.
 
 Nothing here communicates: every context-parallel rank receives the same samples (the sampler splits
 over dp only) and cuts its own part.
@@ -19,7 +19,7 @@ over dp only) and cuts its own part.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Mapping, Optional
 
 import torch
@@ -30,17 +30,16 @@ from torch import Tensor
 class SequenceInputs:
     """The entries of a model's batch dictionary that have a sequence dimension (dim 1).
 
-    ``split``: cut into this rank's chunks (the first must be in every batch, e.g. the tokens). ``key_masks``: ``[B, S]`` key-padding masks, kept whole in the
-    ring's order. ``positions``: the entry the global positions of the rank's tokens go to (cut if the batch
-    has it, e.g. positions that restart at each document; made from ``arange(S)`` otherwise).
-    ``refused``: entries the model cannot take under context parallelism, with the reason and the fix.
-    ``max_length``: the longest whole sequence the model takes (its own check sees only a rank's part).
+    ``split``: cut into this rank's chunks (the first must be in every batch, e.g. the tokens). ``key_masks``:
+    ``[B, S]`` masks over the keys (key padding, document ids), kept whole in the ring's order. ``positions``: the
+    entry the global positions of the rank's tokens go to (cut if the batch has it, e.g. positions that restart
+    at each document; made from ``arange(S)`` otherwise). ``max_length``: the longest whole sequence the model
+    takes (its own check sees only a rank's part).
     """
 
     split: tuple[str, ...]
     key_masks: tuple[str, ...] = ()
     positions: str = "position_ids"
-    refused: Mapping[str, str] = field(default_factory=dict)
     max_length: Optional[int] = None
 
 
@@ -87,8 +86,6 @@ def split_batch(batch: Mapping[str, object], inputs: SequenceInputs, size: int, 
     seq_length = reference.shape[1]
     declared = {*inputs.split, *inputs.key_masks, inputs.positions}
     for name, value in batch.items():
-        if name in inputs.refused:
-            raise ValueError(f"The batch entry {name!r} cannot be used with context parallelism: {inputs.refused[name]}")
         if (isinstance(value, Tensor) and value.dim() >= 2 and value.shape[1] == seq_length
                 and value.shape[0] == reference.shape[0] and name not in declared):
             raise ValueError(

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_megatron.context_parallel.blocks import Block, compute_dtype, save_for_backward, saved, start
+from lightning_megatron.context_parallel.documents import DocumentMask
 
 
 def _rotate(tensors: list[Tensor], group: dist.ProcessGroup, tag: int) -> tuple[list[Tensor], list]:
@@ -45,8 +46,8 @@ class RingAttention(torch.autograd.Function):
     [B, G, S_l, D]); ``key_mask``: ``[B, n * S_l]`` booleans in the ring's order, or None."""
 
     @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, key_mask: Optional[Tensor], causal: bool,
-                group: dist.ProcessGroup) -> Tensor:
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, key_mask: Optional[Tensor], documents: Optional[DocumentMask],
+                causal: bool, group: dist.ProcessGroup) -> Tensor:
         rank, size, length = dist.get_rank(group), dist.get_world_size(group), q.shape[2]
         out, lse = start(q)
         k, v = k.contiguous(), v.contiguous()
@@ -55,17 +56,18 @@ class RingAttention(torch.autograd.Function):
             works: list = []
             if step < size - 1:  # the next block travels while this one is computed
                 following, works = _rotate(current, group, tag=0)
-            Block(step=step, rank=rank, size=size, causal=causal, length=length).forward(q, *current, key_mask, out, lse)
+            block = Block(step=step, rank=rank, size=size, causal=causal, length=length)
+            block.forward(q, *current, key_mask, documents, out, lse)
             _wait(works)
             if step < size - 1:
                 current = following
         out = out.to(q.dtype)
-        save_for_backward(ctx, q, k, v, out, lse, key_mask, causal, group)
+        save_for_backward(ctx, q, k, v, out, lse, key_mask, documents, causal, group)
         return out
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):
-        q, k, v, out, lse, key_mask, causal, group = saved(ctx)
+        q, k, v, out, lse, key_mask, documents, causal, group = saved(ctx)
         rank, size, length = dist.get_rank(group), dist.get_world_size(group), q.shape[2]
         dtype = compute_dtype(q.dtype)
         grad_out = grad_out.contiguous()
@@ -82,7 +84,7 @@ class RingAttention(torch.autograd.Function):
                 _wait(receiving)
                 partial = received
             Block(step=step, rank=rank, size=size, causal=causal, length=length).backward(
-                grad_out, q, *current, out, lse, key_mask, dq, *partial)
+                grad_out, q, *current, out, lse, key_mask, documents, dq, *partial)
             incoming = (*_rotate(partial, group, tag=2), partial)  # on to the next rank (after the last step: home)
             _wait(works)
             if step < size - 1:
@@ -90,10 +92,10 @@ class RingAttention(torch.autograd.Function):
         received, receiving, _sent = incoming
         _wait(receiving)
         dk, dv = (t.to(k.dtype) for t in received)
-        return dq.to(q.dtype), dk, dv, None, None, None
+        return dq.to(q.dtype), dk, dv, None, None, None, None
 
 
 def ring_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool, group: dist.ProcessGroup,
-                   key_mask: Optional[Tensor] = None) -> Tensor:
+                   key_mask: Optional[Tensor] = None, documents: Optional[DocumentMask] = None) -> Tensor:
     """Exact softmax attention of this rank's queries over every rank's keys (see the module docstring)."""
-    return RingAttention.apply(q, k, v, key_mask, causal, group)
+    return RingAttention.apply(q, k, v, key_mask, documents, causal, group)

@@ -21,6 +21,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
+from lightning_megatron.data.document_ends import document_ends_file
 from lightning_megatron.data.index_cache import Ranks, build_once, say
 from lightning_megatron.data.indexed import IndexedDataset, IndexedDatasetWriter
 
@@ -115,7 +116,8 @@ def stdlib_indexed_corpus(max_files: int | None = None, *, cache_dir: str | os.P
     def valid() -> bool:
         try:
             IndexedDataset(prefix)
-            return json.loads(record.read_text()).get("source") == key
+            # one written before PREFIX.ends existed is written again, with it
+            return document_ends_file(prefix).is_file() and json.loads(record.read_text()).get("source") == key
         except (OSError, ValueError):
             return False
 

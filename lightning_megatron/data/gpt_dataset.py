@@ -55,27 +55,25 @@ def split_documents(dataset: IndexedDataset, documents: range, eos_id: int) -> d
     token) of each non-empty document of ``documents``, and ``tokens``: their sum (one value, so that a rank
     opening the cache need not read every length).
 
-    Lengths come from the ``.idx``; whether a document already ends with ``eos_id`` is read from
-    its last token alone. Both are read through mappings of a fresh ``IndexedDataset`` that are
-    closed again, so the pages read do not stay in this process (the builder's).
+    Lengths come from the ``.idx``; whether a document already ends with ``eos_id`` from its last
+    token, which ``PREFIX.ends`` records (else it is read from the ``.bin`` without mapping it:
+    ``IndexedDataset.last_tokens``). The ``.idx`` is read through the mappings of a fresh
+    ``IndexedDataset`` that are closed again, so the pages read do not stay in this process (the builder's).
     """
     dataset = IndexedDataset(dataset.prefix)
-    boundaries = np.asarray(dataset.document_indices[documents.start : documents.stop + 1])
-    sequence_ends = np.concatenate([[0], np.cumsum(dataset.sequence_lengths, dtype=np.int64)])
-    stored = sequence_ends[boundaries[1:]] - sequence_ends[boundaries[:-1]]
+    starts, stored = dataset.document_extents(documents)
+    ends_with_eos = dataset.last_tokens(documents) == eos_id
+    del dataset
     keep = stored > 0
-    first_sequence, stored = boundaries[:-1][keep], stored[keep]
-    starts = np.asarray(dataset.sequence_pointers[first_sequence]) // dataset.dtype.itemsize
-    tokens = np.memmap(data_file(dataset.prefix), dtype=dataset.dtype, mode="r") if len(starts) else None
-    ends_with_eos = tokens[starts + stored - 1] == eos_id if tokens is not None else np.zeros(0, bool)
-    del tokens, dataset
+    starts, stored, ends_with_eos = starts[keep], stored[keep], ends_with_eos[keep]
     lengths = (stored + ~ends_with_eos).astype(np.int32)
-    return {"starts": starts.astype(np.int64), "stored": stored.astype(np.int32), "lengths": lengths,
+    return {"starts": starts, "stored": stored.astype(np.int32), "lengths": lengths,
             "tokens": np.array([lengths.sum(dtype=np.int64)])}
 
 
 def documents_key(dataset: IndexedDataset, documents: range, eos_id: int) -> dict:
-    """Everything a split's document arrays depend on; a change in any of them selects another cache entry."""
+    """Everything a split's document arrays depend on; a change in any of them selects another cache entry.
+    ``PREFIX.ends`` is not part of it: the arrays are the same with it and without it, and a stale one is not used."""
     files = {}
     for path in (index_file(dataset.prefix), data_file(dataset.prefix)):
         stat = path.stat()

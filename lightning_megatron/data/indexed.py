@@ -20,18 +20,33 @@ Layout (little-endian; ``n`` sequences, ``d`` documents)::
 
 A document may hold several sequences (Megatron splits BERT data into sentences):
 :meth:`IndexedDatasetWriter.add_document` takes their lengths, as Megatron-LM's does.
+
+The writer also records each document's last token in ``PREFIX.ends``
+(:mod:`lightning_megatron.data.document_ends`), beside the two files and unknown to Megatron-LM,
+so that :meth:`IndexedDataset.last_tokens` need not read the ``.bin``.
 """
 
 from __future__ import annotations
 
+import array as stdlib_array  # typed lists: an item costs its bytes, not a Python int
 import os
 import struct
+import warnings
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from types import TracebackType
 
 import numpy as np
 from numpy.typing import DTypeLike
+
+from lightning_megatron.data.document_ends import (
+    StaleDocumentEnds,
+    document_ends_file,
+    read_document_ends,
+    stale_advice,
+    write_document_ends,
+)
+from lightning_megatron.data.file_array import FileArray
 
 INDEX_MAGIC = b"MMIDIDX\x00\x00"
 INDEX_VERSION = 1
@@ -84,7 +99,8 @@ def _close_datasets(name: str, candidates: list[str]) -> list[str]:
     form of it (``corpus`` for ``corpus_text_document``), then spelling neighbours."""
     import difflib
 
-    stripped = [name[: -len(suffix)] for suffix in (".bin", ".idx", ".meta.json", ".") if name.endswith(suffix)]
+    suffixes = (".bin", ".idx", ".ends", ".meta.json", ".")
+    stripped = [name[: -len(suffix)] for suffix in suffixes if name.endswith(suffix)]
     ranked = [c for c in candidates if c in stripped]
     if ranked:  # the dataset's own files were named: no other guess is as good
         return ranked
@@ -151,9 +167,10 @@ def token_dtype(vocab_size: int) -> np.dtype:
 
 
 class IndexedDatasetWriter:
-    """Writes documents to ``prefix.bin`` and, on :meth:`finalize`, their index to ``prefix.idx``.
+    """Writes documents to ``prefix.bin`` and, on :meth:`finalize`, their index to ``prefix.idx`` and their last
+    tokens to ``prefix.ends``.
 
-    Both files are written under temporary names and renamed into place by :meth:`finalize`,
+    The files are written under temporary names and renamed into place by :meth:`finalize`,
     the ``.idx`` last, so a crash or an error never leaves a half-written dataset behind a
     valid-looking index. Used as a context manager it finalizes on success and deletes the
     temporary files on an exception.
@@ -172,8 +189,11 @@ class IndexedDatasetWriter:
         self.prefix = os.fspath(prefix)
         self._bin_tmp = data_file(f"{self.prefix}.tmp")
         self._idx_tmp = index_file(f"{self.prefix}.tmp")
+        self._ends_tmp = document_ends_file(f"{self.prefix}.tmp")
         self._bin = open(self._bin_tmp, "wb")
         self._lengths: list[int] = []  # per sequence
+        # per document (0 for an empty one), for PREFIX.ends
+        self._last_tokens = stdlib_array.array(self.dtype.char)
         self._document_indices = [0]  # document k is sequences [k, k + 1) of these
         self._closed = False
 
@@ -211,12 +231,14 @@ class IndexedDatasetWriter:
         if min(lengths, default=0) < 0 or sum(lengths) != array.size:
             raise ValueError(f"sequence_lengths {lengths} must be non-negative and add up to the document's "
                              f"{array.size} tokens.")
-        self._bin.write(array.astype(self.dtype, copy=False).tobytes(order="C"))
+        stored = array.astype(self.dtype, copy=False)
+        self._bin.write(stored.tobytes(order="C"))
         self._lengths.extend(lengths)
         self._document_indices.append(len(self._lengths))
+        self._last_tokens.append(stored[-1].item() if stored.size else 0)
 
     def finalize(self) -> None:
-        """Write the index and move both files into place (``.bin`` first, then ``.idx``)."""
+        """Write the index and the last tokens and move the files into place (``.bin`` first, ``.idx`` last)."""
         if self._closed:
             raise RuntimeError(f"The writer for {self.prefix} is already finalized or aborted.")
         self._closed = True
@@ -232,7 +254,10 @@ class IndexedDatasetWriter:
             f.write(lengths.tobytes())
             f.write(pointers.tobytes())
             f.write(document_indices.tobytes())
+        write_document_ends(self._ends_tmp, np.frombuffer(self._last_tokens, dtype=self.dtype), dtype=self.dtype,
+                            idx_path=self._idx_tmp, bin_path=self._bin_tmp)
         os.replace(self._bin_tmp, data_file(self.prefix))
+        os.replace(self._ends_tmp, document_ends_file(self.prefix))
         os.replace(self._idx_tmp, index_file(self.prefix))
 
     def abort(self) -> None:
@@ -241,6 +266,7 @@ class IndexedDatasetWriter:
         self._bin.close()
         self._bin_tmp.unlink(missing_ok=True)
         self._idx_tmp.unlink(missing_ok=True)
+        self._ends_tmp.unlink(missing_ok=True)
 
     def __enter__(self) -> IndexedDatasetWriter:
         return self
@@ -266,6 +292,9 @@ def _index_arrays(index: np.ndarray, count: int) -> tuple[np.ndarray, np.ndarray
 def _non_decreasing(values: np.ndarray, chunk: int = 1 << 20) -> bool:
     """Checked a chunk at a time: a corpus of millions of documents costs no array of their size."""
     return all(not np.any(np.diff(values[i : i + chunk + 1]) < 0) for i in range(0, max(len(values) - 1, 1), chunk))
+
+
+_SPOT_CHECKS = 16  # last tokens of PREFIX.ends compared with the .bin before the file is trusted
 
 
 class IndexedDataset:
@@ -335,6 +364,85 @@ class IndexedDataset:
         start = int(self.sequence_pointers[index]) // self.dtype.itemsize
         return self._tokens[start : start + int(self.sequence_lengths[index])]
 
+    def document_extents(self, documents: range) -> tuple[np.ndarray, np.ndarray]:
+        """``(first token, tokens)`` of each document of ``documents`` in the ``.bin`` (int64 each; 0 and 0 for an
+        empty document), from the ``.idx`` alone."""
+        self._check_range(documents)
+        boundaries = np.asarray(self.document_indices[documents.start : documents.stop + 1])
+        first = int(boundaries[0])
+        sequence_ends = np.concatenate([[0], np.cumsum(self.sequence_lengths[first : boundaries[-1]], dtype=np.int64)])
+        stored = sequence_ends[boundaries[1:] - first] - sequence_ends[boundaries[:-1] - first]
+        starts = np.zeros(len(stored), np.int64)
+        non_empty = stored > 0  # an empty document may sit after the last sequence: it has no pointer
+        starts[non_empty] = np.asarray(self.sequence_pointers[boundaries[:-1][non_empty]]) // self.dtype.itemsize
+        return starts, stored
+
+    def last_tokens(self, documents: range) -> np.ndarray:
+        """The last token of each document of ``documents`` (0 for an empty one).
+
+        Read from ``PREFIX.ends`` when it belongs to this dataset (a few bytes per document); else
+        from the ``.bin`` (:meth:`last_tokens_from_bin`), saying once per dataset why, and how to
+        write the file.
+        """
+        try:
+            return self.recorded_last_tokens(documents)
+        except FileNotFoundError:
+            _tell_once(self.prefix, f"{document_ends_file(self.prefix)} does not exist (the dataset was not written by "
+                       f"this package, or by an older version); `lightning-megatron document-ends {self.prefix}` "
+                       f"writes it")
+        except StaleDocumentEnds as error:
+            _tell_once(self.prefix, f"{error}; it is ignored: {stale_advice(self.prefix)}")
+        except OSError as error:  # optional: an unreadable one is not worth failing the build over
+            _tell_once(self.prefix, f"{document_ends_file(self.prefix)} cannot be read ({error})")
+        return self.last_tokens_from_bin(documents)
+
+    def recorded_last_tokens(self, documents: range) -> np.ndarray:
+        """The last tokens ``PREFIX.ends`` records for ``documents``, checked against the ``.bin`` at a few of them
+        (a ``.bin`` rewritten in place at the same size is what the file's own checks cannot see).
+
+        Raises ``FileNotFoundError`` without the file, :class:`StaleDocumentEnds` when it does not belong here.
+        """
+        self._check_range(documents)
+        recorded = read_document_ends(self.prefix, documents, dtype=self.dtype, num_documents=self.num_documents,
+                                      idx_path=index_file(self.prefix), bin_path=data_file(self.prefix))
+        spread = np.linspace(documents.start, documents.stop - 1, min(_SPOT_CHECKS, len(documents)))
+        checked, positions = [], []
+        for k in np.unique(spread.astype(np.int64)).tolist():
+            start, stored = self._extent(k)
+            if stored:
+                checked.append(k)
+                positions.append(start + stored - 1)
+        for k, token in zip(checked, self._token_file().gather(np.array(positions, np.int64)).tolist()):
+            if recorded[k - documents.start] != token:
+                raise StaleDocumentEnds(f"{document_ends_file(self.prefix)} records {recorded[k - documents.start]} "
+                                        f"as the last token of document {k} but {data_file(self.prefix).name} holds "
+                                        f"{token}: the dataset was rewritten since")
+        return recorded
+
+    def last_tokens_from_bin(self, documents: range) -> np.ndarray:
+        """The last token of each document of ``documents`` (0 for an empty one), read from the ``.bin`` by
+        ``pread`` (``FileArray.gather``): a page or so per document, none of it mapped, so the pages stay in the
+        kernel's shared page cache and out of this process."""
+        starts, stored = self.document_extents(documents)
+        last = np.zeros(len(stored), self.dtype)
+        non_empty = stored > 0
+        last[non_empty] = self._token_file().gather(starts[non_empty] + stored[non_empty] - 1)
+        return last
+
+    def _check_range(self, documents: range) -> None:
+        if documents.step != 1 or not 0 <= documents.start <= documents.stop <= self.num_documents:
+            raise ValueError(f"documents={documents} is not a contiguous range of the {self.num_documents} documents "
+                             f"of {self.prefix}.")
+
+    def _extent(self, document: int) -> tuple[int, int]:
+        """``(first token, tokens)`` of one document (see :meth:`document_extents`)."""
+        first, end = int(self.document_indices[document]), int(self.document_indices[document + 1])
+        stored = int(self.sequence_lengths[first:end].sum(dtype=np.int64))
+        return (int(self.sequence_pointers[first]) // self.dtype.itemsize if stored else 0), stored
+
+    def _token_file(self) -> FileArray:
+        return FileArray(data_file(self.prefix), self.dtype, 0, len(self._tokens))
+
     def document(self, index: int) -> np.ndarray:
         """The tokens of document ``index``: its sequences, which lie back to back in the ``.bin``."""
         if not 0 <= index < self.num_documents:
@@ -345,3 +453,13 @@ class IndexedDataset:
         start = int(self.sequence_pointers[first]) // self.dtype.itemsize
         length = int(self.sequence_lengths[first:end].sum(dtype=np.int64))
         return self._tokens[start : start + length]
+
+
+_TOLD: set[tuple[str, str]] = set()  # (dataset, problem) pairs this process has reported: each split would repeat it
+
+
+def _tell_once(prefix: str, problem: str) -> None:
+    if (key := (os.path.abspath(prefix), problem)) not in _TOLD:
+        _TOLD.add(key)
+        warnings.warn(f"Reading each document's last token from {data_file(prefix)}, as {problem}. With it, an index "
+                      f"build reads only the .idx.", stacklevel=3)

@@ -15,9 +15,11 @@ process reads the input and writes the results in input order. Every process enc
 thread (``TOKENIZERS_PARALLELISM=false``: the Hugging Face library would otherwise thread
 each batch over all cores, in every worker at once), so ``--workers N`` is what uses N cores.
 The output is ``PREFIX.bin`` and ``PREFIX.idx`` (Megatron-LM's format; see
-:mod:`lightning_megatron.data.indexed`) and ``PREFIX.meta.json``, which records the tokenizer
-so that ``GPTDataModule(data_prefix=PREFIX)`` and ``BERTDataModule(data_prefix=PREFIX)`` know
-the vocabulary and end-of-document id.
+:mod:`lightning_megatron.data.indexed`), ``PREFIX.ends``, each document's last token (so that
+GPT index builds need not read the ``.bin``; :mod:`lightning_megatron.data.document_ends`;
+``lightning-megatron document-ends PREFIX`` writes it for a dataset made elsewhere), and
+``PREFIX.meta.json``, which records the tokenizer so that ``GPTDataModule(data_prefix=PREFIX)``
+and ``BERTDataModule(data_prefix=PREFIX)`` know the vocabulary and end-of-document id.
 
 Each document is one sequence of the index; with ``--split-sentences`` it is one sequence per
 sentence (:mod:`lightning_megatron.data.sentences`), as Megatron-LM stores BERT data, and
@@ -50,7 +52,15 @@ from typing import Any, NamedTuple
 import numpy as np
 from tqdm import tqdm
 
-from lightning_megatron.data.indexed import IndexedDatasetWriter, check_dataset_files, token_dtype
+from lightning_megatron.data.document_ends import StaleDocumentEnds, document_ends_file, write_document_ends
+from lightning_megatron.data.indexed import (
+    IndexedDataset,
+    IndexedDatasetWriter,
+    check_dataset_files,
+    data_file,
+    index_file,
+    token_dtype,
+)
 from lightning_megatron.data.readers import Chunk, MalformedRecord, open_input, parse_record
 from lightning_megatron.data.sentences import split_sentences
 from lightning_megatron.data.tokenizers import (
@@ -364,7 +374,7 @@ def preprocess(
         if documents == 0:  # raised inside the writer: it deletes its temporary files, an old dataset stays
             counts.skipped = skipped
             raise counts.no_documents_error(str(reader.path), record_name=reader.record_name, keyed=reader.keyed,
-                                            json_key=json_key, written=f"{output_prefix}.bin/.idx/.meta.json")
+                                            json_key=json_key, written=f"{output_prefix}.bin/.idx/.ends/.meta.json")
         # The new .bin/.idx replace the old ones as the writer closes; a crash before the new record
         # is written then leaves no record rather than the old tokenizer's, which would misdescribe them.
         meta_path = metadata_file(output_prefix)
@@ -391,11 +401,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="lightning-megatron preprocess",
         description="Tokenise a .jsonl, .txt or .parquet file or a Hugging Face datasets directory into a "
-        "Megatron-LM indexed dataset PREFIX.bin/PREFIX.idx plus PREFIX.meta.json.",
+        "Megatron-LM indexed dataset PREFIX.bin/PREFIX.idx plus PREFIX.ends and PREFIX.meta.json.",
     )
     parser.add_argument("--input", required=True, help=_INPUT_HELP)
     parser.add_argument("--tokenizer", required=True, help="'byte' or the path of a Hugging Face tokenizer.json")
-    parser.add_argument("--output-prefix", required=True, help="writes PREFIX.bin, PREFIX.idx, PREFIX.meta.json")
+    parser.add_argument("--output-prefix", required=True,
+                        help="writes PREFIX.bin, PREFIX.idx, PREFIX.ends, PREFIX.meta.json")
     parser.add_argument("--json-key", default="text", help=_JSON_KEY_HELP)
     parser.add_argument("--split", help=_SPLIT_HELP)
     parser.add_argument("--workers", type=int, default=1, help="tokenising processes, one core each")
@@ -414,6 +425,45 @@ def main(argv: Sequence[str] | None = None) -> None:
     skipped = f", {result.skipped_lines} malformed {result.record_name}s skipped" if result.skipped_lines else ""
     print(f"{args.output_prefix}: {result.documents} documents, {result.tokens} tokens in {result.seconds:.1f} s "
           f"({result.tokens_per_second:,.0f} tokens/s, {args.workers} workers){skipped}")
+
+
+def write_document_ends_of(prefix: str | os.PathLike) -> str:
+    """Write ``PREFIX.ends`` (:mod:`lightning_megatron.data.document_ends`) for the existing dataset at ``prefix``,
+    reading each document's last token from its ``.bin``; what was done, in words. The ``.bin``/``.idx`` are
+    only read, and an existing ``PREFIX.ends`` is never replaced: one that belongs to the dataset is kept, a
+    stale one is refused (``ValueError``) for the user to delete."""
+    dataset, path = IndexedDataset(prefix), document_ends_file(prefix)
+    everything = range(dataset.num_documents)
+    if path.exists():
+        try:
+            dataset.recorded_last_tokens(everything)
+        except (StaleDocumentEnds, OSError) as error:
+            raise ValueError(f"{error}. It is left as it is; delete it and run this command again.") from None
+        return f"{path}: already records the {dataset.num_documents} documents; nothing written"
+    start = time.perf_counter()
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    try:
+        write_document_ends(tmp, dataset.last_tokens_from_bin(everything), dtype=dataset.dtype,
+                            idx_path=index_file(prefix), bin_path=data_file(prefix))
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return (f"{path}: the last tokens of {dataset.num_documents} documents, {path.stat().st_size:,} bytes, in "
+            f"{time.perf_counter() - start:.1f} s")
+
+
+def document_ends_main(argv: Sequence[str] | None = None) -> None:
+    """``lightning-megatron document-ends PREFIX...``: see :func:`write_document_ends_of`."""
+    parser = argparse.ArgumentParser(
+        prog="lightning-megatron document-ends",
+        description="Record each document's last token of existing Megatron-LM .bin/.idx datasets (e.g. made by "
+        "Megatron-LM's preprocess_data.py) in PREFIX.ends, so that GPT index builds read only the .idx and not the "
+        ".bin. The .bin/.idx are not changed and an existing PREFIX.ends is not replaced.",
+    )
+    parser.add_argument("prefixes", nargs="+", metavar="PREFIX", help="a dataset's PREFIX.bin/PREFIX.idx, without "
+                        "the suffix")
+    for prefix in parser.parse_args(argv).prefixes:
+        print(write_document_ends_of(prefix))
 
 
 def train_tokenizer_main(argv: Sequence[str] | None = None) -> None:

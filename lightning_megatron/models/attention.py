@@ -12,10 +12,13 @@ and the module reads it from its weight, so one class serves every layout.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Union
 
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from lightning_megatron.context_parallel.documents import DocumentMask
+from lightning_megatron.context_parallel.local import document_attention
 
 
 class CoreAttention(nn.Module):
@@ -35,23 +38,31 @@ class CoreAttention(nn.Module):
         # the sequence over every rank's keys. It is given :meth:`attend` for calls on whole sequences.
         self.context_parallel: Optional[nn.Module] = None
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, attention_mask: Optional[Tensor] = None, *,
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, attention_mask: Union[Tensor, DocumentMask, None] = None, *,
                 causal: Optional[bool] = None) -> Tensor:
-        """``causal``: overrides the module's pattern (generation: one new query attends to every cached key)."""
+        """``attention_mask``: booleans (True = attend), or the document ids of packed samples; ``causal``:
+        overrides the module's pattern (generation: one new query attends to every cached key)."""
         causal = self.causal if causal is None else causal
         if self.context_parallel is not None:
             return self.context_parallel(q, k, v, attention_mask, causal=causal, local=self.attend)
         return self.attend(q, k, v, attention_mask, causal)
 
-    def attend(self, q: Tensor, k: Tensor, v: Tensor, attention_mask: Optional[Tensor], causal: bool) -> Tensor:
-        """SDPA over the keys given."""
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, attention_mask: Union[Tensor, DocumentMask, None],
+               causal: bool) -> Tensor:
+        """SDPA over the keys given; a :class:`DocumentMask` tile by tile in O(S) memory (``document_attention``),
+        except under attention dropout, which only SDPA draws, over the dense mask."""
+        dropout = self.attention_dropout if self.training else 0.0
+        if isinstance(attention_mask, DocumentMask):
+            if not dropout:
+                return document_attention(q, k, v, attention_mask, causal=causal)
+            attention_mask, causal = attention_mask.dense(causal), False
         grouped = q.shape[1] != k.shape[1]
         return F.scaled_dot_product_attention(
             q,
             k,
             v,
             attn_mask=attention_mask,
-            dropout_p=self.attention_dropout if self.training else 0.0,
+            dropout_p=dropout,
             is_causal=causal and attention_mask is None,
             **({"enable_gqa": True} if grouped else {}),
         )
@@ -111,6 +122,9 @@ class SelfAttention(nn.Module):
         k, v = k.squeeze(3).transpose(1, 2), v.squeeze(3).transpose(1, 2)
         if self.rotary is not None:
             q, k = self.rotary(q, k, positions)
+            # Attention saves q, k and v for backward; v alone, a view, would keep the whole qkv output alive (its
+            # unrotated queries and keys too, (a + g) d a token): a compact copy of v lets that storage go.
+            v = v.contiguous()
         causal = None
         if kv_cache is not None:
             k, v = kv_cache.append(self, k, v)

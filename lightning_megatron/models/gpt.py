@@ -17,6 +17,7 @@ import torch
 from torch import Tensor, nn
 from torchmetrics import MeanMetric
 
+from lightning_megatron.context_parallel.documents import DocumentMask
 from lightning_megatron.context_parallel.inputs import SequenceInputs
 from lightning_megatron.generation import full_logits, generate
 from lightning_megatron.models.flops import gpt_flops_per_batch
@@ -348,8 +349,8 @@ class GPTModel(nn.Module):
     def layer_kwargs(self, *, position_ids: Optional[Tensor] = None, document_ids: Optional[Tensor] = None,
                      kv_cache=None, **side) -> dict:
         kwargs = {}
-        if document_ids is not None:
-            kwargs["attention_mask"] = document_causal_mask(document_ids)
+        if document_ids is not None:  # O(S): no [S, S] mask (context_parallel/documents.py)
+            kwargs["attention_mask"] = DocumentMask(document_ids)
         if position_ids is not None and self.config.position_embedding_type == "rope":
             kwargs["positions"] = position_ids
         if kv_cache is not None:
@@ -398,14 +399,6 @@ class GPTModel(nn.Module):
 
 def _present(**side: Optional[Tensor]) -> dict[str, Tensor]:
     return {name: value for name, value in side.items() if value is not None}
-
-
-def document_causal_mask(document_ids: Tensor) -> Tensor:
-    """``[B, 1, S, S]`` booleans, True = attend: causal, and only within the token's own document."""
-    same_document = document_ids[:, None, :, None] == document_ids[:, None, None, :]
-    seq = document_ids.shape[1]
-    causal = torch.ones(seq, seq, dtype=torch.bool, device=document_ids.device).tril()
-    return same_document & causal
 
 
 #: The keys of a GPT batch, besides ``input_ids`` and ``labels``, that the model takes (data/gpt_dataset.py).
@@ -482,13 +475,10 @@ class GPT(PretrainingRecipe):
 
     def sequence_inputs(self) -> SequenceInputs:
         """How context parallelism cuts a batch: tokens, labels and positions by position (learned and rotary
-        positions both read ``position_ids``)."""
-        return SequenceInputs(split=("input_ids", "labels", "position_ids"), max_length=self.config.max_seq_length,
-                              refused={
-            "document_ids": "per-document attention masks (GPTDataModule(reset_attention_mask=True)) need each "
-                            "rank's attention to know every key's document, which the split attention does not "
-                            "take yet. Use reset_attention_mask=False (reset_position_ids works), or "
-                            "context_parallel_size=1."})
+        positions both read ``position_ids``); the document ids of packed samples whole, in the ring's order,
+        since every rank's attention reads the documents of every rank's keys."""
+        return SequenceInputs(split=("input_ids", "labels", "position_ids"), key_masks=("document_ids",),
+                              max_length=self.config.max_seq_length)
 
     def forward(self, input_ids: Tensor, **side: Tensor) -> Tensor:
         return self.model(input_ids, **side)

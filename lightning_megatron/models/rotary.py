@@ -5,10 +5,16 @@ to the position (the "rotate half" convention of Hugging Face's Llama and Megatr
 converted weights need no permutation). The module has no parameters: positions live in
 ``q`` and ``k``, which is why rotary models have no position table and work unchanged under
 sequence parallelism (attention sees the whole sequence) and pipeline parallelism.
+
+The rotation saves nothing for backward (:class:`_Rotate`): its gradient is the rotation by the opposite
+angles, whose ``cos`` and ``sin`` backward looks up again. Autograd's own ``q * cos + rotate_half(q) * sin``
+would save the ``[S, head_dim]`` tables in every layer: whole-sequence tables under tensor and sequence
+parallelism, where ``q`` and ``k`` span the whole sequence, so a term no tensor-parallel split divides.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Optional
@@ -52,6 +58,28 @@ def rotate_half(x: Tensor) -> Tensor:
     return torch.cat((-second, first), dim=-1)
 
 
+def inverse_frequencies(head_dim: int, base: float, scaling: Optional[RopeScaling], device=None) -> Tensor:
+    """The rotation speed of each channel pair, ``[head_dim / 2]`` fp32."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim
+    inv_freq = 1.0 / (base ** exponents)
+    return inv_freq if scaling is None else scaling.apply(inv_freq)
+
+
+def cos_sin(positions: Tensor, inv_freq: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """``cos`` and ``sin`` of every position's angles, ``[*positions.shape, head_dim]`` in ``dtype``."""
+    angles = positions.float()[..., None] * inv_freq
+    angles = torch.cat((angles, angles), dim=-1)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+@functools.lru_cache(maxsize=4)
+def _cos_sin_from_zero(length: int, head_dim: int, base: float, scaling: Optional[RopeScaling], device: torch.device,
+                       dtype: torch.dtype, inference: bool) -> tuple[Tensor, Tensor]:
+    """The tables of positions ``0 .. length-1``: one copy for every layer (they all ask for the same ones, in
+    forward and again in backward). ``inference``: tensors made under inference mode must stay there."""
+    return cos_sin(torch.arange(length, device=device), inverse_frequencies(head_dim, base, scaling, device), dtype)
+
+
 class RotaryEmbedding(nn.Module):
     """Rotates ``q`` ``[B, heads, S, D]`` and ``k`` ``[B, kv_heads, S, D]`` by their positions.
 
@@ -63,33 +91,46 @@ class RotaryEmbedding(nn.Module):
         if head_dim % 2:
             raise ValueError(f"Rotary position embeddings rotate channel pairs: head_dim={head_dim} must be even.")
         self.head_dim, self.base, self.scaling = head_dim, base, scaling
-        self._cache: Optional[tuple[tuple, Tensor, Tensor]] = None
 
-    def inverse_frequencies(self, device=None) -> Tensor:
-        exponents = torch.arange(0, self.head_dim, 2, dtype=torch.int64, device=device).float() / self.head_dim
-        inv_freq = 1.0 / (self.base ** exponents)
-        return inv_freq if self.scaling is None else self.scaling.apply(inv_freq)
-
-    def cos_sin(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        """``cos`` and ``sin`` of every position's angles, ``[*positions.shape, head_dim]`` in ``dtype``."""
-        angles = positions.float()[..., None] * self.inverse_frequencies(positions.device)
-        angles = torch.cat((angles, angles), dim=-1)
-        return angles.cos().to(dtype), angles.sin().to(dtype)
+    def cos_sin(self, seq_length: int, positions: Optional[Tensor], device, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """The tables that broadcast against ``q`` ``[B, heads, S, D]``: of ``positions`` (``[S]`` or ``[B, S]``), or
+        of ``0 .. seq_length-1`` (shared by every layer)."""
+        if positions is None and torch.compiler.is_compiling():  # computed in the graph (no Python cache in it)
+            positions = torch.arange(seq_length, device=device)
+        if positions is None:
+            return _cos_sin_from_zero(seq_length, self.head_dim, self.base, self.scaling, torch.device(device), dtype,
+                                      torch.is_inference_mode_enabled())
+        cos, sin = cos_sin(positions, inverse_frequencies(self.head_dim, self.base, self.scaling, positions.device),
+                           dtype)
+        if positions.dim() == 2:  # [B, S, D] -> [B, 1, S, D]: the same angles for every head
+            cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        return cos, sin
 
     def forward(self, q: Tensor, k: Tensor, positions: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
         """``positions``: ``[S]`` or ``[B, S]`` token positions (per sample: positions that restart at every
-        document); by default ``0 .. S-1``, whose angles are cached for the last (length, device, dtype) seen:
-        every layer of a forward pass asks for the same ones."""
-        if positions is not None:
-            cos, sin = self.cos_sin(positions, q.dtype)
-            if positions.dim() == 2:  # [B, S, D] -> [B, 1, S, D]: the same angles for every head
-                cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-        else:
-            key = (q.shape[-2], q.device, q.dtype, torch.is_inference_mode_enabled())  # inference tensors stay there
-            if self._cache is None or self._cache[0] != key:
-                self._cache = (key, *self.cos_sin(torch.arange(q.shape[-2], device=q.device), q.dtype))
-            cos, sin = self._cache[1], self._cache[2]
-        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        document); by default ``0 .. S-1``."""
+        return _Rotate.apply(q, k, positions, self)
 
     def extra_repr(self) -> str:
         return f"head_dim={self.head_dim}, base={self.base}, scaling={self.scaling}"
+
+
+class _Rotate(torch.autograd.Function):
+    """``x * cos + rotate_half(x) * sin`` for ``q`` and ``k``, saving only ``positions`` (an input, if given).
+
+    ``rotate_half`` is a rotation by a quarter turn in each channel pair, whose transpose is its negative, so the
+    gradient of ``x`` is ``g * cos - rotate_half(g * sin)``."""
+
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, positions: Optional[Tensor], rotary: RotaryEmbedding):
+        cos, sin = rotary.cos_sin(q.shape[-2], positions, q.device, q.dtype)
+        ctx.save_for_backward(positions)
+        ctx.rotary, ctx.seq_length, ctx.device, ctx.dtype = rotary, q.shape[-2], q.device, q.dtype
+        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+    @staticmethod
+    def backward(ctx, grad_q: Tensor, grad_k: Tensor):
+        (positions,) = ctx.saved_tensors
+        cos, sin = ctx.rotary.cos_sin(ctx.seq_length, positions, ctx.device, ctx.dtype)
+        grads = [None if g is None else g * cos - rotate_half(g * sin) for g in (grad_q, grad_k)]
+        return grads[0], grads[1], None, None

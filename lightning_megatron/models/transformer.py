@@ -45,9 +45,10 @@ class TransformerLayer(nn.Module):
 
     def forward(self, x: Tensor, attention_mask: Optional[Tensor] = None, positions: Optional[Tensor] = None,
                 kv_cache=None) -> Tensor:
-        """``attention_mask``: booleans broadcast to ``[B, heads, S, S]``, True = attend (``None``: the attention's
-        own causal or full pattern); ``positions``: ``[B, S]`` token positions for rotary attention; ``kv_cache``:
-        the keys and values of earlier tokens when generating (see ``SelfAttention.forward``)."""
+        """``attention_mask``: booleans broadcast to ``[B, heads, S, S]``, True = attend, or the document ids of
+        packed samples (a ``DocumentMask``; ``None``: the attention's own causal or full pattern); ``positions``:
+        ``[B, S]`` token positions for rotary attention; ``kv_cache``: the keys and values of earlier tokens when
+        generating (see ``SelfAttention.forward``)."""
         if self.post_norm:
             x = self.ln_1(x + self.drop(self.attn(x, attention_mask, positions, kv_cache)))
             return self.ln_2(x + self.drop(self.mlp(x)))

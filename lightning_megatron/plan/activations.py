@@ -13,9 +13,13 @@ dtype, unless noted) for tensor-parallel size ``t`` and ``q = t`` under sequence
 tensor (who keeps it)               elements per token                     split by
 ==================================  =====================================  ==============================
 norm inputs (2 norms)               ``2 h`` (+ fp32 mean/rstd per norm)    ``q``
-qkv input, fc input                 ``2 h``                                replicated (gathered under SP)
-q, k, v (SDPA's inputs)             ``(a + 2 g) d``                        ``t``
-rotated q, k (rotary)               ``(a + g) d``                          ``t``
+qkv input, fc input                 ``2 h``                                ``q`` (under SP only the sequence
+                                                                           chunk is kept, gathered again in
+                                                                           backward)
+q, k, v (SDPA's inputs)             ``(a + 2 g) d``: the ``qkv`` output,   ``t``
+                                    or with rotary the rotated q, k and a
+                                    compact v (the ``qkv`` output is
+                                    freed; cos/sin are not kept)
 attention output + log-sum-exp      ``a d`` (+ ``a`` fp32)                 ``t``; recomputed: selective
 proj input                          ``a d``                                ``t``
 MLP (GELU: fc out, GELU out)        ``2 f``; SwiGLU ``4 f`` (gate|up, silu,    ``t``
@@ -68,16 +72,15 @@ def layer_saved_bytes(shape: ModelShape, layout: Layout, w: int, mode: Optional[
     if mode == "full":
         return h / q * w
     norms = 2 * (h * w + (4 if shape.rms_norm else 8)) / q
-    inputs = 2 * h * w
+    inputs = 2 * h * w / q  # the column layers' inputs: under SP their sequence chunk (tensor_parallel.sequence_column)
     qkv = (a + 2 * kv_heads) * d / t * w
-    rotary = (a + kv_heads) * d / t * w if shape.rotary else 0.0
     attention_out = a * d / t * w  # the flash kernel's output, a view of which proj keeps
     lse = a / t * 4 if mode == "none" else 0.0
     mlp = _mlp_saved(shape, t) * w + _router_saved_bytes(shape)
     masks = 2 * h / q if shape.dropout > 0 else 0.0
     # RMSNorm (models.norms) also keeps its input in fp32 (4 bytes; besides the normalised input in ``norms``).
     norm_fp32_inputs = 2 * h * 4 / q if shape.rms_norm else 0.0
-    return norm_fp32_inputs + norms + inputs + qkv + rotary + attention_out + lse + mlp + masks
+    return norm_fp32_inputs + norms + inputs + qkv + attention_out + lse + mlp + masks
 
 
 def _mlp_saved(shape: ModelShape, t: int) -> float:

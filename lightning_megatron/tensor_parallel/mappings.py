@@ -106,7 +106,9 @@ def _own_chunk(x: Tensor, group: Group, dim: int) -> Tensor:
             f"Cannot split dimension {dim} of size {x.shape[dim]} over {world} tensor-parallel ranks. "
             f"Use a size divisible by tensor_parallel_size={world}."
         )
-    return x.chunk(world, dim=dim)[dist.get_rank(group)].contiguous()
+    # A copy, also when the chunk is contiguous already (batch 1): a view would keep the whole tensor's storage
+    # alive for as long as the chunk is (the first norm saves the scattered embedding output for backward).
+    return x.chunk(world, dim=dim)[dist.get_rank(group)].clone(memory_format=torch.contiguous_format)
 
 
 class _CopyToTensorParallel(torch.autograd.Function):

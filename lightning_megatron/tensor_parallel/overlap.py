@@ -2,39 +2,33 @@
 
 Under sequence parallelism a column-parallel linear all-gathers its input along the sequence before its GEMM
 (and reduce-scatters the input gradient in backward), and a row-parallel linear reduce-scatters its partial
-output after its GEMM (and all-gathers the output gradient in backward). :class:`SequenceParallelLinear` states
-exactly that with the autograd operators of ``mappings``: every collective waits for the GEMM before it, and the
-GEMM after it waits for the collective. :class:`OverlappedSequenceParallelLinear` computes the same function
-with the collectives issued asynchronously, so that they run while a GEMM that does not need them runs
-(``tp_comm_overlap=True``; on gloo the collective progresses on gloo's own thread, on NCCL on its stream):
+output after its GEMM (and all-gathers the output gradient in backward). The column layer always saves only
+its own sequence chunk of the input and gathers it again in backward, overlapped with the input-gradient GEMM,
+with the input gradient's reduce-scatter overlapped with the weight-gradient GEMM (``sequence_column``: one
+autograd function for both classes here, Megatron-LM's backward). :class:`SequenceParallelLinear` runs the rest
+in turn: the column layer's forward gathers, then runs its GEMM; the row layer runs its GEMM, then
+reduce-scatters (the autograd operators of ``mappings``). :class:`OverlappedSequenceParallelLinear`
+(``tp_comm_overlap=True``) also overlaps the forward collectives (on gloo the collective progresses on gloo's
+own thread, on NCCL on its stream):
 
 ==============================  ==========================================  =======================================
 layer, pass                     collective                                  overlapped with
 ==============================  ==========================================  =======================================
 column, forward                 all-gather of the input's sequence chunks   this rank's own chunk's GEMM
-column, backward                all-gather of the input again (not saved)   the input-gradient GEMM
-column, backward                reduce-scatter of the input gradient        the weight-gradient GEMM
 row, forward (``row_chunks``)   reduce-scatter of each piece of the output  the next piece's GEMM
 ==============================  ==========================================  =======================================
 
-The two backward overlaps are Megatron-LM's (Korthikanti et al. 2022, section 4.2.2; Megatron-Core's
-``LinearWithGradAccumulationAndAsyncCommunication``): the column layer saves only its own sequence chunk of the
-input, not the gathered sequence, which saves ``(tp - 1) / tp`` of the memory of every column layer's input, and
-gathers it again in backward while the input-gradient GEMM runs. That is one more all-gather per column layer in
-backward: a transformer layer issues 2 all-gathers and 2 reduce-scatters forward, 4 all-gathers and 2
-reduce-scatters backward (without the overlap: 2 and 2 both ways). ``row_chunks=k > 1`` (userbuffers-style
-pipelining; off by default) issues ``k`` reduce-scatters per row layer forward instead of one, each over a
-``1/k`` piece of every rank's sequence chunk, launched as soon as that piece's GEMM is done; the row layer's
-backward is unchanged (one all-gather, then the GEMMs that need all of it).
+``row_chunks=k > 1`` (userbuffers-style pipelining; off by default) issues ``k`` reduce-scatters per row layer
+forward instead of one, each over a ``1/k`` piece of every rank's sequence chunk, launched as soon as that
+piece's GEMM is done; the row layer's backward is unchanged (one all-gather, then the GEMMs that need all of it).
 
 What it buys is measured by ``benchmarks/overlap.py --only tp_comm``: on CPU, where gloo's thread and the GEMMs
 share the same cores, it adds a few percent of work and shows no reliable wall-clock gain; it is meant for GPUs,
 where the collectives run on the network while the GEMMs run.
 
-Same numbers as the default up to the order of fp32 sums inside GEMMs (the chunked GEMMs and the weight gradient's
-sum over the sequence run in another order): ~1e-7, far inside the layout invariance's 1e-5. Inside
-``mappings.full_sequences`` (generation), with no group, or on inputs not ``[batch, sequence, features]``, both
-fall back to the default, which handles them.
+Same numbers as the default up to the order of fp32 sums inside GEMMs (the chunked GEMMs run in another order):
+~1e-7, far inside the layout invariance's 1e-5. Inside ``mappings.full_sequences`` (generation), with no group,
+or on inputs not ``[batch, sequence, features]``, the row layer falls back to the default, which handles them.
 """
 
 from __future__ import annotations
@@ -52,11 +46,11 @@ from lightning_megatron.parallel.config import ParallelConfig
 from lightning_megatron.tensor_parallel.mappings import (
     Group,
     all_gather_into,
-    gather_from_sequence,
     reduce_scatter_into,
     reduce_scatter_to_sequence,
     sequences_are_whole,
 )
+from lightning_megatron.tensor_parallel.sequence_column import sequence_parallel_column
 
 
 class SequenceParallelLinear:
@@ -64,7 +58,7 @@ class SequenceParallelLinear:
 
     def column(self, x: Tensor, weight: Tensor, bias: Optional[Tensor], group: Group) -> Tensor:
         """``x``: this rank's sequence chunk ``[batch, seq / tp, in]``; returns ``[batch, seq, out / tp]``."""
-        return F.linear(gather_from_sequence(x, group), weight, bias)
+        return sequence_parallel_column(x, weight, bias, group)
 
     def row(self, x: Tensor, weight: Tensor, group: Group) -> Tensor:
         """``x``: ``[batch, seq, in / tp]``; returns this rank's sequence chunk of the summed output (no bias)."""
@@ -84,9 +78,7 @@ class OverlappedSequenceParallelLinear(SequenceParallelLinear):
             raise ValueError(f"row_chunks must be >= 1, got {self.row_chunks}.")
 
     def column(self, x: Tensor, weight: Tensor, bias: Optional[Tensor], group: Group) -> Tensor:
-        if group is None or sequences_are_whole() or x.dim() != 3:
-            return super().column(x, weight, bias, group)
-        return _OverlappedColumn.apply(x, weight, bias, group)
+        return sequence_parallel_column(x, weight, bias, group, overlap_forward=True)
 
     def row(self, x: Tensor, weight: Tensor, group: Group) -> Tensor:
         if group is None or sequences_are_whole() or x.dim() != 3 or x.shape[1] % dist.get_world_size(group):
@@ -109,57 +101,6 @@ def overlapped_linear_for(config: ParallelConfig, tp_comm_overlap: bool) -> Opti
             f"and sequence_parallel={config.sequence_parallel}. Set sequence_parallel=True with "
             f"tensor_parallel_size > 1, or leave tp_comm_overlap off.")
     return OverlappedSequenceParallelLinear()
-
-
-def _wait(work) -> None:
-    if work is not None:
-        work.wait()
-
-
-class _OverlappedColumn(torch.autograd.Function):
-    """``F.linear(all_gather_seq(x), weight, bias)``, saving only the local ``x``."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor, weight: Tensor, bias: Optional[Tensor], group: Group) -> Tensor:
-        world, rank = dist.get_world_size(group), dist.get_rank(group)
-        x = x.contiguous()
-        gathered = x.new_empty((world * x.shape[0], *x.shape[1:]))  # rank r's chunk at rows r * batch...
-        work = all_gather_into(gathered, x, group, async_op=True)
-        own = F.linear(x, weight, bias)  # while the other chunks arrive
-        work.wait()
-        chunks = gathered.view(world, *x.shape)
-        y = torch.cat([own if r == rank else F.linear(chunks[r], weight, bias) for r in range(world)], dim=1)
-        ctx.save_for_backward(x, weight)
-        ctx.group, ctx.has_bias = group, bias is not None
-        return y
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        x, weight = ctx.saved_tensors
-        group, world = ctx.group, dist.get_world_size(ctx.group)
-        need_input, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        batch, chunk, out = grad.shape[0], x.shape[1], grad.shape[2]
-        gathered, work = None, None
-        if need_weight:  # the input again, while the input gradient's GEMM runs
-            gathered = x.new_empty((world * batch, *x.shape[1:]))
-            work = all_gather_into(gathered, x, group, async_op=True)
-        # The output gradient in the gathered order, [tp * batch, seq / tp, out]: what the reduce-scatter sends.
-        grad_parts = grad.reshape(batch, world, chunk, out).transpose(0, 1).reshape(world * batch, chunk, out)
-        grad_x, scatter = None, None
-        if need_input:
-            grad_x_parts = torch.matmul(grad_parts, weight.to(grad.dtype))
-            _wait(work)
-            work = None
-            grad_x = grad_x_parts.new_empty(x.shape)
-            scatter = reduce_scatter_into(grad_x, grad_x_parts, group, async_op=True)
-        grad_weight = grad_bias = None
-        if need_weight:  # while the input gradient is reduce-scattered
-            _wait(work)
-            grad_weight = grad_parts.reshape(-1, out).t() @ gathered.reshape(-1, x.shape[-1]).to(grad.dtype)
-        if ctx.has_bias and ctx.needs_input_grad[2]:
-            grad_bias = grad_parts.reshape(-1, out).sum(0)
-        _wait(scatter)
-        return grad_x, grad_weight, grad_bias, None
 
 
 class _ChunkedRow(torch.autograd.Function):

@@ -2,7 +2,8 @@
 processes, count the ring's messages, and generate under context parallelism.
 
 argv: OUT_DIR LAYOUTS, a comma list of ``<model>-cp{C}[-pp{P}]-tp{T}-dp{D}[-sp][-mb{M}][-z{Z}][-rc|-sel][-ag]``
-(models: ``gpt`` learned positions, ``llama`` rotary + grouped-query, ``bert`` bidirectional with padding; ``rc``
+(models: ``gpt`` learned positions, ``llama`` rotary + grouped-query, ``bert`` bidirectional with padding, ``doc`` and
+``llamadoc`` the first two on packed samples with document masks; ``rc``
 full and ``sel`` selective recomputation; ``ag`` the all-gather attention), ``count-<layout>`` for the
 collectives of one step, ``gen-<layout>`` for greedy generation, ``kernels-<layout>`` for the two attentions against
 SDPA in fp64, or ``errors-<layout>`` for what every rank says to bad input. The model is the LightningModule, split by the
@@ -127,11 +128,14 @@ def count(layout: str) -> dict:
 
 def kernels(layout: str) -> dict:
     """Ring and all-gather attention against SDPA over the whole sequence, in fp64, forward and backward: causal and
-    bidirectional with key padding, multi-head and grouped-query; the worst deviation of each."""
+    bidirectional with key padding, causal within packed documents (against SDPA over the dense mask; documents
+    of one token and across chunk boundaries, tiles of 3 positions), multi-head and grouped-query; the worst
+    deviation of each."""
     import torch.nn.functional as F
 
     from lightning_megatron.context_parallel import chunk_indices, ring_order
     from lightning_megatron.context_parallel.all_gather import all_gather_attention
+    from lightning_megatron.context_parallel.documents import DocumentMask
     from lightning_megatron.context_parallel.ring import ring_attention
 
     _, config, _, _, _ = parse(layout.removeprefix("kernels-"))
@@ -145,21 +149,26 @@ def kernels(layout: str) -> dict:
                          for h in (heads, groups, groups, heads))
         padding = torch.ones(batch, seq, dtype=torch.bool)
         padding[1, -5:] = False
-        mine = chunk_indices(seq, size, rank)
-        for causal, masked in ((True, False), (False, False), (False, True)):
+        starts = torch.rand(batch, seq, generator=generator) < 0.3
+        starts[:, 0] = starts[1, :] = True  # the second sample: documents of one token
+        documents = DocumentMask(starts.long().cumsum(1), tile=3)
+        mine, order = chunk_indices(seq, size, rank), ring_order(seq, size)
+        for case in ("causal", "bidirectional", "padded", "documents"):
+            causal = case in ("causal", "documents")
+            mask = {"padded": padding[:, None, None, :], "documents": documents.dense(causal=True)}.get(case)
             full = [t.clone().requires_grad_() for t in (q, k, v)]
-            expected = F.scaled_dot_product_attention(*full, attn_mask=padding[:, None, None, :] if masked else None,
-                                                      is_causal=causal, enable_gqa=groups != heads)
+            expected = F.scaled_dot_product_attention(*full, attn_mask=mask, is_causal=case == "causal",
+                                                      enable_gqa=groups != heads)
             (expected * grad).sum().backward()
             for name, attention in (("ring", ring_attention), ("all_gather", all_gather_attention)):
                 local = [t[:, :, mine].clone().requires_grad_() for t in (q, k, v)]
                 out = attention(*local, causal=causal, group=group,
-                                key_mask=padding[:, ring_order(seq, size)] if masked else None)
+                                key_mask=padding[:, order] if case == "padded" else None,
+                                documents=DocumentMask(documents.ids[:, order], 3) if case == "documents" else None)
                 (out * grad[:, :, mine]).sum().backward()
                 deviations = [(out - expected[:, :, mine]).abs().max()] + [
                     (mine_t.grad - full_t.grad[:, :, mine]).abs().max() for mine_t, full_t in zip(local, full)]
-                key = f"{name}-{'causal' if causal else 'padded' if masked else 'bidirectional'}-{heads}h{groups}g"
-                worst[key] = max(float(d) for d in deviations)
+                worst[f"{name}-{case}-{heads}h{groups}g"] = max(float(d) for d in deviations)
     return worst
 
 
@@ -172,13 +181,10 @@ def errors(layout: str) -> dict:
     state = ParallelState.create(config, "cpu")
     said = {}
     splitter = BatchSplitter(GPT(gpt_setup.CONFIG), state)
-    for case, batch in (("length", {"input_ids": torch.zeros(2, 12, dtype=torch.long), "labels": torch.zeros(2, 12)}),
-                        ("documents", {"input_ids": torch.zeros(2, 16, dtype=torch.long),
-                                       "labels": torch.zeros(2, 16), "document_ids": torch.zeros(2, 16)})):
-        try:
-            splitter(batch)
-        except ValueError as error:
-            said[case] = str(error)
+    try:
+        splitter({"input_ids": torch.zeros(2, 12, dtype=torch.long), "labels": torch.zeros(2, 12)})
+    except ValueError as error:
+        said["length"] = str(error)
     try:
         apply_context_parallel(torch.nn.Sequential(torch.nn.Linear(4, 4)), state)
     except ValueError as error:

@@ -13,7 +13,9 @@ from lightning_megatron.models import BERT, GPT
 # BERT without the sentence-order head (refused under context parallelism), masked-LM over padded samples.
 BERT_CONFIG = replace(bert_setup.PRE_NORM, binary_head=False)
 MODELS = {"gpt": lambda: GPT(gpt_setup.CONFIG), "llama": lambda: GPT(gpt_setup.LLAMA_CONFIG),
-          "bert": lambda: BERT(BERT_CONFIG)}
+          "bert": lambda: BERT(BERT_CONFIG),
+          # Packed samples with Megatron-LM's document masks (document ids, restarting positions, no loss on eos).
+          "doc": lambda: GPT(gpt_setup.CONFIG), "llamadoc": lambda: GPT(gpt_setup.LLAMA_CONFIG)}
 __all__ = ["BERT_CONFIG", "MODELS", "bert_setup", "gpt_setup", "model_batches", "model_loss"]
 
 
@@ -22,6 +24,8 @@ def model_batches(name: str) -> list[dict]:
     if name == "bert":
         return [{key: batch[key] for key in ("input_ids", "labels", "attention_mask", "token_type_ids")}
                 for batch in bert_setup.batches()]
+    if name.endswith("doc"):
+        return [{"input_ids": ids, "labels": labels, **side} for ids, labels, side in gpt_setup.document_batches()]
     return [{"input_ids": ids, "labels": labels} for ids, labels in gpt_setup.batches()]
 
 

@@ -31,6 +31,7 @@ from lightning_megatron.tensor_parallel import (
     full_sequences,
     gather_from_tensor_parallel,
     parallelize,
+    scatter_to_sequence,
 )
 from lightning_megatron.tensor_parallel.overlap import OverlappedSequenceParallelLinear
 
@@ -92,6 +93,82 @@ for sequence_parallel, overlap in [(False, ""), (True, ""), (True, "_tpo"), (Tru
     if sequence_parallel:
         dist.all_reduce(bias_grad, group=group)  # what the gradient synchroniser does for marked params
     err("row_bias_grad" + tag, bias_grad, plain.bias.grad)
+
+# Sequence parallelism's column layer with a frozen weight (its bias trains), and with an input that needs no
+# gradient (the weight's still computed from the input gathered again in backward).
+for overlap in ("", "_tpo"):
+    col = ColumnParallelLinear(H, OUT, group=group, sequence_parallel=True, sequence_linear=OVERLAPS[overlap])
+    col.weight.data.copy_(shard(plain.weight.data, 0))
+    col.bias.data.copy_(shard(plain.bias.data, 0))
+    col.weight.requires_grad_(False)
+    x = shard(x_full.detach(), 1).clone().requires_grad_()
+    col(x).backward(shard(grad_full, 2))
+    err("column_frozen_weight_input_grad_sp" + overlap, x.grad, shard(x_full.grad, 1))
+    err("column_frozen_weight_bias_grad_sp" + overlap, col.bias.grad, shard(plain.bias.grad, 0))
+    col.weight.requires_grad_(True)
+    col(shard(x_full.detach(), 1)).backward(shard(grad_full, 2))
+    err("column_no_input_grad_weight_grad_sp" + overlap, col.weight.grad, shard(plain.weight.grad, 0))
+
+
+class SavedBytes(torch.autograd.graph.saved_tensors_hooks):
+    """The bytes of the storages saved for backward inside the block, each once, parameters' left out."""
+
+    def __init__(self, module):
+        self.parameters = {p.untyped_storage().data_ptr() for p in module.parameters()}
+        self.storages = {}
+        super().__init__(self.pack, lambda saved: saved)
+
+    def pack(self, tensor):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in self.parameters:
+            self.storages[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    def total(self):
+        return sum(self.storages.values())
+
+
+# What a column layer saves for backward: the whole input without sequence parallelism, only this rank's sequence
+# chunk with it (the all-gathered sequence is not kept, default and overlapped alike); a frozen layer nothing.
+saved_bytes = {}
+for name, sequence_parallel, overlap, frozen in [("tp", False, "", False), ("sp", True, "", False),
+                                                 ("sp_tpo", True, "_tpo", False), ("sp_frozen", True, "", True)]:
+    col = ColumnParallelLinear(H, OUT, group=group, sequence_parallel=sequence_parallel,
+                               sequence_linear=OVERLAPS[overlap])
+    col.weight.data.copy_(shard(plain.weight.data, 0))
+    col.requires_grad_(not frozen)
+    x = (shard(x_full.detach(), 1) if sequence_parallel else x_full.detach()).clone().requires_grad_()
+    saved = SavedBytes(col)
+    with saved:
+        y = col(x)
+    saved_bytes[name] = saved.total()
+    y.backward(shard(grad_full, 2))
+# Under autocast the chunk is saved in the compute dtype (bf16: half the fp32 chunk), and the layer computes what the
+# same layer without sequence parallelism computes under autocast.
+autocast_outputs = {}
+for sequence_parallel in (False, True):
+    col = ColumnParallelLinear(H, OUT, group=group, sequence_parallel=sequence_parallel)
+    col.weight.data.copy_(shard(plain.weight.data, 0))
+    col.bias.data.copy_(shard(plain.bias.data, 0))
+    x = (shard(x_full.detach(), 1) if sequence_parallel else x_full.detach()).clone().requires_grad_()
+    saved = SavedBytes(col)
+    with saved, torch.autocast("cpu", dtype=torch.bfloat16):
+        y = col(x)
+    y.float().backward(shard(grad_full, 2))
+    autocast_outputs[sequence_parallel] = (y.float(), x.grad, col.weight.grad)
+    if sequence_parallel:
+        saved_bytes["sp_autocast"] = saved.total()
+        saved_bytes["sp_autocast_dtype"] = str(y.dtype)
+        saved_bytes["weight_bf16"] = col.weight.numel() * 2  # autocast's copy of the weight, saved as F.linear does
+plain_out, plain_x_grad, plain_w_grad = autocast_outputs[False]
+sp_out, sp_x_grad, sp_w_grad = autocast_outputs[True]
+saved_bytes["sp_autocast_error"] = max(((a - b).abs().max() / b.abs().max()).item() for a, b in  # relative
+                                       ((sp_out, plain_out), (sp_x_grad, shard(plain_x_grad, 1)), (sp_w_grad, plain_w_grad)))
+# The sequence scatter's chunk of a one-sample batch is contiguous already: it must still be a copy, not a view
+# that keeps the whole input alive (the first norm saves it).
+one_sample = torch.randn(1, S, H, generator=torch.Generator().manual_seed(7))  # (the global stream left as it was)
+saved_bytes["scatter_chunk_storage"] = scatter_to_sequence(one_sample, group).untyped_storage().nbytes()
+saved_bytes["scatter_input_storage"] = one_sample.untyped_storage().nbytes()
 
 # Whole sequences (generation's full_sequences): the overlapped layers act as plain tensor parallelism, on any length.
 whole_sequences = {}
@@ -291,6 +368,7 @@ for name, dropout in regions.items():
 
 (out_dir / f"rank{rank}.json").write_text(json.dumps({"errors": errors, "counts": layer_counts, "step_counts": step_counts, "same_dropout_mask": same_mask,
                                                          "whole_sequences": whole_sequences,
+                                                         "saved_bytes": saved_bytes,
                                                          "pad1": pad1}))
 dist.barrier()
 os._exit(0)  # skip gloo's C++ teardown: with several meshes alive it aborts at random (torch 2.13)
