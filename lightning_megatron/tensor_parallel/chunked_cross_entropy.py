@@ -104,9 +104,7 @@ class _ChunkedHeadCrossEntropy(torch.autograd.Function):
         losses, maxima, sums = (targets.new_empty(targets.shape, dtype=torch.float32) for _ in range(3))
         for start in range(0, rows.shape[0], chunk):
             span = slice(start, start + chunk)
-            _, logits = _chunk_logits(ctx, rows[span], weight)
-            terms = vocab_parallel_loss_terms(logits, targets[:, span].reshape(-1), shard.group, ignore_index)
-            for out, value in zip((losses, maxima, sums), (terms[0], terms[2], terms[3])):
+            for out, value in zip((losses, maxima, sums), _chunk_loss(ctx, rows[span], weight, targets[:, span])):
                 out[:, span] = value.view(targets.shape[0], -1)
         ctx.save_for_backward(rows, weight, targets, maxima, sums)
         return losses
@@ -114,28 +112,43 @@ class _ChunkedHeadCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_losses: Tensor):
         rows, weight, targets, maxima, sums = ctx.saved_tensors
-        group, cast = ctx.shard.group, ctx.compute_dtype
         grad_rows = torch.empty_like(rows)
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         for start in range(0, rows.shape[0], ctx.chunk):
             span = slice(start, start + ctx.chunk)
-            inputs, logits = _chunk_logits(ctx, rows[span], weight)
-            target = targets[:, span].reshape(-1)
-            # The forward's softmax, rebuilt from its kept maximum and sum: the same operations on the same values.
-            softmax = (logits - maxima[:, span].reshape(-1, 1)).exp_().div_(sums[:, span].reshape(-1, 1))
-            local_target, owned = local_targets(target, softmax.shape[-1], group)
-            scale = grad_losses[:, span].reshape(-1) * (target != ctx.ignore_index)
-            grad_logits = logits_gradient(softmax, local_target, owned, scale).to(cast)
-            with _no_autocast(rows):
-                grad_weight.add_(grad_logits.t() @ inputs)
-                grad_inputs = grad_logits @ weight.to(cast)
-            if ctx.sequence_parallel:
-                scattered = grad_rows.new_empty((grad_inputs.shape[0] // dist.get_world_size(group),
-                                                 grad_inputs.shape[1]), dtype=grad_inputs.dtype)
-                reduce_scatter_into(scattered, grad_inputs.contiguous(), group)
-                grad_inputs = scattered
-            grad_rows[span] = grad_inputs
+            grad_rows[span] = _chunk_gradients(ctx, rows[span], weight, targets[:, span], maxima[:, span],
+                                               sums[:, span], grad_losses[:, span], grad_weight)
         return grad_rows, grad_weight.to(weight.dtype), None, None, None, None, None, None
+
+
+def _chunk_loss(ctx, rows: Tensor, weight: Tensor, targets: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """A chunk's per-token losses, logits maxima and sums of exponentials; its logits die on return."""
+    _, logits = _chunk_logits(ctx, rows, weight)
+    loss, _, logits_max, sum_exp, *_ = vocab_parallel_loss_terms(logits, targets.reshape(-1), ctx.shard.group,
+                                                                 ctx.ignore_index)
+    return loss, logits_max, sum_exp
+
+
+def _chunk_gradients(ctx, rows: Tensor, weight: Tensor, targets: Tensor, maxima: Tensor, sums: Tensor,
+                     grad_losses: Tensor, grad_weight: Tensor) -> Tensor:
+    """A chunk's input gradient (this rank's rows); adds its weight gradient to ``grad_weight``."""
+    group, cast = ctx.shard.group, ctx.compute_dtype
+    inputs, logits = _chunk_logits(ctx, rows, weight)
+    target = targets.reshape(-1)
+    # The forward's softmax, rebuilt from its kept maximum and sum: the same operations on the same values.
+    softmax = (logits - maxima.reshape(-1, 1)).exp_().div_(sums.reshape(-1, 1))
+    del logits
+    local_target, owned = local_targets(target, softmax.shape[-1], group)
+    scale = grad_losses.reshape(-1) * (target != ctx.ignore_index)
+    grad_logits = logits_gradient(softmax, local_target, owned, scale).to(cast)
+    with _no_autocast(rows):
+        grad_weight.add_(grad_logits.t() @ inputs)
+        grad_inputs = grad_logits @ weight.to(cast)
+    if not ctx.sequence_parallel:
+        return grad_inputs
+    scattered = grad_inputs.new_empty((grad_inputs.shape[0] // dist.get_world_size(group), grad_inputs.shape[1]))
+    reduce_scatter_into(scattered, grad_inputs.contiguous(), group)
+    return scattered
 
 
 def _chunk_logits(ctx, rows: Tensor, weight: Tensor) -> tuple[Tensor, Tensor]:
