@@ -62,6 +62,9 @@ class ChunkedHeadLoss(nn.Module):
         self.chunk_tokens, self.ignore_index = chunk_tokens, ignore_index
 
     def forward(self, hidden: Tensor, labels: Tensor, head: nn.Module) -> Tensor:
+        return run_as_forward_of(head, self._head_loss, hidden, labels, head)
+
+    def _head_loss(self, hidden: Tensor, labels: Tensor, head: nn.Module) -> Tensor:
         if getattr(head, "bias", None) is not None:
             raise ValueError(f"ChunkedHeadLoss takes a head without bias; {type(head).__name__} has one.")
         shard = VocabShard.of_head(head)
@@ -84,6 +87,22 @@ class ChunkedHeadLoss(nn.Module):
 
     def extra_repr(self) -> str:
         return f"chunk_tokens={self.chunk_tokens}, ignore_index={self.ignore_index}"
+
+
+def run_as_forward_of(module: nn.Module, function, *args):
+    """``function(*args)`` run by ``module.__call__`` in place of its ``forward``, so that the hooks on the module
+    run around it as around its own forward. The loss uses the head's weight without calling the head; under ZeRO-3
+    with pipelining the head is an FSDP unit of its own, whose hooks gather its weight before the forward, gather it
+    again before the backward and reduce-scatter its gradient after. (Without them the weight is the dp shard.)"""
+    own = module.__dict__.get("forward")
+    module.forward = function
+    try:
+        return module(*args)
+    finally:
+        if own is None:
+            del module.forward
+        else:
+            module.forward = own
 
 
 def check_chunk_tokens(chunk_tokens: Optional[int], *, name: str = "chunk_tokens") -> None:
