@@ -13,7 +13,7 @@ from lightning_megatron.models import BERT, GPT
 # BERT without the sentence-order head (refused under context parallelism), masked-LM over padded samples.
 BERT_CONFIG = replace(bert_setup.PRE_NORM, binary_head=False)
 MODELS = {"gpt": lambda: GPT(gpt_setup.CONFIG), "llama": lambda: GPT(gpt_setup.LLAMA_CONFIG),
-          "bert": lambda: BERT(BERT_CONFIG)}
+          "bert": lambda: BERT(BERT_CONFIG), "chunk": lambda: GPT(gpt_setup.CHUNKED_CONFIG)}
 __all__ = ["BERT_CONFIG", "MODELS", "bert_setup", "gpt_setup", "model_batches", "model_loss"]
 
 
