@@ -121,9 +121,10 @@ class _ChunkedHeadCrossEntropy(torch.autograd.Function):
         ctx.shard, ctx.sequence_parallel, ctx.chunk = shard, sequence_parallel, chunk
         ctx.ignore_index, ctx.compute_dtype = ignore_index, compute_dtype
         losses, maxima, sums = (targets.new_empty(targets.shape, dtype=torch.float32) for _ in range(3))
+        computed = weight.to(compute_dtype)  # cast once, not once per chunk (a copy under autocast only)
         for start in range(0, rows.shape[0], chunk):
             span = slice(start, start + chunk)
-            for out, value in zip((losses, maxima, sums), _chunk_loss(ctx, rows[span], weight, targets[:, span])):
+            for out, value in zip((losses, maxima, sums), _chunk_loss(ctx, rows[span], computed, targets[:, span])):
                 out[:, span] = value.view(targets.shape[0], -1)
         ctx.save_for_backward(rows, weight, targets, maxima, sums)
         return losses
@@ -132,12 +133,15 @@ class _ChunkedHeadCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_losses: Tensor):
         rows, weight, targets, maxima, sums = ctx.saved_tensors
         grad_rows = torch.empty_like(rows)
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        # Accumulated in the weight's dtype, where it stays (it becomes the weight's .grad): an fp32 accumulator
+        # for a bf16 weight would add twice the weight's size to the peak, as each chunk's product would.
+        grad_weight = torch.zeros_like(weight)
+        computed = weight.to(ctx.compute_dtype)
         for start in range(0, rows.shape[0], ctx.chunk):
             span = slice(start, start + ctx.chunk)
-            grad_rows[span] = _chunk_gradients(ctx, rows[span], weight, targets[:, span], maxima[:, span],
+            grad_rows[span] = _chunk_gradients(ctx, rows[span], computed, targets[:, span], maxima[:, span],
                                                sums[:, span], grad_losses[:, span], grad_weight)
-        return grad_rows, grad_weight.to(weight.dtype), None, None, None, None, None, None
+        return grad_rows, grad_weight, None, None, None, None, None, None
 
 
 def _chunk_loss(ctx, rows: Tensor, weight: Tensor, targets: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -161,8 +165,11 @@ def _chunk_gradients(ctx, rows: Tensor, weight: Tensor, targets: Tensor, maxima:
     scale = grad_losses.reshape(-1) * (target != ctx.ignore_index)
     grad_logits = logits_gradient(softmax, local_target, owned, scale).to(cast)
     with _no_autocast(rows):
-        grad_weight.add_(grad_logits.t() @ inputs)
-        grad_inputs = grad_logits @ weight.to(cast)
+        if grad_weight.dtype == cast:
+            grad_weight.addmm_(grad_logits.t(), inputs)
+        else:  # autocast: an fp32 weight, the product in the compute dtype
+            grad_weight.add_(grad_logits.t() @ inputs)
+        grad_inputs = grad_logits @ weight
     if not ctx.sequence_parallel:
         return grad_inputs
     scattered = grad_inputs.new_empty((grad_inputs.shape[0] // dist.get_world_size(group), grad_inputs.shape[1]))
@@ -171,7 +178,7 @@ def _chunk_gradients(ctx, rows: Tensor, weight: Tensor, targets: Tensor, maxima:
 
 
 def _chunk_logits(ctx, rows: Tensor, weight: Tensor) -> tuple[Tensor, Tensor]:
-    """The chunk's head input (gathered over the group under sequence parallelism) and its fp32 logits, padding
+    """(``weight`` in the compute dtype.) The chunk's head input (gathered over the group under sequence parallelism) and its fp32 logits, padding
     columns at ``-inf`` as ``VocabParallelHead`` sets them."""
     inputs = rows.to(ctx.compute_dtype)
     if ctx.sequence_parallel:
@@ -179,7 +186,7 @@ def _chunk_logits(ctx, rows: Tensor, weight: Tensor) -> tuple[Tensor, Tensor]:
         all_gather_into(gathered, inputs.contiguous(), ctx.shard.group)
         inputs = gathered
     with _no_autocast(rows):
-        logits = F.linear(inputs, weight.to(ctx.compute_dtype)).float()
+        logits = F.linear(inputs, weight).float()
     if ctx.shard.size != logits.shape[-1]:
         logits[:, ctx.shard.size:] = float("-inf")
     return inputs, logits
