@@ -9,7 +9,7 @@ leaving out the gradients the step leaves in ``.grad``, and prints it next to th
 layout and next to the fp32 logits of the whole sequence and of one chunk, the two sizes the peaks follow.
 tp2 runs on 2 processes (``torch.distributed.run``, gloo). Example::
 
-    python benchmarks/logits_peak.py                   # vocab 128,256, 2048 tokens, hidden 64: about 1 minute
+    python benchmarks/logits_peak.py                   # vocab 128,256, 1024 tokens, hidden 64: about 1 minute
     python benchmarks/logits_peak.py --tokens 1024 --chunks 256
 
 From a test (``benchmarks/`` on ``sys.path``)::
@@ -124,8 +124,7 @@ def format_table(rows: list[dict], tokens: int) -> str:
         if row["chunk_tokens"] is None:
             baseline[key] = row["peak_bytes"]
         whole = tokens * row["local_vocab"] * 4
-        chunk_rows = row["chunk_tokens"] * (row["tp"] if row["sequence_parallel"] else 1) if row["chunk_tokens"] else 0
-        chunk = chunk_rows * row["local_vocab"] * 4
+        chunk = (row["chunk_tokens"] or 0) * row["local_vocab"] * 4
         table.append([str(row["tp"]), "yes" if row["sequence_parallel"] else "no",
                       str(row["chunk_tokens"] or "unchunked"), f"{row['peak_bytes'] / MIB:.1f}",
                       f"{row['peak_bytes'] / baseline[key]:.3f}", f"{row['loss']:.4f}", f"{whole / MIB:.1f}",
@@ -136,11 +135,11 @@ def format_table(rows: list[dict], tokens: int) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tokens", type=int, default=2048, help="tokens of the micro-batch (default 2048)")
+    parser.add_argument("--tokens", type=int, default=1024, help="tokens of the micro-batch (default 1024)")
     parser.add_argument("--hidden", type=int, default=64, help="hidden size (default 64: the head's GEMM is cheap)")
     parser.add_argument("--vocab", type=int, default=LLAMA3_VOCAB, help=f"vocabulary (default {LLAMA3_VOCAB})")
-    parser.add_argument("--chunks", type=lambda text: [int(c) for c in text.split(",")], default=[256, 1024],
-                        help="comma list of chunk sizes in tokens (default 256,1024)")
+    parser.add_argument("--chunks", type=lambda text: [int(c) for c in text.split(",")], default=[128, 512],
+                        help="comma list of chunk sizes in tokens (default 128,512)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--result-dir", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -151,8 +150,8 @@ def main() -> None:
     print(format_table(rows, args.tokens))
     print(f"* head + summed cross-entropy, one forward and backward, fp32, {args.tokens} tokens, hidden {args.hidden}, "
           f"vocabulary {args.vocab} (padded to a multiple of tp x {PAD_VOCAB} at tp2); peak: the most bytes alive at "
-          f"once among those allocated in the step, the input's and the weight's gradients left out; a chunk under "
-          f"sequence parallelism is chunk tokens x tp rows (each rank's chunk, gathered); torch {torch.__version__}.")
+          f"once among those allocated in the step, the input's and the weight's gradients left out; under sequence "
+          f"parallelism a chunk is chunk tokens / tp of every rank's, gathered; torch {torch.__version__}.")
 
 
 if __name__ == "__main__":

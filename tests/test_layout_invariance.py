@@ -30,7 +30,7 @@ LAYOUTS[4] += ["llama-doc-pp2-tp2-dp1-sp-mb2", "doc-tp2-dp2-z2"]
 LAYOUTS[2] += ["pp2-tp1-dp1-mb4-zb", "pp2-vpp2-tp1-dp1-mb4-zbv", "llama-pp2-vpp2-tp1-dp1-mb4-dualpipev"]
 LAYOUTS[4] += ["pp2-vpp2-tp1-dp2-mb2-zbv-z1", "pp2-vpp2-tp1-dp2-mb4-dualpipev-z2", "llama-pp2-vpp2-tp2-dp1-sp-mb2-zbv"]
 LAYOUTS[8] += ["pp4-tp1-dp2-mb4-zb-z1", "deep-pp4-vpp2-tp1-dp2-mb4-zbv-z2"]
-# The chunked loss (head and cross-entropy fused, 5 tokens at a time) against the unchunked reference: tp2 + SP (its
+# The chunked loss (head and cross-entropy fused, 7 tokens at a time) against the unchunked reference: tp2 + SP (its
 # per-chunk gathers), pp2 (the last stage hands the final norm's output to the loss), tp2 x dp2, with ZeRO-1 + SP.
 LAYOUTS[2] += ["chunk-tp2-dp1-sp-mb2", "chunk-pp2-tp1-dp1-mb4"]
 LAYOUTS[4] += ["chunk-tp2-dp2", "chunk-tp2-dp2-sp-z1"]

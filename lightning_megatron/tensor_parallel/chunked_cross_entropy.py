@@ -18,8 +18,9 @@ recomputation keeps the lower peak.
 Tensor parallelism: the head's weight is this rank's vocabulary slice (padding rows masked to ``-inf`` as the
 head does). Without sequence parallelism the input is replicated and its gradient is summed over the group
 (``copy_to_tensor_parallel``); with it each rank holds a sequence chunk and gathers one token chunk of every rank
-at a time, in forward and again in backward, reduce-scattering that chunk's input gradient, so that no rank
-ever holds the gathered sequence (Megatron-Core's column layer does the same for its whole input).
+at a time (``chunk_tokens / tp`` tokens of each, so that a chunk's logits have the same size at every layout), in
+forward and again in backward, reduce-scattering that chunk's input gradient, so that no rank ever holds the
+gathered sequence (Megatron-Core's column layer does the same for its whole input).
 """
 
 from __future__ import annotations
@@ -81,8 +82,10 @@ class ChunkedHeadLoss(nn.Module):
             rows = copy_to_tensor_parallel(rows, shard.group)  # replicated input: its gradient summed over tp
         device = rows.device.type
         compute_dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else rows.dtype
-        losses = _ChunkedHeadCrossEntropy.apply(rows, head.weight, targets, shard, sequence_parallel,
-                                                self.chunk_tokens, self.ignore_index, compute_dtype)
+        # Under sequence parallelism a chunk is gathered from every rank: each gives chunk_tokens / tp of its own.
+        chunk = max(1, self.chunk_tokens // ranks)
+        losses = _ChunkedHeadCrossEntropy.apply(rows, head.weight, targets, shard, sequence_parallel, chunk,
+                                                self.ignore_index, compute_dtype)
         return losses.sum()
 
     def extra_repr(self) -> str:
