@@ -29,7 +29,8 @@ class PipelineInference:
     returns what the model's ``pipeline_loss`` takes (``StageModule.forward``) instead of the logits."""
 
     def __init__(self, stage_modules: list[StageModule], stage_ids: list[int], *, num_stages: int,
-                 group: dist.ProcessGroup, device: torch.device, schedule: str = "1f1b", for_loss: bool = False) -> None:
+                 group: dist.ProcessGroup, device: torch.device, schedule: str = "1f1b",
+                 for_loss: bool = False) -> None:
         self.stages = dict(zip(stage_ids, stage_modules))
         self.for_loss = for_loss
         self.num_stages, self.group, self.device = num_stages, group, device

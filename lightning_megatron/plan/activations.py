@@ -124,7 +124,8 @@ def activation_bytes(shape: ModelShape, layout: Layout, workload: Workload, *, p
     return int(kept + max(loss, tokens * (backward - head)))
 
 
-def _head_and_loss(shape: ModelShape, tokens: float, vocab: float, h: int, w: int, q: int) -> tuple[float, float, float]:
+def _head_and_loss(shape: ModelShape, tokens: float, vocab: float, h: int, w: int,
+                   q: int) -> tuple[float, float, float]:
     """The last stage's ``(kept bytes per token, the loss's transient bytes, the stage output's bytes per token
     beyond those)``. Unchunked: the final norm's and the head's inputs and the fp32 log-softmax are kept, two more
     fp32 ``[tokens, V/t]`` temporaries come at the loss, and the stage's output is the logits. Chunked

@@ -67,14 +67,16 @@ class ChunkedHeadLoss(nn.Module):
 
     def _head_loss(self, hidden: Tensor, labels: Tensor, head: nn.Module) -> Tensor:
         if getattr(head, "bias", None) is not None:
-            raise ValueError(f"ChunkedHeadLoss takes a head without bias; {type(head).__name__} has one.")
+            raise ValueError(f"ChunkedHeadLoss takes a head without bias, but this {type(head).__name__} has one: "
+                             f"build it with bias=False, or use the unchunked loss (loss_chunk_tokens=None).")
         shard = VocabShard.of_head(head)
         sequence_parallel = (getattr(head, "sequence_parallel", False) and shard.group is not None
                              and not sequences_are_whole())
         ranks = dist.get_world_size(shard.group) if sequence_parallel else 1
         if labels.shape[1] != hidden.shape[1] * ranks:
-            raise ValueError(f"labels {tuple(labels.shape)} do not match hidden states {tuple(hidden.shape)} "
-                             f"(sequence split over {ranks} rank(s)).")
+            raise ValueError(f"labels {tuple(labels.shape)} do not match hidden states {tuple(hidden.shape)}: pass "
+                             f"the labels of the whole sequence, [batch, {hidden.shape[1] * ranks}] (the hidden "
+                             f"states' sequence is split over {ranks} rank(s)).")
         # Token rows in [batch, sequence] order; under sequence parallelism, one row of targets per rank's chunk.
         targets = labels.reshape(labels.shape[0], ranks, -1).transpose(0, 1).reshape(ranks, -1)
         rows = hidden.reshape(-1, hidden.shape[-1])
@@ -181,8 +183,8 @@ def _chunk_gradients(ctx, rows: Tensor, weight: Tensor, targets: Tensor, maxima:
 
 
 def _chunk_logits(ctx, rows: Tensor, weight: Tensor) -> tuple[Tensor, Tensor]:
-    """(``weight`` in the compute dtype.) The chunk's head input (gathered over the group under sequence parallelism) and its fp32 logits, padding
-    columns at ``-inf`` as ``VocabParallelHead`` sets them."""
+    """The chunk's head input (gathered over the group under sequence parallelism) and its fp32 logits, padding
+    columns at ``-inf`` as ``VocabParallelHead`` sets them; ``weight`` is already in the compute dtype."""
     inputs = rows.to(ctx.compute_dtype)
     if ctx.sequence_parallel:
         gathered = inputs.new_empty((inputs.shape[0] * dist.get_world_size(ctx.shard.group), inputs.shape[1]))
