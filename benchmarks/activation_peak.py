@@ -103,13 +103,13 @@ class Layout:
 
 
 PIPELINE = dict(pipeline_parallel_size=2, micro_batch_size=1, micro_batches=4)  # 1F1B
-# Llama-3's vocabulary (128,256) on the tiny Llama, 256 tokens a micro-batch: unchunked, and the chunked loss at 64
+# Llama-3's vocabulary (128,256) on the tiny Llama, 128 tokens a micro-batch: unchunked, and the chunked loss at 32
 # tokens a chunk ("chunk-": its unchunked twin is the same key without it). pp2 only on request (--layouts): its first
 # stage's peak is the untied 128k-row embedding's gradient, model state that the planner does not count there.
 LLAMA3_LAYOUTS = tuple(
-    Layout(f"{prefix}llama3-{key}", "llama", seq_length=256, vocab_size=LLAMA3_VOCAB, loss_chunk_tokens=chunk,
+    Layout(f"{prefix}llama3-{key}", "llama", seq_length=128, vocab_size=LLAMA3_VOCAB, loss_chunk_tokens=chunk,
            **settings)
-    for prefix, chunk in (("", None), ("chunk-", 64))
+    for prefix, chunk in (("", None), ("chunk-", 32))
     for key, settings in (("tp1-none", dict(micro_batch_size=1)),
                           ("tp2-sp-none", dict(micro_batch_size=1, tensor_parallel_size=2, sequence_parallel=True)),
                           ("pp2-none", dict(PIPELINE, micro_batches=2))))
@@ -472,7 +472,7 @@ def footer() -> str:
         "autograd saves for backward in one micro-batch's forward (with its loss on the last stage), parameters "
         "left out. largest at peak: the op whose outputs (summed) hold the most of the peak. / unchunked: a chunk- "
         "layout's peak (the chunked loss, GPTConfig.loss_chunk_tokens) over its unchunked twin's, same rank. llama3: "
-        f"the llama model with Llama-3's vocabulary ({LLAMA3_VOCAB}), 1 x 256 tokens, 64 tokens a chunk.",
+        f"the llama model with Llama-3's vocabulary ({LLAMA3_VOCAB}), 1 x 128 tokens, 32 tokens a chunk.",
     ]
     return "\n".join(f"* {note}" for note in notes)
 
