@@ -62,6 +62,7 @@ from throughput import MIB, REPO_ROOT, format_rows
 RANKS = 2  # every layout runs over the same two processes
 SEED = 1234
 VOCAB = 257
+LLAMA3_VOCAB = 128256
 PAD_VOCAB = 128  # the strategy's default pad_vocab_to_multiple_of
 WORKERS = REPO_ROOT / "tests" / "workers"  # layout_runs.start_worker_pipeline
 PROGRESS = "activation_peak: "  # the workers' lines the parent passes on to its stderr
@@ -85,6 +86,8 @@ class Layout:
     num_layers: int = 4
     num_heads: int = 4
     virtual_pipeline_size: int = 1  # > 1: interleaved 1F1B
+    vocab_size: int = VOCAB
+    loss_chunk_tokens: Optional[int] = None  # the chunked loss (GPTConfig.loss_chunk_tokens)
 
     @property
     def pipeline_schedule(self) -> str:
@@ -100,6 +103,16 @@ class Layout:
 
 
 PIPELINE = dict(pipeline_parallel_size=2, micro_batch_size=1, micro_batches=4)  # 1F1B
+# Llama-3's vocabulary (128,256) on the tiny Llama, 128 tokens a micro-batch: unchunked, and the chunked loss at 32
+# tokens a chunk ("chunk-": its unchunked twin is the same key without it). pp2 only on request (--layouts): its first
+# stage's peak is the untied 128k-row embedding's gradient, model state that the planner does not count there.
+LLAMA3_LAYOUTS = tuple(
+    Layout(f"{prefix}llama3-{key}", "llama", seq_length=128, vocab_size=LLAMA3_VOCAB, loss_chunk_tokens=chunk,
+           **settings)
+    for prefix, chunk in (("", None), ("chunk-", 32))
+    for key, settings in (("tp1-none", dict(micro_batch_size=1)),
+                          ("tp2-sp-none", dict(micro_batch_size=1, tensor_parallel_size=2, sequence_parallel=True)),
+                          ("pp2-none", dict(PIPELINE, micro_batches=2))))
 LAYOUTS = (
     *(Layout(f"tp1-{mode}", "gpt", activation_checkpointing=mode) for mode in MODES),
     *(Layout(f"tp2-{mode}", "gpt", tensor_parallel_size=2, activation_checkpointing=mode) for mode in MODES),
@@ -120,14 +133,16 @@ LAYOUTS = (
                                            activation_checkpointing="selective")),
           ("llama-tp1-full", "llama", dict(activation_checkpointing="full")),
           ("llama-pp2-selective", "llama", dict(activation_checkpointing="selective", **PIPELINE)))),
+    *(layout for layout in LLAMA3_LAYOUTS if "pp2" not in layout.key),
 )
-LAYOUTS_BY_KEY = {layout.key: layout for layout in LAYOUTS}
+LAYOUTS_BY_KEY = {layout.key: layout for layout in (*LAYOUTS, *LLAMA3_LAYOUTS)}
 
 
 def model_config(layout: Layout):
     from lightning_megatron.models.gpt import GPTConfig
 
-    sizes = dict(vocab_size=VOCAB, max_seq_length=layout.seq_length, hidden_size=layout.hidden_size,
+    sizes = dict(vocab_size=layout.vocab_size, loss_chunk_tokens=layout.loss_chunk_tokens,
+                 max_seq_length=layout.seq_length, hidden_size=layout.hidden_size,
                  num_layers=layout.num_layers, num_heads=layout.num_heads, dropout=0.0, attention_dropout=0.0)
     if layout.model == "gpt":
         return GPTConfig(**sizes)
@@ -427,9 +442,11 @@ def measure(layout_keys: Optional[list[str]] = None) -> list[dict]:
 
 def format_table(rows: list[dict]) -> str:
     header = ["layout", "model", "tp", "sp", "pp", "dp", "recompute", "micro-batches", "rank", "pp rank",
-              "forward peak MiB", "peak MiB", f"max of {REPEATS}", "saved MiB", "largest at peak (MiB)"]
+              "forward peak MiB", "peak MiB", f"max of {REPEATS}", "saved MiB", "/ unchunked", "largest at peak (MiB)"]
     table = [header]
+    peaks = {(row["layout"], row["rank"]): row["peak_bytes"] for row in rows}
     for row in rows:
+        twin = peaks.get((row["layout"].removeprefix("chunk-"), row["rank"])) if row["loss_chunk_tokens"] else None
         name, nbytes = next(iter(row["at_peak"].items()), ("-", 0))
         table.append([row["layout"], row["model"], str(row["tensor_parallel_size"]),
                       "yes" if row["sequence_parallel"] else "no", str(row["pipeline_parallel_size"]),
@@ -437,9 +454,9 @@ def format_table(rows: list[dict]) -> str:
                       f"{row['micro_batches']} x {row['micro_batch_size']}", str(row["rank"]),
                       str(row["pipeline_rank"]), f"{row['forward_peak_bytes'] / MIB:.3f}",
                       f"{row['peak_bytes'] / MIB:.3f}", f"{row['peak_bytes_max'] / MIB:.3f}",
-                      f"{row['saved_bytes'] / MIB:.3f}",
+                      f"{row['saved_bytes'] / MIB:.3f}", f"{row['peak_bytes'] / twin:.3f}" if twin else "-",
                       f"{name} {nbytes / MIB:.3f}"])
-    return format_rows(table, left=(0, 1, 6, 14))
+    return format_rows(table, left=(0, 1, 6, 15))
 
 
 def footer() -> str:
@@ -453,7 +470,9 @@ def footer() -> str:
         f"{REPEATS} steps after a warm-up step (max: the most; gloo's thread frees a collective's buffers at a time "
         "that races with the main thread); forward peak: the same before the first backward op; saved: the storages "
         "autograd saves for backward in one micro-batch's forward (with its loss on the last stage), parameters "
-        "left out. largest at peak: the op whose outputs (summed) hold the most of the peak.",
+        "left out. largest at peak: the op whose outputs (summed) hold the most of the peak. / unchunked: a chunk- "
+        "layout's peak (the chunked loss, GPTConfig.loss_chunk_tokens) over its unchunked twin's, same rank. llama3: "
+        f"the llama model with Llama-3's vocabulary ({LLAMA3_VOCAB}), 1 x 128 tokens, 32 tokens a chunk.",
     ]
     return "\n".join(f"* {note}" for note in notes)
 

@@ -30,6 +30,10 @@ LAYOUTS[4] += ["llama-doc-pp2-tp2-dp1-sp-mb2", "doc-tp2-dp2-z2"]
 LAYOUTS[2] += ["pp2-tp1-dp1-mb4-zb", "pp2-vpp2-tp1-dp1-mb4-zbv", "llama-pp2-vpp2-tp1-dp1-mb4-dualpipev"]
 LAYOUTS[4] += ["pp2-vpp2-tp1-dp2-mb2-zbv-z1", "pp2-vpp2-tp1-dp2-mb4-dualpipev-z2", "llama-pp2-vpp2-tp2-dp1-sp-mb2-zbv"]
 LAYOUTS[8] += ["pp4-tp1-dp2-mb4-zb-z1", "deep-pp4-vpp2-tp1-dp2-mb4-zbv-z2"]
+# The chunked loss (head and cross-entropy fused, 7 tokens at a time) against the unchunked reference: tp2 + SP (its
+# per-chunk gathers), pp2 (the last stage hands the final norm's output to the loss), tp2 x dp2, with ZeRO-1 + SP.
+LAYOUTS[2] += ["chunk-tp2-dp1-sp-mb2", "chunk-pp2-tp1-dp1-mb4"]
+LAYOUTS[4] += ["chunk-tp2-dp2", "chunk-tp2-dp2-sp-z1"]
 # ZeRO 1/2 with the parameter all-gathers overlapped with the next forward (overlap_param_gather).
 LAYOUTS[2] += ["tp1-dp2-z1-ogather", "tp1-dp2-mb2-z2-ogather"]
 LAYOUTS[4] += ["tp2-dp2-sp-z1-ogather", "tp2-dp2-z2-ogather", "pp2-tp1-dp2-mb2-z1-ogather", "pp2-tp1-dp2-mb2-z2-ogather"]
@@ -89,7 +93,7 @@ def test_layouts_match_single_process(world, reference, tmp_path):
     launch("layout_invariance.py", world, tmp_path, ",".join(LAYOUTS[world]))
     for layout in LAYOUTS[world]:
         kind = "llama" if layout.startswith("llama-") else "deep" if layout.startswith("deep-") else \
-            "sgd" if layout.endswith("-sgd") else "adamw"
+            "sgd" if layout.endswith("-sgd") else "adamw"  # chunk-: the unchunked GPT's reference
         if "doc-" in layout:
             kind = "llama-doc" if kind == "llama" else "doc"
         ref_losses, ref_weights = reference[kind]

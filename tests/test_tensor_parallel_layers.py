@@ -28,6 +28,17 @@ def test_layers_match_plain_pytorch_forward_and_backward(layer_results):
         assert not worst, f"rank {rank}: parallel layers deviate from plain PyTorch: {worst}"
 
 
+def test_chunked_loss_matches_the_unchunked_single_process_model_at_tp2_and_sp(layer_results):
+    """``loss_chunk_tokens``: loss and every gradient (head, tied embedding, the layers below) as the unchunked
+    model's on the whole batch, to 1e-6, with vocabulary padding, ignored labels and a chunk dividing nothing."""
+    for rank, result in enumerate(layer_results):
+        chunked = result["chunked_loss"]
+        assert len(chunked) == 12, chunked
+        deviations = {name: value for name, value in chunked.items() if not name.endswith("_head_grad_norm")}
+        assert max(deviations.values()) < 1e-6, f"rank {rank}: {deviations}"
+        assert min(value for name, value in chunked.items() if name.endswith("_head_grad_norm")) > 0, chunked
+
+
 def _by_kind(counts):
     kinds = {"all_gather_single": "all_gather", "all_gather_into_tensor": "all_gather",
              "reduce_scatter_single": "reduce_scatter", "reduce_scatter_tensor": "reduce_scatter"}

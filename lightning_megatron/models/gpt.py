@@ -32,6 +32,7 @@ from lightning_megatron.models.transformer import TransformerLayer, TransformerS
 from lightning_megatron.parallel.initialize import INIT_STD, default_initializer, initialize_parameters
 from lightning_megatron.pipeline.blocks import PipelineBatch, PipelineBlocks
 from lightning_megatron.pipeline.layout import PipelineLayout
+from lightning_megatron.tensor_parallel.chunked_cross_entropy import ChunkedHeadLoss, check_chunk_tokens
 
 IGNORE_INDEX = -100
 POSITION_EMBEDDINGS = ("learned_absolute", "rope")
@@ -55,6 +56,11 @@ class GPTConfig(TransformerSizes):
     * ``tie_embeddings``: the output layer shares the input embedding's weights.
     * ``moe``: a :class:`~lightning_megatron.models.moe.MoEConfig` (or a dict of its fields) makes the MLP
       of every (or every ``layer_freq``-th) layer a Mixture of Experts; None: dense.
+    * ``loss_chunk_tokens``: the loss runs the output layer and the cross-entropy fused, this many tokens of
+      logits at a time (``tensor_parallel.chunked_cross_entropy``), so that the logits of a whole micro-batch are
+      never held; same loss and gradients, one more head GEMM per token in backward. None (the default, as in
+      Megatron-Core): the head's logits, then the cross-entropy. Forward, generation and prediction return
+      logits either way.
     """
 
     vocab_size: int = 257
@@ -76,9 +82,12 @@ class GPTConfig(TransformerSizes):
     add_qkv_bias: bool = False
     tie_embeddings: bool = True
     moe: Optional[MoEConfig] = None
+    loss_chunk_tokens: Optional[int] = None
 
     def __post_init__(self) -> None:
         self._check_heads()
+        if self.loss_chunk_tokens is not None:
+            check_chunk_tokens(self.loss_chunk_tokens, name="GPTConfig.loss_chunk_tokens")
         if isinstance(self.rope_scaling, dict):  # from YAML / a dict config
             object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
         if isinstance(self.moe, dict):
@@ -277,7 +286,8 @@ def gpt_layer(config: GPTConfig, index: int = 0, aux_losses: Optional[AuxLosses]
 
 
 def gpt_tensor_parallel_plan(config: GPTConfig) -> dict[str, object]:
-    """What tensor parallelism may split in a ``GPTModel`` of this config (names relative to the model)."""
+    """What tensor parallelism may split in a ``GPTModel`` of this config (names relative to the model). The
+    chunked loss has nothing to swap: it reads the group and the vocabulary slice from the head."""
     gated = config.activation == "swiglu"
     if config.moe is None:
         layers = layer_tensor_parallel_plan("blocks.*", num_heads=config.num_heads,
@@ -297,7 +307,7 @@ def gpt_tensor_parallel_plan(config: GPTConfig) -> dict[str, object]:
         **layers,
         "ln_f": "sequence_parallel",
         "lm_head": "vocab",
-        "loss_fn": "vocab",
+        **({} if config.loss_chunk_tokens else {"loss_fn": "vocab"}),
     }
 
 
@@ -318,7 +328,10 @@ class GPTModel(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.lm_head.weight = self.embedding.wte.weight
-        self.loss_fn = nn.CrossEntropyLoss(reduction="sum", ignore_index=IGNORE_INDEX)
+        if config.loss_chunk_tokens:
+            self.loss_fn = ChunkedHeadLoss(chunk_tokens=config.loss_chunk_tokens, ignore_index=IGNORE_INDEX)
+        else:
+            self.loss_fn = nn.CrossEntropyLoss(reduction="sum", ignore_index=IGNORE_INDEX)
         if not self.embedding.wte.weight.is_meta:
             initialize_parameters(self, seed=torch.initial_seed())
 
@@ -363,20 +376,30 @@ class GPTModel(nn.Module):
             x = x[:, -logits_to_keep:]
         return self.lm_head(self.ln_f(x))
 
+    def loss_head(self, x: Tensor, **side) -> Tensor:
+        """What the last stage hands to :meth:`pipeline_loss`: the logits, or under ``loss_chunk_tokens`` the final
+        norm's output (the chunked loss applies the head itself)."""
+        return self.ln_f(x) if self.config.loss_chunk_tokens else self.head(x, **side)
+
     def pipeline_batch(self, input_ids: Tensor, labels: Tensor, *, position_ids: Optional[Tensor] = None,
                        document_ids: Optional[Tensor] = None) -> PipelineBatch:
         return PipelineBatch(inputs=(input_ids,), target=labels, num_tokens=(labels != IGNORE_INDEX).sum(),
                              side=_present(position_ids=position_ids, document_ids=document_ids))
 
-    def pipeline_loss(self, logits: Tensor, labels: Tensor) -> tuple[Tensor, dict]:
-        return self.loss_fn(logits.flatten(0, 1), labels.flatten()), {}
+    def pipeline_loss(self, outputs: Tensor, labels: Tensor) -> tuple[Tensor, dict]:
+        if self.config.loss_chunk_tokens:
+            return self.loss_fn(outputs, labels, self.lm_head), {}
+        return self.loss_fn(outputs.flatten(0, 1), labels.flatten()), {}
 
     def pipeline_result(self, loss_sum: Tensor, num_tokens: Tensor, extras: dict) -> tuple[Tensor, Tensor]:
         return loss_sum, num_tokens
 
     def forward(self, input_ids: Tensor, *, position_ids: Optional[Tensor] = None,
-                document_ids: Optional[Tensor] = None, kv_cache=None, logits_to_keep: int = 0) -> Tensor:
-        """``kv_cache`` and ``logits_to_keep``: generation's (``lightning_megatron.generation``)."""
+                document_ids: Optional[Tensor] = None, kv_cache=None, logits_to_keep: int = 0,
+                for_loss: bool = False) -> Tensor:
+        """``kv_cache`` and ``logits_to_keep``: generation's (``lightning_megatron.generation``); ``for_loss``: return
+        what :meth:`pipeline_loss` takes (:meth:`loss_head`), for :meth:`loss`, which runs through ``__call__`` so
+        that ZeRO-3's hooks gather the parameters."""
         side = _present(position_ids=position_ids, document_ids=document_ids, kv_cache=kv_cache,
                         logits_to_keep=logits_to_keep or None)
         self.moe_aux_losses.drain()  # what an earlier forward left (loss() takes them; see models/moe.py)
@@ -384,13 +407,13 @@ class GPTModel(nn.Module):
         layer_kwargs = self.layer_kwargs(**side)
         for block in self.blocks.values():
             x = block(x, **layer_kwargs)
-        return self.head(x, **side)
+        return self.loss_head(x, **side) if for_loss else self.head(x, **side)
 
     def loss(self, input_ids: Tensor, labels: Tensor, **side: Optional[Tensor]) -> tuple[Tensor, Tensor]:
         """``(sum of token losses, number of counted tokens)``; labels of ``-100`` are ignored. ``side``: the
         optional ``position_ids`` and ``document_ids`` of packed samples."""
         batch = self.pipeline_batch(input_ids, labels, **side)
-        loss_sum, extras = self.pipeline_loss(self(input_ids, **batch.side), labels)
+        loss_sum, extras = self.pipeline_loss(self(input_ids, **batch.side, for_loss=True), labels)
         aux = self.moe_aux_losses.drain()
         if aux is not None:  # in the gradient, not in the value: the loss reported stays the language model's
             loss_sum = loss_sum + (aux - aux.detach())

@@ -10,7 +10,9 @@ two paths cannot drift apart:
   into first-stage inputs, per-sample side inputs every stage sees (masks), the target,
   and the number of tokens the loss counts;
 * ``embed(*inputs, **side)`` (first stage), ``layer_kwargs(**side)`` (keyword arguments of
-  every layer), ``head(hidden, **side)`` (last stage);
+  every layer), ``head(hidden, **side)`` (last stage: the logits, for generation and prediction), and
+  optionally ``loss_head(hidden, **side)`` (last stage, for the loss: what ``pipeline_loss`` takes; by default
+  ``head``'s output);
 * ``pipeline_loss(outputs, target) -> (loss_sum, extras)``: the summed loss of a
   micro-batch and metrics to sum over micro-batches (e.g. correct predictions);
 * ``pipeline_result(loss_sum, num_tokens, extras)``: what ``loss()`` returns.

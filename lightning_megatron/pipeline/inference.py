@@ -25,11 +25,14 @@ _HEADER = 5  # ndim, up to 3 sizes, dtype
 
 
 class PipelineInference:
-    """This rank's stages run forward without a schedule (see the module docstring)."""
+    """This rank's stages run forward without a schedule (see the module docstring). ``for_loss``: the last stage
+    returns what the model's ``pipeline_loss`` takes (``StageModule.forward``) instead of the logits."""
 
     def __init__(self, stage_modules: list[StageModule], stage_ids: list[int], *, num_stages: int,
-                 group: dist.ProcessGroup, device: torch.device, schedule: str = "1f1b") -> None:
+                 group: dist.ProcessGroup, device: torch.device, schedule: str = "1f1b",
+                 for_loss: bool = False) -> None:
         self.stages = dict(zip(stage_ids, stage_modules))
+        self.for_loss = for_loss
         self.num_stages, self.group, self.device = num_stages, group, device
         self.pipeline_size = dist.get_world_size(group)
         self.schedule = schedule  # its placement says which rank runs which stage
@@ -48,7 +51,8 @@ class PipelineInference:
                 continue
             if stage_id > 0 and stage_id - 1 not in self.stages:  # a V placement runs stages p-1 and p on one rank
                 x = self._receive(self._rank_of(stage_id - 1))
-            x = stage(*inputs, **side) if stage_id == 0 else stage(x, **side)
+            run = stage if self.for_loss else stage.logits
+            x = run(*inputs, **side) if stage_id == 0 else run(x, **side)
             if stage_id < self.num_stages - 1 and stage_id + 1 not in self.stages:
                 self._send(x, self._rank_of(stage_id + 1))
         return x if self.is_last else None

@@ -166,7 +166,8 @@ class PipelineRunner:
         consecutive stages (it looks for a backward that forward-only never made)."""
         if self._forward_only is None:
             self._forward_only = PipelineInference(self.stage_modules, self.stage_ids, num_stages=self.num_stages,
-                                                   group=self.group, device=self.device, schedule=self.schedule_name)
+                                                   group=self.group, device=self.device, schedule=self.schedule_name,
+                                                   for_loss=True)
         pieces = lambda t: t.tensor_split(micro_batches)  # noqa: E731  (the schedules' split along dim 0)
         inputs = [pieces(t) for t in batch.inputs] if self.has_first else []
         side = {name: pieces(value) for name, value in batch.side.items()}

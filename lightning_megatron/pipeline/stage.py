@@ -31,7 +31,7 @@ def _set_submodule(root: nn.Module, name: str, value) -> None:
 
 
 class StageModule(nn.Module):
-    """One pipeline stage: ``root.embed`` (if first), some layers, ``root.head`` (if last).
+    """One pipeline stage: ``root.embed`` (if first), some layers, ``root.head`` or ``root.loss_head`` (if last).
 
     Only the stage's own layers are registered as submodules; the root, which holds the
     embedding and head and implements the protocol, is referenced, not registered.
@@ -53,6 +53,15 @@ class StageModule(nn.Module):
         return list(dict.fromkeys(params))
 
     def forward(self, *inputs, **side):
+        """What the schedule runs: the last stage returns what ``root.pipeline_loss`` takes (``root.loss_head``
+        where the root has one, e.g. a loss that applies the head itself, else ``root.head``)."""
+        return self.run(inputs, side, getattr(self.root, "loss_head", self.root.head))
+
+    def logits(self, *inputs, **side):
+        """What generation and prediction run: the last stage returns ``root.head``'s output (the logits)."""
+        return self.run(inputs, side, self.root.head)
+
+    def run(self, inputs: tuple, side: dict, head):
         x = self.root.embed(*inputs, **side) if self.is_first else inputs[0]
         if not self.is_first and x.requires_grad:
             # This gradient is sent to the previous stage, and torch's pipelining sizes the receiving buffer from
@@ -62,7 +71,7 @@ class StageModule(nn.Module):
         layer_kwargs = self.root.layer_kwargs(**side)
         for layer in self.layers:
             x = layer(x, **layer_kwargs)
-        return self.root.head(x, **side) if self.is_last else x
+        return head(x, **side) if self.is_last else x
 
 
 @dataclass(frozen=True)

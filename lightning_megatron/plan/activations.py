@@ -37,7 +37,8 @@ besides the normalised input (``h``, the ``norm inputs`` row) and rstd.
 
 Full recomputation keeps only each layer's input (``h / q``). The first pipeline stage adds the
 embedding's token ids (8 bytes); the last the final norm's input, the head's input, the logits
-(``V / t``) and the vocab-parallel cross-entropy's fp32 softmax.
+(``V / t``) and the vocab-parallel cross-entropy's fp32 softmax, or with the chunked loss (``loss_chunk_tokens``)
+the final norm's input and output and two fp32 numbers per token, the logits living one chunk at a time.
 
 Pipelining holds several micro-batches at once: under 1F1B pipeline rank ``r`` of ``p`` holds
 ``min(p - r, m)`` micro-batches of its layers; interleaved 1F1B (``v`` virtual stages) Megatron's warmup
@@ -134,16 +135,36 @@ def activation_bytes(shape: ModelShape, layout: Layout, workload: Workload, *, p
     tokens = layout.micro_batch_size * workload.seq_length / layout.context_parallel_size
     first, last = pipeline_rank == 0, pipeline_rank == pp - 1
     vocab = padded_size(shape.vocab_size, t, workload.pad_vocab_to_multiple_of) / t  # this rank's logits
-    head = (h * w / q + h * w + vocab * 4) if last else 0.0  # final norm's and head's inputs, fp32 log-softmax
+    # Gradients reach buffers, or accumulate over passes, so the head's weight gradient is made apart from them.
+    grad_apart = layout.data_parallel_size * layout.context_parallel_size > 1 or layout.micro_batches(workload) > 1
+    head, loss, last_output = _head_and_loss(shape, tokens, vocab, h, w, q, grad_apart) if last else (0.0, 0.0, 0.0)
     per_micro_batch = shape.num_layers / pp * layer_saved_bytes(shape, layout, w) + head + (8.0 if first else 0.0)
     if pp > 1:  # torch's pipeline stage keeps each in-flight micro-batch's output for its backward
-        per_micro_batch += vocab * w if last else h * w / q
+        per_micro_batch += last_output if last else h * w / q
     kept = tokens * per_micro_batch * in_flight(layout, workload, pipeline_rank)
-    loss = tokens * 8 * vocab if last else 0.0  # the cross-entropy's fp32 temporaries
     backward = 2 * h * w / q + _mlp_gradient(shape, t) * w  # the residual stream's gradient, the MLP's
     if layout.activation_checkpointing == "full":
         backward += layer_saved_bytes(shape, layout, w, mode="none")  # the layer being recomputed
     return int(kept + max(loss, tokens * (backward - head)))
+
+
+def _head_and_loss(shape: ModelShape, tokens: float, vocab: float, h: int, w: int, q: int,
+                   grad_apart: bool) -> tuple[float, float, float]:
+    """The last stage's ``(kept bytes per token, the loss's transient bytes, the stage output's bytes per token
+    beyond those)``. Unchunked: the final norm's and the head's inputs and the fp32 log-softmax are kept, two more
+    fp32 ``[tokens, V/t]`` temporaries come at the loss, and the stage's output is the logits. Chunked
+    (``loss_chunk_tokens``, ``tensor_parallel.chunked_cross_entropy``): the final norm's input and output (the loss's
+    input, also the stage's output), the logits' maximum and sum of exponentials (fp32) and, under sequence
+    parallelism, the targets regrouped by rank (int64); the transient is three fp32 chunks of logits in the forward
+    (under sequence parallelism ``chunk / q`` tokens of every rank, gathered), two in the backward next to the head's
+    weight gradient where it is made apart (``grad_apart``: before the dp buckets or the ``.grad`` accumulated over
+    passes take it; else it is the ``.grad``, model state): beside one chunk it is no longer small."""
+    chunk = getattr(shape.config, "loss_chunk_tokens", None)
+    if not chunk:
+        return h * w / q + h * w + vocab * 4, tokens * 8 * vocab, vocab * w
+    rows = q * min(max(1, chunk // q), tokens / q)
+    transient = max(12 * vocab * rows, 8 * vocab * rows + (vocab * h * w if grad_apart else 0))
+    return 2 * h * w / q + 8 + (8 if q > 1 else 0), transient, 0.0
 
 
 def buffer_bytes(shape: ModelShape, layout: Layout, workload: Workload, model_state: dict[str, int]) -> int:

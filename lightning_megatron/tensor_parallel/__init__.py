@@ -1,6 +1,7 @@
 """Megatron-style tensor parallelism: communication operators, parallel layers, cross-entropy, plans."""
 
 from lightning_megatron.tensor_parallel.argmax import Argmax, VocabParallelArgmax, vocab_parallel_argmax
+from lightning_megatron.tensor_parallel.chunked_cross_entropy import ChunkedHeadLoss
 from lightning_megatron.tensor_parallel.cross_entropy import VocabParallelCrossEntropy, vocab_parallel_cross_entropy
 from lightning_megatron.tensor_parallel.layers import (
     ColumnParallelLinear,
@@ -31,6 +32,7 @@ from lightning_megatron.tensor_parallel.styles import PackedColumn, QueryGroupCo
 
 __all__ = [
     "Argmax",
+    "ChunkedHeadLoss",
     "ColumnParallelLinear",
     "OverlappedSequenceParallelLinear",
     "PackedColumn",

@@ -18,40 +18,66 @@ from torch import Tensor, nn
 from lightning_megatron.tensor_parallel.logits import as_plain
 
 
+def vocab_parallel_loss_terms(logits: Tensor, target: Tensor, group: Optional[dist.ProcessGroup],
+                              ignore_index: int) -> tuple[Tensor, ...]:
+    """Per-token losses of fp32 logits ``[N, V/tp]`` and what their gradient needs, with the three reductions.
+
+    Returns ``(loss, exp_logits, logits_max, sum_exp, local_target, owned, valid)``: ``exp_logits`` is
+    ``exp(logits - logits_max)``, to be divided by ``sum_exp`` for the softmax; ``owned``: the target is in this
+    rank's slice and not ignored. Shared by the loss over whole logits and the chunked one
+    (``chunked_cross_entropy``), which keeps ``logits_max`` and ``sum_exp`` to rebuild a chunk's softmax in backward.
+    ``group=None``: the whole vocabulary on this rank, nothing to reduce."""
+    logits_max = logits.max(dim=-1).values
+    _all_reduce(logits_max, dist.ReduceOp.MAX, group)
+    shifted = logits - logits_max.unsqueeze(-1)
+
+    local_target, owned = local_targets(target, logits.shape[-1], group)
+    # where, not a product: a rank holding only padding rows has -inf logits, and -inf * 0 is nan.
+    target_logit = torch.where(owned, shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1), 0.0)
+    _all_reduce(target_logit, dist.ReduceOp.SUM, group)
+
+    exp_logits = shifted.exp()
+    sum_exp = exp_logits.sum(dim=-1)
+    _all_reduce(sum_exp, dist.ReduceOp.SUM, group)
+
+    valid = target != ignore_index
+    loss = (sum_exp.log() - target_logit) * valid
+    return loss, exp_logits, logits_max, sum_exp, local_target, owned & valid, valid
+
+
+def local_targets(target: Tensor, local_vocab: int, group: Optional[dist.ProcessGroup]) -> tuple[Tensor, Tensor]:
+    """Each target's column in this rank's slice of ``local_vocab`` columns (clamped into it), and whether this
+    rank holds it."""
+    vocab_start = dist.get_rank(group) * local_vocab if group is not None else 0
+    owned = (target >= vocab_start) & (target < vocab_start + local_vocab)
+    return (target - vocab_start).clamp(0, local_vocab - 1), owned
+
+
+def logits_gradient(softmax: Tensor, local_target: Tensor, owned: Tensor, grad_loss: Tensor) -> Tensor:
+    """``d loss / d logits`` = ``(softmax - one_hot(target)) * grad_loss``, computed in place in ``softmax``
+    (``grad_loss`` already zero at ignored tokens)."""
+    softmax.scatter_add_(-1, local_target.unsqueeze(-1), -owned.to(softmax.dtype).unsqueeze(-1))
+    return softmax.mul_(grad_loss.unsqueeze(-1))
+
+
+def _all_reduce(x: Tensor, op, group: Optional[dist.ProcessGroup]) -> None:
+    if group is not None:
+        dist.all_reduce(x, op=op, group=group)
+
+
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits: Tensor, target: Tensor, group: dist.ProcessGroup, ignore_index: int) -> Tensor:
-        local_vocab = logits.shape[-1]
-        vocab_start = dist.get_rank(group) * local_vocab
-        logits = logits.float()
-
-        logits_max = logits.max(dim=-1).values
-        dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=group)
-        shifted = logits - logits_max.unsqueeze(-1)
-
-        owned = (target >= vocab_start) & (target < vocab_start + local_vocab)
-        local_target = (target - vocab_start).clamp(0, local_vocab - 1)
-        # where, not a product: a rank holding only padding rows has -inf logits, and -inf * 0 is nan.
-        target_logit = torch.where(owned, shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1), 0.0)
-        dist.all_reduce(target_logit, group=group)
-
-        exp_logits = shifted.exp()
-        sum_exp = exp_logits.sum(dim=-1)
-        dist.all_reduce(sum_exp, group=group)
-
-        valid = target != ignore_index
-        loss = (sum_exp.log() - target_logit) * valid
+        loss, exp_logits, _, sum_exp, local_target, owned, valid = vocab_parallel_loss_terms(
+            logits.float(), target, group, ignore_index)
         softmax = exp_logits.div_(sum_exp.unsqueeze(-1))
-        ctx.save_for_backward(softmax, local_target, owned & valid, valid)
+        ctx.save_for_backward(softmax, local_target, owned, valid)
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss: Tensor):
         softmax, local_target, owned, valid = ctx.saved_tensors
-        grad = softmax
-        grad.scatter_add_(-1, local_target.unsqueeze(-1), -owned.to(grad.dtype).unsqueeze(-1))
-        grad.mul_((grad_loss * valid).unsqueeze(-1))
-        return grad, None, None, None
+        return logits_gradient(softmax, local_target, owned, grad_loss * valid), None, None, None
 
 
 def vocab_parallel_cross_entropy(

@@ -15,7 +15,8 @@ BERT_CONFIG = replace(bert_setup.PRE_NORM, binary_head=False)
 MODELS = {"gpt": lambda: GPT(gpt_setup.CONFIG), "llama": lambda: GPT(gpt_setup.LLAMA_CONFIG),
           "bert": lambda: BERT(BERT_CONFIG),
           # Packed samples with Megatron-LM's document masks (document ids, restarting positions, no loss on eos).
-          "doc": lambda: GPT(gpt_setup.CONFIG), "llamadoc": lambda: GPT(gpt_setup.LLAMA_CONFIG)}
+          "doc": lambda: GPT(gpt_setup.CONFIG), "llamadoc": lambda: GPT(gpt_setup.LLAMA_CONFIG),
+          "chunk": lambda: GPT(gpt_setup.CHUNKED_CONFIG)}
 __all__ = ["BERT_CONFIG", "MODELS", "bert_setup", "gpt_setup", "model_batches", "model_loss"]
 
 

@@ -20,7 +20,10 @@ LLAMA_CONFIG = GPTConfig.from_name("llama-tiny", vocab_size=257, max_seq_length=
 MQA_CONFIG = replace(LLAMA_CONFIG, num_query_groups=1)
 # Eight layers: two per stage of pp4 x vpp2 (the V-shaped zero-bubble schedules hold two stages per rank).
 DEEP_CONFIG = replace(CONFIG, num_layers=8)
-CONFIGS = {"gpt": CONFIG, "llama": LLAMA_CONFIG, "mqa": MQA_CONFIG, "deep": DEEP_CONFIG}
+# The chunked loss (head and cross-entropy fused, 7 tokens of logits at a time, 3 of each rank's under tp2 + SP: no
+# micro-batch divides into them): its layouts compare with the unchunked single-process reference.
+CHUNKED_CONFIG = replace(CONFIG, loss_chunk_tokens=7)
+CONFIGS = {"gpt": CONFIG, "llama": LLAMA_CONFIG, "mqa": MQA_CONFIG, "deep": DEEP_CONFIG, "chunk": CHUNKED_CONFIG}
 
 # Llama-shaped, 4 layers of which 3 are MoE (layer 2 dense), 4 experts top-2 each 32 wide, a gated shared expert
 # (Qwen2-MoE's), and both auxiliary losses on so that their gradients are part of every comparison.

@@ -1,7 +1,7 @@
 """Train the tiny GPT for a few steps under several layouts over the same processes.
 
 argv: OUT_DIR LAYOUTS, where LAYOUTS is a comma list of
-``[llama-|mqa-|deep-][doc-][pp{P}-][vpp{V}-]tp{T}-dp{D}[-sp][-mb{M}][-SCHEDULE][-z{Z}][-ogather][-sgd][-tpo][-compile|-compile_aot][-rc][-fused|-foreach][-offcpu|-offnvme]``: ``doc``:
+``[llama-|mqa-|deep-|chunk-][doc-][pp{P}-][vpp{V}-]tp{T}-dp{D}[-sp][-mb{M}][-SCHEDULE][-z{Z}][-ogather][-sgd][-tpo][-compile|-compile_aot][-rc][-fused|-foreach][-offcpu|-offnvme]``: ``doc``:
 packed samples with Megatron-LM's document masks (position ids and attention confined to each document); M
 micro-batches per step (without pipelining, a loop of backward passes; with it, the schedule's micro-batches),
 SCHEDULE one of ``gpipe``, ``zb`` (interleaved zero bubble), ``zbv``, ``dualpipev`` (default: 1F1B, interleaved
@@ -12,7 +12,8 @@ collectives overlapped with the GEMMs); ``-compile`` (inductor) or ``-compile_ao
 of every layer, ``-rc``: full recomputation (of the compiled layer); ``-fused`` / ``-foreach``: AdamW's fused or
 multi-tensor implementation (rebound to the fp32 pieces under ZeRO); ``-offcpu`` / ``-offnvme``: the fp32 main
 parameters and optimizer state offloaded to host memory or to files (in tiles of 1000 elements, so that pieces span
-tiles and tiles span pieces), ``{layout}-offload{rank}.json`` recording the bytes the files moved. For each
+tiles and tiles span pieces), ``{layout}-offload{rank}.json`` recording the bytes the files moved; ``chunk``: the
+GPT model with the chunked loss (``loss_chunk_tokens``). For each
 layout, rank 0 writes the losses and the full (gathered) weights to ``{layout}.pt``; the
 pytest process compares them with a single-process reference.
 """
@@ -44,7 +45,7 @@ from lightning_megatron.preparation import apply_recompute, compile_blocks
 from lightning_megatron.tensor_parallel import parallelize
 from lightning_megatron.tensor_parallel.overlap import overlapped_linear_for
 
-LAYOUT = re.compile(r"(?:(llama|mqa|deep)-)?(doc-)?(?:pp(\d+)-)?(?:vpp(\d+)-)?tp(\d+)-dp(\d+)(-sp)?(?:-mb(\d+))?"
+LAYOUT = re.compile(r"(?:(llama|mqa|deep|chunk)-)?(doc-)?(?:pp(\d+)-)?(?:vpp(\d+)-)?tp(\d+)-dp(\d+)(-sp)?(?:-mb(\d+))?"
                     r"(?:-(gpipe|zb|zbv|dualpipev))?(?:-z(\d))?(-ogather)?(-sgd)?(-tpo)?(?:-(compile|compile_aot))?(-rc)?"
                     r"(?:-(fused|foreach))?(?:-off(cpu|nvme))?")
 TILE_MB = 1000 * 4 / 2**20  # 1000 fp32 elements a tile

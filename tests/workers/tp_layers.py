@@ -281,6 +281,43 @@ if "error" not in pad1:
         torch.save({name: t.detach().clone() for name, t in lm_ref.state_dict().items()}, out_dir / "pad1_reference.pt")
     save_sharded(out_dir / "pad1_checkpoint", model_entries(lm, 0, 1), {}, {})
 
+# The chunked loss (GPTConfig.loss_chunk_tokens) at tp2 and tp2+SP against the unchunked single-process model on
+# the whole batch: vocabulary 257 pads to 512 (rank 1 holds one real id and 255 padding rows), tied and untied, a
+# chunk of 7 tokens (3 of each rank under SP) that divides neither the batch's 32 tokens nor a rank's 16 under SP,
+# ignored labels.
+chunked_loss: dict[str, float] = {}
+for tied in (True, False):
+    chunk_config = GPTConfig(vocab_size=257, max_seq_length=S, hidden_size=H, num_layers=2, num_heads=4,
+                             tie_embeddings=tied)
+    torch.manual_seed(4)
+    chunk_ref = GPTModel(chunk_config)
+    chunk_ids = torch.randint(0, 257, (B, S), generator=torch.Generator().manual_seed(6))
+    chunk_labels = torch.roll(chunk_ids, -1, dims=1)
+    chunk_labels[0, :3], chunk_labels[1, -1] = -100, 256  # ignored tokens; the id rank 1 holds among padding
+    ref_sum, ref_tokens = chunk_ref.loss(chunk_ids, chunk_labels)
+    (ref_sum / ref_tokens).backward()
+    for tag, chunk_state in (("", state), ("_sp", sp_state)):
+        name = f"{'tied' if tied else 'untied'}{tag}"
+        chunked = GPTModel(replace(chunk_config, loss_chunk_tokens=7))
+        chunked.load_state_dict(chunk_ref.state_dict())
+        parallelize(chunked, chunked.tensor_parallel_plan(), chunk_state)
+        loss_sum, tokens = chunked.loss(chunk_ids, chunk_labels)
+        (loss_sum / tokens).backward()
+        reference_loss = (ref_sum / ref_tokens).item()
+        chunked_loss[f"{name}_loss"] = abs((loss_sum / tokens).item() - reference_loss) / reference_loss  # relative
+        reference_grads = dict(chunk_ref.named_parameters())
+        worst = 0.0
+        for param_name, param in chunked.named_parameters():
+            grad = param.grad
+            if getattr(param, "sequence_parallel_grad", False):  # partial sums over the sequence chunks
+                grad = grad.clone()
+                dist.all_reduce(grad, group=group)
+            full = reference_grads[param_name].grad
+            expected = param.tensor_shard.local_slice(full) if hasattr(param, "tensor_shard") else full
+            worst = max(worst, (grad - expected).abs().max().item())
+        chunked_loss[f"{name}_grads"] = worst
+        chunked_loss[f"{name}_head_grad_norm"] = chunked.lm_head.weight.grad.norm().item()  # not all zero
+
 # Count the collectives of one transformer layer, forward and backward separately.
 COLLECTIVES = ["all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "reduce_scatter",
                "reduce_scatter_tensor", "reduce_scatter_single",
@@ -369,6 +406,6 @@ for name, dropout in regions.items():
 (out_dir / f"rank{rank}.json").write_text(json.dumps({"errors": errors, "counts": layer_counts, "step_counts": step_counts, "same_dropout_mask": same_mask,
                                                          "whole_sequences": whole_sequences,
                                                          "saved_bytes": saved_bytes,
-                                                         "pad1": pad1}))
+                                                         "pad1": pad1, "chunked_loss": chunked_loss}))
 dist.barrier()
 os._exit(0)  # skip gloo's C++ teardown: with several meshes alive it aborts at random (torch 2.13)

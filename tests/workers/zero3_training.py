@@ -2,7 +2,7 @@
 
 argv: OUT_DIR LAYOUTS, where LAYOUTS is a comma list of ``bytes`` (``zero3_bytes.measure_bytes``,
 in the same processes to save a launch) and
-``[llama-|mqa-][pp{P}-]tp{T}-dp{D}[-sp][-mb{M}][-nosync][-pre][-sgd][-tpo]``: P pipeline stages (1F1B, the
+``[llama-|mqa-|moe-|chunk-][pp{P}-]tp{T}-dp{D}[-sp][-mb{M}][-nosync][-pre][-sgd][-tpo]``: P pipeline stages (1F1B, the
 embedding and head in groups of their own), M micro-batches per step (``-nosync``:
 accumulate unsharded gradients and reduce-scatter only on the last; otherwise reduce-scatter
 every micro-batch; with micro-batches the backward is mean-sized, its factor divided out by
@@ -50,7 +50,7 @@ from lightning_megatron.pipeline.stage import split_for_pipeline
 from lightning_megatron.tensor_parallel import parallelize
 from lightning_megatron.tensor_parallel.overlap import overlapped_linear_for
 
-LAYOUT = re.compile(r"(?:(llama|mqa|moe)-)?(?:pp(\d+)-)?tp(\d+)-dp(\d+)(-sp)?(?:-mb(\d+))?(-nosync)?(-pre)?(-sgd)?"
+LAYOUT = re.compile(r"(?:(llama|mqa|moe|chunk)-)?(?:pp(\d+)-)?tp(\d+)-dp(\d+)(-sp)?(?:-mb(\d+))?(-nosync)?(-pre)?(-sgd)?"
                     r"(-tpo)?(-cpu)?(-ckpt)?")
 
 
