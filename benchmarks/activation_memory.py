@@ -106,6 +106,21 @@ def activation_gpt_config(args: argparse.Namespace):
 
 
 # ---------------------------------------------------------------------------- --activations: counting
+def enter_counting(counter, modules) -> object:
+    """Start a saved-tensor counter: its ``_enter``/``_leave`` run around each of ``modules``' forwards (which
+    region a saved storage belongs to), its ``hooks`` (``saved_tensors_hooks``) see every tensor saved."""
+    for module in modules:
+        counter.handles += [module.register_forward_pre_hook(counter._enter), module.register_forward_hook(counter._leave)]
+    counter.hooks.__enter__()
+    return counter
+
+
+def exit_counting(counter, *exc) -> None:
+    counter.hooks.__exit__(*exc)
+    for handle in counter.handles:
+        handle.remove()
+
+
 class SavedActivations:
     """The storages autograd saves for backward while active (``saved_tensors_hooks``), each counted once by its
     ``data_ptr`` with its whole ``nbytes`` (a saved view keeps its whole storage alive; ``q``, ``k`` and ``v`` are
@@ -137,15 +152,10 @@ class SavedActivations:
         self.region = "rest"
 
     def __enter__(self) -> "SavedActivations":
-        for core in self.cores:
-            self.handles += [core.register_forward_pre_hook(self._enter), core.register_forward_hook(self._leave)]
-        self.hooks.__enter__()
-        return self
+        return enter_counting(self, self.cores)
 
     def __exit__(self, *exc) -> None:
-        self.hooks.__exit__(*exc)
-        for handle in self.handles:
-            handle.remove()
+        exit_counting(self, *exc)
 
     def bytes(self, region: Optional[str] = None) -> int:
         return sum(n for n, where in self.storages.values() if region is None or where == region)

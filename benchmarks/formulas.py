@@ -41,6 +41,8 @@ import torch
 from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from activation_memory import enter_counting, exit_counting
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 WORKERS = REPO_ROOT / "tests" / "workers"
 RANKS = 4
@@ -256,15 +258,10 @@ class SavedInLayers:
         self.depth -= 1
 
     def __enter__(self) -> "SavedInLayers":
-        for layer in self.layers:
-            self.handles += [layer.register_forward_pre_hook(self._enter), layer.register_forward_hook(self._leave)]
-        self.hooks.__enter__()
-        return self
+        return enter_counting(self, self.layers)
 
     def __exit__(self, *exc) -> None:
-        self.hooks.__exit__(*exc)
-        for handle in self.handles:
-            handle.remove()
+        exit_counting(self, *exc)
 
 
 # ---------------------------------------------------------------------------- building and stepping
