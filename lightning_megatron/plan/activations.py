@@ -161,7 +161,7 @@ def _head_and_loss(shape: ModelShape, tokens: float, vocab: float, h: int, w: in
     passes take it; else it is the ``.grad``, model state): beside one chunk it is no longer small."""
     chunk = getattr(shape.config, "loss_chunk_tokens", None)
     if not chunk:
-        return h * w / q + h * w + vocab * 4, tokens * 8 * vocab, vocab * w
+        return 2 * h * w / q + vocab * 4, tokens * 8 * vocab, vocab * w  # the head keeps its input's chunk under SP
     rows = q * min(max(1, chunk // q), tokens / q)
     transient = max(12 * vocab * rows, 8 * vocab * rows + (vocab * h * w if grad_apart else 0))
     return 2 * h * w / q + 8 + (8 if q > 1 else 0), transient, 0.0
