@@ -6,6 +6,9 @@ on the one before):
 1. ``parallelize(module, module.tensor_parallel_plan(), ...)``: swap Linear/Embedding for the
    column/row/vocab-parallel layers; their parameters are still on the meta device. ``tp_comm_overlap``:
    their sequence-parallel collectives overlap their GEMMs (``tensor_parallel.overlap``).
+   :func:`~lightning_megatron.tensor_parallel.fp8_plan.convert_to_fp8` (``fp8``): those layers' GEMMs in FP8, their
+   scales reduced over the groups that split their tensors; right after the swaps (the layers it converts), before
+   the pipeline split (every rank checks every layer).
 2. :func:`compile_blocks` (``compile``): ``torch.compile`` of each transformer layer's forward (regional
    compilation, ``parallel.regional_compile``). After the swaps, before recomputation: the checkpoint then
    wraps the compiled forward (dynamo cannot compile through our checkpoint, which replays the per-rank
@@ -58,6 +61,8 @@ from lightning_megatron.pipeline.layout import SCHEDULE_SPECS, PipelineLayout
 from lightning_megatron.pipeline.runner import PipelineRunner
 from lightning_megatron.pipeline.stage import StageModule, split_for_pipeline
 from lightning_megatron.pipeline.timeline import TimelineRecorder
+from lightning_megatron.tensor_parallel.fp8 import Fp8Recipe
+from lightning_megatron.tensor_parallel.fp8_plan import convert_to_fp8
 from lightning_megatron.tensor_parallel.overlap import overlapped_linear_for
 from lightning_megatron.tensor_parallel.plan import parallelize
 
@@ -178,16 +183,19 @@ def prepare_model(module: nn.Module, state: ParallelState, *, rng: Optional[Tens
                   device: Union[torch.device, str], pad_vocab_to_multiple_of: int, activation_checkpointing: str,
                   context_parallel_attention: str, precision: str, pipeline_schedule: str = "1f1b",
                   tp_comm_overlap: bool = False, compile: Optional[dict] = None,
-                  offload_parameters: str = "none") -> PreparedModel:
+                  offload_parameters: str = "none", fp8: Optional[Fp8Recipe] = None,
+                  fp8_exclude: tuple[str, ...] = ()) -> PreparedModel:
     """Steps 1-5 above, in their order, for ``Megatron3DStrategy.setup`` (once per module): this rank's part of the
     model, materialised. The pipeline schedule (step 6) is bound to the strategy afterwards. ``compile``: the
     ``torch.compile`` arguments of regional compilation (``regional_compile.compile_options``), ``None``: off.
-    ``offload_parameters``: ZeRO-3's offload tier (``OffloadSettings.parameters``; see :func:`shard_zero3`)."""
+    ``offload_parameters``: ZeRO-3's offload tier (``OffloadSettings.parameters``; see :func:`shard_zero3`).
+    ``fp8``: the FP8 recipe of the plan's linears (``None``: high precision), but those named by ``fp8_exclude``."""
     sequence_linear = overlapped_linear_for(state.config, tp_comm_overlap)  # refused first, on every rank alike
     plan = module.tensor_parallel_plan() if hasattr(module, "tensor_parallel_plan") else {}
     warn_if_replicated(module, plan, state.config.tensor_parallel_size, state.config.data_parallel_size)
     parallelize(module, plan, state, rng=rng, pad_vocab_to_multiple_of=pad_vocab_to_multiple_of,
                 sequence_linear=sequence_linear)
+    convert_to_fp8(module, fp8, state, fp8_exclude)
     compile_blocks(module, compile, state.config, activation_checkpointing, pipeline_schedule)
     apply_recompute(module, activation_checkpointing, rng)
     prepare_experts(module, state)

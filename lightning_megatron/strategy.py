@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import contextlib
 from datetime import timedelta
-from typing import Any, Callable, Generator, Mapping, Optional, Union
+from typing import Any, Callable, Generator, Mapping, Optional, Sequence, Union
 
 import lightning as L
 import torch
@@ -80,6 +80,7 @@ from lightning_megatron.plan.auto import AUTO_SIZES, choose_sizes
 from lightning_megatron.pipeline.runner import PipelineRunner
 from lightning_megatron.pipeline.timeline import TimelineRecorder
 from lightning_megatron.preparation import PipelineSplit, prepare_model, start_pipeline
+from lightning_megatron.tensor_parallel.fp8_plan import check_fp8_options, describe_fp8
 from lightning_megatron.tensor_parallel.mappings import full_sequences
 
 CHECKPOINT_FORMATS = ("sharded", "full")
@@ -99,6 +100,11 @@ class Megatron3DStrategy(CheckpointHooks, StepHooks, ParallelStrategy):
         sequence_parallel: also split LayerNorm/dropout activations along the sequence over tp.
         tp_comm_overlap: overlap the sequence-parallel forward collectives with the linears' GEMMs too
             (``tensor_parallel.overlap``); needs ``sequence_parallel=True`` and tp > 1.
+        fp8: ``"tensorwise"`` or ``"rowwise"``: the GEMMs of the plan's column and row linears (attention, MLP,
+            experts; not the output head) in FP8, their amaxes reduced over the groups that split each tensor, so
+            the numbers do not depend on tp or cp (``tensor_parallel.fp8``); needs torchao (``[fp8]`` extra).
+            Master weights, gradients, optimizer state and checkpoints stay as they are. ``None``: off.
+        fp8_exclude: module-name patterns (``fnmatch``) kept in high precision, e.g. the first and last layers.
         context_parallel_size: ranks that split every sample's sequence (long context): each holds two of
             ``2 * cp`` chunks (Megatron's causal load balancing), attention is exact over the whole sequence
             (``context_parallel_attention``), and the weights are replicated over them, so gradients are reduced
@@ -205,6 +211,8 @@ class Megatron3DStrategy(CheckpointHooks, StepHooks, ParallelStrategy):
         pipeline_layers_per_stage: Optional[list[int]] = None,
         activation_checkpointing: str = "none",
         tp_comm_overlap: bool = False,
+        fp8: Optional[str] = None,
+        fp8_exclude: Sequence[str] = (),
         compile: Union[bool, dict] = False,
         loss_scaler: Optional[dict] = None,
         on_nonfinite: str = "error",
@@ -242,6 +250,7 @@ class Megatron3DStrategy(CheckpointHooks, StepHooks, ParallelStrategy):
             )
         self.activation_checkpointing = activation_checkpointing
         self.tp_comm_overlap = tp_comm_overlap
+        self.fp8, self.fp8_exclude = check_fp8_options(fp8, fp8_exclude, tp_comm_overlap), tuple(fp8_exclude)
         self.compile = compile_options(compile)
         if context_parallel_attention not in CONTEXT_PARALLEL_ATTENTION:
             raise ValueError(f"context_parallel_attention={context_parallel_attention!r} is not one of "
@@ -460,7 +469,10 @@ class Megatron3DStrategy(CheckpointHooks, StepHooks, ParallelStrategy):
                                  tp_comm_overlap=self.tp_comm_overlap,
                                  precision=getattr(self.precision_plugin, "precision", "32-true"),
                                  pipeline_schedule=self.pipeline_schedule,
-                                 compile=self.compile, offload_parameters=self.offload.parameters)
+                                 compile=self.compile, offload_parameters=self.offload.parameters,
+                                 fp8=self.fp8, fp8_exclude=self.fp8_exclude)
+        if self.fp8 is not None:
+            rank_zero_info(describe_fp8(module, self.fp8))
         self._zero3 = prepared.zero3
         return prepared
 

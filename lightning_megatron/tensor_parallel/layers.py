@@ -23,6 +23,7 @@ from lightning_megatron.tensor_parallel.mappings import (
     gather_from_tensor_parallel,
     reduce_from_tensor_parallel,
 )
+from lightning_megatron.tensor_parallel.fp8 import HIGH_PRECISION, HighPrecisionGemms
 from lightning_megatron.tensor_parallel.logits import VocabShard, mark_vocab_parallel
 from lightning_megatron.tensor_parallel.overlap import SequenceParallelLinear
 from lightning_megatron.tensor_parallel.sharding import RankRanges, make_shard, new_parameter
@@ -45,10 +46,12 @@ class ColumnParallelLinear(nn.Module):
     ``tensor_parallel.styles``); weight and bias are split alike. ``communicates = False``: the input is
     already in the tensor-parallel region (an MoE layer's experts, ``tensor_parallel.region``).
     ``sequence_linear``: how the sequence all-gather and the GEMM run under ``sequence_parallel`` (in turn by
-    default; ``tensor_parallel.overlap`` overlaps them).
+    default; ``tensor_parallel.overlap`` overlaps them). ``gemms``: how its three GEMMs run (high precision; FP8 is
+    ``tensor_parallel.fp8.Fp8Gemms``, set by ``tensor_parallel.fp8_plan``).
     """
 
     communicates = True
+    gemms: HighPrecisionGemms = HIGH_PRECISION
 
     def __init__(
         self,
@@ -83,9 +86,10 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         if self.communicates and self.sequence_parallel:
-            y = self.sequence_linear.column(x, self.weight, self.bias, self.group)
+            y = self.sequence_linear.column(x, self.weight, self.bias, self.group, self.gemms)
         else:
-            y = F.linear(copy_to_tensor_parallel(x, self.group) if self.communicates else x, self.weight, self.bias)
+            x = copy_to_tensor_parallel(x, self.group) if self.communicates else x
+            y = self.gemms.linear(x, self.weight, self.bias)
         return gather_from_tensor_parallel(y, self.group) if self.gather_output else y
 
     def extra_repr(self) -> str:
@@ -95,9 +99,11 @@ class ColumnParallelLinear(nn.Module):
 class RowParallelLinear(nn.Module):
     """``y = x A^T + b`` with ``A`` split along its columns; the input arrives already split. ``communicates =
     False``: the partial outputs stay partial (an enclosing module leaves the region, ``tensor_parallel.region``).
-    ``sequence_linear``: how the GEMM and the sequence reduce-scatter run under ``sequence_parallel``."""
+    ``sequence_linear``: how the GEMM and the sequence reduce-scatter run under ``sequence_parallel``; ``gemms``: as
+    :class:`ColumnParallelLinear`'s."""
 
     communicates = True
+    gemms: HighPrecisionGemms = HIGH_PRECISION
 
     def __init__(
         self,
@@ -126,13 +132,13 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         if self.group is None:  # one rank: nothing to reduce, so the bias joins the matmul (addmm), as in nn.Linear
-            return F.linear(x, self.weight, self.bias)
+            return self.gemms.linear(x, self.weight, self.bias)
         if not self.communicates:
-            return F.linear(x, self.weight)  # no bias: the plan refuses one inside a region
+            return self.gemms.linear(x, self.weight)  # no bias: the plan refuses one inside a region
         if self.sequence_parallel:
-            y = self.sequence_linear.row(x, self.weight, self.group)
+            y = self.sequence_linear.row(x, self.weight, self.group, self.gemms)
         else:
-            y = reduce_from_tensor_parallel(F.linear(x, self.weight), self.group)
+            y = reduce_from_tensor_parallel(self.gemms.linear(x, self.weight), self.group)
         # The bias is added once, after the reduction, not once per rank.
         return y if self.bias is None else y + self.bias
 

@@ -43,6 +43,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from lightning_megatron.parallel.config import ParallelConfig
+from lightning_megatron.tensor_parallel.fp8 import HIGH_PRECISION, HighPrecisionGemms
 from lightning_megatron.tensor_parallel.mappings import (
     Group,
     all_gather_into,
@@ -56,13 +57,15 @@ from lightning_megatron.tensor_parallel.sequence_column import sequence_parallel
 class SequenceParallelLinear:
     """Communicate, then GEMM (column); GEMM, then communicate (row): the layers' default under sequence parallelism."""
 
-    def column(self, x: Tensor, weight: Tensor, bias: Optional[Tensor], group: Group) -> Tensor:
-        """``x``: this rank's sequence chunk ``[batch, seq / tp, in]``; returns ``[batch, seq, out / tp]``."""
-        return sequence_parallel_column(x, weight, bias, group)
+    def column(self, x: Tensor, weight: Tensor, bias: Optional[Tensor], group: Group,
+               gemms: HighPrecisionGemms = HIGH_PRECISION) -> Tensor:
+        """``x``: this rank's sequence chunk ``[batch, seq / tp, in]``; returns ``[batch, seq, out / tp]``. ``gemms``:
+        how the layer's GEMMs run (``tensor_parallel.fp8``)."""
+        return sequence_parallel_column(x, weight, bias, group, gemms=gemms)
 
-    def row(self, x: Tensor, weight: Tensor, group: Group) -> Tensor:
+    def row(self, x: Tensor, weight: Tensor, group: Group, gemms: HighPrecisionGemms = HIGH_PRECISION) -> Tensor:
         """``x``: ``[batch, seq, in / tp]``; returns this rank's sequence chunk of the summed output (no bias)."""
-        return reduce_scatter_to_sequence(F.linear(x, weight), group)
+        return reduce_scatter_to_sequence(gemms.linear(x, weight), group)
 
 
 @dataclass(frozen=True)
@@ -77,16 +80,30 @@ class OverlappedSequenceParallelLinear(SequenceParallelLinear):
         if self.row_chunks < 1:
             raise ValueError(f"row_chunks must be >= 1, got {self.row_chunks}.")
 
-    def column(self, x: Tensor, weight: Tensor, bias: Optional[Tensor], group: Group) -> Tensor:
+    def column(self, x: Tensor, weight: Tensor, bias: Optional[Tensor], group: Group,
+               gemms: HighPrecisionGemms = HIGH_PRECISION) -> Tensor:
+        _refuse_fp8(gemms)
         return sequence_parallel_column(x, weight, bias, group, overlap_forward=True)
 
-    def row(self, x: Tensor, weight: Tensor, group: Group) -> Tensor:
+    def row(self, x: Tensor, weight: Tensor, group: Group, gemms: HighPrecisionGemms = HIGH_PRECISION) -> Tensor:
+        _refuse_fp8(gemms)
         if group is None or sequences_are_whole() or x.dim() != 3 or x.shape[1] % dist.get_world_size(group):
             return super().row(x, weight, group)  # (an indivisible sequence: its error)
         pieces = math.gcd(self.row_chunks, x.shape[1] // dist.get_world_size(group))
         if pieces == 1:
             return super().row(x, weight, group)
         return _ChunkedRow.apply(x, weight, group, pieces)
+
+
+def _refuse_fp8(gemms: HighPrecisionGemms) -> None:
+    if gemms.fp8:  # the strategy refuses the combination before training; this guards direct use of the layers
+        raise ValueError(FP8_OVERLAP_REFUSAL)
+
+
+FP8_OVERLAP_REFUSAL = (
+    "tp_comm_overlap=True runs a column layer's forward GEMM one rank's sequence chunk at a time, while the chunks "
+    "arrive, but an FP8 layer scales its input by the amax of the whole gathered sequence before any GEMM. Use "
+    "tp_comm_overlap=False with fp8 (the sequence-parallel backward overlaps its collectives either way).")
 
 
 def overlapped_linear_for(config: ParallelConfig, tp_comm_overlap: bool) -> Optional[OverlappedSequenceParallelLinear]:
