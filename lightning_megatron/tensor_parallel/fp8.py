@@ -45,6 +45,7 @@ CPU runs the same code, so CPU and GPU compute the same numbers).
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -60,12 +61,21 @@ ALIGNMENT = 16  # _scaled_mm's CUDA kernels: every contraction and output-column
 
 
 def require_torchao():
-    """torchao's float8 casting helpers; imported on first use (``pip install 'lightning-megatron[fp8]'``)."""
+    """torchao's float8 casting helpers; imported on first use (``pip install 'lightning-megatron[fp8]'``). Its import
+    logs a warning per CUDA kernel library it cannot load on a CPU-only build (none of which this uses) and torch a
+    deprecation about torchao's pytree registration: both are held back, once, so every rank's log stays readable."""
+    loggers = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
+    levels = [logger.level for logger in loggers]
     try:
+        for logger in loggers:
+            logger.setLevel(logging.ERROR)
         from torchao.float8 import float8_utils
     except ImportError as error:
         raise ImportError("FP8 training casts with torchao's float8 helpers; install them with "
                           "`pip install 'lightning-megatron[fp8]'` (torchao>=0.18), or set fp8=None.") from error
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
     return float8_utils
 
 
