@@ -23,7 +23,7 @@ import torch
 from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
 
 from launch import launch
-from test_layout_invariance import LOSS_TOL, WEIGHT_TOL, _reference
+from test_layout_invariance import _deviations, _reference
 from workers.gpt_setup import CONFIG, CONFIGS, optimizer, sgd_optimizer
 from lightning_megatron.checkpoint import consolidated_state_dict, read_full_tensors
 from lightning_megatron.models import GPTModel
@@ -36,7 +36,12 @@ LAYOUTS = ["tp2-dp2-sp", "tp1-dp4", "tp2-dp2-pre", "tp1-dp4-mb2-nosync-sgd", "tp
            "llama-tp2-dp2-sp-tpo",  # tp_comm_overlap: FSDP's gathered weights in the overlapped linears
            # The chunked loss: the head's weight gathered by the root (pp1) or by the head's own FSDP unit (pp2).
            "chunk-tp2-dp2-sp", "chunk-pp2-tp1-dp2-mb2",
-           "tp2-dp2-sp-cpu-ckpt"]  # offload_parameters="cpu"; then a checkpoint saved, resumed at ZeRO-1
+           "tp2-dp2-sp-cpu-ckpt",  # offload_parameters="cpu"; then a checkpoint saved, resumed at ZeRO-1
+           # FP8 (FSDP gathers the fp32 weights, the layers cast them), against one process running the same pieces
+           # of the batch, their first step (conftest.FP8_REFERENCES; test_layout_invariance.py says why).
+           "tp1-dp4-fp8t-s1", "pp2-tp1-dp2-mb2-fp8r-s1", "tp2-dp2-sp-fp8t-s1"]
+FP8_SINGLE = {"tp1-dp4-fp8t-s1": "tp1-dp1-mb4-fp8t-s1", "pp2-tp1-dp2-mb2-fp8r-s1": "tp1-dp1-mb4-fp8r-s1",
+              "tp2-dp2-sp-fp8t-s1": "tp1-dp1-mb2-fp8t-s1"}
 OFFLOADED = "tp2-dp2-sp-cpu-ckpt"
 
 
@@ -48,22 +53,18 @@ def run(tmp_path_factory):
 
 
 @pytest.mark.parametrize("make_optimizer", [optimizer, sgd_optimizer], ids=["adamw", "sgd"])
-def test_zero3_matches_single_process(run, make_optimizer):
+def test_zero3_matches_single_process(run, make_optimizer, fp8_reference):
     out, results = run
     # chunk-: the chunked loss against the unchunked model's reference.
     references = {name: _reference(make_optimizer, config) for name, config in CONFIGS.items() if name != "chunk"}
     layouts = [layout for layout in LAYOUTS if layout.endswith("-sgd") == (make_optimizer is sgd_optimizer)]
     for layout in layouts:
-        ref_losses, ref_weights = references.get(layout.split("-")[0], references["gpt"])
+        if layout in FP8_SINGLE:
+            ref_losses, ref_weights = fp8_reference[FP8_SINGLE[layout]]
+        else:
+            ref_losses, ref_weights = references.get(layout.split("-")[0], references["gpt"])
         result = torch.load(out / f"{layout}.pt", weights_only=True)
-        assert len(result["losses"]) == len(ref_losses)
-        loss_dev = max(abs(a - b) for a, b in zip(result["losses"], ref_losses))
-        assert loss_dev < LOSS_TOL, f"{layout}: losses {result['losses']} vs reference {ref_losses}"
-        assert result["weights"].keys() == ref_weights.keys()
-        weight_dev = {k: (result["weights"][k] - ref_weights[k]).abs().max().item() for k in ref_weights}
-        worst = max(weight_dev, key=weight_dev.get)
-        print(f"{layout}: worst loss deviation {loss_dev:.2e}, worst weight deviation {weight_dev[worst]:.2e} ({worst})")
-        assert weight_dev[worst] < WEIGHT_TOL, f"{layout}: {worst} deviates by {weight_dev[worst]:.2e}"
+        _deviations(result, ref_losses, ref_weights, layout)
         for rank in results:  # every dp rank logged the same global loss
             assert rank[layout]["losses"] == pytest.approx(result["losses"], abs=1e-6)
 

@@ -1,7 +1,7 @@
 """Train the tiny GPT for a few steps under several layouts over the same processes.
 
 argv: OUT_DIR LAYOUTS, where LAYOUTS is a comma list of
-``[llama-|mqa-|deep-|chunk-][doc-][pp{P}-][vpp{V}-]tp{T}-dp{D}[-sp][-mb{M}][-SCHEDULE][-z{Z}][-ogather][-sgd][-tpo][-compile|-compile_aot][-rc][-fused|-foreach][-offcpu|-offnvme]``: ``doc``:
+``[llama-|mqa-|deep-|chunk-][doc-][pp{P}-][vpp{V}-]tp{T}-dp{D}[-sp][-mb{M}][-SCHEDULE][-z{Z}][-ogather][-sgd][-tpo][-compile|-compile_aot][-rc][-fused|-foreach][-offcpu|-offnvme][-fp8t|-fp8r][-s{N}]``: ``doc``:
 packed samples with Megatron-LM's document masks (position ids and attention confined to each document); M
 micro-batches per step (without pipelining, a loop of backward passes; with it, the schedule's micro-batches),
 SCHEDULE one of ``gpipe``, ``zb`` (interleaved zero bubble), ``zbv``, ``dualpipev`` (default: 1F1B, interleaved
@@ -13,7 +13,8 @@ of every layer, ``-rc``: full recomputation (of the compiled layer); ``-fused`` 
 multi-tensor implementation (rebound to the fp32 pieces under ZeRO); ``-offcpu`` / ``-offnvme``: the fp32 main
 parameters and optimizer state offloaded to host memory or to files (in tiles of 1000 elements, so that pieces span
 tiles and tiles span pieces), ``{layout}-offload{rank}.json`` recording the bytes the files moved; ``chunk``: the
-GPT model with the chunked loss (``loss_chunk_tokens``). For each
+GPT model with the chunked loss (``loss_chunk_tokens``); ``-fp8t`` / ``-fp8r``: the plan's linears in FP8, tensorwise or
+rowwise (``tensor_parallel.fp8``); ``-s{N}``: the first N steps only. For each
 layout, rank 0 writes the losses and the full (gathered) weights to ``{layout}.pt``; the
 pytest process compares them with a single-process reference.
 """
@@ -43,17 +44,20 @@ from lightning_megatron.pipeline.runner import PipelineRunner
 from lightning_megatron.pipeline.stage import split_for_pipeline
 from lightning_megatron.preparation import apply_recompute, compile_blocks
 from lightning_megatron.tensor_parallel import parallelize
+from lightning_megatron.tensor_parallel.fp8 import Fp8Recipe
+from lightning_megatron.tensor_parallel.fp8_plan import convert_to_fp8
 from lightning_megatron.tensor_parallel.overlap import overlapped_linear_for
 
 LAYOUT = re.compile(r"(?:(llama|mqa|deep|chunk)-)?(doc-)?(?:pp(\d+)-)?(?:vpp(\d+)-)?tp(\d+)-dp(\d+)(-sp)?(?:-mb(\d+))?"
                     r"(?:-(gpipe|zb|zbv|dualpipev))?(?:-z(\d))?(-ogather)?(-sgd)?(-tpo)?(?:-(compile|compile_aot))?(-rc)?"
-                    r"(?:-(fused|foreach))?(?:-off(cpu|nvme))?")
+                    r"(?:-(fused|foreach))?(?:-off(cpu|nvme))?(?:-fp8(t|r))?(?:-s(\d+))?")
+FP8_RECIPES = {"t": "tensorwise", "r": "rowwise"}
 TILE_MB = 1000 * 4 / 2**20  # 1000 fp32 elements a tile
 SCHEDULE_NAMES = {"zb": "interleaved_zero_bubble"}
 
 
 def build(state: ParallelState, virtual: int, schedule: str, micro_batches: int, config=CONFIG, tp_overlap=False,
-          compile=None, recompute="none"):
+          compile=None, recompute="none", fp8=None):
     """The model as the strategy builds it: meta, tensor-parallel plan, (compile, recompute,) pipeline split,
     materialise."""
     with torch.device("meta"):
@@ -61,6 +65,7 @@ def build(state: ParallelState, virtual: int, schedule: str, micro_batches: int,
     rng = TensorParallelRNG(SEED, state.tensor_parallel_rank, torch.device("cpu"))
     parallelize(model, model.tensor_parallel_plan(), state, rng=rng,
                 sequence_linear=overlapped_linear_for(state.config, tp_overlap))
+    convert_to_fp8(model, fp8 and Fp8Recipe.named(fp8), state)
     compile_blocks(model, compile, state.config, recompute)
     apply_recompute(model, recompute, rng)
     runner = None
@@ -95,7 +100,7 @@ def train(layout: str) -> tuple[list[float], dict]:
                             sequence_parallel=sp, virtual_pipeline_size=virtual, zero_stage=zero_stage)
     state = ParallelState.create(config, "cpu")
     model, runner = build(state, virtual, schedule, micro_batches, model_config, tp_overlap, compile,
-                          "full" if match[15] else "none")
+                          "full" if match[15] else "none", FP8_RECIPES.get(match[18]))
     params = list(model.parameters())
     implementation = {match[16]: True} if match[16] else {}
     opt = sgd_optimizer(params) if sgd else optimizer(params, **implementation)
@@ -112,6 +117,7 @@ def train(layout: str) -> tuple[list[float], dict]:
 
     losses = []
     steps = document_batches() if documents else [(ids, lbl, {}) for ids, lbl in batches()]
+    steps = steps[:int(match[19] or len(steps))]
     for input_ids, labels, side in steps:
         rows = slice(state.data_parallel_rank * GLOBAL_BATCH // dp, (state.data_parallel_rank + 1) * GLOBAL_BATCH // dp)
         side = {name: value[rows] for name, value in side.items()}

@@ -2,7 +2,7 @@
 
 argv: OUT_DIR LAYOUTS, where LAYOUTS is a comma list of ``bytes`` (``zero3_bytes.measure_bytes``,
 in the same processes to save a launch) and
-``[llama-|mqa-|moe-|chunk-][pp{P}-]tp{T}-dp{D}[-sp][-mb{M}][-nosync][-pre][-sgd][-tpo]``: P pipeline stages (1F1B, the
+``[llama-|mqa-|moe-|chunk-][pp{P}-]tp{T}-dp{D}[-sp][-mb{M}][-nosync][-pre][-sgd][-tpo][-cpu][-ckpt][-fp8t|-fp8r][-s{N}]``: P pipeline stages (1F1B, the
 embedding and head in groups of their own), M micro-batches per step (``-nosync``:
 accumulate unsharded gradients and reduce-scatter only on the last; otherwise reduce-scatter
 every micro-batch; with micro-batches the backward is mean-sized, its factor divided out by
@@ -12,7 +12,8 @@ momentum instead of AdamW, ``-tpo``: tp_comm_overlap, ``-cpu``: ``offload_parame
 each rank reports the FSDP groups' policies and where its shards, gradients and optimizer state lived), ``-ckpt``:
 after training save a sharded checkpoint (``checkpoint.training_state``) to ``{layout}.ckpt`` and load it at the
 same tp / sp under dp ZeRO-1 without offload; each rank writes the pieces it then holds to
-``{layout}-resumed{rank}.pt``. fp32 throughout. For each layout rank 0 writes the losses and the
+``{layout}-resumed{rank}.pt``; ``-fp8t`` / ``-fp8r``: the plan's linears in FP8 (tensorwise, rowwise); ``-s{N}``: the
+first N steps only. fp32 throughout. For each layout rank 0 writes the losses and the
 full (gathered) weights to ``{layout}.pt``; the pytest process compares them with the
 single-process reference. The first training layout also checks that ``load_full_state_dict`` round-trips.
 """
@@ -48,20 +49,24 @@ from lightning_megatron.pipeline import PipelineLayout
 from lightning_megatron.pipeline.runner import PipelineRunner
 from lightning_megatron.pipeline.stage import split_for_pipeline
 from lightning_megatron.tensor_parallel import parallelize
+from lightning_megatron.tensor_parallel.fp8 import Fp8Recipe
+from lightning_megatron.tensor_parallel.fp8_plan import convert_to_fp8
 from lightning_megatron.tensor_parallel.overlap import overlapped_linear_for
 
 LAYOUT = re.compile(r"(?:(llama|mqa|moe|chunk)-)?(?:pp(\d+)-)?tp(\d+)-dp(\d+)(-sp)?(?:-mb(\d+))?(-nosync)?(-pre)?(-sgd)?"
-                    r"(-tpo)?(-cpu)?(-ckpt)?")
+                    r"(-tpo)?(-cpu)?(-ckpt)?(?:-fp8(t|r))?(?:-s(\d+))?")
+FP8_RECIPES = {"t": "tensorwise", "r": "rowwise"}
 
 
 def build(state: ParallelState, pre: bool, micro_batches: int = 1, config=CONFIG, overlap: bool = False,
-          offload: str = "none"):
+          offload: str = "none", fp8: str = None):
     """As the strategy would: meta, tp plan, pipeline split, ZeRO-3 on the meta device, materialise."""
     with torch.device("meta"):
         model = GPTModel(config)
     rng = TensorParallelRNG(SEED, state.tensor_parallel_rank, torch.device("cpu"))
     parallelize(model, model.tensor_parallel_plan(), state, rng=rng,
                 sequence_linear=overlapped_linear_for(state.config, overlap))
+    convert_to_fp8(model, fp8 and Fp8Recipe.named(fp8), state)  # FSDP then gathers fp32 weights, the layers cast them
     pp, blocks, other_groups = state.config.pipeline_parallel_size, GPTModel.pipeline_blocks(), None
     if pp > 1:
         layout = PipelineLayout(num_layers=config.num_layers, pipeline_parallel_size=pp)
@@ -95,14 +100,15 @@ def train(layout: str, check_load: bool, out_dir: Path):
     config = ParallelConfig(tensor_parallel_size=tp, pipeline_parallel_size=pp, data_parallel_size=dp,
                             sequence_parallel=sp)
     state = ParallelState.create(config, "cpu")
-    model, zero3, runner = build(state, pre, micro_batches, model_config, overlap=bool(match[10]), offload=offload)
+    model, zero3, runner = build(state, pre, micro_batches, model_config, overlap=bool(match[10]), offload=offload,
+                                 fp8=FP8_RECIPES.get(match[13]))
     params = list(model.parameters())
     assert all(isinstance(p, DTensor) for p in params), "fully_shard should have made every parameter a DTensor"
     opt = sgd_optimizer(params) if sgd else optimizer(params)
     policies = {type(m._get_fsdp_state()._fsdp_param_group.offload_policy).__name__ for m in zero3.fsdp_modules}
     report = {"policies": sorted(policies), "params": devices(params)}
     losses = []
-    for input_ids, labels in batches():
+    for input_ids, labels in batches()[:int(match[14] or len(batches()))]:
         rows = slice(state.data_parallel_rank * GLOBAL_BATCH // dp, (state.data_parallel_rank + 1) * GLOBAL_BATCH // dp)
         backward_scale = 1.0
         if runner is not None:  # the schedule runs every micro-batch's forward and backward

@@ -1,0 +1,20 @@
+"""Fixtures shared by several test modules."""
+
+import pytest
+import torch
+
+from launch import launch
+
+# The single-process FP8 runs the fp8 layouts compare with (test_layout_invariance.py, test_zero3.py): one process,
+# the global batch in as many pieces as the layout has dp ranks x micro-batches, "-s1": the first step only
+# (test_layout_invariance.py says why).
+FP8_REFERENCES = ["tp1-dp1-mb2-fp8t-s1", "tp1-dp1-mb4-fp8t-s1", "tp1-dp1-mb2-fp8r-s1", "tp1-dp1-mb4-fp8r-s1"]
+
+
+@pytest.fixture(scope="session")
+def fp8_reference(tmp_path_factory) -> dict[str, tuple[list[float], dict]]:
+    """``{layout: (losses, weights)}`` of the FP8 reference runs, trained once per session in one process."""
+    out = tmp_path_factory.mktemp("fp8_reference")
+    launch("layout_invariance.py", 1, out, ",".join(FP8_REFERENCES))
+    results = {name: torch.load(out / f"{name}.pt", weights_only=True) for name in FP8_REFERENCES}
+    return {name: (result["losses"], result["weights"]) for name, result in results.items()}
