@@ -27,6 +27,30 @@ def test_low_precision_stays_within_its_tolerance_of_fp32(runs, precision):
         assert losses != reference, "the run must really have been in low precision"
 
 
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_fp8_trains_within_bf16s_tolerance_of_fp32(runs, recipe):
+    """FP8 GEMMs on top of bf16-mixed at tp2, through the Trainer: near fp32, and not the bf16 run itself."""
+    for result in runs:
+        reference, losses = result["fp32"]["losses"], result[f"bf16-mixed-fp8-{recipe}"]["losses"]
+        assert len(losses) == 5
+        assert max(abs(a - b) for a, b in zip(losses, reference)) < TOLERANCE["bf16-mixed"], (losses, reference)
+        assert losses != result["bf16-mixed"]["losses"], "the fp8 GEMMs must really have run"
+
+
+def test_a_bf16_run_resumes_in_fp8_and_back_and_no_checkpoint_holds_fp8(runs):
+    """Checkpoints hold the same (fp32) tensors with and without fp8: a bf16 checkpoint resumes in fp8 (steps 3-4) and
+    the fp8 run's checkpoint resumes in bf16 (step 5), each step near the straight bf16 run's."""
+    for result in runs:
+        chain, straight = result["fp8-chain"], result["bf16-mixed"]["losses"]
+        bf16_saved, fp8_saved = chain["saved_dtypes"]
+        assert bf16_saved == fp8_saved and "torch.float32" in bf16_saved, chain
+        assert not any("float8" in dtype for dtype in fp8_saved), chain
+        assert len(chain["losses"]) == len(straight) == 5
+        assert chain["losses"][:2] == straight[:2], "the first two steps are the same bf16 run"
+        assert max(abs(a - b) for a, b in zip(chain["losses"], straight)) < TOLERANCE["bf16-mixed"], (chain, straight)
+        assert chain["losses"][2:4] != straight[2:4], "steps 3-4 ran in fp8"
+
+
 @pytest.mark.parametrize("run_name", ["fp16-overflow", "fp16-overflow-zero3"])
 def test_fp16_overflow_on_one_rank_skips_that_step_on_every_rank_and_recovers(runs, run_name):
     for result in runs:

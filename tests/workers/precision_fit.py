@@ -1,6 +1,8 @@
 """Trainer.fit under fp32, bf16-true, 16-true, 16-mixed and bf16-mixed on the same ranks (tp=2), an
 fp16 run in which rank 1 alone produces an overflow at one step, bf16-true with the optimizer
-offloaded to the CPU, and fp16 under ZeRO-3 (dp=2) with and without that overflow.
+offloaded to the CPU, and fp16 under ZeRO-3 (dp=2) with and without that overflow. FP8 (bf16-mixed with
+``fp8="tensorwise"`` / ``"rowwise"``), and a chain of checkpoints: bf16 for 2 steps, resumed in fp8 for 2, resumed in
+bf16 for 1 (``fp8-chain``: its losses, and the dtypes of the tensors each checkpoint holds).
 
 argv: OUT_DIR. Rank r writes rank{r}.json: per run the training losses, the final loss scale and
 skipped-step count, and a checksum of the weights after every optimizer step.
@@ -43,20 +45,23 @@ class Record(L.Callback):
         self.checksums.append(float(sum(p.detach().double().sum() for p in local)))
 
 
-def run(precision: str, overflow: bool = False, offload=False, zero3: bool = False) -> dict:
+def run(precision: str, overflow: bool = False, offload=False, zero3: bool = False, fp8=None, steps: int = 5,
+        resume=None, save=None) -> dict:
     L.seed_everything(7)
-    options = {"tp": 1 if zero3 else 2, "steps": 5, "clip": 1.0}
+    options = {"tp": 1 if zero3 else 2, "steps": steps, "clip": 1.0}
     record = Record()
     strategy = Megatron3DStrategy(tensor_parallel_size=options["tp"], zero_stage=3 if zero3 else 0,
                                   loss_scaler={"initial_scale": 2.0**12, "hysteresis": 1}, offload_optimizer=offload,
                                   offload_path=str(out_dir / "offload") if offload == "nvme" else None,
-                                  offload_buffer_mb=1000 * 4 / 2**20)
+                                  offload_buffer_mb=1000 * 4 / 2**20, fp8=fp8)
     kwargs = trainer_kwargs(options)
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, precision=precision, callbacks=[record], **kwargs)
     gpt = model(options)
     if overflow:
         gpt = OverflowOnOneRank(**gpt.hparams)
-    trainer.fit(gpt, datamodule=datamodule(options))
+    trainer.fit(gpt, datamodule=datamodule(options), ckpt_path=resume)
+    if save is not None:
+        trainer.save_checkpoint(save)
     scaler = trainer.strategy.loss_scaler
     optimizer = trainer.optimizers[0]
     state_devices = {str(v.device) for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)}
@@ -74,6 +79,25 @@ results = {name: run(precision, overflow, offload, zero3) for name, precision, o
     ("fp16-overflow-nvme", "16-true", True, "nvme", False),
     ("fp16-true-zero3", "16-true", False, False, True), ("fp16-overflow-zero3", "16-true", True, False, True),
 )}
+for recipe in ("tensorwise", "rowwise"):
+    results[f"bf16-mixed-fp8-{recipe}"] = run("bf16-mixed", fp8=recipe)
+
+
+def saved_dtypes(path: Path) -> list[str]:
+    """The dtypes of every tensor a sharded checkpoint holds (its DCP metadata)."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    entries = FileSystemReader(str(path)).read_metadata().state_dict_metadata.values()
+    return sorted({str(entry.properties.dtype) for entry in entries if isinstance(entry, TensorStorageMetadata)})
+
+
+# bf16 -> fp8 -> bf16 through checkpoints: steps 1-2 in bf16, 3-4 in fp8, 5 in bf16 (against the straight bf16 run).
+chain = [out_dir / f"chain-{i}.ckpt" for i in range(2)]
+parts = [run("bf16-mixed", steps=2, save=chain[0]), run("bf16-mixed", fp8="tensorwise", steps=4, resume=chain[0],
+                                                        save=chain[1]), run("bf16-mixed", steps=5, resume=chain[1])]
+results["fp8-chain"] = {"losses": [loss for part in parts for loss in part["losses"]],
+                        "saved_dtypes": [saved_dtypes(path) for path in chain]}
 (out_dir / f"rank{int(os.environ['RANK'])}.json").write_text(json.dumps(results))
 dist.barrier()
 os._exit(0)  # skip gloo's C++ teardown (see the other workers)
