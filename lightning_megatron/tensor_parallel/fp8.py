@@ -60,10 +60,18 @@ RECIPES = ("tensorwise", "rowwise")
 ALIGNMENT = 16  # _scaled_mm's CUDA kernels: every contraction and output-column dimension
 
 
+_float8_utils = None  # torchao.float8.float8_utils, once imported
+
+
 def require_torchao():
-    """torchao's float8 casting helpers; imported on first use (``pip install 'lightning-megatron[fp8]'``). Its import
-    logs a warning per CUDA kernel library it cannot load on a CPU-only build (none of which this uses) and torch a
-    deprecation about torchao's pytree registration: both are held back, once, so every rank's log stays readable."""
+    """torchao's float8 casting helpers (``pip install 'lightning-megatron[fp8]'``), imported once, eagerly: by
+    ``fp8_plan.convert_to_fp8`` before anything is compiled (an import inside a ``torch.compile``-traced layer fails
+    in torchao's class registrations). Its import logs a warning per CUDA kernel library it cannot load on a CPU-only
+    build (none of which this uses) and torch a deprecation about torchao's pytree registration: both are held back,
+    so every rank's log stays readable."""
+    global _float8_utils
+    if _float8_utils is not None:
+        return _float8_utils
     loggers = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
     levels = [logger.level for logger in loggers]
     try:
@@ -76,6 +84,7 @@ def require_torchao():
     finally:
         for logger, level in zip(loggers, levels):
             logger.setLevel(level)
+    _float8_utils = float8_utils
     return float8_utils
 
 
@@ -113,7 +122,7 @@ def cast_to_fp8(t: Tensor, dtype: torch.dtype, *, dim: Optional[int], groups: Se
     """Scale ``t`` (2-D) by ``finfo(dtype).max / amax`` and cast it, saturating. ``dim=None``: one amax for the tensor;
     otherwise one per slice along ``dim`` (``keepdim``). ``groups``: where other ranks hold the rest of what the amax
     spans; the amax is all-reduced (MAX) over each, so that every rank scales by the whole tensor's."""
-    ao = require_torchao()
+    ao = _float8_utils or require_torchao()
     amax = (t.abs().amax() if dim is None else t.abs().amax(dim=dim, keepdim=True)).float()
     for group in groups:
         if group is not None:
@@ -127,9 +136,13 @@ def scaled_mm(a: Fp8Operand, b: Fp8Operand, out_dtype: torch.dtype) -> Tensor:
     [K, N]`` (scalar or ``[1, N]``). ``a`` is made row-major and ``b`` column-major, as the CUDA kernels need."""
     b_data = b.data if b.data.stride(0) == 1 else b.data.t().contiguous().t()
     scale_a, scale_b = a.inverse_scale, b.inverse_scale
+    gemm_dtype = out_dtype
     if scale_a.dim():  # rowwise: [M, 1] and [1, N] with unit strides (a transposed [1, M] has not)
         scale_a, scale_b = scale_a.flatten().unsqueeze(1), scale_b.flatten().unsqueeze(0)
-    return torch._scaled_mm(a.data.contiguous(), b_data, scale_a, scale_b, out_dtype=out_dtype)
+        if a.data.is_cuda:  # CUDA's rowwise kernels write bf16 only (pytorch#156771): fp32/fp16 runs round through it
+            gemm_dtype = torch.bfloat16
+    y = torch._scaled_mm(a.data.contiguous(), b_data, scale_a, scale_b, out_dtype=gemm_dtype)
+    return y if gemm_dtype == out_dtype else y.to(out_dtype)
 
 
 def _pad_rows(t: Tensor) -> Tensor:

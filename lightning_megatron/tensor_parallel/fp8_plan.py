@@ -49,6 +49,7 @@ def convert_to_fp8(module: nn.Module, recipe: Optional[Fp8Recipe], state: Parall
     reduced over the groups that split its tensors; returns the converted layers' names."""
     if recipe is None:
         return []
+    require_torchao()  # now, not first inside a compiled layer
     unused = set(exclude)
     converted = []
     size = state.config.tensor_parallel_size
