@@ -40,11 +40,12 @@ collectives (2 rows)        60 s/row    ~15 s (torchrun, NCCL start-up; a refusa
 sdpa (4 rows)               20 s/row    ~2 s
 speed + memory (2 rows)     150 s/row   ~60 s: a process each, model build, planner inventory, 3 warmup + 10 measured steps
 fp8 linear (3 rows)         30 s/row    ~2 s: 5 warmup + 20 measured forward + backward passes (the first pays CUDA start-up)
-fp8 models (6 rows)         90 s/row    ~20 s: model build, 2 warmup + 6 measured steps of ~0.3 s (batch 4 x 2048)
+fp8 models (6 rows)         90 s/row    ~20-30 s: model build (~1.3 G initial values drawn on the host), 2 warmup + 6
+                                        measured steps of ~0.3 s (batch 4 x 2048)
 ==========================  ==========  =========================================================================
 
 The fp8 rows share one process and come last: should they overrun, the cap skips them and no earlier row.
-Worst case (every row at its timeout) exceeds the cap; the cap wins. Expected total: about 6 minutes.
+Worst case (every row at its timeout) exceeds the cap; the cap wins. Expected total: about 6-7 minutes.
 """
 
 from __future__ import annotations
