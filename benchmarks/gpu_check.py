@@ -15,6 +15,14 @@ the CPU (gloo instead of NCCL), the smoke mode ``tests/test_benchmarks.py`` runs
   tokens/s, model TFLOP/s (``models/flops.py``) and MFU against the device's preset in ``plan/hardware.py``; the
   batch is the largest the planner predicts to fit; the same runs' ``max_memory_allocated`` against the
   planner's model states + activations (its 2 GiB buffer allowance left out: the allocator does not see it).
+* ``fp8_linear_row``, ``fp8_speed_row``: FP8 against bf16 under ``bf16-mixed``. One ``ColumnParallelLinear`` at
+  4096 x 4096 (8192 tokens): forward + backward time in bf16 and with each FP8 recipe's GEMMs; then ``gpt-1.3b``
+  and ``llama-3.2-1b`` (the presets whole: real widths, depth and vocabulary; seq 2048, batch 4) through
+  ``Megatron3DStrategy(fp8=None | "tensorwise" | "rowwise")``: tokens/s, model TFLOP/s, MFU (the same bf16 peak for
+  every row, so MFU compares like tokens/s) and the ratio to the bf16 row (``vs bf16``), the loss against it (``vs
+  ref``). A row passes only if it ran FP8 where asked and nowhere else: its parallel linears' ``gemms.fp8`` are
+  counted, and so are the ``torch._scaled_mm`` calls of one step (a dispatch mode), which must be 3 (forward, input
+  and weight gradients) per FP8 linear: a silent fallback to bf16 fails the row.
 
 Isolation: the single-process rows run in one worker process, one row at a time, each reporting as it ends; a row
 that raises is a failed row and the next one starts; a row that hangs past its budget or kills the process (a CUDA
@@ -31,9 +39,13 @@ features (27 rows)          25 s/row    ~2-5 s a row after the first (CUDA and N
 collectives (2 rows)        60 s/row    ~15 s (torchrun, NCCL start-up; a refusal is immediate)
 sdpa (4 rows)               20 s/row    ~2 s
 speed + memory (2 rows)     150 s/row   ~60 s: a process each, model build, planner inventory, 3 warmup + 10 measured steps
+fp8 linear (3 rows)         30 s/row    ~2 s: 5 warmup + 20 measured forward + backward passes (the first pays CUDA start-up)
+fp8 models (6 rows)         90 s/row    ~20-30 s: model build (~1.3 G initial values drawn on the host), 2 warmup + 6
+                                        measured steps of ~0.3 s (batch 4 x 2048)
 ==========================  ==========  =========================================================================
 
-Worst case (every row at its timeout) exceeds the cap; the cap wins. Expected total: about 4 minutes.
+The fp8 rows share one process and come last: should they overrun, the cap skips them and no earlier row.
+Worst case (every row at its timeout) exceeds the cap; the cap wins. Expected total: about 6-7 minutes.
 """
 
 from __future__ import annotations
@@ -62,14 +74,15 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 GIB = 2**30
 FP32_TOLERANCE = 1e-4  # loss vs the fp32 reference: the same math (the invariant is 1e-5 on CPU; GPU kernels vary)
 SIXTEEN_BIT_TOLERANCE = 5e-2  # bf16 / fp16 runs of a few steps: the same model, rounded
-COLUMNS = ("family", "row", "status", "loss", "vs ref", "tokens/s", "TFLOP/s", "MFU", "peak GiB", "planned GiB",
-           "mem ratio", "s", "detail")
+COLUMNS = ("family", "row", "status", "loss", "vs ref", "tokens/s", "TFLOP/s", "MFU", "vs bf16", "peak GiB",
+           "planned GiB", "mem ratio", "s", "detail")
 
 
 # ---------------------------------------------------------------------------- sizes
 @dataclass(frozen=True)
 class Sizes:
-    """What a mode runs: the feature rows' model and steps, the speed rows' presets and steps."""
+    """What a mode runs: the feature rows' model and steps, the speed rows' presets and steps (the fp8 rows run the
+    same presets at the same sequence length), the fp8 linear row's GEMM."""
 
     device: str
     hidden: int
@@ -83,15 +96,25 @@ class Sizes:
     speed_warmup: int
     speed_steps: int
     speed_batches: tuple[int, ...]  # tried largest first: the first the planner predicts to fit
+    fp8_batch: int  # one batch for a model's three fp8 rows: their ratios compare the same work
+    fp8_warmup: int
+    fp8_steps: int
+    fp8_linear: tuple[int, int, int]  # tokens, in and out features of the fp8 linear rows' layer
+    fp8_linear_steps: tuple[int, int]  # warmup, measured forward + backward passes
     vocab: dict = field(default_factory=dict)  # per model; missing: throughput's default
 
 
+# fp8 rows: batch 4 x 2048 fits both presets whole in bf16-mixed with room to spare (the speed rows' planner puts
+# batch 8 of llama-3.2-1b at 72 GiB in bf16-true); every GEMM dimension is then a multiple of 16.
 GPU = Sizes("cuda", hidden=512, layers=4, heads=8, seq=512, batch=8, steps=6,
             speed_models=(("gpt-1.3b", "gpt-1.3b"), ("llama-3.2-1b", "llama-3.2-1b")), speed_seq=2048,
-            speed_warmup=3, speed_steps=10, speed_batches=(16, 8, 4, 2, 1))
+            speed_warmup=3, speed_steps=10, speed_batches=(16, 8, 4, 2, 1),
+            fp8_batch=4, fp8_warmup=2, fp8_steps=6, fp8_linear=(8192, 4096, 4096), fp8_linear_steps=(5, 20))
 CPU = Sizes("cpu", hidden=32, layers=2, heads=4, seq=32, batch=4, steps=4,
             speed_models=(("gpt-1.3b", "gpt-tiny"), ("llama-3.2-1b", "llama-tiny")), speed_seq=64,
-            speed_warmup=1, speed_steps=2, speed_batches=(2,), vocab={"gpt": 257, "llama": 512, "moe": 512})
+            speed_warmup=1, speed_steps=2, speed_batches=(2,),
+            fp8_batch=2, fp8_warmup=1, fp8_steps=2, fp8_linear=(64, 64, 64), fp8_linear_steps=(1, 2),
+            vocab={"gpt": 257, "llama": 512, "moe": 512})
 
 MODELS = ("gpt", "llama")
 
@@ -153,6 +176,14 @@ def plan_rows(cpu: bool) -> list[Row]:
              for label, preset in sizes.speed_models]
     rows += [Row("collectives", f"{backend}: 2 ranks, 1 device", "collectives", 60, {"backend": backend}, group=backend)
              for backend in ("nccl", "gloo")]
+    # Last, in one process: should they overrun, the global cap skips them and nothing before them. Per subject a
+    # bf16 row, then one per recipe holding its key (``baseline``), for ``compare_to_baseline``.
+    subjects = [("linear", "fp8_linear", 30, {})]
+    subjects += [(label, "fp8_speed", 90, {"preset": preset}) for label, preset in sizes.speed_models]
+    for subject, kind, budget, options in subjects:
+        base = Row("fp8", f"{subject} {FP8_BASELINE}", kind, budget, {**options, "fp8": None}, group="fp8")
+        rows += [base] + [Row("fp8", f"{subject} fp8 {recipe}", kind, budget,
+                              {**options, "fp8": recipe, "baseline": base.key}, group="fp8") for recipe in FP8_RECIPES]
     return rows
 
 
@@ -392,9 +423,17 @@ def speed_row(row: Row, sizes: Sizes, work: Path, memo: dict) -> dict:
     notes = []
     for batch, predicted in predictions.items():
         try:
-            return timed_fit(config, batch, predicted, sizes, device, hardware, work, notes)
+            result, detail, _ = timed_fit(config, batch, sizes, device, hardware, work, precision=SPEED_PRECISION,
+                                          warmup=sizes.speed_warmup, steps=sizes.speed_steps)
         except torch.cuda.OutOfMemoryError:
             notes.append(f"batch {batch} ran out of memory (planned {predicted / GIB:.1f} GiB)")
+        else:
+            result["planned GiB"] = predicted / GIB
+            if "peak GiB" in result:
+                result["mem ratio"] = result["peak GiB"] / result["planned GiB"]
+            else:
+                detail.append("CPU: no allocator peak to compare (the planner's prediction shown)")
+            return {**result, "detail": "; ".join([*detail[:1], *notes, *detail[1:]])}
         _leave_process_group()  # here, once the exception (and the frames holding the tensors) is gone
         _free_cuda()
     return {"status": "failed", "detail": "; ".join(notes)}
@@ -414,8 +453,11 @@ def _free_cuda() -> None:
         torch.cuda.empty_cache()
 
 
-def timed_fit(config, batch: int, predicted: int, sizes: Sizes, device, hardware, work: Path, notes: list) -> dict:
-    """One speed run: warmup + measured steps of ``Trainer.fit``, timed by CUDA events at the batch hooks."""
+def timed_fit(config, batch: int, sizes: Sizes, device, hardware, work: Path, *, precision: str, warmup: int,
+              steps: int, fp8: Optional[str] = None, callbacks: tuple = ()) -> tuple[dict, list[str], Any]:
+    """One timed run: ``warmup`` + ``steps`` steps of ``Trainer.fit`` under ``Megatron3DStrategy(fp8=fp8)`` at seq
+    ``sizes.speed_seq``, timed by CUDA events at the batch hooks. Returns the row's measured columns, the first parts
+    of its detail, and the trained ``GPT``."""
     import statistics
 
     import torch
@@ -425,35 +467,175 @@ def timed_fit(config, batch: int, predicted: int, sizes: Sizes, device, hardware
     from lightning_megatron.models import GPT
     from lightning_megatron.models.flops import gpt_flops_per_batch
 
-    seq, steps = sizes.speed_seq, sizes.speed_warmup + sizes.speed_steps
-    data = SyntheticTokens(steps * batch, seq, config.vocab_size, seed=1234)
+    seq = sizes.speed_seq
+    data = SyntheticTokens((warmup + steps) * batch, seq, config.vocab_size, seed=1234)
     _free_cuda()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
         baseline = torch.cuda.memory_allocated(device)
     L.seed_everything(1234, verbose=False)
-    stopwatch = StopwatchCallback(Stopwatch(sizes.speed_warmup, sizes.speed_steps, device))
-    trainer = L.Trainer(strategy=Megatron3DStrategy(), accelerator=sizes.device, devices=1, precision=SPEED_PRECISION,
-                        max_steps=steps, callbacks=[stopwatch], logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(work))
-    trainer.fit(GPT(config, warmup_steps=steps), DataLoader(data, batch_size=batch, shuffle=False))
+    stopwatch = StopwatchCallback(Stopwatch(warmup, steps, device))
+    trainer = L.Trainer(strategy=Megatron3DStrategy(fp8=fp8), accelerator=sizes.device, devices=1,
+                        precision=precision, max_steps=warmup + steps, callbacks=[stopwatch, *callbacks], logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        default_root_dir=str(work))
+    module = GPT(config, warmup_steps=warmup + steps)
+    trainer.fit(module, DataLoader(data, batch_size=batch, shuffle=False))
     seconds = statistics.median(stopwatch.stopwatch.step_seconds())
     tflops = gpt_flops_per_batch(config, batch, seq) / seconds / 1e12
-    detail = [f"batch {batch} x seq {seq}, {SPEED_PRECISION}, median of {sizes.speed_steps} steps after "
-              f"{sizes.speed_warmup}", *notes]
+    detail = [f"batch {batch} x seq {seq}, {precision}, median of {steps} steps after {warmup}"]
     result = {"status": "passed", "loss": stopwatch.last_loss.item(), "tokens/s": batch * seq / seconds,
-              "TFLOP/s": tflops, "planned GiB": predicted / GIB}
-    if hardware is not None:
-        result["MFU"] = tflops * 1e12 / hardware.peak(True)
-        detail.append(f"MFU of {hardware.peak(True) / 1e12:.0f} TFLOP/s ({hardware.name})")
-    elif device.type == "cuda":
-        detail.append(f"no preset for {torch.cuda.get_device_name(device)!r}: no MFU")
+              "TFLOP/s": tflops, **mfu(tflops, hardware, device, detail)}
     if device.type == "cuda":
-        measured = torch.cuda.max_memory_allocated(device) - baseline
-        result.update({"peak GiB": measured / GIB, "mem ratio": measured / predicted})
-    else:
-        detail.append("CPU: no allocator peak to compare (the planner's prediction shown)")
-    return {**result, "detail": "; ".join(detail)}
+        result["peak GiB"] = (torch.cuda.max_memory_allocated(device) - baseline) / GIB
+    return result, detail, module
+
+
+def mfu(tflops: float, hardware, device, detail: list[str]) -> dict:
+    """``{"MFU": ...}`` against the device's dense bf16 peak (its preset's), and a note in ``detail`` saying which."""
+    import torch
+
+    if hardware is not None:
+        detail.append(f"MFU of {hardware.peak(True) / 1e12:.0f} TFLOP/s ({hardware.name})")
+        return {"MFU": tflops * 1e12 / hardware.peak(True)}
+    if device.type == "cuda":
+        detail.append(f"no preset for {torch.cuda.get_device_name(device)!r}: no MFU")
+    return {}
+
+
+# ---------------------------------------------------------------------------- family 5: fp8 against bf16
+FP8_BASELINE = "bf16-mixed"  # the fp8 rows' precision too: fp32 master weights, GEMMs in bf16 or in fp8
+FP8_RECIPES = ("tensorwise", "rowwise")  # Megatron3DStrategy(fp8=...)
+FP8_LOSS_TOLERANCE = 0.1  # |fp8 - bf16| last loss, a few steps from the same init: a wrong scale moves it further
+
+
+def scaled_mm_counter():
+    """A dispatch mode counting ``aten._scaled_mm`` calls (``.calls``): what FP8 GEMMs actually ran, backward
+    included (autograd carries the mode into its threads)."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class ScaledMmCounter(TorchDispatchMode):
+        calls = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten._scaled_mm.default:
+                self.calls += 1
+            return func(*args, **(kwargs or {}))
+
+    return ScaledMmCounter()
+
+
+class CountFirstStep(L.Callback):
+    """Counts the ``_scaled_mm`` calls of the first training step (a warmup step: the timed ones run without the mode)."""
+
+    def __init__(self) -> None:
+        self.counter = scaled_mm_counter()
+        self.active = False
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
+        if batch_idx == 0:
+            self.counter.__enter__()
+            self.active = True
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        self._leave()
+
+    def on_exception(self, trainer, pl_module, exception) -> None:
+        self._leave()  # the next row of this process must not run under the mode
+
+    def _leave(self) -> None:
+        if self.active:
+            self.active = False
+            self.counter.__exit__(None, None, None)
+
+
+def fp8_evidence(fp8: Optional[str], linears: list, calls: int, per_pass: str) -> tuple[bool, str]:
+    """Whether FP8 ran exactly where asked: ``linears`` (the parallel linears) with ``gemms.fp8`` set, none without
+    ``fp8``, and 3 ``_scaled_mm`` calls (forward, input and weight gradients) per FP8 linear in ``calls``."""
+    converted = sum(layer.gemms.fp8 for layer in linears)
+    expected = 3 * converted
+    ok = calls == expected and (converted > 0) == (fp8 is not None)
+    return ok, (f"fp8 {fp8 or 'off'}: {converted} of {len(linears)} linears converted, {calls} _scaled_mm calls "
+                f"{per_pass} (expected {expected})")
+
+
+def fp8_speed_row(row: Row, sizes: Sizes, work: Path, memo: dict) -> dict:
+    """A preset whole through ``Megatron3DStrategy(fp8=row.options["fp8"])`` in bf16-mixed at batch
+    ``sizes.fp8_batch``: tokens/s, model TFLOP/s (the same model FLOPs whatever the GEMMs' precision), MFU against
+    the bf16 peak; the parent adds the ratio to the model's bf16 row. Fails unless FP8 ran where asked only."""
+    from lightning_megatron.models import GPTConfig
+    from lightning_megatron.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+    device, fp8 = device_for(sizes), row.options["fp8"]
+    config = GPTConfig.from_name(row.options["preset"], max_seq_length=sizes.speed_seq)
+    first = CountFirstStep()
+    result, detail, module = timed_fit(config, sizes.fp8_batch, sizes, device, hardware_of(device), work,
+                                       precision=FP8_BASELINE, warmup=sizes.fp8_warmup, steps=sizes.fp8_steps,
+                                       fp8=fp8, callbacks=(first,))
+    linears = [m for m in module.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]
+    ok, evidence = fp8_evidence(fp8, linears, first.counter.calls, "in step 0")
+    return {**result, "status": "passed" if ok else "failed", "detail": "; ".join([evidence, *detail])}
+
+
+def fp8_linear_row(row: Row, sizes: Sizes, work: Path, memo: dict) -> dict:
+    """One ``ColumnParallelLinear`` (no group: whole) of ``sizes.fp8_linear`` under bf16 autocast, its GEMMs in bf16
+    or FP8 (``Fp8Gemms`` of the recipe): the median time of a forward + backward pass (CUDA events), read as
+    tokens/s and TFLOP/s of its three GEMMs (``6 T K N``); what the models' rows are made of, without the rest."""
+    import statistics
+
+    import torch
+
+    from lightning_megatron.tensor_parallel.fp8 import Fp8Gemms, Fp8Recipe
+    from lightning_megatron.tensor_parallel.layers import ColumnParallelLinear
+
+    device, fp8 = device_for(sizes), row.options["fp8"]
+    tokens, features_in, features_out = sizes.fp8_linear
+    warmup, steps = sizes.fp8_linear_steps
+    torch.manual_seed(0)
+    layer = ColumnParallelLinear(features_in, features_out, bias=False, device=device)
+    torch.nn.init.normal_(layer.weight, std=features_in ** -0.5)
+    if fp8 is not None:
+        layer.gemms = Fp8Gemms(Fp8Recipe.named(fp8), None, "output")
+    x = torch.randn(tokens, features_in, device=device, dtype=torch.bfloat16, requires_grad=True)
+    grad = torch.randn(tokens, features_out, device=device, dtype=torch.bfloat16)
+
+    def step() -> None:
+        x.grad = layer.weight.grad = None
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            y = layer(x)
+        y.backward(grad)
+
+    counter = scaled_mm_counter()
+    with counter:
+        step()
+    stopwatch = Stopwatch(warmup, steps, device)
+    for index in range(warmup + steps):
+        stopwatch.step_started(index)
+        step()
+        stopwatch.step_ended(index)
+    seconds = statistics.median(stopwatch.step_seconds())
+    tflops = 6 * tokens * features_in * features_out / seconds / 1e12
+    detail = [f"{tokens} tokens x {features_in} -> {features_out}, bf16 autocast, forward + backward, median of "
+              f"{steps} after {warmup}"]
+    result = {"tokens/s": tokens / seconds, "TFLOP/s": tflops, **mfu(tflops, hardware_of(device), device, detail)}
+    ok, evidence = fp8_evidence(fp8, [layer], counter.calls, "in one pass")
+    return {**result, "status": "passed" if ok else "failed", "detail": "; ".join([evidence, *detail])}
+
+
+def compare_to_baseline(records: dict[str, dict], rows: list[Row]) -> None:
+    """Each fp8 row against its bf16 row of the same run: ``vs bf16`` (tokens/s ratio) and, for the models, ``vs ref``
+    (last loss difference; beyond ``FP8_LOSS_TOLERANCE`` the row fails)."""
+    for row in rows:
+        record, base = records[row.key], records.get(row.options.get("baseline"), {})
+        if "tokens/s" not in record or "tokens/s" not in base:
+            continue
+        record["vs bf16"] = record["tokens/s"] / base["tokens/s"]
+        if "loss" in record and "loss" in base:
+            record["vs ref"] = diff = record["loss"] - base["loss"]
+            if not abs(diff) <= FP8_LOSS_TOLERANCE:
+                record["status"] = "failed"
+                record["detail"] = f"|loss - bf16 loss| > {FP8_LOSS_TOLERANCE:g}; {record['detail']}"
 
 
 # ---------------------------------------------------------------------------- family 1b: two ranks on one device
@@ -564,6 +746,8 @@ WORKERS: dict[str, Callable[[Row, Sizes, Path, dict], dict]] = {
     "kernel_profiled": kernel_profiled_row,
     "forced_flash": forced_flash_row,
     "speed": speed_row,
+    "fp8_speed": fp8_speed_row,
+    "fp8_linear": fp8_linear_row,
 }
 
 
@@ -729,6 +913,8 @@ def format_cell(key: str, value: Any) -> str:
         return f"{value:.1f}" if key != "planned GiB" or value >= 0.1 else f"{value:.3f}"
     if key == "MFU":
         return f"{value:.1%}"
+    if key == "vs bf16":
+        return f"{value:.2f}x"
     if key == "mem ratio":
         return f"{value:.2f}"
     return str(value)
@@ -745,7 +931,7 @@ def describe(cpu: bool) -> str:
     import torch
 
     if cpu:
-        where = "CPU smoke mode: tiny sizes, gloo; speed rows run gpt-tiny / llama-tiny at seq 64"
+        where = "CPU smoke mode: tiny sizes, gloo; speed and fp8 rows run gpt-tiny / llama-tiny at seq 64"
     else:
         version = torch.cuda.nccl.version()
         nccl = ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
@@ -757,7 +943,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cpu", action="store_true", default=os.environ.get("GPU_CHECK_CPU") == "1",
                         help="smoke mode: every row at tiny sizes on the CPU (also GPU_CHECK_CPU=1)")
-    parser.add_argument("--only", nargs="+", help="families (features, sdpa, collectives, speed) or row names")
+    parser.add_argument("--only", nargs="+", help="families (features, sdpa, collectives, speed, fp8) or row names")
     parser.add_argument("--json", type=Path, default=Path("gpu_check.json"), help="where the table goes as JSON")
     parser.add_argument("--budget", type=float, default=540.0, help="seconds for all rows; later rows are skipped")
     parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
@@ -806,6 +992,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         logs.mkdir(parents=True, exist_ok=True)
         for log in Path(tmp).glob("*/*.log"):
             shutil.copy(log, logs / f"{log.parent.name}-{log.name}".replace(" ", "_"))
+    compare_to_baseline(done, rows)
     records = [{"family": row.family, "row": row.name, **done[row.key]} for row in rows]
     print(table(records))
     args.json.write_text(json.dumps({"header": describe(args.cpu), "rows": records}, indent=1))

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# One GPU, one table: every parallel feature over CUDA/NCCL, bf16 speed and MFU, flash SDPA, memory vs the planner.
+# One GPU, one table: every parallel feature over CUDA/NCCL, bf16 speed and MFU, flash SDPA, memory vs the planner,
+# fp8 speed against bf16.
 #
-#   benchmarks/gpu_check.sh                       # the GPU run: < 10 minutes on one H200
+#   benchmarks/gpu_check.sh                       # the GPU run: < 10 minutes on one H200 (about 6-7 expected)
 #   benchmarks/gpu_check.sh --cpu                 # smoke mode: every row at tiny sizes on the CPU (or GPU_CHECK_CPU=1)
 #   benchmarks/gpu_check.sh --json out.json --only features sdpa
 #

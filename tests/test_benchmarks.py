@@ -1,6 +1,7 @@
 """The benchmark scripts keep running (tiny sizes; no timing is asserted)."""
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -247,13 +248,17 @@ def test_formulas_benchmark_measures_flops_bytes_and_activations_at_their_formul
 
 
 GPU_CHECK_ROWS = ("gpt reference fp32 z0", "gpt zero3", "gpt bf16-mixed", "gpt sequence_parallel",
-                  "gpt checkpoint save+resume", "gpt generation", "gpt kernel profiled")
+                  "gpt checkpoint save+resume", "gpt generation", "gpt kernel profiled",
+                  "linear bf16-mixed", "linear fp8 tensorwise",
+                  "gpt-1.3b bf16-mixed", "gpt-1.3b fp8 tensorwise", "gpt-1.3b fp8 rowwise")
+FP8_ROWS = ("linear fp8 tensorwise", "gpt-1.3b fp8 tensorwise", "gpt-1.3b fp8 rowwise")
 
 
 def test_gpu_check_smoke_mode_prints_one_table_of_passing_rows(tmp_path, monkeypatch):
-    """``gpu_check.sh --cpu`` on a subset of rows (one worker process): the table parses, the JSON holds the same rows,
-    every row passes (sequence parallelism at tp=1 is refused with the strategy's reason: n/a), and the reference
-    row's loss is a plain PyTorch loop's over the same model, batches and schedule."""
+    """``gpu_check.sh --cpu`` on a subset of rows (two worker processes: the features', the fp8 rows'): the table
+    parses, the JSON holds the same rows, every row passes (sequence parallelism at tp=1 is refused with the
+    strategy's reason: n/a), the reference row's loss is a plain PyTorch loop's over the same model, batches and
+    schedule, and the fp8 rows ran every parallel linear but the head in fp8, compared with their bf16 rows."""
     import json
 
     import lightning as L
@@ -276,6 +281,12 @@ def test_gpu_check_smoke_mode_prints_one_table_of_passing_rows(tmp_path, monkeyp
     assert "flash" in rows["gpt kernel profiled"]["detail"]
     for name in ("gpt zero3", "gpt checkpoint save+resume"):  # fp32: the reference's loss to the invariant's 1e-5
         assert abs(rows[name]["vs ref"]) < 1e-5, rows[name]
+    for name in FP8_ROWS:  # each row's own check: 3 _scaled_mm calls per fp8 linear, none in its bf16 row
+        converted, linears = map(int, re.search(r"(\d+) of (\d+) linears converted", rows[name]["detail"]).groups())
+        assert converted == (linears - 1 if name.startswith("gpt") else 1), rows[name]  # all but the output head
+        assert rows[name]["vs bf16"] > 0, rows[name]
+    for name in ("gpt-1.3b fp8 tensorwise", "gpt-1.3b fp8 rowwise"):
+        assert 0 < abs(rows[name]["vs ref"]) <= load_benchmark("gpu_check").FP8_LOSS_TOLERANCE, rows[name]
 
     gpu_check = load_benchmark("gpu_check")
     args = gpu_check.model_args(gpu_check.CPU, "gpt")
@@ -284,6 +295,32 @@ def test_gpu_check_smoke_mode_prints_one_table_of_passing_rows(tmp_path, monkeyp
         L.seed_everything(args.seed, verbose=False)  # as the driver's fit does
         _, _, reference = load_throughput().run_plain(args, torch.device("cpu"))
     assert abs(rows["gpt reference fp32 z0"]["loss"] - reference) < 1e-5, (rows["gpt reference fp32 z0"], reference)
+def test_gpu_check_fp8_evidence_counts_the_scaled_mm_calls_and_fails_a_silent_fallback():
+    """The fp8 rows' check: a column linear's forward + backward runs 3 ``_scaled_mm`` with FP8 GEMMs and none
+    without; a layer asked for FP8 that ran in high precision (or FP8 where none was asked) fails."""
+    import torch
+
+    from lightning_megatron.tensor_parallel.fp8 import Fp8Gemms, Fp8Recipe
+    from lightning_megatron.tensor_parallel.layers import ColumnParallelLinear
+
+    gpu_check = load_benchmark("gpu_check")
+    fp8_layer, hp_layer = ColumnParallelLinear(32, 16), ColumnParallelLinear(32, 16)
+    fp8_layer.gemms = Fp8Gemms(Fp8Recipe.named("tensorwise"), None, "output")
+    calls = {}
+    for name, layer in (("fp8", fp8_layer), ("hp", hp_layer)):
+        torch.nn.init.normal_(layer.weight)
+        counter = gpu_check.scaled_mm_counter()
+        with counter:
+            layer(torch.randn(16, 32, requires_grad=True)).sum().backward()
+        calls[name] = counter.calls
+    assert calls == {"fp8": 3, "hp": 0}
+    assert gpu_check.fp8_evidence("tensorwise", [fp8_layer], calls["fp8"], "")[0]
+    assert gpu_check.fp8_evidence(None, [hp_layer], calls["hp"], "")[0]
+    assert not gpu_check.fp8_evidence("tensorwise", [fp8_layer], calls["hp"], "")[0]  # its GEMMs ran in high precision
+    assert not gpu_check.fp8_evidence("tensorwise", [hp_layer], calls["hp"], "")[0]  # the layer was not converted
+    assert not gpu_check.fp8_evidence(None, [fp8_layer], calls["fp8"], "")[0]  # fp8 where none was asked
+
+
 def test_overlap_benchmark_measures_every_overlap_on_and_off_with_the_same_losses():
     """``overlap.py --quick``: every registered overlap (ZeRO's parameter gathers, tensor-parallel communication under
     sequence parallelism, pipeline receives) trained on and off in one launch; the losses agree (exactly, or to fp32
