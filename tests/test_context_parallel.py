@@ -37,6 +37,12 @@ LAYOUTS = [
 ]
 COUNTS = ["count-gpt-cp4-tp1-dp1", "count-llama-cp2-tp1-dp2", "count-bert-cp2-tp2-dp1-sp", "count-llama-cp4-tp1-dp1-ag"]
 EXTRAS = ["kernels-gpt-cp4-tp1-dp1", "kernels-gpt-cp2-tp1-dp2", "gen-llama-cp2-tp2-dp1-sp", "errors-gpt-cp4-tp1-dp1"]
+# FP8 (tensorwise "t", rowwise "r"): the activations' and gradients' amaxes reduced over cp too, against one process
+# running the same dp pieces of the batch in fp8, whole sequences, the first step (test_layout_invariance.py says why).
+FP8_LAYOUTS = {"gpt-cp2-tp1-dp2-fp8t-s1": "gpt-cp1-tp1-dp1-mb2-fp8t-s1",
+               "gpt-cp2-tp2-dp1-sp-fp8r-s1": "gpt-cp1-tp1-dp1-fp8r-s1",
+               "gpt-cp4-tp1-dp1-fp8t-s1": "gpt-cp1-tp1-dp1-fp8t-s1",
+               "gpt-cp2-tp1-dp2-ag-fp8r-s1": "gpt-cp1-tp1-dp1-mb2-fp8r-s1"}
 LOSS_TOL, WEIGHT_TOL = 1e-5, 1e-5
 
 
@@ -128,8 +134,17 @@ def _reference(name):
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory):
     out = tmp_path_factory.mktemp("cp_layouts")
-    results, _ = launch("cp_layouts.py", 4, out, ",".join(LAYOUTS + COUNTS + EXTRAS))
+    results, _ = launch("cp_layouts.py", 4, out, ",".join(LAYOUTS + list(FP8_LAYOUTS) + COUNTS + EXTRAS))
     return out, results
+
+
+@pytest.fixture(scope="module")
+def fp8_single(tmp_path_factory):
+    """The fp8 references: one process (cp1), the worker's own model and batches."""
+    out = tmp_path_factory.mktemp("cp_fp8_single")
+    references = sorted(set(FP8_LAYOUTS.values()))
+    launch("cp_layouts.py", 1, out, ",".join(references))
+    return {name: torch.load(out / f"{name}.pt", weights_only=True) for name in references}
 
 
 @pytest.fixture(scope="module")
@@ -149,6 +164,18 @@ def test_context_parallel_layouts_match_one_process(launched, references, layout
     weight_dev = {k: (result["weights"][k] - ref_weights[k]).abs().max().item() for k in ref_weights}
     worst = max(weight_dev, key=weight_dev.get)
     print(f"{layout}: loss deviation {loss_dev:.2e}, worst weight deviation {weight_dev[worst]:.2e} ({worst})")
+    assert weight_dev[worst] < WEIGHT_TOL, f"{layout}: {worst} deviates by {weight_dev[worst]:.2e}"
+
+
+@pytest.mark.parametrize("layout", sorted(FP8_LAYOUTS))
+def test_fp8_under_context_parallelism_matches_one_process_in_fp8(launched, fp8_single, layout):
+    out, _ = launched
+    result, single = torch.load(out / f"{layout}.pt", weights_only=True), fp8_single[FP8_LAYOUTS[layout]]
+    assert len(result["losses"]) == len(single["losses"]) == 1
+    assert abs(result["losses"][0] - single["losses"][0]) < LOSS_TOL, (result["losses"], single["losses"])
+    weight_dev = {k: (result["weights"][k] - single["weights"][k]).abs().max().item() for k in single["weights"]}
+    worst = max(weight_dev, key=weight_dev.get)
+    print(f"{layout}: worst weight deviation {weight_dev[worst]:.2e} ({worst})")
     assert weight_dev[worst] < WEIGHT_TOL, f"{layout}: {worst} deviates by {weight_dev[worst]:.2e}"
 
 

@@ -86,6 +86,9 @@ class StepGradients:
         rank, whose gradients are summed: hence one scalar all-reduce per step. An fp16 loss
         scale joins the factor. A float64 tensor on the device: reading the token count on the
         host would stall the host until the forward pass had run, before it could queue backward.
+        The guess is rounded up to a power of two: multiplying by it is then exact, and FP8's
+        casts of the gradients (``tensor_parallel.fp8``; rowwise scales are powers of two) give
+        the same numbers whatever guess a layout makes (its micro-batch tokens, dp, cp).
         """
         if self._token_estimate is None:
             if isinstance(micro_batch_tokens, Tensor):
@@ -94,7 +97,7 @@ class StepGradients:
                 tokens = torch.tensor(max(float(micro_batch_tokens), 1.0), dtype=torch.float64, device=self.device)
             if self.data_parallel_group is not None:
                 dist.all_reduce(tokens, op=dist.ReduceOp.MAX, group=self.data_parallel_group)
-            self._token_estimate = tokens * (accumulation * self.data_parallel_size)
+            self._token_estimate = torch.exp2(torch.ceil(torch.log2(tokens * (accumulation * self.data_parallel_size))))
         return loss_scale / self._token_estimate
 
     def finish(self, *, accumulation: int, loss_scale: float) -> bool:

@@ -1,10 +1,12 @@
 """Train tiny GPT, Llama-shaped and BERT models for a few steps at several context-parallel layouts over the same
 processes, count the ring's messages, and generate under context parallelism.
 
-argv: OUT_DIR LAYOUTS, a comma list of ``<model>-cp{C}[-pp{P}]-tp{T}-dp{D}[-sp][-mb{M}][-z{Z}][-rc|-sel][-ag]``
+argv: OUT_DIR LAYOUTS, a comma list of
+``<model>-cp{C}[-pp{P}]-tp{T}-dp{D}[-sp][-mb{M}][-z{Z}][-rc|-sel][-ag][-fp8t|-fp8r][-s{N}]``
 (models: ``gpt`` learned positions, ``llama`` rotary + grouped-query, ``bert`` bidirectional with padding, ``doc`` and
 ``llamadoc`` the first two on packed samples with document masks; ``rc``
-full and ``sel`` selective recomputation; ``ag`` the all-gather attention), ``count-<layout>`` for the
+full and ``sel`` selective recomputation; ``ag`` the all-gather attention; ``fp8t`` / ``fp8r``: the linears in FP8,
+tensorwise or rowwise; ``s{N}``: the first N steps), ``count-<layout>`` for the
 collectives of one step, ``gen-<layout>`` for greedy generation, ``kernels-<layout>`` for the two attentions against
 SDPA in fp64, or ``errors-<layout>`` for what every rank says to bad input. The model is the LightningModule, split by the
 strategy's own steps (``parallelize``, ``apply_recompute``, ``prepare_context_parallel``, ``split_pipeline``,
@@ -28,8 +30,12 @@ from lightning_megatron.parallel import ParallelConfig, ParallelState, TensorPar
 from lightning_megatron.parallel.initialize import initialize_parameters
 from lightning_megatron.preparation import apply_recompute, prepare_context_parallel, split_pipeline
 from lightning_megatron.tensor_parallel import parallelize
+from lightning_megatron.tensor_parallel.fp8 import Fp8Recipe
+from lightning_megatron.tensor_parallel.fp8_plan import convert_to_fp8
 
-LAYOUT = re.compile(r"(\w+)-cp(\d+)(?:-pp(\d+))?-tp(\d+)-dp(\d+)(-sp)?(?:-mb(\d+))?(?:-z(\d))?(?:-(rc|sel))?(-ag)?")
+LAYOUT = re.compile(r"(\w+)-cp(\d+)(?:-pp(\d+))?-tp(\d+)-dp(\d+)(-sp)?(?:-mb(\d+))?(?:-z(\d))?(?:-(rc|sel))?(-ag)?"
+                    r"(?:-fp8(t|r))?(?:-s(\d+))?")
+FP8_RECIPES = {"t": "tensorwise", "r": "rowwise"}
 SEED, GLOBAL_BATCH, CLIP = gpt_setup.SEED, gpt_setup.GLOBAL_BATCH, gpt_setup.CLIP
 
 
@@ -39,16 +45,18 @@ def parse(layout: str):
     config = ParallelConfig(tensor_parallel_size=tp, pipeline_parallel_size=pp, data_parallel_size=dp,
                             sequence_parallel=bool(match[6]), zero_stage=int(match[8] or 0), context_parallel_size=cp)
     recompute = {"rc": "full", "sel": "selective"}.get(match[9], "none")
-    return match[1], config, int(match[7] or 1), recompute, "all_gather" if match[10] else "ring"
+    fp8 = match[11] and Fp8Recipe.named(FP8_RECIPES[match[11]])
+    return match[1], config, int(match[7] or 1), recompute, "all_gather" if match[10] else "ring", fp8, match[12]
 
 
-def build(name: str, config: ParallelConfig, micro_batches: int, recompute: str, attention: str):
+def build(name: str, config: ParallelConfig, micro_batches: int, recompute: str, attention: str, fp8=None):
     state = ParallelState.create(config, "cpu")
     module = MODELS[name]()
     with torch.device("meta"):
         module.configure_model()
     rng = TensorParallelRNG(SEED, state.tensor_parallel_rank, "cpu")
     parallelize(module, module.tensor_parallel_plan(), state, rng=rng)
+    convert_to_fp8(module, fp8, state)
     apply_recompute(module, recompute, rng)
     splitter = prepare_context_parallel(module, state, attention)
     split = split_pipeline(module, state)
@@ -88,10 +96,10 @@ def train_step(state, root, step, runner, batch, micro_batches):
 
 
 def train(layout: str):
-    name, config, micro_batches, recompute, attention = parse(layout)
-    state, module, root, opt, step, runner, splitter = build(name, config, micro_batches, recompute, attention)
+    name, config, micro_batches, recompute, attention, fp8, steps = parse(layout)
+    state, module, root, opt, step, runner, splitter = build(name, config, micro_batches, recompute, attention, fp8)
     losses = []
-    for batch in model_batches(name):
+    for batch in model_batches(name)[:int(steps or gpt_setup.STEPS)]:
         loss_sum, tokens = train_step(state, root, step, runner, rank_batch(state, splitter, batch), micro_batches)
         step.finish(accumulation=1 if runner is not None else micro_batches, loss_scale=1.0)
         norm, _ = step.check_finite(opt.param_groups, step=len(losses), epoch=0)
@@ -111,7 +119,7 @@ def train(layout: str):
 def count(layout: str) -> dict:
     """The collectives of one step's forward and of its backward (no gradient reduction), as ``"<kind>/<group>":
     calls``; point-to-point messages counted one per tensor sent or received."""
-    name, config, _, recompute, attention = parse(layout.removeprefix("count-"))
+    name, config, _, recompute, attention, _, _ = parse(layout.removeprefix("count-"))
     state, module, root, opt, step, runner, splitter = build(name, config, 1, recompute, attention)
     batch = rank_batch(state, splitter, model_batches(name)[0])
     names = (("replicas", state.replica_group), ("dp", state.data_parallel_group), ("tp", state.tensor_parallel_group),
@@ -138,7 +146,7 @@ def kernels(layout: str) -> dict:
     from lightning_megatron.context_parallel.documents import DocumentMask
     from lightning_megatron.context_parallel.ring import ring_attention
 
-    _, config, _, _, _ = parse(layout.removeprefix("kernels-"))
+    _, config, _, _, _, _, _ = parse(layout.removeprefix("kernels-"))
     state = ParallelState.create(config, "cpu")
     group, size, rank = state.context_parallel_group, config.context_parallel_size, state.context_parallel_rank
     generator = torch.Generator().manual_seed(SEED)
@@ -177,7 +185,7 @@ def errors(layout: str) -> dict:
     from lightning_megatron.context_parallel import apply_context_parallel
     from lightning_megatron.context_parallel.apply import BatchSplitter
 
-    _, config, _, _, _ = parse(layout.removeprefix("errors-"))
+    _, config, _, _, _, _, _ = parse(layout.removeprefix("errors-"))
     state = ParallelState.create(config, "cpu")
     said = {}
     splitter = BatchSplitter(GPT(gpt_setup.CONFIG), state)
@@ -197,7 +205,7 @@ def generate_at(layout: str) -> dict:
     the tokens of one process."""
     from lightning_megatron.generation import generate
 
-    name, config, _, _, attention = parse(layout.removeprefix("gen-"))
+    name, config, _, _, attention, _, _ = parse(layout.removeprefix("gen-"))
     state, module, root, opt, step, runner, splitter = build(name, config, 1, "none", attention)
     step.remove()
     torch.manual_seed(SEED)
