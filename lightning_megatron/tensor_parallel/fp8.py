@@ -129,7 +129,11 @@ def scaled_mm(a: Fp8Operand, b: Fp8Operand, out_dtype: torch.dtype) -> Tensor:
     scale_a, scale_b = a.inverse_scale, b.inverse_scale
     if scale_a.dim():  # rowwise: [M, 1] and [1, N] with unit strides (a transposed [1, M] has not)
         scale_a, scale_b = scale_a.flatten().unsqueeze(1), scale_b.flatten().unsqueeze(0)
-    return torch._scaled_mm(a.data.contiguous(), b_data, scale_a, scale_b, out_dtype=out_dtype)
+    # Outside autocast (``out_dtype`` is already its dtype where it is on): the CPU kernel dequantizes the operands to
+    # fp32 and multiplies them with a matmul that autocast would run on bf16 copies, rounding operands whose scales
+    # are not powers of two (tensorwise) by up to 2^-9 more than the GEMM of a GPU, or of this function outside it.
+    with torch.autocast(a.data.device.type, enabled=False):
+        return torch._scaled_mm(a.data.contiguous(), b_data, scale_a, scale_b, out_dtype=out_dtype)
 
 
 def _pad_rows(t: Tensor) -> Tensor:
