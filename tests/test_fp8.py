@@ -258,3 +258,57 @@ def test_convert_to_fp8_refuses_naming_the_layer_and_the_fix(hidden, ffn, exclud
     block, state = _parallel_block(hidden, ffn)
     with pytest.raises(ValueError, match=message):
         convert_to_fp8(block, Fp8Recipe.named("tensorwise"), state, exclude)
+
+
+@pytest.fixture(scope="module")
+def tensor_parallel_results(tmp_path_factory):
+    results, _ = launch("fp8_layers.py", 2, tmp_path_factory.mktemp("fp8_layers"))
+    assert len(results) == 2
+    return results
+
+
+LAYERS = ("column", "column_sp", "packed", "query_groups", "experts_column", "row", "row_sp", "experts_row",
+          "column_autocast", "column_sp_autocast")
+
+
+def test_tensor_parallel_fp8_layers_equal_the_single_process_fp8_layer(tensor_parallel_results):
+    """At tp2, each rank's part of the output and of the input, weight and bias gradients equals the single-process
+    FP8 layer's to 1e-6 (fp32 summation order of partial sums), both recipes: column and row layers with and without
+    sequence parallelism, packed and query-group columns (key/value rows replicated on both ranks), the experts'
+    column and row layers inside an MoE region. Under bf16 autocast the column layer's input gradient is a sum of
+    partial GEMM outputs each rounded to bf16 (as without FP8): to bf16 rounding."""
+    for rank, result in enumerate(tensor_parallel_results):
+        errors = result["errors"]
+        assert set(errors) == {f"{layer}_{recipe}_{tensor}" for layer in LAYERS for recipe in RECIPES
+                               for tensor in ("output", "input_grad", "weight_grad", "bias_grad")
+                               if (layer, tensor) != ("experts_row", "bias_grad")}  # (no bias inside a region)
+        rounded = {name for name in errors if "autocast" in name and name.endswith("input_grad")}
+        worst = {name: value for name, value in errors.items() if value > (2 ** -7 if name in rounded else 1e-6)}
+        assert not worst, f"rank {rank}: {worst}"
+
+
+def test_the_amax_reduction_over_tensor_parallel_ranks_is_what_makes_them_equal(tensor_parallel_results):
+    """Negative control: a row layer whose input rows all have their amax in rank 0's shard (2^16 times the rest, on
+    input features with zero weights). With the amaxes reduced over tp its output is the single-process layer's;
+    with the group removed (``Fp8Gemms(recipe, None, "input")``) rank 1 scales its part of each row by its own
+    amax, and the output is off by a fifth of its largest value (tensorwise and rowwise)."""
+    for result in tensor_parallel_results:
+        controls = result["controls"]
+        for recipe in RECIPES:
+            assert controls[f"reduced_{recipe}_output"] < 1e-6, controls
+            assert controls[f"local_{recipe}_output"] > 0.05, controls
+
+
+def test_tensor_parallel_fp8_under_autocast_outputs_bf16_and_fp32_gradients(tensor_parallel_results):
+    for result in tensor_parallel_results:
+        for layout in ("tensorwise", "tensorwise_sp", "rowwise", "rowwise_sp"):
+            assert result["dtypes"][layout] == ["torch.bfloat16"] + ["torch.float32"] * 3, layout
+
+
+def test_convert_to_fp8_at_tp2_reduces_over_the_tensor_parallel_group_and_checks_local_sizes(tensor_parallel_results):
+    for result in tensor_parallel_results:
+        converted = result["converted"]
+        assert converted["names"] == ["fc", "proj"] and converted["gemms"] == [True, True]
+        assert converted["refusal"].startswith(
+            "FP8 cannot run fc: its local output features 24 (at tensor_parallel_size=2) are not multiples of 16")
+        assert "add its name to fp8_exclude" in converted["refusal"]
