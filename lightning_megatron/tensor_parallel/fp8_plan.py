@@ -71,8 +71,8 @@ def convert_to_fp8(module: nn.Module, recipe: Optional[Fp8Recipe], state: Parall
                          f"across dots).")
     if not converted:
         raise ValueError(f"fp8={recipe.name!r} found no column- or row-parallel linear to run in FP8 in "
-                         f"{type(module).__name__} (fp8_exclude={list(exclude)}): exclude fewer layers, set fp8=None, or "
-                         f"check that its tensor_parallel_plan() names its linears.")
+                         f"{type(module).__name__} (fp8_exclude={list(exclude)}): exclude fewer layers, set "
+                         f"fp8=None, or check that its tensor_parallel_plan() names its linears.")
     return converted
 
 
