@@ -5,7 +5,7 @@ tensor-parallel layer's output and gradients with the matching part: the column 
 parallelism), the packed and query-group columns (the latter with key/value rows replicated on both ranks), the
 row layer (with and without), and the experts' column and row layers inside an MoE region, for both recipes. A
 negative control removes the tensor-parallel group from the amaxes of a row layer whose input rows have their amax
-in rank 0's shard. Results (max |error| / max |reference| per tensor) go to rank{r}.json.
+in rank 0's shard, and of a column layer whose output gradient rows have. Results (max |error| / max |reference| per tensor) go to rank{r}.json.
 """
 
 import json
@@ -88,8 +88,11 @@ def summed(t):
 
 
 def column_case(name, recipe, out_features, *, sequence_parallel=False, rank_ranges=None, communicates=True,
-                autocast=False):
+                autocast=False, gemms=None, plant=False, into=errors):
     x, weight, bias, grad = data(out_features)
+    if plant:  # every token's gradient amax in rank 0's shard (output feature 0, whose weights are zero)
+        grad[..., 0] = 2 ** 16 * grad.abs().max()
+        weight[0] = 0
     y_ref, dx_ref, dw_ref, db_ref = single_process(recipe, x, weight, bias, grad, autocast)
     layer = ColumnParallelLinear(K, out_features, group=group, sequence_parallel=sequence_parallel,
                                  rank_ranges=rank_ranges)
@@ -97,17 +100,17 @@ def column_case(name, recipe, out_features, *, sequence_parallel=False, rank_ran
     shard = layer.weight.tensor_shard
     layer.weight.data.copy_(shard.local_slice(weight))
     layer.bias.data.copy_(layer.bias.tensor_shard.local_slice(bias))
-    layer.gemms = Fp8Gemms(recipe, group, "output")
+    layer.gemms = gemms or Fp8Gemms(recipe, group, "output")
     mask = primary(shard)
     x_local = (sequence_chunk(x) if sequence_parallel else x).clone().requires_grad_()
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
         y = layer(x_local)
     y.backward((local_features(grad, shard) * mask).to(y.dtype))
     dx = x_local.grad if communicates else summed(x_local.grad)  # inside a region: partial until it is left
-    errors[f"{name}_output"] = relative(y, local_features(y_ref, shard))
-    errors[f"{name}_input_grad"] = relative(dx, sequence_chunk(dx_ref) if sequence_parallel else dx_ref)
-    errors[f"{name}_weight_grad"] = relative(layer.weight.grad, shard.local_slice(dw_ref) * mask[:, None])
-    errors[f"{name}_bias_grad"] = relative(layer.bias.grad, local_features(db_ref, shard) * mask)
+    into[f"{name}_output"] = relative(y, local_features(y_ref, shard))
+    into[f"{name}_input_grad"] = relative(dx, sequence_chunk(dx_ref) if sequence_parallel else dx_ref)
+    into[f"{name}_weight_grad"] = relative(layer.weight.grad, shard.local_slice(dw_ref) * mask[:, None])
+    into[f"{name}_bias_grad"] = relative(layer.bias.grad, local_features(db_ref, shard) * mask)
     return y.dtype, (x_local.grad.dtype, layer.weight.grad.dtype, layer.bias.grad.dtype)
 
 
@@ -155,9 +158,13 @@ for recipe_name in ("tensorwise", "rowwise"):
         output_dtype, grad_dtypes = column_case(f"column{tag}_autocast_{recipe_name}", recipe, 64,
                                                 sequence_parallel=sequence_parallel, autocast=True)
         dtypes[f"{recipe_name}{tag}"] = [str(output_dtype), *map(str, grad_dtypes)]
-    # Negative control: the planted weight amax with and without the tensor-parallel reduction.
-    row_case(f"reduced_{recipe_name}", recipe, plant=True, into=controls)
-    row_case(f"local_{recipe_name}", recipe, plant=True, gemms=Fp8Gemms(recipe, None, "input"), into=controls)
+    # Negative controls: the planted amaxes with and without the tensor-parallel reduction, where the row layer's
+    # forward and the column layer's input gradient contract over a cut dimension.
+    row_case(f"row_reduced_{recipe_name}", recipe, plant=True, into=controls)
+    row_case(f"row_local_{recipe_name}", recipe, plant=True, gemms=Fp8Gemms(recipe, None, "input"), into=controls)
+    column_case(f"column_reduced_{recipe_name}", recipe, 64, plant=True, into=controls)
+    column_case(f"column_local_{recipe_name}", recipe, 64, plant=True, gemms=Fp8Gemms(recipe, None, "output"),
+                into=controls)
 
 # convert_to_fp8 at tp2: the layers get the tensor-parallel group and their cut; a local size not a multiple of 16
 # (48 output features, 24 per rank) is refused, naming the size at this tensor_parallel_size.
