@@ -149,25 +149,35 @@ def test_fp8_error_is_within_the_formats_bound_and_of_their_size(recipe):
     assert relative(emulated["bias_grad"], exact["bias_grad"]) == 0.0  # the bias stays in high precision
 
 
-def test_tensorwise_layer_matches_torchaos_float8_linear():
-    """torchao's ``Float8Linear`` (tensorwise recipe, real ``_scaled_mm``, fp32) on the same weights: output and
-    gradients within a few fp32 ulp (its scales are computed the same way; one ulp where it divides by the scale
-    and this code multiplies by its reciprocal)."""
+@pytest.mark.parametrize("recipe, dtype", [("tensorwise", torch.float32), ("tensorwise", torch.bfloat16),
+                                           ("rowwise", torch.bfloat16)])
+def test_fp8_layer_matches_torchaos_float8_linear(recipe, dtype):
+    """torchao's ``Float8Linear`` (its recipe of the same name, real ``_scaled_mm``) on the same weights: output and
+    gradients within a few fp32 ulp (one where it divides by the scale and this code multiplies by its reciprocal),
+    in bf16 to within bf16 rounding. Not rowwise in fp32: torchao rounds those GEMMs' outputs through bf16."""
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
-    x, weight, bias, grad = inputs()
-    got = run_layer(fp8_layer("tensorwise", weight, bias), x, grad)
-    linear = nn.Linear(IN, OUT)
+    x, weight, bias, grad = (t.to(dtype) for t in inputs())
+    layer = ColumnParallelLinear(IN, OUT, dtype=dtype)
+    layer.weight.data.copy_(weight)
+    layer.bias.data.copy_(bias)
+    layer.gemms = Fp8Gemms(Fp8Recipe.named(recipe), None, "output")
+    got = run_layer(layer, x, grad)
+    linear = nn.Linear(IN, OUT, dtype=dtype)
     linear.weight.data.copy_(weight)
     linear.bias.data.copy_(bias)
-    oracle = convert_to_float8_training(nn.Sequential(linear), config=Float8LinearConfig.from_recipe_name("tensorwise"))
+    oracle = convert_to_float8_training(nn.Sequential(linear), config=Float8LinearConfig.from_recipe_name(recipe))
     assert type(oracle[0]).__name__ == "Float8Linear" and not oracle[0].config.emulate
     x_oracle = x.clone().requires_grad_()
-    oracle(x_oracle).backward(grad)
-    expected = {"output": oracle(x).detach().flatten(0, 1), "input_grad": x_oracle.grad.flatten(0, 1),
+    y_oracle = oracle(x_oracle)
+    y_oracle.backward(grad)
+    expected = {"output": y_oracle.detach().flatten(0, 1), "input_grad": x_oracle.grad.flatten(0, 1),
                 "weight_grad": oracle[0].weight.grad, "bias_grad": oracle[0].bias.grad}
+    tolerance = 1e-6 if dtype == torch.float32 else 2 ** -8
     for name, value in expected.items():
-        assert relative(got[name], value) < 1e-6, (name, relative(got[name], value))
+        assert got[name].dtype == dtype
+        error = relative(got[name].float(), value.float())
+        assert error < tolerance, (name, error)
 
 
 @pytest.mark.parametrize("recipe", RECIPES)

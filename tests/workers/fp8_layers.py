@@ -3,9 +3,10 @@
 Every rank computes the single-process FP8 layer on the full tensors itself and compares its shard of each
 tensor-parallel layer's output and gradients with the matching part: the column layer (with and without sequence
 parallelism), the packed and query-group columns (the latter with key/value rows replicated on both ranks), the
-row layer (with and without), and the experts' column and row layers inside an MoE region, for both recipes. A
-negative control removes the tensor-parallel group from the amaxes of a row layer whose input rows have their amax
-in rank 0's shard, and of a column layer whose output gradient rows have. Results (max |error| / max |reference| per tensor) go to rank{r}.json.
+row layer (with and without), and the experts' column and row layers inside an MoE region, for both recipes.
+Negative controls remove the tensor-parallel group from the amaxes of a row layer whose input rows have their amax
+in rank 0's shard, and of a column layer whose output gradient rows have. Results (max |error| / max |reference|
+per tensor) go to rank{r}.json.
 """
 
 import json
