@@ -141,7 +141,11 @@ def scaled_mm(a: Fp8Operand, b: Fp8Operand, out_dtype: torch.dtype) -> Tensor:
         scale_a, scale_b = scale_a.flatten().unsqueeze(1), scale_b.flatten().unsqueeze(0)
         if a.data.is_cuda:  # CUDA's rowwise kernels write bf16 only (pytorch#156771): fp32/fp16 runs round through it
             gemm_dtype = torch.bfloat16
-    y = torch._scaled_mm(a.data.contiguous(), b_data, scale_a, scale_b, out_dtype=gemm_dtype)
+    # Outside autocast (``out_dtype`` is already its dtype where it is on): the CPU kernel dequantizes the operands to
+    # fp32 and multiplies them with a matmul that autocast would run on bf16 copies, rounding operands whose scales
+    # are not powers of two (tensorwise) by up to 2^-9 more than the GEMM of a GPU, or of this function outside it.
+    with torch.autocast(a.data.device.type, enabled=False):
+        y = torch._scaled_mm(a.data.contiguous(), b_data, scale_a, scale_b, out_dtype=gemm_dtype)
     return y if gemm_dtype == out_dtype else y.to(out_dtype)
 
 

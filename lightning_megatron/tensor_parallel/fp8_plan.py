@@ -29,14 +29,15 @@ from lightning_megatron.tensor_parallel.overlap import FP8_OVERLAP_REFUSAL
 
 def check_fp8_options(fp8: Optional[str], exclude: Sequence[str], tp_comm_overlap: bool) -> Optional[Fp8Recipe]:
     """The recipe named by ``fp8`` (``None``: off), refusing what does not compose; before any process starts."""
+    if isinstance(exclude, str):  # (a string is a sequence of one-letter patterns)
+        raise ValueError(f"fp8_exclude takes a list of module-name patterns, got the string {exclude!r}: write "
+                         f"fp8_exclude=[{exclude!r}].")
     if fp8 is None:
         if exclude:
             raise ValueError(f"fp8_exclude={list(exclude)} names layers to keep out of FP8, but fp8=None: set fp8 to "
                              f"'tensorwise' or 'rowwise', or drop fp8_exclude.")
         return None
     recipe = Fp8Recipe.named(fp8)
-    if isinstance(exclude, str):
-        raise ValueError(f"fp8_exclude takes a list of module-name patterns, got the string {exclude!r}.")
     if tp_comm_overlap:
         raise ValueError(FP8_OVERLAP_REFUSAL)
     require_torchao()  # installed? (told now, not after the launch)
@@ -54,11 +55,11 @@ def convert_to_fp8(module: nn.Module, recipe: Optional[Fp8Recipe], state: Parall
     converted = []
     size = state.config.tensor_parallel_size
     for name, layer in module.named_modules():
-        if not isinstance(layer, (ColumnParallelLinear, RowParallelLinear)) or isinstance(layer, VocabParallelHead):
+        if not isinstance(layer, (ColumnParallelLinear, RowParallelLinear)):
             continue
         matched = {pattern for pattern in exclude if fnmatch.fnmatchcase(name, pattern)}
-        if matched:
-            unused -= matched
+        unused -= matched  # a pattern naming the head is not unused: the head stays in high precision anyway
+        if matched or isinstance(layer, VocabParallelHead):
             continue
         local_out, local_in = layer.weight.shape
         check_fp8_shape(name, local_in, local_out, size)
@@ -71,8 +72,8 @@ def convert_to_fp8(module: nn.Module, recipe: Optional[Fp8Recipe], state: Parall
                          f"across dots).")
     if not converted:
         raise ValueError(f"fp8={recipe.name!r} found no column- or row-parallel linear to run in FP8 in "
-                         f"{type(module).__name__} (fp8_exclude={list(exclude)}): does its tensor_parallel_plan() "
-                         f"name its linears?")
+                         f"{type(module).__name__} (fp8_exclude={list(exclude)}): exclude fewer layers, set "
+                         f"fp8=None, or check that its tensor_parallel_plan() names its linears.")
     return converted
 
 
