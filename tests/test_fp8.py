@@ -328,3 +328,6 @@ def test_convert_to_fp8_at_tp2_reduces_over_the_tensor_parallel_group_and_checks
         assert converted["refusal"].startswith(
             "FP8 cannot run fc: its local output features 24 (at tensor_parallel_size=2) are not multiples of 16")
         assert "add its name to fp8_exclude" in converted["refusal"]
+        assert converted["replicated_refusal"].startswith("FP8 cannot run qkv at tensor_parallel_size=2: ranks [0, 1] "
+                                                          "share its output rows 64..95"), converted
+        assert "fp8_exclude=['qkv']" in converted["replicated_refusal"]

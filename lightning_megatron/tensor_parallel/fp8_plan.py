@@ -25,6 +25,7 @@ from lightning_megatron.parallel.state import ParallelState
 from lightning_megatron.tensor_parallel.fp8 import Fp8Gemms, Fp8Recipe, require_torchao, check_fp8_shape
 from lightning_megatron.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelHead
 from lightning_megatron.tensor_parallel.overlap import FP8_OVERLAP_REFUSAL
+from lightning_megatron.tensor_parallel.sharding import shard_of
 
 
 def check_fp8_options(fp8: Optional[str], exclude: Sequence[str], tp_comm_overlap: bool) -> Optional[Fp8Recipe]:
@@ -63,6 +64,7 @@ def convert_to_fp8(module: nn.Module, recipe: Optional[Fp8Recipe], state: Parall
             continue
         local_out, local_in = layer.weight.shape
         check_fp8_shape(name, local_in, local_out, size)
+        _check_not_replicated(name, layer, size)
         cuts = "output" if isinstance(layer, ColumnParallelLinear) else "input"
         layer.gemms = Fp8Gemms(recipe, layer.group, cuts, token_group=state.context_parallel_group)
         converted.append(name)
@@ -75,6 +77,21 @@ def convert_to_fp8(module: nn.Module, recipe: Optional[Fp8Recipe], state: Parall
                          f"{type(module).__name__} (fp8_exclude={list(exclude)}): exclude fewer layers, set "
                          f"fp8=None, or check that its tensor_parallel_plan() names its linears.")
     return converted
+
+
+def _check_not_replicated(name: str, layer: nn.Module, tensor_parallel_size: int) -> None:
+    """Refuse a layer whose output rows some ranks share (grouped-query attention's key/value rows when tp exceeds the
+    groups): each replica's output gradient there is a part of the whole, summed only after the GEMMs, and FP8 casts of
+    parts (their amax, their rounding) are not the cast of their sum, so the numbers would depend on tp."""
+    shard = shard_of(layer.weight)
+    shared = [segment for segment in shard.segments() if len(segment.holders) > 1] if shard is not None else []
+    if shared:
+        raise ValueError(
+            f"FP8 cannot run {name} at tensor_parallel_size={tensor_parallel_size}: ranks {list(shared[0].holders)} "
+            f"share its output rows {shared[0].start}..{shared[0].start + shared[0].size - 1} (key/value heads "
+            f"replicated because tp exceeds the key/value groups), and each holds only a part of their gradient, "
+            f"which FP8 would cast part by part. Keep it in high precision (fp8_exclude=[{name!r}] or '*.attn.qkv'), "
+            f"or use a tensor_parallel_size that divides the number of key/value groups.")
 
 
 def describe_fp8(module: nn.Module, recipe: Fp8Recipe) -> str:

@@ -147,7 +147,8 @@ for recipe_name in ("tensorwise", "rowwise"):
     column_case(f"column_{recipe_name}", recipe, 64)
     column_case(f"column_sp_{recipe_name}", recipe, 64, sequence_parallel=True)
     column_case(f"packed_{recipe_name}", recipe, 64, rank_ranges=PackedColumn(2).rank_ranges(64, world))
-    # Multi-query attention's qkv (4 query heads of 16, 1 key/value head) at tp2: the key/value rows on both ranks.
+    # Multi-query attention's qkv (4 query heads of 16, 1 key/value head) at tp2: the key/value rows on both ranks, their
+    # whole gradient on the primary (split between the replicas, as attention splits it, convert_to_fp8 refuses it).
     column_case(f"query_groups_{recipe_name}", recipe, 96, rank_ranges=QueryGroupColumn(4, 1).rank_ranges(96, world))
     column_case(f"experts_column_{recipe_name}", recipe, 64, communicates=False)
     row_case(f"row_{recipe_name}", recipe)
@@ -181,6 +182,14 @@ try:
     convert_to_fp8(narrow, Fp8Recipe.named("rowwise"), state)
 except ValueError as error:
     converted["refusal"] = str(error)
+
+# Multi-query qkv at tp2 (the key/value rows on both ranks, each with a part of their gradient): refused.
+shared = nn.ModuleDict({"qkv": nn.Linear(64, 96)})
+parallelize(shared, {"qkv": QueryGroupColumn(4, 1)}, state)
+try:
+    convert_to_fp8(shared, Fp8Recipe.named("tensorwise"), state)
+except ValueError as error:
+    converted["replicated_refusal"] = str(error)
 
 (out_dir / f"rank{rank}.json").write_text(json.dumps({"errors": errors, "controls": controls, "dtypes": dtypes,
                                                          "converted": converted}))
