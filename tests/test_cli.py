@@ -86,6 +86,16 @@ def test_print_config_parses_and_overrides(capsys):
     assert "tensor_parallel_size: 2" in printed
 
 
+def test_fp8_and_its_exclusions_parse_from_the_command_line(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", str(CONFIG), "--trainer.strategy.init_args.fp8=rowwise",
+              "--trainer.strategy.init_args.fp8_exclude=[blocks.0.*, blocks.3.*]", "--print_config"])
+    assert exit_info.value.code == 0
+    printed = capsys.readouterr().out
+    assert "fp8: rowwise" in printed
+    assert "- blocks.0.*" in printed and "- blocks.3.*" in printed
+
+
 def test_a_weighted_blend_parses_from_the_command_line_as_megatron_writes_it(capsys, tmp_path):
     from lightning_megatron.data.blend import parse_data_prefix
 
