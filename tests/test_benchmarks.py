@@ -1,12 +1,14 @@
 """The benchmark scripts keep running (tiny sizes; no timing is asserted)."""
 
 import json
+import math
 import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from launch import child_env
 
@@ -371,3 +373,79 @@ def test_cpu_adam_benchmark_compares_the_offloaded_step_with_torch_and_deepspeed
     assert names == {(layout, name) for layout in ("list", "flat") for name in expected}, names
     for row in rows[1:]:
         assert float(row[2]) > 0 and float(row[-1]) < 1e-5, row  # every kernel ends where the for-loop does
+
+
+def _fake_fp8_forward(linear, rowwise: bool):
+    """``linear``'s forward as FP8 computes it, written out here: input and weight scaled by ``448 / amax`` (per
+    tensor, or per row along the features with the scale rounded down to a power of two), cast to e4m3
+    (saturating), dequantized and multiplied in fp32, the product rounded to autocast's dtype."""
+    fp8 = torch.float8_e4m3fn
+    top = torch.finfo(fp8).max
+
+    def fake(t):
+        amax = t.abs().amax(dim=1, keepdim=True) if rowwise else t.abs().amax()
+        scale = (top / amax.double().clamp(min=1e-12)).float()
+        if rowwise:
+            scale = torch.exp2(torch.floor(torch.log2(scale)))
+        return (t * scale).clamp(-top, top).to(fp8).float() * scale.reciprocal()
+
+    def forward(x):
+        out_dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else x.dtype
+        with torch.autocast("cpu", enabled=False):
+            y = fake(x.reshape(-1, x.shape[-1]).float()) @ fake(linear.weight.float()).t()
+        return y.to(out_dtype).view(*x.shape[:-1], -1)
+    return forward
+
+
+def test_fp8_quality_benchmark_first_losses_are_those_of_fp8_emulated_in_the_test(tmp_path):
+    """``fp8_quality.py --smoke``: the fp32, bf16 and bf16 + FP8 (tensorwise, rowwise) runs of llama-tiny at dp2
+    train (finite, falling losses). Their first loss (the forward of the initial weights: the one every run shares)
+    is recomputed here in one process from the same seed and each dp rank's first batch: plain, under bf16
+    autocast, and with every linear but the head running ``_fake_fp8_forward``, each rank's micro-batch scaled by
+    its own amax as in the runs. Each FP8 run must equal its emulation and differ from bf16 by more than that."""
+    from types import SimpleNamespace
+
+    from lightning_megatron.data import GPTDataModule
+    from lightning_megatron.models.gpt import GPTConfig, GPTModel
+
+    plot = tmp_path / "curves.png"
+    result = subprocess.run([sys.executable, str(REPO / "benchmarks" / "fp8_quality.py"), "--smoke", "--json",
+                             f"--plot={plot}"], capture_output=True, text=True, timeout=300, env=child_env())
+    assert result.returncode == 0, result.stderr[-3000:]
+    runs = {run["name"]: run for run in json.loads(result.stdout)}
+    args = load_benchmark("fp8_quality").parse_args(["--smoke"])
+    assert list(runs) == args.runs and plot.stat().st_size > 10_000
+    for run in runs.values():
+        assert len(run["losses"]) == args.steps and not run["diverged"], run
+        assert all(math.isfinite(loss) for loss in run["losses"]) and run["losses"][-1] < run["losses"][0], run
+
+    def rank_batch(rank):
+        data = GPTDataModule(seq_length=args.seq, global_batch_size=args.batch, max_files=args.max_files,
+                             seed=args.seed)
+        strategy = SimpleNamespace(distributed_sampler_kwargs={"num_replicas": args.ranks, "rank": rank})
+        data.trainer = SimpleNamespace(strategy=strategy, max_steps=args.steps, accumulate_grad_batches=1)
+        data.setup("fit")
+        return next(iter(data.train_dataloader()))
+
+    batches = [rank_batch(rank) for rank in range(args.ranks)]
+
+    def first_loss(fp8=None, autocast=True):
+        torch.manual_seed(args.seed)  # the runs' seed_everything, before the model is built
+        model = GPTModel(GPTConfig.from_name("llama-tiny"))
+        linears = [m for name, m in model.named_modules() if isinstance(m, torch.nn.Linear) and name != "lm_head"]
+        for linear in linears if fp8 else []:
+            linear.forward = _fake_fp8_forward(linear, rowwise=fp8 == "rowwise")
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            sums = [model.loss(batch["input_ids"], batch["labels"]) for batch in batches]
+        return sum(s.item() for s, _ in sums) / sum(n.item() for _, n in sums), len(linears)
+
+    tolerance = 1e-5  # measured: 5e-7 (the runs average the two ranks' losses in another order)
+    bf16, linears = first_loss()
+    assert abs(runs["fp32"]["losses"][0] - first_loss(autocast=False)[0]) < tolerance
+    assert abs(runs["bf16"]["losses"][0] - bf16) < tolerance
+    for name, recipe in (("fp8 tensorwise", "tensorwise"), ("fp8 rowwise", "rowwise")):
+        emulated, _ = first_loss(recipe)
+        assert runs[name]["fp8"] == recipe and runs[name]["fp8_linears"] == linears, runs[name]
+        assert abs(runs[name]["losses"][0] - emulated) < tolerance, (name, runs[name]["losses"][0], emulated)
+        assert abs(emulated - bf16) > 10 * tolerance, (name, emulated, bf16)  # else the check could not tell
+    assert runs["bf16"]["fp8_linears"] == runs["fp32"]["fp8_linears"] == 0
