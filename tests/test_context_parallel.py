@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from launch import launch
+from test_layout_invariance import _deviations
 from workers import bert_setup, gpt_setup
 from workers.cp_setup import BERT_CONFIG, MODELS, model_batches, model_loss
 from lightning_megatron.context_parallel import SequenceInputs, apply_context_parallel, chunk_indices, split_batch
@@ -170,13 +171,9 @@ def test_context_parallel_layouts_match_one_process(launched, references, layout
 @pytest.mark.parametrize("layout", sorted(FP8_LAYOUTS))
 def test_fp8_under_context_parallelism_matches_one_process_in_fp8(launched, fp8_single, layout):
     out, _ = launched
-    result, single = torch.load(out / f"{layout}.pt", weights_only=True), fp8_single[FP8_LAYOUTS[layout]]
-    assert len(result["losses"]) == len(single["losses"]) == 1
-    assert abs(result["losses"][0] - single["losses"][0]) < LOSS_TOL, (result["losses"], single["losses"])
-    weight_dev = {k: (result["weights"][k] - single["weights"][k]).abs().max().item() for k in single["weights"]}
-    worst = max(weight_dev, key=weight_dev.get)
-    print(f"{layout}: worst weight deviation {weight_dev[worst]:.2e} ({worst})")
-    assert weight_dev[worst] < WEIGHT_TOL, f"{layout}: {worst} deviates by {weight_dev[worst]:.2e}"
+    single = fp8_single[FP8_LAYOUTS[layout]]
+    assert len(single["losses"]) == 1
+    _deviations(torch.load(out / f"{layout}.pt", weights_only=True), single["losses"], single["weights"], layout)
 
 
 def test_the_reference_batches_are_padded_and_the_sequence_long_enough_to_cut_four_ways():
