@@ -12,9 +12,11 @@ powers of two, every operand in e4m3; torchao's recipe of that name). A tensor-p
 its weight and, depending on the layer, of its input or output: the amax of the slice is not the amax of the
 tensor, so its scale, hence its FP8 numbers, would depend on ``tp``. Each amax is therefore all-reduced (MAX)
 over every group that cuts a dimension it spans: ``tp`` where the layer cuts that dimension (a column layer its
-output features, a row layer its input features), and the context-parallel group for the token dimension
-(which ``cp`` cuts as a batch of whole sequences never is). Under sequence parallelism the column layer casts
-after its all-gather and the row layer's output gradient arrives all-gathered, so no more is needed.
+output features, a row layer its input features), and the context-parallel group for the token dimension (cp
+cuts every sequence). Under sequence parallelism the column layer casts after its all-gather and the row layer's
+output gradient arrives all-gathered, so no more is needed. Output rows that several ranks share (replicated
+key/value heads) cannot be cast exactly and are refused (``fp8_plan``); the loss normaliser backward multiplies
+by is a power of two (``optim.step``), so it moves no cast.
 
 ==================  ====================  ===================================  =========================
 GEMM                operands              tensorwise amax reduced over          rowwise (per-row amax)
@@ -40,7 +42,7 @@ the sequence-parallel column function calling :class:`Fp8Gemms`) is what those t
 **Shapes.** On CUDA ``_scaled_mm`` needs every GEMM dimension but the output rows divisible by 16: the local
 input and output features of the layer (checked by :func:`check_fp8_shape` when the layer is converted), and
 the tokens of the weight gradient, which are zero-padded here to a multiple of 16 (zero rows add nothing; the
-CPU runs the same code, so CPU and GPU compute the same numbers).
+CPU runs the same code).
 """
 
 from __future__ import annotations
