@@ -216,8 +216,7 @@ class Fp8Gemms(HighPrecisionGemms):
         recipe = self.recipe
         if recipe.rowwise:
             return cast_to_fp8(t, dtype, dim=along, groups=[groups[along]], power_of_2=recipe.power_of_2_scales)
-        spans = [group for group in groups if group is not None]
-        return cast_to_fp8(t, dtype, dim=None, groups=list(dict.fromkeys(spans)), power_of_2=recipe.power_of_2_scales)
+        return cast_to_fp8(t, dtype, dim=None, groups=list(dict.fromkeys(groups)), power_of_2=recipe.power_of_2_scales)
 
     def linear(self, x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
         return fp8_linear(x, weight, bias, self)

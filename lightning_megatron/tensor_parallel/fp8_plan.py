@@ -22,7 +22,7 @@ from typing import Optional, Sequence
 from torch import nn
 
 from lightning_megatron.parallel.state import ParallelState
-from lightning_megatron.tensor_parallel.fp8 import Fp8Gemms, Fp8Recipe, require_torchao, check_fp8_shape
+from lightning_megatron.tensor_parallel.fp8 import Fp8Gemms, Fp8Recipe, check_fp8_shape, require_torchao
 from lightning_megatron.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelHead
 from lightning_megatron.tensor_parallel.overlap import FP8_OVERLAP_REFUSAL
 from lightning_megatron.tensor_parallel.sharding import shard_of
@@ -98,11 +98,11 @@ def describe_fp8(module: nn.Module, recipe: Fp8Recipe) -> str:
     """One line for the log: which of this rank's linears run in FP8, in which formats."""
     layers = [m for m in module.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]
     fp8 = sum(layer.gemms.fp8 for layer in layers)
-    formats = {torch_name(recipe.input_dtype), torch_name(recipe.grad_dtype)}
+    formats = {_format_name(recipe.input_dtype), _format_name(recipe.grad_dtype)}
     return (f"FP8 ({recipe.name} scaling, {' / '.join(sorted(formats))}): {fp8} of this rank's {len(layers)} parallel "
             f"linears run their GEMMs in float8; the others (the output head, fp8_exclude) and everything else "
             f"(embeddings, norms, attention, router, loss, weights, optimizer) stay in high precision.")
 
 
-def torch_name(dtype) -> str:
+def _format_name(dtype) -> str:
     return str(dtype).removeprefix("torch.float8_")
