@@ -30,6 +30,7 @@ from lightning_megatron.models.norms import NORMALIZATIONS, build_norm
 from lightning_megatron.models.rotary import RopeScaling, RotaryEmbedding
 from lightning_megatron.models.transformer import TransformerLayer, TransformerSizes, layer_tensor_parallel_plan
 from lightning_megatron.parallel.initialize import INIT_STD, default_initializer, initialize_parameters
+from lightning_megatron.peft.lora import LoRAConfig, apply_lora
 from lightning_megatron.pipeline.blocks import PipelineBatch, PipelineBlocks
 from lightning_megatron.pipeline.layout import PipelineLayout
 from lightning_megatron.tensor_parallel.chunked_cross_entropy import ChunkedHeadLoss, check_chunk_tokens
@@ -439,6 +440,11 @@ class GPT(PretrainingRecipe):
     ``training_step`` returns ``{"loss", "num_tokens"}``: the strategy uses ``num_tokens`` to
     make the loss a per-token mean over the whole global batch, across micro-batches and
     data-parallel ranks.
+
+    ``lora``: a :class:`~lightning_megatron.peft.lora.LoRAConfig` (or its fields as a dict, a YAML ``lora:``
+    block): the model trains low-rank adapters of the targeted linear layers and nothing else::
+
+        model = GPT.from_hf("hf_dir", lora={"rank": 8, "alpha": 16}, learning_rate=2e-4)
     """
 
     def __init__(
@@ -452,17 +458,24 @@ class GPT(PretrainingRecipe):
         adam_eps: float = 1e-8,
         warmup_steps: int = 20,
         adam_implementation: str = "auto",
+        lora: Optional[Union[LoRAConfig, dict]] = None,
     ) -> None:
         super().__init__()
         self.init_recipe(GPTConfig, config, learning_rate=learning_rate, min_learning_rate=min_learning_rate,
                          weight_decay=weight_decay, betas=betas, adam_eps=adam_eps, warmup_steps=warmup_steps,
                          adam_implementation=adam_implementation)
+        self.lora = LoRAConfig.of(lora)
+        self.save_hyperparameters({"lora": None if self.lora is None else self.lora.as_dict()})
         self.model: Optional[GPTModel] = None
         self.val_loss = MeanMetric()
 
     def configure_model(self) -> None:
+        """Build the model (on the meta device under ``Megatron3DStrategy``), with ``lora``'s adapters attached
+        before any parallelism (``peft.lora``): only they train then."""
         if self.model is None:
             self.model = GPTModel(self.config)
+            if self.lora is not None:
+                apply_lora(self.model, self.lora)
 
     def flops_per_batch(self, batch_size: int, seq_length: int) -> int:
         """Model FLOPs (forward + backward) of ``batch_size`` sequences of ``seq_length`` (``models/flops.py``)."""

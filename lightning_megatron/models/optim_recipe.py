@@ -24,6 +24,7 @@ from torch import nn
 from lightning_megatron.models.formats import HFFormat, sharded_checkpoint_reader
 from lightning_megatron.offload.settings import OffloadSettings
 from lightning_megatron.optim.cpu_adam import CPUAdamW
+from lightning_megatron.peft.adapters import is_adapter_name
 
 
 def warmup_cosine_factor(
@@ -236,7 +237,11 @@ class PretrainingRecipe(L.LightningModule):
         config, state_dict = cls.hf_format().read(model_or_dir)
         module = cls(config, **kwargs)
         module.configure_model()
-        module.model.load_state_dict(state_dict)
+        missing, unexpected = module.model.load_state_dict(state_dict, strict=False)
+        missing = [name for name in missing if not is_adapter_name(name)]  # adapters (LoRA) keep their start
+        if missing or unexpected:
+            raise RuntimeError(f"The Hugging Face weights do not fit {cls.__name__}: missing {missing}, unexpected "
+                               f"{unexpected}.")
         return module
 
     def to_hf(self, out_dir: Union[str, os.PathLike], *, state_dict: Optional[Mapping[str, torch.Tensor]] = None,

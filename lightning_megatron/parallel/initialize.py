@@ -5,7 +5,8 @@ A parameter's initial value depends only on the seed and its global name
 from a generator seeded by the name, then keeps its own shard. Modules may define
 ``initialize_parameter(name, tensor, generator)`` to choose the distribution of their
 parameters (names are then relative to that module); others get
-:func:`default_initializer`.
+:func:`default_initializer`. Adapter parameters (``...lora_a.weight``) always follow the adapter's rule
+(``peft.adapters``).
 
 Params on the meta device are materialised on ``device``; real params are overwritten in
 place, so a single-process model and every parallel layout start identical.
@@ -19,6 +20,7 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor, nn
 
+from lightning_megatron.peft.adapters import initialize_adapter, is_adapter_name
 from lightning_megatron.tensor_parallel.sharding import shard_of
 
 Initializer = Callable[[str, Tensor, torch.Generator], None]
@@ -113,7 +115,9 @@ def initialize_parameters(
                     continue
                 name = f"{module_name}.{param_name}" if module_name else param_name
                 name = original_name(param, name)
-                values = local_initial_values(param, name, seed, initializer)
+                # adapters start as the adapter's rule says, whichever module owns them (B = 0: the base model)
+                rule = initialize_adapter if is_adapter_name(name) else initializer
+                values = local_initial_values(param, name, seed, rule)
                 target_device = device if device is not None else (None if param.is_meta else param.device)
                 if param.is_meta:
                     new = nn.Parameter(values.to(device=target_device, dtype=param.dtype), requires_grad=param.requires_grad)
