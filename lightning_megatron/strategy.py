@@ -594,7 +594,7 @@ class Megatron3DStrategy(CheckpointHooks, StepHooks, ParallelStrategy):
         self._reported_bytes = True
         self.model_state_bytes = model_state_sizes(self.lightning_module, getattr(optimizer, "_optimizer", optimizer),
                                                    self._step, self._zero3)
-        rank_zero_info(model_state_line(self.model_state_bytes, device=self.root_device))
+        rank_zero_info(model_state_line(self.model_state_bytes, device=self.root_device, module=self.lightning_module))
 
     def clip_grad_by_global_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> Tensor:
         norm = self._step_grad_norm  # measured by the non-finite check this step: no second all-reduce

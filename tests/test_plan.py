@@ -17,7 +17,7 @@ from lightning_megatron import Megatron3DStrategy
 from lightning_megatron.parallel.summary import MODEL_STATE_KEYS
 
 sys.path.insert(0, str(WORKERS))
-from plan_layouts import BYTE_LAYOUTS  # noqa: E402
+from plan_layouts import BYTE_LAYOUTS, byte_model  # noqa: E402
 
 PREDICT_BYTES = """
 import json, sys
@@ -57,11 +57,11 @@ def predicted_bytes() -> dict:
 
 
 def test_model_state_bytes_are_what_the_strategy_reports_on_every_rank(tmp_path):
-    """17 layouts (ZeRO 0-3, tp, pp, vpp, cp, ep, bf16-true / bf16-mixed / fp32, offload, tied and untied embeddings,
-    grouped-query attention, MoE) each trained one step through the Trainer on 4 ranks; on every rank the planner's
-    prediction equals ``strategy.model_state_bytes`` byte for byte."""
+    """19 layouts (ZeRO 0-3, tp, pp, vpp, cp, ep, bf16-true / bf16-mixed / fp32, offload, tied and untied embeddings,
+    grouped-query attention, MoE, LoRA) each trained one step through the Trainer on 4 ranks; on every rank the
+    planner's prediction equals ``strategy.model_state_bytes`` byte for byte, and for LoRA both equal the formula."""
     keys = list(BYTE_LAYOUTS)
-    results, _ = launch("plan_bytes.py", 4, tmp_path, ",".join(keys), timeout=900)
+    results, proc = launch("plan_bytes.py", 4, tmp_path, ",".join(keys), timeout=900)
     predicted = predicted_bytes()
     assert len(results) == 4
     for key in keys:
@@ -69,9 +69,33 @@ def test_model_state_bytes_are_what_the_strategy_reports_on_every_rank(tmp_path)
             pp, dp, cp, _ = result[key]["coordinates"]
             measured = result[key]["bytes"]
             assert predicted[key][f"{pp},{dp},{cp}"] == measured, (key, rank, predicted[key], measured)
+            if key.startswith("lora-"):
+                assert measured == _lora_formula(BYTE_LAYOUTS[key], result[key]["elements"]), (key, rank, measured)
+    # The strategy's line says how much of the parameters is frozen (the LoRA layouts' base), and only then.
+    frozen_lines = [line for line in proc.stdout.splitlines() + proc.stderr.splitlines() if "are frozen" in line]
+    assert len(frozen_lines) == len([key for key in keys if key.startswith("lora-")]), frozen_lines
         # The layouts differ: ZeRO, precision and the split all show in the bytes.
     distinct = {json.dumps(results[0][key]["bytes"], sort_keys=True) for key in keys}
     assert len(distinct) >= 15, distinct
+
+
+def _lora_formula(case, elements) -> dict:
+    """LoRA's model state per rank (``bf16-true``, AdamW, one bucket): the frozen base in 16 bits, parameters only;
+    each adapter element 2 bytes of parameter and 2 of gradient (ZeRO-2: its 1/dp slice), and its 1/dp share of 4
+    bytes of fp32 main copy and 8 of AdamW's moments. The rank's adapter elements are checked against LoRA's shapes:
+    per layer ``r (h + qkv / tp)`` (qkv), ``r (h / tp + h)`` (proj), ``r (h + 2 f / tp)`` (fc), ``r (f / tp + h)``."""
+    layout = case["strategy"]
+    tp, pp = layout.get("tensor_parallel_size", 1), layout.get("pipeline_parallel_size", 1)
+    dp, zero = 4 // (tp * pp), layout["zero_stage"]
+    gpt = byte_model(case)
+    config, rank = gpt.config, gpt.lora.rank
+    h, f = config.hidden_size, config.ffn_hidden_size
+    qkv = (config.num_heads + 2 * config.num_query_groups) * h // config.num_heads
+    per_layer = rank * ((h + qkv // tp) + (h // tp + h) + (h + 2 * f // tp) + (f // tp + h))
+    frozen, adapters = elements["frozen"], elements["trainable"]
+    assert adapters == per_layer * config.num_layers // pp, (elements, per_layer)
+    return {"parameters": 2 * frozen + 2 * adapters, "gradients": 2 * adapters // (dp if zero == 2 else 1),
+            "main_parameters": 4 * adapters // dp, "optimizer_state": 8 * adapters // dp}
 
 
 def run_python(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:

@@ -194,28 +194,43 @@ def model_state_sizes(module: nn.Module, optimizer, step, zero3) -> dict[str, in
                              step.main_params if step else None, optimizer)
 
 
-def model_state_line(sizes: dict[str, int], *, device: torch.device) -> str:
-    """One line for rank 0: each component's (and the total's) min and max over all ranks, in MiB.
+def frozen_parameter_bytes(module: nn.Module) -> int:
+    """Bytes of this rank's parameters that do not train (``requires_grad=False``: a LoRA model's base), part of
+    ``model_state_sizes``'s ``"parameters"``; they have no gradients, main copies or optimizer state."""
+    return sum(p.numel() * p.element_size() for p in dict.fromkeys(module.parameters()) if not p.requires_grad)
 
-    A collective over the world (one all-reduce of ``2 * (len(sizes) + 1)`` integers): call it on every rank.
+
+def model_state_line(sizes: dict[str, int], *, device: torch.device, module: Optional[nn.Module] = None) -> str:
+    """One line for rank 0: each component's (and the total's) min and max over all ranks, in MiB; with ``module``,
+    the frozen parameters' share too, where it has any.
+
+    A collective over the world (one all-reduce of ``2 * (len(sizes) + 2)`` integers): call it on every rank.
     """
-    values = [sizes[key] for key in MODEL_STATE_KEYS] + [sum(sizes.values())]
+    frozen = 0 if module is None else frozen_parameter_bytes(module)
+    values = [sizes[key] for key in MODEL_STATE_KEYS] + [sum(sizes.values()), frozen]
     extremes = torch.tensor(values + [-v for v in values], dtype=torch.int64, device=device)
     world = 1
     if dist.is_available() and dist.is_initialized():
         dist.all_reduce(extremes, op=dist.ReduceOp.MAX)
         world = dist.get_world_size()
     n = len(values)
-    return format_model_state((-extremes[n:]).tolist(), extremes[:n].tolist(), world=world)
+    lows, highs = (-extremes[n:]).tolist(), extremes[:n].tolist()
+    return format_model_state(lows[:-1], highs[:-1], world=world, frozen=(lows[-1], highs[-1]))
 
 
-def format_model_state(lows: list[int], highs: list[int], *, world: int) -> str:
-    """``lows`` / ``highs``: bytes of each of ``MODEL_STATE_KEYS`` and of their total, min and max over ranks."""
-    def mib(low: int, high: int) -> str:
-        low_text, high_text = f"{low / 2**20:.2f}", f"{high / 2**20:.2f}"
-        return f"{high_text} MiB" if low_text == high_text else f"{low_text} / {high_text} MiB"
+def _mib(low: int, high: int) -> str:
+    low_text, high_text = f"{low / 2**20:.2f}", f"{high / 2**20:.2f}"
+    return f"{high_text} MiB" if low_text == high_text else f"{low_text} / {high_text} MiB"
 
-    parts = [f"{key.replace('_', ' ')} {mib(low, high)}" for key, low, high in zip(MODEL_STATE_KEYS, lows, highs)]
-    total = mib(lows[-1], highs[-1])
+
+def format_model_state(lows: list[int], highs: list[int], *, world: int, frozen: tuple[int, int] = (0, 0)) -> str:
+    """``lows`` / ``highs``: bytes of each of ``MODEL_STATE_KEYS`` and of their total, min and max over ranks;
+    ``frozen``: the frozen parameters' min and max (said when there are any)."""
+    parts = [f"{key.replace('_', ' ')} {_mib(low, high)}" for key, low, high in zip(MODEL_STATE_KEYS, lows, highs)]
+    total = _mib(lows[-1], highs[-1])
     spread = "min / max " if any(" / " in part for part in [*parts, total]) else ""
-    return f"model state per rank ({spread}over {world} ranks): {', '.join(parts)} (total {total})"
+    line = f"model state per rank ({spread}over {world} ranks): {', '.join(parts)} (total {total})"
+    if frozen[1] == 0:
+        return line
+    return (f"{line}; of the parameters, {_mib(*frozen)} are frozen (no gradients, fp32 main copies or optimizer "
+            f"state)")

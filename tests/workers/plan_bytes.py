@@ -1,8 +1,8 @@
 """What ``strategy.model_state_bytes`` reports after the first step, for many layouts over the same 4 ranks.
 
 argv: OUT_DIR LAYOUTS (a comma list of ``tests/test_plan.py``'s ``BYTE_LAYOUTS`` keys). Each layout is one
-``Trainer.fit`` of one step; rank r writes rank{r}.json: per layout, its (pp, dp, cp, tp) coordinates and the
-strategy's ``model_state_bytes``.
+``Trainer.fit`` of one step; rank r writes rank{r}.json: per layout, its (pp, dp, cp, tp) coordinates, the
+strategy's ``model_state_bytes`` and its parameters' elements, frozen and trainable.
 """
 
 import json
@@ -27,8 +27,11 @@ for key in keys:
                         **trainer_kwargs({"steps": 1}))
     trainer.fit(byte_model(case), datamodule=datamodule({}))
     state = strategy.parallel_state
+    params = list(dict.fromkeys(trainer.lightning_module.parameters()))
     results[key] = {"coordinates": [state.pipeline_parallel_rank, state.data_parallel_rank,
                                     state.context_parallel_rank, state.tensor_parallel_rank],
-                    "bytes": strategy.model_state_bytes}
+                    "bytes": strategy.model_state_bytes,
+                    "elements": {"frozen": sum(p.numel() for p in params if not p.requires_grad),
+                                 "trainable": sum(p.numel() for p in params if p.requires_grad)}}
 (out_dir / f"rank{rank}.json").write_text(json.dumps(results))
 os._exit(0)  # skip gloo's C++ teardown: with several meshes alive it aborts at random (torch 2.13)

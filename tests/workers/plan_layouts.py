@@ -1,6 +1,6 @@
 """The layouts whose model-state bytes the planner must predict byte for byte (``tests/test_plan.py``), and the
 models they train: the Trainer worker's tiny GPT (4 layers, tied embeddings), a Llama-shaped one (grouped-query
-attention, untied output layer) and a Mixture-of-Experts one."""
+attention, untied output layer), the same with LoRA adapters (its base frozen) and a Mixture-of-Experts one."""
 
 from dataclasses import replace
 
@@ -32,12 +32,19 @@ BYTE_LAYOUTS = {
     "tp2-cp2-z1": _case("32-true", tensor_parallel_size=2, context_parallel_size=2, zero_stage=1),
     "llama-tp2-dp2-z1-bf16": _case("bf16-true", model="llama", tensor_parallel_size=2, zero_stage=1),
     "moe-dp4-ep2-z1": _case("32-true", model="moe", expert_parallel_size=2, zero_stage=1),
+    # LoRA on the Llama-shaped model (one bucket: the formula of tests/test_plan.py holds without bucket padding).
+    "lora-tp2-dp2-z1-bf16": _case("bf16-true", model="lora", tensor_parallel_size=2, zero_stage=1, bucket_size_mb=25.0),
+    "lora-pp2-dp2-z2-bf16": _case("bf16-true", model="lora", pipeline_parallel_size=2, zero_stage=2, micro_batch_size=2,
+                                  bucket_size_mb=25.0),
 }
+#: The adapters of the "lora" model: rank 4 on every linear of attention and the MLP.
+LORA = {"rank": 4, "alpha": 8.0}
 
 
 def byte_model(case) -> GPT:
-    if case["model"] == "llama":
-        return model({"layers": 4, "preset": "llama-tiny", "groups": 2})
+    if case["model"] in ("llama", "lora"):
+        llama = model({"layers": 4, "preset": "llama-tiny", "groups": 2})
+        return llama if case["model"] == "llama" else GPT(llama.config, learning_rate=3e-3, warmup_steps=2, lora=LORA)
     gpt = model({"layers": 4, **({"preset": "llama-tiny", "groups": 2} if case["model"] == "moe" else {})})
     if case["model"] == "moe":
         moe = MoEConfig(num_experts=4, top_k=2, ffn_hidden_size=32, layer_freq=(1, 0, 1, 1))
