@@ -224,7 +224,8 @@ def shard_zero3(module: nn.Module, state: ParallelState, *, precision: str, seed
                 device: Union[torch.device, str], offload_parameters: str = "none") -> ZeRO3:
     """ZeRO-3: FSDP2 over dp, one group per transformer layer; materialises this rank's dp chunks (in host
     memory with ``offload_parameters="cpu"``, where the optimizer then steps; ``"nvme"`` is refused, see
-    ``optim.zero3.offload_policy``)."""
+    ``optim.zero3.offload_policy``). The trained parameters' shards are fp32 (the main parameters); frozen ones
+    (a LoRA base) keep the 16-bit dtype of ``bf16-true``/``16-true`` (FSDP2 asks one dtype of the trained ones only)."""
     if precision not in ZERO3_PRECISIONS:
         raise ValueError(f"zero_stage=3 supports precision {', '.join(map(repr, ZERO3_PRECISIONS))}, not {precision!r}; "
                          f"use '16-true' for fp16 (dynamic loss scaling by the strategy).")
@@ -238,6 +239,10 @@ def shard_zero3(module: nn.Module, state: ParallelState, *, precision: str, seed
     if precision in COMPUTE_DTYPES:
         mixed = MixedPrecisionPolicy(param_dtype=COMPUTE_DTYPES[precision], reduce_dtype=torch.float32)
     root.to(torch.float32)
+    if mixed is not None:  # a frozen base (LoRA) steps nowhere: no fp32 main shards, its 16-bit ones are what is gathered
+        for param in root.parameters():
+            if not param.requires_grad:
+                param.data = param.data.to(mixed.param_dtype)
     zero3 = apply_zero3(root, state, layers_pattern=f"{blocks.layers}.*", other_groups=other_groups,
                         mixed_precision=mixed, offload_parameters=offload_parameters)
     zero3.initialize(seed, device)

@@ -82,7 +82,8 @@ def test_model_state_bytes_are_what_the_strategy_reports_on_every_rank(tmp_path)
 def _lora_formula(case, elements) -> dict:
     """LoRA's model state per rank (``bf16-true``, AdamW, one bucket): the frozen base in 16 bits, parameters only;
     each adapter element 2 bytes of parameter and 2 of gradient (ZeRO-2: its 1/dp slice), and its 1/dp share of 4
-    bytes of fp32 main copy and 8 of AdamW's moments. The rank's adapter elements are checked against LoRA's shapes:
+    bytes of fp32 main copy and 8 of AdamW's moments (ZeRO-3: 1/dp of everything, the adapters' fp32 shards being
+    their main parameters). The rank's adapter elements are checked against LoRA's shapes:
     per layer ``r (h + qkv / tp)`` (qkv), ``r (h / tp + h)`` (proj), ``r (h + 2 f / tp)`` (fc), ``r (f / tp + h)``."""
     layout = case["strategy"]
     tp, pp = layout.get("tensor_parallel_size", 1), layout.get("pipeline_parallel_size", 1)
@@ -94,6 +95,9 @@ def _lora_formula(case, elements) -> dict:
     per_layer = rank * ((h + qkv // tp) + (h // tp + h) + (h + 2 * f // tp) + (f // tp + h))
     frozen, adapters = elements["frozen"], elements["trainable"]
     assert adapters == per_layer * config.num_layers // pp, (elements, per_layer)
+    if zero == 3:  # every dim 0 divides over dp4: FSDP2's chunks are exact quarters; the trained ones fp32, no main
+        return {"parameters": (2 * frozen + 4 * adapters) // dp, "gradients": 4 * adapters // dp, "main_parameters": 0,
+                "optimizer_state": 8 * adapters // dp}
     return {"parameters": 2 * frozen + 2 * adapters, "gradients": 2 * adapters // (dp if zero == 2 else 1),
             "main_parameters": 4 * adapters // dp, "optimizer_state": 8 * adapters // dp}
 

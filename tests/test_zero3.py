@@ -15,6 +15,9 @@
   single process and, bit for bit, the same layout without offload (on this CPU-only machine the
   "device" is the CPU too). A sharded checkpoint saved from it loads at tp2-dp2 ZeRO-1 without offload,
   every piece as saved.
+* LoRA (``-lora``): FSDP2 groups that mix the frozen base with the trained adapters (FSDP2 asks one dtype of the
+  trained parameters only); the adapters match the single process, the base is unchanged and holds no gradient
+  or optimizer state.
 """
 
 import pytest
@@ -23,8 +26,8 @@ import torch
 from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
 
 from launch import launch
-from test_layout_invariance import _deviations, _reference
-from workers.gpt_setup import CONFIG, CONFIGS, optimizer, sgd_optimizer
+from test_layout_invariance import _check_lora, _deviations, _reference
+from workers.gpt_setup import CONFIG, CONFIGS, LLAMA_CONFIG, LORA, optimizer, sgd_optimizer
 from lightning_megatron.checkpoint import consolidated_state_dict, read_full_tensors
 from lightning_megatron.models import GPTModel
 from lightning_megatron.optim.zero3 import apply_zero3, offload_policy
@@ -39,7 +42,9 @@ LAYOUTS = ["tp2-dp2-sp", "tp1-dp4", "tp2-dp2-pre", "tp1-dp4-mb2-nosync-sgd", "tp
            "tp2-dp2-sp-cpu-ckpt",  # offload_parameters="cpu"; then a checkpoint saved, resumed at ZeRO-1
            # FP8 (FSDP gathers the fp32 weights, the layers cast them), against one process running the same pieces
            # of the batch, their first step (conftest.FP8_REFERENCES; test_layout_invariance.py says why).
-           "tp1-dp4-fp8t-s1", "pp2-tp1-dp2-mb2-fp8r-s1", "tp2-dp2-sp-fp8t-s1"]
+           "tp1-dp4-fp8t-s1", "pp2-tp1-dp2-mb2-fp8r-s1", "tp2-dp2-sp-fp8t-s1",
+           # LoRA: FSDP2 groups holding the frozen base and the trained adapters; only the adapters step.
+           "llama-tp2-dp2-sp-lora"]
 FP8_SINGLE = {"tp1-dp4-fp8t-s1": "tp1-dp1-mb4-fp8t-s1", "pp2-tp1-dp2-mb2-fp8r-s1": "tp1-dp1-mb4-fp8r-s1",
               "tp2-dp2-sp-fp8t-s1": "tp1-dp1-mb2-fp8t-s1"}
 OFFLOADED = "tp2-dp2-sp-cpu-ckpt"
@@ -57,10 +62,14 @@ def test_zero3_matches_single_process(run, make_optimizer, fp8_reference):
     out, results = run
     # chunk-: the chunked loss against the unchunked model's reference.
     references = {name: _reference(make_optimizer, config) for name, config in CONFIGS.items() if name != "chunk"}
+    references["lora"] = _reference(make_optimizer, LLAMA_CONFIG, lora=LORA)
     layouts = [layout for layout in LAYOUTS if layout.endswith("-sgd") == (make_optimizer is sgd_optimizer)]
     for layout in layouts:
         if layout in FP8_SINGLE:
             ref_losses, ref_weights = fp8_reference[FP8_SINGLE[layout]]
+        elif layout.endswith("-lora"):
+            ref_losses, ref_weights = references["lora"]
+            _check_lora(layout, 4, torch.load(out / f"{layout}.pt", weights_only=True), out)
         else:
             ref_losses, ref_weights = references.get(layout.split("-")[0], references["gpt"])
         result = torch.load(out / f"{layout}.pt", weights_only=True)

@@ -68,11 +68,13 @@ def original_name(param: Tensor, name: str) -> str:
 
 
 def local_initial_values(param: Tensor, name: str, seed: int, initializer: Initializer) -> Tensor:
+    """This rank's shard of the full initial value of parameter ``name``; an adapter's by the adapter's rule, whichever
+    module owns it (``B = 0``: the adapted model starts as the base model), here for every caller (ZeRO-3's too)."""
     shard = shard_of(param)
     global_shape = shard.global_shape if shard is not None else tuple(param.shape)
     full = torch.empty(global_shape, dtype=torch.float32)
     generator = torch.Generator().manual_seed(parameter_seed(seed, name))
-    initializer(name, full, generator)
+    (initialize_adapter if is_adapter_name(name) else initializer)(name, full, generator)
     return full if shard is None else shard.local_slice(full)
 
 
@@ -115,9 +117,7 @@ def initialize_parameters(
                     continue
                 name = f"{module_name}.{param_name}" if module_name else param_name
                 name = original_name(param, name)
-                # adapters start as the adapter's rule says, whichever module owns them (B = 0: the base model)
-                rule = initialize_adapter if is_adapter_name(name) else initializer
-                values = local_initial_values(param, name, seed, rule)
+                values = local_initial_values(param, name, seed, initializer)
                 target_device = device if device is not None else (None if param.is_meta else param.device)
                 if param.is_meta:
                     new = nn.Parameter(values.to(device=target_device, dtype=param.dtype), requires_grad=param.requires_grad)

@@ -28,6 +28,7 @@ from lightning.pytorch.utilities.model_summary.model_summary import UNKNOWN_SIZE
 from torch import nn
 
 from lightning_megatron.optim.main_params import model_state_bytes
+from lightning_megatron.optim.zero3 import local_tensor
 from lightning_megatron.parallel.config import ParallelConfig
 from lightning_megatron.tensor_parallel.sharding import shard_of
 
@@ -197,7 +198,8 @@ def model_state_sizes(module: nn.Module, optimizer, step, zero3) -> dict[str, in
 def frozen_parameter_bytes(module: nn.Module) -> int:
     """Bytes of this rank's parameters that do not train (``requires_grad=False``: a LoRA model's base), part of
     ``model_state_sizes``'s ``"parameters"``; they have no gradients, main copies or optimizer state."""
-    return sum(p.numel() * p.element_size() for p in dict.fromkeys(module.parameters()) if not p.requires_grad)
+    frozen = [local_tensor(p) for p in dict.fromkeys(module.parameters()) if not p.requires_grad]  # ZeRO-3: its shard
+    return sum(p.numel() * p.element_size() for p in frozen)
 
 
 def model_state_line(sizes: dict[str, int], *, device: torch.device, module: Optional[nn.Module] = None) -> str:

@@ -10,7 +10,8 @@ buffers out with, called on meta tensors of the rank's parameters), the fp32 mai
 * ZeRO 0-2: flat gradient buckets in the parameters' dtype (padded to a multiple of the group under ZeRO;
   ZeRO-2 keeps only this rank's slice), fp32 main copies of this rank's owned slices unless they are views
   of fp32 parameters, and the optimizer's state for those slices;
-* ZeRO-3: FSDP2's dim-0 chunk of every (fp32) parameter, its gradient and its optimizer state.
+* ZeRO-3: FSDP2's dim-0 chunk of every (fp32) parameter, its gradient and its optimizer state; a frozen
+  parameter's chunk only, in the parameter dtype.
 
 Optimizer state is ``optimizer_state_bytes_per_element`` per element stepped (AdamW: 8).
 
@@ -69,11 +70,12 @@ def rank_model_state_bytes(parameters: Sequence[RankParameter], layout: Layout, 
     replica_rank = data_rank * config.context_parallel_size + context_rank
     trainable = [p for p in parameters if p.entry.requires_grad]
     if layout.zero_stage == 3:
-        # FSDP2 shards dim 0 of every parameter (fp32: the main parameters) over the replicas, torch.chunk's way.
-        local = sum(_fsdp_chunk(p.entry.shape, replicas, replica_rank) for p in parameters)
+        # FSDP2 shards dim 0 of every parameter over the replicas, torch.chunk's way: the trained ones in fp32 (the
+        # main parameters), frozen ones (a LoRA base) in the parameter dtype (``preparation.shard_zero3``).
         grads = sum(_fsdp_chunk(p.entry.shape, replicas, replica_rank) for p in trainable)
-        return {"parameters": 4 * local, "gradients": 4 * grads, "main_parameters": 0,
-                "optimizer_state": state_bytes_per_element * grads}
+        frozen = sum(_fsdp_chunk(p.entry.shape, replicas, replica_rank) for p in parameters if not p.entry.requires_grad)
+        return {"parameters": 4 * grads + workload.parameter_bytes * frozen, "gradients": 4 * grads,
+                "main_parameters": 0, "optimizer_state": state_bytes_per_element * grads}
     element = workload.parameter_bytes
     params = [_meta_parameter(p, element) for p in parameters]
     stepped = [param for param in params if param.requires_grad]

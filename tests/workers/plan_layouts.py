@@ -36,6 +36,7 @@ BYTE_LAYOUTS = {
     "lora-tp2-dp2-z1-bf16": _case("bf16-true", model="lora", tensor_parallel_size=2, zero_stage=1, bucket_size_mb=25.0),
     "lora-pp2-dp2-z2-bf16": _case("bf16-true", model="lora", pipeline_parallel_size=2, zero_stage=2, micro_batch_size=2,
                                   bucket_size_mb=25.0),
+    "lora-dp4-z3-bf16": _case("bf16-true", model="lora", zero_stage=3),
 }
 #: The adapters of the "lora" model: rank 4 on every linear of attention and the MLP.
 LORA = {"rank": 4, "alpha": 8.0}

@@ -2,7 +2,7 @@
 
 argv: OUT_DIR LAYOUTS, where LAYOUTS is a comma list of ``bytes`` (``zero3_bytes.measure_bytes``,
 in the same processes to save a launch) and
-``[llama-|mqa-|moe-|chunk-][pp{P}-]tp{T}-dp{D}[-sp][-mb{M}][-nosync][-pre][-sgd][-tpo][-cpu][-ckpt][-fp8t|-fp8r][-s{N}]``: P pipeline stages (1F1B, the
+``[llama-|mqa-|moe-|chunk-][pp{P}-]tp{T}-dp{D}[-sp][-mb{M}][-nosync][-pre][-sgd][-tpo][-cpu][-ckpt][-fp8t|-fp8r][-s{N}][-lora]``: P pipeline stages (1F1B, the
 embedding and head in groups of their own), M micro-batches per step (``-nosync``:
 accumulate unsharded gradients and reduce-scatter only on the last; otherwise reduce-scatter
 every micro-batch; with micro-batches the backward is mean-sized, its factor divided out by
@@ -13,7 +13,9 @@ each rank reports the FSDP groups' policies and where its shards, gradients and 
 after training save a sharded checkpoint (``checkpoint.training_state``) to ``{layout}.ckpt`` and load it at the
 same tp / sp under dp ZeRO-1 without offload; each rank writes the pieces it then holds to
 ``{layout}-resumed{rank}.pt``; ``-fp8t`` / ``-fp8r``: the plan's linears in FP8 (tensorwise, rowwise); ``-s{N}``: the
-first N steps only. fp32 throughout. For each layout rank 0 writes the losses and the
+first N steps only; ``-lora``: ``gpt_setup.LORA``'s adapters on the frozen model (FSDP2 groups mixing frozen and
+trained parameters), the optimizer over the adapters, ``{layout}-frozen{rank}.json`` recording what the frozen
+parameters hold (as ``layout_invariance.py``'s). fp32 throughout. For each layout rank 0 writes the losses and the
 full (gathered) weights to ``{layout}.pt``; the pytest process compares them with the
 single-process reference. The first training layout also checks that ``load_full_state_dict`` round-trips.
 """
@@ -28,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from gpt_setup import CLIP, CONFIG, CONFIGS, GLOBAL_BATCH, SEED, batches, optimizer, sgd_optimizer
+from gpt_setup import CLIP, CONFIG, CONFIGS, GLOBAL_BATCH, LORA, SEED, batches, optimizer, sgd_optimizer
 from zero3_bytes import measure_bytes
 from lightning_megatron.checkpoint import entries, merge_pipeline_stages
 from lightning_megatron.checkpoint.training_state import (
@@ -48,23 +50,27 @@ from lightning_megatron.parallel.initialize import initialize_parameters
 from lightning_megatron.pipeline import PipelineLayout
 from lightning_megatron.pipeline.runner import PipelineRunner
 from lightning_megatron.pipeline.stage import split_for_pipeline
+from lightning_megatron.peft.lora import apply_lora
+from lightning_megatron.preparation import tensor_parallel_plan_of
 from lightning_megatron.tensor_parallel import parallelize
 from lightning_megatron.tensor_parallel.fp8 import Fp8Recipe
 from lightning_megatron.tensor_parallel.fp8_plan import convert_to_fp8
 from lightning_megatron.tensor_parallel.overlap import overlapped_linear_for
 
 LAYOUT = re.compile(r"(?:(llama|mqa|moe|chunk)-)?(?:pp(\d+)-)?tp(\d+)-dp(\d+)(-sp)?(?:-mb(\d+))?(-nosync)?(-pre)?(-sgd)?"
-                    r"(-tpo)?(-cpu)?(-ckpt)?(?:-fp8(t|r))?(?:-s(\d+))?")
+                    r"(-tpo)?(-cpu)?(-ckpt)?(?:-fp8(t|r))?(?:-s(\d+))?(-lora)?")
 FP8_RECIPES = {"t": "tensorwise", "r": "rowwise"}
 
 
 def build(state: ParallelState, pre: bool, micro_batches: int = 1, config=CONFIG, overlap: bool = False,
-          offload: str = "none", fp8: str = None):
-    """As the strategy would: meta, tp plan, pipeline split, ZeRO-3 on the meta device, materialise."""
+          offload: str = "none", fp8: str = None, lora=None):
+    """As the strategy would: meta, (LoRA,) tp plan, pipeline split, ZeRO-3 on the meta device, materialise."""
     with torch.device("meta"):
         model = GPTModel(config)
+        if lora is not None:
+            apply_lora(model, lora)
     rng = TensorParallelRNG(SEED, state.tensor_parallel_rank, torch.device("cpu"))
-    parallelize(model, model.tensor_parallel_plan(), state, rng=rng,
+    parallelize(model, tensor_parallel_plan_of(model, state.config), state, rng=rng,
                 sequence_linear=overlapped_linear_for(state.config, overlap))
     convert_to_fp8(model, fp8 and Fp8Recipe.named(fp8), state)  # FSDP then gathers fp32 weights, the layers cast them
     pp, blocks, other_groups = state.config.pipeline_parallel_size, GPTModel.pipeline_blocks(), None
@@ -101,9 +107,9 @@ def train(layout: str, check_load: bool, out_dir: Path):
                             sequence_parallel=sp)
     state = ParallelState.create(config, "cpu")
     model, zero3, runner = build(state, pre, micro_batches, model_config, overlap=bool(match[10]), offload=offload,
-                                 fp8=FP8_RECIPES.get(match[13]))
-    params = list(model.parameters())
-    assert all(isinstance(p, DTensor) for p in params), "fully_shard should have made every parameter a DTensor"
+                                 fp8=FP8_RECIPES.get(match[13]), lora=LORA if match[15] else None)
+    assert all(isinstance(p, DTensor) for p in model.parameters()), "fully_shard should have made every parameter a DTensor"
+    params = [p for p in model.parameters() if p.requires_grad]  # all but a LoRA model's frozen base
     opt = sgd_optimizer(params) if sgd else optimizer(params)
     policies = {type(m._get_fsdp_state()._fsdp_param_group.offload_policy).__name__ for m in zero3.fsdp_modules}
     report = {"policies": sorted(policies), "params": devices(params)}
@@ -134,6 +140,16 @@ def train(layout: str, check_load: bool, out_dir: Path):
             dist.all_reduce(totals, group=state.data_parallel_group)
         losses.append((totals[0] / totals[1]).item())
 
+    if match[15]:  # the frozen base: no gradient shard, no optimizer state (local shards counted)
+        frozen = [p for p in model.parameters() if not p.requires_grad]
+        numel = lambda tensors: sum(local_tensor(t).numel() for t in tensors)  # noqa: E731
+        held = {"frozen": numel(frozen), "frozen_grads": sum(p.grad is not None for p in frozen),
+                "frozen_dtypes": sorted({str(p.dtype) for p in frozen}), "trainable": numel(params),
+                "stepped": numel(p for group in opt.param_groups for p in group["params"]),
+                "state": numel(v for s in opt.state.values() for v in s.values() if v.dim() > 0),
+                "frozen_in_optimizer": any(p is q for p in frozen for group in opt.param_groups for q in group["params"]),
+                "sync": numel(params)}
+        (out_dir / f"{layout}-frozen{dist.get_rank()}.json").write_text(json.dumps(held))
     weights = merge_pipeline_stages(gather_full_state_dict(model, state.tensor_parallel_group),
                                     state.pipeline_parallel_group)
     report["optimizer_state"] = devices(v for s in opt.state.values() for v in s.values() if v.dim() > 0)
