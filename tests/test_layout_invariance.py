@@ -81,10 +81,11 @@ FP8_LAYOUTS = {2: {"tp2-dp1-sp-mb2-fp8t-s1": "tp1-dp1-mb2-fp8t-s1", "pp2-tp1-dp1
 for _world, _fp8 in FP8_LAYOUTS.items():
     LAYOUTS[_world] += list(_fp8)
 # LoRA (gpt_setup.LORA on qkv, proj, fc, proj of every layer; the base frozen), AdamW over the adapters with clipping:
-# tp2 + SP on GPT ("column" fc) and Llama (QueryGroupColumn qkv, PackedColumn [gate | up]), pp2, ZeRO-1 and 2 over
-# dp, tp2 x dp2, and tp4, which replicates each of the Llama model's 2 key/value heads on 2 ranks (and so the rows
-# of lora_b that write them).
-LORA_LAYOUTS = {2: ["tp2-dp1-sp-mb2-lora", "llama-tp2-dp1-sp-mb2-lora", "llama-pp2-tp1-dp1-mb4-lora",
+# tp2 + SP on GPT ("column" fc) and Llama (QueryGroupColumn qkv, PackedColumn [gate | up]; with full recomputation),
+# pp2 (zero bubble: the weight-gradient pass of the adapters only), ZeRO-1 and 2 over dp, tp2 x dp2, and tp4, which
+# replicates each of the Llama model's 2 key/value heads on 2 ranks (and so the rows of lora_b that write them).
+# Regional compilation passes too ("llama-tp2-dp1-sp-mb2-compile_aot-rc-lora", 8e-8), at a minute a run: not here.
+LORA_LAYOUTS = {2: ["tp2-dp1-sp-mb2-lora", "llama-tp2-dp1-sp-mb2-rc-lora", "llama-pp2-tp1-dp1-mb4-zb-lora",
                     "llama-tp1-dp2-z1-lora"],
                 4: ["llama-tp2-dp2-lora", "llama-tp4-dp1-sp-mb2-lora", "llama-tp2-dp2-sp-mb2-z2-lora"]}
 for _world, _lora in LORA_LAYOUTS.items():

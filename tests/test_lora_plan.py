@@ -16,6 +16,8 @@ from lightning_megatron.peft.plan import adapter_plan
 from lightning_megatron.plan.inventory import fake_world
 from lightning_megatron.preparation import tensor_parallel_plan_of
 from lightning_megatron.tensor_parallel import ColumnParallelLinear, RowParallelLinear, parallelize
+from lightning_megatron.tensor_parallel.fp8 import Fp8Recipe
+from lightning_megatron.tensor_parallel.fp8_plan import convert_to_fp8, describe_fp8
 from lightning_megatron.tensor_parallel.region import InsideRegion
 from lightning_megatron.tensor_parallel.sharding import shard_of
 from lightning_megatron.tensor_parallel.styles import PackedColumn, QueryGroupColumn
@@ -147,3 +149,27 @@ def test_the_recipe_steps_only_the_adapters():
     stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
     adapters = {id(p) for n, p in gpt.named_parameters() if ".lora_" in n}
     assert stepped == adapters and len(adapters) == 2 * LLAMA.num_layers
+
+
+def test_fp8_leaves_the_adapters_in_high_precision():
+    """The base layers' GEMMs in FP8, the adapters' in fp32: the adapted layer's output is its FP8 GEMM plus exactly the
+    fp32 update; the log line counts the base layers only."""
+    pytest.importorskip("torchao")
+    torch.manual_seed(0)
+    model = _lora_model(device="cpu")
+    state = ParallelState(ParallelConfig(), torch.device("cpu"))
+    parallelize(model, tensor_parallel_plan_of(model, state.config), state)
+    recipe = Fp8Recipe.named("tensorwise")
+    converted = convert_to_fp8(model, recipe, state)
+    assert converted == [f"blocks.{i}.{layer}" for i in range(2) for layer in ("attn.qkv", "attn.proj", "mlp.fc", "mlp.proj")]
+    fc = model.blocks["1"].mlp.fc
+    assert fc.gemms.fp8 and not fc.lora_b.gemms.fp8 and not model.blocks["1"].mlp.proj.lora_a.gemms.fp8
+    with torch.no_grad():
+        fc.lora_b.weight.normal_(0.0, 0.1)
+    x = torch.randn(2, 16, 32)
+    update = fc(x) - fc.gemms.linear(x, fc.weight, fc.bias)
+    exact = LORA.scale * (x @ fc.lora_a.weight.T) @ fc.lora_b.weight.T
+    torch.testing.assert_close(update, exact, rtol=0, atol=1e-5)
+    assert (fc.gemms.linear(x, fc.weight, fc.bias) - x @ fc.weight.T).abs().max() > 1e-3  # the base is in FP8
+    line = describe_fp8(model, recipe)  # 8 base linears and the head; not the 16 adapter layers
+    assert "8 of this rank's 9 parallel linears" in line and "LoRA adapters" in line
