@@ -135,7 +135,8 @@ def test_adapters_are_split_with_their_layers_at_tp4(no_process_group):
         qkv, proj, fc = model.blocks["0"].attn.qkv, model.blocks["0"].attn.proj, model.blocks["0"].mlp.fc
         assert shard_of(qkv.lora_b.weight).rank_ranges == shard_of(qkv.weight).rank_ranges is not None
         assert qkv.lora_b.weight.shape == (qkv.weight.shape[0], 4) and qkv.lora_a.weight.shape == (4, 32)
-        assert fc.lora_b.weight.shape == (2 * 48 // 4, 4) and shard_of(fc.lora_b.weight).rank_ranges == shard_of(fc.weight).rank_ranges
+        assert fc.lora_b.weight.shape == (2 * 48 // 4, 4)
+        assert shard_of(fc.lora_b.weight).rank_ranges == shard_of(fc.weight).rank_ranges
         assert proj.lora_a.weight.shape == (4, 32 // 4) and proj.lora_b.weight.shape == (32, 4)
         for whole in (qkv.lora_a.weight, fc.lora_a.weight, proj.lora_b.weight):
             assert shard_of(whole) is None and whole.sequence_parallel_grad and whole.requires_grad
@@ -161,7 +162,8 @@ def test_fp8_leaves_the_adapters_in_high_precision():
     parallelize(model, tensor_parallel_plan_of(model, state.config), state)
     recipe = Fp8Recipe.named("tensorwise")
     converted = convert_to_fp8(model, recipe, state)
-    assert converted == [f"blocks.{i}.{layer}" for i in range(2) for layer in ("attn.qkv", "attn.proj", "mlp.fc", "mlp.proj")]
+    layers = ("attn.qkv", "attn.proj", "mlp.fc", "mlp.proj")
+    assert converted == [f"blocks.{i}.{layer}" for i in range(2) for layer in layers]
     fc = model.blocks["1"].mlp.fc
     assert fc.gemms.fp8 and not fc.lora_b.gemms.fp8 and not model.blocks["1"].mlp.proj.lora_a.gemms.fp8
     with torch.no_grad():

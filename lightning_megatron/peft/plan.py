@@ -42,6 +42,7 @@ from lightning_megatron.tensor_parallel.plan import SWAP_STYLES, name_matches
 from lightning_megatron.tensor_parallel.region import InsideRegion
 from lightning_megatron.tensor_parallel.styles import LAYOUT_STYLES
 
+
 def _is_column(style: object) -> bool:
     return style == "column" or isinstance(style, LAYOUT_STYLES)
 

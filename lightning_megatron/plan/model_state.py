@@ -73,7 +73,8 @@ def rank_model_state_bytes(parameters: Sequence[RankParameter], layout: Layout, 
         # FSDP2 shards dim 0 of every parameter over the replicas, torch.chunk's way: the trained ones in fp32 (the
         # main parameters), frozen ones (a LoRA base) in the parameter dtype (``preparation.shard_zero3``).
         grads = sum(_fsdp_chunk(p.entry.shape, replicas, replica_rank) for p in trainable)
-        frozen = sum(_fsdp_chunk(p.entry.shape, replicas, replica_rank) for p in parameters if not p.entry.requires_grad)
+        frozen = sum(_fsdp_chunk(p.entry.shape, replicas, replica_rank)
+                     for p in parameters if not p.entry.requires_grad)
         return {"parameters": 4 * grads + workload.parameter_bytes * frozen, "gradients": 4 * grads,
                 "main_parameters": 0, "optimizer_state": state_bytes_per_element * grads}
     element = workload.parameter_bytes

@@ -108,7 +108,7 @@ def train(layout: str, check_load: bool, out_dir: Path):
     state = ParallelState.create(config, "cpu")
     model, zero3, runner = build(state, pre, micro_batches, model_config, overlap=bool(match[10]), offload=offload,
                                  fp8=FP8_RECIPES.get(match[13]), lora=LORA if match[15] else None)
-    assert all(isinstance(p, DTensor) for p in model.parameters()), "fully_shard should have made every parameter a DTensor"
+    assert all(isinstance(p, DTensor) for p in model.parameters()), "fully_shard should make every parameter a DTensor"
     params = [p for p in model.parameters() if p.requires_grad]  # all but a LoRA model's frozen base
     opt = sgd_optimizer(params) if sgd else optimizer(params)
     policies = {type(m._get_fsdp_state()._fsdp_param_group.offload_policy).__name__ for m in zero3.fsdp_modules}
@@ -142,12 +142,13 @@ def train(layout: str, check_load: bool, out_dir: Path):
 
     if match[15]:  # the frozen base: no gradient shard, no optimizer state (local shards counted)
         frozen = [p for p in model.parameters() if not p.requires_grad]
+        stepped = [p for group in opt.param_groups for p in group["params"]]
         numel = lambda tensors: sum(local_tensor(t).numel() for t in tensors)  # noqa: E731
         held = {"frozen": numel(frozen), "frozen_grads": sum(p.grad is not None for p in frozen),
                 "frozen_dtypes": sorted({str(p.dtype) for p in frozen}), "trainable": numel(params),
-                "stepped": numel(p for group in opt.param_groups for p in group["params"]),
+                "stepped": numel(stepped),
                 "state": numel(v for s in opt.state.values() for v in s.values() if v.dim() > 0),
-                "frozen_in_optimizer": any(p is q for p in frozen for group in opt.param_groups for q in group["params"]),
+                "frozen_in_optimizer": any(p is q for p in frozen for q in stepped),
                 "sync": numel(params)}
         (out_dir / f"{layout}-frozen{dist.get_rank()}.json").write_text(json.dumps(held))
     weights = merge_pipeline_stages(gather_full_state_dict(model, state.tensor_parallel_group),
