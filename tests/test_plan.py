@@ -57,7 +57,7 @@ def predicted_bytes() -> dict:
 
 
 def test_model_state_bytes_are_what_the_strategy_reports_on_every_rank(tmp_path):
-    """19 layouts (ZeRO 0-3, tp, pp, vpp, cp, ep, bf16-true / bf16-mixed / fp32, offload, tied and untied embeddings,
+    """20 layouts (ZeRO 0-3, tp, pp, vpp, cp, ep, bf16-true / bf16-mixed / fp32, offload, tied and untied embeddings,
     grouped-query attention, MoE, LoRA) each trained one step through the Trainer on 4 ranks; on every rank the
     planner's prediction equals ``strategy.model_state_bytes`` byte for byte, and for LoRA both equal the formula."""
     keys = list(BYTE_LAYOUTS)
