@@ -112,6 +112,23 @@ def test_swapped_layers_keep_the_adapter_and_its_update():
     assert (expected - GPTModel.forward(_without_adapters(model), ids)).abs().max() > 1e-3  # the update is there
 
 
+def test_a_swap_keeps_what_was_attached_and_only_that():
+    model = nn.Module()
+    model.emb, model.fc = nn.Embedding(10, 4), nn.Linear(4, 6)
+    model.fc.requires_grad_(False)
+    model.fc.extra, model.fc.tag = nn.Linear(4, 6), "kept"
+    handle = model.fc.register_forward_hook(lambda layer, args, out: out + layer.extra(args[0]))
+    parallelize(model, {"emb": "vocab", "fc": "column"}, ParallelState(ParallelConfig(), torch.device("cpu")))
+    assert isinstance(model.fc, ColumnParallelLinear) and model.fc.tag == "kept"
+    assert "extra" in dict(model.fc.named_children())
+    assert not model.fc.weight.requires_grad and model.fc.extra.weight.requires_grad
+    assert not hasattr(model.emb, "padding_idx")  # nn.Embedding's own settings are not attachments
+    x = torch.randn(3, 4)
+    with_hook = model.fc(x)
+    handle.remove()  # the handle still reaches the hook it registered
+    torch.testing.assert_close(with_hook - model.fc(x), model.fc.extra(x))
+
+
 def _without_adapters(model):
     plain = copy.deepcopy(model)
     for module in plain.modules():

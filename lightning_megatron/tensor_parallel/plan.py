@@ -49,15 +49,17 @@ the layout. Tied parameters (GPT's input and output embeddings) stay tied.
 
 A swapped layer also keeps what was attached to the layer it replaces: its child modules,
 its forward hooks (pre-hooks, hooks, with their kwargs and always-call flags: the same
-dicts, so their handles still remove them) and the public attributes set on it that the
-new layer does not have. That is how a LoRA adapter survives the swap (``peft.lora``: the
-children ``lora_a``/``lora_b``, the hook adding their update, ``lora_scale``); the plan may
-name those children too (``peft.plan`` does), and they are swapped inside the new layer.
+dicts, so their handles still remove them), the public attributes set on it beyond its
+class's own settings, and its parameters' ``requires_grad``. That is how a LoRA adapter
+survives the swap (``peft.lora``: the children ``lora_a``/``lora_b``, the hook adding their
+update, ``lora_scale``, the frozen base); the plan may name those children too
+(``peft.plan`` does), and they are swapped inside the new layer.
 """
 
 from __future__ import annotations
 
 import contextlib
+import inspect
 from typing import Callable, Mapping, Optional, Union
 
 import torch
@@ -165,7 +167,8 @@ _FORWARD_HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "
 
 
 def _carry_attachments(old: nn.Module, new: nn.Module, name: str) -> None:
-    """Give ``new`` the children, forward hooks and extra public attributes of ``old`` (module docstring)."""
+    """Give ``new`` the children, forward hooks and public attributes attached to ``old`` (module docstring): those
+    that are not its class's own settings (its ``__init__`` arguments, which the new layer has in its own way)."""
     clashes = [child for child in old._modules if child in new._modules]
     if clashes:
         raise ValueError(f"{name}: the parallel layer replacing {type(old).__name__} has children {clashes} of its "
@@ -175,8 +178,9 @@ def _carry_attachments(old: nn.Module, new: nn.Module, name: str) -> None:
     for hooks in _FORWARD_HOOK_DICTS:
         if getattr(old, hooks):
             setattr(new, hooks, getattr(old, hooks))
+    own_settings = inspect.signature(type(old).__init__).parameters  # nn.Embedding's padding_idx is not attached
     for key, value in vars(old).items():
-        if not key.startswith("_") and key not in vars(new) and not hasattr(type(new), key):
+        if not key.startswith("_") and key not in own_settings and key not in vars(new) and not hasattr(type(new), key):
             setattr(new, key, value)
 
 
