@@ -13,7 +13,7 @@ from typing import Optional, Union
 
 from torch.utils.data import DataLoader, Dataset
 
-from lightning_megatron.data.base import DataParallelDataModule
+from lightning_megatron.data.base import DataParallelDataModule, check_token_model
 from lightning_megatron.data.blend import BlendedDataset, parse_data_prefix, samples_per_dataset
 from lightning_megatron.data.corpus import cache_root, stdlib_indexed_corpus
 from lightning_megatron.data.gpt_dataset import DocumentMasks, GPTDataset
@@ -21,7 +21,7 @@ from lightning_megatron.data.index_cache import Ranks
 from lightning_megatron.data.indexed import IndexedDataset
 from lightning_megatron.data.preprocess import load_dataset_tokenizer, read_metadata
 from lightning_megatron.data.prompts import PromptDataset
-from lightning_megatron.data.tokenizers import Tokenizer, check_vocab_fits, load_tokenizer
+from lightning_megatron.data.tokenizers import Tokenizer, load_tokenizer
 
 _SPLIT_SEEDS = {"train": 0, "validation": 1, "test": 2}  # each split's samples are shuffled by its own stream
 
@@ -125,11 +125,7 @@ class GPTDataModule(DataParallelDataModule):
         return self.tokenizer.vocab_size
 
     def check_model(self, config) -> None:
-        if getattr(config, "vocab_size", None) is not None:
-            check_vocab_fits(tokenizer_vocab_size=self.vocab_size, model_vocab_size=config.vocab_size)
-        if getattr(config, "max_seq_length", self.seq_length) < self.seq_length:
-            raise ValueError(f"seq_length={self.seq_length} exceeds the model's max_seq_length={config.max_seq_length};"
-                             f" use a shorter seq_length or a model with a longer context.")
+        check_token_model(config, vocab_size=self.vocab_size, seq_length=self.seq_length)
 
     def data_source(self) -> str:
         return f"max_files={self.max_files}" if self.data_prefix is None else f"data_prefix={self.data_prefix!r}"
