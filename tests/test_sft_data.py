@@ -80,21 +80,26 @@ def test_prompt_and_chat_labels_are_exact_with_the_byte_tokenizer():
 def hf_dir(tmp_path_factory):
     """A Hugging Face tokenizer directory made offline: a small byte-level BPE with ChatML's markers and template."""
     transformers = pytest.importorskip("transformers")
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|im_start|>", "<|im_end|>", "<|endoftext|>"],
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|im_start|>", "<|im_end|>", "<s>"],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tokenizer.train_from_iterator(["hello world, user assistant system: yes sir, again"] * 20, trainer)
     fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|im_end|>")
     directory = tmp_path_factory.mktemp("hf_tokenizer")
     fast.save_pretrained(directory)
+    tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[
+        ("<s>", tokenizer.token_to_id("<s>"))])  # one that starts every text it encodes with <s>, as Llama's
+    with_bos = directory / "bos"
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|im_end|>",
+                                         bos_token="<s>").save_pretrained(with_bos)
     with_template = directory / "chat"
     fast.chat_template = CHATML
     fast.save_pretrained(with_template)
-    return SimpleNamespace(plain=str(directory), chat=str(with_template), hf=fast)
+    return SimpleNamespace(plain=str(directory), chat=str(with_template), bos=str(with_bos), hf=fast)
 
 
 def test_a_chat_template_trains_the_assistant_turns_and_their_end_markers(hf_dir, tmp_path):
@@ -129,6 +134,10 @@ def test_a_tokenizer_without_a_chat_template_names_the_fix(hf_dir, tmp_path, mon
     assert hf_dir.hf.decode(encoded.ids, skip_special_tokens=False) == "User: hello\nAssistant: world<|im_end|>"
     assert hf_dir.hf.decode([i for i, t in zip(encoded.ids, encoded.trained) if t],
                             skip_special_tokens=False) == "world<|im_end|>"
+    # a tokenizer that starts each text with its beginning-of-sequence token starts each conversation with it
+    dm = SFTDataModule(tokenizer=hf_dir.bos, prompt_style="plain")
+    with_bos = dm.format.encode([Message("user", "hello"), Message("assistant", "world")])
+    assert with_bos == ([dm.tokenizer.hf.bos_token_id] + encoded.ids, [False] + encoded.trained)
     # a template that rewrites what comes before cannot have its response spans found
     broken = hf_dir.hf.__class__.from_pretrained(hf_dir.chat)
     broken.chat_template = "{% for m in messages %}{{ m['content'] }}|{% endfor %}{{ messages | length }}"

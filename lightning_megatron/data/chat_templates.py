@@ -27,7 +27,8 @@ class HFChatTokenizer:
     protocol, plus its chat template.
 
     ``vocab_size`` counts the added tokens too (``len(tokenizer)``); ``encode`` adds no special tokens (the
-    prompt style or the template places them); ``bos_id`` is ``None`` for a tokenizer without one.
+    prompt style or the template places them); ``bos_id`` is the beginning-of-sequence id the tokenizer puts
+    before every text it encodes (Llama's), ``None`` when it puts none (GPT-2's and Qwen's).
     """
 
     def __init__(self, directory: str | os.PathLike) -> None:
@@ -43,7 +44,8 @@ class HFChatTokenizer:
             raise ValueError(f"The tokenizer in {self.path} has no end-of-sequence token; set one (eos_token in its "
                              f"tokenizer_config.json) so that responses end with it and generation stops.")
         self.eos_id: int = self.hf.eos_token_id
-        self.bos_id: Optional[int] = self.hf.bos_token_id
+        first = self.hf.encode("a", add_special_tokens=True)[0]  # what the tokenizer itself puts before a text
+        self.bos_id: Optional[int] = first if first == self.hf.bos_token_id else None
         self.vocab_size: int = len(self.hf)
         self.chat_template: Optional[str] = self.hf.chat_template
 

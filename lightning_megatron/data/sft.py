@@ -193,9 +193,12 @@ class SFTDataModule(DataParallelDataModule):
 
 def _load_tokenizer(spec: str) -> Tokenizer:
     """``"byte"``, a Hugging Face tokenizer directory, or a ``tokenizer.json`` file."""
-    if os.fspath(spec) != "byte" and Path(spec).is_dir():
+    if os.fspath(spec) == "byte" or Path(spec).is_file():
+        return load_tokenizer(spec)
+    if Path(spec).is_dir():
         return HFChatTokenizer(spec)
-    return load_tokenizer(spec)
+    raise FileNotFoundError(f"tokenizer={os.fspath(spec)!r} is neither 'byte', a Hugging Face tokenizer directory nor a "
+                            f"tokenizer.json file.")
 
 
 def _conversation_format(tokenizer: Tokenizer, spec: str, prompt_style: Optional[Union[str, dict]]):
