@@ -301,6 +301,35 @@ def test_jsonl_and_parquet_read_alike_and_bad_parquet_rows_name_the_row(tmp_path
         SFTDataModule(data_path=str(tmp_path / "bad.parquet"), global_batch_size=1, split="1").setup("fit")
 
 
+def test_tokenised_conversations_are_cached_and_rebuilt_when_the_data_or_the_format_changes(tmp_path):
+    data = tmp_path / "d.jsonl"
+    write_jsonl(data, [{"prompt": f"p{i}", "response": f"r{i}"} for i in range(4)])
+
+    def samples(**kwargs):
+        dm = SFTDataModule(data_path=str(data), seq_length=40, global_batch_size=1, split="1", **kwargs)
+        dm.setup("fit")
+        return dm, sorted(tuple(dm.train_dataset[i]["input_ids"].tolist()) for i in range(len(dm.train_dataset)))
+
+    dm, first = samples()
+    entries = list((tmp_path / "index_cache").iterdir())
+    assert len(entries) == 1
+
+    def refuse(conversation):
+        raise AssertionError("tokenised again although cached")
+
+    again = SFTDataModule(data_path=str(data), seq_length=40, global_batch_size=1, split="1")
+    again.format.encode = refuse
+    again.setup("fit")
+    assert sorted(tuple(again.train_dataset[i]["input_ids"].tolist()) for i in range(4)) == first
+    # another prompt style and another file content are other entries, whose samples say so
+    _, styled = samples(prompt_style={"user": "Q: {content}\nA: "})
+    assert bytes(styled[0][:4]) == b"Q: p" and len(list((tmp_path / "index_cache").iterdir())) == 2
+    write_jsonl(data, [{"prompt": f"x{i}", "response": f"r{i}"} for i in range(4)])
+    _, changed = samples()
+    assert all(b"User: x" in bytes(t for t in row if t < 256) for row in changed)
+    assert len(list((tmp_path / "index_cache").iterdir())) == 3
+
+
 def rows_of(batch):
     return sorted(tuple(row) for row in torch.cat([batch["input_ids"], batch["labels"]], 1).tolist())
 
@@ -336,8 +365,8 @@ def test_global_batches_are_the_same_at_any_dp_and_resume_neither_repeats_nor_sk
     for step in (3, 4):
         assert sorted(rows_of(next(iterators[0])) + rows_of(next(iterators[1]))) == expected[step], step
     # validation samples are held-out conversations only, and training samples differ per epoch only by order
-    train_prompts = {c[:-1] for c in (single._conversations[i] for i in single._ranges["train"])}
-    assert not train_prompts & {turns for turns, _ in single.held_out("validation")}
+    train_prompts = {c[:-1] for c in single.conversations("train")}
+    assert len(train_prompts) == 1800 and not train_prompts & {turns for turns, _ in single.held_out("validation")}
 
 
 def test_builtin_instructions_and_held_out_predict_prompts():

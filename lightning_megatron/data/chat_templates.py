@@ -14,6 +14,7 @@ refused, naming the turn, rather than trained on the wrong tokens.
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -55,6 +56,13 @@ class HFChatTokenizer:
     def decode(self, ids: Iterable[int]) -> str:
         return self.hf.decode([int(i) for i in ids], skip_special_tokens=True)
 
+    def vocabulary(self) -> str:
+        """The tokenizer's whole definition as text (a fast tokenizer's ``tokenizer.json``, else its vocabulary), for
+        cache keys."""
+        if self.hf.is_fast:
+            return self.hf.backend_tokenizer.to_str()
+        return json.dumps(sorted(self.hf.get_vocab().items()))
+
 
 class ChatTemplateFormat:
     """Conversations to ids with the tokenizer's chat template, the assistant turns marked as trained."""
@@ -95,3 +103,7 @@ class ChatTemplateFormat:
     def prompt(self, messages: Sequence[Message]) -> list[int]:
         """The ids of ``messages`` (ending with a user turn) and the generation prompt (the assistant's header)."""
         return self._render(messages, True)
+
+    def identity(self) -> dict:
+        """What the ids depend on besides the tokenizer's vocabulary (a cache key's part)."""
+        return {"chat_template": self.tokenizer.chat_template}

@@ -35,10 +35,11 @@ Conversation = tuple[Message, ...]
 
 
 class Encoded(NamedTuple):
-    """A tokenised conversation: its ``ids`` and, per id, whether it is a response token (a training target)."""
+    """A tokenised conversation: its ``ids`` and, per id, whether it is a response token (a training target); lists,
+    or numpy arrays when read from the cache."""
 
-    ids: list[int]
-    trained: list[bool]
+    ids: Sequence[int]
+    trained: Sequence[bool]
 
 
 def conversation(row: Any) -> Conversation:

@@ -7,7 +7,6 @@ preprocessed ``data_prefix``, a Megatron-LM blend of several, and the built-in s
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Optional, Union
 
@@ -15,7 +14,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from lightning_megatron.data.base import DataParallelDataModule, check_token_model
 from lightning_megatron.data.blend import BlendedDataset, parse_data_prefix, samples_per_dataset
-from lightning_megatron.data.corpus import cache_root, stdlib_indexed_corpus
+from lightning_megatron.data.corpus import index_cache_dir, stdlib_indexed_corpus
 from lightning_megatron.data.gpt_dataset import DocumentMasks, GPTDataset
 from lightning_megatron.data.index_cache import Ranks
 from lightning_megatron.data.indexed import IndexedDataset
@@ -144,13 +143,8 @@ class GPTDataModule(DataParallelDataModule):
 
     def cache_dir(self) -> Path:
         """``index_cache_dir``, else ``index_cache`` beside the first dataset when that is writable, else the user
-        cache (every rank decides alike from the file system, before any build)."""
-        if self.index_cache_dir is not None:
-            return Path(self.index_cache_dir)
-        beside = Path(self.prefixes[0]).resolve().parent / "index_cache"
-        if os.access(beside if beside.exists() else beside.parent, os.W_OK):
-            return beside
-        return cache_root() / "index"
+        cache."""
+        return index_cache_dir(self.prefixes[0], self.index_cache_dir)
 
     def _gpt_dataset(self, d: int, documents: range, num_samples: Optional[int], split: str) -> GPTDataset:
         name = f"{Path(self.prefixes[d]).name} ({split})"

@@ -26,6 +26,8 @@ ANSWER_PATTERN = re.compile(r"Answer: [A-Za-z0-9]+")
 #: Conversations in the set: enough for a held-out split of a hundred and a few minutes of CPU training.
 DEFAULT_SIZE = 2000
 _SEED = 30
+#: The set in a cache key: a change to the tasks must change it, so that cached tokens of the old set are not used.
+BUILTIN_SOURCE = {"builtin": "instructions", "size": DEFAULT_SIZE, "version": 1}
 
 
 def _word(rng: random.Random) -> str:

@@ -18,7 +18,7 @@ in the format it was taught. A custom style is a dict of the three templates, ea
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Optional, Union
 
 from lightning_megatron.data.conversations import Encoded, Message
@@ -88,3 +88,7 @@ class PromptStyleFormat:
     def prompt(self, messages: Sequence[Message]) -> list[int]:
         """The ids of ``messages`` (ending with a user turn) up to where the assistant's response starts."""
         return self.encode(messages).ids
+
+    def identity(self) -> dict:
+        """What the ids depend on besides the tokenizer's vocabulary (a cache key's part)."""
+        return {"prompt_style": asdict(self.style), "bos_id": self.bos_id, "eos_id": self.tokenizer.eos_id}

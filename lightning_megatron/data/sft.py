@@ -20,12 +20,15 @@ from torch.utils.data import DataLoader, Dataset
 
 from lightning_megatron.data.base import DataParallelDataModule, check_token_model
 from lightning_megatron.data.chat_templates import ChatTemplateFormat, HFChatTokenizer
-from lightning_megatron.data.conversations import Conversation, Message, check_turns, message, read_conversations
-from lightning_megatron.data.corpus import ByteTokenizer
-from lightning_megatron.data.instructions import instruction_set
+from lightning_megatron.data.conversations import (Conversation, Encoded, Message, check_turns, message,
+                                                   read_conversations)
+from lightning_megatron.data.corpus import ByteTokenizer, index_cache_dir
+from lightning_megatron.data.index_cache import Ranks
+from lightning_megatron.data.instructions import BUILTIN_SOURCE, instruction_set
 from lightning_megatron.data.prompt_styles import PromptStyle, PromptStyleFormat
 from lightning_megatron.data.prompts import PromptDataset
 from lightning_megatron.data.sft_dataset import OVERLONG, SFTDataset, fit_to_window
+from lightning_megatron.data.sft_tokens import file_identity, tokenised_conversations, tokenizer_identity
 from lightning_megatron.data.splits import SPLIT_NAMES
 from lightning_megatron.data.tokenizers import Tokenizer, load_tokenizer
 
@@ -59,6 +62,8 @@ class SFTDataModule(DataParallelDataModule):
             turn, token-id lists, or ``"validation"`` / ``"test"``: the prompts of that split's
             conversations (their last response is what :meth:`held_out` gives to check against).
         generation: the generation settings (``data/prompts.py``); ``eos_id`` defaults to the tokenizer's.
+        index_cache_dir: where the tokenised conversations are cached (``data/sft_tokens.py``); by default
+            ``index_cache`` beside ``data_path`` when that is writable, else under ``$LIGHTNING_MEGATRON_CACHE``.
 
     Example::
 
@@ -81,6 +86,7 @@ class SFTDataModule(DataParallelDataModule):
         num_workers: int = 0,
         predict_prompts: Optional[Union[str, list[PredictPrompt]]] = None,
         generation: Optional[dict] = None,
+        index_cache_dir: Optional[str] = None,
     ) -> None:
         super().__init__(global_batch_size=global_batch_size, split=split, seed=seed, num_workers=num_workers)
         if seq_length < 1:
@@ -93,9 +99,9 @@ class SFTDataModule(DataParallelDataModule):
         self.data_path, self.seq_length, self.packing, self.overlong = data_path, seq_length, packing, overlong
         self.tokenizer = _load_tokenizer(tokenizer)
         self.format = _conversation_format(self.tokenizer, tokenizer, prompt_style)
-        self.generation = generation
-        self.predict_prompts = predict_prompts
-        self._conversations: Optional[list[Conversation]] = None
+        self.generation, self.predict_prompts, self.index_cache_dir = generation, predict_prompts, index_cache_dir
+        self._encoded: Optional[list[Encoded]] = None  # every conversation, tokenised, in the seeded order
+        self._order: Optional[np.ndarray] = None  # that order: file rows
         self._ranges: dict[str, range] = {}
         self._fitting: dict[str, tuple[int, int, int]] = {}  # split -> (conversations, truncated, dropped)
         self.prompts = (PromptDataset([self._prompt_ids(p) for p in predict_prompts], self.tokenizer, generation)
@@ -113,20 +119,28 @@ class SFTDataModule(DataParallelDataModule):
         return f"data_path={self.data_path!r}" if self.data_path is not None else "the built-in instruction set"
 
     # ------------------------------------------------------------------ conversations and datasets
+    def _read(self) -> list[Conversation]:
+        """Every row, checked (a malformed one fails, naming its place), in the file's order."""
+        return read_conversations(self.data_path) if self.data_path is not None else instruction_set()
+
     def open_corpus(self) -> int:
-        """Read every row once (a malformed one fails here, naming its place) in a seeded order, which the split's
+        """Every conversation tokenised (from the cache, built by one rank), in a seeded order, which the split's
         contiguous ranges then cut: a file sorted by topic still gives every split some of each."""
-        if self._conversations is None:
-            rows = read_conversations(self.data_path) if self.data_path is not None else instruction_set()
-            order = np.random.default_rng(self.seed).permutation(len(rows))
-            self._conversations = [rows[i] for i in order]
-        return len(self._conversations)
+        if self._encoded is None:
+            source = file_identity(self.data_path) if self.data_path is not None else BUILTIN_SOURCE
+            encoded = tokenised_conversations(
+                self._read, self.format.encode, source=source,
+                format_identity={**self.format.identity(), "tokenizer": tokenizer_identity(self.tokenizer)},
+                cache_dir=index_cache_dir(self.data_path, self.index_cache_dir), ranks=Ranks.of_trainer(self.trainer))
+            self._order = np.random.default_rng(self.seed).permutation(len(encoded))
+            self._encoded = [encoded[i] for i in self._order]
+        return len(self._encoded)
 
     def make_dataset(self, split: str, documents: range, num_samples: Optional[int]) -> Dataset:
         """The split's conversations, fitted to the window and packed; one pass over them is an epoch (the training
         sampler reshuffles the samples every epoch)."""
         self._ranges[split] = documents
-        encoded = [self.format.encode(self._conversations[i]) for i in documents]
+        encoded = [self._encoded[i] for i in documents]
         fitted = fit_to_window(encoded, self.seq_length + 1, self.overlong)
         self._fitting[split] = (len(encoded), fitted.truncated, fitted.dropped)
         if encoded and not fitted.encoded:
@@ -166,14 +180,22 @@ class SFTDataModule(DataParallelDataModule):
         check_turns([*turns, Message("assistant", "the response to generate")])  # alternating, ending with a user turn
         return self.format.prompt(turns)
 
-    def held_out(self, split: str = "validation") -> list[tuple[tuple[Message, ...], str]]:
+    def conversations(self, split: str) -> list[Conversation]:
+        """The conversations of ``split`` (``"train"``, ``"validation"`` or ``"test"``), in the split's order, read
+        again from the data."""
+        if split not in SPLIT_NAMES:
+            raise ValueError(f"split={split!r} is none of {SPLIT_NAMES}.")
+        if self.train_dataset is None:
+            self.setup("fit")
+        rows = self._read()
+        return [rows[self._order[i]] for i in self._ranges.get(split, ())]
+
+    def held_out(self, split: str = "validation") -> list[tuple[Conversation, str]]:
         """Each conversation of a held-out ``split`` as ``(its messages before the last response, that response)``,
         in the split's order: the prompts of ``predict_prompts=split`` and what they should be answered with."""
         if split not in SPLIT_NAMES[1:]:
             raise ValueError(f"held_out(split={split!r}) needs a held-out split: 'validation' or 'test'.")
-        if split not in self._ranges:
-            self.setup("fit")
-        return [(c[:-1], c[-1].content) for c in (self._conversations[i] for i in self._ranges.get(split, ()))]
+        return [(c[:-1], c[-1].content) for c in self.conversations(split)]
 
     def predict_dataloader(self) -> DataLoader:
         """The prompts, in order, ``per_rank_batch_size`` at a time (Lightning splits them over dp)."""
