@@ -253,6 +253,11 @@ def test_overlong_conversations_are_truncated_or_dropped_and_counted(tmp_path):
     assert len(dm.train_dataset) == 2
     with pytest.raises(ValueError, match="None of the 4 conversations of the train split fits seq_length"):
         SFTDataModule(data_path=data, seq_length=8, global_batch_size=1, split="1").setup("fit")
+    with pytest.raises(FileNotFoundError, match="SFT data .*missing.jsonl does not exist"):
+        SFTDataModule(data_path=str(tmp_path / "missing.jsonl"))
+    (tmp_path / "d.csv").write_text("prompt,response\n")
+    with pytest.raises(ValueError, match=r"must be a .jsonl file .* or a .parquet file"):
+        SFTDataModule(data_path=str(tmp_path / "d.csv"))
     with pytest.raises(ValueError, match="overlong='cut' must be one of"):
         SFTDataModule(overlong="cut")
     one = dm.format.encode([Message("user", "x"), Message("assistant", "y")])

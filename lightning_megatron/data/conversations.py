@@ -124,14 +124,20 @@ def _rows(path: Path) -> Iterator[tuple[str, Any]]:
                 raise ValueError(f"{where}: invalid JSON ({error}); each line must be {_FORMS}.") from None
 
 
-def read_conversations(path: str | os.PathLike) -> list[Conversation]:
-    """Every conversation of a ``.jsonl`` or ``.parquet`` file, in order."""
+def check_data_file(path: str | os.PathLike) -> Path:
+    """``path`` if it is an existing ``.jsonl`` or ``.parquet`` file; the error says what it should be otherwise."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"SFT data {path} does not exist (give a .jsonl or .parquet file).")
     if path.suffix not in (".jsonl", PARQUET_SUFFIX):
         raise ValueError(f"SFT data {path} must be a .jsonl file (one JSON object per line) or a .parquet file "
                          f"(one row per conversation), with rows {_FORMS}.")
+    return path
+
+
+def read_conversations(path: str | os.PathLike) -> list[Conversation]:
+    """Every conversation of a ``.jsonl`` or ``.parquet`` file, in order."""
+    path = check_data_file(path)
     conversations = []
     for where, row in _rows(path):
         try:

@@ -20,8 +20,8 @@ from torch.utils.data import DataLoader, Dataset
 
 from lightning_megatron.data.base import DataParallelDataModule, check_token_model
 from lightning_megatron.data.chat_templates import ChatTemplateFormat, HFChatTokenizer
-from lightning_megatron.data.conversations import (Conversation, Encoded, Message, check_turns, message,
-                                                   read_conversations)
+from lightning_megatron.data.conversations import (Conversation, Encoded, Message, check_data_file, check_turns,
+                                                   message, read_conversations)
 from lightning_megatron.data.corpus import ByteTokenizer, index_cache_dir
 from lightning_megatron.data.index_cache import Ranks
 from lightning_megatron.data.instructions import BUILTIN_SOURCE, instruction_set
@@ -96,12 +96,14 @@ class SFTDataModule(DataParallelDataModule):
         if isinstance(predict_prompts, str) and predict_prompts not in SPLIT_NAMES[1:]:
             raise ValueError(f"predict_prompts={predict_prompts!r} must be a list of prompts or the name of a held-out "
                              f"split: 'validation' or 'test'.")
+        if data_path is not None:
+            check_data_file(data_path)
         self.data_path, self.seq_length, self.packing, self.overlong = data_path, seq_length, packing, overlong
         self.tokenizer = _load_tokenizer(tokenizer)
         self.format = _conversation_format(self.tokenizer, tokenizer, prompt_style)
         self.generation, self.predict_prompts, self.index_cache_dir = generation, predict_prompts, index_cache_dir
         self._encoded: Optional[list[Encoded]] = None  # every conversation, tokenised, in the seeded order
-        self._order: Optional[np.ndarray] = None  # that order: file rows
+        self._order: Optional[np.ndarray] = None  # the file row of each place in that order
         self._ranges: dict[str, range] = {}
         self._fitting: dict[str, tuple[int, int, int]] = {}  # split -> (conversations, truncated, dropped)
         self.prompts = (PromptDataset([self._prompt_ids(p) for p in predict_prompts], self.tokenizer, generation)
