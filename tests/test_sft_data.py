@@ -62,8 +62,9 @@ def test_prompt_and_chat_labels_are_exact_with_the_byte_tokenizer():
     sample = byte_sample([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}], 32)
     text = "User: hi\nAssistant: "
     assert bytes(sample["input_ids"][: len(text)].tolist()).decode() == text
-    assert sample["labels"].tolist() == [-100] * (len(text) - 1) + [ord("y"), ord("o"), EOS] + [-100] * (32 - len(text) - 2)
-    assert sample["input_ids"][len(text) + 2:].tolist() == [EOS] * (32 - len(text) - 2)  # the eos, then padding
+    padding = 32 - len(text) - 2
+    assert sample["labels"].tolist() == [-100] * (len(text) - 1) + [ord("y"), ord("o"), EOS] + [-100] * padding
+    assert sample["input_ids"][len(text) + 2:].tolist() == [EOS] * padding  # the eos, then padding
     assert set(sample) == {"input_ids", "labels"}
 
     sample = byte_sample(CHAT, 96)  # multi-turn: every assistant turn is trained, each with its eos
