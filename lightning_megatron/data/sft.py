@@ -99,8 +99,8 @@ class SFTDataModule(DataParallelDataModule):
         if data_path is not None:
             check_data_file(data_path)
         self.data_path, self.seq_length, self.packing, self.overlong = data_path, seq_length, packing, overlong
-        self.tokenizer = _load_tokenizer(tokenizer)
-        self.format = _conversation_format(self.tokenizer, tokenizer, prompt_style)
+        self.tokenizer = load_sft_tokenizer(tokenizer)
+        self.format = conversation_format(self.tokenizer, tokenizer, prompt_style)
         self.generation, self.predict_prompts, self.index_cache_dir = generation, predict_prompts, index_cache_dir
         self._encoded: Optional[list[Encoded]] = None  # every conversation, tokenised, in the seeded order
         self._order: Optional[np.ndarray] = None  # the file row of each place in that order
@@ -215,8 +215,8 @@ class SFTDataModule(DataParallelDataModule):
                           shuffle=False)
 
 
-def _load_tokenizer(spec: str) -> Tokenizer:
-    """``"byte"``, a Hugging Face tokenizer directory, or a ``tokenizer.json`` file."""
+def load_sft_tokenizer(spec: str) -> Tokenizer:
+    """``"byte"``, a Hugging Face tokenizer directory (with its chat template), or a ``tokenizer.json`` file."""
     if os.fspath(spec) == "byte" or Path(spec).is_file():
         return load_tokenizer(spec)
     if Path(spec).is_dir():
@@ -225,8 +225,10 @@ def _load_tokenizer(spec: str) -> Tokenizer:
                             f"tokenizer.json file.")
 
 
-def _conversation_format(tokenizer: Tokenizer, spec: str, prompt_style: Optional[Union[str, dict]]):
-    """The tokenizer's chat template, or ``prompt_style`` (``"plain"`` by default for the byte tokenizer)."""
+def conversation_format(tokenizer: Tokenizer, spec: str, prompt_style: Optional[Union[str, dict]]):
+    """The tokenizer's chat template, or ``prompt_style`` (``"plain"`` by default for the byte tokenizer): how
+    conversations are written, for training and for the prompts generation continues (``lightning-megatron generate
+    --prompt-style``)."""
     if prompt_style is None and isinstance(tokenizer, HFChatTokenizer):
         return ChatTemplateFormat(tokenizer)
     if prompt_style is None and not isinstance(tokenizer, ByteTokenizer):
