@@ -7,6 +7,7 @@ from lightning_megatron.data.blend import BlendedDataset
 from lightning_megatron.data.gpt import GPTDataModule
 from lightning_megatron.data.gpt_dataset import DocumentMasks, GPTDataset
 from lightning_megatron.data.indexed import IndexedDataset, IndexedDatasetWriter
+from lightning_megatron.data.sft import SFTDataModule
 from lightning_megatron.data.tokenizers import HFTokenizer, load_tokenizer
 
 __all__ = [
@@ -21,6 +22,7 @@ __all__ = [
     "HFTokenizer",
     "IndexedDataset",
     "IndexedDatasetWriter",
+    "SFTDataModule",
     "load_tokenizer",
     "stdlib_source_files",
 ]

@@ -20,9 +20,19 @@ from torch.utils.data import DataLoader, Dataset
 
 from lightning_megatron.data.resumable import ResumableDataLoader, data_parallel_sampler
 from lightning_megatron.data.splits import parse_split, split_document_ranges
+from lightning_megatron.data.tokenizers import check_vocab_fits
 
 #: The Lightning stage of each split's loader, for messages.
 _LOADER_OF_SPLIT = {"train": "train_dataloader", "validation": "val_dataloader", "test": "test_dataloader"}
+
+
+def check_token_model(config: Any, *, vocab_size: int, seq_length: int) -> None:
+    """Raise if a token model's ``config`` cannot take samples of ``seq_length`` ids below ``vocab_size``."""
+    if getattr(config, "vocab_size", None) is not None:
+        check_vocab_fits(tokenizer_vocab_size=vocab_size, model_vocab_size=config.vocab_size)
+    if getattr(config, "max_seq_length", seq_length) < seq_length:
+        raise ValueError(f"seq_length={seq_length} exceeds the model's max_seq_length={config.max_seq_length}; "
+                         f"use a shorter seq_length or a model with a longer context.")
 
 
 class DataParallelDataModule(L.LightningDataModule):

@@ -99,6 +99,19 @@ def cache_root() -> pathlib.Path:
     return pathlib.Path(configured) if configured else pathlib.Path.home() / ".cache" / "lightning_megatron"
 
 
+def index_cache_dir(beside: str | os.PathLike | None, configured: str | os.PathLike | None = None) -> pathlib.Path:
+    """Where index arrays derived from a data file go: ``configured``, else ``index_cache`` in the directory of
+    ``beside`` (the data) when that is writable, else the user cache's ``index`` (every rank decides alike from the
+    file system, before any build)."""
+    if configured is not None:
+        return pathlib.Path(configured)
+    if beside is not None:
+        directory = pathlib.Path(beside).resolve().parent / "index_cache"
+        if os.access(directory if directory.exists() else directory.parent, os.W_OK):
+            return directory
+    return cache_root() / "index"
+
+
 def stdlib_indexed_corpus(max_files: int | None = None, *, cache_dir: str | os.PathLike | None = None,
                           ranks: Ranks = Ranks()) -> str:
     """The prefix of the stdlib corpus (:func:`load_stdlib_token_documents`) as an indexed dataset, one

@@ -7,21 +7,20 @@ preprocessed ``data_prefix``, a Megatron-LM blend of several, and the built-in s
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Optional, Union
 
 from torch.utils.data import DataLoader, Dataset
 
-from lightning_megatron.data.base import DataParallelDataModule
+from lightning_megatron.data.base import DataParallelDataModule, check_token_model
 from lightning_megatron.data.blend import BlendedDataset, parse_data_prefix, samples_per_dataset
-from lightning_megatron.data.corpus import cache_root, stdlib_indexed_corpus
+from lightning_megatron.data.corpus import index_cache_dir, stdlib_indexed_corpus
 from lightning_megatron.data.gpt_dataset import DocumentMasks, GPTDataset
 from lightning_megatron.data.index_cache import Ranks
 from lightning_megatron.data.indexed import IndexedDataset
 from lightning_megatron.data.preprocess import load_dataset_tokenizer, read_metadata
 from lightning_megatron.data.prompts import PromptDataset
-from lightning_megatron.data.tokenizers import Tokenizer, check_vocab_fits, load_tokenizer
+from lightning_megatron.data.tokenizers import Tokenizer, load_tokenizer
 
 _SPLIT_SEEDS = {"train": 0, "validation": 1, "test": 2}  # each split's samples are shuffled by its own stream
 
@@ -125,11 +124,7 @@ class GPTDataModule(DataParallelDataModule):
         return self.tokenizer.vocab_size
 
     def check_model(self, config) -> None:
-        if getattr(config, "vocab_size", None) is not None:
-            check_vocab_fits(tokenizer_vocab_size=self.vocab_size, model_vocab_size=config.vocab_size)
-        if getattr(config, "max_seq_length", self.seq_length) < self.seq_length:
-            raise ValueError(f"seq_length={self.seq_length} exceeds the model's max_seq_length={config.max_seq_length};"
-                             f" use a shorter seq_length or a model with a longer context.")
+        check_token_model(config, vocab_size=self.vocab_size, seq_length=self.seq_length)
 
     def data_source(self) -> str:
         return f"max_files={self.max_files}" if self.data_prefix is None else f"data_prefix={self.data_prefix!r}"
@@ -148,13 +143,8 @@ class GPTDataModule(DataParallelDataModule):
 
     def cache_dir(self) -> Path:
         """``index_cache_dir``, else ``index_cache`` beside the first dataset when that is writable, else the user
-        cache (every rank decides alike from the file system, before any build)."""
-        if self.index_cache_dir is not None:
-            return Path(self.index_cache_dir)
-        beside = Path(self.prefixes[0]).resolve().parent / "index_cache"
-        if os.access(beside if beside.exists() else beside.parent, os.W_OK):
-            return beside
-        return cache_root() / "index"
+        cache."""
+        return index_cache_dir(self.prefixes[0], self.index_cache_dir)
 
     def _gpt_dataset(self, d: int, documents: range, num_samples: Optional[int], split: str) -> GPTDataset:
         name = f"{Path(self.prefixes[d]).name} ({split})"

@@ -4,11 +4,16 @@
 
     lightning-megatron generate --checkpoint runs/checkpoints/last.ckpt --prompt "def fib(n):" --max-new-tokens 64
     lightning-megatron generate --checkpoint hf_llama_dir/ --prompt "The capital of France" --temperature 0.8 --top-p 0.95
+    lightning-megatron generate --checkpoint runs/sft/last.ckpt --prompt "Reverse cat." --prompt-style plain
+    lightning-megatron generate --checkpoint hf_chat_dir/ --prompt "Hello!" --prompt-style chat
 
 The checkpoint is a sharded checkpoint directory (any saving layout), a ``checkpoint_format="full"`` file, or a
 Hugging Face ``save_pretrained`` directory. The tokenizer: ``--tokenizer`` (``byte`` or a ``tokenizer.json``), else
 the Hugging Face directory's ``tokenizer.json``, else the byte tokenizer when the model's vocabulary is the byte
-vocabulary (the default data's). Each continuation is printed after its prompt; timings go to stderr.
+vocabulary (the default data's). ``--prompt-style`` asks a fine-tuned model in the format it was taught: each prompt
+becomes a user turn written as ``SFTDataModule`` writes conversations (a built-in style such as ``plain``, or ``chat``:
+the chat template of the Hugging Face tokenizer directory, ``--tokenizer DIR`` or the checkpoint's own). Each
+continuation is printed after its prompt; timings go to stderr.
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ from typing import Optional, Sequence
 
 import torch
 
+from lightning_megatron.data.conversations import Message
+from lightning_megatron.data.sft import conversation_format, load_sft_tokenizer
 from lightning_megatron.data.tokenizers import Tokenizer, load_tokenizer
 from lightning_megatron.models.gpt import GPT
 
@@ -53,11 +60,33 @@ def choose_tokenizer(spec: Optional[str], checkpoint: Path, vocab_size: int) -> 
                      f"with the tokenizer.json the model was trained with.")
 
 
+def encode_prompts(prompts: Sequence[str], tokenizer: Tokenizer, *, prompt_style: Optional[str],
+                   tokenizer_spec: Optional[str], checkpoint: Path) -> tuple[Tokenizer, list[list[int]]]:
+    """The prompts' ids: as they are, or each as a user turn in ``prompt_style`` (``"chat"``: the Hugging Face
+    tokenizer directory's chat template, which then is also the tokenizer)."""
+    if prompt_style is None:
+        return tokenizer, [tokenizer.encode(prompt) for prompt in prompts]
+    if prompt_style == "chat":
+        directory = Path(tokenizer_spec) if tokenizer_spec is not None else checkpoint
+        if not (directory.is_dir() and (directory / "tokenizer_config.json").is_file()):
+            raise ValueError(f"--prompt-style chat writes prompts with a Hugging Face tokenizer's chat template, but "
+                             f"{directory} is no tokenizer directory: pass --tokenizer DIR (the directory holding "
+                             f"tokenizer_config.json).")
+        tokenizer = load_sft_tokenizer(str(directory))
+        style = None
+    else:
+        style = prompt_style
+    chat = conversation_format(tokenizer, tokenizer_spec or "byte", style)
+    return tokenizer, [chat.prompt([Message("user", prompt)]) for prompt in prompts]
+
+
 def main(argv: Optional[Sequence[str]] = None) -> None:
     parser = argparse.ArgumentParser(prog="lightning-megatron generate", description=__doc__.split("\n\n")[0])
     parser.add_argument("--checkpoint", required=True, help="checkpoint directory or file, or a Hugging Face directory")
     parser.add_argument("--prompt", action="append", required=True, help="text to continue (repeat for a batch)")
     parser.add_argument("--tokenizer", help="'byte' or a tokenizer.json (default: see above)")
+    parser.add_argument("--prompt-style", help="write each prompt as a user turn, as a fine-tuned model was taught: "
+                                               "a built-in style ('plain') or 'chat' (the tokenizer's chat template)")
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--temperature", type=float, default=0.0, help="0 (the default) is greedy")
     parser.add_argument("--top-k", type=int, default=0)
@@ -70,7 +99,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     try:
         gpt = load_gpt(args.checkpoint).to(args.device)
         tokenizer = choose_tokenizer(args.tokenizer, Path(args.checkpoint), gpt.config.vocab_size)
-        prompts = [tokenizer.encode(prompt) for prompt in args.prompt]
+        tokenizer, prompts = encode_prompts(args.prompt, tokenizer, prompt_style=args.prompt_style,
+                                            tokenizer_spec=args.tokenizer, checkpoint=Path(args.checkpoint))
         eos_id = None if args.no_eos else tokenizer.eos_id
         start = time.perf_counter()
         outputs = gpt.generate(prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
@@ -80,7 +110,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     seconds = time.perf_counter() - start
     new_tokens = sum(len(out) - len(prompt) for out, prompt in zip(outputs, prompts))
     for prompt_text, prompt, out in zip(args.prompt, prompts, outputs):
-        print(prompt_text + tokenizer.decode(out[len(prompt):]))
+        separator = "" if args.prompt_style is None else "\n"  # a response, not a continuation of the text
+        print(prompt_text + separator + tokenizer.decode(out[len(prompt):]))
         print("-" * 40)
     print(f"{new_tokens} new tokens in {seconds:.2f} s ({new_tokens / seconds:.1f} tokens/s, {len(prompts)} prompts, "
           f"{args.device})", file=sys.stderr)

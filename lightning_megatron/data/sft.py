@@ -1,0 +1,237 @@
+"""Supervised fine-tuning data: conversations with the loss on the responses only, split over dp ranks.
+
+The rows (``data/conversations.py``) are tokenised with the model's Hugging Face tokenizer
+and its chat template (``data/chat_templates.py``) or written in a plain prompt style for the
+byte tokenizer (``data/prompt_styles.py``), fitted to the sequence and optionally packed
+(``data/sft_dataset.py``). Splitting, batching, sampling and resuming are the pretraining
+data's (``data/base.py``): the samples of global batch k are the same set at any dp, and a
+run resumes mid-epoch without repeating or skipping any.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Optional, Union
+
+import numpy as np
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from torch.utils.data import DataLoader, Dataset
+
+from lightning_megatron.data.base import DataParallelDataModule, check_token_model
+from lightning_megatron.data.chat_templates import ChatTemplateFormat, HFChatTokenizer
+from lightning_megatron.data.conversations import (Conversation, Encoded, Message, check_data_file, check_turns,
+                                                   message, read_conversations)
+from lightning_megatron.data.corpus import ByteTokenizer, index_cache_dir
+from lightning_megatron.data.index_cache import Ranks
+from lightning_megatron.data.instructions import BUILTIN_SOURCE, instruction_set
+from lightning_megatron.data.prompt_styles import PromptStyle, PromptStyleFormat
+from lightning_megatron.data.prompts import PromptDataset
+from lightning_megatron.data.sft_dataset import OVERLONG, SFTDataset, fit_to_window
+from lightning_megatron.data.sft_tokens import file_identity, tokenised_conversations, tokenizer_identity
+from lightning_megatron.data.splits import SPLIT_NAMES
+from lightning_megatron.data.tokenizers import Tokenizer, load_tokenizer
+
+#: A prompt for ``trainer.predict``: a user message, a conversation ending with a user turn, or token ids.
+PredictPrompt = Union[str, list[dict], list[int]]
+
+
+class SFTDataModule(DataParallelDataModule):
+    """Conversations to fine-tune on, the loss only on the assistant's tokens (``-100`` elsewhere).
+
+    Args:
+        data_path: a ``.jsonl`` or ``.parquet`` file of ``{"prompt", "response"}`` rows or chat rows
+            ``{"messages": [{"role", "content"}, ...]}``; by default the built-in instruction set
+            (``data/instructions.py``), made in memory.
+        tokenizer: ``"byte"`` (the default, no download), a Hugging Face tokenizer directory (e.g. the
+            one ``GPT.from_hf`` reads the weights from; needs ``transformers``), or a ``tokenizer.json``.
+        prompt_style: how conversations are written out: ``None`` for the tokenizer's chat template
+            (``"plain"`` for the byte tokenizer), ``"plain"``, or a dict of ``system``, ``user`` and
+            ``assistant`` templates holding ``{content}`` (``data/prompt_styles.py``).
+        seq_length: positions per sample; every sample has exactly this many (padded).
+        global_batch_size: samples per optimizer step over all data-parallel ranks.
+        packing: several conversations per sample, each with its own positions and attention
+            (``position_ids``, ``document_ids``); one per sample otherwise.
+        overlong: a conversation longer than ``seq_length + 1`` tokens is cut (``"truncate"``: its
+            end goes) or left out (``"drop"``); the counts are warned about once.
+        split: train, validation and test weights of the conversations, after a seeded shuffle.
+        seed: seed of that shuffle (and of the packing order, which follows it) and of the training sampler.
+        num_workers: DataLoader worker processes.
+        predict_prompts: prompts for ``trainer.predict``, written up to where the response starts, so
+            generation continues in the taught format: user messages, conversations ending with a user
+            turn, token-id lists, or ``"validation"`` / ``"test"``: the prompts of that split's
+            conversations (their last response is what :meth:`held_out` gives to check against).
+        generation: the generation settings (``data/prompts.py``); ``eos_id`` defaults to the tokenizer's.
+        index_cache_dir: where the tokenised conversations are cached (``data/sft_tokens.py``); by default
+            ``index_cache`` beside ``data_path`` when that is writable, else under ``$LIGHTNING_MEGATRON_CACHE``.
+
+    Example::
+
+        trainer.fit(model, datamodule=SFTDataModule(seq_length=64, packing=True))
+        trainer.fit(model, datamodule=SFTDataModule(data_path="chats.jsonl", tokenizer="hf_model_dir"))
+    """
+
+    def __init__(
+        self,
+        *,
+        data_path: Optional[str] = None,
+        tokenizer: str = "byte",
+        prompt_style: Optional[Union[str, dict]] = None,
+        seq_length: int = 128,
+        global_batch_size: int = 16,
+        packing: bool = False,
+        overlong: str = "truncate",
+        split: str = "95,5,0",
+        seed: int = 1234,
+        num_workers: int = 0,
+        predict_prompts: Optional[Union[str, list[PredictPrompt]]] = None,
+        generation: Optional[dict] = None,
+        index_cache_dir: Optional[str] = None,
+    ) -> None:
+        super().__init__(global_batch_size=global_batch_size, split=split, seed=seed, num_workers=num_workers)
+        if seq_length < 1:
+            raise ValueError(f"seq_length must be at least 1, got {seq_length}.")
+        if overlong not in OVERLONG:
+            raise ValueError(f"overlong={overlong!r} must be one of {OVERLONG}.")
+        if isinstance(predict_prompts, str) and predict_prompts not in SPLIT_NAMES[1:]:
+            raise ValueError(f"predict_prompts={predict_prompts!r} must be a list of prompts or the name of a held-out "
+                             f"split: 'validation' or 'test'.")
+        if data_path is not None:
+            check_data_file(data_path)
+        self.data_path, self.seq_length, self.packing, self.overlong = data_path, seq_length, packing, overlong
+        self.tokenizer = load_sft_tokenizer(tokenizer)
+        self.format = conversation_format(self.tokenizer, tokenizer, prompt_style)
+        self.generation, self.predict_prompts, self.index_cache_dir = generation, predict_prompts, index_cache_dir
+        self._encoded: Optional[list[Encoded]] = None  # every conversation, tokenised, in the seeded order
+        self._order: Optional[np.ndarray] = None  # the file row of each place in that order
+        self._ranges: dict[str, range] = {}
+        self._fitting: dict[str, tuple[int, int, int]] = {}  # split -> (conversations, truncated, dropped)
+        self.prompts = (PromptDataset([self._prompt_ids(p) for p in predict_prompts], self.tokenizer, generation)
+                        if predict_prompts and not isinstance(predict_prompts, str) else None)
+
+    @property
+    def vocab_size(self) -> int:
+        """Ids the tokenizer can produce: the least ``vocab_size`` a model for this data needs."""
+        return self.tokenizer.vocab_size
+
+    def check_model(self, config) -> None:
+        check_token_model(config, vocab_size=self.vocab_size, seq_length=self.seq_length)
+
+    def data_source(self) -> str:
+        return f"data_path={self.data_path!r}" if self.data_path is not None else "the built-in instruction set"
+
+    # ------------------------------------------------------------------ conversations and datasets
+    def _read(self) -> list[Conversation]:
+        """Every row, checked (a malformed one fails, naming its place), in the file's order."""
+        return read_conversations(self.data_path) if self.data_path is not None else instruction_set()
+
+    def open_corpus(self) -> int:
+        """Every conversation tokenised (from the cache, built by one rank), in a seeded order, which the split's
+        contiguous ranges then cut: a file sorted by topic still gives every split some of each."""
+        if self._encoded is None:
+            source = file_identity(self.data_path) if self.data_path is not None else BUILTIN_SOURCE
+            encoded = tokenised_conversations(
+                self._read, self.format.encode, source=source,
+                format_identity={**self.format.identity(), "tokenizer": tokenizer_identity(self.tokenizer)},
+                cache_dir=index_cache_dir(self.data_path, self.index_cache_dir), ranks=Ranks.of_trainer(self.trainer))
+            self._order = np.random.default_rng(self.seed).permutation(len(encoded))
+            self._encoded = [encoded[i] for i in self._order]
+        return len(self._encoded)
+
+    def make_dataset(self, split: str, documents: range, num_samples: Optional[int]) -> Dataset:
+        """The split's conversations, fitted to the window and packed; one pass over them is an epoch (the training
+        sampler reshuffles the samples every epoch)."""
+        self._ranges[split] = documents
+        encoded = [self._encoded[i] for i in documents]
+        fitted = fit_to_window(encoded, self.seq_length + 1, self.overlong)
+        self._fitting[split] = (len(encoded), fitted.truncated, fitted.dropped)
+        if encoded and not fitted.encoded:
+            raise ValueError(f"None of the {len(encoded)} conversations of the {split} split fits seq_length + 1 = "
+                             f"{self.seq_length + 1} tokens with a response token left (overlong={self.overlong!r}); "
+                             f"the shortest holds {min(len(e.ids) for e in encoded)}: use a longer seq_length.")
+        return SFTDataset(fitted.encoded, seq_length=self.seq_length, pad_id=self.tokenizer.eos_id, packing=self.packing)
+
+    def setup(self, stage: Optional[str] = None) -> None:
+        fresh = self.train_dataset is None and stage != "predict"
+        super().setup(stage)
+        if fresh:
+            self._report()
+
+    def _report(self) -> None:
+        """Say once (rank zero) how the conversations fitted; warn with the counts when any was too long."""
+        total, truncated, dropped = (sum(counts[i] for counts in self._fitting.values()) for i in range(3))
+        if truncated or dropped:
+            action = (f"{truncated} truncated (their ends cut), {dropped} dropped (no response token fits)"
+                      if self.overlong == "truncate" else f"{dropped} dropped")
+            rank_zero_warn(f"{truncated + dropped} of {total} conversations ({self.data_source()}) are longer than "
+                           f"seq_length + 1 = {self.seq_length + 1} tokens: {action} (overlong={self.overlong!r}). "
+                           f"A longer seq_length keeps them whole.")
+        real, room = self.train_dataset.tokens()
+        rank_zero_info(f"SFT data: {total} conversations, {len(self.train_dataset)} training samples of "
+                       f"{self.seq_length} ({'packed' if self.packing else 'one conversation each'}, "
+                       f"{real / room:.0%} of their tokens real).")
+
+    # ------------------------------------------------------------------ prediction
+    def _prompt_ids(self, prompt: PredictPrompt) -> list[int]:
+        """A prompt's ids, written as the conversations were, up to where the response starts."""
+        if isinstance(prompt, str):
+            return self.format.prompt([Message("user", prompt)])
+        if prompt and all(isinstance(item, int) for item in prompt):
+            return list(prompt)
+        turns = [message(m, i) for i, m in enumerate(prompt)]
+        check_turns([*turns, Message("assistant", "the response to generate")])  # alternating, ending with a user turn
+        return self.format.prompt(turns)
+
+    def conversations(self, split: str) -> list[Conversation]:
+        """The conversations of ``split`` (``"train"``, ``"validation"`` or ``"test"``), in the split's order, read
+        again from the data."""
+        if split not in SPLIT_NAMES:
+            raise ValueError(f"split={split!r} is none of {SPLIT_NAMES}.")
+        if self.train_dataset is None:
+            self.setup("fit")
+        rows = self._read()
+        return [rows[self._order[i]] for i in self._ranges.get(split, ())]
+
+    def held_out(self, split: str = "validation") -> list[tuple[Conversation, str]]:
+        """Each conversation of a held-out ``split`` as ``(its messages before the last response, that response)``,
+        in the split's order: the prompts of ``predict_prompts=split`` and what they should be answered with."""
+        if split not in SPLIT_NAMES[1:]:
+            raise ValueError(f"held_out(split={split!r}) needs a held-out split: 'validation' or 'test'.")
+        return [(c[:-1], c[-1].content) for c in self.conversations(split)]
+
+    def predict_dataloader(self) -> DataLoader:
+        """The prompts, in order, ``per_rank_batch_size`` at a time (Lightning splits them over dp)."""
+        if isinstance(self.predict_prompts, str) and self.prompts is None:
+            held_out = self.held_out(self.predict_prompts)
+            if not held_out:
+                raise ValueError(f"predict_prompts={self.predict_prompts!r}, but split={self.split!r} gives that "
+                                 f"split no conversation; give it a weight.")
+            self.prompts = PromptDataset([self.format.prompt(turns) for turns, _ in held_out], self.tokenizer,
+                                         self.generation)
+        if self.prompts is None:
+            raise ValueError("trainer.predict needs prompts: SFTDataModule(predict_prompts=['...'] or 'validation', "
+                             "generation={'max_new_tokens': 32}) (or --data.predict_prompts on the command line).")
+        return DataLoader(self.prompts, batch_size=self.per_rank_batch_size, collate_fn=self.prompts.collate,
+                          shuffle=False)
+
+
+def load_sft_tokenizer(spec: str) -> Tokenizer:
+    """``"byte"``, a Hugging Face tokenizer directory (with its chat template), or a ``tokenizer.json`` file."""
+    if os.fspath(spec) == "byte" or Path(spec).is_file():
+        return load_tokenizer(spec)
+    if Path(spec).is_dir():
+        return HFChatTokenizer(spec)
+    raise FileNotFoundError(f"tokenizer={os.fspath(spec)!r} is neither 'byte', a Hugging Face tokenizer directory nor a "
+                            f"tokenizer.json file.")
+
+
+def conversation_format(tokenizer: Tokenizer, spec: str, prompt_style: Optional[Union[str, dict]]):
+    """The tokenizer's chat template, or ``prompt_style`` (``"plain"`` by default for the byte tokenizer): how
+    conversations are written, for training and for the prompts generation continues (``lightning-megatron generate
+    --prompt-style``)."""
+    if prompt_style is None and isinstance(tokenizer, HFChatTokenizer):
+        return ChatTemplateFormat(tokenizer)
+    if prompt_style is None and not isinstance(tokenizer, ByteTokenizer):
+        raise ValueError(f"tokenizer={spec!r} is a tokenizer.json file, which holds no chat template; pass "
+                         f"prompt_style='plain' (or a dict of templates), or the Hugging Face tokenizer directory.")
+    return PromptStyleFormat(PromptStyle.of(prompt_style or "plain"), tokenizer, getattr(tokenizer, "bos_id", None))
