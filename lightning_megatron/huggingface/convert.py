@@ -26,7 +26,7 @@ from torch import Tensor, nn
 
 from lightning_megatron.huggingface import bert, gpt2, llama, mistral, mixtral, qwen2, qwen2_moe
 from lightning_megatron.huggingface.family import Family, TensorSource
-from lightning_megatron.huggingface.io import DEFAULT_MAX_SHARD_SIZE, read_hf_config
+from lightning_megatron.huggingface.io import DEFAULT_MAX_SHARD_SIZE, read_hf_config, weight_names
 from lightning_megatron.models.bert import BERTConfig
 from lightning_megatron.models.gpt import GPTConfig
 
@@ -56,6 +56,18 @@ def read_hf(model_or_dir: Union[str, os.PathLike, nn.Module], *,
         raise ValueError(f"model_type={model_type!r} cannot be converted: supported Hugging Face model types are "
                          f"{', '.join(map(repr, model_types))}.{other}")
     return FAMILIES[model_type].read(model_or_dir)
+
+
+def read_hf_config_only(directory: Union[str, os.PathLike], *,
+                        model_types: Sequence[str] = HF_MODEL_TYPES) -> ModelConfig:
+    """Our config of a ``save_pretrained`` directory, from its ``config.json`` (and weight names), reading no
+    weights: what ``GPT(pretrained=...)`` knows at construction, before ``configure_model`` loads them."""
+    fields = read_hf_config(directory, expected="a save_pretrained directory")
+    model_type = fields.get("model_type")
+    if model_type not in model_types:
+        raise ValueError(f"{directory}: model_type={model_type!r} cannot be converted; supported Hugging Face model "
+                         f"types are {', '.join(map(repr, model_types))}.")
+    return FAMILIES[model_type].config_from_hf(fields, weight_names(directory))
 
 
 def family_for(config: Any, model_type: Optional[str] = None) -> Family:

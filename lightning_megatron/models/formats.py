@@ -15,10 +15,12 @@ from typing import Any, Callable, NamedTuple
 
 
 class HFFormat(NamedTuple):
-    """``read(model_or_dir) -> (config, full state dict)``; ``write(out_dir, config, state_dict, **options)``."""
+    """``read(model_or_dir) -> (config, full state dict)``; ``write(out_dir, config, state_dict, **options)``;
+    ``read_config(directory) -> config`` (no weights read)."""
 
     read: Callable[[Any], tuple[Any, dict]]
     write: Callable[..., None]
+    read_config: Callable[[Any], Any]
 
 
 _HF_FORMATS: dict[type, HFFormat] = {}
