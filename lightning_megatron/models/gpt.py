@@ -31,7 +31,7 @@ from lightning_megatron.models.norms import NORMALIZATIONS, build_norm
 from lightning_megatron.models.rotary import RopeScaling, RotaryEmbedding
 from lightning_megatron.models.transformer import TransformerLayer, TransformerSizes, layer_tensor_parallel_plan
 from lightning_megatron.parallel.initialize import INIT_STD, default_initializer, initialize_parameters
-from lightning_megatron.peft.adapters import adapted_layers
+from lightning_megatron.peft.adapters import ADAPTER_MODULES, adapted_layers
 from lightning_megatron.peft.lora import LoRAConfig, apply_lora
 from lightning_megatron.pipeline.blocks import PipelineBatch, PipelineBlocks
 from lightning_megatron.pipeline.layout import PipelineLayout
@@ -514,16 +514,19 @@ class GPT(PretrainingRecipe):
         on_meta = torch.empty(()).is_meta  # inside the strategy's model_sharded_context
         if self.pretrained is None:
             model = GPTModel(self.config)
+            if self.lora is not None:
+                apply_lora(model, self.lora)
         else:
             with torch.device("cpu"):
                 model = GPTModel(self.config)
-            _, state_dict = self.hf_format().read(self.pretrained)
-            load_base_weights(model, state_dict, what=f"The Hugging Face weights in {self.pretrained}")
-        if self.lora is not None:
-            apply_lora(model, self.lora)
-            if on_meta and self.pretrained is not None:
-                for name in adapted_layers(model):
-                    model.get_submodule(name).to("meta")  # the layer's own weights are real: only its adapters move
+                _, state_dict = self.hf_format().read(self.pretrained)
+                load_base_weights(model, state_dict, what=f"The Hugging Face weights in {self.pretrained}")
+                if self.lora is not None:
+                    apply_lora(model, self.lora)
+            if on_meta and self.lora is not None:
+                for name in adapted_layers(model):  # the layer's own weights stay real: only its adapters move
+                    for adapter in ADAPTER_MODULES:
+                        getattr(model.get_submodule(name), adapter).to("meta")
         self.model = model
 
     @classmethod

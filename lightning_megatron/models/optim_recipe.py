@@ -221,12 +221,20 @@ class PretrainingRecipe(L.LightningModule):
             model = GPT.load_from_checkpoint("runs/checkpoints/last.ckpt")   # a directory written by 8 ranks
         """
         reader = sharded_checkpoint_reader()
-        if reader is None or not reader.is_sharded(checkpoint_path):
+        reference = reader.base_reference(checkpoint_path) if reader is not None else None
+        if reader is None or not (reader.is_sharded(checkpoint_path) or reference is not None):
             return super().load_from_checkpoint(checkpoint_path, map_location=map_location, hparams_file=hparams_file,
                                                 strict=strict, **kwargs)
-        module = cls(**{**reader.hyper_parameters(checkpoint_path), **kwargs})
+        hyper = reader.hyper_parameters(checkpoint_path)
+        if reference is None and hyper.get("pretrained") is not None:
+            hyper = {**hyper, "pretrained": None}  # the checkpoint holds every weight: the base is not read
+        module = cls(**{**hyper, **kwargs})
         module.configure_model()
-        module.load_state_dict(reader.state_dict(checkpoint_path), strict=True if strict is None else strict)
+        strict = True if strict is None else strict
+        if reference is None:
+            module.load_state_dict(reader.state_dict(checkpoint_path), strict=strict)
+        else:  # adapters only (checkpoint/base.py): the base came from ``pretrained`` in configure_model
+            reader.load_adapters(reference, module, reader.state_dict(checkpoint_path), strict)
         return module.to(map_location) if isinstance(map_location, (str, torch.device)) else module
 
     @staticmethod
