@@ -3,8 +3,10 @@
 ``Megatron3DStrategy.setup`` composes them once per module, in this order (each step relies
 on the one before):
 
-1. ``parallelize(module, module.tensor_parallel_plan(), ...)``: swap Linear/Embedding for the
-   column/row/vocab-parallel layers; their parameters are still on the meta device. ``tp_comm_overlap``:
+1. ``parallelize(module, tensor_parallel_plan_of(module, ...), ...)``: swap Linear/Embedding for the
+   column/row/vocab-parallel layers; their parameters are still on the meta device. The plan is the model's
+   ``tensor_parallel_plan()`` with entries for its LoRA adapters (``peft.plan``; attached by ``configure_model``,
+   before this step, they are split with the layers they adapt and ride along the swaps). ``tp_comm_overlap``:
    their sequence-parallel collectives overlap their GEMMs (``tensor_parallel.overlap``).
    :func:`~lightning_megatron.tensor_parallel.fp8_plan.convert_to_fp8` (``fp8``): those layers' GEMMs in FP8, their
    scales reduced over the groups that split their tensors; right after the swaps (the layers it converts), before
@@ -55,6 +57,7 @@ from lightning_megatron.parallel.random import TensorParallelRNG
 from lightning_megatron.parallel.recompute import apply_activation_checkpointing
 from lightning_megatron.parallel.regional_compile import check_compile_layout, compile_layers
 from lightning_megatron.parallel.state import ParallelState
+from lightning_megatron.peft.plan import adapter_plan
 from lightning_megatron.pipeline.blocks import PipelineBlocks
 from lightning_megatron.pipeline.inference import PipelineInference
 from lightning_megatron.pipeline.layout import SCHEDULE_SPECS, PipelineLayout
@@ -82,6 +85,12 @@ def _layers_pattern(module: nn.Module, needed_for: str) -> str:
     """The plan pattern (``model.blocks.*``) of the ``pipeline_blocks()`` layers, relative to ``module``."""
     blocks = _blocks(module, needed_for)
     return f"{blocks.root}.{blocks.layers}.*" if blocks.root else f"{blocks.layers}.*"
+
+
+def tensor_parallel_plan_of(module: nn.Module, config: ParallelConfig) -> dict[str, object]:
+    """What ``parallelize`` applies to ``module``: its ``tensor_parallel_plan()`` (none: empty) and its adapters'."""
+    plan = module.tensor_parallel_plan() if hasattr(module, "tensor_parallel_plan") else {}
+    return adapter_plan(module, plan, config)
 
 
 def apply_recompute(module: nn.Module, mode: str, rng: Optional[TensorParallelRNG]) -> None:
@@ -191,7 +200,7 @@ def prepare_model(module: nn.Module, state: ParallelState, *, rng: Optional[Tens
     ``offload_parameters``: ZeRO-3's offload tier (``OffloadSettings.parameters``; see :func:`shard_zero3`).
     ``fp8``: the FP8 recipe of the plan's linears (``None``: high precision), but those named by ``fp8_exclude``."""
     sequence_linear = overlapped_linear_for(state.config, tp_comm_overlap)  # refused first, on every rank alike
-    plan = module.tensor_parallel_plan() if hasattr(module, "tensor_parallel_plan") else {}
+    plan = tensor_parallel_plan_of(module, state.config)
     warn_if_replicated(module, plan, state.config.tensor_parallel_size, state.config.data_parallel_size)
     parallelize(module, plan, state, rng=rng, pad_vocab_to_multiple_of=pad_vocab_to_multiple_of,
                 sequence_linear=sequence_linear)

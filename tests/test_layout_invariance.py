@@ -6,9 +6,11 @@ import pytest
 import torch
 
 from launch import launch
-from workers.gpt_setup import (CLIP, CONFIG, DEEP_CONFIG, LLAMA_CONFIG, SEED, batches, document_batches, optimizer,
-                               sgd_optimizer)
+from workers.gpt_setup import (CLIP, CONFIG, DEEP_CONFIG, LLAMA_CONFIG, LORA, SEED, batches, document_batches,
+                               optimizer, sgd_optimizer)
 from lightning_megatron.models import GPTModel
+from lightning_megatron.peft.adapters import is_adapter_name
+from lightning_megatron.peft.lora import apply_lora
 
 LAYOUTS = {
     2: ["tp2-dp1", "tp2-dp1-sp-mb2", "tp1-dp2-mb2", "pp2-tp1-dp1-mb4", "pp2-tp1-dp1-mb4-gpipe",
@@ -78,6 +80,15 @@ FP8_LAYOUTS = {2: {"tp2-dp1-sp-mb2-fp8t-s1": "tp1-dp1-mb2-fp8t-s1", "pp2-tp1-dp1
                    "pp2-tp1-dp2-mb2-z1-fp8r-s1": "tp1-dp1-mb4-fp8r-s1"}}
 for _world, _fp8 in FP8_LAYOUTS.items():
     LAYOUTS[_world] += list(_fp8)
+# LoRA (gpt_setup.LORA on qkv, proj, fc, proj of every layer; the base frozen), AdamW over the adapters with clipping:
+# tp2 + SP on GPT ("column" fc) and Llama (QueryGroupColumn qkv, PackedColumn [gate | up]), pp2, ZeRO-1 and 2 over
+# dp, tp2 x dp2, and tp4, which replicates each of the Llama model's 2 key/value heads on 2 ranks (and so the rows
+# of lora_b that write them).
+LORA_LAYOUTS = {2: ["tp2-dp1-sp-mb2-lora", "llama-tp2-dp1-sp-mb2-lora", "llama-pp2-tp1-dp1-mb4-lora",
+                    "llama-tp1-dp2-z1-lora"],
+                4: ["llama-tp2-dp2-lora", "llama-tp4-dp1-sp-mb2-lora", "llama-tp2-dp2-sp-mb2-z2-lora"]}
+for _world, _lora in LORA_LAYOUTS.items():
+    LAYOUTS[_world] += _lora
 LOSS_TOL, WEIGHT_TOL = 1e-5, 1e-5
 
 
@@ -86,13 +97,16 @@ def reference():
     """Plain PyTorch, one process, the whole global batch, torch's own clipping; per optimizer."""
     return {"adamw": _reference(optimizer, CONFIG), "sgd": _reference(sgd_optimizer, CONFIG),
             "llama": _reference(optimizer, LLAMA_CONFIG), "doc": _reference(optimizer, CONFIG, documents=True),
-            "llama-doc": _reference(optimizer, LLAMA_CONFIG, documents=True), "deep": _reference(optimizer, DEEP_CONFIG)}
+            "llama-doc": _reference(optimizer, LLAMA_CONFIG, documents=True), "deep": _reference(optimizer, DEEP_CONFIG),
+            "lora": _reference(optimizer, CONFIG, lora=LORA), "llama-lora": _reference(optimizer, LLAMA_CONFIG, lora=LORA)}
 
 
-def _reference(make_optimizer, config, documents=False):
+def _reference(make_optimizer, config, documents=False, lora=None):
     torch.manual_seed(SEED)
     model = GPTModel(config)
-    opt = make_optimizer(model.parameters())
+    if lora is not None:
+        apply_lora(model, lora, seed=SEED)
+    opt = make_optimizer([p for p in model.parameters() if p.requires_grad])
     losses = []
     for input_ids, labels, side in document_batches() if documents else [(*batch, {}) for batch in batches()]:
         loss_sum, tokens = model.loss(input_ids, labels, **side)
@@ -129,6 +143,8 @@ def test_layouts_match_single_process(world, reference, fp8_reference, tmp_path)
             "sgd" if layout.endswith("-sgd") else "adamw"  # chunk-: the unchunked GPT's reference
         if "doc-" in layout:
             kind = "llama-doc" if kind == "llama" else "doc"
+        if layout.endswith("-lora"):
+            kind = "llama-lora" if kind == "llama" else "lora"
         _deviations(torch.load(tmp_path / f"{layout}.pt", weights_only=True), *reference[kind], layout)
 
     # Overlapping the parameter gathers moves when they complete, not what they compute: bit for bit the same run.
@@ -151,6 +167,8 @@ def test_layouts_match_single_process(world, reference, fp8_reference, tmp_path)
             assert moved["state_keys"] == ["exp_avg", "exp_avg_sq"] and moved["tiles"] > 1, moved
             assert moved["read"] == moved["written"] == moved["steps"] * state_bytes, moved
             assert moved["folder_removed"] and moved["on_cpu"], moved
+    for layout in LORA_LAYOUTS.get(world, []):
+        _check_lora(layout, world, torch.load(tmp_path / f"{layout}.pt", weights_only=True), tmp_path)
     for layout in [layout for layout in LAYOUTS[world] if layout.endswith("-tpo")]:
         # Overlapping the communication changes only the order of fp32 sums inside GEMMs.
         overlapped = torch.load(tmp_path / f"{layout}.pt", weights_only=True)
@@ -172,6 +190,28 @@ def test_layouts_match_single_process(world, reference, fp8_reference, tmp_path)
         assert one_f_one_b["losses"] == gpipe["losses"]
         for name, value in one_f_one_b["weights"].items():
             assert torch.equal(value, gpipe["weights"][name]), f"GPipe and 1F1B differ in {name}"
+
+
+def _check_lora(layout, world, result, tmp_path):
+    """Beyond matching the reference: the frozen base is bit for bit the initial one and holds no gradient, optimizer
+    state or fp32 copy on any rank; the adapters trained (B away from its zero start, so A got gradients too)."""
+    torch.manual_seed(SEED)
+    model = GPTModel(LLAMA_CONFIG if layout.startswith("llama-") else CONFIG)
+    initial = {name: value.clone() for name, value in model.state_dict().items()}
+    apply_lora(model, LORA, seed=SEED)
+    start = {name: value for name, value in model.state_dict().items() if is_adapter_name(name)}
+    weights = result["weights"]
+    adapters = [name for name in weights if is_adapter_name(name)]
+    assert {name for name in weights if not is_adapter_name(name)} == set(initial), layout
+    for name, value in initial.items():
+        assert torch.equal(weights[name], value), f"{layout}: frozen {name} changed"
+    assert all((weights[name] - start[name]).abs().max() > 1e-3 for name in adapters), layout  # A and B trained
+    assert len(adapters) == 4 * 4 * 2, adapters  # 4 layers x qkv, proj, fc, proj x (A, B)
+    for rank in range(world):
+        held = json.loads((tmp_path / f"{layout}-frozen{rank}.json").read_text())
+        assert held["frozen"] > held["trainable"] > 0 and held["frozen_grads"] == 0, (layout, rank, held)
+        assert not held["frozen_in_optimizer"] and held["sync"] == held["trainable"], (layout, rank, held)
+        assert held["state"] == 2 * held["stepped"] <= 2 * held["trainable"], (layout, rank, held)  # AdamW's moments
 
 
 def test_fp8_references_train_in_fp8(reference, fp8_reference):

@@ -118,7 +118,8 @@ def adamw_warmup_cosine(
     warmup_steps: int,
     implementation: str = "auto",
 ) -> dict:
-    """What ``configure_optimizers`` returns: AdamW over ``module``'s parameters, stepped per optimizer step.
+    """What ``configure_optimizers`` returns: AdamW over ``module``'s trainable parameters (``requires_grad``: under
+    LoRA the adapters only), stepped per optimizer step.
 
     The cosine spans ``trainer.estimated_stepping_batches`` (warmup included), so it ends where training
     ends. When the Trainer has no last step (``max_time`` with ``max_steps=-1``, or ``max_epochs=-1``),
@@ -127,7 +128,7 @@ def adamw_warmup_cosine(
     package's CPU kernel where the step runs on the CPU, else fused where the device has it), ``"cpu_kernel"``,
     ``"fused"``, ``"foreach"`` or ``"for_loop"`` (:func:`adamw_optimizer`).
     """
-    params = list(module.parameters())
+    params = [p for p in module.parameters() if p.requires_grad]  # frozen ones (a LoRA base) get no state
     optimizer = adamw_optimizer(
         [
             {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},

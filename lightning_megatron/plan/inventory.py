@@ -1,11 +1,12 @@
 """Which parameters a rank holds, found by building its shards exactly as the strategy does.
 
-The model is built on the meta device (``configure_model``), then ``parallelize`` applies its
-``tensor_parallel_plan()`` with the strategy's vocabulary padding and ``prepare_experts`` keeps one
-expert-parallel rank's experts, over torch's fake process group (real groups, no communication, no
-memory). That is done once per (tp, ep); which of those parameters each pipeline rank keeps is then
-asked of the pipeline split itself (``pipeline.stage.stage_contents``), so a search over hundreds of
-pipeline layouts builds each tensor-parallel model once. Tensor-parallel ranks hold equal shapes (the
+The model is built on the meta device (``configure_model``, LoRA adapters included), then ``parallelize``
+applies its ``tensor_parallel_plan()`` and its adapters' (``preparation.tensor_parallel_plan_of``) with the
+strategy's vocabulary padding and ``prepare_experts`` keeps one expert-parallel rank's experts, over torch's
+fake process group (real groups, no communication, no memory). That is done once per (tp, ep); which of
+those parameters each pipeline rank keeps is then asked of the pipeline split itself
+(``pipeline.stage.stage_contents``), so a search over hundreds of pipeline layouts builds each
+tensor-parallel model once. Tensor-parallel ranks hold equal shapes (the
 model's checks make every split even), so tp rank 0 stands for all.
 """
 
@@ -27,7 +28,7 @@ from lightning_megatron.parallel.state import ParallelState
 from lightning_megatron.pipeline.blocks import PipelineBlocks
 from lightning_megatron.pipeline.layout import PipelineLayout
 from lightning_megatron.pipeline.stage import split_across_stages, stage_contents
-from lightning_megatron.preparation import prepare_experts
+from lightning_megatron.preparation import prepare_experts, tensor_parallel_plan_of
 from lightning_megatron.tensor_parallel.plan import parallelize
 
 
@@ -96,8 +97,7 @@ class Inventory:
                 module = make_module()
                 if hasattr(module, "configure_model"):
                     module.configure_model()
-            plan = module.tensor_parallel_plan() if hasattr(module, "tensor_parallel_plan") else {}
-            parallelize(module, plan, state, pad_vocab_to_multiple_of=pad_vocab_to_multiple_of)
+            parallelize(module, tensor_parallel_plan_of(module, config), state, pad_vocab_to_multiple_of=pad_vocab_to_multiple_of)
             prepare_experts(module, state)
         named = list(module.named_parameters(remove_duplicate=False))
         names_of: dict[int, list[str]] = {}

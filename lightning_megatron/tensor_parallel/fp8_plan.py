@@ -7,6 +7,8 @@ What stays in high precision, and why (Megatron-Core's and torchtitan's choices)
   error, and its GEMM is the one with the vocabulary as a dimension, rarely a multiple of 16 per rank;
 * anything that is not a plan linear: embeddings, norms, attention's softmax, the MoE router (its own
   ``F.linear`` in fp32), the loss;
+* LoRA adapters (``peft.adapters``): a few ``r``-wide GEMMs, whose fp32 training is the point of keeping them
+  apart from the frozen base (the base layers they adapt may still run in FP8);
 * what ``exclude`` names, by ``fnmatch`` pattern on the module's name (``*`` matches across dots), e.g.
   ``("blocks.0.*", "blocks.31.*")`` for Megatron-Core's ``first_last_layers_bf16``.
 
@@ -22,6 +24,7 @@ from typing import Optional, Sequence
 from torch import nn
 
 from lightning_megatron.parallel.state import ParallelState
+from lightning_megatron.peft.adapters import is_adapter_name
 from lightning_megatron.tensor_parallel.fp8 import Fp8Gemms, Fp8Recipe, check_fp8_shape, require_torchao
 from lightning_megatron.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelHead
 from lightning_megatron.tensor_parallel.overlap import FP8_OVERLAP_REFUSAL
@@ -56,7 +59,7 @@ def convert_to_fp8(module: nn.Module, recipe: Optional[Fp8Recipe], state: Parall
     converted = []
     size = state.config.tensor_parallel_size
     for name, layer in module.named_modules():
-        if not isinstance(layer, (ColumnParallelLinear, RowParallelLinear)):
+        if not isinstance(layer, (ColumnParallelLinear, RowParallelLinear)) or is_adapter_name(name):
             continue
         matched = {pattern for pattern in exclude if fnmatch.fnmatchcase(name, pattern)}
         unused -= matched  # a pattern naming the head is not unused: the head stays in high precision anyway
@@ -96,12 +99,14 @@ def _check_not_replicated(name: str, layer: nn.Module, tensor_parallel_size: int
 
 def describe_fp8(module: nn.Module, recipe: Fp8Recipe) -> str:
     """One line for the log: which of this rank's linears run in FP8, in which formats."""
-    layers = [m for m in module.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]
+    layers = [m for name, m in module.named_modules()
+              if isinstance(m, (ColumnParallelLinear, RowParallelLinear)) and not is_adapter_name(name)]
     fp8 = sum(layer.gemms.fp8 for layer in layers)
     formats = {_format_name(recipe.input_dtype), _format_name(recipe.grad_dtype)}
+    adapters = " and LoRA adapters" if any(is_adapter_name(name) for name, _ in module.named_modules()) else ""
     return (f"FP8 ({recipe.name} scaling, {' / '.join(sorted(formats))}): {fp8} of this rank's {len(layers)} parallel "
             f"linears run their GEMMs in float8; the others (the output head, fp8_exclude) and everything else "
-            f"(embeddings, norms, attention, router, loss, weights, optimizer) stay in high precision.")
+            f"(embeddings, norms, attention, router, loss{adapters}, weights, optimizer) stay in high precision.")
 
 
 def _format_name(dtype) -> str:

@@ -46,6 +46,13 @@ style                effect
 Swapped layers keep the parameter names of the layers they replace, so a parameter's
 global name (and hence its initial value and its checkpoint key) does not depend on
 the layout. Tied parameters (GPT's input and output embeddings) stay tied.
+
+A swapped layer also keeps what was attached to the layer it replaces: its child modules,
+its forward hooks (pre-hooks, hooks, with their kwargs and always-call flags: the same
+dicts, so their handles still remove them) and the public attributes set on it that the
+new layer does not have. That is how a LoRA adapter survives the swap (``peft.lora``: the
+children ``lora_a``/``lora_b``, the hook adding their update, ``lora_scale``); the plan may
+name those children too (``peft.plan`` does), and they are swapped inside the new layer.
 """
 
 from __future__ import annotations
@@ -153,10 +160,32 @@ def _swap(old: nn.Module, style: Style, name: str, state: ParallelState, vocab_m
     )
 
 
+_FORWARD_HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks",
+                       "_forward_hooks_with_kwargs", "_forward_hooks_always_called")
+
+
+def _carry_attachments(old: nn.Module, new: nn.Module, name: str) -> None:
+    """Give ``new`` the children, forward hooks and extra public attributes of ``old`` (module docstring)."""
+    clashes = [child for child in old._modules if child in new._modules]
+    if clashes:
+        raise ValueError(f"{name}: the parallel layer replacing {type(old).__name__} has children {clashes} of its "
+                         f"own, so the ones attached to the layer cannot be kept; rename them.")
+    for child_name, child in old.named_children():
+        new.add_module(child_name, child)
+    for hooks in _FORWARD_HOOK_DICTS:
+        if getattr(old, hooks):
+            setattr(new, hooks, getattr(old, hooks))
+    for key, value in vars(old).items():
+        if not key.startswith("_") and key not in vars(new) and not hasattr(type(new), key):
+            setattr(new, key, value)
+
+
 def _copy_existing_values(old: nn.Module, new: nn.Module) -> None:
-    """A module built with real weights (not on meta) keeps them: each rank takes its shard."""
+    """A module built with real weights (not on meta) keeps them: each rank takes its shard. Frozen parameters
+    (``requires_grad=False``, a LoRA base) stay frozen either way."""
     for param_name, new_param in new.named_parameters(recurse=False):
         old_param = getattr(old, param_name)
+        new_param.requires_grad_(old_param.requires_grad)
         if old_param.is_meta:
             continue
         shard = shard_of(new_param)
@@ -246,6 +275,7 @@ def parallelize(
             old = module.get_submodule(name)
             new = _swap(old, swap_styles[0], name, state, pad_vocab_to_multiple_of, sequence_linear)
             _copy_existing_values(old, new)
+            _carry_attachments(old, new, name)
             _set_submodule(module, name, new)
 
     for names in tied.values():

@@ -6,6 +6,7 @@ import torch
 
 from lightning_megatron.models import GPTConfig
 from lightning_megatron.models.moe import MoEConfig
+from lightning_megatron.peft.lora import LoRAConfig
 
 SEED = 1234
 STEPS = 5
@@ -42,6 +43,8 @@ MOE_CONFIGS = {name: replace(LLAMA_CONFIG, moe=moe) for name, moe in VARIANTS.it
 CONFIGS["moe"] = MOE_CONFIGS["moe"]
 
 LR, WEIGHT_DECAY, CLIP = 1e-2, 0.1, 0.5
+# LoRA on every linear of attention and the MLP (qkv by query group, SwiGLU's packed [gate | up], both row layers).
+LORA = LoRAConfig(rank=4, alpha=8.0)
 
 
 EOS = 256

@@ -1,7 +1,7 @@
 """Train the tiny GPT for a few steps under several layouts over the same processes.
 
 argv: OUT_DIR LAYOUTS, where LAYOUTS is a comma list of
-``[llama-|mqa-|deep-|chunk-][doc-][pp{P}-][vpp{V}-]tp{T}-dp{D}[-sp][-mb{M}][-SCHEDULE][-z{Z}][-ogather][-sgd][-tpo][-compile|-compile_aot][-rc][-fused|-foreach][-offcpu|-offnvme][-fp8t|-fp8r][-s{N}]``: ``doc``:
+``[llama-|mqa-|deep-|chunk-][doc-][pp{P}-][vpp{V}-]tp{T}-dp{D}[-sp][-mb{M}][-SCHEDULE][-z{Z}][-ogather][-sgd][-tpo][-compile|-compile_aot][-rc][-fused|-foreach][-offcpu|-offnvme][-fp8t|-fp8r][-s{N}][-lora]``: ``doc``:
 packed samples with Megatron-LM's document masks (position ids and attention confined to each document); M
 micro-batches per step (without pipelining, a loop of backward passes; with it, the schedule's micro-batches),
 SCHEDULE one of ``gpipe``, ``zb`` (interleaved zero bubble), ``zbv``, ``dualpipev`` (default: 1F1B, interleaved
@@ -14,7 +14,9 @@ multi-tensor implementation (rebound to the fp32 pieces under ZeRO); ``-offcpu``
 parameters and optimizer state offloaded to host memory or to files (in tiles of 1000 elements, so that pieces span
 tiles and tiles span pieces), ``{layout}-offload{rank}.json`` recording the bytes the files moved; ``chunk``: the
 GPT model with the chunked loss (``loss_chunk_tokens``); ``-fp8t`` / ``-fp8r``: the plan's linears in FP8, tensorwise or
-rowwise (``tensor_parallel.fp8``); ``-s{N}``: the first N steps only. For each
+rowwise (``tensor_parallel.fp8``); ``-s{N}``: the first N steps only; ``-lora``: ``gpt_setup.LORA``'s adapters on
+the frozen model, split by the plan as the strategy splits them (``preparation.tensor_parallel_plan_of``), AdamW
+over the adapters only, and ``{layout}-frozen{rank}.json`` recording what the frozen parameters hold. For each
 layout, rank 0 writes the losses and the full (gathered) weights to ``{layout}.pt``; the
 pytest process compares them with a single-process reference.
 """
@@ -30,7 +32,8 @@ import torch.distributed as dist
 from torch._dynamo.utils import counters
 
 from layout_runs import run_layouts
-from gpt_setup import CLIP, CONFIG, CONFIGS, GLOBAL_BATCH, SEED, batches, document_batches, optimizer, sgd_optimizer
+from gpt_setup import (CLIP, CONFIG, CONFIGS, GLOBAL_BATCH, LORA, SEED, batches, document_batches, optimizer,
+                       sgd_optimizer)
 from lightning_megatron.checkpoint import gather_full_state_dict, merge_pipeline_stages
 from lightning_megatron.models import GPTModel
 from lightning_megatron.offload import OffloadSettings
@@ -42,7 +45,8 @@ from lightning_megatron.parallel.initialize import initialize_parameters
 from lightning_megatron.pipeline import PipelineLayout
 from lightning_megatron.pipeline.runner import PipelineRunner
 from lightning_megatron.pipeline.stage import split_for_pipeline
-from lightning_megatron.preparation import apply_recompute, compile_blocks
+from lightning_megatron.peft.lora import apply_lora
+from lightning_megatron.preparation import apply_recompute, compile_blocks, tensor_parallel_plan_of
 from lightning_megatron.tensor_parallel import parallelize
 from lightning_megatron.tensor_parallel.fp8 import Fp8Recipe
 from lightning_megatron.tensor_parallel.fp8_plan import convert_to_fp8
@@ -50,20 +54,22 @@ from lightning_megatron.tensor_parallel.overlap import overlapped_linear_for
 
 LAYOUT = re.compile(r"(?:(llama|mqa|deep|chunk)-)?(doc-)?(?:pp(\d+)-)?(?:vpp(\d+)-)?tp(\d+)-dp(\d+)(-sp)?(?:-mb(\d+))?"
                     r"(?:-(gpipe|zb|zbv|dualpipev))?(?:-z(\d))?(-ogather)?(-sgd)?(-tpo)?(?:-(compile|compile_aot))?(-rc)?"
-                    r"(?:-(fused|foreach))?(?:-off(cpu|nvme))?(?:-fp8(t|r))?(?:-s(\d+))?")
+                    r"(?:-(fused|foreach))?(?:-off(cpu|nvme))?(?:-fp8(t|r))?(?:-s(\d+))?(-lora)?")
 FP8_RECIPES = {"t": "tensorwise", "r": "rowwise"}
 TILE_MB = 1000 * 4 / 2**20  # 1000 fp32 elements a tile
 SCHEDULE_NAMES = {"zb": "interleaved_zero_bubble"}
 
 
 def build(state: ParallelState, virtual: int, schedule: str, micro_batches: int, config=CONFIG, tp_overlap=False,
-          compile=None, recompute="none", fp8=None):
-    """The model as the strategy builds it: meta, tensor-parallel plan, (compile, recompute,) pipeline split,
+          compile=None, recompute="none", fp8=None, lora=None):
+    """The model as the strategy builds it: meta, (LoRA,) tensor-parallel plan, (compile, recompute,) pipeline split,
     materialise."""
     with torch.device("meta"):
         model = GPTModel(config)
+        if lora is not None:
+            apply_lora(model, lora)
     rng = TensorParallelRNG(SEED, state.tensor_parallel_rank, torch.device("cpu"))
-    parallelize(model, model.tensor_parallel_plan(), state, rng=rng,
+    parallelize(model, tensor_parallel_plan_of(model, state.config), state, rng=rng,
                 sequence_linear=overlapped_linear_for(state.config, tp_overlap))
     convert_to_fp8(model, fp8 and Fp8Recipe.named(fp8), state)
     compile_blocks(model, compile, state.config, recompute)
@@ -100,8 +106,8 @@ def train(layout: str) -> tuple[list[float], dict]:
                             sequence_parallel=sp, virtual_pipeline_size=virtual, zero_stage=zero_stage)
     state = ParallelState.create(config, "cpu")
     model, runner = build(state, virtual, schedule, micro_batches, model_config, tp_overlap, compile,
-                          "full" if match[15] else "none", FP8_RECIPES.get(match[18]))
-    params = list(model.parameters())
+                          "full" if match[15] else "none", FP8_RECIPES.get(match[18]), LORA if match[20] else None)
+    params = [p for p in model.parameters() if p.requires_grad]  # all but a LoRA model's frozen base
     implementation = {match[16]: True} if match[16] else {}
     opt = sgd_optimizer(params) if sgd else optimizer(params, **implementation)
     sync = GradientSynchronizer(params, data_parallel_group=state.data_parallel_group, bucket_size_mb=0.01,
@@ -151,6 +157,16 @@ def train(layout: str) -> tuple[list[float], dict]:
             assert not overlap or dp == 1 or main.gather.in_flight, "overlap_param_gather must leave gathers running"
         sync.zero()
 
+    if match[20]:  # the frozen base: no gradient, no optimizer state, no fp32 copy
+        frozen = [p for p in model.parameters() if not p.requires_grad]
+        stepped = [p for group in opt.param_groups for p in group["params"]]
+        held = {"frozen": sum(p.numel() for p in frozen), "frozen_grads": sum(p.grad is not None for p in frozen),
+                "frozen_dtypes": sorted({str(p.dtype) for p in frozen}),
+                "trainable": sum(p.numel() for p in params), "stepped": sum(p.numel() for p in stepped),
+                "state": sum(v.numel() for s in opt.state.values() for v in s.values() if v.dim() > 0),
+                "frozen_in_optimizer": any(p is q for p in frozen for q in stepped),
+                "sync": sum(p.numel() for p in sync.params)}
+        (Path(sys.argv[1]) / f"{layout}-frozen{dist.get_rank()}.json").write_text(json.dumps(held))
     if main is not None:
         main.wait_for_params()  # as the strategy does before reading weights (full_state_dict)
         if main.nvme is not None:

@@ -1,0 +1,149 @@
+"""LoRA's tensor-parallel plan (``peft.plan``) and what the single-process parts of the step do with a frozen base.
+The multi-rank comparisons with one process are ``tests/test_layout_invariance.py``'s ``-lora`` layouts; the bytes,
+``tests/test_plan.py``'s ``lora-`` layouts."""
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_megatron.models import GPT, GPTConfig, GPTModel
+from lightning_megatron.parallel import ParallelConfig, ParallelState
+from lightning_megatron.peft.lora import LoRAConfig, apply_lora
+from lightning_megatron.peft.plan import adapter_plan
+from lightning_megatron.plan.inventory import fake_world
+from lightning_megatron.preparation import tensor_parallel_plan_of
+from lightning_megatron.tensor_parallel import ColumnParallelLinear, RowParallelLinear, parallelize
+from lightning_megatron.tensor_parallel.region import InsideRegion
+from lightning_megatron.tensor_parallel.sharding import shard_of
+from lightning_megatron.tensor_parallel.styles import PackedColumn, QueryGroupColumn
+
+LLAMA = GPTConfig.from_name("llama-tiny", vocab_size=64, max_seq_length=16, hidden_size=32, num_layers=2, num_heads=4,
+                            num_query_groups=2, ffn_hidden_size=48)
+LORA = LoRAConfig(rank=4, alpha=8.0)
+
+
+def _lora_model(lora=LORA, config=LLAMA, device="meta"):
+    with torch.device(device):
+        model = GPTModel(config)
+        apply_lora(model, lora, seed=0)
+    return model
+
+
+def test_adapters_follow_the_style_of_their_layer():
+    model = _lora_model()
+    plan = model.tensor_parallel_plan()
+    extended = adapter_plan(model, plan, ParallelConfig(tensor_parallel_size=2))
+    assert {k: v for k, v in extended.items() if k in plan} == plan  # the model's own entries untouched
+    added = {k: v for k, v in extended.items() if k not in plan}
+    expected = {}
+    for layer in range(2):
+        prefix = f"blocks.{layer}"
+        expected.update({f"{prefix}.attn.qkv.lora_a": "sequence_parallel",
+                         f"{prefix}.attn.qkv.lora_b": QueryGroupColumn(4, 2),
+                         f"{prefix}.attn.proj.lora_a": "row", f"{prefix}.attn.proj.lora_b": "sequence_parallel",
+                         f"{prefix}.mlp.fc.lora_a": "sequence_parallel", f"{prefix}.mlp.fc.lora_b": PackedColumn(2),
+                         f"{prefix}.mlp.proj.lora_a": "row", f"{prefix}.mlp.proj.lora_b": "sequence_parallel"})
+    assert added == expected
+    # A model without adapters keeps its plan; GPT-2's plain "column" fc gives B the same string.
+    assert adapter_plan(GPTModel(LLAMA), plan, ParallelConfig()) == plan
+    gpt = _lora_model(LoRAConfig(targets=["*.mlp.fc"]), GPTConfig(vocab_size=64, hidden_size=32, num_layers=1,
+                                                                 num_heads=4, max_seq_length=16))
+    added = {k: v for k, v in adapter_plan(gpt, gpt.tensor_parallel_plan(), ParallelConfig()).items()
+             if k.endswith(("lora_a", "lora_b"))}
+    assert added == {"blocks.0.mlp.fc.lora_a": "sequence_parallel", "blocks.0.mlp.fc.lora_b": "column"}
+
+
+def test_dropout_draws_from_the_stream_its_input_needs():
+    model = _lora_model(LoRAConfig(rank=4, dropout=0.1, targets=["*.mlp.fc", "*.mlp.proj", "*.attn.proj"]))
+    extended = adapter_plan(model, model.tensor_parallel_plan(), ParallelConfig(tensor_parallel_size=2))
+    assert extended["blocks.0.mlp.fc.lora_dropout"] == "sequence_parallel"  # replicated input, a chunk under SP
+    assert extended["blocks.0.mlp.proj.lora_dropout"] == "sharded_dropout"  # input split by features
+    assert extended["blocks.0.attn.proj.lora_dropout"] == "sharded_dropout"
+    # qkv runs inside attention, whose dropout draws from the per-rank stream: its replicated input cannot.
+    qkv = _lora_model(LoRAConfig(rank=4, dropout=0.1, targets=["*.attn.qkv"]))
+    with pytest.raises(ValueError, match=r"LoRA dropout on blocks\.0\.attn\.qkv at tensor_parallel_size=2 without "
+                                         r"sequence parallelism.*sequence_parallel=True"):
+        adapter_plan(qkv, qkv.tensor_parallel_plan(), ParallelConfig(tensor_parallel_size=2))
+    for config in (ParallelConfig(tensor_parallel_size=2, sequence_parallel=True), ParallelConfig()):
+        assert adapter_plan(qkv, qkv.tensor_parallel_plan(), config)["blocks.1.attn.qkv.lora_dropout"] == \
+            "sequence_parallel"
+
+
+def test_a_layer_split_another_way_is_refused_with_the_fix():
+    model = _lora_model(LoRAConfig(targets=["lm_head", "*.attn.qkv"]))
+    with pytest.raises(ValueError, match=r"LoRA cannot adapt lm_head: the tensor-parallel plan splits it as 'vocab'"
+                                         r".*Narrow the LoRA targets"):
+        adapter_plan(model, model.tensor_parallel_plan(), ParallelConfig())
+    experts = nn.Module()
+    experts.fc = nn.Linear(8, 8)
+    apply_lora(experts, LoRAConfig(targets=["fc"]))
+    with pytest.raises(ValueError, match=r"LoRA cannot adapt fc: .*InsideRegion"):
+        adapter_plan(experts, {"fc": InsideRegion("column")}, ParallelConfig())
+    # A layer the plan leaves whole keeps a whole adapter: nothing to add.
+    assert adapter_plan(experts, {}, ParallelConfig(tensor_parallel_size=2)) == {}
+
+
+def test_swapped_layers_keep_the_adapter_and_its_update():
+    """One process (the swap to tp=1 parallel layers): the adapted model computes the same logits after the swap, with
+    its adapters, their hook and scale carried over, and its base still frozen."""
+    torch.manual_seed(0)
+    model = _lora_model(device="cpu")
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if ".lora_b." in name:
+                param.normal_(0.0, 0.1)  # B away from zero, so the update shows
+    ids = torch.randint(0, 64, (2, 16))
+    expected = model(ids)
+    swapped = copy.deepcopy(model)
+    state = ParallelState(ParallelConfig(), torch.device("cpu"))
+    parallelize(swapped, tensor_parallel_plan_of(swapped, state.config), state, pad_vocab_to_multiple_of=1)
+    qkv = swapped.blocks["0"].attn.qkv
+    assert isinstance(qkv, ColumnParallelLinear) and isinstance(qkv.lora_b, ColumnParallelLinear)
+    assert isinstance(swapped.blocks["0"].mlp.proj.lora_a, RowParallelLinear) and qkv.lora_scale == LORA.scale
+    assert dict(swapped.named_parameters()).keys() == dict(model.named_parameters()).keys()
+    assert [n for n, p in swapped.named_parameters() if p.requires_grad] == \
+        [n for n, p in model.named_parameters() if p.requires_grad]
+    torch.testing.assert_close(swapped(ids), expected, rtol=0, atol=1e-6)
+    assert (expected - GPTModel.forward(_without_adapters(model), ids)).abs().max() > 1e-3  # the update is there
+
+
+def _without_adapters(model):
+    plain = copy.deepcopy(model)
+    for module in plain.modules():
+        module._forward_hooks.clear()
+    return plain
+
+
+@pytest.fixture
+def no_process_group():
+    if dist.is_initialized():  # an in-process Trainer earlier in the session may have left one
+        dist.destroy_process_group()
+
+
+def test_adapters_are_split_with_their_layers_at_tp4(no_process_group):
+    """tp4 over the fake process group: 2 key/value groups, so each group's k/v rows (of qkv and of its B) are
+    replicated on 2 ranks; A of a column layer and B of a row layer are whole, and under SP sum their gradients."""
+    with fake_world(4, rank=1):
+        state = ParallelState.create(ParallelConfig(tensor_parallel_size=4, sequence_parallel=True), "cpu")
+        model = _lora_model()
+        parallelize(model, tensor_parallel_plan_of(model, state.config), state)
+        qkv, proj, fc = model.blocks["0"].attn.qkv, model.blocks["0"].attn.proj, model.blocks["0"].mlp.fc
+        assert shard_of(qkv.lora_b.weight).rank_ranges == shard_of(qkv.weight).rank_ranges is not None
+        assert qkv.lora_b.weight.shape == (qkv.weight.shape[0], 4) and qkv.lora_a.weight.shape == (4, 32)
+        assert fc.lora_b.weight.shape == (2 * 48 // 4, 4) and shard_of(fc.lora_b.weight).rank_ranges == shard_of(fc.weight).rank_ranges
+        assert proj.lora_a.weight.shape == (4, 32 // 4) and proj.lora_b.weight.shape == (32, 4)
+        for whole in (qkv.lora_a.weight, fc.lora_a.weight, proj.lora_b.weight):
+            assert shard_of(whole) is None and whole.sequence_parallel_grad and whole.requires_grad
+        assert not qkv.weight.requires_grad and not proj.weight.requires_grad
+
+
+def test_the_recipe_steps_only_the_adapters():
+    gpt = GPT(LLAMA, lora={"rank": 4, "targets": ["*.attn.qkv"]})
+    gpt.configure_model()
+    optimizer = gpt.configure_optimizers()["optimizer"]
+    stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    adapters = {id(p) for n, p in gpt.named_parameters() if ".lora_" in n}
+    assert stepped == adapters and len(adapters) == 2 * LLAMA.num_layers
