@@ -8,7 +8,7 @@ import shutil
 import lightning as L
 import pytest
 import torch
-from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
@@ -53,7 +53,7 @@ def llama_dir(tmp_path_factory):
 def logits_of(model, tokens=TOKENS) -> torch.Tensor:
     with torch.no_grad():
         out = model(tokens)
-    return (out.logits if hasattr(out, "logits") else out).float()
+    return (out.logits if hasattr(out, "logits") else out).float()[..., :257]  # a trained model's vocab is padded
 
 
 # ----------------------------------------------------------------------------- the PEFT adapter, in memory
@@ -90,7 +90,7 @@ def test_peft_loads_our_adapter_onto_the_hf_base_and_computes_our_lora_model(fam
 def test_a_config_that_disagrees_with_the_pretrained_directory_is_refused(llama_dir):
     with pytest.raises(ValueError, match=r"hidden_size=64 \(the directory's: 32\)"):
         GPT("llama-tiny", pretrained=str(llama_dir))
-    same = GPT(GPT(pretrained=str(llama_dir)).config, pretrained=str(llama_dir), )
+    same = GPT(GPT(pretrained=str(llama_dir)).config, pretrained=str(llama_dir))
     assert same.hparams["pretrained"] == str(llama_dir)
 
 
@@ -107,22 +107,24 @@ def lora_module(base_dir) -> GPT:
     return GPT(pretrained=str(base_dir), lora=LORA, learning_rate=1e-2, warmup_steps=1, adam_eps=1e-6)
 
 
-def fit(module, root, steps, *, ckpt_path=None, checkpoint_format="sharded"):
+def fit(module, root, steps, *, ckpt_path=None, checkpoint_format="sharded", save_every=None):
     L.seed_everything(7)
     losses = Losses()
-    trainer = L.Trainer(accelerator="cpu", devices=1, default_root_dir=root, callbacks=[losses],
+    saving = [ModelCheckpoint(dirpath=root, every_n_train_steps=save_every, save_top_k=-1)] if save_every else []
+    trainer = L.Trainer(accelerator="cpu", devices=1, default_root_dir=root, callbacks=[losses, *saving],
                         strategy=Megatron3DStrategy(checkpoint_format=checkpoint_format),
-                        **{**trainer_kwargs({"steps": steps}), "limit_val_batches": 0})
+                        **{**trainer_kwargs({"steps": steps}), "limit_val_batches": 0,
+                           "enable_checkpointing": bool(save_every)})
     trainer.fit(module, datamodule=datamodule({}), ckpt_path=ckpt_path)
     return trainer, losses.losses
 
 
 @pytest.fixture(scope="module")
 def lora_run(tmp_path_factory, llama_dir):
-    """Two steps of LoRA on the Llama base, saved both ways; the module as trained."""
+    """Four steps of LoRA on the Llama base (a checkpoint after two), saved both ways; the module as trained."""
     root = tmp_path_factory.mktemp("lora_run")
     module = lora_module(llama_dir)
-    trainer, losses = fit(module, root, 2)
+    trainer, losses = fit(module, root, 4, save_every=2)
     trainer.save_checkpoint(root / "sharded.ckpt")
     trainer.strategy.checkpoint_format = "full"
     trainer.save_checkpoint(root / "full.ckpt")
@@ -134,14 +136,15 @@ def test_an_adapter_checkpoint_holds_the_adapters_and_their_optimizer_state_and_
     root, module, _ = lora_run
     adapters = {name for name, _ in module.named_parameters() if is_adapter_name(name)}
     base_bytes = sum(p.numel() * p.element_size() for n, p in module.named_parameters() if not is_adapter_name(n))
+    adapter_bytes = sum(p.numel() * p.element_size() for n, p in module.named_parameters() if is_adapter_name(n))
     for name in ("sharded.ckpt", "full.ckpt"):
         saved = open_checkpoint(root / name)
         weights = {key.removeprefix("state_dict/") for key in saved.specs if key.startswith("state_dict/")}
         assert weights == adapters
-        state = {key.split("/")[2] for key in saved.specs if key.startswith("optimizer/")}
-        assert state and state <= adapters
-        on_disk = sum(file.stat().st_size for file in saved.files)
-        assert on_disk < base_bytes / 4, (name, on_disk, base_bytes)
+        state = {key.split("/")[2] for key in saved.specs if key.startswith("optimizer/")}  # full: by position
+        assert len(state) == len(adapters) and (name == "full.ckpt" or state == adapters)
+        tensor_bytes = sum(spec.numel() * spec.element_size() for spec in saved.specs.values())
+        assert tensor_bytes < 3 * adapter_bytes + 1024 < base_bytes, (name, tensor_bytes, adapter_bytes, base_bytes)
         reference = saved.trainer_state()["megatron_3d_base"]
         assert reference["pretrained"] == str(llama_dir.resolve())
         assert set(reference["fingerprint"]["weights"]) == {"model.safetensors"}
@@ -191,12 +194,12 @@ def test_a_lora_run_without_a_pretrained_base_stores_the_base_and_exports_it_mer
 
 
 def test_resuming_an_adapter_checkpoint_continues_the_uninterrupted_run(lora_run, llama_dir, tmp_path):
-    root, _, first_two = lora_run
-    _, uninterrupted = fit(lora_module(llama_dir), tmp_path / "whole", 4)
-    resumed_module = lora_module(llama_dir)
-    _, last_two = fit(resumed_module, tmp_path / "resumed", 4, ckpt_path=root / "sharded.ckpt")
-    assert len(last_two) == 2
-    torch.testing.assert_close(torch.tensor(first_two + last_two), torch.tensor(uninterrupted), atol=1e-5, rtol=0)
+    root, uninterrupted, losses = lora_run
+    resumed = lora_module(llama_dir)
+    _, last_two = fit(resumed, tmp_path, 4, ckpt_path=root / "epoch=0-step=2.ckpt")
+    torch.testing.assert_close(torch.tensor(last_two), torch.tensor(losses[2:]), atol=1e-5, rtol=0)
+    for (name, got), expected in zip(resumed.named_parameters(), uninterrupted.parameters()):
+        torch.testing.assert_close(got, expected, atol=1e-6, rtol=0, msg=name)
 
 
 def test_a_changed_base_is_refused_by_every_reader_naming_both(lora_run, llama_dir, tmp_path):
