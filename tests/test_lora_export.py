@@ -13,7 +13,8 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
 
-from workers.trainer_setup import datamodule, trainer_kwargs  # noqa: E402
+from launch import launch  # noqa: E402
+from workers.trainer_setup import datamodule, model, trainer_kwargs  # noqa: E402
 from lightning_megatron import Megatron3DStrategy  # noqa: E402
 from lightning_megatron.checkpoint.commands import convert, open_checkpoint  # noqa: E402
 from lightning_megatron.cli import main as cli_main  # noqa: E402
@@ -200,6 +201,23 @@ def test_resuming_an_adapter_checkpoint_continues_the_uninterrupted_run(lora_run
     torch.testing.assert_close(torch.tensor(last_two), torch.tensor(losses[2:]), atol=1e-5, rtol=0)
     for (name, got), expected in zip(resumed.named_parameters(), uninterrupted.parameters()):
         torch.testing.assert_close(got, expected, atol=1e-6, rtol=0, msg=name)
+
+
+def test_lora_on_a_pretrained_base_at_tp2_pp2_equals_one_process_and_its_checkpoint_resumes_in_one(
+        llama_dir, tmp_path):
+    """The base read by every rank and cut into its shards, the adapters given the start one process gives them:
+    the same losses; the adapter-only checkpoint saved by 4 ranks after step 2 resumes in one process."""
+    options = {"tp": 2, "pp": 2, "steps": 4, "micro_batch_size": 2, "save_at_step": 2, "lora": LORA,
+               "pretrained": str(llama_dir)}
+    results, _ = launch("trainer_fit.py", 4, tmp_path / "tp2pp2", json.dumps(options))
+    _, one = fit(model(options), tmp_path / "one", 4)
+    per_rank = torch.tensor([result["losses"] for result in results])
+    assert (per_rank == per_rank[0]).all()
+    torch.testing.assert_close(per_rank[0], torch.tensor(one), atol=1e-5, rtol=0)
+    saved = open_checkpoint(tmp_path / "tp2pp2" / "step2.ckpt")
+    assert all(is_adapter_name(key) for key in saved.specs if key.startswith("state_dict/"))
+    _, resumed = fit(model(options), tmp_path / "resumed", 4, ckpt_path=tmp_path / "tp2pp2" / "step2.ckpt")
+    torch.testing.assert_close(torch.tensor(resumed), torch.tensor(one[2:]), atol=1e-5, rtol=0)
 
 
 def test_a_changed_base_is_refused_by_every_reader_naming_both(lora_run, llama_dir, tmp_path):
