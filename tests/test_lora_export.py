@@ -38,6 +38,8 @@ def hf_model(family: str, seed: int = 0):
                  num_key_value_heads=2, max_position_embeddings=64)
     if family == "qwen2":  # biases on q, k and v
         return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**sizes)).eval()
+    if family == "mistral":
+        return transformers.MistralForCausalLM(transformers.MistralConfig(**sizes, sliding_window=None)).eval()
     return transformers.LlamaForCausalLM(transformers.LlamaConfig(**sizes)).eval()
 
 
@@ -61,6 +63,7 @@ def logits_of(model, tokens=TOKENS) -> torch.Tensor:
 @pytest.mark.parametrize("family, targets", [
     ("llama", None),
     ("qwen2", None),
+    ("mistral", None),
     ("gpt2", None),
     ("llama", ["blocks.1.attn.qkv", "*.mlp.fc"]),  # one layer's qkv only: PEFT gets full module names
 ])
@@ -133,7 +136,7 @@ def lora_run(tmp_path_factory, llama_dir):
 
 
 def test_an_adapter_checkpoint_holds_the_adapters_and_their_optimizer_state_and_a_reference_to_the_base(
-        lora_run, llama_dir):
+        lora_run, llama_dir, capsys):
     root, module, _ = lora_run
     adapters = {name for name, _ in module.named_parameters() if is_adapter_name(name)}
     base_bytes = sum(p.numel() * p.element_size() for n, p in module.named_parameters() if not is_adapter_name(n))
@@ -149,6 +152,8 @@ def test_an_adapter_checkpoint_holds_the_adapters_and_their_optimizer_state_and_
         reference = saved.trainer_state()["megatron_3d_base"]
         assert reference["pretrained"] == str(llama_dir.resolve())
         assert set(reference["fingerprint"]["weights"]) == {"model.safetensors"}
+        cli_main(["checkpoint", "inspect", str(root / name)])
+        assert f"base         {llama_dir.resolve()} (adapter-only" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("name", ["sharded.ckpt", "full.ckpt"])

@@ -25,10 +25,16 @@ from lightning_megatron.models.bert import BERTConfig
 from lightning_megatron.models.formats import HFFormat, register_hf_format
 from lightning_megatron.models.gpt import GPTConfig
 
-for _config_class in (GPTConfig, BERTConfig):
-    _types = model_types_of(_config_class)
-    register_hf_format(_config_class, HFFormat(read=partial(read_hf, model_types=_types), write=write_hf,
-                                               read_config=partial(read_hf_config_only, model_types=_types)))
+
+
+def _hf_format(config_class: type) -> HFFormat:
+    types = model_types_of(config_class)
+    return HFFormat(read=partial(read_hf, model_types=types), write=write_hf,
+                    read_config=partial(read_hf_config_only, model_types=types))
+
+
+register_hf_format(GPTConfig, _hf_format(GPTConfig))
+register_hf_format(BERTConfig, _hf_format(BERTConfig))
 
 __all__ = ["FAMILIES", "Family", "HF_MODEL_TYPES", "TensorSource", "family_for", "lightning_module_for", "read_hf",
            "write_hf"]
