@@ -8,6 +8,8 @@ single file (``checkpoint_format="full"``); which one a path holds is read from 
     lightning-megatron checkpoint consolidate runs/last.ckpt model.safetensors [--optimizer]
     lightning-megatron checkpoint convert runs/last.ckpt hf_out/ [--model-type mistral] [--max-shard-size 2GB]
                                                                           # ours -> Hugging Face, shard by shard
+    lightning-megatron checkpoint convert lora.ckpt merged_hf/             # a LoRA run's: adapters merged into the base
+    lightning-megatron checkpoint convert lora.ckpt adapter/ --peft       # a LoRA run's adapters, for peft
     lightning-megatron checkpoint convert hf_model/ converted.ckpt        # Hugging Face -> ours (weights only)
     lightning-megatron checkpoint verify runs/last.ckpt                   # every file against its recorded CRC-32
     lightning-megatron checkpoint recover runs/                            # finish saves a crash interrupted
@@ -15,6 +17,11 @@ single file (``checkpoint_format="full"``); which one a path holds is read from 
 ``convert`` decides the direction from the source: a checkpoint of ours (a directory with
 ``megatron_3d.json``, or a full checkpoint file) goes to a Hugging Face ``save_pretrained`` directory, a
 directory with ``config.json`` is read as a Hugging Face model. Anything else is refused with what was expected.
+A LoRA run's checkpoint (its hyper-parameters hold ``lora``) exports the merged model, ``W + scale * B @ A`` in
+every adapted layer, taking the base from the checkpoint or, for an adapter-only checkpoint, from the Hugging Face
+directory its reference names (checked against the fingerprint recorded at the save: ``checkpoint.base``); with
+``--peft`` it writes the adapters alone as a PEFT adapter directory (``adapter_config.json`` +
+``adapter_model.safetensors``) that ``peft.PeftModel.from_pretrained(base, directory)`` loads.
 Nothing is ever unpickled but tensors and plain containers (``torch.load(weights_only=True)``, or DCP's index).
 """
 
@@ -32,7 +39,9 @@ import lightning as L
 import torch
 from torch import Tensor
 
+from lightning_megatron.checkpoint.base import BASE_KEY
 from lightning_megatron.checkpoint.full import open_full, verify_full
+from lightning_megatron.checkpoint.lora_export import adapter_tensors, merged_source
 from lightning_megatron.checkpoint.replacement import (
     INDEX_FILE,
     check_replaceable,
@@ -54,9 +63,11 @@ from lightning_megatron.checkpoint.sharded import (
 )
 from lightning_megatron.checkpoint.training_state import LAYOUT_KEY
 from lightning_megatron.huggingface import TensorSource, read_hf, write_hf
+from lightning_megatron.huggingface.adapters import write_peft_adapter
 from lightning_megatron.huggingface.io import DEFAULT_MAX_SHARD_SIZE, safetensors_torch
 from lightning_megatron.models.bert import BERTConfig
 from lightning_megatron.models.gpt import GPTConfig
+from lightning_megatron.peft.lora import LoRAConfig
 
 MODEL_PREFIX = "state_dict/"
 
@@ -170,6 +181,9 @@ def inspect(path: Union[str, Path], *, keys: bool = False) -> str:
              "layout       " + (" ".join(f"{name}={value}" for name, value in info.get("layout", {}).items())
                                   or "not recorded"),
              f"world size   {info.get('world_size')}"]
+    base = saved.trainer_state().get(BASE_KEY) if saved.format == FULL else info.get("base")
+    if base is not None:
+        lines.append(f"base         {base['pretrained']} (adapter-only: the frozen base weights are read from there)")
     groups: dict[str, list] = defaultdict(list)
     for name, spec in sorted(saved.specs.items()):
         groups[name.split("/", 1)[0]].append((name, spec))
@@ -250,21 +264,38 @@ def checkpoint_source(checkpoint: Union[str, Path, Checkpoint]) -> TensorSource:
 
 
 def convert(source: Union[str, Path], out: Union[str, Path], *, model_type: Optional[str] = None,
-            max_shard_size: Union[int, str] = DEFAULT_MAX_SHARD_SIZE) -> str:
+            max_shard_size: Union[int, str] = DEFAULT_MAX_SHARD_SIZE, peft: bool = False) -> str:
     """Ours -> Hugging Face when ``source`` is a checkpoint of ours (a sharded directory or a full file), Hugging
     Face -> ours when it is a ``save_pretrained`` directory (``config.json``); ``ValueError`` for anything else.
 
     Ours -> Hugging Face reads the checkpoint shard by shard of the output (at most ``max_shard_size`` of
     weights in memory, never the whole model); ``model_type`` picks the family where several can hold the
-    model (a Llama-shaped GPT: ``llama`` by default, ``mistral``, ``qwen2``).
+    model (a Llama-shaped GPT: ``llama`` by default, ``mistral``, ``qwen2``). A LoRA run's checkpoint exports
+    the merged model (``checkpoint.lora_export``; an adapter-only one reads its base from the directory its
+    reference names), or with ``peft`` its adapters alone, as a PEFT adapter directory.
     """
     source, out = Path(source), Path(out)
     if checkpoint_format(source, hugging_face=True) != HUGGING_FACE:
         saved = open_checkpoint(source)  # a damaged one is refused before anything is written
-        config = model_config(saved.trainer_state().get("hyper_parameters") or {})
+        trainer_state = saved.trainer_state()
+        hyper = trainer_state.get("hyper_parameters") or {}
+        config, lora = model_config(hyper), LoRAConfig.of(hyper.get("lora"))
+        reference, tensors = trainer_state.get(BASE_KEY), checkpoint_source(saved)
+        if peft:
+            if lora is None:
+                raise ValueError(f"--peft exports LoRA adapters, but {source} was saved by a run without lora; "
+                                 f"leave --peft out to export the model.")
+            base = reference["pretrained"] if reference is not None else hyper.get("pretrained")
+            write_peft_adapter(out, config, adapter_tensors(tensors), lora, base_model=base, model_type=model_type)
+            return f"wrote a PEFT LoRA adapter to {out} (base model: {base or 'not recorded'})"
+        if lora is not None:
+            tensors = merged_source(tensors, lora.scale, reference, where=f"Checkpoint {source}")
         check_replaceable(out, what="Hugging Face model", hf_export=True)
-        write_hf(out, config, checkpoint_source(saved), model_type=model_type, max_shard_size=max_shard_size)
-        return f"wrote a Hugging Face {type(config).__name__.removesuffix('Config')} model to {out}"
+        write_hf(out, config, tensors, model_type=model_type, max_shard_size=max_shard_size)
+        merged = " (LoRA adapters merged)" if lora is not None else ""
+        return f"wrote a Hugging Face {type(config).__name__.removesuffix('Config')} model{merged} to {out}"
+    if peft:
+        raise ValueError(f"--peft exports the adapters of a checkpoint of ours; {source} is a Hugging Face directory.")
     if model_type is not None:
         raise ValueError(f"--model-type={model_type!r} chooses the family of an export; {source} is read as a Hugging "
                          f"Face directory, whose config.json names its own model_type.")
@@ -318,12 +349,16 @@ def main(argv: Sequence[str]) -> None:
     p.add_argument("path")
     p.add_argument("out")
     p.add_argument("--optimizer", action="store_true", help="also the optimizer state and fp32 main parameters")
-    p = commands.add_parser("convert", help="to a Hugging Face directory, or from one to a weights-only checkpoint")
+    p = commands.add_parser("convert", help="to a Hugging Face directory (a LoRA run's: merged, or with --peft a "
+                                            "PEFT adapter), or from one to a weights-only checkpoint")
     p.add_argument("source")
     p.add_argument("out")
     p.add_argument("--model-type", choices=("llama", "mistral", "qwen2"), default=None,
                    help="the Hugging Face family of a Llama-shaped GPT export (default: qwen2 for biases on qkv alone, "
                         "else llama)")
+    p.add_argument("--peft", action="store_true",
+                   help="a LoRA run's checkpoint: write its adapters as a PEFT adapter directory (adapter_config.json, "
+                        "adapter_model.safetensors) instead of the merged model")
     p.add_argument("--max-shard-size", default=DEFAULT_MAX_SHARD_SIZE,
                    help=f"most bytes per weight file of an export, e.g. 500MB (default {DEFAULT_MAX_SHARD_SIZE}); "
                         f"also about the most weights held in memory")
@@ -339,7 +374,8 @@ def main(argv: Sequence[str]) -> None:
         elif args.command == "consolidate":
             print(f"wrote {consolidate(args.path, args.out, optimizer=args.optimizer)}")
         elif args.command == "convert":
-            print(convert(args.source, args.out, model_type=args.model_type, max_shard_size=args.max_shard_size))
+            print(convert(args.source, args.out, model_type=args.model_type, max_shard_size=args.max_shard_size,
+                          peft=args.peft))
         else:
             print({"verify": verify, "recover": recover}[args.command](args.path))
     except (ImportError, OSError, RuntimeError, ValueError) as error:

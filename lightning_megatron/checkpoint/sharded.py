@@ -37,7 +37,6 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, Def
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from lightning_megatron.checksums import file_crc32
-from lightning_megatron.models.formats import ShardedCheckpointReader, register_sharded_checkpoint_reader
 from lightning_megatron.checkpoint.pieces import ShardedEntry
 from lightning_megatron.checkpoint.replacement import (  # noqa: F401 (write_atomically, replaced_path: re-exported)
     INDEX_FILE,
@@ -424,10 +423,3 @@ def consolidated_state_dict(path: PathLike) -> dict[str, Tensor]:
     prefix = "state_dict/"
     names = [name for name in open_sharded(path).tensors() if name.startswith(prefix)]
     return {name[len(prefix):]: tensor for name, tensor in read_full_tensors(path, names).items()}
-
-
-register_sharded_checkpoint_reader(ShardedCheckpointReader(
-    is_sharded=is_sharded_checkpoint,
-    hyper_parameters=lambda path: open_sharded(path).trainer_state().get("hyper_parameters", {}),
-    state_dict=consolidated_state_dict,
-))

@@ -18,6 +18,14 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.optim import Optimizer
 
+from lightning_megatron.checkpoint.base import (
+    BASE_KEY,
+    base_reference,
+    check_module_base,
+    load_adapters,
+    stores_adapters_only,
+    trained_only,
+)
 from lightning_megatron.checkpoint.entries import optimizer_hyperparameters
 from lightning_megatron.checkpoint.full import (
     full_optimizer_state_unusable,
@@ -64,7 +72,10 @@ class CheckpointHooks:
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """What Lightning puts under ``"state_dict"``: the gathered weights for ``checkpoint_format="full"``;
         nothing for sharded checkpoints, whose tensors ``save_checkpoint`` writes from each rank's shards."""
-        return self.full_state_dict() if self.checkpoint_format == "full" else {}
+        if self.checkpoint_format != "full":
+            return {}
+        full = self.full_state_dict()
+        return trained_only(full) if stores_adapters_only(self.lightning_module) else full  # see checkpoint.base
 
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         if self.checkpoint_format == "full":
@@ -87,6 +98,9 @@ class CheckpointHooks:
         if self.checkpoint_format == "full":
             check_full_checkpoint(checkpoint, filepath)  # every rank holds the gathered weights: one verdict
             checkpoint[LAYOUT_KEY] = asdict(self.parallel_config)
+            reference = base_reference(self.lightning_module)
+            if reference is not None:
+                checkpoint[BASE_KEY] = reference
             if self.is_global_zero and _is_local_file_protocol(filepath):  # atomic: written aside, then renamed
                 write_atomically(filepath, lambda partial: self.checkpoint_io.save_checkpoint(
                     checkpoint, partial, storage_options=storage_options))
@@ -127,11 +141,16 @@ class CheckpointHooks:
         if self._sharded_checkpoint is not None:
             return  # read in place by load_checkpoint
         self.wait_for_parameters()  # a gather in flight would overwrite what is loaded
+        reference = checkpoint.get(BASE_KEY)
+        check_module_base(reference, self.lightning_module, where="This checkpoint")  # before any tensor is loaded
         if self._zero3 is not None:
             load_zero3_state_dict(self.lightning_module, checkpoint["state_dict"], self.parallel_state)
         else:
             local = local_state_dict_from_full(self.lightning_module, checkpoint["state_dict"])
-            self.lightning_module.load_state_dict(local, strict=strict)
+            if reference is None:
+                self.lightning_module.load_state_dict(local, strict=strict)
+            else:  # adapters only: the base is the module's own, from the same pretrained weights
+                load_adapters(self.lightning_module, local, strict=strict)
         if self._main_params is not None:
             self._main_params.copy_from_model()
         if self.loss_scaler is not None and LOSS_SCALER_KEY in checkpoint:

@@ -19,6 +19,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_megatron.checkpoint import entries as E
+from lightning_megatron.checkpoint.base import BASE_KEY, base_reference, check_module_base, trained_only
 from lightning_megatron.checkpoint.sharded import (
     BackgroundSaver,
     SavedCheckpoint,
@@ -88,6 +89,10 @@ def save_training_state(path, checkpoint: dict[str, Any], training: RankTraining
     checkpoint.pop("state_dict", None)
     placements = training.placements()
     tensors = training.model_entries()
+    reference = base_reference(training.module)
+    if reference is not None:  # adapter-only: the frozen base is read back from the reference (checkpoint.base)
+        tensors = trained_only(tensors)
+        checkpoint[BASE_KEY] = info["base"] = reference
     if "optimizer_states" in checkpoint:  # not for weights-only saves
         tensors.update(E.main_param_entries(training.main_params, placements))
         for index, optimizer in enumerate(training.optimizers):
@@ -220,6 +225,10 @@ def _plan_model_load(path, training: RankTraining, strict: bool,
     available = saved.tensors()
     wanted = {}
     model_entries = training.model_entries()
+    reference = trainer_state.get(BASE_KEY)
+    check_module_base(reference, training.module, where=f"Checkpoint {saved.path}")
+    if reference is not None:  # the base is this module's own, loaded from the same pretrained weights
+        model_entries = trained_only(model_entries)
     for key, entry in model_entries.items():
         if not strict and key not in available:
             continue  # strict_loading=False: this tensor keeps its initial value

@@ -17,6 +17,7 @@ from lightning_megatron.huggingface.convert import (
     lightning_module_for,
     model_types_of,
     read_hf,
+    read_hf_config_only,
     write_hf,
 )
 from lightning_megatron.huggingface.family import Family, TensorSource
@@ -24,8 +25,16 @@ from lightning_megatron.models.bert import BERTConfig
 from lightning_megatron.models.formats import HFFormat, register_hf_format
 from lightning_megatron.models.gpt import GPTConfig
 
-register_hf_format(GPTConfig, HFFormat(read=partial(read_hf, model_types=model_types_of(GPTConfig)), write=write_hf))
-register_hf_format(BERTConfig, HFFormat(read=partial(read_hf, model_types=model_types_of(BERTConfig)), write=write_hf))
+
+
+def _hf_format(config_class: type) -> HFFormat:
+    types = model_types_of(config_class)
+    return HFFormat(read=partial(read_hf, model_types=types), write=write_hf,
+                    read_config=partial(read_hf_config_only, model_types=types))
+
+
+register_hf_format(GPTConfig, _hf_format(GPTConfig))
+register_hf_format(BERTConfig, _hf_format(BERTConfig))
 
 __all__ = ["FAMILIES", "Family", "HF_MODEL_TYPES", "TensorSource", "family_for", "lightning_module_for", "read_hf",
            "write_hf"]

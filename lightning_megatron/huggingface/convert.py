@@ -26,7 +26,7 @@ from torch import Tensor, nn
 
 from lightning_megatron.huggingface import bert, gpt2, llama, mistral, mixtral, qwen2, qwen2_moe
 from lightning_megatron.huggingface.family import Family, TensorSource
-from lightning_megatron.huggingface.io import DEFAULT_MAX_SHARD_SIZE, read_hf_config
+from lightning_megatron.huggingface.io import DEFAULT_MAX_SHARD_SIZE, read_hf_config, weight_names
 from lightning_megatron.models.bert import BERTConfig
 from lightning_megatron.models.gpt import GPTConfig
 
@@ -46,6 +46,20 @@ def read_hf(model_or_dir: Union[str, os.PathLike, nn.Module], *,
             model_types: Sequence[str] = HF_MODEL_TYPES) -> tuple[ModelConfig, dict[str, Tensor]]:
     """Our config and full state dict from a ``transformers`` model or a ``save_pretrained`` directory, by its
     ``model_type`` (one of ``model_types``). Directories need no ``transformers``."""
+    return _config_and_family(model_or_dir, model_types)[1].read(model_or_dir)
+
+
+def read_hf_config_only(directory: Union[str, os.PathLike], *,
+                        model_types: Sequence[str] = HF_MODEL_TYPES) -> ModelConfig:
+    """Our config of a ``save_pretrained`` directory, from its ``config.json`` (and weight names), reading no
+    weights: what ``GPT(pretrained=...)`` knows at construction, before ``configure_model`` loads them."""
+    fields, family = _config_and_family(directory, model_types)
+    return family.config_from_hf(fields, weight_names(directory))
+
+
+def _config_and_family(model_or_dir: Union[str, os.PathLike, nn.Module],
+                       model_types: Sequence[str]) -> tuple[dict[str, Any], Family]:
+    """``config.json``'s fields and the family its ``model_type`` names, which must be one of ``model_types``."""
     classes = [FAMILIES[name].expected.removeprefix("a transformers ") for name in model_types if name in FAMILIES]
     expected = "a transformers " + (", ".join(classes[:-1]) + " or " + classes[-1] if len(classes) > 1 else classes[0])
     fields = read_hf_config(model_or_dir, expected=expected)
@@ -55,7 +69,7 @@ def read_hf(model_or_dir: Union[str, os.PathLike, nn.Module], *,
                  f"{FAMILIES[model_type].lightning_module.__name__}.from_hf." if model_type in FAMILIES else "")
         raise ValueError(f"model_type={model_type!r} cannot be converted: supported Hugging Face model types are "
                          f"{', '.join(map(repr, model_types))}.{other}")
-    return FAMILIES[model_type].read(model_or_dir)
+    return fields, FAMILIES[model_type]
 
 
 def family_for(config: Any, model_type: Optional[str] = None) -> Family:

@@ -86,6 +86,17 @@ def read_weights(directory: Union[str, os.PathLike]) -> dict[str, Tensor]:
                             f"pytorch_model.bin, as save_pretrained writes them.")
 
 
+def weight_names(directory: Union[str, os.PathLike]) -> list[str]:
+    """The tensor names of ``directory``'s weights without reading them (the safetensors headers, or the index);
+    ``pytorch_model.bin`` keeps them inside its pickle, so it gives none."""
+    directory = Path(directory)
+    if (directory / SINGLE_FILE).is_file():
+        with safetensors_torch().safe_open(str(directory / SINGLE_FILE), framework="pt") as weights:
+            return list(weights.keys())
+    index = directory / HF_INDEX_FILE
+    return list(json.loads(index.read_text())["weight_map"]) if index.is_file() else []
+
+
 def read_hf_checkpoint(model_or_dir: PathOrModel, *, expected: str) -> tuple[dict[str, Any], dict[str, Tensor]]:
     """Config fields and state dict of a ``transformers`` model or a ``save_pretrained`` directory."""
     fields = read_hf_config(model_or_dir, expected=expected)

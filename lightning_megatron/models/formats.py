@@ -11,14 +11,16 @@ class it reads and writes, and the models look it up at call time. The sharded-c
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, NamedTuple, Optional
 
 
 class HFFormat(NamedTuple):
-    """``read(model_or_dir) -> (config, full state dict)``; ``write(out_dir, config, state_dict, **options)``."""
+    """``read(model_or_dir) -> (config, full state dict)``; ``write(out_dir, config, state_dict, **options)``;
+    ``read_config(directory) -> config`` (no weights read)."""
 
     read: Callable[[Any], tuple[Any, dict]]
     write: Callable[..., None]
+    read_config: Callable[[Any], Any]
 
 
 _HF_FORMATS: dict[type, HFFormat] = {}
@@ -39,11 +41,17 @@ def hf_format_for(config_class: type) -> HFFormat:
 
 
 class ShardedCheckpointReader(NamedTuple):
-    """How ``load_from_checkpoint`` reads a sharded checkpoint directory into one process."""
+    """How ``load_from_checkpoint`` reads a sharded checkpoint directory, or an adapter-only checkpoint of either
+    format (``checkpoint/base.py``), into one process.
+
+    ``base_reference(path)``: the base an adapter-only checkpoint refers to (None for any other);
+    ``load_adapters(reference, module, state_dict, strict)``: check the module's base against it, then load."""
 
     is_sharded: Callable[[Any], bool]
     hyper_parameters: Callable[[Any], dict]
     state_dict: Callable[[Any], dict]
+    base_reference: Callable[[Any], Optional[dict]]
+    load_adapters: Callable[..., None]
 
 
 _SHARDED_READER: list[ShardedCheckpointReader] = []

@@ -9,7 +9,8 @@ and only this rank's shards are ever materialised.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+import os
+from dataclasses import asdict, dataclass
 from functools import partial
 from typing import Optional, Union
 
@@ -22,7 +23,7 @@ from lightning_megatron.context_parallel.inputs import SequenceInputs
 from lightning_megatron.generation import full_logits, generate
 from lightning_megatron.models.flops import gpt_flops_per_batch
 from lightning_megatron.models.formats import HFFormat, hf_format_for
-from lightning_megatron.models.optim_recipe import PretrainingRecipe
+from lightning_megatron.models.optim_recipe import PretrainingRecipe, load_base_weights
 from lightning_megatron.models.attention import SelfAttention
 from lightning_megatron.models.mlp import ACTIVATIONS, build_mlp
 from lightning_megatron.models.moe import MoE, AuxLosses, MoEConfig, moe_tensor_parallel_plan, update_expert_biases
@@ -30,6 +31,7 @@ from lightning_megatron.models.norms import NORMALIZATIONS, build_norm
 from lightning_megatron.models.rotary import RopeScaling, RotaryEmbedding
 from lightning_megatron.models.transformer import TransformerLayer, TransformerSizes, layer_tensor_parallel_plan
 from lightning_megatron.parallel.initialize import INIT_STD, default_initializer, initialize_parameters
+from lightning_megatron.peft.adapters import ADAPTER_MODULES, adapted_layers
 from lightning_megatron.peft.lora import LoRAConfig, apply_lora
 from lightning_megatron.pipeline.blocks import PipelineBatch, PipelineBlocks
 from lightning_megatron.pipeline.layout import PipelineLayout
@@ -421,6 +423,19 @@ class GPTModel(nn.Module):
         return self.pipeline_result(loss_sum, batch.num_tokens, extras)
 
 
+#: GPTConfig fields that say how a model trains, not what it computes: a run may set them over a pretrained model's.
+TRAINING_FIELDS = ("dropout", "attention_dropout", "loss_chunk_tokens")
+
+
+def _check_same_model(config: GPTConfig, base: GPTConfig, pretrained: str) -> None:
+    given, found = asdict(config), asdict(base)
+    differ = [f"{name}={given[name]!r} (the directory's: {found[name]!r})" for name in given
+              if name not in TRAINING_FIELDS and given[name] != found[name]]
+    if differ:
+        raise ValueError(f"The config given with pretrained={pretrained!r} describes another model than the one "
+                         f"there: {', '.join(differ)}. Leave config=None to take the directory's config.json.")
+
+
 def _present(**side: Optional[Tensor]) -> dict[str, Tensor]:
     return {name: value for name, value in side.items() if value is not None}
 
@@ -444,12 +459,23 @@ class GPT(PretrainingRecipe):
     ``lora``: a :class:`~lightning_megatron.peft.lora.LoRAConfig` (or its fields as a dict, a YAML ``lora:``
     block): the model trains low-rank adapters of the targeted linear layers and nothing else::
 
-        model = GPT.from_hf("hf_dir", lora={"rank": 8, "alpha": 16}, learning_rate=2e-4)
+        model = GPT(pretrained="hf_dir", lora={"rank": 8, "alpha": 16}, learning_rate=2e-4)
+
+    ``pretrained``: a Hugging Face ``save_pretrained`` directory (Llama, Mistral, Qwen2, GPT-2, ...) whose weights
+    the run starts from. Its ``config.json`` is read here and gives the config when ``config`` is None (neither
+    given: ``"gpt-tiny"``); a given config must describe the same model (only ``dropout``, ``attention_dropout``
+    and ``loss_chunk_tokens``, which are how it trains, may differ), else a ``ValueError`` names the fields. The
+    weights are read in ``configure_model``. Its cost: under ``Megatron3DStrategy`` every rank reads the full
+    weights into host memory once (and the model is built there in full, with random values first), then the
+    strategy keeps this rank's shards of them and the rest is freed; one process needs the whole model in
+    memory anyway. The path is saved in the hyper-parameters, so ``load_from_checkpoint`` and a resumed run rebuild
+    the same module; a LoRA run's checkpoints then store the adapters only, with a reference to this base
+    (``checkpoint.base``).
     """
 
     def __init__(
         self,
-        config: Union[GPTConfig, str, dict] = "gpt-tiny",
+        config: Union[GPTConfig, str, dict, None] = None,
         *,
         learning_rate: float = 1e-3,
         min_learning_rate: float = 1e-4,
@@ -459,23 +485,60 @@ class GPT(PretrainingRecipe):
         warmup_steps: int = 20,
         adam_implementation: str = "auto",
         lora: Optional[Union[LoRAConfig, dict]] = None,
+        pretrained: Optional[str] = None,
     ) -> None:
         super().__init__()
+        pretrained = None if pretrained is None else os.fspath(pretrained)
+        base_config = None if pretrained is None else self.hf_format().read_config(pretrained)
+        if config is None:
+            config = base_config or "gpt-tiny"
         self.init_recipe(GPTConfig, config, learning_rate=learning_rate, min_learning_rate=min_learning_rate,
                          weight_decay=weight_decay, betas=betas, adam_eps=adam_eps, warmup_steps=warmup_steps,
                          adam_implementation=adam_implementation)
+        if base_config is not None:
+            _check_same_model(self.config, base_config, pretrained)
         self.lora = LoRAConfig.of(lora)
-        self.save_hyperparameters({"lora": None if self.lora is None else self.lora.as_dict()})
+        self.pretrained = pretrained
+        self.save_hyperparameters({"lora": None if self.lora is None else self.lora.as_dict(),
+                                   "pretrained": pretrained})
         self.model: Optional[GPTModel] = None
         self.val_loss = MeanMetric()
 
     def configure_model(self) -> None:
-        """Build the model (on the meta device under ``Megatron3DStrategy``), with ``lora``'s adapters attached
-        before any parallelism (``peft.lora``): only they train then."""
-        if self.model is None:
-            self.model = GPTModel(self.config)
+        """Build the model (on the meta device under ``Megatron3DStrategy``; with ``pretrained``'s weights in host
+        memory), with ``lora``'s adapters attached before any parallelism (``peft.lora``): only they train then.
+        Under the strategy the adapters of a pretrained model are left on the meta device, so that the strategy
+        gives them their layout-invariant start from its seed, as it does without ``pretrained``."""
+        if self.model is not None:
+            return
+        on_meta = torch.empty(()).is_meta  # inside the strategy's model_sharded_context
+        if self.pretrained is None:
+            model = GPTModel(self.config)
             if self.lora is not None:
-                apply_lora(self.model, self.lora)
+                apply_lora(model, self.lora)
+        else:
+            with torch.device("cpu"):
+                model = GPTModel(self.config)
+                _, state_dict = self.hf_format().read(self.pretrained)
+                load_base_weights(model, state_dict, what=f"The Hugging Face weights in {self.pretrained}")
+                if self.lora is not None:
+                    apply_lora(model, self.lora)
+            if on_meta and self.lora is not None:
+                for name in adapted_layers(model):  # the layer's own weights stay real: only its adapters move
+                    for adapter in ADAPTER_MODULES:
+                        getattr(model.get_submodule(name), adapter).to("meta")
+        self.model = model
+
+    @classmethod
+    def from_hf(cls, model_or_dir: Union[str, os.PathLike, nn.Module], **kwargs):
+        """A module holding the weights of a Hugging Face model: a ``save_pretrained`` directory is
+        ``GPT(pretrained=model_or_dir, **kwargs)`` built at once (``configure_model``); a ``transformers`` model is
+        converted in memory (its module then records no ``pretrained`` path)."""
+        if isinstance(model_or_dir, (str, os.PathLike)):
+            module = cls(pretrained=model_or_dir, **kwargs)
+            module.configure_model()
+            return module
+        return super().from_hf(model_or_dir, **kwargs)
 
     def flops_per_batch(self, batch_size: int, seq_length: int) -> int:
         """Model FLOPs (forward + backward) of ``batch_size`` sequences of ``seq_length`` (``models/flops.py``)."""

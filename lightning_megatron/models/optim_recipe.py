@@ -175,6 +175,15 @@ def _training_horizon(module: L.LightningModule, warmup_steps: int) -> Optional[
     return max(int(steps), 1)
 
 
+def load_base_weights(model: nn.Module, state_dict: Mapping[str, torch.Tensor], *, what: str) -> None:
+    """Load a full state dict of the base model (a Hugging Face model's, converted) into ``model``, whose LoRA
+    adapters, if any, keep their start: every other parameter must be there, and nothing else."""
+    missing, unexpected = model.load_state_dict(state_dict, strict=False)
+    missing = [name for name in missing if not is_adapter_name(name)]
+    if missing or unexpected:
+        raise RuntimeError(f"{what} do not fit {type(model).__name__}: missing {missing}, unexpected {unexpected}.")
+
+
 class PretrainingRecipe(L.LightningModule):
     """What the GPT and BERT LightningModules share: the config, their AdamW recipe, and
     hyper-parameters saved under the names ``__init__`` takes (so ``load_from_checkpoint``
@@ -213,12 +222,20 @@ class PretrainingRecipe(L.LightningModule):
             model = GPT.load_from_checkpoint("runs/checkpoints/last.ckpt")   # a directory written by 8 ranks
         """
         reader = sharded_checkpoint_reader()
-        if reader is None or not reader.is_sharded(checkpoint_path):
+        reference = reader.base_reference(checkpoint_path) if reader is not None else None
+        if reader is None or not (reader.is_sharded(checkpoint_path) or reference is not None):
             return super().load_from_checkpoint(checkpoint_path, map_location=map_location, hparams_file=hparams_file,
                                                 strict=strict, **kwargs)
-        module = cls(**{**reader.hyper_parameters(checkpoint_path), **kwargs})
+        hyper = reader.hyper_parameters(checkpoint_path)
+        if reference is None and hyper.get("pretrained") is not None:
+            hyper = {**hyper, "pretrained": None}  # the checkpoint holds every weight: the base is not read
+        module = cls(**{**hyper, **kwargs})
         module.configure_model()
-        module.load_state_dict(reader.state_dict(checkpoint_path), strict=True if strict is None else strict)
+        strict = True if strict is None else strict
+        if reference is None:
+            module.load_state_dict(reader.state_dict(checkpoint_path), strict=strict)
+        else:  # adapters only (checkpoint/base.py): the base came from ``pretrained`` in configure_model
+            reader.load_adapters(reference, module, reader.state_dict(checkpoint_path), strict)
         return module.to(map_location) if isinstance(map_location, (str, torch.device)) else module
 
     @staticmethod
@@ -238,11 +255,7 @@ class PretrainingRecipe(L.LightningModule):
         config, state_dict = cls.hf_format().read(model_or_dir)
         module = cls(config, **kwargs)
         module.configure_model()
-        missing, unexpected = module.model.load_state_dict(state_dict, strict=False)
-        missing = [name for name in missing if not is_adapter_name(name)]  # adapters (LoRA) keep their start
-        if missing or unexpected:
-            raise RuntimeError(f"The Hugging Face weights do not fit {cls.__name__}: missing {missing}, unexpected "
-                               f"{unexpected}.")
+        load_base_weights(module.model, state_dict, what=f"The Hugging Face weights of {type(model_or_dir).__name__}")
         return module
 
     def to_hf(self, out_dir: Union[str, os.PathLike], *, state_dict: Optional[Mapping[str, torch.Tensor]] = None,

@@ -14,6 +14,9 @@ class UnevenlyMaskedGPT(GPT):
 
 
 def model(options: dict) -> GPT:
+    if "pretrained" in options:  # a Hugging Face directory the test wrote, with LoRA when the options name it
+        return GPT(pretrained=options["pretrained"], lora=options.get("lora"), learning_rate=3e-3, warmup_steps=2,
+                   adam_eps=options.get("adam_eps", 1e-6))
     sizes = dict(vocab_size=257, max_seq_length=32, hidden_size=options.get("hidden", 32),
                  num_layers=options.get("layers", 2), num_heads=options.get("heads", 4))
     if "preset" in options:  # a Llama-shaped model: its pieces from the preset, the sizes above

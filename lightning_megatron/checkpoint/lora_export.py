@@ -1,0 +1,57 @@
+"""What ``lightning-megatron checkpoint convert`` does with a checkpoint of a LoRA run (``hyper_parameters["lora"]``).
+
+* The merged model: every adapted weight becomes ``W + scale * B @ A`` (``peft.merge``), the adapters' own
+  entries disappear, and the result is a plain model that ``write_hf`` exports like any other. The base ``W``
+  comes from the checkpoint itself when it stores it (a LoRA run without ``pretrained``), read a few tensors at a
+  time; from the Hugging Face directory its reference names when the checkpoint stores adapters only
+  (``checkpoint.base``), after checking that directory's fingerprint. That directory is read whole: the export
+  then holds the base model in memory once.
+* The adapters alone, as a PEFT adapter directory (``huggingface.adapters``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Optional, Sequence
+
+from torch import Tensor
+
+from lightning_megatron.checkpoint.base import check_base
+from lightning_megatron.huggingface import TensorSource, read_hf
+from lightning_megatron.peft.adapters import is_adapter_name
+from lightning_megatron.peft.merge import adapted_layer_names, adapter_weight_names, merged_weight
+
+
+def adapter_tensors(tensors: TensorSource) -> dict[str, Tensor]:
+    """Every adapter of a checkpoint's model tensors (our names), read."""
+    names = [name for name in tensors.specs if is_adapter_name(name)]
+    if not names:
+        raise ValueError("The checkpoint's hyper-parameters name LoRA settings, but it holds no adapter tensors.")
+    return dict(tensors.read(names))
+
+
+def base_source(tensors: TensorSource, reference: Optional[Mapping[str, Any]], *, where: str) -> TensorSource:
+    """The frozen base's tensors: the reference's Hugging Face directory (checked), else the checkpoint's own."""
+    if reference is None:
+        specs = {name: spec for name, spec in tensors.specs.items() if not is_adapter_name(name)}
+        return TensorSource(specs, tensors.read)
+    _, state_dict = read_hf(check_base(reference, None, where=where))
+    return TensorSource.of(state_dict)
+
+
+def merged_source(tensors: TensorSource, scale: float, reference: Optional[Mapping[str, Any]], *,
+                  where: str) -> TensorSource:
+    """The merged model's tensors (see the module), read a few at a time like ``tensors``."""
+    base = base_source(tensors, reference, where=where)
+    adapted = set(adapted_layer_names(tensors.specs))
+
+    def read(names: Sequence[str]) -> dict[str, Tensor]:
+        values = dict(base.read(list(names)))
+        for name in names:
+            layer = name.removesuffix(".weight")
+            if name.endswith(".weight") and layer in adapted:
+                names_a_b = adapter_weight_names(layer)
+                pair = tensors.read(list(names_a_b))
+                values[name] = merged_weight(values[name], pair[names_a_b[0]], pair[names_a_b[1]], scale)
+        return values
+
+    return TensorSource(base.specs, read)
