@@ -248,3 +248,28 @@ def test_a_changed_base_is_refused_by_every_reader_naming_both(lora_run, llama_d
         fit(GPT(pretrained=str(moved), lora=LORA), tmp_path / "resume", 3, ckpt_path=checkpoint)
     with pytest.raises(RuntimeError, match="has no pretrained base: build it with pretrained="):
         fit(GPT(GPT(pretrained=str(moved)).config, lora=LORA), tmp_path / "resume2", 3, ckpt_path=checkpoint)
+
+
+# ----------------------------------------------------------------------------- the pretrained base's config
+def test_a_given_config_is_checked_against_the_base_when_its_weights_are_read_and_plans_without_them(llama_dir,
+                                                                                                   tmp_path):
+    """A config file may name its base: ``GPT(config, pretrained)`` reads nothing when made, so the planner plans
+    the config's shapes where the weights are not (here: a directory that does not exist); the weights' read checks
+    the config against the base's and names the fields that differ."""
+    from lightning_megatron.plan.inventory import Inventory
+
+    config = GPT(pretrained=str(llama_dir)).config  # config.json only
+    inventory = Inventory.build(lambda: GPT(config, pretrained=str(tmp_path / "not-there"), lora=LORA),
+                                tensor_parallel_size=2)
+    frozen = [entry for entry in inventory.entries if not entry.requires_grad]
+    adapters = [entry for entry in inventory.entries if entry.requires_grad]
+    assert frozen and adapters and all(".lora_" in entry.names[0] for entry in adapters)
+
+    other = GPT({**config.__dict__, "ffn_hidden_size": 64}, pretrained=str(llama_dir))
+    with pytest.raises(ValueError, match=r"describes another model than the one there: ffn_hidden_size=64 \(the "
+                                         r"directory's: 48\)"):
+        other.configure_model()
+    same = GPT({**config.__dict__, "dropout": 0.1}, pretrained=str(llama_dir))  # how it trains may differ
+    same.configure_model()
+    torch.testing.assert_close(same.model.blocks["0"].attn.proj.weight,
+                               GPT.from_hf(str(llama_dir)).model.blocks["0"].attn.proj.weight)

@@ -462,10 +462,11 @@ class GPT(PretrainingRecipe):
         model = GPT(pretrained="hf_dir", lora={"rank": 8, "alpha": 16}, learning_rate=2e-4)
 
     ``pretrained``: a Hugging Face ``save_pretrained`` directory (Llama, Mistral, Qwen2, GPT-2, ...) whose weights
-    the run starts from. Its ``config.json`` is read here and gives the config when ``config`` is None (neither
-    given: ``"gpt-tiny"``); a given config must describe the same model (only ``dropout``, ``attention_dropout``
-    and ``loss_chunk_tokens``, which are how it trains, may differ), else a ``ValueError`` names the fields. The
-    weights are read in ``configure_model``. Its cost: under ``Megatron3DStrategy`` every rank reads the full
+    the run starts from. Its ``config.json`` gives the config when ``config`` is None (neither given:
+    ``"gpt-tiny"``); a given config must describe the same model (only ``dropout``, ``attention_dropout`` and
+    ``loss_chunk_tokens``, which are how it trains, may differ), else a ``ValueError`` names the fields when the
+    weights are read, in ``configure_model`` (with a given config nothing is read before: a config file names
+    its base and still plans, ``lightning-megatron plan``, where the weights are not). Its cost: under ``Megatron3DStrategy`` every rank reads the full
     weights into host memory once (and the model is built there in full, with random values first), then the
     strategy keeps this rank's shards of them and the rest is freed; one process needs the whole model in
     memory anyway. The path is saved in the hyper-parameters, so ``load_from_checkpoint`` and a resumed run rebuild
@@ -489,14 +490,11 @@ class GPT(PretrainingRecipe):
     ) -> None:
         super().__init__()
         pretrained = None if pretrained is None else os.fspath(pretrained)
-        base_config = None if pretrained is None else self.hf_format().read_config(pretrained)
-        if config is None:
-            config = base_config or "gpt-tiny"
+        if config is None:  # the directory's config.json (no weights read here), else the default preset
+            config = "gpt-tiny" if pretrained is None else self.hf_format().read_config(pretrained)
         self.init_recipe(GPTConfig, config, learning_rate=learning_rate, min_learning_rate=min_learning_rate,
                          weight_decay=weight_decay, betas=betas, adam_eps=adam_eps, warmup_steps=warmup_steps,
                          adam_implementation=adam_implementation)
-        if base_config is not None:
-            _check_same_model(self.config, base_config, pretrained)
         self.lora = LoRAConfig.of(lora)
         self.pretrained = pretrained
         self.save_hyperparameters({"lora": None if self.lora is None else self.lora.as_dict(),
@@ -519,7 +517,8 @@ class GPT(PretrainingRecipe):
         else:
             with torch.device("cpu"):
                 model = GPTModel(self.config)
-                _, state_dict = self.hf_format().read(self.pretrained)
+                base_config, state_dict = self.hf_format().read(self.pretrained)
+                _check_same_model(self.config, base_config, self.pretrained)
                 load_base_weights(model, state_dict, what=f"The Hugging Face weights in {self.pretrained}")
                 if self.lora is not None:
                     apply_lora(model, self.lora)

@@ -95,6 +95,8 @@ class Inventory:
             state = ParallelState.create(config, "cpu")
             with torch.device("meta"):
                 module = make_module()
+                if getattr(module, "pretrained", None) is not None:
+                    module.pretrained = None  # shapes only: a pretrained base's weights are never read to plan
                 if hasattr(module, "configure_model"):
                     module.configure_model()
             parallelize(module, tensor_parallel_plan_of(module, config), state, pad_vocab_to_multiple_of=pad_vocab_to_multiple_of)
