@@ -26,15 +26,6 @@ from lightning_megatron.data.tokenizers import check_vocab_fits
 _LOADER_OF_SPLIT = {"train": "train_dataloader", "validation": "val_dataloader", "test": "test_dataloader"}
 
 
-def check_token_model(config: Any, *, vocab_size: int, seq_length: int) -> None:
-    """Raise if a token model's ``config`` cannot take samples of ``seq_length`` ids below ``vocab_size``."""
-    if getattr(config, "vocab_size", None) is not None:
-        check_vocab_fits(tokenizer_vocab_size=vocab_size, model_vocab_size=config.vocab_size)
-    if getattr(config, "max_seq_length", seq_length) < seq_length:
-        raise ValueError(f"seq_length={seq_length} exceeds the model's max_seq_length={config.max_seq_length}; "
-                         f"use a shorter seq_length or a model with a longer context.")
-
-
 class DataParallelDataModule(L.LightningDataModule):
     """Subclasses open their corpus (``open_corpus``), build a split's dataset over a document
     range (``make_dataset``) and may check the model (``check_model``); splitting, batching and
@@ -216,3 +207,24 @@ class DataParallelDataModule(L.LightningDataModule):
         batch_size = self.per_rank_batch_size if train else self._held_out_batch_size(dataset, split)
         return ResumableDataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=self.num_workers,
                                    drop_last=True)
+
+
+class TokenDataModule(DataParallelDataModule):
+    """A data module of token samples for a decoder (GPT pretraining and SFT data): ``self.tokenizer`` gives the
+    vocabulary, ``self.seq_length`` the sample length, and the model is checked against both."""
+
+    tokenizer: Any
+    seq_length: int
+
+    @property
+    def vocab_size(self) -> int:
+        """Ids the data's tokenizer can produce: the least ``vocab_size`` a model for this data needs."""
+        return self.tokenizer.vocab_size
+
+    def check_model(self, config: Any) -> None:
+        """Raise if the model's ``config`` cannot take samples of ``seq_length`` ids below ``vocab_size``."""
+        if getattr(config, "vocab_size", None) is not None:
+            check_vocab_fits(tokenizer_vocab_size=self.vocab_size, model_vocab_size=config.vocab_size)
+        if getattr(config, "max_seq_length", self.seq_length) < self.seq_length:
+            raise ValueError(f"seq_length={self.seq_length} exceeds the model's max_seq_length="
+                             f"{config.max_seq_length}; use a shorter seq_length or a model with a longer context.")

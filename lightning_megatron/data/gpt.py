@@ -12,7 +12,7 @@ from typing import Optional, Union
 
 from torch.utils.data import DataLoader, Dataset
 
-from lightning_megatron.data.base import DataParallelDataModule, check_token_model
+from lightning_megatron.data.base import TokenDataModule
 from lightning_megatron.data.blend import BlendedDataset, parse_data_prefix, samples_per_dataset
 from lightning_megatron.data.corpus import index_cache_dir, stdlib_indexed_corpus
 from lightning_megatron.data.gpt_dataset import DocumentMasks, GPTDataset
@@ -25,7 +25,7 @@ from lightning_megatron.data.tokenizers import Tokenizer, load_tokenizer
 _SPLIT_SEEDS = {"train": 0, "validation": 1, "test": 2}  # each split's samples are shuffled by its own stream
 
 
-class GPTDataModule(DataParallelDataModule):
+class GPTDataModule(TokenDataModule):
     """Next-token prediction on preprocessed indexed datasets, or by default on the Python standard
     library's source, byte-tokenised.
 
@@ -117,14 +117,6 @@ class GPTDataModule(DataParallelDataModule):
                 raise ValueError(f"The blended datasets were made with different tokenizers ({named}); a model "
                                  f"trains on one vocabulary: preprocess them with the same tokenizer.")
         return tokenizers[0]
-
-    @property
-    def vocab_size(self) -> int:
-        """Ids the data's tokenizer can produce: the least ``vocab_size`` a model for this data needs."""
-        return self.tokenizer.vocab_size
-
-    def check_model(self, config) -> None:
-        check_token_model(config, vocab_size=self.vocab_size, seq_length=self.seq_length)
 
     def data_source(self) -> str:
         return f"max_files={self.max_files}" if self.data_prefix is None else f"data_prefix={self.data_prefix!r}"

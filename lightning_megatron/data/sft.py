@@ -18,7 +18,7 @@ import numpy as np
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader, Dataset
 
-from lightning_megatron.data.base import DataParallelDataModule, check_token_model
+from lightning_megatron.data.base import TokenDataModule
 from lightning_megatron.data.chat_templates import ChatTemplateFormat, HFChatTokenizer
 from lightning_megatron.data.conversations import (Conversation, Encoded, Message, check_data_file, check_turns,
                                                    message, read_conversations)
@@ -36,7 +36,7 @@ from lightning_megatron.data.tokenizers import Tokenizer, load_tokenizer
 PredictPrompt = Union[str, list[dict], list[int]]
 
 
-class SFTDataModule(DataParallelDataModule):
+class SFTDataModule(TokenDataModule):
     """Conversations to fine-tune on, the loss only on the assistant's tokens (``-100`` elsewhere).
 
     Args:
@@ -108,14 +108,6 @@ class SFTDataModule(DataParallelDataModule):
         self._fitting: dict[str, tuple[int, int, int]] = {}  # split -> (conversations, truncated, dropped)
         self.prompts = (PromptDataset([self._prompt_ids(p) for p in predict_prompts], self.tokenizer, generation)
                         if predict_prompts and not isinstance(predict_prompts, str) else None)
-
-    @property
-    def vocab_size(self) -> int:
-        """Ids the tokenizer can produce: the least ``vocab_size`` a model for this data needs."""
-        return self.tokenizer.vocab_size
-
-    def check_model(self, config) -> None:
-        check_token_model(config, vocab_size=self.vocab_size, seq_length=self.seq_length)
 
     def data_source(self) -> str:
         return f"data_path={self.data_path!r}" if self.data_path is not None else "the built-in instruction set"
