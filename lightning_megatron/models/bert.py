@@ -83,6 +83,10 @@ class BERTConfig(TransformerSizes):
     def presets(cls) -> dict[str, "BERTConfig"]:
         return BERT_PRESETS
 
+    def flops_per_batch(self, batch_size: int, seq_length: int) -> int:
+        """Training FLOPs of a batch (``models/flops.py``'s :func:`bert_flops_per_batch`)."""
+        return bert_flops_per_batch(self, batch_size, seq_length)
+
 
 # Megatron-LM paper (Shoeybi et al. 2019), section 5.3: hidden, heads, layers. The vocabulary is BERT's
 # 30,522 uncased WordPiece ids, unpadded: the strategy pads it to a multiple of tp * 128 at run time, as
@@ -376,7 +380,7 @@ class BERT(PretrainingRecipe):
 
     def flops_per_batch(self, batch_size: int, seq_length: int) -> int:
         """Model FLOPs (forward + backward) of ``batch_size`` sequences of ``seq_length`` (``models/flops.py``)."""
-        return bert_flops_per_batch(self.config, batch_size, seq_length)
+        return self.config.flops_per_batch(batch_size, seq_length)
 
     @staticmethod
     def hf_format() -> HFFormat:

@@ -115,16 +115,14 @@ def bert_flops_per_batch(config: Any, batch_size: int, seq_length: int) -> int:
 
 
 def flops_per_batch(config: Any, batch_size: int, seq_length: int) -> int:
-    """:func:`gpt_flops_per_batch` or :func:`bert_flops_per_batch`, by the type of ``config``."""
-    from lightning_megatron.models.bert import BERTConfig  # here: gpt.py and bert.py may import this module
-    from lightning_megatron.models.gpt import GPTConfig
-
-    if isinstance(config, GPTConfig):
-        return gpt_flops_per_batch(config, batch_size, seq_length)
-    if isinstance(config, BERTConfig):
-        return bert_flops_per_batch(config, batch_size, seq_length)
-    raise TypeError(f"No FLOPs formula for {type(config).__name__}: expected a GPTConfig or a BERTConfig. Give the "
-                    f"LightningModule a `flops_per_batch(batch_size, seq_length)` method instead.")
+    """The training FLOPs of a batch for any model config that counts its own (``GPTConfig`` and ``BERTConfig``
+    call :func:`gpt_flops_per_batch` / :func:`bert_flops_per_batch`). The configs import this module, never the other
+    way round: FLOP counting runs in one direction."""
+    count = getattr(config, "flops_per_batch", None)
+    if not callable(count):
+        raise TypeError(f"No FLOPs formula for {type(config).__name__}: expected a GPTConfig or a BERTConfig. Give the "
+                        f"LightningModule a `flops_per_batch(batch_size, seq_length)` method instead.")
+    return count(batch_size, seq_length)
 
 
 def megatron_flops_per_batch(*, batch_size: int, seq_length: int, num_layers: int, hidden_size: int,

@@ -159,6 +159,10 @@ class GPTConfig(TransformerSizes):
     def is_moe_layer(self, index: int) -> bool:
         return self.moe is not None and self.moe.is_moe_layer(index, self.num_layers)
 
+    def flops_per_batch(self, batch_size: int, seq_length: int) -> int:
+        """Training FLOPs of a batch (``models/flops.py``'s :func:`gpt_flops_per_batch`)."""
+        return gpt_flops_per_batch(self, batch_size, seq_length)
+
     def num_parameters(self) -> int:
         """All parameters (every expert counted); ``num_active_parameters`` counts those one token uses."""
         return self._count_parameters(active=False)
@@ -541,7 +545,7 @@ class GPT(PretrainingRecipe):
 
     def flops_per_batch(self, batch_size: int, seq_length: int) -> int:
         """Model FLOPs (forward + backward) of ``batch_size`` sequences of ``seq_length`` (``models/flops.py``)."""
-        return gpt_flops_per_batch(self.config, batch_size, seq_length)
+        return self.config.flops_per_batch(batch_size, seq_length)
 
     @staticmethod
     def hf_format() -> HFFormat:
