@@ -29,7 +29,7 @@ from typing import Any, Optional, Union
 import torch
 from torch import Tensor, nn
 
-from lightning_megatron.parallel.initialize import parameter_seed
+from lightning_megatron.parallel.initialize import local_initial_values
 from lightning_megatron.peft.adapters import adapted_layers, initialize_adapter, is_adapter_name
 
 #: Megatron Bridge's default: every linear layer of attention and the MLP.
@@ -149,9 +149,8 @@ def apply_lora(module: nn.Module, config: LoRAConfig, *, seed: Optional[int] = N
 
 
 def _initialize_adapters(module: nn.Module, seed: int) -> None:
+    """The adapters' start, by the one rule the strategy uses too (``local_initial_values`` picks the adapter's)."""
     with torch.no_grad():
         for name, param in module.named_parameters():
             if is_adapter_name(name):
-                full = torch.empty(param.shape, dtype=torch.float32)
-                initialize_adapter(name, full, torch.Generator().manual_seed(parameter_seed(seed, name)))
-                param.copy_(full)
+                param.copy_(local_initial_values(param, name, seed, initialize_adapter))
