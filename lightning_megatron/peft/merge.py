@@ -8,12 +8,10 @@ few tensors of it at a time. The product is formed in fp32 and rounded once to t
 
 from __future__ import annotations
 
-from typing import Iterable, Mapping
+from typing import Iterable
 
 import torch
 from torch import Tensor
-
-from lightning_megatron.peft.adapters import is_adapter_name
 
 
 def adapter_weight_names(layer: str) -> tuple[str, str]:
@@ -36,12 +34,3 @@ def merged_weight(weight: Tensor, lora_a: Tensor, lora_b: Tensor, scale: float) 
     delta = lora_b.to(torch.float32) @ lora_a.to(torch.float32)
     return (weight.to(torch.float32) + scale * delta).to(weight.dtype)
 
-
-def merge_lora(state_dict: Mapping[str, Tensor], scale: float) -> dict[str, Tensor]:
-    """``state_dict`` with every adapter merged into its layer's weight and the adapters' own entries left out:
-    the state dict of the plain model that computes what the adapted one does."""
-    merged = {name: value for name, value in state_dict.items() if not is_adapter_name(name)}
-    for layer in adapted_layer_names(state_dict):
-        lora_a, lora_b = (state_dict[name] for name in adapter_weight_names(layer))
-        merged[f"{layer}.weight"] = merged_weight(state_dict[f"{layer}.weight"], lora_a, lora_b, scale)
-    return merged
