@@ -405,3 +405,22 @@ def test_check_model_refuses_a_small_vocabulary_or_context():
         dm.check_model(tiny_config(vocab_size=100))
     with pytest.raises(ValueError, match="seq_length=64 exceeds the model's max_seq_length=32"):
         dm.check_model(tiny_config(max_seq_length=32))
+
+
+def test_generate_asks_prompts_in_the_taught_format(hf_dir, tmp_path):
+    """``lightning-megatron generate --prompt-style``: ``chat`` gives exactly the ids of the tokenizer's own template
+    with its generation prompt; ``plain`` the style's user turn up to the response; ``chat`` with no tokenizer
+    directory names the fix."""
+    from lightning_megatron.data.tokenizers import load_tokenizer
+    from lightning_megatron.generation.cli import encode_prompts
+
+    byte = load_tokenizer("byte")
+    tokenizer, ids = encode_prompts(["hello world"], byte, prompt_style="chat", tokenizer_spec=hf_dir.chat,
+                                    checkpoint=tmp_path)
+    expected = hf_dir.hf.apply_chat_template([{"role": "user", "content": "hello world"}], tokenize=True,
+                                             add_generation_prompt=True, return_dict=False)
+    assert ids == [list(expected)] and tokenizer.eos_id == hf_dir.hf.eos_token_id
+    _, ids = encode_prompts(["Reverse cat."], byte, prompt_style="plain", tokenizer_spec=None, checkpoint=tmp_path)
+    assert ids == [byte.encode("User: Reverse cat.\nAssistant: ")]
+    with pytest.raises(ValueError, match="no tokenizer directory: pass --tokenizer DIR"):
+        encode_prompts(["hi"], byte, prompt_style="chat", tokenizer_spec=None, checkpoint=tmp_path)
