@@ -45,7 +45,9 @@ import torch
 from lightning_megatron import Megatron3DStrategy
 from lightning_megatron.data import GPTDataModule
 from lightning_megatron.models.gpt import GPT, GPTConfig
-from throughput import format_rows, launch_workers
+from harness.launch import launch_workers
+from harness.tables import format_rows
+from harness.training import quiet_trainer
 
 MODEL = "llama-tiny"
 BASELINE = "bf16"
@@ -93,10 +95,8 @@ def train(args: argparse.Namespace, run: Run) -> dict:
     L.seed_everything(args.seed, verbose=False)
     curve = LossCurve()
     strategy = Megatron3DStrategy(fp8=run.fp8, on_nonfinite="skip", max_consecutive_skips=args.steps)
-    trainer = L.Trainer(accelerator="cpu", devices=args.ranks, strategy=strategy, precision=run.precision,
-                        max_steps=args.steps, gradient_clip_val=1.0, limit_val_batches=0, callbacks=[curve],
-                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False)
+    trainer = quiet_trainer(accelerator="cpu", devices=args.ranks, strategy=strategy, precision=run.precision,
+                            max_steps=args.steps, gradient_clip_val=1.0, limit_val_batches=0, callbacks=[curve])
     model = GPT(MODEL, learning_rate=args.lr, min_learning_rate=args.lr / 10, warmup_steps=args.warmup)
     data = GPTDataModule(seq_length=args.seq, global_batch_size=args.batch, max_files=args.max_files, seed=args.seed)
     trainer.fit(model, datamodule=data)

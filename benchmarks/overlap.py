@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import tempfile
@@ -52,7 +51,11 @@ import lightning as L
 import torch
 
 from lightning_megatron import Megatron3DStrategy
-from throughput import Stopwatch, launch_workers, StopwatchCallback, format_rows, gpt_config, make_loader, make_module
+from harness.launch import launch_workers, worker_rank_and_device
+from harness.tables import format_rows
+from harness.rounds import abba, slowest_rank_median
+from harness.timing import Stopwatch, StopwatchCallback
+from harness.training import gpt_config, make_loader, make_module, quiet_trainer
 
 
 @dataclass(frozen=True)
@@ -95,9 +98,8 @@ def fit_timed(args: argparse.Namespace, strategy: Megatron3DStrategy, device: to
     L.seed_everything(args.seed, verbose=False)  # the same weights and batches on and off
     sized = argparse.Namespace(**{**vars(args), "warmup": args.warmup, "steps": args.steps + 1})
     record = RecordSteps(Stopwatch(args.warmup, args.steps + 1, device, "wall"), wait_clock)
-    trainer = L.Trainer(strategy=strategy, accelerator=device.type, devices=args.ranks, precision=args.precision,
-                        max_steps=args.warmup + args.steps + 1, callbacks=[record], logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer = quiet_trainer(strategy=strategy, accelerator=device.type, devices=args.ranks, precision=args.precision,
+                            max_steps=args.warmup + args.steps + 1, callbacks=[record])
     trainer.fit(make_module(sized), make_loader(sized))
     result = {"step_seconds": record.stopwatch.step_seconds()[:-1], "losses": record.losses}
     if wait_clock is not None:  # waits[i + 1]: from step i's start to step i + 1's
@@ -202,14 +204,11 @@ def jobs(args: argparse.Namespace) -> list[tuple[str, str]]:
 def worker_main(args: argparse.Namespace) -> None:
     """Every job, ``repeats`` rounds, off and on back to back (their order alternating by round); rank r writes
     ``rank{r}.json``."""
-    rank, local_rank = int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))
-    device = torch.device(args.device, local_rank) if args.device == "cuda" else torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
+    rank, device = worker_rank_and_device(args.device)
     runs: dict[str, dict[str, list[dict]]] = {}
     for repeat in range(args.repeats):
         for name, variant in jobs(args):
-            for on in (False, True) if repeat % 2 == 0 else (True, False):
+            for on in abba((False, True), repeat):
                 if rank == 0:
                     print(f"  round {repeat + 1}/{args.repeats}: {name} {variant} {'on' if on else 'off'} ...",
                           file=sys.stderr, flush=True)
@@ -222,8 +221,7 @@ def worker_main(args: argparse.Namespace) -> None:
 def run_seconds(ranks: list[dict], key: str, setting: str) -> list[float]:
     """Per run (round): the median over steps of the slowest rank's step time."""
     rounds = zip(*(rank[key][setting] for rank in ranks))
-    return [statistics.median(max(steps) for steps in zip(*(run["step_seconds"] for run in one_round)))
-            for one_round in rounds]
+    return [slowest_rank_median([run["step_seconds"] for run in one_round]) for one_round in rounds]
 
 
 def format_table(args: argparse.Namespace, ranks: list[dict]) -> str:
