@@ -57,7 +57,7 @@ from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from harness.launch import REPO_ROOT, read_ranks, torchrun, worker_env
+from harness.launch import REPO_ROOT, add_worker_flags, read_ranks, torchrun, worker_env
 from harness.tables import MIB, format_rows
 
 RANKS = 2  # every layout runs over the same two processes
@@ -479,8 +479,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", action="store_true", help="print the results as a JSON list instead of the table")
     parser.add_argument("--layouts", help=f"a comma list of layouts (default: all): {', '.join(LAYOUTS_BY_KEY)}")
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--result-dir", type=Path, help=argparse.SUPPRESS)
+    add_worker_flags(parser)
     args = parser.parse_args()
     keys = args.layouts.split(",") if args.layouts else [layout.key for layout in LAYOUTS]
     if args.worker:

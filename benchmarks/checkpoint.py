@@ -51,7 +51,7 @@ from lightning_megatron import Megatron3DStrategy
 from lightning_megatron.models.gpt import GPT
 from lightning_megatron.models.transformer import TransformerLayer
 from memory import FullyShardedGPT
-from harness.launch import run_checked, torchrun, worker_env
+from harness.launch import add_worker_flags, run_checked, torchrun, worker_env
 from harness.tables import MIB, format_rows
 from harness.training import SyntheticTokens, gpt_config, quiet_trainer
 from throughput import DTensorGPT
@@ -112,8 +112,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                         help="a smoke test: changes the defaults to " +
                              " ".join(f"--{k} {v}" for k, v in QUICK.items()) + " (flags given still win)")
     parser.add_argument("--seed", type=int, default=1234)
-    parser.add_argument("--worker", choices=[v.key for v in VARIANTS], help=argparse.SUPPRESS)
-    parser.add_argument("--result-dir", type=Path, help=argparse.SUPPRESS)
+    add_worker_flags(parser, [v.key for v in VARIANTS])
     if parser.parse_known_args(argv)[0].quick:
         parser.set_defaults(**QUICK)
     args = parser.parse_args(argv)

@@ -42,7 +42,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from activation_memory import enter_counting, exit_counting
 
-from harness.launch import REPO_ROOT, read_ranks, run_checked, torchrun
+from harness.launch import REPO_ROOT, add_worker_flags, read_ranks, run_checked, torchrun
 from harness.tables import format_rows
 
 WORKERS = REPO_ROOT / "tests" / "workers"
@@ -561,8 +561,7 @@ def within_targets(row: dict) -> list[str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--result-dir", type=Path, help=argparse.SUPPRESS)
+    add_worker_flags(parser)
     parser.add_argument("--layouts", help=f"comma list of layouts (default: all): {', '.join(ROWS_BY_KEY)}")
     parser.add_argument("--smoke", action="store_true", help=f"only {', '.join(SMOKE)}")
     parser.add_argument("--json", action="store_true", help="print the rows as JSON instead of the table")

@@ -45,7 +45,7 @@ import torch
 from lightning_megatron import Megatron3DStrategy
 from lightning_megatron.data import GPTDataModule
 from lightning_megatron.models.gpt import GPT, GPTConfig
-from harness.launch import launch_workers
+from harness.launch import add_worker_flags, launch_workers
 from harness.tables import format_rows
 from harness.training import quiet_trainer
 
@@ -209,8 +209,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--plot", type=Path, help="write the loss curves to this PNG")
     parser.add_argument("--json", action="store_true", help="print the runs (with every step's loss) as JSON")
     parser.add_argument("--smoke", action="store_true", help="a few short steps on a small corpus, for the tests")
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--result-dir", type=Path, help=argparse.SUPPRESS)
+    add_worker_flags(parser)
     args = parser.parse_args(argv)
     if args.smoke:
         args.steps, args.seq, args.batch, args.warmup, args.max_files = 4, 32, 4, 2, 20

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from activation_peak import LiveStorages
-from harness.launch import read_ranks, run_checked, torchrun
+from harness.launch import add_worker_flags, read_ranks, run_checked, torchrun
 from harness.tables import MIB, format_rows
 
 LLAMA3_VOCAB = 128256
@@ -134,8 +134,7 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=LLAMA3_VOCAB, help=f"vocabulary (default {LLAMA3_VOCAB})")
     parser.add_argument("--chunks", type=lambda text: [int(c) for c in text.split(",")], default=[128, 512],
                         help="comma list of chunk sizes in tokens (default 128,512)")
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--result-dir", type=Path, help=argparse.SUPPRESS)
+    add_worker_flags(parser)
     args = parser.parse_args()
     if args.worker:
         worker(args.result_dir, args)

@@ -48,7 +48,7 @@ from lightning_megatron import Megatron3DStrategy
 from lightning_megatron.models.gpt import GPT
 from lightning_megatron.models.transformer import TransformerLayer
 from activation_memory import activation_worker, activations_main
-from harness.launch import read_ranks, run_checked, torchrun, worker_env, worker_rank_and_device
+from harness.launch import add_worker_flags, read_ranks, run_checked, torchrun, worker_env, worker_rank_and_device
 from harness.tables import MIB, format_rows
 from harness.rounds import Run
 from harness.timing import PeakMemory, Stopwatch, StopwatchCallback
@@ -96,14 +96,13 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=3, help="optimizer steps run before the clock starts")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
-                        help="CPU only: time steps by process CPU time, as throughput.py's Stopwatch explains")
+                        help="CPU only: time steps by process CPU time, as harness/timing.py's Stopwatch explains")
     parser.add_argument("--precision", choices=("bf16-true", "32-true"), default="bf16-true")
     parser.add_argument("--glibc-default-malloc", action="store_true",
                         help="keep glibc's dynamic mmap threshold (CPU): peaks then include freed memory glibc retains")
     parser.add_argument("--only", nargs="+", choices=[c.key for c in CONFIGURATIONS], help="run only these configurations")
     parser.add_argument("--seed", type=int, default=1234)
-    parser.add_argument("--worker", choices=[c.key for c in CONFIGURATIONS] + ["activations"], help=argparse.SUPPRESS)
-    parser.add_argument("--result-dir", type=Path, help=argparse.SUPPRESS)
+    add_worker_flags(parser, [c.key for c in CONFIGURATIONS] + ["activations"])
     args = parser.parse_args(argv)
     defaults = ACTIVATION_DEFAULTS if args.activations or args.worker == "activations" else MODEL_STATE_DEFAULTS
     for name, value in defaults.items():

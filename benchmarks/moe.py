@@ -52,7 +52,7 @@ from lightning_megatron.models.gpt import GPT, GPTConfig, GPTModel
 from lightning_megatron.models.mlp import GatedMLP
 from lightning_megatron.models.moe import MoEConfig, update_expert_biases
 from lightning_megatron.models.router import TopKRouter
-from harness.launch import read_ranks, run_checked, torchrun
+from harness.launch import add_worker_flags, read_ranks, run_checked, torchrun
 from harness.tables import MIB, format_rows
 from harness.rounds import abba, slowest_rank_median
 from harness.training import quiet_trainer
@@ -67,8 +67,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="tiny sizes and few steps: seconds per table")
     parser.add_argument("--only", nargs="+", choices=SECTIONS, help="run only these tables")
     parser.add_argument("--seed", type=int, default=1234)
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--result-dir", type=Path, help=argparse.SUPPRESS)
+    add_worker_flags(parser)
     args = parser.parse_args(argv)
     quick = args.quick
     # (1) expert parallelism: per-rank batch, steps per run, rounds (every layout once per round)

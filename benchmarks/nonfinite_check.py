@@ -39,7 +39,7 @@ import lightning as L
 import torch
 
 from lightning_megatron import Megatron3DStrategy
-from harness.launch import launch_workers, worker_rank_and_device
+from harness.launch import add_worker_flags, launch_workers, worker_rank_and_device
 from harness.tables import format_rows
 from harness.rounds import abba, slowest_rank_median
 from harness.timing import Stopwatch, StopwatchCallback
@@ -65,12 +65,11 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=1, help="intra-op threads per process (0 = torch's default)")
     parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                         help="CPU only: 'cpu' times steps by the CPU time each process got, which other jobs on a "
-                             "shared machine cannot inflate (throughput.py's Stopwatch); wall time counts waiting "
+                             "shared machine cannot inflate (harness/timing.py's Stopwatch); wall time counts waiting "
                              "in collectives too")
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--quick", action="store_true", help="a smoke test: tiny model, 3 steps, 1 round")
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--result-dir", type=Path, help=argparse.SUPPRESS)
+    add_worker_flags(parser)
     args = parser.parse_args(argv)
     if args.quick:
         args.models, args.steps, args.warmup, args.repeats, args.seq = ["tiny"], 3, 1, 1, 32

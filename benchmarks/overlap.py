@@ -51,7 +51,7 @@ import lightning as L
 import torch
 
 from lightning_megatron import Megatron3DStrategy
-from harness.launch import launch_workers, worker_rank_and_device
+from harness.launch import add_worker_flags, launch_workers, worker_rank_and_device
 from harness.tables import format_rows
 from harness.rounds import abba, slowest_rank_median
 from harness.timing import Stopwatch, StopwatchCallback
@@ -187,8 +187,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=1, help="intra-op threads per process (0 = torch's default)")
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--quick", action="store_true", help="a smoke test: a small model, 2 steps, 1 round")
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--result-dir", type=Path, help=argparse.SUPPRESS)
+    add_worker_flags(parser)
     args = parser.parse_args(argv)
     if args.quick:
         args.hidden, args.layers, args.heads, args.steps, args.warmup, args.repeats = 64, 2, 4, 2, 1, 1

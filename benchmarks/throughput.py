@@ -51,7 +51,7 @@ from lightning_megatron.models.gpt import GPT, IGNORE_INDEX, GPTModel
 from lightning_megatron.models.mlp import GatedMLP
 from lightning_megatron.models.transformer import TransformerLayer
 
-from harness.launch import read_ranks, run_checked, torchrun, worker_env, worker_rank_and_device
+from harness.launch import add_worker_flags, read_ranks, run_checked, torchrun, worker_env, worker_rank_and_device
 from harness.tables import MIB, format_rows
 from harness.rounds import Run, abba
 from harness.timing import PeakMemory, Stopwatch, StopwatchCallback
@@ -122,8 +122,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                         help="peak TFLOP/s of one device for MFU (H200 dense bf16: 989)")
     parser.add_argument("--only", nargs="+", choices=[v.key for v in VARIANTS], help="run only these variants")
     parser.add_argument("--seed", type=int, default=1234)
-    parser.add_argument("--worker", choices=[v.key for v in VARIANTS], help=argparse.SUPPRESS)
-    parser.add_argument("--result-dir", type=Path, help=argparse.SUPPRESS)
+    add_worker_flags(parser, [v.key for v in VARIANTS])
     return parser.parse_args(argv)
 
 

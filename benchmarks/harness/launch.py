@@ -7,6 +7,7 @@ the parent reads them back once the launch has exited.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -58,6 +59,16 @@ def run_checked(cmd: list[str], what: str, cwd: Optional[Path] = None, env: Opti
 def read_ranks(result_dir: Path, ranks: int) -> list:
     """What each of ``ranks`` workers wrote to ``result_dir/rank{r}.json``, in rank order."""
     return [json.loads((Path(result_dir) / f"rank{r}.json").read_text()) for r in range(ranks)]
+
+
+def add_worker_flags(parser: argparse.ArgumentParser, choices: Optional[Sequence[str]] = None) -> None:
+    """The hidden flags a parent passes its workers: ``--worker`` (a flag, or which of ``choices`` to run) and
+    ``--result-dir`` (where ``rank{r}.json`` goes)."""
+    if choices is None:
+        parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    else:
+        parser.add_argument("--worker", choices=list(choices), help=argparse.SUPPRESS)
+    parser.add_argument("--result-dir", type=Path, help=argparse.SUPPRESS)
 
 
 def launch_workers(script: str | Path, ranks: int, threads: int, argv: Sequence[str], result_dir: Path) -> list:
