@@ -33,7 +33,6 @@ import math
 import os
 import statistics
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -223,8 +222,7 @@ def main() -> None:
     if args.worker:
         worker_main(args)
         return
-    with tempfile.TemporaryDirectory(prefix="fp8-quality-") as tmp:
-        runs = summarize(launch_workers(__file__, args.ranks, args.threads, sys.argv[1:], Path(tmp))[0])
+    runs = summarize(launch_workers(__file__, args.ranks, args.threads, sys.argv[1:])[0])
     if args.plot:
         plot(runs, args.plot, f"{MODEL}, built-in corpus, dp{args.ranks}, {args.steps} steps: FP8 against {BASELINE}")
     if args.json:

@@ -30,9 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import tempfile
 import time
-from pathlib import Path
 from typing import Optional
 
 import lightning as L
@@ -177,8 +175,7 @@ def main() -> None:
     if args.worker:
         worker_main(args)
         return
-    with tempfile.TemporaryDirectory(prefix="nonfinite-") as tmp:
-        ranks = launch_workers(__file__, args.ranks, args.threads, sys.argv[1:], Path(tmp))
+    ranks = launch_workers(__file__, args.ranks, args.threads, sys.argv[1:])
     print(describe(args))
     print(format_table(args, ranks))
 

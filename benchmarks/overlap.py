@@ -41,10 +41,8 @@ import argparse
 import json
 import statistics
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable, Optional
 
 import lightning as L
@@ -259,8 +257,7 @@ def main() -> None:
     if args.worker:
         worker_main(args)
         return
-    with tempfile.TemporaryDirectory(prefix="overlap-") as tmp:
-        ranks = launch_workers(__file__, args.ranks, args.threads, sys.argv[1:], Path(tmp))
+    ranks = launch_workers(__file__, args.ranks, args.threads, sys.argv[1:])
     print(describe(args))
     print(format_table(args, ranks))
 

@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -71,12 +72,14 @@ def add_worker_flags(parser: argparse.ArgumentParser, choices: Optional[Sequence
     parser.add_argument("--result-dir", type=Path, help=argparse.SUPPRESS)
 
 
-def launch_workers(script: str | Path, ranks: int, threads: int, argv: Sequence[str], result_dir: Path) -> list:
-    """``script argv --worker --result-dir result_dir`` on ``ranks`` torchrun processes, the per-rank results:
-    the side-by-side benchmarks that train every variant in one launch (their workers report progress on stderr)."""
-    cmd = torchrun(ranks, Path(script).resolve(), *argv, "--worker", "--result-dir", str(result_dir))
-    run_checked(cmd, "the benchmark worker", result_dir, worker_env(threads), capture_stderr=False)
-    return read_ranks(result_dir, ranks)
+def launch_workers(script: str | Path, ranks: int, threads: int, argv: Sequence[str]) -> list:
+    """``script argv --worker --result-dir DIR`` on ``ranks`` torchrun processes (``DIR`` a temporary directory),
+    the per-rank results: the side-by-side benchmarks that train every variant in one launch (their workers report
+    progress on stderr)."""
+    with tempfile.TemporaryDirectory(prefix=f"{Path(script).stem}-") as tmp:
+        cmd = torchrun(ranks, Path(script).resolve(), *argv, "--worker", "--result-dir", tmp)
+        run_checked(cmd, "the benchmark worker", Path(tmp), worker_env(threads), capture_stderr=False)
+        return read_ranks(Path(tmp), ranks)
 
 
 def worker_rank_and_device(device_type: str):
