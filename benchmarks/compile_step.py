@@ -24,8 +24,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from harness.tables import format_rows
 from harness.rounds import abba
+from harness.tables import format_rows
 from lightning_megatron.models import GPTConfig, GPTModel
 from lightning_megatron.parallel import ParallelConfig, ParallelState, TensorParallelRNG
 from lightning_megatron.parallel.initialize import initialize_parameters

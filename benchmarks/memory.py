@@ -49,8 +49,8 @@ from lightning_megatron.models.gpt import GPT
 from lightning_megatron.models.transformer import TransformerLayer
 from activation_memory import activation_worker, activations_main
 from harness.launch import add_worker_flags, read_ranks, run_checked, torchrun, worker_env, worker_rank_and_device
-from harness.tables import MIB, format_rows
 from harness.rounds import Run
+from harness.tables import MIB, format_rows
 from harness.timing import PeakMemory, Stopwatch, StopwatchCallback
 from harness.training import make_loader, make_module, quiet_trainer, total_steps
 

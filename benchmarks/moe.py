@@ -53,8 +53,8 @@ from lightning_megatron.models.mlp import GatedMLP
 from lightning_megatron.models.moe import MoEConfig, update_expert_biases
 from lightning_megatron.models.router import TopKRouter
 from harness.launch import add_worker_flags, read_ranks, run_checked, torchrun
-from harness.tables import MIB, format_rows
 from harness.rounds import abba, slowest_rank_median
+from harness.tables import MIB, format_rows
 from harness.training import quiet_trainer
 RANKS = 4
 EXPERT_PARALLEL_SIZES = (1, 2, 4)

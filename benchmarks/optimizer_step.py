@@ -31,8 +31,8 @@ from typing import Optional
 
 import torch
 
-from harness.tables import format_rows
 from harness.rounds import abba
+from harness.tables import format_rows
 from lightning_megatron.models import GPTConfig, GPTModel
 from lightning_megatron.models.optim_recipe import adamw_implementation
 from lightning_megatron.optim.grad_sync import GradientSynchronizer

@@ -50,8 +50,8 @@ import torch
 
 from lightning_megatron import Megatron3DStrategy
 from harness.launch import add_worker_flags, launch_workers, worker_rank_and_device
-from harness.tables import format_rows
 from harness.rounds import abba, slowest_rank_median
+from harness.tables import format_rows
 from harness.timing import Stopwatch, StopwatchCallback
 from harness.training import gpt_config, make_loader, make_module, quiet_trainer
 

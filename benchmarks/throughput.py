@@ -52,8 +52,8 @@ from lightning_megatron.models.mlp import GatedMLP
 from lightning_megatron.models.transformer import TransformerLayer
 
 from harness.launch import add_worker_flags, read_ranks, run_checked, torchrun, worker_env, worker_rank_and_device
-from harness.tables import MIB, format_rows
 from harness.rounds import Run, abba
+from harness.tables import MIB, format_rows
 from harness.timing import PeakMemory, Stopwatch, StopwatchCallback
 from harness.training import (DEFAULT_VOCAB, gpt_config, make_loader, make_module, model_name, quiet_trainer,
                               total_steps)

@@ -11,6 +11,7 @@ import lightning as L
 import torch
 from torch import Tensor
 
+
 class PeakMemory:
     """Peak memory this run added on top of what the process held before the model existed.
 
