@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -22,7 +21,8 @@ import torch
 from torch import Tensor
 
 from lightning_megatron.models.gpt import GPT
-from throughput import MIB, format_rows
+from harness.launch import read_ranks, run_checked, torchrun
+from harness.tables import MIB, format_rows
 
 ACTIVATION_RANKS = 4  # every activation layout runs over the same four processes, dp filling what it leaves
 ENTRY = Path(__file__).resolve().with_name("memory.py")
@@ -243,13 +243,8 @@ def launch_activations(args: argparse.Namespace, result_dir: Path, env: dict[str
     script = [str(ENTRY), "--worker", "activations", "--result-dir", str(result_dir),
               *(f"--{name.replace('_', '-')}={getattr(args, name)}"
                 for name in ("hidden", "layers", "heads", "seq", "vocab", "pad_vocab", "seed"))]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ACTIVATION_RANKS}",
-           *script]
-    proc = subprocess.run(cmd, env=env, cwd=result_dir, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise RuntimeError(f"--activations failed (exit code {proc.returncode}):\n{proc.stdout[-3000:]}\n"
-                           f"{proc.stderr[-6000:]}")
-    return [json.loads((result_dir / f"rank{r}.json").read_text()) for r in range(ACTIVATION_RANKS)]
+    run_checked(torchrun(ACTIVATION_RANKS, *script), "--activations", result_dir, env)
+    return read_ranks(result_dir, ACTIVATION_RANKS)
 
 
 def format_activation_table(ranks: list[dict], args: argparse.Namespace) -> str:

@@ -57,7 +57,8 @@ from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from throughput import MIB, REPO_ROOT, format_rows
+from harness.launch import REPO_ROOT, add_worker_flags, read_ranks, torchrun, worker_env
+from harness.tables import MIB, format_rows
 
 RANKS = 2  # every layout runs over the same two processes
 SEED = 1234
@@ -421,13 +422,10 @@ def measure(layout_keys: Optional[list[str]] = None) -> list[dict]:
     unknown = [key for key in keys if key not in LAYOUTS_BY_KEY]
     if unknown:
         raise ValueError(f"unknown layouts {unknown}; known: {', '.join(LAYOUTS_BY_KEY)}")
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
-               PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])))
     with tempfile.TemporaryDirectory(prefix="activation-peak-") as tmp:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={RANKS}",
-               str(Path(__file__).resolve()), "--worker", "--result-dir", tmp, "--layouts", ",".join(keys)]
+        cmd = torchrun(RANKS, Path(__file__).resolve(), "--worker", "--result-dir", tmp, "--layouts", ",".join(keys))
         print(f"{len(keys)} layouts on {RANKS} ranks ...", file=sys.stderr, flush=True)
-        proc = subprocess.Popen(cmd, env=env, cwd=tmp, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        proc = subprocess.Popen(cmd, env=worker_env(), cwd=tmp, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         tail: deque[str] = deque(maxlen=200)
         for line in proc.stdout:
             if line.startswith(PROGRESS):
@@ -436,7 +434,7 @@ def measure(layout_keys: Optional[list[str]] = None) -> list[dict]:
                 tail.append(line)
         if proc.wait() != 0:
             raise RuntimeError(f"the workers failed (exit code {proc.returncode}):\n{''.join(tail)}")
-        ranks = [json.loads(Path(tmp, f"rank{rank}.json").read_text()) for rank in range(RANKS)]
+        ranks = read_ranks(Path(tmp), RANKS)
     return [results[key] for key in keys for results in ranks]
 
 
@@ -481,8 +479,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", action="store_true", help="print the results as a JSON list instead of the table")
     parser.add_argument("--layouts", help=f"a comma list of layouts (default: all): {', '.join(LAYOUTS_BY_KEY)}")
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--result-dir", type=Path, help=argparse.SUPPRESS)
+    add_worker_flags(parser)
     args = parser.parse_args()
     keys = args.layouts.split(",") if args.layouts else [layout.key for layout in LAYOUTS]
     if args.worker:

@@ -31,7 +31,6 @@ import os
 import re
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -52,7 +51,10 @@ from lightning_megatron import Megatron3DStrategy
 from lightning_megatron.models.gpt import GPT
 from lightning_megatron.models.transformer import TransformerLayer
 from memory import FullyShardedGPT
-from throughput import DTensorGPT, MIB, REPO_ROOT, SyntheticTokens, format_rows, gpt_config
+from harness.launch import add_worker_flags, run_checked, torchrun, worker_env
+from harness.tables import MIB, format_rows
+from harness.training import SyntheticTokens, gpt_config, quiet_trainer
+from throughput import DTensorGPT
 
 DCP_SHARD_FILE = re.compile(r"__(\d+)_\d+\.distcp")  # torch's FileSystemWriter: __<rank>_<file>.distcp
 
@@ -110,8 +112,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                         help="a smoke test: changes the defaults to " +
                              " ".join(f"--{k} {v}" for k, v in QUICK.items()) + " (flags given still win)")
     parser.add_argument("--seed", type=int, default=1234)
-    parser.add_argument("--worker", choices=[v.key for v in VARIANTS], help=argparse.SUPPRESS)
-    parser.add_argument("--result-dir", type=Path, help=argparse.SUPPRESS)
+    add_worker_flags(parser, [v.key for v in VARIANTS])
     if parser.parse_known_args(argv)[0].quick:
         parser.set_defaults(**QUICK)
     args = parser.parse_args(argv)
@@ -192,9 +193,8 @@ def build(variant: str, args: argparse.Namespace):
 
 
 def make_trainer(strategy, args: argparse.Namespace) -> L.Trainer:
-    return L.Trainer(strategy=strategy, accelerator="cpu", devices=args.ranks, precision="32-true",
-                     max_steps=args.steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                     enable_model_summary=False, num_sanity_val_steps=0)
+    return quiet_trainer(strategy=strategy, accelerator="cpu", devices=args.ranks, precision="32-true",
+                         max_steps=args.steps, num_sanity_val_steps=0)
 
 
 def make_loader(args: argparse.Namespace) -> DataLoader:
@@ -306,14 +306,8 @@ def worker_main(args: argparse.Namespace) -> None:
 
 # ---------------------------------------------------------------------------- parent
 def launch(variant: Variant, args: argparse.Namespace, argv: list[str], result_dir: Path) -> dict:
-    script = [str(Path(__file__).resolve()), *argv, "--worker", variant.key, "--result-dir", str(result_dir)]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.ranks}", *script]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
-               PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
-    proc = subprocess.run(cmd, env=env, cwd=result_dir, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{variant.label} failed (exit code {proc.returncode}):\n{proc.stdout[-3000:]}\n"
-                           f"{proc.stderr[-6000:]}")
+    cmd = torchrun(args.ranks, Path(__file__).resolve(), *argv, "--worker", variant.key, "--result-dir", str(result_dir))
+    run_checked(cmd, variant.label, result_dir, worker_env())
     return json.loads((result_dir / "result.json").read_text())
 
 

@@ -17,23 +17,20 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import tempfile
 import time
-from pathlib import Path
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from throughput import format_rows  # noqa: E402
-
-from lightning_megatron.models import GPTConfig, GPTModel  # noqa: E402
-from lightning_megatron.parallel import ParallelConfig, ParallelState, TensorParallelRNG  # noqa: E402
-from lightning_megatron.parallel.initialize import initialize_parameters  # noqa: E402
-from lightning_megatron.preparation import compile_blocks  # noqa: E402
-from lightning_megatron.tensor_parallel import parallelize  # noqa: E402
+from harness.rounds import abba
+from harness.tables import format_rows
+from lightning_megatron.models import GPTConfig, GPTModel
+from lightning_megatron.parallel import ParallelConfig, ParallelState, TensorParallelRNG
+from lightning_megatron.parallel.initialize import initialize_parameters
+from lightning_megatron.preparation import compile_blocks
+from lightning_megatron.tensor_parallel import parallelize
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
@@ -96,7 +93,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         best = {name: float("inf") for name in variants}
         names = list(variants)
         for round_ in range(args.repeats):
-            for name in names if round_ % 2 == 0 else names[::-1]:
+            for name in abba(names, round_):
                 best[name] = min(best[name], statistics.median(steps[name]() for _ in range(args.steps)))
         for name in names:
             rows.append([str(width), name, f"{first[name]:.1f}", f"{best[name] * 1e3:.1f}",

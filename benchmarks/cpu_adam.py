@@ -50,10 +50,11 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import time
-from pathlib import Path
-from typing import Callable, Optional
+from typing import Optional
+
+from harness.rounds import abba
+from harness.tables import format_rows
 
 IMPLEMENTATIONS = ("deepspeed", "cpu_kernel", "fused", "for_loop", "foreach")
 HYPER = {"lr": 1e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
@@ -143,7 +144,7 @@ def run_layout(args: argparse.Namespace, shapes: list[tuple[int, ...]]) -> dict[
             runs[name] = {"params": params, "step": optimizer.step, "times": []}
     del initial
     for round_ in range(args.warmup + args.steps):
-        for name in (list(runs) if round_ % 2 == 0 else list(runs)[::-1]):
+        for name in abba(list(runs), round_):
             start = time.perf_counter()
             runs[name]["step"]()
             if round_ >= args.warmup:
@@ -156,8 +157,6 @@ def run_layout(args: argparse.Namespace, shapes: list[tuple[int, ...]]) -> dict[
 
 
 def table(layouts: dict[str, tuple[int, dict]], offloaded: str) -> str:
-    from throughput import format_rows
-
     header = ["layout", "implementation", "ms/step", "Gparams/s", "vs DeepSpeed", "vs torch for-loop",
               "max |dp| vs for-loop"]
     rows = [header]
@@ -177,7 +176,6 @@ def main(argv: Optional[list[str]] = None) -> None:
     # Before torch (and DeepSpeed) start OpenMP: one thread count for every implementation.
     os.environ["OMP_NUM_THREADS"] = str(args.threads)
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     import torch
 
     torch.set_num_threads(args.threads)

@@ -41,15 +41,13 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
-import sys
 import tempfile
 import time
 import warnings
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from data_peer import (  # noqa: E402  (the peer module lives next to this script)
+from harness.launch import read_ranks, run_checked, torchrun, worker_env
+from data_peer import (  # the peer module lives next to this script
     build_megatron_core_dataset,
     loader_samples_per_second,
     megatron_core_available,
@@ -123,22 +121,17 @@ def memory_table(corpora: list[tuple[str, int]], args: argparse.Namespace, work:
         for variant in variants:
             result_dir = work / f"ranks-{Path(prefix).name}-{variant}"
             result_dir.mkdir(parents=True, exist_ok=True)
-            env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.ranks}",
-                   str(Path(__file__).resolve()), "--worker", prefix, "--result-dir", str(result_dir),
-                   "--steps", str(args.steps)]
+            cmd = torchrun(args.ranks, Path(__file__).resolve(), "--worker", prefix, "--result-dir", str(result_dir),
+                           "--steps", str(args.steps))
             sidecar, aside = Path(f"{prefix}.ends"), Path(f"{prefix}.ends.aside")
             if variant == "without" and sidecar.exists():
                 sidecar.rename(aside)
             try:
-                proc = subprocess.run(cmd, env=env, cwd=result_dir, capture_output=True, text=True)
+                run_checked(cmd, f"the ranks on {prefix}", result_dir, worker_env())
             finally:
                 if aside.exists():
                     aside.rename(sidecar)
-            if proc.returncode != 0:
-                raise RuntimeError(f"the ranks failed on {prefix}:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
-            for rank in range(args.ranks):
-                result = json.loads((result_dir / f"rank{rank}.json").read_text())
+            for rank, result in enumerate(read_ranks(result_dir, args.ranks)):
                 before, after = result["before"], result["after"]
                 mib = lambda kib: f"{kib / 1024:.0f}"  # noqa: E731
                 print(f"{tokens * 2 / 1e9:9.3f} | {variant:>11} | {rank:4d} | {mib(before['VmRSS']):>10} | "

@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 from collections import defaultdict
@@ -43,7 +42,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from activation_memory import enter_counting, exit_counting
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+from harness.launch import REPO_ROOT, add_worker_flags, read_ranks, run_checked, torchrun
+from harness.tables import format_rows
+
 WORKERS = REPO_ROOT / "tests" / "workers"
 RANKS = 4
 SEED = 1234
@@ -431,16 +432,10 @@ def worker(result_dir: Path, keys: list[str]) -> None:
 
 def launch(keys: list[str]) -> list[dict]:
     """One ``torch.distributed.run`` launch of ``RANKS`` processes for every layout in ``keys``."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
-               PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])))
     with tempfile.TemporaryDirectory(prefix="formulas-") as tmp:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={RANKS}",
-               str(Path(__file__).resolve()), "--worker", "--result-dir", tmp, "--layouts", ",".join(keys)]
-        proc = subprocess.run(cmd, env=env, cwd=tmp, capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise RuntimeError(f"the workers failed (exit code {proc.returncode}):\n{proc.stdout[-3000:]}\n"
-                               f"{proc.stderr[-8000:]}")
-        return [json.loads(Path(tmp, f"rank{rank}.json").read_text()) for rank in range(RANKS)]
+        cmd = torchrun(RANKS, Path(__file__).resolve(), "--worker", "--result-dir", tmp, "--layouts", ",".join(keys))
+        run_checked(cmd, "the workers", Path(tmp))
+        return read_ranks(Path(tmp), RANKS)
 
 
 # ---------------------------------------------------------------------------- the formulas
@@ -542,7 +537,6 @@ def table_rows(keys: list[str], ranks: list[dict]) -> list[dict]:
 
 
 def format_table(rows: list[dict]) -> str:
-    from throughput import format_rows
 
     header = ["layout", "pp rank", "FLOPs / formula", "/ model FLOPs", "bytes sent / formula", "by group",
               "sent KiB/rank", "control B", "activations / planner", "/ Korthikanti", "saved KiB/rank"]
@@ -567,8 +561,7 @@ def within_targets(row: dict) -> list[str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--result-dir", type=Path, help=argparse.SUPPRESS)
+    add_worker_flags(parser)
     parser.add_argument("--layouts", help=f"comma list of layouts (default: all): {', '.join(ROWS_BY_KEY)}")
     parser.add_argument("--smoke", action="store_true", help=f"only {', '.join(SMOKE)}")
     parser.add_argument("--json", action="store_true", help="print the rows as JSON instead of the table")

@@ -33,7 +33,6 @@ import math
 import os
 import statistics
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,7 +44,9 @@ import torch
 from lightning_megatron import Megatron3DStrategy
 from lightning_megatron.data import GPTDataModule
 from lightning_megatron.models.gpt import GPT, GPTConfig
-from throughput import format_rows, launch_workers
+from harness.launch import add_worker_flags, launch_workers
+from harness.tables import format_rows
+from harness.training import quiet_trainer
 
 MODEL = "llama-tiny"
 BASELINE = "bf16"
@@ -93,10 +94,8 @@ def train(args: argparse.Namespace, run: Run) -> dict:
     L.seed_everything(args.seed, verbose=False)
     curve = LossCurve()
     strategy = Megatron3DStrategy(fp8=run.fp8, on_nonfinite="skip", max_consecutive_skips=args.steps)
-    trainer = L.Trainer(accelerator="cpu", devices=args.ranks, strategy=strategy, precision=run.precision,
-                        max_steps=args.steps, gradient_clip_val=1.0, limit_val_batches=0, callbacks=[curve],
-                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False)
+    trainer = quiet_trainer(accelerator="cpu", devices=args.ranks, strategy=strategy, precision=run.precision,
+                            max_steps=args.steps, gradient_clip_val=1.0, limit_val_batches=0, callbacks=[curve])
     model = GPT(MODEL, learning_rate=args.lr, min_learning_rate=args.lr / 10, warmup_steps=args.warmup)
     data = GPTDataModule(seq_length=args.seq, global_batch_size=args.batch, max_files=args.max_files, seed=args.seed)
     trainer.fit(model, datamodule=data)
@@ -209,8 +208,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--plot", type=Path, help="write the loss curves to this PNG")
     parser.add_argument("--json", action="store_true", help="print the runs (with every step's loss) as JSON")
     parser.add_argument("--smoke", action="store_true", help="a few short steps on a small corpus, for the tests")
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--result-dir", type=Path, help=argparse.SUPPRESS)
+    add_worker_flags(parser)
     args = parser.parse_args(argv)
     if args.smoke:
         args.steps, args.seq, args.batch, args.warmup, args.max_files = 4, 32, 4, 2, 20
@@ -224,8 +222,7 @@ def main() -> None:
     if args.worker:
         worker_main(args)
         return
-    with tempfile.TemporaryDirectory(prefix="fp8-quality-") as tmp:
-        runs = summarize(launch_workers(__file__, args.ranks, args.threads, sys.argv[1:], Path(tmp))[0])
+    runs = summarize(launch_workers(__file__, args.ranks, args.threads, sys.argv[1:])[0])
     if args.plot:
         plot(runs, args.plot, f"{MODEL}, built-in corpus, dp{args.ranks}, {args.steps} steps: FP8 against {BASELINE}")
     if args.json:

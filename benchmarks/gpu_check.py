@@ -67,11 +67,12 @@ from typing import Any, Callable, Optional
 
 import lightning as L
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from throughput import Stopwatch, StopwatchCallback, SyntheticTokens, format_rows  # noqa: E402
+from harness import training
+from harness.launch import repo_env, torchrun
+from harness.tables import GIB, format_rows
+from harness.timing import Stopwatch, StopwatchCallback
+from harness.training import SyntheticTokens
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-GIB = 2**30
 FP32_TOLERANCE = 1e-4  # loss vs the fp32 reference: the same math (the invariant is 1e-5 on CPU; GPU kernels vary)
 SIXTEEN_BIT_TOLERANCE = 5e-2  # bf16 / fp16 runs of a few steps: the same model, rounded
 COLUMNS = ("family", "row", "status", "loss", "vs ref", "tokens/s", "TFLOP/s", "MFU", "vs bf16", "peak GiB",
@@ -204,18 +205,17 @@ def model_args(sizes: Sizes, model: str) -> argparse.Namespace:
 
 def gpt_config(args: argparse.Namespace):
     """The feature rows' model: throughput's GPT or Llama-shaped config, or ``mixtral-tiny`` resized alike."""
-    import throughput
     from lightning_megatron.models import GPTConfig
 
     if args.model == "moe":
         return GPTConfig.from_name("mixtral-tiny", vocab_size=args.vocab or 512, max_seq_length=args.seq,
                                    hidden_size=args.hidden, num_layers=args.layers, num_heads=args.heads,
                                    num_query_groups=max(1, args.heads // 2), ffn_hidden_size=args.hidden * 11 // 4)
-    return throughput.gpt_config(args)
+    return training.gpt_config(args)
 
 
 def loader(args: argparse.Namespace):
-    """The run's fixed batches (``throughput.make_loader``'s data and order) in the project's ``ResumableDataLoader``:
+    """The run's fixed batches (``harness.training.make_loader``'s data and order) in the project's ``ResumableDataLoader``:
     a run resumed from a mid-run checkpoint goes on at the next batch, as ``GPTDataModule``'s loaders do."""
     from lightning_megatron.data.resumable import ResumableDataLoader, data_parallel_sampler
 
@@ -721,8 +721,7 @@ def collectives_row(row: Row, sizes: Sizes, work: Path, deadline: float) -> dict
     if backend == "nccl" and sizes.device != "cuda":
         return {"status": "n/a", "detail": "no CUDA: NCCL needs a GPU"}
     out = work / "collectives.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", __file__,
-           "--collectives-worker", backend, "--device", sizes.device, "--out", str(out)]
+    cmd = torchrun(2, __file__, "--collectives-worker", backend, "--device", sizes.device, "--out", str(out))
     proc, timed_out = run_with_timeout(cmd, min(row.budget_s, deadline - time.monotonic()), work)
     (work / f"{backend}.log").write_text(f"{proc.stdout}\n{proc.stderr}")
     if not out.exists():
@@ -812,10 +811,6 @@ def tail_line(proc: subprocess.CompletedProcess) -> str:
 
 
 # ---------------------------------------------------------------------------- the parent
-def child_env() -> dict:
-    return dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])))
-
-
 def kill_tree(proc: subprocess.Popen) -> None:
     """The process and everything it started (its own session): torchrun's ranks must not outlive a timeout."""
     with contextlib.suppress(ProcessLookupError):
@@ -824,7 +819,7 @@ def kill_tree(proc: subprocess.Popen) -> None:
 
 
 def run_with_timeout(cmd: list[str], timeout: float, cwd: Path) -> tuple[subprocess.CompletedProcess, bool]:
-    proc = subprocess.Popen(cmd, cwd=cwd, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    proc = subprocess.Popen(cmd, cwd=cwd, env=repo_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     try:
         stdout, stderr = proc.communicate(timeout=max(timeout, 1))
@@ -853,7 +848,7 @@ def run_group(rows: list[Row], args: argparse.Namespace, work: Path, deadline: f
         spec.write_text(json.dumps({"rows": [asdict(row) for row in pending], "memo": memo}))
         stderr = open(work / f"{pending[0].group}-{attempt}.log", "w")
         cmd = [sys.executable, __file__, "--worker", str(spec), "--results", str(results)] + ["--cpu"] * args.cpu
-        proc = subprocess.Popen(cmd, cwd=work, env=child_env(), stdout=stderr, stderr=subprocess.STDOUT,
+        proc = subprocess.Popen(cmd, cwd=work, env=repo_env(), stdout=stderr, stderr=subprocess.STDOUT,
                                 start_new_session=True)
         current, since = None, time.monotonic()
         budget = {row.key: row.budget_s for row in pending}

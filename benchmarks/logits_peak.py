@@ -23,8 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 from typing import Optional
@@ -33,7 +31,8 @@ import torch
 from torch import nn
 
 from activation_peak import LiveStorages
-from throughput import MIB, REPO_ROOT, format_rows
+from harness.launch import add_worker_flags, read_ranks, run_checked, torchrun
+from harness.tables import MIB, format_rows
 
 LLAMA3_VOCAB = 128256
 PAD_VOCAB = 128  # the strategy's default pad_vocab_to_multiple_of
@@ -101,17 +100,12 @@ def worker(result_dir: Path, args: argparse.Namespace) -> None:
 
 
 def measure_tp2(args: argparse.Namespace) -> list[dict]:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
-               PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])))
     with tempfile.TemporaryDirectory(prefix="logits-peak-") as tmp:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-               str(Path(__file__).resolve()), "--worker", "--result-dir", tmp, "--tokens", str(args.tokens),
-               "--hidden", str(args.hidden), "--vocab", str(args.vocab),
-               "--chunks", ",".join(map(str, args.chunks))]
-        done = subprocess.run(cmd, env=env, cwd=tmp, capture_output=True, text=True)
-        if done.returncode != 0:
-            raise RuntimeError(f"the tp2 workers failed:\n{done.stdout[-4000:]}{done.stderr[-4000:]}")
-        return json.loads(Path(tmp, "rank0.json").read_text())  # the ranks hold the same sizes
+        cmd = torchrun(2, Path(__file__).resolve(), "--worker", "--result-dir", tmp, "--tokens", str(args.tokens),
+                       "--hidden", str(args.hidden), "--vocab", str(args.vocab),
+                       "--chunks", ",".join(map(str, args.chunks)))
+        run_checked(cmd, "the tp2 workers", Path(tmp))
+        return read_ranks(Path(tmp), 1)[0]  # the ranks hold the same sizes
 
 
 def format_table(rows: list[dict], tokens: int) -> str:
@@ -140,8 +134,7 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=LLAMA3_VOCAB, help=f"vocabulary (default {LLAMA3_VOCAB})")
     parser.add_argument("--chunks", type=lambda text: [int(c) for c in text.split(",")], default=[128, 512],
                         help="comma list of chunk sizes in tokens (default 128,512)")
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--result-dir", type=Path, help=argparse.SUPPRESS)
+    add_worker_flags(parser)
     args = parser.parse_args()
     if args.worker:
         worker(args.result_dir, args)

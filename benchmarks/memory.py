@@ -30,8 +30,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -45,13 +43,16 @@ from torch import Tensor
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_megatron import Megatron3DStrategy
 from lightning_megatron.models.gpt import GPT
 from lightning_megatron.models.transformer import TransformerLayer
 from activation_memory import activation_worker, activations_main
-from throughput import MIB, PeakMemory, REPO_ROOT, Run, Stopwatch, StopwatchCallback, SyntheticTokens, format_rows, make_module, total_steps
+from harness.launch import add_worker_flags, read_ranks, run_checked, torchrun, worker_env, worker_rank_and_device
+from harness.rounds import Run
+from harness.tables import MIB, format_rows
+from harness.timing import PeakMemory, Stopwatch, StopwatchCallback
+from harness.training import make_loader, make_module, quiet_trainer, total_steps
 
 DATA_PARALLEL_SIZE = 2
 CATEGORIES = ("parameters", "gradients", "main_parameters", "optimizer_state")
@@ -95,14 +96,13 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=3, help="optimizer steps run before the clock starts")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
-                        help="CPU only: time steps by process CPU time, as throughput.py's Stopwatch explains")
+                        help="CPU only: time steps by process CPU time, as harness/timing.py's Stopwatch explains")
     parser.add_argument("--precision", choices=("bf16-true", "32-true"), default="bf16-true")
     parser.add_argument("--glibc-default-malloc", action="store_true",
                         help="keep glibc's dynamic mmap threshold (CPU): peaks then include freed memory glibc retains")
     parser.add_argument("--only", nargs="+", choices=[c.key for c in CONFIGURATIONS], help="run only these configurations")
     parser.add_argument("--seed", type=int, default=1234)
-    parser.add_argument("--worker", choices=[c.key for c in CONFIGURATIONS] + ["activations"], help=argparse.SUPPRESS)
-    parser.add_argument("--result-dir", type=Path, help=argparse.SUPPRESS)
+    add_worker_flags(parser, [c.key for c in CONFIGURATIONS] + ["activations"])
     args = parser.parse_args(argv)
     defaults = ACTIVATION_DEFAULTS if args.activations or args.worker == "activations" else MODEL_STATE_DEFAULTS
     for name, value in defaults.items():
@@ -238,37 +238,16 @@ class ModelStateProbe(L.Callback):
 
 
 # ---------------------------------------------------------------------------- worker
-def make_loader(args: argparse.Namespace, rank: int) -> DataLoader:
-    """``warmup + steps`` batches of this rank's share; the explicit sampler gives every configuration the
-    same per-rank batches (Lightning leaves a ``DistributedSampler`` alone)."""
-    dataset = SyntheticTokens(total_steps(args) * args.batch * DATA_PARALLEL_SIZE, args.seq, args.vocab, args.seed)
-    sampler = DistributedSampler(dataset, num_replicas=DATA_PARALLEL_SIZE, rank=rank, shuffle=False)
-    return DataLoader(dataset, batch_size=args.batch, sampler=sampler, drop_last=True)
-
-
 def worker_main(args: argparse.Namespace) -> None:
     """Train one configuration on this rank and write ``rank{r}.json`` into the result directory."""
-    rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
-    device = torch.device(args.device, local_rank) if args.device == "cuda" else torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
+    rank, device = worker_rank_and_device(args.device)
     L.seed_everything(args.seed, verbose=False)
-    loader = make_loader(args, rank)
+    loader = make_loader(args, DATA_PARALLEL_SIZE, rank)
     memory = PeakMemory(device)
     module, strategy = build(args.worker, args)
     stopwatch, probe = StopwatchCallback(Stopwatch(args.warmup, args.steps, device, args.clock)), ModelStateProbe()
-    trainer = L.Trainer(
-        strategy=strategy,
-        accelerator=device.type,
-        devices=DATA_PARALLEL_SIZE,
-        precision=args.precision,
-        max_steps=total_steps(args),
-        callbacks=[stopwatch, probe],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = quiet_trainer(strategy=strategy, accelerator=device.type, devices=DATA_PARALLEL_SIZE,
+                            precision=args.precision, max_steps=total_steps(args), callbacks=[stopwatch, probe])
     trainer.fit(module, loader)
     result = {
         "step_seconds": stopwatch.stopwatch.step_seconds(),
@@ -281,9 +260,9 @@ def worker_main(args: argparse.Namespace) -> None:
 
 
 # ---------------------------------------------------------------------------- parent
-def worker_env(args: argparse.Namespace) -> dict[str, str]:
-    """One intra-op thread per rank (what torchrun defaults to): two ranks then fill two cores, and a
-    multi-threaded matmul on a shared CPU waits for its slowest thread.
+def memory_env(args: argparse.Namespace) -> dict[str, str]:
+    """``worker_env`` (one intra-op thread per rank: two ranks fill two cores) with, unless
+    ``--glibc-default-malloc``, a fixed glibc mmap threshold.
 
     A fixed glibc mmap threshold makes the peak RSS follow live tensors. By default glibc raises
     the threshold whenever a large block is freed, so later blocks of that size come from the
@@ -291,22 +270,15 @@ def worker_env(args: argparse.Namespace) -> dict[str, str]:
     (350 vs 318 MiB) although ZeRO-2 holds 85 MiB less model state. With the threshold fixed at
     64 KiB every tensor of more than 64 KiB is returned to the system when freed (204 vs 290 MiB).
     """
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
-               PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
-    if not args.glibc_default_malloc:
-        env["MALLOC_MMAP_THRESHOLD_"] = str(64 * 1024)
-    return env
+    return worker_env(**({} if args.glibc_default_malloc else {"MALLOC_MMAP_THRESHOLD_": str(64 * 1024)}))
 
 
 def launch(configuration: Configuration, args: argparse.Namespace, argv: list[str], result_dir: Path) -> list[dict]:
     """One run of ``configuration`` on two fresh ranks; the per-rank results."""
-    script = [str(Path(__file__).resolve()), *argv, "--worker", configuration.key, "--result-dir", str(result_dir)]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={DATA_PARALLEL_SIZE}", *script]
-    env = worker_env(args)
-    proc = subprocess.run(cmd, env=env, cwd=result_dir, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{configuration.label} failed (exit code {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
-    return [json.loads((result_dir / f"rank{r}.json").read_text()) for r in range(DATA_PARALLEL_SIZE)]
+    cmd = torchrun(DATA_PARALLEL_SIZE, Path(__file__).resolve(), *argv, "--worker", configuration.key,
+                   "--result-dir", str(result_dir))
+    run_checked(cmd, configuration.label, result_dir, memory_env(args))
+    return read_ranks(result_dir, DATA_PARALLEL_SIZE)
 
 
 def run_all(args: argparse.Namespace, argv: list[str], configurations: list[Configuration]) -> dict[str, list[dict]]:
@@ -403,7 +375,7 @@ def main() -> None:
         worker_main(args)
         return
     if args.activations:
-        activations_main(args, env=worker_env(args))
+        activations_main(args, env=memory_env(args))
         return
     configurations = runnable_configurations(args)
     results = run_all(args, sys.argv[1:], configurations)

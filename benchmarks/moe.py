@@ -33,8 +33,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -54,10 +52,10 @@ from lightning_megatron.models.gpt import GPT, GPTConfig, GPTModel
 from lightning_megatron.models.mlp import GatedMLP
 from lightning_megatron.models.moe import MoEConfig, update_expert_biases
 from lightning_megatron.models.router import TopKRouter
-from throughput import format_rows
-
-REPO_ROOT = Path(__file__).resolve().parents[1]
-MIB = 2**20
+from harness.launch import add_worker_flags, read_ranks, run_checked, torchrun
+from harness.rounds import abba, slowest_rank_median
+from harness.tables import MIB, format_rows
+from harness.training import quiet_trainer
 RANKS = 4
 EXPERT_PARALLEL_SIZES = (1, 2, 4)
 SECTIONS = ("ep", "balance", "grouped")
@@ -69,8 +67,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="tiny sizes and few steps: seconds per table")
     parser.add_argument("--only", nargs="+", choices=SECTIONS, help="run only these tables")
     parser.add_argument("--seed", type=int, default=1234)
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--result-dir", type=Path, help=argparse.SUPPRESS)
+    add_worker_flags(parser)
     args = parser.parse_args(argv)
     quick = args.quick
     # (1) expert parallelism: per-rank batch, steps per run, rounds (every layout once per round)
@@ -166,18 +163,8 @@ def fit_once(args: argparse.Namespace, ep: int, rank: int) -> dict:
     sampler = DistributedSampler(dataset, num_replicas=RANKS, rank=rank, shuffle=False)  # dp rank = rank (tp=pp=1)
     loader = DataLoader(dataset, batch_size=args.batch, sampler=sampler, drop_last=True)
     probe = Probe(args.warmup, args.steps)
-    trainer = L.Trainer(
-        strategy=Megatron3DStrategy(expert_parallel_size=ep),
-        accelerator="cpu",
-        devices=RANKS,
-        precision="32-true",
-        max_steps=args.warmup + args.steps,
-        callbacks=[probe],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = quiet_trainer(strategy=Megatron3DStrategy(expert_parallel_size=ep), accelerator="cpu", devices=RANKS,
+                            precision="32-true", max_steps=args.warmup + args.steps, callbacks=[probe])
     trainer.fit(GPT(moe_config(args), warmup_steps=args.warmup + args.steps), loader)
     step_seconds = [b - a for a, b in zip(probe.marks, probe.marks[1:])]
     return {"ep": ep, "step_seconds": step_seconds, "bytes": probe.bytes, "loss": probe.loss}
@@ -188,7 +175,7 @@ def worker_main(args: argparse.Namespace) -> None:
     rank = int(os.environ["RANK"])
     runs = []
     for round_ in range(args.rounds):
-        for ep in EXPERT_PARALLEL_SIZES if round_ % 2 == 0 else EXPERT_PARALLEL_SIZES[::-1]:
+        for ep in abba(EXPERT_PARALLEL_SIZES, round_):
             runs.append(fit_once(args, ep, rank))
     (args.result_dir / f"rank{rank}.json").write_text(json.dumps(runs))
 
@@ -196,17 +183,11 @@ def worker_main(args: argparse.Namespace) -> None:
 # ---------------------------------------------------------------------------- (1) expert parallelism: parent
 def launch_layouts(args: argparse.Namespace) -> list[list[dict]]:
     """The per-rank results of one 4-rank launch that runs every layout."""
-    argv = [str(Path(__file__).resolve()), *(["--quick"] if args.quick else []), f"--seed={args.seed}", "--worker"]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
-               PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
     with tempfile.TemporaryDirectory(prefix="moe-") as tmp:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={RANKS}", *argv,
-               f"--result-dir={tmp}"]
-        proc = subprocess.run(cmd, env=env, cwd=tmp, capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise RuntimeError(f"the expert-parallel launch failed (exit code {proc.returncode}):\n"
-                               f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
-        return [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(RANKS)]
+        cmd = torchrun(RANKS, Path(__file__).resolve(), *(["--quick"] if args.quick else []), f"--seed={args.seed}",
+                       "--worker", f"--result-dir={tmp}")
+        run_checked(cmd, "the expert-parallel launch", Path(tmp))
+        return read_ranks(Path(tmp), RANKS)
 
 
 def layout_table(args: argparse.Namespace, ranks: list[list[dict]]) -> str:
@@ -216,8 +197,7 @@ def layout_table(args: argparse.Namespace, ranks: list[list[dict]]) -> str:
         per_rank = [[run for run in runs if run["ep"] == ep] for runs in ranks]  # [rank][round]
         speeds = []
         for rounds in zip(*per_rank):  # one round, every rank
-            slowest = [max(step) for step in zip(*(run["step_seconds"] for run in rounds))]
-            speeds.append(tokens_per_step / statistics.median(slowest))
+            speeds.append(tokens_per_step / slowest_rank_median([run["step_seconds"] for run in rounds]))
         sizes = [runs[0]["bytes"] for runs in per_rank]  # every rank's, first round
         worst = max(sizes, key=lambda s: s["model_state"])
         same = all(s == sizes[0] for s in sizes)
@@ -427,9 +407,8 @@ def _grouped_table(args: argparse.Namespace) -> str:
             same = all(torch.allclose(mine, theirs, atol=1e-5)
                        for side in sides for mine, theirs in zip(results[side], results["loop"]))
             times: dict[str, list[float]] = {side: [] for side in sides}
-            order = list(sides)
             for round_ in range(args.grouped_rounds):
-                for side in order if round_ % 2 == 0 else order[::-1]:
+                for side in abba(list(sides), round_):
                     times[side].append(step(side)[0])
             ms = {side: min(t) * 1e3 for side, t in times.items()}  # noise only ever slows a side down
             ratios.append(ms["loop"] / ms["stack"])

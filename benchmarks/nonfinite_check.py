@@ -29,19 +29,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import statistics
 import sys
-import tempfile
 import time
-from pathlib import Path
 from typing import Optional
 
 import lightning as L
 import torch
 
 from lightning_megatron import Megatron3DStrategy
-from throughput import Stopwatch, launch_workers, StopwatchCallback, format_rows, gpt_config, make_loader, make_module
+from harness.launch import add_worker_flags, launch_workers, worker_rank_and_device
+from harness.rounds import abba, slowest_rank_median
+from harness.tables import format_rows
+from harness.timing import Stopwatch, StopwatchCallback
+from harness.training import gpt_config, make_loader, make_module, quiet_trainer
 
 MODELS = {"tiny": {"hidden": 64, "layers": 4, "heads": 4}, "wide": {"hidden": 256, "layers": 4, "heads": 8}}
 CLIP = 1.0
@@ -63,12 +63,11 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=1, help="intra-op threads per process (0 = torch's default)")
     parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                         help="CPU only: 'cpu' times steps by the CPU time each process got, which other jobs on a "
-                             "shared machine cannot inflate (throughput.py's Stopwatch); wall time counts waiting "
+                             "shared machine cannot inflate (harness/timing.py's Stopwatch); wall time counts waiting "
                              "in collectives too")
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--quick", action="store_true", help="a smoke test: tiny model, 3 steps, 1 round")
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--result-dir", type=Path, help=argparse.SUPPRESS)
+    add_worker_flags(parser)
     args = parser.parse_args(argv)
     if args.quick:
         args.models, args.steps, args.warmup, args.repeats, args.seq = ["tiny"], 3, 1, 1, 32
@@ -114,10 +113,9 @@ def run_once(args: argparse.Namespace, model: str, clip: bool, mode: str, device
     L.seed_everything(args.seed, verbose=False)  # the same weights and batches in every variant
     stopwatch = StopwatchCallback(Stopwatch(args.warmup, args.steps, device, args.clock))
     strategy = TimedStrategy(tensor_parallel_size=args.tensor_parallel, on_nonfinite=mode)
-    trainer = L.Trainer(strategy=strategy, accelerator=device.type, devices=args.ranks, precision=args.precision,
-                        max_steps=args.warmup + args.steps, gradient_clip_val=CLIP if clip else None,
-                        callbacks=[stopwatch], logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False)
+    trainer = quiet_trainer(strategy=strategy, accelerator=device.type, devices=args.ranks, precision=args.precision,
+                            max_steps=args.warmup + args.steps, gradient_clip_val=CLIP if clip else None,
+                            callbacks=[stopwatch])
     trainer.fit(make_module(sized), make_loader(sized))
     norm = [strategy.norm_seconds.get(step, 0.0) for step in range(args.warmup, args.warmup + args.steps)]
     return {"step_seconds": stopwatch.stopwatch.step_seconds(), "norm_seconds": norm, "loss": stopwatch.last_loss.item()}
@@ -125,14 +123,11 @@ def run_once(args: argparse.Namespace, model: str, clip: bool, mode: str, device
 
 def worker_main(args: argparse.Namespace) -> None:
     """Every variant, ``repeats`` rounds (ABBA order), in this process; rank r writes ``rank{r}.json``."""
-    rank, local_rank = int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))
-    device = torch.device(args.device, local_rank) if args.device == "cuda" else torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
+    rank, device = worker_rank_and_device(args.device)
     order = variants(args)
     runs: dict[str, list[dict]] = {json.dumps(v): [] for v in order}
     for repeat in range(args.repeats):
-        for variant in order if repeat % 2 == 0 else order[::-1]:
+        for variant in abba(order, repeat):
             if rank == 0:
                 print(f"  round {repeat + 1}/{args.repeats}: {variant} ...", file=sys.stderr, flush=True)
             runs[json.dumps(variant)].append(run_once(args, *variant, device))
@@ -142,7 +137,7 @@ def worker_main(args: argparse.Namespace) -> None:
 def run_seconds(ranks: list[dict], key: str, field: str = "step_seconds") -> list[float]:
     """Per run (round): the median over steps of the slowest rank's time."""
     rounds = zip(*(rank[key] for rank in ranks))
-    return [statistics.median(max(steps) for steps in zip(*(r[field] for r in run))) for run in rounds]
+    return [slowest_rank_median([r[field] for r in run]) for run in rounds]
 
 
 def format_table(args: argparse.Namespace, ranks: list[dict]) -> str:
@@ -180,8 +175,7 @@ def main() -> None:
     if args.worker:
         worker_main(args)
         return
-    with tempfile.TemporaryDirectory(prefix="nonfinite-") as tmp:
-        ranks = launch_workers(__file__, args.ranks, args.threads, sys.argv[1:], Path(tmp))
+    ranks = launch_workers(__file__, args.ranks, args.threads, sys.argv[1:])
     print(describe(args))
     print(format_table(args, ranks))
 

@@ -33,17 +33,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
 
-MIB = 2**20
-REPO_ROOT = Path(__file__).resolve().parents[1]
+from harness.launch import run_checked, worker_env
+from harness.tables import MIB
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -105,8 +103,7 @@ def child(options: dict) -> None:
     from lightning.pytorch.callbacks import ModelCheckpoint
     from torch.utils.data import DataLoader, Subset
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from throughput import SyntheticTokens
+    from harness.training import SyntheticTokens
     from lightning_megatron import Megatron3DStrategy
     from lightning_megatron.models import GPT, GPTConfig
 
@@ -185,11 +182,7 @@ def run(name: str, args: argparse.Namespace, work: Path, path: str, tier: str, r
     options = {**{k: getattr(args, k) for k in ("hidden", "layers", "heads", "vocab", "seq", "batch", "steps",
                                                 "buffer_mb", "accelerator")},
                "tier": tier, "path": path, "out": str(out), "resume": resume}
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.run([sys.executable, __file__, "--child", json.dumps(options)], env=env, capture_output=True,
-                          text=True)
-    if proc.returncode != 0:
-        raise RuntimeError(f"run {name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    run_checked([sys.executable, __file__, "--child", json.dumps(options)], f"run {name}", env=worker_env(threads=0))
     return {**json.loads((out / "record.json").read_text()), "out": out}
 
 

@@ -26,20 +26,17 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 from typing import Optional
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from throughput import format_rows  # noqa: E402
-
-from lightning_megatron.models import GPTConfig, GPTModel  # noqa: E402
-from lightning_megatron.models.optim_recipe import adamw_implementation  # noqa: E402
-from lightning_megatron.optim.grad_sync import GradientSynchronizer  # noqa: E402
-from lightning_megatron.optim.main_params import MainParamOptimizer  # noqa: E402
+from harness.rounds import abba
+from harness.tables import format_rows
+from lightning_megatron.models import GPTConfig, GPTModel
+from lightning_megatron.models.optim_recipe import adamw_implementation
+from lightning_megatron.optim.grad_sync import GradientSynchronizer
+from lightning_megatron.optim.main_params import MainParamOptimizer
 
 IMPLEMENTATIONS = ("for_loop", "foreach", "fused")
 
@@ -106,8 +103,7 @@ def main(argv: Optional[list[str]] = None) -> None:
             runs = {name: build(args, layers, binding, name) for name in IMPLEMENTATIONS}
             best = {name: float("inf") for name in IMPLEMENTATIONS}
             for round_ in range(args.repeats):
-                order = IMPLEMENTATIONS if round_ % 2 == 0 else IMPLEMENTATIONS[::-1]
-                for name in order:
+                for name in abba(IMPLEMENTATIONS, round_):
                     best[name] = min(best[name], time_run(runs[name][0], args.steps, args.device))
             tensors = runs["for_loop"][1]
             rows.append([str(layers), binding, str(tensors), *(f"{best[n] * 1e3:.2f}" for n in IMPLEMENTATIONS),

@@ -39,20 +39,21 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable, Optional
 
 import lightning as L
 import torch
 
 from lightning_megatron import Megatron3DStrategy
-from throughput import Stopwatch, launch_workers, StopwatchCallback, format_rows, gpt_config, make_loader, make_module
+from harness.launch import add_worker_flags, launch_workers, worker_rank_and_device
+from harness.rounds import abba, slowest_rank_median
+from harness.tables import format_rows
+from harness.timing import Stopwatch, StopwatchCallback
+from harness.training import gpt_config, make_loader, make_module, quiet_trainer
 
 
 @dataclass(frozen=True)
@@ -95,9 +96,8 @@ def fit_timed(args: argparse.Namespace, strategy: Megatron3DStrategy, device: to
     L.seed_everything(args.seed, verbose=False)  # the same weights and batches on and off
     sized = argparse.Namespace(**{**vars(args), "warmup": args.warmup, "steps": args.steps + 1})
     record = RecordSteps(Stopwatch(args.warmup, args.steps + 1, device, "wall"), wait_clock)
-    trainer = L.Trainer(strategy=strategy, accelerator=device.type, devices=args.ranks, precision=args.precision,
-                        max_steps=args.warmup + args.steps + 1, callbacks=[record], logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer = quiet_trainer(strategy=strategy, accelerator=device.type, devices=args.ranks, precision=args.precision,
+                            max_steps=args.warmup + args.steps + 1, callbacks=[record])
     trainer.fit(make_module(sized), make_loader(sized))
     result = {"step_seconds": record.stopwatch.step_seconds()[:-1], "losses": record.losses}
     if wait_clock is not None:  # waits[i + 1]: from step i's start to step i + 1's
@@ -185,8 +185,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=1, help="intra-op threads per process (0 = torch's default)")
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--quick", action="store_true", help="a smoke test: a small model, 2 steps, 1 round")
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--result-dir", type=Path, help=argparse.SUPPRESS)
+    add_worker_flags(parser)
     args = parser.parse_args(argv)
     if args.quick:
         args.hidden, args.layers, args.heads, args.steps, args.warmup, args.repeats = 64, 2, 4, 2, 1, 1
@@ -202,14 +201,11 @@ def jobs(args: argparse.Namespace) -> list[tuple[str, str]]:
 def worker_main(args: argparse.Namespace) -> None:
     """Every job, ``repeats`` rounds, off and on back to back (their order alternating by round); rank r writes
     ``rank{r}.json``."""
-    rank, local_rank = int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))
-    device = torch.device(args.device, local_rank) if args.device == "cuda" else torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
+    rank, device = worker_rank_and_device(args.device)
     runs: dict[str, dict[str, list[dict]]] = {}
     for repeat in range(args.repeats):
         for name, variant in jobs(args):
-            for on in (False, True) if repeat % 2 == 0 else (True, False):
+            for on in abba((False, True), repeat):
                 if rank == 0:
                     print(f"  round {repeat + 1}/{args.repeats}: {name} {variant} {'on' if on else 'off'} ...",
                           file=sys.stderr, flush=True)
@@ -222,8 +218,7 @@ def worker_main(args: argparse.Namespace) -> None:
 def run_seconds(ranks: list[dict], key: str, setting: str) -> list[float]:
     """Per run (round): the median over steps of the slowest rank's step time."""
     rounds = zip(*(rank[key][setting] for rank in ranks))
-    return [statistics.median(max(steps) for steps in zip(*(run["step_seconds"] for run in one_round)))
-            for one_round in rounds]
+    return [slowest_rank_median([run["step_seconds"] for run in one_round]) for one_round in rounds]
 
 
 def format_table(args: argparse.Namespace, ranks: list[dict]) -> str:
@@ -262,8 +257,7 @@ def main() -> None:
     if args.worker:
         worker_main(args)
         return
-    with tempfile.TemporaryDirectory(prefix="overlap-") as tmp:
-        ranks = launch_workers(__file__, args.ranks, args.threads, sys.argv[1:], Path(tmp))
+    ranks = launch_workers(__file__, args.ranks, args.threads, sys.argv[1:])
     print(describe(args))
     print(format_table(args, ranks))
 

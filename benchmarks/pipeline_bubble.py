@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -27,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from harness.launch import torchrun, worker_env
 from lightning_megatron.pipeline.blocks import PipelineBatch
 from lightning_megatron.pipeline.layout import PipelineLayout
 from lightning_megatron.pipeline.runner import PipelineRunner
@@ -134,11 +133,10 @@ def main() -> None:
         return
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "bubble.json"
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.ranks}",
-                   __file__, "--worker", f"--out={out}", f"--micro-batches={args.micro_batches}",
-                   f"--stage-ms={args.stage_ms}", f"--plot={args.plot}", f"--plot-schedule={args.plot_schedule}",
-                   "--schedules", *args.schedules]
-        subprocess.run(command, check=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+        command = torchrun(args.ranks, __file__, "--worker", f"--out={out}", f"--micro-batches={args.micro_batches}",
+                           f"--stage-ms={args.stage_ms}", f"--plot={args.plot}", f"--plot-schedule={args.plot_schedule}",
+                           "--schedules", *args.schedules)
+        subprocess.run(command, check=True, env=worker_env())
         results = json.loads(out.read_text())
     print(f"pipeline bubble, p={args.ranks}, m={args.micro_batches}, stage forward {args.stage_ms} ms, backward 2x")
     print(f"{'schedule':<25}{'v':>3}{'measured':>11}{'theory':>9}{'diff (points)':>15}")

@@ -30,7 +30,7 @@ from typing import Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from throughput import MIB, format_rows  # noqa: E402
+from harness.tables import MIB, format_rows  # noqa: E402
 
 from lightning_megatron.models import GPT, GPTConfig  # noqa: E402
 from lightning_megatron.plan import GPUS, Hardware, Layout, Planner, Workload  # noqa: E402

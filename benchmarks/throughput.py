@@ -31,17 +31,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import resource
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Callable, Iterable, Optional
+from typing import Callable, Optional
 
 import lightning as L
 import torch
@@ -49,33 +45,20 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import Tensor, nn
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, loss_parallel, parallelize_module
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from lightning_megatron import Megatron3DStrategy
-from lightning_megatron.models.gpt import GPT, IGNORE_INDEX, GPTConfig, GPTModel
+from lightning_megatron.models.gpt import GPT, IGNORE_INDEX, GPTModel
 from lightning_megatron.models.mlp import GatedMLP
 from lightning_megatron.models.transformer import TransformerLayer
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-MIB = 2**20
-MODELS = ("gpt", "llama")
-DEFAULT_VOCAB = {"gpt": 257, "llama": 32000}  # the byte tokenizer; Llama-2's / Mistral-v0.1's vocabulary
+from harness.launch import add_worker_flags, read_ranks, run_checked, torchrun, worker_env, worker_rank_and_device
+from harness.rounds import Run, abba
+from harness.tables import MIB, format_rows
+from harness.timing import PeakMemory, Stopwatch, StopwatchCallback
+from harness.training import (DEFAULT_VOCAB, gpt_config, make_loader, make_module, model_name, quiet_trainer,
+                              total_steps)
 
-
-
-def launch_workers(script: str, ranks: int, threads: int, argv: list[str], result_dir: Path) -> list[dict]:
-    """``script --worker`` (with this invocation's ``argv``) on ``ranks`` torchrun processes; each rank writes
-    ``rank{r}.json`` into ``result_dir``: the side-by-side benchmarks that train every variant in one launch."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
-           str(Path(script).resolve()), *argv, "--worker", "--result-dir", str(result_dir)]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
-               PYTHONWARNINGS="ignore")
-    if threads > 0:
-        env["OMP_NUM_THREADS"] = str(threads)
-    proc = subprocess.run(cmd, env=env, cwd=result_dir, stdout=subprocess.PIPE, text=True)
-    if proc.returncode != 0:
-        raise RuntimeError(f"the benchmark worker failed (exit code {proc.returncode}):\n{proc.stdout[-3000:]}")
-    return [json.loads((result_dir / f"rank{r}.json").read_text()) for r in range(ranks)]
+MODELS = tuple(DEFAULT_VOCAB)
 
 
 # ---------------------------------------------------------------------------- variants
@@ -139,163 +122,13 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                         help="peak TFLOP/s of one device for MFU (H200 dense bf16: 989)")
     parser.add_argument("--only", nargs="+", choices=[v.key for v in VARIANTS], help="run only these variants")
     parser.add_argument("--seed", type=int, default=1234)
-    parser.add_argument("--worker", choices=[v.key for v in VARIANTS], help=argparse.SUPPRESS)
-    parser.add_argument("--result-dir", type=Path, help=argparse.SUPPRESS)
+    add_worker_flags(parser, [v.key for v in VARIANTS])
     return parser.parse_args(argv)
-
-
-def model_name(args: argparse.Namespace) -> str:
-    """The one model a worker (or a per-model copy of the arguments) runs; other benchmarks' arguments: gpt."""
-    model = getattr(args, "model", "gpt")
-    return model if isinstance(model, str) else model[0]
 
 
 def for_model(args: argparse.Namespace, model: str) -> argparse.Namespace:
     """A copy of ``args`` for one model, its vocabulary resolved."""
     return argparse.Namespace(**{**vars(args), "model": model, "vocab": args.vocab or DEFAULT_VOCAB[model]})
-
-
-def gpt_config(args: argparse.Namespace) -> GPTConfig:
-    vocab = args.vocab or DEFAULT_VOCAB[model_name(args)]
-    ffn = getattr(args, "ffn", None)
-    if model_name(args) == "llama":
-        groups = getattr(args, "query_groups", None) or max(1, args.heads // 2)
-        return GPTConfig.from_name("llama-tiny", vocab_size=vocab, max_seq_length=args.seq, hidden_size=args.hidden,
-                                   num_layers=args.layers, num_heads=args.heads, num_query_groups=groups,
-                                   ffn_hidden_size=ffn or args.hidden * 11 // 4)
-    return GPTConfig(vocab_size=vocab, max_seq_length=args.seq, hidden_size=args.hidden,
-                     num_layers=args.layers, num_heads=args.heads, ffn_hidden_size=ffn)
-
-
-def total_steps(args: argparse.Namespace) -> int:
-    return args.warmup + args.steps
-
-
-def make_module(args: argparse.Namespace, cls: type[GPT] = GPT) -> GPT:
-    """GPT whose learning-rate warmup spans the whole run.
-
-    The cosine after warmup is sized by the Trainer's step count, which a loop outside the
-    Trainer does not have; inside the warmup the schedule depends on the step alone, so
-    every variant runs the same learning rates and should end at the same loss.
-    """
-    return cls(gpt_config(args), warmup_steps=total_steps(args))
-
-
-# ---------------------------------------------------------------------------- data
-class SyntheticTokens(Dataset):
-    """Random token ids made once in memory: loading costs every variant the same (almost nothing)."""
-
-    def __init__(self, num_samples: int, seq: int, vocab: int, seed: int) -> None:
-        tokens = torch.randint(vocab, (num_samples, seq + 1), generator=torch.Generator().manual_seed(seed))
-        self.input_ids, self.labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
-
-    def __len__(self) -> int:
-        return len(self.input_ids)
-
-    def __getitem__(self, index: int) -> dict[str, Tensor]:
-        return {"input_ids": self.input_ids[index], "labels": self.labels[index]}
-
-
-def make_loader(args: argparse.Namespace) -> DataLoader:
-    """Exactly ``warmup + steps`` batches in a fixed order; the explicit sampler keeps Lightning from re-sampling.
-
-    With dp=1 in every variant all ranks (and the plain loop) see the same batch at every step.
-    """
-    dataset = SyntheticTokens(total_steps(args) * args.batch, args.seq, gpt_config(args).vocab_size, args.seed)
-    sampler = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=False)
-    return DataLoader(dataset, batch_size=args.batch, sampler=sampler, drop_last=True)
-
-
-# ---------------------------------------------------------------------------- measurement
-class PeakMemory:
-    """Peak memory this run added on top of what the process held before the model existed.
-
-    CUDA: ``max_memory_allocated`` (tensors only, not the caching allocator's reserve).
-    CPU: growth of ``ru_maxrss``, the kernel's high-water mark of resident memory. tracemalloc
-    cannot be used: it sees only Python allocations, not torch's C++ allocator. RSS also counts
-    allocator slack and thread-local arenas, which is what the machine really pays. The
-    baseline is taken after imports and data, where the high-water mark equals the current
-    RSS to within a MiB (imports leave no transient peak), so the growth charges each run
-    exactly its model, optimizer, activations and framework machinery.
-    """
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
-            self.baseline = torch.cuda.memory_allocated(device)
-        else:
-            self.baseline = self._max_rss()
-
-    @staticmethod
-    def _max_rss() -> int:
-        scale = 1 if sys.platform == "darwin" else 1024  # bytes on macOS, KiB on Linux
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
-
-    def peak_bytes(self) -> int:
-        if self.device.type == "cuda":
-            return torch.cuda.max_memory_allocated(self.device) - self.baseline
-        return self._max_rss() - self.baseline
-
-
-class Stopwatch:
-    """The duration of every measured step: from its start to the next step's start (the last: to its end).
-
-    A period covers everything done between two steps (data, trainer bookkeeping, the
-    optimizer), so framework overhead is charged; taking the median over steps rejects
-    the spikes that other processes cause on a shared machine. On CUDA the marks are
-    events on the current stream, so timing adds no host synchronisation to the loop.
-
-    ``clock="cpu"`` (CPU runs) reads ``time.process_time`` instead: the CPU seconds this
-    process got, all its threads. Jobs competing for the cores can stretch wall time many
-    times over but barely move CPU time; the price is that idle waiting (a rank blocked in
-    a collective on a slower peer) is not counted, so use it for single-threaded,
-    CPU-bound comparisons on a busy machine, and wall time otherwise.
-    """
-
-    def __init__(self, warmup: int, steps: int, device: torch.device, clock: str = "wall") -> None:
-        self.first, self.last, self.device = warmup, warmup + steps - 1, device
-        self.cpu_clock = clock == "cpu" and device.type == "cpu"
-        self.marks: list = []
-
-    def _mark(self):
-        if self.device.type != "cuda":
-            return time.process_time() if self.cpu_clock else time.perf_counter()
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
-
-    def step_started(self, step: int) -> None:
-        if self.first <= step <= self.last:
-            self.marks.append(self._mark())
-
-    def step_ended(self, step: int) -> None:
-        if step == self.last:
-            self.marks.append(self._mark())
-
-    def step_seconds(self) -> list[float]:
-        if len(self.marks) != self.last - self.first + 2:
-            raise RuntimeError(f"Timed {len(self.marks) - 1} steps instead of {self.last - self.first + 1}: "
-                               "is the loader long enough and --steps positive?")
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            return [start.elapsed_time(end) / 1000 for start, end in zip(self.marks, self.marks[1:])]
-        return [end - start for start, end in zip(self.marks, self.marks[1:])]
-
-
-class StopwatchCallback(L.Callback):
-    """Drives a ``Stopwatch`` from Lightning's batch hooks and keeps the last step's loss."""
-
-    def __init__(self, stopwatch: Stopwatch) -> None:
-        self.stopwatch = stopwatch
-        self.last_loss: Optional[Tensor] = None
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
-        self.stopwatch.step_started(batch_idx)
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
-        self.stopwatch.step_ended(batch_idx)
-        self.last_loss = outputs["loss"]
 
 
 # ---------------------------------------------------------------------------- the DTensor baseline
@@ -451,19 +284,9 @@ def run_lightning(args: argparse.Namespace, device: torch.device, module: L.Ligh
     loader = make_loader(args)
     memory = PeakMemory(device)
     stopwatch = StopwatchCallback(Stopwatch(args.warmup, args.steps, device, args.clock))
-    trainer = L.Trainer(
-        strategy=strategy,
-        accelerator=device.type,
-        devices=devices,
-        precision=args.precision,
-        max_steps=total_steps(args),
-        gradient_clip_val=getattr(args, "clip_grad", None),
-        callbacks=[stopwatch],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = quiet_trainer(strategy=strategy, accelerator=device.type, devices=devices, precision=args.precision,
+                            max_steps=total_steps(args), gradient_clip_val=getattr(args, "clip_grad", None),
+                            callbacks=[stopwatch])
     trainer.fit(module, loader)
     return stopwatch.stopwatch.step_seconds(), memory.peak_bytes(), stopwatch.last_loss.item()
 
@@ -499,10 +322,7 @@ WORKERS: dict[str, Callable[[argparse.Namespace, torch.device], Measurement]] = 
 
 def worker_main(args: argparse.Namespace) -> None:
     """Run one variant on this rank and write ``rank{r}.json`` into the result directory."""
-    rank, local_rank = int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))
-    device = torch.device(args.device, local_rank) if args.device == "cuda" else torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
+    rank, device = worker_rank_and_device(args.device)
     L.seed_everything(args.seed, verbose=False)  # identical initial weights in every variant
     step_seconds, peak, loss = WORKERS[args.worker](args, device)
     result = {"step_seconds": step_seconds, "peak_bytes": peak, "loss": loss}
@@ -511,40 +331,12 @@ def worker_main(args: argparse.Namespace) -> None:
 
 # ---------------------------------------------------------------------------- parent
 def launch(variant: Variant, args: argparse.Namespace, argv: list[str], result_dir: Path) -> list[dict]:
-    """One run of ``variant`` in fresh processes; the per-rank results.
-
-    One thread per process by default, which is also what torchrun gives each rank: on a
-    shared CPU a multi-threaded matmul waits for its slowest thread, and runs here got
-    10-60x slower whenever another job was busy, while single-threaded runs stayed within
-    a few percent of each other.
-    """
+    """One run of ``variant`` in fresh processes (one thread each by default: see ``worker_env``); the per-rank
+    results. Single-rank variants run without torchrun."""
     script = [str(Path(__file__).resolve()), *argv, "--worker", variant.key, "--result-dir", str(result_dir)]
-    if variant.processes == 1:
-        cmd = [sys.executable, *script]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={variant.processes}", *script]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
-               PYTHONWARNINGS="ignore")
-    if args.threads > 0:
-        env["OMP_NUM_THREADS"] = str(args.threads)
-    proc = subprocess.run(cmd, env=env, cwd=result_dir, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{variant.label} failed (exit code {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
-    return [json.loads((result_dir / f"rank{r}.json").read_text()) for r in range(variant.processes)]
-
-
-@dataclass
-class Run:
-    """One run over all its ranks: the slowest rank sets each step's time, the largest rank the memory."""
-
-    tokens_per_s: float
-    peak_bytes: int
-    loss: float
-
-    @classmethod
-    def from_ranks(cls, ranks: list[dict], tokens_per_step: int) -> "Run":
-        step_seconds = [max(per_rank) for per_rank in zip(*(r["step_seconds"] for r in ranks))]
-        return cls(tokens_per_step / statistics.median(step_seconds), max(r["peak_bytes"] for r in ranks), ranks[0]["loss"])
+    cmd = [sys.executable, *script] if variant.processes == 1 else torchrun(variant.processes, *script)
+    run_checked(cmd, variant.label, result_dir, worker_env(args.threads))
+    return read_ranks(result_dir, variant.processes)
 
 
 Job = tuple[str, Variant]  # (model, variant)
@@ -556,7 +348,7 @@ def run_all(args: argparse.Namespace, argv: list[str], jobs: list[Job]) -> dict[
     runs: dict[Job, list[Run]] = {job: [] for job in jobs}
     with tempfile.TemporaryDirectory(prefix="throughput-") as tmp:
         for repeat in range(args.repeats):
-            for model, variant in jobs if repeat % 2 == 0 else jobs[::-1]:
+            for model, variant in abba(jobs, repeat):
                 result_dir = Path(tmp, f"{model}-{variant.key}-{repeat}")
                 result_dir.mkdir()
                 print(f"  round {repeat + 1}/{args.repeats}: {model} {variant.label} ...", file=sys.stderr, flush=True)
@@ -619,17 +411,6 @@ def table_row(args: argparse.Namespace, variant: Variant, summary: Summary, base
         tflops = flops_per_step(args) * steps_per_s / variant.processes / 1e12
         row += [f"{tflops:.1f}", f"{tflops / args.peak_tflops:.1%}"]
     return row
-
-
-def format_rows(rows: list[list[str]], left: Iterable[int] = (0,)) -> str:
-    """``rows`` (the header first) as a text table: columns padded to their widest cell, the ``left`` ones (text)
-    left-aligned and the rest (numbers) right-aligned, a rule under the header. Every benchmark prints with it."""
-    left = set(left)
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    lines = [" | ".join(cell.ljust(w) if i in left else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths)))
-             for row in rows]
-    lines.insert(1, "-+-".join("-" * w for w in widths))
-    return "\n".join(lines)
 
 
 def format_table(args: argparse.Namespace, jobs: list[Job], runs: dict[Job, list[Run]]) -> str:

@@ -82,6 +82,28 @@ def load_throughput():
     return load_benchmark("throughput")
 
 
+def test_harness_summaries_tables_and_per_rank_batches():
+    """``benchmarks/harness``: a run's step time is the median over steps of the slowest rank's; rounds alternate
+    their order; tables align every column; the per-rank loaders split one fixed sample order between the ranks."""
+    import argparse
+    import statistics
+
+    rounds, tables, training = (load_benchmark(f"harness.{name}") for name in ("rounds", "tables", "training"))
+    steps = [[0.3, 0.1, 0.9, 0.2], [0.1, 0.4, 0.2, 0.2]]  # [rank][step]
+    assert rounds.slowest_rank_median(steps) == statistics.median(max(a, b) for a, b in zip(*steps))
+    assert [list(rounds.abba("abc", r)) for r in range(3)] == [list("abc"), list("cba"), list("abc")]
+
+    lines = tables.format_rows([["name", "value"], ["a", "1.5"], ["longer", "22"]]).splitlines()
+    assert len({len(line) for line in lines}) == 1 and set(lines[1]) <= {"-", "+"}, lines
+    assert lines[2].startswith("a ") and lines[3].endswith(" 22") and lines[2].endswith("1.5"), lines
+
+    args = argparse.Namespace(hidden=32, layers=1, heads=4, seq=8, vocab=64, batch=2, steps=2, warmup=1, seed=3)
+    whole = training.SyntheticTokens(training.total_steps(args) * args.batch * 2, args.seq, args.vocab, args.seed)
+    shares = [torch.cat([b["input_ids"] for b in training.make_loader(args, 2, rank)]) for rank in range(2)]
+    assert all(len(share) == training.total_steps(args) * args.batch for share in shares)
+    assert sorted(torch.cat(shares).tolist()) == sorted(whole.input_ids.tolist())  # every sample once, none twice
+
+
 def test_throughput_interleaved_gate_up_makes_a_contiguous_dtensor_split_of_swiglu_exact():
     """Rank r's contiguous half of the interleaved fc rows is [gate_r | up_r]: the ranks' partial outputs sum to
     the unsharded MLP's (a plain contiguous split of [gate | up] would not)."""
