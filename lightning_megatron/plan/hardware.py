@@ -78,6 +78,9 @@ class Hardware:
     memory_efficiency: float = 0.7  # of memory_bandwidth, for element-wise kernels
     overlap_efficiency: float = 0.5  # of the compute a collective runs under, the share that hides it
     attention_efficiency: float = 0.5  # of peak_flops, for flash attention's fused kernels (forward + backward)
+    streaming_multiprocessors: int = 108  # the waves a GEMM's tiles run in (plan.gemm)
+    peak_fp8_flops: float = 0.0  # dense FP8 tensor-core peak; 0: no FP8 GEMMs (before Hopper)
+    fp8_efficiency: float = 0.5  # of peak_fp8_flops, for large FP8 GEMMs with their scaling and casts
     collective_latency: float = 20e-6  # seconds a collective costs besides its bytes
     host_bandwidth: float = 12 * GB  # PCIe per GPU, one direction, bytes/s (the offload tiers)
     host_optimizer_rate: float = 1e9  # fp32 elements per second the node's CPUs step Adam on (all its ranks)
@@ -89,9 +92,12 @@ class Hardware:
     def __post_init__(self) -> None:
         for field in fields(self):
             value = getattr(self, field.name)
-            if field.name != "name" and (not isinstance(value, (int, float)) or value <= 0):
+            if field.name not in ("name", "peak_fp8_flops") and (not isinstance(value, (int, float)) or value <= 0):
                 raise ValueError(f"Hardware.{field.name} must be a positive number, got {value!r}.")
-        for name in ("matmul_efficiency", "memory_efficiency", "overlap_efficiency", "attention_efficiency"):
+        if not isinstance(self.peak_fp8_flops, (int, float)) or self.peak_fp8_flops < 0:
+            raise ValueError(f"Hardware.peak_fp8_flops must be >= 0 (0: no FP8), got {self.peak_fp8_flops!r}.")
+        for name in ("matmul_efficiency", "memory_efficiency", "overlap_efficiency", "attention_efficiency",
+                     "fp8_efficiency"):
             if getattr(self, name) > 1:
                 raise ValueError(f"Hardware.{name} is a fraction of the peak (at most 1), got {getattr(self, name)}.")
 
@@ -103,17 +109,27 @@ class Hardware:
         """What large GEMMs sustain in the training dtype."""
         return self.peak(sixteen_bit) * self.matmul_efficiency
 
+    def fp8_flops(self) -> float:
+        """What large FP8 GEMMs sustain (their per-tensor scaling and casts included)."""
+        if not self.peak_fp8_flops:
+            raise ValueError(f"{self.name} has no FP8 tensor cores (peak_fp8_flops=0): plan without fp8, or give "
+                             f"the GPU's FP8 peak (--gpu custom:fp8peak=TFLOPS,...).")
+        return self.peak_fp8_flops * self.fp8_efficiency
 
+
+#: Calibrated on torchtitan's Llama-3.1-8B FSDP run (benchmarks/planner_check.py, ``CALIBRATIONS["h100"]``); FP8
+#: GEMMs are assumed to reach the same fraction of their (twice as high) peak.
+H100_EFFICIENCY = 0.424
 GPUS: dict[str, Hardware] = {
     "v100": Hardware("v100", 125 * TFLOPS, 15.7 * TFLOPS, 32 * GB, 900 * GB, 115 * GB, 6.25 * GB, 16,
-                     matmul_efficiency=0.434, host_memory_bytes=1500 * GB),
+                     matmul_efficiency=0.470, host_memory_bytes=1500 * GB, streaming_multiprocessors=80),
     "a100": Hardware("a100", 312 * TFLOPS, 19.5 * TFLOPS, 80 * GB, 2039 * GB, 230 * GB, 25 * GB, 8,
-                     matmul_efficiency=0.756, host_bandwidth=25 * GB),
+                     matmul_efficiency=0.781, host_bandwidth=25 * GB, streaming_multiprocessors=108),
     "h100": Hardware("h100", 989 * TFLOPS, 67 * TFLOPS, 80 * GB, 3350 * GB, 370 * GB, 50 * GB, 8,
-                     matmul_efficiency=0.756, host_bandwidth=50 * GB),
-    "h200": Hardware("h200", 989 * TFLOPS, 67 * TFLOPS, 141 * GB, 4800 * GB, 370 * GB, 50 * GB, 8,
-                     matmul_efficiency=0.756, host_bandwidth=50 * GB),
+                     matmul_efficiency=H100_EFFICIENCY, attention_efficiency=0.35, host_bandwidth=50 * GB,
+                     streaming_multiprocessors=132, peak_fp8_flops=1979 * TFLOPS, fp8_efficiency=H100_EFFICIENCY),
 }
+GPUS["h200"] = replace(GPUS["h100"], name="h200", memory_bytes=141 * GB, memory_bandwidth=4800 * GB)  # H100's chip
 
 # Units a ``--gpu custom:...`` value may carry, and the fields that take each.
 _UNITS = {"tflops": TFLOPS, "gbps": GB, "gb": GB}
@@ -125,6 +141,7 @@ _FIELDS = {
     "pcie": ("host_bandwidth", GB), "host": ("host_memory_bytes", GB), "disk": ("disk_bytes", GB),
     "diskread": ("disk_read_bandwidth", GB), "diskwrite": ("disk_write_bandwidth", GB),
     "adam": ("host_optimizer_rate", 1e9),  # billions of fp32 elements per second
+    "sms": ("streaming_multiprocessors", 1), "fp8peak": ("peak_fp8_flops", TFLOPS), "fp8": ("fp8_efficiency", 1),
 }
 
 _BYTE_FIELDS = ("memory_bytes", "host_memory_bytes", "disk_bytes")
@@ -159,7 +176,7 @@ def parse_gpu(spec: str, *, memory: Optional[str] = None, gpus_per_node: Optiona
                 number = float(text)
             except ValueError:
                 raise ValueError(f"--gpu {spec!r}: {key}={text!r} is not a number.") from None
-            changes[field] = int(number) if field == "gpus_per_node" else number * unit
+            changes[field] = int(number) if field in ("gpus_per_node", "streaming_multiprocessors") else number * unit
         hardware = replace(GPUS[base], name="custom", **{k: (int(v) if k in _BYTE_FIELDS else v)
                                                           for k, v in changes.items()})
     if memory is not None:

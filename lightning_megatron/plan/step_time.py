@@ -48,7 +48,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from lightning_megatron.plan.communication import Collective, step_collectives
-from lightning_megatron.plan.flops import attention_core_flops, layer_gemm_flops, pipeline_rank_layers
+from lightning_megatron.plan.flops import attention_core_flops, pipeline_rank_layers
+from lightning_megatron.plan.gemm import layer_linears, linear_seconds
 from lightning_megatron.plan.hardware import Hardware
 from lightning_megatron.plan.layout import Layout, Workload
 from lightning_megatron.plan.shape import ModelShape
@@ -101,28 +102,26 @@ def step_time(shape: ModelShape, layout: Layout, workload: Workload, hardware: H
 
     # ---- compute of one micro-batch on the slowest rank
     core = attention_core_flops(shape, workload.seq_length, skip_masked_half=workload.attention == "flash") / tp
-    layer_forward = layer_gemm_flops(shape) / tp  # per token, forward
-    recomputed_gemm = layer_forward if layout.activation_checkpointing == "full" else 0.0
-    recomputed_core = core if layout.activation_checkpointing != "none" else 0.0
     # Flash attention's fused kernels run at attention_efficiency; materialised scores are batched GEMMs.
     core_rate = (hardware.peak(workload.sixteen_bit_compute) * hardware.attention_efficiency
                  if workload.attention == "flash" else flops_rate)
     vocab = padded_size(shape.vocab_size, tp, workload.pad_vocab_to_multiple_of) / tp  # this rank's logits
-    head_forward = (2 * shape.hidden_size * vocab
-                    + (2 * shape.hidden_size ** 2 if shape.head_transform else 0))
-    gemm = tokens * (layers * (3 * layer_forward + recomputed_gemm) + 3 * head_forward)
+    recomputed_core = core if layout.activation_checkpointing != "none" else 0.0
+    gemm_seconds = _gemm_seconds(shape, layout, workload, hardware, tokens, layers, vocab)
     attention = tokens * layers * (3 * core + recomputed_core)
     elementwise_forward = _layer_elementwise_bytes(shape, layout, w)
     if workload.attention == "materialized":  # the a x s scores of each token, /tp: written, soft-maxed, dropped
         elementwise_forward += MATERIALIZED_SCORE_BYTES * shape.num_heads * workload.seq_length / tp * w / 2
     elementwise = tokens * (layers * elementwise_forward * (3 + (layout.activation_checkpointing == "full"))
                             + 20 * vocab)
-    compute_mb = gemm / flops_rate + attention / core_rate + elementwise / memory_rate
+    compute_mb = gemm_seconds + attention / core_rate + elementwise / memory_rate
 
     # ---- communication: the bytes and calls of plan.communication, per micro-batch
     collectives = step_collectives(shape, layout, workload, model_state, pipeline_rank=slowest)
     tp_bytes, tp_calls = _per_micro_batch(collectives, "tp", micro_batches)
-    tp_mb = tp_bytes / tp_link + tp_calls * hardware.collective_latency  # not overlapped
+    tp_mb = tp_bytes / tp_link + tp_calls * hardware.collective_latency  # not overlapped (this package's tp)
+    if workload.overlap_tensor_parallel:  # another framework's: split into chunks under the layer's GEMMs
+        tp_mb = _exposed(tp_mb, gemm_seconds, hardware)
 
     # ---- context parallel ring, overlapped with the attention blocks (K and V travel together: one latency a hop)
     cp_bytes, cp_calls = _per_micro_batch(collectives, "cp", micro_batches)
@@ -155,6 +154,22 @@ def step_time(shape: ModelShape, layout: Layout, workload: Workload, hardware: H
     else:
         offloaded = _offloaded_step(layout, workload, hardware, model_state, owned, micro_batches, micro_batch_time)
     return StepTime(compute, tensor, context, expert, micro_batches * p2p_mb, bubble, data, *offloaded)
+
+
+def _gemm_seconds(shape: ModelShape, layout: Layout, workload: Workload, hardware: Hardware, tokens: int,
+                  layers: int, vocab: float) -> float:
+    """Seconds of one micro-batch's GEMMs on the slowest rank: its layers' linears (FP8 under ``workload.fp8``;
+    forward again under full recomputation or ``recomputed_gemm_share``) and the 16-bit head, each at its shape's
+    efficiency (``plan.gemm``)."""
+    sixteen_bit = hardware.flops(workload.sixteen_bit_compute)
+    layer_rate = hardware.fp8_flops() if workload.fp8 else sixteen_bit
+    passes = 1 + (1.0 if layout.activation_checkpointing == "full" else workload.recomputed_gemm_share)
+    seconds = 0.0
+    for rows, inputs, outputs, count in layer_linears(shape, layout.tensor_parallel_size,
+                                                      layout.expert_parallel_size, tokens):
+        seconds += layers * count * sum(linear_seconds(rows, inputs, outputs, layer_rate, hardware, passes=passes))
+    head = [(shape.hidden_size, vocab)] + ([(shape.hidden_size, shape.hidden_size)] if shape.head_transform else [])
+    return seconds + sum(sum(linear_seconds(tokens, i, o, sixteen_bit, hardware)) for i, o in head)
 
 
 def _per_micro_batch(collectives: list[Collective], group: str, micro_batches: int) -> tuple[float, float]:
