@@ -162,6 +162,9 @@ def megatron_bridge_flops(config: GPTConfig, batch: int, seq: int, padded_vocab:
     return batch * seq * per_token
 
 
+_PLANNERS: dict[str, Planner] = {}
+
+
 @dataclass(frozen=True)
 class PublishedRun:
     """A published H100 run at its own layout (``layout``: the strategy's argument names) and settings
@@ -178,7 +181,11 @@ class PublishedRun:
     metric: str
 
     def predict(self, hardware: Optional[Hardware] = None) -> tuple[float, LayoutPlan]:
-        planner = Planner(lambda: GPT(self.config), self.workload, hardware or self.hardware, world_size=self.gpus)
+        planner = _PLANNERS.get(self.name)
+        if planner is None:  # one per run: its model states are counted once, whatever the hardware
+            planner = _PLANNERS[self.name] = Planner(lambda: GPT(self.config), self.workload, self.hardware,
+                                                     world_size=self.gpus)
+        planner.hardware = hardware or self.hardware
         plan = planner.evaluate(planner.with_layout(**self.layout))
         if self.metric == "tokens":
             return plan.tokens_per_second / self.gpus, plan
@@ -221,6 +228,10 @@ MEGATRON_BRIDGE_70B = PublishedRun(
 H100_RUNS = (TORCHTITAN_8B, TORCHTITAN_70B, MEGATRON_BRIDGE_70B)
 CALIBRATIONS["h100"] = TORCHTITAN_8B
 H100_MARGIN = 0.15  # the stated bound: a published H100 run within 15%
+#: Runs the planner is known to miss by more, and why (docs/planner.md, "Limits"): it predicts them below what they
+#: reported, and the check says so rather than hiding them.
+KNOWN_GAPS = {MEGATRON_BRIDGE_70B.name: "Megatron-Core with Transformer Engine runs its kernels ~1.5x faster per GPU "
+                                        "than the PyTorch-eager stack H100 is calibrated on"}
 
 
 def as_configured_rows() -> list[dict]:
@@ -231,6 +242,7 @@ def as_configured_rows() -> list[dict]:
         rows.append({"run": run.name, "layout": plan.layout.label(), "predicted": value, "reported": run.reported,
                      "unit": {"tokens": "tokens/s/GPU", "mb_tflops": "TFLOP/s/GPU (MB's count)"}[run.metric],
                      "ratio": value / run.reported, "mfu": plan.mfu, "calibration": run in CALIBRATIONS.values(),
+                     "known_gap": KNOWN_GAPS.get(run.name),
                      "parts": {k: v / plan.step_seconds for k, v in plan.time.parts().items() if v}})
     return rows
 
