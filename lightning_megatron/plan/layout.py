@@ -58,8 +58,6 @@ class Workload:
     def __post_init__(self) -> None:
         if not 0 <= self.recomputed_gemm_share <= 1:
             raise ValueError(f"recomputed_gemm_share is a fraction (0 to 1), got {self.recomputed_gemm_share}.")
-        if self.fp8 and self.precision not in ("bf16-true", "bf16-mixed"):
-            raise ValueError(f"fp8 GEMMs run under bf16 precision; precision={self.precision!r}.")
         if not self.offload_buffer_mb > 0:
             raise ValueError(f"offload_buffer_mb must be > 0, got {self.offload_buffer_mb}.")
         for name in ("global_batch_size", "seq_length", "pad_vocab_to_multiple_of"):

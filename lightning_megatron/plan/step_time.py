@@ -2,17 +2,20 @@
 
 For the slowest pipeline rank and one micro-batch of ``T = micro_batch_size * seq_length / cp`` tokens:
 
-* **compute**: the GEMM FLOPs of its layers (``qkv``, ``proj``, the MLP's or the experts' matrices, the
-  logits on the last rank), each ``/ tp``, forward + backward = 3 x forward, plus the forward again under
-  ``full`` recomputation, at ``matmul_efficiency`` of the dense peak; attention's ``Q K^T`` and ``P V`` (again
-  under either recomputation) at ``attention_efficiency`` (flash kernels, which skip causal attention's
-  masked half; materialised scores: batched GEMMs at ``matmul_efficiency``); plus the element-wise kernels (norms, residual adds, dropout, the activation,
+* **compute**: the GEMMs of its layers' linears (``qkv``, ``proj``, the MLP's or the experts' matrices, each
+  ``/ tp``; forward, and backward's two GEMMs of the same FLOPs; the forward again under ``full`` recomputation or
+  ``Workload.recomputed_gemm_share`` of it) and the logits on the last rank, each at ``matmul_efficiency`` of the
+  dense peak times its shape's wave efficiency (``plan.gemm``), the linears at the FP8 peak and ``fp8_efficiency``
+  under ``Workload.fp8``; attention's ``Q K^T`` and ``P V`` (again under either recomputation) at
+  ``attention_efficiency`` (flash kernels, which skip causal attention's masked half; materialised scores: batched
+  GEMMs at ``matmul_efficiency``); plus the element-wise kernels (norms, residual adds, dropout, the activation,
   rotary, head transposes, the vocab-parallel cross-entropy) as bytes at ``memory_efficiency`` of the
   memory bandwidth, ``/ tp`` where sequence parallelism splits them;
 * **tensor parallel**: Megatron's two all-reduces per layer forward and two backward (one more in a
   recomputed forward), or under sequence parallelism the all-gathers and reduce-scatters moving the same
   bytes and the column inputs gathered again in backward, plus the embedding's, the head's and the
-  cross-entropy's, over NVLink while ``tp x cp`` fits in a node; not overlapped;
+  cross-entropy's, over NVLink while ``tp x cp`` fits in a node; not overlapped (this package does not), but
+  under ``Workload.overlap_tensor_parallel`` (another framework's published run) hidden under the GEMMs;
 * **context parallel**: the ring's key/value blocks (forward ``cp - 1`` hops, backward ``cp - 1`` and the
   ``cp`` hops of their gradients), overlapped with the attention blocks' compute;
 * **expert parallel**: the MoE layers' four all-to-alls per micro-batch (dispatch and combine, forward and
