@@ -1,7 +1,8 @@
-"""The layout planner against measurement and the papers, as two tables.
+"""The layout planner against measurement, the papers and published H100 runs, as three tables.
 
     python benchmarks/planner_check.py                # both tables (the activation one measures, ~1 min)
     python benchmarks/planner_check.py --papers       # the papers only (seconds)
+    python benchmarks/planner_check.py --as-configured  # published H100 runs at their own layouts (seconds)
 
 **Activations.** ``activation_peak.py`` measures each rank's peak of activation bytes on the CPU (tp 1/2, sequence
 parallelism, pp 2 under 1F1B, no / selective / full recomputation, GPT- and Llama-shaped, two sizes); the planner
@@ -17,6 +18,11 @@ each (``CALIBRATIONS``: V100 on Shoeybi et al. 2019's single-GPU 1.2B baseline, 
   1024) sustains 15.1 PFLOP/s, 76% weak-scaling efficiency against the baseline's 39 TFLOP/s;
 * Narayanan et al. 2021, section 5.1: GPT-3 175B on 1024 A100 80GB, batch 1536, sequence 2048, at 140 TFLOP/s
   per GPU (their layout: tp 8 x pp 16, the README's GPT-3 example; interleaved schedule, full recomputation).
+
+**H100 runs, as configured** (``--as-configured``): published runs predicted at their own layouts and settings,
+compared in their own units (tokens/s/GPU, or Megatron Bridge's model TFLOP/s/GPU in its own FLOP count). H100's
+``matmul_efficiency`` is calibrated on the first (torchtitan's Llama-3.1-8B FSDP run); the others check it. Each
+run's facts and their sources are in the comments above its ``PublishedRun`` and in docs/planner.md.
 """
 
 from __future__ import annotations

@@ -439,3 +439,41 @@ def test_rank_flops_share_out_the_model_flops_and_add_what_the_kernels_execute(n
     cp2 = rank_step_flops(shape, Layout(context_parallel_size=2, data_parallel_size=4, accumulate_grad_batches=4),
                           workload)
     assert cp2.model == pytest.approx(cp1.model) and cp2.executed < cp1.executed  # the ring skips masked halves
+
+
+def test_small_gemms_and_fp8_change_the_predicted_compute_as_their_shapes_and_peaks_say():
+    """A GEMM's efficiency falls with its output's tiles per SM (``plan.gemm``): the same FLOPs in a GEMM of a
+    quarter of a wave take longer than in one of many waves. FP8 runs the layers' linears at the FP8 peak, so the
+    compute shrinks, by less than the peaks' ratio (attention, the head and element-wise kernels stay); a GPU without
+    FP8 tensor cores refuses it, naming the option."""
+    from dataclasses import replace
+
+    from lightning_megatron.models import GPT, GPTConfig
+    from lightning_megatron.plan import GPUS, Workload
+    from lightning_megatron.plan.gemm import GEMM_TILE, linear_seconds
+    from lightning_megatron.plan.layout import Layout
+    from lightning_megatron.plan.shape import ModelShape
+    from lightning_megatron.plan.step_time import step_time
+
+    h100 = GPUS["h100"]
+    rate = h100.flops(True)
+
+    def seconds_per_flop(side: float) -> float:  # a linear whose tokens, inputs and outputs are all ``side``
+        return sum(linear_seconds(side, side, side, rate, h100)) / (6 * side ** 3)
+
+    quarter_wave = (GEMM_TILE * h100.streaming_multiprocessors / 4) ** 0.5  # each GEMM's output: a quarter wave
+    assert seconds_per_flop(quarter_wave) == pytest.approx(3 / rate)  # (1/4) / (1/4 + 1/2) of the rate
+    assert seconds_per_flop(8192) < 1.04 / rate  # 15.5 waves: within 4% of the rate
+
+    module = GPT(GPTConfig.from_name("llama-tiny", hidden_size=4096, num_layers=2, num_heads=32, num_query_groups=8,
+                                     ffn_hidden_size=14336))
+    shape = ModelShape.of(module)
+    state = {"parameters": 2 * 10**9, "gradients": 2 * 10**9, "main_parameters": 0, "optimizer_state": 0}
+    layout = Layout(data_parallel_size=1, micro_batch_size=2, accumulate_grad_batches=1)
+    compute = {fp8: step_time(shape, layout, Workload(2, 8192, "bf16-true", fp8=fp8), h100, state).compute
+               for fp8 in (False, True)}
+    assert compute[False] / h100.peak_fp8_flops * h100.peak_flops < compute[True] < compute[False], compute
+    with pytest.raises(ValueError, match="no FP8 tensor cores.*fp8"):
+        step_time(shape, layout, Workload(2, 8192, "bf16-true", fp8=True), GPUS["a100"], state)
+    with pytest.raises(ValueError, match="no FP8"):
+        replace(h100, peak_fp8_flops=0).fp8_flops()
