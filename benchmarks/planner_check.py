@@ -221,8 +221,9 @@ TORCHTITAN_70B = PublishedRun(
 #: TFLOP/s/GPU (docs/performance-summary-archive.md at 4ab94df; the two disagree by 2% in its FLOP count, the 26.04
 #: row, 1633 and 734, agrees: we compare TFLOP/s, the issue's number). The recipe
 #: (perf_recipes/llama/h100/llama3.py ``llama3_70b_pretrain_64gpu_h100_fp8cs_config`` at 56ae11d): FP8 current
-#: scaling (tensorwise) in every layer, sequence parallel, no recomputation, the distributed optimizer with its
-#: parameter gather overlapped, tp communication overlapped with the GEMMs (userbuffers), pipeline layout
+#: scaling (tensorwise) in every layer, sequence parallel, no recomputation (none set there or in
+#: recipes/common.py's pretraining defaults, which turn the distributed optimizer on), its parameter gather
+#: overlapped, tp communication overlapped with the GEMMs (userbuffers), pipeline layout
 #: "Et*2|(t*2|)*34,t*3|(t*2|)*3,tL" (40 virtual stages: 2 layers each but one of 3 and the last, with the loss, of 1).
 MEGATRON_BRIDGE_LAYERS = (2,) * 35 + (3,) + (2,) * 3 + (1,)
 MEGATRON_BRIDGE_70B = PublishedRun(
@@ -332,7 +333,8 @@ def main() -> None:
     print(f"predicted weak-scaling efficiency of the 8.3B run: {rows[1]['weak_scaling_efficiency']:.1%} (reported 76%)")
     for gpu, run in CALIBRATIONS.items():
         if isinstance(run, PaperRun):
-            print(f"{gpu}: matmul_efficiency {GPUS[gpu].matmul_efficiency} (calibrated on {run.name}: {calibrate(run):.3f})")
+            print(f"{gpu}: matmul_efficiency {GPUS[gpu].matmul_efficiency} (calibrated on {run.name}: "
+                  f"{calibrate(run):.3f})")
     if not args.papers:
         print()
         print_as_configured(as_configured_rows())
