@@ -15,7 +15,7 @@ For the slowest pipeline rank and one micro-batch of ``T = micro_batch_size * se
   recomputed forward), or under sequence parallelism the all-gathers and reduce-scatters moving the same
   bytes and the column inputs gathered again in backward, plus the embedding's, the head's and the
   cross-entropy's, over NVLink while ``tp x cp`` fits in a node; not overlapped (this package does not), but
-  under ``Workload.overlap_tensor_parallel`` (another framework's published run) hidden under the GEMMs;
+  under ``Workload.overlap_tensor_parallel`` (another framework's published run) overlapped with the GEMMs;
 * **context parallel**: the ring's key/value blocks (forward ``cp - 1`` hops, backward ``cp - 1`` and the
   ``cp`` hops of their gradients), overlapped with the attention blocks' compute;
 * **expert parallel**: the MoE layers' four all-to-alls per micro-batch (dispatch and combine, forward and
