@@ -67,7 +67,8 @@ def planner_from_config(config: dict, *, gpus: int, hardware: Hardware, global_b
         precision=str(precision or trainer.get("precision", "bf16-true")),
         bucket_size_mb=float(strategy.get("bucket_size_mb", 25.0)),
         pad_vocab_to_multiple_of=int(strategy.get("pad_vocab_to_multiple_of", 128)),
-        offload_buffer_mb=float(strategy.get("offload_buffer_mb", DEFAULT_BUFFER_MB)))
+        offload_buffer_mb=float(strategy.get("offload_buffer_mb", DEFAULT_BUFFER_MB)),
+        fp8=bool(strategy.get("fp8")))
     return Planner(module_factory(config.get("model") or {}), workload, hardware, world_size=gpus, fixed=fixed)
 
 

@@ -9,35 +9,42 @@ reach) and ``memory_efficiency`` (of the memory bandwidth, for element-wise kern
 are NCCL *bus* bandwidths (``nccl-tests``' ``busbw``), so that a ring all-reduce of ``n`` bytes over
 ``k`` ranks takes ``2 (k - 1) / k * n / bandwidth`` and an all-gather or reduce-scatter half that.
 
-=========  ============  ======  =========  =========  ==========  =====================================
-preset     bf16 (fp32)   memory  HBM        NVLink     network     node
-           TFLOP/s       GB      GB/s       busbw GB/s per GPU GB/s
-=========  ============  ======  =========  =========  ==========  =====================================
-v100       125 (15.7)    32      900        130        6.25        DGX-2H: 16 GPUs, 8 x 100 Gb/s IB
-a100       312 (19.5)    80      2039       230        25          DGX A100: 8 GPUs, 8 x 200 Gb/s IB
-h100       989 (67)      80      3350       370        50          DGX H100: 8 GPUs, 8 x 400 Gb/s IB
-h200       989 (67)      141     4800       370        50          DGX H200: 8 GPUs, 8 x 400 Gb/s IB
-=========  ============  ======  =========  =========  ==========  =====================================
+=========  ============  ======  =========  =========  ==========  =====================================  ===  ======
+preset     bf16 (fp32)   memory  HBM        NVLink     network     node                                   SMs  FP8
+           TFLOP/s       GB      GB/s       busbw GB/s per GPU GB/s                                            TFLOP/s
+=========  ============  ======  =========  =========  ==========  =====================================  ===  ======
+v100       125 (15.7)    32      900        115        6.25        DGX-2H: 16 GPUs, 8 x 100 Gb/s IB       80   -
+a100       312 (19.5)    80      2039       230        25          DGX A100: 8 GPUs, 8 x 200 Gb/s IB      108  -
+h100       989 (67)      80      3350       370        50          DGX H100: 8 GPUs, 8 x 400 Gb/s IB      132  1979
+h200       989 (67)      141     4800       370        50          DGX H200: 8 GPUs, 8 x 400 Gb/s IB      132  1979
+=========  ============  ======  =========  =========  ==========  =====================================  ===  ======
 
-Sources: the peaks, memories and bandwidths are NVIDIA's data sheets (V100: 125 TFLOP/s fp16 tensor,
-900 GB/s; A100 80GB SXM: 312 TFLOP/s bf16 dense, 2,039 GB/s; H100 SXM: 989 TFLOP/s bf16 dense,
-3.35 TB/s; H200 SXM: 989 TFLOP/s, 141 GB, 4.8 TB/s) and the DGX system guides for the node
-networks. The V100 keeps fp16 as its 16-bit dtype (it has no bf16). NVLink bus bandwidths are below
-the links' nominal per-direction rates (V100 150, A100 300, H100/H200 450 GB/s), at what NCCL's
-all-reduce sustains for large messages; the network figures are the adapters' nominal rates per GPU.
+Sources: the peaks, memories, bandwidths and SM counts are NVIDIA's data sheets and architecture whitepapers (V100:
+125 TFLOP/s fp16 tensor, 900 GB/s, 80 SMs; A100 80GB SXM: 312 TFLOP/s bf16 dense, 2,039 GB/s, 108 SMs; H100 SXM:
+989 TFLOP/s bf16 and 1,979 FP8 dense, 3.35 TB/s, 132 SMs; H200 SXM: H100's chip with 141 GB at 4.8 TB/s) and the
+DGX system guides for the node networks. The V100 keeps fp16 as its 16-bit dtype (it has no bf16); V100 and A100
+have no FP8 tensor cores. NVLink bus bandwidths are below the links' nominal per-direction rates (V100 150, A100
+300, H100/H200 450 GB/s), at what NCCL's all-reduce sustains for large messages; the network figures are the
+adapters' nominal rates per GPU.
 
-The efficiencies are calibrations, not data-sheet numbers: V100's ``matmul_efficiency`` is chosen so
-that the planner predicts the Megatron-LM paper's single-GPU baseline (the 1.2B GPT at 39 TFLOP/s on
-one V100 of a DGX-2H; Shoeybi et al. 2019); A100's so that it predicts the Megatron-LM README's 1.7B GPT
-on 32 A100s without model parallelism (137 TFLOP/s per GPU, counting recomputation). H100 and H200
-take A100's fractions: an assumption, until a measurement replaces it. ``overlap_efficiency`` (0.5: a
-collective overlapped with compute hides behind half of that compute; NCCL's kernels take SMs and memory
-bandwidth from it) is fitted to Narayanan et al. 2021's table 2, GPT-3 175B under ZeRO-3 without model
-parallelism on 384, 768 and 1536 A100s (144, 88 and 44 TFLOP/s per GPU), the runs whose time is most
-communication. ``attention_efficiency`` (0.5 of the peak for flash attention's kernels, forward and backward
-together) is the lower end of FlashAttention-2's 50-73% of peak on A100 (Dao 2023; its backward is the
-slower half). ``memory_efficiency`` (0.7 of HBM for element-wise kernels) is an assumption. ``--gpu
-custom:...`` sets any of them.
+The efficiencies turn peaks into rates. ``matmul_efficiency`` is what large GEMMs sustain, calibrated on one
+published run per GPU (``benchmarks/planner_check.py``'s ``CALIBRATIONS``, which recomputes each): V100's on the
+Megatron-LM paper's single-GPU baseline (the 1.2B GPT at 39 TFLOP/s on one V100 of a DGX-2H; Shoeybi et al.
+2019), A100's on the Megatron-LM README's 1.7B GPT on 32 A100s without model parallelism (137 TFLOP/s per GPU,
+counting recomputation; Narayanan et al. 2021), H100's on torchtitan's Llama-3.1-8B FSDP run on 8 H100s (5,762
+tokens/s/GPU, bf16, eager). Smaller GEMMs reach less of it by their shapes (``plan.gemm``: wave quantization over
+the SMs, no constant of its own). The H100 calibration is a whole PyTorch-eager stack's: everything the roofline
+does not itemise (kernel launches, unfused element-wise kernels beyond the modelled bytes) is in it, so it is low
+(0.424) next to what cuBLAS reaches on one large GEMM; the H200 is H100's chip and takes its calibration.
+``fp8_efficiency`` (of the FP8 peak, for the linears under ``Workload.fp8``, their scaling casts included) is an
+assumption: FP8 GEMMs reach the same fraction of their doubled peak as 16-bit ones (checked on torchtitan's 70B
+FP8 run). ``attention_efficiency`` (flash attention's kernels, forward and backward together) is published: 0.5
+on V100/A100, the lower end of FlashAttention-2's 50-73% of peak on A100 (Dao 2023); 0.35 on H100/H200, what
+FlashAttention-2 reaches there (Shah et al. 2024, FlashAttention-3). ``overlap_efficiency`` (0.5: a collective
+overlapped with compute hides behind half of that compute; NCCL's kernels take SMs and memory bandwidth from it) is
+fitted to Narayanan et al. 2021's table 2, GPT-3 175B under ZeRO-3 without model parallelism on 384, 768 and 1536
+A100s (144, 88 and 44 TFLOP/s per GPU), the runs whose time is most communication. ``memory_efficiency`` (0.7 of
+HBM for element-wise kernels) is an assumption. ``--gpu custom:...`` sets any of them.
 
 **The host, for the offload tiers** (``offload_optimizer``/``offload_parameters`` ``"cpu"``/``"nvme"``): each
 GPU's PCIe link (``host_bandwidth``, one direction, what a pinned ``cudaMemcpy`` sustains: about 80% of the
@@ -78,6 +85,9 @@ class Hardware:
     memory_efficiency: float = 0.7  # of memory_bandwidth, for element-wise kernels
     overlap_efficiency: float = 0.5  # of the compute a collective runs under, the share that hides it
     attention_efficiency: float = 0.5  # of peak_flops, for flash attention's fused kernels (forward + backward)
+    streaming_multiprocessors: int = 108  # the waves a GEMM's tiles run in (plan.gemm)
+    peak_fp8_flops: float = 0.0  # dense FP8 tensor-core peak; 0: no FP8 GEMMs (before Hopper)
+    fp8_efficiency: float = 0.5  # of peak_fp8_flops, for large FP8 GEMMs with their scaling and casts
     collective_latency: float = 20e-6  # seconds a collective costs besides its bytes
     host_bandwidth: float = 12 * GB  # PCIe per GPU, one direction, bytes/s (the offload tiers)
     host_optimizer_rate: float = 1e9  # fp32 elements per second the node's CPUs step Adam on (all its ranks)
@@ -89,9 +99,12 @@ class Hardware:
     def __post_init__(self) -> None:
         for field in fields(self):
             value = getattr(self, field.name)
-            if field.name != "name" and (not isinstance(value, (int, float)) or value <= 0):
+            if field.name not in ("name", "peak_fp8_flops") and (not isinstance(value, (int, float)) or value <= 0):
                 raise ValueError(f"Hardware.{field.name} must be a positive number, got {value!r}.")
-        for name in ("matmul_efficiency", "memory_efficiency", "overlap_efficiency", "attention_efficiency"):
+        if not isinstance(self.peak_fp8_flops, (int, float)) or self.peak_fp8_flops < 0:
+            raise ValueError(f"Hardware.peak_fp8_flops must be >= 0 (0: no FP8), got {self.peak_fp8_flops!r}.")
+        for name in ("matmul_efficiency", "memory_efficiency", "overlap_efficiency", "attention_efficiency",
+                     "fp8_efficiency"):
             if getattr(self, name) > 1:
                 raise ValueError(f"Hardware.{name} is a fraction of the peak (at most 1), got {getattr(self, name)}.")
 
@@ -103,17 +116,27 @@ class Hardware:
         """What large GEMMs sustain in the training dtype."""
         return self.peak(sixteen_bit) * self.matmul_efficiency
 
+    def fp8_flops(self) -> float:
+        """What large FP8 GEMMs sustain (their per-tensor scaling and casts included)."""
+        if not self.peak_fp8_flops:
+            raise ValueError(f"{self.name} has no FP8 tensor cores (peak_fp8_flops=0): plan without fp8, or give "
+                             f"the GPU's FP8 peak (--gpu custom:fp8peak=TFLOPS,...).")
+        return self.peak_fp8_flops * self.fp8_efficiency
 
+
+#: Calibrated on torchtitan's Llama-3.1-8B FSDP run (benchmarks/planner_check.py, ``CALIBRATIONS["h100"]``); FP8
+#: GEMMs are assumed to reach the same fraction of their (twice as high) peak.
+H100_EFFICIENCY = 0.424
 GPUS: dict[str, Hardware] = {
     "v100": Hardware("v100", 125 * TFLOPS, 15.7 * TFLOPS, 32 * GB, 900 * GB, 115 * GB, 6.25 * GB, 16,
-                     matmul_efficiency=0.434, host_memory_bytes=1500 * GB),
+                     matmul_efficiency=0.471, host_memory_bytes=1500 * GB, streaming_multiprocessors=80),
     "a100": Hardware("a100", 312 * TFLOPS, 19.5 * TFLOPS, 80 * GB, 2039 * GB, 230 * GB, 25 * GB, 8,
-                     matmul_efficiency=0.756, host_bandwidth=25 * GB),
+                     matmul_efficiency=0.781, host_bandwidth=25 * GB, streaming_multiprocessors=108),
     "h100": Hardware("h100", 989 * TFLOPS, 67 * TFLOPS, 80 * GB, 3350 * GB, 370 * GB, 50 * GB, 8,
-                     matmul_efficiency=0.756, host_bandwidth=50 * GB),
-    "h200": Hardware("h200", 989 * TFLOPS, 67 * TFLOPS, 141 * GB, 4800 * GB, 370 * GB, 50 * GB, 8,
-                     matmul_efficiency=0.756, host_bandwidth=50 * GB),
+                     matmul_efficiency=H100_EFFICIENCY, attention_efficiency=0.35, host_bandwidth=50 * GB,
+                     streaming_multiprocessors=132, peak_fp8_flops=1979 * TFLOPS, fp8_efficiency=H100_EFFICIENCY),
 }
+GPUS["h200"] = replace(GPUS["h100"], name="h200", memory_bytes=141 * GB, memory_bandwidth=4800 * GB)  # H100's chip
 
 # Units a ``--gpu custom:...`` value may carry, and the fields that take each.
 _UNITS = {"tflops": TFLOPS, "gbps": GB, "gb": GB}
@@ -125,6 +148,7 @@ _FIELDS = {
     "pcie": ("host_bandwidth", GB), "host": ("host_memory_bytes", GB), "disk": ("disk_bytes", GB),
     "diskread": ("disk_read_bandwidth", GB), "diskwrite": ("disk_write_bandwidth", GB),
     "adam": ("host_optimizer_rate", 1e9),  # billions of fp32 elements per second
+    "sms": ("streaming_multiprocessors", 1), "fp8peak": ("peak_fp8_flops", TFLOPS), "fp8": ("fp8_efficiency", 1),
 }
 
 _BYTE_FIELDS = ("memory_bytes", "host_memory_bytes", "disk_bytes")
@@ -159,7 +183,7 @@ def parse_gpu(spec: str, *, memory: Optional[str] = None, gpus_per_node: Optiona
                 number = float(text)
             except ValueError:
                 raise ValueError(f"--gpu {spec!r}: {key}={text!r} is not a number.") from None
-            changes[field] = int(number) if field == "gpus_per_node" else number * unit
+            changes[field] = int(number) if field in ("gpus_per_node", "streaming_multiprocessors") else number * unit
         hardware = replace(GPUS[base], name="custom", **{k: (int(v) if k in _BYTE_FIELDS else v)
                                                           for k, v in changes.items()})
     if memory is not None:

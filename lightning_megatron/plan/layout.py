@@ -35,7 +35,14 @@ class Workload:
     ``attention``: how attention's core runs. ``"flash"`` (what this package runs: SDPA's fused kernels, no
     ``s x s`` scores in memory, causal blocks skipped) or ``"materialized"`` (the scores written out and
     scaled, masked, soft-maxed and dropped out by element-wise kernels, as Megatron-LM did before flash
-    attention: for predicting its published runs)."""
+    attention: for predicting its published runs).
+
+    ``fp8``: the layers' linear GEMMs in FP8 (the strategy's ``fp8`` option; the output head and attention's core
+    stay 16-bit). ``recomputed_gemm_share``: the share of each layer's forward linear FLOPs that backward recomputes
+    besides what ``activation_checkpointing`` does; 0 for this package, which has no such policy: it describes
+    other frameworks' published runs (torchtitan's op-level selective checkpointing recomputes every second
+    matmul). ``overlap_tensor_parallel``: the tensor-parallel collectives run under the GEMMs (Megatron-Core's and
+    Transformer Engine's userbuffers overlap; this package does not overlap them), for published runs likewise."""
 
     global_batch_size: int
     seq_length: int
@@ -44,8 +51,13 @@ class Workload:
     pad_vocab_to_multiple_of: int = 128
     attention: str = "flash"
     offload_buffer_mb: float = DEFAULT_BUFFER_MB
+    fp8: bool = False
+    recomputed_gemm_share: float = 0.0
+    overlap_tensor_parallel: bool = False
 
     def __post_init__(self) -> None:
+        if not 0 <= self.recomputed_gemm_share <= 1:
+            raise ValueError(f"recomputed_gemm_share is a fraction (0 to 1), got {self.recomputed_gemm_share}.")
         if not self.offload_buffer_mb > 0:
             raise ValueError(f"offload_buffer_mb must be > 0, got {self.offload_buffer_mb}.")
         for name in ("global_batch_size", "seq_length", "pad_vocab_to_multiple_of"):

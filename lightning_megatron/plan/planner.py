@@ -132,6 +132,8 @@ class Planner:
                                                                   "overlap_param_gather"})
         if unknown:
             raise ValueError(f"fixed names {unknown} are not layout fields; use some of {', '.join(SEARCHED)}.")
+        if workload.fp8:
+            hardware.fp8_flops()  # a GPU without FP8 says so before any layout is evaluated
         self.make_module, self.workload, self.hardware = make_module, workload, hardware
         self.world_size, self.fixed = world_size, dict(fixed or {})
         self.module = make_module()  # not configured: its config, validation and optimizer recipe

@@ -2,17 +2,20 @@
 
 For the slowest pipeline rank and one micro-batch of ``T = micro_batch_size * seq_length / cp`` tokens:
 
-* **compute**: the GEMM FLOPs of its layers (``qkv``, ``proj``, the MLP's or the experts' matrices, the
-  logits on the last rank), each ``/ tp``, forward + backward = 3 x forward, plus the forward again under
-  ``full`` recomputation, at ``matmul_efficiency`` of the dense peak; attention's ``Q K^T`` and ``P V`` (again
-  under either recomputation) at ``attention_efficiency`` (flash kernels, which skip causal attention's
-  masked half; materialised scores: batched GEMMs at ``matmul_efficiency``); plus the element-wise kernels (norms, residual adds, dropout, the activation,
+* **compute**: the GEMMs of its layers' linears (``qkv``, ``proj``, the MLP's or the experts' matrices, each
+  ``/ tp``; forward, and backward's two GEMMs of the same FLOPs; the forward again under ``full`` recomputation or
+  ``Workload.recomputed_gemm_share`` of it) and the logits on the last rank, each at ``matmul_efficiency`` of the
+  dense peak times its shape's wave efficiency (``plan.gemm``), the linears at the FP8 peak and ``fp8_efficiency``
+  under ``Workload.fp8``; attention's ``Q K^T`` and ``P V`` (again under either recomputation) at
+  ``attention_efficiency`` (flash kernels, which skip causal attention's masked half; materialised scores: batched
+  GEMMs at ``matmul_efficiency``); plus the element-wise kernels (norms, residual adds, dropout, the activation,
   rotary, head transposes, the vocab-parallel cross-entropy) as bytes at ``memory_efficiency`` of the
   memory bandwidth, ``/ tp`` where sequence parallelism splits them;
 * **tensor parallel**: Megatron's two all-reduces per layer forward and two backward (one more in a
   recomputed forward), or under sequence parallelism the all-gathers and reduce-scatters moving the same
   bytes and the column inputs gathered again in backward, plus the embedding's, the head's and the
-  cross-entropy's, over NVLink while ``tp x cp`` fits in a node; not overlapped;
+  cross-entropy's, over NVLink while ``tp x cp`` fits in a node; not overlapped (this package does not), but
+  under ``Workload.overlap_tensor_parallel`` (another framework's published run) overlapped with the GEMMs;
 * **context parallel**: the ring's key/value blocks (forward ``cp - 1`` hops, backward ``cp - 1`` and the
   ``cp`` hops of their gradients), overlapped with the attention blocks' compute;
 * **expert parallel**: the MoE layers' four all-to-alls per micro-batch (dispatch and combine, forward and
@@ -48,7 +51,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from lightning_megatron.plan.communication import Collective, step_collectives
-from lightning_megatron.plan.flops import attention_core_flops, layer_gemm_flops, pipeline_rank_layers
+from lightning_megatron.plan.flops import attention_core_flops, pipeline_rank_layers
+from lightning_megatron.plan.gemm import layer_linears, linear_seconds
 from lightning_megatron.plan.hardware import Hardware
 from lightning_megatron.plan.layout import Layout, Workload
 from lightning_megatron.plan.shape import ModelShape
@@ -101,28 +105,26 @@ def step_time(shape: ModelShape, layout: Layout, workload: Workload, hardware: H
 
     # ---- compute of one micro-batch on the slowest rank
     core = attention_core_flops(shape, workload.seq_length, skip_masked_half=workload.attention == "flash") / tp
-    layer_forward = layer_gemm_flops(shape) / tp  # per token, forward
-    recomputed_gemm = layer_forward if layout.activation_checkpointing == "full" else 0.0
-    recomputed_core = core if layout.activation_checkpointing != "none" else 0.0
     # Flash attention's fused kernels run at attention_efficiency; materialised scores are batched GEMMs.
     core_rate = (hardware.peak(workload.sixteen_bit_compute) * hardware.attention_efficiency
                  if workload.attention == "flash" else flops_rate)
     vocab = padded_size(shape.vocab_size, tp, workload.pad_vocab_to_multiple_of) / tp  # this rank's logits
-    head_forward = (2 * shape.hidden_size * vocab
-                    + (2 * shape.hidden_size ** 2 if shape.head_transform else 0))
-    gemm = tokens * (layers * (3 * layer_forward + recomputed_gemm) + 3 * head_forward)
+    recomputed_core = core if layout.activation_checkpointing != "none" else 0.0
+    gemm_seconds = _gemm_seconds(shape, layout, workload, hardware, tokens, layers, vocab)
     attention = tokens * layers * (3 * core + recomputed_core)
     elementwise_forward = _layer_elementwise_bytes(shape, layout, w)
     if workload.attention == "materialized":  # the a x s scores of each token, /tp: written, soft-maxed, dropped
         elementwise_forward += MATERIALIZED_SCORE_BYTES * shape.num_heads * workload.seq_length / tp * w / 2
     elementwise = tokens * (layers * elementwise_forward * (3 + (layout.activation_checkpointing == "full"))
                             + 20 * vocab)
-    compute_mb = gemm / flops_rate + attention / core_rate + elementwise / memory_rate
+    compute_mb = gemm_seconds + attention / core_rate + elementwise / memory_rate
 
     # ---- communication: the bytes and calls of plan.communication, per micro-batch
     collectives = step_collectives(shape, layout, workload, model_state, pipeline_rank=slowest)
     tp_bytes, tp_calls = _per_micro_batch(collectives, "tp", micro_batches)
-    tp_mb = tp_bytes / tp_link + tp_calls * hardware.collective_latency  # not overlapped
+    tp_mb = tp_bytes / tp_link + tp_calls * hardware.collective_latency  # not overlapped (this package's tp)
+    if workload.overlap_tensor_parallel:  # another framework's: split into chunks under the layer's GEMMs
+        tp_mb = _exposed(tp_mb, gemm_seconds, hardware)
 
     # ---- context parallel ring, overlapped with the attention blocks (K and V travel together: one latency a hop)
     cp_bytes, cp_calls = _per_micro_batch(collectives, "cp", micro_batches)
@@ -155,6 +157,22 @@ def step_time(shape: ModelShape, layout: Layout, workload: Workload, hardware: H
     else:
         offloaded = _offloaded_step(layout, workload, hardware, model_state, owned, micro_batches, micro_batch_time)
     return StepTime(compute, tensor, context, expert, micro_batches * p2p_mb, bubble, data, *offloaded)
+
+
+def _gemm_seconds(shape: ModelShape, layout: Layout, workload: Workload, hardware: Hardware, tokens: int,
+                  layers: int, vocab: float) -> float:
+    """Seconds of one micro-batch's GEMMs on the slowest rank: its layers' linears (FP8 under ``workload.fp8``;
+    forward again under full recomputation or ``recomputed_gemm_share``) and the 16-bit head, each at its shape's
+    efficiency (``plan.gemm``)."""
+    sixteen_bit = hardware.flops(workload.sixteen_bit_compute)
+    layer_rate = hardware.fp8_flops() if workload.fp8 else sixteen_bit
+    passes = 1 + (1.0 if layout.activation_checkpointing == "full" else workload.recomputed_gemm_share)
+    seconds = 0.0
+    for rows, inputs, outputs, count in layer_linears(shape, layout.tensor_parallel_size,
+                                                      layout.expert_parallel_size, tokens):
+        seconds += layers * count * sum(linear_seconds(rows, inputs, outputs, layer_rate, hardware, passes=passes))
+    head = [(shape.hidden_size, vocab)] + ([(shape.hidden_size, shape.hidden_size)] if shape.head_transform else [])
+    return seconds + sum(sum(linear_seconds(tokens, i, o, sixteen_bit, hardware)) for i, o in head)
 
 
 def _per_micro_batch(collectives: list[Collective], group: str, micro_batches: int) -> tuple[float, float]:
