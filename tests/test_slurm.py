@@ -6,6 +6,8 @@ fit under Lightning's ``SLURMEnvironment``, which derives MASTER_ADDR from ``SLU
 """
 
 import json
+import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,14 +15,22 @@ import torch
 from launch import free_slurm_port, launch_slurm
 from test_strategy import plain_lightning_run
 
-OPTIONS = {"steps": 2, "layouts": [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}]}
+OPTIONS = {"steps": 2, "layouts": [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}],
+           "requeue_steps": 4, "signalled_task": 3}
 
 
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
     job_id, port = free_slurm_port()
-    results, _ = launch_slurm("slurm_env.py", 2, 2, tmp_path_factory.mktemp("slurm"), json.dumps(OPTIONS),
-                              job_id=job_id, timeout=300)
+    out = tmp_path_factory.mktemp("slurm")
+    bin_dir = out / "bin"  # a stand-in for SLURM's scontrol: it records how it was called
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text(f'#!/bin/sh\necho "$@" >> {out / "scontrol.txt"}\n')
+    (bin_dir / "scontrol").chmod(0o755)
+    results, _ = launch_slurm("slurm_env.py", 2, 2, out, json.dumps(OPTIONS), job_id=job_id, timeout=300,
+                              PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    results[0]["scontrol"] = (out / "scontrol.txt").read_text() if (out / "scontrol.txt").exists() else None
+    results[0]["job_id"], results[0]["out"] = job_id, str(out)
     return results, port
 
 
@@ -70,3 +80,24 @@ def test_tasks_per_node_that_disagree_with_devices_fail_on_every_task_before_any
         assert error.startswith("Megatron3DStrategy: SLURM started 4 tasks (SLURM_NTASKS=4, SLURM_NNODES=2, "
                                 "SLURM_NTASKS_PER_NODE=2), but the Trainer was given devices=1 and num_nodes=2"), error
         assert "pass Trainer(devices=2, num_nodes=2)" in error and "--ntasks-per-node=1" in error
+
+
+@pytest.mark.slow
+def test_the_time_limit_signal_saves_on_every_task_at_one_step_requeues_once_and_resumes_exactly(job):
+    """SLURM signals every task; each notices at its own point of a step (here: only task 3 does, during step 2).
+    Every task saves last.ckpt at the same step and stops; rank 0 requeues once; the requeued run (ckpt_path="last")
+    ends where an uninterrupted one does, with the same losses."""
+    results, _ = job
+    out = Path(results[0]["out"])
+    for result in results:
+        requeue = result["requeue"]
+        assert requeue["stopped_at"] == [2, OPTIONS["requeue_steps"]], requeue["stopped_at"]
+        assert requeue["saved"] == str(out / "checkpoints" / "last.ckpt")
+        assert requeue["handler_restored"]
+    assert results[0]["scontrol"] == f"requeue {results[0]['job_id']}\n", "rank 0 requeues, once"
+    saved = out / "checkpoints" / "last.ckpt"
+    assert sorted(p.name for p in saved.glob("*.distcp")) == [f"__{r}_0.distcp" for r in range(4)], "every rank's shards"
+    assert json.loads((saved / "megatron_3d.json").read_text())["global_step"] == 2
+    reference = torch.tensor(plain_lightning_run({**OPTIONS, "steps": OPTIONS["requeue_steps"]})[0])
+    tp2 = torch.tensor([r["requeue"]["losses"] for r in results])  # 2 steps before the signal, 2 after the requeue
+    assert torch.allclose((tp2[0] + tp2[2]) / 2, reference, atol=1e-5), (tp2, reference)

@@ -3,12 +3,15 @@
 argv: OUT_DIR JSON_OPTIONS (``layouts``: a list of strategy options, each fitted by its own Trainer in this
 process, one after the other). Before any of them, a Trainer whose ``devices`` disagree with SLURM's tasks per
 node must fail here, before any process group exists. For each layout, the task reports the cluster environment
-Lightning chose, the ranks the strategy read, the members of its tp/dp/pp groups and its training losses. It
-writes rank{SLURM_PROCID}.json.
+Lightning chose, the ranks the strategy read, the members of its tp/dp/pp groups and its training losses.
+Then the time limit's warning: ``requeue_steps`` steps at tp=2 under ``SaveAndRequeue``, where only task
+``signalled_task`` gets SIGUSR1 (during step 2), then a new Trainer resumes with ``ckpt_path="last"``; the task
+reports the losses and the steps each run ended at. It writes rank{SLURM_PROCID}.json.
 """
 
 import json
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -16,7 +19,10 @@ import lightning as L
 import torch.distributed as dist
 
 from trainer_setup import datamodule, model, trainer_kwargs
+from lightning.pytorch.callbacks import ModelCheckpoint
+
 from lightning_megatron import Megatron3DStrategy
+from lightning_megatron.callbacks import SaveAndRequeue
 
 out_dir, options = Path(sys.argv[1]), json.loads(sys.argv[2])
 rank = int(os.environ["SLURM_PROCID"])
@@ -35,9 +41,17 @@ def members(group) -> list[int]:
     return [dist.get_rank()] if group is None else dist.get_process_group_ranks(group)
 
 
-def trainer(strategy, devices: int, num_nodes: int, callbacks=()) -> L.Trainer:
+class SignalOneTask(L.Callback):
+    """SLURM signals every task, but each notices it at its own point of the step: here only one task does."""
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if rank == options["signalled_task"] and trainer.global_step == 1:
+            os.kill(os.getpid(), signal.SIGUSR1)
+
+
+def trainer(strategy, devices: int, num_nodes: int, callbacks=(), **overrides) -> L.Trainer:
     return L.Trainer(accelerator="cpu", devices=devices, num_nodes=num_nodes, strategy=strategy,
-                     callbacks=list(callbacks), **trainer_kwargs(options))
+                     callbacks=list(callbacks), **{**trainer_kwargs(options), **overrides})
 
 
 # The mistaken job: SLURM runs 2 tasks per node, the Trainer is told 1 device per node.
@@ -65,6 +79,22 @@ for layout in options["layouts"]:
         "tp": members(state.tensor_parallel_group), "dp": members(state.data_parallel_group),
         "pp": members(state.pipeline_parallel_group), "losses": record.losses,
     })
+requeue = {"losses": [], "stopped_at": [], "saved": None}
+for ckpt_path, callbacks in ((None, [SaveAndRequeue(), SignalOneTask()]), ("last", [])):
+    L.seed_everything(7)
+    record = RecordLosses()
+    checkpoints = ModelCheckpoint(dirpath=out_dir / "checkpoints", save_top_k=0)
+    run = trainer(Megatron3DStrategy(tensor_parallel_size=2, bucket_size_mb=0.01), devices=2, num_nodes=2,
+                  callbacks=[record, checkpoints, *callbacks], enable_checkpointing=True,
+                  **{k: v for k, v in trainer_kwargs({**options, "steps": options["requeue_steps"]}).items()
+                     if k in ("max_steps", "val_check_interval")})
+    run.fit(model(options), datamodule=datamodule(options), ckpt_path=ckpt_path)
+    requeue["losses"] += record.losses
+    requeue["stopped_at"].append(run.global_step)
+    if callbacks:
+        requeue["saved"] = str(callbacks[0].saved)
+        requeue["handler_restored"] = signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL
+result["requeue"] = requeue
 result["environment_after"] = {name: os.environ.get(name) for name in ("MASTER_ADDR", "MASTER_PORT")}
 (out_dir / f"rank{rank}.json").write_text(json.dumps(result))
 dist.barrier()
