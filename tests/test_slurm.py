@@ -95,6 +95,7 @@ def test_the_time_limit_signal_saves_on_every_task_at_one_step_requeues_once_and
         assert requeue["saved"] == str(out / "checkpoints" / "last.ckpt")
         assert requeue["handler_restored"]
     assert results[0]["scontrol"] == f"requeue {results[0]['job_id']}\n", "rank 0 requeues, once"
+    assert not list(out.rglob("hpc_ckpt_*")), "Lightning's own SLURM handler (a save inside the handler) stayed out"
     saved = out / "checkpoints" / "last.ckpt"
     assert sorted(p.name for p in saved.glob("*.distcp")) == [f"__{r}_0.distcp" for r in range(4)], "every rank's shards"
     assert json.loads((saved / "megatron_3d.json").read_text())["global_step"] == 2
