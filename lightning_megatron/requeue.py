@@ -58,8 +58,13 @@ class SaveAndRequeue(L.Callback):
         if not any(isinstance(callback, ModelCheckpoint) for callback in trainer.checkpoint_callbacks):
             raise ValueError("SaveAndRequeue saves last.ckpt in a ModelCheckpoint's folder, and the Trainer has none: "
                              "add ModelCheckpoint(dirpath=..., save_last=True) to its callbacks (and enable_checkpointing).")
-        self.received, self.saved, self._checked_step = False, None, trainer.global_step
+        self.received, self.saved = False, None
+        # Before Lightning's signal connector looks (so it adds no SIGUSR1 handler of its own) and before the
+        # DataLoader workers are forked (they inherit this handler, so a signal sent to them too does not kill them).
         self._previous = signal.signal(self.signum, self._note)
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._checked_step = trainer.global_step  # after a resume: the restored step
 
     def _note(self, signum: int, frame: Any) -> None:
         self.received = True  # only this: the save is collective and must happen where every rank is
