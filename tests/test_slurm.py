@@ -2,12 +2,12 @@
 
 Four processes get the variables of a 2-node x 2-task job (``launch.launch_slurm``, no SLURM installed) and
 fit under Lightning's ``SLURMEnvironment``, which derives MASTER_ADDR from ``SLURM_NODELIST`` and MASTER_PORT from
-``SLURM_JOB_ID``, as on a cluster. The sbatch scripts in ``examples/slurm`` are checked in ``test_slurm_scripts.py``.
+``SLURM_JOB_ID``, as on a cluster. The same processes then take the time limit's signal (``SaveAndRequeue``, with
+a stand-in ``scontrol``). The sbatch scripts in ``examples/slurm`` are checked in ``test_slurm_scripts.py``.
 """
 
 import json
 import os
-from pathlib import Path
 
 import pytest
 import torch
@@ -27,16 +27,15 @@ def job(tmp_path_factory):
     bin_dir.mkdir()
     (bin_dir / "scontrol").write_text(f'#!/bin/sh\necho "$@" >> {out / "scontrol.txt"}\n')
     (bin_dir / "scontrol").chmod(0o755)
-    results, _ = launch_slurm("slurm_env.py", 2, 2, out, json.dumps(OPTIONS), job_id=job_id, timeout=300,
+    results, _ = launch_slurm("slurm_env.py", 2, 2, out, json.dumps(OPTIONS), job_id=job_id, timeout=600,
                               PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
-    results[0]["scontrol"] = (out / "scontrol.txt").read_text() if (out / "scontrol.txt").exists() else None
-    results[0]["job_id"], results[0]["out"] = job_id, str(out)
-    return results, port
+    scontrol = (out / "scontrol.txt").read_text() if (out / "scontrol.txt").exists() else None
+    return results, port, {"out": out, "job_id": job_id, "scontrol": scontrol}
 
 
 @pytest.mark.slow
 def test_ranks_come_from_slurm_and_the_address_from_its_node_list(job):
-    results, port = job
+    results, port, _ = job
     for task, result in enumerate(results):
         assert result["environment"] == {"MASTER_ADDR": None, "MASTER_PORT": None}, "the test must not set them"
         assert result["environment_after"] == {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
@@ -50,7 +49,7 @@ def test_ranks_come_from_slurm_and_the_address_from_its_node_list(job):
 
 @pytest.mark.slow
 def test_tensor_parallel_groups_stay_inside_a_node_and_data_parallel_crosses_nodes(job):
-    results, _ = job
+    results, _, _ = job
     for task, result in enumerate(results):
         node = [2 * (task // 2), 2 * (task // 2) + 1]
         tp2, pp2 = result["layouts"]
@@ -61,7 +60,7 @@ def test_tensor_parallel_groups_stay_inside_a_node_and_data_parallel_crosses_nod
 
 @pytest.mark.slow
 def test_training_under_slurm_matches_a_single_process(job):
-    results, _ = job
+    results, _, _ = job
     reference = torch.tensor(plain_lightning_run(OPTIONS)[0])
     tp2 = torch.tensor([r["layouts"][0]["losses"] for r in results])
     assert torch.equal(tp2[0], tp2[1]) and torch.equal(tp2[2], tp2[3]), "the tp ranks of a replica see one loss"
@@ -72,7 +71,7 @@ def test_training_under_slurm_matches_a_single_process(job):
 
 @pytest.mark.slow
 def test_tasks_per_node_that_disagree_with_devices_fail_on_every_task_before_any_collective(job):
-    results, _ = job
+    results, _, _ = job
     for result in results:
         error = result["mismatch"]
         assert error is not None, "the run went ahead with a device count SLURM did not start"
@@ -87,14 +86,14 @@ def test_the_time_limit_signal_saves_on_every_task_at_one_step_requeues_once_and
     """SLURM signals every task; each notices at its own point of a step (here: only task 3 does, during step 2).
     Every task saves last.ckpt at the same step and stops; rank 0 requeues once; the requeued run (ckpt_path="last")
     ends where an uninterrupted one does, with the same losses."""
-    results, _ = job
-    out = Path(results[0]["out"])
+    results, _, run = job
+    out = run["out"]
     for result in results:
         requeue = result["requeue"]
         assert requeue["stopped_at"] == [2, OPTIONS["requeue_steps"]], requeue["stopped_at"]
         assert requeue["saved"] == str(out / "checkpoints" / "last.ckpt")
         assert requeue["handler_restored"]
-    assert results[0]["scontrol"] == f"requeue {results[0]['job_id']}\n", "rank 0 requeues, once"
+    assert run["scontrol"] == f"requeue {run['job_id']}\n", "rank 0 requeues, once"
     assert not list(out.rglob("hpc_ckpt_*")), "Lightning's own SLURM handler (a save inside the handler) stayed out"
     saved = out / "checkpoints" / "last.ckpt"
     assert sorted(p.name for p in saved.glob("*.distcp")) == [f"__{r}_0.distcp" for r in range(4)], "every rank's shards"
