@@ -5,7 +5,6 @@ stay in step with both. Also how Lightning picks its cluster environment from th
 check under SLURM."""
 
 import os
-import signal
 import subprocess
 from pathlib import Path
 
@@ -14,6 +13,7 @@ import pytest
 import yaml
 from lightning.fabric.plugins.environments import SLURMEnvironment, TorchElasticEnvironment
 from lightning.pytorch.plugins.environments import LightningEnvironment
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch.distributed.run import get_args_parser
 
 from launch import child_env
@@ -143,12 +143,12 @@ def test_lightning_picks_the_environment_that_started_the_process(monkeypatch, v
             monkeypatch.delenv(name)
     for name, value in variables.items():
         monkeypatch.setenv(name, value)
-    previous = signal.getsignal(signal.SIGUSR1)
+    monkeypatch.setattr(rank_zero_only, "rank", rank_zero_only.rank)  # the Trainer sets it to this process's rank
     trainer = L.Trainer(accelerator="cpu", devices=2, num_nodes=2, strategy=Megatron3DStrategy(tensor_parallel_size=2),
                         logger=False)
     assert type(trainer.strategy.cluster_environment) is environment
     assert (trainer.global_rank, trainer.local_rank, trainer.node_rank) == ranks
-    assert signal.getsignal(signal.SIGUSR1) == previous
+    assert rank_zero_only.rank == ranks[0]
 
 
 def test_slurm_tasks_that_are_not_nodes_times_devices_are_refused(monkeypatch):
