@@ -166,3 +166,15 @@ def test_slurm_tasks_that_are_not_nodes_times_devices_are_refused(monkeypatch):
     monkeypatch.setenv("SLURM_NTASKS", "8")
     monkeypatch.setenv("WORLD_SIZE", "8")
     check_process_count(SLURMEnvironment(), devices=4, num_nodes=2)  # a job that matches passes
+
+
+def test_save_and_requeue_without_a_model_checkpoint_is_refused(tmp_path):
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    from lightning_megatron.callbacks import SaveAndRequeue
+
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=1, callbacks=[SaveAndRequeue()], logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, default_root_dir=tmp_path)
+    with pytest.raises(ValueError, match="SaveAndRequeue saves last.ckpt in a ModelCheckpoint's folder"):
+        trainer.fit(BoringModel())
+    assert not list(tmp_path.iterdir()), "nothing trained, nothing written"
