@@ -43,3 +43,56 @@ def launch(worker: str, nproc: int, out_dir: Path, *args: str, timeout: float = 
     results = [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(nproc)
                if (out_dir / f"rank{r}.json").exists()]
     return results, proc
+
+
+def free_slurm_port() -> tuple[str, int]:
+    """A SLURM job id whose derived port (Lightning's ``SLURMEnvironment``: 15000 + the id's last four digits)
+    is free on this machine, and that port."""
+    import random
+    import socket
+
+    for port in random.Random(os.getpid()).sample(range(15000, 25000), 200):
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return f"31{port - 15000:04d}", port
+    raise RuntimeError("no free port in 15000-24999 for a SLURM job id")
+
+
+def launch_slurm(worker: str, nodes: int, tasks_per_node: int, out_dir: Path, *args: str, timeout: float = 600,
+                 job_id: str = "310042", **extra: str):
+    """Run ``tests/workers/<worker>`` as the tasks of a SLURM job of ``nodes`` x ``tasks_per_node`` would run,
+    all on this machine: each process gets the variables ``srun`` sets for its task (no SLURM needed; inherited
+    SLURM_* variables are dropped). ``extra``: more variables for every task (``MASTER_PORT`` as an operator sets
+    it). Returns (per-rank JSON results, the completed processes)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    base = {k: v for k, v in child_env(**extra).items() if not k.startswith("SLURM_")}
+    tasks = nodes * tasks_per_node
+    # Lightning takes MASTER_ADDR from the first host of SLURM_NODELIST, as a cluster's "node[01-02]" gives node01.
+    job = {"SLURM_JOB_ID": job_id, "SLURM_JOB_NAME": "lightning-megatron", "SLURM_NTASKS": str(tasks),
+           "SLURM_NTASKS_PER_NODE": str(tasks_per_node), "SLURM_NNODES": str(nodes),
+           "SLURM_JOB_NUM_NODES": str(nodes), "SLURM_NODELIST": f"127.0.0.[1-{nodes}]",
+           "SLURM_JOB_NODELIST": f"127.0.0.[1-{nodes}]"}
+    processes = []
+    for task in range(tasks):
+        env = {**base, **job, "SLURM_PROCID": str(task), "SLURM_LOCALID": str(task % tasks_per_node),
+               "SLURM_NODEID": str(task // tasks_per_node)}
+        cmd = [sys.executable, str(WORKERS / worker), str(out_dir), *args]
+        processes.append(subprocess.Popen(cmd, env=env, cwd=out_dir, stdout=subprocess.PIPE,
+                                          stderr=subprocess.STDOUT, text=True))
+    outputs = []
+    try:
+        for process in processes:
+            outputs.append(process.communicate(timeout=timeout)[0])
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+    failed = [(task, p.returncode, out) for task, (p, out) in enumerate(zip(processes, outputs)) if p.returncode]
+    if failed:
+        raise AssertionError(f"{worker} failed: " + "\n".join(f"task {t} exit {rc}:\n{out[-4000:]}" for t, rc, out in failed))
+    results = [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(tasks)]
+    return results, processes

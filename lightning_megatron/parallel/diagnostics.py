@@ -7,8 +7,8 @@
   step, after how long, the likely cause and the fix. The backend's own message names a
   gloo/NCCL operation, never what was waiting.
 * ``check_process_count``: under torchrun (or any launcher that starts the processes),
-  ``devices`` and ``num_nodes`` must match what the launcher started; raised on every rank
-  before any collective.
+  ``devices`` and ``num_nodes`` must match what the launcher started (SLURM's tasks: read from
+  its own variables); raised on every rank before any collective.
 * ``warn_if_replicated``: a model without a tensor-parallel plan at tp > 1 is fully replicated.
 * ``cleanup_after_failure`` and ``meta_model_left_in_place``: teardown after an error never
   raises over that error (Lightning's teardown moves a model still on the meta device to
@@ -214,12 +214,20 @@ def _env_int(name: str) -> Optional[int]:
     return int(value) if value is not None and value.isdigit() else None
 
 
+def _slurm_job(environment) -> bool:
+    from lightning.fabric.plugins.environments import SLURMEnvironment
+
+    return isinstance(environment, SLURMEnvironment)
+
+
 def check_process_count(environment, devices: int, num_nodes: int) -> None:
     """Under a launcher that starts the processes (torchrun, SLURM, ...), ``devices`` and ``num_nodes`` must
     describe them: one process per device. Raised on every rank before any collective (Lightning's DDP
     raises too; a process beyond ``devices`` would otherwise index a device that does not exist)."""
     if environment is None or not environment.creates_processes_externally:
         return  # the strategy starts one process per device itself
+    if _slurm_job(environment):
+        _check_slurm_tasks(devices, num_nodes)
     world, local = _env_int("WORLD_SIZE"), _env_int("LOCAL_WORLD_SIZE")
     expected = devices * num_nodes
     if (world is not None and world != expected) or (local is not None and local != devices):
@@ -234,6 +242,27 @@ def check_process_count(environment, devices: int, num_nodes: int) -> None:
             f"or start `torchrun --nproc-per-node={devices} --nnodes={num_nodes}`."
         )
     environment.validate_settings(num_devices=devices, num_nodes=num_nodes)  # SLURM's own checks, and others'
+
+
+def _check_slurm_tasks(devices: int, num_nodes: int) -> None:
+    """SLURM's tasks (``SLURM_NTASKS`` over ``SLURM_NNODES`` nodes, ``SLURM_NTASKS_PER_NODE`` on each) must be
+    ``num_nodes`` x ``devices`` (Lightning's own check compares per-node counts only, and says nothing of an
+    uneven ``--ntasks``). ``WORLD_SIZE`` is no guide here: a first fit in this process sets it."""
+    tasks, per_node, nodes = _env_int("SLURM_NTASKS"), _env_int("SLURM_NTASKS_PER_NODE"), _env_int("SLURM_NNODES")
+    expected = devices * num_nodes
+    if (tasks is None or tasks == expected) and per_node in (None, devices) and nodes in (None, num_nodes):
+        return
+    layout = ", ".join(f"{name}={value}" for name, value in (("SLURM_NTASKS", tasks), ("SLURM_NNODES", nodes),
+                                                              ("SLURM_NTASKS_PER_NODE", per_node)) if value is not None)
+    fix_devices = per_node if per_node is not None else devices
+    fix_nodes = nodes if nodes is not None else num_nodes
+    raise ValueError(
+        f"Megatron3DStrategy: SLURM started {tasks} tasks ({layout}), but the Trainer was given devices={devices} "
+        f"and num_nodes={num_nodes}, i.e. {expected} process{'es' if expected != 1 else ''}. Each task drives one "
+        f"device, so these must agree: pass Trainer(devices={fix_devices}, num_nodes={fix_nodes}) "
+        f"(`--trainer.devices $SLURM_NTASKS_PER_NODE --trainer.num_nodes $SLURM_NNODES` on the command line), or "
+        f"submit with `#SBATCH --nodes={num_nodes} --ntasks-per-node={devices}` (and no --ntasks)."
+    )
 
 
 def warn_if_replicated(module: nn.Module, plan: Mapping[str, object], tensor_parallel_size: int,
