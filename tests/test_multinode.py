@@ -24,8 +24,9 @@ from workers.trainer_setup import datamodule, model, trainer_kwargs
 from lightning_megatron import Megatron3DStrategy
 from lightning_megatron.checkpoint import open_sharded
 from lightning_megatron.checkpoint.replacement import INFO_FILE, partial_path, replaced_path
+from lightning_megatron.checkpoint.shared_storage import check_shards_here
+from lightning_megatron.checkpoint.sharded import write_tensors
 
-pytestmark = pytest.mark.slow
 STEPS, SAVED_AT = 4, 2
 SHARED_FIX = "Sharded checkpoints need one directory that every node sees"
 
@@ -87,6 +88,7 @@ def run(tmp_path_factory, reference):
             "first_procs": first_procs, "second_procs": second_procs}
 
 
+@pytest.mark.slow
 def test_tensor_parallel_groups_stay_in_a_node_and_data_parallel_crosses_nodes(run):
     for results in (run["first"], run["second"]):  # tp=2 x dp=2, c10d then static rendezvous
         assert sorted(r["global_rank"] for r in results) == [0, 1, 2, 3]
@@ -107,6 +109,7 @@ def test_tensor_parallel_groups_stay_in_a_node_and_data_parallel_crosses_nodes(r
         assert len(r["groups"]["dp"]) == 2 and {node[m] for m in r["groups"]["dp"]} == {r["launch"]}
 
 
+@pytest.mark.slow
 def test_two_node_training_saved_and_resumed_at_two_layouts_matches_one_process(run, reference):
     ref_losses, ref_weights, _ = reference
     assert replica_losses(run["first"], SAVED_AT) == pytest.approx(ref_losses[:SAVED_AT], rel=1e-5)
@@ -122,6 +125,7 @@ def test_two_node_training_saved_and_resumed_at_two_layouts_matches_one_process(
     assert sorted(p.name for p in run["shared"].iterdir() if not p.name.endswith(".lock")) == ["last.ckpt"]
 
 
+@pytest.mark.slow
 def test_both_nodes_finish_the_interrupted_save_once_under_the_lock(run):
     """Four processes on two nodes start at once; exactly one finds the half-done replacement and finishes it,
     the others find it finished, and all four resume from the same step (checked above)."""
@@ -130,6 +134,7 @@ def test_both_nodes_finish_the_interrupted_save_once_under_the_lock(run):
     assert errors.count("a save that did not finish") == 1, errors[-3000:]
 
 
+@pytest.mark.slow
 def test_a_save_to_node_local_directories_is_refused_on_every_rank(run):
     node, home = node_of(run["first"]), run["first"][0]["launch"]  # rank 0's node (c10d: whichever joined first)
     other = 1 - home
@@ -143,6 +148,7 @@ def test_a_save_to_node_local_directories_is_refused_on_every_rank(run):
     assert not (other_dir / "after.ckpt").exists()
 
 
+@pytest.mark.slow
 def test_a_load_from_a_node_local_directory_is_refused_on_every_rank(run):
     node = node_of(run["first"])
     sees = [rank for rank in sorted(node) if node[rank] == 0]  # the copy is on node 0's (launch 0's) disk
@@ -153,6 +159,7 @@ def test_a_load_from_a_node_local_directory_is_refused_on_every_rank(run):
         assert SHARED_FIX in error
 
 
+@pytest.mark.slow
 def test_resuming_last_from_node_local_directories_is_refused_at_fit_start(reference, tmp_path):
     nodes = [tmp_path / "node0", tmp_path / "node1"]
     shutil.copytree(reference[2], nodes[0] / "ckpts" / "last.ckpt")
@@ -165,3 +172,14 @@ def test_resuming_last_from_node_local_directories_is_refused_at_fit_start(refer
         assert "holds different files on different ranks" in error and "ranks 0, 1 (node 0" in error, error
         assert "ranks 2, 3 (node 1" in error and "an empty directory" in error and SHARED_FIX in error
     assert sorted(p.name for p in (nodes[0] / "ckpts").iterdir() if not p.name.endswith(".lock")) == ["last.ckpt"]
+
+
+def test_rank_zero_refuses_a_save_whose_shards_are_not_in_its_directory(tmp_path):
+    """What a node-local directory looks like to rank 0 before the rename: the index lists a file it lacks."""
+    partial = partial_path(tmp_path / "step.ckpt")
+    write_tensors(partial, {"weight": torch.arange(6.0)})
+    check_shards_here(partial, tmp_path / "step.ckpt", ["node 0 (a)"])  # all there: nothing to say
+    shard = next(partial.glob("__*.distcp"))
+    shard.rename(tmp_path / shard.name)  # "written on another node's disk"
+    with pytest.raises(RuntimeError, match=r"the shards of rank 0 \(node 0 \(a\)\) are not in .*1 of 1 files missing"):
+        check_shards_here(partial, tmp_path / "step.ckpt", ["node 0 (a)"])
