@@ -98,8 +98,8 @@ def check_shards_here(partial: Path, path: Path, places: Sequence[str]) -> None:
     raise RuntimeError(
         f"Saving checkpoint {path}: the shards of {_ranks_at(places, ranks)} are not in {partial} as rank 0 "
         f"({places[0]}) sees it ({len(missing)} of {len(files)} files missing, e.g. {missing[0]}). The directory "
-        f"is not shared by every node (a node-local disk?); nothing was saved, and what those ranks wrote is left "
-        f"in their own {partial.name} (the next start removes it). {FIX}")
+        f"is not shared by every node (a node-local disk?); nothing was saved. What those ranks wrote is left in "
+        f"their own {partial.name} (in a ModelCheckpoint directory, the next start removes it). {FIX}")
 
 
 def check_visible_everywhere(path: Path) -> None:
