@@ -71,7 +71,7 @@ def run(tmp_path_factory, reference):
     nodes = [root / "node0", root / "node1"]
     (nodes[0] / "local").mkdir(parents=True)
     shutil.copytree(reference[2], nodes[0] / "local" / "ref.ckpt")  # on node 0's disk only
-    first, first_procs = launch_nodes("multinode.py", 2, 2, root / "first", json.dumps(
+    first, _ = launch_nodes("multinode.py", 2, 2, root / "first", json.dumps(
         {"tp": 2, "steps": STEPS, "stop_at": SAVED_AT, "dirpath": str(shared), "local_save": "local/after.ckpt",
          "local_load": "local/ref.ckpt"}), cwds=nodes)
 
@@ -85,7 +85,7 @@ def run(tmp_path_factory, reference):
     third, _ = launch_nodes("multinode.py", 2, 2, root / "third", json.dumps(
         {"tp": 1, "pp": 2, "steps": STEPS, "dirpath": str(shared), "ckpt_path": "last"}))
     return {"root": root, "nodes": nodes, "shared": shared, "first": first, "second": second, "third": third,
-            "first_procs": first_procs, "second_procs": second_procs}
+            "second_procs": second_procs}
 
 
 @pytest.mark.slow

@@ -27,8 +27,9 @@ from typing import Optional, Sequence
 import torch.distributed as dist
 from torch.distributed.checkpoint import FileSystemReader
 
-from lightning_megatron.checkpoint.replacement import LOCK_FILE, exists, partial_path, replaced_path
+from lightning_megatron.checkpoint.replacement import exists, partial_path, replaced_path
 
+CHECKPOINT_SUFFIX = ".ckpt"  # ModelCheckpoint.FILE_EXTENSION
 _SHARD_RANK = re.compile(r"__(\d+)_\d+\.distcp")
 FIX = ("Sharded checkpoints need one directory that every node sees (a shared filesystem: NFS, Lustre, GPFS, "
        "...): point ModelCheckpoint(dirpath=...) / the checkpoint path there.")
@@ -60,16 +61,19 @@ def _ranks_at(places: Sequence[str], ranks: Sequence[int]) -> str:
 
 
 def _listing(directory: Path) -> Optional[list[str]]:
+    """The checkpoints in ``directory`` (Lightning's ``.ckpt`` names, what ``ckpt_path="last"`` chooses from;
+    other files, a logger's say, may differ between ranks), or None without a directory."""
     if not directory.is_dir():
         return None
-    return sorted(entry.name for entry in directory.iterdir() if entry.name != LOCK_FILE)
+    return sorted(entry.name for entry in directory.iterdir() if entry.name.endswith(CHECKPOINT_SUFFIX))
 
 
 def check_directories_agree(directories: Sequence[Path]) -> None:
     """Collective (one gather). Every rank must see the same checkpoints in its checkpoint directories;
     call it after the process group exists and before ``ckpt_path`` is loaded."""
-    if not _distributed():
+    if not _distributed() or not directories:
         return
+    dist.barrier()  # a later fit's start: the ranks' work of the previous one (removing old checkpoints) is done
     seen = _gather(([_listing(Path(d)) for d in directories], where()))
     places = [place for _, place in seen]
     for index, directory in enumerate(directories):
