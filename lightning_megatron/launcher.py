@@ -29,6 +29,7 @@ from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.launchers.launcher import _Launcher
 
 from lightning_megatron.checkpoint.replacement import finish_interrupted_saves, report
+from lightning_megatron.checkpoint.shared_storage import check_directories_agree
 
 PARENT_PID_VARIABLE = "LIGHTNING_MEGATRON_LAUNCHER_PID"
 _PR_SET_PDEATHSIG = 1
@@ -45,6 +46,13 @@ def checkpoint_directories(trainer: Any) -> list[Path]:
 def prepare_checkpoint_directories(trainer: Any) -> None:
     for directory in checkpoint_directories(trainer):
         report(finish_interrupted_saves(directory))
+
+
+def check_directories_shared(trainer: Any) -> None:
+    """Collective, once the process group exists: every rank sees the same checkpoints in the trainer's
+    checkpoint directories (``checkpoint.shared_storage``). Else ``ckpt_path="last"``, resolved by each
+    process on its own, would resume on the nodes that see a checkpoint and start afresh on the others."""
+    check_directories_agree(checkpoint_directories(trainer))
 
 
 def die_with_launcher() -> None:

@@ -39,7 +39,7 @@ from torch.optim import Optimizer
 from lightning_megatron.checkpoint.strategy_hooks import CheckpointHooks
 from lightning_megatron.context_parallel import VARIANTS as CONTEXT_PARALLEL_ATTENTION
 from lightning_megatron.context_parallel.apply import BatchSplitter
-from lightning_megatron.launcher import InPlaceLauncher, SubprocessLauncher, die_with_launcher
+from lightning_megatron.launcher import InPlaceLauncher, SubprocessLauncher, check_directories_shared, die_with_launcher
 from lightning_megatron.offload.settings import DEFAULT_BUFFER_MB, OffloadSettings
 from lightning_megatron.optim.grad_sync import DEFAULT_BUCKET_SIZE_MB
 from lightning_megatron.optim.loss_scaler import DynamicLossScaler
@@ -375,6 +375,7 @@ class Megatron3DStrategy(CheckpointHooks, StepHooks, ParallelStrategy):
         if self.root_device.type != "cpu":
             kwargs["device_id"] = self.root_device
         _init_dist_connection(self.cluster_environment, backend, **kwargs)
+        check_directories_shared(getattr(self.lightning_module, "_trainer", None))  # node-local disks: refuse
         self._parallel_state = ParallelState.create(config, self.root_device, timeout=self._timeout)
         # One seed for the whole job: replicated weights and replicated dropout must agree across ranks.
         self._seed = self.broadcast(torch.initial_seed() % (2**63 - 1))

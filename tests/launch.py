@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Optional
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 WORKERS = Path(__file__).resolve().parent / "workers"
@@ -75,24 +76,83 @@ def launch_slurm(worker: str, nodes: int, tasks_per_node: int, out_dir: Path, *a
            "SLURM_NTASKS_PER_NODE": str(tasks_per_node), "SLURM_NNODES": str(nodes),
            "SLURM_JOB_NUM_NODES": str(nodes), "SLURM_NODELIST": f"127.0.0.[1-{nodes}]",
            "SLURM_JOB_NODELIST": f"127.0.0.[1-{nodes}]"}
-    processes = []
+    processes, logs = [], []
     for task in range(tasks):
         env = {**base, **job, "SLURM_PROCID": str(task), "SLURM_LOCALID": str(task % tasks_per_node),
                "SLURM_NODEID": str(task // tasks_per_node)}
         cmd = [sys.executable, str(WORKERS / worker), str(out_dir), *args]
-        processes.append(subprocess.Popen(cmd, env=env, cwd=out_dir, stdout=subprocess.PIPE,
-                                          stderr=subprocess.STDOUT, text=True))
+        logs.append(open(out_dir / f"task{task}.log", "w+"))  # a pipe could fill up while another task is read
+        processes.append(subprocess.Popen(cmd, env=env, cwd=out_dir, stdout=logs[-1], stderr=subprocess.STDOUT,
+                                          text=True))
     outputs = []
     try:
-        for process in processes:
-            outputs.append(process.communicate(timeout=timeout)[0])
+        for process, log in zip(processes, logs):
+            process.wait(timeout=timeout)
+            log.seek(0)
+            outputs.append(log.read())
     finally:
-        for process in processes:
+        for process, log in zip(processes, logs):
             if process.poll() is None:
                 process.kill()
                 process.wait()
+            log.close()
     failed = [(task, p.returncode, out) for task, (p, out) in enumerate(zip(processes, outputs)) if p.returncode]
     if failed:
         raise AssertionError(f"{worker} failed: " + "\n".join(f"task {t} exit {rc}:\n{out[-4000:]}" for t, rc, out in failed))
     results = [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(tasks)]
     return results, processes
+
+
+def free_port() -> int:
+    """A TCP port nothing listens on now (the OS picks it), for a rendezvous on localhost."""
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("localhost", 0))
+        return probe.getsockname()[1]
+
+
+def launch_nodes(worker: str, nodes: int, nproc: int, out_dir: Path, *args: str, rendezvous: str = "c10d",
+                 cwds: Optional[list[Path]] = None, timeout: float = 600, expect_failure: bool = False):
+    """``launch`` over ``nodes`` "nodes" on this machine: one torchrun per node, started together, joining one
+    rendezvous on localhost (``c10d``: a rendezvous store, node ranks by arrival; ``static``: ``--node-rank i``
+    with ``--master-addr/--master-port``). Node ``i``'s processes see ``MULTINODE_LAUNCH=i`` and run in
+    ``cwds[i]`` (default ``out_dir``). Returns (per-rank JSON results in global rank order, completed processes)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    if rendezvous == "c10d":
+        meeting = ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"localhost:{port}", "--rdzv-id", "multinode"]
+    elif rendezvous == "static":
+        meeting = ["--master-addr", "localhost", "--master-port", str(port)]
+    else:
+        raise ValueError(f"rendezvous must be 'c10d' or 'static', got {rendezvous!r}")
+    procs = []
+    for node in range(nodes):
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nodes}", f"--nproc-per-node={nproc}",
+               f"--node-rank={node}", *meeting, str(WORKERS / worker), str(out_dir), *args]
+        cwd = cwds[node] if cwds else out_dir
+        Path(cwd).mkdir(parents=True, exist_ok=True)
+        logs = [open(out_dir / f"node{node}.{stream}", "w+") for stream in ("out", "err")]  # pipes could fill up
+        procs.append((subprocess.Popen(cmd, env=child_env(MULTINODE_LAUNCH=str(node)), cwd=cwd, text=True,
+                                       stdout=logs[0], stderr=logs[1]), logs))
+    finished = []
+    try:
+        for proc, logs in procs:
+            proc.wait(timeout=timeout)
+            stdout, stderr = [(log.seek(0), log.read())[1] for log in logs]
+            finished.append(subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr))
+    finally:
+        for proc, logs in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            for log in logs:
+                log.close()
+    if not expect_failure:
+        for node, proc in enumerate(finished):
+            if proc.returncode != 0:
+                raise AssertionError(f"{worker}, node {node}, failed with exit code {proc.returncode}:\n"
+                                     f"{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
+    results = [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(nodes * nproc)
+               if (out_dir / f"rank{r}.json").exists()]
+    return results, finished

@@ -38,6 +38,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 
 from lightning_megatron.checksums import file_crc32
 from lightning_megatron.checkpoint.pieces import ShardedEntry
+from lightning_megatron.checkpoint.shared_storage import check_shards_here, where
 from lightning_megatron.checkpoint.replacement import (  # noqa: F401 (write_atomically, replaced_path: re-exported)
     INDEX_FILE,
     INFO_FILE,
@@ -182,7 +183,8 @@ def write_sharded(partial: Path, path: PathLike, tensors: Entries, trainer_state
     """Collective: fill ``partial`` (the tensors, rank zero's trainer state, each rank's checksums) and rename
     it into place. A failure on any rank (a full disk, say) is raised on every rank once rank zero has
     removed the unfinished directory; the checkpoint under ``path`` is then as it was. Three small
-    gathers: the bytes needed, the checksums with any error, the outcome of the rename."""
+    gathers: the bytes needed, the checksums with any error (and where each rank runs: rank zero checks that
+    every rank's shards are in its view of ``partial``, ``shared_storage``), the outcome of the rename."""
     path = Path(path)
     rank = dist.get_rank(process_group) if dist.is_initialized() else 0
     needed = sum(all_gather_objects(_bytes(tensors), process_group))
@@ -195,12 +197,13 @@ def write_sharded(partial: Path, path: PathLike, tensors: Entries, trainer_state
         table = checksum_own_files(partial, rank) if checksums else {}
     except BaseException as caught:
         error, table = caught, {}
-    tables = all_gather_objects((table, _report(error)), process_group)
-    if any(report is not None for _, report in tables):
+    tables = all_gather_objects((table, _report(error), where()), process_group)
+    if any(report is not None for _, report, _ in tables):
         _agree_on_failure(error, partial, path, needed, process_group)
     if rank == 0:
         try:
-            finish_save(partial, path, info, {name: entry for table, _ in tables for name, entry in table.items()}
+            check_shards_here(partial, path, [place for _, _, place in tables])
+            finish_save(partial, path, info, {name: entry for table, _, _ in tables for name, entry in table.items()}
                         if checksums else None)
         except BaseException as caught:
             error = caught

@@ -33,6 +33,7 @@ from lightning_megatron.checkpoint.full import (
     local_state_dict_from_full,
     merge_pipeline_stages,
 )
+from lightning_megatron.checkpoint.shared_storage import check_visible_everywhere
 from lightning_megatron.checkpoint.sharded import is_sharded_checkpoint, write_atomically
 from lightning_megatron.checkpoint.training_state import (
     LAYOUT_KEY,
@@ -126,6 +127,7 @@ class CheckpointHooks:
         self._sharded_checkpoint = None
         if self._background_saver is not None:
             self._background_saver.wait()
+        check_visible_everywhere(checkpoint_path)  # else the ranks that see it would wait for those that do not
         if not is_sharded_checkpoint(checkpoint_path):
             return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         training = self._rank_training()
