@@ -27,8 +27,6 @@ from typing import Any, Callable, Generator, Mapping, Optional, Sequence, Union
 import lightning as L
 import torch
 import torch.distributed as dist
-from lightning.fabric.utilities.distributed import _distributed_is_initialized, _init_dist_connection, _sync_ddp_if_available
-from lightning.fabric.utilities.distributed import _get_default_process_group_backend_for_device
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
@@ -36,161 +34,43 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from torch import Tensor
 from torch.optim import Optimizer
 
+from lightning_megatron.checkpoint.sharded import BackgroundSaver, SavedCheckpoint
 from lightning_megatron.checkpoint.strategy_hooks import CheckpointHooks
-from lightning_megatron.context_parallel import VARIANTS as CONTEXT_PARALLEL_ATTENTION
+from lightning_megatron.checkpoint.training_state import set_rng_state
 from lightning_megatron.context_parallel.apply import BatchSplitter
 from lightning_megatron.launcher import InPlaceLauncher, SubprocessLauncher, check_directories_shared, die_with_launcher
-from lightning_megatron.offload.settings import DEFAULT_BUFFER_MB, OffloadSettings
+from lightning_megatron.offload.settings import DEFAULT_BUFFER_MB
 from lightning_megatron.optim.grad_sync import DEFAULT_BUCKET_SIZE_MB
 from lightning_megatron.optim.loss_scaler import DynamicLossScaler
-from lightning_megatron.optim.nonfinite import NonFiniteCheck
-from lightning_megatron.optim.strategy_hooks import StepHooks
-from lightning_megatron.optim.step import StepGradients, build_step_gradients
-from lightning_megatron.optim.zero3 import ZeRO3
 from lightning_megatron.optim.main_params import MainParamOptimizer
-from lightning_megatron.optim.param_gather import check_overlap_param_gather
-from lightning_megatron.parallel.config import ParallelConfig, requested_layout
-from lightning_megatron.parallel.diagnostics import (
-    DEFAULT_TIMEOUT,
-    PhaseRecord,
-    argument,
-    check_process_count,
-    cleanup_after_failure,
-    explain_collective_failure,
-    meta_model_left_in_place,
-    records_phase,
-)
-from lightning_megatron.parallel.lightning_features import (
-    PreparedModel,
-    check_trainer_features,
-    evaluation_mode,
-    prepare_metrics,
-)
+from lightning_megatron.optim.nonfinite import NonFiniteCheck
+from lightning_megatron.optim.step import StepGradients, build_step_gradients
+from lightning_megatron.optim.strategy_hooks import StepHooks
+from lightning_megatron.optim.zero3 import ZeRO3
+from lightning_megatron.parallel.config import ParallelConfig
+from lightning_megatron.parallel.diagnostics import (DEFAULT_TIMEOUT, PhaseRecord, check_process_count,
+                                                     cleanup_after_failure, explain_collective_failure,
+                                                     meta_model_left_in_place, records_phase)
+from lightning_megatron.parallel.lightning_features import (PreparedModel, check_trainer_features, evaluation_mode,
+                                                            prepare_metrics)
+from lightning_megatron.parallel.processes import exit_before_native_teardown, init_processes
 from lightning_megatron.parallel.random import TensorParallelRNG
-from lightning_megatron.parallel.recompute import MODES as RECOMPUTE_MODES
-from lightning_megatron.parallel.regional_compile import compile_options
 from lightning_megatron.parallel.state import ParallelState
-from lightning_megatron.parallel.summary import install_global_summary, layout_line, model_state_line, model_state_sizes
-from lightning_megatron.checkpoint.sharded import BackgroundSaver, SavedCheckpoint
-from lightning_megatron.checkpoint.training_state import (
-    set_rng_state,
-)
-from lightning_megatron.pipeline.layout import check_schedule
-from lightning_megatron.plan.auto import AUTO_SIZES, choose_sizes
+from lightning_megatron.parallel.strategy_hooks import CollectiveHooks
+from lightning_megatron.parallel.summary import install_global_summary, layout_line, report_model_state
 from lightning_megatron.pipeline.runner import PipelineRunner
 from lightning_megatron.pipeline.timeline import TimelineRecorder
+from lightning_megatron.plan.auto import AUTO_SIZES, choose_for_options
 from lightning_megatron.preparation import PipelineSplit, prepare_model, start_pipeline
-from lightning_megatron.tensor_parallel.fp8_plan import check_fp8_options, describe_fp8
+from lightning_megatron.strategy_options import ARGUMENTS, StrategyOptions
+from lightning_megatron.tensor_parallel.fp8_plan import describe_fp8
 from lightning_megatron.tensor_parallel.mappings import full_sequences
 
-CHECKPOINT_FORMATS = ("sharded", "full")
 
-
-class Megatron3DStrategy(CheckpointHooks, StepHooks, ParallelStrategy):
-    """Tensor, pipeline and data parallelism in the style of Megatron-LM.
-
-    Args:
-        tensor_parallel_size: ranks that split each layer (Megatron's column/row split); keep it within a node.
-            Any of the sizes (tensor, pipeline, virtual pipeline, context, expert parallel) may be ``"auto"``:
-            the layout planner (``lightning_megatron.plan``) then chooses them, on every rank alike, as the
-            layout that fits the devices with the most predicted tokens/s, keeping the other arguments, and logs
-            its choice (``strategy.auto_choice``).
-        pipeline_parallel_size: pipeline ranks; the model needs ``pipeline_blocks()``.
-        data_parallel_size: model replicas; ``"auto"`` takes ``world_size / (tp * cp * pp)``.
-        sequence_parallel: also split LayerNorm/dropout activations along the sequence over tp.
-        tp_comm_overlap: overlap the sequence-parallel forward collectives with the linears' GEMMs too
-            (``tensor_parallel.overlap``); needs ``sequence_parallel=True`` and tp > 1.
-        fp8: ``"tensorwise"`` or ``"rowwise"``: the GEMMs of the plan's column and row linears (attention, MLP,
-            experts; not the output head) in FP8, their amaxes reduced over the groups that split each tensor, so
-            the numbers do not depend on tp or cp (``tensor_parallel.fp8``); needs torchao (``[fp8]`` extra).
-            Master weights, gradients, optimizer state and checkpoints stay as they are. ``None``: off.
-        fp8_exclude: module-name patterns (``fnmatch``) kept in high precision, e.g. the first and last layers.
-        context_parallel_size: ranks that split every sample's sequence (long context): each holds two of
-            ``2 * cp`` chunks (Megatron's causal load balancing), attention is exact over the whole sequence
-            (``context_parallel_attention``), and the weights are replicated over them, so gradients are reduced
-            and ZeRO shards over dp x cp. The model declares its batch's sequence entries (``sequence_inputs()``).
-        context_parallel_attention: ``"ring"`` (default: keys and values passed round the ranks with send/recv,
-            overlapped with each block's compute) or ``"all_gather"`` (one all-gather of keys and values per
-            layer and one SDPA call; suits grouped-query attention with few key/value heads).
-        expert_parallel_size: ranks that split the experts of Mixture-of-Experts layers, carved out of dp
-            (it must divide ``data_parallel_size``); tokens reach their experts by all-to-all, and the experts'
-            gradients are reduced over the ranks holding the same experts (ZeRO 1/2 shards them there).
-        zero_stage: ZeRO over dp: 1 shards fp32 main params and optimizer state, 2 also gradients,
-            3 also the parameters (FSDP2 per transformer layer; gathered for forward and backward).
-        virtual_pipeline_size: stages per pipeline rank (interleaved 1F1B when > 1).
-        pipeline_schedule: ``"1f1b"``, ``"interleaved_1f1b"`` or ``"gpipe"`` (torch.distributed.pipelining), or a
-            zero-bubble schedule, whose backward is an input-gradient pass and a weight-gradient pass run in what
-            would be bubbles (Qi et al. 2024): ``"interleaved_zero_bubble"`` (any ``virtual_pipeline_size``),
-            ``"zbv"`` and ``"dualpipev"`` (``virtual_pipeline_size=2``, stages placed in a V: rank ``r`` runs
-            stages ``r`` and ``2 pp - 1 - r``). Not with ``zero_stage=3``.
-        micro_batch_size: samples per pipeline micro-batch; the per-rank batch is cut into micro-batches.
-        pipeline_layers_per_stage: layers of each of the ``pp * vpp`` stages (default: even).
-        activation_checkpointing: ``"none"``, ``"full"`` (recompute each transformer layer in
-            backward) or ``"selective"`` (recompute only attention's core, Korthikanti et al. 2022);
-            the layers are the model's ``pipeline_blocks()`` layers. Dropout masks are replayed exactly.
-        compile: regional compilation: ``torch.compile`` of each ``pipeline_blocks()`` layer's forward, once for
-            all identical layers (``parallel.regional_compile``); the embedding, head, loss and schedule stay
-            eager. ``True``, or a dict of ``torch.compile`` arguments (``{"backend": "aot_eager"}``,
-            ``{"mode": "max-autotune"}``). With dropout off the model computes the same function (compiled
-            dropout draws other masks than eager). Not with ``activation_checkpointing="selective"``,
-            context or expert parallelism.
-        loss_scaler: settings of the fp16 dynamic loss scaler for ``precision="16-true"``
-            (``initial_scale``, ``min_scale``, ``growth_factor``, ``backoff_factor``, ``growth_interval``,
-            ``hysteresis``; Megatron-LM's scheme). A step with an inf/NaN gradient on any rank is
-            skipped on every rank.
-        on_nonfinite: what a NaN/Inf loss (of any micro-batch, on any rank) or global gradient norm does
-            under ``32-true``, ``bf16-true`` and ``bf16-mixed``; checked every step right after the
-            gradients are reduced, before Lightning's hooks, clipping (which reuses the norm) and the
-            optimizer see them, so no checkpoint of a broken state is ever written. ``"error"`` (default,
-            as Megatron-LM): raise ``NonFiniteError`` on every rank, naming the step and the ranks.
-            ``"skip"``: skip the step on every rank (logged as ``skipped_steps``). ``"ignore"``: no check.
-            fp16 (``16-true``, ``16-mixed``) keeps its loss scaler's overflow handling instead.
-        max_consecutive_skips: under ``on_nonfinite="skip"``, the most steps in a row that may be skipped;
-            the next non-finite one raises.
-        offload_optimizer: where the fp32 main parameters and the optimizer state live (ZeRO 0-2): ``"cpu"`` (or
-            ``True``): host memory, the optimizer steps there (ZeRO-Offload); ``"nvme"``: files under
-            ``offload_path``, stepped tile by tile through a pool of three host buffers per state stream (reads and
-            writes overlapped with the update), so host memory stays bounded by the pool (ZeRO-Infinity's
-            optimizer tier); ``False``: the device. The disk space and host memory it needs are checked on every
-            rank before training; the files are deleted at teardown. Checkpoints hold the same tensors on every
-            tier, so a checkpoint made with one tier loads with any other.
-        offload_parameters: ZeRO-3 only: ``"cpu"`` keeps the sharded parameters, their gradients and the optimizer
-            state in host memory (FSDP2's ``CPUOffloadPolicy``); each layer's parameters are gathered to the device
-            for its forward and backward.
-        offload_path: the folder of the ``"nvme"`` tier (a fast local disk); each rank makes its own subfolder.
-        offload_buffer_mb: the size of each of the ``"nvme"`` tier's host buffers (one tile of one stream).
-        overlap_param_gather: ZeRO 1/2 only: start the all-gathers of the updated parameters after the step, one per
-            bucket in forward order, each waited for by the first module of the next forward that owns its
-            parameters (Megatron-Core's option). Checkpoints, evaluation and teardown wait first; so must a callback
-            reading parameters between the step and the next forward (``strategy.wait_for_parameters()``).
-        overlap_p2p_comm: the multi-stage pipeline schedules post each receive as early as they can, so it completes
-            under compute (Megatron-LM's ``--overlap-p2p-communication``); ``False`` posts it just before its use.
-        bucket_size_mb: size of the gradient buckets reduced over dp while backward runs.
-        pad_vocab_to_multiple_of: the vocabulary is padded to a multiple of ``tp * this`` (Megatron: 128).
-        checkpoint_format: ``"sharded"`` (default): a checkpoint is a directory in which every rank writes
-            its own shards of the weights and of the optimizer state (torch.distributed.checkpoint), keyed
-            by global names, so it loads at any other layout; saved atomically. ``"full"``: one file
-            with the weights gathered on rank 0 (optimizer state only where it is not sharded).
-            Both kinds load whatever this is set to.
-        async_checkpoint: write sharded checkpoints in a background thread; training pauses only to
-            copy this rank's shards to CPU memory. The checkpoint appears under its name when complete.
-        checkpoint_checksums: record a CRC-32 of every file of a sharded checkpoint in its
-            ``megatron_3d.json`` (each rank sums the files it wrote), so that ``verify_checkpoint`` and
-            ``lightning-megatron checkpoint verify`` can tell a file whose bytes changed. Off by default:
-            summing reads every file back, about 1.5 s per GB per rank on a CPU core
-            (``benchmarks/checkpoint_checks.py``); the finite check on load, which is always on and
-            costs ~0.05 s/GB, already refuses bytes damaged into NaN/Inf.
-        verify_checkpoint: compare a sharded checkpoint's files with their checksums before loading it
-            (the files are shared out over the ranks). Loaded tensors are always checked to be finite.
-        timeout: how long a rank waits in a collective (every group of the layout) before it gives up:
-            10 minutes by default (Megatron-LM's; torch's gloo default is 30). A rank that stalls blocks
-            every other rank this long; the error then names the phase and step that were waiting (training
-            step, optimizer step, checkpoint save, ...). Raise it for slow filesystems or long first steps.
-
-    Example::
-
-        trainer = L.Trainer(devices=8, strategy=Megatron3DStrategy(tensor_parallel_size=4))
-    """
+class Megatron3DStrategy(CheckpointHooks, StepHooks, CollectiveHooks, ParallelStrategy):
+    # Documented beside their checks (strategy_options.ARGUMENTS); LightningCLI's help and help() read it from here.
+    __doc__ = ("Tensor, pipeline and data parallelism in the style of Megatron-LM.\n\n" + ARGUMENTS + "\nExample::\n\n"
+               "    trainer = L.Trainer(devices=8, strategy=Megatron3DStrategy(tensor_parallel_size=4))\n")
 
     strategy_name = "megatron_3d"
 
@@ -237,79 +117,45 @@ class Megatron3DStrategy(CheckpointHooks, StepHooks, ParallelStrategy):
         checkpoint_io=None,
         precision_plugin=None,
     ) -> None:
-        super().__init__(
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
-            precision_plugin=precision_plugin,
-        )
-        if activation_checkpointing not in RECOMPUTE_MODES:
-            raise ValueError(
-                f"activation_checkpointing={activation_checkpointing!r} is not one of {RECOMPUTE_MODES}."
-            )
-        self.activation_checkpointing = activation_checkpointing
-        self.tp_comm_overlap = tp_comm_overlap
-        self.fp8, self.fp8_exclude = check_fp8_options(fp8, fp8_exclude, tp_comm_overlap), tuple(fp8_exclude)
-        self.compile = compile_options(compile)
-        if context_parallel_attention not in CONTEXT_PARALLEL_ATTENTION:
-            raise ValueError(f"context_parallel_attention={context_parallel_attention!r} is not one of "
-                             f"{sorted(CONTEXT_PARALLEL_ATTENTION)}.")
-        self.context_parallel_attention = context_parallel_attention
-        if micro_batch_size < 1:
-            raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}.")
-        check_schedule(pipeline_schedule, virtual_pipeline_size, zero_stage=zero_stage)
-        if pad_vocab_to_multiple_of < 1:
-            raise ValueError(f"pad_vocab_to_multiple_of must be >= 1, got {pad_vocab_to_multiple_of}.")
-        if checkpoint_format not in CHECKPOINT_FORMATS:
-            raise ValueError(f"checkpoint_format={checkpoint_format!r} is not one of {CHECKPOINT_FORMATS}.")
-        if async_checkpoint and checkpoint_format != "sharded":
-            raise ValueError("async_checkpoint=True needs checkpoint_format='sharded'.")
-        self.offload = OffloadSettings.from_options(
-            offload_optimizer=offload_optimizer, offload_parameters=offload_parameters, offload_path=offload_path,
-            offload_buffer_mb=offload_buffer_mb, zero_stage=zero_stage)
-        if async_checkpoint and self.offload.optimizer == "nvme":
-            raise ValueError("async_checkpoint=True copies this rank's optimizer state into host memory before writing "
-                             "it, which the 'nvme' offload tier exists to avoid; use async_checkpoint=False with it.")
-        self.checkpoint_format = checkpoint_format
-        self.checkpoint_checksums, self.verify_checkpoint = checkpoint_checksums, verify_checkpoint
-        self._background_saver = BackgroundSaver() if async_checkpoint else None
-        self._requested = requested_layout(  # checked as far as it can be before any process exists
+        super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
+                         cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
+                         precision_plugin=precision_plugin)
+        self.options = StrategyOptions.from_arguments(  # every check, before any process exists
             tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
             data_parallel_size=data_parallel_size, sequence_parallel=sequence_parallel, zero_stage=zero_stage,
-            virtual_pipeline_size=virtual_pipeline_size, pipeline_layers_per_stage=pipeline_layers_per_stage,
-            expert_parallel_size=expert_parallel_size, context_parallel_size=context_parallel_size)
-        self.pipeline_schedule = pipeline_schedule
-        self.micro_batch_size = micro_batch_size
-        self.bucket_size_mb = bucket_size_mb
-        self.pad_vocab_to_multiple_of = pad_vocab_to_multiple_of
-        self._process_group_backend = process_group_backend
-        self._timeout = timeout
+            virtual_pipeline_size=virtual_pipeline_size, expert_parallel_size=expert_parallel_size,
+            context_parallel_size=context_parallel_size, context_parallel_attention=context_parallel_attention,
+            pipeline_schedule=pipeline_schedule, micro_batch_size=micro_batch_size,
+            pipeline_layers_per_stage=pipeline_layers_per_stage, activation_checkpointing=activation_checkpointing,
+            tp_comm_overlap=tp_comm_overlap, fp8=fp8, fp8_exclude=fp8_exclude, compile=compile, loss_scaler=loss_scaler,
+            on_nonfinite=on_nonfinite, max_consecutive_skips=max_consecutive_skips, offload_optimizer=offload_optimizer,
+            offload_parameters=offload_parameters, offload_path=offload_path, offload_buffer_mb=offload_buffer_mb,
+            overlap_param_gather=overlap_param_gather, overlap_p2p_comm=overlap_p2p_comm, bucket_size_mb=bucket_size_mb,
+            pad_vocab_to_multiple_of=pad_vocab_to_multiple_of, checkpoint_format=checkpoint_format,
+            async_checkpoint=async_checkpoint, checkpoint_checksums=checkpoint_checksums,
+            verify_checkpoint=verify_checkpoint, process_group_backend=process_group_backend, timeout=timeout)
+        self.pipeline_schedule = self.options.pipeline_schedule  # the one that runs: "auto" sizes may interleave it
+        self.auto_choice = None  # what the planner chose for "auto" sizes (lightning_megatron.plan.auto.AutoChoice)
+        self.nonfinite = NonFiniteCheck(self.options.on_nonfinite, self.options.max_consecutive_skips)
+        self.loss_scaler: Optional[DynamicLossScaler] = None  # built at setup under precision="16-true"
+        self._background_saver = BackgroundSaver() if self.options.async_checkpoint else None
         self._phases = PhaseRecord()  # what this rank is doing: named when a collective times out
         self.num_nodes = 1
         self._parallel_state: Optional[ParallelState] = None
         self._rng: Optional[TensorParallelRNG] = None
+        self._seed = 0
         self._step: Optional[StepGradients] = None
+        self._step_grad_norm: Optional[Tensor] = None  # this step's norm, measured by the check, reused by the clip
+        self._blocking_sync = False
+        self._micro_batch_weight: Tensor | float = 1.0
+        self._batch_splitter: Optional[BatchSplitter] = None
         self._sharded_checkpoint: Optional[SavedCheckpoint] = None  # the one being restored
         self._main_params: Optional[MainParamOptimizer] = None
         self._rng_state_to_restore: Optional[dict] = None
         self._zero3: Optional[ZeRO3] = None
-        check_overlap_param_gather(overlap_param_gather, zero_stage)
-        self.overlap_param_gather = overlap_param_gather
-        self.overlap_p2p_comm = overlap_p2p_comm
-        self._loss_scaler_settings = dict(loss_scaler or {})
-        DynamicLossScaler(**self._loss_scaler_settings)  # validate the settings now, not after the launch
-        self.loss_scaler: Optional[DynamicLossScaler] = None
-        self.nonfinite = NonFiniteCheck(on_nonfinite, max_consecutive_skips)  # validates both
-        self._step_grad_norm: Optional[Tensor] = None  # this step's norm, measured by the check, reused by the clip
-        self._reported_bytes = False
         self._pipeline: Optional[PipelineRunner] = None
         self.pipeline_recorder: Optional[TimelineRecorder] = None
-        self._seed = 0
-        self._blocking_sync = False
-        self._micro_batch_weight: Tensor | float = 1.0
-        self._batch_splitter: Optional[BatchSplitter] = None
-        self.auto_choice = None  # what the planner chose for "auto" sizes (lightning_megatron.plan.auto.AutoChoice)
+        self.model_state_bytes: Optional[dict[str, int]] = None  # this rank's, after the first optimizer step
 
     # ------------------------------------------------------------------ layout
     @property
@@ -361,51 +207,28 @@ class Megatron3DStrategy(CheckpointHooks, StepHooks, ParallelStrategy):
         check_process_count(self.cluster_environment, self.num_processes, self.num_nodes)
         super().setup_environment()
         self.set_world_ranks()
-        if any(self._requested[name] == "auto" for name in AUTO_SIZES):
-            self._choose_auto_sizes()  # the same on every rank, before any process group
-        config = ParallelConfig.for_world(self.world_size, **self._requested)
+        requested = self.options.requested
+        if any(requested[name] == "auto" for name in AUTO_SIZES):  # the same on every rank, before any process group
+            self.auto_choice = choose_for_options(self.lightning_module, self.options, world_size=self.world_size,
+                                                  device=self.root_device, gpus_per_node=self.num_processes,
+                                                  precision=str(getattr(self.precision_plugin, "precision", "32-true")))
+            requested = {**requested, **self.auto_choice.sizes}
+            self.pipeline_schedule = self.auto_choice.pipeline_schedule
+        config = ParallelConfig.for_world(self.world_size, **requested)
         validate = getattr(self.lightning_module, "validate_parallel_config", None)
         if validate is not None:
             validate(config)  # every rank raises the same error before any collective
         check_trainer_features(getattr(self.lightning_module, "_trainer", None), config)  # SWA, detect_anomaly
         reset_seed()
-        backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
-        self._process_group_backend = backend
-        kwargs: dict[str, Any] = {"timeout": self._timeout}
-        if self.root_device.type != "cpu":
-            kwargs["device_id"] = self.root_device
-        _init_dist_connection(self.cluster_environment, backend, **kwargs)
+        self._parallel_state = init_processes(self.cluster_environment, config, self.root_device,
+                                              backend=self.options.process_group_backend, timeout=self.options.timeout)
         check_directories_shared(getattr(self.lightning_module, "_trainer", None))  # node-local disks: refuse
-        self._parallel_state = ParallelState.create(config, self.root_device, timeout=self._timeout)
         # One seed for the whole job: replicated weights and replicated dropout must agree across ranks.
         self._seed = self.broadcast(torch.initial_seed() % (2**63 - 1))
         # Dropout in different pipeline stages must not repeat the same masks (Megatron: +100 per stage).
         torch.manual_seed(self._seed + 100 * self._parallel_state.pipeline_parallel_rank)
         self._rng = TensorParallelRNG(self._seed, self._parallel_state.tensor_parallel_rank, self.root_device)
-        rank_zero_info(layout_line(config, self.pipeline_schedule, self.micro_batch_size, self.world_size))
-
-    def _choose_auto_sizes(self) -> None:
-        """The layout planner fills the ``"auto"`` sizes (``lightning_megatron.plan.auto``) and says why."""
-        module = self.lightning_module
-        trainer = getattr(module, "_trainer", None)
-        datamodule = getattr(trainer, "datamodule", None)
-        settings = dict(zero_stage=self._requested["zero_stage"], sequence_parallel=self._requested["sequence_parallel"],
-                        activation_checkpointing=self.activation_checkpointing, offload_optimizer=self.offload.optimizer,
-                        offload_parameters=self.offload.parameters,
-                        micro_batch_size=self.micro_batch_size, overlap_param_gather=self.overlap_param_gather)
-        if self.pipeline_schedule != "1f1b":  # 1F1B (the default) may become interleaved 1F1B for virtual stages
-            settings["pipeline_schedule"] = self.pipeline_schedule
-        choice = choose_sizes(module, self._requested, world_size=self.world_size, device=self.root_device,
-                              gpus_per_node=self.num_processes, global_batch_size=getattr(datamodule, "global_batch_size", None),
-                              seq_length=getattr(datamodule, "seq_length", None),
-                              precision=str(getattr(self.precision_plugin, "precision", "32-true")), settings=settings,
-                              accumulate_grad_batches=getattr(trainer, "accumulate_grad_batches", 1),
-                              bucket_size_mb=self.bucket_size_mb, pad_vocab_to_multiple_of=self.pad_vocab_to_multiple_of)
-        self._requested.update(choice.sizes)
-        if self.pipeline_schedule == "1f1b" and choice.pipeline_schedule != "1f1b":
-            self.pipeline_schedule = choice.pipeline_schedule  # interleaving for the virtual stages it chose
-        self.auto_choice = choice
-        rank_zero_info(choice.message)
+        rank_zero_info(layout_line(config, self.pipeline_schedule, self.options.micro_batch_size, self.world_size))
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
@@ -463,32 +286,33 @@ class Megatron3DStrategy(CheckpointHooks, StepHooks, ParallelStrategy):
 
     def _prepare_model(self, module) -> PreparedModel:
         """Split the model for this layout, once (``preparation.prepare_model``)."""
+        options = self.options
         prepared = prepare_model(module, self.parallel_state, rng=self._rng, seed=self._seed, device=self.root_device,
-                                 pad_vocab_to_multiple_of=self.pad_vocab_to_multiple_of,
-                                 activation_checkpointing=self.activation_checkpointing,
-                                 context_parallel_attention=self.context_parallel_attention,
-                                 tp_comm_overlap=self.tp_comm_overlap,
+                                 pad_vocab_to_multiple_of=options.pad_vocab_to_multiple_of,
+                                 activation_checkpointing=options.activation_checkpointing,
+                                 context_parallel_attention=options.context_parallel_attention,
+                                 tp_comm_overlap=options.tp_comm_overlap,
                                  precision=getattr(self.precision_plugin, "precision", "32-true"),
-                                 pipeline_schedule=self.pipeline_schedule,
-                                 compile=self.compile, offload_parameters=self.offload.parameters,
-                                 fp8=self.fp8, fp8_exclude=self.fp8_exclude)
-        if self.fp8 is not None:
-            rank_zero_info(describe_fp8(module, self.fp8))
+                                 pipeline_schedule=self.pipeline_schedule, compile=options.compile,
+                                 offload_parameters=options.offload.parameters, fp8=options.fp8,
+                                 fp8_exclude=options.fp8_exclude)
+        if options.fp8 is not None:
+            rank_zero_info(describe_fp8(module, options.fp8))
         self._zero3 = prepared.zero3
         return prepared
 
     def _build_step_gradients(self, module) -> StepGradients:
         return build_step_gradients(module, self.parallel_state, self.optimizers, zero3=self._zero3,
                                     loss_scaler=self.loss_scaler, nonfinite=self._nonfinite_check(),
-                                    bucket_size_mb=self.bucket_size_mb, offload=self.offload,
-                                    device=self.root_device, overlap_param_gather=self.overlap_param_gather,
+                                    bucket_size_mb=self.options.bucket_size_mb, offload=self.options.offload,
+                                    device=self.root_device, overlap_param_gather=self.options.overlap_param_gather,
                                     ranks_sharing_host=max(self.num_processes, 1))
 
     def _start_pipeline(self, split: PipelineSplit, trainer: "L.Trainer") -> None:
         self.pipeline_recorder = TimelineRecorder(self.parallel_state.pipeline_parallel_rank)
         self._pipeline = start_pipeline(split, self.parallel_state, device=self.root_device,
-                                        schedule=self.pipeline_schedule, micro_batch_size=self.micro_batch_size,
-                                        recorder=self.pipeline_recorder, overlap_p2p_comm=self.overlap_p2p_comm,
+                                        schedule=self.pipeline_schedule, micro_batch_size=self.options.micro_batch_size,
+                                        recorder=self.pipeline_recorder, overlap_p2p_comm=self.options.overlap_p2p_comm,
                                         before_backward=self._before_pipeline_backward)
         trainer.fit_loop._skip_backward = True  # the schedule already ran every backward
 
@@ -585,17 +409,10 @@ class Megatron3DStrategy(CheckpointHooks, StepHooks, ParallelStrategy):
         self._step_grad_norm = None
         if self._step is not None:
             self._step.after_step()
-        if not self._reported_bytes:
-            self._report_model_state_bytes(optimizer)
+        if self.model_state_bytes is None:  # after the first step, when the optimizer state exists
+            self.model_state_bytes = report_model_state(self.lightning_module, optimizer, self._step, self._zero3,
+                                                        device=self.root_device)
         return output
-
-    def _report_model_state_bytes(self, optimizer: Optimizer) -> None:
-        """After the first step (optimizer state exists): this rank's bytes in ``model_state_bytes``, and one
-        line on rank 0 with every rank's extremes (one all-reduce)."""
-        self._reported_bytes = True
-        self.model_state_bytes = model_state_sizes(self.lightning_module, getattr(optimizer, "_optimizer", optimizer),
-                                                   self._step, self._zero3)
-        rank_zero_info(model_state_line(self.model_state_bytes, device=self.root_device, module=self.lightning_module))
 
     def clip_grad_by_global_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> Tensor:
         norm = self._step_grad_norm  # measured by the non-finite check this step: no second all-reduce
@@ -603,45 +420,14 @@ class Megatron3DStrategy(CheckpointHooks, StepHooks, ParallelStrategy):
             return self._zero3.clip_grad_norm_(float(clip_val), norm=norm)
         return self._step.clip(optimizer.param_groups, float(clip_val), norm=norm)
 
-    # ------------------------------------------------------------------ collectives
-    @records_phase("barrier", argument(0, "name"))
-    def barrier(self, name: Optional[str] = None) -> None:
-        if _distributed_is_initialized():
-            dist.barrier()
-
-    @records_phase("broadcast")
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        if not _distributed_is_initialized():
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src)
-        return box[0]
-
-    @records_phase("metric reduction")
-    def reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Union[dist.ReduceOp, str]] = "mean") -> Any:
-        """Reduce over dp x cp by default: tp/pp ranks of one replica hold the same value, and context-parallel
-        ranks each a value of their own tokens (equal shares of every sequence)."""
-        if not isinstance(tensor, Tensor):
-            return tensor
-        if group is None:
-            group = self.parallel_state.replica_group
-            if group is None:
-                return tensor
-        return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
-
-    @records_phase("decision")
-    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
-        if not _distributed_is_initialized():
-            return decision
-        votes = torch.tensor(int(decision), device=self.root_device)
-        dist.all_reduce(votes)
-        return bool(votes == self.world_size) if all else bool(votes)
-
+    # ------------------------------------------------------------------ failure and teardown
     def on_exception(self, exception: BaseException) -> None:
         """A collective that timed out (or lost its peer) is told what was waiting: a note on the exception."""
         self._failed = True
+        if dist.is_initialized():
+            exit_before_native_teardown(exception)  # if it ends the process: its error stays the last line
         explain_collective_failure(exception, self._phases, rank=self.global_rank, world_size=self.world_size,
-                                   timeout=self._timeout)
+                                   timeout=self.options.timeout)
         super().on_exception(exception)
 
     @records_phase("teardown")
@@ -651,7 +437,7 @@ class Megatron3DStrategy(CheckpointHooks, StepHooks, ParallelStrategy):
         with cleanup_after_failure(failed, self.global_rank, "waiting for the background checkpoint"):
             if self._background_saver is not None:  # the last checkpoint must be complete before the process ends
                 self._background_saver.wait(together=not failed)
-        if _distributed_is_initialized() and not failed:
+        if dist.is_initialized() and not failed:
             self.wait_for_parameters()  # Lightning's teardown moves the parameters
             # Leave together: a process exiting while a peer's gloo threads still talk to it can abort.
             dist.barrier()

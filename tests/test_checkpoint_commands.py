@@ -7,6 +7,7 @@ import zipfile
 import lightning as L
 import pytest
 import torch
+from dataclasses import replace
 from safetensors.torch import load_file, save_file
 
 from workers.trainer_setup import datamodule, model, trainer_kwargs
@@ -27,7 +28,8 @@ def both_formats(tmp_path_factory):
                         **{**trainer_kwargs({"steps": 2}), "limit_val_batches": 0})
     trainer.fit(model({}), datamodule=datamodule({}))
     trainer.save_checkpoint(root / "sharded.ckpt")
-    trainer.strategy.checkpoint_format = "full"  # the same weights, written as one file (what the option selects)
+    # The same weights, written as one file (what the option selects).
+    trainer.strategy.options = replace(trainer.strategy.options, checkpoint_format="full")
     trainer.save_checkpoint(root / "full.ckpt")
     assert (root / "sharded.ckpt").is_dir() and (root / "full.ckpt").is_file()
     return root / "sharded.ckpt", root / "full.ckpt"

@@ -14,6 +14,7 @@ import textwrap
 
 import pytest
 import torch
+from dataclasses import replace
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from launch import REPO_ROOT, WORKERS, child_env, launch
@@ -49,13 +50,13 @@ def files_of(path):
 def test_save_checkpoint_refuses_an_existing_directory_of_user_files(run, tmp_path, checkpoint_format):
     trainer, _ = run
     before = user_directory(tmp_path / "runs")
-    trainer.strategy.checkpoint_format = checkpoint_format
+    trainer.strategy.options = replace(trainer.strategy.options, checkpoint_format=checkpoint_format)
     try:
         with pytest.raises(FileExistsError, match=r"runs: it exists and is not a lightning-megatron checkpoint.*"
                                                   r"results\.csv.*Nothing was written or removed"):
             trainer.save_checkpoint(tmp_path / "runs")
     finally:
-        trainer.strategy.checkpoint_format = "sharded"
+        trainer.strategy.options = replace(trainer.strategy.options, checkpoint_format="sharded")
     assert files_of(tmp_path / "runs") == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["runs"]  # no partial or replaced left beside it
 
@@ -261,7 +262,7 @@ def test_checksums_find_a_changed_byte_that_still_loads_as_finite(run, tmp_path,
 def test_weights_that_went_nan_are_never_saved_and_the_last_good_checkpoint_stays(run, tmp_path, checkpoint_format):
     trainer, checkpoint = run
     target = tmp_path / "last.ckpt"
-    trainer.strategy.checkpoint_format = checkpoint_format
+    trainer.strategy.options = replace(trainer.strategy.options, checkpoint_format=checkpoint_format)
     weight = dict(trainer.lightning_module.named_parameters())["model.blocks.0.attn.proj.weight"]
     good = weight.detach().clone()
     try:
@@ -273,7 +274,7 @@ def test_weights_that_went_nan_are_never_saved_and_the_last_good_checkpoint_stay
                                                r"'.*model\.blocks\.0\.attn\.proj\.weight' hold NaN"):
             trainer.save_checkpoint(target)
     finally:
-        trainer.strategy.checkpoint_format = "sharded"
+        trainer.strategy.options = replace(trainer.strategy.options, checkpoint_format="sharded")
         with torch.no_grad():
             weight.copy_(good)
     assert (files_of(target) if target.is_dir() else target.read_bytes()) == before

@@ -8,6 +8,7 @@ back exactly as that rank printed it.
 import inspect
 import re
 import time
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 
 import lightning as L
@@ -63,14 +64,23 @@ def test_error_while_on_meta_is_the_last_error_on_one_process():
             dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_error_while_on_meta_is_the_last_error_on_every_rank(tmp_path):
-    _, proc = launch("fault_lifecycle.py", 2, tmp_path, "meta_error", timeout=300, expect_failure=True)
-    assert proc.returncode != 0
-    for rank in range(2):
-        printed = (tmp_path / f"rank{rank}.stderr").read_text()
-        last = last_lines(tmp_path / f"rank{rank}.stderr", 1)[0]
-        assert last.startswith(f"ValueError: {MISNAMED_ERROR}"), printed[-2000:]
-        assert "Cannot copy out of meta tensor" not in printed
+    """Ten 2-rank runs (three at a time): on every rank of every run the strategy's error is the last line. Left to
+    the interpreter, gloo's native teardown at exit sometimes aborted below it ("terminate called without an active
+    exception", exit code SIGABRT's), which the strategy now skips once the error is printed (issue 31)."""
+    runs = [tmp_path / f"run{i}" for i in range(10)]
+    with ThreadPoolExecutor(3) as pool:
+        procs = list(pool.map(lambda out: launch("fault_lifecycle.py", 2, out, "meta_error", timeout=300,
+                                                 expect_failure=True)[1], runs))
+    for out, proc in zip(runs, procs):
+        assert proc.returncode != 0
+        assert "SIGABRT" not in proc.stderr, proc.stderr[-2000:]  # torchrun's report: both ranks exited with 1
+        for rank in range(2):
+            printed = (out / f"rank{rank}.stderr").read_text()
+            last = last_lines(out / f"rank{rank}.stderr", 1)[0]
+            assert last.startswith(f"ValueError: {MISNAMED_ERROR}"), f"{out.name} rank {rank}: {printed[-2000:]}"
+            assert "terminate called" not in printed and "Cannot copy out of meta tensor" not in printed
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ import json
 import shutil
 import subprocess
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import lightning as L
 import pytest
@@ -133,7 +133,7 @@ def lora_run(tmp_path_factory, llama_dir):
     module = lora_module(llama_dir)
     trainer, losses = fit(module, root, 4, save_every=2)
     trainer.save_checkpoint(root / "sharded.ckpt")
-    trainer.strategy.checkpoint_format = "full"
+    trainer.strategy.options = replace(trainer.strategy.options, checkpoint_format="full")
     trainer.save_checkpoint(root / "full.ckpt")
     return root, module, losses
 

@@ -73,13 +73,13 @@ class CheckpointHooks:
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """What Lightning puts under ``"state_dict"``: the gathered weights for ``checkpoint_format="full"``;
         nothing for sharded checkpoints, whose tensors ``save_checkpoint`` writes from each rank's shards."""
-        if self.checkpoint_format != "full":
+        if self.options.checkpoint_format != "full":
             return {}
         full = self.full_state_dict()
         return trained_only(full) if stores_adapters_only(self.lightning_module) else full  # see checkpoint.base
 
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        if self.checkpoint_format == "full":
+        if self.options.checkpoint_format == "full":
             return super().optimizer_state(optimizer)
         optimizer = getattr(optimizer, "_optimizer", optimizer)
         return optimizer_hyperparameters(optimizer, self._rank_training().placements())
@@ -96,7 +96,7 @@ class CheckpointHooks:
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Optional[Any] = None) -> None:
         if self.loss_scaler is not None:
             checkpoint[LOSS_SCALER_KEY] = self.loss_scaler.state_dict()
-        if self.checkpoint_format == "full":
+        if self.options.checkpoint_format == "full":
             check_full_checkpoint(checkpoint, filepath)  # every rank holds the gathered weights: one verdict
             checkpoint[LAYOUT_KEY] = asdict(self.parallel_config)
             reference = base_reference(self.lightning_module)
@@ -113,7 +113,7 @@ class CheckpointHooks:
                 "global_step": checkpoint.get("global_step"), "epoch": checkpoint.get("epoch"),
                 "precision": str(getattr(self.precision_plugin, "precision", "32-true"))}
         save_training_state(filepath, checkpoint, self._rank_training(), info, saver=self._background_saver,
-                            checksums=self.checkpoint_checksums)
+                            checksums=self.options.checkpoint_checksums)
 
     def remove_checkpoint(self, filepath) -> None:
         if self._background_saver is not None and self._background_saver.pending == Path(filepath):
@@ -131,7 +131,7 @@ class CheckpointHooks:
         if not is_sharded_checkpoint(checkpoint_path):
             return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         training = self._rank_training()
-        saved, checkpoint = load_model_state(checkpoint_path, training, verify=self.verify_checkpoint)
+        saved, checkpoint = load_model_state(checkpoint_path, training, verify=self.options.verify_checkpoint)
         self._sharded_checkpoint = saved
         if self.lightning_module.trainer.state.fn == TrainerFn.FITTING:  # streams continue in training only
             self._rng_state_to_restore = saved_rng_state(checkpoint, training)

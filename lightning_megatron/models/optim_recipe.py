@@ -150,9 +150,11 @@ def adamw_warmup_cosine(
 
 
 def _offloads_optimizer(module: L.LightningModule) -> bool:
-    """Whether the Trainer's strategy steps the optimizer in host memory (``Megatron3DStrategy``'s ``offload``
-    settings: ``offload_optimizer="cpu"`` or ``"nvme"``, whose tiles are stepped on the host too)."""
-    offload = getattr(module.trainer.strategy, "offload", None) if module._trainer is not None else None
+    """Whether the Trainer's strategy steps the optimizer in host memory (``Megatron3DStrategy``'s
+    ``options.offload`` settings: ``offload_optimizer="cpu"`` or ``"nvme"``, whose tiles are stepped on the host
+    too)."""
+    options = getattr(module.trainer.strategy, "options", None) if module._trainer is not None else None
+    offload = getattr(options, "offload", None)
     return isinstance(offload, OffloadSettings) and offload.optimizer != "none"
 
 

@@ -41,7 +41,7 @@ class StepHooks:
         """fp16 needs one overflow decision for the whole world, whichever precision flavour runs it."""
         precision = getattr(self.precision_plugin, "precision", "32-true")
         if precision == "16-true":
-            self.loss_scaler = DynamicLossScaler(**self._loss_scaler_settings)
+            self.loss_scaler = DynamicLossScaler(**self.options.loss_scaler)
         grad_scaler = getattr(self.precision_plugin, "scaler", None)
         if precision == "16-mixed" and grad_scaler is not None:
             agree_on_overflow(grad_scaler)

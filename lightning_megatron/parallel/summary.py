@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import ModelSummary as ModelSummaryCallback
 from lightning.pytorch.utilities.model_summary.model_summary import UNKNOWN_SIZE, ModelSummary
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
 from lightning_megatron.optim.main_params import model_state_bytes
@@ -218,6 +219,14 @@ def model_state_line(sizes: dict[str, int], *, device: torch.device, module: Opt
     n = len(values)
     lows, highs = (-extremes[n:]).tolist(), extremes[:n].tolist()
     return format_model_state(lows[:-1], highs[:-1], world=world, frozen=(lows[-1], highs[-1]))
+
+
+def report_model_state(module: nn.Module, optimizer, step, zero3, *, device: torch.device) -> dict[str, int]:
+    """This rank's :func:`model_state_sizes` (what the strategy keeps as ``model_state_bytes``), and on rank 0 the
+    :func:`model_state_line` of every rank's (a collective: call it on every rank, after a step)."""
+    sizes = model_state_sizes(module, getattr(optimizer, "_optimizer", optimizer), step, zero3)  # Lightning's wrapper
+    rank_zero_info(model_state_line(sizes, device=device, module=module))
+    return sizes
 
 
 def _mib(low: int, high: int) -> str:

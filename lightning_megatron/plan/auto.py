@@ -1,10 +1,11 @@
 """``Megatron3DStrategy(tensor_parallel_size="auto", ...)``: the planner chooses the sizes left to it.
 
-The strategy calls :func:`choose_sizes` in ``setup_environment``, on every rank, before any process group
-exists: planning is deterministic, so every rank chooses the same layout (or raises the same error). The
-sizes given as integers, and the strategy's other settings (ZeRO stage, sequence parallelism, recomputation,
-micro-batch size, offloading, parameter-gather overlap), are kept; the planner searches the ``"auto"`` ones
-for the layout that fits the devices present with the most predicted tokens/s.
+The strategy calls :func:`choose_for_options` (its options, read into :func:`choose_sizes`) in
+``setup_environment``, on every rank, before any process group exists: planning is deterministic, so every
+rank chooses the same layout (or raises the same error). The sizes given as integers, and the strategy's
+other settings (ZeRO stage, sequence parallelism, recomputation, micro-batch size, offloading, parameter-gather
+overlap), are kept; the planner searches the ``"auto"`` ones for the layout that fits the devices present
+with the most predicted tokens/s.
 """
 
 from __future__ import annotations
@@ -97,3 +98,25 @@ def choose_sizes(module: Any, requested: dict[str, Any], *, world_size: int, dev
                + (f"; next: {others[0].layout.label()} at {others[0].tokens_per_second:,.0f} tokens/s" if others else "")
                + ". Set the sizes explicitly to skip planning.")
     return AutoChoice(sizes, layout.pipeline_schedule, best, message)
+
+
+def choose_for_options(module: Any, options: Any, *, world_size: int, device: torch.device, gpus_per_node: int,
+                       precision: str) -> AutoChoice:
+    """:func:`choose_sizes` for the strategy's ``options`` (``strategy_options.StrategyOptions``): the global batch
+    and sequence length from the Trainer's data module, its gradient accumulation, and the options' other layout
+    settings kept. The choice's ``pipeline_schedule`` is the one to run: the options' own, or, where that is 1F1B
+    (the default), interleaved 1F1B if the planner chose virtual stages."""
+    trainer = getattr(module, "_trainer", None)
+    datamodule = getattr(trainer, "datamodule", None)
+    requested, offload = options.requested, options.offload
+    settings = dict(zero_stage=requested["zero_stage"], sequence_parallel=requested["sequence_parallel"],
+                    activation_checkpointing=options.activation_checkpointing, offload_optimizer=offload.optimizer,
+                    offload_parameters=offload.parameters, micro_batch_size=options.micro_batch_size,
+                    overlap_param_gather=options.overlap_param_gather)
+    if options.pipeline_schedule != "1f1b":
+        settings["pipeline_schedule"] = options.pipeline_schedule  # kept; the planner's default is 1F1B or interleaved
+    return choose_sizes(module, requested, world_size=world_size, device=device, gpus_per_node=gpus_per_node,
+                        global_batch_size=getattr(datamodule, "global_batch_size", None),
+                        seq_length=getattr(datamodule, "seq_length", None), precision=precision, settings=settings,
+                        accumulate_grad_batches=getattr(trainer, "accumulate_grad_batches", 1),
+                        bucket_size_mb=options.bucket_size_mb, pad_vocab_to_multiple_of=options.pad_vocab_to_multiple_of)
