@@ -15,6 +15,7 @@ from launch import child_env
 REPO = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 def test_pipeline_bubble_benchmark_prints_its_table(tmp_path):
     result = subprocess.run(
         [sys.executable, str(REPO / "benchmarks" / "pipeline_bubble.py"), "--ranks=2", "--micro-batches=4",
@@ -30,6 +31,7 @@ def test_pipeline_bubble_benchmark_prints_its_table(tmp_path):
     assert (tmp_path / "timeline.png").stat().st_size > 10_000
 
 
+@pytest.mark.slow
 def test_checkpoint_benchmark_saves_and_restores_both_sides(tmp_path):
     result = subprocess.run(
         [sys.executable, str(REPO / "benchmarks" / "checkpoint.py"), "--quick",
@@ -43,6 +45,7 @@ def test_checkpoint_benchmark_saves_and_restores_both_sides(tmp_path):
     assert (next((tmp_path / "megatron_sharded" / "checkpoints").iterdir()) / "__1_0.distcp").stat().st_size > 0
 
 
+@pytest.mark.slow
 def test_nonfinite_check_benchmark_times_the_check_on_and_off_side_by_side():
     result = subprocess.run(
         [sys.executable, str(REPO / "benchmarks" / "nonfinite_check.py"), "--quick"],
@@ -55,6 +58,7 @@ def test_nonfinite_check_benchmark_times_the_check_on_and_off_side_by_side():
     assert all(float(row[5]) > 0 for row in rows[1:])
 
 
+@pytest.mark.slow
 def test_checkpoint_checks_benchmark_times_each_check_against_its_baseline(tmp_path):
     result = subprocess.run(
         [sys.executable, str(REPO / "benchmarks" / "checkpoint_checks.py"), "--megabytes=8", "--repeats=1",
@@ -122,6 +126,7 @@ def test_throughput_interleaved_gate_up_makes_a_contiguous_dtensor_split_of_swig
     assert torch.allclose(sum(partial), expected, atol=1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model", ["llama", "gpt"])
 def test_throughput_benchmark_dtensor_baseline_trains_the_same_model(model, tmp_path, monkeypatch):
     """The DTensor baseline (ModelParallelStrategy tp=2) ends at the single-process loss: its plan is right, and our
@@ -151,6 +156,7 @@ def test_throughput_benchmark_dtensor_baseline_trains_the_same_model(model, tmp_
     assert abs(ranks[0]["loss"] - reference) < 1e-4, (ranks[0]["loss"], reference)
 
 
+@pytest.mark.slow
 def test_data_benchmark_builds_and_reads_the_index_of_its_corpus(tmp_path):
     result = subprocess.run(
         [sys.executable, str(REPO / "benchmarks" / "data.py"), "--quick", "--sizes-gb", "0.004", "--seq-length", "128",
@@ -168,6 +174,7 @@ def test_data_benchmark_builds_and_reads_the_index_of_its_corpus(tmp_path):
     assert len(probes) == 3 and len({row[1] for row in probes.values()}) == 1, probes  # the same documents each way
 
 
+@pytest.mark.slow
 def test_generation_benchmark_generates_what_transformers_does():
     result = subprocess.run(
         [sys.executable, str(REPO / "benchmarks" / "generation.py"), "--quick", "--repeats=1", "--batch-sizes", "2"],
@@ -179,6 +186,7 @@ def test_generation_benchmark_generates_what_transformers_does():
     assert all(row[-1] == "yes" and float(row[4]) > 0 for row in rows), rows
 
 
+@pytest.mark.slow
 def test_moe_benchmark_prints_its_three_tables():
     """ep 1/2/4 train the same model (same loss) with exactly 1/ep of the expert bytes per rank; the four load-balance
     runs start from the same routing; the grouped GEMM computes what the loop does."""
@@ -210,6 +218,7 @@ def test_moe_benchmark_prints_its_three_tables():
     assert "Verdict: " in result.stdout
 
 
+@pytest.mark.slow
 def test_memory_benchmark_activations_mode_divides_activation_bytes_by_cp():
     """``memory.py --activations``: every layout's row, the same loss everywhere; the ring's saved activations per
     rank within 5% above or 8% below 1/cp of the whole-sequence rank's (it keeps a compact ``v`` where SDPA at cp1
@@ -249,6 +258,7 @@ def test_memory_benchmark_activations_mode_divides_activation_bytes_by_cp():
         assert rows[label]["expected"] == f"1/{parts} = {1 / parts:.3f}", rows[label]
 
 
+@pytest.mark.slow
 def test_formulas_benchmark_measures_flops_bytes_and_activations_at_their_formulas():
     """``formulas.py --smoke``: in one launch of four processes, ZeRO-3, tp2 with full recomputation, interleaved
     pp2 x v2, the cp2 ring, ep2 (MoE) and a GPT-2-shaped model under ZeRO-1 each train a step under
@@ -278,6 +288,7 @@ GPU_CHECK_ROWS = ("gpt reference fp32 z0", "gpt zero3", "gpt bf16-mixed", "gpt s
 FP8_ROWS = ("linear fp8 tensorwise", "gpt-1.3b fp8 tensorwise", "gpt-1.3b fp8 rowwise")
 
 
+@pytest.mark.slow
 def test_gpu_check_smoke_mode_prints_one_table_of_passing_rows(tmp_path, monkeypatch):
     """``gpu_check.sh --cpu`` on a subset of rows (two worker processes: the features', the fp8 rows'): the table
     parses, the JSON holds the same rows, every row passes (sequence parallelism at tp=1 is refused with the
@@ -345,6 +356,7 @@ def test_gpu_check_fp8_evidence_counts_the_scaled_mm_calls_and_fails_a_silent_fa
     assert not gpu_check.fp8_evidence(None, [fp8_layer], calls["fp8"], "")[0]  # fp8 where none was asked
 
 
+@pytest.mark.slow
 def test_overlap_benchmark_measures_every_overlap_on_and_off_with_the_same_losses():
     """``overlap.py --quick``: every registered overlap (ZeRO's parameter gathers, tensor-parallel communication under
     sequence parallelism, pipeline receives) trained on and off in one launch; the losses agree (exactly, or to fp32
@@ -361,6 +373,7 @@ def test_overlap_benchmark_measures_every_overlap_on_and_off_with_the_same_losse
     assert all(float(row[-1]) == 0 for row in rows[1:3]), "the parameter gathers' overlap must not change a bit"
 
 
+@pytest.mark.slow
 def test_offload_benchmark_bounds_the_nvme_tiers_memory_and_resumes_the_same_run(monkeypatch):
     """The 'nvme' tier against the 'cpu' one (tiny model): the same losses and weights straight, resumed from its own
     checkpoint, and with the 'cpu' tier loading the 'nvme' checkpoint; its files moved exactly 2x the state per step
@@ -380,6 +393,7 @@ def test_offload_benchmark_bounds_the_nvme_tiers_memory_and_resumes_the_same_run
     assert runs["cpu"]["tier_read"] == 0 and report["leftover_files"] == []
 
 
+@pytest.mark.slow
 def test_cpu_adam_benchmark_compares_the_offloaded_step_with_torch_and_deepspeed():
     result = subprocess.run([sys.executable, str(REPO / "benchmarks" / "cpu_adam.py"), "--smoke"],
                             capture_output=True, text=True, timeout=300, env=child_env())
@@ -419,6 +433,7 @@ def _fake_fp8_forward(linear, rowwise: bool):
     return forward
 
 
+@pytest.mark.slow
 def test_fp8_quality_benchmark_first_losses_are_those_of_fp8_emulated_in_the_test(tmp_path):
     """``fp8_quality.py --smoke``: the fp32, bf16 and bf16 + FP8 (tensorwise, rowwise) runs of llama-tiny at dp2
     train (finite, falling losses). Their first loss (the forward of the initial weights: the one every run shares)

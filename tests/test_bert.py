@@ -101,6 +101,7 @@ def parallel_run(tmp_path_factory):
     return out, results
 
 
+@pytest.mark.slow
 def test_tensor_parallel_layouts_match_single_process(parallel_run):
     out, _ = parallel_run
     references = {norm: reference_run(config) for norm, config in CONFIGS.items()}
@@ -119,6 +120,7 @@ def test_tensor_parallel_layouts_match_single_process(parallel_run):
         assert result["correct"] == ref_correct
 
 
+@pytest.mark.slow
 def test_trainer_fit_tp2_matches_plain_lightning(parallel_run):
     out, results = parallel_run
     assert len(results) == 2 and all(r["global_step"] == 2 for r in results)

@@ -55,6 +55,7 @@ def _set_up(datamodule, dp_size=1):
     return datamodule
 
 
+@pytest.mark.slow
 def test_wordpiece_tokenizer_has_berts_special_tokens(corpus):
     tok = load_tokenizer(str(corpus.tokenizer))
     assert isinstance(tok, HFTokenizer) and tok.vocab_size == 1000
@@ -78,6 +79,7 @@ def test_a_tokenizer_json_saved_by_transformers_gives_the_same_ids(tmp_path):
     assert SpecialTokens.of_tokenizer(tok) == SpecialTokens(0, 2, 3, 4, vocab_size=12, other_special_ids=(1,))
 
 
+@pytest.mark.slow
 def test_samples_are_cls_a_sep_b_sep_with_segments_at_sentence_boundaries(corpus):
     dm = _set_up(BERTDataModule(data_prefix=corpus.prefix, seq_length=SEQ, global_batch_size=8, split="90,10,0"))
     special, dataset = dm.special_tokens, dm.train_dataset
@@ -121,6 +123,7 @@ def test_samples_are_cls_a_sep_b_sep_with_segments_at_sentence_boundaries(corpus
     assert at_sentence_start > 0.75 * checked and with_two_sentences > 0.6 * checked and checked > 50
 
 
+@pytest.mark.slow
 def test_unsplit_indexed_data_cuts_fixed_windows_anywhere(corpus, tmp_path):
     preprocess(input=corpus.folder / "docs.jsonl", tokenizer=str(corpus.tokenizer), output_prefix=tmp_path / "plain",
                progress=False)
@@ -133,6 +136,7 @@ def test_unsplit_indexed_data_cuts_fixed_windows_anywhere(corpus, tmp_path):
     assert dataset[3]["input_ids"].shape == (SEQ,)
 
 
+@pytest.mark.slow
 def test_bert_trains_on_wordpiece_sentences_with_the_strategy(corpus):
     dm = BERTDataModule(data_prefix=corpus.prefix, seq_length=SEQ, global_batch_size=8, split="95,5,0", seed=3)
     config = BERTConfig(vocab_size=dm.vocab_size, max_seq_length=SEQ, hidden_size=64, num_layers=2, num_heads=4)
@@ -155,6 +159,7 @@ def test_bert_trains_on_wordpiece_sentences_with_the_strategy(corpus):
     assert np.isfinite(float(trainer.callback_metrics["val_loss"]))
 
 
+@pytest.mark.slow
 def test_tokenizers_without_berts_special_tokens_are_refused(corpus, tmp_path):
     cli_main(["train-tokenizer", "--input", str(corpus.folder / "docs.jsonl"), "--vocab-size", "300",
               "--output", str(tmp_path / "bpe.json")])
@@ -174,6 +179,7 @@ def test_tokenizers_without_berts_special_tokens_are_refused(corpus, tmp_path):
         BERTDataModule(data_prefix=str(tmp_path / "no_mask_data"))
 
 
+@pytest.mark.slow
 def test_data_module_argument_errors(corpus):
     with pytest.raises(ValueError, match=r"tokenizer='byte' has 257 ids but data_prefix=.* was made with"):
         BERTDataModule(data_prefix=corpus.prefix, tokenizer="byte")

@@ -46,6 +46,7 @@ def command(capsys, *args) -> tuple[int, str, str]:
     return code, captured.out, captured.err
 
 
+@pytest.mark.slow
 def test_every_command_reads_a_full_checkpoint_as_it_reads_the_sharded_one(both_formats, tmp_path, capsys):
     sharded, full = both_formats
     code, shown, _ = command(capsys, "inspect", full, "--keys")

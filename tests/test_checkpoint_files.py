@@ -53,6 +53,7 @@ def checkpoint(tmp_path_factory):
     return root / "two.ckpt"
 
 
+@pytest.mark.slow
 def test_bf16_run_resumes_exactly_with_its_fp32_main_parameters(tmp_path):
     """bf16 parameters with fp32 main copies: the copies are saved, so steps 3-4 repeat bit for bit."""
     straight, straight_losses = fit(tmp_path / "straight", 4, precision="bf16-true", save_every=2)
@@ -67,6 +68,7 @@ def test_bf16_run_resumes_exactly_with_its_fp32_main_parameters(tmp_path):
         assert torch.equal(value, resumed.lightning_module.state_dict()[name]), name
 
 
+@pytest.mark.slow
 def test_full_format_writes_one_plain_file_that_resumes_exactly(tmp_path):
     _, straight = fit(tmp_path / "straight", 4, save_every=2, checkpoint_format="full")
     file = tmp_path / "straight" / "epoch=0-step=2.ckpt"
@@ -78,6 +80,7 @@ def test_full_format_writes_one_plain_file_that_resumes_exactly(tmp_path):
     assert resumed == straight[2:]
 
 
+@pytest.mark.slow
 def test_top_k_removal_and_resume_from_last(tmp_path):
     keep_one = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_top_k=1, monitor="step", mode="max",
                                save_last=True)
@@ -90,6 +93,7 @@ def test_top_k_removal_and_resume_from_last(tmp_path):
     assert trainer.global_step == 7
 
 
+@pytest.mark.slow
 def test_dropout_streams_continue_exactly_after_a_resume(tmp_path):
     """Random states are saved per rank and restored just before the first step: the masks repeat."""
     def with_dropout():
@@ -103,6 +107,7 @@ def test_dropout_streams_continue_exactly_after_a_resume(tmp_path):
     assert resumed == straight[2:]
 
 
+@pytest.mark.slow
 def test_a_save_killed_midway_leaves_the_previous_checkpoint_loadable(tmp_path):
     result = subprocess.run([sys.executable, str(WORKERS / "save_then_crash.py"), str(tmp_path / "ckpts")],
                             env=child_env(PYTHONPATH=f"{WORKERS}:{WORKERS.parent.parent}"), cwd=tmp_path,
@@ -120,6 +125,7 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint_loadable(tmp_path):
     assert open_sharded(directory / "epoch=0-step=4.ckpt").info["global_step"] == 3
 
 
+@pytest.mark.slow
 def test_async_checkpoints_are_written_while_training_goes_on(tmp_path, monkeypatch):
     release, seen = threading.Event(), {}
     write_tensors = sharded.write_tensors
@@ -157,6 +163,7 @@ def truncate(path):
     path.write_bytes(data[: len(data) // 2])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("damage, message", [
     (lambda c: (c / "__0_0.distcp").unlink(), "__0_0.distcp is missing"),
     (lambda c: truncate(c / "__0_0.distcp"), "__0_0.distcp is truncated"),
@@ -173,6 +180,7 @@ def test_a_damaged_checkpoint_is_refused_naming_the_file(checkpoint, tmp_path, d
     assert {p.name: p.stat().st_size for p in damaged.iterdir()} == before  # nothing on disk was touched
 
 
+@pytest.mark.slow
 def test_a_checkpoint_of_another_model_is_refused(checkpoint, tmp_path):
     with pytest.raises(RuntimeError, match=r"'state_dict/model\.embedding\.wte\.weight' has shape \(257, 32\) but "
                                            r"this model's is \(257, 64\)"):
@@ -184,6 +192,7 @@ def test_a_checkpoint_of_another_model_is_refused(checkpoint, tmp_path):
         trainer.validate(bert, datamodule=BERTDataModule(seq_length=32, global_batch_size=4), ckpt_path=checkpoint)
 
 
+@pytest.mark.slow
 def test_a_checkpoint_of_a_deeper_model_is_refused_unless_loading_is_not_strict(checkpoint, tmp_path):
     with pytest.raises(RuntimeError, match=r"holds model tensors this model does not have: "
                                            r"'state_dict/model\.blocks\.1\..*strict_loading = False"):
@@ -198,6 +207,7 @@ def test_a_checkpoint_of_a_deeper_model_is_refused_unless_loading_is_not_strict(
     assert "model.blocks.2.attn.qkv.weight" in loaded and "model.blocks.2.attn.qkv.weight" not in saved
 
 
+@pytest.mark.slow
 def test_an_interrupted_replace_without_its_new_checkpoint_gives_the_previous_one_its_name_back(checkpoint, tmp_path):
     # The old checkpoint moved aside, the new one gone (damaged, deleted): the old one is restored and resumed.
     shutil.copytree(checkpoint, tmp_path / ".last.ckpt.replaced")
@@ -207,6 +217,7 @@ def test_an_interrupted_replace_without_its_new_checkpoint_gives_the_previous_on
     assert not (tmp_path / ".last.ckpt.replaced").exists()
 
 
+@pytest.mark.slow
 def test_checkpoint_command_inspects_and_consolidates(checkpoint, tmp_path, capsys):
     cli_main(["checkpoint", "inspect", str(checkpoint), "--keys"])
     shown = capsys.readouterr().out
@@ -223,6 +234,7 @@ def test_checkpoint_command_inspects_and_consolidates(checkpoint, tmp_path, caps
     assert "must end in .safetensors or .pt" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_load_from_checkpoint_reads_a_sharded_directory(checkpoint):
     loaded = GPT.load_from_checkpoint(checkpoint, learning_rate=1e-4)
     assert loaded.hparams.learning_rate == 1e-4 and loaded.config.hidden_size == 32  # saved config, new recipe
@@ -230,6 +242,7 @@ def test_load_from_checkpoint_reads_a_sharded_directory(checkpoint):
         assert torch.equal(loaded.state_dict()[name], value), name
 
 
+@pytest.mark.slow
 def test_checkpoint_command_converts_to_and_from_hugging_face(checkpoint, tmp_path):
     transformers = pytest.importorskip("transformers")
     cli_main(["checkpoint", "convert", str(checkpoint), str(tmp_path / "hf")])
@@ -253,6 +266,7 @@ def test_checkpoint_command_converts_to_and_from_hugging_face(checkpoint, tmp_pa
     assert from_converted == from_original
 
 
+@pytest.mark.slow
 def test_checkpoint_command_converts_a_post_norm_bert_and_back(tmp_path):
     transformers = pytest.importorskip("transformers")
     config = BERTConfig(vocab_size=261, max_seq_length=32, hidden_size=32, num_layers=2, num_heads=4,
@@ -276,6 +290,7 @@ def test_checkpoint_command_converts_a_post_norm_bert_and_back(tmp_path):
 
 
 
+@pytest.mark.slow
 def test_generate_command_continues_prompts_from_a_sharded_checkpoint(checkpoint, capsys):
     from lightning_megatron.data.tokenizers import load_tokenizer
     from lightning_megatron.generation.cli import main as generate_main

@@ -38,6 +38,7 @@ def _step(model, ids, labels):
     return loss.detach(), {name: p.grad for name, p in model.named_parameters()}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tied", [True, False])
 @pytest.mark.parametrize("chunk_tokens", [1, 7, 48, 4096])
 def test_chunked_loss_gives_the_unchunked_loss_and_gradients(tied, chunk_tokens):
@@ -54,6 +55,7 @@ def test_chunked_loss_gives_the_unchunked_loss_and_gradients(tied, chunk_tokens)
         assert torch.equal(chunked(ids), unchunked(ids))
 
 
+@pytest.mark.slow
 def test_chunked_loss_in_bf16_keeps_the_fp32_softmax_math():
     """bf16 weights and activations: the logits' GEMMs in bf16, the softmax in fp32, so the loss is the unchunked bf16
     model's. The head's weight gradient is summed chunk by chunk in bf16 (an fp32 sum would add twice the weight's

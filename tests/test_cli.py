@@ -64,6 +64,7 @@ def planned_configs(paths) -> dict:
     return json.loads(result.stdout.splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_every_config_layout_validates_and_fits_its_gpus():
     """The planner runs the strategy's layout checks on every config and predicts its memory per GPU: each fits an
     80 GB GPU (A100), the byte-exact model states and the predicted activations together."""
@@ -116,6 +117,7 @@ def run_command(tmp_path, *args, show_warnings: bool = False):
     return result
 
 
+@pytest.mark.slow
 def test_default_run_trains_with_tensor_parallelism_and_saves_a_layout_free_checkpoint(tmp_path):
     result = run_command(
         tmp_path, "fit", "--config", str(CONFIG), "--trainer.max_steps=4", "--trainer.val_check_interval=4",
@@ -140,6 +142,7 @@ def test_default_run_trains_with_tensor_parallelism_and_saves_a_layout_free_chec
     assert consolidated_state_dict(checkpoints[0])["model.embedding.wte.weight"].shape == (257, 64)
 
 
+@pytest.mark.slow
 def test_bert_tiny_config_trains_two_steps(tmp_path):
     run_command(
         tmp_path, "fit", "--config", str(REPO / "configs" / "bert-tiny.yaml"), "--trainer.max_steps=2",
@@ -193,6 +196,7 @@ def test_compile_and_adam_implementation_from_yaml(tmp_path, capsys):
     assert printed["model"]["init_args"]["adam_implementation"] == "foreach"
 
 
+@pytest.mark.slow
 def test_tiny_sft_config_learns_the_taught_answer_format(tmp_path, capsys):
     """configs/llama-tiny-sft.yaml as the README runs it, shortened: the loss on the responses falls, and the generate
     command, asking held-out prompts in the taught prompt style, gets answers in the taught format every time (the

@@ -152,6 +152,7 @@ def references():
     return {name: _reference(name) for name in MODELS if name != "chunk"}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_context_parallel_layouts_match_one_process(launched, references, layout):
     out, _ = launched
@@ -160,6 +161,7 @@ def test_context_parallel_layouts_match_one_process(launched, references, layout
     _deviations(torch.load(out / f"{layout}.pt", weights_only=True), ref_losses, ref_weights, layout)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", sorted(FP8_LAYOUTS))
 def test_fp8_under_context_parallelism_matches_one_process_in_fp8(launched, fp8_single, layout):
     out, _ = launched
@@ -174,6 +176,7 @@ def test_the_reference_batches_are_padded_and_the_sequence_long_enough_to_cut_fo
     assert gpt_setup.SEQ % (2 * 4) == 0
 
 
+@pytest.mark.slow
 def test_ring_and_all_gather_attention_equal_sdpa_in_fp64(launched):
     _, results = launched
     for layout in ("kernels-gpt-cp4-tp1-dp1", "kernels-gpt-cp2-tp1-dp2"):
@@ -183,6 +186,7 @@ def test_ring_and_all_gather_attention_equal_sdpa_in_fp64(launched):
             assert max(worst.values()) < 1e-12, (layout, rank, worst)
 
 
+@pytest.mark.slow
 def test_the_ring_sends_keys_and_values_round_once_forward_and_their_gradients_home_backward(launched):
     _, results = launched
     layers = gpt_setup.CONFIG.num_layers
@@ -204,6 +208,7 @@ def test_the_ring_sends_keys_and_values_round_once_forward_and_their_gradients_h
         assert gathered["backward"] == {"reduce_scatter_single/cp": 2 * layers}
 
 
+@pytest.mark.slow
 def test_generation_under_context_parallelism_gives_the_tokens_of_one_process(launched):
     _, results = launched
     for result in results:
@@ -211,6 +216,7 @@ def test_generation_under_context_parallelism_gives_the_tokens_of_one_process(la
         assert generated["got"] == generated["expected"]
 
 
+@pytest.mark.slow
 def test_every_rank_refuses_bad_input_with_the_numbers_and_the_fix(launched):
     _, results = launched
     said = [result["errors-gpt-cp4-tp1-dp1"] for result in results]

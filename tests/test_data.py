@@ -64,6 +64,7 @@ def _documents(dataset):
     return {corpus.document(int(i)).astype(np.uint8).tobytes() for i in dataset.documents}
 
 
+@pytest.mark.slow
 def test_global_batch_is_the_same_for_every_dp_size():
     config = dict(seq_length=32, global_batch_size=8, max_files=40, split="80,10,10")
     single = _datamodule(1, 0, **config)

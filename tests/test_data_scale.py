@@ -40,6 +40,7 @@ def scale_run(tmp_path_factory):
     return results, (big_tokens - small_tokens) * 2
 
 
+@pytest.mark.slow
 def test_resident_memory_does_not_grow_with_the_corpus(scale_run):
     results, corpus_growth_bytes = scale_run
     for rank, result in enumerate(results):
@@ -51,6 +52,7 @@ def test_resident_memory_does_not_grow_with_the_corpus(scale_run):
         assert mapped < 0.05 * corpus_growth_bytes, (rank, small, big, corpus_growth_bytes)
 
 
+@pytest.mark.slow
 def test_each_index_is_built_by_one_rank_and_read_by_the_others(scale_run):
     results, _ = scale_run
     for run in (0, 2):  # fresh indices: exactly one build per split, on rank 0
@@ -63,6 +65,7 @@ def test_each_index_is_built_by_one_rank_and_read_by_the_others(scale_run):
     assert [result["runs"][3]["built"]["train"] for result in results] == [[False, False]] * 4
 
 
+@pytest.mark.slow
 def test_blend_logs_the_tokens_each_dataset_gave_and_dp_ranks_share_every_batch(scale_run):
     results, _ = scale_run
     blend = [result["runs"][3] for result in results]

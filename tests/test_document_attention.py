@@ -37,6 +37,7 @@ def dense_reference(q, k, v, ids, causal, grad):
     return out.detach(), *(t.grad for t in full)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype, out_tol, grad_tol, heads, groups", [
     (torch.float32, 1e-6, 1e-5, 4, 4), (torch.float32, 1e-6, 1e-5, 4, 2), (torch.float32, 1e-6, 1e-5, 4, 1),
     (torch.float64, 1e-12, 1e-12, 4, 2)])

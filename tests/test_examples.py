@@ -14,6 +14,7 @@ from custom_loss import PrefixFreeGPT  # noqa: E402
 from launch import child_env  # noqa: E402
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "script, args, expect",
     [

@@ -46,6 +46,7 @@ def files_of(path):
 
 
 # ----------------------------------------------------------------------------- 1. a mistaken target
+@pytest.mark.slow
 @pytest.mark.parametrize("checkpoint_format", ["sharded", "full"])
 def test_save_checkpoint_refuses_an_existing_directory_of_user_files(run, tmp_path, checkpoint_format):
     trainer, _ = run
@@ -61,6 +62,7 @@ def test_save_checkpoint_refuses_an_existing_directory_of_user_files(run, tmp_pa
     assert sorted(p.name for p in tmp_path.iterdir()) == ["runs"]  # no partial or replaced left beside it
 
 
+@pytest.mark.slow
 def test_save_checkpoint_refuses_a_file_that_is_not_a_checkpoint(run, tmp_path):
     trainer, _ = run
     (tmp_path / "model.ckpt").write_text("my own notes")
@@ -69,6 +71,7 @@ def test_save_checkpoint_refuses_a_file_that_is_not_a_checkpoint(run, tmp_path):
     assert (tmp_path / "model.ckpt").read_text() == "my own notes"
 
 
+@pytest.mark.slow
 def test_save_checkpoint_still_replaces_its_own_checkpoints_and_lightning_files(run, tmp_path):
     trainer, checkpoint = run
     shutil.copytree(checkpoint, tmp_path / "ours.ckpt")
@@ -79,6 +82,7 @@ def test_save_checkpoint_still_replaces_its_own_checkpoints_and_lightning_files(
         assert open_sharded(tmp_path / name).info["global_step"] == 2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("direction", ["to_hf", "from_hf"])
 def test_checkpoint_convert_refuses_an_existing_directory_of_user_files(run, tmp_path, direction):
     _, checkpoint = run
@@ -96,6 +100,7 @@ def test_checkpoint_convert_refuses_an_existing_directory_of_user_files(run, tmp
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
 
 
+@pytest.mark.slow
 def test_hf_export_replaces_its_own_export_and_keeps_other_files(run, tmp_path):
     _, checkpoint = run
     out = tmp_path / "hf"
@@ -129,6 +134,7 @@ def crash_between_renames(directory):
     assert open_sharded(replaced_path(directory / "last.ckpt")).info["global_step"] == 2
 
 
+@pytest.mark.slow
 def test_resume_from_last_after_a_crash_between_the_renames_continues_from_the_newest(straight, tmp_path):
     directory = tmp_path / "ckpts"
     crash_between_renames(directory)
@@ -142,6 +148,7 @@ def test_resume_from_last_after_a_crash_between_the_renames_continues_from_the_n
     assert sorted(p.name for p in directory.iterdir() if not p.name.endswith(".lock")) == ["last.ckpt"]
 
 
+@pytest.mark.slow
 def test_two_ranks_finish_the_interrupted_replacement_once_and_resume_from_it(straight, tmp_path):
     directory = tmp_path / "ckpts"
     crash_between_renames(directory)
@@ -153,6 +160,7 @@ def test_two_ranks_finish_the_interrupted_replacement_once_and_resume_from_it(st
 
 
 # ----------------------------------------------------------------------------- 4. saves that never finished
+@pytest.mark.slow
 def test_leftovers_are_reported_at_the_next_start_and_only_incomplete_ones_removed(run, tmp_path, capfd):
     _, checkpoint = run
     directory = tmp_path / "ckpts"
@@ -171,6 +179,7 @@ def test_leftovers_are_reported_at_the_next_start_and_only_incomplete_ones_remov
     assert open_sharded(directory / "epoch=0-step=2.ckpt").info["global_step"] == 2
 
 
+@pytest.mark.slow
 def test_checkpoint_recover_command_finishes_interrupted_saves(run, tmp_path, capsys):
     _, checkpoint = run
     shutil.copytree(checkpoint, replaced_path(tmp_path / "last.ckpt"))
@@ -203,6 +212,7 @@ FULL_DISK = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_a_full_disk_says_so_with_the_sizes_and_leaves_the_previous_checkpoint(tmp_path):
     script = tmp_path / "full_disk.py"
     script.write_text(FULL_DISK.format(workers=str(WORKERS.parent), repo=str(REPO_ROOT)))
@@ -231,6 +241,7 @@ def damage(checkpoint, tmp_path, name, pattern):
     return copy
 
 
+@pytest.mark.slow
 def test_a_shard_damaged_in_place_into_nan_is_refused_on_load(run, tmp_path):
     _, checkpoint = run
     copy = damage(checkpoint, tmp_path, "state_dict/model.blocks.0.mlp.fc.weight", b"\xff" * 64)
@@ -240,6 +251,7 @@ def test_a_shard_damaged_in_place_into_nan_is_refused_on_load(run, tmp_path):
         fit(tmp_path / "resume", 3, ckpt_path=copy)
 
 
+@pytest.mark.slow
 def test_checksums_find_a_changed_byte_that_still_loads_as_finite(run, tmp_path, capsys):
     _, checkpoint = run
     name = "state_dict/model.blocks.1.attn.qkv.weight"
@@ -258,6 +270,7 @@ def test_checksums_find_a_changed_byte_that_still_loads_as_finite(run, tmp_path,
 
 
 # ----------------------------------------------------------------------------- 2. never a non-finite checkpoint
+@pytest.mark.slow
 @pytest.mark.parametrize("checkpoint_format", ["sharded", "full"])
 def test_weights_that_went_nan_are_never_saved_and_the_last_good_checkpoint_stays(run, tmp_path, checkpoint_format):
     trainer, checkpoint = run

@@ -147,6 +147,7 @@ def test_preprocess_without_documents_over_two_chunks_and_workers_creates_no_dir
     assert sorted(p.name for p in tmp_path.iterdir()) == ["big.jsonl"]  # not even the output directory
 
 
+@pytest.mark.slow
 def test_preprocess_command_exits_non_zero_on_an_empty_input(tmp_path):
     source = tmp_path / "empty.txt"
     source.write_bytes(b"")

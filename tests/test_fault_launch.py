@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 from launch import REPO_ROOT, WORKERS, child_env
+import pytest
 
 
 def alive(pid: int) -> bool:
@@ -27,6 +28,7 @@ def wait_for(condition, seconds: float) -> bool:
     return condition()
 
 
+@pytest.mark.slow
 def test_killing_the_launcher_kills_the_script_copies_it_started(tmp_path):
     launcher = subprocess.Popen([sys.executable, str(WORKERS / "stalled_child.py"), str(tmp_path)],
                                 env=child_env(PYTHONPATH=f"{WORKERS}:{REPO_ROOT}"), cwd=tmp_path,

@@ -31,6 +31,7 @@ def test_default_timeout_is_ten_minutes():
     assert inspect.signature(Megatron3DStrategy).parameters["timeout"].default == timedelta(minutes=10)
 
 
+@pytest.mark.slow
 def test_stalled_rank_times_out_naming_the_phase_and_step_without_hanging(tmp_path):
     """Rank 1 sleeps 60 s after backward of step 2, timeout=5 s: rank 0 gives up after 5 s, says it was waiting
     in optimizer step 2 and why, and the whole run ends while rank 1 still sleeps (nobody waits for it)."""
@@ -91,6 +92,7 @@ def checks(tmp_path_factory):
     return results
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("devices", [1, 4])
 def test_devices_that_disagree_with_torchrun_fail_on_every_rank(checks, devices):
     for result in checks:
@@ -101,6 +103,7 @@ def test_devices_that_disagree_with_torchrun_fail_on_every_rank(checks, devices)
         assert "pass Trainer(devices=2, num_nodes=1)" in error and f"--nproc-per-node={devices}" in error
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case, declared", [
     ("no plan", "Unplanned declares no tensor_parallel_plan()"),
     ("empty plan", "Planned has a tensor_parallel_plan() that splits no layer"),
@@ -115,6 +118,7 @@ def test_model_without_a_plan_at_tp2_warns_once_on_rank_zero(checks, case, decla
     assert "Declare tensor_parallel_plan()" in warning and "tensor_parallel_size=1" in warning
 
 
+@pytest.mark.slow
 def test_an_offload_path_one_rank_cannot_use_stops_every_rank_in_setup(checks):
     rank0, rank1 = checks[0]["nvme path"], checks[1]["nvme path"]
     assert rank1 == ("ValueError: Rank 1: offload_path='offload_here' is a file, not a folder. Choose a folder on a "
@@ -125,6 +129,7 @@ def test_an_offload_path_one_rank_cannot_use_stops_every_rank_in_setup(checks):
     assert checks[1]["nvme files left"] == ["offload_here"]
 
 
+@pytest.mark.slow
 def test_default_timeout_reaches_every_group_of_the_layout(checks):
     """init_process_group(timeout=) sets only the world group's; new_group would give the others torch's 30 min."""
     for result in checks:

@@ -49,6 +49,7 @@ def assert_same_weights(trainer, reference):
             assert torch.equal(a, b)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("precision", ["32-true", "bf16-true", "bf16-mixed"])
 def test_nan_loss_stops_before_the_step_and_the_last_good_checkpoint_stays(tmp_path, precision):
     bad = 3
@@ -72,6 +73,7 @@ def test_nan_loss_stops_before_the_step_and_the_last_good_checkpoint_stays(tmp_p
         assert torch.isfinite(value).all() and torch.equal(value, full[name]), name
 
 
+@pytest.mark.slow
 def test_an_inf_gradient_with_a_finite_loss_is_caught(tmp_path):
     trainer, record, error = fit(tmp_path / "bad", 4, faults={"inf_grad_steps": [1]})
     assert error is not None, "the run trained on through an Inf gradient"
@@ -82,6 +84,7 @@ def test_an_inf_gradient_with_a_finite_loss_is_caught(tmp_path):
     assert_same_weights(trainer, reference)
 
 
+@pytest.mark.slow
 def test_skip_mode_skips_exactly_the_bad_steps_and_trains_on(tmp_path):
     """Two bad steps, not in a row: both are skipped even with max_consecutive_skips=1."""
     bad_steps = (1, 3)
@@ -97,6 +100,7 @@ def test_skip_mode_skips_exactly_the_bad_steps_and_trains_on(tmp_path):
     assert float(trainer.callback_metrics["skipped_steps"]) == 2.0
 
 
+@pytest.mark.slow
 def test_skip_mode_raises_once_more_steps_in_a_row_are_bad_than_allowed(tmp_path):
     trainer, record, error = fit(tmp_path / "bad", 8, on_nonfinite="skip", max_consecutive_skips=2,
                                  faults={"nan_steps": range(2, 8)})
@@ -110,6 +114,7 @@ def test_skip_mode_raises_once_more_steps_in_a_row_are_bad_than_allowed(tmp_path
     assert_same_weights(trainer, reference)
 
 
+@pytest.mark.slow
 def test_fp16_mixed_keeps_its_grad_scaler_skipping_the_step(tmp_path):
     """16-mixed: gradients are still scaled when the check would run and an inf is an expected overflow;
     Lightning's GradScaler skips the step, so the check stays out of the way."""
@@ -137,6 +142,7 @@ def two_ranks(tmp_path_factory):
     return results
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("run", ["dp2-nan", "zero3-nan", "pp2-nan"])
 def test_a_nan_loss_on_one_rank_stops_every_rank_with_the_same_error_naming_it(two_ranks, run):
     errors = [ranks[run]["error"] for ranks in two_ranks]
@@ -150,6 +156,7 @@ def test_a_nan_loss_on_one_rank_stops_every_rank_with_the_same_error_naming_it(t
         assert len(ranks[run]["checksums"]) == BAD_STEP and all(ranks[run]["finite"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["tp2-bf16-inf-grad-skip", "dp2-zero1-overlap-inf-grad-skip"])
 def test_an_inf_gradient_on_one_rank_is_skipped_on_every_rank(two_ranks, name):
     for ranks in two_ranks:
@@ -159,6 +166,7 @@ def test_an_inf_gradient_on_one_rank_is_skipped_on_every_rank(two_ranks, name):
         assert [a == b for a, b in zip(checksums, checksums[1:])] == [step == BAD_STEP for step in range(1, 4)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", ["dp2", "dp2-zero1", "dp2-zero3", "tp2"])
 def test_clipping_by_the_checked_norm_gives_the_unchecked_losses(two_ranks, layout):
     """The clip reuses the norm the check measured; under SGD a wrongly counted norm changes every update."""

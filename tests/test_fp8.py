@@ -149,6 +149,7 @@ def test_fp8_error_is_within_the_formats_bound_and_of_their_size(recipe):
     assert relative(emulated["bias_grad"], exact["bias_grad"]) == 0.0  # the bias stays in high precision
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("recipe, dtype", [("tensorwise", torch.float32), ("tensorwise", torch.bfloat16),
                                            ("rowwise", torch.bfloat16)])
 def test_fp8_layer_matches_torchaos_float8_linear(recipe, dtype):
@@ -282,6 +283,7 @@ LAYERS = ("column", "column_sp", "packed", "query_groups", "experts_column", "ro
           "column_autocast", "column_sp_autocast")
 
 
+@pytest.mark.slow
 def test_tensor_parallel_fp8_layers_equal_the_single_process_fp8_layer(tensor_parallel_results):
     """At tp2, each rank's part of the output and of the input, weight and bias gradients equals the single-process
     FP8 layer's to 1e-6 (fp32 summation order of partial sums), both recipes: column and row layers with and without
@@ -298,6 +300,7 @@ def test_tensor_parallel_fp8_layers_equal_the_single_process_fp8_layer(tensor_pa
         assert not worst, f"rank {rank}: {worst}"
 
 
+@pytest.mark.slow
 def test_the_amax_reduction_over_tensor_parallel_ranks_is_what_makes_them_equal(tensor_parallel_results):
     """Negative controls, where a GEMM contracts over the cut dimension: a row layer whose input rows all have their
     amax in rank 0's shard (2^16 times the rest, on input features with zero weights), and a column layer whose
@@ -315,12 +318,14 @@ def test_the_amax_reduction_over_tensor_parallel_ranks_is_what_makes_them_equal(
                 assert controls[f"{layer}_local_{recipe}_{tensor}"] > 0.02, controls
 
 
+@pytest.mark.slow
 def test_tensor_parallel_fp8_under_autocast_outputs_bf16_and_fp32_gradients(tensor_parallel_results):
     for result in tensor_parallel_results:
         for layout in ("tensorwise", "tensorwise_sp", "rowwise", "rowwise_sp"):
             assert result["dtypes"][layout] == ["torch.bfloat16"] + ["torch.float32"] * 3, layout
 
 
+@pytest.mark.slow
 def test_convert_to_fp8_at_tp2_reduces_over_the_tensor_parallel_group_and_checks_local_sizes(tensor_parallel_results):
     for result in tensor_parallel_results:
         converted = result["converted"]

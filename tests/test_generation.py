@@ -31,6 +31,7 @@ def hf_and_ours(request):
     return hf, GPT.from_hf(hf).eval()
 
 
+@pytest.mark.slow
 def test_greedy_equals_transformers_for_batched_prompts_of_different_lengths(hf_and_ours):
     hf, gpt = hf_and_ours
     ids, mask = worker.prompts()
@@ -44,6 +45,7 @@ def test_greedy_equals_transformers_for_batched_prompts_of_different_lengths(hf_
         assert out == row[torch.cat([keep.bool(), torch.ones(20, dtype=torch.bool)])].tolist()
 
 
+@pytest.mark.slow
 def test_generation_stops_at_eos_and_pads_as_transformers_does(hf_and_ours):
     hf, gpt = hf_and_ours
     ids, mask = worker.prompts()
@@ -59,6 +61,7 @@ def test_generation_stops_at_eos_and_pads_as_transformers_does(hf_and_ours):
     assert single[0][-1] == eos and len(single[0]) == ends, "generation stops once every sequence has ended"
 
 
+@pytest.mark.slow
 def test_the_cache_gives_the_logits_of_the_whole_sequence(hf_and_ours):
     """Each cached step's logits equal a full forward over the sequence so far (what the cache saves recomputing)."""
     _, gpt = hf_and_ours
@@ -69,6 +72,7 @@ def test_the_cache_gives_the_logits_of_the_whole_sequence(hf_and_ours):
     assert int(greedy_again[0, -1]) == int(logits[0, -2].argmax())
 
 
+@pytest.mark.slow
 def test_sampling_draws_from_the_filtered_softmax_as_transformers_filters_it():
     vocab = 50
     logits = torch.randn(1, vocab, generator=torch.Generator().manual_seed(0)) * 2
@@ -88,6 +92,7 @@ def test_sampling_draws_from_the_filtered_softmax_as_transformers_filters_it():
         assert (frequency - expected).abs().max() < 0.015, (setting, (frequency - expected).abs().max())
 
 
+@pytest.mark.slow
 def test_sampling_is_reproducible_from_its_seed_alone_with_dropout_off_and_modes_restored():
     gpt = GPT(GPTConfig(num_layers=2, hidden_size=32, dropout=0.5, attention_dropout=0.5))
     gpt.configure_model()  # in training mode: generation must switch dropout off, then restore the mode
@@ -118,6 +123,7 @@ def test_right_padded_prompts_are_refused():
         generate(gpt.model, torch.tensor([[1, 2, 0]]), attention_mask=torch.tensor([[1, 1, 0]]), max_new_tokens=2)
 
 
+@pytest.mark.slow
 def test_every_layout_generates_what_transformers_and_one_process_do(tmp_path):
     checks = [f"{case}:{layout}" for case, layouts in LAYOUTS.items() for layout in layouts]
     results, _ = launch("generation.py", 4, tmp_path, ",".join(checks))
@@ -137,6 +143,7 @@ def test_every_layout_generates_what_transformers_and_one_process_do(tmp_path):
                 assert got["gathered_max_abs_diff"] < 1e-5, (rank, check, got["gathered_max_abs_diff"])
 
 
+@pytest.mark.slow
 def test_generate_command_reads_a_hugging_face_directory_and_matches_its_generate(tmp_path, capsys):
     from lightning_megatron.data.tokenizers import load_tokenizer
     from lightning_megatron.generation.cli import main as generate_main

@@ -178,6 +178,7 @@ def test_blended_data_module_trains_on_shares_and_counts_consumed_tokens(tmp_pat
     assert next(iter(dm.train_dataloader()))["input_ids"].shape == (8, 16)
 
 
+@pytest.mark.slow
 def test_document_masks_make_a_packed_sample_equal_to_its_documents_alone(tmp_path):
     window = np.array([5, 6, 7, EOS, 8, 9, EOS, EOS, 3, 4, 2])
     sample = document_masked_sample(window, EOS, DocumentMasks(True, True, True))

@@ -22,6 +22,7 @@ def test_presets_have_the_published_parameter_counts(name):
     assert sum(p.numel() for p in gpt.parameters()) == PUBLISHED[name]
 
 
+@pytest.mark.slow
 def test_every_preset_counts_its_own_parameters():
     for name in GPTConfig.presets():
         with torch.device("meta"):
@@ -92,6 +93,7 @@ def test_checkpoints_saved_before_the_llama_fields_still_name_their_config():
     assert model_config({"config": asdict(llama)}) == llama
 
 
+@pytest.mark.slow
 def test_rotary_saves_no_cos_sin_and_its_backward_is_the_gradient():
     """The rotation keeps nothing for backward but the positions it was given (autograd's own product would keep
     the [S, head_dim] cos/sin in every layer, whole-sequence under tp + SP); its hand-written backward against

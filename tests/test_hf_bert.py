@@ -39,6 +39,7 @@ def outputs(model) -> tuple:
     return (out.prediction_logits, out.seq_relationship_logits) if hasattr(out, "prediction_logits") else (out.logits, None)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("hf_class", ["BertForPreTraining", "BertForMaskedLM"])
 def test_converted_model_matches_and_exports_back_exactly(hf_class, tmp_path):
     hf = build_hf_model(hf_class)
@@ -72,6 +73,7 @@ def test_converted_model_matches_and_exports_back_exactly(hf_class, tmp_path):
         assert (again is None and first is None) or torch.equal(again, first)
 
 
+@pytest.mark.slow
 def test_tanh_gelu_converts_both_ways(tmp_path):
     hf = build_hf_model(hidden_act="gelu_new")  # the tanh approximation, as some BERT variants use
     bert = BERT.from_hf(hf).eval()

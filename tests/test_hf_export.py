@@ -92,6 +92,7 @@ print(json.dumps({"peak_growth": (kilobytes("VmHWM") - before) * 1024}))
 """
 
 
+@pytest.mark.slow
 def test_export_of_a_sharded_checkpoint_holds_about_one_shard(tmp_path):
     """A ~150 MiB model in 8 MB shards (no tensor larger): the export's peak RSS grows by about two shards (the
     shard's tensors and safetensors' serialised copy) and a fixed ~10 MiB, never by the model (measured: ~22 MiB;

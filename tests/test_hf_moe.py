@@ -39,6 +39,7 @@ def routed_experts(hf, input_ids) -> dict[int, set[int]]:
     return chosen
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(MOE_CASES))
 def test_converted_model_matches_and_exports_back_exactly(case, tmp_path):
     hf = build_hf_model(case)

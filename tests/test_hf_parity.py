@@ -33,6 +33,7 @@ def results(tmp_path_factory):
     return results
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("check", list(CHECKS))
 def test_layout_matches_hugging_face_and_exports_back_exactly(results, check):
     deviations = [r[check]["max_abs_diff"] for r in results if r[check]["max_abs_diff"] is not None]

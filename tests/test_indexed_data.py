@@ -174,6 +174,7 @@ def stdlib_jsonl(tmp_path_factory):
     return path
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("append_eos", [False, True])
 def test_byte_preprocessed_stdlib_gives_the_same_batches_as_the_built_in_corpus(tmp_path, stdlib_jsonl, append_eos):
     preprocess(input=stdlib_jsonl, tokenizer="byte", output_prefix=tmp_path / "stdlib", append_eos=append_eos,

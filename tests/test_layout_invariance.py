@@ -134,6 +134,7 @@ def _deviations(result, ref_losses, ref_weights, layout):
     assert weight_dev[worst] < WEIGHT_TOL, f"{layout}: {worst} deviates by {weight_dev[worst]:.2e}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", sorted(LAYOUTS))
 def test_layouts_match_single_process(world, reference, fp8_reference, tmp_path):
     launch("layout_invariance.py", world, tmp_path, ",".join(LAYOUTS[world]))
@@ -215,6 +216,7 @@ def _check_lora(layout, world, result, tmp_path):
         assert held["state"] == 2 * held["stepped"] <= 2 * held["trainable"], (layout, rank, held)  # AdamW's moments
 
 
+@pytest.mark.slow
 def test_fp8_references_train_in_fp8(reference, fp8_reference):
     """The fp8 single-process runs differ from the fp32 run by fp8's error (so fp8 is on), by no more than a few
     percent of the loss (so they train), and the two recipes differ from each other."""

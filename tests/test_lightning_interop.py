@@ -24,6 +24,7 @@ def runs(tmp_path_factory):
     return results, proc.stdout + proc.stderr
 
 
+@pytest.mark.slow
 def test_swa_under_pipelining_is_refused_on_every_rank_before_any_collective(runs):
     results, _ = runs
     for result in results:
@@ -34,6 +35,7 @@ def test_swa_under_pipelining_is_refused_on_every_rank_before_any_collective(run
         assert not swa["distributed_initialized"]
 
 
+@pytest.mark.slow
 def test_detect_anomaly_under_pipelining_is_refused_on_every_rank_before_any_collective(runs):
     results, _ = runs
     for result in results:
@@ -43,6 +45,7 @@ def test_detect_anomaly_under_pipelining_is_refused_on_every_rank_before_any_col
         assert not anomaly["distributed_initialized"]
 
 
+@pytest.mark.slow
 def test_bf16_true_validation_metric_accumulates_in_fp32(runs):
     results, _ = runs
     runs_of_replicas = [r["bf16"] for r in results if r["bf16"]["tp_rank"] == 0]
@@ -57,6 +60,7 @@ def test_bf16_true_validation_metric_accumulates_in_fp32(runs):
         assert abs(bf16["val_perplexity"] - torch.tensor(reference).exp().item()) < 1e-5 * bf16["val_perplexity"]
 
 
+@pytest.mark.slow
 def test_second_fit_of_a_pipeline_split_module_continues_as_one_fit(runs):
     results, _ = runs
     for result in results:
@@ -68,6 +72,7 @@ def test_second_fit_of_a_pipeline_split_module_continues_as_one_fit(runs):
 SUMMARISED = ["bf16", "pp2", "one_fit"]  # tp2 x dp2, pp2 x dp2, tp2 x pp2, in the order they ran
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("run", SUMMARISED)
 def test_model_summary_counts_the_global_model(runs, run):
     results, output = runs
@@ -88,6 +93,7 @@ def test_model_summary_counts_the_global_model(runs, run):
     assert printed[SUMMARISED.index(run)] == get_human_readable_count(expected)
 
 
+@pytest.mark.slow
 def test_model_state_is_one_line_with_every_ranks_extremes(runs):
     results, output = runs
     lines = [line for line in output.splitlines() if "model state" in line]

@@ -94,6 +94,7 @@ def test_peft_loads_our_adapter_onto_the_hf_base_and_computes_our_lora_model(fam
         assert "model.layers.0.self_attn.q_proj" not in fields["target_modules"]
 
 
+@pytest.mark.slow
 def test_a_config_that_disagrees_with_the_pretrained_directory_is_refused(llama_dir):
     with pytest.raises(ValueError, match=r"hidden_size=64 \(the directory's: 32\)"):
         GPT("llama-tiny", pretrained=str(llama_dir)).configure_model()  # checked when the weights are read
@@ -138,6 +139,7 @@ def lora_run(tmp_path_factory, llama_dir):
     return root, module, losses
 
 
+@pytest.mark.slow
 def test_an_adapter_checkpoint_holds_the_adapters_and_their_optimizer_state_and_a_reference_to_the_base(
         lora_run, llama_dir, capsys):
     root, module, _ = lora_run
@@ -159,6 +161,7 @@ def test_an_adapter_checkpoint_holds_the_adapters_and_their_optimizer_state_and_
         assert f"base         {llama_dir.resolve()} (adapter-only" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["sharded.ckpt", "full.ckpt"])
 def test_load_from_checkpoint_and_generate_rebuild_the_trained_model_from_the_base_and_the_adapters(lora_run, name):
     root, module, _ = lora_run
@@ -168,6 +171,7 @@ def test_load_from_checkpoint_and_generate_rebuild_the_trained_model_from_the_ba
     torch.testing.assert_close(logits_of(load_gpt(root / name).model), expected, atol=1e-5, rtol=0)
 
 
+@pytest.mark.slow
 def test_the_merged_export_and_the_peft_adapter_compute_the_trained_model_in_transformers(lora_run, llama_dir,
                                                                                             tmp_path, capsys):
     root, module, _ = lora_run
@@ -202,6 +206,7 @@ def test_a_lora_run_without_a_pretrained_base_stores_the_base_and_exports_it_mer
     torch.testing.assert_close(logits_of(merged), logits_of(module.model.cpu()), atol=1e-4, rtol=0)
 
 
+@pytest.mark.slow
 def test_resuming_an_adapter_checkpoint_continues_the_uninterrupted_run(lora_run, llama_dir, tmp_path):
     root, uninterrupted, losses = lora_run
     resumed = lora_module(llama_dir)
@@ -211,6 +216,7 @@ def test_resuming_an_adapter_checkpoint_continues_the_uninterrupted_run(lora_run
         torch.testing.assert_close(got, expected, atol=1e-6, rtol=0, msg=name)
 
 
+@pytest.mark.slow
 def test_lora_on_a_pretrained_base_at_tp2_pp2_equals_one_process_and_its_checkpoint_resumes_in_one(
         llama_dir, tmp_path):
     """The base read by every rank and cut into its shards, the adapters given the start one process gives them:
@@ -228,6 +234,7 @@ def test_lora_on_a_pretrained_base_at_tp2_pp2_equals_one_process_and_its_checkpo
     torch.testing.assert_close(torch.tensor(resumed), torch.tensor(one[2:]), atol=1e-5, rtol=0)
 
 
+@pytest.mark.slow
 def test_a_changed_base_is_refused_by_every_reader_naming_both(lora_run, llama_dir, tmp_path):
     root, _, _ = lora_run
     moved = tmp_path / "base"
@@ -264,6 +271,7 @@ print(json.dumps([[e.names[0] for e in inventory.entries if e.requires_grad is t
 """
 
 
+@pytest.mark.slow
 def test_a_given_config_is_checked_against_the_base_when_its_weights_are_read_and_plans_without_them(llama_dir,
                                                                                                    tmp_path):
     """A config file may name its base: ``GPT(config, pretrained)`` reads nothing when made, so the planner plans

@@ -63,6 +63,7 @@ def launched(tmp_path_factory):
     return out, results
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_expert_parallel_layouts_match_one_process(launched, layout):
     out, _ = launched
@@ -81,6 +82,7 @@ def test_expert_parallel_layouts_match_one_process(launched, layout):
         assert ref_weights["blocks.0.mlp.router.expert_bias"].abs().sum() > 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", COUNTS)
 def test_each_moe_layer_does_two_all_to_alls_each_way(launched, layout):
     """On the expert-parallel group: per MoE layer 2 all-to-alls forward (dispatch, combine) and 2 backward, plus
@@ -113,6 +115,7 @@ def test_each_moe_layer_does_two_all_to_alls_each_way(launched, layout):
             assert calls["backward"]["reduce_scatter_single/tp"] == gathers - moe_layers  # ids have no gradient
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", GENERATION)
 def test_generation_under_expert_parallelism_matches_one_process(launched, layout):
     """Each dp rank generates its own prompts; dp rank 0's batch ends at its first token, yet every rank keeps

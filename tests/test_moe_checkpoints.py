@@ -36,6 +36,7 @@ def runs(tmp_path_factory):
     return out, results[0]
 
 
+@pytest.mark.slow
 def test_the_checkpoint_holds_every_expert_under_its_global_name_and_shape(runs):
     out, result = runs
     assert result["save"]["losses"] == result["straight"]["losses"][:STOP_AT]
@@ -66,6 +67,7 @@ def test_the_checkpoint_holds_every_expert_under_its_global_name_and_shape(runs)
     assert all(torch.equal(consolidated[name], value) for name, value in weights.items())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(RESUMED))
 def test_resume_at_another_expert_parallel_size_continues_the_uninterrupted_run(runs, name):
     out, result = runs
@@ -97,6 +99,7 @@ def test_resume_at_another_expert_parallel_size_continues_the_uninterrupted_run(
     assert all(covered[key].all() for key in covered), [key for key in covered if not covered[key].all()]
 
 
+@pytest.mark.slow
 def test_a_finished_run_continued_with_more_steps_reads_the_samples_still_due(runs):
     """A checkpoint saved at the last batch of a max_steps=2 run, resumed with max_steps=4: Lightning starts its next
     epoch, and the sampler goes on from the samples already read (it used to start again at sample 0)."""
@@ -106,6 +109,7 @@ def test_a_finished_run_continued_with_more_steps_reads_the_samples_still_due(ru
     assert result["extended"]["losses"] == result["straight"]["losses"][STOP_AT:]
 
 
+@pytest.mark.slow
 def test_the_logged_moe_statistics_are_the_same_at_every_layout(runs):
     """``moe_load_balancing`` and ``moe_z_loss`` (per sequence and per token) are sums of each rank's share over the
     model-parallel ranks (a tp group routing the same tokens counts them once), averaged over dp: the same numbers

@@ -34,8 +34,8 @@ def test_offload_arguments_that_cannot_run_are_refused_when_the_strategy_is_made
 
 
 def test_true_still_means_cpu():
-    assert Megatron3DStrategy(offload_optimizer=True).offload == OffloadSettings("cpu")
-    assert Megatron3DStrategy(zero_stage=3, offload_parameters=True).offload.parameters == "cpu"
+    assert Megatron3DStrategy(offload_optimizer=True).options.offload == OffloadSettings("cpu")
+    assert Megatron3DStrategy(zero_stage=3, offload_parameters=True).options.offload.parameters == "cpu"
 
 
 def test_a_disk_or_memory_too_small_is_refused_with_the_numbers(tmp_path):

@@ -56,6 +56,7 @@ def predicted_bytes() -> dict:
     return json.loads(result.stdout.splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_model_state_bytes_are_what_the_strategy_reports_on_every_rank(tmp_path):
     """20 layouts (ZeRO 0-3, tp, pp, vpp, cp, ep, bf16-true / bf16-mixed / fp32, offload, tied and untied embeddings,
     grouped-query attention, MoE, LoRA) each trained one step through the Trainer on 4 ranks; on every rank the
@@ -108,6 +109,7 @@ def run_python(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
                           cwd=REPO_ROOT)
 
 
+@pytest.mark.slow
 def test_activation_peaks_are_predicted_within_15_percent():
     """Every rank's measured peak of activation bytes on the CPU (``benchmarks/activation_peak.py``: tp 1/2, sequence
     parallelism, pp 2 under 1F1B, no / selective / full recomputation, GPT- and Llama-shaped models of two sizes) and
@@ -185,6 +187,7 @@ def plan_command(tmp_path, *args: str) -> subprocess.CompletedProcess:
                           cwd=tmp_path)
 
 
+@pytest.mark.slow
 def test_plan_json_lists_every_valid_layout_in_the_strategys_words_ranked_by_tokens_per_second(tmp_path):
     result = plan_command(tmp_path, "--config", str(CONFIGS / "gpt-tiny.yaml"), "--gpus", "4", "--gpu",
                           "custom:memory=2.1548,base=a100", "--json", "--plot", "layouts.png")
@@ -214,6 +217,7 @@ def test_plan_json_lists_every_valid_layout_in_the_strategys_words_ranked_by_tok
     assert same[0] > same[1] == same[2] == same[3]
 
 
+@pytest.mark.slow
 def test_plan_writes_a_config_that_trains(tmp_path):
     """The best layout for 2 processes, written as a config; ``lightning-megatron fit`` runs it."""
     written = tmp_path / "best.yaml"
@@ -254,6 +258,7 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.slow
 def test_plan_says_why_nothing_fits_and_what_would():
     """A model too big for the GPUs given, a GPU count no layout divides, an unknown GPU: one process, three runs."""
     cases = {"too_small": ["--config", str(CONFIGS / "gpt-1.3b.yaml"), "--gpus", "2", "--gpu", "custom:memory=3,base=a100"],
@@ -275,6 +280,7 @@ def test_plan_says_why_nothing_fits_and_what_would():
     assert bad_gpu["code"] != 0 and "choose one of v100, a100, h100, h200" in bad_gpu["stderr"]
 
 
+@pytest.mark.slow
 def test_auto_sizes_are_the_planners_choice_on_every_rank(tmp_path):
     """``tensor_parallel_size="auto", pipeline_parallel_size="auto"`` on 2 CPU processes: the planner's best layout
     (computed again here, in a fresh process) on both ranks, logged, then trained; a model that fits no layout
@@ -372,6 +378,7 @@ def test_offload_tiers_move_the_zero_formulas_bytes_off_the_device(no_process_gr
                      planner.module, planner.shape.num_layers)
 
 
+@pytest.mark.slow
 def test_llama_8b_fits_one_24gb_gpu_with_its_state_on_the_host(capsys, no_process_group):
     """The workstation question: Llama-3.1-8B on one 24 GB GPU. ZeRO 0-2 keep 16-bit parameters and gradients on the
     device (4 bytes x 8.03B = 32 GB), so only ZeRO-3 with its parameters offloaded to host memory fits, and that needs

@@ -17,6 +17,7 @@ def runs(tmp_path_factory):
     return results
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("precision", sorted(TOLERANCE))
 def test_low_precision_stays_within_its_tolerance_of_fp32(runs, precision):
     for result in runs:
@@ -27,6 +28,7 @@ def test_low_precision_stays_within_its_tolerance_of_fp32(runs, precision):
         assert losses != reference, "the run must really have been in low precision"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
 def test_fp8_trains_within_bf16s_tolerance_of_fp32(runs, recipe):
     """FP8 GEMMs on top of bf16-mixed at tp2, through the Trainer: near fp32, and not the bf16 run itself."""
@@ -37,6 +39,7 @@ def test_fp8_trains_within_bf16s_tolerance_of_fp32(runs, recipe):
         assert losses != result["bf16-mixed"]["losses"], "the fp8 GEMMs must really have run"
 
 
+@pytest.mark.slow
 def test_a_bf16_run_resumes_in_fp8_and_back_and_no_checkpoint_holds_fp8(runs):
     """Checkpoints hold the same (fp32) tensors with and without fp8: a bf16 checkpoint resumes in fp8 (steps 3-4) and
     the fp8 run's checkpoint resumes in bf16 (step 5), each step near the straight bf16 run's."""
@@ -51,6 +54,7 @@ def test_a_bf16_run_resumes_in_fp8_and_back_and_no_checkpoint_holds_fp8(runs):
         assert chain["losses"][2:4] != straight[2:4], "steps 3-4 ran in fp8"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("run_name", ["fp16-overflow", "fp16-overflow-zero3"])
 def test_fp16_overflow_on_one_rank_skips_that_step_on_every_rank_and_recovers(runs, run_name):
     for result in runs:
@@ -84,6 +88,7 @@ def test_loss_scaler_growth_backoff_and_hysteresis():
         DynamicLossScaler(growth_factor=1.0)
 
 
+@pytest.mark.slow
 def test_offloaded_optimizer_steps_in_cpu_memory_with_identical_results(runs):
     for result in runs:
         offloaded, reference = result["bf16-true-offload"], result["bf16-true"]
@@ -91,6 +96,7 @@ def test_offloaded_optimizer_steps_in_cpu_memory_with_identical_results(runs):
         assert offloaded["optimizer_devices"] == ["cpu"]
 
 
+@pytest.mark.slow
 def test_nvme_tier_steps_16_bit_runs_exactly_as_the_device_and_skips_fp16_overflows(runs):
     """16-bit gradients reach the 'nvme' tier through its file-backed fp32 copies; an fp16 overflow on one rank skips
     the step on every rank without touching the files."""

@@ -42,6 +42,7 @@ def inputs(tmp_path_factory):
     return folder
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("workers", [1, 2])
 def test_parquet_and_datasets_inputs_write_the_bytes_of_the_same_texts_as_jsonl(inputs, tmp_path, workers):
     kwargs = dict(tokenizer="byte", workers=workers, on_error="skip", append_eos=True, progress=False)
@@ -55,6 +56,7 @@ def test_parquet_and_datasets_inputs_write_the_bytes_of_the_same_texts_as_jsonl(
         assert json.loads(metadata_file(tmp_path / name).read_text())["input"].endswith(name if not extra else "train")
 
 
+@pytest.mark.slow
 def test_skipped_rows_are_reported_by_row(inputs, tmp_path, capsys):
     cli_main(["preprocess", "--input", str(inputs / "in.parquet"), "--tokenizer", "byte", "--output-prefix",
               str(tmp_path / "out"), "--on-error", "skip", "--no-progress"])
@@ -80,6 +82,7 @@ def test_a_missing_or_non_string_column_names_the_columns(tmp_path):
     assert IndexedDataset(tmp_path / "out").num_documents == 2
 
 
+@pytest.mark.slow
 def test_a_dataset_dict_needs_a_split_and_lists_its_splits(inputs, tmp_path):
     for split in (None, "validation"):
         with pytest.raises(ValueError, match=r"dict is a DatasetDict with the splits 'train', 'test' and .*"
@@ -107,12 +110,14 @@ def test_an_input_of_empty_rows_writes_nothing(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["empty.parquet"]
 
 
+@pytest.mark.slow
 def test_missing_pyarrow_says_how_to_install_it(inputs, tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "pyarrow", None)  # what `import pyarrow` meets when it is not installed
     with pytest.raises(ImportError, match=r"pip install 'lightning-megatron\[datasets\]'"):
         preprocess(input=inputs / "in.parquet", tokenizer="byte", output_prefix=tmp_path / "out")
 
 
+@pytest.mark.slow
 def test_train_tokenizer_reads_parquet(inputs, tmp_path):
     cli_main(["train-tokenizer", "--input", str(inputs / "in.parquet"), "--vocab-size", "300", "--output",
               str(tmp_path / "tok.json"), "--on-error", "skip"])
@@ -152,6 +157,7 @@ def test_sentences_join_back_to_the_text():
         assert "".join(sentences) == text and all(sentence.strip() for sentence in sentences), file
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("workers", [1, 2])
 def test_split_sentences_stores_a_sequence_per_sentence_and_the_eos_after_the_last(inputs, tmp_path, workers):
     texts = [text for text in TEXTS if text]

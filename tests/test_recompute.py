@@ -45,6 +45,7 @@ def test_without_the_tracker_replay_recomputed_dropout_differs():
     assert max_deviation(two_steps(broken), two_steps(tracked_gpt("none"))) > 0.0
 
 
+@pytest.mark.slow
 def test_recomputation_under_tensor_and_sequence_parallelism(tmp_path):
     results, _ = launch("recompute_tp.py", 2, tmp_path)
     assert len(results) == 2

@@ -63,6 +63,7 @@ def test_compiling_after_recomputation_is_refused():
         compile_layers(model, LAYERS, {})
 
 
+@pytest.mark.slow
 def test_generation_with_compiled_layers_gives_the_eager_tokens():
     """The key/value cache and the changing sequence lengths of generation go through the compiled layers."""
     torch.manual_seed(SEED)

@@ -50,6 +50,7 @@ def fit(prefix, root_dir, max_steps, ckpt_path=None):
     return trainer, record
 
 
+@pytest.mark.slow
 def test_resume_mid_epoch_repeats_and_skips_nothing(corpus, tmp_path):
     _, straight = fit(corpus, tmp_path / "straight", STEPS)
     mid_epoch = tmp_path / "straight" / f"epoch=0-step={STOP_AT}.ckpt"

@@ -55,6 +55,7 @@ def saved_run(tmp_path_factory):
     return out, results[0]["losses"], torch.load(out / "weights.pt", weights_only=True)
 
 
+@pytest.mark.slow
 def test_each_rank_writes_its_own_shards_of_the_saved_weights(saved_run):
     out, _, _ = saved_run
     saved = open_sharded(out / STEP2)
@@ -79,6 +80,7 @@ LOADS = {  # (tp, pp, virtual pp, zero_stage, context parallel, optimizer offloa
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", list(LOADS), ids=[f"tp{t}-pp{p}-vpp{v}-zero{z}-cp{c}" + (f"-{o}" if o != "none" else "")
                                                      for t, p, v, z, c, o in LOADS])
 def test_resume_at_another_layout_continues_the_same_run(saved_run, layout, tmp_path):
@@ -129,6 +131,7 @@ def test_resume_at_another_layout_continues_the_same_run(saved_run, layout, tmp_
     assert all(covered[key].all() for key in covered), [key for key in covered if not covered[key].all()]
 
 
+@pytest.mark.slow
 def test_a_missing_shard_stops_every_rank_with_the_file_named(saved_run, tmp_path):
     out, _, _ = saved_run
     damaged = tmp_path / "damaged.ckpt"

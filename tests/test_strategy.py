@@ -50,6 +50,7 @@ def fit_tp2_dp2(tmp_path_factory):
     return out, results
 
 
+@pytest.mark.slow
 def test_fit_tp2_dp2_sequence_parallel_zero1_matches_plain_lightning(fit_tp2_dp2):
     out, results = fit_tp2_dp2
     ref_losses, ref_val, ref_weights = plain_lightning_run(FIT)
@@ -74,6 +75,7 @@ def test_fit_tp2_dp2_sequence_parallel_zero1_matches_plain_lightning(fit_tp2_dp2
 LLAMA_FIT = {**FIT, "preset": "llama-tiny", "groups": 1, "checksums": False, "adam_eps": 1e-3, "tp_comm_overlap": True}
 
 
+@pytest.mark.slow
 def test_fit_llama_with_replicated_key_value_heads_matches_plain_lightning(tmp_path):
     """The Llama-shaped model (RMSNorm, rotary, SwiGLU) with one key/value head on tp=2: each tp rank holds half the
     query heads and a replica of the key/value head, whose gradient the strategy sums over the two replicas; with
@@ -114,6 +116,7 @@ def assert_predictions_match(options, ref_weights, results, out_dir, *, dp_rank)
         assert (logits - want).abs().max() < 1e-5
 
 
+@pytest.mark.slow
 def test_fit_pp2_tp2_dp2_matches_plain_lightning(tmp_path):
     """8 ranks: the pipeline schedule inside Lightning's loop, with tp, sequence parallel, dp, ZeRO-2,
     selective recomputation and accumulation."""
@@ -142,6 +145,7 @@ ZERO_BUBBLE_FIT = {"tp": 1, "pp": 2, "vpp": 2, "schedule": "zbv", "clip": 0.5, "
                    "layers": 4, "timeline": True, "recompute": "full", "zero_stage": 1, "test": True, "predict": True}
 
 
+@pytest.mark.slow
 def test_fit_zero_bubble_pp2_dp2_matches_plain_lightning(tmp_path):
     """4 ranks, pp2 x dp2 under ZB-V with full recomputation and ZeRO-1: training, validation and test (forward-only
     schedule), the timeline of a split backward against the schedule's own theory, then generation and predict
@@ -165,6 +169,7 @@ def _worst(weights, reference):
     return max((weights[k] - reference[k]).abs().max().item() for k in reference)
 
 
+@pytest.mark.slow
 def test_dp2_with_uneven_token_counts_and_overlapped_param_gather_matches_plain_lightning(tmp_path):
     """Each dp rank counts different tokens (ignored labels): the loss is still the per-token mean of the
     global batch, as one process computes it (accumulation 1, so plain Lightning's mean is the same).
@@ -191,6 +196,7 @@ def test_dp2_with_uneven_token_counts_and_overlapped_param_gather_matches_plain_
     assert results[0]["losses"] != results[1]["losses"], "the ranks must have seen different batches"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "options",
     [{"tp": 2, "sp": True, "accumulate": 2, "clip": 0.5, "steps": 4, "zero_stage": 3, "predict": True},
@@ -215,6 +221,7 @@ def test_fit_zero3_matches_plain_lightning(options, tmp_path):
     assert_predictions_match(options, ref_weights, results, tmp_path, dp_rank=lambda rank: (rank // tp) % 2)
 
 
+@pytest.mark.slow
 def test_checkpoint_is_layout_free_and_loads_without_unpickling(fit_tp2_dp2):
     out, _ = fit_tp2_dp2
     saved = open_sharded(out / "last.ckpt")  # checks the files; never unpickles (DCP index aside)
@@ -227,6 +234,7 @@ def test_checkpoint_is_layout_free_and_loads_without_unpickling(fit_tp2_dp2):
         assert torch.equal(value, weights[name]), name
 
 
+@pytest.mark.slow
 def test_every_rank_checksums_the_files_it_wrote(fit_tp2_dp2, capsys):
     """The table in megatron_3d.json names every file of the 4-rank checkpoint, and each one matches."""
     out, _ = fit_tp2_dp2
@@ -238,6 +246,7 @@ def test_every_rank_checksums_the_files_it_wrote(fit_tp2_dp2, capsys):
     assert "every crc32 matches" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_heads_not_divisible_fails_on_every_rank_before_any_collective(tmp_path):
     results, _ = launch("trainer_fit.py", 2, tmp_path, json.dumps({"tp": 2, "hidden": 48, "heads": 3}))
     assert len(results) == 2
@@ -247,6 +256,7 @@ def test_heads_not_divisible_fails_on_every_rank_before_any_collective(tmp_path)
         assert result["distributed_initialized"] is False
 
 
+@pytest.mark.slow
 def test_query_groups_tp_can_neither_split_nor_replicate_fails_on_every_rank_before_any_collective(tmp_path):
     results, _ = launch("trainer_fit.py", 2, tmp_path,
                         json.dumps({"tp": 2, "hidden": 48, "heads": 6, "groups": 3, "preset": "llama-tiny"}))

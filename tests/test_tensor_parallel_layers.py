@@ -20,6 +20,7 @@ def layer_results(layer_dir):
     return results
 
 
+@pytest.mark.slow
 def test_layers_match_plain_pytorch_forward_and_backward(layer_results):
     for rank, result in enumerate(layer_results):
         errors = result["errors"]
@@ -28,6 +29,7 @@ def test_layers_match_plain_pytorch_forward_and_backward(layer_results):
         assert not worst, f"rank {rank}: parallel layers deviate from plain PyTorch: {worst}"
 
 
+@pytest.mark.slow
 def test_chunked_loss_matches_the_unchunked_single_process_model_at_tp2_and_sp(layer_results):
     """``loss_chunk_tokens``: loss and every gradient (head, tied embedding, the layers below) as the unchunked
     model's on the whole batch, to 1e-6, with vocabulary padding, ignored labels and a chunk dividing nothing."""
@@ -48,6 +50,7 @@ def _by_kind(counts):
     return merged
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model", ["gpt2", "llama", "mqa"])
 def test_transformer_layer_issues_exactly_the_papers_collectives(layer_results, model):
     """GPT-2's layer; a Llama layer (RMSNorm, rotary, SwiGLU, 2 key/value groups split over tp=2); a multi-query
@@ -63,6 +66,7 @@ def test_transformer_layer_issues_exactly_the_papers_collectives(layer_results, 
         assert _by_kind(sequence_parallel["backward"]) == {"all_gather": 4, "reduce_scatter": 2}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model", ["gpt2", "llama", "mqa"])
 def test_overlapped_sequence_parallelism_issues_the_same_collectives_its_row_pieces_more(layer_results, model):
     """tp_comm_overlap: the same collectives as the default (the column layer's forward gather overlapped with its
@@ -75,6 +79,7 @@ def test_overlapped_sequence_parallelism_issues_the_same_collectives_its_row_pie
         assert _by_kind(pieces["backward"]) == {"all_gather": 4, "reduce_scatter": 2}
 
 
+@pytest.mark.slow
 def test_sequence_parallel_column_layer_saves_only_its_sequence_chunk(layer_results):
     """Counted with saved_tensors_hooks against the same layer without sequence parallelism: the input saved for
     the weight gradient is this rank's 1/tp of the sequence (default and overlapped; in bf16 under autocast); a
@@ -91,6 +96,7 @@ def test_sequence_parallel_column_layer_saves_only_its_sequence_chunk(layer_resu
         assert saved["scatter_chunk_storage"] * 2 == saved["scatter_input_storage"], saved
 
 
+@pytest.mark.slow
 def test_replicated_key_value_heads_add_one_bucketed_reduction_per_step(layer_results):
     """3 multi-query layers at tp=2: the replicas' key/value weight rows of all layers are summed in one all-reduce
     after backward; with the 2 groups split (no replicas) nothing is added."""
@@ -99,11 +105,13 @@ def test_replicated_key_value_heads_add_one_bucketed_reduction_per_step(layer_re
         assert result["step_counts"]["llama"] == {"collectives": {}, "parts": 0}
 
 
+@pytest.mark.slow
 def test_dropout_masks_agree_in_replicated_regions_and_differ_in_sharded_ones(layer_results):
     for result in layer_results:
         assert result["same_dropout_mask"] == {"replicated": True, "heads": False, "chunks": False}
 
 
+@pytest.mark.slow
 def test_pad_vocab_to_multiple_of_1_pads_an_indivisible_vocabulary_and_saves_it_unpadded(layer_results, layer_dir):
     # tp=2, vocabulary 257, pad_vocab_to_multiple_of=1 through parallelize: 258 rows (a multiple of tp * 1), one of
     # them padding on the last rank. It used to fail: make_shard padded only for multiples > 1.
@@ -127,6 +135,7 @@ def test_pad_vocab_to_multiple_of_1_pads_an_indivisible_vocabulary_and_saves_it_
         assert torch.equal(saved[name], tensor), name
 
 
+@pytest.mark.slow
 def test_overlapped_layers_fall_back_to_plain_tensor_parallelism_on_whole_sequences(layer_results):
     """Generation (``full_sequences``): the overlapped layers take whole sequences, as the default ones do."""
     for result in layer_results:

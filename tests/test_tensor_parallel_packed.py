@@ -135,6 +135,7 @@ def results(tmp_path_factory):
     return results
 
 
+@pytest.mark.slow
 def test_segmented_layouts_match_one_process(results):
     for rank, result in enumerate(results):
         errors = result["errors"]
@@ -147,12 +148,14 @@ def test_segmented_layouts_match_one_process(results):
         assert not worst, f"rank {rank}: segmented shards deviate from one process: {worst}"
 
 
+@pytest.mark.slow
 def test_plain_column_split_of_a_packed_layer_is_wrong(results):
     # The guard that the comparisons above can fail: "column" on [q | k | v] and [gate | up] trains another model.
     for result in results:
         assert min(result["guard"].values()) > 0.1, result["guard"]
 
 
+@pytest.mark.slow
 def test_replicated_rows_are_written_once(results):
     # tp4 over 2 groups: 4 query-head boxes and 2 key/value boxes (not 4) of qkv, covering it exactly once.
     chunks = results[0]["facts"]["gqa_tp4_chunks"]

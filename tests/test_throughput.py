@@ -215,6 +215,7 @@ def throughput_runs(tmp_path_factory):
     return results
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", LAYOUTS, ids=[layout["name"] for layout in LAYOUTS])
 def test_logged_throughput_is_the_global_batch_over_dp(throughput_runs, layout):
     world, dp = 4, 4 // (layout["tp"] * layout["pp"])
@@ -233,6 +234,7 @@ def test_logged_throughput_is_the_global_batch_over_dp(throughput_runs, layout):
         assert {"tokens_per_sec", "tflops_per_device", "mfu"} <= set(run["progress_bar"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", LAYOUTS, ids=[layout["name"] for layout in LAYOUTS])
 def test_lightnings_throughput_monitor_is_tp_times_pp_too_high(throughput_runs, layout):
     """Lightning's numbers per step (its rate times its own step time, from its logged ``train/time``) against the

@@ -15,6 +15,7 @@ def measured(tmp_path_factory):
     return results
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", ["tp1-dp4", "tp2-dp2"])
 def test_model_state_bytes_follow_the_zero_formulas(measured, layout):
     """Mixed-precision Adam, Psi local params, N = dp: 16Psi, 4Psi + 12Psi/N, 2Psi + 14Psi/N."""
@@ -32,6 +33,7 @@ def test_model_state_bytes_follow_the_zero_formulas(measured, layout):
         assert by_stage[2]["bytes"]["gradients"] < by_stage[1]["bytes"]["gradients"] == 2 * psi
 
 
+@pytest.mark.slow
 def test_tensor_parallelism_divides_the_model_state(measured):
     tp1, tp2 = measured[0]["tp1-dp4-z0"]["psi"], measured[0]["tp2-dp2-z0"]["psi"]
     assert tp2 < 0.6 * tp1  # half of everything but the replicated norms, biases and positions

@@ -57,6 +57,7 @@ def run(tmp_path_factory):
     return out, results
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("make_optimizer", [optimizer, sgd_optimizer], ids=["adamw", "sgd"])
 def test_zero3_matches_single_process(run, make_optimizer, fp8_reference):
     out, results = run
@@ -77,11 +78,13 @@ def test_zero3_matches_single_process(run, make_optimizer, fp8_reference):
             assert rank[layout]["losses"] == pytest.approx(result["losses"], abs=1e-6)
 
 
+@pytest.mark.slow
 def test_full_state_dict_round_trips(run):
     _, results = run
     assert all(rank[LAYOUTS[0]]["load_ok"] for rank in results)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", ["tp1-dp4", "tp2-dp2"])
 @pytest.mark.parametrize("precision", ["fp32", "bf16-mixed", "bf16-mixed-cpu"])
 def test_model_state_bytes_are_16_psi_over_n(run, layout, precision):
@@ -109,6 +112,7 @@ def test_zero3_needs_a_mesh():
         apply_zero3(model, ParallelState(ParallelConfig(), torch.device("cpu")), layers_pattern="blocks.*")
 
 
+@pytest.mark.slow
 def test_cpu_parameter_offload_is_configured_and_changes_no_result(run):
     out, results = run
     for rank in results:
@@ -121,6 +125,7 @@ def test_cpu_parameter_offload_is_configured_and_changes_no_result(run):
     assert all(torch.equal(offloaded["weights"][k], plain["weights"][k]) for k in plain["weights"])
 
 
+@pytest.mark.slow
 def test_checkpoint_saved_with_cpu_offload_resumes_at_zero1(run):
     out, results = run
     path = out / f"{OFFLOADED}.ckpt"
