@@ -46,6 +46,15 @@ fitted to Narayanan et al. 2021's table 2, GPT-3 175B under ZeRO-3 without model
 A100s (144, 88 and 44 TFLOP/s per GPU), the runs whose time is most communication. ``memory_efficiency`` (0.7 of
 HBM for element-wise kernels) is an assumption. ``--gpu custom:...`` sets any of them.
 
+**The software stack is part of the calibration.** ``h100`` is the PyTorch-eager stack this package runs (and
+torchtitan's). ``h100-te`` is the same GPU under Megatron-Core with Transformer Engine (fused kernels, cuDNN
+attention, TE's FP8 GEMMs): for predicting that stack's published runs, and for ``--gpu h100-te`` when asking
+what such a stack would reach. Its ``matmul_efficiency`` (and ``fp8_efficiency``, the same fraction of the FP8
+peak) is calibrated on Megatron Bridge's Llama-3-8B FP8 run on 8 H100s (744 model TFLOP/s/GPU; ``CALIBRATIONS``);
+its ``attention_efficiency`` 0.5 is an assumption: cuDNN's fused attention backward at head dim 128 and sequence
+8k runs at 518 TFLOP/s on an H100 SXM (52% of peak; Shah et al. 2024, FlashAttention-3, figure of backward
+speeds), its forward faster, causal masking somewhat slower.
+
 **The host, for the offload tiers** (``offload_optimizer``/``offload_parameters`` ``"cpu"``/``"nvme"``): each
 GPU's PCIe link (``host_bandwidth``, one direction, what a pinned ``cudaMemcpy`` sustains: about 80% of the
 nominal x16 rate, PCIe 3.0 16, 4.0 32, 5.0 64 GB/s: 12, 25 and 50 GB/s; V100 of a DGX-2H: 3.0, A100: 4.0,
@@ -137,6 +146,11 @@ GPUS: dict[str, Hardware] = {
                      streaming_multiprocessors=132, peak_fp8_flops=1979 * TFLOPS, fp8_efficiency=H100_EFFICIENCY),
 }
 GPUS["h200"] = replace(GPUS["h100"], name="h200", memory_bytes=141 * GB, memory_bandwidth=4800 * GB)  # H100's chip
+#: H100 under Megatron-Core + Transformer Engine: calibrated on Megatron Bridge's Llama-3-8B FP8 run
+#: (benchmarks/planner_check.py, ``CALIBRATIONS["h100-te"]``); attention: cuDNN's fused kernels (module docstring).
+H100_TE_EFFICIENCY = 0.584
+GPUS["h100-te"] = replace(GPUS["h100"], name="h100-te", matmul_efficiency=H100_TE_EFFICIENCY,
+                          fp8_efficiency=H100_TE_EFFICIENCY, attention_efficiency=0.5)
 
 # Units a ``--gpu custom:...`` value may carry, and the fields that take each.
 _UNITS = {"tflops": TFLOPS, "gbps": GB, "gb": GB}
