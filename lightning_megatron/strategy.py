@@ -214,6 +214,7 @@ class Megatron3DStrategy(CheckpointHooks, StepHooks, CollectiveHooks, ParallelSt
                                                   precision=str(getattr(self.precision_plugin, "precision", "32-true")))
             requested = {**requested, **self.auto_choice.sizes}
             self.pipeline_schedule = self.auto_choice.pipeline_schedule
+            rank_zero_info(self.auto_choice.message)
         config = ParallelConfig.for_world(self.world_size, **requested)
         validate = getattr(self.lightning_module, "validate_parallel_config", None)
         if validate is not None:
