@@ -39,6 +39,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from lightning_megatron.checksums import file_crc32
 from lightning_megatron.checkpoint.pieces import ShardedEntry
 from lightning_megatron.checkpoint.shared_storage import check_shards_here, where
+from lightning_megatron.parallel.agree import all_gather_objects
 from lightning_megatron.checkpoint.replacement import (  # noqa: F401 (write_atomically, replaced_path: re-exported)
     INDEX_FILE,
     INFO_FILE,
@@ -143,15 +144,6 @@ def _bytes(tensors: Entries) -> int:
     """The bytes of this rank's tensors (replicas included: DCP writes each box once)."""
     return sum(sum(piece.numel() * piece.element_size() for piece in value.pieces.values())
                if isinstance(value, ShardedEntry) else value.numel() * value.element_size() for value in tensors.values())
-
-
-def all_gather_objects(value: Any, group: Optional[dist.ProcessGroup] = None) -> list:
-    """Every rank's ``value`` (one process without torch.distributed: just this one)."""
-    if not dist.is_initialized():
-        return [value]
-    values: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(values, value, group=group)
-    return values
 
 
 def _report(error: Optional[BaseException]) -> Optional[str]:

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint import FileSystemReader
 
 from lightning_megatron.checkpoint.replacement import exists, partial_path, replaced_path
+from lightning_megatron.parallel.agree import all_gather_objects
 
 CHECKPOINT_SUFFIX = ".ckpt"  # ModelCheckpoint.FILE_EXTENSION
 _SHARD_RANK = re.compile(r"__(\d+)_\d+\.distcp")
@@ -39,12 +40,6 @@ def where() -> str:
     """This process's node, for an error message: its node rank as the launcher set it, and its host."""
     node = next((os.environ[name] for name in ("GROUP_RANK", "NODE_RANK", "SLURM_NODEID") if name in os.environ), "?")
     return f"node {node} ({socket.gethostname()})"
-
-
-def _gather(value) -> list:
-    values: list = [None] * dist.get_world_size()
-    dist.all_gather_object(values, value)
-    return values
 
 
 def _distributed() -> bool:
@@ -74,7 +69,7 @@ def check_directories_agree(directories: Sequence[Path]) -> None:
     if not _distributed() or not directories:
         return
     dist.barrier()  # a later fit's start: the ranks' work of the previous one (removing old checkpoints) is done
-    seen = _gather(([_listing(Path(d)) for d in directories], where()))
+    seen = all_gather_objects(([_listing(Path(d)) for d in directories], where()))
     places = [place for _, place in seen]
     for index, directory in enumerate(directories):
         views: dict[Optional[tuple], list[int]] = {}
@@ -112,7 +107,7 @@ def check_visible_everywhere(path: Path) -> None:
     if not _distributed():
         return
     path = Path(path)
-    seen = _gather((any(exists(p) for p in (path, partial_path(path), replaced_path(path))), where()))
+    seen = all_gather_objects((any(exists(p) for p in (path, partial_path(path), replaced_path(path))), where()))
     places = [place for _, place in seen]
     blind = [rank for rank, (visible, _) in enumerate(seen) if not visible]
     if blind and len(blind) < len(seen):

@@ -23,7 +23,6 @@ from lightning_megatron.checkpoint.base import BASE_KEY, base_reference, check_m
 from lightning_megatron.checkpoint.sharded import (
     BackgroundSaver,
     SavedCheckpoint,
-    all_gather_objects,
     check_compatible,
     open_sharded,
     read_tensors,
@@ -33,6 +32,7 @@ from lightning_megatron.checkpoint.sharded import (
 from lightning_megatron.checkpoint.pieces import ShardedEntry
 from lightning_megatron.checkpoint.replacement import check_replaceable, finish_interrupted, report
 from lightning_megatron.optim.main_params import MainParamOptimizer
+from lightning_megatron.parallel.agree import all_gather_objects
 from lightning_megatron.parallel.agree import on_every_rank
 from lightning_megatron.parallel.random import TensorParallelRNG
 from lightning_megatron.parallel.state import ParallelState

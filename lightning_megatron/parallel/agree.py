@@ -16,6 +16,15 @@ T = TypeVar("T")
 EXPECTED_FAILURES = (OSError, RuntimeError, TypeError, ValueError)
 
 
+def all_gather_objects(value: Any, group: Optional[dist.ProcessGroup] = None) -> list:
+    """Every rank's ``value`` (one process without torch.distributed: just this one)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return [value]
+    values: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(values, value, group=group)
+    return values
+
+
 def on_every_rank(check: Callable[[], T], *, doing: str, undo: Optional[Callable[[T], Any]] = None) -> T:
     """``check()``'s result if it succeeded on every rank; otherwise raise on every rank. ``doing`` completes
     "Rank 3 cannot ..." in the other ranks' message (e.g. ``"load the checkpoint"``); ``undo(result)`` releases
@@ -25,10 +34,7 @@ def on_every_rank(check: Callable[[], T], *, doing: str, undo: Optional[Callable
         result = check()
     except EXPECTED_FAILURES as caught:
         error = caught
-    reports: list[Any] = [None if error is None else f"{type(error).__name__}: {error}"]
-    if dist.is_available() and dist.is_initialized():
-        reports = [None] * dist.get_world_size()
-        dist.all_gather_object(reports, None if error is None else f"{type(error).__name__}: {error}")
+    reports = all_gather_objects(None if error is None else f"{type(error).__name__}: {error}")
     if error is not None:
         raise error
     failed = [(rank, report) for rank, report in enumerate(reports) if report is not None]
