@@ -91,7 +91,7 @@ def test_each_moe_layer_does_two_all_to_alls_each_way(launched, layout):
     moe_layers = len(MOE.moe_layers(CONFIGS["moe"].num_layers))
     sp, tp = layout.endswith("-sp"), "tp2" in layout
     for rank_results in results:
-        calls = rank_results[layout]
+        calls = rank_results[layout]["collectives"]
         on_ep = {phase: {k: v for k, v in calls[phase].items() if k.endswith("/ep")} for phase in calls}
         assert on_ep["forward"] == {"all_to_all_single/ep": 2 * moe_layers, "all_gather_single/ep": moe_layers}
         assert on_ep["backward"] == {"all_to_all_single/ep": 2 * moe_layers}
@@ -113,6 +113,21 @@ def test_each_moe_layer_does_two_all_to_alls_each_way(launched, layout):
             assert calls["forward"]["all_gather_single/tp"] == gathers
             assert calls["forward"]["reduce_scatter_single/tp"] == layers + dense + shared + moe_layers
             assert calls["backward"]["reduce_scatter_single/tp"] == gathers - moe_layers  # ids have no gradient
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", COUNTS)
+def test_each_moe_layer_reads_its_split_sizes_on_the_host_once(launched, layout):
+    """The uneven all-to-all takes Python split sizes: one read of the exchanged counts per MoE layer in forward,
+    at one place (the dispatcher), whatever tp and sequence parallelism do; none in backward (it reuses them)."""
+    _, results = launched
+    moe_layers = len(MOE.moe_layers(CONFIGS["moe"].num_layers))
+    for rank_results in results:
+        syncs = rank_results[layout]["host_syncs"]
+        assert syncs["backward"] == {}, syncs
+        assert len(syncs["forward"]) == 1 and list(syncs["forward"].values()) == [moe_layers], syncs
+        site, = syncs["forward"]
+        assert site.startswith("tolist lightning_megatron/expert_parallel/dispatcher.py:"), site
 
 
 @pytest.mark.slow

@@ -7,6 +7,12 @@ moves the tokens, which arrive ordered by (source rank, local expert) and are re
 expert for the experts. ``combine`` undoes both steps. The all-to-all's backward is the all-to-all
 with the splits swapped, so a layer costs exactly two all-to-alls forward and two backward (plus the
 counts' all-gather in forward), whatever tp and pp do.
+
+Host syncs: ``all_to_all_single`` takes its split sizes as Python integers, so the gathered counts are read
+on the host once per layer in forward, after they were exchanged on the device: that one read serves both
+all-to-alls and their backward (which reuse the splits), and the regrouping and the local experts' counts
+are computed on the device. It is the only host sync of an MoE layer (with grouped GEMMs, ``models.experts``,
+and with the loop, which reads these host counts); with the experts on one rank there is none.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import Tensor
 
 
@@ -46,27 +53,33 @@ class AllToAllDispatcher:
         self.size, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self._pending: Optional[tuple] = None
 
-    def dispatch(self, tokens: Tensor, tokens_per_expert: Tensor) -> tuple[Tensor, list[int]]:
-        """``tokens`` sorted by expert; ``tokens_per_expert`` ``[E]`` -> this rank's experts' tokens (from every peer),
-        grouped by local expert, and their counts per local expert."""
+    def dispatch(self, tokens: Tensor, tokens_per_expert: Tensor) -> tuple[Tensor, Tensor]:
+        """``tokens`` sorted by expert (rows past the counted ones, assignments a capacity dropped, stay here);
+        ``tokens_per_expert`` ``[E]`` -> this rank's experts' tokens (from every peer), grouped by local expert,
+        and their counts per local expert (``[E_local]``, on the host: read with the splits)."""
         counts = tokens_per_expert.to(torch.int64).reshape(1, -1)
         every = counts.new_empty((self.size, counts.shape[1]))
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         gather(every, counts, group=self.group)  # every[s, e]: tokens rank s sends to expert e
         local = self.num_local_experts
-        every = every.view(self.size, self.size, local).cpu()  # [source, destination rank, local expert]
-        send = every[self.rank].sum(dim=1).tolist()
-        received = every[:, self.rank]  # [source, local expert]
-        recv = received.sum(dim=1).tolist()
-        arrived = all_to_all(tokens, recv, send, self.group)
+        every = every.view(self.size, self.size, local)  # [source, destination rank, local expert]
+        on_host = every.tolist()  # the layer's one host read (module docstring)
+        send = [sum(per_expert) for per_expert in on_host[self.rank]]
+        received = [on_host[source][self.rank] for source in range(self.size)]  # [source][local expert]
+        recv = [sum(per_expert) for per_expert in received]
+        arrived = all_to_all(tokens[:sum(send)], recv, send, self.group)
         # Arrived ordered (source, local expert): a stable sort by local expert regroups them, sources in order.
-        local_expert = torch.arange(local).repeat(self.size).repeat_interleave(received.reshape(-1))
+        local_expert = torch.arange(local, device=every.device).repeat(self.size).repeat_interleave(
+            every[:, self.rank].reshape(-1), output_size=sum(recv))
         order = torch.argsort(local_expert, stable=True).to(tokens.device)
-        self._pending = (order, send, recv)
-        return arrived.index_select(0, order), received.sum(dim=0).tolist()
+        self._pending = (order, send, recv, tokens.shape[0])
+        return arrived.index_select(0, order), torch.tensor([sum(column) for column in zip(*received)])
 
     def combine(self, expert_output: Tensor) -> Tensor:
-        order, send, recv = self._pending
+        """The experts' outputs back on the ranks that sent the tokens, in their order; zero rows for the ones that
+        stayed (dropped assignments)."""
+        order, send, recv, rows = self._pending
         self._pending = None
         back = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
-        return all_to_all(expert_output.index_select(0, back), send, recv, self.group)
+        out = all_to_all(expert_output.index_select(0, back), send, recv, self.group)
+        return F.pad(out, (0, 0, 0, rows - out.shape[0])) if rows > out.shape[0] else out

@@ -18,7 +18,11 @@ class MLP(nn.Module):
         self.gelu_approximate = gelu_approximate
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.proj(F.gelu(self.fc(x), approximate=self.gelu_approximate))
+        return self.proj(self.activate(self.fc(x)))
+
+    def activate(self, h: Tensor) -> Tensor:
+        """Between ``fc`` and ``proj`` (also what an MoE layer's grouped GEMMs apply, ``models.experts``)."""
+        return F.gelu(h, approximate=self.gelu_approximate)
 
 
 class GatedMLP(nn.Module):
@@ -35,8 +39,12 @@ class GatedMLP(nn.Module):
         self.proj = nn.Linear(ffn_hidden_size, hidden_size, bias=bias)
 
     def forward(self, x: Tensor) -> Tensor:
-        gate, up = self.fc(x).chunk(2, dim=-1)
-        return self.proj(F.silu(gate) * up)
+        return self.proj(self.activate(self.fc(x)))
+
+    def activate(self, h: Tensor) -> Tensor:
+        """``fc``'s ``[gate | up]`` -> ``silu(gate) * up`` (also what an MoE layer's grouped GEMMs apply)."""
+        gate, up = h.chunk(2, dim=-1)
+        return F.silu(gate) * up
 
 
 def build_mlp(activation: str, hidden_size: int, ffn_hidden_size: int, *, bias: bool) -> nn.Module:

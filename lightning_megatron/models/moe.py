@@ -8,7 +8,14 @@ The experts are an ``nn.ModuleDict`` keyed by the global expert index (``mlp.exp
 each an ordinary ``GatedMLP``/``MLP`` without biases: expert parallelism keeps a rank's own experts
 and deletes the others (as a pipeline stage keeps its layers), tensor parallelism splits each
 expert as it splits a dense MLP, and checkpoints and initial values are keyed by the global index
-at every layout.
+at every layout. They run as one grouped GEMM per matrix where the device has one, else as a loop of
+their modules (``models.experts``), with the same numbers.
+
+No host syncs: the routing's shapes are fixed by the token count, and the tokens per expert stay on the
+device (``torch.bincount``, boolean masks and ``.tolist()`` are avoided), so with the experts on one rank
+and grouped GEMMs neither the forward nor the backward waits for the device. Expert parallelism needs
+one read of the exchanged counts per layer (``expert_parallel.dispatcher``), and so does the loop of GEMMs
+without it (its slices' sizes).
 
 No process groups here; three pieces are swapped in by the strategy:
 
@@ -37,6 +44,7 @@ from typing import Callable, Optional, Union
 import torch
 from torch import Tensor, nn
 
+from lightning_megatron.models.experts import run_experts
 from lightning_megatron.models.mlp import build_mlp
 from lightning_megatron.models.transformer import dense_mlp_tensor_parallel_plan
 from lightning_megatron.models.router import (
@@ -128,12 +136,13 @@ class OneProcessRegion:
 
 
 class LocalDispatcher:
-    """Every expert is on this rank: the tokens (sorted by expert) stay where they are."""
+    """Every expert is on this rank: the tokens (sorted by expert) stay where they are, and so do their counts
+    (on the device: no host sync)."""
 
-    def dispatch(self, tokens: Tensor, tokens_per_expert: Tensor) -> tuple[Tensor, list[int]]:
-        """``tokens`` ``[N, h]`` sorted by expert, ``tokens_per_expert`` ``[E]`` -> this rank's experts' tokens,
-        grouped by local expert, and how many each gets."""
-        return tokens, tokens_per_expert.tolist()
+    def dispatch(self, tokens: Tensor, tokens_per_expert: Tensor) -> tuple[Tensor, Tensor]:
+        """``tokens`` ``[N, h]`` sorted by expert (assignments the capacity dropped last), ``tokens_per_expert``
+        ``[E]`` -> this rank's experts' tokens, grouped by local expert, and how many each gets (``[E_local]``)."""
+        return tokens, tokens_per_expert
 
     def combine(self, expert_output: Tensor) -> Tensor:
         """The inverse of :meth:`dispatch`: the experts' outputs, back in the order of ``tokens``."""
@@ -277,17 +286,27 @@ class MoE(nn.Module):
         return self.aux_losses.add(out, aux_loss)
 
     def _routed_experts(self, tokens: Tensor, expert_ids: Tensor, keep: Optional[Tensor]) -> Tensor:
-        """``[T * k, hidden]``: each assignment's expert output (zeros where dropped), in assignment order."""
-        top_k = self.config.top_k
-        assignments = torch.arange(expert_ids.numel(), device=expert_ids.device)
-        if keep is not None:
-            assignments = assignments[keep.reshape(-1)]
-        assignments = assignments[torch.argsort(expert_ids[assignments], stable=True)]  # grouped by expert
-        tokens_per_expert = self.router.count_tokens(expert_ids[assignments])
-        local_tokens, local_counts = self.dispatcher.dispatch(tokens[assignments // top_k], tokens_per_expert)
-        outputs = [expert(part) for expert, part in zip(self.experts.values(), local_tokens.split(local_counts))]
-        expert_output = self.dispatcher.combine(torch.cat(outputs) if outputs else local_tokens)
-        return expert_output.new_zeros(expert_ids.numel(), tokens.shape[1]).index_copy(0, assignments, expert_output)
+        """``[T * k, hidden]``: each assignment's expert output (zeros where dropped), in assignment order.
+
+        Every shape here is fixed by ``T * k``, never by the routing, and the counts stay on the device: with the
+        experts on this rank (and grouped GEMMs, ``models.experts``) the layer never waits for the device. An
+        assignment the capacity drops is sorted after every expert's (id ``E``), counted for none, and its row
+        zeroed going in and coming out (a grouped GEMM leaves rows past its groups unwritten)."""
+        top_k, num_experts = self.config.top_k, self.config.num_experts
+        dropped = None if keep is None else ~keep.reshape(-1)
+        if dropped is not None:
+            expert_ids = expert_ids.masked_fill(dropped, num_experts)
+        order = torch.argsort(expert_ids, stable=True)  # grouped by expert, in assignment order within each
+        tokens_per_expert = self.router.count_tokens(expert_ids)
+        routed = tokens[order // top_k]
+        dropped_rows = None if dropped is None else dropped[order].unsqueeze(-1)
+        if dropped_rows is not None:
+            routed = routed.masked_fill(dropped_rows, 0.0)
+        local_tokens, local_counts = self.dispatcher.dispatch(routed, tokens_per_expert)
+        expert_output = self.dispatcher.combine(run_experts(list(self.experts.values()), local_tokens, local_counts))
+        if dropped_rows is not None:
+            expert_output = expert_output.masked_fill(dropped_rows, 0.0)
+        return expert_output.new_zeros(expert_ids.numel(), tokens.shape[1]).index_copy(0, order, expert_output)
 
     def _auxiliary_loss(self, routing, expert_ids: Tensor, seq: int) -> Optional[Tensor]:
         """This rank's share (its tokens) of the balance and z-losses in token-sum units; records the statistics."""

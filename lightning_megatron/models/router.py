@@ -96,8 +96,11 @@ class TopKRouter(nn.Module):
         return Routing(expert_ids, weights, scores, logits)
 
     def count_tokens(self, expert_ids: Tensor) -> Tensor:
-        """Tokens per expert ``[E]`` of whole sequences' routing; accumulated for the expert-bias update in training."""
-        counts = torch.bincount(expert_ids.reshape(-1), minlength=self.num_experts)
+        """Tokens per expert ``[E]`` of whole sequences' routing; accumulated for the expert-bias update in training.
+        An id of ``num_experts`` (an assignment the capacity dropped) counts for none. Counted on the device
+        (``torch.bincount`` would read the largest id on the host first)."""
+        ids = expert_ids.reshape(-1).long()
+        counts = ids.new_zeros(self.num_experts + 1).scatter_add_(0, ids, torch.ones_like(ids))[:-1]
         if self.tokens_per_expert is not None and self.training and torch.is_grad_enabled() and counts_routing():
             self.tokens_per_expert += counts
         return counts

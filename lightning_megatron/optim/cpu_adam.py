@@ -128,9 +128,11 @@ class CPUAdamW(torch.optim.AdamW):
             lists: tuple[list[Tensor], ...] = ([], [], [], [], [], [])  # params, grads, m, v, max v, steps
             has_complex = self._init_group(group, *lists)
             by_step: dict[float, list[int]] = {}  # one set of bias corrections per kernel call
+            # The step counters in one read, not one per parameter (tests/test_device_guards.py counts reads).
+            steps = torch.stack(lists[5]).tolist() if kernel is not None and lists[5] else []
             for i, (param, grad) in enumerate(zip(*lists[:2])):
                 if kernel is not None and self._takes_kernel(group, param, grad):
-                    by_step.setdefault(float(lists[5][i]) + 1, []).append(i)
+                    by_step.setdefault(steps[i] + 1, []).append(i)
             for step, indices in by_step.items():
                 self._run_kernel(kernel, group, step, *([values[i] for i in indices] for values in lists[:4]))
                 torch._foreach_add_([lists[5][i] for i in indices], 1)

@@ -9,7 +9,8 @@ strategy's own steps (``parallelize``, ``prepare_experts``, ``split_pipeline``, 
 ``build_step_gradients``), and stepped as the strategy steps it: token-summed losses times the backward scale,
 ``StepGradients.finish``, the non-finite check's global norm reused by the clip, AdamW, the expert-bias update over dp. Rank 0 writes each
 layout's losses and full weights (gathered over tp, pp and ep) to ``{layout}.pt``; a counting run writes, per
-rank, the collectives of one training step's forward and backward, by kind and group size.
+rank, the collectives of one training step's forward and backward, by kind and group size, and the host syncs the
+MoE layers' code made in each.
 """
 
 import re
@@ -25,6 +26,7 @@ from lightning_megatron.checkpoint import gather_full_state_dict, merge_pipeline
 from lightning_megatron.models import GPTModel
 from lightning_megatron.models.moe import update_expert_biases
 from lightning_megatron.optim.nonfinite import NonFiniteCheck
+from lightning_megatron.parallel.guards import count_host_syncs
 from lightning_megatron.optim.step import build_step_gradients
 from lightning_megatron.parallel import ParallelConfig, ParallelState, TensorParallelRNG
 from lightning_megatron.parallel.initialize import initialize_parameters
@@ -148,13 +150,23 @@ def count(layout: str) -> dict:
     names = (("dp", state.data_parallel_group), ("expert-dp", state.expert_data_parallel_group),
              ("ep", state.expert_parallel_group), ("tp", state.tensor_parallel_group), ("pp", state.pipeline_parallel_group))
     step.sync.start_micro_batch(sync=False)  # no gradient reduction: only the layers' own communication
+    collectives, syncs = {}, {}
     with CollectiveCounter(names) as calls:
-        loss_sum, tokens = model.loss(input_ids[rows], labels[rows])
-        forward = calls.take()
-        loss_sum.backward()
-        backward = calls.take()
+        with count_host_syncs() as host:
+            loss_sum, tokens = model.loss(input_ids[rows], labels[rows])
+        collectives["forward"], syncs["forward"] = calls.take(), _moe_sites(host)
+        with count_host_syncs() as host:
+            loss_sum.backward()
+        collectives["backward"], syncs["backward"] = calls.take(), _moe_sites(host)
     step.remove()
-    return {"forward": forward, "backward": backward}
+    return {"collectives": collectives, "host_syncs": syncs}
+
+
+def _moe_sites(syncs) -> dict:
+    """``"<kind> <file:line>": calls`` of the host syncs made in the MoE layers' code (router, experts, dispatcher)."""
+    files = ("models/moe.py", "models/router.py", "models/experts.py", "expert_parallel/")
+    return {f"{kind} {site}": n for kind, sites in syncs.sites.items() for site, n in sites.items()
+            if any(name in site for name in files)}
 
 
 if __name__ == "__main__":

@@ -1,0 +1,134 @@
+"""A Mixture-of-Experts layer's routed experts over tokens grouped by expert: grouped GEMMs or a loop of GEMMs.
+
+:func:`run_experts` takes the tokens sorted by expert and the count of each expert's tokens, a tensor that
+stays on the device. Two ways to run them, chosen by :func:`grouped_gemm_supported` (the one place that
+decides), giving the same numbers:
+
+* **grouped**: each expert matrix of all experts in one ``torch._grouped_mm`` (one kernel for ``fc``, one for
+  ``proj``, and likewise in backward), the groups delimited by int32 offsets read on the device: no host sync.
+  The experts' weights (``nn.Linear`` layout ``[out, in]``) are stacked to ``[E, out, in]`` for each GEMM and
+  read transposed; backward saves the weights, not the stack. Where: CUDA in bf16 (``bf16-true`` or
+  ``bf16-mixed``'s autocast) on compute capability 9.x/10.x (Hopper, Blackwell: torch's CUTLASS kernel; elsewhere
+  torch falls back to a loop that reads the offsets on the host, once per GEMM), every width a multiple of 8
+  (torch asks 16-byte aligned strides); and the CPU in fp32 (measured on torch 2.13: bitwise equal to the loop,
+  forward and backward).
+* **loop**: each expert's own module on its slice of the tokens. The slices need the counts on the host: one
+  read per layer, free on the CPU. Everywhere else (fp16, fp64, CPU bf16, other GPUs), and for experts that
+  are not plain linears (FP8 GEMMs, LoRA adapters, biases): they run through their own forward.
+
+Rows after the counted ones (assignments a capacity factor dropped) are zeros in the loop's output and
+uninitialised memory in the grouped one; the caller masks them (``MoE._routed_experts``).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch import Tensor, nn
+
+from lightning_megatron.models.mlp import GatedMLP, MLP
+from lightning_megatron.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+#: torch's grouped GEMM wants every row stride 16-byte aligned: widths a multiple of 8 in bf16.
+_BF16_ALIGNMENT = 8
+#: CUDA compute capabilities (major) where torch 2.13's bf16 ``_grouped_mm`` runs its CUTLASS kernel.
+_GROUPED_GEMM_CAPABILITIES = (9, 10)
+
+
+def run_experts(experts: Sequence[nn.Module], tokens: Tensor, counts: Tensor) -> Tensor:
+    """``tokens`` ``[N, h]`` grouped by expert, ``counts`` ``[E]`` (int, any device, summing to at most ``N``) ->
+    ``[N, h]``: expert ``e``'s MLP on its ``counts[e]`` rows, in the same order (module docstring)."""
+    if grouped_gemm_supported(experts, tokens):
+        return grouped_experts(experts, tokens, counts)
+    return looped_experts(experts, tokens, counts)
+
+
+def grouped_gemm_supported(experts: Sequence[nn.Module], tokens: Tensor) -> bool:
+    """Whether ``experts`` run as grouped GEMMs on ``tokens``' device and compute dtype (module docstring)."""
+    if not hasattr(torch, "_grouped_mm") or not experts or not all(_plain_mlp(e) for e in experts):
+        return False
+    if len({type(e) for e in experts}) != 1 or len({e.fc.weight.dtype for e in experts} | {tokens.dtype}) != 1:
+        return False
+    dtype = compute_dtype(tokens)
+    if tokens.device.type == "cuda":
+        widths = (*experts[0].fc.weight.shape, experts[0].proj.weight.shape[1])
+        return (dtype == torch.bfloat16 and all(w % _BF16_ALIGNMENT == 0 for w in widths)
+                and torch.cuda.get_device_capability(tokens.device)[0] in _GROUPED_GEMM_CAPABILITIES)
+    return tokens.device.type == "cpu" and dtype == torch.float32
+
+
+def compute_dtype(tokens: Tensor) -> torch.dtype:
+    """The dtype the experts' GEMMs run in: autocast's where it is on (as ``F.linear`` would), else the tokens'."""
+    device = tokens.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else tokens.dtype
+
+
+def grouped_experts(experts: Sequence[nn.Module], tokens: Tensor, counts: Tensor) -> Tensor:
+    """:func:`run_experts` with two grouped GEMMs (``experts``: plain ``MLP``/``GatedMLP`` of one type)."""
+    dtype = compute_dtype(tokens)
+    offsets = torch.cumsum(counts.to(tokens.device, non_blocking=True), 0, dtype=torch.int32)
+    hidden = grouped_linear(tokens.to(dtype), [e.fc.weight for e in experts], offsets, dtype)
+    return grouped_linear(experts[0].activate(hidden), [e.proj.weight for e in experts], offsets, dtype)
+
+
+def grouped_linear(x: Tensor, weights: Sequence[Tensor], offsets: Tensor, dtype: torch.dtype) -> Tensor:
+    """``x`` ``[N, in]`` -> ``[N, out]``: rows ``offsets[e-1]:offsets[e]`` times ``weights[e].T`` (each ``[out, in]``,
+    ``nn.Linear``'s layout), in ``dtype``; rows past ``offsets[-1]`` unwritten."""
+    return _GroupedLinear.apply(x, offsets, dtype, *weights)
+
+
+class _GroupedLinear(torch.autograd.Function):
+    """The grouped GEMM's forward and backward, saving the experts' weights themselves for backward (as ``F.linear``
+    saves its weight), not their stack: a stacked copy kept for backward (what ``torch._grouped_mm``'s own backward
+    keeps) would hold a second copy of the experts' weights for every layer in flight (Mixtral-8x7B: 2.8 GB a
+    layer in bf16). Backward stacks them again, a copy as cheap as reading them once."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, offsets: Tensor, dtype: torch.dtype, *weights: Tensor) -> Tensor:
+        ctx.save_for_backward(x, offsets, *weights)
+        ctx.dtype = dtype
+        return torch._grouped_mm(x, _stacked(weights, dtype).transpose(-2, -1), offs=offsets)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        x, offsets, *weights = ctx.saved_tensors
+        grad = grad.contiguous()  # _grouped_mm refuses strides it cannot feed its kernel ([0, 0]: out.sum()'s)
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            grad_x = torch._grouped_mm(grad, _stacked(weights, ctx.dtype), offs=offsets)
+        grad_weights = [None] * len(weights)
+        if any(ctx.needs_input_grad[3:]):  # [E, out, in]: each group's grad^T x, over its rows only
+            stacked = torch._grouped_mm(grad.t(), x, offs=offsets)
+            grad_weights = [g.to(w.dtype) if needed else None
+                            for g, w, needed in zip(stacked.unbind(), weights, ctx.needs_input_grad[3:])]
+        return grad_x, None, None, *grad_weights
+
+
+def _stacked(weights: Sequence[Tensor], dtype: torch.dtype) -> Tensor:
+    return torch.stack([w.to(dtype) for w in weights])
+
+
+def looped_experts(experts: Sequence[nn.Module], tokens: Tensor, counts: Tensor) -> Tensor:
+    """:func:`run_experts` as one call of each expert on its slice (the counts read on the host once)."""
+    sizes = counts.tolist()
+    rest = tokens.shape[0] - sum(sizes)
+    parts = tokens.split([*sizes, rest])
+    outputs = [expert(part) for expert, part in zip(experts, parts)]
+    if rest:
+        outputs.append(outputs[-1].new_zeros(rest, outputs[-1].shape[1]))
+    return torch.cat(outputs)
+
+
+def _plain_mlp(expert: nn.Module) -> bool:
+    return type(expert) in (MLP, GatedMLP) and _plain_linear(expert.fc) and _plain_linear(expert.proj)
+
+
+def _plain_linear(layer: nn.Module) -> bool:
+    """A bias-free linear whose forward is ``F.linear(x, layer.weight)``: ``nn.Linear``, or a tensor-parallel layer
+    inside the experts' region (no communication of its own) in high precision; not FP8, not LoRA-adapted."""
+    if layer.bias is not None or hasattr(layer, "lora_a"):
+        return False
+    if type(layer) is nn.Linear:
+        return True
+    return type(layer) in (ColumnParallelLinear, RowParallelLinear) and not layer.communicates and not layer.gemms.fp8
