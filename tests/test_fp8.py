@@ -336,3 +336,23 @@ def test_convert_to_fp8_at_tp2_reduces_over_the_tensor_parallel_group_and_checks
         assert converted["replicated_refusal"].startswith("FP8 cannot run qkv at tensor_parallel_size=2: ranks [0, 1] "
                                                           "share its output rows 64..95"), converted
         assert "fp8_exclude=['qkv']" in converted["replicated_refusal"]
+
+
+@pytest.mark.slow
+def test_tensor_parallel_fp8_casts_weights_once_per_step_and_batches_the_amax_all_reduces(tensor_parallel_results):
+    """A column + row MLP at tp2, two SGD steps of 1 and of 4 micro-batches: the losses and weights are the
+    single-process FP8 MLP's; each step's amax all-reduces (MAX) are the same in the second step as in the first
+    (the weights recast once after the optimizer step), grow by exactly one per layer per extra micro-batch (the
+    activation amax that must be reduced: the row layer's input in forward, the column layer's output gradient in
+    backward; the weights' amaxes ride along the first micro-batch's), and a step of one micro-batch needs at most
+    three (before: tensorwise 8 and rowwise 4 per micro-batch, 32 and 16 per step of 4)."""
+    layers = 2
+    for result in tensor_parallel_results:
+        steps = result["steps"]
+        for recipe in RECIPES:
+            one, four = steps[f"{recipe}_mb1"], steps[f"{recipe}_mb4"]
+            for run in (one, four):
+                assert run["loss_error"] < 1e-6 and run["weight_error"] < 1e-6, (recipe, run)
+                assert run["amax_all_reduces"][0] == run["amax_all_reduces"][1], (recipe, run)
+            assert four["amax_all_reduces"][0] == one["amax_all_reduces"][0] + 3 * layers, (recipe, steps)
+            assert one["amax_all_reduces"][0] <= 3, (recipe, steps)

@@ -34,10 +34,23 @@ one process running the same pieces one after another with gradient accumulation
 same for every piece. Megatron-Core and torchtitan make the same choice (amaxes over the tensor-parallel group
 only; torchtitan's DTensor reduces over its tp mesh).
 
-**torchao.** The casts are torchao's (``amax_to_scale``, ``to_fp8_saturated``). Its ``Float8Linear`` is not used:
-it replaces ``nn.Linear`` only, computes every amax on the local slice (its autograd function passes no group),
-and in an fp32 model runs rowwise GEMMs with bf16 outputs. The autograd function here (:class:`_Fp8Linear`, and
-the sequence-parallel column function calling :class:`Fp8Gemms`) is what those three need.
+**What a step costs beyond the GEMMs.** A weight is cast once per optimizer step per GEMM layout, not per
+micro-batch (``fp8_weights``: kept until the optimizer steps or the weight is written; not under ZeRO-3), and its
+amax reduced then only. A cast reads its operand in its own dtype: the amax is its infinity norm (no ``abs`` or fp32
+copy), the scaled product is fp32 read from the 16-bit tensor, clamped in place and cast (:func:`scale_and_cast`).
+The amaxes of one pass (the forward's input and, on a miss, weight; backward's gradient, weight and input) are
+all-reduced together, one all-reduce per group (:func:`reduce_amaxes`); tensorwise, backward casts the output
+gradient once for both of its GEMMs and the input with the forward's scale (the same tensor, the same amax, so no
+collective). Per layer and micro-batch that leaves the activations' amaxes: one all-reduce over tp (the row
+layer's forward input, or the column layer's backward gradient), and per pass one over cp where it cuts the tokens.
+(The sequence-parallel column layer runs its two backward GEMMs apart, each overlapped with a collective, so there
+each casts its own operands, as before.) The forward GEMM accumulates fast (:data:`FORWARD_FAST_ACCUMULATION`).
+
+**torchao.** The scales are torchao's (``amax_to_scale``); the saturating cast is its ``to_fp8_saturated`` without
+the fp32 copy. Its ``Float8Linear`` is not used: it replaces ``nn.Linear`` only, computes every amax on the local
+slice (its autograd function passes no group), and in an fp32 model runs rowwise GEMMs with bf16 outputs. The
+autograd function here (:class:`_Fp8Linear`, and the sequence-parallel column function calling :class:`Fp8Gemms`)
+is what those three need.
 
 **Shapes.** On CUDA ``_scaled_mm`` needs every GEMM dimension but the output rows divisible by 16: the local
 input and output features of the layer (checked by :func:`check_fp8_shape` when the layer is converted), and
@@ -48,13 +61,15 @@ CPU runs the same code).
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
+
+from lightning_megatron.tensor_parallel.fp8_weights import Fp8WeightCache
 
 Group = Optional[dist.ProcessGroup]
 
@@ -113,30 +128,84 @@ class Fp8Recipe:
 @dataclass
 class Fp8Operand:
     """An operand cast to FP8: ``data * inverse_scale`` is its high-precision value (``inverse_scale``: a scalar,
-    or ``[rows, 1]`` / ``[1, columns]`` for rowwise scaling)."""
+    or ``[rows, 1]`` / ``[1, columns]`` for rowwise scaling); ``scale``: what it was multiplied by to cast it."""
 
     data: Tensor
     inverse_scale: Tensor
+    scale: Tensor
+
+    def t(self) -> "Fp8Operand":
+        return Fp8Operand(self.data.t(), self.inverse_scale.t(), self.scale.t())
 
 
-def cast_to_fp8(t: Tensor, dtype: torch.dtype, *, dim: Optional[int], groups: Sequence[Group],
-                power_of_2: bool = False) -> Fp8Operand:
-    """Scale ``t`` (2-D) by ``finfo(dtype).max / amax`` and cast it, saturating. ``dim=None``: one amax for the tensor;
-    otherwise one per slice along ``dim`` (``keepdim``). ``groups``: where other ranks hold the rest of what the amax
-    spans; the amax is all-reduced (MAX) over each, so that every rank scales by the whole tensor's."""
+@dataclass(frozen=True, eq=False)
+class CastRequest:
+    """One operand of a pass to cast: ``t`` (2-D) into ``dtype``, scaled as a whole (``dim=None``) or per slice along
+    ``dim``; ``groups``: where other ranks hold the rest of what the amax spans; ``scale``: already known (the
+    forward's, for the same tensor again in backward), so no amax is taken."""
+
+    t: Tensor
+    dtype: torch.dtype
+    dim: Optional[int]
+    groups: tuple[Group, ...] = ()
+    scale: Optional[Tensor] = None
+
+
+def amax_of(t: Tensor, dim: Optional[int]) -> Tensor:
+    """The largest magnitude of ``t`` (``dim=None``) or of each slice along ``dim`` (kept), as fp32: the infinity norm,
+    one pass over ``t`` in its own dtype with no ``abs`` copy (a maximum of magnitudes is exact in any dtype)."""
+    inf = float("inf")
+    norm = torch.linalg.vector_norm(t, inf) if dim is None else torch.linalg.vector_norm(t, inf, dim=dim, keepdim=True)
+    return norm.float()
+
+
+def reduce_amaxes(amaxes: list[Tensor], groups: Sequence[tuple[Group, ...]]) -> list[Tensor]:
+    """``amaxes[i]`` all-reduced (MAX) over each group of ``groups[i]``, all of them in one all-reduce per distinct
+    group, of the concatenated amaxes that group spans. The maximum is exact and associative, so reducing over the
+    context-parallel group and then the tensor-parallel one is reducing over both. Every rank of a group passes its
+    amaxes in the same order (the same code runs on each), so the concatenations line up."""
+    amaxes = list(amaxes)
+    members: dict[dist.ProcessGroup, list[int]] = {}
+    for index, spanned in enumerate(groups):
+        for group in spanned:
+            if group is not None:
+                members.setdefault(group, []).append(index)
+    for group, indices in members.items():
+        flat = torch.cat([amaxes[i].reshape(-1) for i in indices])
+        dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=group)
+        for i, piece in zip(indices, flat.split([amaxes[i].numel() for i in indices])):
+            amaxes[i] = piece.view_as(amaxes[i])
+    return amaxes
+
+
+def scale_and_cast(t: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
+    """``t * scale`` saturated into ``dtype``'s range and cast. The product is computed in fp32 from ``t``'s own dtype,
+    with no fp32 copy of ``t`` (a 0-dim scale is viewed as ``[1, 1]``: a scalar tensor would leave a 16-bit ``t``'s
+    product in 16 bits), clamped in place, then cast: three passes in eager, one kernel under ``torch.compile``."""
+    fp8_max = torch.finfo(dtype).max
+    product = torch.mul(t, scale.reshape(1, 1) if scale.dim() == 0 else scale)
+    return product.clamp_(-fp8_max, fp8_max).to(dtype)
+
+
+def cast_together(requests: Sequence[CastRequest], power_of_2: bool = False) -> list[Fp8Operand]:
+    """Scale each request by ``finfo(dtype).max / amax`` and cast it, saturating, its amax reduced over its groups so
+    that every rank scales by the whole tensor's; the amaxes of all the requests in as few all-reduces as there are
+    groups (:func:`reduce_amaxes`)."""
     ao = _float8_utils or require_torchao()
-    amax = (t.abs().amax() if dim is None else t.abs().amax(dim=dim, keepdim=True)).float()
-    for group in groups:
-        if group is not None:
-            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
-    scale = ao.amax_to_scale(amax, dtype, round_scales_to_power_of_2=power_of_2)
-    return Fp8Operand(ao.to_fp8_saturated(t.float() * scale, dtype), scale.reciprocal())
+    pending = [index for index, request in enumerate(requests) if request.scale is None]
+    amaxes = reduce_amaxes([amax_of(requests[i].t, requests[i].dim) for i in pending],
+                           [requests[i].groups for i in pending])
+    scales = [request.scale for request in requests]
+    for index, amax in zip(pending, amaxes):
+        scales[index] = ao.amax_to_scale(amax, requests[index].dtype, round_scales_to_power_of_2=power_of_2)
+    return [Fp8Operand(scale_and_cast(request.t, scale, request.dtype), scale.reciprocal(), scale)
+            for request, scale in zip(requests, scales)]
 
 
-def scaled_mm(a: Fp8Operand, b: Fp8Operand, out_dtype: torch.dtype) -> Tensor:
+def scaled_mm(a: Fp8Operand, b: Fp8Operand, out_dtype: torch.dtype, fast_accumulation: bool = False) -> Tensor:
     """``a @ b`` in high precision ``out_dtype`` from two FP8 operands: ``a [M, K]`` (scale scalar or ``[M, 1]``), ``b
-    [K, N]`` (scalar or ``[1, N]``). ``a`` is made row-major and ``b`` column-major, as the CUDA kernels need."""
-    b_data = b.data if b.data.stride(0) == 1 else b.data.t().contiguous().t()
+    [K, N]`` (scalar or ``[1, N]``). ``a`` is made row-major and ``b`` column-major, as the CUDA kernels need.
+    ``fast_accumulation``: ``_scaled_mm``'s ``use_fast_accum`` (:data:`FORWARD_FAST_ACCUMULATION`)."""
     scale_a, scale_b = a.inverse_scale, b.inverse_scale
     gemm_dtype = out_dtype
     if scale_a.dim():  # rowwise: [M, 1] and [1, N] with unit strides (a transposed [1, M] has not)
@@ -147,14 +216,40 @@ def scaled_mm(a: Fp8Operand, b: Fp8Operand, out_dtype: torch.dtype) -> Tensor:
     # fp32 and multiplies them with a matmul that autocast would run on bf16 copies, rounding operands whose scales
     # are not powers of two (tensorwise) by up to 2^-9 more than the GEMM of a GPU, or of this function outside it.
     with torch.autocast(a.data.device.type, enabled=False):
-        y = torch._scaled_mm(a.data.contiguous(), b_data, scale_a, scale_b, out_dtype=gemm_dtype)
+        y = torch._scaled_mm(a.data.contiguous(), _column_major(b.data), scale_a, scale_b, out_dtype=gemm_dtype,
+                             use_fast_accum=fast_accumulation)
     return y if gemm_dtype == out_dtype else y.to(out_dtype)
+
+
+# Fast accumulation in the forward GEMM only (torchao's and Transformer Engine's recipes do the same). On Hopper, an FP8
+# GEMM without it promotes its partial sums from the tensor cores' reduced-precision accumulator into fp32 every few
+# steps along the contraction; with it the sums stay in that accumulator, which is faster. The forward's output is an
+# activation over a contraction of the layer's input features; the gradients contract over the output features and,
+# for the weight gradient, over every token of the micro-batch, the long sums where the lost bits accumulate, so
+# backward keeps the promotion. The CPU kernel takes the flag and ignores it (it dequantizes and runs an fp32 GEMM):
+# the CPU's numbers do not depend on it, so it needs no per-device choice.
+FORWARD_FAST_ACCUMULATION = True
+
+
+def _column_major(t: Tensor) -> Tensor:
+    return t if t.stride(0) == 1 else t.t().contiguous().t()
 
 
 def _pad_rows(t: Tensor) -> Tensor:
     """Zero rows up to a multiple of 16: the tokens are the weight gradient's contraction dimension."""
     missing = -t.shape[0] % ALIGNMENT
     return t if missing == 0 else F.pad(t, (0, 0, 0, missing))
+
+
+def _pad_fp8_rows(operand: Fp8Operand) -> Fp8Operand:
+    """:func:`_pad_rows` of an operand already cast with one scale for the tensor (its zero rows cast to the byte 0,
+    +0 in both formats; padded through ``uint8``, which every device's ``cat`` takes)."""
+    missing = -operand.data.shape[0] % ALIGNMENT
+    if missing == 0:
+        return operand
+    raw = operand.data.view(torch.uint8)
+    padded = torch.cat([raw, raw.new_zeros(missing, raw.shape[1])]).view(operand.data.dtype)
+    return Fp8Operand(padded, operand.inverse_scale, operand.scale)
 
 
 class HighPrecisionGemms:
@@ -187,12 +282,16 @@ class Fp8Gemms(HighPrecisionGemms):
 
     ``tensor_group``: the group the layer's weight is split over (``None``: whole); ``cuts``: ``"output"`` (a column
     layer: output features split) or ``"input"`` (a row layer); ``token_group``: the group that splits the tokens
-    of a sequence (context parallelism), or ``None``. Inputs may have any leading dimensions (``[..., features]``)."""
+    of a sequence (context parallelism), or ``None``. Inputs may have any leading dimensions (``[..., features]``).
+    ``cache_weights``: keep the weight's FP8 casts from one optimizer step to the next (``fp8_weights``; one per
+    layer: ``weight_casts``), so that micro-batches, pipeline schedules and recomputation cast it once per step."""
 
     recipe: Fp8Recipe
     tensor_group: Group
     cuts: str
     token_group: Group = None
+    cache_weights: bool = True
+    weight_casts: Fp8WeightCache = field(default_factory=Fp8WeightCache, compare=False, repr=False)
 
     fp8 = True
 
@@ -210,38 +309,100 @@ class Fp8Gemms(HighPrecisionGemms):
     def _grad_groups(self) -> tuple[Group, Group]:  # [tokens, out]
         return self.token_group, self.tensor_group if self.cuts == "output" else None
 
-    def _cast(self, t: Tensor, dtype: torch.dtype, groups: tuple[Group, Group], along: int) -> Fp8Operand:
-        """Cast the 2-D ``t``, per row along dimension ``along`` (rowwise) or as a whole (tensorwise); the amax is
+    def _request(self, t: Tensor, dtype: torch.dtype, groups: tuple[Group, Group], along: int,
+                 scale: Optional[Tensor] = None) -> CastRequest:
+        """Cast the 2-D ``t`` per row along dimension ``along`` (rowwise) or as a whole (tensorwise); the amax is
         reduced over the groups of the dimensions it spans."""
-        recipe = self.recipe
-        if recipe.rowwise:
-            return cast_to_fp8(t, dtype, dim=along, groups=[groups[along]], power_of_2=recipe.power_of_2_scales)
-        return cast_to_fp8(t, dtype, dim=None, groups=list(dict.fromkeys(groups)), power_of_2=recipe.power_of_2_scales)
+        if self.recipe.rowwise:
+            return CastRequest(t, dtype, along, (groups[along],), scale)
+        return CastRequest(t, dtype, None, tuple(dict.fromkeys(groups)), scale)
+
+    def _cast_pass(self, requests: dict[str, CastRequest], weight: Optional[Tensor],
+                   gemm: str) -> tuple[dict[str, Fp8Operand], Optional[Fp8Operand]]:
+        """The casts of one pass, their amaxes reduced together, and ``weight`` as ``gemm`` takes it (``"forward"``:
+        ``w^T [K, N]``, ``"grad_input"``: ``w [N, K]``): from the cache, or cast with the others and kept."""
+        wq = self._cached_weight(weight, gemm) if weight is not None else None
+        if weight is not None and wq is None:
+            along = 1 if gemm == "forward" else 0  # rowwise: along the GEMM's contraction
+            requests = {**requests, "weight": self._request(weight, self.recipe.weight_dtype, self._weight_groups(),
+                                                            along)}
+        operands = dict(zip(requests, cast_together(list(requests.values()), self.recipe.power_of_2_scales)))
+        if "weight" in operands:
+            wq = self._keep_weight(weight, gemm, operands.pop("weight"))
+        return operands, wq
+
+    def _cached_weight(self, weight: Tensor, gemm: str) -> Optional[Fp8Operand]:
+        if not self.cache_weights:
+            return None
+        found = self.weight_casts.lookup(weight, gemm)
+        if found is None and not self.recipe.rowwise:  # one tensorwise cast serves both GEMMs, transposed
+            other_gemm = "grad_input" if gemm == "forward" else "forward"
+            other = self.weight_casts.lookup(weight, other_gemm)
+            if other is not None:  # back to [N, K] as cast (a view), then laid out for this GEMM
+                found = self.weight_casts.store(weight, gemm, _layout_for(gemm, other.t() if other_gemm == "forward"
+                                                                     else other))
+        return found
+
+    def _keep_weight(self, weight: Tensor, gemm: str, wq: Fp8Operand) -> Fp8Operand:
+        """``wq`` (``[N, K]`` as cast) laid out for ``gemm``, kept in the cache if it is on."""
+        operand = _layout_for(gemm, wq)
+        return self.weight_casts.store(weight, gemm, operand) if self.cache_weights else operand
 
     def linear(self, x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
         return fp8_linear(x, weight, bias, self)
 
     def forward(self, x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
+        return self.forward_and_input(x, weight, bias)[0]
+
+    def forward_and_input(self, x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> tuple[Tensor, Fp8Operand]:
+        """The forward, and the input's cast (whose tensorwise scale backward reuses for the same input)."""
         x2 = x.reshape(-1, x.shape[-1])
-        xq = self._cast(x2, self.recipe.input_dtype, self._x_groups(), along=1)
-        wq = self._cast(weight, self.recipe.weight_dtype, self._weight_groups(), along=1)
+        requests = {"x": self._request(x2, self.recipe.input_dtype, self._x_groups(), along=1)}
+        operands, wq = self._cast_pass(requests, weight, "forward")
         out_dtype = _output_dtype(x)
-        y = scaled_mm(xq, Fp8Operand(wq.data.t(), wq.inverse_scale.t()), out_dtype)
+        y = scaled_mm(operands["x"], wq, out_dtype, fast_accumulation=FORWARD_FAST_ACCUMULATION)
         if bias is not None:
             y = y + bias.to(out_dtype)
-        return y.view(*x.shape[:-1], weight.shape[0])
+        return y.view(*x.shape[:-1], weight.shape[0]), operands["x"]
 
     def grad_input(self, grad: Tensor, weight: Tensor) -> Tensor:
-        g2 = grad.reshape(-1, grad.shape[-1])
-        gq = self._cast(g2, self.recipe.grad_dtype, self._grad_groups(), along=1)
-        wq = self._cast(weight, self.recipe.weight_dtype, self._weight_groups(), along=0)
-        return scaled_mm(gq, wq, grad.dtype).view(*grad.shape[:-1], weight.shape[1])
+        return self.gradients(grad, None, weight)[0]
 
     def grad_weight(self, grad: Tensor, x: Tensor) -> Tensor:
-        g2, x2 = _pad_rows(grad.reshape(-1, grad.shape[-1])), _pad_rows(x.reshape(-1, x.shape[-1]))
-        gq = self._cast(g2, self.recipe.grad_dtype, self._grad_groups(), along=0)
-        xq = self._cast(x2, self.recipe.input_dtype, self._x_groups(), along=0)
-        return scaled_mm(Fp8Operand(gq.data.t(), gq.inverse_scale.t()), xq, grad.dtype)
+        return self.gradients(grad, x, None)[1]
+
+    def gradients(self, grad: Tensor, x: Optional[Tensor], weight: Optional[Tensor],
+                  x_scale: Optional[Tensor] = None) -> tuple[Optional[Tensor], Optional[Tensor]]:
+        """The input gradient (if ``weight`` is given) and the weight gradient (if ``x`` is), their casts in one pass:
+        tensorwise, the output gradient is cast once for both GEMMs and ``x`` with ``x_scale``, the forward's scale
+        of it, if given (no amax, no collective); rowwise casts each along its GEMM's contraction."""
+        rowwise, recipe = self.recipe.rowwise, self.recipe
+        g2 = grad.reshape(-1, grad.shape[-1])
+        requests = {}
+        if weight is not None or not rowwise:
+            requests["grad"] = self._request(g2, recipe.grad_dtype, self._grad_groups(), along=1)
+        if x is not None:
+            if rowwise:
+                requests["grad_t"] = self._request(_pad_rows(g2), recipe.grad_dtype, self._grad_groups(), along=0)
+            x2 = _pad_rows(x.reshape(-1, x.shape[-1]))
+            requests["x_t"] = self._request(x2, recipe.input_dtype, self._x_groups(), along=0,
+                                            scale=None if rowwise else x_scale)
+        operands, wq = self._cast_pass(requests, weight, "grad_input")
+        grad_x = grad_weight = None
+        if weight is not None:
+            grad_x = scaled_mm(operands["grad"], wq, grad.dtype).view(*grad.shape[:-1], weight.shape[1])
+        if x is not None:
+            gt = operands["grad_t"] if rowwise else _pad_fp8_rows(operands["grad"])
+            grad_weight = scaled_mm(gt.t(), operands["x_t"], grad.dtype)
+        return grad_x, grad_weight
+
+
+def _layout_for(gemm: str, wq: Fp8Operand) -> Fp8Operand:
+    """The weight ``wq`` (``[N, K]``) as ``gemm``'s second operand, column-major: the forward's is ``w^T`` (a view),
+    the input gradient's ``w`` itself (a transposed copy, made once per step when cached)."""
+    if gemm == "forward":
+        return wq.t()
+    return Fp8Operand(_column_major(wq.data), wq.inverse_scale, wq.scale)
 
 
 def _output_dtype(x: Tensor) -> torch.dtype:
@@ -263,15 +424,21 @@ class _Fp8Linear(torch.autograd.Function):
         need_input, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         ctx.save_for_backward(x if need_weight else None, weight if need_input else None)
         ctx.gemms, ctx.dtypes = gemms, (x.dtype, weight.dtype, None if bias is None else bias.dtype)
-        return gemms.forward(x, weight, bias)
+        y, xq = gemms.forward_and_input(x, weight, bias)
+        ctx.x_scale = xq.scale if need_weight and not gemms.recipe.rowwise else None  # (rowwise recasts along T)
+        return y
 
     @staticmethod
     def backward(ctx, grad: Tensor):
         x, weight = ctx.saved_tensors
         gemms, (x_dtype, weight_dtype, bias_dtype) = ctx.gemms, ctx.dtypes
         need_input, need_weight, need_bias = ctx.needs_input_grad[:3]
-        grad_x = gemms.grad_input(grad, weight).to(x_dtype) if need_input else None
-        grad_weight = gemms.grad_weight(grad, x).to(weight_dtype) if need_weight else None
+        grad_x = grad_weight = None
+        if need_input or need_weight:
+            grad_x, grad_weight = gemms.gradients(grad, x if need_weight else None, weight if need_input else None,
+                                                  x_scale=ctx.x_scale)
+        grad_x = grad_x.to(x_dtype) if need_input else None
+        grad_weight = grad_weight.to(weight_dtype) if need_weight else None
         grad_bias = grad.reshape(-1, grad.shape[-1]).sum(0).to(bias_dtype) if need_bias else None
         return grad_x, grad_weight, grad_bias, None
 

@@ -51,7 +51,9 @@ def check_fp8_options(fp8: Optional[str], exclude: Sequence[str], tp_comm_overla
 def convert_to_fp8(module: nn.Module, recipe: Optional[Fp8Recipe], state: ParallelState,
                    exclude: Sequence[str] = ()) -> list[str]:
     """Give each column/row-parallel linear of ``module`` (but the head and ``exclude``) FP8 GEMMs whose scales are
-    reduced over the groups that split its tensors; returns the converted layers' names."""
+    reduced over the groups that split its tensors; returns the converted layers' names. Each layer keeps its
+    weight's FP8 cast from one optimizer step to the next, but under ZeRO-3 (``fp8_weights``: there it would hold
+    an FP8 copy of every layer that ZeRO-3 frees after each use)."""
     if recipe is None:
         return []
     require_torchao()  # now, not first inside a compiled layer
@@ -69,7 +71,8 @@ def convert_to_fp8(module: nn.Module, recipe: Optional[Fp8Recipe], state: Parall
         check_fp8_shape(name, local_in, local_out, size)
         _check_not_replicated(name, layer, size)
         cuts = "output" if isinstance(layer, ColumnParallelLinear) else "input"
-        layer.gemms = Fp8Gemms(recipe, layer.group, cuts, token_group=state.context_parallel_group)
+        layer.gemms = Fp8Gemms(recipe, layer.group, cuts, token_group=state.context_parallel_group,
+                               cache_weights=state.config.zero_stage < 3)
         converted.append(name)
     if unused:
         raise ValueError(f"fp8_exclude patterns {sorted(unused)} match no column- or row-parallel linear of "

@@ -5,8 +5,9 @@ tensor-parallel layer's output and gradients with the matching part: the column 
 parallelism), the packed and query-group columns (the latter with key/value rows replicated on both ranks), the
 row layer (with and without), and the experts' column and row layers inside an MoE region, for both recipes.
 Negative controls remove the tensor-parallel group from the amaxes of a row layer whose input rows have their amax
-in rank 0's shard, and of a column layer whose output gradient rows have. Results (max |error| / max |reference|
-per tensor) go to rank{r}.json.
+in rank 0's shard, and of a column layer whose output gradient rows have. Then two steps of 1 and of 4 micro-batches
+through a column + row MLP, counting the amax all-reduces per step. Results (max |error| / max |reference| per
+tensor) go to rank{r}.json.
 """
 
 import json
@@ -191,7 +192,67 @@ try:
 except ValueError as error:
     converted["replicated_refusal"] = str(error)
 
+
+# Steps of 1 and of 4 micro-batches through a column + row MLP at tp2, SGD between steps: the amax all-reduces (MAX)
+# per step, counted by a wrapper around dist.all_reduce, and the losses and weights against the single-process FP8 MLP.
+def mlp(recipe, tp_group):
+    fc = ColumnParallelLinear(K, 64, group=tp_group)
+    proj = RowParallelLinear(64, K, group=tp_group)
+    generator = torch.Generator().manual_seed(3)
+    for layer in (fc, proj):
+        for param in layer.parameters():
+            full = torch.randn(param.tensor_shard.global_shape if hasattr(param, "tensor_shard") else param.shape,
+                               generator=generator) * 0.2
+            param.data.copy_(param.tensor_shard.local_slice(full) if hasattr(param, "tensor_shard") else full)
+    fc.gemms = Fp8Gemms(recipe, tp_group, "output")
+    proj.gemms = Fp8Gemms(recipe, tp_group, "input")
+    return fc, proj
+
+
+def train_mlp(recipe, tp_group, micro_batches, steps=2):
+    fc, proj = mlp(recipe, tp_group)
+    optimizer = torch.optim.SGD([*fc.parameters(), *proj.parameters()], lr=0.1)
+    generator = torch.Generator().manual_seed(4)
+    losses, amax_reduces = [], []
+    for _ in range(steps):
+        calls[0] = 0
+        for _ in range(micro_batches):
+            x = (torch.randn(B, S, K, generator=generator) * 2).requires_grad_()  # as a layer's input inside a model
+            loss = (proj(torch.nn.functional.gelu(fc(x))) ** 2).mean()
+            loss.backward()
+            losses.append(loss.item())
+        amax_reduces.append(calls[0])
+        optimizer.step()
+        optimizer.zero_grad()
+    weights = [p.detach().clone() for p in (fc.weight, proj.weight)]
+    return losses, weights, amax_reduces, (fc, proj)
+
+
+calls = [0]
+_all_reduce = dist.all_reduce
+
+
+def counting_all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
+    if op == dist.ReduceOp.MAX:
+        calls[0] += 1
+    return _all_reduce(tensor, op=op, group=group, async_op=async_op)
+
+
+dist.all_reduce = counting_all_reduce
+steps = {}
+for recipe_name in ("tensorwise", "rowwise"):
+    recipe = Fp8Recipe.named(recipe_name)
+    for micro_batches in (1, 4):
+        losses, weights, amax_reduces, (fc, proj) = train_mlp(recipe, group, micro_batches)
+        ref_losses, ref_weights, _, _ = train_mlp(recipe, None, micro_batches)
+        steps[f"{recipe_name}_mb{micro_batches}"] = {
+            "amax_all_reduces": amax_reduces,
+            "loss_error": max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)),
+            "weight_error": max(relative(weights[0], fc.weight.tensor_shard.local_slice(ref_weights[0])),
+                                relative(weights[1], proj.weight.tensor_shard.local_slice(ref_weights[1])))}
+dist.all_reduce = _all_reduce
+
 (out_dir / f"rank{rank}.json").write_text(json.dumps({"errors": errors, "controls": controls, "dtypes": dtypes,
-                                                         "converted": converted}))
+                                                         "converted": converted, "steps": steps}))
 dist.barrier()
 os._exit(0)  # skip gloo's C++ teardown (see tp_layers.py)
