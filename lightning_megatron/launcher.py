@@ -9,6 +9,11 @@ Two jobs happen here because this is the only seam Lightning offers before it re
   under a lock file in each checkpoint directory, brings those directories to where their
   saves were going (``replacement.finish_interrupted``) and reports what it did and what
   unfinished saves it removed, before Lightning looks for checkpoints there.
+* **Each process gets its share of the node's cores.** Under torchrun (which sets ``OMP_NUM_THREADS=1`` for
+  several processes per node) torch would run its host work (``CPUAdamW``'s step under ``offload_optimizer``)
+  on one thread; under ``srun`` (no variable) every process would use every core and they would oversubscribe
+  the node. So each process sets torch's intra-op threads to the node's cores / its processes on the node
+  (at least 1) once, and logs it; an ``OMP_NUM_THREADS`` the user set is respected (``intra_op_threads``).
 * **Workers die with their launcher.** ``python train.py`` with ``devices=N`` starts N-1 copies
   of the script (Lightning's ``_SubprocessScriptLauncher``); if the launcher is killed, a copy
   busy outside a collective would run on for good. Each copy asks the kernel to kill it when
@@ -24,7 +29,9 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.launchers.launcher import _Launcher
 
@@ -33,6 +40,58 @@ from lightning_megatron.checkpoint.shared_storage import check_directories_agree
 
 PARENT_PID_VARIABLE = "LIGHTNING_MEGATRON_LAUNCHER_PID"
 _PR_SET_PDEATHSIG = 1
+_threads_chosen = False  # once per process
+
+
+def available_cores() -> int:
+    """Cores this process may run on (its CPU affinity: a SLURM or container limit), else the machine's."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def launcher_environment(pid: int) -> Optional[dict[str, str]]:
+    """The environment process ``pid`` was started with (Linux's ``/proc/<pid>/environ``: what it later set
+    itself is not in there); None where it cannot be read."""
+    try:
+        raw = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return None
+    return dict(item.split("=", 1) for item in raw.decode(errors="replace").split("\0") if "=" in item)
+
+
+def set_by_torchrun(value: str) -> bool:
+    """Whether ``OMP_NUM_THREADS=value`` is torchrun's own default for several processes per node ("1", set in
+    its process when the user set nothing) rather than the user's choice."""
+    if value != "1" or "TORCHELASTIC_RUN_ID" not in os.environ:
+        return False
+    started_with = launcher_environment(os.getppid())  # torchrun is the parent of its workers
+    return started_with is not None and "OMP_NUM_THREADS" not in started_with
+
+
+def intra_op_threads(local_world_size: int) -> Optional[int]:
+    """torch's intra-op threads for one of ``local_world_size`` processes on this node: the cores it may use
+    shared out evenly, at least 1. None: ``OMP_NUM_THREADS`` holds the user's choice (torch read it at start)."""
+    explicit = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if explicit and not set_by_torchrun(explicit):
+        return None
+    return max(1, available_cores() // max(1, local_world_size))
+
+
+def set_intra_op_threads(local_world_size: int) -> None:
+    """Once per process: set torch's intra-op threads as :func:`intra_op_threads` says, and log it."""
+    global _threads_chosen
+    if _threads_chosen:
+        return
+    _threads_chosen = True
+    threads = intra_op_threads(local_world_size)
+    if threads is None:
+        rank_zero_info(f"torch intra-op threads: {torch.get_num_threads()} (OMP_NUM_THREADS="
+                       f"{os.environ['OMP_NUM_THREADS']} as set)")
+        return
+    torch.set_num_threads(threads)
+    rank_zero_info(f"torch intra-op threads: {threads} ({available_cores()} cores / {local_world_size} processes on "
+                   f"this node; set OMP_NUM_THREADS to choose)")
 
 
 def checkpoint_directories(trainer: Any) -> list[Path]:
@@ -74,6 +133,7 @@ class InPlaceLauncher(_Launcher):
         return True
 
     def launch(self, function: Callable, *args: Any, trainer: Optional[Any] = None, **kwargs: Any) -> Any:
+        set_intra_op_threads(getattr(getattr(trainer, "strategy", None), "num_processes", 0) or 1)
         prepare_checkpoint_directories(trainer)
         return function(*args, **kwargs)
 

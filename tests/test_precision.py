@@ -2,9 +2,13 @@
 skips that step on every rank and training recovers."""
 
 import pytest
+import torch
+import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from launch import launch
-from lightning_megatron.optim.loss_scaler import DynamicLossScaler
+from lightning_megatron.optim.loss_scaler import DynamicLossScaler, agree_on_overflow, found_overflow
+from lightning_megatron.parallel.guards import check_collective_devices, count_host_syncs
 OVERFLOW_STEP = 2  # as in workers/precision_fit.py
 
 # fp16-true-zero3 runs at tp=1 x dp=2 (FSDP2 casting fp32 shards to fp16), the others at tp=2.
@@ -106,3 +110,55 @@ def test_nvme_tier_steps_16_bit_runs_exactly_as_the_device_and_skips_fp16_overfl
             assert result[offloaded]["checksums"] == result[reference]["checksums"], offloaded
             assert result[offloaded]["skipped"] == result[reference]["skipped"], offloaded
             assert result[offloaded]["optimizer_devices"] == ["cpu"]
+
+
+def _pieces(count: int, *, poisoned: bool) -> list[torch.Tensor]:
+    """``count`` gradient pieces of mixed dtypes (fp32 offloaded, 16-bit on the device), the last one Inf if asked."""
+    pieces = [torch.randn(5 + i, dtype=(torch.float32, torch.bfloat16, torch.float16)[i % 3]) for i in range(count)]
+    if poisoned:
+        pieces[-1][2] = float("inf")
+    return pieces
+
+
+@pytest.mark.parametrize("poisoned", [False, True], ids=["finite", "overflow"])
+def test_the_fp16_overflow_check_reads_the_host_once_however_many_pieces(poisoned):
+    """One host read per step: on CUDA each read stalls the queue, and a model has hundreds of pieces."""
+    verdicts, reads = [], []
+    for count in (6, 12):
+        grads = _pieces(count, poisoned=poisoned)
+        before = [g.clone() for g in grads]
+        with count_host_syncs() as syncs:
+            verdicts.append(found_overflow(grads + [None], torch.device("cpu")))
+        reads.append(syncs.total)
+        assert all(torch.equal(a, b) for a, b in zip(before, grads))  # the check changes no gradient
+    assert verdicts == [poisoned, poisoned] and reads == [1, 1]
+
+
+@pytest.fixture
+def one_rank_group():
+    """A process group of this process alone (the session's default group when one exists)."""
+    if dist.is_initialized():
+        yield dist.group.WORLD
+        return
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield dist.group.WORLD
+    dist.destroy_process_group()
+
+
+def test_grad_scalers_found_inf_is_reduced_on_the_strategys_device_not_where_the_gradients_are(one_rank_group):
+    """``16-mixed`` + ``offload_optimizer``: GradScaler's flag is where the offloaded gradients are (the host), while
+    NCCL takes tensors on the accelerator only. Fake tensors stand for a CUDA strategy on this machine: the one
+    all-reduce must be handed a tensor on ``cuda``, and GradScaler's flag must stay where it reads it."""
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        params = [torch.nn.Parameter(torch.zeros(4)) for _ in range(3)]
+        for param in params:
+            param.grad = torch.zeros(4)
+        optimizer = torch.optim.SGD(params, lr=0.1)
+        scaler = torch.amp.GradScaler("cpu")
+        scaler.scale(torch.ones(()))  # as the loss is scaled before backward
+        agree_on_overflow(scaler, torch.device("cuda", 0))
+        with check_collective_devices(torch.device("cuda", 0)) as checked:
+            scaler.unscale_(optimizer)
+        flags = scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
+    assert sum(checked.values()) == 1  # one all-reduce, on the strategy's device
+    assert [flag.device.type for flag in flags.values()] == ["cpu"]

@@ -595,10 +595,9 @@ class GPT(PretrainingRecipe):
         self.log("train_loss", self._global_token_mean(loss_sum, num_tokens), prog_bar=True)
         if self.config.moe is not None:
             statistics = self.model.moe_aux_losses.statistics()  # every rank: it sums over the model-parallel ranks
-            if statistics is not None:
-                self.log("moe_load_balancing", statistics[0], sync_dist=True)
-                self.log("moe_z_loss", statistics[1], sync_dist=True)
-                self.log("moe_max_load", statistics[2], sync_dist=True)
+            self.log("moe_load_balancing", statistics[0], sync_dist=True)
+            self.log("moe_z_loss", statistics[1], sync_dist=True)
+            self.log("moe_max_load", statistics[2], sync_dist=True)
         return {"loss": loss, "num_tokens": num_tokens}
 
     def _global_token_mean(self, loss_sum: Tensor, num_tokens: Tensor) -> Tensor:

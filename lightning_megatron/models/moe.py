@@ -216,14 +216,16 @@ class AuxLosses:
                               max_load * self.forward_share, balance.new_tensor(self.forward_share, dtype=torch.float64)])
         self._totals = values if self._totals is None else self._totals + values
 
-    def statistics(self) -> Optional[Tensor]:
-        """``[load_balancing, z_loss, max_load]`` since the last call (every rank must call it: ``reduce`` may
-        communicate)."""
+    def statistics(self) -> Tensor:
+        """``[load_balancing, z_loss, max_load]`` since the last call, zeros if no layer recorded anything (every
+        rank must call it: ``reduce`` may communicate). Decided on the device: ``training_step`` reads it every
+        micro-batch, and a host read there would sync once per micro-batch."""
         totals, self._totals = self._totals, None
         if totals is None:  # this rank has no MoE layer (a pipeline stage without one) or ran no training forward
             totals = torch.zeros(4, dtype=torch.float64)
         totals = self.reduce(totals)
-        return (totals[:3] / totals[3]).float() if float(totals[3]) > 0 else None
+        recorded = totals[3] > 0
+        return torch.where(recorded, totals[:3] / torch.where(recorded, totals[3], 1.0), 0.0).float()
 
 
 def capacity_mask(expert_ids: Tensor, weights: Tensor, num_experts: int, capacity: int) -> Tensor:

@@ -167,6 +167,12 @@ class GradientSynchronizer:
     a segmented tp shard over a tp subgroup); they are summed there, one all-reduce per group.
 
     ``expert_data_parallel_group``: where the ``expert_parallel`` parameters are reduced (default: dp).
+    ``device``: the run's device, where the token count is summed when this rank has no bucket (a pipeline stage
+    without trainable parameters): collectives take tensors on that device only (NCCL: the accelerator).
+
+    ``on_bucket_final``: called with each bucket in :meth:`finish` as soon as its gradients are final (reduced,
+    partial sums added, normalised), before the next bucket is normalised: the offloaded optimizer starts its
+    device-to-host copies there (``MainParamOptimizer``), so they overlap the rest of the gradient work.
     """
 
     def __init__(
@@ -178,6 +184,7 @@ class GradientSynchronizer:
         bucket_size_mb: float = DEFAULT_BUCKET_SIZE_MB,
         zero_stage: int = 0,
         expert_data_parallel_group: Optional[dist.ProcessGroup] | str = "data_parallel_group",
+        device: Optional[torch.device] = None,
     ) -> None:
         if bucket_size_mb <= 0:
             raise ValueError(f"bucket_size_mb must be positive, got {bucket_size_mb}.")
@@ -190,9 +197,11 @@ class GradientSynchronizer:
         self.zero_stage = zero_stage
         self.params = [p for p in dict.fromkeys(params) if p.requires_grad]
         self.partial_grad_groups = list(partial_grad_groups)
+        self.device = device
         self.sync = True
         self.backward_passes = 1
         self.buckets: list[_Bucket] = []
+        self.on_bucket_final: Optional[Callable[[_Bucket], None]] = None
         self._bucket_of: dict[int, tuple[_Bucket, int]] = {}
         tied = {id(p) for partial in self.partial_grad_groups for p, _, _ in partial.parts
                 if getattr(p, "pipeline_tied", False)}
@@ -309,7 +318,7 @@ class GradientSynchronizer:
             needs_launch = bucket.buffer is not None if self.zero_stage == 2 else not bucket.launched
             if needs_launch:
                 self._launch(bucket)
-        device = self.buckets[0].device if self.buckets else "cpu"
+        device = self.buckets[0].device if self.buckets else (self.device or torch.device("cpu"))
         num_tokens, also_sum = sum_tokens(num_tokens, self.data_parallel_group, device, also_sum)
         for bucket in self.buckets:
             self._wait(bucket)
@@ -322,6 +331,8 @@ class GradientSynchronizer:
             if self.zero_stage == 0:
                 for index, param in enumerate(bucket.params):
                     param.grad = self._grad_view(bucket, index)
+            if self.on_bucket_final is not None:
+                self.on_bucket_final(bucket)
         return also_sum
 
     def _sum_partial_grads(self) -> None:

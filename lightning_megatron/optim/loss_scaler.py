@@ -17,27 +17,52 @@ import torch.distributed as dist
 from torch import Tensor
 
 
-def found_overflow(grads: Iterable[Optional[Tensor]], device: torch.device) -> bool:
-    """Whether any rank holds a non-finite gradient (one all-reduce over the world)."""
-    flag = torch.zeros((), device=device)
+def nonfinite_flag(grads: Iterable[Optional[Tensor]], device: torch.device) -> Tensor:
+    """1.0 if any of ``grads`` holds an inf/NaN, else 0.0: a float32 scalar on ``device``, with no host sync.
+
+    One fused check per device the gradients are on (``torch._amp_foreach_non_finite_check_and_unscale_``, as
+    GradScaler runs it, with an unscale by exactly 1, which changes no value), however many pieces there are;
+    offloaded gradients (host memory) are checked where they are and only their flag moves to ``device``."""
+    by_device: dict[torch.device, list[Tensor]] = {}
     for grad in grads:
-        if grad is not None and not torch.isfinite(grad).all():
-            flag.fill_(1.0)
-            break
+        if grad is not None:
+            by_device.setdefault(grad.device, []).append(grad)
+    flag = torch.zeros((), device=device)
+    for where, group in by_device.items():
+        found = torch.zeros((), device=where)
+        torch._amp_foreach_non_finite_check_and_unscale_(group, found, torch.ones((), device=where))
+        flag = torch.maximum(flag, found.to(device))
+    return flag
+
+
+def found_overflow(grads: Iterable[Optional[Tensor]], device: torch.device) -> bool:
+    """Whether any rank holds a non-finite gradient: one all-reduce over the world, on ``device`` (the strategy's:
+    NCCL's accelerator even when the gradients were offloaded), and one host read per step."""
+    flag = nonfinite_flag(grads, device)
     if dist.is_available() and dist.is_initialized():
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     return bool(flag.item())
 
 
-def agree_on_overflow(grad_scaler) -> None:
+def agree_on_overflow(grad_scaler, device: torch.device) -> None:
     """Make Lightning's ``GradScaler`` (``16-mixed``) decide an overflow for the whole world: after its
-    own unscale, its found-inf flags are all-reduced (max), so every rank skips the same steps."""
+    own unscale, its found-inf flags are all-reduced (max), so every rank skips the same steps.
+
+    GradScaler keeps one flag per device its optimizer's gradients are on: host memory under
+    ``offload_optimizer``. Collectives take tensors on the strategy's ``device`` only (NCCL refuses host
+    tensors), so the flags are combined there, reduced in one all-reduce (one on every rank, whatever number of
+    devices its gradients are on) and copied back."""
     unscale = grad_scaler.unscale_
 
     def unscale_then_agree(optimizer) -> None:
         unscale(optimizer)
-        for found_inf in grad_scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values():
-            dist.all_reduce(found_inf, op=dist.ReduceOp.MAX)
+        flags = list(grad_scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values())
+        agreed = torch.zeros((), device=device)  # one all-reduce on every rank, with or without gradients
+        for flag in flags:
+            agreed = torch.maximum(agreed, flag.to(device, torch.float32))
+        dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+        for flag in flags:
+            flag.copy_(agreed)
 
     grad_scaler.unscale_ = unscale_then_agree
 

@@ -7,6 +7,10 @@ optimizer steps on fp32 *main* copies of the flat ranges this data-parallel rank
 ranges are copied back into the model's parameters and, under ZeRO, all-gathered over dp (``ParamGather``:
 at once, or overlapped with the next forward).
 
+Offloaded (``"cpu"``/``"nvme"``), the fp32 gradients the host optimizer reads live in persistent host tensors
+(``offload.host_staging``): each bucket's pieces start their copy as soon as the bucket's reduced gradients are
+final (``GradientSynchronizer.on_bucket_final``), asynchronously on CUDA, and the step waits once for all of them.
+
 The optimizer that ``configure_optimizers`` returned is kept as the same object, with
 its param groups' tensors replaced by the fp32 pieces, so hyper-parameters, LR schedulers
 and Lightning's bookkeeping keep working. Only element-wise optimizers can be wrapped
@@ -21,6 +25,7 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
+from lightning_megatron.offload.host_staging import HostStaging, host_tensor, pinned_host_memory
 from lightning_megatron.offload.nvme import NvmeOptimizerTier
 from lightning_megatron.offload.settings import OffloadSettings, TierOption, tier_of
 from lightning_megatron.optim.grad_sync import GradientSynchronizer, OwnedPiece
@@ -75,13 +80,16 @@ class MainParamOptimizer:
         if sync.zero_stage:
             self.gather = ParamGather(sync.buckets, self._flatten_params(), overlap_with=overlap_with)
         owned = [(piece, group_of[id(piece.param)]) for piece in sync.owned_pieces() if id(piece.param) in group_of]
+        # Offloaded pieces of a model on CUDA live in page-locked memory: copies to and from it need not block.
+        self._pinned = self.tier != "none" and any(pinned_host_memory(piece.param.device) for piece, _ in owned)
+        self._written: Optional[torch.cuda.Event] = None  # the last step's copies of the pieces into the model
         self.nvme: Optional[NvmeOptimizerTier] = None
         if self.tier == "nvme":
             grads_in_place = all(p.param.dtype == torch.float32 and p.param.device.type == "cpu" for p, _ in owned)
             self.nvme = NvmeOptimizerTier(optimizer, [(self._owned(p), g) for p, g in owned], path=settings.path,
                                           buffer_mb=settings.buffer_mb, grads_in_place=grads_in_place,
                                           write_back=self._write_back, rank=rank, ranks_sharing_host=ranks_sharing_host,
-                                          pin_memory=any(p.param.device.type == "cuda" for p, _ in owned))
+                                          pin_memory=self._pinned)
             mains = [tiled.main for tiled in self.nvme.mains]
         else:
             mains = [self._main_piece(self._owned(piece)) for piece, _ in owned]
@@ -98,6 +106,14 @@ class MainParamOptimizer:
         for group, params in zip(optimizer.param_groups, new_params):
             group["params"] = params
         optimizer.state.clear()
+        self.staging = HostStaging([self._grad_home(index) for index in range(len(self.pieces))],
+                                   device=owned[0][0].param.device if owned else torch.device("cpu"))
+        self._staged_by_bucket: dict[int, list[int]] = {}
+        for index, (piece, _) in enumerate(self.pieces):
+            if self.staging.homes[index] is not None:
+                self._staged_by_bucket.setdefault(id(piece.bucket), []).append(index)
+        if self._staged_by_bucket:
+            sync.on_bucket_final = self._stage_bucket
 
     @staticmethod
     def _owned(piece: OwnedPiece) -> Tensor:
@@ -108,7 +124,32 @@ class MainParamOptimizer:
         """The fp32 main piece on the device or in host memory: fp32 device parameters are shared, not copied."""
         if flat.dtype == torch.float32 and self.tier == "none":
             return nn.Parameter(flat)
-        return nn.Parameter(flat.to(device="cpu" if self.tier == "cpu" else flat.device, dtype=torch.float32, copy=True))
+        if self.tier == "cpu":
+            return nn.Parameter(host_tensor(flat.numel(), dtype=torch.float32, pinned=self._pinned).copy_(flat))
+        return nn.Parameter(flat.to(dtype=torch.float32, copy=True))
+
+    def _grad_home(self, index: int) -> Optional[Tensor]:
+        """Where piece ``index``'s fp32 gradient is copied every step when the main piece is in host memory and
+        cannot read the reduced gradient in place: the ``"nvme"`` tier's gradient file, else a host tensor made
+        here, once. None: read in place (fp32 on the host), or converted on the device (``"none"``)."""
+        piece, main = self.pieces[index]
+        if main.device.type != "cpu" or (piece.param.dtype == torch.float32 and piece.param.device.type == "cpu"):
+            return None
+        if self.nvme is not None:
+            return self.nvme.grad_home(index)
+        return host_tensor(main.numel(), dtype=torch.float32, pinned=self._pinned)
+
+    def _stage_bucket(self, bucket) -> None:
+        """``GradientSynchronizer.on_bucket_final``: the bucket's gradients are reduced and normalised; start
+        copying its pieces to their host homes."""
+        self.staging.copy([(index, self.sync.owned_grad(self.pieces[index][0]))
+                           for index in self._staged_by_bucket.get(id(bucket), ())])
+
+    def _wait_written(self) -> None:
+        """Before the host writes the main pieces again: the last step's copies out of them have landed."""
+        if self._written is not None:
+            self._written.synchronize()
+            self._written = None
 
     def _write_back(self, index: int, lo: int, hi: int, values: Tensor) -> None:
         """The ``"nvme"`` step's updated values of piece ``index``'s elements ``[lo, hi)``, into the model."""
@@ -136,6 +177,7 @@ class MainParamOptimizer:
     def copy_from_model(self) -> None:
         """Refresh the fp32 pieces from the model's parameters, after weights were loaded into the model."""
         self.wait_for_params()
+        self._wait_written()
         with torch.no_grad():
             for piece, main in self.pieces:
                 owned = piece.param.detach().reshape(-1)[piece.start : piece.stop]
@@ -143,16 +185,23 @@ class MainParamOptimizer:
                     main.copy_(owned)
 
     def prepare_step(self) -> None:
-        """Hand the reduced, token-normalised owned gradients to the fp32 pieces."""
+        """Hand the reduced, token-normalised owned gradients to the fp32 pieces: in place, converted on the
+        device, or (host pieces) in their host homes, whose copies the reduction started; one wait for those."""
         self.wait_for_params()  # no gather in flight while the optimizer writes the owned slices
+        self._wait_written()
+        missed = []  # gradients that were finished without the bucket hook
         for index, (piece, main) in enumerate(self.pieces):
             grad = self.sync.owned_grad(piece)
-            if grad.dtype == torch.float32 and grad.device == main.device:
+            if self.staging.homes[index] is not None:
+                if not self.staging.copied(index):
+                    missed.append((index, grad))
+                main.grad = self.staging.homes[index]
+            elif grad.dtype == torch.float32 and grad.device == main.device:
                 main.grad = grad
-            elif self.nvme is not None:  # a file-backed fp32 copy: no model-sized host memory
-                main.grad = self.nvme.grad_home(index).copy_(grad)
             else:
                 main.grad = grad.to(main.device, torch.float32)
+        self.staging.copy(missed)
+        self.staging.wait()
 
     def main_grads(self) -> list[Optional[Tensor]]:
         return [main.grad for _, main in self.pieces]
@@ -170,8 +219,11 @@ class MainParamOptimizer:
             for piece, main in self.pieces:
                 owned = piece.param.view(-1)[piece.start : piece.stop]
                 if self.nvme is None and owned.data_ptr() != main.data_ptr():  # "nvme": its step wrote them
-                    owned.copy_(main)
+                    owned.copy_(main, non_blocking=self._pinned)  # from page-locked memory: queued, not waited for
                 main.grad = None
+            if self._pinned and self.nvme is None:  # "cpu": the next host writes must wait for these copies
+                self._written = torch.cuda.Event()
+                self._written.record()
             if self.gather is not None:
                 self.gather.launch()
 
@@ -187,6 +239,9 @@ class MainParamOptimizer:
         """Remove the forward pre-hooks of the overlapped gathers; close the ``"nvme"`` tier (its folder goes)."""
         if self.gather is not None:
             self.gather.remove()
+        if getattr(self.sync, "on_bucket_final", None) == self._stage_bucket:
+            self.sync.on_bucket_final = None
+        self._wait_written()
         if self.nvme is not None:
             self.nvme.close()
 

@@ -243,7 +243,7 @@ def build_step_gradients(module: nn.Module, state: ParallelState, optimizers: li
         sync = GradientSynchronizer(params, data_parallel_group=state.replica_group,
                                     partial_grad_groups=partial, bucket_size_mb=bucket_size_mb,
                                     zero_stage=state.config.zero_stage,
-                                    expert_data_parallel_group=state.expert_data_parallel_group)
+                                    expert_data_parallel_group=state.expert_data_parallel_group, device=device)
     main_params = None
     if needs_main_params:
         if len(optimizers) != 1:

@@ -44,7 +44,7 @@ class StepHooks:
             self.loss_scaler = DynamicLossScaler(**self.options.loss_scaler)
         grad_scaler = getattr(self.precision_plugin, "scaler", None)
         if precision == "16-mixed" and grad_scaler is not None:
-            agree_on_overflow(grad_scaler)
+            agree_on_overflow(grad_scaler, self.root_device)
 
     def _current_loss_scale(self) -> float:
         if self.loss_scaler is not None:
