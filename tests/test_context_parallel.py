@@ -182,7 +182,8 @@ def test_ring_and_all_gather_attention_equal_sdpa_in_fp64(launched):
     for layout in ("kernels-gpt-cp4-tp1-dp1", "kernels-gpt-cp2-tp1-dp2"):
         for rank, result in enumerate(results):
             worst = result[layout]
-            assert len(worst) == 2 * 4 * 3  # both attentions x causal / bidirectional / padded / documents x MHA / GQA / MQA
+            # both attentions x causal / bidirectional / padded / documents / documents in a window x MHA / GQA / MQA
+            assert len(worst) == 2 * 5 * 3
             assert max(worst.values()) < 1e-12, (layout, rank, worst)
 
 
@@ -226,25 +227,27 @@ def test_every_rank_refuses_bad_input_with_the_numbers_and_the_fix(launched):
 
 
 @pytest.mark.parametrize("causal, padded", [(True, False), (False, False), (False, True)])
-def test_a_block_in_matmuls_equals_the_flash_kernel_and_sdpa(causal, padded):
-    """The matmul form (off CPU) and torch's CPU flash kernel give one block's output, log-sum-exp and gradients
-    alike, and SDPA's; a query whose keys are all padding gets 0 and -inf, never NaN."""
-    from lightning_megatron.context_parallel.blocks import _additive, _block_backward, _block_forward
+def test_a_block_on_the_cuda_back_end_equals_the_cpu_kernel_and_sdpa(causal, padded):
+    """The CUDA back end (FlexAttention, run eagerly here) and torch's CPU flash kernel give one block's output,
+    log-sum-exp and gradients alike, and SDPA's; a query whose keys are all padding gets 0 and -inf, never NaN."""
+    from lightning_megatron.context_parallel.kernels import CPU_FLASH, FLEX_EAGER
+    from lightning_megatron.context_parallel.masks import BlockPattern
 
     generator = torch.Generator().manual_seed(0)
     q, k, v, grad = (torch.randn(2, 4, 12, 8, generator=generator, dtype=torch.float64) for _ in range(4))
     keys = torch.ones(2, 12, dtype=torch.bool)
     if padded:
         keys[1] = False  # the second sample's keys all padding in this block
-    mask = _additive(keys[:, None, None], q.dtype) if padded else None
+    pattern = BlockPattern(q_pos=torch.arange(12), k_pos=torch.arange(12), causal=causal, triangle=causal,
+                           k_keep=keys if padded else None)
     results = {}
-    for flash in (True, False):
-        out, lse = _block_forward(q, k, v, causal, mask, flash=flash)
-        grads = _block_backward(grad, q, k, v, out, lse, causal, mask, flash=flash)
-        results[flash] = (out, lse, *grads)
-    for a, b in zip(results[True], results[False]):
+    for name, backend in (("cpu", CPU_FLASH), ("flex", FLEX_EAGER)):
+        (_, out, lse), = backend.forward(q, k, v, pattern)
+        (_, _, *grads), = backend.backward(grad, q, k, v, out, lse, pattern)
+        results[name] = (out, lse, *grads)
+    for a, b in zip(results["cpu"], results["flex"]):
         assert torch.allclose(a, b, atol=1e-12, equal_nan=False), (a - b).abs().max()
-    out, lse = results[False][:2]
+    out, lse = results["flex"][:2]
     assert torch.isfinite(out).all()
     full = [t.clone().requires_grad_() for t in (q, k, v)]
     expected = torch.nn.functional.scaled_dot_product_attention(*full, is_causal=causal)
@@ -254,5 +257,5 @@ def test_a_block_in_matmuls_equals_the_flash_kernel_and_sdpa(causal, padded):
     if padded:
         assert torch.equal(out[1], torch.zeros_like(out[1])) and torch.isinf(lse[1]).all()
     else:
-        for mine, theirs in zip(results[False][2:], (t.grad for t in full)):
+        for mine, theirs in zip(results["flex"][2:], (t.grad for t in full)):
             assert torch.allclose(mine, theirs, atol=1e-12)

@@ -9,7 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lightning_megatron.context_parallel.blocks import _additive, _block_backward, _block_forward
+from lightning_megatron.context_parallel.kernels import CPU_FLASH, FLEX_EAGER
+from lightning_megatron.context_parallel.masks import BlockPattern
 from lightning_megatron.context_parallel.documents import DocumentMask
 from lightning_megatron.context_parallel.local import document_attention
 from lightning_megatron.models import GPTConfig, GPTModel
@@ -58,29 +59,22 @@ def test_document_attention_equals_sdpa_over_the_dense_mask(dtype, out_tol, grad
                 assert (got - want).abs().max() < grad_tol, (tile, causal, name, (got - want).abs().max())
 
 
-def test_tiles_without_a_shared_document_are_skipped():
-    ids = torch.tensor([[0] * 8 + [1] * 8, [0] * 4 + [1] * 12])
-    tiles = list(DocumentMask(ids, tile=4).tiles(ids, ids, slice(0, 16), slice(0, 16), causal=True))
-    # Rows 8-15 (document 1 in both samples) never meet keys 0-3 (document 0 in both); keys after queries never.
-    computed = {(r.start, c.start) for r, c, _ in tiles}
-    assert computed == {(0, 0), (4, 0), (4, 4), (8, 4), (8, 8), (12, 4), (12, 8), (12, 12)}
-    assert {(r.start, c.start) for r, c, diagonal in tiles if diagonal} == {(0, 0), (4, 4), (8, 8), (12, 12)}
-
-
-def test_a_tile_of_documents_in_matmuls_equals_the_flash_kernel():
-    """Off CPU the tiles run in matmuls: the same output, log-sum-exp and gradients as torch's CPU flash kernel,
-    with queries whose keys are all in other documents (output 0, log-sum-exp -inf, no NaN)."""
+def test_a_tile_of_documents_on_the_cuda_back_end_equals_the_cpu_kernel():
+    """The CUDA back end (FlexAttention, run eagerly here) and torch's CPU flash kernel give one tile's output,
+    log-sum-exp and gradients alike, with queries whose keys are all in other documents (output 0, log-sum-exp
+    -inf, no NaN)."""
     generator = torch.Generator().manual_seed(1)
     q, k, v, grad = (torch.randn(2, 4, 6, 8, generator=generator, dtype=torch.float64) for _ in range(4))
     queries, keys = torch.tensor([[0, 0, 1, 1, 2, 2]] * 2), torch.tensor([[0, 1, 1, 1, 1, 1]] * 2)
-    mask = _additive(DocumentMask.keep(queries, keys, slice(0, 6), slice(0, 6), False, None), q.dtype)
+    pattern = BlockPattern(q_pos=torch.arange(6), k_pos=torch.arange(6), causal=False, q_ids=queries, k_ids=keys)
     results = {}
-    for flash in (True, False):
-        out, lse = _block_forward(q, k, v, False, mask, flash=flash)
-        results[flash] = (out, lse, *_block_backward(grad, q, k, v, out, lse, False, mask, flash=flash))
-    for a, b in zip(results[True], results[False]):
+    for name, backend in (("cpu", CPU_FLASH), ("flex", FLEX_EAGER)):
+        (_, out, lse), = backend.forward(q, k, v, pattern)
+        (_, _, *grads), = backend.backward(grad, q, k, v, out, lse, pattern)
+        results[name] = (out, lse, *grads)
+    for a, b in zip(results["cpu"], results["flex"]):
         assert torch.allclose(a, b, atol=1e-12)
-    out, lse = results[False][:2]
+    out, lse = results["flex"][:2]
     assert torch.isfinite(out).all() and torch.isinf(lse[..., 4:]).all() and (out[..., 4:, :] == 0).all()
 
 

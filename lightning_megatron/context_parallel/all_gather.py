@@ -42,20 +42,20 @@ class AllGatherAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, key_mask: Optional[Tensor], documents: Optional[DocumentMask],
-                causal: bool, group: dist.ProcessGroup) -> Tensor:
+                causal: bool, group: dist.ProcessGroup, window: Optional[int]) -> Tensor:
         rank, size, length = dist.get_rank(group), dist.get_world_size(group), q.shape[2]
         keys, values = _gather(k, group), _gather(v, group)
         out, lse = start(q)
         for step in range(size):
             block = Block(step=step, rank=rank, size=size, causal=causal, length=length)
-            block.forward(q, keys[block.source], values[block.source], key_mask, documents, out, lse)
+            block.forward(q, keys[block.source], values[block.source], key_mask, documents, out, lse, window=window)
         out = out.to(q.dtype)
-        save_for_backward(ctx, q, keys, values, out, lse, key_mask, documents, causal, group)
+        save_for_backward(ctx, q, keys, values, out, lse, key_mask, documents, causal, group, window)
         return out
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):
-        q, keys, values, out, lse, key_mask, documents, causal, group = saved(ctx)
+        q, keys, values, out, lse, key_mask, documents, causal, group, window = saved(ctx)
         rank, size, length = dist.get_rank(group), dist.get_world_size(group), q.shape[2]
         dtype = compute_dtype(q.dtype)
         grad_out = grad_out.contiguous()
@@ -64,12 +64,14 @@ class AllGatherAttention(torch.autograd.Function):
         for step in range(size):
             block = Block(step=step, rank=rank, size=size, causal=causal, length=length)
             s = block.source
-            block.backward(grad_out, q, keys[s], values[s], out, lse, key_mask, documents, dq, dkeys[s], dvalues[s])
+            block.backward(grad_out, q, keys[s], values[s], out, lse, key_mask, documents, dq, dkeys[s], dvalues[s],
+                           window=window)
         dk, dv = (_reduce_scatter(t, group).to(keys.dtype) for t in (dkeys, dvalues))
-        return dq.to(q.dtype), dk, dv, None, None, None, None
+        return dq.to(q.dtype), dk, dv, None, None, None, None, None
 
 
 def all_gather_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool, group: dist.ProcessGroup,
-                         key_mask: Optional[Tensor] = None, documents: Optional[DocumentMask] = None) -> Tensor:
+                         key_mask: Optional[Tensor] = None, documents: Optional[DocumentMask] = None,
+                   window: Optional[int] = None) -> Tensor:
     """Exact softmax attention of this rank's queries (``[B, H, S_l, D]``) over every rank's keys and values."""
-    return AllGatherAttention.apply(q, k, v, key_mask, documents, causal, group)
+    return AllGatherAttention.apply(q, k, v, key_mask, documents, causal, group, window)

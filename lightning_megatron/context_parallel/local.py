@@ -1,12 +1,15 @@
 """Document-masked attention over a whole sequence on one rank: the ring's block attention with a ring of one.
 
 With the sequence whole (no context parallelism, or generation and prediction under it) the one block is the
-rank's own tokens, causal, computed tile by tile with the document ids (``documents.py``); no message is sent.
-Backward recomputes each tile's probabilities from the saved output and log-sum-exp (``blocks.py``), so what is
+rank's own tokens, causal, masked by the document ids (``documents.py``) and an optional sliding window, on the
+device's back end (``kernels.py``); no message is sent.
+Backward recomputes each block's probabilities from the saved output and log-sum-exp (``blocks.py``), so what is
 kept for backward grows linearly in the sequence length.
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 from torch import Tensor
@@ -19,29 +22,33 @@ class LocalDocumentAttention(torch.autograd.Function):
     """``q`` [B, H, S, D], ``k, v`` [B, G, S, D] (grouped-query when G < H); ``documents.ids`` [B, S]."""
 
     @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, documents: DocumentMask, causal: bool) -> Tensor:
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, documents: DocumentMask, causal: bool,
+                window: Optional[int]) -> Tensor:
         out, lse = start(q)
-        _block(q, causal).forward(q, k, v, None, documents, out, lse)
+        _block(q, causal).forward(q, k, v, None, documents, out, lse, window=window)
         out = out.to(q.dtype)
-        save_for_backward(ctx, q, k, v, out, lse, None, documents, causal, None)
+        save_for_backward(ctx, q, k, v, out, lse, None, documents, causal, None, window)
         return out
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):
-        q, k, v, out, lse, _, documents, causal, _ = saved(ctx)
+        q, k, v, out, lse, _, documents, causal, _, window = saved(ctx)
         dtype = compute_dtype(q.dtype)
         dq, dk, dv = (torch.zeros(t.shape, dtype=dtype, device=t.device) for t in (q, k, v))
-        _block(q, causal).backward(grad_out.contiguous(), q, k, v, out, lse, None, documents, dq, dk, dv)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+        _block(q, causal).backward(grad_out.contiguous(), q, k, v, out, lse, None, documents, dq, dk, dv,
+                                   window=window)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
 
 def _block(q: Tensor, causal: bool) -> Block:
     return Block(step=0, rank=0, size=1, causal=causal, length=q.shape[2])
 
 
-def document_attention(q: Tensor, k: Tensor, v: Tensor, documents: DocumentMask, *, causal: bool) -> Tensor:
-    """Softmax attention of each query over the keys of its own document (and, if ``causal``, not after it)."""
+def document_attention(q: Tensor, k: Tensor, v: Tensor, documents: DocumentMask, *, causal: bool,
+                       window: Optional[int] = None) -> Tensor:
+    """Softmax attention of each query over the keys of its own document (and, if ``causal``, not after it; with
+    a sliding ``window``, only the keys less than ``window`` positions away)."""
     if documents.ids.shape != (q.shape[0], q.shape[2]):
         raise ValueError(f"Document ids of shape {list(documents.ids.shape)} do not match the {q.shape[0]} sequences "
                          f"of {q.shape[2]} queries attention got: give one id per token, [batch, sequence].")
-    return LocalDocumentAttention.apply(q, k, v, documents, causal)
+    return LocalDocumentAttention.apply(q, k, v, documents, causal, window)

@@ -47,7 +47,7 @@ class RingAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, key_mask: Optional[Tensor], documents: Optional[DocumentMask],
-                causal: bool, group: dist.ProcessGroup) -> Tensor:
+                causal: bool, group: dist.ProcessGroup, window: Optional[int]) -> Tensor:
         rank, size, length = dist.get_rank(group), dist.get_world_size(group), q.shape[2]
         out, lse = start(q)
         k, v = k.contiguous(), v.contiguous()
@@ -57,17 +57,17 @@ class RingAttention(torch.autograd.Function):
             if step < size - 1:  # the next block travels while this one is computed
                 following, works = _rotate(current, group, tag=0)
             block = Block(step=step, rank=rank, size=size, causal=causal, length=length)
-            block.forward(q, *current, key_mask, documents, out, lse)
+            block.forward(q, *current, key_mask, documents, out, lse, window=window)
             _wait(works)
             if step < size - 1:
                 current = following
         out = out.to(q.dtype)
-        save_for_backward(ctx, q, k, v, out, lse, key_mask, documents, causal, group)
+        save_for_backward(ctx, q, k, v, out, lse, key_mask, documents, causal, group, window)
         return out
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):
-        q, k, v, out, lse, key_mask, documents, causal, group = saved(ctx)
+        q, k, v, out, lse, key_mask, documents, causal, group, window = saved(ctx)
         rank, size, length = dist.get_rank(group), dist.get_world_size(group), q.shape[2]
         dtype = compute_dtype(q.dtype)
         grad_out = grad_out.contiguous()
@@ -84,7 +84,7 @@ class RingAttention(torch.autograd.Function):
                 _wait(receiving)
                 partial = received
             Block(step=step, rank=rank, size=size, causal=causal, length=length).backward(
-                grad_out, q, *current, out, lse, key_mask, documents, dq, *partial)
+                grad_out, q, *current, out, lse, key_mask, documents, dq, *partial, window=window)
             incoming = (*_rotate(partial, group, tag=2), partial)  # on to the next rank (after the last step: home)
             _wait(works)
             if step < size - 1:
@@ -92,10 +92,11 @@ class RingAttention(torch.autograd.Function):
         received, receiving, _sent = incoming
         _wait(receiving)
         dk, dv = (t.to(k.dtype) for t in received)
-        return dq.to(q.dtype), dk, dv, None, None, None, None
+        return dq.to(q.dtype), dk, dv, None, None, None, None, None
 
 
 def ring_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool, group: dist.ProcessGroup,
-                   key_mask: Optional[Tensor] = None, documents: Optional[DocumentMask] = None) -> Tensor:
+                   key_mask: Optional[Tensor] = None, documents: Optional[DocumentMask] = None,
+                   window: Optional[int] = None) -> Tensor:
     """Exact softmax attention of this rank's queries over every rank's keys (see the module docstring)."""
-    return RingAttention.apply(q, k, v, key_mask, documents, causal, group)
+    return RingAttention.apply(q, k, v, key_mask, documents, causal, group, window)

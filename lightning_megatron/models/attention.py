@@ -49,7 +49,8 @@ class CoreAttention(nn.Module):
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, attention_mask: Union[Tensor, DocumentMask, None],
                causal: bool) -> Tensor:
-        """SDPA over the keys given; a :class:`DocumentMask` tile by tile in O(S) memory (``document_attention``),
+        """SDPA over the keys given; a :class:`DocumentMask` in O(S) memory by ``document_attention`` (torch's CPU
+        flash kernel tile by tile on CPU, FlexAttention's fused kernels on CUDA: ``context_parallel/kernels.py``),
         except under attention dropout, which only SDPA draws, over the dense mask."""
         dropout = self.attention_dropout if self.training else 0.0
         if isinstance(attention_mask, DocumentMask):

@@ -37,6 +37,7 @@ LAYOUT = re.compile(r"(\w+)-cp(\d+)(?:-pp(\d+))?-tp(\d+)-dp(\d+)(-sp)?(?:-mb(\d+
                     r"(?:-fp8(t|r))?(?:-s(\d+))?")
 FP8_RECIPES = {"t": "tensorwise", "r": "rowwise"}
 SEED, GLOBAL_BATCH, CLIP = gpt_setup.SEED, gpt_setup.GLOBAL_BATCH, gpt_setup.CLIP
+WINDOW = 5  # the kernels' sliding window: wider than cp4's chunks of 4 tokens, narrower than cp2's 8
 
 
 def parse(layout: str):
@@ -137,8 +138,8 @@ def count(layout: str) -> dict:
 def kernels(layout: str) -> dict:
     """Ring and all-gather attention against SDPA over the whole sequence, in fp64, forward and backward: causal and
     bidirectional with key padding, causal within packed documents (against SDPA over the dense mask; documents
-    of one token and across chunk boundaries, tiles of 3 positions), multi-head and grouped-query; the worst
-    deviation of each."""
+    of one token and across chunk boundaries, tiles of 3 positions), the same with a sliding window of
+    ``WINDOW`` keys across chunks and ranks, multi-head and grouped-query; the worst deviation of each."""
     import torch.nn.functional as F
 
     from lightning_megatron.context_parallel import chunk_indices, ring_order
@@ -161,9 +162,12 @@ def kernels(layout: str) -> dict:
         starts[:, 0] = starts[1, :] = True  # the second sample: documents of one token
         documents = DocumentMask(starts.long().cumsum(1), tile=3)
         mine, order = chunk_indices(seq, size, rank), ring_order(seq, size)
-        for case in ("causal", "bidirectional", "padded", "documents"):
-            causal = case in ("causal", "documents")
-            mask = {"padded": padding[:, None, None, :], "documents": documents.dense(causal=True)}.get(case)
+        positions = torch.arange(seq)
+        band = (positions[:, None] - positions[None, :]) < WINDOW  # with causal: the WINDOW latest keys
+        for case in ("causal", "bidirectional", "padded", "documents", "window"):
+            causal = case in ("causal", "documents", "window")
+            mask = {"padded": padding[:, None, None, :], "documents": documents.dense(causal=True),
+                    "window": documents.dense(causal=True) & band}.get(case)
             full = [t.clone().requires_grad_() for t in (q, k, v)]
             expected = F.scaled_dot_product_attention(*full, attn_mask=mask, is_causal=case == "causal",
                                                       enable_gqa=groups != heads)
@@ -172,7 +176,8 @@ def kernels(layout: str) -> dict:
                 local = [t[:, :, mine].clone().requires_grad_() for t in (q, k, v)]
                 out = attention(*local, causal=causal, group=group,
                                 key_mask=padding[:, order] if case == "padded" else None,
-                                documents=DocumentMask(documents.ids[:, order], 3) if case == "documents" else None)
+                                documents=DocumentMask(documents.ids[:, order], 3) if case in ("documents", "window")
+                                else None, window=WINDOW if case == "window" else None)
                 (out * grad[:, :, mine]).sum().backward()
                 deviations = [(out - expected[:, :, mine]).abs().max()] + [
                     (mine_t.grad - full_t.grad[:, :, mine]).abs().max() for mine_t, full_t in zip(local, full)]
