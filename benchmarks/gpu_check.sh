@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
-# One GPU, one table: every parallel feature over CUDA/NCCL, bf16 speed and MFU, flash SDPA, memory vs the planner,
-# fp8 speed against bf16.
+# One GPU, one table: the CUDA paths of every feature, the attention kernels, offload, LoRA SFT, two ranks on one
+# device, bf16 speed and MFU against plain PyTorch, memory vs the planner, fp8 speed against bf16.
 #
-#   benchmarks/gpu_check.sh                       # the GPU run: < 10 minutes on one H200 (about 6-7 expected)
-#   benchmarks/gpu_check.sh --cpu                 # smoke mode: every row at tiny sizes on the CPU (or GPU_CHECK_CPU=1)
-#   benchmarks/gpu_check.sh --json out.json --only features sdpa
+#   benchmarks/gpu_check.sh                       # the GPU run: < 6 minutes on one H200 (about 5-5.5 expected)
+#   benchmarks/gpu_check.sh --cpu                 # self-test: every row at tiny sizes on the CPU (or GPU_CHECK_CPU=1)
+#   benchmarks/gpu_check.sh --json out.json --only features attention
 #
 # Needs only `pip install torch -e .[dev]`: nothing is downloaded (synthetic tokens, presets' shapes, random weights).
 # The driver, benchmarks/gpu_check.py, documents each row and its time budget; this wrapper checks the machine, sets
-# the environment and bounds the whole run with `timeout` (GPU_CHECK_TIMEOUT seconds, default 570; the driver's own
-# budget, --budget 540, makes it print its table before that).
+# the environment and bounds the whole run with `timeout` (GPU_CHECK_TIMEOUT seconds, default 350; the driver's own
+# budget, --budget 330, makes it print its table before that).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -38,4 +38,4 @@ export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
 export TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}
 [[ $cpu == 1 ]] && export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} GPU_CHECK_CPU=1
 
-exec timeout --kill-after=20 "${GPU_CHECK_TIMEOUT:-570}" "$python" benchmarks/gpu_check.py "$@"
+exec timeout --kill-after=10 "${GPU_CHECK_TIMEOUT:-350}" "$python" benchmarks/gpu_check.py "$@"

@@ -252,13 +252,17 @@ class DTensorLlama(GPT):
 Measurement = tuple[list[float], int, float]  # (seconds of each measured step, peak bytes, last loss)
 
 
-def run_plain(args: argparse.Namespace, device: torch.device) -> Measurement:
-    """The loop a PyTorch user writes, with GPT's own AdamW param groups and learning-rate schedule."""
+def run_plain(args: argparse.Namespace, device: torch.device, module: Optional[GPT] = None) -> Measurement:
+    """The loop a PyTorch user writes, with GPT's own AdamW param groups and learning-rate schedule.
+
+    ``module``: the ``GPT`` to train (default: the size flags' model; ``gpu_check.py`` passes a preset's).
+    ``args.precision``: ``"bf16-mixed"`` runs under autocast, ``"bf16-true"`` holds the weights in bf16 (as
+    Lightning's ``bf16-true`` does), anything else trains in fp32."""
     loader = make_loader(args)
     memory = PeakMemory(device)
-    module = make_module(args)
+    module = module or make_module(args)
     module.configure_model()
-    model = module.model.to(device)
+    model = module.model.to(device=device, dtype=torch.bfloat16 if args.precision == "bf16-true" else None)
     recipe = module.configure_optimizers()
     optimizer, scheduler = recipe["optimizer"], recipe["lr_scheduler"]["scheduler"]
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.precision == "bf16-mixed")

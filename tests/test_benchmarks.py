@@ -282,7 +282,9 @@ def test_formulas_benchmark_measures_flops_bytes_and_activations_at_their_formul
 
 
 GPU_CHECK_ROWS = ("gpt reference fp32 z0", "gpt zero3", "gpt bf16-mixed", "gpt sequence_parallel",
-                  "gpt checkpoint save+resume", "gpt generation", "gpt kernel profiled",
+                  "gpt checkpoint save+resume", "gpt generation", "llama generation", "gpt kernel profiled",
+                  "causal", "gqa causal", "packed documents", "sliding window gqa", "gpt cpu vs none",
+                  "gpt lora packed", "gloo collectives", "tp2", "dp2 zero1", "cp2 all-gather", "cp2 ring", "gpt-1.3b",
                   "linear bf16-mixed", "linear fp8 tensorwise",
                   "gpt-1.3b bf16-mixed", "gpt-1.3b fp8 tensorwise", "gpt-1.3b fp8 rowwise")
 FP8_ROWS = ("linear fp8 tensorwise", "gpt-1.3b fp8 tensorwise", "gpt-1.3b fp8 rowwise")
@@ -290,10 +292,12 @@ FP8_ROWS = ("linear fp8 tensorwise", "gpt-1.3b fp8 tensorwise", "gpt-1.3b fp8 ro
 
 @pytest.mark.slow
 def test_gpu_check_smoke_mode_prints_one_table_of_passing_rows(tmp_path, monkeypatch):
-    """``gpu_check.sh --cpu`` on a subset of rows (two worker processes: the features', the fp8 rows'): the table
-    parses, the JSON holds the same rows, every row passes (sequence parallelism at tp=1 is refused with the
-    strategy's reason: n/a), the reference row's loss is a plain PyTorch loop's over the same model, batches and
-    schedule, and the fp8 rows ran every parallel linear but the head in fp8, compared with their bf16 rows."""
+    """``gpu_check.sh --cpu`` on a subset of rows touching every family and process kind (the main worker, a speed
+    row's own process, the fp8 process, the two-rank torchrun launch): the table parses, the JSON holds the same
+    rows, every row passes (sequence parallelism at tp=1 is refused with the strategy's reason: n/a), the reference
+    row's loss is a plain PyTorch loop's over the same model, batches and schedule, the two-rank layouts and the
+    offloaded run give the reference's losses, the speed row was compared with its plain loop, and the fp8 rows ran
+    every parallel linear but the head in fp8, compared with their bf16 rows."""
     import json
 
     import lightning as L
@@ -302,34 +306,65 @@ def test_gpu_check_smoke_mode_prints_one_table_of_passing_rows(tmp_path, monkeyp
     result = subprocess.run(
         ["bash", str(REPO / "benchmarks" / "gpu_check.sh"), "--cpu", "--json", str(tmp_path / "check.json"),
          "--only", *GPU_CHECK_ROWS],
-        capture_output=True, text=True, timeout=300, env=child_env(), cwd=tmp_path,
+        capture_output=True, text=True, timeout=600, env=child_env(), cwd=tmp_path,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     lines = [[cell.strip() for cell in line.split(" | ")] for line in result.stdout.splitlines() if " | " in line]
     header, printed = lines[0], {row[1]: dict(zip(lines[0], row)) for row in lines[1:]}
-    assert header[:3] == ["family", "row", "status"] and list(printed) == list(GPU_CHECK_ROWS), printed
+    assert header[:3] == ["family", "row", "status"] and set(printed) == set(GPU_CHECK_ROWS), printed
     rows = {row["row"]: row for row in json.loads((tmp_path / "check.json").read_text())["rows"]}
-    assert list(rows) == list(GPU_CHECK_ROWS)
+    assert list(rows) == list(printed)
     assert {name: row["status"] for name, row in printed.items()} == {
         name: ("n/a" if name == "gpt sequence_parallel" else "passed") for name in GPU_CHECK_ROWS}, rows
     assert "needs tensor_parallel_size > 1" in rows["gpt sequence_parallel"]["detail"]
     assert "flash" in rows["gpt kernel profiled"]["detail"]
-    for name in ("gpt zero3", "gpt checkpoint save+resume"):  # fp32: the reference's loss to the invariant's 1e-5
+    gpu_check = load_benchmark("gpu_check")
+    two_ranks = ("tp2", "dp2 zero1", "cp2 all-gather", "cp2 ring")
+    for name in ("gpt zero3", "gpt checkpoint save+resume", *two_ranks):  # fp32: the invariant's 1e-5
         assert abs(rows[name]["vs ref"]) < 1e-5, rows[name]
+    for name, layout in zip(two_ranks, ("tp2 dp1 cp1", "tp1 dp2 cp1", "tp1 dp1 cp2", "tp1 dp1 cp2")):
+        assert f"{layout} pp1 on 2 ranks, cpu (gloo)" in rows[name]["detail"], rows[name]  # the layout that ran
+        assert "host syncs in the fit" in rows[name]["detail"], rows[name]
+    assert abs(rows["gpt cpu vs none"]["vs ref"]) <= gpu_check.OFFLOAD_TOLERANCE, rows["gpt cpu vs none"]
+    for name in ("causal", "gqa causal", "packed documents", "sliding window gqa"):
+        assert "FALLBACK" not in rows[name]["detail"], rows[name]
+    assert re.search(r"packed batch of \d+ conversations", rows["gpt lora packed"]["detail"]), rows["gpt lora packed"]
+    assert rows["gpt-1.3b"]["vs plain"] > 0 and "plain PyTorch loop" in rows["gpt-1.3b"]["detail"], rows["gpt-1.3b"]
     for name in FP8_ROWS:  # each row's own check: 3 _scaled_mm calls per fp8 linear, none in its bf16 row
         converted, linears = map(int, re.search(r"(\d+) of (\d+) linears converted", rows[name]["detail"]).groups())
         assert converted == (linears - 1 if name.startswith("gpt") else 1), rows[name]  # all but the output head
         assert rows[name]["vs bf16"] > 0, rows[name]
     for name in ("gpt-1.3b fp8 tensorwise", "gpt-1.3b fp8 rowwise"):
-        assert 0 < abs(rows[name]["vs ref"]) <= load_benchmark("gpu_check").FP8_LOSS_TOLERANCE, rows[name]
+        assert 0 < abs(rows[name]["vs ref"]) <= gpu_check.FP8_LOSS_TOLERANCE, rows[name]
 
-    gpu_check = load_benchmark("gpu_check")
     args = gpu_check.model_args(gpu_check.CPU, "gpt")
     monkeypatch.delenv("PL_GLOBAL_SEED", raising=False)
     with torch.random.fork_rng():
         L.seed_everything(args.seed, verbose=False)  # as the driver's fit does
         _, _, reference = load_throughput().run_plain(args, torch.device("cpu"))
     assert abs(rows["gpt reference fp32 z0"]["loss"] - reference) < 1e-5, (rows["gpt reference fp32 z0"], reference)
+
+
+def test_gpu_check_attention_rows_tell_a_fused_kernel_from_the_math_fallback():
+    """The attention rows' kernel check, on CPU: SDPA's fused CPU kernel is seen in the forward and in the backward;
+    the same call forced onto SDPA's math fallback shows no fused kernel and the fallback, so the row would fail."""
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    gpu_check = load_benchmark("gpu_check")
+    cpu = torch.device("cpu")
+    q, k, v = (torch.randn(1, 2, 16, 8, requires_grad=True) for _ in range(3))
+    found = {}
+    for name, backends in (("fused", [SDPBackend.FLASH_ATTENTION]), ("math", [SDPBackend.MATH])):
+        with sdpa_kernel(backends):
+            out, forward = gpu_check.profiled(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), cpu)
+            _, backward = gpu_check.profiled(lambda: out.sum().backward(), cpu)
+        found[name] = [gpu_check.attention_kernels(names, cpu, flex=False) for names in (forward, backward)]
+    assert all(fused and not fallback for fused, fallback in found["fused"]), found
+    assert all(not fused for fused, _ in found["math"]) and found["math"][0][1], found
+
+
 def test_gpu_check_fp8_evidence_counts_the_scaled_mm_calls_and_fails_a_silent_fallback():
     """The fp8 rows' check: a column linear's forward + backward runs 3 ``_scaled_mm`` with FP8 GEMMs and none
     without; a layer asked for FP8 that ran in high precision (or FP8 where none was asked) fails."""
