@@ -208,8 +208,11 @@ def _cpu_flash_flops():
     def backward(grad_out, query, key, value, *args, out_shape=None, **kwargs):
         return sdpa_backward_flop_count(grad_out, query, key, value)
 
+    from lightning_megatron.models.experts import grouped_gemm_flops
+
     return {aten._scaled_dot_product_flash_attention_for_cpu: forward,
-            aten._scaled_dot_product_flash_attention_for_cpu_backward: backward}
+            aten._scaled_dot_product_flash_attention_for_cpu_backward: backward,
+            aten._grouped_mm: grouped_gemm_flops}  # MoE experts: torch has no formula for grouped GEMMs
 
 
 class SavedInLayers:

@@ -20,6 +20,7 @@ from lightning_megatron.callbacks import (PEAK_FLOPS, TokenThroughput, _model_fl
                                           peak_flops_of)
 from lightning_megatron.models import BERT, GPT, BERTConfig, GPTConfig, GPTModel
 from lightning_megatron.models.bert import BERTModel
+from lightning_megatron.models.experts import grouped_gemm_flops
 from lightning_megatron.models.flops import (bert_flops_per_batch, flops_per_batch, gpt_flops_per_batch,
                                              megatron_flops_per_batch)
 
@@ -47,8 +48,10 @@ def test_formula_is_megatrons_for_gpt2_shapes(name, overrides, batch_size, seq_l
 
 
 def counted_by_torch(model, loss_of_model):
-    """FLOPs torch's FlopCounterMode counts in one forward and backward (math attention: its matmuls are counted)."""
-    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+    """FLOPs torch's FlopCounterMode counts in one forward and backward (math attention: its matmuls are counted;
+    MoE experts' grouped GEMMs by ``grouped_gemm_flops``)."""
+    counter = FlopCounterMode(display=False, custom_mapping={torch.ops.aten._grouped_mm: grouped_gemm_flops})
+    with sdpa_kernel(SDPBackend.MATH), counter:
         loss_of_model(model).backward()
     return counter.get_total_flops()
 

@@ -36,6 +36,17 @@ _BF16_ALIGNMENT = 8
 _GROUPED_GEMM_CAPABILITIES = (9, 10)
 
 
+def grouped_gemm_flops(a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
+    """FLOPs of one ``torch._grouped_mm`` from its operands' shapes, in the form
+    ``torch.utils.flop_counter.FlopCounterMode(custom_mapping={torch.ops.aten._grouped_mm: grouped_gemm_flops})``
+    takes (torch 2.13 has no formula of its own for it and counts 0). Groups along ``a``'s rows or ``b``'s columns
+    (``[T, k] x [E, k, n]``, a 3-D ``a``): ``2 x out x k``. Groups along the contracted dimension (``[k, T] x [T, n]``,
+    the weight gradient: one ``[E, k, n]`` output, each group contracting its own rows): ``2 k T n``."""
+    if len(a_shape) == 2 and len(b_shape) == 2:
+        return 2 * a_shape[0] * a_shape[1] * b_shape[1]
+    return 2 * torch.Size(out_shape).numel() * a_shape[-1]
+
+
 def run_experts(experts: Sequence[nn.Module], tokens: Tensor, counts: Tensor) -> Tensor:
     """``tokens`` ``[N, h]`` grouped by expert, ``counts`` ``[E]`` (int, any device, summing to at most ``N``) ->
     ``[N, h]``: expert ``e``'s MLP on its ``counts[e]`` rows, in the same order (module docstring)."""
