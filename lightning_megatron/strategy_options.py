@@ -73,9 +73,9 @@ Args:
     compile: regional compilation: ``torch.compile`` of each ``pipeline_blocks()`` layer's forward, once for
         all identical layers (``parallel.regional_compile``); the embedding, head, loss and schedule stay
         eager. ``True``, or a dict of ``torch.compile`` arguments (``{"backend": "aot_eager"}``,
-        ``{"mode": "max-autotune"}``). With dropout off the model computes the same function (compiled
-        dropout draws other masks than eager). Not with ``activation_checkpointing="selective"``,
-        context or expert parallelism.
+        ``{"mode": "max-autotune-no-cudagraphs"}``; modes that capture CUDA graphs are refused). With dropout off
+        the model computes the same function (compiled dropout draws other masks than eager). Not with
+        ``activation_checkpointing="selective"``, context or expert parallelism.
     loss_scaler: settings of the fp16 dynamic loss scaler for ``precision="16-true"``
         (``initial_scale``, ``min_scale``, ``growth_factor``, ``backoff_factor``, ``growth_interval``,
         ``hysteresis``; Megatron-LM's scheme). A step with an inf/NaN gradient on any rank is

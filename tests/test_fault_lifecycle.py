@@ -13,6 +13,7 @@ from datetime import timedelta
 
 import lightning as L
 import pytest
+import torch
 import torch.distributed as dist
 
 from launch import launch
@@ -142,8 +143,48 @@ def test_default_timeout_reaches_every_group_of_the_layout(checks):
     ("Application timeout caused pair closure", "timeout"),
     ("[Rank 0] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=7, OpType=ALLREDUCE, NumelIn=1, "
      "NumelOut=1, Timeout(ms)=600000) ran for 600039 milliseconds before timing out.", "timeout"),
+    # TORCH_NCCL_ASYNC_ERROR_HANDLING=2 (processes.surface_nccl_timeouts): the group's next use in the training thread
+    ("NCCL communicator was aborted on rank 1.  Original reason for failure was: [PG ID 0 PG GUID 0(default_pg) "
+     "Rank 1] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=7, OpType=ALLREDUCE, NumelIn=1, "
+     "NumelOut=1, Timeout(ms)=600000) ran for 600039 milliseconds before timing out.", "timeout"),
+    ("NCCL communicator was aborted on rank 3. ", "lost"),
     ("[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:26030", "lost"),
     ("DataLoader timed out after 5 seconds", None),  # not a collective: no note
 ])
 def test_which_errors_are_collective_failures(message, kind):
     assert collective_failure(RuntimeError(message)) == kind
+
+
+@pytest.mark.parametrize("backend, before, after", [
+    ("nccl", None, "2"),  # torch's default (3): the watchdog thread would end the process
+    ("cpu:gloo,cuda:nccl", "1", "2"),  # torchrun's default
+    ("nccl", "3", "2"),
+    ("nccl", "0", "0"),  # the user's choices are kept
+    ("nccl", "2", "2"),
+    ("gloo", None, None),  # gloo raises its timeouts in the calling thread already
+])
+def test_nccl_timeouts_are_made_to_reach_python(backend, before, after):
+    """On NCCL the launcher makes a timed-out collective an exception in the training thread (NCCL's watchdog only
+    aborts the communicators), so that on_exception can say which phase and step were waiting."""
+    from lightning_megatron.parallel.processes import NCCL_ERROR_HANDLING, surface_nccl_timeouts
+
+    environ = {} if before is None else {NCCL_ERROR_HANDLING: before}
+    assert surface_nccl_timeouts(backend, environ) == (before != after)
+    assert environ.get(NCCL_ERROR_HANDLING) == after
+
+
+def test_init_processes_sets_the_nccl_error_handling_before_joining(monkeypatch):
+    """The variable is read when a process group is created: it is set before the default group is joined."""
+    from lightning_megatron.parallel import processes
+
+    seen = {}
+
+    def joined(environment, backend, **kwargs):
+        seen["handling"] = processes.os.environ.get(processes.NCCL_ERROR_HANDLING)
+        raise RuntimeError("stop before any process group")
+
+    monkeypatch.delenv(processes.NCCL_ERROR_HANDLING, raising=False)
+    monkeypatch.setattr(processes, "_init_dist_connection", joined)
+    with pytest.raises(RuntimeError, match="stop before"):
+        processes.init_processes(None, None, torch.device("cpu"), backend="nccl", timeout=None)
+    assert seen["handling"] == "2"

@@ -116,3 +116,35 @@ def test_simulated_bubble_plays_out_an_action_table():
     assert simulated_bubble(split) == pytest.approx(ratio / (1 + ratio))
     with pytest.raises(RuntimeError, match="cannot be played out"):
         simulated_bubble({0: [action("B", 0, 0)], 1: [action("F", 1, 0)]})
+
+
+def test_timeline_clock_follows_the_stage_device_and_reads_once_per_step():
+    """The recorder times by the stage device's clock (CUDA events on a GPU, where the host clock would time only
+    the kernel launches; the host clock on the CPU) and turns its marks into events when they are read."""
+    import time
+    from types import SimpleNamespace
+
+    from lightning_megatron.pipeline.timeline import CudaEventClock, HostClock, TimelineRecorder, step_clock
+
+    assert isinstance(step_clock(torch.device("cuda", 1)), CudaEventClock)
+    assert step_clock(torch.device("cuda", 1)).device == torch.device("cuda", 1)
+    assert isinstance(step_clock("cpu"), HostClock) and isinstance(step_clock(None), HostClock)
+
+    def work(chunk_id, *args, **kwargs):
+        time.sleep(0.01)
+
+    stage = SimpleNamespace(stage_index=1, device=torch.device("cpu"), forward_one_chunk=work,
+                            backward_one_chunk=work, backward_weight_one_chunk=work)
+    recorder = TimelineRecorder(rank=3)
+    recorder.instrument(stage)
+    assert isinstance(recorder.clock, HostClock)
+    stage.forward_one_chunk(0)  # not active: not recorded
+    recorder.active = True
+    stage.forward_one_chunk(0)
+    stage.backward_one_chunk(0)
+    recorder.active = False
+    events = recorder.events
+    assert [(e.rank, e.stage, e.micro_batch, e.kind) for e in events] == [(3, 1, 0, "forward"), (3, 1, 0, "backward")]
+    assert all(e.end - e.start >= 0.01 for e in events) and events[0].end <= events[1].start
+    events.clear()
+    assert recorder.events == []

@@ -25,6 +25,19 @@ def test_compile_options():
         Megatron3DStrategy(compile="inductor")
 
 
+@pytest.mark.parametrize("compile, alternative", [
+    ({"mode": "reduce-overhead"}, r"Use \{'mode': 'default'\}"),
+    ({"mode": "max-autotune"}, r"Use \{'mode': 'max-autotune-no-cudagraphs'\}"),
+    ({"options": {"triton.cudagraphs": True}}, r"Leave triton.cudagraphs out"),
+])
+def test_cuda_graph_modes_are_refused_in_the_constructor(compile, alternative):
+    """CUDA graphs would replay the layers' kernels around eager dropout-stream swaps and collectives: refused when
+    the strategy is built (on every rank, before any process group), naming the value and the alternative."""
+    with pytest.raises(ValueError, match=r"compile=\{.*\} is not supported: it captures CUDA graphs.*" + alternative):
+        Megatron3DStrategy(compile=compile)
+    assert compile_options({"mode": "max-autotune-no-cudagraphs"}) == {"mode": "max-autotune-no-cudagraphs"}
+
+
 @pytest.mark.parametrize("sizes, message", [
     ({"context_parallel_size": 2}, r"compile with context_parallel_size=2 is not supported yet"),
     ({"expert_parallel_size": 2, "data_parallel_size": 2}, r"compile with expert_parallel_size=2 is not supported yet"),

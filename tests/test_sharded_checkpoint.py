@@ -142,3 +142,25 @@ def test_a_missing_shard_stops_every_rank_with_the_file_named(saved_run, tmp_pat
     assert len(results) == 2
     for result in results:  # no rank hangs in a collective waiting for one that gave up
         assert "__5_0.distcp is missing" in result["error"], result
+
+
+@pytest.mark.slow
+def test_full_checkpoint_gathers_on_rank_zero_alone(tmp_path):
+    """checkpoint_format="full" gathers onto rank 0, piece by piece: what it saves is what the every-rank gather
+    saved (tensor by tensor, at tp2 x pp2 with a tied embedding, pp2 x dp2, and Llama tp2 x dp2 under ZeRO-3), and
+    the other ranks get nothing back and allocate no tensor data (the every-rank gather built the whole state on
+    each)."""
+    layouts = ["tp2-pp2", "pp2-dp2", "llama-tp2-dp2-zero3"]
+    results, _ = launch("full_gather.py", 4, tmp_path, ",".join(layouts))
+    for layout in layouts:
+        new = torch.load(tmp_path / f"{layout}-new.pt", weights_only=True)
+        old = torch.load(tmp_path / f"{layout}-old.pt", weights_only=True)
+        assert list(new) == list(old), layout
+        for name in old:
+            assert new[name].dtype == old[name].dtype and torch.equal(new[name], old[name]), (layout, name)
+        report = [rank[layout] for rank in results]
+        print(layout, [(r["new_bytes"], r["old_bytes"], r["own_bytes"], r["full_bytes"]) for r in report])
+        assert report[0]["new_bytes"] >= report[0]["full_bytes"]  # rank 0 holds the state
+        for rank in report[1:]:
+            assert rank["new_keys"] == 0 and rank["new_bytes"] == 0, (layout, rank)
+            assert rank["old_bytes"] > rank["own_bytes"]  # the every-rank gather: copies of every rank's pieces

@@ -27,7 +27,8 @@ from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
 
 from launch import launch
 from test_layout_invariance import _check_lora, _deviations, _reference
-from workers.gpt_setup import CONFIG, CONFIGS, LLAMA_CONFIG, LORA, optimizer, sgd_optimizer
+from workers.buffer_setup import BufferedGPT
+from workers.gpt_setup import CLIP, CONFIG, CONFIGS, LLAMA_CONFIG, LORA, SEED, batches, optimizer, sgd_optimizer
 from lightning_megatron.checkpoint import consolidated_state_dict, read_full_tensors
 from lightning_megatron.models import GPTModel
 from lightning_megatron.optim.zero3 import apply_zero3, offload_policy
@@ -150,3 +151,36 @@ def test_offload_policy_per_tier():
     assert offload_policy("cpu", "cpu") == CPUOffloadPolicy(pin_memory=False)  # nothing to pin for without a GPU
     with pytest.raises(ValueError, match="offload_parameters='cpu'.*offload_optimizer='nvme'"):
         offload_policy("nvme", "cuda")
+
+
+@pytest.mark.slow
+def test_user_buffers_keep_their_values_under_zero3(tmp_path):
+    """ZeRO-3 empties the module (``to_empty``: stale device memory on CUDA, NaN here with the deterministic fill)
+    to materialise its meta parameters' shards; a user's buffers that hold values (persistent or not) must come
+    back as they were: dp2 ZeRO-3 gives the losses of one process without ZeRO, with no NaN."""
+    results, _ = launch("zero3_buffers.py", 2, tmp_path)
+    torch.manual_seed(SEED)
+    model = BufferedGPT(CONFIG)
+    opt = optimizer(list(model.parameters()))
+    reference = []
+    for input_ids, labels in batches()[:3]:
+        loss_sum, tokens = model.loss(input_ids, labels)
+        (loss_sum / tokens).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        opt.step()
+        opt.zero_grad()
+        reference.append((loss_sum / tokens).item())
+    assert results[0]["losses"] == pytest.approx(reference, abs=1e-5)
+
+
+def test_meta_buffers_nobody_fills_are_refused_by_zero3():
+    """A buffer left on the meta device with no ``initialize_buffers()`` to fill it has no value anywhere: refused,
+    naming it, before anything is allocated (``to_empty`` would hand it uninitialised memory), as without ZeRO-3."""
+    from lightning_megatron.optim.zero3 import _real_buffers
+
+    with torch.device("meta"):
+        model = GPTModel(CONFIG)
+        model.blocks["0"].register_buffer("table", torch.ones(4))
+    with pytest.raises(RuntimeError, match=r"Buffers \['blocks.0.table'\] are on the meta device and no "
+                                           r"initialize_buffers\(\) of their module fills them"):
+        _real_buffers(model)

@@ -5,8 +5,10 @@ rank's shard back out. A checkpoint written at one tensor-parallel size therefor
 at any other. Sharded checkpoints (``checkpoint.sharded``) never gather; these are for export and tests.
 
 ``Megatron3DStrategy(checkpoint_format="full")`` saves one such state dict as Lightning's
-single checkpoint file (a ``torch.save`` archive); ``open_full`` reads one in a single process,
-with ``weights_only=True`` and memory-mapped, for ``lightning-megatron checkpoint``.
+single checkpoint file (a ``torch.save`` archive), gathered onto global rank 0 alone
+(:func:`gather_full_state_dict_on_rank_zero`: every other rank sends its own pieces, tensor by
+tensor, and never holds more); ``open_full`` reads one in a single process, with
+``weights_only=True`` and memory-mapped, for ``lightning-megatron checkpoint``.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from typing import Any, Mapping, Optional, Union
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 from lightning_megatron.tensor_parallel.sharding import TensorShard, shard_of
 
@@ -65,6 +67,121 @@ def merge_pipeline_stages(state: dict[str, Any], group: Optional[dist.ProcessGro
     for part in parts:
         merged.update(part)
     return merged
+
+
+@dataclass(frozen=True)
+class _Piece:
+    """What one rank holds of one state-dict entry: the tensor-parallel shard index ``tp`` and its ``shard``
+    (``None``: not split) and, for a ZeRO-3 parameter (a DTensor sharded by rows over dp), the row chunk ``dp``
+    (``None``: whole)."""
+
+    tp: Optional[int]
+    dp: Optional[int]
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    shard: Optional[TensorShard]
+
+
+def _pieces_held(module: nn.Module) -> dict[str, Any]:
+    """This rank's entries: a :class:`_Piece` per tensor (shapes only, no data), the value itself otherwise."""
+    shards = {name: shard_of(p) for name, p in module.named_parameters(remove_duplicate=False)}
+    held: dict[str, Any] = {}
+    for name, value in module.state_dict(keep_vars=True).items():
+        if not isinstance(value, Tensor):
+            held[name] = value
+            continue
+        shard = shards.get(name) or shard_of(value)  # also at tp1: a padded vocabulary's padding is dropped
+        local, dp = _row_chunk(value)
+        held[name] = _Piece(None if shard is None else shard.rank, dp, tuple(local.shape), local.dtype, shard)
+    return held
+
+
+def _row_chunk(value: Tensor) -> tuple[Tensor, Optional[int]]:
+    """A ZeRO-3 DTensor's own row chunk and its index over dp (FSDP2's ``Shard(0)`` over a 1-D mesh), else the
+    whole (tensor-parallel-local) tensor and ``None``; another DTensor layout is gathered here (a collective)."""
+    if not isinstance(value, DTensor):
+        return value.detach(), None
+    if value.device_mesh.ndim == 1 and tuple(value.placements) == (Shard(0),):
+        return value.detach().to_local(), value.device_mesh.get_local_rank()
+    return value.detach().full_tensor(), None
+
+
+def gather_full_state_dict_on_rank_zero(module: nn.Module, device: Union[torch.device, str]) -> dict[str, Any]:
+    """The full state dict (global names, unpadded, on the CPU) on global rank 0 and ``{}`` on every other rank,
+    over tp, pp, ep and ZeRO-3 at once; a collective of every rank of the default group.
+
+    Rank 0 learns who holds what (shapes only: one ``gather_object`` of names, shapes and shard specs), picks
+    one holder per piece (the lowest rank: dp and cp replicas send nothing; a pipeline-tied copy comes from the
+    first stage that holds it) and tells everyone (one ``broadcast_object_list`` of the plan). Then, entry by
+    entry in the plan's order, each chosen holder sends its own piece (its tensor-parallel shard, or its ZeRO-3
+    row chunk of one) to rank 0, which assembles the tensor and moves it to the CPU. So a rank other than 0
+    holds nothing beyond its own shards (``device``: where the pieces travel, the training device: NCCL
+    sends only CUDA tensors), and no tensor is pickled. The values equal :func:`gather_full_state_dict` merged
+    over the pipeline (and expert) stages, which every rank computes whole."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return gather_full_state_dict(module, None)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    held = _pieces_held(module)
+    manifests: Optional[list] = [None] * world if rank == 0 else None
+    dist.gather_object(held, manifests, dst=0)
+    plan: list = [_plan(manifests) if rank == 0 else None]
+    dist.broadcast_object_list(plan, src=0)
+    local = module.state_dict(keep_vars=True)
+    full: dict[str, Any] = {}
+    for name, senders in plan[0]:
+        if not isinstance(senders, list):  # a value that is not a tensor: rank 0 has it from the manifests
+            if rank == 0:
+                full[name] = senders
+            continue
+        mine = _row_chunk(local[name])[0] if name in local else None
+        if rank != 0:
+            if mine is not None and mine.numel() and any(source == rank for source, _ in senders):
+                dist.send(mine.contiguous().to(device), dst=0)
+            continue
+        parts = [(piece, mine if source == 0 else _receive(piece, source, device)) for source, piece in senders]
+        tensor = _assemble(parts).cpu()
+        full[name] = tensor.clone() if mine is not None and _shares_memory(tensor, mine) else tensor
+    return full
+
+
+def _plan(manifests: list[dict[str, Any]]) -> list[tuple[str, Any]]:
+    """Per entry (in the order of the ranks' state dicts, rank by rank): ``[(source rank, piece), ...]`` with one
+    source per distinct piece, or the value itself for an entry that is not a tensor."""
+    order: dict[str, dict] = {}
+    for source, manifest in enumerate(manifests):
+        for name, entry in manifest.items():
+            sources = order.setdefault(name, {})
+            key = (entry.tp, entry.dp) if isinstance(entry, _Piece) else None
+            sources.setdefault(key, (source, entry))  # the lowest rank holding that piece
+    plan = []
+    for name, sources in order.items():
+        if None in sources:
+            plan.append((name, sources[None][1]))
+        else:
+            plan.append((name, [sources[key] for key in sorted(sources, key=lambda k: (k[0] or 0, k[1] or 0))]))
+    return plan
+
+
+def _shares_memory(a: Tensor, b: Tensor) -> bool:
+    """Whether ``a`` is (a view of) ``b``'s memory: rank 0's own whole parameter is copied, not aliased."""
+    return a.device == b.device and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+def _receive(piece: _Piece, source: int, device: Union[torch.device, str]) -> Tensor:
+    buffer = torch.empty(piece.shape, dtype=piece.dtype, device=device)
+    if buffer.numel():
+        dist.recv(buffer, src=source)
+    return buffer
+
+
+def _assemble(parts: list[tuple[_Piece, Tensor]]) -> Tensor:
+    """One tensor from its pieces (sorted by tensor-parallel shard, then ZeRO-3 row chunk)."""
+    by_shard: dict[Optional[int], list[Tensor]] = {}
+    for piece, tensor in parts:
+        by_shard.setdefault(piece.tp, []).append(tensor)
+    shards = [torch.cat(chunks) if len(chunks) > 1 else chunks[0] for chunks in by_shard.values()]
+    shard = parts[0][0].shard
+    return shard.assemble(shards) if shard is not None else shards[0]
 
 
 def local_state_dict_from_full(module: nn.Module, full: Mapping[str, Any]) -> dict[str, Any]:

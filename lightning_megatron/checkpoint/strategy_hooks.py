@@ -30,6 +30,7 @@ from lightning_megatron.checkpoint.entries import optimizer_hyperparameters
 from lightning_megatron.checkpoint.full import (
     full_optimizer_state_unusable,
     gather_full_state_dict,
+    gather_full_state_dict_on_rank_zero,
     local_state_dict_from_full,
     merge_pipeline_stages,
 )
@@ -45,6 +46,7 @@ from lightning_megatron.checkpoint.training_state import (
     save_training_state,
 )
 from lightning_megatron.optim.zero3 import load_full_state_dict as load_zero3_state_dict
+from lightning_megatron.parallel.agree import on_every_rank
 from lightning_megatron.parallel.diagnostics import argument, records_phase
 
 LOSS_SCALER_KEY = "megatron_3d_loss_scaler"
@@ -53,12 +55,14 @@ LOSS_SCALER_KEY = "megatron_3d_loss_scaler"
 class CheckpointHooks:
     """Lightning's checkpoint hooks for the strategy: save, load, the state dicts they exchange."""
 
-    def full_state_dict(self) -> dict[str, Any]:
-        """Full tensors under global names (unpadded), gathered over tp, pp and ZeRO-3 onto every rank's CPU.
+    def full_state_dict(self, *, rank_zero_only: bool = False) -> dict[str, Any]:
+        """Full tensors under global names (unpadded), gathered over tp, pp and ZeRO-3 onto every rank's CPU, or
+        with ``rank_zero_only=True`` onto global rank 0's alone (``{}`` elsewhere; the other ranks send their
+        pieces tensor by tensor and hold nothing more: what ``checkpoint_format="full"`` saves).
 
         A collective: call it on every rank. Example (export from a parallel run)::
 
-            state_dict = trainer.strategy.full_state_dict()
+            state_dict = trainer.strategy.full_state_dict(rank_zero_only=True)
             if trainer.is_global_zero:
                 model.to_hf("exported", state_dict=state_dict)
         """
@@ -66,6 +70,8 @@ class CheckpointHooks:
         self.wait_for_parameters()  # ZeRO 1/2 with overlap_param_gather: the step's gathers may be in flight
         if self._zero3 is not None:
             self._zero3.retag()  # Lightning's teardown moves the module to the CPU, and FSDP drops our tags
+        if rank_zero_only:
+            return gather_full_state_dict_on_rank_zero(self.lightning_module, state.device)
         full = gather_full_state_dict(self.lightning_module, state.tensor_parallel_group)
         full = merge_pipeline_stages(full, state.pipeline_parallel_group)
         return merge_pipeline_stages(full, state.expert_parallel_group if state.config.expert_parallel_size > 1 else None)
@@ -75,7 +81,7 @@ class CheckpointHooks:
         nothing for sharded checkpoints, whose tensors ``save_checkpoint`` writes from each rank's shards."""
         if self.options.checkpoint_format != "full":
             return {}
-        full = self.full_state_dict()
+        full = self.full_state_dict(rank_zero_only=True)
         return trained_only(full) if stores_adapters_only(self.lightning_module) else full  # see checkpoint.base
 
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
@@ -97,7 +103,8 @@ class CheckpointHooks:
         if self.loss_scaler is not None:
             checkpoint[LOSS_SCALER_KEY] = self.loss_scaler.state_dict()
         if self.options.checkpoint_format == "full":
-            check_full_checkpoint(checkpoint, filepath)  # every rank holds the gathered weights: one verdict
+            # Rank 0 alone holds the gathered weights: its verdict (and every rank's on the path) reaches every rank.
+            on_every_rank(lambda: check_full_checkpoint(checkpoint, filepath), doing=f"save checkpoint {filepath}")
             checkpoint[LAYOUT_KEY] = asdict(self.parallel_config)
             reference = base_reference(self.lightning_module)
             if reference is not None:

@@ -172,6 +172,27 @@ def offload_policy(offload_parameters: str, device_type: str) -> OffloadPolicy:
     return CPUOffloadPolicy(pin_memory=device_type == "cuda") if tier == "cpu" else OffloadPolicy()
 
 
+def _real_buffers(module: nn.Module) -> dict[str, Tensor]:
+    """A copy of every buffer that holds values (by name), to put back after ``to_empty``; refuses a meta buffer
+    that no ``initialize_buffers()`` of its module fills (its value exists nowhere), as ``initialize_parameters``
+    does, before anything is allocated."""
+    real, lost = {}, []
+    for module_name, submodule in module.named_modules():
+        fills = callable(getattr(submodule, "initialize_buffers", None))
+        for name, buffer in submodule.named_buffers(recurse=False):
+            full_name = f"{module_name}.{name}" if module_name else name
+            if not buffer.is_meta:
+                real[full_name] = buffer.detach().clone()
+            elif not fills:
+                lost.append(full_name)
+    if lost:
+        raise RuntimeError(
+            f"Buffers {lost} are on the meta device and no initialize_buffers() of their module fills them, so "
+            f"ZeRO-3 cannot materialise them. Create buffers outside the meta context (for example in forward), or "
+            f"give their module an initialize_buffers() method that fills them.")
+    return real
+
+
 def _buffers_to(module: nn.Module, device: Union[torch.device, str]) -> None:
     """Every buffer of ``module`` on ``device`` (FSDP's CPU offload concerns the parameters only)."""
     for submodule in module.modules():
@@ -210,16 +231,18 @@ class ZeRO3:
         if not any(local_tensor(p).is_meta for p in named.values()):
             return
         keep = {name: local_tensor(p).detach().clone() for name, p in named.items() if not local_tensor(p).is_meta}
+        kept_buffers = _real_buffers(self.module)
         offloaded = self.offload_parameters == "cpu"
         # Every parameter (FSDP re-pads the shards; tags may be lost), in host memory under CPU offload (FSDP checks).
+        # to_empty empties the buffers too: uninitialised memory (stale device memory on CUDA) until refilled below.
         self.module.to_empty(device="cpu" if offloaded else device)
         if offloaded:
             _buffers_to(self.module, device)
         self.retag()
-        initialize_buffers(self.module, device, only_meta=False)  # to_empty left them uninitialised
-        buffers = [name for name, buffer in self.module.named_buffers() if buffer.is_meta]
-        if buffers:
-            raise RuntimeError(f"Buffers {buffers} are on the meta device; create them in forward or in setup.")
+        initialize_buffers(self.module, device, only_meta=False)  # the modules that fill their own buffers
+        with torch.no_grad():
+            for name, values in kept_buffers.items():  # what the user's __init__ (or a load) put in the others
+                self.module.get_buffer(name).copy_(values)
         named = dict(self.module.named_parameters())
         done = {id(named[name]) for name in keep}
         owners = [(owner, owner.initialize_parameter) for _, owner in initializer_owners(self.module)]

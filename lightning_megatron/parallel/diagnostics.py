@@ -146,7 +146,10 @@ def argument(index: int, name: str) -> Callable[..., Optional[str]]:
 
 # ------------------------------------------------------------------ collective failures
 _TIMEOUT = re.compile(r"timed out|timeout|watchdog", re.IGNORECASE)
-_LOST = re.compile(r"connection (closed|reset) by peer|broken pipe|socket closed", re.IGNORECASE)
+# NCCL's "communicator was aborted": its watchdog (``processes.surface_nccl_timeouts``) aborted the group after a
+# timeout (then named in the message's "Original reason") or an asynchronous NCCL error (a peer that went away).
+_LOST = re.compile(r"connection (closed|reset) by peer|broken pipe|socket closed|communicator was aborted",
+                   re.IGNORECASE)
 _BACKEND = re.compile(r"gloo|nccl|c10d|processgroup|collective|operation to complete|pair closure", re.IGNORECASE)
 
 

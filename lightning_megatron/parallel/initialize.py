@@ -10,18 +10,35 @@ parameters (names are then relative to that module); others get
 
 Params on the meta device are materialised on ``device``; real params are overwritten in
 place, so a single-process model and every parallel layout start identical.
+
+The numbers are always drawn on the host (torch's CPU generator), whatever ``device`` is, so a run
+initialised for CUDA starts from exactly the values of a CPU run (a CUDA generator would give other
+numbers, and other ones again on another GPU model). To keep that affordable at 8B+ parameters, a
+sharded parameter whose initialiser is one ``normal_``/``zero_``/``fill_`` of the whole tensor (GPT-2's,
+this module's default; checked by running it on a meta tensor, :func:`_draw_of`) gets only its own
+rows drawn: the generator is advanced past the rows before them (``uniform_`` consumes one number per
+element, as ``normal_`` does before its transform in blocks of 16) and stops after them, and a shard
+along another dimension is drawn in bounded row blocks. The values are bit-identical to drawing the
+full tensor and slicing it (tested), with memory bounded by the shard instead of the full tensor. Any
+other initialiser gets the full tensor as before. :func:`initialize_parameters` draws several
+parameters at once on the host's threads (each draw is one sequential generator; ``normal_`` releases
+the GIL).
 """
 
 from __future__ import annotations
 
+import math
 import zlib
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
 from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
 
 from lightning_megatron.peft.adapters import initialize_adapter, is_adapter_name
-from lightning_megatron.tensor_parallel.sharding import shard_of
+from lightning_megatron.tensor_parallel.sharding import TensorShard, shard_of
 
 Initializer = Callable[[str, Tensor, torch.Generator], None]
 INIT_STD = 0.02
@@ -69,13 +86,130 @@ def original_name(param: Tensor, name: str) -> str:
 
 def local_initial_values(param: Tensor, name: str, seed: int, initializer: Initializer) -> Tensor:
     """This rank's shard of the full initial value of parameter ``name``; an adapter's by the adapter's rule, whichever
-    module owns it (``B = 0``: the adapted model starts as the base model), here for every caller (ZeRO-3's too)."""
+    module owns it (``B = 0``: the adapted model starts as the base model), here for every caller (ZeRO-3's too).
+    Only the shard's own values are drawn where the initialiser allows it (see the module docstring)."""
     shard = shard_of(param)
     global_shape = shard.global_shape if shard is not None else tuple(param.shape)
-    full = torch.empty(global_shape, dtype=torch.float32)
+    rule = initialize_adapter if is_adapter_name(name) else initializer
     generator = torch.Generator().manual_seed(parameter_seed(seed, name))
-    (initialize_adapter if is_adapter_name(name) else initializer)(name, full, generator)
+    draw = _draw_of(rule, name, global_shape) if shard is not None else None
+    if draw is not None:
+        return _shard_values(shard, draw, parameter_seed(seed, name))
+    full = torch.empty(global_shape, dtype=torch.float32)
+    rule(name, full, generator)
     return full if shard is None else shard.local_slice(full)
+
+
+# ------------------------------------------------------------------ drawing a shard's values only
+_QUERIES = {"dim", "size", "numel", "ndimension", "__get__"}  # what an initialiser may ask without changing values
+_BLOCK = 16  # torch's CPU normal_ turns its uniforms into normals in blocks of 16 (Box-Muller within a block)
+_SCRATCH = 1 << 20  # elements drawn at a time when skipping or streaming (4 MiB of fp32)
+
+
+@dataclass(frozen=True)
+class _Draw:
+    """The one call an initialiser makes on the full tensor: ``normal_(*args)``, ``zero_()`` or ``fill_(*args)``."""
+
+    method: str
+    args: tuple
+
+
+class _Recorder(TorchFunctionMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.calls.append((getattr(func, "__name__", ""), args, kwargs or {}))
+        return func(*args, **(kwargs or {}))
+
+
+def _draw_of(rule: Initializer, name: str, shape: tuple[int, ...]) -> Optional[_Draw]:
+    """What ``rule`` does to a full tensor of ``shape``, if it is one draw this module can cut to a shard: run on a
+    meta tensor (no memory, no numbers), it may ask the tensor's shape and must make exactly one call of
+    ``normal_(mean, std, generator=...)`` (with the generator it was given), ``zero_()`` or ``fill_(value)``."""
+    probe = torch.empty(shape, dtype=torch.float32, device="meta")
+    generator = torch.Generator()
+    recorder = _Recorder()
+    with recorder:
+        rule(name, probe, generator)
+    changes = [call for call in recorder.calls if call[0] not in _QUERIES]
+    if len(changes) != 1:
+        return None
+    method, args, kwargs = changes[0]
+    if not args or args[0] is not probe:
+        return None
+    if method == "normal_" and kwargs.keys() == {"generator"} and kwargs["generator"] is generator:
+        return _Draw(method, tuple(args[1:]))
+    if method in ("zero_", "fill_") and not kwargs:
+        return _Draw(method, tuple(args[1:]))
+    return None
+
+
+class _Stream:
+    """The full tensor's values, flat, as ``normal_(*args)`` with a generator seeded ``seed`` would write them,
+    drawn range by range: ``values(a, b)`` is ``full.flatten()[a:b]``, a view into one reused buffer (valid until
+    the next call). The generator moves forward only; a range before its position starts it again."""
+
+    def __init__(self, numel: int, seed: int, args: tuple) -> None:
+        self.numel, self.seed, self.args = numel, seed, args
+        self.generator, self.position = torch.Generator().manual_seed(seed), 0
+        self.buffer = torch.empty(0, dtype=torch.float32)
+
+    def _scratch(self, size: int) -> Tensor:
+        if self.buffer.numel() < size:
+            self.buffer = torch.empty(size, dtype=torch.float32)
+        return self.buffer[:size]
+
+    def values(self, start: int, stop: int) -> Tensor:
+        # Draw whole blocks of 16 from a block boundary. When the size is not a multiple of 16, normal_ redraws the
+        # last 16 values from 16 more uniforms: a range reaching into them is drawn to the end, 16 values or more.
+        first = start - start % _BLOCK
+        redrawn = self.numel - _BLOCK if self.numel % _BLOCK else self.numel
+        last = self.numel if stop > redrawn else -(-stop // _BLOCK) * _BLOCK
+        if last == self.numel and last - first < _BLOCK:
+            first = max(0, (self.numel - _BLOCK) // _BLOCK * _BLOCK)
+        if first < self.position:
+            self.generator, self.position = torch.Generator().manual_seed(self.seed), 0
+        self._skip(first - self.position)
+        drawn = self._scratch(last - first).normal_(*self.args, generator=self.generator)
+        self.position = last + (_BLOCK if last == self.numel and last % _BLOCK else 0)
+        return drawn[start - first: stop - first]
+
+    def _skip(self, count: int) -> None:
+        """Consume ``count`` numbers: ``uniform_`` takes one per float32 element, as ``normal_`` does."""
+        while count > 0:
+            self._scratch(min(count, _SCRATCH)).uniform_(generator=self.generator)
+            count -= min(count, _SCRATCH)
+
+
+def _shard_values(shard: TensorShard, draw: _Draw, seed: int) -> Tensor:
+    """``shard.local_slice(full)`` for ``full`` made by ``draw``, drawing no more than the shard's rows (along dim 0)
+    or bounded blocks of rows (along another dimension)."""
+    local = torch.zeros(shard.local_shape, dtype=torch.float32)  # padding stays zero, as local_slice leaves it
+    segments = sorted(shard.segments(), key=lambda segment: segment.start)
+    if draw.method != "normal_":
+        for segment in segments:
+            getattr(local.narrow(shard.dim, segment.local_start, segment.size), draw.method)(*draw.args)
+        return local
+    shape = shard.global_shape
+    inner, outer = math.prod(shape[shard.dim + 1:]), math.prod(shape[:shard.dim])
+    span = shape[shard.dim] * inner  # elements of one index of the leading dimensions
+    stream = _Stream(math.prod(shape), seed, draw.args)
+    if shard.dim == 0:
+        for segment in segments:
+            values = stream.values(segment.start * inner, (segment.start + segment.size) * inner)
+            local.narrow(0, segment.local_start, segment.size).copy_(values.view(segment.size, *shape[1:]))
+        return local
+    rows = max(1, _SCRATCH // max(span, 1))
+    for first in range(0, outer, rows):
+        count = min(rows, outer - first)
+        block = stream.values(first * span, (first + count) * span).view(count, shape[shard.dim], inner)
+        target = local.view(outer, shard.local_shape[shard.dim], inner)[first:first + count]
+        for segment in segments:
+            target[:, segment.local_start:segment.local_start + segment.size].copy_(
+                block[:, segment.start:segment.start + segment.size])
+    return local
 
 
 def initialize_buffers(root: nn.Module, device: Optional[torch.device | str], *, only_meta: bool = True) -> None:
@@ -94,6 +228,20 @@ def initialize_buffers(root: nn.Module, device: Optional[torch.device | str], *,
             fill()
 
 
+def _materialise(param: Tensor, values: Tensor, device: Optional[torch.device | str]) -> nn.Parameter:
+    """A meta parameter's replacement holding ``values`` (on ``device``, our tags carried over), or a real one
+    overwritten in place."""
+    if not param.is_meta:
+        with torch.no_grad():
+            param.copy_(values)
+        return param
+    new = nn.Parameter(values.to(device=device, dtype=param.dtype), requires_grad=param.requires_grad)
+    for tag in PARAMETER_TAGS:
+        if hasattr(param, tag):
+            setattr(new, tag, getattr(param, tag))
+    return new
+
+
 def initialize_parameters(
     root: nn.Module, seed: int, device: Optional[torch.device | str] = None, *, only_meta: bool = False
 ) -> None:
@@ -106,31 +254,25 @@ def initialize_parameters(
         (prefix, owner, owner.initialize_parameter) for prefix, owner in initializer_owners(root)
     ]
     plans.append(("", root, default_initializer))
+    jobs: list[tuple[Tensor, str, Initializer]] = []  # (parameter, global name, its initialiser)
     for prefix, owner, initializer in plans:
         for module_name, module in owner.named_modules(remove_duplicate=False):
             for param_name, param in list(module.named_parameters(recurse=False)):
                 if id(param) in done:
-                    setattr(module, param_name, done[id(param)])
                     continue
+                done[id(param)] = param
                 if only_meta and not param.is_meta:
-                    done[id(param)] = param
                     continue
                 name = f"{module_name}.{param_name}" if module_name else param_name
-                name = original_name(param, name)
-                values = local_initial_values(param, name, seed, initializer)
-                target_device = device if device is not None else (None if param.is_meta else param.device)
-                if param.is_meta:
-                    new = nn.Parameter(values.to(device=target_device, dtype=param.dtype), requires_grad=param.requires_grad)
-                    for tag in PARAMETER_TAGS:
-                        if hasattr(param, tag):
-                            setattr(new, tag, getattr(param, tag))
-                    setattr(module, param_name, new)
-                else:
-                    with torch.no_grad():
-                        param.copy_(values)
-                    new = param
-                done[id(param)] = new
-                done[id(new)] = new
+                jobs.append((param, original_name(param, name), initializer))
+    # Each draw is one sequential generator; several run at once on the host's threads (normal_ releases the GIL).
+    with ThreadPoolExecutor(max_workers=max(1, torch.get_num_threads())) as pool:
+        drawn = pool.map(lambda job: local_initial_values(job[0], job[1], seed, job[2]), jobs)
+        replaced = {id(param): _materialise(param, values, device) for (param, _, _), values in zip(jobs, drawn)}
+    for module in root.modules():  # every name of a parameter (tied ones too) gets its replacement
+        for param_name, param in list(module._parameters.items()):
+            if param is not None and replaced.get(id(param), param) is not param:
+                setattr(module, param_name, replaced[id(param)])
     initialize_buffers(root, device)
     meta_buffers = [name for name, buffer in root.named_buffers() if buffer.is_meta]
     if meta_buffers:

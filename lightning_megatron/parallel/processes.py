@@ -2,8 +2,9 @@
 
 :func:`init_processes` joins the default process group (Lightning's ``_init_dist_connection``, which reads
 the cluster environment's address, ranks and world size) with the strategy's timeout, then builds the
-layout's groups (``ParallelState.create``, the same timeout on every group). :func:`exit_before_native_teardown`
-keeps a failed run's error the last thing its process prints.
+layout's groups (``ParallelState.create``, the same timeout on every group); on NCCL it first makes a
+collective's timeout reach Python (:func:`surface_nccl_timeouts`), where the strategy explains it.
+:func:`exit_before_native_teardown` keeps a failed run's error the last thing its process prints.
 """
 
 from __future__ import annotations
@@ -27,11 +28,37 @@ def init_processes(environment, config: ParallelConfig, device: torch.device, *,
     """The default group (``backend``: ``None`` takes Lightning's default for ``device``, gloo on CPU), joined
     unless an earlier run of this process already did, then the layout's groups over it."""
     backend = backend or _get_default_process_group_backend_for_device(device)
+    surface_nccl_timeouts(backend)
     kwargs: dict[str, Any] = {"timeout": timeout}
     if device.type != "cpu":
         kwargs["device_id"] = device
     _init_dist_connection(environment, backend, **kwargs)
     return ParallelState.create(config, device, timeout=timeout)
+
+
+# ------------------------------------------------------------------ NCCL's timeouts, told in Python
+NCCL_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+_TEAR_DOWN = ("1", "3")  # NCCL's watchdog ends the process from its own thread (3: torch's default, 1: torchrun's)
+_CLEAN_UP_ONLY = "2"
+
+
+def surface_nccl_timeouts(backend: str, environ=os.environ) -> bool:
+    """Make an NCCL collective's timeout an exception in the training thread, so that the strategy's
+    ``on_exception`` can say what was waiting (``diagnostics.explain_collective_failure``); returns whether it
+    changed ``TORCH_NCCL_ASYNC_ERROR_HANDLING``.
+
+    Torch's default (3) and torchrun's (1) let NCCL's watchdog thread rethrow the timeout and so terminate the
+    process before any Python code runs: the log ends with the watchdog's "WorkNCCL(SeqNum=..., OpType=...)",
+    never the phase and step. With 2 (clean up only) the watchdog aborts the timed-out communicators (which ends
+    their kernels, so a training thread waiting on one goes on) and the next use of the group raises the watchdog's
+    error (``DistBackendError``, "NCCL communicator was aborted ... Watchdog caught collective operation
+    timeout") in that thread; the process still ends, through the exception. Set before the process groups
+    exist: each reads the variable when it is created. A user's own choice of 0 (no handling) or 2 is kept;
+    gloo has no watchdog and raises its timeouts in the calling thread already."""
+    if "nccl" not in backend or environ.get(NCCL_ERROR_HANDLING, "3") not in _TEAR_DOWN:
+        return False
+    environ[NCCL_ERROR_HANDLING] = _CLEAN_UP_ONLY
+    return True
 
 
 # ------------------------------------------------------------------ leaving after a failure

@@ -58,7 +58,7 @@ def compile_options(compile: Union[bool, Mapping[str, Any], None]) -> Optional[d
         return {}
     if not isinstance(compile, Mapping):
         raise ValueError(f"compile must be True, False or a dict of torch.compile arguments (e.g. "
-                         f"{{'backend': 'aot_eager'}} or {{'mode': 'max-autotune'}}), got {compile!r}.")
+                         f"{{'backend': 'aot_eager'}} or {{'mode': 'max-autotune-no-cudagraphs'}}), got {compile!r}.")
     unknown = sorted(set(compile) - set(COMPILE_ARGUMENTS))
     if unknown:
         raise ValueError(f"compile={dict(compile)!r}: {', '.join(map(repr, unknown))} is not an argument of "
@@ -66,7 +66,33 @@ def compile_options(compile: Union[bool, Mapping[str, Any], None]) -> Optional[d
     if compile.get("fullgraph"):
         raise ValueError("compile={'fullgraph': True} cannot work: the per-rank dropout stream is swapped in eagerly "
                          "around each attention (one graph break per layer). Leave fullgraph out.")
+    _refuse_cuda_graphs(compile)
     return dict(compile)
+
+
+# torch.compile's modes that capture CUDA graphs, and the mode that does the same work without them.
+_CUDA_GRAPH_MODES = {"reduce-overhead": "default", "max-autotune": "max-autotune-no-cudagraphs"}
+
+
+def _refuse_cuda_graphs(compile: Mapping[str, Any]) -> None:
+    """Refuse what makes inductor capture CUDA graphs (``mode`` reduce-overhead or max-autotune, or
+    ``options={"triton.cudagraphs": True}``). A captured graph replays its kernels on static buffers with the RNG
+    state it was captured with, while our layers are compiled in pieces with eager code between them that a
+    replay does not see: attention's hooks swap the per-rank dropout stream in and out, the tensor-parallel
+    collectives run on the process group's own streams, and a pipeline schedule keeps several micro-batches'
+    activations alive that the next replay of the same graph would overwrite. None of that is verified under
+    capture, so it is refused; the non-graph modes do the same kernel selection. Checked in the strategy's
+    constructor, so every rank refuses before any collective."""
+    reason = ("it captures CUDA graphs around each layer, whose replays reuse static buffers and the captured RNG "
+              "state, while the per-rank dropout stream is swapped in eagerly around attention and the "
+              "tensor-parallel collectives and pipeline micro-batches hold on to those buffers")
+    mode = compile.get("mode")
+    if mode in _CUDA_GRAPH_MODES:
+        raise ValueError(f"compile={{'mode': {mode!r}}} is not supported: {reason}. Use "
+                         f"{{'mode': {_CUDA_GRAPH_MODES[mode]!r}}}, the same without CUDA graphs.")
+    if (compile.get("options") or {}).get("triton.cudagraphs"):
+        raise ValueError(f"compile={{'options': {{'triton.cudagraphs': True}}}} is not supported: {reason}. Leave "
+                         f"triton.cudagraphs out.")
 
 
 def check_compile_layout(config: ParallelConfig, activation_checkpointing: str, pipeline_schedule: str = "1f1b") -> None:

@@ -1,8 +1,10 @@
 """Measure a pipeline schedule: per-rank forward/backward events, bubble fraction, a picture.
 
-Events are wall-clock intervals of each stage's forward and backward of each micro-batch,
-recorded around ``PipelineStage.forward_one_chunk`` / ``backward_one_chunk`` (and, for the
-zero-bubble schedules' split backward, ``backward_weight_one_chunk``). The bubble of
+Events are intervals of each stage's forward and backward of each micro-batch, recorded around
+``PipelineStage.forward_one_chunk`` / ``backward_one_chunk`` (and, for the zero-bubble schedules' split
+backward, ``backward_weight_one_chunk``), by the clock of the stage's device (:func:`step_clock`): the host's
+on the CPU, CUDA events on a GPU, where the host only queues kernels and its clock would time the launches.
+The bubble of
 a rank is the share of the step during which it computes nothing; theory for 1F1B is
 ``(p - 1) / m`` of the ideal time (``(p - 1) / (m + p - 1)`` of the step), divided by ``v``
 when interleaved (Narayanan et al. 2021). The zero-bubble schedules' theory is their own
@@ -15,7 +17,9 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional, Union
+
+import torch
 
 from lightning_megatron.pipeline.layout import SCHEDULE_SPECS
 
@@ -30,30 +34,112 @@ class Event:
     end: float
 
 
+class HostClock:
+    """The host's monotonic clock: on the CPU the host runs the work it times."""
+
+    def restart(self) -> None:
+        pass
+
+    def mark(self) -> float:
+        return time.perf_counter()
+
+    def seconds(self, marks: list) -> list[float]:
+        return marks
+
+
+class CudaEventClock:
+    """CUDA events recorded on the device's current stream (where the stages' kernels run): the GPU's own times
+    of what was queued between two marks, without waiting for it. They are read once, when the step's events are
+    asked for (one synchronisation), and put on the host's time axis through an anchor event recorded at the
+    step's first mark after the queue drained (one synchronisation per recorded step, not per micro-batch), so
+    that the ranks of one node share an axis as with :class:`HostClock`."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._anchor: Optional[tuple[Any, float]] = None  # (event, host time at which the GPU reached it)
+
+    def restart(self) -> None:
+        self._anchor = None
+
+    def _record(self):
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def mark(self):
+        if self._anchor is None:
+            torch.cuda.current_stream(self.device).synchronize()
+            self._anchor = (self._record(), time.perf_counter())
+        return self._record()
+
+    def seconds(self, marks: list) -> list[float]:
+        if not marks:
+            return []
+        torch.cuda.synchronize(self.device)
+        anchor, host_time = self._anchor
+        return [host_time + anchor.elapsed_time(mark) / 1e3 for mark in marks]
+
+
+def step_clock(device: Union[torch.device, str, None]) -> Union[HostClock, CudaEventClock]:
+    """The clock that times work on ``device``: CUDA events on a CUDA device, the host's clock elsewhere."""
+    device = torch.device(device if device is not None else "cpu")
+    return CudaEventClock(device) if device.type == "cuda" else HostClock()
+
+
 class TimelineRecorder:
     """Wraps pipeline stages' per-chunk methods to record events while ``active``. ``action_tables`` keeps, per
     micro-batch count, the compute actions of a schedule that has a table (torch's multi-stage schedules), for
-    the theory of the split-backward schedules."""
+    the theory of the split-backward schedules.
 
-    def __init__(self, rank: int) -> None:
+    The clock is the stages' device's (:func:`step_clock`; ``device`` overrides it). Intervals are kept as the
+    clock's marks while the step runs and turned into :class:`Event` times when ``events`` is read: read it after
+    the step (on CUDA that waits once for the queued work)."""
+
+    def __init__(self, rank: int, device: Union[torch.device, str, None] = None) -> None:
         self.rank = rank
-        self.active = False
-        self.events: list[Event] = []
+        self._active = False
+        self._events: list[Event] = []
+        self._pending: list[tuple[int, int, str, Any, Any]] = []  # (stage, micro-batch, kind, start mark, end mark)
+        self.clock = step_clock(device) if device is not None else None
         self.action_tables: dict[int, dict] = {}
 
+    @property
+    def active(self) -> bool:
+        return self._active
+
+    @active.setter
+    def active(self, value: bool) -> None:
+        if value and not self._active and self.clock is not None:
+            self.clock.restart()  # a new recorded step: the CUDA clock anchors anew
+        self._active = value
+
+    @property
+    def events(self) -> list[Event]:
+        """The recorded events (a list the caller may clear); reading it converts what the clock recorded."""
+        if self._pending:
+            marks = [mark for *_, start, end in self._pending for mark in (start, end)]
+            times = self.clock.seconds(marks)
+            for index, (stage, micro_batch, kind, _, _) in enumerate(self._pending):
+                self._events.append(Event(self.rank, stage, micro_batch, kind, times[2 * index], times[2 * index + 1]))
+            self._pending.clear()
+        return self._events
+
     def instrument(self, stage) -> None:
+        if self.clock is None:
+            self.clock = step_clock(getattr(stage, "device", None))
+        clock = self.clock
         for method, kind in (("forward_one_chunk", "forward"), ("backward_one_chunk", "backward"),
                              ("backward_weight_one_chunk", "weight")):
             original = getattr(stage, method)
 
             def timed(chunk_id, *args, _original=original, _kind=kind, **kwargs):
-                if not self.active:
+                if not self._active:
                     return _original(chunk_id, *args, **kwargs)
-                start = time.perf_counter()
+                start = clock.mark()
                 try:
                     return _original(chunk_id, *args, **kwargs)
                 finally:
-                    self.events.append(Event(self.rank, stage.stage_index, chunk_id, _kind, start, time.perf_counter()))
+                    self._pending.append((stage.stage_index, chunk_id, _kind, start, clock.mark()))
 
             setattr(stage, method, timed)
 
