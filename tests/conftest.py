@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from launch import launch
 
@@ -18,3 +19,14 @@ def fp8_reference(tmp_path_factory) -> dict[str, tuple[list[float], dict]]:
     launch("layout_invariance.py", 1, out, ",".join(FP8_REFERENCES))
     results = {name: torch.load(out / f"{name}.pt", weights_only=True) for name in FP8_REFERENCES}
     return {name: (result["losses"], result["weights"]) for name, result in results.items()}
+
+
+@pytest.fixture
+def one_rank_group():
+    """A process group of this process alone (the session's default group when one exists)."""
+    if dist.is_initialized():
+        yield dist.group.WORLD
+        return
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield dist.group.WORLD
+    dist.destroy_process_group()

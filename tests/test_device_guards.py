@@ -26,17 +26,6 @@ from lightning_megatron.parallel.guards import check_collective_devices, count_h
 
 
 # ------------------------------------------------------------------------------------------- one process
-@pytest.fixture(scope="module")
-def group():
-    """A process group of this process alone (the session's default group when one exists)."""
-    if dist.is_initialized():
-        yield dist.group.WORLD
-        return
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield dist.group.WORLD
-    dist.destroy_process_group()
-
-
 COLLECTIVES = {
     "all_reduce": lambda t, g: dist.all_reduce(t, group=g),
     "all_gather_into_tensor": lambda t, g: dist.all_gather_into_tensor(torch.empty(3), t, group=g),
@@ -50,7 +39,8 @@ COLLECTIVES = {
 
 
 @pytest.mark.parametrize("name", COLLECTIVES)
-def test_a_collective_handed_a_tensor_off_the_device_raises_naming_it(group, name):
+def test_a_collective_handed_a_tensor_off_the_device_raises_naming_it(one_rank_group, name):
+    group = one_rank_group
     collective = COLLECTIVES[name]
     with check_collective_devices("cpu") as checked:
         collective(torch.ones(3), group)  # on the device: runs
@@ -64,7 +54,8 @@ def test_a_collective_handed_a_tensor_off_the_device_raises_naming_it(group, nam
         collective(torch.ones(3), group)
 
 
-def test_the_collective_check_names_the_call_site_and_restores_dispatch(group):
+def test_the_collective_check_names_the_call_site_and_restores_dispatch(one_rank_group):
+    group = one_rank_group
     with pytest.raises(RuntimeError, match=r"test_device_guards.py:\d+"), check_collective_devices("cpu"):
         dist.all_reduce(torch.zeros(2, 5, device="meta"), group=group)
     assert _get_current_dispatch_mode() is None

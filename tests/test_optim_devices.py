@@ -3,21 +3,9 @@
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from lightning_megatron.optim.grad_sync import GradientSynchronizer
 from lightning_megatron.parallel.guards import check_collective_devices
-
-
-@pytest.fixture
-def one_rank_group():
-    """A process group of this process alone (the session's default group when one exists)."""
-    if dist.is_initialized():
-        yield dist.group.WORLD
-        return
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield dist.group.WORLD
-    dist.destroy_process_group()
 
 
 def test_a_rank_without_trainable_parameters_sums_its_token_count_on_the_runs_device(one_rank_group):

@@ -3,7 +3,6 @@ skips that step on every rank and training recovers."""
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from launch import launch
@@ -132,17 +131,6 @@ def test_the_fp16_overflow_check_reads_the_host_once_however_many_pieces(poisone
         reads.append(syncs.total)
         assert all(torch.equal(a, b) for a, b in zip(before, grads))  # the check changes no gradient
     assert verdicts == [poisoned, poisoned] and reads == [1, 1]
-
-
-@pytest.fixture
-def one_rank_group():
-    """A process group of this process alone (the session's default group when one exists)."""
-    if dist.is_initialized():
-        yield dist.group.WORLD
-        return
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield dist.group.WORLD
-    dist.destroy_process_group()
 
 
 def test_grad_scalers_found_inf_is_reduced_on_the_strategys_device_not_where_the_gradients_are(one_rank_group):
