@@ -19,7 +19,7 @@ from lightning_megatron.parallel import ParallelConfig, ParallelState
 from lightning_megatron.tensor_parallel import ColumnParallelLinear, RowParallelLinear, parallelize
 from lightning_megatron.tensor_parallel.fp8 import Fp8Gemms, Fp8Recipe
 from lightning_megatron.tensor_parallel.fp8_plan import convert_to_fp8
-from lightning_megatron.tensor_parallel.fp8_weights import clear_fp8_weight_caches
+from lightning_megatron.tensor_parallel.fp8_weights import Fp8WeightCache, clear_fp8_weight_caches
 
 RECIPES = ("tensorwise", "rowwise")
 HIDDEN, FFN = 32, 64
@@ -214,3 +214,24 @@ def test_scale_and_cast_reads_16_bit_inputs_without_rounding_the_product_to_16_b
                        expected.view(torch.uint8))
     rounded = (t * scale).float().clamp(-448, 448).to(torch.float8_e4m3fn)
     assert not torch.equal(rounded.view(torch.uint8), expected.view(torch.uint8))
+
+
+def test_a_weight_gathered_again_into_its_storage_at_another_address_is_still_cached():
+    """FSDP2 frees a gathered weight's memory after use and gathers it into the same storage again, at whatever
+    address the allocator gives: one rank's may match the old address and another's not. The cache must decide by
+    the storage, alike on every rank (a hit on some ranks and a miss on others issue different amax all-reduces:
+    the ZeRO-3 FP8 layouts hung on it), and a new storage must still miss."""
+    cache = Fp8WeightCache()
+    weight = torch.nn.Parameter(torch.randn(64, 32))
+    values = weight.detach().clone()
+    cache.store(weight, "forward", "cast")
+    storage, address = weight.untyped_storage(), weight.data_ptr()
+    storage.resize_(0)  # FSDP's free after use
+    blocker = torch.empty(64 * 32)  # takes the freed memory, so the gather lands elsewhere
+    storage.resize_(values.numel() * values.element_size())
+    with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(weight):
+        weight.detach().copy_(values)  # the all-gather's write, its version counter preserved as FSDP2 preserves it
+    assert weight.data_ptr() != address and blocker.numel()  # the precondition: the address moved
+    assert cache.lookup(weight, "forward") == "cast"
+    weight.data = values.clone()  # a new storage: a miss
+    assert cache.lookup(weight, "forward") is None

@@ -70,10 +70,10 @@ def caching_allowed(weight: Tensor) -> bool:
 
 class Fp8WeightCache(Generic[T]):
     """One layer's weight in FP8, one entry per GEMM that takes it (``key``), valid until the weight changes
-    (module docstring). An entry knows its weight by its memory, not its Python object: backward gets the weight back
-    from autograd's saved tensors, under activation recomputation as another tensor object over the same memory
-    (sharing the parameter's version counter). The entry holds that memory (its storage), so no other tensor can be
-    given the same address while the entry lives."""
+    (module docstring). An entry knows its weight by its storage, not its Python object: backward gets the weight back
+    from autograd's saved tensors, under activation recomputation as another tensor object over the same storage
+    (sharing the parameter's version counter). The entry holds that storage, so no other tensor can be given the
+    same storage while the entry lives."""
 
     def __init__(self) -> None:
         self._entries: dict[object, tuple[tuple, int, T]] = {}
@@ -81,12 +81,16 @@ class Fp8WeightCache(Generic[T]):
     @staticmethod
     def _memory(weight: Tensor) -> tuple:
         storage = weight.untyped_storage()
-        return storage, weight.data_ptr(), tuple(weight.shape), weight.stride(), weight.dtype
+        return storage, storage._cdata, weight.storage_offset(), tuple(weight.shape), weight.stride(), weight.dtype
 
     @staticmethod
     def _same(memory: tuple, weight: Tensor) -> bool:
-        storage, address, shape, stride, dtype = memory
-        return (address == weight.data_ptr() and storage.data_ptr() == weight.untyped_storage().data_ptr()
+        """The same storage (its identity, not its address), offset, shape, stride and dtype. Not the address: FSDP2
+        frees a gathered weight's memory after use and gathers it again into the same storage, at an address the
+        allocator picks, which may equal the old one on one rank and not on another; a hit on some ranks of a
+        tensor-parallel group and a miss on others would issue different amax all-reduces, and hang."""
+        _, identity, offset, shape, stride, dtype = memory
+        return (identity == weight.untyped_storage()._cdata and offset == weight.storage_offset()
                 and shape == tuple(weight.shape) and stride == weight.stride() and dtype == weight.dtype)
 
     def lookup(self, weight: Tensor, key: object) -> Optional[T]:
