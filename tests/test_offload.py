@@ -1,6 +1,7 @@
 """The offload tiers in one process: the settings' checks, the 'nvme' tier's resource checks, and its tiled step
-against the same optimizer stepping whole tensors in memory (multi-rank layouts: test_layout_invariance.py,
-test_sharded_checkpoint.py, test_precision.py, test_fault_lifecycle.py)."""
+against the same optimizer stepping whole tensors in memory, and the host copies of the reduced gradients that start
+in backward (multi-rank layouts: test_layout_invariance.py, test_sharded_checkpoint.py, test_precision.py,
+test_fault_lifecycle.py; over 2 ranks here: workers/offload_overlap.py)."""
 
 import shutil
 
@@ -17,6 +18,9 @@ from lightning_megatron.offload.nvme import available_memory, check_resources
 from lightning_megatron.offload.tiled_step import TiledPiece, cut_into_tiles
 from lightning_megatron.optim.grad_sync import GradientSynchronizer
 from lightning_megatron.optim.main_params import MainParamOptimizer
+
+from launch import launch
+from workers.offload_overlap import copied_before_last_launch, train_recording
 
 
 @pytest.mark.parametrize("options, message", [
@@ -194,3 +198,33 @@ def test_offloaded_gradients_reach_persistent_host_tensors_without_new_host_memo
     """16-bit gradients are copied into fp32 host tensors made once (page-locked on CUDA), not into a new tensor
     per piece per step: host allocations per step do not grow with the number of pieces."""
     assert _host_bytes_per_step(tier, 2, tmp_path) == _host_bytes_per_step(tier, 4, tmp_path)
+
+
+@pytest.mark.parametrize("zero_stage", [0, 1])
+def test_offloaded_copies_start_when_each_bucket_is_reduced_and_change_no_bit(zero_stage):
+    """ZeRO 0-1 reduce each bucket once, in the last micro-batch's backward: its host copy is issued then, before
+    the later buckets' reductions are launched (not after backward, in finish), and the host normalises the
+    copied values exactly as the device does, so the weights equal the run that steps on the device, bit for bit."""
+    on_device, _, _ = train_recording("none", zero_stage)
+    offloaded, events, home_of_bucket = train_recording("cpu", zero_stage)
+    assert all(torch.equal(a, b) for a, b in zip(on_device, offloaded))
+    assert copied_before_last_launch(events, home_of_bucket)
+
+
+def test_zero2_buckets_are_copied_when_final():
+    """ZeRO-2 adds each micro-batch's reduction into the owned slice in finish(): its buckets are not final when
+    reduced, so their copies start only in finish(), after every launch, with the same weights as on the device."""
+    on_device, _, _ = train_recording("none", 2)
+    offloaded, events, _ = train_recording("cpu", 2)
+    assert all(torch.equal(a, b) for a, b in zip(on_device, offloaded))
+    last_launch = max(i for i, (kind, _) in enumerate(events) if kind == "launch")
+    assert not any(kind == "copy" for kind, _ in events[:last_launch])
+
+
+@pytest.mark.slow
+def test_offloaded_copies_wait_for_each_buckets_collective_over_two_ranks(tmp_path):
+    """dp=2 over gloo: each early copy waits for its bucket's all-reduce (ZeRO 0) or reduce-scatter (ZeRO-1), and the
+    collective's work is waited for again in finish(); the offloaded weights equal the device-stepped ones."""
+    results, _ = launch("offload_overlap.py", 2, tmp_path)
+    expected = {"z0": {"equal": True, "copied_early": True}, "z1": {"equal": True, "copied_early": True}}
+    assert results == [expected, expected]

@@ -357,7 +357,7 @@ def test_offload_tiers_move_the_zero_formulas_bytes_off_the_device(no_process_gr
     pool = 3 * (1 + 2) * 64 * 2**20  # 3 tiles of (main, exp_avg, exp_avg_sq) x offload_buffer_mb
     expected = {  # (zero_stage, offload argument): (device, host, disk)
         (1, "none"): (4 * psi + 12 * psi // n, 0, 0),
-        (1, "cpu"): (4 * psi, 12 * psi // n + 4 * psi // n, 0),
+        (1, "cpu"): (4 * psi, 12 * psi // n + 4 * psi // n + 2 * psi // n, 0),  # + the 16-bit early copies
         (1, "nvme"): (4 * psi, pool, 12 * psi // n + 4 * psi // n),
         (2, "cpu"): (2 * psi + 2 * psi // n, 16 * psi // n, 0),
         (3, "none"): (16 * psi // n, 0, 0),
@@ -367,7 +367,8 @@ def test_offload_tiers_move_the_zero_formulas_bytes_off_the_device(no_process_gr
         argument = {"offload_parameters": tier[1:]} if tier.startswith("p") else {"offload_optimizer": tier}
         layout = planner.with_layout(zero_stage=zero, **argument)
         assert f"z{zero}" + ("" if tier == "none" else f"+{tier}") in layout.label()
-        where = placement(planner.model_state_bytes(layout), layout, state_bytes_per_element=8)
+        where = placement(planner.model_state_bytes(layout), layout, state_bytes_per_element=8,
+                          gradient_bytes_per_element=2)
         assert (where.device, where.host, where.disk) == (device, host, disk), (zero, tier, where)
     # True still means "cpu" (and False "none"), as offload_optimizer=True always did.
     assert Layout(data_parallel_size=4, zero_stage=1, offload_optimizer=True).offload_optimizer == "cpu"

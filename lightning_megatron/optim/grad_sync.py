@@ -29,7 +29,7 @@ from __future__ import annotations
 import math
 import struct
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Iterator, NamedTuple, Optional, Sequence
+from typing import Callable, Iterable, Iterator, NamedTuple, Optional, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
@@ -140,7 +140,16 @@ class _Bucket:
     arrivals: int = 0  # gradient arrivals per backward pass: one per parameter and pipeline stage using it
     ready: int = 0
     launched: bool = False
-    pending: list[tuple[dist.Work, Optional[Tensor]]] = field(default_factory=list)
+    pending: list[tuple[Waitable, Optional[Tensor]]] = field(default_factory=list)
+    # its reduced owned values are final but for the normalisation (ZeRO 0-1, no partial sums): on_bucket_reduced
+    final_when_reduced: bool = False
+
+
+class Waitable(Protocol):
+    """A collective's ``dist.Work``, or work queued on the reduced gradients (``on_bucket_reduced``): ``wait()``
+    orders what the caller does next after it (on CUDA, the current stream; elsewhere, the host)."""
+
+    def wait(self) -> object: ...
 
 
 class OwnedPiece(NamedTuple):
@@ -170,9 +179,15 @@ class GradientSynchronizer:
     ``device``: the run's device, where the token count is summed when this rank has no bucket (a pipeline stage
     without trainable parameters): collectives take tensors on that device only (NCCL: the accelerator).
 
-    ``on_bucket_final``: called with each bucket in :meth:`finish` as soon as its gradients are final (reduced,
-    partial sums added, normalised), before the next bucket is normalised: the offloaded optimizer starts its
-    device-to-host copies there (``MainParamOptimizer``), so they overlap the rest of the gradient work.
+    ``on_bucket_reduced(bucket, reduced, work)``: called when the reduction of a bucket whose reduced values need
+    nothing but the normalisation (``final_when_reduced``: ZeRO 0-1, which reduce once per step, and no partial
+    sums in it) is launched, in the last micro-batch's backward: ``reduced`` holds this rank's owned range of the
+    bucket (``shard_numel`` elements, in its dtype) once ``work`` is done (None: it already does). The offloaded
+    optimizer starts its device-to-host copies there (``MainParamOptimizer``), overlapping the rest of backward;
+    what it returns (``Waitable`` or None) is waited for before :meth:`finish` writes the bucket.
+    ``on_bucket_final(bucket, scale)``: called with each bucket in :meth:`finish` as soon as its gradients are final
+    (reduced, partial sums added, multiplied by ``scale`` in the bucket's dtype; None: left as they were), before the
+    next bucket is normalised: the other buckets' copies start there, overlapping the rest of the gradient work.
     """
 
     def __init__(
@@ -201,11 +216,15 @@ class GradientSynchronizer:
         self.sync = True
         self.backward_passes = 1
         self.buckets: list[_Bucket] = []
-        self.on_bucket_final: Optional[Callable[[_Bucket], None]] = None
+        self.on_bucket_reduced: Optional[Callable[[_Bucket, Tensor, Optional[dist.Work]], Optional[Waitable]]] = None
+        self.on_bucket_final: Optional[Callable[[_Bucket, Optional[float]], None]] = None
         self._bucket_of: dict[int, tuple[_Bucket, int]] = {}
         tied = {id(p) for partial in self.partial_grad_groups for p, _, _ in partial.parts
                 if getattr(p, "pipeline_tied", False)}
         self._build_buckets(int(bucket_size_mb * 2**20), tied)
+        summed = {id(p) for partial in self.partial_grad_groups for p, _, _ in partial.parts}
+        for bucket in self.buckets:  # ZeRO-2 adds each micro-batch's reduction in finish(): not final before
+            bucket.final_when_reduced = zero_stage < 2 and not any(id(p) in summed for p in bucket.params)
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self.params]
 
     # ---------------------------------------------------------------- layout
@@ -255,9 +274,11 @@ class GradientSynchronizer:
                     yield OwnedPiece(param, bucket, offset, start - offset, stop - offset)
 
     @staticmethod
-    def owned_grad(piece: OwnedPiece) -> Tensor:
-        """The summed gradient of an owned piece, as a view of its bucket's shard."""
-        return piece.bucket.shard.narrow(0, piece.offset + piece.start - piece.bucket.shard_start, piece.stop - piece.start)
+    def owned_grad(piece: OwnedPiece, shard: Optional[Tensor] = None) -> Tensor:
+        """The summed gradient of an owned piece, as a view of its bucket's shard (or of ``shard``, laid out like
+        it: the ``reduced`` tensor of ``on_bucket_reduced``)."""
+        shard = piece.bucket.shard if shard is None else shard
+        return shard.narrow(0, piece.offset + piece.start - piece.bucket.shard_start, piece.stop - piece.start)
 
     # ---------------------------------------------------------------- backward
     def _on_grad_ready(self, param: nn.Parameter) -> None:
@@ -273,19 +294,34 @@ class GradientSynchronizer:
         bucket.launched = True
         group = bucket.group
         if self.zero_stage == 0:
-            if group is not None:
-                bucket.pending.append((dist.all_reduce(bucket.buffer, group=group, async_op=True), None))
+            work = None if group is None else dist.all_reduce(bucket.buffer, group=group, async_op=True)
+            if work is not None:
+                bucket.pending.append((work, None))
+            self._reduced(bucket, bucket.shard, work)
             return
         if self.zero_stage == 2 and group is None:
             bucket.shard.add_(bucket.buffer)
             bucket.buffer = None
             return
         if group is None:
+            self._reduced(bucket, bucket.shard, None)
             return
         out = torch.empty(bucket.shard_numel, dtype=bucket.dtype, device=bucket.device)
-        bucket.pending.append((_reduce_scatter(out, bucket.buffer, group), out))
+        work = _reduce_scatter(out, bucket.buffer, group)
+        bucket.pending.append((work, out))
         if self.zero_stage == 2:
             bucket.buffer = None  # the collective holds its own reference until it completes
+        else:
+            self._reduced(bucket, out, work)
+
+    def _reduced(self, bucket: _Bucket, reduced: Tensor, work: Optional[dist.Work]) -> None:
+        """Hand ``on_bucket_reduced`` the tensor that holds the owned reduced values of ``bucket`` once ``work``
+        is done; what it returns is waited for (in :meth:`_wait`) before :meth:`finish` writes the bucket."""
+        if self.on_bucket_reduced is None or not bucket.final_when_reduced:
+            return
+        done = self.on_bucket_reduced(bucket, reduced, work)
+        if done is not None:
+            bucket.pending.append((done, None))
 
     def _wait(self, bucket: _Bucket) -> None:
         for work, out in bucket.pending:
@@ -332,7 +368,7 @@ class GradientSynchronizer:
                 for index, param in enumerate(bucket.params):
                     param.grad = self._grad_view(bucket, index)
             if self.on_bucket_final is not None:
-                self.on_bucket_final(bucket)
+                self.on_bucket_final(bucket, scale if rescale else None)
         return also_sum
 
     def _sum_partial_grads(self) -> None:

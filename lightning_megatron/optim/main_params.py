@@ -8,8 +8,10 @@ ranges are copied back into the model's parameters and, under ZeRO, all-gathered
 at once, or overlapped with the next forward).
 
 Offloaded (``"cpu"``/``"nvme"``), the fp32 gradients the host optimizer reads live in persistent host tensors
-(``offload.host_staging``): each bucket's pieces start their copy as soon as the bucket's reduced gradients are
-final (``GradientSynchronizer.on_bucket_final``), asynchronously on CUDA, and the step waits once for all of them.
+(``offload.host_staging``): under ``"cpu"``, a bucket that needs nothing after its reduction but the normalisation
+starts copying its pieces when its reduction is launched in backward (``GradientSynchronizer.on_bucket_reduced``),
+and the host normalises the copies; the other buckets start theirs as soon as their gradients are final
+(``GradientSynchronizer.on_bucket_final``); asynchronously on CUDA, and the step waits once for all of them.
 
 The optimizer that ``configure_optimizers`` returned is kept as the same object, with
 its param groups' tensors replaced by the fp32 pieces, so hyper-parameters, LR schedulers
@@ -25,7 +27,7 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_megatron.offload.host_staging import HostStaging, host_tensor, pinned_host_memory
+from lightning_megatron.offload.host_staging import CopiesQueued, HostStaging, host_tensor, pinned_host_memory
 from lightning_megatron.offload.nvme import NvmeOptimizerTier
 from lightning_megatron.offload.settings import OffloadSettings, TierOption, tier_of
 from lightning_megatron.optim.grad_sync import GradientSynchronizer, OwnedPiece
@@ -106,14 +108,20 @@ class MainParamOptimizer:
         for group, params in zip(optimizer.param_groups, new_params):
             group["params"] = params
         optimizer.state.clear()
-        self.staging = HostStaging([self._grad_home(index) for index in range(len(self.pieces))],
-                                   device=owned[0][0].param.device if owned else torch.device("cpu"))
+        homes = [self._grad_home(index) for index in range(len(self.pieces))]
+        self.staging = HostStaging(homes, device=owned[0][0].param.device if owned else torch.device("cpu"),
+                                   reduced_homes=[self._reduced_home(index, home) for index, home in enumerate(homes)])
         self._staged_by_bucket: dict[int, list[int]] = {}
+        self._early_buckets: set[int] = set()  # copied when their reduction is launched
         for index, (piece, _) in enumerate(self.pieces):
             if self.staging.homes[index] is not None:
                 self._staged_by_bucket.setdefault(id(piece.bucket), []).append(index)
+            if self.staging.reduced_homes[index] is not None:
+                self._early_buckets.add(id(piece.bucket))
         if self._staged_by_bucket:
             sync.on_bucket_final = self._stage_bucket
+        if self._early_buckets:
+            sync.on_bucket_reduced = self._stage_reduced_bucket
 
     @staticmethod
     def _owned(piece: OwnedPiece) -> Tensor:
@@ -139,11 +147,34 @@ class MainParamOptimizer:
             return self.nvme.grad_home(index)
         return host_tensor(main.numel(), dtype=torch.float32, pinned=self._pinned)
 
-    def _stage_bucket(self, bucket) -> None:
-        """``GradientSynchronizer.on_bucket_final``: the bucket's gradients are reduced and normalised; start
-        copying its pieces to their host homes."""
-        self.staging.copy([(index, self.sync.owned_grad(self.pieces[index][0]))
-                           for index in self._staged_by_bucket.get(id(bucket), ())])
+    def _reduced_home(self, index: int, home: Optional[Tensor]) -> Optional[Tensor]:
+        """Where piece ``index``'s reduced gradient is copied early (``HostStaging.copy_reduced``), in the
+        gradient's dtype: the fp32 home itself, or a host tensor of the 16-bit dtype made here, once. None: copied
+        when final, for a piece that is not staged, of a bucket that is not final when reduced, or of the
+        ``"nvme"`` tier (whose homes are files: the copy would block, and memory is what that tier saves)."""
+        piece = self.pieces[index][0]
+        if home is None or self.tier != "cpu" or not piece.bucket.final_when_reduced:
+            return None
+        if piece.param.dtype == torch.float32:
+            return home
+        return host_tensor(home.numel(), dtype=piece.param.dtype, pinned=self._pinned)
+
+    def _stage_reduced_bucket(self, bucket, reduced: Tensor, work) -> Optional[CopiesQueued]:
+        """``GradientSynchronizer.on_bucket_reduced``: the bucket's reduction is launched and ``reduced`` (its
+        owned range) will hold the result once ``work`` is done; start copying its pieces to the host."""
+        if id(bucket) not in self._early_buckets:
+            return None
+        return self.staging.copy_reduced([(index, self.sync.owned_grad(self.pieces[index][0], reduced))
+                                          for index in self._staged_by_bucket[id(bucket)]], work)
+
+    def _stage_bucket(self, bucket, scale: Optional[float]) -> None:
+        """``GradientSynchronizer.on_bucket_final``: the bucket's gradients are reduced and normalised (multiplied
+        by ``scale``); the pieces copied early get the same scale on the host, the others start their copies."""
+        indices = self._staged_by_bucket.get(id(bucket), [])
+        if id(bucket) in self._early_buckets:
+            self.staging.normalise(indices, scale)
+        else:
+            self.staging.copy([(index, self.sync.owned_grad(self.pieces[index][0])) for index in indices])
 
     def _wait_written(self) -> None:
         """Before the host writes the main pieces again: the last step's copies out of them have landed."""
@@ -241,6 +272,8 @@ class MainParamOptimizer:
             self.gather.remove()
         if getattr(self.sync, "on_bucket_final", None) == self._stage_bucket:
             self.sync.on_bucket_final = None
+        if getattr(self.sync, "on_bucket_reduced", None) == self._stage_reduced_bucket:
+            self.sync.on_bucket_reduced = None
         self._wait_written()
         if self.nvme is not None:
             self.nvme.close()

@@ -24,7 +24,8 @@ tier                            device                     host RAM             
 ==============================  =========================  ================================  ===============
 none                            everything                 0                                 0
 ``offload_optimizer="cpu"``     parameters + gradients     main + state 12Ψ' + fp32 grads    0
-  (ZeRO 0-2)                                               4Ψ'
+  (ZeRO 0-2)                                               4Ψ' (+ 16-bit early copies 2Ψ'
+                                                           at ZeRO 0/1)
 ``offload_optimizer="nvme"``    parameters + gradients     the pool                          main + state
                                                                                              + fp32 grads
 ``offload_parameters="cpu"``    0 (gathered layers:        parameters + gradients + state    0
@@ -32,8 +33,10 @@ none                            everything                 0                    
 ==============================  =========================  ================================  ===============
 
 The fp32 host gradients (``MainParamOptimizer.prepare_step`` copies each owned gradient to its main
-parameter's device and dtype) exist during the step only, so the report, taken after it, does not show them;
-the ``"cpu"`` tier's host memory must hold them, the ``"nvme"`` tier keeps them in a file of its own
+parameter's device and dtype) live in persistent host buffers (``offload.host_staging``) that the report does
+not show; the ``"cpu"`` tier's host memory holds them, and at ZeRO 0/1 with 16-bit parameters also the 16-bit
+copies that each bucket sends to the host as soon as its reduction is launched (2Ψ'; buckets with partial sums,
+a few norms under sequence parallelism, keep the late copy, so this is an upper bound), the ``"nvme"`` tier keeps them in a file of its own
 (``offload.nvme``). ZeRO-3's parameters have no ``"nvme"`` tier (``OffloadSettings.check`` refuses it). The
 ``"nvme"`` tier walks its files through a pool of 3 tiles (read ahead, step,
 write behind) of ``1 + state tensors`` buffers of ``offload_buffer_mb`` each (:func:`nvme_pool_bytes`).
@@ -118,8 +121,9 @@ class Placement:
 
 
 def placement(state: dict[str, int], layout: Layout, *, state_bytes_per_element: int,
-              buffer_mb: float = DEFAULT_BUFFER_MB) -> Placement:
-    """Where ``state`` (``rank_model_state_bytes``) lives under ``layout``'s offload tier (the module's table)."""
+              buffer_mb: float = DEFAULT_BUFFER_MB, gradient_bytes_per_element: int = 4) -> Placement:
+    """Where ``state`` (``rank_model_state_bytes``) lives under ``layout``'s offload tier (the module's table).
+    ``gradient_bytes_per_element``: the parameters' (and so the gradient buckets') element size."""
     tier = layout.offload_tier
     if tier == "none":
         return Placement(sum(state[key] for key in MODEL_STATE_KEYS), 0, 0)
@@ -128,9 +132,11 @@ def placement(state: dict[str, int], layout: Layout, *, state_bytes_per_element:
         stored = state["parameters"] + state["optimizer_state"]
         return Placement(0, state["gradients"] + (stored if tier == "cpu" else pool), stored if tier == "nvme" else 0)
     stored = state["main_parameters"] + state["optimizer_state"]
-    host_gradients = 4 * (state["optimizer_state"] // state_bytes_per_element)  # "nvme": in a file of their own
+    owned = state["optimizer_state"] // state_bytes_per_element
+    host_gradients = 4 * owned  # "nvme": in a file of their own
     if tier == "cpu":
-        return Placement(gpu_bytes(state, layout), host_gradients + stored, 0)
+        early = gradient_bytes_per_element * owned if layout.zero_stage < 2 and gradient_bytes_per_element < 4 else 0
+        return Placement(gpu_bytes(state, layout), host_gradients + early + stored, 0)
     return Placement(gpu_bytes(state, layout), pool, stored + host_gradients)
 
 

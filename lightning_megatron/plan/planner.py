@@ -180,7 +180,8 @@ class Planner:
             activations = activation_bytes(self.shape, layout, self.workload, pipeline_rank=pipeline_rank)
             buffers = buffer_bytes(self.shape, layout, self.workload, state)
             where = placement(state, layout, state_bytes_per_element=self.state_bytes_per_element,
-                              buffer_mb=self.workload.offload_buffer_mb)
+                              buffer_mb=self.workload.offload_buffer_mb,
+                              gradient_bytes_per_element=self.workload.parameter_bytes)
             ranks.append(RankMemory(pipeline_rank, state, activations, buffers, where.device + activations + buffers,
                                     where.host + HOST_PROCESS_BYTES, where.disk))
         return ranks
