@@ -12,7 +12,6 @@ Run: ``python benchmarks/init_shard.py [--size 8192] [--tp 8] [--layers 8]``
 """
 
 import argparse
-import math
 import sys
 import time
 from pathlib import Path
