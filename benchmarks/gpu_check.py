@@ -593,15 +593,16 @@ def attention_row(row: Row, sizes: Sizes, work: Path, memo: dict) -> dict:
 
 # ---------------------------------------------------------------------------- family 2 + 4: speed and memory
 def hardware_of(device):
-    """The ``plan/hardware.py`` preset whose name is in the device's (``NVIDIA H200`` -> ``h200``), or None."""
+    """The ``plan/hardware.py`` preset of the device (``NVIDIA H200`` -> ``h200``: ``preset_for_device``), or None."""
     import torch
 
     from lightning_megatron.plan import GPUS
+    from lightning_megatron.plan.hardware import preset_for_device
 
     if device.type != "cuda":
         return None
-    name = torch.cuda.get_device_name(device).lower()
-    return next((hw for key, hw in GPUS.items() if key in name.replace(" ", "").replace("-", "")), None)
+    key = preset_for_device(torch.cuda.get_device_name(device), torch.cuda.get_device_properties(device).total_memory)
+    return None if key is None else GPUS[key]
 
 
 def speed_row(row: Row, sizes: Sizes, work: Path, memo: dict) -> dict:

@@ -489,3 +489,86 @@ def test_small_gemms_and_fp8_change_the_predicted_compute_as_their_shapes_and_pe
         step_time(shape, layout, Workload(2, 8192, "bf16-true", fp8=True), GPUS["a100"], state)
     with pytest.raises(ValueError, match="no FP8"):
         replace(h100, peak_fp8_flops=0).fp8_flops()
+
+
+LLAMA_8B_PARAMETERS = 8_030_261_248  # Llama-3.1-8B's published parameter count
+
+
+@pytest.mark.slow
+def test_the_lora_config_fits_the_24gb_gpus_it_names_with_the_frozen_base_in_16_bits(capsys, no_process_group):
+    """``configs/llama-3.1-8b-lora.yaml`` says it trains on one 24 GB GPU: the planner predicts that it fits on each of
+    the catalogue's 24 GB GPUs (the base frozen in bf16 with no gradients, fp32 copies or optimizer state: 2 bytes a
+    parameter; the adapters 2 + 2 + 4 + 8 bytes, counted from LoRA's shapes here), and its model is the base's."""
+    from dataclasses import asdict
+
+    from lightning_megatron.models.gpt import GPTConfig
+    from lightning_megatron.plan.command import configured_layout, main, planner_from_config
+    from lightning_megatron.plan.hardware import GPUS, presets_with_memory
+
+    path = CONFIGS / "llama-3.1-8b-lora.yaml"
+    config = yaml.safe_load(path.read_text())
+    model = config["model"]["init_args"]
+    given = GPTConfig(**model["config"]) if isinstance(model["config"], dict) else GPTConfig.from_name(model["config"])
+    # The inline config is the base's (its config.json, the preset), with only how it trains changed.
+    assert {**asdict(given), "loss_chunk_tokens": None} == asdict(GPTConfig.from_name("llama-3.1-8b"))
+    planner = planner_from_config(config, gpus=1, hardware=GPUS["rtx-4090"])
+    state = planner.rank_memory(configured_layout(config, 1, planner.workload))[0].model_state_bytes
+    h, f, r = given.hidden_size, given.ffn_hidden_size, model["lora"]["rank"]
+    qkv = (given.num_heads + 2 * given.num_query_groups) * given.head_dim
+    adapters = given.num_layers * r * ((h + qkv) + (h + h) + (h + 2 * f) + (f + h))  # qkv, proj, fc (gate|up), proj
+    assert state == {"parameters": 2 * (LLAMA_8B_PARAMETERS + adapters), "gradients": 2 * adapters,
+                     "main_parameters": 4 * adapters, "optimizer_state": 8 * adapters}, (state, adapters)
+    gpus = [key for key in presets_with_memory(24 * 10**9)]
+    assert sorted(gpus) == ["a10", "l4", "rtx-4090"]
+    for gpu in gpus:
+        main(["--config", str(path), "--as-configured", "--gpu", gpu])
+        said = capsys.readouterr().out
+        assert f"on 1 x {gpu}" in said and "\n  fits in 22.4 GiB per GPU" in said, said
+
+
+@pytest.mark.slow
+def test_a_full_fine_tuning_that_fits_no_layout_names_lora_with_its_plan(capsys, no_process_group):
+    """Full fine-tuning of Llama-3.1-8B on one RTX 4090 with its workstation's 128 GB of RAM fits no layout; the
+    explanation adds what LoRA would need on the same GPU (planned, a layout that fits) and says QLoRA does not
+    exist here."""
+    import re
+
+    from lightning_megatron.plan.command import main
+
+    with pytest.raises(SystemExit) as exit_code:
+        main(["--config", str(CONFIGS / "llama-3.1-8b.yaml"), "--gpus", "1", "--gpu", "rtx-4090",
+              "--global-batch-size", "16", "--seq-length", "4096"])
+    assert exit_code.value.code == 1
+    said = capsys.readouterr().err
+    assert "No layout fits in 22.4 GiB per GPU on 1 GPUs" in said, said
+    lora = re.search(r"with model\.init_args\.lora: \{rank: 16, alpha: 32\} the same batch fits on this GPU as "
+                     r"(tp1 [^(]*)\(([\d.]+) GiB per GPU", said)
+    assert lora is not None and float(lora.group(2)) <= 22.4, said
+    assert "QLoRA (a 4-bit base) is not available in this package yet." in said
+
+
+def test_the_gpu_catalogue_names_each_gpu_by_its_own_name_and_memory():
+    """``--gpu`` takes the catalogue's names (24 GB: rtx-4090, l4, a10; 48 GB: a6000, l40s; a100 40 and 80 GB);
+    ``--gpu-memory`` alone keeps the A100's rates and its label says so; an unknown name lists the catalogue; a
+    CUDA device's name and memory find its preset (an A10 is not an A100, an L40S not an L4)."""
+    from lightning_megatron.plan.command import memory_override_note
+    from lightning_megatron.plan.hardware import GB, GPUS, parse_gpu, preset_for_device, presets_with_memory
+
+    for key, gpu in GPUS.items():
+        assert gpu.name == key and parse_gpu(key) == gpu
+    assert {key: GPUS[key].memory_bytes // GB for key in ("rtx-4090", "l4", "a10", "a6000", "l40s", "a100-40gb",
+                                                          "a100")} == {
+        "rtx-4090": 24, "l4": 24, "a10": 24, "a6000": 48, "l40s": 48, "a100-40gb": 40, "a100": 80}
+    assert not any(key.startswith("a100") for key in presets_with_memory(24 * GB))
+    relabelled = parse_gpu("a100", memory="24GB")
+    assert relabelled.name == "a100 rates with 24GB" and relabelled.memory_bytes == 24 * GB
+    assert "--gpu a10, l4, rtx-4090 for their own" in memory_override_note(relabelled)
+    assert parse_gpu("a100", memory="80GB").name == "a100"  # its own memory: the same GPU
+    with pytest.raises(ValueError, match="'rtx4090' is not in the catalogue: choose one of .*rtx-4090, a6000, l40s"):
+        parse_gpu("rtx4090")
+    devices = {("NVIDIA A100-SXM4-40GB", 40): "a100-40gb", ("NVIDIA A100-SXM4-80GB", 80): "a100",
+               ("NVIDIA A10G", 23): None, ("NVIDIA A10", 24): "a10", ("NVIDIA L4", 23): "l4", ("NVIDIA L40S", 46): "l40s",
+               ("NVIDIA GeForce RTX 4090", 24): "rtx-4090", ("NVIDIA RTX A6000", 48): "a6000",
+               ("NVIDIA H100 80GB HBM3", 80): "h100", ("NVIDIA H200", 141): "h200", ("Tesla V100-SXM2-32GB", 32): "v100",
+               ("NVIDIA GeForce RTX 3090", 24): None}
+    assert {device: preset_for_device(device[0], device[1] * GB) for device in devices} == devices

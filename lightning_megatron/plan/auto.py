@@ -16,7 +16,7 @@ from typing import Any, Optional
 
 import torch
 
-from lightning_megatron.plan.hardware import GB, GIB, GPUS, TFLOPS, Hardware
+from lightning_megatron.plan.hardware import GB, GIB, GPUS, TFLOPS, Hardware, preset_for_device
 from lightning_megatron.plan.layout import Workload
 from lightning_megatron.plan.planner import LayoutPlan, Planner
 
@@ -40,10 +40,11 @@ def device_hardware(device: torch.device, gpus_per_node: int) -> tuple[Hardware,
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
         memory = torch.cuda.get_device_properties(device).total_memory
-        preset = next((key for key in GPUS if key in name.lower()), None)
+        preset = preset_for_device(name, memory)
         hardware = GPUS[preset or "a100"]
         note = f"{name}" + ("" if preset else " (not a known GPU: A100's rates assumed)")
-        return replace(hardware, memory_bytes=memory, gpus_per_node=gpus_per_node, host_memory_bytes=ram), note
+        return replace(hardware, name=preset or f"a100 rates on {name}", memory_bytes=memory,
+                       gpus_per_node=gpus_per_node, host_memory_bytes=ram), note
     # No GPU: nominal numbers, so that "auto" runs (and is tested) on CPU; its ranking is not a speed model.
     cpu = Hardware("cpu", 1 * TFLOPS, 1 * TFLOPS, ram // max(gpus_per_node, 1), 20 * GB, 10 * GB, 1 * GB,
                    gpus_per_node, matmul_efficiency=0.5)

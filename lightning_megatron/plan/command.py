@@ -26,7 +26,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import yaml
 
-from lightning_megatron.plan.hardware import GIB, GPUS, Hardware, parse_gpu
+from lightning_megatron.plan.hardware import GIB, GPUS, Hardware, parse_gpu, presets_with_memory
 from lightning_megatron.offload.settings import DEFAULT_BUFFER_MB
 from lightning_megatron.plan.layout import OFFLOAD_PATH_PLACEHOLDER, Layout, Workload
 from lightning_megatron.plan.planner import SEARCHED, LayoutPlan, Planner, PlanResult
@@ -107,7 +107,7 @@ def describe_configured(planner: Planner, layout: Layout) -> str:
 
     check_layout(layout, planner.workload, planner.module, planner.shape.num_layers)
     plan = planner.evaluate(layout)
-    lines = [f"as configured: {layout.label()} on {planner.world_size} GPUs"]
+    lines = [f"as configured: {layout.label()} on {planner.world_size} x {planner.hardware.name}"]
     for rank in planner.rank_memory(layout):
         state = ", ".join(f"{key.replace('_', ' ')} {value / GIB:.2f}" for key, value in rank.model_state_bytes.items())
         lines.append(f"  pipeline rank {rank.pipeline_rank}: model state {sum(rank.model_state_bytes.values()) / GIB:.2f} "
@@ -154,6 +154,16 @@ def written_config_text(written: dict) -> str:
     return text
 
 
+def memory_override_note(hardware: Hardware) -> str:
+    """What ``--gpu-memory`` without the matching ``--gpu`` predicts (``parse_gpu`` named the hardware
+    ``"a100 rates with 24GB"``), and the catalogue's GPUs of that memory."""
+    same = [key for key in presets_with_memory(hardware.memory_bytes) if key != "h100-te"]
+    named = f": --gpu {', '.join(same)} for their own" if same else ""
+    rates = hardware.name.split(" rates with ")[0]
+    return (f"(--gpu-memory sets the memory only: the rates are {rates}'s; the catalogue's GPUs of "
+            f"{hardware.memory_bytes / 1e9:.0f} GB{named})")
+
+
 def format_table(plans: Sequence[LayoutPlan], hardware: Hardware) -> str:
     """One row per layout; ``host/node`` and ``disk/node``: the offload tiers' RAM (with ``HOST_PROCESS_BYTES`` a
     rank) and files of a node's ranks together, the figures ``--host-memory`` and ``--disk`` bound."""
@@ -198,7 +208,40 @@ def explain_no_fit(result: PlanResult, planner: Planner) -> str:
     else:
         text += " More GPUs (up to 8x) do not make it fit either: lower the micro-batch, the sequence, or use GPUs " \
                 "with more memory."
-    return text
+    return text + lora_alternative(planner)
+
+
+#: The adapters :func:`lora_alternative` plans: rank 16 on every attention and MLP linear layer (LoRAConfig's targets).
+LORA_HINT = {"rank": 16, "alpha": 32}
+
+
+def lora_alternative(planner: Planner) -> str:
+    """For a model that trains in full and could train LoRA adapters instead (``lora=None`` in its hyper-parameters,
+    as ``GPT``): what the same plan needs with ``LORA_HINT``'s adapters and the base frozen in 16 bits, from a plan of
+    that model; empty for any other module. QLoRA (a 4-bit base) does not exist in this package: it says so."""
+    module = planner.module
+    hparams = dict(getattr(module, "hparams", None) or {})
+    if "lora" not in hparams or hparams["lora"] is not None:
+        return ""
+    hparams["lora"] = dict(LORA_HINT)
+    try:  # a subclass that its hyper-parameters do not rebuild: no estimate, the explanation above stands
+        lora = Planner(lambda: type(module)(**copy.deepcopy(hparams)), planner.workload, planner.hardware,
+                       world_size=planner.world_size, fixed=planner.fixed).plan()
+    except (TypeError, ValueError):
+        return ""
+    setting = f"model.init_args.lora: {{rank: {LORA_HINT['rank']}, alpha: {LORA_HINT['alpha']}}}"
+    if lora.best is not None:
+        where = "this GPU" if planner.world_size == 1 else f"these {planner.world_size} GPUs"
+        found = (f"fits on {where} as {lora.best.layout.label()} ({lora.best.memory_per_gpu_bytes / GIB:.1f} GiB "
+                 f"per GPU, {lora.best.tokens_per_second:,.0f} tokens/s)")
+    elif lora.nearest is not None:
+        found = (f"does not fit either: its smallest layout, {lora.nearest.layout.label()}, needs "
+                 f"{lora.nearest.memory_per_gpu_bytes / GIB:.1f} GiB per GPU")
+    else:
+        found = "has no valid layout on these GPUs either"
+    return (f"\nFine-tuning a pretrained model? LoRA trains small adapters and keeps the base frozen in 16 bits "
+            f"(no gradients, fp32 copies or optimizer state for it): with {setting} the same batch {found}. "
+            f"QLoRA (a 4-bit base) is not available in this package yet.")
 
 
 def nearest_world_with_layout(planner: Planner, *, must_fit: bool = False) -> Optional[tuple[int, LayoutPlan]]:
@@ -249,14 +292,17 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser = argparse.ArgumentParser(prog="lightning-megatron plan", description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", type=Path, required=True, help="a lightning-megatron fit config (YAML)")
     parser.add_argument("--gpus", type=int, help="GPUs in all (default: the config's devices x num_nodes)")
-    parser.add_argument("--gpu", default="a100", help=f"one of {', '.join(GPUS)}, or custom:peak=TFLOPS,hbm=GBPS,"
-                                                      f"nvlink=GBPS,network=GBPS[,memory=GB,node=N,base=PRESET]")
-    parser.add_argument("--gpu-memory", help="memory per GPU, e.g. 80GB, 24GB or 40GiB (default: the GPU's)")
-    parser.add_argument("--host-memory", help="RAM of a node for the offload tiers, e.g. 256GB (default: the GPU's DGX "
-                                              "node's, 2 TB; 1.5 TB for v100)")
+    parser.add_argument("--gpu", default="a100",
+                        help=f"one of {', '.join(GPUS)} (default a100: the 80 GB SXM), or custom:peak=TFLOPS,hbm=GBPS,"
+                             f"nvlink=GBPS,network=GBPS[,memory=GB,node=N,base=PRESET]")
+    parser.add_argument("--gpu-memory", help="memory per GPU, e.g. 80GB, 24GB or 40GiB (default: the GPU's; the "
+                                             "--gpu's rates are kept: --gpu rtx-4090 for a 24 GB GPU's own)")
+    parser.add_argument("--host-memory", help="RAM of a node for the offload tiers, e.g. 256GB (default: the GPU's "
+                                              "node's in the catalogue: a DGX's 2 TB, 1.5 TB for v100; 128 GB for a "
+                                              "rtx-4090 or a6000 workstation)")
     parser.add_argument("--disk", help="free NVMe disk of a node for the 'nvme' offload tier, e.g. 2TB (default: the "
-                                       "DGX node's 30 TB)")
-    parser.add_argument("--nodes-of", type=int, help="GPUs per node (default: the GPU's DGX node)")
+                                       "GPU's node's: a DGX's 30 TB)")
+    parser.add_argument("--nodes-of", type=int, help="GPUs per node (default: the GPU's node: a DGX's 8)")
     parser.add_argument("--global-batch-size", type=int, help="sequences per optimizer step (default: the config's)")
     parser.add_argument("--seq-length", type=int, help="tokens per sequence (default: the config's)")
     parser.add_argument("--precision", help="trainer precision (default: the config's)")
@@ -280,6 +326,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                                       keep=[k for k in args.keep.split(",") if k])
         if args.as_configured:
             print(describe_configured(planner, configured_layout(config, gpus, planner.workload)))
+            if " rates with " in hardware.name:
+                print(memory_override_note(hardware))
             return
         result = planner.plan()
     except (ValueError, TypeError, OSError, yaml.YAMLError) as error:
@@ -296,6 +344,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         print(f"{gpus} x {hardware.name} ({hardware.memory_bytes / GIB:.1f} GiB, {hardware.gpus_per_node} per node; "
               f"{hardware.host_memory_bytes / GIB:,.0f} GiB host memory, {hardware.disk_bytes / GIB:,.0f} GiB disk per "
               f"node): {len(result.plans)} valid layouts, {len(result.fitting)} fit")
+        if " rates with " in hardware.name:
+            print(memory_override_note(hardware))
         if result.plans:
             print(format_table(result.fitting[: args.top] or result.plans[: min(args.top, 3)], hardware))
     if result.best is None:

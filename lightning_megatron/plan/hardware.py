@@ -17,6 +17,12 @@ v100       125 (15.7)    32      900        115        6.25        DGX-2H: 16 GP
 a100       312 (19.5)    80      2039       230        25          DGX A100: 8 GPUs, 8 x 200 Gb/s IB      108  -
 h100       989 (67)      80      3350       370        50          DGX H100: 8 GPUs, 8 x 400 Gb/s IB      132  1979
 h200       989 (67)      141     4800       370        50          DGX H200: 8 GPUs, 8 x 400 Gb/s IB      132  1979
+a100-40gb  312 (19.5)    40      1555       230        25          DGX A100 320GB: 8 GPUs                 108  -
+a10        125 (31.2)    24      600        20         1.56        8 GPUs, PCIe 4.0, 100 Gb/s Ethernet    72   -
+l4         121 (30.3)    24      300        20         1.56        8 GPUs, PCIe 4.0, 100 Gb/s Ethernet    58   242
+rtx-4090   165 (82.6)    24      1008       20         0.31        workstation: 4 GPUs, 10 Gb/s Ethernet  128  330
+a6000      155 (38.7)    48      768        20         0.31        workstation: 4 GPUs, 10 Gb/s Ethernet  84   -
+l40s       362 (91.6)    48      864        20         6.25        8 GPUs, PCIe 4.0, 400 Gb/s Ethernet    142  733
 =========  ============  ======  =========  =========  ==========  =====================================  ===  ======
 
 Sources: the peaks, memories, bandwidths and SM counts are NVIDIA's data sheets and architecture whitepapers (V100:
@@ -26,6 +32,21 @@ DGX system guides for the node networks. The V100 keeps fp16 as its 16-bit dtype
 have no FP8 tensor cores. NVLink bus bandwidths are below the links' nominal per-direction rates (V100 150, A100
 300, H100/H200 450 GB/s), at what NCCL's all-reduce sustains for large messages; the network figures are the
 adapters' nominal rates per GPU.
+
+The smaller GPUs, for fine-tuning on one GPU or a few (``--gpu rtx-4090``; ``--gpu-memory`` alone keeps the A100's
+rates and says so), from NVIDIA's data sheets, dense (without structured sparsity) 16-bit tensor rates with fp32
+accumulation: A100 40GB SXM 312 TFLOP/s, 1,555 GB/s (A100 data sheet); A10 125 TFLOP/s bf16, 31.2 fp32, 600 GB/s,
+72 SMs (A10 data sheet: 250 with sparsity); L4 121 bf16 and 242 FP8 (data sheet: 242 and 485 with sparsity), 30.3
+fp32, 300 GB/s, 58 SMs; GeForce RTX 4090 165.2 bf16 (fp32 accumulation runs at half the fp16-accumulate rate on
+GeForce), 330 FP8 with fp32 accumulation, 82.6 fp32, 1,008 GB/s, 128 SMs (Ada Lovelace architecture whitepaper,
+appendix table); RTX A6000 154.8 bf16 (data sheet: 309.7 with sparsity), 38.7 fp32, 768 GB/s, 84 SMs; L40S 362
+bf16 and 733 FP8 (data sheet: 733 and 1,466 with sparsity), 91.6 fp32, 864 GB/s, 142 SMs. None has NVLink between
+more than two cards (A6000's bridge pairs two), so their ``nvlink`` is GPU-to-GPU over PCIe 4.0 (an assumed 20 GB/s
+bus bandwidth, below the x16 link's 25 GB/s one way); their nodes and networks are assumptions (cloud servers of 8
+A10 or L4 GPUs on 100 Gb/s Ethernet, of 8 L40S on 400 Gb/s, workstations of 4 GeForce or A6000 cards on 10 Gb/s),
+their host RAM and disk defaults are those of such machines (``--host-memory`` and ``--disk`` say yours), and their
+efficiencies are uncalibrated: the A100's (``matmul_efficiency`` 0.781, attention 0.5) are assumed, so their step
+times are rough. AWS's A10G is not an A10 (its data sheet is not public): it is not in the catalogue.
 
 The efficiencies turn peaks into rates. ``matmul_efficiency`` is what large GEMMs sustain, calibrated on one
 published run per GPU (``benchmarks/planner_check.py``'s ``CALIBRATIONS``, which recomputes each): V100's on the
@@ -63,13 +84,15 @@ the node's ranks together, Adam's ~36 bytes per element at ~36 GB/s of sustained
 DDR channels), its RAM (``host_memory_bytes``) and its NVMe disk (``disk_bytes``; ``disk_read_bandwidth``
 6.5 GB/s and ``disk_write_bandwidth`` 5 GB/s: a typical PCIe 4.0 NVMe drive's sequential rates, one drive).
 RAM and disk default to the DGX node's (DGX-2H 1.5 TB RAM, 30 TB NVMe; DGX A100 80GB, DGX H100/H200 2 TB RAM,
-30 TB NVMe); a workstation says its own with ``--host-memory`` and ``--disk``. All of these are uncalibrated
+30 TB NVMe; DGX A100 320GB 1 TB, 15 TB; the PCIe GPUs' assumed servers 1 TB, 4 TB and workstations 128 GB, 2 TB); a
+machine says its own with ``--host-memory`` and ``--disk``. All of these are uncalibrated
 data-sheet or assumed numbers: ``benchmarks/gpu_check.sh`` (host<->device copies, a CPU Adam step) and a disk
 benchmark (``fio`` sequential read and write on the ``offload_path`` disk) should replace them.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, fields, replace
 from typing import Optional
 
@@ -151,6 +174,45 @@ GPUS["h200"] = replace(GPUS["h100"], name="h200", memory_bytes=141 * GB, memory_
 H100_TE_EFFICIENCY = 0.584
 GPUS["h100-te"] = replace(GPUS["h100"], name="h100-te", matmul_efficiency=H100_TE_EFFICIENCY,
                           fp8_efficiency=H100_TE_EFFICIENCY, attention_efficiency=0.5)
+GPUS["a100-40gb"] = replace(GPUS["a100"], name="a100-40gb", memory_bytes=40 * GB, memory_bandwidth=1555 * GB,
+                            host_memory_bytes=1000 * GB, disk_bytes=15 * 10**12)  # DGX A100 320GB: 1 TB RAM, 15 TB NVMe
+#: GPUs without an NVLink fabric (module docstring): peer traffic over PCIe 4.0, the A100's uncalibrated efficiencies.
+_PCIE_GPU = dict(intra_node_bandwidth=20 * GB, matmul_efficiency=GPUS["a100"].matmul_efficiency, host_bandwidth=25 * GB)
+_SERVER = dict(gpus_per_node=8, inter_node_bandwidth=100 / 8 / 8 * GB, host_memory_bytes=1000 * GB,
+               disk_bytes=4 * 10**12)
+_WORKSTATION = dict(gpus_per_node=4, inter_node_bandwidth=10 / 8 / 4 * GB, host_memory_bytes=128 * GB,
+                    disk_bytes=2 * 10**12)
+GPUS["a10"] = Hardware("a10", 125 * TFLOPS, 31.2 * TFLOPS, 24 * GB, 600 * GB, streaming_multiprocessors=72,
+                       **_PCIE_GPU, **_SERVER)
+GPUS["l4"] = Hardware("l4", 121 * TFLOPS, 30.3 * TFLOPS, 24 * GB, 300 * GB, streaming_multiprocessors=58,
+                      peak_fp8_flops=242 * TFLOPS, **_PCIE_GPU, **_SERVER)
+GPUS["rtx-4090"] = Hardware("rtx-4090", 165.2 * TFLOPS, 82.6 * TFLOPS, 24 * GB, 1008 * GB,
+                            streaming_multiprocessors=128,
+                            peak_fp8_flops=330.3 * TFLOPS, **_PCIE_GPU, **_WORKSTATION)
+GPUS["a6000"] = Hardware("a6000", 154.8 * TFLOPS, 38.7 * TFLOPS, 48 * GB, 768 * GB, streaming_multiprocessors=84,
+                         **_PCIE_GPU, **_WORKSTATION)
+GPUS["l40s"] = Hardware("l40s", 362 * TFLOPS, 91.6 * TFLOPS, 48 * GB, 864 * GB, streaming_multiprocessors=142,
+                        peak_fp8_flops=733 * TFLOPS, **_PCIE_GPU,
+                        **{**_SERVER, "inter_node_bandwidth": 400 / 8 / 8 * GB})
+
+#: How CUDA names each preset's GPU (``torch.cuda.get_device_name``, lower case): "NVIDIA A100-SXM4-40GB", "NVIDIA
+#: GeForce RTX 4090", "NVIDIA A10", "NVIDIA L40S". A100s of 40 and 80 GB share a name pattern: the memory decides.
+_DEVICE_NAMES = {"v100": r"v100", "a100": r"a100", "a100-40gb": r"a100", "h100": r"h100", "h200": r"h200",
+                 "a10": r"\ba10\b", "l4": r"\bl4\b", "rtx-4090": r"\b4090\b", "a6000": r"\ba6000\b",
+                 "l40s": r"\bl40s\b"}
+
+
+def preset_for_device(device_name: str, memory_bytes: int) -> Optional[str]:
+    """The preset of a CUDA device (its name as ``torch.cuda.get_device_name`` gives it, and its memory): the
+    presets whose name pattern it matches, the nearest in memory among them; None for a GPU the catalogue lacks."""
+    name = device_name.lower()
+    matches = [key for key, pattern in _DEVICE_NAMES.items() if re.search(pattern, name)]
+    return min(matches, key=lambda key: abs(GPUS[key].memory_bytes - memory_bytes), default=None)
+
+
+def presets_with_memory(memory_bytes: int) -> list[str]:
+    """The catalogue's GPUs with ``memory_bytes`` of memory (within 5%), for a ``--gpu-memory`` given alone."""
+    return [key for key, gpu in GPUS.items() if abs(gpu.memory_bytes - memory_bytes) <= 0.05 * gpu.memory_bytes]
 
 # Units a ``--gpu custom:...`` value may carry, and the fields that take each.
 _UNITS = {"tflops": TFLOPS, "gbps": GB, "gb": GB}
@@ -170,16 +232,18 @@ _BYTE_FIELDS = ("memory_bytes", "host_memory_bytes", "disk_bytes")
 
 def parse_gpu(spec: str, *, memory: Optional[str] = None, gpus_per_node: Optional[int] = None,
               host_memory: Optional[str] = None, disk: Optional[str] = None) -> Hardware:
-    """A preset name (``"a100"``) or ``"custom:peak=400,hbm=3000,nvlink=300,network=25[,base=a100,...]"`` (TFLOP/s
+    """A preset name (``"a100"``, ``"rtx-4090"``: ``GPUS``) or ``"custom:peak=400,hbm=3000,nvlink=300,network=25[,base=a100,...]"`` (TFLOP/s
     for ``peak``/``fp32``, GB/s for bandwidths, GB for ``memory``, ``host`` and ``disk``; ``base`` names the preset
     the rest starts from, default ``a100``); ``memory`` (``"80GB"``, ``"40GiB"``: per GPU), ``gpus_per_node``,
-    ``host_memory`` and ``disk`` (a node's RAM and free NVMe, ``"256GB"``, ``"2TB"``) override the preset's."""
+    ``host_memory`` and ``disk`` (a node's RAM and free NVMe, ``"256GB"``, ``"2TB"``) override the preset's. A ``memory`` that is not the preset's names the result ``"a100 rates with 24GB"``: the
+    preset's rates on a GPU of that memory, not that GPU."""
     name, _, rest = spec.partition(":")
     name = name.strip().lower()
     if name != "custom":
         if rest or name not in GPUS:
-            raise ValueError(f"--gpu {spec!r}: choose one of {', '.join(GPUS)}, or custom:peak=TFLOPS,hbm=GBPS,"
-                             f"nvlink=GBPS,network=GBPS[,memory=GB,node=GPUS,matmul=FRACTION,base=PRESET].")
+            raise ValueError(f"--gpu {spec!r} is not in the catalogue: choose one of {', '.join(GPUS)} (memory and "
+                             f"rates in lightning_megatron/plan/hardware.py), or describe it as custom:peak=TFLOPS,"
+                             f"hbm=GBPS,nvlink=GBPS,network=GBPS[,memory=GB,node=GPUS,matmul=FRACTION,base=PRESET].")
         hardware = GPUS[name]
     else:
         values = dict(item.split("=", 1) for item in rest.split(",") if "=" in item)
@@ -200,8 +264,9 @@ def parse_gpu(spec: str, *, memory: Optional[str] = None, gpus_per_node: Optiona
             changes[field] = int(number) if field in ("gpus_per_node", "streaming_multiprocessors") else number * unit
         hardware = replace(GPUS[base], name="custom", **{k: (int(v) if k in _BYTE_FIELDS else v)
                                                           for k, v in changes.items()})
-    if memory is not None:
-        hardware = replace(hardware, memory_bytes=parse_bytes(memory))
+    if memory is not None and parse_bytes(memory) != hardware.memory_bytes:  # another GPU's memory: said in its name
+        hardware = replace(hardware, name=f"{hardware.name} rates with {memory.strip()}",
+                           memory_bytes=parse_bytes(memory))
     if host_memory is not None:
         hardware = replace(hardware, host_memory_bytes=parse_bytes(host_memory))
     if disk is not None:

@@ -105,7 +105,7 @@ def step_time(shape: ModelShape, layout: Layout, workload: Workload, hardware: H
 
     # ---- compute of one micro-batch on the slowest rank
     core = attention_core_flops(shape, workload.seq_length, skip_masked_half=workload.attention == "flash") / tp
-    # Flash attention's fused kernels run at attention_efficiency; materialised scores are batched GEMMs.
+    # Flash attention's fused kernels reach attention_efficiency of the peak; materialised scores are batched GEMMs.
     core_rate = (hardware.peak(workload.sixteen_bit_compute) * hardware.attention_efficiency
                  if workload.attention == "flash" else flops_rate)
     vocab = padded_size(shape.vocab_size, tp, workload.pad_vocab_to_multiple_of) / tp  # this rank's logits
