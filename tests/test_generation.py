@@ -143,6 +143,33 @@ def test_every_layout_generates_what_transformers_and_one_process_do(tmp_path):
                 assert got["gathered_max_abs_diff"] < 1e-5, (rank, check, got["gathered_max_abs_diff"])
 
 
+def test_gather_vocab_logits_needs_no_head_at_tp1_and_gives_what_tp2_gives():
+    """At tensor_parallel_size=1 the strategy's head still marks its (padded) logits: ``gather_vocab_logits`` drops
+    the padding without ``head=``, giving the Hugging Face model's logits, the oracle the tp2 check above gathers to
+    (``workers/generation.py``); full-vocabulary functions still work on them, the vocabulary being whole."""
+    import torch.nn.functional as F
+
+    from hf_parity import converted
+    from lightning_megatron.parallel import ParallelConfig, ParallelState
+    from lightning_megatron.tensor_parallel import gather_vocab_logits
+
+    hf = hf_gpt2_setup.build_hf_model()
+    model = worker.build(ParallelState.create(ParallelConfig(), "cpu"), converted(hf, seed=hf_gpt2_setup.SEED))
+    ids = hf_gpt2_setup.sample_input_ids()[:, :9]
+    with torch.no_grad():
+        logits, expected = model(ids), hf(ids).logits
+    assert logits.shape[-1] > expected.shape[-1]  # the padded vocabulary: 300 -> 384 columns
+    torch.testing.assert_close(gather_vocab_logits(logits), expected, atol=1e-5, rtol=0)
+    torch.testing.assert_close(gather_vocab_logits(logits.float()[:, -1]), expected[:, -1], atol=1e-5, rtol=0)
+    torch.testing.assert_close(F.cross_entropy(logits.flatten(0, 1), ids.flatten()),
+                               F.cross_entropy(expected.flatten(0, 1), ids.flatten()), atol=1e-5, rtol=0)
+    assert torch.equal(logits.argmax(-1), expected.argmax(-1))
+    with pytest.raises(ValueError, match=r"pass the output layer as head= \(e.g. head=model.lm_head\)"):
+        gather_vocab_logits(logits.as_subclass(torch.Tensor))
+    torch.testing.assert_close(gather_vocab_logits(logits.as_subclass(torch.Tensor), head=model), expected,
+                               atol=1e-5, rtol=0)
+
+
 @pytest.mark.slow
 def test_generate_command_reads_a_hugging_face_directory_and_matches_its_generate(tmp_path, capsys):
     from lightning_megatron.data.tokenizers import load_tokenizer
@@ -155,7 +182,8 @@ def test_generate_command_reads_a_hugging_face_directory_and_matches_its_generat
     expected = hf.generate(torch.tensor([byte.encode("print(")]), max_new_tokens=10, do_sample=False, pad_token_id=0)
     assert capsys.readouterr().out.split("\n" + "-" * 40)[0] == byte.decode(expected[0].tolist())
     hf_gpt2_setup.build_hf_model().save_pretrained(tmp_path / "other")  # vocabulary 300, no tokenizer.json
-    for checkpoint, message in [(tmp_path / "other", "holds no tokenizer.json: pass --tokenizer"),
+    no_tokenizer = "holds no tokenizer (tokenizer_config.json or tokenizer.json): pass --tokenizer"
+    for checkpoint, message in [(tmp_path / "other", no_tokenizer),
                                 (tmp_path / "missing", "No checkpoint at")]:
         with pytest.raises(SystemExit):
             generate_main(["--checkpoint", str(checkpoint), "--prompt", "x"])

@@ -22,6 +22,10 @@ every adapted layer, taking the base from the checkpoint or, for an adapter-only
 directory its reference names (checked against the fingerprint recorded at the save: ``checkpoint.base``); with
 ``--peft`` it writes the adapters alone as a PEFT adapter directory (``adapter_config.json`` +
 ``adapter_model.safetensors``) that ``peft.PeftModel.from_pretrained(base, directory)`` loads.
+An export of a run that started from a Hugging Face directory (``pretrained``, or an adapter-only checkpoint's base)
+carries that base's tokenizer files, its special token ids (``config.json``) and a ``generation_config.json``
+(``huggingface.companions``), so that ``transformers`` and ``lightning-megatron generate`` use it as is; without a
+recorded base the command says what to add.
 Nothing is ever unpickled but tensors and plain containers (``torch.load(weights_only=True)``, or DCP's index).
 """
 
@@ -64,6 +68,7 @@ from lightning_megatron.checkpoint.sharded import (
 from lightning_megatron.checkpoint.training_state import LAYOUT_KEY
 from lightning_megatron.huggingface import TensorSource, read_hf, write_hf
 from lightning_megatron.huggingface.adapters import write_peft_adapter
+from lightning_megatron.huggingface.companions import GENERATION_CONFIG, special_token_ids, write_companions
 from lightning_megatron.huggingface.io import DEFAULT_MAX_SHARD_SIZE, safetensors_torch
 from lightning_megatron.models.bert import BERTConfig
 from lightning_megatron.models.gpt import GPTConfig
@@ -285,15 +290,19 @@ def convert(source: Union[str, Path], out: Union[str, Path], *, model_type: Opti
             if lora is None:
                 raise ValueError(f"--peft exports LoRA adapters, but {source} was saved by a run without lora; "
                                  f"leave --peft out to export the model.")
-            base = reference["pretrained"] if reference is not None else hyper.get("pretrained")
+            base = recorded_base(trainer_state)
             write_peft_adapter(out, config, adapter_tensors(tensors), lora, base_model=base, model_type=model_type)
             return f"wrote a PEFT LoRA adapter to {out} (base model: {base or 'not recorded'})"
         if lora is not None:
             tensors = merged_source(tensors, lora.scale, reference, where=f"Checkpoint {source}")
         check_replaceable(out, what="Hugging Face model", hf_export=True)
-        write_hf(out, config, tensors, model_type=model_type, max_shard_size=max_shard_size)
+        base = recorded_base(trainer_state)
+        usable_base = base is not None and Path(base).is_dir()
+        write_hf(out, config, tensors, model_type=model_type, max_shard_size=max_shard_size,
+                 **(special_token_ids(base) if usable_base else {}))
         merged = " (LoRA adapters merged)" if lora is not None else ""
-        return f"wrote a Hugging Face {type(config).__name__.removesuffix('Config')} model{merged} to {out}"
+        done = f"wrote a Hugging Face {type(config).__name__.removesuffix('Config')} model{merged} to {out}"
+        return f"{done}\n{companions_note(out, base, usable_base)}"
     if peft:
         raise ValueError(f"--peft exports the adapters of a checkpoint of ours; {source} is a Hugging Face directory.")
     if model_type is not None:
@@ -309,6 +318,29 @@ def convert(source: Union[str, Path], out: Union[str, Path], *, model_type: Opti
             "layout": {}, "world_size": 1}
     save_sharded(out, tensors, trainer_state, info, checksums=True)
     return f"wrote a weights-only {family} checkpoint to {out}"
+
+
+def recorded_base(trainer_state: dict[str, Any]) -> Optional[str]:
+    """The Hugging Face directory a run started from, as its checkpoint records it: the base reference of an
+    adapter-only checkpoint (resolved at the save), else the module's ``pretrained`` hyper-parameter."""
+    reference = trainer_state.get(BASE_KEY)
+    return reference["pretrained"] if reference is not None else (trainer_state.get("hyper_parameters") or {}).get(
+        "pretrained")
+
+
+def companions_note(out: Path, base: Optional[str], usable: bool) -> str:
+    """Give the export the base's tokenizer and generation settings (``huggingface.companions``), saying what it
+    got; without them, what the user should add."""
+    written = write_companions(out, base) if usable else []
+    tokenizer = [name for name in written if name != GENERATION_CONFIG]
+    settings = f"; wrote {GENERATION_CONFIG}" if GENERATION_CONFIG in written else ""
+    if tokenizer:
+        return f"copied the tokenizer of the base {base} ({', '.join(tokenizer)}){settings}"
+    why = ("the checkpoint records no base model (`pretrained`)" if base is None else
+           f"the base {base} that the checkpoint records holds no tokenizer files" if usable else
+           f"the base {base} that the checkpoint records is not there (moved, or a path relative to another directory)")
+    return (f"no tokenizer copied: {why}{settings}. A model of the byte tokenizer needs none; for another, copy its "
+            f"files into {out} (tokenizer.save_pretrained('{out}')) and set bos/eos_token_id in its config.json.")
 
 
 def verify(path: Union[str, Path]) -> str:

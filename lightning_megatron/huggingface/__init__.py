@@ -3,7 +3,8 @@ both ways.
 
 One module per family (``gpt2``, ``bert``, ``llama`` and its dialects ``mistral``, ``qwen2``, ``mixtral``,
 ``qwen2_moe``) over one name/shape mapping mechanism (``mapping``); ``io`` reads and writes
-``save_pretrained`` directories; ``convert`` picks the family. Importing this package registers the converters behind
+``save_pretrained`` directories; ``companions`` gives an export its base's tokenizer files and generation settings;
+``convert`` picks the family. Importing this package registers the converters behind
 ``GPT.from_hf``/``to_hf`` and ``BERT.from_hf``/``to_hf`` (``models/formats.py``): the models never
 import this package, which imports them.
 """

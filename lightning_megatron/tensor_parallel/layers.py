@@ -186,9 +186,10 @@ class VocabParallelEmbedding(nn.Module):
 class VocabParallelHead(ColumnParallelLinear):
     """The output projection onto a vocab-parallel embedding's rows; its logits stay split.
 
-    Logits of padding rows are set to ``-inf`` so that no softmax ever predicts them. Split over
-    more than one rank they come back marked (``logits.VocabParallelLogits``): feed them to
-    ``VocabParallelCrossEntropy``, or ``gather_vocab_logits`` them; full-vocabulary functions refuse them.
+    Logits of padding rows are set to ``-inf`` so that no softmax ever predicts them. They come back
+    marked (``logits.VocabParallelLogits``), so that ``gather_vocab_logits`` works at every tensor-parallel
+    size; split over more than one rank, feed them to ``VocabParallelCrossEntropy`` or gather them:
+    full-vocabulary functions refuse them.
     """
 
     def __init__(self, in_features: int, num_embeddings: int, bias: bool = False, *, pad_to_multiple_of: int = 128,
@@ -205,4 +206,4 @@ class VocabParallelHead(ColumnParallelLinear):
         if self.real_local_size != logits.shape[-1]:
             padding = torch.arange(logits.shape[-1], device=logits.device) >= self.real_local_size
             logits = logits.masked_fill(padding, float("-inf"))
-        return logits if self.group is None else mark_vocab_parallel(logits, self._vocab_shard)
+        return mark_vocab_parallel(logits, self._vocab_shard)

@@ -6,10 +6,12 @@ cross-entropy, argmax and sampling reduce over the group one number per token. C
 single GPU does need more, and goes wrong quietly: ``F.cross_entropy`` reads a label ``>= V/tp`` as out
 of range (an index error at a real vocabulary; a silently wrong loss when the labels happen to fit),
 and ``argmax`` picks a token of this rank's slice. So the head returns its logits as a
-:class:`VocabParallelLogits` tensor, which behaves as an ordinary tensor except that the functions that
-need the whole vocabulary (cross-entropy, softmax, argmax, top-k) refuse it with an error naming the
-fix; reshapes, dtype casts, indexing and scaling keep the mark, everything else returns plain tensors.
-:func:`gather_vocab_logits` returns the full, unpadded logits on every rank of the group.
+:class:`VocabParallelLogits` tensor, which behaves as an ordinary tensor except that, split over more
+than one rank, the functions that need the whole vocabulary (cross-entropy, softmax, argmax, top-k)
+refuse it with an error naming the fix; reshapes, dtype casts, indexing and scaling keep the mark,
+everything else returns plain tensors. The head marks its logits at ``tensor_parallel_size=1`` too (the
+whole, padded vocabulary; nothing is refused), so that :func:`gather_vocab_logits`, which returns the
+full, unpadded logits on every rank of the group, works the same at every tensor-parallel size.
 """
 
 from __future__ import annotations
@@ -35,6 +37,11 @@ class VocabShard:
     size: int
     local_width: int
     vocab_size: int
+
+    @property
+    def split(self) -> bool:
+        """Whether the vocabulary is split over several ranks (tensor parallelism), so this rank lacks part of it."""
+        return self.group is not None
 
     @staticmethod
     def of_head(head: nn.Module) -> "VocabShard":
@@ -64,17 +71,21 @@ def find_vocab_head(module: nn.Module) -> nn.Module:
 def gather_vocab_logits(logits: Tensor, head: Optional[nn.Module] = None) -> Tensor:
     """The full-vocabulary logits ``[..., vocab_size]`` (padding dropped) from this rank's slice ``[..., V/tp]``.
 
-    For a ``predict_step`` of your own: ``gather_vocab_logits(self(input_ids))``. It all-gathers over the
-    tensor-parallel group (``tp`` times the memory of the slice); training and generation never need it.
-    ``head``: the output layer (or a module holding exactly one), needed only for logits that lost their
-    mark (a plain tensor); without tensor parallelism it only drops the vocabulary padding.
+    For a ``predict_step`` of your own: ``gather_vocab_logits(self(input_ids))``, the same call at every
+    tensor-parallel size. It all-gathers over the tensor-parallel group (``tp`` times the memory of the slice);
+    at ``tensor_parallel_size=1`` it only drops the vocabulary padding. Training and generation never need it.
+    ``head``: the output layer (or a module holding exactly one), needed only for logits that lost their mark
+    (a plain tensor: an operation that does not keep it, or a model outside ``Megatron3DStrategy``).
     """
     if isinstance(logits, VocabParallelLogits):
         shard = logits.vocab_shard
     elif head is not None:
         shard = VocabShard.of_head(head if hasattr(head, "weight") else find_vocab_head(head))
     else:
-        raise ValueError("These logits carry no vocabulary shard (a plain tensor): pass the output layer as head=.")
+        raise ValueError("These logits carry no vocabulary shard (a plain tensor: the mark of the strategy's output "
+                         "layer was lost on the way, or the model runs outside Megatron3DStrategy): call "
+                         "gather_vocab_logits on the model's output as it comes, or pass the output layer as head= "
+                         "(e.g. head=model.lm_head).")
     plain = as_plain(logits)
     if plain.shape[-1] != shard.local_width:
         raise ValueError(f"Logits of width {plain.shape[-1]} are not this head's slice of {shard.local_width} columns.")
@@ -94,14 +105,15 @@ def mark_vocab_parallel(logits: Tensor, shard: VocabShard) -> Tensor:
 
 
 class VocabParallelLogits(Tensor):
-    """Logits of one rank's slice of the vocabulary (see the module docstring); ``.vocab_shard`` says which."""
+    """Logits of one rank's slice of the vocabulary, or of the whole padded one at ``tensor_parallel_size=1`` (see
+    the module docstring); ``.vocab_shard`` says which."""
 
     vocab_shard: VocabShard
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in _NEEDS_FULL_VOCABULARY:
+        if func in _NEEDS_FULL_VOCABULARY and _shard_in(args, kwargs).split:
             shard = _shard_in(args, kwargs)
             tp = dist.get_world_size(shard.group) if shard.group is not None else 1
             held = f"ids [{shard.start}, {shard.start + shard.size})" if shard.size else "padding rows"
