@@ -11,8 +11,10 @@ from typing import Any, Callable, Optional
 
 import lightning as L
 import torch
+from lightning.pytorch.callbacks import RichProgressBar
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
+from lightning_megatron.models.batch_flops import data_parallel_size
 from lightning_megatron.models.flops import flops_per_batch
 from lightning_megatron.requeue import SaveAndRequeue  # noqa: F401  (a callback configs name here)
 
@@ -89,18 +91,18 @@ class TokenThroughput(L.Callback):
     (``models/flops.py``: forward + backward, recomputation not counted) are done by all
     ``world_size = tp x cp x pp x dp`` devices together, so per device they are ``global FLOPs / step
     time / world_size``. The model's FLOPs come from its ``flops_per_batch(batch_size, seq_length)``
-    method; without one, from ``models/flops.py`` on ``pl_module.config``; a ``flops_per_batch`` *number*
-    (the attribute Lightning's ``ThroughputMonitor`` reads) is taken as the model FLOPs of one rank's batch.
+    method; without one, from ``models/flops.py`` on ``pl_module.config``; else a ``flops_per_batch``
+    *number* (the attribute Lightning's ``ThroughputMonitor`` reads) is taken as the model FLOPs of one rank's batch.
 
     Why this and not ``lightning.pytorch.callbacks.ThroughputMonitor``: Lightning multiplies each rank's
     counts by the world size (``samples_per_sec = device/samples_per_sec x world_size``, the module's
     ``flops_per_batch`` number ``x world_size``), but the ``tp x pp`` ranks of one replica train on the
     same samples. Its samples/s and items/s are therefore ``tp x pp`` times too high, and so are its FLOP/s,
-    per-device FLOP/s and MFU when ``flops_per_batch`` is the model's FLOPs of a rank's batch (what its docs
-    compute with ``measure_flops`` on the whole model): 2x at tp=2 or pp=2, 4x at tp=2 x pp=2, measured
-    side by side in ``tests/test_throughput.py``. It also logs from rank 0 only, once its window (100
-    updates by default) is full, and a ``flops_per_batch`` *method* (GPT's, BERT's) makes it fail: it
-    multiplies the attribute by the world size.
+    per-device FLOP/s and MFU when a module's own ``flops_per_batch`` is the model's FLOPs of a rank's batch
+    (what its docs compute with ``measure_flops`` on the whole model): 2x at tp=2 or pp=2, 4x at tp=2 x pp=2,
+    measured side by side in ``tests/test_throughput.py``. GPT's and BERT's ``flops_per_batch`` is one
+    device's share instead (``models/batch_flops.py``), so with them its FLOP/s and MFU are right. It also
+    logs from rank 0 only, once its window (100 updates by default) is full.
 
     ``peak_flops``: a device's peak FLOP/s for MFU; by default from :data:`PEAK_FLOPS` for the CUDA
     device and the Trainer's precision. Without one (on CPU, or a device not in the table) MFU is not
@@ -157,8 +159,7 @@ class TokenThroughput(L.Callback):
         self._last, self._step, self._tokens, self._flops = now, trainer.global_step, 0, 0
 
     def _log(self, trainer: L.Trainer, pl_module: L.LightningModule, seconds: float) -> None:
-        replicas = getattr(trainer.strategy, "distributed_sampler_kwargs", None) or {}
-        dp = replicas.get("num_replicas", 1)
+        dp = data_parallel_size(trainer)
         self.metrics = {"tokens_per_sec": self._tokens * dp / seconds}
         if self._flops is not None:
             per_device = self._flops * dp / seconds / trainer.world_size
@@ -182,20 +183,31 @@ class TokenThroughput(L.Callback):
 
 
 def _model_flops(pl_module: L.LightningModule, batch_size: int, seq_length: int) -> Optional[float]:
-    """Model FLOPs of one rank's ``batch_size x seq_length`` batch: the module's ``flops_per_batch`` method (or
-    number, Lightning's convention), else ``models/flops.py`` on its ``config``; None if neither is there."""
+    """Model FLOPs of one rank's ``batch_size x seq_length`` batch: the module's ``flops_per_batch`` method, else
+    ``models/flops.py`` on its ``config``, else its ``flops_per_batch`` number (Lightning's convention); None if
+    none is there. The config comes before the number: GPT's and BERT's number is one device's share."""
     own = getattr(pl_module, "flops_per_batch", None)
     if callable(own):
         return own(batch_size, seq_length)
-    if isinstance(own, Number):
-        return own
     config = getattr(pl_module, "config", None)
-    if config is None:
-        return None
-    try:
-        return flops_per_batch(config, batch_size, seq_length)
-    except TypeError:
-        return None
+    if config is not None:
+        try:
+            return flops_per_batch(config, batch_size, seq_length)
+        except TypeError:
+            pass
+    return own if isinstance(own, Number) else None
+
+
+class StepRichProgressBar(RichProgressBar):
+    """Lightning's rich progress bar, which reads "Epoch 0/-2" in a run by ``max_steps`` (``max_epochs=-1``: no
+    epoch limit); this one reads "Epoch 0" there, the bar counting the batches. ``lightning-megatron`` uses it in
+    place of Lightning's default."""
+
+    def _get_train_description(self, current_epoch: int) -> str:
+        max_epochs = self.trainer.max_epochs
+        if max_epochs is None or max_epochs >= 0:
+            return super()._get_train_description(current_epoch)
+        return f"{f'Epoch {current_epoch}':{len(self.validation_description)}}"  # padded as Lightning's, no flicker
 
 
 class PipelineTimeline(L.Callback):

@@ -12,33 +12,72 @@ Example::
 
 from __future__ import annotations
 
+import shutil
 import sys
+import textwrap
 import warnings
 from typing import Callable, Optional, Sequence
 
 import lightning as L
-from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.callbacks import RichProgressBar
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 import lightning_megatron  # noqa: F401  (registers the "megatron_3d" strategy)
+from lightning_megatron.callbacks import StepRichProgressBar
 from lightning_megatron.checkpoint.commands import main as checkpoint_main
+from lightning_megatron.cli_errors import TRACEBACK_VARIABLE, did_you_mean, parser_keys, report_build_error
 from lightning_megatron.data.preprocess import document_ends_main
 from lightning_megatron.data.preprocess import main as preprocess_main
 from lightning_megatron.generation.cli import main as generate_main
 from lightning_megatron.plan.command import main as plan_main
 from lightning_megatron.data.preprocess import train_tokenizer_main
 
-# name -> (one-line help, main(argv) function); each tool parses its own arguments.
+# name -> (help in whole sentences, main(argv) function); each tool parses its own arguments.
 TOOLS: dict[str, tuple[str, Callable[[Sequence[str]], None]]] = {
-    "preprocess": ("tokenise a .jsonl/.txt/.parquet file or a Hugging Face datasets directory into a Megatron "
-                   ".bin/.idx dataset", preprocess_main),
-    "document-ends": ("record each document's last token of an existing .bin/.idx dataset in PREFIX.ends (index "
-                      "builds then read only the .idx)", document_ends_main),
-    "train-tokenizer": ("train a byte-level BPE or BERT WordPiece tokenizer.json", train_tokenizer_main),
-    "checkpoint": ("inspect, consolidate or convert (Hugging Face) a checkpoint, sharded or full", checkpoint_main),
-    "generate": ("continue prompts with a GPT from a checkpoint or a Hugging Face directory (KV cache)", generate_main),
-    "plan": ("predict memory per GPU and step time of every valid layout of a config on N GPUs; write the best",
-             plan_main),
+    "preprocess": ("Tokenise .jsonl, .txt and .parquet files, folders of them and Hugging Face datasets directories "
+                   "into one Megatron .bin/.idx dataset.", preprocess_main),
+    "document-ends": ("Record each document's last token of an existing .bin/.idx dataset in PREFIX.ends, so that "
+                      "index builds read only the .idx.", document_ends_main),
+    "train-tokenizer": ("Train a byte-level BPE or a BERT WordPiece tokenizer.json.", train_tokenizer_main),
+    "checkpoint": ("Inspect, consolidate or convert (to Hugging Face) a checkpoint, sharded or full.",
+                   checkpoint_main),
+    "generate": ("Continue prompts with a GPT from a checkpoint or a Hugging Face directory (with a KV cache).",
+                 generate_main),
+    "plan": ("Predict the memory per GPU and the step time of every valid layout of a config on N GPUs, and write "
+             "a config that runs the best one (--write-config).", plan_main),
 }
+
+# LightningCLI's subcommands, described in whole sentences (its own help cuts the Trainer's docstrings short).
+TRAINER_COMMANDS = {
+    "fit": "Train the model (validating on the way), or resume with --ckpt_path.",
+    "validate": "Run one pass over the validation set.",
+    "test": "Run one pass over the test set.",
+    "predict": "Run the model over the prediction data (e.g. a GPT over prompts) and return its outputs.",
+}
+
+
+def help_text(width: Optional[int] = None) -> str:
+    """``lightning-megatron --help``: every subcommand and every tool, each in whole sentences."""
+    width = width or min(shutil.get_terminal_size().columns, 120)
+    name_width = max(map(len, [*TRAINER_COMMANDS, *TOOLS])) + 4
+
+    def rows(entries: dict[str, str]) -> list[str]:
+        return [textwrap.fill(text, width, initial_indent=f"  {name:<{name_width - 2}}",
+                              subsequent_indent=" " * name_width) for name, text in entries.items()]
+
+    return "\n".join([
+        "usage: lightning-megatron SUBCOMMAND [options]", "",
+        textwrap.fill("Training, with Lightning's CLI: any LightningModule and LightningDataModule by class_path, as "
+                      "the files in configs/ show. lightning-megatron SUBCOMMAND --help lists a subcommand's "
+                      "options.", width),
+        *rows(TRAINER_COMMANDS), "",
+        textwrap.fill("Tools around training. lightning-megatron TOOL --help lists a tool's options.", width),
+        *rows({name: text for name, (text, _) in TOOLS.items()}), "",
+        textwrap.fill(f"Example: lightning-megatron fit --config configs/gpt-tiny.yaml --trainer.max_steps 50. An "
+                      f"error raised while the model or the data is built prints its message only; "
+                      f"{TRACEBACK_VARIABLE}=1 shows its traceback.", width),
+    ])
 
 
 # LightningCLI warns when it is given ``args`` while ``sys.argv`` holds arguments too, in case a script meant
@@ -46,13 +85,58 @@ TOOLS: dict[str, tuple[str, Callable[[Sequence[str]], None]]] = {
 ARGS_WARNING = "LightningCLI's args parameter is intended to run from within Python"
 
 
+class MegatronArgumentParser(LightningArgumentParser):
+    """LightningCLI's parser, which adds "did you mean" to jsonargparse's error for a misspelled key."""
+
+    def error(self, message: str, ex: Optional[Exception] = None):
+        parser = getattr(ex, "subcommand_parser", None) or self
+        return super().error(message + did_you_mean(message, parser_keys(parser)), ex)
+
+
 class MegatronCLI(LightningCLI):
-    """LightningCLI as ``lightning-megatron`` runs it (nothing else differs)."""
+    """LightningCLI as ``lightning-megatron`` runs it: a misspelled key gets "did you mean", an error raised while
+    the model, the data or the Trainer is built ends the command with its own message, a ``val_check_interval``
+    longer than a ``max_steps`` run validates at its end, and the progress bar of a run by ``max_steps`` reads
+    "Epoch 0", not "Epoch 0/-2"."""
 
     def parse_arguments(self, parser, args) -> None:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=ARGS_WARNING, category=UserWarning)
             super().parse_arguments(parser, args)
+
+    def before_instantiate_classes(self) -> None:
+        if self.subcommand in ("fit", None):  # None: run=False, the Trainer is for the caller's own fit
+            clamp_val_check_interval((self.config[self.subcommand] if self.subcommand else self.config)["trainer"])
+
+    def instantiate_classes(self) -> None:
+        try:
+            super().instantiate_classes()
+        except Exception as error:  # noqa: BLE001  (every error is reported, none is swallowed)
+            report_build_error(error)
+
+    def instantiate_trainer(self, **kwargs) -> L.Trainer:
+        trainer = super().instantiate_trainer(**kwargs)
+        callbacks = trainer.callbacks
+        for index, callback in enumerate(callbacks):
+            if type(callback) is RichProgressBar:  # Lightning's default, not one the config chose
+                callbacks[index] = StepRichProgressBar()
+        return trainer
+
+
+def clamp_val_check_interval(trainer) -> None:
+    """A whole-number ``val_check_interval`` (in batches) larger than the ``max_steps x accumulate_grad_batches``
+    batches of the run would never validate (Lightning refuses it when the training data is that short): the run
+    validates after its last batch instead, which a log line says (``configs/*.yaml --trainer.max_steps 50``)."""
+    interval, max_steps = trainer.get("val_check_interval"), trainer.get("max_steps")
+    accumulate = trainer.get("accumulate_grad_batches") or 1
+    if isinstance(interval, bool) or not isinstance(interval, int) or not max_steps or max_steps < 0:
+        return
+    batches = max_steps * accumulate
+    if interval > batches:
+        trainer["val_check_interval"] = batches
+        rank_zero_info(f"val_check_interval={interval} batches is more than this run's {batches} (max_steps="
+                       f"{max_steps} x accumulate_grad_batches={accumulate}): validating after batch {batches}, the "
+                       f"last, instead.")
 
 
 def run_lightning_cli(args: Optional[Sequence[str]] = None) -> LightningCLI:
@@ -66,6 +150,7 @@ def run_lightning_cli(args: Optional[Sequence[str]] = None) -> LightningCLI:
         subclass_mode_data=True,
         seed_everything_default=1234,
         save_config_kwargs={"overwrite": True},
+        parser_class=MegatronArgumentParser,
         args=args,
     )
 
@@ -77,8 +162,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     if argv and argv[0] in TOOLS:
         TOOLS[argv[0]][1](argv[1:])
         return
-    if argv and argv[0] in ("-h", "--help") and TOOLS:
-        print("Tools: " + "; ".join(f"{name}: {help_}" for name, (help_, _) in TOOLS.items()))
+    if argv and argv[0] in ("-h", "--help"):
+        print(help_text())
+        return
     run_lightning_cli(None if from_command_line else argv)
 
 

@@ -224,3 +224,117 @@ def test_tiny_sft_config_learns_the_taught_answer_format(tmp_path, capsys):
     answers = [block.split("\n", 1)[1].strip() for block in printed]
     assert len(answers) == len(prompts)
     assert all(ANSWER_PATTERN.fullmatch(answer) for answer in answers), list(zip(prompts, answers))
+
+
+# ------------------------------------------------------------------ what a user reads: help, typos, build errors
+def test_help_lists_every_subcommand_and_tool_in_whole_sentences(capsys):
+    """Today's help: the tools on one line, cut mid-sentence ("...; write the best"), then Lightning's help with
+    fit/validate/test/predict only, two of them cut ("never run on your")."""
+    from lightning_megatron.cli import TOOLS, TRAINER_COMMANDS
+
+    main(["--help"])
+    printed = " ".join(capsys.readouterr().out.split())
+    descriptions = {**TRAINER_COMMANDS, **{name: text for name, (text, _) in TOOLS.items()}}
+    assert set(descriptions) == {"fit", "validate", "test", "predict", "preprocess", "document-ends",
+                                 "train-tokenizer", "checkpoint", "generate", "plan"}
+    for name, text in descriptions.items():
+        assert text[0].isupper() and text.endswith("."), (name, text)
+        assert f"{name} {text}" in printed, name
+
+
+def write_config(tmp_path, edit) -> Path:
+    """gpt-tiny.yaml with ``edit(config)`` applied, as a user's own config file."""
+    config = yaml.safe_load(CONFIG.read_text())
+    edit(config)
+    path = tmp_path / "mine.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def rename(section: dict, old: str, new: str) -> None:
+    section[new] = section.pop(old)
+
+
+@pytest.mark.parametrize("where, edit, extra, hint", [
+    ("yaml", lambda c: rename(c["model"]["init_args"], "learning_rate", "learnng_rate"), [], "'learning_rate'"),
+    ("yaml", lambda c: rename(c["data"]["init_args"], "seq_length", "seq_lenght"), [], "'seq_length'"),
+    ("yaml", lambda c: rename(c["trainer"], "max_steps", "max_step"), [], "'trainer.max_steps'"),
+    ("yaml", lambda c: rename(c["trainer"]["strategy"]["init_args"], "tensor_parallel_size", "tensor_paralel_size"),
+     [], "'tensor_parallel_size'"),
+    ("command line", None, ["--model.init_args.learnng_rate", "0.1"], "'learning_rate'"),
+    ("command line", None, ["--trainer.max_stepz", "5"], "'trainer.max_steps'"),
+], ids=["model-yaml", "data-yaml", "trainer-yaml", "strategy-yaml", "model-argument", "trainer-argument"])
+def test_a_misspelled_key_gets_did_you_mean(tmp_path, capsys, where, edit, extra, hint):
+    config = write_config(tmp_path, edit) if edit else CONFIG
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", str(config), *extra])
+    assert exit_info.value.code == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert f"did you mean {hint}?" in last, last
+
+
+def test_an_error_while_building_the_model_is_its_message_alone(capsys, monkeypatch):
+    """Today: ~80 lines, two tracebacks and jsonargparse's ``Namespace(...)`` dump as the last line."""
+    from lightning_megatron.cli_errors import TRACEBACK_VARIABLE
+
+    monkeypatch.delenv(TRACEBACK_VARIABLE, raising=False)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", str(CONFIG), "--model.init_args.config", "gpt-tinyy"])
+    assert exit_info.value.code == 1
+    err = capsys.readouterr().err
+    assert err.strip().splitlines()[-1].startswith("error: Unknown GPT preset 'gpt-tinyy'. Available presets:")
+    assert "Traceback" not in err and "Namespace(" not in err and len(err.strip().splitlines()) <= 3, err
+    assert f"{TRACEBACK_VARIABLE}=1" in err
+    monkeypatch.setenv(TRACEBACK_VARIABLE, "1")  # the way to the whole traceback the message names
+    with pytest.raises(ValueError) as raised:
+        main(["fit", "--config", str(CONFIG), "--model.init_args.config", "gpt-tinyy"])
+    assert "gpt-tinyy" in str(raised.value.__cause__)
+
+
+def test_an_error_not_raised_by_the_project_keeps_one_traceback():
+    """Another library's error while building is raised as itself, without jsonargparse's wrapper around it."""
+    from lightning_megatron.cli_errors import report_build_error
+
+    def users_module():
+        raise TypeError("a bug in the user's own module")
+
+    try:
+        try:
+            users_module()
+        except TypeError as error:
+            raise ValueError("Does not validate against any of the Union subtypes") from error
+    except ValueError as wrapper:
+        with pytest.raises(TypeError, match="user's own module") as raised:
+            report_build_error(wrapper)
+    assert raised.value.__suppress_context__ and raised.value.__cause__ is None
+
+
+@pytest.mark.parametrize("config", sorted(p.name for p in (REPO / "configs").glob("*.yaml")))
+def test_every_config_validates_within_a_short_run(config):
+    """``--trainer.max_steps 5`` with every shipped config: a val_check_interval longer than the run's batches
+    becomes its last batch (Lightning refuses the longer one: "val_check_interval (100) must be less than or equal
+    to the number of the training batches (5)"); a shorter one stays."""
+    from lightning_megatron.cli import clamp_val_check_interval
+
+    trainer = yaml.safe_load((REPO / "configs" / config).read_text())["trainer"]
+    interval, accumulate = trainer.get("val_check_interval"), trainer.get("accumulate_grad_batches", 1)
+    for max_steps in (5, 10**9):
+        short = {**trainer, "max_steps": max_steps}
+        clamp_val_check_interval(short)
+        if isinstance(interval, int):
+            assert short["val_check_interval"] == min(interval, max_steps * accumulate)
+        else:
+            assert short["val_check_interval"] == interval
+
+
+@pytest.mark.slow
+def test_the_default_config_with_fewer_steps_than_its_val_check_interval(tmp_path):
+    """The README's ``fit --config configs/gpt-tiny.yaml`` with ``--trainer.max_steps 3`` (its val_check_interval is
+    100): it trains, validates after the last step, and its progress bar reads "Epoch 0", not "Epoch 0/-2"."""
+    result = run_command(tmp_path, "fit", "--config", str(CONFIG), "--trainer.max_steps", "3", "--data.max_files=40",
+                         f"--trainer.default_root_dir={tmp_path}")
+    output = result.stdout + result.stderr
+    assert "val_check_interval=100 batches is more than this run's 3" in output
+    assert "Epoch 0" in output and "Epoch 0/-2" not in output
+    assert "val_loss:" in output  # the progress bar's metrics, after the validation at step 3
+    assert open_sharded(next(tmp_path.rglob("*.ckpt"))).trainer_state()["global_step"] == 3

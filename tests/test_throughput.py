@@ -13,6 +13,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.data import DataLoader
 from torch.utils.flop_counter import FlopCounterMode
+from lightning.pytorch.callbacks import ThroughputMonitor
 from lightning.pytorch.loggers.logger import Logger
 
 from launch import launch
@@ -87,7 +88,7 @@ def test_bert_formula_counts_what_torch_counts(config):
         side["sentence_order_labels"] = torch.zeros(batch, dtype=torch.long)
     counted = counted_by_torch(BERTModel(config), lambda model: model.loss(tokens, tokens, **side).loss_sum)
     assert bert_flops_per_batch(config, batch, seq) == counted
-    assert BERT(config).flops_per_batch(batch, seq) == counted
+    assert config.flops_per_batch(batch, seq) == counted
 
 
 @pytest.mark.parametrize("name", sorted(GPTConfig.presets()))
@@ -115,14 +116,24 @@ def test_flops_per_batch_dispatches_on_the_config():
 
 
 def test_the_callback_finds_the_model_flops():
-    """Method (BERT), config (GPT: models/flops.py, or its own method), a number (Lightning's attribute), nothing."""
+    """A method, the config (GPT, BERT: models/flops.py, also before their number, one device's share), a number
+    (Lightning's attribute), nothing."""
     assert _model_flops(BERT(), 2, 8) == bert_flops_per_batch(BERTConfig(), 2, 8)
     assert _model_flops(GPT(), 2, 8) == gpt_flops_per_batch(GPTConfig(), 2, 8)
 
     class Numbered(L.LightningModule):
         flops_per_batch = 123
 
+    class Method(L.LightningModule):
+        def flops_per_batch(self, batch_size, seq_length):
+            return batch_size * seq_length
+
+    class NumberedGPT(GPT):
+        flops_per_batch = 123
+
     assert _model_flops(Numbered(), 2, 8) == 123
+    assert _model_flops(Method(), 2, 8) == 16
+    assert _model_flops(NumberedGPT(), 2, 8) == gpt_flops_per_batch(GPTConfig(), 2, 8)
     assert _model_flops(L.LightningModule(), 2, 8) is None
 
 
@@ -201,6 +212,52 @@ def test_one_process_accumulation_validation_and_no_mfu_on_cpu(caplog):
     assert len(said) == 1 and "CPU" in said[0] and "peak_flops=" in said[0]
 
 
+class BatchFlopsSeen(L.Callback):
+    """``pl_module.flops_per_batch`` as Lightning's ThroughputMonitor reads it, after each batch."""
+
+    def __init__(self):
+        self.train, self.validation = [], []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.train.append((pl_module.flops_per_batch, tuple(batch["input_ids"].shape)))
+
+    def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0):
+        self.validation.append((pl_module.flops_per_batch, tuple(batch["input_ids"].shape)))
+
+
+def tiny_bert_data(rows=8, seq=16):
+    torch.manual_seed(0)
+    tokens = torch.randint(5, 100, (rows, seq))
+    samples = [{"input_ids": row, "labels": row, "attention_mask": torch.ones(seq),
+                "token_type_ids": torch.zeros_like(row), "sentence_order_label": torch.tensor(0)} for row in tokens]
+    return DataLoader(samples, batch_size=2)
+
+
+@pytest.mark.parametrize("kind", ["gpt", "bert"])
+def test_lightnings_throughput_monitor_runs_on_the_provided_modules(kind):
+    """Today's code: ``TypeError: unsupported operand type(s) for *: 'method' and 'int'`` at the first batch. The
+    number Lightning reads is the model FLOPs of each batch (forward + backward; forward only for validation)."""
+    if kind == "gpt":
+        config = GPTConfig(vocab_size=257, hidden_size=32, num_layers=1, num_heads=2, max_seq_length=16)
+        module, train, val, formula = GPT(config), tiny_gpt_data(8), tiny_gpt_data(rows=3), gpt_flops_per_batch
+    else:
+        config = BERTConfig(vocab_size=128, hidden_size=32, num_layers=1, num_heads=2, max_seq_length=16)
+        module, train, val, formula = BERT(config), tiny_bert_data(), tiny_bert_data(rows=3), bert_flops_per_batch
+    seen, logger = BatchFlopsSeen(), RecordingLogger()
+    monitor = ThroughputMonitor(batch_size_fn=lambda batch: batch["input_ids"].shape[0], window_size=2)
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=3, callbacks=[monitor, seen], logger=logger,
+                        log_every_n_steps=1, val_check_interval=3, limit_val_batches=2, num_sanity_val_steps=0,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    assert module.flops_per_batch is None, "no batch seen yet"
+    trainer.fit(module, train, val)
+    assert len(seen.train) == 3 and [shape for _, shape in seen.validation] == [(2, 16), (1, 16)]
+    for flops, shape in seen.train:
+        assert flops == formula(config, *shape)
+    for flops, shape in seen.validation:
+        assert flops == formula(config, *shape) / 3
+    assert any("train/device/flops_per_sec" in record for record in logger.records)
+
+
 # ------------------------------------------------------------------ real Trainer runs, 4 ranks, one launch
 DURATIONS = [0.5, 0.25, 2.0, 1.0, 4.0]  # seconds of step k (durations[k - 1]) on the worker's step clock
 PEAK = 1e8
@@ -254,6 +311,40 @@ def test_lightnings_throughput_monitor_is_tp_times_pp_too_high(throughput_runs, 
         flops_per_device = record["train/device/flops_per_sec"] * (end - start)
         assert samples == pytest.approx(layout["tp"] * layout["pp"] * global_batch, rel=1e-6)
         assert flops_per_device == pytest.approx(world // dp * true_flops_per_device, rel=1e-6)
+
+
+PROVIDED = [dict(name="gpt-tp2", tp=2, model="gpt"), dict(name="bert-tp2", tp=2, model="bert")]
+
+
+@pytest.fixture(scope="module")
+def provided_module_runs(tmp_path_factory):
+    options = dict(clock="steps", durations=DURATIONS[:3], peak_flops=PEAK, steps=3, layouts=PROVIDED)
+    results, _ = launch("throughput.py", 2, tmp_path_factory.mktemp("provided"), json.dumps(options))
+    assert len(results) == 2
+    return results
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", PROVIDED, ids=[layout["name"] for layout in PROVIDED])
+def test_lightnings_throughput_monitor_counts_flops_per_device_of_the_provided_modules(provided_module_runs, layout):
+    """GPT and BERT at tp2 under Lightning's own launcher: its per-device FLOP/s times its own step time is the model
+    FLOPs of the rank's batch (models/flops.py) shared by the two tensor-parallel ranks. Today's code: TypeError."""
+    config = GPTConfig(vocab_size=VOCAB, max_seq_length=SEQ, hidden_size=HIDDEN, num_layers=LAYERS, num_heads=4)
+    formula = gpt_flops_per_batch
+    if layout["model"] == "bert":
+        config, formula = BERTConfig.from_name("bert-tiny"), bert_flops_per_batch
+    run = provided_module_runs[0][layout["name"]]  # Lightning's monitor logs on rank 0 only
+    assert (run["dp"], run["world_size"]) == (1, 2)
+    per_device = formula(config, run["per_rank_batch"], run["seq_length"]) / layout["tp"]
+    times = [record["train/time"] for record in run["records"] if "train/time" in record]
+    rates = [record for record in run["records"] if "train/device/flops_per_sec" in record]
+    assert len(times) == 3 and len(rates) == 2
+    for record, start, end in zip(rates, times, times[1:]):
+        assert record["train/device/flops_per_sec"] * (end - start) == pytest.approx(per_device, rel=1e-6)
+        assert record["train/flops_per_sec"] * (end - start) == pytest.approx(2 * per_device, rel=1e-6)
+    ours = [record for record in provided_module_runs[1][layout["name"]]["records"] if "tflops_per_device" in record]
+    ours_per_device = [record["tflops_per_device"] * 1e12 * seconds for record, seconds in zip(ours, DURATIONS[1:3])]
+    assert ours_per_device == pytest.approx([per_device] * 2)  # TokenThroughput agrees
 
 
 # ------------------------------------------------------------------ a run with no last step (max_time)

@@ -25,6 +25,7 @@ from torchmetrics import MeanMetric
 
 from lightning_megatron.context_parallel.inputs import SequenceInputs
 from lightning_megatron.generation import full_logits
+from lightning_megatron.models.batch_flops import BatchFlops
 from lightning_megatron.models.flops import bert_flops_per_batch
 from lightning_megatron.models.formats import HFFormat, hf_format_for
 from lightning_megatron.models.optim_recipe import PretrainingRecipe
@@ -336,7 +337,7 @@ def _head_outputs(outputs) -> tuple:
     return (*outputs, None, None)[:3]
 
 
-class BERT(PretrainingRecipe):
+class BERT(BatchFlops, PretrainingRecipe):
     """A BERT LightningModule to pre-train as is or to subclass.
 
     Example::
@@ -377,10 +378,6 @@ class BERT(PretrainingRecipe):
     def configure_model(self) -> None:
         if self.model is None:
             self.model = BERTModel(self.config)
-
-    def flops_per_batch(self, batch_size: int, seq_length: int) -> int:
-        """Model FLOPs (forward + backward) of ``batch_size`` sequences of ``seq_length`` (``models/flops.py``)."""
-        return self.config.flops_per_batch(batch_size, seq_length)
 
     @staticmethod
     def hf_format() -> HFFormat:

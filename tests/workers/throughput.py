@@ -3,9 +3,10 @@
 argv: OUT_DIR JSON_OPTIONS with ``layouts`` (each: name, tp, pp, accumulate, micro_batch_size), ``steps``,
 ``peak_flops``, ``durations`` (the seconds step k takes on the step clock: ``durations[k - 1]``) and ``clock``
 (``"steps"``: that clock, ``"real"``: ``time.perf_counter``). Each fit runs ``TokenThroughput`` and Lightning's
-``ThroughputMonitor`` side by side on a GPT whose ``flops_per_batch`` is the number Lightning's monitor reads (the
-model FLOPs of one rank's batch, as its docs compute it). Rank r writes rank{r}.json: per layout, every metrics
-dict the loggers received (Lightning's monitor logs from rank 0 only), the progress-bar keys and the sizes.
+``ThroughputMonitor`` side by side on a layout's ``model``: ``"lightning_style"`` (the default), a GPT whose
+``flops_per_batch`` is the model FLOPs of one rank's batch, as Lightning's docs compute it; ``"gpt"`` and
+``"bert"``, the provided modules as they are. Rank r writes rank{r}.json: per layout, every metrics dict the
+loggers received (Lightning's monitor logs from rank 0 only), the progress-bar keys and the sizes.
 """
 
 import json
@@ -19,6 +20,7 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import ThroughputMonitor
 from lightning.pytorch.loggers.logger import Logger
 
+from bert_setup import fit_datamodule, fit_model
 from trainer_setup import datamodule
 from lightning_megatron import Megatron3DStrategy
 from lightning_megatron.callbacks import TokenThroughput
@@ -88,13 +90,17 @@ for layout in options["layouts"]:
     if isinstance(clock, StepClock):
         clock.trainer = trainer
     config = GPTConfig(vocab_size=257, max_seq_length=SEQ_LENGTH, hidden_size=32, num_layers=2, num_heads=4)
-    data = datamodule({})
-    trainer.fit(LightningStyleGPT(config, learning_rate=3e-3, warmup_steps=2), datamodule=data)
+    kind = layout.get("model", "lightning_style")
+    if kind == "bert":
+        module, data = fit_model(), fit_datamodule()
+    else:
+        module_class = LightningStyleGPT if kind == "lightning_style" else GPT
+        module, data = module_class(config, learning_rate=3e-3, warmup_steps=2), datamodule({})
+    trainer.fit(module, datamodule=data)
     results[layout["name"]] = {
         "records": logger.records, "progress_bar": sorted(trainer.progress_bar_metrics),
         "per_rank_batch": data.per_rank_batch_size, "dp": trainer.strategy.parallel_config.data_parallel_size,
-        "world_size": trainer.world_size, "accumulate": accumulate, "seq_length": SEQ_LENGTH,
-        "config": {"hidden_size": 32, "num_layers": 2, "vocab_size": 257},
+        "world_size": trainer.world_size, "accumulate": accumulate, "seq_length": data.seq_length,
     }
 (out_dir / f"rank{rank}.json").write_text(json.dumps(results))
 dist.barrier()
