@@ -96,7 +96,8 @@ def test_a_dataset_dict_needs_a_split_and_lists_its_splits(inputs, tmp_path):
     with pytest.raises(ValueError, match=r"--split 'train' selects a split .*in\.jsonl is a file"):
         preprocess(input=inputs / "in.jsonl", split="train", tokenizer="byte", output_prefix=tmp_path / "x")
     (tmp_path / "plain").mkdir()
-    with pytest.raises(ValueError, match=r"plain is a directory but not one written by .*save_to_disk"):
+    with pytest.raises(ValueError, match=r"plain is a folder that holds no file: no \.jsonl, \.txt or \.parquet file, and it is not a "
+                       r"directory written by .*save_to_disk"):
         preprocess(input=tmp_path / "plain", tokenizer="byte", output_prefix=tmp_path / "x")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out.bin", "out.ends", "out.idx", "out.meta.json",
                                                           "plain"]

@@ -412,15 +412,65 @@ def test_generate_asks_prompts_in_the_taught_format(hf_dir, tmp_path):
     with its generation prompt; ``plain`` the style's user turn up to the response; ``chat`` with no tokenizer
     directory names the fix."""
     from lightning_megatron.data.tokenizers import load_tokenizer
-    from lightning_megatron.generation.cli import encode_prompts
+    from lightning_megatron.generation.cli import choose_tokenizer, encode_prompts
 
-    byte = load_tokenizer("byte")
-    tokenizer, ids = encode_prompts(["hello world"], byte, prompt_style="chat", tokenizer_spec=hf_dir.chat,
-                                    checkpoint=tmp_path)
+    tokenizer = choose_tokenizer(hf_dir.chat, None, len(hf_dir.hf), prompt_style="chat")
+    ids = encode_prompts(["hello world"], tokenizer, "chat")
     expected = hf_dir.hf.apply_chat_template([{"role": "user", "content": "hello world"}], tokenize=True,
                                              add_generation_prompt=True, return_dict=False)
     assert ids == [list(expected)] and tokenizer.eos_id == hf_dir.hf.eos_token_id
-    _, ids = encode_prompts(["Reverse cat."], byte, prompt_style="plain", tokenizer_spec=None, checkpoint=tmp_path)
-    assert ids == [byte.encode("User: Reverse cat.\nAssistant: ")]
+    byte = load_tokenizer("byte")
+    assert encode_prompts(["Reverse cat."], byte, "plain") == [byte.encode("User: Reverse cat.\nAssistant: ")]
     with pytest.raises(ValueError, match="no tokenizer directory: pass --tokenizer DIR"):
-        encode_prompts(["hi"], byte, prompt_style="chat", tokenizer_spec=None, checkpoint=tmp_path)
+        choose_tokenizer(None, tmp_path, 257, prompt_style="chat")
+
+
+@pytest.mark.slow
+def test_trainer_predict_over_the_validation_loader_gives_the_logits_of_its_samples(tmp_path):
+    """``trainer.predict(model, dataloaders=dm.val_dataloader())``: Lightning rebuilds the loader for prediction
+    (keeping a last partial batch); every validation sample is predicted, in order, as the model computes it."""
+    import lightning as L
+
+    from lightning_megatron.models import GPT
+
+    L.seed_everything(3)
+    model = GPT(tiny_config("llama"))
+    dm = SFTDataModule(data_path=write_rows(tmp_path / "rows.jsonl", 40), seq_length=32, global_batch_size=4,
+                       split="75,25,0")  # 10 validation samples: batches of 4, 4 and 2
+    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False)
+    dm.trainer = trainer
+    dm.setup("fit")
+    out = trainer.predict(model, dataloaders=dm.val_dataloader())
+    logits = torch.cat([batch["logits"] for batch in out])
+    samples = [dm.val_dataset[i] for i in range(len(dm.val_dataset))]
+    assert logits.shape == (len(samples), 32, 257) and len(samples) % 4  # a last partial batch is predicted too
+    with torch.no_grad():
+        expected = torch.cat([model.predict_step({k: v[None] for k, v in s.items()})["logits"] for s in samples])
+    torch.testing.assert_close(logits, expected)
+
+
+def write_rows(path, count):
+    return write_jsonl(path, [{"prompt": f"Say {i}.", "response": f"{i}"} for i in range(count)])
+
+
+def test_a_small_held_out_split_is_told_a_split_that_gives_it_enough(tmp_path):
+    """The warning and the error about a held-out split with too few samples suggest a split other than the one
+    given, and that suggestion works."""
+    data = write_rows(tmp_path / "rows.jsonl", 100)
+    dm = attach(SFTDataModule(data_path=data, seq_length=32, global_batch_size=8))  # default split '95,5,0'
+    dm.setup("fit")
+    with pytest.warns(UserWarning, match=r"Give it a larger share than split='95,5,0' does \(e.g. split='95,10,0'\)"):
+        dm.val_dataloader()
+    dm = attach(SFTDataModule(data_path=data, seq_length=32, global_batch_size=8, split="95,10,0"))
+    dm.setup("fit")
+    assert dm.val_dataloader().batch_size == 8  # a whole global batch: no warning needed
+    # at dp=4 one validation sample is too few: the error names a split that gives it 4
+    with pytest.raises(ValueError, match=r"than split='99,1,0' does, e.g. split='99,5,0'"):
+        attach(SFTDataModule(data_path=data, seq_length=32, global_batch_size=8, split="99,1,0"),
+               dp_size=4).setup("fit")
+    attach(SFTDataModule(data_path=data, seq_length=32, global_batch_size=8, split="99,5,0"), dp_size=4).setup("fit")
+    # predicting the prompts of a split weighted 0 names a weight for it
+    dm = attach(SFTDataModule(data_path=data, seq_length=32, global_batch_size=8, predict_prompts="test"))
+    with pytest.raises(ValueError, match=r"gives that split no conversation; give it a weight, e.g. split='95,5,5'"):
+        dm.predict_dataloader()

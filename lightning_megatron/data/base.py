@@ -12,6 +12,7 @@ mid-epoch without repeating or skipping samples (``data/resumable.py``).
 
 from __future__ import annotations
 
+import math
 from typing import Any, Optional
 
 import lightning as L
@@ -19,7 +20,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_megatron.data.resumable import ResumableDataLoader, data_parallel_sampler
-from lightning_megatron.data.splits import parse_split, split_document_ranges
+from lightning_megatron.data.splits import enlarged_split, parse_split, split_document_ranges
 from lightning_megatron.data.tokenizers import check_vocab_fits
 
 #: The Lightning stage of each split's loader, for messages.
@@ -153,10 +154,13 @@ class DataParallelDataModule(L.LightningDataModule):
             return None  # a split weighted 0: no loader for it
         dataset = self.make_dataset(split, documents, num_samples)
         if len(dataset) < min_samples:
+            # samples grow with documents: a share that many times larger (a guess, doubled, when it has none)
+            factor = math.ceil(1.25 * min_samples / len(dataset)) if len(dataset) else 2 * min_samples
             raise ValueError(
                 f"The {split} split ({sum(map(len, ranges))} documents) has {len(dataset)} samples but needs at least "
                 f"{min_samples}; use more data ({self.data_source()}), a shorter seq_length, a smaller "
-                f"global_batch_size, or give it a larger share in split={self.split!r}."
+                f"global_batch_size, or give it a larger share than split={self.split!r} does, e.g. "
+                f"split={enlarged_split(self.split, split, factor)!r}."
             )
         return dataset
 
@@ -183,7 +187,9 @@ class DataParallelDataModule(L.LightningDataModule):
         rank_zero_warn(
             f"The {split} split has {len(dataset)} samples, fewer than one global batch ({self.global_batch_size}); "
             f"its loader uses batches of {size * self.data_parallel_size} ({size} per data-parallel rank) instead. "
-            f"Give it more data with split={self.split!r} for evaluations as precise as training batches."
+            f"Give it a larger share than split={self.split!r} does (e.g. split="
+            f"{enlarged_split(self.split, split, math.ceil(self.global_batch_size / max(len(dataset), 1)))!r}) for "
+            f"evaluations as precise as training batches."
         )
         return size
 

@@ -1,9 +1,10 @@
 """Text to a Megatron indexed dataset (``lightning-megatron preprocess``), and tokenizer training
 (``lightning-megatron train-tokenizer``).
 
-The input is a ``.jsonl``, ``.txt`` or ``.parquet`` file or a directory written by Hugging
-Face ``datasets`` (the formats: :mod:`lightning_megatron.data.readers`). Blank lines and empty
-texts are skipped and a document that tokenises to nothing is left out; an input left with
+The input is a ``.jsonl``, ``.txt`` or ``.parquet`` file, a directory written by Hugging
+Face ``datasets``, a folder of such files, or several of these, read one after the other in the
+order given, a folder's files sorted by path (the formats: :mod:`lightning_megatron.data.readers`).
+Blank lines and empty texts are skipped and a document that tokenises to nothing is left out; an input left with
 no document at all is an error (:class:`EmptyInputError`) and writes nothing. A malformed
 record (invalid utf-8, invalid JSON, not an object, no ``--json-key``, a value that is not a
 string, a null) is reported as ``FILE:LINE: reason`` (``FILE, row N: reason`` for parquet
@@ -29,6 +30,7 @@ sentence (:mod:`lightning_megatron.data.sentences`), as Megatron-LM stores BERT 
 Example::
 
     lightning-megatron preprocess --input corpus.jsonl --tokenizer byte --output-prefix data/corpus --workers 4
+    lightning-megatron preprocess --input books/ extra.txt --tokenizer byte --output-prefix data/all
     lightning-megatron preprocess --input wiki/ --split train --tokenizer bert.json --split-sentences \\
         --output-prefix data/wiki
 """
@@ -61,7 +63,15 @@ from lightning_megatron.data.indexed import (
     index_file,
     token_dtype,
 )
-from lightning_megatron.data.readers import Chunk, MalformedRecord, open_input, parse_record
+from lightning_megatron.data.readers import (
+    Chunk,
+    InputReader,
+    MalformedRecord,
+    input_files,
+    open_input,
+    open_inputs,
+    parse_record,
+)
 from lightning_megatron.data.sentences import split_sentences
 from lightning_megatron.data.tokenizers import (
     Tokenizer,
@@ -160,17 +170,17 @@ class _EncodedChunk(NamedTuple):
 class _ChunkEncoder:
     """Turns a chunk of records into tokens; one lives in each worker process."""
 
-    def __init__(self, *, tokenizer: str, kind: str, json_key: str, append_eos: bool, split_sentences: bool,
+    def __init__(self, *, tokenizer: str, json_key: str, append_eos: bool, split_sentences: bool,
                  dtype: np.dtype) -> None:
         self.tokenizer = load_tokenizer(tokenizer)
-        self.kind, self.json_key, self.dtype = kind, json_key, dtype
+        self.json_key, self.dtype = json_key, dtype
         self.append_eos, self.split_sentences = append_eos, split_sentences
 
     def __call__(self, chunk: Chunk) -> _EncodedChunk:
         documents, errors, blank, empty = [], [], 0, 0  # documents: each a list of its texts (sentences)
         for number, record in chunk.records:
             try:
-                text = parse_record(record, kind=self.kind, json_key=self.json_key)
+                text = parse_record(record, kind=chunk.kind, json_key=self.json_key)
             except MalformedRecord as error:
                 errors.append((number, str(error)))
                 continue
@@ -226,9 +236,9 @@ def _single_threaded_tokenizers() -> Iterator[None]:
 
 
 def _encode_chunks(
-    chunks: Iterable[Chunk], *, workers: int, encoder_kwargs: dict[str, Any]
-) -> Iterator[tuple[Chunk, _EncodedChunk]]:
-    """Each chunk with its encoding, in input order.
+    chunks: Iterable[tuple[InputReader, Chunk]], *, workers: int, encoder_kwargs: dict[str, Any]
+) -> Iterator[tuple[InputReader, Chunk, _EncodedChunk]]:
+    """Each chunk (with its reader) and its encoding, in input order.
 
     At most ``2 * workers`` chunks are in flight, so memory stays flat however large the
     input (``Pool.imap`` would read ahead without bound). Workers are forked on Linux: they
@@ -237,20 +247,20 @@ def _encode_chunks(
     with _single_threaded_tokenizers():
         if workers == 1:
             encoder = _ChunkEncoder(**encoder_kwargs)
-            for chunk in chunks:
-                yield chunk, encoder(chunk)
+            for reader, chunk in chunks:
+                yield reader, chunk, encoder(chunk)
             return
         context = multiprocessing.get_context("fork" if sys.platform == "linux" else "spawn")
         with context.Pool(workers, initializer=_start_worker, initargs=(encoder_kwargs,)) as pool:
             in_flight: deque = deque()
-            for chunk in chunks:
-                in_flight.append((chunk, pool.apply_async(_encode_in_worker, (chunk,))))
+            for reader, chunk in chunks:
+                in_flight.append((reader, chunk, pool.apply_async(_encode_in_worker, (chunk,))))
                 if len(in_flight) >= 2 * workers:
-                    chunk_done, result = in_flight.popleft()
-                    yield chunk_done, result.get()
+                    reader_done, chunk_done, result = in_flight.popleft()
+                    yield reader_done, chunk_done, result.get()
             while in_flight:
-                chunk_done, result = in_flight.popleft()
-                yield chunk_done, result.get()
+                reader_done, chunk_done, result = in_flight.popleft()
+                yield reader_done, chunk_done, result.get()
 
 
 @dataclass(frozen=True)
@@ -319,7 +329,7 @@ def load_dataset_tokenizer(prefix: str, spec: str | None = None) -> Tokenizer:
 
 def preprocess(
     *,
-    input: str | os.PathLike,
+    input: str | os.PathLike | Sequence[str | os.PathLike],
     tokenizer: str,
     output_prefix: str | os.PathLike,
     json_key: str = "text",
@@ -332,6 +342,9 @@ def preprocess(
 ) -> PreprocessResult:
     """Tokenise ``input`` into the indexed dataset ``output_prefix`` (see the module docstring).
 
+    ``input``: one input or a list of them (files, folders of files, datasets directories), read in that order;
+    the documents of all of them make one dataset.
+
     ``append_eos`` ends every stored document with the tokenizer's end-of-document id, as
     Megatron-LM's ``--append-eod`` does (Megatron's GPT dataset relies on it; ``GPTDataModule``
     accepts data with or without it). ``split_sentences`` stores each sentence of a document as
@@ -342,21 +355,25 @@ def preprocess(
         raise ValueError(f"on_error must be 'skip' or 'stop', got {on_error!r}.")
     if workers < 1:
         raise ValueError(f"workers must be at least 1, got {workers}.")
-    reader = open_input(input, json_key=json_key, split=split)
+    readers = open_inputs(input, json_key=json_key, split=split)
     tokenizer_spec = tokenizer if tokenizer == "byte" else str(Path(tokenizer).resolve())
     loaded = load_tokenizer(tokenizer_spec)
     dtype = token_dtype(loaded.vocab_size)
-    encoder_kwargs = dict(tokenizer=tokenizer_spec, kind=reader.kind, json_key=json_key, append_eos=append_eos,
+    encoder_kwargs = dict(tokenizer=tokenizer_spec, json_key=json_key, append_eos=append_eos,
                           split_sentences=split_sentences, dtype=dtype)
 
     start, skipped, counts = time.perf_counter(), 0, _RecordCounts()
-    bar = tqdm(total=reader.progress_total(), unit=reader.progress_unit, unit_scale=True,
-               desc=f"preprocess {reader.path.name}", disable=not progress, file=sys.stderr)
-    encoded_chunks = _encode_chunks(reader.chunks(), workers=workers, encoder_kwargs=encoder_kwargs)
+    units = [reader.progress_unit for reader in readers]
+    unit = "B" if "B" in units else units[0]  # over inputs of both kinds the bar counts the line files' bytes
+    bar = tqdm(total=sum(reader.progress_total() for reader in readers if reader.progress_unit == unit), unit=unit,
+               unit_scale=True, desc=f"preprocess {_inputs_named(readers, short=True)}", disable=not progress,
+               file=sys.stderr)
+    encoded_chunks = _encode_chunks(((reader, chunk) for reader in readers for chunk in reader.chunks()),
+                                    workers=workers, encoder_kwargs=encoder_kwargs)
     # closing() stops the worker pool at once when a malformed record ends the run
     with (_output_directory(Path(output_prefix).parent), bar,
           IndexedDatasetWriter(output_prefix, dtype=dtype) as writer, contextlib.closing(encoded_chunks)):
-        for chunk, encoded in encoded_chunks:
+        for reader, chunk, encoded in encoded_chunks:
             counts.records += len(chunk.records)
             counts.blank, counts.empty = counts.blank + encoded.blank, counts.empty + encoded.empty
             for number, reason in encoded.errors:
@@ -369,20 +386,22 @@ def preprocess(
                     bar.write(f"skipped {message}", file=sys.stderr)
             for tokens, sequence_lengths in encoded.documents():
                 writer.add_document(tokens, sequence_lengths)
-            bar.update(chunk.progress)
+            bar.update(chunk.progress if reader.progress_unit == unit else 0)
         documents, tokens = writer.num_documents, writer.num_tokens
         if documents == 0:  # raised inside the writer: it deletes its temporary files, an old dataset stays
             counts.skipped = skipped
-            raise counts.no_documents_error(str(reader.path), record_name=reader.record_name, keyed=reader.keyed,
-                                            json_key=json_key, written=f"{output_prefix}.bin/.idx/.ends/.meta.json")
+            raise counts.no_documents_error(_inputs_named(readers), record_name=_record_name(readers),
+                                            keyed=any(r.keyed for r in readers), json_key=json_key,
+                                            written=f"{output_prefix}.bin/.idx/.ends/.meta.json")
         # The new .bin/.idx replace the old ones as the writer closes; a crash before the new record
         # is written then leaves no record rather than the old tokenizer's, which would misdescribe them.
         meta_path = metadata_file(output_prefix)
         meta_path.unlink(missing_ok=True)
-    result = PreprocessResult(documents, tokens, skipped, time.perf_counter() - start, reader.record_name)
+    result = PreprocessResult(documents, tokens, skipped, time.perf_counter() - start, _record_name(readers))
 
+    read = [str(reader.path.resolve()) for reader in readers]
     metadata = dict(tokenizer=tokenizer_spec, vocab_size=loaded.vocab_size, eos_id=loaded.eos_id,
-                    append_eos=append_eos, split_sentences=split_sentences, input=str(reader.path.resolve()),
+                    append_eos=append_eos, split_sentences=split_sentences, input=read[0] if len(read) == 1 else read,
                     documents=documents, sequences=writer.num_sequences, tokens=tokens, skipped_lines=skipped)
     tmp = meta_path.with_name(meta_path.name + ".tmp")
     tmp.write_text(json.dumps(metadata, indent=2) + "\n")
@@ -390,8 +409,37 @@ def preprocess(
     return result
 
 
+def _inputs_named(readers: Sequence[InputReader], *, short: bool = False) -> str:
+    """The inputs read, for messages (``short``: for the progress bar)."""
+    if len(readers) == 1:
+        return readers[0].path.name if short else str(readers[0].path)
+    return f"{len(readers)} inputs" if short else f"--input {', '.join(str(r.path) for r in readers)}"
+
+
+def _record_name(readers: Sequence[InputReader]) -> str:
+    names = {reader.record_name for reader in readers}
+    return names.pop() if len(names) == 1 else "record"
+
+
+def _expand_inputs(parser: argparse.ArgumentParser, inputs: Sequence[str]) -> list[Path]:
+    """The files the command's ``--input`` names (:func:`~lightning_megatron.data.readers.input_files`); an input
+    that is missing or a folder without documents ends the command with its message; files a folder holds of
+    another kind are named on stderr."""
+    try:
+        files, left_out = input_files(inputs)
+    except (FileNotFoundError, ValueError) as error:
+        parser.error(str(error))
+    if left_out:
+        shown = ", ".join(str(path) for path in left_out[:3]) + (", ..." if len(left_out) > 3 else "")
+        print(f"{parser.prog}: not read (neither .jsonl, .txt nor .parquet): {len(left_out)} files ({shown})",
+              file=sys.stderr)
+    return files
+
+
 _INPUT_HELP = ("a .jsonl (one JSON object per line), .txt (one document per line) or .parquet file (one document "
-               "per row), or a directory written by Hugging Face datasets' save_to_disk")
+               "per row), a directory written by Hugging Face datasets' save_to_disk, or a folder: its .jsonl, .txt "
+               "and .parquet files, sub-folders included, in sorted path order. Several inputs (--input a b, or "
+               "--input a --input b) are read in the order given, into one dataset")
 _JSON_KEY_HELP = "the key (.jsonl) or column (.parquet, datasets) holding a document's text"
 _SPLIT_HELP = "the split to read from a Hugging Face DatasetDict directory"
 
@@ -400,10 +448,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     """``lightning-megatron preprocess``: see the module docstring."""
     parser = argparse.ArgumentParser(
         prog="lightning-megatron preprocess",
-        description="Tokenise a .jsonl, .txt or .parquet file or a Hugging Face datasets directory into a "
-        "Megatron-LM indexed dataset PREFIX.bin/PREFIX.idx plus PREFIX.ends and PREFIX.meta.json.",
+        description="Tokenise .jsonl, .txt and .parquet files, folders of them and Hugging Face datasets directories "
+        "into one Megatron-LM indexed dataset PREFIX.bin/PREFIX.idx plus PREFIX.ends and PREFIX.meta.json.",
     )
-    parser.add_argument("--input", required=True, help=_INPUT_HELP)
+    parser.add_argument("--input", required=True, action="extend", nargs="+", metavar="INPUT", help=_INPUT_HELP)
     parser.add_argument("--tokenizer", required=True, help="'byte' or the path of a Hugging Face tokenizer.json")
     parser.add_argument("--output-prefix", required=True,
                         help="writes PREFIX.bin, PREFIX.idx, PREFIX.ends, PREFIX.meta.json")
@@ -418,7 +466,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                         help="store each sentence of a document as a sequence of its own (BERT's segments)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
-    result = preprocess(input=args.input, tokenizer=args.tokenizer, output_prefix=args.output_prefix,
+    result = preprocess(input=_expand_inputs(parser, args.input), tokenizer=args.tokenizer,
+                        output_prefix=args.output_prefix,
                         json_key=args.json_key, workers=args.workers, on_error=args.on_error,
                         append_eos=args.append_eos, split_sentences=args.split_sentences, split=args.split,
                         progress=not args.no_progress)
@@ -475,7 +524,8 @@ def train_tokenizer_main(argv: Sequence[str] | None = None) -> None:
         "(with [PAD] [UNK] [CLS] [SEP] [MASK]; for BERT) on .jsonl/.txt/.parquet files or datasets directories, "
         "offline.",
     )
-    parser.add_argument("--input", nargs="+", required=True, help="inputs read as by preprocess: " + _INPUT_HELP)
+    parser.add_argument("--input", required=True, action="extend", nargs="+", metavar="INPUT",
+                        help="inputs read as by preprocess: " + _INPUT_HELP)
     parser.add_argument("--vocab-size", type=int, required=True, help="ids in the vocabulary, special tokens included")
     parser.add_argument("--output", required=True, help="the tokenizer.json to write")
     parser.add_argument("--model", choices=("bpe", "wordpiece"), default="bpe",
@@ -489,16 +539,16 @@ def train_tokenizer_main(argv: Sequence[str] | None = None) -> None:
     if args.lowercase and args.model != "wordpiece":
         parser.error("--lowercase applies to --model wordpiece; a byte-level BPE keeps the text as it is.")
     counts = _RecordCounts()
-    readers = [open_input(path, json_key=args.json_key, split=args.split) for path in args.input]  # fail before training
-    texts = (text for path in args.input
+    files = _expand_inputs(parser, args.input)
+    readers = open_inputs(files, json_key=args.json_key, split=args.split)  # fail before training
+    texts = (text for path in files
              for text in iter_documents(path, json_key=args.json_key, on_error=args.on_error, split=args.split,
                                         counts=counts))
     first = next(texts, None)  # an input without documents fails here, before anything is trained or written
     if first is None:
-        names = {reader.record_name for reader in readers}
-        raise counts.no_documents_error(f"--input {', '.join(args.input)}", record_name=names.pop() if len(names) == 1
-                                        else "record", keyed=any(reader.keyed for reader in readers),
-                                        json_key=args.json_key, written=args.output)
+        raise counts.no_documents_error(_inputs_named(readers), record_name=_record_name(readers),
+                                        keyed=any(reader.keyed for reader in readers), json_key=args.json_key,
+                                        written=args.output)
     texts = itertools.chain([first], texts)
     if args.model == "wordpiece":
         tokenizer = train_wordpiece_tokenizer(texts, vocab_size=args.vocab_size, output_path=args.output,

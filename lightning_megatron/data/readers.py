@@ -11,6 +11,11 @@ Chosen by the input's path:
   files memory-mapped and read batch by batch in the dataset's order. A ``DatasetDict``
   directory (``dataset_dict.json``, one sub-directory per split) needs ``split``
   (``--split``) to name one.
+* any other folder: every ``.jsonl``, ``.txt`` and ``.parquet`` file under it (sub-folders included, hidden
+  ones not), read in the order of their paths within it, sorted, so that the dataset written does not depend on
+  the order the file system lists them in (:func:`input_files`).
+
+Several inputs are read one after the other, in the order given.
 
 Parquet and arrow need the optional ``pyarrow`` (``pip install 'lightning-megatron[datasets]'``);
 the ``datasets`` library itself is not needed to read them.
@@ -27,10 +32,10 @@ from __future__ import annotations
 import json
 import os
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from types import ModuleType
-from typing import NamedTuple, Union
+from typing import NamedTuple, Optional, Union
 
 LINE_SUFFIXES = (".jsonl", ".txt")
 PARQUET_SUFFIX = ".parquet"
@@ -49,6 +54,7 @@ Record = Union[bytes, str, None]
 class Chunk(NamedTuple):
     records: list[tuple[int, Record]]  # (line or row number, counted from 1; the record)
     progress: int  # how far the chunk moves the progress bar, in the reader's progress_unit
+    kind: str  # the reader's kind ("jsonl", "txt" or "column"): how parse_record reads the records
 
 
 def _import_pyarrow() -> ModuleType:
@@ -149,10 +155,10 @@ class LineReader(InputReader):
                 records.append((number, raw))
                 size += len(raw)
                 if size >= chunk_bytes:
-                    yield Chunk(records, size)
+                    yield Chunk(records, size, self.kind)
                     records, size = [], 0
             if records:
-                yield Chunk(records, size)
+                yield Chunk(records, size, self.kind)
 
 
 class _ColumnReader(InputReader):
@@ -181,10 +187,10 @@ class _ColumnReader(InputReader):
                 records.append((number, text))
                 size += len(text) if text is not None else 0
                 if size >= chunk_bytes:
-                    yield Chunk(records, len(records))
+                    yield Chunk(records, len(records), self.kind)
                     records, size = [], 0
         if records:
-            yield Chunk(records, len(records))
+            yield Chunk(records, len(records), self.kind)
 
 
 class ParquetReader(_ColumnReader):
@@ -280,3 +286,51 @@ def open_input(path: str | os.PathLike, *, json_key: str = "text", split: str | 
         f"Input {path} must end in .jsonl (one JSON object per line), .txt (one document per line) or .parquet "
         f"(one document per row), or be a directory written by Hugging Face datasets' save_to_disk."
     )
+
+
+INPUT_SUFFIXES = (*LINE_SUFFIXES, PARQUET_SUFFIX)
+
+
+def _is_dataset_directory(path: Path) -> bool:
+    return (path / "state.json").is_file() or (path / "dataset_dict.json").is_file()
+
+
+def input_files(inputs: Union[str, os.PathLike, Sequence[Union[str, os.PathLike]]]) -> tuple[list[Path], list[Path]]:
+    """The files (and Hugging Face datasets directories) that ``inputs`` name, in reading order, and the files
+    under folders that are left out (another suffix), for the caller to mention.
+
+    A file or a datasets directory is read as it is; another folder stands for its ``.jsonl``, ``.txt`` and
+    ``.parquet`` files, sub-folders included and hidden names left out, sorted by their path within it. The
+    inputs keep the order they are given in. A missing input, or a folder with none of those files, raises.
+    """
+    given = [inputs] if isinstance(inputs, (str, os.PathLike)) else list(inputs)
+    if not given:
+        raise ValueError("No input was given; name a .jsonl, .txt or .parquet file, a folder of them, or a Hugging "
+                         "Face datasets directory.")
+    files: list[Path] = []
+    left_out: list[Path] = []
+    for path in map(Path, given):
+        if not path.exists():
+            raise FileNotFoundError(f"Input {path} does not exist.")
+        if not path.is_dir() or _is_dataset_directory(path):
+            files.append(path)
+            continue
+        found = sorted((file for file in path.rglob("*") if file.is_file()
+                        and not any(part.startswith(".") for part in file.relative_to(path).parts)),
+                       key=lambda file: file.relative_to(path).as_posix())
+        readable = [file for file in found if file.suffix in INPUT_SUFFIXES]
+        if not readable:
+            held = f"holds {len(found)} other files (e.g. {found[0].name})" if found else "holds no file"
+            raise ValueError(f"Input {path} is a folder that {held}: no .jsonl, .txt or .parquet file, and it is not a "
+                             f"directory written by Hugging Face datasets' save_to_disk (no state.json); put the "
+                             f"documents in such files or name the files with --input.")
+        files += readable
+        left_out += [file for file in found if file.suffix not in INPUT_SUFFIXES]
+    return files, left_out
+
+
+def open_inputs(inputs: Union[str, os.PathLike, Sequence[Union[str, os.PathLike]]], *, json_key: str = "text",
+                split: Optional[str] = None) -> list[InputReader]:
+    """A reader for each file of :func:`input_files`, in reading order (each opened, so that a bad one fails
+    before anything is read)."""
+    return [open_input(path, json_key=json_key, split=split) for path in input_files(inputs)[0]]

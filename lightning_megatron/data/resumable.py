@@ -73,19 +73,34 @@ def data_parallel_sampler(dataset: Dataset, *, num_replicas: int, rank: int, shu
 
 
 class ResumableDataLoader(DataLoader):
+    """A ``DataLoader`` over a :class:`ResumableDistributedSampler` that counts the batches consumed.
+
+    ``trainer.predict`` rebuilds any loader it is given with a batch sampler of its own around the sampler (it
+    records the indices and keeps a last partial batch); the rebuilt loader reads the same samples of this rank in
+    the same order, and is not resumed (prediction saves no loader state), so that predicting over a data module's
+    validation or test loader works as over any ``DataLoader``.
+    """
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        if not isinstance(self.sampler, ResumableDistributedSampler):
-            raise TypeError("ResumableDataLoader needs a ResumableDistributedSampler as its sampler.")
+        self.resumable = isinstance(self.sampler, ResumableDistributedSampler)
+        if not self.resumable and kwargs.get("batch_sampler") is None:
+            raise TypeError(f"ResumableDataLoader needs a ResumableDistributedSampler as its sampler, got "
+                            f"{type(self.sampler).__name__}.")
         self._consumed_batches = 0
 
     def __iter__(self) -> Iterator[Any]:
+        if not self.resumable:
+            yield from super().__iter__()
+            return
         self._consumed_batches = self.sampler.start_index // self.batch_size
         for batch in super().__iter__():
             self._consumed_batches += 1
             yield batch
 
     def state_dict(self) -> dict[str, int]:
+        if not self.resumable:
+            return {}
         return {"epoch": self.sampler.epoch, "consumed_batches": self._consumed_batches, "epoch_batches": len(self)}
 
     def load_state_dict(self, state: dict[str, int]) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 import numpy as np
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
@@ -29,7 +29,7 @@ from lightning_megatron.data.prompt_styles import PromptStyle, PromptStyleFormat
 from lightning_megatron.data.prompts import PromptDataset
 from lightning_megatron.data.sft_dataset import OVERLONG, SFTDataset, fit_to_window
 from lightning_megatron.data.sft_tokens import file_identity, tokenised_conversations, tokenizer_identity
-from lightning_megatron.data.splits import SPLIT_NAMES
+from lightning_megatron.data.splits import SPLIT_NAMES, enlarged_split
 from lightning_megatron.data.tokenizers import Tokenizer, load_tokenizer
 
 #: A prompt for ``trainer.predict``: a user message, a conversation ending with a user turn, or token ids.
@@ -43,8 +43,11 @@ class SFTDataModule(TokenDataModule):
         data_path: a ``.jsonl`` or ``.parquet`` file of ``{"prompt", "response"}`` rows or chat rows
             ``{"messages": [{"role", "content"}, ...]}``; by default the built-in instruction set
             (``data/instructions.py``), made in memory.
-        tokenizer: ``"byte"`` (the default, no download), a Hugging Face tokenizer directory (e.g. the
-            one ``GPT.from_hf`` reads the weights from; needs ``transformers``), or a ``tokenizer.json``.
+        tokenizer: ``"byte"`` (no download), a Hugging Face tokenizer directory (needs ``transformers``), or a
+            ``tokenizer.json``. ``None`` (the default): the tokenizer of the trainer's model's ``pretrained``
+            directory when it holds one (``GPT(pretrained=...)``: the model is fine-tuned with the tokenizer it
+            was trained with, and its chat template), else ``"byte"``; chosen when the trainer is attached. A
+            model whose vocabulary does not fit the tokenizer is refused in ``setup``, naming both sizes.
         prompt_style: how conversations are written out: ``None`` for the tokenizer's chat template
             (``"plain"`` for the byte tokenizer), ``"plain"``, or a dict of ``system``, ``user`` and
             ``assistant`` templates holding ``{content}`` (``data/prompt_styles.py``).
@@ -75,7 +78,7 @@ class SFTDataModule(TokenDataModule):
         self,
         *,
         data_path: Optional[str] = None,
-        tokenizer: str = "byte",
+        tokenizer: Optional[str] = None,
         prompt_style: Optional[Union[str, dict]] = None,
         seq_length: int = 128,
         global_batch_size: int = 16,
@@ -99,15 +102,65 @@ class SFTDataModule(TokenDataModule):
         if data_path is not None:
             check_data_file(data_path)
         self.data_path, self.seq_length, self.packing, self.overlong = data_path, seq_length, packing, overlong
-        self.tokenizer = load_sft_tokenizer(tokenizer)
-        self.format = conversation_format(self.tokenizer, tokenizer, prompt_style)
+        self.tokenizer_spec, self.prompt_style = tokenizer, prompt_style
+        self._chosen: Optional[tuple[str, Tokenizer, ConversationFormat]] = None  # (spec, its tokenizer and format)
+        if tokenizer is not None:
+            self._choose()  # a bad tokenizer or style fails when the module is made
         self.generation, self.predict_prompts, self.index_cache_dir = generation, predict_prompts, index_cache_dir
         self._encoded: Optional[list[Encoded]] = None  # every conversation, tokenised, in the seeded order
         self._order: Optional[np.ndarray] = None  # the file row of each place in that order
         self._ranges: dict[str, range] = {}
         self._fitting: dict[str, tuple[int, int, int]] = {}  # split -> (conversations, truncated, dropped)
-        self.prompts = (PromptDataset([self._prompt_ids(p) for p in predict_prompts], self.tokenizer, generation)
-                        if predict_prompts and not isinstance(predict_prompts, str) else None)
+        self._given_prompts = ([_prompt_turns(p) for p in predict_prompts]  # checked now, written with the tokenizer
+                               if predict_prompts and not isinstance(predict_prompts, str) else None)
+
+    # ------------------------------------------------------------------ the tokenizer
+    def _model_pretrained(self) -> Optional[str]:
+        """The ``pretrained`` directory of the trainer's model, if it has one (any module with that attribute)."""
+        module = getattr(self.trainer, "lightning_module", None) if self.trainer is not None else None
+        pretrained = getattr(module, "pretrained", None)
+        return os.fspath(pretrained) if pretrained is not None else None
+
+    def tokenizer_choice(self) -> str:
+        """The tokenizer used: ``tokenizer`` as given, else the model's ``pretrained`` directory when it holds a
+        tokenizer, else ``"byte"``."""
+        if self.tokenizer_spec is not None:
+            return os.fspath(self.tokenizer_spec)
+        pretrained = self._model_pretrained()
+        return pretrained if pretrained is not None and holds_tokenizer(pretrained) else "byte"
+
+    def _choose(self) -> tuple[str, Tokenizer, ConversationFormat]:
+        """The tokenizer of :meth:`tokenizer_choice` and the format: ``prompt_style``, else its chat template. A
+        pretrained directory's tokenizer, taken by default, without a chat template (a base model's) writes the
+        plain style, which the setup's summary line names; one given as ``tokenizer`` must have one."""
+        spec = self.tokenizer_choice()
+        if self._chosen is None or self._chosen[0] != spec:
+            tokenizer = load_sft_tokenizer(spec)
+            style = self.prompt_style
+            if style is None and self.tokenizer_spec is None and not getattr(tokenizer, "chat_template", True):
+                style = "plain"
+            self._chosen = (spec, tokenizer, conversation_format(tokenizer, spec, style))
+        return self._chosen
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self._choose()[1]
+
+    @property
+    def format(self) -> ConversationFormat:
+        """How conversations are written: the tokenizer's chat template or a prompt style."""
+        return self._choose()[2]
+
+    def check_model(self, config: Any) -> None:
+        """As for any token data (the ids fit the model's vocabulary, the samples its context), and a model made
+        from ``pretrained`` is fine-tuned with the tokenizer it was trained with: the byte tokenizer for a model of
+        another vocabulary, or another tokenizer than the one in its directory with another number of ids, is
+        refused, naming both sizes."""
+        pretrained = self._model_pretrained()
+        if pretrained is not None:
+            check_pretrained_tokenizer(pretrained, self.tokenizer_choice(), self.tokenizer.vocab_size,
+                                       model_vocab_size=getattr(config, "vocab_size", None))
+        super().check_model(config)
 
     def data_source(self) -> str:
         return f"data_path={self.data_path!r}" if self.data_path is not None else "the built-in instruction set"
@@ -159,20 +212,22 @@ class SFTDataModule(TokenDataModule):
                            f"seq_length + 1 = {self.seq_length + 1} tokens: {action} (overlong={self.overlong!r}). "
                            f"A longer seq_length keeps them whole.")
         real, room = self.train_dataset.tokens()
+        spec = self.tokenizer_choice()
+        written = ("its chat template" if isinstance(self.format, ChatTemplateFormat) else
+                   f"the prompt style {self.prompt_style or 'plain'!r}")
+        chosen = " (the model's pretrained directory)" if self.tokenizer_spec is None and spec != "byte" else ""
         rank_zero_info(f"SFT data: {total} conversations, {len(self.train_dataset)} training samples of "
                        f"{self.seq_length} ({'packed' if self.packing else 'one conversation each'}, "
-                       f"{real / room:.0%} of their tokens real).")
+                       f"{real / room:.0%} of their tokens real); tokenizer {spec!r}{chosen}, {written}.")
 
     # ------------------------------------------------------------------ prediction
-    def _prompt_ids(self, prompt: PredictPrompt) -> list[int]:
-        """A prompt's ids, written as the conversations were, up to where the response starts."""
-        if isinstance(prompt, str):
-            return self.format.prompt([Message("user", prompt)])
-        if prompt and all(isinstance(item, int) for item in prompt):
-            return list(prompt)
-        turns = [message(m, i) for i, m in enumerate(prompt)]
-        check_turns([*turns, Message("assistant", "the response to generate")])  # alternating, ending with a user turn
-        return self.format.prompt(turns)
+    @property
+    def prompts(self) -> Optional[PromptDataset]:
+        """The given ``predict_prompts``, written as the conversations are, up to where the response starts."""
+        if self._given_prompts is None:
+            return None
+        return PromptDataset([p if _is_ids(p) else self.format.prompt(p) for p in self._given_prompts],
+                             self.tokenizer, self.generation)
 
     def conversations(self, split: str) -> list[Conversation]:
         """The conversations of ``split`` (``"train"``, ``"validation"`` or ``"test"``), in the split's order, read
@@ -193,18 +248,62 @@ class SFTDataModule(TokenDataModule):
 
     def predict_dataloader(self) -> DataLoader:
         """The prompts, in order, ``per_rank_batch_size`` at a time (Lightning splits them over dp)."""
-        if isinstance(self.predict_prompts, str) and self.prompts is None:
+        prompts = self.prompts
+        if isinstance(self.predict_prompts, str):
             held_out = self.held_out(self.predict_prompts)
             if not held_out:
                 raise ValueError(f"predict_prompts={self.predict_prompts!r}, but split={self.split!r} gives that "
-                                 f"split no conversation; give it a weight.")
-            self.prompts = PromptDataset([self.format.prompt(turns) for turns, _ in held_out], self.tokenizer,
-                                         self.generation)
-        if self.prompts is None:
+                                 f"split no conversation; give it a weight, e.g. split="
+                                 f"{enlarged_split(self.split, self.predict_prompts, 1)!r}.")
+            prompts = PromptDataset([self.format.prompt(turns) for turns, _ in held_out], self.tokenizer,
+                                    self.generation)
+        if prompts is None:
             raise ValueError("trainer.predict needs prompts: SFTDataModule(predict_prompts=['...'] or 'validation', "
                              "generation={'max_new_tokens': 32}) (or --data.predict_prompts on the command line).")
-        return DataLoader(self.prompts, batch_size=self.per_rank_batch_size, collate_fn=self.prompts.collate,
-                          shuffle=False)
+        return DataLoader(prompts, batch_size=self.per_rank_batch_size, collate_fn=prompts.collate, shuffle=False)
+
+
+def _is_ids(prompt: Union[list[Message], list[int]]) -> bool:
+    return bool(prompt) and all(isinstance(item, int) for item in prompt)
+
+
+def _prompt_turns(prompt: PredictPrompt) -> Union[list[Message], list[int]]:
+    """A predict prompt as the turns to write (a user message: one user turn), or its token ids as they are;
+    checked: the turns alternate and end with a user turn."""
+    if isinstance(prompt, str):
+        return [Message("user", prompt)]
+    if _is_ids(prompt):
+        return list(prompt)
+    turns = [message(m, i) for i, m in enumerate(prompt)]
+    check_turns([*turns, Message("assistant", "the response to generate")])  # alternating, ending with a user turn
+    return turns
+
+
+def holds_tokenizer(directory: str) -> bool:
+    """Whether a Hugging Face ``save_pretrained`` directory holds a tokenizer (``tokenizer_config.json`` or
+    ``tokenizer.json``)."""
+    return any((Path(directory) / name).is_file() for name in ("tokenizer_config.json", "tokenizer.json"))
+
+
+def check_pretrained_tokenizer(pretrained: str, spec: str, vocab_size: int, *,
+                               model_vocab_size: Optional[int]) -> None:
+    """Refuse a tokenizer (``spec``, ``vocab_size`` ids) that is not the one the model in ``pretrained`` was trained
+    with: the byte tokenizer for a model of another vocabulary size, or a tokenizer with another number of ids
+    than the one in the directory."""
+    own = holds_tokenizer(pretrained)
+    unset = ("leave tokenizer unset (no --data.init_args.tokenizer): its default is the tokenizer in the pretrained "
+             "directory" if own else f"pass tokenizer (--data.init_args.tokenizer) the tokenizer directory or "
+             f"tokenizer.json the model was trained with ({pretrained} holds none)")
+    if spec == "byte" and model_vocab_size is not None and model_vocab_size != vocab_size:
+        raise ValueError(f"The model pretrained={pretrained!r} has a vocabulary of {model_vocab_size} ids, but the "
+                         f"tokenizer 'byte' has {vocab_size}: the model was trained with another tokenizer, and byte "
+                         f"ids would mean nothing to it. {unset[0].upper() + unset[1:]}.")
+    if own and spec != "byte" and Path(spec).resolve() != Path(pretrained).resolve():
+        expected = HFChatTokenizer(pretrained).vocab_size
+        if expected != vocab_size:
+            raise ValueError(f"tokenizer={spec!r} has {vocab_size} ids, but the model pretrained={pretrained!r} was "
+                             f"trained with the tokenizer in that directory, which has {expected}; {unset}, or pass "
+                             f"the tokenizer the model was trained with.")
 
 
 def load_sft_tokenizer(spec: str) -> Tokenizer:
@@ -217,7 +316,12 @@ def load_sft_tokenizer(spec: str) -> Tokenizer:
                             f"tokenizer.json file.")
 
 
-def conversation_format(tokenizer: Tokenizer, spec: str, prompt_style: Optional[Union[str, dict]]):
+#: How conversations are written out: a tokenizer's chat template or a plain prompt style.
+ConversationFormat = Union[ChatTemplateFormat, PromptStyleFormat]
+
+
+def conversation_format(tokenizer: Tokenizer, spec: str,
+                        prompt_style: Optional[Union[str, dict]]) -> ConversationFormat:
     """The tokenizer's chat template, or ``prompt_style`` (``"plain"`` by default for the byte tokenizer): how
     conversations are written, for training and for the prompts generation continues (``lightning-megatron generate
     --prompt-style``)."""

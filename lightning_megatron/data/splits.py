@@ -13,11 +13,8 @@ from collections.abc import Sequence
 SPLIT_NAMES = ("train", "validation", "test")
 
 
-def parse_split(split: str | Sequence[float]) -> tuple[float, float, float]:
-    """``"969,30,1"`` (or ``[969, 30, 1]``, ``"98,2"``) -> normalised weights of (train, validation, test).
-
-    Missing trailing parts are 0; the weights need not sum to anything in particular.
-    """
+def _weights(split: str | Sequence[float]) -> list[float]:
+    """The three weights as written (not normalised; missing trailing ones 0), checked."""
     text = split if isinstance(split, str) else ",".join(str(part) for part in split)
     parts = [part.strip() for part in text.replace("/", ",").split(",")]
     try:
@@ -32,9 +29,40 @@ def parse_split(split: str | Sequence[float]) -> tuple[float, float, float]:
             f"split={split!r} must give 1 to 3 non-negative weights (train, validation, test) with a positive train "
             f"weight, e.g. split='969,30,1'."
         )
-    weights += [0.0] * (3 - len(weights))
+    return weights + [0.0] * (3 - len(weights))
+
+
+def parse_split(split: str | Sequence[float]) -> tuple[float, float, float]:
+    """``"969,30,1"`` (or ``[969, 30, 1]``, ``"98,2"``) -> normalised weights of (train, validation, test).
+
+    Missing trailing parts are 0; the weights need not sum to anything in particular.
+    """
+    weights = _weights(split)
     total = sum(weights)
     return tuple(w / total for w in weights)  # type: ignore[return-value]
+
+
+def enlarged_split(split: str | Sequence[float], name: str, factor: float) -> str:
+    """``split`` with the weight of split ``name`` multiplied by ``factor``, the others as written: a split to
+    suggest when ``name`` gets too few documents. A weight of 0 is first taken as the other held-out split's, or
+    as 5% of the documents when neither has any.
+
+    Example::
+
+        >>> enlarged_split("969,30,1", "validation", 4), enlarged_split("95,5,0", "test", 1)
+        ('969,120,1', '95,5,5')
+        >>> enlarged_split("1", "validation", 2)
+        '1,0.11,0'
+    """
+    weights = _weights(split)
+    index = SPLIT_NAMES.index(name)
+    held_out = [w for w in weights[1:] if w > 0]
+    weights[index] = (weights[index] or (min(held_out) if held_out else weights[0] / 19)) * factor
+
+    def written(weight: float) -> str:
+        return str(round(weight)) if float(weight).is_integer() or weight >= 10 else f"{weight:.2g}"
+
+    return ",".join(map(written, weights))
 
 
 def split_document_ranges(split: str | Sequence[float], num_documents: int) -> dict[str, range]:

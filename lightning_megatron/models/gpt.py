@@ -15,12 +15,14 @@ from functools import partial
 from typing import Optional, Union
 
 import torch
+from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor, nn
 from torchmetrics import MeanMetric
 
 from lightning_megatron.context_parallel.documents import DocumentMask
 from lightning_megatron.context_parallel.inputs import SequenceInputs
 from lightning_megatron.generation import full_logits, generate
+from lightning_megatron.models.batch_flops import BatchFlops
 from lightning_megatron.models.flops import gpt_flops_per_batch
 from lightning_megatron.models.formats import HFFormat, hf_format_for
 from lightning_megatron.models.optim_recipe import PretrainingRecipe, load_base_weights
@@ -440,6 +442,17 @@ def _check_same_model(config: GPTConfig, base: GPTConfig, pretrained: str) -> No
                          f"there: {', '.join(differ)}. Leave config=None to take the directory's config.json.")
 
 
+def _pretrained_over_preset(preset: str, base: GPTConfig, pretrained: str) -> GPTConfig:
+    """The config of the ``pretrained`` directory, which a preset name gives way to (see ``GPT``); one line on rank
+    zero when the preset described another model."""
+    given, found = asdict(GPTConfig.from_name(preset)), asdict(base)
+    differ = [name for name in given if name not in TRAINING_FIELDS and given[name] != found[name]]
+    if differ:
+        rank_zero_info(f"pretrained={pretrained!r} gives the model's config (its config.json), in place of the preset "
+                       f"config={preset!r}, which differs in {', '.join(differ)}.")
+    return base
+
+
 def _present(**side: Optional[Tensor]) -> dict[str, Tensor]:
     return {name: value for name, value in side.items() if value is not None}
 
@@ -448,7 +461,7 @@ def _present(**side: Optional[Tensor]) -> dict[str, Tensor]:
 SIDE_INPUTS = ("position_ids", "document_ids")
 
 
-class GPT(PretrainingRecipe):
+class GPT(BatchFlops, PretrainingRecipe):
     """A GPT LightningModule to train as is or to subclass.
 
     Example::
@@ -467,10 +480,13 @@ class GPT(PretrainingRecipe):
 
     ``pretrained``: a Hugging Face ``save_pretrained`` directory (Llama, Mistral, Qwen2, GPT-2, ...) whose weights
     the run starts from. Its ``config.json`` gives the config when ``config`` is None (neither given:
-    ``"gpt-tiny"``); a given config must describe the same model (only ``dropout``, ``attention_dropout`` and
-    ``loss_chunk_tokens``, which are how it trains, may differ), else a ``ValueError`` names the fields when the
-    weights are read, in ``configure_model`` (with a given config nothing is read before: a config file names
-    its base and still plans, ``lightning-megatron plan``, where the weights are not). Its cost: under ``Megatron3DStrategy`` every rank reads the full
+    ``"gpt-tiny"``) or a preset name: ``pretrained`` takes precedence over a preset (a config file's
+    ``config: llama-tiny`` and ``--model.init_args.pretrained DIR`` train DIR's model, said in one line when the
+    shapes differ), which is used only where the directory is not there (a config file names its base and still
+    plans, ``lightning-megatron plan``, where the weights are not). A config given as a ``GPTConfig`` or a dict
+    must describe the same model (only ``dropout``, ``attention_dropout`` and ``loss_chunk_tokens``, which are how
+    it trains, may differ), else a ``ValueError`` names the fields when the weights are read, in
+    ``configure_model``. Its cost: under ``Megatron3DStrategy`` every rank reads the full
     weights into host memory once (and the model is built there in full, with random values first), then the
     strategy keeps this rank's shards of them and the rest is freed; one process needs the whole model in
     memory anyway. The path is saved in the hyper-parameters, so ``load_from_checkpoint`` and a resumed run rebuild
@@ -496,6 +512,8 @@ class GPT(PretrainingRecipe):
         pretrained = None if pretrained is None else os.fspath(pretrained)
         if config is None:  # the directory's config.json (no weights read here), else the default preset
             config = "gpt-tiny" if pretrained is None else self.hf_format().read_config(pretrained)
+        elif isinstance(config, str) and pretrained is not None and os.path.isdir(pretrained):
+            config = _pretrained_over_preset(config, self.hf_format().read_config(pretrained), pretrained)
         self.init_recipe(GPTConfig, config, learning_rate=learning_rate, min_learning_rate=min_learning_rate,
                          weight_decay=weight_decay, betas=betas, adam_eps=adam_eps, warmup_steps=warmup_steps,
                          adam_implementation=adam_implementation)
@@ -542,10 +560,6 @@ class GPT(PretrainingRecipe):
             module.configure_model()
             return module
         return super().from_hf(model_or_dir, **kwargs)
-
-    def flops_per_batch(self, batch_size: int, seq_length: int) -> int:
-        """Model FLOPs (forward + backward) of ``batch_size`` sequences of ``seq_length`` (``models/flops.py``)."""
-        return self.config.flops_per_batch(batch_size, seq_length)
 
     @staticmethod
     def hf_format() -> HFFormat:
