@@ -23,7 +23,7 @@ from lightning_megatron.checkpoint.commands import convert, open_checkpoint  # n
 from lightning_megatron.cli import main as cli_main  # noqa: E402
 from lightning_megatron.generation.cli import load_gpt  # noqa: E402
 from lightning_megatron.huggingface.adapters import write_peft_adapter  # noqa: E402
-from lightning_megatron.models import GPT  # noqa: E402
+from lightning_megatron.models import GPT, GPTConfig  # noqa: E402
 from lightning_megatron.peft.adapters import is_adapter_name  # noqa: E402
 
 LORA = {"rank": 4, "alpha": 8.0}
@@ -97,7 +97,9 @@ def test_peft_loads_our_adapter_onto_the_hf_base_and_computes_our_lora_model(fam
 @pytest.mark.slow
 def test_a_config_that_disagrees_with_the_pretrained_directory_is_refused(llama_dir):
     with pytest.raises(ValueError, match=r"hidden_size=64 \(the directory's: 32\)"):
-        GPT("llama-tiny", pretrained=str(llama_dir)).configure_model()  # checked when the weights are read
+        GPT(GPTConfig.from_name("llama-tiny"), pretrained=str(llama_dir)).configure_model()  # checked when read
+    # A preset's name (a config file's ``config: llama-tiny``) gives way to the directory's own config.
+    assert GPT("llama-tiny", pretrained=str(llama_dir)).config == GPT(pretrained=str(llama_dir)).config
     same = GPT(GPT(pretrained=str(llama_dir)).config, pretrained=str(llama_dir))
     assert same.hparams["pretrained"] == str(llama_dir)
 
