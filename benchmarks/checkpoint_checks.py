@@ -1,7 +1,8 @@
 """What the checkpoint safety checks cost: checksums at save, verification and the finite check at load.
 
 One process writes the same tensors (fp32, ``--megabytes`` in all, in tensors of a transformer
-layer's sizes) as a sharded checkpoint with ``checksums=False`` and ``checksums=True``, side by side
+layer's sizes) as a sharded checkpoint with ``checksums=False`` and ``checksums=True`` (the strategy's
+default, ``checkpoint_checksums=True``; loading compares them by default), side by side
 and alternating, then times ``verify_checksums`` over the files, a plain read of every tensor, and
 the finite check (``nonfinite_names``) over what was read. The table shows the median of
 ``--repeats`` rounds and, for each check, its cost per GB and against the plain save or read. The
@@ -75,17 +76,19 @@ def main() -> None:
     median = {name: statistics.median(values) for name, values in times.items()}
     gigabytes = size / 1e9
     print(f"{len(tensors)} fp32 tensors, {size / 1e6:,.0f} MB, median of {args.repeats} rounds, files in {root}")
-    print(f"{'step':<34} | {'seconds':>8} | {'s per GB':>8} | {'vs baseline':>11}")
+    print(f"{'step':<38} | {'seconds':>8} | {'s per GB':>8} | {'MB/s':>7} | {'vs baseline':>11}")
     rows = [
         ("save, no checksums (baseline)", median["save"], median["save"]),
         ("save with checksums", median["save+checksums"], median["save"]),
         ("  of which the checksums", median["save+checksums"] - median["save"], median["save"]),
         ("read every tensor (baseline)", median["read"], median["read"]),
         ("verify every file's checksum", median["verify"], median["read"]),
+        ("load with verification (read + verify)", median["read"] + median["verify"], median["read"]),
         ("finite check of what was read", median["finite"], median["read"]),
     ]
     for label, seconds, baseline in rows:
-        print(f"{label:<34} | {seconds:>8.3f} | {seconds / gigabytes:>8.3f} | {seconds / baseline:>10.2f}x")
+        print(f"{label:<38} | {seconds:>8.3f} | {seconds / gigabytes:>8.3f} | {size / 1e6 / seconds:>7,.0f} | "
+              f"{seconds / baseline:>10.2f}x")
     if args.out_dir is None:
         shutil.rmtree(root)
 

@@ -1,6 +1,6 @@
 """How the strategy's processes start: before the Trainer runs, and so that none outlives its launcher.
 
-Two jobs happen here because this is the only seam Lightning offers before it resolves
+These jobs happen here because this is the only seam Lightning offers before it resolves
 ``fit(ckpt_path="last")`` (in ``Trainer._fit_impl``, before the strategy sets anything up):
 
 * **Interrupted saves are finished first.** A crash between the two renames of a checkpoint
@@ -8,7 +8,12 @@ Two jobs happen here because this is the only seam Lightning offers before it re
   so, Lightning finds no ``last.ckpt`` and starts from step 0. Every process, one at a time
   under a lock file in each checkpoint directory, brings those directories to where their
   saves were going (``replacement.finish_interrupted``) and reports what it did and what
-  unfinished saves it removed, before Lightning looks for checkpoints there.
+  unfinished saves it removed, before Lightning looks for checkpoints there. A directory another run
+  holds (``checkpoint.run_lock``) is left alone: a fit stops there, in every process alike, naming that run.
+* **``ckpt_path="last"`` is the last run's checkpoint.** Lightning looks only in this run's checkpoint
+  directory, which for a ``ModelCheckpoint`` without ``dirpath`` (every shipped config's) is a new logger
+  version's, empty: a run stopped and started again with ``--ckpt_path last`` began at step 0. Here "last" is
+  resolved over every version of the logger's directory (``last_checkpoint``) and the choice is logged.
 * **Each process gets its share of the node's cores.** Under torchrun (which sets ``OMP_NUM_THREADS=1`` for
   several processes per node) torch would run its host work (``CPUAdamW``'s step under ``offload_optimizer``)
   on one thread; under ``srun`` (no variable) every process would use every core and they would oversubscribe
@@ -23,6 +28,7 @@ Two jobs happen here because this is the only seam Lightning offers before it re
 from __future__ import annotations
 
 import ctypes
+import inspect
 import os
 import signal
 import sys
@@ -30,12 +36,14 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.launchers.launcher import _Launcher
+from lightning.pytorch.trainer.states import TrainerFn
 
 from lightning_megatron.checkpoint.replacement import finish_interrupted_saves, report
+from lightning_megatron.checkpoint.run_lock import check_not_in_use
 from lightning_megatron.checkpoint.shared_storage import check_directories_agree
 
 PARENT_PID_VARIABLE = "LIGHTNING_MEGATRON_LAUNCHER_PID"
@@ -103,8 +111,29 @@ def checkpoint_directories(trainer: Any) -> list[Path]:
 
 
 def prepare_checkpoint_directories(trainer: Any) -> None:
+    """In every process, before anything is read or written there: a fit refuses a checkpoint directory that
+    another run holds (``run_lock``); where none does, interrupted saves are finished."""
+    fitting = getattr(getattr(trainer, "state", None), "fn", None) == TrainerFn.FITTING
     for directory in checkpoint_directories(trainer):
+        try:
+            check_not_in_use(directory)
+        except RuntimeError:
+            if fitting:
+                raise
+            continue  # validate/test read only; another run's saves in flight are that run's to finish
         report(finish_interrupted_saves(directory))
+
+
+def run_holding_directories(function: Callable, trainer: Any) -> Callable:
+    """``function`` that releases the checkpoint directories' locks its run took, however it ends."""
+    def run(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return function(*args, **kwargs)
+        finally:
+            release = getattr(getattr(trainer, "strategy", None), "release_checkpoint_directories", None)
+            if release is not None:
+                release()
+    return run
 
 
 def check_directories_shared(trainer: Any) -> None:
@@ -112,6 +141,70 @@ def check_directories_shared(trainer: Any) -> None:
     checkpoint directories (``checkpoint.shared_storage``). Else ``ckpt_path="last"``, resolved by each
     process on its own, would resume on the nodes that see a checkpoint and start afresh on the others."""
     check_directories_agree(checkpoint_directories(trainer))
+
+
+def run_checkpoint_directories(trainer: Any) -> list[Path]:
+    """Every directory a run of this trainer's root directory has saved checkpoints in: each ``ModelCheckpoint``'s
+    ``dirpath``, or for one without (Lightning's default: ``<logger save_dir>/<name>/version_N/checkpoints``, a new
+    version each run) the ``checkpoints`` folder of every version; ``<default_root_dir>/checkpoints`` without a
+    logger."""
+    directories = []
+    for callback in getattr(trainer, "checkpoint_callbacks", []):
+        if not isinstance(callback, ModelCheckpoint):
+            continue
+        if callback.dirpath is not None:
+            directories.append(Path(callback.dirpath))
+        elif trainer.loggers:
+            logger = trainer.loggers[0]
+            runs = Path(logger.save_dir or trainer.default_root_dir) / str(logger.name or "")
+            directories += sorted(runs.glob("*/checkpoints"))
+        else:
+            directories.append(Path(trainer.default_root_dir) / "checkpoints")
+    return [directory for directory in dict.fromkeys(directories) if "://" not in str(directory)]
+
+
+def last_checkpoint(trainer: Any) -> Optional[Path]:
+    """What ``ckpt_path="last"`` resumes: the newest checkpoint in :func:`run_checkpoint_directories` (or an
+    ``OnExceptionCheckpoint``'s file), a ``last*.ckpt`` where one was saved as late as another (``save_last``
+    writes it after the step's other checkpoint); the default ``ModelCheckpoint`` keeps no ``last.ckpt``, only
+    its newest ``epoch=..-step=..ckpt``. Interrupted saves in those directories are finished first, except in
+    one a live run holds (``run_lock``): a fit refuses to resume that run's checkpoint while it trains (two runs
+    would continue one), validate/test read its complete checkpoints. None when no run saved a checkpoint."""
+    fitting = getattr(getattr(trainer, "state", None), "fn", None) == TrainerFn.FITTING
+    found: list[Path] = []
+    for directory in run_checkpoint_directories(trainer):
+        try:
+            check_not_in_use(directory)
+        except RuntimeError as error:
+            if fitting:
+                raise RuntimeError(f'ckpt_path="last" would resume a run that is still training. {error}') from error
+        else:
+            report(finish_interrupted_saves(directory))
+        if directory.is_dir():
+            found += [path for path in directory.iterdir() if path.suffix == ".ckpt" and not path.name.startswith(".")]
+    found += [Path(callback.ckpt_path) for callback in getattr(trainer, "callbacks", [])
+              if isinstance(callback, OnExceptionCheckpoint) and Path(callback.ckpt_path).exists()]
+    if not found:
+        return None
+    return max(found, key=lambda path: (path.stat().st_mtime, path.stem.startswith(ModelCheckpoint.CHECKPOINT_NAME_LAST),
+                                        str(path)))
+
+
+def resolve_last(function: Callable, args: tuple, kwargs: dict, trainer: Any) -> tuple[tuple, dict]:
+    """``function``'s arguments with ``ckpt_path="last"`` replaced by :func:`last_checkpoint` (logged); unchanged
+    when nothing was saved yet (Lightning then says so and starts afresh) or another path was given."""
+    try:
+        bound = inspect.signature(function).bind(*args, **kwargs)
+    except (TypeError, ValueError):
+        return args, kwargs
+    if trainer is None or bound.arguments.get("ckpt_path") != "last":
+        return args, kwargs
+    found = last_checkpoint(trainer)
+    if found is None:
+        return args, kwargs
+    rank_zero_info(f'ckpt_path="last": resuming from {found} (the newest checkpoint this root directory\'s runs saved)')
+    bound.arguments["ckpt_path"] = str(found)
+    return bound.args, bound.kwargs
 
 
 def die_with_launcher() -> None:
@@ -135,7 +228,8 @@ class InPlaceLauncher(_Launcher):
     def launch(self, function: Callable, *args: Any, trainer: Optional[Any] = None, **kwargs: Any) -> Any:
         set_intra_op_threads(getattr(getattr(trainer, "strategy", None), "num_processes", 0) or 1)
         prepare_checkpoint_directories(trainer)
-        return function(*args, **kwargs)
+        args, kwargs = resolve_last(function, args, kwargs, trainer)
+        return run_holding_directories(function, trainer)(*args, **kwargs)
 
     def kill(self, signum) -> None:
         """Nothing to kill: this process started no others."""
@@ -147,7 +241,8 @@ class SubprocessLauncher(_SubprocessScriptLauncher):
 
     def launch(self, function: Callable, *args: Any, trainer: Optional[Any] = None, **kwargs: Any) -> Any:
         prepare_checkpoint_directories(trainer)
-        return super().launch(function, *args, trainer=trainer, **kwargs)
+        args, kwargs = resolve_last(function, args, kwargs, trainer)
+        return super().launch(run_holding_directories(function, trainer), *args, trainer=trainer, **kwargs)
 
     def _call_children_scripts(self) -> None:
         os.environ[PARENT_PID_VARIABLE] = str(os.getpid())

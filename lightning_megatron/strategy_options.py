@@ -28,6 +28,7 @@ from lightning_megatron.pipeline.layout import check_schedule
 from lightning_megatron.tensor_parallel.fp8_plan import Fp8Recipe, check_fp8_options
 
 CHECKPOINT_FORMATS = ("sharded", "full")
+VERIFY_MODES = ("recorded", "strict", "off")
 
 #: The documentation of ``Megatron3DStrategy``'s arguments (its docstring's ``Args:``, which LightningCLI shows).
 ARGUMENTS = """\
@@ -116,14 +117,21 @@ Args:
         Both kinds load whatever this is set to.
     async_checkpoint: write sharded checkpoints in a background thread; training pauses only to
         copy this rank's shards to CPU memory. The checkpoint appears under its name when complete.
-    checkpoint_checksums: record a CRC-32 of every file of a sharded checkpoint in its
-        ``megatron_3d.json`` (each rank sums the files it wrote), so that ``verify_checkpoint`` and
-        ``lightning-megatron checkpoint verify`` can tell a file whose bytes changed. Off by default:
-        summing reads every file back, about 1.5 s per GB per rank on a CPU core
-        (``benchmarks/checkpoint_checks.py``); the finite check on load, which is always on and
-        costs ~0.05 s/GB, already refuses bytes damaged into NaN/Inf.
-    verify_checkpoint: compare a sharded checkpoint's files with their checksums before loading it
-        (the files are shared out over the ranks). Loaded tensors are always checked to be finite.
+    checkpoint_checksums: record a CRC-32 of every file of a sharded checkpoint in its ``megatron_3d.json``
+        (each rank sums the files it wrote, right after writing them, while they are in the page cache), so that
+        loading can tell a file whose bytes changed (``verify_checkpoint``, ``lightning-megatron checkpoint
+        verify``). On by default: summing costs 0.1-1 s per GB per rank on one CPU core, +12% to +27% on a
+        save to the page cache and +17% on a load (``benchmarks/checkpoint_checks.py``; less on a real disk),
+        and a damaged shard that still holds finite numbers is otherwise loaded without a word. ``False``
+        saves without them.
+    verify_checkpoint: what loading a checkpoint checks of its files' content before any tensor is read (a
+        sharded one's files are shared out over the ranks; a damaged file stops every rank, naming it).
+        ``"recorded"`` (default): compare the checksums the save recorded; a checkpoint saved without them
+        (``checkpoint_checksums=False``, or an earlier lightning-megatron) loads unchecked, said once in the log.
+        ``"strict"`` (or ``True``): the same, and a checkpoint without checksums is refused. ``"off"`` (or
+        ``False``): no comparison (a storage you trust, a faster load). Loaded tensors are always checked to be
+        finite, whatever this says. A full (single-file) checkpoint is compared with the CRC-32 its archive
+        records for each record, unless ``"off"``.
     process_group_backend: the backend of the default process group; ``None`` takes Lightning's default for the
         device (gloo on CPU, NCCL on CUDA).
     timeout: how long a rank waits in a collective (every group of the layout) before it gives up:
@@ -163,7 +171,7 @@ class StrategyOptions:
     checkpoint_format: str
     async_checkpoint: bool
     checkpoint_checksums: bool
-    verify_checkpoint: bool
+    verify_checkpoint: str  # one of VERIFY_MODES
     process_group_backend: Optional[str]
     timeout: Optional[timedelta]
 
@@ -179,7 +187,7 @@ class StrategyOptions:
         offload_optimizer: Union[bool, str], offload_parameters: Union[bool, str], offload_path: Optional[str],
         offload_buffer_mb: float, overlap_param_gather: bool, overlap_p2p_comm: bool, bucket_size_mb: float,
         pad_vocab_to_multiple_of: int, checkpoint_format: str, async_checkpoint: bool, checkpoint_checksums: bool,
-        verify_checkpoint: bool, process_group_backend: Optional[str], timeout: Optional[timedelta],
+        verify_checkpoint: Union[bool, str], process_group_backend: Optional[str], timeout: Optional[timedelta],
     ) -> "StrategyOptions":
         """The constructor's arguments (Lightning's plugins aside), checked; raises ``ValueError`` naming the fix."""
         if activation_checkpointing not in RECOMPUTE_MODES:
@@ -198,6 +206,7 @@ class StrategyOptions:
             raise ValueError(f"checkpoint_format={checkpoint_format!r} is not one of {CHECKPOINT_FORMATS}.")
         if async_checkpoint and checkpoint_format != "sharded":
             raise ValueError("async_checkpoint=True needs checkpoint_format='sharded'.")
+        verify = verify_mode(verify_checkpoint)
         offload = OffloadSettings.from_options(
             offload_optimizer=offload_optimizer, offload_parameters=offload_parameters, offload_path=offload_path,
             offload_buffer_mb=offload_buffer_mb, zero_stage=zero_stage)
@@ -220,4 +229,15 @@ class StrategyOptions:
                    overlap_p2p_comm=overlap_p2p_comm, loss_scaler=dict(loss_scaler or {}), on_nonfinite=on_nonfinite,
                    max_consecutive_skips=max_consecutive_skips, checkpoint_format=checkpoint_format,
                    async_checkpoint=async_checkpoint, checkpoint_checksums=checkpoint_checksums,
-                   verify_checkpoint=verify_checkpoint, process_group_backend=process_group_backend, timeout=timeout)
+                   verify_checkpoint=verify, process_group_backend=process_group_backend, timeout=timeout)
+
+
+def verify_mode(verify_checkpoint: Union[bool, str]) -> str:
+    """``verify_checkpoint`` as one of :data:`VERIFY_MODES` (``True`` is ``"strict"``: before checksums were
+    recorded by default it refused a checkpoint without them; ``False`` is ``"off"``)."""
+    if isinstance(verify_checkpoint, bool):
+        return "strict" if verify_checkpoint else "off"
+    if verify_checkpoint not in VERIFY_MODES:
+        raise ValueError(f"verify_checkpoint={verify_checkpoint!r} is not one of {VERIFY_MODES} (or True/False, "
+                         f"which mean 'strict'/'off').")
+    return verify_checkpoint

@@ -6,11 +6,13 @@ bytes changed in place, weights that went NaN.
 """
 
 import json
+import logging
 import shutil
 import signal
 import subprocess
 import sys
 import textwrap
+import zipfile
 
 import pytest
 import torch
@@ -22,13 +24,15 @@ from test_checkpoint_files import fit
 from lightning_megatron.checkpoint import open_sharded, read_full_tensors
 from lightning_megatron.checkpoint.replacement import partial_path, replaced_path
 from lightning_megatron.cli import main as cli_main
+from lightning_megatron import Megatron3DStrategy
+from lightning_megatron.strategy_options import verify_mode
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    """A 2-step run's trainer (still usable for saves) and its sharded checkpoint."""
+    """A 2-step run's trainer (still usable for saves) and its sharded checkpoint (checksums: the default)."""
     root = tmp_path_factory.mktemp("run")
-    trainer, _ = fit(root, 2, checkpoint_checksums=True)
+    trainer, _ = fit(root, 2)
     trainer.save_checkpoint(root / "two.ckpt")
     return trainer, root / "two.ckpt"
 
@@ -248,7 +252,7 @@ def test_a_shard_damaged_in_place_into_nan_is_refused_on_load(run, tmp_path):
     assert not torch.isfinite(read_full_tensors(copy)["state_dict/model.blocks.0.mlp.fc.weight"]).all()
     with pytest.raises(RuntimeError, match=r"damaged\.ckpt is unusable: 'state_dict/model\.blocks\.0\.mlp\.fc\.weight' "
                                            r"hold NaN or infinite values.*checkpoint verify"):
-        fit(tmp_path / "resume", 3, ckpt_path=copy)
+        fit(tmp_path / "resume", 3, ckpt_path=copy, verify_checkpoint="off")  # the finite check, without checksums
 
 
 @pytest.mark.slow
@@ -267,6 +271,76 @@ def test_checksums_find_a_changed_byte_that_still_loads_as_finite(run, tmp_path,
         fit(tmp_path / "resume", 3, ckpt_path=copy, verify_checkpoint=True)
     trainer, _ = fit(tmp_path / "intact", 3, ckpt_path=checkpoint, verify_checkpoint=True)
     assert trainer.global_step == 3
+
+
+@pytest.mark.slow
+def test_four_kib_of_zeros_in_a_shard_are_refused_by_default_naming_the_file(run, tmp_path):
+    """The defaults record checksums and compare them on load: a shard zeroed in its middle (finite numbers still)
+    stops the resume before anything is read, naming the file and what to do."""
+    _, checkpoint = run
+    largest = max(open_sharded(checkpoint).index.storage_data.items(), key=lambda item: item[1].length)[0].fqn
+    copy = damage(checkpoint, tmp_path, largest, bytes(4096))
+    assert all(torch.isfinite(tensor).all() for tensor in read_full_tensors(copy).values())
+    with pytest.raises(RuntimeError, match=r"damaged\.ckpt/__0_0\.distcp is damaged: its crc32 is [0-9a-f]{8}, the "
+                                           r"save recorded .*nothing was loaded.*resume from an earlier checkpoint"):
+        fit(tmp_path / "resume", 3, ckpt_path=copy)
+    trainer, _ = fit(tmp_path / "unchecked", 3, ckpt_path=copy, verify_checkpoint="off")  # what the user may choose
+    assert trainer.global_step == 3
+
+
+@pytest.mark.slow
+def test_a_damaged_full_checkpoint_is_refused_by_default(run, tmp_path):
+    trainer, _ = run
+    trainer.strategy.options = replace(trainer.strategy.options, checkpoint_format="full")
+    try:
+        trainer.save_checkpoint(tmp_path / "full.ckpt")
+    finally:
+        trainer.strategy.options = replace(trainer.strategy.options, checkpoint_format="sharded")
+    with zipfile.ZipFile(tmp_path / "full.ckpt") as archive:
+        largest = max(archive.infolist(), key=lambda info: info.compress_size)
+    with open(tmp_path / "full.ckpt", "r+b") as file:  # in the middle of that record's data
+        file.seek(largest.header_offset + largest.compress_size // 2)
+        file.write(bytes(4096))
+    with pytest.raises(RuntimeError, match=rf"full\.ckpt is damaged: the CRC-32 of its record '{largest.filename}'"):
+        fit(tmp_path / "resume", 3, ckpt_path=tmp_path / "full.ckpt")
+
+
+@pytest.mark.slow
+def test_a_damaged_shard_stops_every_rank_naming_the_file(tmp_path):
+    """Each rank compares its share of the files; the one that finds the damage and the other alike raise, naming
+    the file, before any collective reads a tensor."""
+    options = {"tp": 2, "steps": 2, "checksums": True}
+    launch("trainer_fit.py", 2, tmp_path / "first", json.dumps(options))
+    checkpoint = tmp_path / "first" / "last.ckpt"
+    largest = max((item for item in open_sharded(checkpoint).index.storage_data.values()
+                   if item.relative_path == "__1_0.distcp"), key=lambda item: item.length)
+    with open(checkpoint / "__1_0.distcp", "r+b") as file:  # rank 1's shard
+        file.seek(largest.offset + largest.length // 2)
+        file.write(bytes(4096))
+    results, _ = launch("trainer_fit.py", 2, tmp_path / "resume", json.dumps({**options, "steps": 3,
+                                                                              "ckpt_path": str(checkpoint)}))
+    assert len(results) == 2
+    assert all(f"{checkpoint}/__1_0.distcp is damaged" in result["error"] for result in results), results
+
+
+@pytest.mark.slow
+def test_a_checkpoint_without_checksums_loads_saying_so_once_and_strict_refuses_it(tmp_path, caplog):
+    trainer, _ = fit(tmp_path / "old", 2, checkpoint_checksums=False)
+    trainer.save_checkpoint(tmp_path / "old.ckpt")
+    assert "checksums" not in open_sharded(tmp_path / "old.ckpt").info
+    with caplog.at_level(logging.INFO):
+        resumed, _ = fit(tmp_path / "resume", 3, ckpt_path=tmp_path / "old.ckpt")
+    assert resumed.global_step == 3
+    assert caplog.text.count("old.ckpt records no checksums") == 1
+    with pytest.raises(RuntimeError, match=r"old\.ckpt records no checksums.*verify_checkpoint='recorded'"):
+        fit(tmp_path / "strict", 3, ckpt_path=tmp_path / "old.ckpt", verify_checkpoint="strict")
+
+
+def test_verify_checkpoint_takes_a_mode_or_a_bool_and_names_the_choices():
+    assert [verify_mode(value) for value in ("recorded", "strict", "off", True, False)] == [
+        "recorded", "strict", "off", "strict", "off"]
+    with pytest.raises(ValueError, match=r"verify_checkpoint='yes' is not one of \('recorded', 'strict', 'off'\)"):
+        Megatron3DStrategy(verify_checkpoint="yes")
 
 
 # ----------------------------------------------------------------------------- 2. never a non-finite checkpoint

@@ -11,8 +11,8 @@ A checkpoint is a directory (named like Lightning's files, e.g. ``epoch=0-step=3
 Saves are atomic: everything is written to ``.<name>.partial`` next to the target and renamed
 into place once every rank has finished (``checkpoint.replacement``), so a crash mid-save leaves
 the previous checkpoint (and never a half-written one under the real name). ``megatron_3d.json``
-is written last and, when asked (``checksums=True``), records a CRC-32 of every file, which ``verify_checksums``
-and ``lightning-megatron checkpoint verify`` compare. Loading checks the files against the
+is written last and (``checksums=True``, the strategy's default) records a CRC-32 of every file, which loading
+(``verify_checksums``) and ``lightning-megatron checkpoint verify`` compare. Loading checks the files against the
 index before any collective, so a missing or truncated shard or a checkpoint of another model
 stops every rank with one clear error instead of a hang or a partial load.
 """
@@ -358,7 +358,9 @@ def verify_checksums(saved: SavedCheckpoint, *, rank: int = 0, world_size: int =
     recorded = saved.info.get("checksums")
     if not recorded:
         raise RuntimeError(f"Checkpoint {saved.path} records no checksums (it was saved with checkpoint_checksums="
-                           f"False, or by an earlier lightning-megatron), so its content cannot be verified.")
+                           f"False, or by an earlier lightning-megatron), so its content cannot be verified. To load "
+                           f"it unchecked, use Megatron3DStrategy(verify_checkpoint='recorded'); to give it "
+                           f"checksums, load it and save it again.")
     algorithm = recorded.get("algorithm")
     if algorithm != CHECKSUM_ALGORITHM:
         raise RuntimeError(f"{saved.path / INFO_FILE} records {algorithm!r} checksums; this version verifies "
@@ -373,7 +375,9 @@ def verify_checksums(saved: SavedCheckpoint, *, rank: int = 0, world_size: int =
         if actual != expected[CHECKSUM_ALGORITHM]:
             raise RuntimeError(f"Checkpoint file {file} is damaged: its {algorithm} is {actual}, the save recorded "
                                f"{expected[CHECKSUM_ALGORITHM]} ({expected['bytes']:,} bytes then, "
-                               f"{file.stat().st_size:,} now). Copy the checkpoint again or use another one.")
+                               f"{file.stat().st_size:,} now); nothing was loaded from it. Copy the checkpoint "
+                               f"directory again from where it came from, or resume from an earlier checkpoint "
+                               f"(`lightning-megatron checkpoint verify DIR` compares another one's files).")
     return read
 
 

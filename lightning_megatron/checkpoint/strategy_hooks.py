@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Mapping, Optional
 
 from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.optim import Optimizer
@@ -33,7 +34,9 @@ from lightning_megatron.checkpoint.full import (
     gather_full_state_dict_on_rank_zero,
     local_state_dict_from_full,
     merge_pipeline_stages,
+    verify_full,
 )
+from lightning_megatron.checkpoint.run_lock import RunLock, release_all, take_all
 from lightning_megatron.checkpoint.shared_storage import check_visible_everywhere
 from lightning_megatron.checkpoint.sharded import is_sharded_checkpoint, write_atomically
 from lightning_megatron.checkpoint.training_state import (
@@ -54,6 +57,25 @@ LOSS_SCALER_KEY = "megatron_3d_loss_scaler"
 
 class CheckpointHooks:
     """Lightning's checkpoint hooks for the strategy: save, load, the state dicts they exchange."""
+
+    _run_locks: list[RunLock] = []
+
+    def on_train_start(self) -> None:
+        """Before the first step global rank zero locks the checkpoint folders for this run (``run_lock``): a
+        second run saving there, or a folder this run cannot write, stops every rank now, not at a save."""
+        super().on_train_start()
+        trainer = self.lightning_module.trainer
+        directories = [Path(callback.dirpath) for callback in trainer.checkpoint_callbacks
+                       if isinstance(callback, ModelCheckpoint) and callback.dirpath is not None
+                       and _is_local_file_protocol(callback.dirpath)]
+        self.release_checkpoint_directories()
+        self._run_locks = on_every_rank(lambda: take_all(directories) if self.is_global_zero else [],
+                                        doing="lock the checkpoint directories", undo=release_all)
+
+    def release_checkpoint_directories(self) -> None:
+        """Release the run's locks (the launcher does when the Trainer's call returns or raises)."""
+        release_all(self._run_locks)
+        self._run_locks = []
 
     def full_state_dict(self, *, rank_zero_only: bool = False) -> dict[str, Any]:
         """Full tensors under global names (unpadded), gathered over tp, pp and ZeRO-3 onto every rank's CPU, or
@@ -136,6 +158,10 @@ class CheckpointHooks:
             self._background_saver.wait()
         check_visible_everywhere(checkpoint_path)  # else the ranks that see it would wait for those that do not
         if not is_sharded_checkpoint(checkpoint_path):
+            if self.options.verify_checkpoint != "off" and _is_local_file_protocol(checkpoint_path):
+                # Every rank reads the same file: rank zero compares the archive's CRC-32s for all of them.
+                on_every_rank(lambda: verify_full(checkpoint_path) if self.is_global_zero else None,
+                              doing=f"load checkpoint {checkpoint_path}")
             return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         training = self._rank_training()
         saved, checkpoint = load_model_state(checkpoint_path, training, verify=self.options.verify_checkpoint)

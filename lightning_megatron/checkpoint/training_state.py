@@ -15,6 +15,7 @@ from typing import Any, Callable, Mapping, Optional, Union
 
 import torch
 import torch.distributed as dist
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
@@ -173,10 +174,11 @@ def _agree(check: Callable[[], Any]) -> Any:
     return on_every_rank(check, doing="load the checkpoint")
 
 
-def load_model_state(path, training: RankTraining, *, verify: bool = False) -> tuple[SavedCheckpoint, dict[str, Any]]:
+def load_model_state(path, training: RankTraining, *,
+                     verify: str = "recorded") -> tuple[SavedCheckpoint, dict[str, Any]]:
     """Collective: read this rank's model tensors (and fp32 main pieces) in place; return the checkpoint and
-    Lightning's part of it. Every check that can fail runs before the first collective; ``verify`` also
-    compares the files with their recorded checksums (the files shared out over the ranks). A save this
+    Lightning's part of it. Every check that can fail runs before the first collective, among them the
+    comparison of the files with their recorded checksums as ``verify`` says (``check_content``). A save this
     path's name was in the middle of is finished first (``finish_interrupted``), and the loaded tensors
     must be finite."""
     _agree(lambda: _finish_interrupted_on_rank_zero(path))
@@ -210,17 +212,15 @@ def _check_finite_after_load(saved: SavedCheckpoint, entries: Mapping[str, Any])
     bad = nonfinite_names(entries)
     if bad:
         raise RuntimeError(nonfinite_message(bad, doing=f"Checkpoint {saved.path} is unusable") + (
-            f" Its files were damaged (run `lightning-megatron checkpoint verify {saved.path}`, or load with "
-            f"Megatron3DStrategy(verify_checkpoint=True)), or it was saved after training diverged. Load an "
-            f"earlier checkpoint."))
+            f" Its files were damaged (`lightning-megatron checkpoint verify {saved.path}` compares them with the "
+            f"checksums its save recorded, if it did), or it was saved after training diverged. Load an earlier "
+            f"checkpoint."))
 
 
 def _plan_model_load(path, training: RankTraining, strict: bool,
-                     verify: bool) -> tuple[SavedCheckpoint, dict[str, Any], dict, list]:
+                     verify: str) -> tuple[SavedCheckpoint, dict[str, Any], dict, list]:
     saved = open_sharded(path)
-    if verify:
-        verify_checksums(saved, rank=dist.get_rank() if dist.is_initialized() else 0,
-                         world_size=dist.get_world_size() if dist.is_initialized() else 1)
+    check_content(saved, verify)
     trainer_state = saved.trainer_state()
     available = saved.tensors()
     wanted = {}
@@ -239,6 +239,20 @@ def _plan_model_load(path, training: RankTraining, strict: bool,
         wanted[main_key if use_main else key] = entry
     check_compatible(saved, wanted, what="model tensor")
     return saved, trainer_state, wanted, sorted(model_entries)
+
+
+def check_content(saved: SavedCheckpoint, verify: str) -> None:
+    """This rank's share of the files compared with their recorded checksums (``verify`` is one of
+    ``strategy_options.VERIFY_MODES``): ``"recorded"`` loads a checkpoint that has none unchecked, saying so
+    once; ``"strict"`` refuses it; ``"off"`` compares nothing. Raises naming a damaged file."""
+    if verify == "off":
+        return
+    if verify == "recorded" and not saved.info.get("checksums"):
+        rank_zero_info(f"Checkpoint {saved.path} records no checksums (saved with checkpoint_checksums=False or by "
+                       f"an earlier lightning-megatron): its files are loaded without comparing their content.")
+        return
+    verify_checksums(saved, rank=dist.get_rank() if dist.is_initialized() else 0,
+                     world_size=dist.get_world_size() if dist.is_initialized() else 1)
 
 
 def saved_rng_state(trainer_state: dict[str, Any], training: RankTraining) -> Optional[dict[str, Any]]:

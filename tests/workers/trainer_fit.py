@@ -71,7 +71,7 @@ if options.get("timeline"):
 trainer = L.Trainer(accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]), strategy=strategy,
                     callbacks=callbacks, **trainer_kwargs(options))
 try:
-    trainer.fit(model(options), datamodule=datamodule(options))
+    trainer.fit(model(options), datamodule=datamodule(options), ckpt_path=options.get("ckpt_path"))
 except (ValueError, RuntimeError) as error:
     result = {"error": str(error), "distributed_initialized": dist.is_initialized()}
     (out_dir / f"rank{rank}.json").write_text(json.dumps(result))
