@@ -20,6 +20,8 @@ from launch import child_env, launch  # noqa: E402
 from workers.trainer_setup import datamodule, model, trainer_kwargs  # noqa: E402
 from lightning_megatron import Megatron3DStrategy  # noqa: E402
 from lightning_megatron.checkpoint.commands import convert, open_checkpoint  # noqa: E402
+from lightning_megatron.checkpoint.replacement import INFO_FILE  # noqa: E402
+from lightning_megatron.checkpoint.sharded import file_checksum  # noqa: E402
 from lightning_megatron.cli import main as cli_main  # noqa: E402
 from lightning_megatron.generation.cli import load_gpt  # noqa: E402
 from lightning_megatron.huggingface.adapters import write_peft_adapter  # noqa: E402
@@ -248,6 +250,11 @@ def test_a_changed_base_is_refused_by_every_reader_naming_both(lora_run, llama_d
     state["megatron_3d_base"]["pretrained"] = str(moved)  # a checkpoint of a run on the copy, with its fingerprint
     state["hyper_parameters"]["pretrained"] = str(moved)
     torch.save(state, state_file)
+    info_file = checkpoint / INFO_FILE  # the checksum that run's save would have recorded
+    info = json.loads(info_file.read_text())
+    info["checksums"]["files"][state_file.name] = {"crc32": file_checksum(state_file),
+                                                   "bytes": state_file.stat().st_size}
+    info_file.write_text(json.dumps(info))
     GPT.load_from_checkpoint(checkpoint)  # the copy is the same base
     saved_base(moved, seed=1)  # other weights of the same shapes under the same path
     message = rf"trained on the base {moved}, but the base at {moved} is another model now"
