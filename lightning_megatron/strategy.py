@@ -30,6 +30,7 @@ import torch.distributed as dist
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from torch import Tensor
 from torch.optim import Optimizer
@@ -62,6 +63,7 @@ from lightning_megatron.pipeline.runner import PipelineRunner
 from lightning_megatron.pipeline.timeline import TimelineRecorder
 from lightning_megatron.plan.auto import AUTO_SIZES, choose_for_options
 from lightning_megatron.preparation import PipelineSplit, prepare_model, start_pipeline
+from lightning_megatron.requeue import add_stop_on_signal
 from lightning_megatron.strategy_options import ARGUMENTS, StrategyOptions
 from lightning_megatron.tensor_parallel.fp8_plan import describe_fp8
 from lightning_megatron.tensor_parallel.mappings import full_sequences
@@ -107,8 +109,8 @@ class Megatron3DStrategy(CheckpointHooks, StepHooks, CollectiveHooks, ParallelSt
         pad_vocab_to_multiple_of: int = 128,
         checkpoint_format: str = "sharded",
         async_checkpoint: bool = False,
-        checkpoint_checksums: bool = False,
-        verify_checkpoint: bool = False,
+        checkpoint_checksums: bool = True,
+        verify_checkpoint: Union[bool, str] = "recorded",
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = DEFAULT_TIMEOUT,
         accelerator=None,
@@ -279,6 +281,7 @@ class Megatron3DStrategy(CheckpointHooks, StepHooks, CollectiveHooks, ParallelSt
         self.precision_plugin.clip_grad_by_norm = self.clip_grad_by_global_norm
         self._setup_loss_scaling()
         if trainer.state.fn == TrainerFn.FITTING:
+            add_stop_on_signal(trainer)  # SIGTERM, Ctrl-C: save last.ckpt at an agreed step, exit 143 / 130
             self.setup_optimizers(trainer)
             self._step = self._build_step_gradients(module)
             self._main_params = self._step.main_params  # outlives teardown: a checkpoint after fit needs it
@@ -423,7 +426,12 @@ class Megatron3DStrategy(CheckpointHooks, StepHooks, CollectiveHooks, ParallelSt
 
     # ------------------------------------------------------------------ failure and teardown
     def on_exception(self, exception: BaseException) -> None:
-        """A collective that timed out (or lost its peer) is told what was waiting: a note on the exception."""
+        """A collective that timed out (or lost its peer) is told what was waiting: a note on the exception.
+        A stop by signal (``requeue.StoppedBySignal``, raised by every rank at one step) is no failure: the
+        teardown still leaves together."""
+        if isinstance(exception, SIGTERMException):
+            super().on_exception(exception)
+            return
         self._failed = True
         if dist.is_initialized():
             exit_before_native_teardown(exception)  # if it ends the process: its error stays the last line

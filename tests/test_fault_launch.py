@@ -1,5 +1,6 @@
 """Fault injection on the launch: killing the launcher leaves no worker process behind."""
 
+import json
 import os
 import signal
 import subprocess
@@ -47,3 +48,35 @@ def test_killing_the_launcher_kills_the_script_copies_it_started(tmp_path):
             launcher.kill()
         if child is not None and alive(child):
             os.kill(child, signal.SIGKILL)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signum, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_a_stop_by_signal_saves_at_one_step_on_every_rank_and_exits_with_128_plus_the_signal(tmp_path, signum, code):
+    """SIGTERM to the launcher's process alone (``kill <pid>``), or Ctrl-C (SIGINT to the whole process group),
+    under Lightning's own launcher: every rank saves last.ckpt at the same step and the job ends non-zero."""
+    run = subprocess.run([sys.executable, str(WORKERS / "stop_signal.py"), str(tmp_path), signum.name],
+                         env=child_env(PYTHONPATH=f"{WORKERS}:{REPO_ROOT}"), cwd=tmp_path, capture_output=True,
+                         text=True, timeout=600, start_new_session=True)  # its own process group: Ctrl-C hits it alone
+    assert run.returncode == code, run.stderr[-4000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert [r["exit_code"] for r in ranks] == [code, code]
+    assert [r["stopped_at"] for r in ranks] == [3, 3], "the ranks stopped at different steps (or ran to the end)"
+    saved = tmp_path / "checkpoints" / "last.ckpt"
+    assert json.loads((saved / "megatron_3d.json").read_text())["global_step"] == 3
+    assert sorted(p.name for p in saved.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    assert f"{signum.name}{')' if signum == signal.SIGINT else ''} received" in run.stderr
+    assert f"{signum.name}: stopped at step 3; resume with fit(ckpt_path='last')" in run.stderr + run.stdout
+    assert "terminate called" not in run.stderr
+
+
+@pytest.mark.slow
+def test_a_data_error_on_one_rank_is_the_last_thing_printed_and_the_other_rank_says_one_line(tmp_path):
+    run = subprocess.run([sys.executable, str(WORKERS / "bad_sft_data.py"), str(tmp_path)],
+                         env=child_env(PYTHONPATH=f"{WORKERS}:{REPO_ROOT}"), cwd=tmp_path, capture_output=True,
+                         text=True, timeout=600)
+    assert run.returncode == 1, run.stderr[-4000:]
+    lines = [line for line in run.stderr.splitlines() if line.strip()]
+    assert lines[-1].startswith(f"[rank0]: ValueError: {tmp_path / 'chats.jsonl'}:2: invalid JSON"), lines[-8:]
+    assert "[rank1]: PeerFailed: Building the SFT conversations in" in run.stderr
+    assert "[rank1]: Traceback" not in run.stderr, "the rank that only followed rank 0's failure printed a traceback"

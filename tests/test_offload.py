@@ -3,7 +3,12 @@ against the same optimizer stepping whole tensors in memory, and the host copies
 in backward (multi-rank layouts: test_layout_invariance.py, test_sharded_checkpoint.py, test_precision.py,
 test_fault_lifecycle.py; over 2 ranks here: workers/offload_overlap.py)."""
 
+import json
+import os
 import shutil
+import signal
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -228,3 +233,68 @@ def test_offloaded_copies_wait_for_each_buckets_collective_over_two_ranks(tmp_pa
     results, _ = launch("offload_overlap.py", 2, tmp_path)
     expected = {"z0": {"equal": True, "copied_early": True}, "z1": {"equal": True, "copied_early": True}}
     assert results == [expected, expected]
+
+
+def _run_offload_process(root, then: str, **popen):
+    """A Python process that makes an 'nvme' folder under ``root`` (as a rank's tier does), then runs ``then``."""
+    code = ("import os, signal, sys, torch\n"
+            "from lightning_megatron.offload.files import OffloadFiles\n"
+            f"files = OffloadFiles({str(root)!r}, {{'main': (1 << 18, torch.float32)}},\n"
+            "                     prefix='lightning-megatron-rank0-')\n"
+            "print(files.folder, flush=True)\n" + then)
+    return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, **popen)
+
+
+@pytest.mark.slow
+def test_the_next_tier_removes_the_files_of_a_killed_rank_and_leaves_a_live_runs(tmp_path, capfd):
+    killed = _run_offload_process(tmp_path, "os.kill(os.getpid(), signal.SIGKILL)\n")
+    killed_folder = killed.stdout.readline().strip()
+    assert killed.wait(timeout=120) == -signal.SIGKILL
+    alive = _run_offload_process(tmp_path, "sys.stdin.read()\n", stdin=subprocess.PIPE)
+    alive_folder = alive.stdout.readline().strip()
+    foreign = tmp_path / "lightning-megatron-rank1-elsewhere"  # a run on another host sharing this folder
+    foreign.mkdir()
+    (foreign / "owner.json").write_text(json.dumps({"pid": 1, "start_time": 0, "host": "another-host"}))
+    (foreign / "main.bin").write_bytes(b"\0" * 2**20)
+    try:
+        assert os.path.getsize(os.path.join(killed_folder, "main.bin")) == 2**20  # its optimizer share, left behind
+        capfd.readouterr()
+        model = nn.Linear(4, 3)
+        optimizer = torch.optim.AdamW(model.parameters())
+        sync = GradientSynchronizer(list(model.parameters()), data_parallel_group=None, bucket_size_mb=0.001,
+                                    zero_stage=0)
+        main = MainParamOptimizer(optimizer, sync, offload=OffloadSettings("nvme", path=str(tmp_path)))
+        err = capfd.readouterr().err
+        assert not os.path.exists(killed_folder), "the killed run's files are still there"
+        removed = f"removed {killed_folder} (1.00 MiB): 'nvme' offload files of a run that is gone (pid {killed.pid}"
+        assert removed in err
+        assert os.path.isdir(alive_folder) and alive_folder not in err, "a live run's files were touched or named"
+        assert f"{foreign} holds 1.00 MiB of 'nvme' offload files of pid 1 on host another-host" in err
+        assert f"rm -r {foreign}" in err and foreign.is_dir()
+        own = main.nvme.files.folder
+        main.remove()
+        assert not own.exists()
+    finally:
+        alive.stdin.close()
+        alive.wait(timeout=120)
+    assert not os.path.exists(alive_folder), "a normal exit that never closed the tier left its files"
+
+
+@pytest.mark.slow
+def test_an_uncaught_error_leaves_no_offload_files(tmp_path):
+    failed = _run_offload_process(tmp_path, "raise ValueError('bad data')\n", stderr=subprocess.PIPE)
+    folder = failed.stdout.readline().strip()
+    _, err = failed.communicate(timeout=120)
+    assert failed.returncode == 1 and "ValueError: bad data" in err
+    assert folder and not os.path.exists(folder) and list(tmp_path.iterdir()) == []
+
+
+def test_an_owner_elsewhere_is_never_taken_for_gone():
+    """Only a process of this host, boot and pid namespace can be checked; elsewhere its pid means nothing here."""
+    from lightning_megatron.offload.files import machine_identity, owner_state, process_start_time
+
+    me = {"pid": os.getpid(), "start_time": process_start_time(os.getpid()), **machine_identity()}
+    assert owner_state(me) == "alive"
+    assert owner_state({**me, "start_time": me["start_time"] + 1}) == "gone", "a reused pid is another process"
+    for elsewhere in ({"host": "another-host"}, {"pid_namespace": "pid:[1]"}, {"boot_id": "another-boot"}):
+        assert owner_state({**me, **elsewhere, "pid": 2**22 + 1}) == "unknown", elsewhere

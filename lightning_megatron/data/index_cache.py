@@ -32,6 +32,7 @@ import torch
 
 from lightning_megatron.checksums import file_crc32
 from lightning_megatron.data.file_array import FileArray
+from lightning_megatron.parallel.agree import PeerFailed
 
 
 
@@ -136,7 +137,7 @@ def build_once(ranks: Ranks, *, needs_build: Callable[[], bool], build: Callable
         if not ranks.all_ok(error is None):
             if error is not None:
                 raise error
-            raise RuntimeError(f"Building the {what} in {where} failed on {who}; its error says why.")
+            raise PeerFailed(f"Building the {what} in {where} failed on {who}; its error says why.")
 
     phase(ranks.global_rank == 0, "rank 0")
     phase(ranks.local_rank == 0 and ranks.global_rank != 0 and needs_build(), "the first rank of another node")

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -25,7 +26,7 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_megatron.offload.files import OffloadFiles, element_size
+from lightning_megatron.offload.files import OffloadFiles, clear_stale_folders, element_size, format_bytes
 from lightning_megatron.offload.tiled_step import MAIN, TiledPiece, TiledStep, pool_bytes, state_stream, tile_numel
 
 GRAD = "grad"
@@ -77,6 +78,8 @@ class NvmeOptimizerTier:
             streams[GRAD] = (total, torch.float32)
         pool = pool_bytes(buffer_mb, [element_size(dtype) for name, (_, dtype) in streams.items() if name != GRAD],
                           total)
+        for line in clear_stale_folders(path):  # before the disk check: the space they free counts
+            print(f"lightning-megatron: rank {rank}: {line}", file=sys.stderr, flush=True)
         check_resources(path, disk_bytes=sum(n * element_size(d) for n, d in streams.values()), pool_bytes=pool,
                         ranks_sharing_host=ranks_sharing_host, rank=rank)
         try:
@@ -123,8 +126,8 @@ class NvmeOptimizerTier:
 
     def describe(self) -> str:
         """One line for the log: where the files are, how big they and the pool are, how many tiles a step walks."""
-        return (f"'nvme' offload tier: {_gib(self.disk_bytes)} in {self.files.folder}, host buffer pool "
-                f"{_gib(self.pool_bytes)}, {len(self.engine.tiles)} tile(s) per step")
+        return (f"'nvme' offload tier: {format_bytes(self.disk_bytes)} in {self.files.folder}, host buffer pool "
+                f"{format_bytes(self.pool_bytes)}, {len(self.engine.tiles)} tile(s) per step")
 
     @property
     def disk_bytes(self) -> int:
@@ -158,16 +161,16 @@ def check_resources(path: str, *, disk_bytes: int, pool_bytes: int, ranks_sharin
     free = shutil.disk_usage(folder).free
     needed = disk_bytes * ranks_sharing_host
     if needed > free:
-        raise ValueError(f"Rank {rank}: the 'nvme' offload tier needs {_gib(disk_bytes)} per rank x "
-                         f"{ranks_sharing_host} rank(s) on this machine = {_gib(needed)} under offload_path={path!r}, "
-                         f"which has {_gib(free)} free. Free disk space, choose another offload_path, or shard the "
-                         f"state over more data-parallel ranks (zero_stage=1).")
+        raise ValueError(f"Rank {rank}: the 'nvme' offload tier needs {format_bytes(disk_bytes)} per rank x "
+                         f"{ranks_sharing_host} rank(s) on this machine = {format_bytes(needed)} under offload_path="
+                         f"{path!r}, which has {format_bytes(free)} free. Free disk space, choose another "
+                         f"offload_path, or shard the state over more data-parallel ranks (zero_stage=1).")
     available = available_memory()
     pools = pool_bytes * ranks_sharing_host
     if available is not None and pools > available:
-        raise ValueError(f"Rank {rank}: the 'nvme' offload tier's buffer pool needs {_gib(pool_bytes)} per rank x "
-                         f"{ranks_sharing_host} rank(s) = {_gib(pools)} of host memory; {_gib(available)} is available. "
-                         f"Lower offload_buffer_mb.")
+        raise ValueError(f"Rank {rank}: the 'nvme' offload tier's buffer pool needs {format_bytes(pool_bytes)} per "
+                         f"rank x {ranks_sharing_host} rank(s) = {format_bytes(pools)} of host memory; "
+                         f"{format_bytes(available)} is available. Lower offload_buffer_mb.")
 
 
 def available_memory() -> Optional[int]:
@@ -180,7 +183,3 @@ def available_memory() -> Optional[int]:
     except OSError:
         return None
     return None
-
-
-def _gib(nbytes: int) -> str:
-    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.2f} MiB"

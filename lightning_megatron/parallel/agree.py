@@ -3,7 +3,7 @@
 A rank that raises while its peers go on leaves them waiting in their next collective until the timeout
 (10 minutes by default), and the user sees a timeout instead of the reason. :func:`on_every_rank` runs the
 check everywhere, gathers who failed (one ``all_gather_object`` over the world) and raises on every rank:
-the failing rank its own error, the others a ``RuntimeError`` quoting the first failing rank's.
+the failing rank its own error, the others a :class:`PeerFailed` quoting the first failing rank's.
 """
 
 from __future__ import annotations
@@ -14,6 +14,11 @@ import torch.distributed as dist
 
 T = TypeVar("T")
 EXPECTED_FAILURES = (OSError, RuntimeError, TypeError, ValueError)
+
+
+class PeerFailed(RuntimeError):
+    """Raised on a rank because another rank failed, whose own error says why: when both end their processes, the
+    other rank's error is printed last and this one in a single line (``processes.exit_before_native_teardown``)."""
 
 
 def all_gather_objects(value: Any, group: Optional[dist.ProcessGroup] = None) -> list:
@@ -42,5 +47,5 @@ def on_every_rank(check: Callable[[], T], *, doing: str, undo: Optional[Callable
         if undo is not None:
             undo(result)
         rank, report = failed[0]
-        raise RuntimeError(f"Rank {rank} cannot {doing}: {report}")
+        raise PeerFailed(f"Rank {rank} cannot {doing}: {report}")
     return result  # type: ignore[return-value]

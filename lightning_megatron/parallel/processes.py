@@ -4,7 +4,8 @@
 the cluster environment's address, ranks and world size) with the strategy's timeout, then builds the
 layout's groups (``ParallelState.create``, the same timeout on every group); on NCCL it first makes a
 collective's timeout reach Python (:func:`surface_nccl_timeouts`), where the strategy explains it.
-:func:`exit_before_native_teardown` keeps a failed run's error the last thing its process prints.
+:func:`exit_before_native_teardown` keeps a failed run's error the last thing its process prints, and the rank
+whose error caused the failure the last one to print.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import atexit
 import os
 import sys
+import time
 from datetime import timedelta
 from typing import Any, Optional
 
@@ -19,6 +21,7 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.distributed import _get_default_process_group_backend_for_device, _init_dist_connection
 
+from lightning_megatron.parallel.agree import PeerFailed
 from lightning_megatron.parallel.config import ParallelConfig
 from lightning_megatron.parallel.state import ParallelState
 
@@ -33,6 +36,9 @@ def init_processes(environment, config: ParallelConfig, device: torch.device, *,
     if device.type != "cpu":
         kwargs["device_id"] = device
     _init_dist_connection(environment, backend, **kwargs)
+    if not _LEAVING:
+        _LEAVING.append(True)
+        atexit.register(leave_together)
     return ParallelState.create(config, device, timeout=timeout)
 
 
@@ -61,6 +67,38 @@ def surface_nccl_timeouts(backend: str, environ=os.environ) -> bool:
     return True
 
 
+# ------------------------------------------------------------------ leaving after a run
+_LEAVING: list[bool] = []  # leave_together is registered (once per process)
+EXIT_WAIT_SECONDS = 60.0
+_EXITING = "lightning_megatron/exiting"
+
+
+def leave_together() -> None:
+    """At the interpreter's exit after a run that did not fail: wait until every rank is exiting too (a counter in
+    the process group's store, at most ``EXIT_WAIT_SECONDS``), then destroy the process groups, before the
+    interpreter's finalisation and C++ static destructors tear them down in no set order.
+
+    The ranks of a user's script finish at different times (rank 0 writes a report, another prints nothing); a
+    rank whose gloo groups are destroyed while a peer is gone or going can abort in native code (``terminate
+    called without an active exception``) after a run that went well. Under Lightning's launcher this also keeps
+    rank 0, whose exit kills the script copies it started, until they are done. A process ending on an uncaught
+    error, or after a run of this process failed (a second Ctrl-C, an error the script caught), leaves at once
+    (:func:`exit_before_native_teardown`): its peers may never arrive."""
+    if not dist.is_initialized() or getattr(sys, "last_value", None) is not None or _FAILED:
+        return
+    store, world = _store(), dist.get_world_size()
+    if store is not None and world > 1:
+        arrived = _tell(store, lambda: store.add(_EXITING, 1))
+        deadline = time.monotonic() + EXIT_WAIT_SECONDS
+        while arrived is not None and arrived < world and time.monotonic() < deadline:
+            time.sleep(0.05)
+            arrived = _tell(store, lambda: store.add(_EXITING, 0))  # None once the store's host has left
+    try:
+        dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 - at exit, nothing is left to protect
+        pass
+
+
 # ------------------------------------------------------------------ leaving after a failure
 _FAILED: set[int] = set()  # ids of the errors a run failed on (ids, not the errors: their frames hold the model)
 
@@ -77,10 +115,74 @@ def exit_before_native_teardown(error: BaseException) -> None:
     an uncaught error gives) after every atexit handler has run, skipping only the native teardown. A
     caller that catches ``error`` and goes on is unaffected: nothing happens unless ``error`` is the one the
     interpreter printed (``sys.last_value``).
+
+    Ranks that share a terminal (Lightning's launcher, torchrun) print their errors at about the same time, and a
+    rank that failed only because another did (:class:`~lightning_megatron.parallel.agree.PeerFailed`: "Building
+    ... failed on rank 0; its error says why") could be the last one printed. So the interpreter's report of an
+    uncaught error goes through :func:`_report_cause_last`: such a rank prints its error in one line and says so in
+    the process group's store; the others wait for those lines (at most ``CAUSE_WAIT_SECONDS``) before printing.
+    (On a failed run only: the wait costs up to that long where a peer never fails, as a stalled one.)
     """
     if not _FAILED:
         atexit.register(_exit_if_failed)
+        _report_cause_last.previous = sys.excepthook
+        _report_cause_last.rank = dist.get_rank() if dist.is_initialized() else 0
+        sys.excepthook = _report_cause_last
     _FAILED.add(id(error))
+
+
+CAUSE_WAIT_SECONDS = 3.0
+_REPORTED = "lightning_megatron/failure_reported/{rank}"
+
+
+def _report_cause_last(kind, error, traceback) -> None:
+    """``sys.excepthook`` after a failed run: a :class:`PeerFailed` rank first, in one line; the cause last. Each
+    rank notes in the store that it has printed, and waits for the others before it leaves too: under Lightning's
+    launcher rank 0's exit kills the other ranks, which may hold the cause."""
+    previous, rank = _report_cause_last.previous, _report_cause_last.rank
+    if id(error) not in _FAILED:
+        return previous(kind, error, traceback)
+    store = _store()
+    if isinstance(error, PeerFailed) or isinstance(error.__cause__, PeerFailed):
+        print(f"[rank{rank}]: {type(error).__name__}: {error}", file=sys.stderr, flush=True)
+        _tell(store, lambda: store.set(_REPORTED.format(rank=rank), "1"))
+        _wait_for_the_others(store, rank)
+        return None
+    _wait_for_the_others(store, rank)
+    previous(kind, error, traceback)
+    _tell(store, lambda: store.set(_REPORTED.format(rank=rank), "1"))
+    return None
+
+
+def _wait_for_the_others(store: Optional[Any], rank: int) -> None:
+    """Until every other rank has printed its error (at most ``CAUSE_WAIT_SECONDS``; a rank that did not fail
+    never does)."""
+    if store is None:
+        return
+    keys = [_REPORTED.format(rank=peer) for peer in range(dist.get_world_size()) if peer != rank]
+    deadline = time.monotonic() + CAUSE_WAIT_SECONDS
+    while keys and time.monotonic() < deadline and not _tell(store, lambda: store.check(keys), default=True):
+        time.sleep(0.05)
+
+
+def _store() -> Optional[Any]:
+    """The default process group's store (its key-value server), None without one."""
+    if not dist.is_initialized():
+        return None
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except Exception:  # noqa: BLE001 - a private accessor: without it, no ordering
+        return None
+
+
+def _tell(store: Optional[Any], call, default=None):
+    """``call()`` on the store; a store whose server has gone (its rank exited) gives ``default``."""
+    if store is None:
+        return default
+    try:
+        return call()
+    except Exception:  # noqa: BLE001 - the server's rank may have exited already: nothing to wait for
+        return default
 
 
 def _exit_if_failed() -> None:
