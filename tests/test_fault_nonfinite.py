@@ -18,7 +18,6 @@ from workers.nonfinite_setup import BAD_STEP, RecordSteps, faulty
 from workers.trainer_setup import datamodule, model, trainer_kwargs
 from lightning_megatron import Megatron3DStrategy
 from lightning_megatron.checkpoint import consolidated_state_dict
-from lightning_megatron.checkpoint.run_lock import RUN_LOCK_FILE
 from lightning_megatron.optim.nonfinite import NonFiniteError
 
 
@@ -65,7 +64,7 @@ def test_nan_loss_stops_before_the_step_and_the_last_good_checkpoint_stays(tmp_p
     reference, _, no_error = fit(tmp_path / "reference", bad, precision=precision)
     assert no_error is None
     assert_same_weights(trainer, reference)
-    saved = sorted(p.name for p in (tmp_path / "ckpt").iterdir() if p.name != RUN_LOCK_FILE)
+    saved = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
     assert saved == [f"epoch=0-step={bad}.ckpt"], saved  # the last good step's, and nothing after it
     state = consolidated_state_dict(tmp_path / "ckpt" / saved[0])
     full = reference.strategy.full_state_dict()

@@ -1,6 +1,7 @@
 """One training run per checkpoint folder (``checkpoint.run_lock``), and a folder that cannot be written is
 found at the start, not at the first save."""
 
+import fcntl
 import json
 import logging
 import os
@@ -44,7 +45,7 @@ def test_a_second_run_in_the_same_checkpoint_folder_is_refused_and_a_dead_ones_l
         trainer, _ = fit(folder, 2, save_every=1)
     assert trainer.global_step == 2 and (folder / "epoch=0-step=2.ckpt").is_dir()
     assert f"taking over the lock of a run that ended without releasing it (pid {holder.pid} on" in caplog.text
-    assert (folder / RUN_LOCK_FILE).read_text() == ""  # released when the run ended
+    assert not (folder / RUN_LOCK_FILE).exists()  # released (removed) when the run ended
     RunLock.take(folder).release()
 
 
@@ -55,7 +56,22 @@ def test_the_lock_names_its_holder_and_refuses_a_second_taker(tmp_path):
     with pytest.raises(RuntimeError, match=rf"pid {os.getpid()} on "):
         RunLock.take(tmp_path / "new" / "folder")
     lock.release()
+    assert not (tmp_path / "new" / "folder" / RUN_LOCK_FILE).exists()  # a released lock leaves no file
     RunLock.take(tmp_path / "new" / "folder").release()
+
+
+def test_a_lock_taken_on_a_file_its_holder_removed_is_taken_again_on_the_file_there(tmp_path):
+    """A process that opened the lock file just before its holder released (removed) it must not hold a lock on
+    the removed file while a third process locks the new one: it takes again, on the file now at the path."""
+    first = RunLock.take(tmp_path)
+    opened_before_release = open(tmp_path / RUN_LOCK_FILE)
+    first.release()
+    second = RunLock.take(tmp_path)  # a new file
+    fcntl.flock(opened_before_release, fcntl.LOCK_EX | fcntl.LOCK_NB)  # the removed file's lock: free, but stale
+    with pytest.raises(RuntimeError, match="in use by another training run"):
+        RunLock.take(tmp_path)  # the file at the path is the second run's, and locked
+    opened_before_release.close()
+    second.release()
 
 
 @pytest.mark.slow

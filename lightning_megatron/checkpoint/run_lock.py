@@ -6,8 +6,11 @@ flight (``replacement.finish_interrupted_saves``). So global rank zero of a fitt
 ``flock`` on ``<folder>/.lightning_megatron.run.lock`` before the first step and keeps it until the run ends,
 with who holds it written inside (pid, host, start, command). A second run is refused with the folder, the
 holder and the fix. The kernel drops the lock of a process that died, so a crashed run's lock is taken over
-by the next one, which says whose it was. Taking the lock also creates the folder, so a folder this run
-cannot write is reported at the start rather than at the first save, steps later.
+by the next one, which says whose it was. A run that ends removes the file, so a finished run leaves only its
+checkpoints in the folder (scripts that list it see no extra entry); a lock taken on a file that was removed
+meanwhile is dropped and taken again on the file now there, so a removal never lets two runs hold the lock. Taking
+the lock also creates the folder, so a folder this run cannot write is reported at the start rather than at the
+first save, steps later.
 """
 
 from __future__ import annotations
@@ -99,17 +102,21 @@ class RunLock:
         """Create ``directory`` if needed and lock it; raises ``RuntimeError`` when it cannot be written or
         another run holds it. A lock left by a run that ended without releasing it is taken over, said in the log."""
         directory = Path(directory)
-        try:
-            directory.mkdir(parents=True, exist_ok=True)
-            file = open(directory / RUN_LOCK_FILE, "a+")
-            if not os.access(directory, os.W_OK | os.X_OK):  # the lock file may exist where no new file can go
-                raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(directory))
-        except OSError as error:
-            raise _unwritable(directory, error) from error
-        if not _try_lock(file, directory):
-            holder = _holder(file)
-            file.close()
-            raise _in_use(directory, holder)
+        while True:
+            try:
+                directory.mkdir(parents=True, exist_ok=True)
+                file = open(directory / RUN_LOCK_FILE, "a+")
+                if not os.access(directory, os.W_OK | os.X_OK):  # the lock file may exist where no new file can go
+                    raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(directory))
+            except OSError as error:
+                raise _unwritable(directory, error) from error
+            if not _try_lock(file, directory):
+                holder = _holder(file)
+                file.close()
+                raise _in_use(directory, holder)
+            if _is_the_file_at(file, directory / RUN_LOCK_FILE):
+                break
+            file.close()  # a run that just ended removed the file we opened: lock the one there now
         previous = _holder(file)
         if previous is not None:
             rank_zero_info(f"Checkpoint directory {directory}: taking over the lock of a run that ended without "
@@ -123,14 +130,26 @@ class RunLock:
         return cls(directory, file)
 
     def release(self) -> None:
-        """Empty the file (a released lock names no one) and unlock it; the file stays: removing it would let a
-        process that opened it before the removal lock a file no one else sees."""
+        """Remove the file while still holding its lock, then unlock it. A process that opened the file before
+        the removal and locks it afterwards finds it is no longer the file at that path and takes again."""
         if self._file.closed:
             return
-        self._file.truncate(0)
-        self._file.flush()
+        try:
+            (self.directory / RUN_LOCK_FILE).unlink()
+        except FileNotFoundError:
+            pass
         fcntl.flock(self._file, fcntl.LOCK_UN)
         self._file.close()
+
+
+def _is_the_file_at(file: IO, path: Path) -> bool:
+    """Whether the open ``file`` is still the one ``path`` names (not removed, nor replaced by a new file)."""
+    try:
+        on_disk = os.stat(path)
+    except FileNotFoundError:
+        return False
+    opened = os.fstat(file.fileno())
+    return (opened.st_dev, opened.st_ino) == (on_disk.st_dev, on_disk.st_ino)
 
 
 def take_all(directories) -> list[RunLock]:
