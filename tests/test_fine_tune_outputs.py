@@ -149,6 +149,20 @@ def test_the_export_of_a_fine_tune_is_a_directory_transformers_and_generate_use_
     assert generated(capsys, "--checkpoint", str(out)) == answer  # our generate reads the export as is
 
 
+@pytest.mark.slow
+def test_to_hf_of_a_module_made_from_a_base_takes_its_tokenizer_and_generation_settings(fine_tunes, tmp_path):
+    base, _ = fine_tunes
+    module = GPT(pretrained=str(base))
+    module.configure_model()  # the base's weights, outside a strategy
+    module.to_hf(tmp_path / "hf")
+    tokenizer, base_tokenizer = (transformers.AutoTokenizer.from_pretrained(d) for d in (tmp_path / "hf", base))
+    assert chat_ids(tokenizer) == chat_ids(base_tokenizer)
+    fields, base_fields = (json.loads((d / "config.json").read_text()) for d in (tmp_path / "hf", base))
+    for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        assert fields[name] == base_fields[name] is not None, name
+    assert transformers.GenerationConfig.from_pretrained(tmp_path / "hf").eos_token_id == base_tokenizer.eos_token_id
+
+
 def test_an_export_without_a_recorded_base_says_what_to_add(tmp_path):
     base = hf_chat_setup.save_chat_llama(tmp_path / "base")
     convert(base, tmp_path / "weights.ckpt")  # a weights-only checkpoint of ours: no `pretrained` recorded

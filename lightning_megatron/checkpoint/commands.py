@@ -68,7 +68,7 @@ from lightning_megatron.checkpoint.sharded import (
 from lightning_megatron.checkpoint.training_state import LAYOUT_KEY
 from lightning_megatron.huggingface import TensorSource, read_hf, write_hf
 from lightning_megatron.huggingface.adapters import write_peft_adapter
-from lightning_megatron.huggingface.companions import GENERATION_CONFIG, special_token_ids, write_companions
+from lightning_megatron.huggingface.companions import GENERATION_CONFIG
 from lightning_megatron.huggingface.io import DEFAULT_MAX_SHARD_SIZE, safetensors_torch
 from lightning_megatron.models.bert import BERTConfig
 from lightning_megatron.models.gpt import GPTConfig
@@ -298,11 +298,10 @@ def convert(source: Union[str, Path], out: Union[str, Path], *, model_type: Opti
         check_replaceable(out, what="Hugging Face model", hf_export=True)
         base = recorded_base(trainer_state)
         usable_base = base is not None and Path(base).is_dir()
-        write_hf(out, config, tensors, model_type=model_type, max_shard_size=max_shard_size,
-                 **(special_token_ids(base) if usable_base else {}))
+        written = write_hf(out, config, tensors, model_type=model_type, max_shard_size=max_shard_size, base=base)
         merged = " (LoRA adapters merged)" if lora is not None else ""
         done = f"wrote a Hugging Face {type(config).__name__.removesuffix('Config')} model{merged} to {out}"
-        return f"{done}\n{companions_note(out, base, usable_base)}"
+        return f"{done}\n{companions_note(out, base, usable_base, written)}"
     if peft:
         raise ValueError(f"--peft exports the adapters of a checkpoint of ours; {source} is a Hugging Face directory.")
     if model_type is not None:
@@ -328,10 +327,9 @@ def recorded_base(trainer_state: dict[str, Any]) -> Optional[str]:
         "pretrained")
 
 
-def companions_note(out: Path, base: Optional[str], usable: bool) -> str:
-    """Give the export the base's tokenizer and generation settings (``huggingface.companions``), saying what it
-    got; without them, what the user should add."""
-    written = write_companions(out, base) if usable else []
+def companions_note(out: Path, base: Optional[str], usable: bool, written: list[str]) -> str:
+    """What the export got of the base's tokenizer and generation settings (``written``, by ``write_hf``); without
+    them, what the user should add."""
     tokenizer = [name for name in written if name != GENERATION_CONFIG]
     settings = f"; wrote {GENERATION_CONFIG}" if GENERATION_CONFIG in written else ""
     if tokenizer:

@@ -25,6 +25,7 @@ from typing import Any, Mapping, Optional, Sequence, Union
 from torch import Tensor, nn
 
 from lightning_megatron.huggingface import bert, gpt2, llama, mistral, mixtral, qwen2, qwen2_moe
+from lightning_megatron.huggingface.companions import special_token_ids, write_companions
 from lightning_megatron.huggingface.family import Family, TensorSource
 from lightning_megatron.huggingface.io import DEFAULT_MAX_SHARD_SIZE, read_hf_config, weight_names
 from lightning_megatron.models.bert import BERTConfig
@@ -94,17 +95,24 @@ def family_for(config: Any, model_type: Optional[str] = None) -> Family:
 
 def write_hf(out_dir: Union[str, os.PathLike], config: ModelConfig,
              state_dict: Union[Mapping[str, Tensor], TensorSource], *, model_type: Optional[str] = None,
-             max_shard_size: Union[int, str, None] = None, **extra_fields: Any) -> None:
+             max_shard_size: Union[int, str, None] = None, base: Union[str, os.PathLike, None] = None,
+             **extra_fields: Any) -> list[str]:
     """Write a ``save_pretrained`` directory that ``transformers`` loads (``config.json``, ``model.safetensors``,
     or shards of at most ``max_shard_size``, default 5GB, with ``model.safetensors.index.json``).
 
     ``state_dict``: the model's full state dict, or a ``TensorSource`` that reads it a few tensors at a time
     (as ``lightning-megatron checkpoint convert`` reads a sharded checkpoint); ``model_type`` chooses the
-    family (see the module); ``extra_fields`` go into ``config.json`` (e.g. ``eos_token_id``).
+    family (see the module); ``base``: the Hugging Face directory the model was fine-tuned from, whose tokenizer
+    files, ``generation_config.json`` and special token ids go along (``companions``; skipped where it is not a
+    directory here); ``extra_fields`` go into ``config.json`` (e.g. ``eos_token_id``). Returns the names of the
+    base's files written beside the weights.
     """
+    usable_base = base is not None and os.path.isdir(base)
+    fields = {**(special_token_ids(base) if usable_base else {}), **extra_fields}
     source = state_dict if isinstance(state_dict, TensorSource) else TensorSource.of(state_dict)
     family_for(config, model_type).write(out_dir, config, source, max_shard_size=max_shard_size or DEFAULT_MAX_SHARD_SIZE,
-                                         **extra_fields)
+                                         **fields)
+    return write_companions(out_dir, base) if usable_base else []
 
 
 def lightning_module_for(config: ModelConfig) -> type:

@@ -19,7 +19,7 @@ class HFFormat(NamedTuple):
     ``read_config(directory) -> config`` (no weights read)."""
 
     read: Callable[[Any], tuple[Any, dict]]
-    write: Callable[..., None]
+    write: Callable[..., list]
     read_config: Callable[[Any], Any]
 
 

@@ -266,7 +266,9 @@ class PretrainingRecipe(L.LightningModule):
 
         ``model_type`` picks the family where several can hold this config (a Llama-shaped GPT: ``"llama"`` by
         default, ``"mistral"``, ``"qwen2"``); ``max_shard_size`` (default 5GB) splits the weights into
-        ``model-0000k-of-0000N.safetensors`` files; ``hf_config``: extra ``config.json`` fields.
+        ``model-0000k-of-0000N.safetensors`` files; ``hf_config``: extra ``config.json`` fields. A module made with
+        ``pretrained=DIR`` takes DIR's tokenizer files, ``generation_config.json`` and special token ids along, so
+        ``transformers`` and ``lightning-megatron generate`` use the directory as is.
         Under tensor or pipeline parallelism this module holds shards: gather on every rank, write on one::
 
             state_dict = trainer.strategy.full_state_dict()
@@ -274,4 +276,5 @@ class PretrainingRecipe(L.LightningModule):
                 model.to_hf("exported", state_dict=state_dict)
         """
         self.hf_format().write(out_dir, self.config, self.state_dict() if state_dict is None else state_dict,
-                               model_type=model_type, max_shard_size=max_shard_size, **hf_config)
+                               model_type=model_type, max_shard_size=max_shard_size,
+                               base=self.hparams.get("pretrained"), **hf_config)
