@@ -75,7 +75,7 @@ try:
 except (ValueError, RuntimeError) as error:
     result = {"error": str(error), "distributed_initialized": dist.is_initialized()}
     (out_dir / f"rank{rank}.json").write_text(json.dumps(result))
-    sys.exit(0)
+    os._exit(0)  # not sys.exit: gloo's C++ teardown after a failed run aborts at random (torch 2.13)
 
 val_loss = float(trainer.callback_metrics["val_loss"])
 test_loss = None
