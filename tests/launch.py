@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -27,7 +29,8 @@ _DISTRIBUTED_ENV = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_R
 def child_env(**extra: str) -> dict[str, str]:
     """The environment for a subprocess that starts its own distributed job."""
     env = {k: v for k, v in os.environ.items() if k not in _DISTRIBUTED_ENV}
-    return {**env, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT), "PYTHONWARNINGS": "ignore", **extra}
+    return {**env, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT), "PYTHONWARNINGS": "ignore",
+            "PYTHONFAULTHANDLER": "1", **extra}
 
 
 def launch(worker: str, nproc: int, out_dir: Path, *args: str, timeout: float = 600, expect_failure: bool = False):
@@ -86,8 +89,13 @@ def launch_slurm(worker: str, nodes: int, tasks_per_node: int, out_dir: Path, *a
                                           text=True))
     outputs = []
     try:
+        deadline = time.monotonic() + timeout
         for process, log in zip(processes, logs):
-            process.wait(timeout=timeout)
+            try:
+                process.wait(timeout=max(deadline - time.monotonic(), 0))
+            except subprocess.TimeoutExpired:
+                raise AssertionError(f"{worker} hung for {timeout} s; where each task stood:\n"
+                                     + _stacks_of_the_hung(processes, logs)) from None
             log.seek(0)
             outputs.append(log.read())
     finally:
@@ -101,6 +109,25 @@ def launch_slurm(worker: str, nodes: int, tasks_per_node: int, out_dir: Path, *a
         raise AssertionError(f"{worker} failed: " + "\n".join(f"task {t} exit {rc}:\n{out[-4000:]}" for t, rc, out in failed))
     results = [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(tasks)]
     return results, processes
+
+
+def _stacks_of_the_hung(processes, logs) -> str:
+    """SIGABRT to every task still running: Python's fault handler (``PYTHONFAULTHANDLER``, set by ``child_env``)
+    writes each thread's stack into the task's log before the process ends; return every task's log tail."""
+    for process in processes:
+        if process.poll() is None:
+            process.send_signal(signal.SIGABRT)
+    for process in processes:
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+    tails = []
+    for task, log in enumerate(logs):
+        log.flush()
+        log.seek(0)
+        tails.append(f"--- task {task} (exit {processes[task].returncode}):\n{log.read()[-6000:]}")
+    return "\n".join(tails)
 
 
 def free_port() -> int:
