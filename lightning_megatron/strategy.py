@@ -448,6 +448,9 @@ class Megatron3DStrategy(CheckpointHooks, StepHooks, CollectiveHooks, ParallelSt
                 self._background_saver.wait(together=not failed)
         if dist.is_initialized() and not failed:
             self.wait_for_parameters()  # Lightning's teardown moves the parameters
+            # Before the barrier: no rank leaves this run (and starts the script's next fit on the same folder,
+            # whose start checks the lock in every process) while global rank zero still holds the folder.
+            self.release_checkpoint_directories()
             # Leave together: a process exiting while a peer's gloo threads still talk to it can abort.
             dist.barrier()
         if self._step is not None:

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from launch import child_env
+from launch import child_env, launch
 from test_checkpoint_files import fit
 from lightning_megatron.checkpoint.run_lock import RUN_LOCK_FILE, RunLock
 
@@ -81,3 +81,17 @@ def test_a_checkpoint_folder_that_cannot_be_written_stops_the_run_before_the_fir
     with pytest.raises(RuntimeError, match=rf"Checkpoint directory {folder} cannot be written \(NotADirectoryError: "
                                            rf".*choose a folder this run can write"):
         fit(folder, 2, save_every=1)
+
+
+@pytest.mark.slow
+def test_a_script_that_fits_twice_on_one_folder_resumes_on_every_rank_while_rank_zero_lingers(tmp_path):
+    """The first fit's lock is gone before any rank leaves it: a rank that reaches the second fit's start (which
+    checks the lock in every process) before rank zero has finished ``on_fit_end`` is not refused, so no rank
+    waits forever in a collective for one that was (a SLURM job's requeue hung so)."""
+    _, straight = fit(tmp_path / "straight", 4)
+    results, _ = launch("fit_twice.py", 2, tmp_path / "out", str(tmp_path / "checkpoints"), timeout=240)
+    assert len(results) == 2, "a rank did not finish both fits"
+    for fits in results:
+        assert [run["started_at"] for run in fits] == [0, 2]
+        assert fits[0]["losses"] + fits[1]["losses"] == pytest.approx(straight, abs=1e-5)
+    assert not (tmp_path / "checkpoints" / RUN_LOCK_FILE).exists()

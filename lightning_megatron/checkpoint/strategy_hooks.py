@@ -73,7 +73,8 @@ class CheckpointHooks:
                                         doing="lock the checkpoint directories", undo=release_all)
 
     def release_checkpoint_directories(self) -> None:
-        """Release the run's locks (the launcher does when the Trainer's call returns or raises)."""
+        """Release the run's locks: at the strategy's teardown, before the ranks leave together (so a script's next
+        fit on the same folder, on any rank, finds it free), and by the launcher when the Trainer's call raises."""
         release_all(self._run_locks)
         self._run_locks = []
 
