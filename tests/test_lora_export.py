@@ -26,7 +26,7 @@ from lightning_megatron.cli import main as cli_main  # noqa: E402
 from lightning_megatron.generation.cli import load_gpt  # noqa: E402
 from lightning_megatron.huggingface.adapters import write_peft_adapter  # noqa: E402
 from lightning_megatron.models import GPT, GPTConfig  # noqa: E402
-from lightning_megatron.peft.adapters import is_adapter_name  # noqa: E402
+from lightning_megatron.parallel.names import is_adapter_name  # noqa: E402
 
 LORA = {"rank": 4, "alpha": 8.0}
 TOKENS = torch.randint(0, 257, (2, 12), generator=torch.Generator().manual_seed(5))

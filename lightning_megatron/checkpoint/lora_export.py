@@ -17,7 +17,7 @@ from torch import Tensor
 
 from lightning_megatron.checkpoint.base import check_base
 from lightning_megatron.huggingface import TensorSource, read_hf
-from lightning_megatron.peft.adapters import is_adapter_name
+from lightning_megatron.parallel.names import is_adapter_name
 from lightning_megatron.peft.merge import adapted_layer_names, adapter_weight_names, merged_weight
 
 

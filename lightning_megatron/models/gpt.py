@@ -22,18 +22,19 @@ from torchmetrics import MeanMetric
 from lightning_megatron.context_parallel.documents import DocumentMask
 from lightning_megatron.context_parallel.inputs import SequenceInputs
 from lightning_megatron.generation import full_logits, generate
+from lightning_megatron.models.attention import SelfAttention
 from lightning_megatron.models.batch_flops import BatchFlops
 from lightning_megatron.models.flops import gpt_flops_per_batch
 from lightning_megatron.models.formats import HFFormat, hf_format_for
-from lightning_megatron.models.optim_recipe import PretrainingRecipe, load_base_weights
-from lightning_megatron.models.attention import SelfAttention
 from lightning_megatron.models.mlp import ACTIVATIONS, build_mlp
 from lightning_megatron.models.moe import MoE, AuxLosses, MoEConfig, moe_tensor_parallel_plan, update_expert_biases
 from lightning_megatron.models.norms import NORMALIZATIONS, build_norm
+from lightning_megatron.models.optim_recipe import PretrainingRecipe, load_base_weights
 from lightning_megatron.models.rotary import RopeScaling, RotaryEmbedding
 from lightning_megatron.models.transformer import TransformerLayer, TransformerSizes, layer_tensor_parallel_plan
 from lightning_megatron.parallel.initialize import INIT_STD, default_initializer, initialize_parameters
-from lightning_megatron.peft.adapters import ADAPTER_MODULES, adapted_layers
+from lightning_megatron.parallel.names import ADAPTER_MODULES
+from lightning_megatron.peft.adapters import adapted_layers
 from lightning_megatron.peft.lora import LoRAConfig, apply_lora
 from lightning_megatron.pipeline.blocks import PipelineBatch, PipelineBlocks
 from lightning_megatron.pipeline.layout import PipelineLayout

@@ -30,9 +30,9 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint, noop_context_fn
 
 from lightning_megatron.models.attention import CoreAttention
+from lightning_megatron.parallel.names import name_matches
 from lightning_megatron.parallel.random import TensorParallelRNG
 from lightning_megatron.parallel.regional_compile import compiled_function
-from lightning_megatron.tensor_parallel.plan import name_matches
 
 MODES = ("none", "full", "selective")
 

@@ -23,12 +23,12 @@ from typing import Optional, Sequence
 
 from torch import nn
 
+from lightning_megatron.parallel.names import is_adapter_name
+from lightning_megatron.parallel.shards import shard_of
 from lightning_megatron.parallel.state import ParallelState
-from lightning_megatron.peft.adapters import is_adapter_name
 from lightning_megatron.tensor_parallel.fp8 import Fp8Gemms, Fp8Recipe, check_fp8_shape, require_torchao
 from lightning_megatron.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelHead
 from lightning_megatron.tensor_parallel.overlap import FP8_OVERLAP_REFUSAL
-from lightning_megatron.tensor_parallel.sharding import shard_of
 
 
 def check_fp8_options(fp8: Optional[str], exclude: Sequence[str], tp_comm_overlap: bool) -> Optional[Fp8Recipe]:
