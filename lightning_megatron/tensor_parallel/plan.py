@@ -204,7 +204,7 @@ def _run_in_fork(module: nn.Module, rng: TensorParallelRNG) -> None:
     to eager), and the always-called hook's id becomes a guard, so every layer would compile again. Kept out of
     tracing (``torch.compiler.disable``), they run eagerly between the compiled graphs, the dropout inside
     those graphs draws from the stream they swapped in, and identical layers share one compiled code
-    (``parallel.regional_compile``).
+    (``transforms.regional_compile``).
     """
     stack: list[contextlib.ExitStack] = []
 
