@@ -7,8 +7,8 @@ What stays in high precision, and why (Megatron-Core's and torchtitan's choices)
   error, and its GEMM is the one with the vocabulary as a dimension, rarely a multiple of 16 per rank;
 * anything that is not a plan linear: embeddings, norms, attention's softmax, the MoE router (its own
   ``F.linear`` in fp32), the loss;
-* LoRA adapters (``peft.adapters``): a few ``r``-wide GEMMs, whose fp32 training is the point of keeping them
-  apart from the frozen base (the base layers they adapt may still run in FP8);
+* LoRA adapters (by name: ``parallel.names.is_adapter_name``): a few ``r``-wide GEMMs, whose fp32 training is the
+  point of keeping them apart from the frozen base (the base layers they adapt may still run in FP8);
 * what ``exclude`` names, by ``fnmatch`` pattern on the module's name (``*`` matches across dots), e.g.
   ``("blocks.0.*", "blocks.31.*")`` for Megatron-Core's ``first_last_layers_bf16``.
 

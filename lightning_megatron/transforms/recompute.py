@@ -48,10 +48,10 @@ def apply_activation_checkpointing(
 
     ``layer_pattern`` names the transformer layers as in a tensor-parallel plan (``*`` matches
     one name component); ``mode="selective"`` recomputes, inside each of them, the submodules that
-    ``module.recompute_plan()`` maps to ``"selective"`` (names relative to ``module``). Pass the ``rng`` that ``parallelize`` was given, so that recomputed
-    dropout on the per-rank stream repeats the original masks. Apply it after ``parallelize``
-    (layers it swaps would lose the recomputation) and before splitting for the pipeline (every
-    rank then matches the same layers and fails alike on a bad pattern). ``mode="none"``
+    ``module.recompute_plan()`` maps to ``"selective"`` (names relative to ``module``). Pass the ``rng``
+    that ``parallelize`` was given, so that recomputed dropout on the per-rank stream repeats the original masks.
+    Apply it after ``parallelize`` (layers it swaps would lose the recomputation) and before splitting for the
+    pipeline (every rank then matches the same layers and fails alike on a bad pattern). ``mode="none"``
     returns ``module`` untouched.
 
     Example::
