@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "workers"
 from allocation_meter import AllocationMeter  # noqa: E402
 from lightning_megatron.parallel.initialize import (default_initializer, initialize_parameters,  # noqa: E402
                                                      local_initial_values, parameter_seed)
-from lightning_megatron.tensor_parallel.sharding import TensorShard  # noqa: E402
+from lightning_megatron.parallel.shards import TensorShard  # noqa: E402
 
 SEED, NAME = 1234, "blocks.0.mlp.fc.weight"
 

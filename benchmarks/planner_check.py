@@ -41,12 +41,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness.tables import MIB, format_rows  # noqa: E402
 
 from lightning_megatron.models import GPT, GPTConfig  # noqa: E402
+from lightning_megatron.parallel.shards import padded_size  # noqa: E402
 from lightning_megatron.plan import GPUS, Hardware, Layout, Planner, Workload  # noqa: E402
 from lightning_megatron.plan.activations import activation_bytes  # noqa: E402
 from lightning_megatron.plan.hardware import GB, TFLOPS  # noqa: E402
 from lightning_megatron.plan.planner import LayoutPlan  # noqa: E402
 from lightning_megatron.plan.shape import ModelShape  # noqa: E402
-from lightning_megatron.tensor_parallel.sharding import padded_size  # noqa: E402
 
 ACTIVATION_MARGIN = 0.15  # the stated bound: every prediction within 15% of the measured peak
 

@@ -3,7 +3,7 @@
 ``fit``/``validate``/``test``/``predict`` go to LightningCLI: any LightningModule and
 LightningDataModule by ``class_path`` (``lightning_megatron.models.GPT``, ``...BERT`` or your
 own), as the files in ``configs/`` show; the other subcommands are tools around training
-(data preprocessing, tokenizers, checkpoints) registered in ``TOOLS``.
+(data preprocessing, tokenizers, checkpoints, generation, the planner) in ``commands`` (its ``TOOLS`` table).
 
 Example::
 
@@ -16,7 +16,7 @@ import shutil
 import sys
 import textwrap
 import warnings
-from typing import Callable, Optional, Sequence
+from typing import Optional, Sequence
 
 import lightning as L
 from lightning.pytorch.callbacks import RichProgressBar
@@ -25,28 +25,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 import lightning_megatron  # noqa: F401  (registers the "megatron_3d" strategy)
 from lightning_megatron.callbacks import StepRichProgressBar
-from lightning_megatron.checkpoint.commands import main as checkpoint_main
 from lightning_megatron.cli_errors import TRACEBACK_VARIABLE, did_you_mean, parser_keys, report_build_error
-from lightning_megatron.data.preprocess import document_ends_main
-from lightning_megatron.data.preprocess import main as preprocess_main
-from lightning_megatron.generation.cli import main as generate_main
-from lightning_megatron.plan.command import main as plan_main
-from lightning_megatron.data.preprocess import train_tokenizer_main
-
-# name -> (help in whole sentences, main(argv) function); each tool parses its own arguments.
-TOOLS: dict[str, tuple[str, Callable[[Sequence[str]], None]]] = {
-    "preprocess": ("Tokenise .jsonl, .txt and .parquet files, folders of them and Hugging Face datasets directories "
-                   "into one Megatron .bin/.idx dataset.", preprocess_main),
-    "document-ends": ("Record each document's last token of an existing .bin/.idx dataset in PREFIX.ends, so that "
-                      "index builds read only the .idx.", document_ends_main),
-    "train-tokenizer": ("Train a byte-level BPE or a BERT WordPiece tokenizer.json.", train_tokenizer_main),
-    "checkpoint": ("Inspect, consolidate or convert (to Hugging Face) a checkpoint, sharded or full.",
-                   checkpoint_main),
-    "generate": ("Continue prompts with a GPT from a checkpoint or a Hugging Face directory (with a KV cache).",
-                 generate_main),
-    "plan": ("Predict the memory per GPU and the step time of every valid layout of a config on N GPUs, and write "
-             "a config that runs the best one (--write-config).", plan_main),
-}
+from lightning_megatron.commands import TOOLS
 
 # LightningCLI's subcommands, described in whole sentences (its own help cuts the Trainer's docstrings short).
 TRAINER_COMMANDS = {

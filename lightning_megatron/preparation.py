@@ -54,8 +54,6 @@ from lightning_megatron.parallel.diagnostics import warn_if_replicated
 from lightning_megatron.parallel.initialize import initialize_parameters
 from lightning_megatron.parallel.lightning_features import PreparedModel
 from lightning_megatron.parallel.random import TensorParallelRNG
-from lightning_megatron.parallel.recompute import apply_activation_checkpointing
-from lightning_megatron.parallel.regional_compile import check_compile_layout, compile_layers
 from lightning_megatron.parallel.state import ParallelState
 from lightning_megatron.peft.plan import adapter_plan
 from lightning_megatron.pipeline.blocks import PipelineBlocks
@@ -68,6 +66,8 @@ from lightning_megatron.tensor_parallel.fp8 import Fp8Recipe
 from lightning_megatron.tensor_parallel.fp8_plan import convert_to_fp8
 from lightning_megatron.tensor_parallel.overlap import overlapped_linear_for
 from lightning_megatron.tensor_parallel.plan import parallelize
+from lightning_megatron.transforms.recompute import apply_activation_checkpointing
+from lightning_megatron.transforms.regional_compile import check_compile_layout, compile_layers
 
 ZERO3_PRECISIONS = ("32-true", "bf16-true", "bf16-mixed", "16-true")
 # The fp32 shards are the main parameters; FSDP gathers them in the compute dtype and reduces in fp32.

@@ -22,10 +22,10 @@ from lightning_megatron.optim.loss_scaler import DynamicLossScaler
 from lightning_megatron.optim.nonfinite import NonFiniteCheck
 from lightning_megatron.optim.param_gather import check_overlap_param_gather
 from lightning_megatron.parallel.config import requested_layout
-from lightning_megatron.parallel.recompute import MODES as RECOMPUTE_MODES
-from lightning_megatron.parallel.regional_compile import compile_options
 from lightning_megatron.pipeline.layout import check_schedule
 from lightning_megatron.tensor_parallel.fp8_plan import Fp8Recipe, check_fp8_options
+from lightning_megatron.transforms.recompute import MODES as RECOMPUTE_MODES
+from lightning_megatron.transforms.regional_compile import compile_options
 
 CHECKPOINT_FORMATS = ("sharded", "full")
 VERIFY_MODES = ("recorded", "strict", "off")

@@ -293,7 +293,7 @@ def test_checkpoint_command_converts_a_post_norm_bert_and_back(tmp_path):
 @pytest.mark.slow
 def test_generate_command_continues_prompts_from_a_sharded_checkpoint(checkpoint, capsys):
     from lightning_megatron.data.tokenizers import load_tokenizer
-    from lightning_megatron.generation.cli import main as generate_main
+    from lightning_megatron.commands.generate import main as generate_main
 
     generate_main(["--checkpoint", str(checkpoint), "--prompt", "def f(x):", "--prompt", "import",
                    "--max-new-tokens", "12", "--temperature", "0.8", "--seed", "3", "--no-eos"])

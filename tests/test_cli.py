@@ -30,7 +30,7 @@ def test_every_config_parses(config, capsys):
 PLAN_CONFIGS = """
 import json, pathlib, sys, yaml
 from lightning_megatron.plan import GPUS
-from lightning_megatron.plan.command import configured_layout, planner_from_config
+from lightning_megatron.commands.plan import configured_layout, planner_from_config
 from lightning_megatron.plan.layout import check_layout
 numbers = {}
 for path in sys.argv[1:]:
@@ -205,7 +205,7 @@ def test_tiny_sft_config_learns_the_taught_answer_format(tmp_path, capsys):
 
     from lightning_megatron.data import SFTDataModule
     from lightning_megatron.data.instructions import ANSWER_PATTERN
-    from lightning_megatron.generation.cli import main as generate
+    from lightning_megatron.commands.generate import main as generate
 
     run_command(tmp_path, "fit", "--config", str(REPO / "configs" / "llama-tiny-sft.yaml"), "--trainer.max_steps=150",
                 "--trainer.val_check_interval=150", "--trainer.limit_val_batches=2", "--trainer.log_every_n_steps=5",
@@ -230,7 +230,8 @@ def test_tiny_sft_config_learns_the_taught_answer_format(tmp_path, capsys):
 def test_help_lists_every_subcommand_and_tool_in_whole_sentences(capsys):
     """Today's help: the tools on one line, cut mid-sentence ("...; write the best"), then Lightning's help with
     fit/validate/test/predict only, two of them cut ("never run on your")."""
-    from lightning_megatron.cli import TOOLS, TRAINER_COMMANDS
+    from lightning_megatron.cli import TRAINER_COMMANDS
+    from lightning_megatron.commands import TOOLS
 
     main(["--help"])
     printed = " ".join(capsys.readouterr().out.split())

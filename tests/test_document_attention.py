@@ -9,13 +9,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lightning_megatron.context_parallel.kernels import CPU_FLASH, FLEX_EAGER
-from lightning_megatron.context_parallel.masks import BlockPattern
 from lightning_megatron.context_parallel.documents import DocumentMask
+from lightning_megatron.context_parallel.kernels import CPU_FLASH, FLEX_EAGER
 from lightning_megatron.context_parallel.local import document_attention
+from lightning_megatron.context_parallel.masks import BlockPattern
 from lightning_megatron.models import GPTConfig, GPTModel
 from lightning_megatron.models.attention import CoreAttention
-from lightning_megatron.parallel.recompute import apply_activation_checkpointing
+from lightning_megatron.transforms.recompute import apply_activation_checkpointing
 
 
 def packing(batch: int, seq: int, generator: torch.Generator) -> torch.Tensor:

@@ -19,8 +19,8 @@ sys.path.insert(0, str(Path(__file__).parent / "workers"))
 import hf_chat_setup  # noqa: E402
 from workers.trainer_setup import datamodule, trainer_kwargs  # noqa: E402
 from lightning_megatron import Megatron3DStrategy  # noqa: E402
-from lightning_megatron.checkpoint.commands import convert  # noqa: E402
-from lightning_megatron.generation.cli import main as generate_main  # noqa: E402
+from lightning_megatron.huggingface.checkpoints import convert  # noqa: E402
+from lightning_megatron.commands.generate import main as generate_main  # noqa: E402
 from lightning_megatron.huggingface.companions import TOKENIZER_FILES  # noqa: E402
 from lightning_megatron.models import GPT  # noqa: E402
 

@@ -173,7 +173,7 @@ def test_gather_vocab_logits_needs_no_head_at_tp1_and_gives_what_tp2_gives():
 @pytest.mark.slow
 def test_generate_command_reads_a_hugging_face_directory_and_matches_its_generate(tmp_path, capsys):
     from lightning_megatron.data.tokenizers import load_tokenizer
-    from lightning_megatron.generation.cli import main as generate_main
+    from lightning_megatron.commands.generate import main as generate_main
 
     hf = hf_gpt2_setup.build_hf_model(vocab_size=257)  # the byte vocabulary: no tokenizer.json needed
     hf.save_pretrained(tmp_path)

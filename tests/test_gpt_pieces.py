@@ -81,7 +81,7 @@ def test_checkpoints_saved_before_the_llama_fields_still_name_their_config():
     convert (the new fields take their GPT-2 defaults), and a BERT config is still recognised by its own fields."""
     from dataclasses import asdict
 
-    from lightning_megatron.checkpoint.commands import model_config
+    from lightning_megatron.checkpoint.open import model_config
     from lightning_megatron.models import BERTConfig
 
     old = {"vocab_size": 257, "max_seq_length": 64, "hidden_size": 32, "num_layers": 2, "num_heads": 4,

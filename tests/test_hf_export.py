@@ -80,7 +80,7 @@ def test_checkpoint_convert_round_trips_to_identical_tensors(case, tmp_path):
 # (whose own transient peak is larger than this export's) are done.
 MEASURE = """
 import json, re, sys
-from lightning_megatron.checkpoint.commands import convert
+from lightning_megatron.huggingface.checkpoints import convert
 
 def kilobytes(field):
     return int(re.search(field + r":\\s+(\\d+) kB", open("/proc/self/status").read())[1])

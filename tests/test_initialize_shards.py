@@ -12,7 +12,7 @@ from workers.allocation_meter import AllocationMeter
 from workers.gpt_setup import CONFIG
 from lightning_megatron.models import GPTModel
 from lightning_megatron.parallel.initialize import default_initializer, local_initial_values
-from lightning_megatron.tensor_parallel.sharding import TensorShard
+from lightning_megatron.parallel.shards import TensorShard
 
 SEED = 11
 

@@ -9,7 +9,7 @@ from launch import launch
 from workers.gpt_setup import (CLIP, CONFIG, DEEP_CONFIG, LLAMA_CONFIG, LORA, SEED, batches, document_batches,
                                optimizer, sgd_optimizer)
 from lightning_megatron.models import GPTModel
-from lightning_megatron.peft.adapters import is_adapter_name
+from lightning_megatron.parallel.names import is_adapter_name
 from lightning_megatron.peft.lora import apply_lora
 
 LAYOUTS = {

@@ -19,14 +19,15 @@ transformers = pytest.importorskip("transformers")
 from launch import child_env, launch  # noqa: E402
 from workers.trainer_setup import datamodule, model, trainer_kwargs  # noqa: E402
 from lightning_megatron import Megatron3DStrategy  # noqa: E402
-from lightning_megatron.checkpoint.commands import convert, open_checkpoint  # noqa: E402
+from lightning_megatron.checkpoint.open import open_checkpoint  # noqa: E402
+from lightning_megatron.huggingface.checkpoints import convert  # noqa: E402
 from lightning_megatron.checkpoint.replacement import INFO_FILE  # noqa: E402
 from lightning_megatron.checkpoint.sharded import file_checksum  # noqa: E402
 from lightning_megatron.cli import main as cli_main  # noqa: E402
-from lightning_megatron.generation.cli import load_gpt  # noqa: E402
+from lightning_megatron.commands.generate import load_gpt  # noqa: E402
 from lightning_megatron.huggingface.adapters import write_peft_adapter  # noqa: E402
 from lightning_megatron.models import GPT, GPTConfig  # noqa: E402
-from lightning_megatron.peft.adapters import is_adapter_name  # noqa: E402
+from lightning_megatron.parallel.names import is_adapter_name  # noqa: E402
 
 LORA = {"rank": 4, "alpha": 8.0}
 TOKENS = torch.randint(0, 257, (2, 12), generator=torch.Generator().manual_seed(5))

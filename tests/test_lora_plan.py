@@ -11,6 +11,7 @@ from torch import nn
 
 from lightning_megatron.models import GPT, GPTConfig, GPTModel
 from lightning_megatron.parallel import ParallelConfig, ParallelState
+from lightning_megatron.parallel.shards import shard_of
 from lightning_megatron.peft.lora import LoRAConfig, apply_lora
 from lightning_megatron.peft.plan import adapter_plan
 from lightning_megatron.plan.inventory import fake_world
@@ -19,7 +20,6 @@ from lightning_megatron.tensor_parallel import ColumnParallelLinear, RowParallel
 from lightning_megatron.tensor_parallel.fp8 import Fp8Recipe
 from lightning_megatron.tensor_parallel.fp8_plan import convert_to_fp8, describe_fp8
 from lightning_megatron.tensor_parallel.region import InsideRegion
-from lightning_megatron.tensor_parallel.sharding import shard_of
 from lightning_megatron.tensor_parallel.styles import PackedColumn, QueryGroupColumn
 
 LLAMA = GPTConfig.from_name("llama-tiny", vocab_size=64, max_seq_length=16, hidden_size=32, num_layers=2, num_heads=4,

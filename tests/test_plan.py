@@ -246,7 +246,7 @@ def test_plan_writes_a_config_that_trains(tmp_path):
 
 BAD_INPUT = """
 import contextlib, io, json, sys
-from lightning_megatron.plan.command import main
+from lightning_megatron.commands.plan import main
 out = {}
 for name, argv in json.loads(sys.argv[1]).items():
     err = io.StringIO()
@@ -389,7 +389,7 @@ def test_llama_8b_fits_one_24gb_gpu_with_its_state_on_the_host(capsys, no_proces
     device (4 bytes x 8.03B = 32 GB), so only ZeRO-3 with its parameters offloaded to host memory fits, and that needs
     the 16 bytes a parameter of fp32 shards, gradients and moments in RAM; with 64 GB of RAM nothing fits, and the
     planner says so, naming the limit and the smallest machine that would do (the 'nvme' optimizer tier there)."""
-    from lightning_megatron.plan.command import main
+    from lightning_megatron.commands.plan import main
 
     config = str(CONFIGS / "llama-3.1-8b.yaml")
     main(["--config", config, "--gpus", "1", "--gpu-memory", "24GB", "--json"])
@@ -502,7 +502,7 @@ def test_the_lora_config_fits_the_24gb_gpus_it_names_with_the_frozen_base_in_16_
     from dataclasses import asdict
 
     from lightning_megatron.models.gpt import GPTConfig
-    from lightning_megatron.plan.command import configured_layout, main, planner_from_config
+    from lightning_megatron.commands.plan import configured_layout, main, planner_from_config
     from lightning_megatron.plan.hardware import GPUS, presets_with_memory
 
     path = CONFIGS / "llama-3.1-8b-lora.yaml"
@@ -533,7 +533,7 @@ def test_a_full_fine_tuning_that_fits_no_layout_names_lora_with_its_plan(capsys,
     exist here."""
     import re
 
-    from lightning_megatron.plan.command import main
+    from lightning_megatron.commands.plan import main
 
     with pytest.raises(SystemExit) as exit_code:
         main(["--config", str(CONFIGS / "llama-3.1-8b.yaml"), "--gpus", "1", "--gpu", "rtx-4090",
@@ -551,7 +551,7 @@ def test_the_gpu_catalogue_names_each_gpu_by_its_own_name_and_memory():
     """``--gpu`` takes the catalogue's names (24 GB: rtx-4090, l4, a10; 48 GB: a6000, l40s; a100 40 and 80 GB);
     ``--gpu-memory`` alone keeps the A100's rates and its label says so; an unknown name lists the catalogue; a
     CUDA device's name and memory find its preset (an A10 is not an A100, an L40S not an L4)."""
-    from lightning_megatron.plan.command import memory_override_note
+    from lightning_megatron.commands.plan import memory_override_note
     from lightning_megatron.plan.hardware import GB, GPUS, parse_gpu, preset_for_device, presets_with_memory
 
     for key, gpu in GPUS.items():

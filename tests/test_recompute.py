@@ -8,8 +8,8 @@ from workers.recompute_setup import CONFIG, LAYERS, SEED, batches, max_deviation
 from lightning_megatron.models import GPT, GPTModel
 from lightning_megatron.parallel import ParallelConfig, ParallelState, TensorParallelRNG
 from lightning_megatron.parallel.initialize import initialize_parameters
-from lightning_megatron.parallel.recompute import apply_activation_checkpointing
 from lightning_megatron.tensor_parallel import parallelize
+from lightning_megatron.transforms.recompute import apply_activation_checkpointing
 
 
 def lightning_gpt(mode: str) -> GPTModel:
@@ -93,6 +93,32 @@ def test_pattern_that_matches_nothing_is_rejected():
 def test_selective_needs_core_attention_in_every_layer():
     with pytest.raises(ValueError, match=r"blocks.0.mlp \(MLP\) has none.*use mode='full'"):
         apply_activation_checkpointing(GPTModel(CONFIG), mode="selective", layer_pattern="blocks.*.mlp")
+
+
+def recomputed(model) -> set[str]:
+    """The modules whose forward the recomputation wrapped."""
+    return {name for name, module in model.named_modules() if "forward" in vars(module)}
+
+
+def test_selective_recomputes_what_the_model_declares():
+    """The model says what (``recompute_plan()``), the transform only matches names: by default attention's core,
+    and whatever else a model declares instead."""
+    model = apply_activation_checkpointing(GPTModel(CONFIG), mode="selective", layer_pattern=LAYERS)
+    assert recomputed(model) == {f"blocks.{i}.attn.core_attention" for i in range(CONFIG.num_layers)}
+    model = GPTModel(CONFIG)
+    model.recompute_plan = lambda: {"blocks.*.mlp": "selective"}
+    apply_activation_checkpointing(model, mode="selective", layer_pattern=LAYERS)
+    assert recomputed(model) == {f"blocks.{i}.mlp" for i in range(CONFIG.num_layers)}
+
+
+def test_selective_without_a_declaration_asks_for_one():
+    model = GPTModel(CONFIG)
+    model.recompute_plan = lambda: {}
+    with pytest.raises(ValueError, match=r"it declares none.*Declare recompute_plan\(\)"):
+        apply_activation_checkpointing(model, mode="selective", layer_pattern=LAYERS)
+    model.recompute_plan = lambda: {"blocks.*.mlp": "partial"}
+    with pytest.raises(ValueError, match=r"maps \{'blocks.\*.mlp': 'partial'\}"):
+        apply_activation_checkpointing(model, mode="selective", layer_pattern=LAYERS)
 
 
 def test_applying_twice_is_rejected():

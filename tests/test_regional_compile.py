@@ -10,8 +10,8 @@ from lightning_megatron import Megatron3DStrategy
 from lightning_megatron.generation import generate
 from lightning_megatron.models import GPTModel
 from lightning_megatron.parallel import ParallelConfig
-from lightning_megatron.parallel.recompute import apply_activation_checkpointing
-from lightning_megatron.parallel.regional_compile import check_compile_layout, compile_layers, compile_options
+from lightning_megatron.transforms.recompute import apply_activation_checkpointing
+from lightning_megatron.transforms.regional_compile import check_compile_layout, compile_layers, compile_options
 
 
 def test_compile_options():

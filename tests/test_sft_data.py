@@ -412,7 +412,7 @@ def test_generate_asks_prompts_in_the_taught_format(hf_dir, tmp_path):
     with its generation prompt; ``plain`` the style's user turn up to the response; ``chat`` with no tokenizer
     directory names the fix."""
     from lightning_megatron.data.tokenizers import load_tokenizer
-    from lightning_megatron.generation.cli import choose_tokenizer, encode_prompts
+    from lightning_megatron.commands.generate import choose_tokenizer, encode_prompts
 
     tokenizer = choose_tokenizer(hf_dir.chat, None, len(hf_dir.hf), prompt_style="chat")
     ids = encode_prompts(["hello world"], tokenizer, "chat")

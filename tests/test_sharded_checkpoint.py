@@ -10,7 +10,7 @@ import torch
 from launch import launch
 from lightning_megatron.checkpoint import consolidated_state_dict, open_sharded, read_full_tensors
 from lightning_megatron.checkpoint.pieces import Placement, flat_range_boxes
-from lightning_megatron.tensor_parallel.sharding import TensorShard
+from lightning_megatron.parallel.shards import TensorShard
 
 SAVE = {"tp": 2, "pp": 2, "zero_stage": 1, "layers": 4, "steps": 4, "save_every": 2, "snapshot_step": 2, "async": True}
 STEP2 = "checkpoints/epoch=0-step=2.ckpt"

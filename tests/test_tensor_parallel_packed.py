@@ -13,8 +13,8 @@ from torch import nn
 from launch import launch
 from lightning_megatron.checkpoint.pieces import Placement
 from lightning_megatron.parallel import ParallelConfig, ParallelState
+from lightning_megatron.parallel.shards import TensorShard
 from lightning_megatron.tensor_parallel import PackedColumn, QueryGroupColumn, parallelize
-from lightning_megatron.tensor_parallel.sharding import TensorShard
 
 
 def shards(style, out_features, world, inner=3):

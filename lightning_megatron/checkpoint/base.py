@@ -32,7 +32,8 @@ from typing import Any, Mapping, Optional
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
-from lightning_megatron.peft.adapters import adapted_layers, is_adapter_name
+from lightning_megatron.parallel.names import is_adapter_name
+from lightning_megatron.peft.adapters import adapted_layers
 
 BASE_KEY = "megatron_3d_base"
 SAMPLE_BYTES = 2**20

@@ -27,7 +27,7 @@ from lightning_megatron.checkpoint.pieces import Placement, ShardedEntry
 from lightning_megatron.optim.main_params import MainParamOptimizer
 from lightning_megatron.optim.zero3 import dp_chunk_start, local_tensor
 from lightning_megatron.parallel.initialize import original_name
-from lightning_megatron.tensor_parallel.sharding import shard_of
+from lightning_megatron.parallel.shards import shard_of
 
 MODEL, MAIN_PARAMS, OPTIMIZER = "state_dict", "main_params", "optimizer"
 Placements = dict[int, tuple[str, Placement]]

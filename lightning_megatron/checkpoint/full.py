@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Shard
 
-from lightning_megatron.tensor_parallel.sharding import TensorShard, shard_of
+from lightning_megatron.parallel.shards import TensorShard, shard_of
 
 
 def gather_shard(local: Tensor, shard: TensorShard, group: Optional[dist.ProcessGroup]) -> Tensor:

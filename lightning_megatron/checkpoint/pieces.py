@@ -29,7 +29,7 @@ from torch import Tensor
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-from lightning_megatron.tensor_parallel.sharding import TensorShard
+from lightning_megatron.parallel.shards import TensorShard
 
 
 class Box(NamedTuple):

@@ -1,5 +1,5 @@
-"""Text to a Megatron indexed dataset (``lightning-megatron preprocess``), and tokenizer training
-(``lightning-megatron train-tokenizer``).
+"""Text to a Megatron indexed dataset, and the documents a tokenizer is trained on: the library under
+``lightning-megatron preprocess``, ``document-ends`` and ``train-tokenizer`` (``commands.preprocess``).
 
 The input is a ``.jsonl``, ``.txt`` or ``.parquet`` file, a directory written by Hugging
 Face ``datasets``, a folder of such files, or several of these, read one after the other in the
@@ -37,7 +37,6 @@ Example::
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import itertools
 import json
@@ -67,19 +66,12 @@ from lightning_megatron.data.readers import (
     Chunk,
     InputReader,
     MalformedRecord,
-    input_files,
     open_input,
     open_inputs,
     parse_record,
 )
 from lightning_megatron.data.sentences import split_sentences
-from lightning_megatron.data.tokenizers import (
-    Tokenizer,
-    encode_batch,
-    load_tokenizer,
-    train_bpe_tokenizer,
-    train_wordpiece_tokenizer,
-)
+from lightning_megatron.data.tokenizers import Tokenizer, encode_batch, load_tokenizer
 
 _MAX_REPORTED_SKIPS = 10  # malformed records printed one by one in skip mode; the rest are only counted
 
@@ -421,59 +413,21 @@ def _record_name(readers: Sequence[InputReader]) -> str:
     return names.pop() if len(names) == 1 else "record"
 
 
-def _expand_inputs(parser: argparse.ArgumentParser, inputs: Sequence[str]) -> list[Path]:
-    """The files the command's ``--input`` names (:func:`~lightning_megatron.data.readers.input_files`); an input
-    that is missing or a folder without documents ends the command with its message; files a folder holds of
-    another kind are named on stderr."""
-    try:
-        files, left_out = input_files(inputs)
-    except (FileNotFoundError, ValueError) as error:
-        parser.error(str(error))
-    if left_out:
-        shown = ", ".join(str(path) for path in left_out[:3]) + (", ..." if len(left_out) > 3 else "")
-        print(f"{parser.prog}: not read (neither .jsonl, .txt nor .parquet): {len(left_out)} files ({shown})",
-              file=sys.stderr)
-    return files
-
-
-_INPUT_HELP = ("a .jsonl (one JSON object per line), .txt (one document per line) or .parquet file (one document "
-               "per row), a directory written by Hugging Face datasets' save_to_disk, or a folder: its .jsonl, .txt "
-               "and .parquet files, sub-folders included, in sorted path order. Several inputs (--input a b, or "
-               "--input a --input b) are read in the order given, into one dataset")
-_JSON_KEY_HELP = "the key (.jsonl) or column (.parquet, datasets) holding a document's text"
-_SPLIT_HELP = "the split to read from a Hugging Face DatasetDict directory"
-
-
-def main(argv: Sequence[str] | None = None) -> None:
-    """``lightning-megatron preprocess``: see the module docstring."""
-    parser = argparse.ArgumentParser(
-        prog="lightning-megatron preprocess",
-        description="Tokenise .jsonl, .txt and .parquet files, folders of them and Hugging Face datasets directories "
-        "into one Megatron-LM indexed dataset PREFIX.bin/PREFIX.idx plus PREFIX.ends and PREFIX.meta.json.",
-    )
-    parser.add_argument("--input", required=True, action="extend", nargs="+", metavar="INPUT", help=_INPUT_HELP)
-    parser.add_argument("--tokenizer", required=True, help="'byte' or the path of a Hugging Face tokenizer.json")
-    parser.add_argument("--output-prefix", required=True,
-                        help="writes PREFIX.bin, PREFIX.idx, PREFIX.ends, PREFIX.meta.json")
-    parser.add_argument("--json-key", default="text", help=_JSON_KEY_HELP)
-    parser.add_argument("--split", help=_SPLIT_HELP)
-    parser.add_argument("--workers", type=int, default=1, help="tokenising processes, one core each")
-    parser.add_argument("--on-error", choices=("skip", "stop"), default="stop",
-                        help="on a malformed record: stop with an error (default), or skip it and count it")
-    parser.add_argument("--append-eos", action="store_true",
-                        help="end each document with the end-of-document id ([SEP] for a WordPiece tokenizer)")
-    parser.add_argument("--split-sentences", action="store_true",
-                        help="store each sentence of a document as a sequence of its own (BERT's segments)")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
-    args = parser.parse_args(argv)
-    result = preprocess(input=_expand_inputs(parser, args.input), tokenizer=args.tokenizer,
-                        output_prefix=args.output_prefix,
-                        json_key=args.json_key, workers=args.workers, on_error=args.on_error,
-                        append_eos=args.append_eos, split_sentences=args.split_sentences, split=args.split,
-                        progress=not args.no_progress)
-    skipped = f", {result.skipped_lines} malformed {result.record_name}s skipped" if result.skipped_lines else ""
-    print(f"{args.output_prefix}: {result.documents} documents, {result.tokens} tokens in {result.seconds:.1f} s "
-          f"({result.tokens_per_second:,.0f} tokens/s, {args.workers} workers){skipped}")
+def training_texts(files: Sequence[Path], *, json_key: str, split: str | None, on_error: str,
+                   output: str) -> Iterator[str]:
+    """The documents of ``files`` read as :func:`preprocess` reads them, for training a tokenizer written to
+    ``output``. Opens every input and reads the first document at once, so that a bad input, or inputs without a
+    document (:class:`EmptyInputError`), fail before anything is trained or written."""
+    counts = _RecordCounts()
+    readers = open_inputs(files, json_key=json_key, split=split)
+    texts = (text for path in files
+             for text in iter_documents(path, json_key=json_key, on_error=on_error, split=split, counts=counts))
+    first = next(texts, None)
+    if first is None:
+        raise counts.no_documents_error(_inputs_named(readers), record_name=_record_name(readers),
+                                        keyed=any(reader.keyed for reader in readers), json_key=json_key,
+                                        written=output)
+    return itertools.chain([first], texts)
 
 
 def write_document_ends_of(prefix: str | os.PathLike) -> str:
@@ -499,64 +453,3 @@ def write_document_ends_of(prefix: str | os.PathLike) -> str:
         tmp.unlink(missing_ok=True)
     return (f"{path}: the last tokens of {dataset.num_documents} documents, {path.stat().st_size:,} bytes, in "
             f"{time.perf_counter() - start:.1f} s")
-
-
-def document_ends_main(argv: Sequence[str] | None = None) -> None:
-    """``lightning-megatron document-ends PREFIX...``: see :func:`write_document_ends_of`."""
-    parser = argparse.ArgumentParser(
-        prog="lightning-megatron document-ends",
-        description="Record each document's last token of existing Megatron-LM .bin/.idx datasets (e.g. made by "
-        "Megatron-LM's preprocess_data.py) in PREFIX.ends, so that GPT index builds read only the .idx and not the "
-        ".bin. The .bin/.idx are not changed and an existing PREFIX.ends is not replaced.",
-    )
-    parser.add_argument("prefixes", nargs="+", metavar="PREFIX", help="a dataset's PREFIX.bin/PREFIX.idx, without "
-                        "the suffix")
-    for prefix in parser.parse_args(argv).prefixes:
-        print(write_document_ends_of(prefix))
-
-
-def train_tokenizer_main(argv: Sequence[str] | None = None) -> None:
-    """``lightning-megatron train-tokenizer``: a byte-level BPE or a BERT WordPiece ``tokenizer.json`` from inputs
-    read as ``preprocess`` reads them."""
-    parser = argparse.ArgumentParser(
-        prog="lightning-megatron train-tokenizer",
-        description="Train a byte-level BPE tokenizer (with an <|endoftext|> token; for GPT) or a WordPiece one "
-        "(with [PAD] [UNK] [CLS] [SEP] [MASK]; for BERT) on .jsonl/.txt/.parquet files or datasets directories, "
-        "offline.",
-    )
-    parser.add_argument("--input", required=True, action="extend", nargs="+", metavar="INPUT",
-                        help="inputs read as by preprocess: " + _INPUT_HELP)
-    parser.add_argument("--vocab-size", type=int, required=True, help="ids in the vocabulary, special tokens included")
-    parser.add_argument("--output", required=True, help="the tokenizer.json to write")
-    parser.add_argument("--model", choices=("bpe", "wordpiece"), default="bpe",
-                        help="byte-level BPE (GPT-2's kind, the default) or WordPiece (BERT's)")
-    parser.add_argument("--lowercase", action="store_true",
-                        help="WordPiece only: lowercase and strip accents first (an uncased vocabulary)")
-    parser.add_argument("--json-key", default="text", help=_JSON_KEY_HELP)
-    parser.add_argument("--split", help=_SPLIT_HELP)
-    parser.add_argument("--on-error", choices=("skip", "stop"), default="stop", help="on a malformed record")
-    args = parser.parse_args(argv)
-    if args.lowercase and args.model != "wordpiece":
-        parser.error("--lowercase applies to --model wordpiece; a byte-level BPE keeps the text as it is.")
-    counts = _RecordCounts()
-    files = _expand_inputs(parser, args.input)
-    readers = open_inputs(files, json_key=args.json_key, split=args.split)  # fail before training
-    texts = (text for path in files
-             for text in iter_documents(path, json_key=args.json_key, on_error=args.on_error, split=args.split,
-                                        counts=counts))
-    first = next(texts, None)  # an input without documents fails here, before anything is trained or written
-    if first is None:
-        raise counts.no_documents_error(_inputs_named(readers), record_name=_record_name(readers),
-                                        keyed=any(reader.keyed for reader in readers), json_key=args.json_key,
-                                        written=args.output)
-    texts = itertools.chain([first], texts)
-    if args.model == "wordpiece":
-        tokenizer = train_wordpiece_tokenizer(texts, vocab_size=args.vocab_size, output_path=args.output,
-                                              lowercase=args.lowercase)
-        specials = f"{tokenizer.pad_id} {tokenizer.cls_id} {tokenizer.sep_id} {tokenizer.mask_id}"
-        print(f"{args.output}: WordPiece{' (lowercased)' if args.lowercase else ''}, {tokenizer.vocab_size} ids, "
-              f"[PAD] [CLS] [SEP] [MASK] = {specials}, end of document [SEP]")
-        return
-    tokenizer = train_bpe_tokenizer(texts, vocab_size=args.vocab_size, output_path=args.output)
-    print(f"{args.output}: byte-level BPE, {tokenizer.vocab_size} ids, end of document {tokenizer.eos_token!r} "
-          f"= {tokenizer.eos_id}")

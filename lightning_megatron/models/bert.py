@@ -31,7 +31,12 @@ from lightning_megatron.models.formats import HFFormat, hf_format_for
 from lightning_megatron.models.optim_recipe import PretrainingRecipe
 from lightning_megatron.models.attention import SelfAttention
 from lightning_megatron.models.mlp import MLP
-from lightning_megatron.models.transformer import TransformerLayer, TransformerSizes, layer_tensor_parallel_plan
+from lightning_megatron.models.transformer import (
+    TransformerLayer,
+    TransformerSizes,
+    layer_recompute_plan,
+    layer_tensor_parallel_plan,
+)
 from lightning_megatron.parallel.initialize import INIT_STD, default_initializer, initialize_parameters
 from lightning_megatron.pipeline.blocks import PipelineBatch, PipelineBlocks
 from lightning_megatron.pipeline.layout import PipelineLayout
@@ -232,6 +237,10 @@ class BERTModel(nn.Module):
         return plan
 
     @staticmethod
+    def recompute_plan() -> dict[str, str]:
+        return layer_recompute_plan("blocks.*")
+
+    @staticmethod
     def pipeline_blocks() -> PipelineBlocks:
         return PipelineBlocks(first=("embeddings",), layers="blocks",
                               last=("ln_f", "mlm_head", "pooler", "binary_head", "loss_fn", "argmax"))
@@ -388,6 +397,10 @@ class BERT(BatchFlops, PretrainingRecipe):
 
     def tensor_parallel_plan(self) -> dict[str, str]:
         return {f"model.{pattern}": style for pattern, style in BERTModel.tensor_parallel_plan(self.config).items()}
+
+    @staticmethod
+    def recompute_plan() -> dict[str, str]:
+        return {f"model.{pattern}": mode for pattern, mode in BERTModel.recompute_plan().items()}
 
     def pipeline_blocks(self) -> PipelineBlocks:
         return BERTModel.pipeline_blocks().under("model")

@@ -12,7 +12,7 @@ import math
 import os
 from dataclasses import asdict, dataclass
 from functools import partial
-from typing import Optional, Union
+from typing import ContextManager, Optional, Union
 
 import torch
 from lightning.pytorch.utilities import rank_zero_info
@@ -22,18 +22,25 @@ from torchmetrics import MeanMetric
 from lightning_megatron.context_parallel.documents import DocumentMask
 from lightning_megatron.context_parallel.inputs import SequenceInputs
 from lightning_megatron.generation import full_logits, generate
+from lightning_megatron.models.attention import SelfAttention
 from lightning_megatron.models.batch_flops import BatchFlops
 from lightning_megatron.models.flops import gpt_flops_per_batch
 from lightning_megatron.models.formats import HFFormat, hf_format_for
-from lightning_megatron.models.optim_recipe import PretrainingRecipe, load_base_weights
-from lightning_megatron.models.attention import SelfAttention
 from lightning_megatron.models.mlp import ACTIVATIONS, build_mlp
 from lightning_megatron.models.moe import MoE, AuxLosses, MoEConfig, moe_tensor_parallel_plan, update_expert_biases
 from lightning_megatron.models.norms import NORMALIZATIONS, build_norm
+from lightning_megatron.models.optim_recipe import PretrainingRecipe, load_base_weights
+from lightning_megatron.models.router import routing_uncounted
 from lightning_megatron.models.rotary import RopeScaling, RotaryEmbedding
-from lightning_megatron.models.transformer import TransformerLayer, TransformerSizes, layer_tensor_parallel_plan
+from lightning_megatron.models.transformer import (
+    TransformerLayer,
+    TransformerSizes,
+    layer_recompute_plan,
+    layer_tensor_parallel_plan,
+)
 from lightning_megatron.parallel.initialize import INIT_STD, default_initializer, initialize_parameters
-from lightning_megatron.peft.adapters import ADAPTER_MODULES, adapted_layers
+from lightning_megatron.parallel.names import ADAPTER_MODULES
+from lightning_megatron.peft.adapters import adapted_layers
 from lightning_megatron.peft.lora import LoRAConfig, apply_lora
 from lightning_megatron.pipeline.blocks import PipelineBatch, PipelineBlocks
 from lightning_megatron.pipeline.layout import PipelineLayout
@@ -355,6 +362,10 @@ class GPTModel(nn.Module):
         return gpt_tensor_parallel_plan(self.config)
 
     @staticmethod
+    def recompute_plan() -> dict[str, str]:
+        return layer_recompute_plan("blocks.*")
+
+    @staticmethod
     def pipeline_blocks() -> PipelineBlocks:
         return PipelineBlocks(first=("embedding",), layers="blocks", last=("ln_f", "lm_head", "loss_fn"))
 
@@ -402,6 +413,11 @@ class GPTModel(nn.Module):
 
     def pipeline_result(self, loss_sum: Tensor, num_tokens: Tensor, extras: dict) -> tuple[Tensor, Tensor]:
         return loss_sum, num_tokens
+
+    @staticmethod
+    def shape_inference() -> ContextManager[None]:
+        """The pipeline stages' shape-inference pass is not a training step: it counts no expert loads."""
+        return routing_uncounted()
 
     def forward(self, input_ids: Tensor, *, position_ids: Optional[Tensor] = None,
                 document_ids: Optional[Tensor] = None, kv_cache=None, logits_to_keep: int = 0,
@@ -570,6 +586,10 @@ class GPT(BatchFlops, PretrainingRecipe):
 
     def tensor_parallel_plan(self) -> dict[str, object]:
         return {f"model.{pattern}": style for pattern, style in gpt_tensor_parallel_plan(self.config).items()}
+
+    @staticmethod
+    def recompute_plan() -> dict[str, str]:
+        return {f"model.{pattern}": mode for pattern, mode in GPTModel.recompute_plan().items()}
 
     def pipeline_blocks(self) -> PipelineBlocks:
         return GPTModel.pipeline_blocks().under("model")

@@ -24,7 +24,7 @@ from torch import nn
 from lightning_megatron.models.formats import HFFormat, sharded_checkpoint_reader
 from lightning_megatron.offload.settings import OffloadSettings
 from lightning_megatron.optim.cpu_adam import CPUAdamW
-from lightning_megatron.peft.adapters import is_adapter_name
+from lightning_megatron.parallel.names import is_adapter_name
 
 
 def warmup_cosine_factor(

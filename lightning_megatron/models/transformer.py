@@ -19,7 +19,8 @@ from lightning_megatron.models.mlp import MLP, GatedMLP
 from lightning_megatron.tensor_parallel.styles import PackedColumn, QueryGroupColumn
 
 __all__ = ["CoreAttention", "GatedMLP", "MLP", "SelfAttention", "TransformerLayer", "TransformerSizes",
-           "check_tensor_parallel_split", "dense_mlp_tensor_parallel_plan", "layer_tensor_parallel_plan"]
+           "check_tensor_parallel_split", "dense_mlp_tensor_parallel_plan", "layer_recompute_plan",
+           "layer_tensor_parallel_plan"]
 
 
 class TransformerLayer(nn.Module):
@@ -70,6 +71,12 @@ def layer_tensor_parallel_plan(prefix: str, *, num_heads: int, num_query_groups:
     if mlp:
         plan.update(dense_mlp_tensor_parallel_plan(f"{prefix}.mlp", gated_mlp=gated_mlp))
     return plan
+
+
+def layer_recompute_plan(prefix: str) -> dict[str, str]:
+    """What ``activation_checkpointing="selective"`` recomputes in the layers under ``prefix``: attention's core,
+    whose saved activations grow with the square of the sequence length (``transforms.recompute``)."""
+    return {f"{prefix}.attn.core_attention": "selective"}
 
 
 def dense_mlp_tensor_parallel_plan(prefix: str, *, gated_mlp: bool) -> dict[str, object]:

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from lightning_megatron.tensor_parallel.sharding import TensorShard, shard_of
+from lightning_megatron.parallel.shards import TensorShard, shard_of
 
 
 def counted_squares(grad: Tensor, shard: Optional[TensorShard], *, flat_start: int = 0,

@@ -24,8 +24,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_megatron.parallel.shards import shard_of
 from lightning_megatron.parallel.state import ParallelState
-from lightning_megatron.tensor_parallel.sharding import shard_of
 
 
 class PartialGrads(NamedTuple):

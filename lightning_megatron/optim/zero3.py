@@ -141,9 +141,9 @@ from lightning_megatron.parallel.initialize import (
     local_initial_values,
     original_name,
 )
+from lightning_megatron.parallel.names import name_matches
+from lightning_megatron.parallel.shards import shard_of
 from lightning_megatron.parallel.state import ParallelState
-from lightning_megatron.tensor_parallel.plan import name_matches
-from lightning_megatron.tensor_parallel.sharding import shard_of
 
 
 def local_tensor(tensor: Tensor) -> Tensor:

@@ -5,8 +5,9 @@ A parameter's initial value depends only on the seed and its global name
 from a generator seeded by the name, then keeps its own shard. Modules may define
 ``initialize_parameter(name, tensor, generator)`` to choose the distribution of their
 parameters (names are then relative to that module); others get
-:func:`default_initializer`. Adapter parameters (``...lora_a.weight``) always follow the adapter's rule
-(``peft.adapters``).
+:func:`default_initializer`. Parameters under a child module whose name has a declared rule
+(:func:`declare_child_initializer`: ``peft.adapters`` declares LoRA's ``lora_a``/``lora_b``) always follow that
+rule, whichever module owns them, so this module knows no adapter and the base layer imports nothing above it.
 
 Params on the meta device are materialised on ``device``; real params are overwritten in
 place, so a single-process model and every parallel layout start identical.
@@ -37,14 +38,30 @@ import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
-from lightning_megatron.peft.adapters import initialize_adapter, is_adapter_name
-from lightning_megatron.tensor_parallel.sharding import TensorShard, shard_of
+from lightning_megatron.parallel.shards import TensorShard, shard_of
 
 Initializer = Callable[[str, Tensor, torch.Generator], None]
 INIT_STD = 0.02
 # Python attributes our code puts on parameters; whatever replaces a parameter must carry them over.
 PARAMETER_TAGS = ("tensor_shard", "sequence_parallel_grad", "pipeline_tied", "pipeline_stage_uses", "tied_names",
                   "expert_parallel")
+
+
+# child-module name -> the rule for every parameter under such a child (see declare_child_initializer)
+_CHILD_INITIALIZERS: dict[str, Initializer] = {}
+
+
+def declare_child_initializer(child_names: tuple[str, ...], rule: Initializer) -> None:
+    """Declare that every parameter under a child module named one of ``child_names`` (``lora_a`` in
+    ``blocks.0.attn.qkv.lora_a.weight``) is initialised by ``rule``, whichever module owns it: the code that
+    attaches such children declares this once (``peft.adapters`` on import), and every caller of
+    :func:`local_initial_values` (ZeRO-3's too) then draws them by it."""
+    for child in child_names:
+        _CHILD_INITIALIZERS[child] = rule
+
+
+def _declared_rule(name: str) -> Optional[Initializer]:
+    return next((_CHILD_INITIALIZERS[part] for part in name.split(".") if part in _CHILD_INITIALIZERS), None)
 
 
 def parameter_seed(seed: int, name: str) -> int:
@@ -85,12 +102,13 @@ def original_name(param: Tensor, name: str) -> str:
 
 
 def local_initial_values(param: Tensor, name: str, seed: int, initializer: Initializer) -> Tensor:
-    """This rank's shard of the full initial value of parameter ``name``; an adapter's by the adapter's rule, whichever
-    module owns it (``B = 0``: the adapted model starts as the base model), here for every caller (ZeRO-3's too).
-    Only the shard's own values are drawn where the initialiser allows it (see the module docstring)."""
+    """This rank's shard of the full initial value of parameter ``name``; one under a child with a declared rule
+    (an adapter's: ``B = 0``, so the adapted model starts as the base model) by that rule, whichever module owns it,
+    here for every caller (ZeRO-3's too). Only the shard's own values are drawn where the initialiser allows it
+    (see the module docstring)."""
     shard = shard_of(param)
     global_shape = shard.global_shape if shard is not None else tuple(param.shape)
-    rule = initialize_adapter if is_adapter_name(name) else initializer
+    rule = _declared_rule(name) or initializer
     generator = torch.Generator().manual_seed(parameter_seed(seed, name))
     draw = _draw_of(rule, name, global_shape) if shard is not None else None
     if draw is not None:

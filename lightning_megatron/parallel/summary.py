@@ -31,7 +31,7 @@ from torch import nn
 from lightning_megatron.optim.main_params import model_state_bytes
 from lightning_megatron.optim.zero3 import local_tensor
 from lightning_megatron.parallel.config import ParallelConfig
-from lightning_megatron.tensor_parallel.sharding import shard_of
+from lightning_megatron.parallel.shards import shard_of
 
 
 def layout_line(config: ParallelConfig, schedule: str, micro_batch_size: int, world_size: int) -> str:

@@ -1,5 +1,6 @@
-"""What an adapter is, by name: the few facts that parameter initialisation, the tensor-parallel plan, FP8 and
-checkpoints need about adapters without depending on how they are attached (``peft.lora``)."""
+"""What an adapter is: the facts checkpoints and the model need about adapters without depending on how they are
+attached (``peft.lora``), and the adapters' initial values, declared to ``parallel.initialize`` on import so that
+every layout draws them by the same rule. Whether a name is an adapter's is ``parallel.names.is_adapter_name``."""
 
 from __future__ import annotations
 
@@ -8,13 +9,8 @@ import math
 import torch
 from torch import Tensor, nn
 
-#: The child modules an adapted layer gets; a parameter under one of them is an adapter parameter.
-ADAPTER_MODULES = ("lora_a", "lora_b")
-
-
-def is_adapter_name(name: str) -> bool:
-    """Whether a parameter or module name lies inside an adapter (``...qkv.lora_a.weight``)."""
-    return any(part in ADAPTER_MODULES for part in name.split("."))
+from lightning_megatron.parallel.initialize import declare_child_initializer
+from lightning_megatron.parallel.names import ADAPTER_MODULES
 
 
 def adapted_layers(module: nn.Module) -> list[str]:
@@ -29,3 +25,6 @@ def initialize_adapter(name: str, tensor: Tensor, generator: torch.Generator) ->
     else:
         bound = 1.0 / math.sqrt(tensor.shape[-1])
         tensor.uniform_(-bound, bound, generator=generator)
+
+
+declare_child_initializer(ADAPTER_MODULES, initialize_adapter)

@@ -30,7 +30,8 @@ import torch
 from torch import Tensor, nn
 
 from lightning_megatron.parallel.initialize import local_initial_values
-from lightning_megatron.peft.adapters import adapted_layers, initialize_adapter, is_adapter_name
+from lightning_megatron.parallel.names import is_adapter_name
+from lightning_megatron.peft.adapters import adapted_layers, initialize_adapter
 
 #: Megatron Bridge's default: every linear layer of attention and the MLP.
 DEFAULT_TARGETS = ("*.attn.qkv", "*.attn.proj", "*.mlp.fc", "*.mlp.proj")

@@ -37,8 +37,9 @@ from typing import Mapping
 from torch import nn
 
 from lightning_megatron.parallel.config import ParallelConfig
+from lightning_megatron.parallel.names import name_matches
 from lightning_megatron.peft.adapters import adapted_layers
-from lightning_megatron.tensor_parallel.plan import SWAP_STYLES, name_matches
+from lightning_megatron.tensor_parallel.plan import SWAP_STYLES
 from lightning_megatron.tensor_parallel.region import InsideRegion
 from lightning_megatron.tensor_parallel.styles import LAYOUT_STYLES
 

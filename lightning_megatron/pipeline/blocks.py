@@ -15,7 +15,10 @@ two paths cannot drift apart:
   ``head``'s output);
 * ``pipeline_loss(outputs, target) -> (loss_sum, extras)``: the summed loss of a
   micro-batch and metrics to sum over micro-batches (e.g. correct predictions);
-* ``pipeline_result(loss_sum, num_tokens, extras)``: what ``loss()`` returns.
+* ``pipeline_result(loss_sum, num_tokens, extras)``: what ``loss()`` returns;
+* optionally ``shape_inference()``: a context manager the stages' shape-inference pass (torch runs each
+  stage once more on stand-in inputs, ``pipeline/runner.py``) runs in, for state that pass must leave alone
+  (an MoE model's expert loads and routing statistics: ``models.router.routing_uncounted``).
 
 Under pipeline parallelism the strategy replaces the root's ``loss`` with one that runs
 this protocol through the pipeline schedule.

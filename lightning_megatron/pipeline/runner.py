@@ -19,7 +19,8 @@ micro-batch and stage, so the dp reduction, ZeRO and the tied-embedding sum work
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+import contextlib
+from typing import Callable, ContextManager, Optional
 
 import torch
 import torch.distributed as dist
@@ -31,7 +32,6 @@ from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleD
 from torch.distributed.pipelining._backward import _get_grad_fn_or_grad_acc, stage_backward_input
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti
 
-from lightning_megatron.models.router import routing_uncounted
 from lightning_megatron.pipeline.inference import PipelineInference
 from lightning_megatron.pipeline.layout import SCHEDULE_SPECS, check_micro_batches, rank_of_stage
 from lightning_megatron.pipeline.timeline import TimelineRecorder
@@ -81,12 +81,17 @@ def accumulate_weight_gradients(params: list[nn.Parameter], param_groups: list[d
 
 class _Stage(PipelineStage):
     """torch infers the stages' shapes on a schedule's first step by running each stage once more, on stand-in
-    inputs (uninitialised ones after the first stage), forward and backward. That pass counts no MoE expert loads
-    and no routing statistics (it is not a training step). It keeps the training mode: its backward may recompute
-    checkpointed layers, which must see the forward they saved."""
+    inputs (uninitialised ones after the first stage), forward and backward. That pass is not a training step: it
+    runs inside the root's ``shape_inference()`` context where the model declares one (``pipeline/blocks.py``; an
+    MoE model's counts no expert loads and no routing statistics). It keeps the training mode: its backward may
+    recompute checkpointed layers, which must see the forward they saved."""
+
+    def __init__(self, *args, shape_inference: Callable[[], ContextManager], **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.shape_inference = shape_inference
 
     def _compute_outputs(self, *args, module: nn.Module, **kwargs):
-        with routing_uncounted():
+        with self.shape_inference():
             return super()._compute_outputs(*args, module=module, **kwargs)
 
     def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, last_backward: bool = False):
@@ -145,7 +150,8 @@ class PipelineRunner:
         key = (micro_batches, shape, training)
         if key not in self._schedules:
             stages = [
-                _Stage(module, stage_id, self.num_stages, self.device, group=self.group)
+                _Stage(module, stage_id, self.num_stages, self.device, group=self.group,
+                       shape_inference=getattr(self.root, "shape_inference", contextlib.nullcontext))
                 for module, stage_id in zip(self.stage_modules, self.stage_ids)
             ]
             if self.recorder is not None:

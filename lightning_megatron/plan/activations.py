@@ -53,10 +53,10 @@ from __future__ import annotations
 
 from typing import Optional
 
+from lightning_megatron.parallel.shards import padded_size
 from lightning_megatron.plan.hardware import GIB
 from lightning_megatron.plan.layout import Layout, Workload
 from lightning_megatron.plan.shape import ModelShape
-from lightning_megatron.tensor_parallel.sharding import padded_size
 
 #: CUDA context, cuBLAS and NCCL workspaces, allocator slack: a stated allowance, not a prediction.
 FRAMEWORK_BYTES = 2 * GIB

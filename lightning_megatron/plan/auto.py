@@ -86,7 +86,7 @@ def choose_sizes(module: Any, requested: dict[str, Any], *, world_size: int, dev
     result = planner.plan()
     best = result.best
     if best is None:
-        from lightning_megatron.plan.command import explain_no_fit
+        from lightning_megatron.plan.no_fit import explain_no_fit
 
         raise ValueError(f"Megatron3DStrategy could not choose the 'auto' sizes: {explain_no_fit(result, planner)}")
     layout = best.layout

@@ -47,10 +47,10 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Optional
 
+from lightning_megatron.parallel.shards import padded_size
 from lightning_megatron.plan.flops import pipeline_rank_layers
 from lightning_megatron.plan.layout import Layout, Workload
 from lightning_megatron.plan.shape import ModelShape
-from lightning_megatron.tensor_parallel.sharding import padded_size
 
 #: The share of a collective's tensor that each of ``n`` ranks sends, ring algorithms.
 RING_SHARE = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,

@@ -19,7 +19,6 @@ from torch import nn
 
 from lightning_megatron.models.flops import flops_per_batch
 from lightning_megatron.offload.settings import PARAMETER_TIERS, TIERS, tier_of
-from lightning_megatron.parallel.recompute import MODES as RECOMPUTE_MODES
 from lightning_megatron.plan.activations import activation_bytes, buffer_bytes
 from lightning_megatron.plan.hardware import GIB, Hardware
 from lightning_megatron.plan.inventory import Inventory, optimizer_state_bytes_per_element
@@ -27,6 +26,7 @@ from lightning_megatron.plan.layout import Layout, Workload, check_layout
 from lightning_megatron.plan.model_state import HOST_PROCESS_BYTES, placement, rank_model_state_bytes
 from lightning_megatron.plan.shape import ModelShape
 from lightning_megatron.plan.step_time import StepTime, step_time
+from lightning_megatron.transforms.recompute import MODES as RECOMPUTE_MODES
 
 #: Context parallelism is searched only while each rank keeps at least this many tokens of a sequence.
 MIN_CONTEXT_TOKENS = 2048

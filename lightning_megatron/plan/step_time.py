@@ -50,13 +50,13 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from lightning_megatron.parallel.shards import padded_size
 from lightning_megatron.plan.communication import Collective, step_collectives
 from lightning_megatron.plan.flops import attention_core_flops, pipeline_rank_layers
 from lightning_megatron.plan.gemm import layer_linears, linear_seconds
 from lightning_megatron.plan.hardware import Hardware
 from lightning_megatron.plan.layout import Layout, Workload
 from lightning_megatron.plan.shape import ModelShape
-from lightning_megatron.tensor_parallel.sharding import padded_size
 
 #: Bytes per score element and 16-bit byte of a materialised attention's forward: the scores' write by Q K^T, the
 #: fused scale + mask + softmax's read and write, dropout's read, write and mask, P V's read.

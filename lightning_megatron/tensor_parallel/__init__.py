@@ -1,5 +1,6 @@
 """Megatron-style tensor parallelism: communication operators, parallel layers, cross-entropy, plans."""
 
+from lightning_megatron.parallel.shards import TensorShard
 from lightning_megatron.tensor_parallel.argmax import Argmax, VocabParallelArgmax, vocab_parallel_argmax
 from lightning_megatron.tensor_parallel.chunked_cross_entropy import ChunkedHeadLoss
 from lightning_megatron.tensor_parallel.cross_entropy import VocabParallelCrossEntropy, vocab_parallel_cross_entropy
@@ -27,7 +28,6 @@ from lightning_megatron.tensor_parallel.mappings import (
 )
 from lightning_megatron.tensor_parallel.overlap import OverlappedSequenceParallelLinear, SequenceParallelLinear
 from lightning_megatron.tensor_parallel.plan import STYLES, parallelize
-from lightning_megatron.tensor_parallel.sharding import TensorShard
 from lightning_megatron.tensor_parallel.styles import PackedColumn, QueryGroupColumn
 
 __all__ = [

@@ -7,8 +7,8 @@ What stays in high precision, and why (Megatron-Core's and torchtitan's choices)
   error, and its GEMM is the one with the vocabulary as a dimension, rarely a multiple of 16 per rank;
 * anything that is not a plan linear: embeddings, norms, attention's softmax, the MoE router (its own
   ``F.linear`` in fp32), the loss;
-* LoRA adapters (``peft.adapters``): a few ``r``-wide GEMMs, whose fp32 training is the point of keeping them
-  apart from the frozen base (the base layers they adapt may still run in FP8);
+* LoRA adapters (by name: ``parallel.names.is_adapter_name``): a few ``r``-wide GEMMs, whose fp32 training is the
+  point of keeping them apart from the frozen base (the base layers they adapt may still run in FP8);
 * what ``exclude`` names, by ``fnmatch`` pattern on the module's name (``*`` matches across dots), e.g.
   ``("blocks.0.*", "blocks.31.*")`` for Megatron-Core's ``first_last_layers_bf16``.
 
@@ -23,12 +23,12 @@ from typing import Optional, Sequence
 
 from torch import nn
 
+from lightning_megatron.parallel.names import is_adapter_name
+from lightning_megatron.parallel.shards import shard_of
 from lightning_megatron.parallel.state import ParallelState
-from lightning_megatron.peft.adapters import is_adapter_name
 from lightning_megatron.tensor_parallel.fp8 import Fp8Gemms, Fp8Recipe, check_fp8_shape, require_torchao
 from lightning_megatron.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelHead
 from lightning_megatron.tensor_parallel.overlap import FP8_OVERLAP_REFUSAL
-from lightning_megatron.tensor_parallel.sharding import shard_of
 
 
 def check_fp8_options(fp8: Optional[str], exclude: Sequence[str], tp_comm_overlap: bool) -> Optional[Fp8Recipe]:

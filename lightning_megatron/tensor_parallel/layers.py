@@ -18,6 +18,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from lightning_megatron.parallel.shards import RankRanges, make_shard, new_parameter
 from lightning_megatron.tensor_parallel.mappings import (
     copy_to_tensor_parallel,
     gather_from_tensor_parallel,
@@ -26,7 +27,6 @@ from lightning_megatron.tensor_parallel.mappings import (
 from lightning_megatron.tensor_parallel.fp8 import HIGH_PRECISION, HighPrecisionGemms
 from lightning_megatron.tensor_parallel.logits import VocabShard, mark_vocab_parallel
 from lightning_megatron.tensor_parallel.overlap import SequenceParallelLinear
-from lightning_megatron.tensor_parallel.sharding import RankRanges, make_shard, new_parameter
 
 Group = Optional[dist.ProcessGroup]
 

@@ -65,7 +65,9 @@ from typing import Callable, Mapping, Optional, Union
 import torch
 from torch import nn
 
+from lightning_megatron.parallel.names import name_matches
 from lightning_megatron.parallel.random import TensorParallelRNG
+from lightning_megatron.parallel.shards import shard_of
 from lightning_megatron.parallel.state import ParallelState
 from lightning_megatron.tensor_parallel.argmax import Argmax, VocabParallelArgmax
 from lightning_megatron.tensor_parallel.cross_entropy import VocabParallelCrossEntropy
@@ -79,7 +81,6 @@ from lightning_megatron.tensor_parallel.layers import (
 from lightning_megatron.tensor_parallel.mappings import gather_sequence_to_replicated, scatter_to_sequence
 from lightning_megatron.tensor_parallel.overlap import SequenceParallelLinear
 from lightning_megatron.tensor_parallel.region import InsideRegion, TensorParallelRegion
-from lightning_megatron.tensor_parallel.sharding import shard_of
 from lightning_megatron.tensor_parallel.styles import LAYOUT_STYLES, PackedColumn, QueryGroupColumn
 
 SWAP_STYLES = ("column", "row", "vocab")
@@ -92,12 +93,6 @@ def _is_swap(style: Style) -> bool:
     if isinstance(style, InsideRegion):
         return True
     return isinstance(style, LAYOUT_STYLES) or style in SWAP_STYLES
-
-
-def name_matches(pattern: str, name: str) -> bool:
-    """``*`` matches exactly one component of a dotted module name."""
-    pattern_parts, name_parts = pattern.split("."), name.split(".")
-    return len(pattern_parts) == len(name_parts) and all(p in ("*", n) for p, n in zip(pattern_parts, name_parts))
 
 
 def _styles_by_module(module: nn.Module, plan: Mapping[str, Style]) -> dict[str, list[Style]]:
@@ -209,7 +204,7 @@ def _run_in_fork(module: nn.Module, rng: TensorParallelRNG) -> None:
     to eager), and the always-called hook's id becomes a guard, so every layer would compile again. Kept out of
     tracing (``torch.compiler.disable``), they run eagerly between the compiled graphs, the dropout inside
     those graphs draws from the stream they swapped in, and identical layers share one compiled code
-    (``parallel.regional_compile``).
+    (``transforms.regional_compile``).
     """
     stack: list[contextlib.ExitStack] = []
 

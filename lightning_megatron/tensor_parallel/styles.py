@@ -17,7 +17,7 @@ fused layouts are not like that; a plan names them with these objects instead of
   gradients are partial sums over those ranks (``optim.partial_grads`` sums them).
 
 Each style turns ``(out_features, tp)`` into the per-rank ranges of a segmented
-:class:`~lightning_megatron.tensor_parallel.sharding.TensorShard` (or ``None``: the plain
+:class:`~lightning_megatron.parallel.shards.TensorShard` (or ``None``: the plain
 contiguous split), raising a ``ValueError`` with the numbers and a fix when the sizes don't fit.
 """
 
@@ -27,7 +27,7 @@ import math
 from dataclasses import dataclass
 from typing import Optional, Union
 
-from lightning_megatron.tensor_parallel.sharding import RankRanges
+from lightning_megatron.parallel.shards import RankRanges
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ from typing import Iterator
 import torch
 
 from lightning_megatron.models import GPTConfig
-from lightning_megatron.parallel import recompute
+from lightning_megatron.transforms import recompute
 
 SEED = 1234
 BATCH, SEQ = 4, 16

@@ -18,9 +18,10 @@ import torch.distributed as dist
 
 from recompute_setup import CONFIG, LAYERS, SEED, max_deviation, two_steps, without_tracker_replay
 from lightning_megatron.models import GPTModel
-from lightning_megatron.parallel import ParallelConfig, ParallelState, TensorParallelRNG, recompute
+from lightning_megatron.parallel import ParallelConfig, ParallelState, TensorParallelRNG
 from lightning_megatron.parallel.initialize import initialize_parameters
 from lightning_megatron.tensor_parallel import parallelize
+from lightning_megatron.transforms import recompute
 
 
 def build(state: ParallelState, mode: str) -> GPTModel:

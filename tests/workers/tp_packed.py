@@ -39,8 +39,8 @@ from lightning_megatron.optim.step import build_step_gradients
 from lightning_megatron.optim.zero3 import apply_zero3
 from lightning_megatron.parallel import ParallelConfig, ParallelState
 from lightning_megatron.parallel.initialize import initialize_parameters
+from lightning_megatron.parallel.shards import shard_of
 from lightning_megatron.tensor_parallel import PackedColumn, QueryGroupColumn, parallelize
-from lightning_megatron.tensor_parallel.sharding import shard_of
 
 out_dir = Path(sys.argv[1])
 dist.init_process_group("gloo")

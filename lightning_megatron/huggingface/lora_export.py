@@ -16,8 +16,9 @@ from typing import Any, Mapping, Optional, Sequence
 from torch import Tensor
 
 from lightning_megatron.checkpoint.base import check_base
-from lightning_megatron.huggingface import TensorSource, read_hf
-from lightning_megatron.peft.adapters import is_adapter_name
+from lightning_megatron.huggingface.convert import read_hf
+from lightning_megatron.huggingface.family import TensorSource
+from lightning_megatron.parallel.names import is_adapter_name
 from lightning_megatron.peft.merge import adapted_layer_names, adapter_weight_names, merged_weight
 
 

@@ -8,11 +8,14 @@ element once across the tensor-parallel group.
 Usually rank ``r`` holds the ``r``-th of ``world`` equal chunks of ``dim`` (zero-padded for the
 vocabulary). A *segmented* shard instead lists, for every rank, the ranges of ``dim`` it holds,
 concatenated in order: a fused projection ``[q | k | v]`` gives each rank a part of every
-chunk (``styles.PackedColumn``), and grouped-query attention with more ranks than key/value
-heads gives several ranks the same key/value rows (``styles.QueryGroupColumn``). A range held
+chunk (``tensor_parallel.styles.PackedColumn``), and grouped-query attention with more ranks than key/value
+heads gives several ranks the same key/value rows (``tensor_parallel.styles.QueryGroupColumn``). A range held
 by several ranks is *replicated* there; the lowest of them is its *primary*, which alone
 counts it in the gradient norm. Replicated ranges are only ever equal or disjoint, so their
 boxes in a checkpoint are identical on every replica (written once, read by each).
+
+It sits in the base layer (``parallel``): initialisation, checkpoints, the optimizer and the planner read shards
+without importing the parallel layers (``tensor_parallel``) that make them.
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from lightning_megatron.checkpoint.commands import open_checkpoint, recorded_base
+from lightning_megatron.checkpoint.open import open_checkpoint, recorded_base
 from lightning_megatron.data.conversations import Message
 from lightning_megatron.data.sft import conversation_format, load_sft_tokenizer
 from lightning_megatron.data.tokenizers import Tokenizer, load_tokenizer

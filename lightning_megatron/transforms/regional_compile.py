@@ -42,8 +42,8 @@ import torch
 from torch import nn
 
 from lightning_megatron.parallel.config import ParallelConfig
+from lightning_megatron.parallel.names import name_matches
 from lightning_megatron.pipeline.layout import SCHEDULE_SPECS
-from lightning_megatron.tensor_parallel.plan import name_matches
 
 COMPILE_ARGUMENTS = tuple(name for name in inspect.signature(torch.compile).parameters if name != "model")
 _COMPILED: "weakref.WeakSet[Callable]" = weakref.WeakSet()  # what compile_layers made (recomputation wraps them)

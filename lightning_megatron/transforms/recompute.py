@@ -1,11 +1,14 @@
 """Activation recomputation: keep fewer activations for backward and recompute the rest there.
 
 ``mode="full"`` keeps only the input of each matched layer and runs the layer's forward
-again in backward (one more forward per step). ``mode="selective"`` recomputes only the
-attention core of each matched layer (``dropout(softmax(q k^T)) v``, a
+again in backward (one more forward per step). ``mode="selective"`` recomputes only the parts
+of each matched layer that the model declares in ``recompute_plan()`` (module-name patterns
+mapped to ``"selective"``, as ``tensor_parallel_plan()`` maps them to styles). Our models declare
+the attention core (``dropout(softmax(q k^T)) v``, a
 :class:`~lightning_megatron.models.attention.CoreAttention`): its activations grow with
 the square of the sequence length, its FLOPs are a few percent of the layer's
 (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models").
+The model says *what*, this module only matches names, so it imports no model.
 
 Both use ``torch.utils.checkpoint.checkpoint(use_reentrant=False)`` on the matched module's
 ``forward`` rather than wrapping the module in another one, so module and parameter names
@@ -29,12 +32,13 @@ from typing import Optional
 from torch import nn
 from torch.utils.checkpoint import checkpoint, noop_context_fn
 
-from lightning_megatron.models.attention import CoreAttention
+from lightning_megatron.parallel.names import name_matches
 from lightning_megatron.parallel.random import TensorParallelRNG
-from lightning_megatron.parallel.regional_compile import compiled_function
-from lightning_megatron.tensor_parallel.plan import name_matches
+from lightning_megatron.transforms.regional_compile import compiled_function
 
 MODES = ("none", "full", "selective")
+#: What a ``recompute_plan()`` may map a pattern to (``"full"`` always means the whole matched layer).
+PLAN_MODES = ("selective",)
 
 
 def apply_activation_checkpointing(
@@ -43,10 +47,11 @@ def apply_activation_checkpointing(
     """Recompute the activations of the layers matching ``layer_pattern`` in backward; returns ``module``.
 
     ``layer_pattern`` names the transformer layers as in a tensor-parallel plan (``*`` matches
-    one name component). Pass the ``rng`` that ``parallelize`` was given, so that recomputed
-    dropout on the per-rank stream repeats the original masks. Apply it after ``parallelize``
-    (layers it swaps would lose the recomputation) and before splitting for the pipeline (every
-    rank then matches the same layers and fails alike on a bad pattern). ``mode="none"``
+    one name component); ``mode="selective"`` recomputes, inside each of them, the submodules that
+    ``module.recompute_plan()`` maps to ``"selective"`` (names relative to ``module``). Pass the ``rng``
+    that ``parallelize`` was given, so that recomputed dropout on the per-rank stream repeats the original masks.
+    Apply it after ``parallelize`` (layers it swaps would lose the recomputation) and before splitting for the
+    pipeline (every rank then matches the same layers and fails alike on a bad pattern). ``mode="none"``
     returns ``module`` untouched.
 
     Example::
@@ -64,24 +69,31 @@ def apply_activation_checkpointing(
             f"layer_pattern {layer_pattern!r} matches no submodule of {type(module).__name__} ('*' matches one name "
             f"component, e.g. 'model.blocks.*'). Check it against `[n for n, _ in model.named_modules()]`."
         )
-    targets = layers if mode == "full" else _core_attentions(layers)
+    targets = layers if mode == "full" else _selective_targets(module, layers)
     context_fn = noop_context_fn if rng is None else partial(_tracker_contexts, rng)
     for name, target in targets:
         _checkpoint_forward(target, name, context_fn)
     return module
 
 
-def _core_attentions(layers: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
+def _selective_targets(module: nn.Module, layers: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
+    """The submodules of the matched layers that ``module.recompute_plan()`` names; each layer must have one."""
+    plan = module.recompute_plan() if hasattr(module, "recompute_plan") else {}
+    unknown = {pattern: mode for pattern, mode in plan.items() if mode not in PLAN_MODES}
+    if unknown:
+        raise ValueError(f"{type(module).__name__}.recompute_plan() maps {unknown}; a pattern maps to one of "
+                         f"{', '.join(map(repr, PLAN_MODES))} (mode='full' recomputes whole layers).")
     found = []
     for name, layer in layers:
-        cores = [(f"{name}.{sub}", m) for sub, m in layer.named_modules() if isinstance(m, CoreAttention)]
-        if not cores:
+        parts = [(f"{name}.{sub}", m) for sub, m in layer.named_modules()
+                 if sub and any(name_matches(pattern, f"{name}.{sub}") for pattern in plan)]
+        if not parts:
             raise ValueError(
-                f"mode='selective' recomputes the CoreAttention modules of the matched layers, but {name} "
-                f"({type(layer).__name__}) has none. Compute attention with "
-                f"lightning_megatron.models.attention.CoreAttention, or use mode='full'."
+                f"mode='selective' recomputes what {type(module).__name__}.recompute_plan() names inside each "
+                f"matched layer ({sorted(plan) or 'it declares none'}), but {name} ({type(layer).__name__}) has none. "
+                f"Declare recompute_plan() (e.g. {{'blocks.*.attn.core_attention': 'selective'}}), or use mode='full'."
             )
-        found.extend(cores)
+        found.extend(parts)
     return found
 
 
