@@ -283,7 +283,7 @@ def build(layout: Layout) -> Built:
     from lightning_megatron.optim.step import build_step_gradients
     from lightning_megatron.parallel import ParallelConfig, ParallelState, TensorParallelRNG
     from lightning_megatron.parallel.initialize import initialize_parameters
-    from lightning_megatron.preparation import apply_recompute, split_pipeline
+    from lightning_megatron.strategy.preparation import apply_recompute, split_pipeline
     from lightning_megatron.tensor_parallel import parallelize
 
     config = ParallelConfig(tensor_parallel_size=layout.tensor_parallel_size,

@@ -287,8 +287,8 @@ def build(row: Row) -> Built:
     from lightning_megatron.optim.step import build_step_gradients
     from lightning_megatron.parallel import ParallelConfig, ParallelState, TensorParallelRNG
     from lightning_megatron.parallel.initialize import initialize_parameters
-    from lightning_megatron.preparation import (apply_recompute, prepare_context_parallel, prepare_experts,
-                                                shard_zero3, split_pipeline)
+    from lightning_megatron.expert_parallel.apply import prepare_experts
+    from lightning_megatron.strategy.preparation import apply_recompute, prepare_context_parallel, shard_zero3, split_pipeline
     from lightning_megatron.tensor_parallel import parallelize
 
     config = ParallelConfig(tensor_parallel_size=row.tp, pipeline_parallel_size=row.pp, data_parallel_size=row.dp,

@@ -1,5 +1,5 @@
 """Callbacks that report what a Megatron user watches: throughput of the global batch (tokens/s, TFLOP/s per
-device, MFU), the pipeline timeline; and ``SaveAndRequeue`` (``lightning_megatron.requeue``), which saves and
+device, MFU), the pipeline timeline; and ``SaveAndRequeue`` (``lightning_megatron.strategy.requeue``), which saves and
 requeues a cluster job warned of its time limit."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_megatron.models.batch_flops import data_parallel_size
 from lightning_megatron.models.flops import flops_per_batch
-from lightning_megatron.requeue import SaveAndRequeue  # noqa: F401  (a callback configs name here)
+from lightning_megatron.strategy.requeue import SaveAndRequeue  # noqa: F401  (a callback configs name here)
 
 # Peak dense (no 2:4 sparsity) FLOP/s per device, from NVIDIA's datasheets: the tensor-core numbers, whose
 # datasheet values are quoted "with sparsity" and are twice these. "tf32" is what fp32 matmuls run at when

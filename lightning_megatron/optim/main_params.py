@@ -295,6 +295,10 @@ def uses_main_params(params: list[nn.Parameter], zero_stage: int, offload: Union
     return tier != "none" or zero_stage > 0 or any(p.dtype in (torch.float16, torch.bfloat16) for p in params)
 
 
+#: What a rank's model state is made of, in bytes (:func:`model_state_bytes`, the planner's prediction of it).
+MODEL_STATE_KEYS = ("parameters", "gradients", "main_parameters", "optimizer_state")
+
+
 def model_state_bytes(
     params: list[nn.Parameter],
     sync: Optional[GradientSynchronizer],

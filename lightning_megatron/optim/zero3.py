@@ -146,6 +146,10 @@ from lightning_megatron.tensor_parallel.plan import name_matches
 from lightning_megatron.tensor_parallel.sharding import shard_of
 
 
+#: The precisions ZeRO-3 runs: its fp32 shards are the main parameters, gathered in the compute dtype.
+ZERO3_PRECISIONS = ("32-true", "bf16-true", "bf16-mixed", "16-true")
+
+
 def local_tensor(tensor: Tensor) -> Tensor:
     """The local shard of a DTensor (an alias: in-place ops on it change the DTensor), or the tensor itself."""
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor

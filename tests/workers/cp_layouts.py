@@ -28,7 +28,7 @@ from lightning_megatron.optim.nonfinite import NonFiniteCheck
 from lightning_megatron.optim.step import build_step_gradients
 from lightning_megatron.parallel import ParallelConfig, ParallelState, TensorParallelRNG
 from lightning_megatron.parallel.initialize import initialize_parameters
-from lightning_megatron.preparation import apply_recompute, prepare_context_parallel, split_pipeline
+from lightning_megatron.strategy.preparation import apply_recompute, prepare_context_parallel, split_pipeline
 from lightning_megatron.tensor_parallel import parallelize
 from lightning_megatron.tensor_parallel.fp8 import Fp8Recipe
 from lightning_megatron.tensor_parallel.fp8_plan import convert_to_fp8

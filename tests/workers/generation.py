@@ -28,7 +28,7 @@ from lightning_megatron.models import BERTModel, GPTModel
 from lightning_megatron.models.gpt import gpt_tensor_parallel_plan
 from lightning_megatron.parallel import ParallelState
 from lightning_megatron.parallel.initialize import initialize_parameters
-from lightning_megatron.preparation import split_pipeline, start_pipeline
+from lightning_megatron.strategy.preparation import split_pipeline, start_pipeline
 from lightning_megatron.tensor_parallel import full_sequences, gather_vocab_logits, parallelize
 
 NEW_TOKENS = 12

@@ -39,7 +39,7 @@ def run_layouts(train: Callable, tools: Mapping[str, Callable] = {}) -> None:
 def start_worker_pipeline(split, state, step, micro_batch_size: int, schedule: str = "1f1b"):
     """``preparation.start_pipeline`` (1F1B by default) with the strategy's ``before_backward``: the gradient buckets
     expect one backward per micro-batch, and the schedule scales each loss sum by ``step``'s backward scale."""
-    from lightning_megatron.preparation import start_pipeline
+    from lightning_megatron.strategy.preparation import start_pipeline
 
     def before_backward(count, tokens):
         step.sync.start_micro_batch(sync=True, backward_passes=count)

@@ -30,7 +30,8 @@ from lightning_megatron.parallel.guards import count_host_syncs
 from lightning_megatron.optim.step import build_step_gradients
 from lightning_megatron.parallel import ParallelConfig, ParallelState, TensorParallelRNG
 from lightning_megatron.parallel.initialize import initialize_parameters
-from lightning_megatron.preparation import apply_recompute, prepare_experts, split_pipeline
+from lightning_megatron.expert_parallel.apply import prepare_experts
+from lightning_megatron.strategy.preparation import apply_recompute, split_pipeline
 from lightning_megatron.tensor_parallel import parallelize
 
 LAYOUT = re.compile(r"(\w+)-ep(\d+)(?:-pp(\d+))?-tp(\d+)-dp(\d+)(-sp)?(?:-mb(\d+))?(?:-z(\d))?(-og)?(-rc)?(-zb)?")

@@ -51,7 +51,7 @@ from lightning_megatron.pipeline import PipelineLayout
 from lightning_megatron.pipeline.runner import PipelineRunner
 from lightning_megatron.pipeline.stage import split_for_pipeline
 from lightning_megatron.peft.lora import apply_lora
-from lightning_megatron.preparation import tensor_parallel_plan_of
+from lightning_megatron.peft.plan import tensor_parallel_plan_of
 from lightning_megatron.tensor_parallel import parallelize
 from lightning_megatron.tensor_parallel.fp8 import Fp8Recipe
 from lightning_megatron.tensor_parallel.fp8_plan import convert_to_fp8

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from lightning.fabric.utilities.distributed import _distributed_is_initialized, _sync_ddp_if_available
 from torch import Tensor
 
-from lightning_megatron.parallel.diagnostics import argument, records_phase
+from lightning_megatron.strategy.diagnostics import argument, records_phase
 
 
 class CollectiveHooks:

@@ -46,18 +46,17 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from lightning_megatron.context_parallel.apply import BatchSplitter, apply_context_parallel
-from lightning_megatron.expert_parallel import apply_expert_parallel, wire_auxiliary_losses
-from lightning_megatron.expert_parallel.apply import auxiliary_losses
-from lightning_megatron.optim.zero3 import ZeRO3, apply_zero3
+from lightning_megatron.expert_parallel.apply import auxiliary_losses, prepare_experts
+from lightning_megatron.optim.zero3 import ZERO3_PRECISIONS, ZeRO3, apply_zero3
 from lightning_megatron.parallel.config import ParallelConfig
-from lightning_megatron.parallel.diagnostics import warn_if_replicated
+from lightning_megatron.strategy.diagnostics import warn_if_replicated
 from lightning_megatron.parallel.initialize import initialize_parameters
-from lightning_megatron.parallel.lightning_features import PreparedModel
+from lightning_megatron.strategy.lightning_features import PreparedModel
 from lightning_megatron.parallel.random import TensorParallelRNG
 from lightning_megatron.parallel.recompute import apply_activation_checkpointing
 from lightning_megatron.parallel.regional_compile import check_compile_layout, compile_layers
 from lightning_megatron.parallel.state import ParallelState
-from lightning_megatron.peft.plan import adapter_plan
+from lightning_megatron.peft.plan import tensor_parallel_plan_of
 from lightning_megatron.pipeline.blocks import PipelineBlocks
 from lightning_megatron.pipeline.inference import PipelineInference
 from lightning_megatron.pipeline.layout import SCHEDULE_SPECS, PipelineLayout
@@ -69,7 +68,6 @@ from lightning_megatron.tensor_parallel.fp8_plan import convert_to_fp8
 from lightning_megatron.tensor_parallel.overlap import overlapped_linear_for
 from lightning_megatron.tensor_parallel.plan import parallelize
 
-ZERO3_PRECISIONS = ("32-true", "bf16-true", "bf16-mixed", "16-true")
 # The fp32 shards are the main parameters; FSDP gathers them in the compute dtype and reduces in fp32.
 COMPUTE_DTYPES = {"bf16-true": torch.bfloat16, "16-true": torch.float16}
 
@@ -87,12 +85,6 @@ def _layers_pattern(module: nn.Module, needed_for: str) -> str:
     return f"{blocks.root}.{blocks.layers}.*" if blocks.root else f"{blocks.layers}.*"
 
 
-def tensor_parallel_plan_of(module: nn.Module, config: ParallelConfig) -> dict[str, object]:
-    """What ``parallelize`` applies to ``module``: its ``tensor_parallel_plan()`` (none: empty) and its adapters'."""
-    plan = module.tensor_parallel_plan() if hasattr(module, "tensor_parallel_plan") else {}
-    return adapter_plan(module, plan, config)
-
-
 def apply_recompute(module: nn.Module, mode: str, rng: Optional[TensorParallelRNG]) -> None:
     """Recompute each ``pipeline_blocks()`` layer (``"full"``) or its attention core (``"selective"``)."""
     if mode == "none":
@@ -108,12 +100,6 @@ def compile_blocks(module: nn.Module, options: Optional[dict], config: ParallelC
         return
     check_compile_layout(config, activation_checkpointing, pipeline_schedule)
     compile_layers(module, _layers_pattern(module, "compile"), options)
-
-
-def prepare_experts(module: nn.Module, state: ParallelState) -> None:
-    """This rank's experts and their dispatch (``expert_parallel_size > 1``); the MoE statistics' reduction."""
-    apply_expert_parallel(module, state)
-    wire_auxiliary_losses(module, state)
 
 
 def prepare_context_parallel(module: nn.Module, state: ParallelState, attention: str) -> Optional[BatchSplitter]:

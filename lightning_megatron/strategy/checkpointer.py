@@ -50,7 +50,7 @@ from lightning_megatron.checkpoint.training_state import (
 )
 from lightning_megatron.optim.zero3 import load_full_state_dict as load_zero3_state_dict
 from lightning_megatron.parallel.agree import on_every_rank
-from lightning_megatron.parallel.diagnostics import argument, records_phase
+from lightning_megatron.strategy.diagnostics import argument, records_phase
 
 LOSS_SCALER_KEY = "megatron_3d_loss_scaler"
 

@@ -36,35 +36,35 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_megatron.checkpoint.sharded import BackgroundSaver, SavedCheckpoint
-from lightning_megatron.checkpoint.strategy_hooks import CheckpointHooks
+from lightning_megatron.strategy.checkpointer import CheckpointHooks
 from lightning_megatron.checkpoint.training_state import set_rng_state
 from lightning_megatron.context_parallel.apply import BatchSplitter
-from lightning_megatron.launcher import InPlaceLauncher, SubprocessLauncher, check_directories_shared, die_with_launcher
+from lightning_megatron.strategy.launcher import InPlaceLauncher, SubprocessLauncher, check_directories_shared, die_with_launcher
 from lightning_megatron.offload.settings import DEFAULT_BUFFER_MB
 from lightning_megatron.optim.grad_sync import DEFAULT_BUCKET_SIZE_MB
 from lightning_megatron.optim.loss_scaler import DynamicLossScaler
 from lightning_megatron.optim.main_params import MainParamOptimizer
 from lightning_megatron.optim.nonfinite import NonFiniteCheck
 from lightning_megatron.optim.step import StepGradients, build_step_gradients
-from lightning_megatron.optim.strategy_hooks import StepHooks
+from lightning_megatron.strategy.step import StepHooks
 from lightning_megatron.optim.zero3 import ZeRO3
 from lightning_megatron.parallel.config import ParallelConfig
-from lightning_megatron.parallel.diagnostics import (DEFAULT_TIMEOUT, PhaseRecord, check_process_count,
+from lightning_megatron.strategy.diagnostics import (DEFAULT_TIMEOUT, PhaseRecord, check_process_count,
                                                      cleanup_after_failure, explain_collective_failure,
                                                      meta_model_left_in_place, records_phase)
-from lightning_megatron.parallel.lightning_features import (PreparedModel, check_trainer_features, evaluation_mode,
+from lightning_megatron.strategy.lightning_features import (PreparedModel, check_trainer_features, evaluation_mode,
                                                             prepare_metrics)
-from lightning_megatron.parallel.processes import exit_before_native_teardown, init_processes
+from lightning_megatron.strategy.processes import exit_before_native_teardown, init_processes
 from lightning_megatron.parallel.random import TensorParallelRNG
 from lightning_megatron.parallel.state import ParallelState
-from lightning_megatron.parallel.strategy_hooks import CollectiveHooks
-from lightning_megatron.parallel.summary import install_global_summary, layout_line, report_model_state
+from lightning_megatron.strategy.collectives import CollectiveHooks
+from lightning_megatron.strategy.summary import install_global_summary, layout_line, report_model_state
 from lightning_megatron.pipeline.runner import PipelineRunner
 from lightning_megatron.pipeline.timeline import TimelineRecorder
-from lightning_megatron.plan.auto import AUTO_SIZES, choose_for_options
-from lightning_megatron.preparation import PipelineSplit, prepare_model, start_pipeline
-from lightning_megatron.requeue import add_stop_on_signal
-from lightning_megatron.strategy_options import ARGUMENTS, StrategyOptions
+from lightning_megatron.strategy.auto import AUTO_SIZES, choose_for_options
+from lightning_megatron.strategy.preparation import PipelineSplit, prepare_model, start_pipeline
+from lightning_megatron.strategy.requeue import add_stop_on_signal
+from lightning_megatron.strategy.options import ARGUMENTS, StrategyOptions
 from lightning_megatron.tensor_parallel.fp8_plan import describe_fp8
 from lightning_megatron.tensor_parallel.mappings import full_sequences
 
@@ -137,7 +137,7 @@ class Megatron3DStrategy(CheckpointHooks, StepHooks, CollectiveHooks, ParallelSt
             async_checkpoint=async_checkpoint, checkpoint_checksums=checkpoint_checksums,
             verify_checkpoint=verify_checkpoint, process_group_backend=process_group_backend, timeout=timeout)
         self.pipeline_schedule = self.options.pipeline_schedule  # the one that runs: "auto" sizes may interleave it
-        self.auto_choice = None  # what the planner chose for "auto" sizes (lightning_megatron.plan.auto.AutoChoice)
+        self.auto_choice = None  # what the planner chose for "auto" sizes (lightning_megatron.strategy.auto.AutoChoice)
         self.nonfinite = NonFiniteCheck(self.options.on_nonfinite, self.options.max_consecutive_skips)
         self.loss_scaler: Optional[DynamicLossScaler] = None  # built at setup under precision="16-true"
         self._background_saver = BackgroundSaver() if self.options.async_checkpoint else None
