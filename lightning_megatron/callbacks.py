@@ -256,11 +256,11 @@ class PipelineTimeline(L.Callback):
         micro_batches = len({(e.stage, e.micro_batch) for e in events if e.kind == "forward"}) // max(
             1, len({e.stage for e in events}))
         config = state.config
-        self.theory = schedule_theory(strategy.pipeline_schedule, recorder, config.pipeline_parallel_size, micro_batches,
+        self.theory = schedule_theory(strategy.options.pipeline_schedule, recorder, config.pipeline_parallel_size, micro_batches,
                                       config.virtual_pipeline_size)
         self.measured = measured_bubble(events)
         pl_module.log("pipeline_bubble", self.measured, rank_zero_only=True)
         if trainer.is_global_zero:
-            title = f"{strategy.pipeline_schedule}, pp={config.pipeline_parallel_size}, vpp={config.virtual_pipeline_size}"
+            title = f"{strategy.options.pipeline_schedule}, pp={config.pipeline_parallel_size}, vpp={config.virtual_pipeline_size}"
             render(events, Path(self.path), title=title, theory=self.theory)
             print(f"Pipeline timeline written to {self.path}: bubble measured {self.measured:.1%}, theory {self.theory:.1%}")
