@@ -51,7 +51,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from lightning_megatron.offload.settings import DEFAULT_BUFFER_MB
+from lightning_megatron.offload.settings import DEFAULT_BUFFER_MB, OffloadSettings
 from lightning_megatron.offload.tiled_step import pool_bytes
 from lightning_megatron.optim.grad_sync import bucket_numel, cut_buckets
 from lightning_megatron.optim.main_params import uses_main_params
@@ -85,7 +85,7 @@ def rank_model_state_bytes(parameters: Sequence[RankParameter], layout: Layout, 
     stepped = [param for param in params if param.requires_grad]
     parameter_bytes = sum(p.numel() * element for p in params)
     offload = layout.offload_optimizer != "none"
-    main = uses_main_params(stepped, layout.zero_stage, offload)
+    main = uses_main_params(stepped, layout.zero_stage, OffloadSettings(layout.offload_optimizer))
     if replicas == 1 and not main:  # LocalGradients: param.grad, the optimizer on the parameters themselves
         grads = sum(p.numel() for p in stepped)
         return {"parameters": parameter_bytes, "gradients": grads * element, "main_parameters": 0,

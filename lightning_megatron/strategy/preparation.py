@@ -47,6 +47,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from lightning_megatron.context_parallel.apply import BatchSplitter, apply_context_parallel
 from lightning_megatron.expert_parallel.apply import auxiliary_losses, prepare_experts
+from lightning_megatron.offload.settings import OffloadSettings
 from lightning_megatron.optim.zero3 import ZERO3_PRECISIONS, ZeRO3, apply_zero3
 from lightning_megatron.parallel.config import ParallelConfig
 from lightning_megatron.strategy.diagnostics import warn_if_replicated
@@ -207,15 +208,14 @@ def prepare_model(module: nn.Module, state: ParallelState, options: StrategyOpti
     zero3 = None
     if state.config.zero_stage == 3:
         # Already on the device; no .to(): FSDP would replace the sharded parameters and drop their tags.
-        zero3 = shard_zero3(module, state, precision=precision, seed=seed, device=device,
-                            offload_parameters=options.offload.parameters)
+        zero3 = shard_zero3(module, state, precision=precision, seed=seed, device=device, offload=options.offload)
     elif any(p.is_meta for p in module.parameters()):
         initialize_parameters(module, seed, device=device, only_meta=True)
     return PreparedModel(split=split, zero3=zero3, rng=rng, batch_splitter=splitter)
 
 
 def shard_zero3(module: nn.Module, state: ParallelState, *, precision: str, seed: int,
-                device: Union[torch.device, str], offload_parameters: str = "none") -> ZeRO3:
+                device: Union[torch.device, str], offload: OffloadSettings = OffloadSettings()) -> ZeRO3:
     """ZeRO-3: FSDP2 over dp, one group per transformer layer; materialises this rank's dp chunks (in host
     memory with ``offload_parameters="cpu"``, where the optimizer then steps; ``"nvme"`` is refused, see
     ``optim.zero3.offload_policy``). The trained parameters' shards are fp32 (the main parameters); frozen ones
@@ -238,6 +238,6 @@ def shard_zero3(module: nn.Module, state: ParallelState, *, precision: str, seed
             if not param.requires_grad:
                 param.data = param.data.to(mixed.param_dtype)
     zero3 = apply_zero3(root, state, layers_pattern=f"{blocks.layers}.*", other_groups=other_groups,
-                        mixed_precision=mixed, offload_parameters=offload_parameters)
+                        mixed_precision=mixed, offload=offload)
     zero3.initialize(seed, device)
     return zero3

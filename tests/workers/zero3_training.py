@@ -44,6 +44,7 @@ from lightning_megatron.checkpoint import gather_full_state_dict
 from lightning_megatron.optim.grad_sync import GradientSynchronizer
 from lightning_megatron.optim.main_params import MainParamOptimizer
 from lightning_megatron.optim.partial_grads import partial_grad_groups
+from lightning_megatron.offload.settings import OffloadSettings
 from lightning_megatron.optim.zero3 import apply_zero3, load_full_state_dict, local_tensor
 from lightning_megatron.parallel import ParallelConfig, ParallelState, TensorParallelRNG
 from lightning_megatron.parallel.initialize import initialize_parameters
@@ -82,7 +83,7 @@ def build(state: ParallelState, pre: bool, micro_batches: int = 1, config=CONFIG
     if pre:
         initialize_parameters(model, SEED, device="cpu", only_meta=True)
     zero3 = apply_zero3(model, state, layers_pattern=f"{blocks.layers}.*", other_groups=other_groups,
-                        offload_parameters=offload)
+                        offload=OffloadSettings(parameters=offload))
     zero3.initialize(SEED, device="cpu")
     runner = None
     if pp > 1:
