@@ -46,8 +46,10 @@ def start_worker_pipeline(split, state, step, micro_batch_size: int, schedule: s
         step.sync.start_micro_batch(sync=True, backward_passes=count)
         runner.loss_scale = step.backward_scale(tokens, accumulation=1, loss_scale=1.0)
 
-    options = StrategyOptions(pipeline_schedule=schedule, micro_batch_size=micro_batch_size,
-                              virtual_pipeline_size=state.config.virtual_pipeline_size, zero_stage=state.config.zero_stage)
+    config = state.config
+    options = StrategyOptions(pipeline_parallel_size=config.pipeline_parallel_size, zero_stage=config.zero_stage,
+                              virtual_pipeline_size=config.virtual_pipeline_size, pipeline_schedule=schedule,
+                              micro_batch_size=micro_batch_size)
     runner = start_pipeline(split, state, options, device=torch.device("cpu"), recorder=None,
                             before_backward=before_backward)
     return runner
