@@ -185,7 +185,7 @@ def measure_activations(layout: ActivationLayout, args: argparse.Namespace) -> d
 
     from lightning_megatron.parallel import ParallelConfig, ParallelState, TensorParallelRNG
     from lightning_megatron.parallel.initialize import initialize_parameters
-    from lightning_megatron.preparation import apply_recompute, prepare_context_parallel, split_pipeline
+    from lightning_megatron.strategy.preparation import apply_recompute, prepare_context_parallel, split_pipeline
     from lightning_megatron.tensor_parallel import parallelize
 
     config = ParallelConfig(tensor_parallel_size=layout.tensor_parallel, data_parallel_size=layout.data_parallel,

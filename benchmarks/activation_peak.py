@@ -283,7 +283,8 @@ def build(layout: Layout) -> Built:
     from lightning_megatron.optim.step import build_step_gradients
     from lightning_megatron.parallel import ParallelConfig, ParallelState, TensorParallelRNG
     from lightning_megatron.parallel.initialize import initialize_parameters
-    from lightning_megatron.preparation import apply_recompute, split_pipeline
+    from lightning_megatron.strategy.options import StrategyOptions
+    from lightning_megatron.strategy.preparation import apply_recompute, split_pipeline
     from lightning_megatron.tensor_parallel import parallelize
 
     config = ParallelConfig(tensor_parallel_size=layout.tensor_parallel_size,
@@ -302,8 +303,9 @@ def build(layout: Layout) -> Built:
     initialize_parameters(module, SEED, device="cpu", only_meta=True)
     module.train()
     optimizer = module.configure_optimizers()["optimizer"]  # AdamW; without a Trainer its cosine spans one step
-    step = build_step_gradients(module, state, [optimizer], zero3=None, loss_scaler=None, nonfinite=None,
-                                bucket_size_mb=25.0, offload=False, device=torch.device("cpu"))
+    step = build_step_gradients(module, state, [optimizer], StrategyOptions(zero_stage=state.config.zero_stage,
+                                bucket_size_mb=25.0), zero3=None, loss_scaler=None, nonfinite=None,
+                                device=torch.device("cpu"))
     runner = stage = None
     if split is not None:
         runner = start_pipeline(split, state, step, layout.micro_batch_size, layout.pipeline_schedule)

@@ -29,7 +29,7 @@ from harness.tables import format_rows
 from lightning_megatron.models import GPTConfig, GPTModel
 from lightning_megatron.parallel import ParallelConfig, ParallelState, TensorParallelRNG
 from lightning_megatron.parallel.initialize import initialize_parameters
-from lightning_megatron.preparation import compile_blocks
+from lightning_megatron.strategy.preparation import compile_blocks
 from lightning_megatron.tensor_parallel import parallelize
 
 

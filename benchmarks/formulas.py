@@ -282,13 +282,14 @@ class Built:
 
 
 def build(row: Row) -> Built:
+    from lightning_megatron.expert_parallel.apply import prepare_experts
     from lightning_megatron.models import GPT
     from lightning_megatron.optim.nonfinite import NonFiniteCheck
     from lightning_megatron.optim.step import build_step_gradients
     from lightning_megatron.parallel import ParallelConfig, ParallelState, TensorParallelRNG
     from lightning_megatron.parallel.initialize import initialize_parameters
-    from lightning_megatron.preparation import (apply_recompute, prepare_context_parallel, prepare_experts,
-                                                shard_zero3, split_pipeline)
+    from lightning_megatron.strategy.options import StrategyOptions
+    from lightning_megatron.strategy.preparation import apply_recompute, prepare_context_parallel, shard_zero3, split_pipeline
     from lightning_megatron.tensor_parallel import parallelize
 
     config = ParallelConfig(tensor_parallel_size=row.tp, pipeline_parallel_size=row.pp, data_parallel_size=row.dp,
@@ -313,9 +314,9 @@ def build(row: Row) -> Built:
         initialize_parameters(module, SEED, device="cpu", only_meta=True)
     module.train()
     optimizer = torch.optim.AdamW(module.parameters(), lr=1e-3)
-    step = build_step_gradients(module, state, [optimizer], zero3=zero3, loss_scaler=None,
-                                nonfinite=NonFiniteCheck("error", 10), bucket_size_mb=BUCKET_MB, offload=False,
-                                device=torch.device("cpu"))
+    step = build_step_gradients(module, state, [optimizer], StrategyOptions(zero_stage=state.config.zero_stage,
+                                bucket_size_mb=BUCKET_MB), zero3=zero3, loss_scaler=None,
+                                nonfinite=NonFiniteCheck("error", 10), device=torch.device("cpu"))
     runner = None
     if split is not None:
         if str(WORKERS) not in sys.path:

@@ -118,13 +118,13 @@ def child(options: dict) -> None:
         the step, and the checkpoint saves (between steps)."""
 
         def on_train_start(self, trainer, pl_module):
-            main = trainer.strategy._main_params
+            main = trainer.strategy.driver.main_params
             record["params"] = sum(p.numel() for p in pl_module.parameters())
             record["pool_bytes"] = main.nvme.pool_bytes if main.nvme is not None else 0
             record["baseline"] = sampler.reset()
 
         def _files(self, trainer):
-            return getattr(trainer.strategy._main_params.nvme, "files", None)
+            return getattr(trainer.strategy.driver.main_params.nvme, "files", None)
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
             record["save_peak"] = max(record.get("save_peak", 0), sampler.peak)  # the save after the last step

@@ -113,7 +113,7 @@ def _param_gather_variants(args: argparse.Namespace) -> list[str]:
 def _gather_wait_clock(strategy: Megatron3DStrategy) -> float:
     """Seconds this rank has spent blocked on parameter all-gathers (in the step when off; in the next forward's
     hooks when on): ``ParamGather``'s one blocking call, timed on the instance."""
-    gather = strategy._main_params.gather
+    gather = strategy.driver.main_params.gather
     if not hasattr(gather, "waited_seconds"):
         wait_bucket = gather._wait_bucket
 

@@ -1,5 +1,5 @@
 """Callbacks that report what a Megatron user watches: throughput of the global batch (tokens/s, TFLOP/s per
-device, MFU), the pipeline timeline; and ``SaveAndRequeue`` (``lightning_megatron.requeue``), which saves and
+device, MFU), the pipeline timeline; and ``SaveAndRequeue`` (``lightning_megatron.strategy.requeue``), which saves and
 requeues a cluster job warned of its time limit."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_megatron.models.batch_flops import data_parallel_size
 from lightning_megatron.models.flops import flops_per_batch
-from lightning_megatron.requeue import SaveAndRequeue  # noqa: F401  (a callback configs name here)
+from lightning_megatron.strategy.requeue import SaveAndRequeue  # noqa: F401  (a callback configs name here)
 
 # Peak dense (no 2:4 sparsity) FLOP/s per device, from NVIDIA's datasheets: the tensor-core numbers, whose
 # datasheet values are quoted "with sparsity" and are twice these. "tf32" is what fp32 matmuls run at when
@@ -256,11 +256,11 @@ class PipelineTimeline(L.Callback):
         micro_batches = len({(e.stage, e.micro_batch) for e in events if e.kind == "forward"}) // max(
             1, len({e.stage for e in events}))
         config = state.config
-        self.theory = schedule_theory(strategy.pipeline_schedule, recorder, config.pipeline_parallel_size, micro_batches,
+        self.theory = schedule_theory(strategy.options.pipeline_schedule, recorder, config.pipeline_parallel_size, micro_batches,
                                       config.virtual_pipeline_size)
         self.measured = measured_bubble(events)
         pl_module.log("pipeline_bubble", self.measured, rank_zero_only=True)
         if trainer.is_global_zero:
-            title = f"{strategy.pipeline_schedule}, pp={config.pipeline_parallel_size}, vpp={config.virtual_pipeline_size}"
+            title = f"{strategy.options.pipeline_schedule}, pp={config.pipeline_parallel_size}, vpp={config.virtual_pipeline_size}"
             render(events, Path(self.path), title=title, theory=self.theory)
             print(f"Pipeline timeline written to {self.path}: bubble measured {self.measured:.1%}, theory {self.theory:.1%}")

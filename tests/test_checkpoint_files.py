@@ -62,7 +62,7 @@ def test_bf16_run_resumes_exactly_with_its_fp32_main_parameters(tmp_path):
     resumed, resumed_losses = fit(tmp_path / "resumed", 4, precision="bf16-true",
                                   ckpt_path=tmp_path / "straight" / "epoch=0-step=2.ckpt")
     assert resumed_losses == straight_losses[2:]
-    for (_, a), (_, b) in zip(straight.strategy._main_params.pieces, resumed.strategy._main_params.pieces):
+    for (_, a), (_, b) in zip(straight.strategy.driver.main_params.pieces, resumed.strategy.driver.main_params.pieces):
         assert a.dtype == torch.float32 and torch.equal(a, b)
     for name, value in straight.lightning_module.state_dict().items():
         assert torch.equal(value, resumed.lightning_module.state_dict()[name]), name

@@ -25,7 +25,7 @@ from lightning_megatron.checkpoint import open_sharded, read_full_tensors
 from lightning_megatron.checkpoint.replacement import partial_path, replaced_path
 from lightning_megatron.cli import main as cli_main
 from lightning_megatron import Megatron3DStrategy
-from lightning_megatron.strategy_options import verify_mode
+from lightning_megatron.strategy.options import verify_mode
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ from launch import launch
 from workers.fault_models import (MISNAMED_ERROR, MISNAMED_PLAN, STALL_SECONDS, STALL_TIMEOUT_SECONDS, Planned,
                                   trainer_kwargs)
 from lightning_megatron import Megatron3DStrategy
-from lightning_megatron.parallel.diagnostics import collective_failure
+from lightning_megatron.strategy.diagnostics import collective_failure
 
 def last_lines(path, count: int) -> list[str]:
     """The last ``count`` lines a rank printed, without torch's ``[rankN]:`` prefix."""
@@ -167,7 +167,7 @@ def test_which_errors_are_collective_failures(message, kind):
 def test_nccl_timeouts_are_made_to_reach_python(backend, before, after):
     """On NCCL the launcher makes a timed-out collective an exception in the training thread (NCCL's watchdog only
     aborts the communicators), so that on_exception can say which phase and step were waiting."""
-    from lightning_megatron.parallel.processes import NCCL_ERROR_HANDLING, surface_nccl_timeouts
+    from lightning_megatron.strategy.processes import NCCL_ERROR_HANDLING, surface_nccl_timeouts
 
     environ = {} if before is None else {NCCL_ERROR_HANDLING: before}
     assert surface_nccl_timeouts(backend, environ) == (before != after)
@@ -176,7 +176,7 @@ def test_nccl_timeouts_are_made_to_reach_python(backend, before, after):
 
 def test_init_processes_sets_the_nccl_error_handling_before_joining(monkeypatch):
     """The variable is read when a process group is created: it is set before the default group is joined."""
-    from lightning_megatron.parallel import processes
+    from lightning_megatron.strategy import processes
 
     seen = {}
 

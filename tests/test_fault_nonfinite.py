@@ -44,8 +44,8 @@ def assert_same_weights(trainer, reference):
     for name, value in ours.items():
         assert torch.isfinite(value).all(), name
         assert torch.equal(value, theirs[name]), name
-    if reference.strategy._main_params is not None:  # 16-bit parameters: the fp32 main copies too
-        for (_, a), (_, b) in zip(trainer.strategy._main_params.pieces, reference.strategy._main_params.pieces):
+    if reference.strategy.driver.main_params is not None:  # 16-bit parameters: the fp32 main copies too
+        for (_, a), (_, b) in zip(trainer.strategy.driver.main_params.pieces, reference.strategy.driver.main_params.pieces):
             assert torch.equal(a, b)
 
 
@@ -96,7 +96,7 @@ def test_skip_mode_skips_exactly_the_bad_steps_and_trains_on(tmp_path):
         changed = record.checksums[step] != record.checksums[step - 1]
         assert changed == (step not in bad_steps), (step, record.checksums)
     assert all(math.isnan(loss) == (step in bad_steps) for step, loss in enumerate(record.losses)), record.losses
-    assert trainer.strategy.nonfinite.skipped_steps == 2
+    assert trainer.strategy.driver.nonfinite.skipped_steps == 2
     assert float(trainer.callback_metrics["skipped_steps"]) == 2.0
 
 
@@ -109,7 +109,7 @@ def test_skip_mode_raises_once_more_steps_in_a_row_are_bad_than_allowed(tmp_path
     assert "global step 4" in message and "3 non-finite steps in a row" in message, message
     assert "max_consecutive_skips=2" in message, message
     assert len(record.checksums) == 4 and record.checksums[1] == record.checksums[2] == record.checksums[3]
-    assert trainer.strategy.nonfinite.skipped_steps == 2
+    assert trainer.strategy.driver.nonfinite.skipped_steps == 2
     reference, _, _ = fit(tmp_path / "reference", 2)  # skipped steps changed nothing
     assert_same_weights(trainer, reference)
 

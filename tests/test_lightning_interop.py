@@ -12,8 +12,9 @@ from torchmetrics import MeanMetric, SumMetric
 
 from launch import launch
 from workers.trainer_setup import model
-from lightning_megatron.parallel.lightning_features import prepare_metrics
-from lightning_megatron.parallel.summary import MODEL_STATE_KEYS, GlobalModelSummary, format_model_state
+from lightning_megatron.strategy.lightning_features import prepare_metrics
+from lightning_megatron.optim.main_params import MODEL_STATE_KEYS
+from lightning_megatron.strategy.summary import GlobalModelSummary, format_model_state
 
 
 @pytest.fixture(scope="module")

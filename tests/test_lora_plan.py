@@ -15,7 +15,7 @@ from lightning_megatron.parallel.shards import shard_of
 from lightning_megatron.peft.lora import LoRAConfig, apply_lora
 from lightning_megatron.peft.plan import adapter_plan
 from lightning_megatron.plan.inventory import fake_world
-from lightning_megatron.preparation import tensor_parallel_plan_of
+from lightning_megatron.peft.plan import tensor_parallel_plan_of
 from lightning_megatron.tensor_parallel import ColumnParallelLinear, RowParallelLinear, parallelize
 from lightning_megatron.tensor_parallel.fp8 import Fp8Recipe
 from lightning_megatron.tensor_parallel.fp8_plan import convert_to_fp8, describe_fp8

@@ -14,7 +14,7 @@ import yaml
 from launch import REPO_ROOT, WORKERS, child_env, launch
 
 from lightning_megatron import Megatron3DStrategy
-from lightning_megatron.parallel.summary import MODEL_STATE_KEYS
+from lightning_megatron.optim.main_params import MODEL_STATE_KEYS
 
 sys.path.insert(0, str(WORKERS))
 from plan_layouts import BYTE_LAYOUTS, byte_model  # noqa: E402
@@ -298,7 +298,7 @@ def test_auto_sizes_are_the_planners_choice_on_every_rank(tmp_path):
     chosen = results[0]["chosen"]
     assert "chose tp" in chosen["message"] and chosen["message"] in proc.stdout + proc.stderr
     script = ("import json, sys, torch; sys.path.insert(0, sys.argv[1]); from trainer_setup import model; "
-              "from lightning_megatron.plan.auto import choose_sizes; "
+              "from lightning_megatron.strategy.auto import choose_sizes; "
               "c = choose_sizes(model({'layers': 4}), {'tensor_parallel_size': 'auto', 'pipeline_parallel_size': 'auto'},"
               " world_size=2, device=torch.device('cpu'), gpus_per_node=2, global_batch_size=8, seq_length=32,"
               " precision='32-true', settings=dict(zero_stage=0, sequence_parallel=False, activation_checkpointing="

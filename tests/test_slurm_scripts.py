@@ -19,7 +19,7 @@ from torch.distributed.run import get_args_parser
 from launch import child_env
 from lightning_megatron import Megatron3DStrategy
 from lightning_megatron.cli import main
-from lightning_megatron.parallel.diagnostics import check_process_count
+from lightning_megatron.strategy.diagnostics import check_process_count
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = REPO / "examples" / "slurm"

@@ -6,8 +6,8 @@ import signal
 
 import pytest
 
-from lightning_megatron import requeue
-from lightning_megatron.requeue import SaveAndRequeue, StopOnSignal, StoppedBySignal, exit_code
+from lightning_megatron.strategy import requeue
+from lightning_megatron.strategy.requeue import SaveAndRequeue, StopOnSignal, StoppedBySignal, exit_code
 
 
 def test_the_exit_codes_are_the_shells_for_a_process_ended_by_the_signal():

@@ -31,6 +31,7 @@ from workers.buffer_setup import BufferedGPT
 from workers.gpt_setup import CLIP, CONFIG, CONFIGS, LLAMA_CONFIG, LORA, SEED, batches, optimizer, sgd_optimizer
 from lightning_megatron.checkpoint import consolidated_state_dict, read_full_tensors
 from lightning_megatron.models import GPTModel
+from lightning_megatron.offload.settings import OffloadSettings
 from lightning_megatron.optim.zero3 import apply_zero3, offload_policy
 from lightning_megatron.parallel import ParallelConfig, ParallelState
 
@@ -146,11 +147,11 @@ def test_checkpoint_saved_with_cpu_offload_resumes_at_zero1(run):
 
 
 def test_offload_policy_per_tier():
-    assert type(offload_policy("none", "cuda")) is OffloadPolicy
-    assert offload_policy("cpu", "cuda") == CPUOffloadPolicy(pin_memory=True)
-    assert offload_policy("cpu", "cpu") == CPUOffloadPolicy(pin_memory=False)  # nothing to pin for without a GPU
+    assert type(offload_policy(OffloadSettings(), "cuda")) is OffloadPolicy
+    assert offload_policy(OffloadSettings(parameters="cpu"), "cuda") == CPUOffloadPolicy(pin_memory=True)
+    assert offload_policy(OffloadSettings(parameters="cpu"), "cpu") == CPUOffloadPolicy(pin_memory=False)  # no GPU
     with pytest.raises(ValueError, match="offload_parameters='cpu'.*offload_optimizer='nvme'"):
-        offload_policy("nvme", "cuda")
+        OffloadSettings.from_options(offload_parameters="nvme", zero_stage=3)  # refused where it is normalised
 
 
 @pytest.mark.slow

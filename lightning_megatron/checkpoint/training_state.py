@@ -243,7 +243,7 @@ def _plan_model_load(path, training: RankTraining, strict: bool,
 
 def check_content(saved: SavedCheckpoint, verify: str) -> None:
     """This rank's share of the files compared with their recorded checksums (``verify`` is one of
-    ``strategy_options.VERIFY_MODES``): ``"recorded"`` loads a checkpoint that has none unchecked, saying so
+    ``strategy.options.VERIFY_MODES``): ``"recorded"`` loads a checkpoint that has none unchecked, saying so
     once; ``"strict"`` refuses it; ``"off"`` compares nothing. Raises naming a damaged file."""
     if verify == "off":
         return

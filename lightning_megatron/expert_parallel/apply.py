@@ -65,6 +65,12 @@ def wire_auxiliary_losses(module: nn.Module, state: ParallelState) -> None:
             aux.reduce = _summed_over(group, state.device)
 
 
+def prepare_experts(module: nn.Module, state: ParallelState) -> None:
+    """This rank's experts and their dispatch (``expert_parallel_size > 1``); the MoE statistics' reduction."""
+    apply_expert_parallel(module, state)
+    wire_auxiliary_losses(module, state)
+
+
 def auxiliary_losses(module: nn.Module) -> list[AuxLosses]:
     """Every ``AuxLosses`` of the model: its layers' and its own (``GPTModel.moe_aux_losses``, which a pipeline
     stage without MoE layers still holds, so that every rank takes part in the statistics' reduction)."""

@@ -21,7 +21,7 @@ this way: a piece may cut a tensor anywhere.
 
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import Optional
 
 import torch
 from torch import Tensor, nn
@@ -29,7 +29,7 @@ from torch.optim import Optimizer
 
 from lightning_megatron.offload.host_staging import CopiesQueued, HostStaging, host_tensor, pinned_host_memory
 from lightning_megatron.offload.nvme import NvmeOptimizerTier
-from lightning_megatron.offload.settings import OffloadSettings, TierOption, tier_of
+from lightning_megatron.offload.settings import OffloadSettings
 from lightning_megatron.optim.grad_sync import GradientSynchronizer, OwnedPiece
 from lightning_megatron.optim.param_gather import ParamGather
 
@@ -65,18 +65,17 @@ class MainParamOptimizer:
     """
 
     def __init__(self, optimizer: Optimizer, sync: GradientSynchronizer, *,
-                 offload: Union[OffloadSettings, TierOption] = False, overlap_with: Optional[nn.Module] = None,
+                 offload: OffloadSettings = OffloadSettings(), overlap_with: Optional[nn.Module] = None,
                  rank: int = 0, ranks_sharing_host: int = 1) -> None:
-        """``offload``: where the fp32 pieces and the optimizer state live (``offload.settings``): ``"none"``
-        (the device), ``"cpu"`` (host memory, stepped there: ZeRO-Offload's optimizer half; only 16-bit
-        parameters and gradients stay on the accelerator) or ``"nvme"`` (files under ``offload.path``, stepped
-        in tiles through a host buffer pool: ``offload.nvme``); ``True`` is ``"cpu"``. ``rank`` and
-        ``ranks_sharing_host`` (ranks on this machine) size the ``"nvme"`` tier's checks and name its files.
+        """``offload``: the tiers as the strategy's options normalised them (``offload.settings``); its
+        ``optimizer`` tier is where the fp32 pieces and the optimizer state live: ``"none"`` (the device), ``"cpu"``
+        (host memory, stepped there: ZeRO-Offload's optimizer half; only 16-bit parameters and gradients stay on the
+        accelerator) or ``"nvme"`` (files under ``offload.path``, stepped in tiles through a host buffer pool:
+        ``offload.nvme``). ``rank`` and ``ranks_sharing_host`` (ranks on this machine) size the ``"nvme"`` tier's checks and name its files.
         ``overlap_with`` (ZeRO only): the model whose next forward waits, module by module, for the parameter
         all-gathers :meth:`finish_step` starts (``overlap_param_gather``); ``None``: they complete in it."""
         check_wrappable(optimizer, sync.zero_stage)
-        settings = offload if isinstance(offload, OffloadSettings) else OffloadSettings(tier_of(offload, option="offload"))
-        self.optimizer, self.sync, self.tier = optimizer, sync, settings.optimizer
+        self.optimizer, self.sync, self.tier = optimizer, sync, offload.optimizer
         group_of = {id(p): i for i, group in enumerate(optimizer.param_groups) for p in group["params"]}
         self.gather: Optional[ParamGather] = None
         if sync.zero_stage:
@@ -88,8 +87,8 @@ class MainParamOptimizer:
         self.nvme: Optional[NvmeOptimizerTier] = None
         if self.tier == "nvme":
             grads_in_place = all(p.param.dtype == torch.float32 and p.param.device.type == "cpu" for p, _ in owned)
-            self.nvme = NvmeOptimizerTier(optimizer, [(self._owned(p), g) for p, g in owned], path=settings.path,
-                                          buffer_mb=settings.buffer_mb, grads_in_place=grads_in_place,
+            self.nvme = NvmeOptimizerTier(optimizer, [(self._owned(p), g) for p, g in owned], path=offload.path,
+                                          buffer_mb=offload.buffer_mb, grads_in_place=grads_in_place,
                                           write_back=self._write_back, rank=rank, ranks_sharing_host=ranks_sharing_host,
                                           pin_memory=self._pinned)
             mains = [tiled.main for tiled in self.nvme.mains]
@@ -287,12 +286,14 @@ class MainParamOptimizer:
                    if main.data_ptr() != piece.param.view(-1)[piece.start : piece.stop].data_ptr())
 
 
-def uses_main_params(params: list[nn.Parameter], zero_stage: int, offload: Union[OffloadSettings, TierOption] = False
-                     ) -> bool:
+def uses_main_params(params: list[nn.Parameter], zero_stage: int, offload: OffloadSettings = OffloadSettings()) -> bool:
     """fp32 main copies are needed under ZeRO, for 16-bit parameters (Megatron's mixed precision)
     and to step the optimizer in host memory or on disk."""
-    tier = offload.optimizer if isinstance(offload, OffloadSettings) else tier_of(offload, option="offload")
-    return tier != "none" or zero_stage > 0 or any(p.dtype in (torch.float16, torch.bfloat16) for p in params)
+    return offload.optimizer != "none" or zero_stage > 0 or any(p.dtype in (torch.float16, torch.bfloat16) for p in params)
+
+
+#: What a rank's model state is made of, in bytes (:func:`model_state_bytes`, the planner's prediction of it).
+MODEL_STATE_KEYS = ("parameters", "gradients", "main_parameters", "optimizer_state")
 
 
 def model_state_bytes(

@@ -11,13 +11,13 @@ losses and global gradient norm are finite.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence, Union
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from lightning_megatron.offload.settings import OffloadSettings, TierOption
+from lightning_megatron.offload.settings import OffloadSettings
 from lightning_megatron.optim.clip import NormCounting, first_replicas, reduce_squares, scale_to_norm
 from lightning_megatron.optim.grad_sync import GradientSynchronizer, LocalGradients
 from lightning_megatron.optim.loss_scaler import DynamicLossScaler, found_overflow
@@ -217,16 +217,19 @@ def replica_ranks(state: ParallelState) -> Optional[tuple[int, int]]:
     return state.data_parallel_rank, state.expert_data_parallel_rank
 
 
-def build_step_gradients(module: nn.Module, state: ParallelState, optimizers: list, *, zero3=None,
+def build_step_gradients(module: nn.Module, state: ParallelState, optimizers: list, options: Any, *, zero3=None,
                          loss_scaler: Optional[DynamicLossScaler], nonfinite: Optional[NonFiniteCheck],
-                         bucket_size_mb: float, offload: Union[OffloadSettings, TierOption], device: torch.device,
-                         overlap_param_gather: bool = False, ranks_sharing_host: int = 1) -> StepGradients:
+                         device: torch.device, ranks_sharing_host: int = 1) -> StepGradients:
     """The gradient path this layout needs: ZeRO-3's own, one replica's plain ``param.grad`` (no dp, no
     main params), or flat buckets reduced over dp; plus fp32 main parameters where ZeRO, 16-bit
-    parameters or offloading (``offload``: the optimizer's tier, ``offload.settings``) ask for them, whose
-    ZeRO 1/2 parameter all-gathers ``module``'s next forward waits for under ``overlap_param_gather``.
-    Collective where the ``"nvme"`` tier is set up: its disk and memory checks fail on every rank or on none
-    (``ranks_sharing_host``: this job's ranks on this machine, which share its disk and memory)."""
+    parameters or offloading ask for them.
+
+    ``options``: the strategy's (``strategy.options.StrategyOptions``), whole; read here: ``bucket_size_mb``,
+    ``offload`` (the tiers, ``offload.settings``) and ``overlap_param_gather`` (ZeRO 1/2: ``module``'s next forward
+    waits for the parameter all-gathers). Collective where the ``"nvme"`` tier is set up: its disk and memory
+    checks fail on every rank or on none (``ranks_sharing_host``: this job's ranks on this machine, which share its
+    disk and memory)."""
+    offload: OffloadSettings = options.offload
     # Weights are replicated over dp x cp (context-parallel ranks hold other tokens of the same samples): gradients
     # are summed, token counts added and ZeRO pieces cut over that one group.
     common = dict(data_parallel_group=state.replica_group, device=device,
@@ -241,7 +244,7 @@ def build_step_gradients(module: nn.Module, state: ParallelState, optimizers: li
         sync = LocalGradients(params, partial_grad_groups=partial)
     else:
         sync = GradientSynchronizer(params, data_parallel_group=state.replica_group,
-                                    partial_grad_groups=partial, bucket_size_mb=bucket_size_mb,
+                                    partial_grad_groups=partial, bucket_size_mb=options.bucket_size_mb,
                                     zero_stage=state.config.zero_stage,
                                     expert_data_parallel_group=state.expert_data_parallel_group, device=device)
     main_params = None
@@ -253,9 +256,9 @@ def build_step_gradients(module: nn.Module, state: ParallelState, optimizers: li
 
         def make() -> MainParamOptimizer:
             return MainParamOptimizer(optimizers[0], sync, offload=offload, rank=rank, ranks_sharing_host=ranks_sharing_host,
-                                      overlap_with=module if overlap_param_gather else None)
+                                      overlap_with=module if options.overlap_param_gather else None)
 
-        nvme = isinstance(offload, OffloadSettings) and offload.optimizer == "nvme"  # the same on every rank
+        nvme = offload.optimizer == "nvme"  # the same on every rank
         main_params = on_every_rank(make, doing="set up the 'nvme' offload tier", undo=MainParamOptimizer.remove) \
             if nvme else make()
     if loss_scaler is not None and main_params is None:

@@ -146,6 +146,10 @@ from lightning_megatron.parallel.shards import shard_of
 from lightning_megatron.parallel.state import ParallelState
 
 
+#: The precisions ZeRO-3 runs: its fp32 shards are the main parameters, gathered in the compute dtype.
+ZERO3_PRECISIONS = ("32-true", "bf16-true", "bf16-mixed", "16-true")
+
+
 def local_tensor(tensor: Tensor) -> Tensor:
     """The local shard of a DTensor (an alias: in-place ops on it change the DTensor), or the tensor itself."""
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
@@ -161,15 +165,14 @@ def _dp_chunk(values: Tensor, local_rows: int, dp_rank: int, dp_size: int) -> Te
     return values.narrow(0, dp_chunk_start(values.shape[0], dp_rank, dp_size), local_rows)
 
 
-def offload_policy(offload_parameters: str, device_type: str) -> OffloadPolicy:
-    """FSDP2's policy for the ``offload_parameters`` tier (``offload.settings``) on a ``device_type`` mesh.
+def offload_policy(offload: OffloadSettings, device_type: str) -> OffloadPolicy:
+    """FSDP2's policy for ``offload.parameters``, the tier of ZeRO-3's parameters, on a ``device_type`` mesh.
 
     ``"cpu"``: the sharded parameters and their gradients live in host memory, so the optimizer, which makes its
     state like the parameters, steps there too; pinned on CUDA, where pinning makes the per-layer copies
     asynchronous (without an accelerator there is nothing to pin for, and torch refuses to pin).
     """
-    tier = OffloadSettings.from_options(offload_parameters=offload_parameters, zero_stage=3).parameters  # refuses "nvme"
-    return CPUOffloadPolicy(pin_memory=device_type == "cuda") if tier == "cpu" else OffloadPolicy()
+    return CPUOffloadPolicy(pin_memory=device_type == "cuda") if offload.parameters == "cpu" else OffloadPolicy()
 
 
 def _real_buffers(module: nn.Module) -> dict[str, Tensor]:
@@ -387,7 +390,7 @@ def apply_zero3(
     other_groups: Optional[Sequence[str]] = None,
     mixed_precision: Optional[MixedPrecisionPolicy] = None,
     reshard_after_forward: bool = True,
-    offload_parameters: str = "none",
+    offload: OffloadSettings = OffloadSettings(),
 ) -> ZeRO3:
     """Shard ``module``'s parameters over the dp group of ``state``: one FSDP2 group per submodule matching
     ``layers_pattern`` (``*`` matches one name component, e.g. ``"blocks.*"``) and one for the rest.
@@ -403,12 +406,12 @@ def apply_zero3(
     device (then call :meth:`ZeRO3.initialize`). Build the optimizer afterwards, on
     ``module.parameters()``. ``reshard_after_forward=False`` keeps the layers gathered from
     forward to backward (one all-gather per layer and micro-batch less, more memory).
-    ``offload_parameters="cpu"``: the shards, their gradients and the optimizer state in host memory
-    (:func:`offload_policy`); each layer is copied to the device for its all-gather.
+    ``offload.parameters == "cpu"`` (the strategy's ``offload_parameters="cpu"``): the shards, their gradients and
+    the optimizer state in host memory (:func:`offload_policy`); each layer is copied to the device for its all-gather.
     """
     if state.mesh is None:
         raise ValueError("ZeRO stage 3 needs torch.distributed and a ParallelState with a mesh.")
-    policy = offload_policy(offload_parameters, state.replica_mesh.device_type)
+    policy = offload_policy(offload, state.replica_mesh.device_type)
     patterns = [layers_pattern] if isinstance(layers_pattern, str) else list(layers_pattern)
     tags = {name: {tag: getattr(p, tag) for tag in PARAMETER_TAGS if hasattr(p, tag)}
             for name, p in module.named_parameters(remove_duplicate=False)}
@@ -435,7 +438,7 @@ def apply_zero3(
     for fsdp_module in fsdp_modules:
         fsdp_module.set_gradient_divide_factor(1.0)  # a SUM over dp: the loss is a token sum, finish() divides
         fsdp_module.set_force_sum_reduction_for_comms(True)
-    return ZeRO3(module, state, fsdp_modules, tags, offload_parameters)
+    return ZeRO3(module, state, fsdp_modules, tags, offload.parameters)
 
 
 def load_full_state_dict(module: nn.Module, full: Mapping[str, Tensor], state: ParallelState) -> None:

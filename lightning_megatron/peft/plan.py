@@ -93,6 +93,12 @@ def adapter_plan(module: nn.Module, plan: Mapping[str, object], config: Parallel
     return extended
 
 
+def tensor_parallel_plan_of(module: nn.Module, config: ParallelConfig) -> dict[str, object]:
+    """What ``parallelize`` applies to ``module``: its ``tensor_parallel_plan()`` (none: empty) and its adapters'."""
+    plan = module.tensor_parallel_plan() if hasattr(module, "tensor_parallel_plan") else {}
+    return adapter_plan(module, plan, config)
+
+
 def _check_replicated_dropout(name: str, enclosing: list[object], config: ParallelConfig) -> None:
     """A column-parallel layer's input is replicated over tp without SP, so its adapter's dropout mask must be the
     same on every rank; inside a ``"sharded_dropout"`` module it would come from the per-rank stream."""

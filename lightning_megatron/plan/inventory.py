@@ -1,7 +1,7 @@
 """Which parameters a rank holds, found by building its shards exactly as the strategy does.
 
 The model is built on the meta device (``configure_model``, LoRA adapters included), then ``parallelize``
-applies its ``tensor_parallel_plan()`` and its adapters' (``preparation.tensor_parallel_plan_of``) with the
+applies its ``tensor_parallel_plan()`` and its adapters' (``peft.plan.tensor_parallel_plan_of``) with the
 strategy's vocabulary padding and ``prepare_experts`` keeps one expert-parallel rank's experts, over torch's
 fake process group (real groups, no communication, no memory). That is done once per (tp, ep); which of
 those parameters each pipeline rank keeps is then asked of the pipeline split itself
@@ -28,7 +28,8 @@ from lightning_megatron.parallel.state import ParallelState
 from lightning_megatron.pipeline.blocks import PipelineBlocks
 from lightning_megatron.pipeline.layout import PipelineLayout
 from lightning_megatron.pipeline.stage import split_across_stages, stage_contents
-from lightning_megatron.preparation import prepare_experts, tensor_parallel_plan_of
+from lightning_megatron.expert_parallel.apply import prepare_experts
+from lightning_megatron.peft.plan import tensor_parallel_plan_of
 from lightning_megatron.tensor_parallel.plan import parallelize
 
 

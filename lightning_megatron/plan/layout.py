@@ -18,7 +18,7 @@ from lightning_megatron.offload.settings import DEFAULT_BUFFER_MB, OffloadSettin
 from lightning_megatron.optim.param_gather import check_overlap_param_gather
 from lightning_megatron.parallel.config import ParallelConfig
 from lightning_megatron.pipeline.layout import SCHEDULE_SPECS, PipelineLayout, check_micro_batches, check_schedule
-from lightning_megatron.preparation import ZERO3_PRECISIONS
+from lightning_megatron.optim.zero3 import ZERO3_PRECISIONS
 
 SIXTEEN_BIT_PRECISIONS = ("bf16-true", "16-true", "bf16-mixed", "16-mixed")
 #: What a planned ``"nvme"`` layout passes as ``offload_path``: the planner cannot know the disk, the user sets it.

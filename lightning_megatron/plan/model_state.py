@@ -1,6 +1,6 @@
 """A rank's model-state bytes, as ``strategy.model_state_bytes`` reports them after the first step.
 
-The same keys (``parallel.summary.MODEL_STATE_KEYS``) and, byte for byte, the same numbers: the rank's
+The same keys (``optim.main_params.MODEL_STATE_KEYS``) and, byte for byte, the same numbers: the rank's
 parameters come from the inventory (its shards, as the strategy builds them), its gradient buckets from
 ``optim.grad_sync.cut_buckets`` and ``bucket_numel`` (the functions the ``GradientSynchronizer`` lays its
 buffers out with, called on meta tensors of the rank's parameters), the fp32 main parameters from
@@ -51,11 +51,11 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from lightning_megatron.offload.settings import DEFAULT_BUFFER_MB
+from lightning_megatron.offload.settings import DEFAULT_BUFFER_MB, OffloadSettings
 from lightning_megatron.offload.tiled_step import pool_bytes
 from lightning_megatron.optim.grad_sync import bucket_numel, cut_buckets
 from lightning_megatron.optim.main_params import uses_main_params
-from lightning_megatron.parallel.summary import MODEL_STATE_KEYS
+from lightning_megatron.optim.main_params import MODEL_STATE_KEYS
 from lightning_megatron.plan.inventory import RankParameter
 from lightning_megatron.plan.layout import Layout, Workload
 
@@ -85,7 +85,7 @@ def rank_model_state_bytes(parameters: Sequence[RankParameter], layout: Layout, 
     stepped = [param for param in params if param.requires_grad]
     parameter_bytes = sum(p.numel() * element for p in params)
     offload = layout.offload_optimizer != "none"
-    main = uses_main_params(stepped, layout.zero_stage, offload)
+    main = uses_main_params(stepped, layout.zero_stage, OffloadSettings(layout.offload_optimizer))
     if replicas == 1 and not main:  # LocalGradients: param.grad, the optimizer on the parameters themselves
         grads = sum(p.numel() for p in stepped)
         return {"parameters": parameter_bytes, "gradients": grads * element, "main_parameters": 0,

@@ -20,7 +20,7 @@ What dynamo makes of the rest of a layer (torch 2.13, measured on a 2-layer GPT,
 Compiled dropout draws other masks than eager dropout (inductor and AOT's decompositions use their own random
 ops), from the same per-rank streams; with dropout off the compiled model computes the eager model's function.
 
-Where in :mod:`lightning_megatron.preparation`: after the tensor-parallel swaps (the compiled forward runs the
+Where in :mod:`lightning_megatron.strategy.preparation`: after the tensor-parallel swaps (the compiled forward runs the
 swapped layers; compilation is lazy, at the first call, so it traces whatever the layer holds then) and before
 activation recomputation, which then checkpoints the compiled forward. The other order (torchtitan's: compile
 the checkpointed layer) makes dynamo trace ``checkpoint`` as a higher-order op whose body must have no graph

@@ -26,9 +26,10 @@ from lightning_megatron.checkpoint import gather_full_state_dict, merge_pipeline
 from lightning_megatron.models import GPT
 from lightning_megatron.optim.nonfinite import NonFiniteCheck
 from lightning_megatron.optim.step import build_step_gradients
+from lightning_megatron.strategy.options import StrategyOptions
 from lightning_megatron.parallel import ParallelConfig, ParallelState, TensorParallelRNG
 from lightning_megatron.parallel.initialize import initialize_parameters
-from lightning_megatron.preparation import apply_recompute, prepare_context_parallel, split_pipeline
+from lightning_megatron.strategy.preparation import apply_recompute, prepare_context_parallel, split_pipeline
 from lightning_megatron.tensor_parallel import parallelize
 from lightning_megatron.tensor_parallel.fp8 import Fp8Recipe
 from lightning_megatron.tensor_parallel.fp8_plan import convert_to_fp8
@@ -63,8 +64,9 @@ def build(name: str, config: ParallelConfig, micro_batches: int, recompute: str,
     split = split_pipeline(module, state)
     initialize_parameters(module, SEED, device="cpu", only_meta=True)
     opt = (bert_setup if name == "bert" else gpt_setup).optimizer(module.parameters())
-    step = build_step_gradients(module, state, [opt], loss_scaler=None, nonfinite=NonFiniteCheck("error", 10),
-                                bucket_size_mb=0.01, offload=False, device=torch.device("cpu"))
+    step = build_step_gradients(module, state, [opt], StrategyOptions(zero_stage=state.config.zero_stage,
+                                bucket_size_mb=0.01), loss_scaler=None, nonfinite=NonFiniteCheck("error", 10),
+                                device=torch.device("cpu"))
     root, runner = module.model, None
     if split is not None:
         runner = start_worker_pipeline(split, state, step, GLOBAL_BATCH // config.data_parallel_size // micro_batches)

@@ -28,7 +28,8 @@ from lightning_megatron.models import BERTModel, GPTModel
 from lightning_megatron.models.gpt import gpt_tensor_parallel_plan
 from lightning_megatron.parallel import ParallelState
 from lightning_megatron.parallel.initialize import initialize_parameters
-from lightning_megatron.preparation import split_pipeline, start_pipeline
+from lightning_megatron.strategy.options import StrategyOptions
+from lightning_megatron.strategy.preparation import split_pipeline, start_pipeline
 from lightning_megatron.tensor_parallel import full_sequences, gather_vocab_logits, parallelize
 
 NEW_TOKENS = 12
@@ -69,7 +70,7 @@ def build(state: ParallelState, case, model_class=GPTModel, plan=gpt_tensor_para
     initialize_parameters(model, case.seed, device="cpu", only_meta=True)
     model.load_state_dict(local_state_dict_from_full(model, case.full_state_dict))
     if split is not None:
-        start_pipeline(split, state, device=torch.device("cpu"), schedule="1f1b", micro_batch_size=1, recorder=None,
+        start_pipeline(split, state, StrategyOptions(), device=torch.device("cpu"), recorder=None,
                        before_backward=lambda *args: None)
     return model
 

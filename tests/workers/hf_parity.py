@@ -33,7 +33,7 @@ from lightning_megatron.parallel import ParallelConfig, ParallelState
 from lightning_megatron.parallel.initialize import initialize_parameters
 from lightning_megatron.pipeline import PipelineLayout
 from lightning_megatron.pipeline.stage import split_for_pipeline
-from lightning_megatron.preparation import prepare_experts
+from lightning_megatron.expert_parallel.apply import prepare_experts
 from lightning_megatron.tensor_parallel import parallelize
 from lightning_megatron.tensor_parallel.mappings import gather_from_tensor_parallel
 

@@ -25,7 +25,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint, ModelSummary, Stochasti
 
 from trainer_setup import datamodule, model, trainer_kwargs
 from lightning_megatron import Megatron3DStrategy
-from lightning_megatron.parallel.summary import GlobalModelSummary
+from lightning_megatron.strategy.summary import GlobalModelSummary
 
 out_dir = Path(sys.argv[1])
 rank = int(os.environ["RANK"])

@@ -39,13 +39,18 @@ def run_layouts(train: Callable, tools: Mapping[str, Callable] = {}) -> None:
 def start_worker_pipeline(split, state, step, micro_batch_size: int, schedule: str = "1f1b"):
     """``preparation.start_pipeline`` (1F1B by default) with the strategy's ``before_backward``: the gradient buckets
     expect one backward per micro-batch, and the schedule scales each loss sum by ``step``'s backward scale."""
-    from lightning_megatron.preparation import start_pipeline
+    from lightning_megatron.strategy.options import StrategyOptions
+    from lightning_megatron.strategy.preparation import start_pipeline
 
     def before_backward(count, tokens):
         step.sync.start_micro_batch(sync=True, backward_passes=count)
         runner.loss_scale = step.backward_scale(tokens, accumulation=1, loss_scale=1.0)
 
-    runner = start_pipeline(split, state, device=torch.device("cpu"), schedule=schedule,
-                            micro_batch_size=micro_batch_size, recorder=None, before_backward=before_backward)
+    config = state.config
+    options = StrategyOptions(pipeline_parallel_size=config.pipeline_parallel_size, zero_stage=config.zero_stage,
+                              virtual_pipeline_size=config.virtual_pipeline_size, pipeline_schedule=schedule,
+                              micro_batch_size=micro_batch_size)
+    runner = start_pipeline(split, state, options, device=torch.device("cpu"), recorder=None,
+                            before_backward=before_backward)
     return runner
 

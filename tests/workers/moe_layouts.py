@@ -28,9 +28,11 @@ from lightning_megatron.models.moe import update_expert_biases
 from lightning_megatron.optim.nonfinite import NonFiniteCheck
 from lightning_megatron.parallel.guards import count_host_syncs
 from lightning_megatron.optim.step import build_step_gradients
+from lightning_megatron.strategy.options import StrategyOptions
 from lightning_megatron.parallel import ParallelConfig, ParallelState, TensorParallelRNG
 from lightning_megatron.parallel.initialize import initialize_parameters
-from lightning_megatron.preparation import apply_recompute, prepare_experts, split_pipeline
+from lightning_megatron.expert_parallel.apply import prepare_experts
+from lightning_megatron.strategy.preparation import apply_recompute, split_pipeline
 from lightning_megatron.tensor_parallel import parallelize
 
 LAYOUT = re.compile(r"(\w+)-ep(\d+)(?:-pp(\d+))?-tp(\d+)-dp(\d+)(-sp)?(?:-mb(\d+))?(?:-z(\d))?(-og)?(-rc)?(-zb)?")
@@ -48,9 +50,9 @@ def build(name: str, config: ParallelConfig, micro_batches: int, recompute: str 
     split = split_pipeline(model, state, schedule)
     initialize_parameters(model, SEED, device="cpu", only_meta=True)
     opt = optimizer(model.parameters())
-    step = build_step_gradients(model, state, [opt], loss_scaler=None, nonfinite=NonFiniteCheck("error", 10),
-                                bucket_size_mb=0.01, offload=False, device=torch.device("cpu"),
-                                overlap_param_gather=overlap)
+    options = StrategyOptions(zero_stage=state.config.zero_stage, bucket_size_mb=0.01, overlap_param_gather=overlap)
+    step = build_step_gradients(model, state, [opt], options, loss_scaler=None, nonfinite=NonFiniteCheck("error", 10),
+                                device=torch.device("cpu"))
     runner = None
     if split is not None:
         runner = start_worker_pipeline(split, state, step, GLOBAL_BATCH // config.data_parallel_size // micro_batches,

@@ -33,7 +33,7 @@ def run(layout: dict, *, precision="32-true", steps=4, clip=0.5, faults=None, **
     except RuntimeError as exception:
         error = f"{type(exception).__name__}: {exception}"
     return {"error": error, "losses": record.losses, "checksums": record.checksums, "finite": record.finite,
-            "skipped": strategy.nonfinite.skipped_steps}
+            "skipped": strategy.driver.nonfinite.skipped_steps}
 
 
 DP2, TP2 = {"data_parallel_size": 2}, {"tensor_parallel_size": 2}

@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from lightning_megatron.offload.settings import OffloadSettings
 from lightning_megatron.optim.grad_sync import GradientSynchronizer
 from lightning_megatron.optim.main_params import MainParamOptimizer
 
@@ -43,7 +44,7 @@ def train_recording(tier, zero_stage, group=None, steps=3, micro_batches=2):
     params = list(model.parameters())
     optimizer = torch.optim.AdamW(params, lr=1e-2)
     sync = GradientSynchronizer(params, data_parallel_group=group, bucket_size_mb=1e-6, zero_stage=zero_stage)
-    main = MainParamOptimizer(optimizer, sync, offload=tier)
+    main = MainParamOptimizer(optimizer, sync, offload=OffloadSettings(tier))
     events = []
     launch = sync._launch
     number = {id(bucket): i for i, bucket in enumerate(sync.buckets)}

@@ -62,7 +62,7 @@ def run(precision: str, overflow: bool = False, offload=False, zero3: bool = Fal
     trainer.fit(gpt, datamodule=datamodule(options), ckpt_path=resume)
     if save is not None:
         trainer.save_checkpoint(save)
-    scaler = trainer.strategy.loss_scaler
+    scaler = trainer.strategy.driver.loss_scaler
     optimizer = trainer.optimizers[0]
     state_devices = {str(v.device) for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)}
     return {"losses": record.losses, "checksums": record.checksums,

@@ -18,7 +18,7 @@ from pathlib import Path  # noqa: E402
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
 
-import lightning_megatron.launcher as launcher  # noqa: E402
+import lightning_megatron.strategy.launcher as launcher  # noqa: E402
 from lightning_megatron import Megatron3DStrategy  # noqa: E402
 from trainer_setup import datamodule, model, trainer_kwargs  # noqa: E402
 

@@ -36,6 +36,7 @@ from lightning_megatron.optim import GradientSynchronizer, global_grad_norm
 from lightning_megatron.optim.grad_sync import LocalGradients
 from lightning_megatron.optim.partial_grads import partial_grad_groups
 from lightning_megatron.optim.step import build_step_gradients
+from lightning_megatron.strategy.options import StrategyOptions
 from lightning_megatron.optim.zero3 import apply_zero3
 from lightning_megatron.parallel import ParallelConfig, ParallelState
 from lightning_megatron.parallel.initialize import initialize_parameters
@@ -155,8 +156,8 @@ def step(tag, make, plan, state_name, *, path="sync", momentum=0.0, guard_only=F
     if path == "zero3":
         sync = zero3
     elif path == "main":
-        built = build_step_gradients(model, state, [opt], loss_scaler=None, nonfinite=None, bucket_size_mb=25.0,
-                                     offload=False, device=torch.device("cpu"))
+        built = build_step_gradients(model, state, [opt], StrategyOptions(zero_stage=state.config.zero_stage,
+                                     bucket_size_mb=25.0), loss_scaler=None, nonfinite=None, device=torch.device("cpu"))
         sync, main = built.sync, built.main_params
         assert main is not None and isinstance(sync, GradientSynchronizer)
     elif path == "local":
@@ -211,8 +212,9 @@ def fresh(make, plan, state_name, *, main_params=False):
             param.zero_()
     opt, main = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9), None
     if main_params:
-        main = build_step_gradients(model, state, [opt], loss_scaler=None, nonfinite=None, bucket_size_mb=25.0,
-                                    offload=False, device=torch.device("cpu")).main_params
+        main = build_step_gradients(model, state, [opt], StrategyOptions(zero_stage=state.config.zero_stage,
+                                    bucket_size_mb=25.0), loss_scaler=None, nonfinite=None,
+                                    device=torch.device("cpu")).main_params
     return model, opt, main, state
 
 

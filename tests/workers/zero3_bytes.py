@@ -20,6 +20,7 @@ from torch.distributed.tensor import DTensor
 
 from gpt_setup import CONFIG, SEED, batches
 from lightning_megatron.models import GPTModel
+from lightning_megatron.offload.settings import OffloadSettings
 from lightning_megatron.optim.zero3 import apply_zero3
 from lightning_megatron.parallel import ParallelConfig, ParallelState
 from lightning_megatron.tensor_parallel import parallelize
@@ -40,7 +41,7 @@ def _one_step(tp: int, dp: int, precision: str) -> dict:
     parallelize(model, model.tensor_parallel_plan(), state)
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if precision != "fp32" else None
     zero3 = apply_zero3(model, state, layers_pattern="blocks.*", mixed_precision=policy,
-                        offload_parameters="cpu" if precision.endswith("-cpu") else "none")
+                        offload=OffloadSettings(parameters="cpu" if precision.endswith("-cpu") else "none"))
     zero3.initialize(SEED, device="cpu")
     seen = []
     qkv = model.get_submodule("blocks.0.attn.qkv")

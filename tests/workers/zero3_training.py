@@ -44,6 +44,7 @@ from lightning_megatron.checkpoint import gather_full_state_dict
 from lightning_megatron.optim.grad_sync import GradientSynchronizer
 from lightning_megatron.optim.main_params import MainParamOptimizer
 from lightning_megatron.optim.partial_grads import partial_grad_groups
+from lightning_megatron.offload.settings import OffloadSettings
 from lightning_megatron.optim.zero3 import apply_zero3, load_full_state_dict, local_tensor
 from lightning_megatron.parallel import ParallelConfig, ParallelState, TensorParallelRNG
 from lightning_megatron.parallel.initialize import initialize_parameters
@@ -51,7 +52,7 @@ from lightning_megatron.pipeline import PipelineLayout
 from lightning_megatron.pipeline.runner import PipelineRunner
 from lightning_megatron.pipeline.stage import split_for_pipeline
 from lightning_megatron.peft.lora import apply_lora
-from lightning_megatron.preparation import tensor_parallel_plan_of
+from lightning_megatron.peft.plan import tensor_parallel_plan_of
 from lightning_megatron.tensor_parallel import parallelize
 from lightning_megatron.tensor_parallel.fp8 import Fp8Recipe
 from lightning_megatron.tensor_parallel.fp8_plan import convert_to_fp8
@@ -82,7 +83,7 @@ def build(state: ParallelState, pre: bool, micro_batches: int = 1, config=CONFIG
     if pre:
         initialize_parameters(model, SEED, device="cpu", only_meta=True)
     zero3 = apply_zero3(model, state, layers_pattern=f"{blocks.layers}.*", other_groups=other_groups,
-                        offload_parameters=offload)
+                        offload=OffloadSettings(parameters=offload))
     zero3.initialize(SEED, device="cpu")
     runner = None
     if pp > 1:

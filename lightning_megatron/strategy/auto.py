@@ -103,7 +103,7 @@ def choose_sizes(module: Any, requested: dict[str, Any], *, world_size: int, dev
 
 def choose_for_options(module: Any, options: Any, *, world_size: int, device: torch.device, gpus_per_node: int,
                        precision: str) -> AutoChoice:
-    """:func:`choose_sizes` for the strategy's ``options`` (``strategy_options.StrategyOptions``): the global batch
+    """:func:`choose_sizes` for the strategy's ``options`` (``strategy.options.StrategyOptions``): the global batch
     and sequence length from the Trainer's data module, its gradient accumulation, and the options' other layout
     settings kept. The choice's ``pipeline_schedule`` is the one to run: the options' own, or, where that is 1F1B
     (the default), interleaved 1F1B if the planner chose virtual stages."""

@@ -4,8 +4,6 @@
   module, metric states included, and a bf16 running mean of losses is rounded to 3 significant
   digits: ModelCheckpoint and EarlyStopping would compare rounded numbers), and sync over the
   data-parallel group (tp / pp ranks of one replica hold the same values).
-* A module split by one strategy can be fitted again (by a new Trainer and strategy, or from a
-  checkpoint): :class:`PreparedModel` keeps what the next set-up needs.
 * ``StochasticWeightAveraging`` and ``Trainer(detect_anomaly=True)`` under pipelining cannot work
   (the reasons are in the errors): :func:`check_trainer_features` refuses them on every rank before
   the process group exists, so no rank waits in a collective for one that failed.
@@ -14,8 +12,7 @@
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -26,19 +23,6 @@ from torchmetrics import Metric
 from lightning_megatron.parallel.config import ParallelConfig
 
 _HALF = (torch.float16, torch.bfloat16)
-
-
-@dataclass
-class PreparedModel:
-    """What the strategy that split a module leaves on it (``module._megatron_3d_prepared``) for the next
-    ``fit``/``validate``/``test``, which may come with another strategy object: this rank's pipeline split
-    (to start a runner on), the ZeRO-3 sharding, the dropout stream the layers fork to and what cuts each batch
-    under context parallelism."""
-
-    split: Optional[Any]  # preparation.PipelineSplit, None without pipelining
-    zero3: Optional[Any]  # optim.zero3.ZeRO3 under zero_stage=3
-    rng: Optional[Any]  # parallel.random.TensorParallelRNG
-    batch_splitter: Optional[Any] = None  # context_parallel.apply.BatchSplitter under context parallelism
 
 
 def _half_to_fp32(tensor: Tensor) -> Tensor:

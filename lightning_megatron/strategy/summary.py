@@ -28,7 +28,7 @@ from lightning.pytorch.utilities.model_summary.model_summary import UNKNOWN_SIZE
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
-from lightning_megatron.optim.main_params import model_state_bytes
+from lightning_megatron.optim.main_params import MODEL_STATE_KEYS, model_state_bytes
 from lightning_megatron.optim.zero3 import local_tensor
 from lightning_megatron.parallel.config import ParallelConfig
 from lightning_megatron.parallel.shards import shard_of
@@ -182,9 +182,6 @@ def install_global_summary(callbacks: Iterable[Any], pipeline_group: Optional[di
                                           expert_group=expert_group)
 
             callback._summary = summary
-
-
-MODEL_STATE_KEYS = ("parameters", "gradients", "main_parameters", "optimizer_state")
 
 
 def model_state_sizes(module: nn.Module, optimizer, step, zero3) -> dict[str, int]:

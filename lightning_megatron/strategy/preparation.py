@@ -12,7 +12,7 @@ on the one before):
    scales reduced over the groups that split their tensors; right after the swaps (the layers it converts), before
    the pipeline split (every rank checks every layer).
 2. :func:`compile_blocks` (``compile``): ``torch.compile`` of each transformer layer's forward (regional
-   compilation, ``parallel.regional_compile``). After the swaps, before recomputation: the checkpoint then
+   compilation, ``transforms.regional_compile``). After the swaps, before recomputation: the checkpoint then
    wraps the compiled forward (dynamo cannot compile through our checkpoint, which replays the per-rank
    dropout stream in Python), and before ZeRO-3's ``fully_shard`` and the pipeline split (FSDP's hooks stay
    eager around it; every rank checks every layer).
@@ -46,30 +46,28 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from lightning_megatron.context_parallel.apply import BatchSplitter, apply_context_parallel
-from lightning_megatron.expert_parallel import apply_expert_parallel, wire_auxiliary_losses
-from lightning_megatron.expert_parallel.apply import auxiliary_losses
-from lightning_megatron.optim.zero3 import ZeRO3, apply_zero3
+from lightning_megatron.expert_parallel.apply import auxiliary_losses, prepare_experts
+from lightning_megatron.offload.settings import OffloadSettings
+from lightning_megatron.optim.zero3 import ZERO3_PRECISIONS, ZeRO3, apply_zero3
 from lightning_megatron.parallel.config import ParallelConfig
-from lightning_megatron.parallel.diagnostics import warn_if_replicated
+from lightning_megatron.strategy.diagnostics import warn_if_replicated
+from lightning_megatron.strategy.options import StrategyOptions
 from lightning_megatron.parallel.initialize import initialize_parameters
-from lightning_megatron.parallel.lightning_features import PreparedModel
 from lightning_megatron.parallel.random import TensorParallelRNG
 from lightning_megatron.parallel.state import ParallelState
-from lightning_megatron.peft.plan import adapter_plan
+from lightning_megatron.peft.plan import tensor_parallel_plan_of
 from lightning_megatron.pipeline.blocks import PipelineBlocks
 from lightning_megatron.pipeline.inference import PipelineInference
 from lightning_megatron.pipeline.layout import SCHEDULE_SPECS, PipelineLayout
 from lightning_megatron.pipeline.runner import PipelineRunner
 from lightning_megatron.pipeline.stage import StageModule, split_for_pipeline
 from lightning_megatron.pipeline.timeline import TimelineRecorder
-from lightning_megatron.tensor_parallel.fp8 import Fp8Recipe
 from lightning_megatron.tensor_parallel.fp8_plan import convert_to_fp8
 from lightning_megatron.tensor_parallel.overlap import overlapped_linear_for
 from lightning_megatron.tensor_parallel.plan import parallelize
 from lightning_megatron.transforms.recompute import apply_activation_checkpointing
 from lightning_megatron.transforms.regional_compile import check_compile_layout, compile_layers
 
-ZERO3_PRECISIONS = ("32-true", "bf16-true", "bf16-mixed", "16-true")
 # The fp32 shards are the main parameters; FSDP gathers them in the compute dtype and reduces in fp32.
 COMPUTE_DTYPES = {"bf16-true": torch.bfloat16, "16-true": torch.float16}
 
@@ -85,12 +83,6 @@ def _layers_pattern(module: nn.Module, needed_for: str) -> str:
     """The plan pattern (``model.blocks.*``) of the ``pipeline_blocks()`` layers, relative to ``module``."""
     blocks = _blocks(module, needed_for)
     return f"{blocks.root}.{blocks.layers}.*" if blocks.root else f"{blocks.layers}.*"
-
-
-def tensor_parallel_plan_of(module: nn.Module, config: ParallelConfig) -> dict[str, object]:
-    """What ``parallelize`` applies to ``module``: its ``tensor_parallel_plan()`` (none: empty) and its adapters'."""
-    plan = module.tensor_parallel_plan() if hasattr(module, "tensor_parallel_plan") else {}
-    return adapter_plan(module, plan, config)
 
 
 def apply_recompute(module: nn.Module, mode: str, rng: Optional[TensorParallelRNG]) -> None:
@@ -110,12 +102,6 @@ def compile_blocks(module: nn.Module, options: Optional[dict], config: ParallelC
     compile_layers(module, _layers_pattern(module, "compile"), options)
 
 
-def prepare_experts(module: nn.Module, state: ParallelState) -> None:
-    """This rank's experts and their dispatch (``expert_parallel_size > 1``); the MoE statistics' reduction."""
-    apply_expert_parallel(module, state)
-    wire_auxiliary_losses(module, state)
-
-
 def prepare_context_parallel(module: nn.Module, state: ParallelState, attention: str) -> Optional[BatchSplitter]:
     """Split attention over the sequence (``context_parallel_size > 1``); returns what cuts each batch."""
     if state.config.context_parallel_size == 1:
@@ -123,6 +109,19 @@ def prepare_context_parallel(module: nn.Module, state: ParallelState, attention:
     splitter = BatchSplitter(module, state)  # first: a module without the declaration is told before anything
     apply_context_parallel(module, state, attention)
     return splitter
+
+
+@dataclass
+class PreparedModel:
+    """What the strategy that split a module leaves on it (``module._megatron_3d_prepared``) for the next
+    ``fit``/``validate``/``test``, which may come with another strategy object: this rank's pipeline split
+    (to start a runner on), the ZeRO-3 sharding, the dropout stream the layers fork to and what cuts each batch
+    under context parallelism."""
+
+    split: Optional["PipelineSplit"]  # None without pipelining
+    zero3: Optional[ZeRO3]  # under zero_stage=3
+    rng: Optional[TensorParallelRNG]
+    batch_splitter: Optional[BatchSplitter] = None  # under context parallelism
 
 
 @dataclass
@@ -155,19 +154,19 @@ def split_pipeline(module: nn.Module, state: ParallelState, schedule: str = "1f1
     return PipelineSplit(stage_modules, local_stages, layout, root)
 
 
-def start_pipeline(split: PipelineSplit, state: ParallelState, *, device: torch.device, schedule: str,
-                   micro_batch_size: int, recorder: Optional[TimelineRecorder],
-                   before_backward: Callable[[int, torch.Tensor], None], overlap_p2p_comm: bool = True) -> PipelineRunner:
+def start_pipeline(split: PipelineSplit, state: ParallelState, options: StrategyOptions, *, device: torch.device,
+                   recorder: Optional[TimelineRecorder], before_backward: Callable[[int, torch.Tensor], None]
+                   ) -> PipelineRunner:
     """The schedule behind the root model's ``loss()``; its ``forward()`` now says why it cannot run alone."""
-    layout, root = split.layout, split.root
+    layout, root, schedule = split.layout, split.root, options.pipeline_schedule
     if SCHEDULE_SPECS[schedule].placement != SCHEDULE_SPECS[layout.schedule].placement:
         raise ValueError(
             f"This model was split for pipeline_schedule={layout.schedule!r}, which places the stages on the ranks "
             f"differently from {schedule!r}. Build a new module (or load a checkpoint into one) for {schedule!r}.")
     runner = PipelineRunner(split.stage_modules, split.local_stages, num_stages=layout.num_stages,
                             group=state.pipeline_parallel_group, device=device, schedule=schedule,
-                            micro_batch_size=micro_batch_size, root=root, recorder=recorder,
-                            before_backward=before_backward, overlap_p2p_comm=overlap_p2p_comm)
+                            micro_batch_size=options.micro_batch_size, root=root, recorder=recorder,
+                            before_backward=before_backward, overlap_p2p_comm=options.overlap_p2p_comm)
     root.loss = runner.loss  # the model's loss() now runs the schedule
     for aux in auxiliary_losses(root):  # their gradient scaled as the schedule scales the loss sum's
         aux.attach_with(lambda: runner.loss_scale)
@@ -188,40 +187,35 @@ def start_pipeline(split: PipelineSplit, state: ParallelState, *, device: torch.
     return runner
 
 
-def prepare_model(module: nn.Module, state: ParallelState, *, rng: Optional[TensorParallelRNG], seed: int,
-                  device: Union[torch.device, str], pad_vocab_to_multiple_of: int, activation_checkpointing: str,
-                  context_parallel_attention: str, precision: str, pipeline_schedule: str = "1f1b",
-                  tp_comm_overlap: bool = False, compile: Optional[dict] = None,
-                  offload_parameters: str = "none", fp8: Optional[Fp8Recipe] = None,
-                  fp8_exclude: tuple[str, ...] = ()) -> PreparedModel:
+def prepare_model(module: nn.Module, state: ParallelState, options: StrategyOptions, *,
+                  rng: Optional[TensorParallelRNG], seed: int, device: Union[torch.device, str],
+                  precision: str) -> PreparedModel:
     """Steps 1-5 above, in their order, for ``Megatron3DStrategy.setup`` (once per module): this rank's part of the
-    model, materialised. The pipeline schedule (step 6) is bound to the strategy afterwards. ``compile``: the
-    ``torch.compile`` arguments of regional compilation (``regional_compile.compile_options``), ``None``: off.
-    ``offload_parameters``: ZeRO-3's offload tier (``OffloadSettings.parameters``; see :func:`shard_zero3`).
-    ``fp8``: the FP8 recipe of the plan's linears (``None``: high precision), but those named by ``fp8_exclude``."""
-    sequence_linear = overlapped_linear_for(state.config, tp_comm_overlap)  # refused first, on every rank alike
+    model, materialised, as ``options`` say (the "auto" sizes resolved). The pipeline schedule (step 6) is bound to
+    the strategy afterwards."""
+    sequence_linear = overlapped_linear_for(state.config, options.tp_comm_overlap)  # refused first, on every rank alike
     plan = tensor_parallel_plan_of(module, state.config)
     warn_if_replicated(module, plan, state.config.tensor_parallel_size, state.config.data_parallel_size)
-    parallelize(module, plan, state, rng=rng, pad_vocab_to_multiple_of=pad_vocab_to_multiple_of,
+    parallelize(module, plan, state, rng=rng, pad_vocab_to_multiple_of=options.pad_vocab_to_multiple_of,
                 sequence_linear=sequence_linear)
-    convert_to_fp8(module, fp8, state, fp8_exclude)
-    compile_blocks(module, compile, state.config, activation_checkpointing, pipeline_schedule)
-    apply_recompute(module, activation_checkpointing, rng)
+    convert_to_fp8(module, options.fp8_recipe, state, options.fp8_exclude)
+    compile_blocks(module, options.compile_options, state.config, options.activation_checkpointing,
+                   options.pipeline_schedule)
+    apply_recompute(module, options.activation_checkpointing, rng)
     prepare_experts(module, state)
-    splitter = prepare_context_parallel(module, state, context_parallel_attention)
-    split = split_pipeline(module, state, pipeline_schedule)
+    splitter = prepare_context_parallel(module, state, options.context_parallel_attention)
+    split = split_pipeline(module, state, options.pipeline_schedule)
     zero3 = None
     if state.config.zero_stage == 3:
         # Already on the device; no .to(): FSDP would replace the sharded parameters and drop their tags.
-        zero3 = shard_zero3(module, state, precision=precision, seed=seed, device=device,
-                            offload_parameters=offload_parameters)
+        zero3 = shard_zero3(module, state, precision=precision, seed=seed, device=device, offload=options.offload)
     elif any(p.is_meta for p in module.parameters()):
         initialize_parameters(module, seed, device=device, only_meta=True)
     return PreparedModel(split=split, zero3=zero3, rng=rng, batch_splitter=splitter)
 
 
 def shard_zero3(module: nn.Module, state: ParallelState, *, precision: str, seed: int,
-                device: Union[torch.device, str], offload_parameters: str = "none") -> ZeRO3:
+                device: Union[torch.device, str], offload: OffloadSettings = OffloadSettings()) -> ZeRO3:
     """ZeRO-3: FSDP2 over dp, one group per transformer layer; materialises this rank's dp chunks (in host
     memory with ``offload_parameters="cpu"``, where the optimizer then steps; ``"nvme"`` is refused, see
     ``optim.zero3.offload_policy``). The trained parameters' shards are fp32 (the main parameters); frozen ones
@@ -244,6 +238,6 @@ def shard_zero3(module: nn.Module, state: ParallelState, *, precision: str, seed
             if not param.requires_grad:
                 param.data = param.data.to(mixed.param_dtype)
     zero3 = apply_zero3(root, state, layers_pattern=f"{blocks.layers}.*", other_groups=other_groups,
-                        mixed_precision=mixed, offload_parameters=offload_parameters)
+                        mixed_precision=mixed, offload=offload)
     zero3.initialize(seed, device)
     return zero3

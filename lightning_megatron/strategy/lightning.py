@@ -16,13 +16,17 @@ Lightning contracts honoured here (lightning 2.6): ``is_distributed`` (else ``sy
 and sampler injection switch off), ``distributed_sampler_kwargs`` over dp only,
 ``reduce`` over dp x cp by default, ``reduce_boolean_decision`` over the world, gradient
 clipping replaced by the global-norm version.
+
+This class holds the hooks and their wiring only. What they do is in the package's other modules, composed here:
+its settings (``options.StrategyOptions``), the set-up steps (``preparation``), one optimizer step
+(``step.StepDriver``), checkpoints (``checkpointer.Checkpointer``) and the collectives (``collectives``).
 """
 
 from __future__ import annotations
 
 import contextlib
 from datetime import timedelta
-from typing import Any, Callable, Generator, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Generator, Optional, Sequence, Union
 
 import lightning as L
 import torch
@@ -35,43 +39,37 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_megatron.checkpoint.sharded import BackgroundSaver, SavedCheckpoint
-from lightning_megatron.checkpoint.strategy_hooks import CheckpointHooks
-from lightning_megatron.checkpoint.training_state import set_rng_state
 from lightning_megatron.context_parallel.apply import BatchSplitter
-from lightning_megatron.launcher import InPlaceLauncher, SubprocessLauncher, check_directories_shared, die_with_launcher
 from lightning_megatron.offload.settings import DEFAULT_BUFFER_MB
 from lightning_megatron.optim.grad_sync import DEFAULT_BUCKET_SIZE_MB
-from lightning_megatron.optim.loss_scaler import DynamicLossScaler
-from lightning_megatron.optim.main_params import MainParamOptimizer
-from lightning_megatron.optim.nonfinite import NonFiniteCheck
-from lightning_megatron.optim.step import StepGradients, build_step_gradients
-from lightning_megatron.optim.strategy_hooks import StepHooks
 from lightning_megatron.optim.zero3 import ZeRO3
 from lightning_megatron.parallel.config import ParallelConfig
-from lightning_megatron.parallel.diagnostics import (DEFAULT_TIMEOUT, PhaseRecord, check_process_count,
-                                                     cleanup_after_failure, explain_collective_failure,
-                                                     meta_model_left_in_place, records_phase)
-from lightning_megatron.parallel.lightning_features import (PreparedModel, check_trainer_features, evaluation_mode,
-                                                            prepare_metrics)
-from lightning_megatron.parallel.processes import exit_before_native_teardown, init_processes
 from lightning_megatron.parallel.random import TensorParallelRNG
 from lightning_megatron.parallel.state import ParallelState
-from lightning_megatron.parallel.strategy_hooks import CollectiveHooks
-from lightning_megatron.parallel.summary import install_global_summary, layout_line, report_model_state
-from lightning_megatron.pipeline.runner import PipelineRunner
 from lightning_megatron.pipeline.timeline import TimelineRecorder
-from lightning_megatron.plan.auto import AUTO_SIZES, choose_for_options
-from lightning_megatron.preparation import PipelineSplit, prepare_model, start_pipeline
-from lightning_megatron.requeue import add_stop_on_signal
-from lightning_megatron.strategy_options import ARGUMENTS, StrategyOptions
+from lightning_megatron.strategy import collectives
+from lightning_megatron.strategy.auto import AUTO_SIZES, choose_for_options
+from lightning_megatron.strategy.checkpointer import Checkpointer, TrainingParts
+from lightning_megatron.strategy.diagnostics import (DEFAULT_TIMEOUT, PhaseRecord, argument, check_process_count,
+                                                     cleanup_after_failure, explain_collective_failure,
+                                                     meta_model_left_in_place, records_phase)
+from lightning_megatron.strategy.launcher import (InPlaceLauncher, SubprocessLauncher, check_directories_shared,
+                                                  die_with_launcher)
+from lightning_megatron.strategy.lightning_features import check_trainer_features, evaluation_mode, prepare_metrics
+from lightning_megatron.strategy.options import StrategyOptions, arguments_doc
+from lightning_megatron.strategy.preparation import PreparedModel, prepare_model, start_pipeline
+from lightning_megatron.strategy.processes import exit_before_native_teardown, init_processes
+from lightning_megatron.strategy.requeue import add_stop_on_signal
+from lightning_megatron.strategy.step import StepDriver
+from lightning_megatron.strategy.summary import install_global_summary, layout_line, report_model_state
 from lightning_megatron.tensor_parallel.fp8_plan import describe_fp8
 from lightning_megatron.tensor_parallel.mappings import full_sequences
 
 
-class Megatron3DStrategy(CheckpointHooks, StepHooks, CollectiveHooks, ParallelStrategy):
-    # Documented beside their checks (strategy_options.ARGUMENTS); LightningCLI's help and help() read it from here.
-    __doc__ = ("Tensor, pipeline and data parallelism in the style of Megatron-LM.\n\n" + ARGUMENTS + "\nExample::\n\n"
+class Megatron3DStrategy(ParallelStrategy):
+    # The arguments' documentation is StrategyOptions' field metadata; LightningCLI's help and help() read it here.
+    __doc__ = ("Tensor, pipeline and data parallelism in the style of Megatron-LM.\n\n" + arguments_doc() +
+               "\nExample::\n\n"
                "    trainer = L.Trainer(devices=8, strategy=Megatron3DStrategy(tensor_parallel_size=4))\n")
 
     strategy_name = "megatron_3d"
@@ -119,43 +117,24 @@ class Megatron3DStrategy(CheckpointHooks, StepHooks, CollectiveHooks, ParallelSt
         checkpoint_io=None,
         precision_plugin=None,
     ) -> None:
+        given = locals()  # the arguments, before any other name is bound here
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin)
-        self.options = StrategyOptions.from_arguments(  # every check, before any process exists
-            tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
-            data_parallel_size=data_parallel_size, sequence_parallel=sequence_parallel, zero_stage=zero_stage,
-            virtual_pipeline_size=virtual_pipeline_size, expert_parallel_size=expert_parallel_size,
-            context_parallel_size=context_parallel_size, context_parallel_attention=context_parallel_attention,
-            pipeline_schedule=pipeline_schedule, micro_batch_size=micro_batch_size,
-            pipeline_layers_per_stage=pipeline_layers_per_stage, activation_checkpointing=activation_checkpointing,
-            tp_comm_overlap=tp_comm_overlap, fp8=fp8, fp8_exclude=fp8_exclude, compile=compile, loss_scaler=loss_scaler,
-            on_nonfinite=on_nonfinite, max_consecutive_skips=max_consecutive_skips, offload_optimizer=offload_optimizer,
-            offload_parameters=offload_parameters, offload_path=offload_path, offload_buffer_mb=offload_buffer_mb,
-            overlap_param_gather=overlap_param_gather, overlap_p2p_comm=overlap_p2p_comm, bucket_size_mb=bucket_size_mb,
-            pad_vocab_to_multiple_of=pad_vocab_to_multiple_of, checkpoint_format=checkpoint_format,
-            async_checkpoint=async_checkpoint, checkpoint_checksums=checkpoint_checksums,
-            verify_checkpoint=verify_checkpoint, process_group_backend=process_group_backend, timeout=timeout)
-        self.pipeline_schedule = self.options.pipeline_schedule  # the one that runs: "auto" sizes may interleave it
-        self.auto_choice = None  # what the planner chose for "auto" sizes (lightning_megatron.plan.auto.AutoChoice)
-        self.nonfinite = NonFiniteCheck(self.options.on_nonfinite, self.options.max_consecutive_skips)
-        self.loss_scaler: Optional[DynamicLossScaler] = None  # built at setup under precision="16-true"
-        self._background_saver = BackgroundSaver() if self.options.async_checkpoint else None
+        # Every check, before any process exists; the same names as this signature (tests/test_strategy_options.py).
+        self.options = StrategyOptions(**{name: given[name] for name in StrategyOptions.__dataclass_fields__
+                                          if name in given})
+        self.auto_choice = None  # what the planner chose for "auto" sizes (strategy.auto.AutoChoice)
+        self.driver = StepDriver(self.options)
+        self.checkpointer = Checkpointer(self.options.async_checkpoint)
         self._phases = PhaseRecord()  # what this rank is doing: named when a collective times out
         self.num_nodes = 1
         self._parallel_state: Optional[ParallelState] = None
         self._rng: Optional[TensorParallelRNG] = None
         self._seed = 0
-        self._step: Optional[StepGradients] = None
-        self._step_grad_norm: Optional[Tensor] = None  # this step's norm, measured by the check, reused by the clip
-        self._blocking_sync = False
-        self._micro_batch_weight: Tensor | float = 1.0
         self._batch_splitter: Optional[BatchSplitter] = None
-        self._sharded_checkpoint: Optional[SavedCheckpoint] = None  # the one being restored
-        self._main_params: Optional[MainParamOptimizer] = None
-        self._rng_state_to_restore: Optional[dict] = None
         self._zero3: Optional[ZeRO3] = None
-        self._pipeline: Optional[PipelineRunner] = None
+        self._failed = False
         self.pipeline_recorder: Optional[TimelineRecorder] = None
         self.model_state_bytes: Optional[dict[str, int]] = None  # this rank's, after the first optimizer step
 
@@ -209,15 +188,13 @@ class Megatron3DStrategy(CheckpointHooks, StepHooks, CollectiveHooks, ParallelSt
         check_process_count(self.cluster_environment, self.num_processes, self.num_nodes)
         super().setup_environment()
         self.set_world_ranks()
-        requested = self.options.requested
-        if any(requested[name] == "auto" for name in AUTO_SIZES):  # the same on every rank, before any process group
+        if any(self.options.requested[name] == "auto" for name in AUTO_SIZES):  # alike on every rank, before any group
             self.auto_choice = choose_for_options(self.lightning_module, self.options, world_size=self.world_size,
                                                   device=self.root_device, gpus_per_node=self.num_processes,
-                                                  precision=str(getattr(self.precision_plugin, "precision", "32-true")))
-            requested = {**requested, **self.auto_choice.sizes}
-            self.pipeline_schedule = self.auto_choice.pipeline_schedule
+                                                  precision=self._precision())
+            self.options = self.options.resolved(self.auto_choice.sizes, self.auto_choice.pipeline_schedule)
             rank_zero_info(self.auto_choice.message)
-        config = ParallelConfig.for_world(self.world_size, **requested)
+        config = ParallelConfig.for_world(self.world_size, **self.options.requested)
         validate = getattr(self.lightning_module, "validate_parallel_config", None)
         if validate is not None:
             validate(config)  # every rank raises the same error before any collective
@@ -231,7 +208,7 @@ class Megatron3DStrategy(CheckpointHooks, StepHooks, CollectiveHooks, ParallelSt
         # Dropout in different pipeline stages must not repeat the same masks (Megatron: +100 per stage).
         torch.manual_seed(self._seed + 100 * self._parallel_state.pipeline_parallel_rank)
         self._rng = TensorParallelRNG(self._seed, self._parallel_state.tensor_parallel_rank, self.root_device)
-        rank_zero_info(layout_line(config, self.pipeline_schedule, self.options.micro_batch_size, self.world_size))
+        rank_zero_info(layout_line(config, self.options.pipeline_schedule, self.options.micro_batch_size, self.world_size))
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
@@ -261,15 +238,19 @@ class Megatron3DStrategy(CheckpointHooks, StepHooks, CollectiveHooks, ParallelSt
             )
         else:  # a second fit, or test/validate after fit: split already, maybe by another strategy object
             prepared = module._megatron_3d_prepared
-            self._zero3, self._rng = prepared.zero3, prepared.rng  # the model's dropout stream, not a new one
-        self._batch_splitter = prepared.batch_splitter
+            self._rng = prepared.rng  # the model's dropout stream, not a new one
+        self._zero3, self._batch_splitter = prepared.zero3, prepared.batch_splitter
         if self._zero3 is None:
             self.model = self.precision_plugin.convert_module(module)
             self.model_to_device()
         else:
             self.model = module  # fp32 shards stay: the FSDP policy casts for compute
-        if prepared.split is not None:
-            self._start_pipeline(prepared.split, trainer)  # a runner bound to this strategy and its groups
+        if prepared.split is not None:  # a runner bound to this strategy and its groups
+            self.pipeline_recorder = TimelineRecorder(self.parallel_state.pipeline_parallel_rank)
+            self.driver.pipeline = start_pipeline(prepared.split, self.parallel_state, self.options,
+                                                  device=self.root_device, recorder=self.pipeline_recorder,
+                                                  before_backward=self._before_pipeline_backward)
+            trainer.fit_loop._skip_backward = True  # the schedule already ran every backward
         state = self.parallel_state
         # Over dp x cp (each of those ranks saw other tokens), also when that is this rank alone: not the world.
         prepare_metrics(module, state.replica_mesh.get_group() if state.replica_mesh is not None else None)
@@ -277,86 +258,44 @@ class Megatron3DStrategy(CheckpointHooks, StepHooks, CollectiveHooks, ParallelSt
                                state.expert_parallel_group if state.config.expert_parallel_size > 1 else None)
         self.barrier()
         self.setup_precision_plugin()
-        # Lightning's clip_grad_norm_ would clip each rank by its own shards' norm.
-        self.precision_plugin.clip_grad_by_norm = self.clip_grad_by_global_norm
-        self._setup_loss_scaling()
+        self.driver.bind(self.precision_plugin, self.root_device)  # also Lightning's clip seam (step.py)
         if trainer.state.fn == TrainerFn.FITTING:
             add_stop_on_signal(trainer)  # SIGTERM, Ctrl-C: save last.ckpt at an agreed step, exit 143 / 130
             self.setup_optimizers(trainer)
-            self._step = self._build_step_gradients(module)
-            self._main_params = self._step.main_params  # outlives teardown: a checkpoint after fit needs it
-            if self._main_params is not None and self._main_params.nvme is not None:
-                rank_zero_info(self._main_params.nvme.describe())
+            self.driver.start(module, state, self.optimizers, zero3=self._zero3, device=self.root_device,
+                              ranks_sharing_host=max(self.num_processes, 1))
+            if self.driver.main_params is not None and self.driver.main_params.nvme is not None:
+                rank_zero_info(self.driver.main_params.nvme.describe())
 
     def _prepare_model(self, module) -> PreparedModel:
         """Split the model for this layout, once (``preparation.prepare_model``)."""
-        options = self.options
-        prepared = prepare_model(module, self.parallel_state, rng=self._rng, seed=self._seed, device=self.root_device,
-                                 pad_vocab_to_multiple_of=options.pad_vocab_to_multiple_of,
-                                 activation_checkpointing=options.activation_checkpointing,
-                                 context_parallel_attention=options.context_parallel_attention,
-                                 tp_comm_overlap=options.tp_comm_overlap,
-                                 precision=getattr(self.precision_plugin, "precision", "32-true"),
-                                 pipeline_schedule=self.pipeline_schedule, compile=options.compile,
-                                 offload_parameters=options.offload.parameters, fp8=options.fp8,
-                                 fp8_exclude=options.fp8_exclude)
-        if options.fp8 is not None:
-            rank_zero_info(describe_fp8(module, options.fp8))
-        self._zero3 = prepared.zero3
+        prepared = prepare_model(module, self.parallel_state, self.options, rng=self._rng, seed=self._seed,
+                                 device=self.root_device, precision=self._precision())
+        if self.options.fp8_recipe is not None:
+            rank_zero_info(describe_fp8(module, self.options.fp8_recipe))
         return prepared
 
-    def _build_step_gradients(self, module) -> StepGradients:
-        return build_step_gradients(module, self.parallel_state, self.optimizers, zero3=self._zero3,
-                                    loss_scaler=self.loss_scaler, nonfinite=self._nonfinite_check(),
-                                    bucket_size_mb=self.options.bucket_size_mb, offload=self.options.offload,
-                                    device=self.root_device, overlap_param_gather=self.options.overlap_param_gather,
-                                    ranks_sharing_host=max(self.num_processes, 1))
-
-    def _start_pipeline(self, split: PipelineSplit, trainer: "L.Trainer") -> None:
-        self.pipeline_recorder = TimelineRecorder(self.parallel_state.pipeline_parallel_rank)
-        self._pipeline = start_pipeline(split, self.parallel_state, device=self.root_device,
-                                        schedule=self.pipeline_schedule, micro_batch_size=self.options.micro_batch_size,
-                                        recorder=self.pipeline_recorder, overlap_p2p_comm=self.options.overlap_p2p_comm,
-                                        before_backward=self._before_pipeline_backward)
-        trainer.fit_loop._skip_backward = True  # the schedule already ran every backward
+    def _precision(self) -> str:
+        return str(getattr(self.precision_plugin, "precision", "32-true"))
 
     def _before_pipeline_backward(self, micro_batches: int, num_tokens: Tensor) -> None:
-        if self._step is not None:
-            self._step.sync.start_micro_batch(sync=not self._blocking_sync, backward_passes=micro_batches)
-            self._pipeline.loss_scale = float(self._backward_scale(num_tokens))
+        self.driver.before_pipeline_backward(micro_batches, num_tokens, self.lightning_module.trainer.accumulate_grad_batches)
 
     def model_to_device(self) -> None:
         assert self.model is not None
         self.model.to(self.root_device)
 
-    # ------------------------------------------------------------------ training step
-    @contextlib.contextmanager
-    def block_backward_sync(self) -> Generator[None, None, None]:
+    # ------------------------------------------------------------------ training step (step.StepDriver)
+    def block_backward_sync(self):
         """Lightning wraps every micro-batch but the last of an accumulation window in this."""
-        self._blocking_sync = True
-        try:
-            yield
-        finally:
-            self._blocking_sync = False
+        return self.driver.block_backward_sync()
 
     @records_phase("training step")
     def training_step(self, *args: Any, **kwargs: Any):
-        if self._rng_state_to_restore is not None:
-            # Restored here, not at load time: Lightning draws from the global generator in between (a new
-            # DataLoader iterator's base seed), which the saving run had done before it saved.
-            set_rng_state(self._rng_state_to_restore, self._rng)
-            self._rng_state_to_restore = None
-        if self._step is not None:
-            # ZeRO-3 reduce-scatters every micro-batch: accumulating unsharded gradients would break its memory bound.
-            self._step.sync.start_micro_batch(sync=not self._blocking_sync or self._zero3 is not None)
+        self.checkpointer.restore_rng(self._rng)
+        self.driver.start_micro_batch()
         output = super().training_step(*self._rank_part(args), **kwargs)
-        tokens = output.get("num_tokens") if isinstance(output, Mapping) else None
-        self._micro_batch_weight = tokens.detach() if isinstance(tokens, Tensor) else 1.0
-        if self._step is not None:
-            self._step.add_tokens(self._micro_batch_weight)
-            loss = output.get("loss") if isinstance(output, Mapping) else output
-            if isinstance(loss, Tensor):  # under pipelining every stage has it: the runner broadcasts it over pp
-                self._step.add_loss(loss)
+        self.driver.record(output)
         return output
 
     @records_phase("validation step")
@@ -386,43 +325,100 @@ class Megatron3DStrategy(CheckpointHooks, StepHooks, CollectiveHooks, ParallelSt
         return (self._batch_splitter(args[0]), *args[1:])
 
     def backward(self, closure_loss: Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any) -> Tensor:
-        """Backward on the micro-batch's token sum (times :meth:`_backward_scale`).
-
-        Lightning divided the loss by accumulate_grad_batches and the module returned a
-        per-token mean; undo both, in one factor (one operation on the graph; exactly 1 for one
-        replica without accumulation). ``16-mixed``: Lightning's GradScaler scales in pre_backward.
-        """
-        accumulation = self.lightning_module.trainer.accumulate_grad_batches
-        factor = self._micro_batch_weight * (accumulation * self._backward_scale(self._micro_batch_weight))
+        """Backward on the micro-batch's token sum, times the step's normaliser (``StepDriver.backward_factor``).
+        ``16-mixed``: Lightning's GradScaler scales in pre_backward."""
+        factor = self.driver.backward_factor(self.lightning_module.trainer.accumulate_grad_batches)
         factor = factor.to(torch.promote_types(closure_loss.dtype, torch.float32))  # a float32 product, as before
         return super().backward(closure_loss * factor, optimizer, *args, **kwargs)
 
     @records_phase("optimizer step")
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model=None, **kwargs: Any) -> Any:
-        def closure_then_reduce_grads() -> Any:
-            result = closure()
-            if self._step is not None:
-                accumulation = self.lightning_module.trainer.accumulate_grad_batches
-                loss_scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
-                overflow = self._step.finish(accumulation=accumulation, loss_scale=loss_scale)
-                self._log_loss_scale(overflow)
-                self._step_grad_norm = self._check_nonfinite(optimizer)
-            return result
-
-        output = super().optimizer_step(optimizer, closure_then_reduce_grads, model, **kwargs)
-        self._step_grad_norm = None
-        if self._step is not None:
-            self._step.after_step()
+        """finish -> non-finite check -> Lightning's hooks and clip -> the optimizer (``step.StepDriver.step``)."""
+        output = self.driver.step(optimizer, closure, lambda wrapped: super(Megatron3DStrategy, self).optimizer_step(
+            optimizer, wrapped, model, **kwargs), self.lightning_module.trainer)
         if self.model_state_bytes is None:  # after the first step, when the optimizer state exists
-            self.model_state_bytes = report_model_state(self.lightning_module, optimizer, self._step, self._zero3,
-                                                        device=self.root_device)
+            self.model_state_bytes = report_model_state(self.lightning_module, optimizer, self.driver.gradients,
+                                                        self._zero3, device=self.root_device)
         return output
 
-    def clip_grad_by_global_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> Tensor:
-        norm = self._step_grad_norm  # measured by the non-finite check this step: no second all-reduce
-        if self._zero3 is not None:
-            return self._zero3.clip_grad_norm_(float(clip_val), norm=norm)
-        return self._step.clip(optimizer.param_groups, float(clip_val), norm=norm)
+    def wait_for_parameters(self) -> None:
+        """Complete ZeRO 1/2's parameter all-gathers still in flight after a step (``overlap_param_gather``).
+
+        The next forward (module by module), checkpoint saves and loads, evaluation and teardown do so
+        themselves; call it before reading parameter values anywhere else between a step and the next forward
+        (a callback's ``on_train_batch_end``)."""
+        self.driver.wait_for_parameters()
+
+    # ------------------------------------------------------------------ collectives (collectives.py)
+    @records_phase("barrier", argument(0, "name"))
+    def barrier(self, name: Optional[str] = None) -> None:
+        collectives.barrier()
+
+    @records_phase("broadcast")
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        return collectives.broadcast(obj, src)
+
+    @records_phase("metric reduction")
+    def reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Union[dist.ReduceOp, str]] = "mean") -> Any:
+        return collectives.reduce(tensor, self.parallel_state, group, reduce_op)
+
+    @records_phase("decision")
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        return collectives.reduce_boolean_decision(decision, all, self.root_device, self.world_size)
+
+    # ------------------------------------------------------------------ checkpoints (checkpointer.py)
+    def _parts(self) -> TrainingParts:
+        return TrainingParts(self.options, self.lightning_module, self.optimizers, self.parallel_state, self._zero3,
+                             self.driver, self._rng, self.is_global_zero, self._precision())
+
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        self.checkpointer.lock_directories(self.lightning_module.trainer, self.is_global_zero)
+
+    def release_checkpoint_directories(self) -> None:
+        """Release the run's locks: at teardown, before the ranks leave together (a script's next fit on the same
+        folder, on any rank, then finds it free), and by the launcher when the Trainer's call raises."""
+        self.checkpointer.release()
+
+    def full_state_dict(self, *, rank_zero_only: bool = False) -> dict[str, Any]:
+        """Full tensors under global names (unpadded), gathered over tp, pp and ZeRO-3 onto every rank's CPU, or
+        with ``rank_zero_only=True`` onto global rank 0's alone (``{}`` elsewhere; the other ranks send their
+        pieces tensor by tensor and hold nothing more: what ``checkpoint_format="full"`` saves).
+
+        A collective: call it on every rank. Example (export from a parallel run)::
+
+            state_dict = trainer.strategy.full_state_dict(rank_zero_only=True)
+            if trainer.is_global_zero:
+                model.to_hf("exported", state_dict=state_dict)
+        """
+        return self.checkpointer.full_state_dict(self._parts(), rank_zero_only=rank_zero_only)
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        return self.checkpointer.module_state_dict(self._parts())
+
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        return self.checkpointer.optimizer_state(self._parts(), optimizer, super().optimizer_state)
+
+    @records_phase("saving checkpoint", argument(1, "filepath"))
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Optional[Any] = None) -> None:
+        self.checkpointer.save(self._parts(), checkpoint, filepath, storage_options, checkpoint_io=self.checkpoint_io,
+                               lightning_save=super().save_checkpoint)
+
+    def remove_checkpoint(self, filepath) -> None:
+        self.checkpointer.before_remove(filepath)
+        super().remove_checkpoint(filepath)
+
+    @records_phase("loading checkpoint", argument(0, "checkpoint_path"))
+    def load_checkpoint(self, checkpoint_path, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
+        return self.checkpointer.load(self._parts(), checkpoint_path, fitting=fitting, lightning_load=lambda: super(
+            Megatron3DStrategy, self).load_checkpoint(checkpoint_path, weights_only=weights_only))
+
+    def load_model_state_dict(self, checkpoint, strict: bool = True) -> None:
+        self.checkpointer.load_model_state_dict(self._parts(), checkpoint, strict)
+
+    def load_optimizer_state_dict(self, checkpoint) -> None:
+        self.checkpointer.load_optimizer_state_dict(self._parts(), checkpoint, super().load_optimizer_state_dict)
 
     # ------------------------------------------------------------------ failure and teardown
     def on_exception(self, exception: BaseException) -> None:
@@ -442,10 +438,10 @@ class Megatron3DStrategy(CheckpointHooks, StepHooks, CollectiveHooks, ParallelSt
     @records_phase("teardown")
     def teardown(self) -> None:
         """After an error nothing here raises over it (a model still on meta stays there): it stays the last one."""
-        failed = getattr(self, "_failed", False)
+        failed = self._failed
         with cleanup_after_failure(failed, self.global_rank, "waiting for the background checkpoint"):
-            if self._background_saver is not None:  # the last checkpoint must be complete before the process ends
-                self._background_saver.wait(together=not failed)
+            if self.checkpointer.background_saver is not None:  # the last checkpoint must be complete before the end
+                self.checkpointer.background_saver.wait(together=not failed)
         if dist.is_initialized() and not failed:
             self.wait_for_parameters()  # Lightning's teardown moves the parameters
             # Before the barrier: no rank leaves this run (and starts the script's next fit on the same folder,
@@ -453,9 +449,7 @@ class Megatron3DStrategy(CheckpointHooks, StepHooks, CollectiveHooks, ParallelSt
             self.release_checkpoint_directories()
             # Leave together: a process exiting while a peer's gloo threads still talk to it can abort.
             dist.barrier()
-        if self._step is not None:
-            self._step.remove()
-            self._step = None
+        self.driver.remove()
         with cleanup_after_failure(failed, self.global_rank, "teardown"), meta_model_left_in_place(self):
             super().teardown()  # ParallelStrategy's: the cluster environment, then the model to the CPU
 
