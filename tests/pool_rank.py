@@ -3,10 +3,10 @@ it joins the default process group once and then runs worker functions as jobs, 
 
 argv: POOL_DIR PARENT_PID. The pool writes ``job{n}.json`` ({"worker", "out_dir", "args"}) into POOL_DIR; every
 rank runs ``workers/<worker>.py``'s ``main(out_dir, args)`` with the working directory at ``out_dir`` and its
-output in ``out_dir/job.rank{r}.log``, writes ``job{n}.rank{r}.json`` (the traceback, or None), puts back what a
-job may have changed in this process (:class:`ProcessState`), and meets the other ranks at a barrier of the
-default group before it writes ``job{n}.rank{r}.synced`` and waits for the next job. A ``stop`` file, or the
-pytest process that started the pool going away, ends the rank.
+output in ``out_dir/job.rank{r}.log``, and writes ``job{n}.rank{r}.json`` (the traceback, or None). Then the ranks
+meet at a barrier of the default group, destroy the groups the job built, put back what the job may have changed
+in the process (:class:`ProcessState`), and write ``job{n}.rank{r}.synced`` before they wait for the next job. A
+``stop`` file, or the pytest process that started the pool going away, ends the rank.
 """
 
 import contextlib
@@ -37,8 +37,7 @@ SIGNALS = [signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal
 
 class ProcessState:
     """What a job can change in its process and a fresh process would start without: taken when the rank has
-    joined its group, put back after every job. (The default group and the groups a job built stay: a job builds
-    its own meshes over the default group, as several layouts in one worker always have.)"""
+    joined its group, put back after every job (the groups a job built are destroyed before)."""
 
     def __init__(self) -> None:
         self.environ = dict(os.environ)  # PL_GLOBAL_SEED, MASTER_PORT, variables a worker sets
@@ -76,6 +75,14 @@ class ProcessState:
         if "torch._dynamo" in sys.modules:  # compiled jobs: no cache (nor recompile limit) carried into the next
             torch._dynamo.reset()
         gc.collect()  # the job's modules, trainers and DataLoader iterators go now, not during the next job
+
+
+def destroy_groups_but_the_default() -> None:
+    """The groups a job built (its meshes): each holds three threads and its sockets, and a pool runs hundreds."""
+    default = dist.group.WORLD
+    for group in list(dist.distributed_c10d._world.pg_map):
+        if group is not default:
+            dist.destroy_process_group(group)
 
 
 @contextlib.contextmanager
@@ -148,8 +155,9 @@ def main() -> None:
     while (job := next_job(pool_dir, number, parent)) is not None:
         error = run_job(job, rank)
         write(pool_dir / f"job{number}.rank{rank}.json", json.dumps({"error": error}))
+        dist.barrier()  # every rank at the same collective of the default group: no peer uses the job's groups now
+        destroy_groups_but_the_default()
         state.restore()
-        dist.barrier()  # every rank at the same collective of the default group before the next job
         write(pool_dir / f"job{number}.rank{rank}.synced", "")
         number += 1
     os._exit(0)  # skip gloo's C++ teardown (see workers/entry.py)

@@ -10,7 +10,7 @@ from lightning.pytorch.utilities.model_summary.model_summary import ModelSummary
 from torch import nn
 from torchmetrics import MeanMetric, SumMetric
 
-from launch import run_job
+from launch import launch
 from workers.trainer_setup import model
 from lightning_megatron.parallel.lightning_features import prepare_metrics
 from lightning_megatron.parallel.summary import MODEL_STATE_KEYS, GlobalModelSummary, format_model_state
@@ -19,7 +19,7 @@ from lightning_megatron.parallel.summary import MODEL_STATE_KEYS, GlobalModelSum
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("interop")
-    results, proc = run_job("interop", 4, out)
+    results, proc = launch("interop.py", 4, out)  # fresh: it checks that no process group was made
     assert len(results) == 4
     return results, proc.stdout + proc.stderr
 

@@ -11,7 +11,7 @@ import sys
 import pytest
 import yaml
 
-from launch import REPO_ROOT, WORKERS, child_env, run_job
+from launch import REPO_ROOT, WORKERS, child_env, launch, run_job
 
 from lightning_megatron import Megatron3DStrategy
 from lightning_megatron.parallel.summary import MODEL_STATE_KEYS
@@ -289,7 +289,8 @@ def test_auto_sizes_are_the_planners_choice_on_every_rank(tmp_path):
     """``tensor_parallel_size="auto", pipeline_parallel_size="auto"`` on 2 CPU processes: the planner's best layout
     (computed again here, in a fresh process) on both ranks, logged, then trained; a model that fits no layout
     raises the planner's explanation on every rank before any process group exists."""
-    results, proc = run_job("plan_auto", 2, tmp_path, timeout=600)
+    # fresh: the strategy plans over torch's fake process group before it makes the default one
+    results, proc = launch("plan_auto.py", 2, tmp_path, timeout=600)
     for result in results:
         assert result["too_big"]["error"] is not None and not result["too_big"]["distributed_initialized"]
         assert "could not choose the 'auto' sizes: No layout fits" in result["too_big"]["error"]

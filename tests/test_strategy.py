@@ -6,7 +6,7 @@ import lightning as L
 import pytest
 import torch
 
-from launch import run_job
+from launch import launch, run_job
 from lightning_megatron.pipeline.timeline import theoretical_bubble
 from workers.trainer_setup import PREDICT_GENERATION, PREDICT_PROMPTS, datamodule, model, trainer_kwargs
 import lightning_megatron  # noqa: F401  (registers "megatron_3d")
@@ -248,7 +248,8 @@ def test_every_rank_checksums_the_files_it_wrote(fit_tp2_dp2, capsys):
 
 @pytest.mark.slow
 def test_heads_not_divisible_fails_on_every_rank_before_any_collective(tmp_path):
-    results, _ = run_job("trainer_fit", 2, tmp_path, json.dumps({"tp": 2, "hidden": 48, "heads": 3}))
+    """A fresh launch: the process must not have joined a process group (a pool's ranks have)."""
+    results, _ = launch("trainer_fit.py", 2, tmp_path, json.dumps({"tp": 2, "hidden": 48, "heads": 3}))
     assert len(results) == 2
     for result in results:
         assert "tensor_parallel_size=2 does not divide num_heads=3" in result["error"]
@@ -258,7 +259,8 @@ def test_heads_not_divisible_fails_on_every_rank_before_any_collective(tmp_path)
 
 @pytest.mark.slow
 def test_query_groups_tp_can_neither_split_nor_replicate_fails_on_every_rank_before_any_collective(tmp_path):
-    results, _ = run_job("trainer_fit", 2, tmp_path,
+    """A fresh launch, as above."""
+    results, _ = launch("trainer_fit.py", 2, tmp_path,
                         json.dumps({"tp": 2, "hidden": 48, "heads": 6, "groups": 3, "preset": "llama-tiny"}))
     assert len(results) == 2
     for result in results:

@@ -70,4 +70,4 @@ def main(out_dir: Path, args: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    run_script(main)
+    run_script(main, join=False)

@@ -13,10 +13,12 @@ from typing import Callable
 import torch.distributed as dist
 
 
-def run_script(main: Callable[[Path, list[str]], None]) -> None:
+def run_script(main: Callable[[Path, list[str]], None], *, join: bool = True) -> None:
     """Join the default group torchrun describes, run ``main`` with the command line's arguments, and leave with
-    ``os._exit(0)``: gloo's C++ teardown with several meshes alive aborts at random (torch 2.13)."""
-    dist.init_process_group("gloo")
+    ``os._exit(0)``: gloo's C++ teardown with several meshes alive aborts at random (torch 2.13). ``join=False``:
+    the worker's Trainer joins the group, as a user's script does (a pool's ranks have always joined it)."""
+    if join:
+        dist.init_process_group("gloo")
     main(Path(sys.argv[1]), sys.argv[2:])
     sys.stdout.flush()
     sys.stderr.flush()

@@ -87,4 +87,4 @@ def main(out_dir: Path, args: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    run_script(main)
+    run_script(main, join=False)

@@ -2,9 +2,9 @@
 
 args: MODE. ``probe``: rank r writes rank{r}.json with the process settings a job could change (the default
 generator's next numbers, default dtype, deterministic flags, threads, grad mode, seed variables, signal
-handlers, working directory, warning filters) and the sum of the ranks over the default group. ``disturb``:
-changes every one of them. ``raise``: raises on every rank. ``hang_on_rank1``: rank 1 raises while rank 0 waits
-in a collective. ``exit_on_rank1``: rank 1's process ends.
+handlers, working directory, warning filters, native threads: gloo's, per group) and the sum of the ranks over the
+default group. ``disturb``: changes every one of them. ``raise``: raises on every rank. ``hang_on_rank1``: rank 1
+raises while rank 0 waits in a collective. ``exit_on_rank1``: rank 1's process ends.
 """
 
 import json
@@ -32,7 +32,7 @@ def probe(out_dir: Path) -> dict:
             "handlers": {signum.name: str(signal.getsignal(signum)) for signum in (signal.SIGTERM, signal.SIGUSR1)},
             "cwd_is_out_dir": Path.cwd() == out_dir.resolve(), "warning_filters": len(warnings.filters),
             "excepthook": getattr(sys.excepthook, "__name__", str(sys.excepthook)), "rank_sum": total.item(),
-            "world": dist.get_world_size()}
+            "world": dist.get_world_size(), "native_threads": len(os.listdir("/proc/self/task"))}
 
 
 def disturb() -> None:
