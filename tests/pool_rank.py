@@ -78,11 +78,20 @@ class ProcessState:
 
 
 def destroy_groups_but_the_default() -> None:
-    """The groups a job built (its meshes): each holds three threads and its sockets, and a pool runs hundreds."""
+    """The groups a job built (its meshes): each holds three threads and its sockets, and a pool runs hundreds.
+    DTensor caches its sharding decisions by mesh layout, not by mesh: the next job's mesh of the same layout would
+    be handed these groups, so those caches go too."""
     default = dist.group.WORLD
     for group in list(dist.distributed_c10d._world.pg_map):
         if group is not default:
             dist.destroy_process_group(group)
+    if "torch.distributed.tensor" in sys.modules:
+        from torch.distributed.tensor._redistribute import _gen_transform_infos, clear_redistribute_planner_cache
+        from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+        _clear_sharding_prop_cache()
+        clear_redistribute_planner_cache()
+        _gen_transform_infos.cache_clear()
 
 
 @contextlib.contextmanager

@@ -14,7 +14,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_megatron.optim.grad_sync import GradientSynchronizer
 from lightning_megatron.optim.main_params import MainParamOptimizer
-from entry import run_script
 
 
 class _StagingCopies(TorchDispatchMode):
@@ -96,4 +95,6 @@ def main(out_dir: Path, args: list[str]) -> None:
 
 
 if __name__ == "__main__":
+    from entry import run_script  # here: tests/test_offload.py imports this module as workers.offload_overlap
+
     run_script(main)

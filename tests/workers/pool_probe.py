@@ -2,9 +2,10 @@
 
 args: MODE. ``probe``: rank r writes rank{r}.json with the process settings a job could change (the default
 generator's next numbers, default dtype, deterministic flags, threads, grad mode, seed variables, signal
-handlers, working directory, warning filters, native threads: gloo's, per group) and the sum of the ranks over the
-default group. ``disturb``: changes every one of them. ``raise``: raises on every rank. ``hang_on_rank1``: rank 1
-raises while rank 0 waits in a collective. ``exit_on_rank1``: rank 1's process ends.
+handlers, working directory, warning filters, native threads: gloo's, per group), the sum of the ranks over the
+default group and a DTensor sum over a mesh of its own. ``disturb``: changes every one of them. ``raise``: raises
+on every rank. ``hang_on_rank1``: rank 1 raises while rank 0 waits in a collective. ``exit_on_rank1``: rank 1's
+process ends.
 """
 
 import json
@@ -21,6 +22,14 @@ import torch.distributed as dist
 from entry import run_script
 
 
+def dtensor_sum() -> float:
+    """A DTensor op over a mesh of its own: a job's mesh has the layout of the one before, never its groups."""
+    from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    return (distribute_tensor(torch.arange(4.0), mesh, [Shard(0)]) * 2).full_tensor().sum().item()
+
+
 def probe(out_dir: Path) -> dict:
     total = torch.tensor([dist.get_rank()])
     dist.all_reduce(total)
@@ -32,7 +41,7 @@ def probe(out_dir: Path) -> dict:
             "handlers": {signum.name: str(signal.getsignal(signum)) for signum in (signal.SIGTERM, signal.SIGUSR1)},
             "cwd_is_out_dir": Path.cwd() == out_dir.resolve(), "warning_filters": len(warnings.filters),
             "excepthook": getattr(sys.excepthook, "__name__", str(sys.excepthook)), "rank_sum": total.item(),
-            "world": dist.get_world_size(), "native_threads": len(os.listdir("/proc/self/task"))}
+            "world": dist.get_world_size(), "dtensor_sum": dtensor_sum(), "native_threads": len(os.listdir("/proc/self/task"))}
 
 
 def disturb() -> None:
@@ -48,7 +57,7 @@ def disturb() -> None:
     warnings.simplefilter("error")
     sys.excepthook = lambda *_: None
     os.chdir("/")
-    dist.new_group()  # a group of its own, as every layout builds
+    dtensor_sum()  # a mesh and its groups, as every layout builds
 
 
 def main(out_dir: Path, args: list[str]) -> None:
