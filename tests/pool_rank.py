@@ -12,6 +12,7 @@ in the process (:class:`ProcessState`), and write ``job{n}.rank{r}.synced`` befo
 import contextlib
 import gc
 import importlib
+import importlib.util
 import json
 import os
 import random
@@ -29,7 +30,8 @@ import torch.distributed as dist
 
 import lightning_megatron  # noqa: F401
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "workers"))  # workers import their setup modules so
+WORKERS = Path(__file__).resolve().parent / "workers"
+sys.path.insert(0, str(WORKERS))  # workers import their setup modules so
 
 POLL_SECONDS = 0.05
 SIGNALS = [signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP]
@@ -114,13 +116,25 @@ def output_to(path: Path):
             os.close(saved[1])
 
 
+def worker(name: str):
+    """``workers/<name>.py``, imported once, by its path: a job that put another folder first on ``sys.path``
+    (data_scale.py puts benchmarks/, which has a generation.py too) must not decide which module a name is."""
+    module = sys.modules.get(name)
+    if module is None or Path(module.__file__).parent != WORKERS:
+        spec = importlib.util.spec_from_file_location(name, WORKERS / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return module
+
+
 def run_job(job: dict, rank: int):
     """Run one job on this rank; the traceback it raised, or None."""
     out_dir = Path(job["out_dir"])
     with output_to(out_dir / f"job.rank{rank}.log"):
         os.chdir(out_dir)
         try:
-            importlib.import_module(job["worker"]).main(out_dir, job["args"])
+            worker(job["worker"]).main(out_dir, job["args"])
             return None
         except BaseException:  # noqa: BLE001 - SystemExit too: the job failed, the rank goes on
             traceback.print_exc()
