@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from launch import launch
+from launch import LAUNCHES, close_pools, launch
 
 # The single-process FP8 runs the fp8 layouts compare with (test_layout_invariance.py, test_zero3.py): one process,
 # the global batch in as many pieces as the layout has dp ranks x micro-batches, "-s1": the first step only
@@ -30,3 +30,25 @@ def one_rank_group():
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     yield dist.group.WORLD
     dist.destroy_process_group()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    close_pools()
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Every process start and pool job of the session with its seconds, by kind and worker (tests/launch.py)."""
+    if not LAUNCHES:
+        return
+    rows: dict[tuple[str, str, int], list[float]] = {}
+    for item in LAUNCHES:
+        rows.setdefault((item.kind, item.worker, item.ranks), []).append(item.seconds)
+    write = terminalreporter.write_line
+    terminalreporter.section("launches")
+    write(f"{'kind':<11}{'worker':<26}{'ranks':>6}{'count':>7}{'seconds':>10}")
+    for (kind, worker, ranks), seconds in sorted(rows.items(), key=lambda row: -sum(row[1])):
+        write(f"{kind:<11}{worker:<26}{ranks:>6}{len(seconds):>7}{sum(seconds):>10.1f}")
+    starts = [item for item in LAUNCHES if item.kind != "job"]
+    jobs = [item for item in LAUNCHES if item.kind == "job"]
+    write(f"{len(starts)} process starts ({sum(item.seconds for item in starts):.1f} s, pool starts: their start-up "
+          f"alone), {len(jobs)} pool jobs ({sum(item.seconds for item in jobs):.1f} s)")

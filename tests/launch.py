@@ -1,8 +1,14 @@
-"""Run a worker script under ``torchrun`` on gloo and collect what each rank wrote.
+"""Run a worker on gloo ranks and collect what each rank wrote.
 
 Workers receive an output directory as their first argument; rank ``r`` writes
 ``rank{r}.json`` (small results) and optionally ``.pt`` files (tensors, loaded with
 ``weights_only=True``).
+
+``run_job`` runs a worker function (``main(out_dir, args)``, see ``workers/entry.py``) as a job on a rank pool:
+one torchrun of 2, 4 or 8 ranks per session, started on first use, since starting processes and importing
+Lightning costs several seconds a launch. ``launch`` starts a torchrun of its own, for tests whose subject is the
+process itself (a stall, a kill, a signal, a crash, thread counts). Every start and job is timed (``LAUNCHES``;
+the session's summary prints them).
 """
 
 from __future__ import annotations
@@ -14,10 +20,29 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from dataclasses import dataclass
 from typing import Optional
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 WORKERS = Path(__file__).resolve().parent / "workers"
+POOL_RANK = Path(__file__).resolve().parent / "pool_rank.py"
+
+
+@dataclass
+class Launch:
+    """One timed start or job: ``kind`` "torchrun" (a fresh launch), "nodes", "slurm", "pool start" or "job"."""
+
+    kind: str
+    worker: str
+    ranks: int
+    seconds: float
+
+
+LAUNCHES: list[Launch] = []
+
+
+def _timed(kind: str, worker: str, ranks: int, started: float) -> None:
+    LAUNCHES.append(Launch(kind, worker, ranks, time.monotonic() - started))
 
 
 # Set by an in-process Trainer earlier in the session; a child must not inherit them (it would try to
@@ -39,7 +64,11 @@ def launch(worker: str, nproc: int, out_dir: Path, *args: str, timeout: float = 
     env = child_env()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            str(WORKERS / worker), str(out_dir), *args]
-    proc = subprocess.run(cmd, env=env, cwd=out_dir, capture_output=True, text=True, timeout=timeout)
+    started = time.monotonic()
+    try:
+        proc = subprocess.run(cmd, env=env, cwd=out_dir, capture_output=True, text=True, timeout=timeout)
+    finally:
+        _timed("torchrun", worker, nproc, started)
     if expect_failure:
         return [], proc
     if proc.returncode != 0:
@@ -80,6 +109,7 @@ def launch_slurm(worker: str, nodes: int, tasks_per_node: int, out_dir: Path, *a
            "SLURM_JOB_NUM_NODES": str(nodes), "SLURM_NODELIST": f"127.0.0.[1-{nodes}]",
            "SLURM_JOB_NODELIST": f"127.0.0.[1-{nodes}]"}
     processes, logs = [], []
+    started = time.monotonic()
     for task in range(tasks):
         env = {**base, **job, "SLURM_PROCID": str(task), "SLURM_LOCALID": str(task % tasks_per_node),
                "SLURM_NODEID": str(task // tasks_per_node)}
@@ -104,6 +134,7 @@ def launch_slurm(worker: str, nodes: int, tasks_per_node: int, out_dir: Path, *a
                 process.kill()
                 process.wait()
             log.close()
+        _timed("slurm", worker, tasks, started)
     failed = [(task, p.returncode, out) for task, (p, out) in enumerate(zip(processes, outputs)) if p.returncode]
     if failed:
         raise AssertionError(f"{worker} failed: " + "\n".join(f"task {t} exit {rc}:\n{out[-4000:]}" for t, rc, out in failed))
@@ -154,6 +185,7 @@ def launch_nodes(worker: str, nodes: int, nproc: int, out_dir: Path, *args: str,
     else:
         raise ValueError(f"rendezvous must be 'c10d' or 'static', got {rendezvous!r}")
     procs = []
+    started = time.monotonic()
     for node in range(nodes):
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nodes}", f"--nproc-per-node={nproc}",
                f"--node-rank={node}", *meeting, str(WORKERS / worker), str(out_dir), *args]
@@ -175,6 +207,7 @@ def launch_nodes(worker: str, nodes: int, nproc: int, out_dir: Path, *args: str,
                 proc.wait()
             for log in logs:
                 log.close()
+        _timed("nodes", worker, nodes * nproc, started)
     if not expect_failure:
         for node, proc in enumerate(finished):
             if proc.returncode != 0:
@@ -183,3 +216,141 @@ def launch_nodes(worker: str, nodes: int, nproc: int, out_dir: Path, *args: str,
     results = [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(nodes * nproc)
                if (out_dir / f"rank{r}.json").exists()]
     return results, finished
+
+
+# ------------------------------------------------------------------ rank pools
+POOL_SIZES = (2, 4, 8)
+POOL_START_SECONDS = 300.0
+POOL_SYNC_SECONDS = 60.0
+
+
+class RankPool:
+    """One torchrun of ``nproc`` ranks (``pool_rank.py``) that runs worker functions as jobs, one at a time.
+
+    A job that raises on every rank leaves the pool as it was (each rank caught its error and the ranks met at a
+    barrier afterwards); one that hangs, kills a rank, fails on some ranks only, or leaves the ranks at different
+    collectives ends the pool, and the next job starts a new one. The failing test gets every rank's output."""
+
+    def __init__(self, nproc: int, root: Path) -> None:
+        self.nproc, self.root = nproc, root
+        self.starts, self.process, self.pids, self.jobs = 0, None, [], 0
+
+    @property
+    def dir(self) -> Path:
+        return self.root / f"pool{self.nproc}-start{self.starts}"
+
+    def _start(self) -> None:
+        self.starts += 1
+        self.dir.mkdir(parents=True)
+        self.jobs, started = 0, time.monotonic()
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={self.nproc}",
+               str(POOL_RANK), str(self.dir), str(os.getpid())]
+        self.log = open(self.dir / "torchrun.log", "w+")
+        self.process = subprocess.Popen(cmd, env=child_env(), cwd=self.dir, stdout=self.log, stderr=subprocess.STDOUT)
+        ready = [self.dir / f"ready{r}.pid" for r in range(self.nproc)]
+        while not all(path.exists() for path in ready):
+            if self.process.poll() is not None or time.monotonic() - started > POOL_START_SECONDS:
+                self.close()
+                raise AssertionError(f"the {self.nproc}-rank pool did not start:\n{self._read(self.dir / 'torchrun.log')}")
+            time.sleep(0.05)
+        self.pids = [int(path.read_text()) for path in ready]
+        _timed("pool start", "pool_rank.py", self.nproc, started)
+
+    def run(self, worker: str, out_dir: Path, args: tuple[str, ...], timeout: float, expect_failure: bool):
+        if self.process is None:
+            self._start()
+        number, started = self.jobs, time.monotonic()
+        self.jobs += 1
+        job = self.dir / f"job{number}.json"
+        job.with_name(job.name + ".tmp").write_text(json.dumps({"worker": worker, "out_dir": str(out_dir),
+                                                                "args": list(args)}))
+        job.with_name(job.name + ".tmp").rename(job)
+        reports = [self.dir / f"job{number}.rank{r}.json" for r in range(self.nproc)]
+        finished = self._wait(reports, started + timeout)
+        if not finished:  # hung or a rank died: every rank's Python stacks, then a new pool for the next job
+            self._abort()
+        errors = [json.loads(path.read_text())["error"] if path.exists() else "no report" for path in reports]
+        if finished and (all(errors) or not any(errors)):
+            if not self._wait([self.dir / f"job{number}.rank{r}.synced" for r in range(self.nproc)],
+                              time.monotonic() + POOL_SYNC_SECONDS):
+                self._abort()  # the ranks stand at different collectives: the next job would hang
+        elif finished:
+            self._abort()  # some ranks failed, the others may wait for them
+        _timed("job", worker, self.nproc, started)
+        logs = "".join(f"--- rank {r}:\n{self._read(out_dir / f'job.rank{r}.log')}" for r in range(self.nproc))
+        if not finished:
+            logs += f"--- torchrun:\n{self._read(self.log.name)}"
+        proc = subprocess.CompletedProcess(worker, 0 if finished and not any(errors) else 1, logs, "")
+        if expect_failure:
+            return [], proc
+        if proc.returncode != 0:
+            why = "failed" if finished else f"did not finish in {timeout} s"
+            raise AssertionError(f"{worker} {why} on the {self.nproc}-rank pool:\n{logs[-12000:]}")
+        return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(self.nproc)
+                if (out_dir / f"rank{r}.json").exists()], proc
+
+    def _wait(self, paths: list[Path], deadline: float) -> bool:
+        while not all(path.exists() for path in paths):
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                return all(path.exists() for path in paths)
+            time.sleep(0.02)
+        return True
+
+    def _abort(self) -> None:
+        """SIGABRT to every rank (Python's fault handler writes its stacks into the job's log), then the pool ends."""
+        for pid in self.pids:
+            _signal(pid, signal.SIGABRT)
+        time.sleep(2)
+        self.close()
+
+    def close(self) -> None:
+        if self.process is None:
+            return
+        (self.dir / "stop").touch()
+        try:
+            self.process.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            for pid in self.pids:
+                _signal(pid, signal.SIGKILL)
+            self.process.kill()
+            self.process.wait()
+        self.log.close()
+        self.process, self.pids = None, []
+
+    @staticmethod
+    def _read(path) -> str:
+        try:
+            return Path(path).read_text(errors="replace")[-6000:]
+        except FileNotFoundError:
+            return "(no output)\n"
+
+
+def _signal(pid: int, signum: int) -> None:
+    try:
+        os.kill(pid, signum)
+    except ProcessLookupError:
+        pass
+
+
+_POOLS: dict[int, RankPool] = {}
+
+
+def run_job(worker: str, nproc: int, out_dir: Path, *args: str, timeout: float = 600, expect_failure: bool = False):
+    """Run ``tests/workers/<worker>.py``'s ``main(out_dir, args)`` on the session's ``nproc``-rank pool; returns
+    what ``launch`` returns: (per-rank JSON results, a completed process whose stdout holds every rank's output).
+    ``LM_TEST_POOLS=0`` runs it as a fresh launch instead (to compare the two)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if nproc not in POOL_SIZES or os.environ.get("LM_TEST_POOLS") == "0":
+        return launch(f"{worker}.py", nproc, out_dir, *args, timeout=timeout, expect_failure=expect_failure)
+    if nproc not in _POOLS:
+        import tempfile
+
+        _POOLS[nproc] = RankPool(nproc, Path(tempfile.mkdtemp(prefix="lm-rank-pools-")))
+    return _POOLS[nproc].run(worker, out_dir, args, timeout, expect_failure)
+
+
+def close_pools() -> None:
+    """End every pool (at the end of the session)."""
+    for pool in _POOLS.values():
+        pool.close()
+    _POOLS.clear()

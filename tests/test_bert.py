@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.utils.data import default_collate
 
-from launch import launch
+from launch import run_job
 from workers.bert_setup import CLIP, CONFIGS, SEED, batches, fit_datamodule, fit_model, fit_trainer_kwargs, model_loss, optimizer
 from lightning_megatron.huggingface.bert import bert_config_from_hf, bert_state_dict_from_hf
 from lightning_megatron.data import BERTDataModule, BERTPretrainingDataset
@@ -97,7 +97,7 @@ def plain_lightning_fit():
 @pytest.fixture(scope="module")
 def parallel_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("bert")
-    results, _ = launch("bert_parallel.py", 2, out, ",".join(LAYOUTS))
+    results, _ = run_job("bert_parallel", 2, out, ",".join(LAYOUTS))
     return out, results
 
 

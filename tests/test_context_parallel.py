@@ -7,7 +7,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from launch import launch
+from launch import launch, run_job
 from test_layout_invariance import _deviations
 from workers import bert_setup, gpt_setup
 from workers.cp_setup import BERT_CONFIG, MODELS, model_batches, model_loss
@@ -134,7 +134,7 @@ def _reference(name):
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory):
     out = tmp_path_factory.mktemp("cp_layouts")
-    results, _ = launch("cp_layouts.py", 4, out, ",".join(LAYOUTS + list(FP8_LAYOUTS) + COUNTS + EXTRAS))
+    results, _ = run_job("cp_layouts", 4, out, ",".join(LAYOUTS + list(FP8_LAYOUTS) + COUNTS + EXTRAS))
     return out, results
 
 

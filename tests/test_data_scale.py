@@ -6,7 +6,7 @@ import json
 import numpy as np
 import pytest
 
-from launch import launch
+from launch import run_job
 from lightning_megatron.data.indexed import IndexedDatasetWriter
 from lightning_megatron.data.preprocess import metadata_file
 
@@ -35,7 +35,7 @@ def scale_run(tmp_path_factory):
     big, big_tokens = _write_corpus(root / "big", BIG_TOKENS, seed=1)
     # the small corpus twice: the first run warms the processes up, so the second and the big one compare alike
     corpora = [small, small, big, [0.25, small, 0.75, big]]
-    results, _ = launch("data_scale.py", 4, root / "out", json.dumps({"corpora": corpora, "tp": 2, "steps": 3}))
+    results, _ = run_job("data_scale", 4, root / "out", json.dumps({"corpora": corpora, "tp": 2, "steps": 3}))
     assert len(results) == 4
     return results, (big_tokens - small_tokens) * 2
 

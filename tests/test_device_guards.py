@@ -20,7 +20,7 @@ import torch.distributed._functional_collectives as funcol
 from torch.overrides import _get_current_function_mode
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-from launch import launch
+from launch import run_job
 from lightning_megatron.optim import clip
 from lightning_megatron.parallel.guards import check_collective_devices, count_host_syncs
 
@@ -159,7 +159,7 @@ MAX_SYNCS_PER_STEP = 12
 @pytest.fixture(scope="module")
 def matrix(tmp_path_factory):
     runs = [f"{case}/{variant}" for case in CASES for variant in VARIANTS[case]]
-    results, _ = launch("device_guards.py", 4, tmp_path_factory.mktemp("device_guards"), ",".join(runs), timeout=900)
+    results, _ = run_job("device_guards", 4, tmp_path_factory.mktemp("device_guards"), ",".join(runs), timeout=900)
     print_table(results)
     return results
 

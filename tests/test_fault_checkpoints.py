@@ -19,7 +19,7 @@ import torch
 from dataclasses import replace
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from launch import REPO_ROOT, WORKERS, child_env, launch
+from launch import REPO_ROOT, WORKERS, child_env, run_job
 from test_checkpoint_files import fit
 from lightning_megatron.checkpoint import open_sharded, read_full_tensors
 from lightning_megatron.checkpoint.replacement import partial_path, replaced_path
@@ -156,7 +156,7 @@ def test_resume_from_last_after_a_crash_between_the_renames_continues_from_the_n
 def test_two_ranks_finish_the_interrupted_replacement_once_and_resume_from_it(straight, tmp_path):
     directory = tmp_path / "ckpts"
     crash_between_renames(directory)
-    results, _ = launch("resume_last.py", 2, tmp_path / "out", str(directory), "5")
+    results, _ = run_job("resume_last", 2, tmp_path / "out", str(directory), "5")
     assert [result["resumed_at"] for result in results] == [3, 3]
     for result in results:  # tp=2 now: the same losses to fp32 rounding
         assert result["losses"] == pytest.approx(straight[3:], rel=1e-5)
@@ -310,14 +310,14 @@ def test_a_damaged_shard_stops_every_rank_naming_the_file(tmp_path):
     """Each rank compares its share of the files; the one that finds the damage and the other alike raise, naming
     the file, before any collective reads a tensor."""
     options = {"tp": 2, "steps": 2, "checksums": True}
-    launch("trainer_fit.py", 2, tmp_path / "first", json.dumps(options))
+    run_job("trainer_fit", 2, tmp_path / "first", json.dumps(options))
     checkpoint = tmp_path / "first" / "last.ckpt"
     largest = max((item for item in open_sharded(checkpoint).index.storage_data.values()
                    if item.relative_path == "__1_0.distcp"), key=lambda item: item.length)
     with open(checkpoint / "__1_0.distcp", "r+b") as file:  # rank 1's shard
         file.seek(largest.offset + largest.length // 2)
         file.write(bytes(4096))
-    results, _ = launch("trainer_fit.py", 2, tmp_path / "resume", json.dumps({**options, "steps": 3,
+    results, _ = run_job("trainer_fit", 2, tmp_path / "resume", json.dumps({**options, "steps": 3,
                                                                               "ckpt_path": str(checkpoint)}))
     assert len(results) == 2
     assert all(f"{checkpoint}/__1_0.distcp is damaged" in result["error"] for result in results), results

@@ -1,13 +1,11 @@
 """Data faults are reported, never silent: a data_prefix naming no files, inputs that hold no documents."""
 
 import json
-import subprocess
-import sys
+import re
 
 import numpy as np
 import pytest
 
-from launch import REPO_ROOT, child_env
 from lightning_megatron.cli import main as cli_main
 from lightning_megatron.data import GPTDataModule
 from lightning_megatron.data.indexed import IndexedDataset, data_file, index_file
@@ -147,17 +145,15 @@ def test_preprocess_without_documents_over_two_chunks_and_workers_creates_no_dir
     assert sorted(p.name for p in tmp_path.iterdir()) == ["big.jsonl"]  # not even the output directory
 
 
-@pytest.mark.slow
-def test_preprocess_command_exits_non_zero_on_an_empty_input(tmp_path):
+def test_preprocess_command_exits_non_zero_on_an_empty_input(tmp_path, capsys):
+    """The command's own entry point, in this process: its error is not caught, so the interpreter exits non-zero
+    with it."""
     source = tmp_path / "empty.txt"
     source.write_bytes(b"")
-    proc = subprocess.run(
-        [sys.executable, "-m", "lightning_megatron.cli", "preprocess", "--input", str(source), "--tokenizer", "byte",
-         "--output-prefix", str(tmp_path / "corpus"), "--no-progress"],
-        env=child_env(), cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
-    assert proc.returncode != 0
-    assert f"{source} gave no documents: there is not a single line" in proc.stderr
-    assert "documents, 0 tokens" not in proc.stdout  # no success line
+    with pytest.raises(EmptyInputError, match=re.escape(f"{source} gave no documents: there is not a single line")):
+        cli_main(["preprocess", "--input", str(source), "--tokenizer", "byte",
+                  "--output-prefix", str(tmp_path / "corpus"), "--no-progress"])
+    assert "documents, 0 tokens" not in capsys.readouterr().out  # no success line
     assert sorted(p.name for p in tmp_path.iterdir()) == ["empty.txt"]
 
 

@@ -13,7 +13,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins import MixedPrecision
 
-from launch import launch
+from launch import run_job
 from workers.nonfinite_setup import BAD_STEP, RecordSteps, faulty
 from workers.trainer_setup import datamodule, model, trainer_kwargs
 from lightning_megatron import Megatron3DStrategy
@@ -137,7 +137,7 @@ def test_bad_settings_are_refused_when_the_strategy_is_built(kwargs, match):
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
-    results, _ = launch("nonfinite_fit.py", 2, tmp_path_factory.mktemp("nonfinite"), timeout=600)
+    results, _ = run_job("nonfinite_fit", 2, tmp_path_factory.mktemp("nonfinite"), timeout=600)
     assert len(results) == 2
     return results
 

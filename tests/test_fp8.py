@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from launch import launch
+from launch import run_job
 from lightning_megatron.tensor_parallel import ColumnParallelLinear, OverlappedSequenceParallelLinear, parallelize
 from lightning_megatron.tensor_parallel.fp8 import Fp8Gemms, Fp8Recipe
 from lightning_megatron.tensor_parallel.fp8_plan import check_fp8_options, convert_to_fp8
@@ -274,7 +274,7 @@ def test_convert_to_fp8_refuses_naming_the_layer_and_the_fix(hidden, ffn, exclud
 
 @pytest.fixture(scope="module")
 def tensor_parallel_results(tmp_path_factory):
-    results, _ = launch("fp8_layers.py", 2, tmp_path_factory.mktemp("fp8_layers"))
+    results, _ = run_job("fp8_layers", 2, tmp_path_factory.mktemp("fp8_layers"))
     assert len(results) == 2
     return results
 

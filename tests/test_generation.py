@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from launch import launch
+from launch import run_job
 from lightning_megatron.generation import SamplingSettings, VocabParallelSampler, generate
 from lightning_megatron.models import GPT, GPTConfig
 from lightning_megatron.tensor_parallel import VocabShard
@@ -126,7 +126,7 @@ def test_right_padded_prompts_are_refused():
 @pytest.mark.slow
 def test_every_layout_generates_what_transformers_and_one_process_do(tmp_path):
     checks = [f"{case}:{layout}" for case, layouts in LAYOUTS.items() for layout in layouts]
-    results, _ = launch("generation.py", 4, tmp_path, ",".join(checks))
+    results, _ = run_job("generation", 4, tmp_path, ",".join(checks))
     assert len(results) == 4
     for rank, result in enumerate(results):
         for check in checks:

@@ -10,7 +10,7 @@ tp inside one region); data parallelism takes the remaining ranks.
 
 import pytest
 
-from launch import launch
+from launch import run_job
 from workers import hf_bert_setup, hf_gpt2_setup, hf_llama_setup
 
 pytest.importorskip("transformers")
@@ -28,7 +28,7 @@ CHECKS = {
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    results, _ = launch("hf_parity.py", WORLD, tmp_path_factory.mktemp("hf_parity"), ",".join(CHECKS))
+    results, _ = run_job("hf_parity", WORLD, tmp_path_factory.mktemp("hf_parity"), ",".join(CHECKS))
     assert len(results) == WORLD
     return results
 

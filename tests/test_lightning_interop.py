@@ -20,7 +20,7 @@ from lightning_megatron.strategy.summary import GlobalModelSummary, format_model
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("interop")
-    results, proc = launch("interop.py", 4, out)
+    results, proc = launch("interop.py", 4, out)  # fresh: it checks that no process group was made
     assert len(results) == 4
     return results, proc.stdout + proc.stderr
 

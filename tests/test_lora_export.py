@@ -16,7 +16,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
 
-from launch import child_env, launch  # noqa: E402
+from launch import child_env, run_job  # noqa: E402
 from workers.trainer_setup import datamodule, model, trainer_kwargs  # noqa: E402
 from lightning_megatron import Megatron3DStrategy  # noqa: E402
 from lightning_megatron.checkpoint.open import open_checkpoint  # noqa: E402
@@ -228,7 +228,7 @@ def test_lora_on_a_pretrained_base_at_tp2_pp2_equals_one_process_and_its_checkpo
     the same losses; the adapter-only checkpoint saved by 4 ranks after step 2 resumes in one process."""
     options = {"tp": 2, "pp": 2, "steps": 4, "micro_batch_size": 2, "save_at_step": 2, "lora": LORA,
                "pretrained": str(llama_dir)}
-    results, _ = launch("trainer_fit.py", 4, tmp_path / "tp2pp2", json.dumps(options))
+    results, _ = run_job("trainer_fit", 4, tmp_path / "tp2pp2", json.dumps(options))
     _, one = fit(model(options), tmp_path / "one", 4)
     per_rank = torch.tensor([result["losses"] for result in results])
     assert (per_rank == per_rank[0]).all()

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from launch import launch
+from launch import run_job
 from workers.gpt_setup import CLIP, MOE, SEED, batches, optimizer
 from workers.gpt_setup import MOE_CONFIGS as CONFIGS
 from lightning_megatron.models import GPT, GPTConfig, GPTModel
@@ -59,7 +59,7 @@ def _reference(name):
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory):
     out = tmp_path_factory.mktemp("moe_layouts")
-    results, _ = launch("moe_layouts.py", 4, out, ",".join(LAYOUTS + COUNTS + GENERATION))
+    results, _ = run_job("moe_layouts", 4, out, ",".join(LAYOUTS + COUNTS + GENERATION))
     return out, results
 
 

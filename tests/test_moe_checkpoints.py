@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from launch import launch
+from launch import run_job
 from lightning_megatron.checkpoint import consolidated_state_dict, open_sharded, read_full_tensors
 from workers.gpt_setup import MOE_CONFIGS
 
@@ -31,7 +31,7 @@ def runs(tmp_path_factory):
     # A run that ended at max_steps=2, continued with max_steps=4: the data index is rebuilt for 4 steps.
     plan += [{"name": "short", "tp": 2, "ep": 2, "steps": STOP_AT, "save_every": STOP_AT},
              {"name": "extended", "tp": 2, "ep": 2, "steps": STEPS, "ckpt_path": str(out / SHORT)}]
-    results, _ = launch("moe_resume.py", 4, out, json.dumps({"variant": "moe", "runs": plan}))
+    results, _ = run_job("moe_resume", 4, out, json.dumps({"variant": "moe", "runs": plan}))
     assert len(results) == 4 and all("error" not in run for result in results for run in result.values()), results
     return out, results[0]
 

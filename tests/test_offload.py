@@ -24,7 +24,7 @@ from lightning_megatron.offload.tiled_step import TiledPiece, cut_into_tiles
 from lightning_megatron.optim.grad_sync import GradientSynchronizer
 from lightning_megatron.optim.main_params import MainParamOptimizer
 
-from launch import launch
+from launch import run_job
 from workers.offload_overlap import copied_before_last_launch, train_recording
 
 
@@ -230,7 +230,7 @@ def test_zero2_buckets_are_copied_when_final():
 def test_offloaded_copies_wait_for_each_buckets_collective_over_two_ranks(tmp_path):
     """dp=2 over gloo: each early copy waits for its bucket's all-reduce (ZeRO 0) or reduce-scatter (ZeRO-1), and the
     collective's work is waited for again in finish(); the offloaded weights equal the device-stepped ones."""
-    results, _ = launch("offload_overlap.py", 2, tmp_path)
+    results, _ = run_job("offload_overlap", 2, tmp_path)
     expected = {"z0": {"equal": True, "copied_early": True}, "z1": {"equal": True, "copied_early": True}}
     assert results == [expected, expected]
 

@@ -11,7 +11,7 @@ import sys
 import pytest
 import yaml
 
-from launch import REPO_ROOT, WORKERS, child_env, launch
+from launch import REPO_ROOT, WORKERS, child_env, launch, run_job
 
 from lightning_megatron import Megatron3DStrategy
 from lightning_megatron.optim.main_params import MODEL_STATE_KEYS
@@ -62,7 +62,7 @@ def test_model_state_bytes_are_what_the_strategy_reports_on_every_rank(tmp_path)
     grouped-query attention, MoE, LoRA) each trained one step through the Trainer on 4 ranks; on every rank the
     planner's prediction equals ``strategy.model_state_bytes`` byte for byte, and for LoRA both equal the formula."""
     keys = list(BYTE_LAYOUTS)
-    results, proc = launch("plan_bytes.py", 4, tmp_path, ",".join(keys), timeout=900)
+    results, proc = run_job("plan_bytes", 4, tmp_path, ",".join(keys), timeout=900)
     predicted = predicted_bytes()
     assert len(results) == 4
     for key in keys:
@@ -289,6 +289,7 @@ def test_auto_sizes_are_the_planners_choice_on_every_rank(tmp_path):
     """``tensor_parallel_size="auto", pipeline_parallel_size="auto"`` on 2 CPU processes: the planner's best layout
     (computed again here, in a fresh process) on both ranks, logged, then trained; a model that fits no layout
     raises the planner's explanation on every rank before any process group exists."""
+    # fresh: the strategy plans over torch's fake process group before it makes the default one
     results, proc = launch("plan_auto.py", 2, tmp_path, timeout=600)
     for result in results:
         assert result["too_big"]["error"] is not None and not result["too_big"]["distributed_initialized"]

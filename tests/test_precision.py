@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from launch import launch
+from launch import run_job
 from lightning_megatron.optim.loss_scaler import DynamicLossScaler, agree_on_overflow, found_overflow
 from lightning_megatron.parallel.guards import check_collective_devices, count_host_syncs
 OVERFLOW_STEP = 2  # as in workers/precision_fit.py
@@ -16,7 +16,7 @@ TOLERANCE = {"bf16-true": 3e-2, "bf16-mixed": 3e-2, "fp16-true": 5e-3, "fp16-mix
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    results, _ = launch("precision_fit.py", 2, tmp_path_factory.mktemp("precision"), timeout=900)
+    results, _ = run_job("precision_fit", 2, tmp_path_factory.mktemp("precision"), timeout=900)
     return results
 
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from launch import launch
+from launch import run_job
 from workers.recompute_setup import CONFIG, LAYERS, SEED, batches, max_deviation, two_steps, without_tracker_replay
 from lightning_megatron.models import GPT, GPTModel
 from lightning_megatron.parallel import ParallelConfig, ParallelState, TensorParallelRNG
@@ -47,7 +47,7 @@ def test_without_the_tracker_replay_recomputed_dropout_differs():
 
 @pytest.mark.slow
 def test_recomputation_under_tensor_and_sequence_parallelism(tmp_path):
-    results, _ = launch("recompute_tp.py", 2, tmp_path)
+    results, _ = run_job("recompute_tp", 2, tmp_path)
     assert len(results) == 2
     for rank, result in enumerate(results):
         for layout in ("tp2", "tp2-sp"):

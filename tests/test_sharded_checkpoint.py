@@ -7,7 +7,7 @@ import shutil
 import pytest
 import torch
 
-from launch import launch
+from launch import run_job
 from lightning_megatron.checkpoint import consolidated_state_dict, open_sharded, read_full_tensors
 from lightning_megatron.checkpoint.pieces import Placement, flat_range_boxes
 from lightning_megatron.parallel.shards import TensorShard
@@ -51,7 +51,7 @@ def test_placement_offsets_tensor_parallel_shards_and_drops_vocab_padding():
 def saved_run(tmp_path_factory):
     """4 steps at (tp=2, pp=2, dp=2, ZeRO-1), sharded checkpoints after steps 2 and 4, written in the background."""
     out = tmp_path_factory.mktemp("saved")
-    results, _ = launch("checkpoint_layouts.py", 8, out, json.dumps(SAVE))
+    results, _ = run_job("checkpoint_layouts", 8, out, json.dumps(SAVE))
     return out, results[0]["losses"], torch.load(out / "weights.pt", weights_only=True)
 
 
@@ -89,7 +89,7 @@ def test_resume_at_another_layout_continues_the_same_run(saved_run, layout, tmp_
     world = LOADS[layout]
     options = {"tp": tp, "pp": pp, "vpp": vpp, "zero_stage": zero, "cp": cp, "layers": 4, "steps": 4,
                "ckpt_path": str(out / STEP2), "offload": offload if offload != "none" else False}
-    results, _ = launch("checkpoint_layouts.py", world, tmp_path, json.dumps(options))
+    results, _ = run_job("checkpoint_layouts", world, tmp_path, json.dumps(options))
     assert all("error" not in r for r in results), results
     losses = results[0]["losses"]
     weights = torch.load(tmp_path / "weights.pt", weights_only=True)
@@ -138,7 +138,7 @@ def test_a_missing_shard_stops_every_rank_with_the_file_named(saved_run, tmp_pat
     shutil.copytree(out / STEP2, damaged)
     (damaged / "__5_0.distcp").unlink()
     options = {"tp": 2, "pp": 1, "zero_stage": 3, "layers": 4, "steps": 4, "ckpt_path": str(damaged)}
-    results, _ = launch("checkpoint_layouts.py", 2, tmp_path / "run", json.dumps(options))
+    results, _ = run_job("checkpoint_layouts", 2, tmp_path / "run", json.dumps(options))
     assert len(results) == 2
     for result in results:  # no rank hangs in a collective waiting for one that gave up
         assert "__5_0.distcp is missing" in result["error"], result
@@ -151,7 +151,7 @@ def test_full_checkpoint_gathers_on_rank_zero_alone(tmp_path):
     the other ranks get nothing back and allocate no tensor data (the every-rank gather built the whole state on
     each)."""
     layouts = ["tp2-pp2", "pp2-dp2", "llama-tp2-dp2-zero3"]
-    results, _ = launch("full_gather.py", 4, tmp_path, ",".join(layouts))
+    results, _ = run_job("full_gather", 4, tmp_path, ",".join(layouts))
     for layout in layouts:
         new = torch.load(tmp_path / f"{layout}-new.pt", weights_only=True)
         old = torch.load(tmp_path / f"{layout}-old.pt", weights_only=True)

@@ -6,7 +6,7 @@ import lightning as L
 import pytest
 import torch
 
-from launch import launch
+from launch import launch, run_job
 from lightning_megatron.pipeline.timeline import theoretical_bubble
 from workers.trainer_setup import PREDICT_GENERATION, PREDICT_PROMPTS, datamodule, model, trainer_kwargs
 import lightning_megatron  # noqa: F401  (registers "megatron_3d")
@@ -46,7 +46,7 @@ def plain_lightning_run(options):
 @pytest.fixture(scope="module")
 def fit_tp2_dp2(tmp_path_factory):
     out = tmp_path_factory.mktemp("fit")
-    results, _ = launch("trainer_fit.py", 4, out, json.dumps(FIT))
+    results, _ = run_job("trainer_fit", 4, out, json.dumps(FIT))
     return out, results
 
 
@@ -81,7 +81,7 @@ def test_fit_llama_with_replicated_key_value_heads_matches_plain_lightning(tmp_p
     query heads and a replica of the key/value head, whose gradient the strategy sums over the two replicas; with
     sequence parallelism (its collectives overlapped with the GEMMs: tp_comm_overlap), dp=2, ZeRO-1 and
     accumulation, through Lightning's loop."""
-    results, _ = launch("trainer_fit.py", 4, tmp_path, json.dumps(LLAMA_FIT))
+    results, _ = run_job("trainer_fit", 4, tmp_path, json.dumps(LLAMA_FIT))
     assert all(r["sequence_linears"] == ["OverlappedSequenceParallelLinear"] for r in results)
     ref_losses, ref_val, ref_weights = plain_lightning_run(LLAMA_FIT)
     per_rank = torch.tensor([r["losses"] for r in results])
@@ -120,7 +120,7 @@ def assert_predictions_match(options, ref_weights, results, out_dir, *, dp_rank)
 def test_fit_pp2_tp2_dp2_matches_plain_lightning(tmp_path):
     """8 ranks: the pipeline schedule inside Lightning's loop, with tp, sequence parallel, dp, ZeRO-2,
     selective recomputation and accumulation."""
-    results, _ = launch("trainer_fit.py", 8, tmp_path, json.dumps(PIPELINE_FIT))
+    results, _ = run_job("trainer_fit", 8, tmp_path, json.dumps(PIPELINE_FIT))
     ref_losses, ref_val, ref_weights = plain_lightning_run(PIPELINE_FIT)
     per_rank = torch.tensor([r["losses"] for r in results])
     # rank = (pp * dp_size + dp) * tp_size + tp: every rank of a replica reports the replica's loss.
@@ -150,7 +150,7 @@ def test_fit_zero_bubble_pp2_dp2_matches_plain_lightning(tmp_path):
     """4 ranks, pp2 x dp2 under ZB-V with full recomputation and ZeRO-1: training, validation and test (forward-only
     schedule), the timeline of a split backward against the schedule's own theory, then generation and predict
     through the V placement (stages 0 and 3 on pipeline rank 0, 1 and 2 on rank 1)."""
-    results, _ = launch("trainer_fit.py", 4, tmp_path, json.dumps(ZERO_BUBBLE_FIT))
+    results, _ = run_job("trainer_fit", 4, tmp_path, json.dumps(ZERO_BUBBLE_FIT))
     ref_losses, ref_val, ref_weights = plain_lightning_run(ZERO_BUBBLE_FIT)
     per_rank = torch.tensor([r["losses"] for r in results])
     assert torch.allclose((per_rank[0] + per_rank[1]) / 2, torch.tensor(ref_losses), atol=1e-5)  # dp ranks 0, 1
@@ -184,7 +184,7 @@ def test_dp2_with_uneven_token_counts_and_overlapped_param_gather_matches_plain_
     run is still the reference."""
     options = {"tp": 1, "steps": 4, "uneven_tokens": True, "zero_stage": 2, "overlap": True, "late_rank": 1,
                "save_at_step": 2, "val_every": 3, "checkpoint_format": "full", "compile": {"backend": "aot_eager"}}
-    results, _ = launch("trainer_fit.py", 2, tmp_path, json.dumps(options))
+    results, _ = run_job("trainer_fit", 2, tmp_path, json.dumps(options))
     ref_losses, ref_val, ref_weights = plain_lightning_run(options)
     assert _worst(torch.load(tmp_path / "weights.pt", weights_only=True), ref_weights) < 1e-5
     saved = torch.load(tmp_path / "step2.ckpt", weights_only=False)["state_dict"]
@@ -206,7 +206,7 @@ def test_dp2_with_uneven_token_counts_and_overlapped_param_gather_matches_plain_
 def test_fit_zero3_matches_plain_lightning(options, tmp_path):
     """Parameters sharded over dp (FSDP2 per layer) with tensor or pipeline parallelism, clipping, accumulation;
     then trainer.predict (generation and full logits) on the sharded model."""
-    results, _ = launch("trainer_fit.py", 4, tmp_path, json.dumps(options))
+    results, _ = run_job("trainer_fit", 4, tmp_path, json.dumps(options))
     ref_losses, ref_val, ref_weights = plain_lightning_run(options)
     per_rank = torch.tensor([r["losses"] for r in results])
     # Ranks of dp 0 and dp 1: (0, 2) for tp=2; (0, 1) for pp=2 with tp=1.
@@ -248,6 +248,7 @@ def test_every_rank_checksums_the_files_it_wrote(fit_tp2_dp2, capsys):
 
 @pytest.mark.slow
 def test_heads_not_divisible_fails_on_every_rank_before_any_collective(tmp_path):
+    """A fresh launch: the process must not have joined a process group (a pool's ranks have)."""
     results, _ = launch("trainer_fit.py", 2, tmp_path, json.dumps({"tp": 2, "hidden": 48, "heads": 3}))
     assert len(results) == 2
     for result in results:
@@ -258,6 +259,7 @@ def test_heads_not_divisible_fails_on_every_rank_before_any_collective(tmp_path)
 
 @pytest.mark.slow
 def test_query_groups_tp_can_neither_split_nor_replicate_fails_on_every_rank_before_any_collective(tmp_path):
+    """A fresh launch, as above."""
     results, _ = launch("trainer_fit.py", 2, tmp_path,
                         json.dumps({"tp": 2, "hidden": 48, "heads": 6, "groups": 3, "preset": "llama-tiny"}))
     assert len(results) == 2

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from launch import launch
+from launch import run_job
 from lightning_megatron.parallel import ParallelConfig
 from lightning_megatron.tensor_parallel.overlap import OverlappedSequenceParallelLinear, overlapped_linear_for
 
@@ -15,7 +15,7 @@ def layer_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def layer_results(layer_dir):
-    results, _ = launch("tp_layers.py", 2, layer_dir)
+    results, _ = run_job("tp_layers", 2, layer_dir)
     assert len(results) == 2
     return results
 

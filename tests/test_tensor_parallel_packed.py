@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from launch import launch
+from launch import run_job
 from lightning_megatron.checkpoint.pieces import Placement
 from lightning_megatron.parallel import ParallelConfig, ParallelState
 from lightning_megatron.parallel.shards import TensorShard
@@ -130,7 +130,7 @@ def test_query_group_column_refuses_layouts_it_cannot_split():
 # ---------------------------------------------------------------- 4 ranks
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    results, _ = launch("tp_packed.py", 4, tmp_path_factory.mktemp("tp_packed"))
+    results, _ = run_job("tp_packed", 4, tmp_path_factory.mktemp("tp_packed"))
     assert len(results) == 4
     return results
 

@@ -16,7 +16,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from lightning.pytorch.callbacks import ThroughputMonitor
 from lightning.pytorch.loggers.logger import Logger
 
-from launch import launch
+from launch import run_job
 from lightning_megatron.callbacks import (PEAK_FLOPS, TokenThroughput, _model_flops, compute_dtype, device_family,
                                           peak_flops_of)
 from lightning_megatron.models import BERT, GPT, BERTConfig, GPTConfig, GPTModel
@@ -270,7 +270,7 @@ GLOBAL_BATCH_SIZE, SEQ, HIDDEN, LAYERS, VOCAB = 8, 32, 32, 2, 257  # trainer_set
 @pytest.fixture(scope="module")
 def throughput_runs(tmp_path_factory):
     options = dict(clock="steps", durations=DURATIONS, peak_flops=PEAK, steps=len(DURATIONS), layouts=LAYOUTS)
-    results, _ = launch("throughput.py", 4, tmp_path_factory.mktemp("throughput"), json.dumps(options))
+    results, _ = run_job("throughput", 4, tmp_path_factory.mktemp("throughput"), json.dumps(options))
     assert len(results) == 4
     return results
 
@@ -319,7 +319,7 @@ PROVIDED = [dict(name="gpt-tp2", tp=2, model="gpt"), dict(name="bert-tp2", tp=2,
 @pytest.fixture(scope="module")
 def provided_module_runs(tmp_path_factory):
     options = dict(clock="steps", durations=DURATIONS[:3], peak_flops=PEAK, steps=3, layouts=PROVIDED)
-    results, _ = launch("throughput.py", 2, tmp_path_factory.mktemp("provided"), json.dumps(options))
+    results, _ = run_job("throughput", 2, tmp_path_factory.mktemp("provided"), json.dumps(options))
     assert len(results) == 2
     return results
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from launch import launch
+from launch import run_job
 from lightning_megatron import Megatron3DStrategy
 from lightning_megatron.optim import GradientSynchronizer
 from lightning_megatron.optim.main_params import MainParamOptimizer
@@ -11,7 +11,7 @@ from lightning_megatron.optim.main_params import MainParamOptimizer
 
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory):
-    results, _ = launch("zero_bytes.py", 4, tmp_path_factory.mktemp("zero"))
+    results, _ = run_job("zero_bytes", 4, tmp_path_factory.mktemp("zero"))
     return results
 
 

@@ -25,7 +25,7 @@ import torch
 
 from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
 
-from launch import launch
+from launch import run_job
 from test_layout_invariance import _check_lora, _deviations, _reference
 from workers.buffer_setup import BufferedGPT
 from workers.gpt_setup import CLIP, CONFIG, CONFIGS, LLAMA_CONFIG, LORA, SEED, batches, optimizer, sgd_optimizer
@@ -55,7 +55,7 @@ OFFLOADED = "tp2-dp2-sp-cpu-ckpt"
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     out = tmp_path_factory.mktemp("zero3")
-    results, _ = launch("zero3_training.py", 4, out, ",".join(["bytes", *LAYOUTS]))
+    results, _ = run_job("zero3_training", 4, out, ",".join(["bytes", *LAYOUTS]))
     return out, results
 
 
@@ -159,7 +159,7 @@ def test_user_buffers_keep_their_values_under_zero3(tmp_path):
     """ZeRO-3 empties the module (``to_empty``: stale device memory on CUDA, NaN here with the deterministic fill)
     to materialise its meta parameters' shards; a user's buffers that hold values (persistent or not) must come
     back as they were: dp2 ZeRO-3 gives the losses of one process without ZeRO, with no NaN."""
-    results, _ = launch("zero3_buffers.py", 2, tmp_path)
+    results, _ = run_job("zero3_buffers", 2, tmp_path)
     torch.manual_seed(SEED)
     model = BufferedGPT(CONFIG)
     opt = optimizer(list(model.parameters()))

@@ -13,7 +13,6 @@ After a resume the final state is also saved to final.ckpt. A rank that fails to
 
 import json
 import os
-import sys
 from pathlib import Path
 
 import lightning as L
@@ -23,53 +22,57 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from trainer_setup import datamodule, held_pieces, model, trainer_kwargs
 from lightning_megatron import Megatron3DStrategy
-
-out_dir, options = Path(sys.argv[1]), json.loads(sys.argv[2])
-rank = int(os.environ["RANK"])
-losses = []
+from entry import run_script
 
 
-class Record(L.Callback):
-    def on_train_start(self, trainer, pl_module):
-        if not options.get("ckpt_path"):
-            return
-        rows = held_pieces(trainer)
-        torch.save(rows, out_dir / f"pieces{rank}.pt")
+def main(out_dir: Path, args: list[str]) -> None:
+    options = json.loads(args[0])
+    rank = int(os.environ["RANK"])
+    losses = []
 
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        losses.append(float(trainer.strategy.reduce(outputs["loss"].detach(), reduce_op="mean")))  # the global batch's
-        if trainer.global_step == options.get("snapshot_step"):
-            weights = trainer.strategy.full_state_dict()
-            if rank == 0:
-                torch.save(weights, out_dir / f"weights_step{trainer.global_step}.pt")
+    class Record(L.Callback):
+        def on_train_start(self, trainer, pl_module):
+            if not options.get("ckpt_path"):
+                return
+            rows = held_pieces(trainer)
+            torch.save(rows, out_dir / f"pieces{rank}.pt")
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            losses.append(float(trainer.strategy.reduce(outputs["loss"].detach(), reduce_op="mean")))  # the global batch's
+            if trainer.global_step == options.get("snapshot_step"):
+                weights = trainer.strategy.full_state_dict()
+                if rank == 0:
+                    torch.save(weights, out_dir / f"weights_step{trainer.global_step}.pt")
+
+    L.seed_everything(7)
+    vpp = options.get("vpp", 1)
+    strategy = Megatron3DStrategy(tensor_parallel_size=options["tp"], pipeline_parallel_size=options["pp"],
+                                  virtual_pipeline_size=vpp, pipeline_schedule="interleaved_1f1b" if vpp > 1 else "1f1b",
+                                  zero_stage=options["zero_stage"], context_parallel_size=options.get("cp", 1),
+                                  bucket_size_mb=0.01, async_checkpoint=options.get("async", False),
+                                  offload_optimizer=options.get("offload", False),
+                                  offload_path=str(out_dir / "offload") if options.get("offload") == "nvme" else None,
+                                  offload_buffer_mb=1000 * 4 / 2**20)
+    callbacks = [Record()]
+    if options.get("save_every"):
+        callbacks.append(ModelCheckpoint(dirpath=out_dir / "checkpoints", every_n_train_steps=options["save_every"],
+                                         save_top_k=-1))
+    kwargs = {**trainer_kwargs(options), "enable_checkpointing": bool(options.get("save_every")), "limit_val_batches": 0}
+    trainer = L.Trainer(accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]), strategy=strategy, callbacks=callbacks,
+                        **kwargs)
+    try:
+        trainer.fit(model(options), datamodule=datamodule(options), ckpt_path=options.get("ckpt_path"))
+    except (OSError, RuntimeError, ValueError) as error:  # a damaged checkpoint: every rank must say so, none hang
+        (out_dir / f"rank{rank}.json").write_text(json.dumps({"error": f"{type(error).__name__}: {error}"}))
+        return
+    weights = trainer.strategy.full_state_dict()
+    if rank == 0:
+        torch.save(weights, out_dir / "weights.pt")
+    if options.get("ckpt_path"):  # saving works at this layout too
+        trainer.save_checkpoint(out_dir / "final.ckpt")
+    (out_dir / f"rank{rank}.json").write_text(json.dumps({"losses": losses, "global_step": trainer.global_step}))
+    dist.barrier()
 
 
-L.seed_everything(7)
-vpp = options.get("vpp", 1)
-strategy = Megatron3DStrategy(tensor_parallel_size=options["tp"], pipeline_parallel_size=options["pp"],
-                              virtual_pipeline_size=vpp, pipeline_schedule="interleaved_1f1b" if vpp > 1 else "1f1b",
-                              zero_stage=options["zero_stage"], context_parallel_size=options.get("cp", 1),
-                              bucket_size_mb=0.01, async_checkpoint=options.get("async", False),
-                              offload_optimizer=options.get("offload", False),
-                              offload_path=str(out_dir / "offload") if options.get("offload") == "nvme" else None,
-                              offload_buffer_mb=1000 * 4 / 2**20)
-callbacks = [Record()]
-if options.get("save_every"):
-    callbacks.append(ModelCheckpoint(dirpath=out_dir / "checkpoints", every_n_train_steps=options["save_every"],
-                                     save_top_k=-1))
-kwargs = {**trainer_kwargs(options), "enable_checkpointing": bool(options.get("save_every")), "limit_val_batches": 0}
-trainer = L.Trainer(accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]), strategy=strategy, callbacks=callbacks,
-                    **kwargs)
-try:
-    trainer.fit(model(options), datamodule=datamodule(options), ckpt_path=options.get("ckpt_path"))
-except (OSError, RuntimeError, ValueError) as error:  # a damaged checkpoint: every rank must say so, none hang
-    (out_dir / f"rank{rank}.json").write_text(json.dumps({"error": f"{type(error).__name__}: {error}"}))
-    os._exit(0)  # not sys.exit: gloo's C++ teardown after a failed collective aborts at random (torch 2.13)
-weights = trainer.strategy.full_state_dict()
-if rank == 0:
-    torch.save(weights, out_dir / "weights.pt")
-if options.get("ckpt_path"):  # saving works at this layout too
-    trainer.save_checkpoint(out_dir / "final.ckpt")
-(out_dir / f"rank{rank}.json").write_text(json.dumps({"losses": losses, "global_step": trainer.global_step}))
-dist.barrier()
-os._exit(0)  # skip gloo's C++ teardown (see the other workers)
+if __name__ == "__main__":
+    run_script(main, join=False)

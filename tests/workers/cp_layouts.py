@@ -15,11 +15,13 @@ writes each layout's losses and full weights to ``{layout}.pt``.
 """
 
 import re
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from layout_runs import run_layouts, start_worker_pipeline
+from entry import run_script
+from layout_runs import layouts_job, start_worker_pipeline
 from collective_counter import CollectiveCounter
 from cp_setup import MODELS, bert_setup, gpt_setup, model_batches, model_loss
 from lightning_megatron.checkpoint import gather_full_state_dict, merge_pipeline_stages
@@ -223,5 +225,9 @@ def generate_at(layout: str) -> dict:
             "got": generate(root, prompts, max_new_tokens=6)}
 
 
+def main(out_dir: Path, args: list[str]) -> None:
+    layouts_job(out_dir, args[0].split(","), train, {"count-": count, "gen-": generate_at, "kernels-": kernels, "errors-": errors})
+
+
 if __name__ == "__main__":
-    run_layouts(train, {"count-": count, "gen-": generate_at, "kernels-": kernels, "errors-": errors})
+    run_script(main)

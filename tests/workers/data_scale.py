@@ -19,51 +19,55 @@ from data import resident_kib  # noqa: E402  the benchmark's reading of /proc: t
 from lightning_megatron import Megatron3DStrategy
 from lightning_megatron.data import GPTDataModule
 from lightning_megatron.models import GPT, GPTConfig
-
-out_dir, options = Path(sys.argv[1]), json.loads(sys.argv[2])
-rank = int(os.environ["RANK"])
+from entry import run_script
 
 
-class Record(L.Callback):
-    def __init__(self):
-        self.samples, self.logged = [], []
+def main(out_dir: Path, args: list[str]) -> None:
+    options = json.loads(args[0])
+    rank = int(os.environ["RANK"])
 
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.samples.append([hash(tuple(row.tolist())) for row in batch["input_ids"]])
+    class Record(L.Callback):
+        def __init__(self):
+            self.samples, self.logged = [], []
 
-    # what the module logged at the end of a step (callbacks see a step's end before the module does)
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        if batch_idx:
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            self.samples.append([hash(tuple(row.tolist())) for row in batch["input_ids"]])
+
+        # what the module logged at the end of a step (callbacks see a step's end before the module does)
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if batch_idx:
+                self._read(trainer)
+
+        def on_train_end(self, trainer, pl_module):
             self._read(trainer)
 
-    def on_train_end(self, trainer, pl_module):
-        self._read(trainer)
+        def _read(self, trainer):
+            self.logged.append({k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("consumed")})
 
-    def _read(self, trainer):
-        self.logged.append({k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("consumed")})
+    runs = []
+    for data_prefix in options["corpora"]:
+        L.seed_everything(3)
+        record = Record()
+        trainer = L.Trainer(accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]),
+                            strategy=Megatron3DStrategy(tensor_parallel_size=options["tp"]), max_steps=options["steps"],
+                            limit_val_batches=2, val_check_interval=options["steps"], num_sanity_val_steps=0, logger=False,
+                            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                            callbacks=[record])
+        data = GPTDataModule(data_prefix=data_prefix, seq_length=32, global_batch_size=8, seed=5,
+                             index_cache_dir=str(out_dir / "index_cache"))
+        model = GPT(GPTConfig(vocab_size=257, max_seq_length=32, hidden_size=32, num_layers=2, num_heads=4),
+                    learning_rate=3e-3, warmup_steps=2)
+        trainer.fit(model, datamodule=data)
+        built = {split: getattr(data, f"{split}_dataset") for split in ("train", "val")}
+        built = {split: [part.cache.built_here for part in getattr(dataset, "datasets", [dataset])]
+                 for split, dataset in built.items()}
+        runs.append({"resident_kib": resident_kib(), "built": built, "samples": record.samples,
+                     "logged": record.logged, "val_loss": float(trainer.callback_metrics["val_loss"])})
+        dist.barrier()
 
-
-runs = []
-for data_prefix in options["corpora"]:
-    L.seed_everything(3)
-    record = Record()
-    trainer = L.Trainer(accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]),
-                        strategy=Megatron3DStrategy(tensor_parallel_size=options["tp"]), max_steps=options["steps"],
-                        limit_val_batches=2, val_check_interval=options["steps"], num_sanity_val_steps=0, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        callbacks=[record])
-    data = GPTDataModule(data_prefix=data_prefix, seq_length=32, global_batch_size=8, seed=5,
-                         index_cache_dir=str(out_dir / "index_cache"))
-    model = GPT(GPTConfig(vocab_size=257, max_seq_length=32, hidden_size=32, num_layers=2, num_heads=4),
-                learning_rate=3e-3, warmup_steps=2)
-    trainer.fit(model, datamodule=data)
-    built = {split: getattr(data, f"{split}_dataset") for split in ("train", "val")}
-    built = {split: [part.cache.built_here for part in getattr(dataset, "datasets", [dataset])]
-             for split, dataset in built.items()}
-    runs.append({"resident_kib": resident_kib(), "built": built, "samples": record.samples,
-                 "logged": record.logged, "val_loss": float(trainer.callback_metrics["val_loss"])})
+    (out_dir / f"rank{rank}.json").write_text(json.dumps({"runs": runs}))
     dist.barrier()
 
-(out_dir / f"rank{rank}.json").write_text(json.dumps({"runs": runs}))
-dist.barrier()
-os._exit(0)  # skip gloo's C++ teardown (see the other workers)
+
+if __name__ == "__main__":
+    run_script(main, join=False)

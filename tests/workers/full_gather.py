@@ -8,8 +8,6 @@ each gather allocated (``allocation_meter.AllocationMeter``), the bytes of its o
 """
 
 import json
-import os
-import sys
 from pathlib import Path
 
 import torch
@@ -23,6 +21,7 @@ from zero3_training import build as build_zero3
 from lightning_megatron.checkpoint.full import (gather_full_state_dict, gather_full_state_dict_on_rank_zero,
                                                 merge_pipeline_stages)
 from lightning_megatron.parallel import ParallelConfig, ParallelState
+from entry import run_script
 
 LAYOUTS = {"tp2-pp2": ("gpt", dict(tensor_parallel_size=2, pipeline_parallel_size=2), False),
            "pp2-dp2": ("gpt", dict(pipeline_parallel_size=2, data_parallel_size=2), False),
@@ -39,9 +38,8 @@ def tensor_bytes(state: dict) -> int:
     return sum(v.numel() * v.element_size() for v in state.values() if isinstance(v, torch.Tensor))
 
 
-if __name__ == "__main__":
-    out_dir, layouts = Path(sys.argv[1]), sys.argv[2].split(",")
-    dist.init_process_group("gloo")
+def main(out_dir: Path, args: list[str]) -> None:
+    layouts = args[0].split(",")
     torch.set_num_threads(1)
     rank = dist.get_rank()
     summary = {}
@@ -63,4 +61,7 @@ if __name__ == "__main__":
                            "own_bytes": tensor_bytes(own), "full_bytes": tensor_bytes(old)}
     (out_dir / f"rank{rank}.json").write_text(json.dumps(summary))
     dist.barrier()
-    os._exit(0)  # skip gloo's C++ teardown (see layout_runs.py)
+
+
+if __name__ == "__main__":
+    run_script(main)

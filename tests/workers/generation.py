@@ -11,8 +11,6 @@ the vocab-parallel logits (tp > 1 without pipelining).
 """
 
 import json
-import os
-import sys
 from pathlib import Path
 
 import torch
@@ -31,6 +29,7 @@ from lightning_megatron.parallel.initialize import initialize_parameters
 from lightning_megatron.strategy.options import StrategyOptions
 from lightning_megatron.strategy.preparation import split_pipeline, start_pipeline
 from lightning_megatron.tensor_parallel import full_sequences, gather_vocab_logits, parallelize
+from entry import run_script
 
 NEW_TOKENS = 12
 SAMPLING = {"temperature": dict(temperature=0.8), "top_k+top_p": dict(temperature=0.9, top_k=20, top_p=0.8),
@@ -109,9 +108,8 @@ def check_bert(state: ParallelState, case) -> dict:
     return {"full_logits_max_abs_diff": (logits - case.expected[0]).abs().max().item()}
 
 
-if __name__ == "__main__":
-    out_dir, checks = Path(sys.argv[1]), sys.argv[2].split(",")
-    dist.init_process_group("gloo")
+def main(out_dir: Path, args: list[str]) -> None:
+    checks = args[0].split(",")
     cases, states, results = {}, {}, {}
     for item in checks:
         name, layout = item.split(":")
@@ -122,4 +120,7 @@ if __name__ == "__main__":
         results[item] = (check_bert if name == "bert" else check)(states[layout], cases[name])
     (out_dir / f"rank{dist.get_rank()}.json").write_text(json.dumps(results))
     dist.barrier()
-    os._exit(0)  # skip gloo's C++ teardown: with several meshes alive it aborts at random (torch 2.13)
+
+
+if __name__ == "__main__":
+    run_script(main)

@@ -13,9 +13,7 @@ per expert).
 """
 
 import json
-import os
 import re
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -36,6 +34,7 @@ from lightning_megatron.pipeline.stage import split_for_pipeline
 from lightning_megatron.expert_parallel.apply import prepare_experts
 from lightning_megatron.tensor_parallel import parallelize
 from lightning_megatron.tensor_parallel.mappings import gather_from_tensor_parallel
+from entry import run_script
 
 
 def converted(hf, **case):
@@ -138,9 +137,8 @@ def check(state: ParallelState, case) -> dict:
     return {"max_abs_diff": deviation, "round_trip_identical": identical}
 
 
-if __name__ == "__main__":
-    out_dir, checks = Path(sys.argv[1]), sys.argv[2].split(",")
-    dist.init_process_group("gloo")
+def main(out_dir: Path, args: list[str]) -> None:
+    checks = args[0].split(",")
     builders = {"gpt2": gpt2_case, "bert": bert_case,
                 **{name: (lambda name=name: llama_case(name))
                    for name in (*hf_llama_setup.CASES, *hf_llama_setup.MOE_CASES)}}
@@ -154,4 +152,7 @@ if __name__ == "__main__":
         results[item] = check(states[layout], cases[name])
     (out_dir / f"rank{dist.get_rank()}.json").write_text(json.dumps(results))
     dist.barrier()
-    os._exit(0)  # skip gloo's C++ teardown: with several meshes alive it aborts at random (torch 2.13)
+
+
+if __name__ == "__main__":
+    run_script(main)

@@ -2,9 +2,10 @@
 same processes: starting processes and importing Lightning costs ~10 s a launch), and the pipeline schedule wired
 to the step's gradient bookkeeping as the strategy wires it.
 
-``run_layouts(train, tools)``: argv is ``OUT_DIR LAYOUTS`` (a comma list). A layout starting with one of ``tools``'
-prefixes goes to that function, whose result is this rank's entry; any other goes to ``train(layout) -> (losses,
-weights)``, rank 0 writing ``{layout}.pt`` with both. Each rank writes its entries to ``rank{r}.json``.
+``layouts_job(out_dir, layouts, train, tools)`` (``run_layouts(train, tools)`` as a script: argv is ``OUT_DIR
+LAYOUTS``, a comma list). A layout starting with one of ``tools``' prefixes goes to that function, whose result is
+this rank's entry; any other goes to ``train(layout) -> (losses, weights)``, rank 0 writing ``{layout}.pt`` with
+both. Each rank writes its entries to ``rank{r}.json``.
 """
 
 import json
@@ -18,8 +19,14 @@ import torch.distributed as dist
 
 
 def run_layouts(train: Callable, tools: Mapping[str, Callable] = {}) -> None:
-    out_dir, layouts = Path(sys.argv[1]), sys.argv[2].split(",")
+    """As a script: the default group joined, ``layouts_job`` over argv, and ``os._exit(0)``."""
     dist.init_process_group("gloo")
+    layouts_job(Path(sys.argv[1]), sys.argv[2].split(","), train, tools)
+    os._exit(0)  # skip gloo's C++ teardown: with several meshes alive it aborts at random (torch 2.13)
+
+
+def layouts_job(out_dir: Path, layouts: list[str], train: Callable, tools: Mapping[str, Callable] = {}) -> None:
+    """Every layout of ``layouts`` in turn on this rank (a worker's ``main``, see ``entry.py``)."""
     rank = dist.get_rank()
     summary = {}
     for layout in layouts:
@@ -33,7 +40,6 @@ def run_layouts(train: Callable, tools: Mapping[str, Callable] = {}) -> None:
         summary[layout] = losses
     (out_dir / f"rank{rank}.json").write_text(json.dumps(summary))
     dist.barrier()
-    os._exit(0)  # skip gloo's C++ teardown: with several meshes alive it aborts at random (torch 2.13)
 
 
 def start_worker_pipeline(split, state, step, micro_batch_size: int, schedule: str = "1f1b"):

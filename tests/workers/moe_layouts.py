@@ -14,11 +14,13 @@ MoE layers' code made in each.
 """
 
 import re
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from layout_runs import run_layouts, start_worker_pipeline
+from entry import run_script
+from layout_runs import layouts_job, start_worker_pipeline
 from collective_counter import CollectiveCounter
 from gpt_setup import CLIP, GLOBAL_BATCH, MOE_CONFIGS as CONFIGS, SEED, batches, optimizer
 
@@ -171,5 +173,9 @@ def _moe_sites(syncs) -> dict:
             if any(name in site for name in files)}
 
 
+def main(out_dir: Path, args: list[str]) -> None:
+    layouts_job(out_dir, args[0].split(","), train, {"count-": count, "gen-": generate_at})
+
+
 if __name__ == "__main__":
-    run_layouts(train, {"count-": count, "gen-": generate_at})
+    run_script(main)

@@ -10,7 +10,6 @@ per-step checksums of its parameters and whether they stayed finite.
 
 import json
 import os
-import sys
 from pathlib import Path
 
 import lightning as L
@@ -19,6 +18,7 @@ import torch.distributed as dist
 from nonfinite_setup import BAD_STEP, RecordSteps, faulty
 from trainer_setup import datamodule, model, trainer_kwargs
 from lightning_megatron import Megatron3DStrategy
+from entry import run_script
 
 
 def run(layout: dict, *, precision="32-true", steps=4, clip=0.5, faults=None, **strategy_kwargs) -> dict:
@@ -36,23 +36,27 @@ def run(layout: dict, *, precision="32-true", steps=4, clip=0.5, faults=None, **
             "skipped": strategy.driver.nonfinite.skipped_steps}
 
 
-DP2, TP2 = {"data_parallel_size": 2}, {"tensor_parallel_size": 2}
-nan_on_rank1 = {"nan_steps": [BAD_STEP], "ranks": [1]}
-results = {
-    "dp2-nan": run(DP2, faults=nan_on_rank1),
-    "zero3-nan": run({**DP2, "zero_stage": 3}, faults=nan_on_rank1),
-    # The schedule ran backward already: only the returned loss is NaN, so only the loss count can tell.
-    "pp2-nan": run({"pipeline_parallel_size": 2, "micro_batch_size": 2}, faults=nan_on_rank1),
-    "tp2-bf16-inf-grad-skip": run(TP2, precision="bf16-true", on_nonfinite="skip",
-                                  faults={"inf_grad_steps": [BAD_STEP], "ranks": [1]}),
-    # The skipped step still writes back and gathers its (unchanged) pieces, overlapped with the next forward.
-    "dp2-zero1-overlap-inf-grad-skip": run({**DP2, "zero_stage": 1, "overlap_param_gather": True}, on_nonfinite="skip",
-                                           faults={"inf_grad_steps": [BAD_STEP], "ranks": [1]}),
-}
-for name, layout in {"dp2": DP2, "dp2-zero1": {**DP2, "zero_stage": 1}, "dp2-zero3": {**DP2, "zero_stage": 3},
-                     "tp2": TP2}.items():
-    for mode in ("error", "ignore"):  # SGD: a wrongly counted norm would change every update
-        results[f"clip-{name}-{mode}"] = run(layout, steps=3, clip=0.05, on_nonfinite=mode, faults={"sgd_lr": 1.0})
-(Path(sys.argv[1]) / f"rank{int(os.environ['RANK'])}.json").write_text(json.dumps(results))
-dist.barrier()
-os._exit(0)  # skip gloo's C++ teardown (see the other workers)
+def main(out_dir: Path, args: list[str]) -> None:
+    DP2, TP2 = {"data_parallel_size": 2}, {"tensor_parallel_size": 2}
+    nan_on_rank1 = {"nan_steps": [BAD_STEP], "ranks": [1]}
+    results = {
+        "dp2-nan": run(DP2, faults=nan_on_rank1),
+        "zero3-nan": run({**DP2, "zero_stage": 3}, faults=nan_on_rank1),
+        # The schedule ran backward already: only the returned loss is NaN, so only the loss count can tell.
+        "pp2-nan": run({"pipeline_parallel_size": 2, "micro_batch_size": 2}, faults=nan_on_rank1),
+        "tp2-bf16-inf-grad-skip": run(TP2, precision="bf16-true", on_nonfinite="skip",
+                                      faults={"inf_grad_steps": [BAD_STEP], "ranks": [1]}),
+        # The skipped step still writes back and gathers its (unchanged) pieces, overlapped with the next forward.
+        "dp2-zero1-overlap-inf-grad-skip": run({**DP2, "zero_stage": 1, "overlap_param_gather": True}, on_nonfinite="skip",
+                                               faults={"inf_grad_steps": [BAD_STEP], "ranks": [1]}),
+    }
+    for name, layout in {"dp2": DP2, "dp2-zero1": {**DP2, "zero_stage": 1}, "dp2-zero3": {**DP2, "zero_stage": 3},
+                         "tp2": TP2}.items():
+        for mode in ("error", "ignore"):  # SGD: a wrongly counted norm would change every update
+            results[f"clip-{name}-{mode}"] = run(layout, steps=3, clip=0.05, on_nonfinite=mode, faults={"sgd_lr": 1.0})
+    (out_dir / f"rank{int(os.environ['RANK'])}.json").write_text(json.dumps(results))
+    dist.barrier()
+
+
+if __name__ == "__main__":
+    run_script(main, join=False)

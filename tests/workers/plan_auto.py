@@ -10,7 +10,6 @@ argv: OUT_DIR. Rank r writes rank{r}.json with:
 
 import json
 import os
-import sys
 from pathlib import Path
 
 import lightning as L
@@ -19,41 +18,43 @@ import torch.distributed as dist
 from trainer_setup import datamodule, model, trainer_kwargs
 from lightning_megatron import Megatron3DStrategy
 from lightning_megatron.models import GPT, GPTConfig
-
-out_dir = Path(sys.argv[1])
-rank = int(os.environ["RANK"])
-result = {}
+from entry import run_script
 
 
-class Losses(L.Callback):
-    def __init__(self):
-        self.losses = []
+def main(out_dir: Path, args: list[str]) -> None:
+    rank = int(os.environ["RANK"])
+    result = {}
 
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.losses.append(float(outputs["loss"]))
+    class Losses(L.Callback):
+        def __init__(self):
+            self.losses = []
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            self.losses.append(float(outputs["loss"]))
+
+    def fit(module, **strategy_args):
+        strategy = Megatron3DStrategy(**strategy_args, bucket_size_mb=0.01)
+        losses = Losses()
+        trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, callbacks=[losses],
+                            **trainer_kwargs({"steps": 2}))
+        trainer.fit(module, datamodule=datamodule({}))
+        return strategy, losses.losses
+
+    huge = GPT(GPTConfig(vocab_size=128256, max_seq_length=32, hidden_size=8192, num_layers=80, num_heads=64,
+                         num_query_groups=8, ffn_hidden_size=28672))
+    try:
+        fit(huge, tensor_parallel_size="auto", pipeline_parallel_size="auto")
+    except ValueError as error:
+        result["too_big"] = {"error": str(error), "distributed_initialized": dist.is_initialized()}
+    else:
+        result["too_big"] = {"error": None}
+
+    strategy, losses = fit(model({"layers": 4}), tensor_parallel_size="auto", pipeline_parallel_size="auto")
+    config = strategy.parallel_config
+    result["chosen"] = {"sizes": strategy.auto_choice.sizes, "message": strategy.auto_choice.message, "losses": losses,
+                        "layout": [config.tensor_parallel_size, config.pipeline_parallel_size, config.data_parallel_size]}
+    (out_dir / f"rank{rank}.json").write_text(json.dumps(result))
 
 
-def fit(module, **strategy_args):
-    strategy = Megatron3DStrategy(**strategy_args, bucket_size_mb=0.01)
-    losses = Losses()
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, callbacks=[losses],
-                        **trainer_kwargs({"steps": 2}))
-    trainer.fit(module, datamodule=datamodule({}))
-    return strategy, losses.losses
-
-
-huge = GPT(GPTConfig(vocab_size=128256, max_seq_length=32, hidden_size=8192, num_layers=80, num_heads=64,
-                     num_query_groups=8, ffn_hidden_size=28672))
-try:
-    fit(huge, tensor_parallel_size="auto", pipeline_parallel_size="auto")
-except ValueError as error:
-    result["too_big"] = {"error": str(error), "distributed_initialized": dist.is_initialized()}
-else:
-    result["too_big"] = {"error": None}
-
-strategy, losses = fit(model({"layers": 4}), tensor_parallel_size="auto", pipeline_parallel_size="auto")
-config = strategy.parallel_config
-result["chosen"] = {"sizes": strategy.auto_choice.sizes, "message": strategy.auto_choice.message, "losses": losses,
-                    "layout": [config.tensor_parallel_size, config.pipeline_parallel_size, config.data_parallel_size]}
-(out_dir / f"rank{rank}.json").write_text(json.dumps(result))
-os._exit(0)  # skip gloo's C++ teardown: with several meshes alive it aborts at random (torch 2.13)
+if __name__ == "__main__":
+    run_script(main, join=False)

@@ -9,8 +9,6 @@ without replaying the tracker shows that the comparison can see wrong masks.
 """
 
 import json
-import os
-import sys
 from pathlib import Path
 
 import torch
@@ -22,6 +20,7 @@ from lightning_megatron.parallel import ParallelConfig, ParallelState, TensorPar
 from lightning_megatron.parallel.initialize import initialize_parameters
 from lightning_megatron.tensor_parallel import parallelize
 from lightning_megatron.transforms import recompute
+from entry import run_script
 
 
 def build(state: ParallelState, mode: str) -> GPTModel:
@@ -34,9 +33,7 @@ def build(state: ParallelState, mode: str) -> GPTModel:
     return model
 
 
-if __name__ == "__main__":
-    out_dir = Path(sys.argv[1])
-    dist.init_process_group("gloo")
+def main(out_dir: Path, args: list[str]) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     results = {}
     for sequence_parallel in (False, True):
@@ -49,4 +46,7 @@ if __name__ == "__main__":
         results[layout]["full_without_tracker_replay"] = max_deviation(two_steps(control), reference)
     (out_dir / f"rank{rank}.json").write_text(json.dumps(results))
     dist.barrier()
-    os._exit(0)  # skip gloo's C++ teardown: with several meshes alive it aborts at random (torch 2.13)
+
+
+if __name__ == "__main__":
+    run_script(main)

@@ -8,8 +8,6 @@ argv: OUT_DIR
 """
 
 import json
-import os
-import sys
 from pathlib import Path
 
 import torch
@@ -19,10 +17,10 @@ from buffer_setup import BufferedGPT
 from gpt_setup import CLIP, CONFIG, GLOBAL_BATCH, SEED, batches, optimizer
 from lightning_megatron.optim.zero3 import apply_zero3
 from lightning_megatron.parallel import ParallelConfig, ParallelState
+from entry import run_script
 
-if __name__ == "__main__":
-    out_dir = Path(sys.argv[1])
-    dist.init_process_group("gloo")
+
+def main(out_dir: Path, args: list[str]) -> None:
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
     torch.utils.deterministic.fill_uninitialized_memory = True  # torch.empty and to_empty give NaN
@@ -47,4 +45,7 @@ if __name__ == "__main__":
         losses.append((totals[0] / totals[1]).item())
     (out_dir / f"rank{dist.get_rank()}.json").write_text(json.dumps({"losses": losses}))
     dist.barrier()
-    os._exit(0)  # skip gloo's C++ teardown (see zero3_training.py)
+
+
+if __name__ == "__main__":
+    run_script(main)

@@ -21,9 +21,7 @@ single-process reference. The first training layout also checks that ``load_full
 """
 
 import json
-import os
 import re
-import sys
 from pathlib import Path
 
 import torch
@@ -57,6 +55,7 @@ from lightning_megatron.tensor_parallel import parallelize
 from lightning_megatron.tensor_parallel.fp8 import Fp8Recipe
 from lightning_megatron.tensor_parallel.fp8_plan import convert_to_fp8
 from lightning_megatron.tensor_parallel.overlap import overlapped_linear_for
+from entry import run_script
 
 LAYOUT = re.compile(r"(?:(llama|mqa|moe|chunk)-)?(?:pp(\d+)-)?tp(\d+)-dp(\d+)(-sp)?(?:-mb(\d+))?(-nosync)?(-pre)?(-sgd)?"
                     r"(-tpo)?(-cpu)?(-ckpt)?(?:-fp8(t|r))?(?:-s(\d+))?(-lora)?")
@@ -194,9 +193,8 @@ def resume_at_zero1(path: Path, tp: int, dp: int, sp: bool, pieces_file: Path) -
                 for offsets, piece in entry.pieces.items()], pieces_file)
 
 
-if __name__ == "__main__":
-    out_dir, layouts = Path(sys.argv[1]), sys.argv[2].split(",")
-    dist.init_process_group("gloo")
+def main(out_dir: Path, args: list[str]) -> None:
+    layouts = args[0].split(",")
     torch.set_num_threads(1)
     rank = dist.get_rank()
     summary = {}
@@ -211,4 +209,7 @@ if __name__ == "__main__":
         summary[layout] = {"losses": losses, "load_ok": load_ok, "offload": report}
     (out_dir / f"rank{rank}.json").write_text(json.dumps(summary))
     dist.barrier()
-    os._exit(0)  # skip gloo's C++ teardown: with several meshes alive it aborts at random (torch 2.13)
+
+
+if __name__ == "__main__":
+    run_script(main)
