@@ -45,30 +45,6 @@ def test_checkpoint_benchmark_saves_and_restores_both_sides(tmp_path):
     assert (next((tmp_path / "megatron_sharded" / "checkpoints").iterdir()) / "__1_0.distcp").stat().st_size > 0
 
 
-@pytest.mark.slow
-def test_nonfinite_check_benchmark_times_the_check_on_and_off_side_by_side():
-    result = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "nonfinite_check.py"), "--quick"],
-        capture_output=True, text=True, timeout=300, env=child_env(),
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    rows = [[cell.strip() for cell in line.split(" | ")] for line in result.stdout.splitlines() if " | " in line]
-    assert [(row[0], row[2]) for row in rows[1:]] == [("tiny", "on"), ("tiny", "off")], rows
-    assert all(row[-1] == "yes" for row in rows[1:]), "the check changed the training result"
-    assert all(float(row[5]) > 0 for row in rows[1:])
-
-
-@pytest.mark.slow
-def test_checkpoint_checks_benchmark_times_each_check_against_its_baseline(tmp_path):
-    result = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "checkpoint_checks.py"), "--megabytes=8", "--repeats=1",
-         f"--out-dir={tmp_path}"],
-        capture_output=True, text=True, timeout=300, env=child_env(),
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    rows = {line.split(" | ")[0].strip(): line.split(" | ") for line in result.stdout.splitlines() if " | " in line}
-    assert {"save with checksums", "verify every file's checksum", "finite check of what was read"} <= set(rows)
-    assert (tmp_path / "with.ckpt" / "megatron_3d.json").is_file()
 
 
 def load_benchmark(name: str):
