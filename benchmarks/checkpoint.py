@@ -50,7 +50,7 @@ from torch.utils.data import DataLoader
 from lightning_megatron import Megatron3DStrategy
 from lightning_megatron.models.gpt import GPT
 from lightning_megatron.models.transformer import TransformerLayer
-from memory import FullyShardedGPT
+from benchmarks.memory.model_state import FullyShardedGPT
 from benchmarks.harness.launch import add_worker_flags, run_checked, torchrun, worker_env
 from benchmarks.harness.tables import MIB, format_rows
 from benchmarks.harness.training import SyntheticTokens, gpt_config, quiet_trainer

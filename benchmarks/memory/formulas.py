@@ -1,5 +1,5 @@
-"""``python -m benchmarks.memory formulas``: the per-layout proof table: FLOPs, bytes sent and activation bytes per rank of one training step, each measured
-and divided by its formula (issue 28's "what must show").
+"""``python -m benchmarks.memory formulas``: the per-layout proof table: FLOPs, bytes sent and activation bytes per
+rank of one training step, each measured and divided by its formula (issue 28's "what must show").
 
 One ``torch.distributed.run`` launch of four CPU processes (gloo) builds a tiny Llama-shaped GPT (an MoE one for
 expert parallelism) under each layout the way ``Megatron3DStrategy`` builds it (``parallelize``,

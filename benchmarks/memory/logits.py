@@ -1,4 +1,5 @@
-"""``python -m benchmarks.memory logits``: the peak memory of the output layer and its loss at Llama-3's vocabulary: unchunked against chunked.
+"""``python -m benchmarks.memory logits``: the peak memory of the output layer and its loss at Llama-3's vocabulary,
+unchunked against chunked.
 
 The unchunked head materialises the logits of every token (``[tokens, V/tp]``) and the vocab-parallel
 cross-entropy its fp32 softmax; the chunked loss (``GPTConfig.loss_chunk_tokens``,

@@ -5,7 +5,8 @@ The ``activations`` mode counts what autograd *saves* for backward; a rank's mem
 more than that: the temporaries of the forward and of the backward (the logits' softmax, the gradients flowing back,
 a recomputed layer's activations) come on top, and under pipelining several micro-batches are in flight at once.
 This harness measures the peak itself: every storage an op allocates during the step, from its allocation until it
-dies, with a ``TorchDispatchMode`` (``lightning_megatron.plan.probes.LiveStorages``), so the peak is exact in bytes and does not depend on the allocator.
+dies, with a ``TorchDispatchMode`` (``lightning_megatron.plan.probes.LiveStorages``), so the peak is exact in bytes
+and does not depend on the allocator.
 
 Each layout is built as ``Megatron3DStrategy`` builds it (``parallelize``, ``apply_recompute``, ``split_pipeline``,
 ``initialize_parameters``, ``build_step_gradients``, the 1F1B runner of ``tests/workers/layout_runs.py``), without

@@ -2,7 +2,8 @@
 rank with the same error naming rank 1; an Inf gradient on rank 1 only (tp=2, bf16-true) under
 on_nonfinite='skip' must skip that step on both ranks (also at dp=2 ZeRO-1 with overlap_param_gather);
 and with clipping on, the norm the check measures (and the clip reuses) must give the losses of
-on_nonfinite='ignore', where the clip measures it itself, at dp=2 ZeRO-0/1/3 and tp=2.
+on_nonfinite='ignore', where the clip measures it itself, at dp=2 ZeRO-0/1/3 and tp=2; with clipping off (dp=2), the
+check only reads the gradients: the losses of 'ignore'.
 
 argv: OUT_DIR. Rank r writes rank{r}.json: per run the error raised (or None), the losses,
 per-step checksums of its parameters and whether they stayed finite.
@@ -53,6 +54,8 @@ for name, layout in {"dp2": DP2, "dp2-zero1": {**DP2, "zero_stage": 1}, "dp2-zer
                      "tp2": TP2}.items():
     for mode in ("error", "ignore"):  # SGD: a wrongly counted norm would change every update
         results[f"clip-{name}-{mode}"] = run(layout, steps=3, clip=0.05, on_nonfinite=mode, faults={"sgd_lr": 1.0})
+for mode in ("error", "ignore"):  # no clipping: the check's own norm must leave the gradients alone
+    results[f"noclip-dp2-{mode}"] = run(DP2, steps=3, clip=None, on_nonfinite=mode, faults={"sgd_lr": 1.0})
 (Path(sys.argv[1]) / f"rank{int(os.environ['RANK'])}.json").write_text(json.dumps(results))
 dist.barrier()
 os._exit(0)  # skip gloo's C++ teardown (see the other workers)
