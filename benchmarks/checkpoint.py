@@ -17,10 +17,10 @@ writes its timings as JSON and the parent prints the table. See ``benchmarks/REA
 
 Example::
 
-    python benchmarks/checkpoint.py                       # 4 ranks, dp=2 x tp=2, GPT h=512: 1-2 minutes on 2 cores
-    python benchmarks/checkpoint.py --hidden 256 --repeats 5
-    python benchmarks/checkpoint.py --variants megatron_sharded model_parallel model_parallel_fsdp
-    python benchmarks/checkpoint.py --quick               # tiny model, 2 ranks: a smoke test
+    python -m benchmarks.checkpoint                       # 4 ranks, dp=2 x tp=2, GPT h=512: 1-2 minutes on 2 cores
+    python -m benchmarks.checkpoint --hidden 256 --repeats 5
+    python -m benchmarks.checkpoint --variants megatron_sharded model_parallel model_parallel_fsdp
+    python -m benchmarks.checkpoint --quick               # tiny model, 2 ranks: a smoke test
 """
 
 from __future__ import annotations
@@ -50,11 +50,11 @@ from torch.utils.data import DataLoader
 from lightning_megatron import Megatron3DStrategy
 from lightning_megatron.models.gpt import GPT
 from lightning_megatron.models.transformer import TransformerLayer
-from memory import FullyShardedGPT
-from harness.launch import add_worker_flags, run_checked, torchrun, worker_env
-from harness.tables import MIB, format_rows
-from harness.training import SyntheticTokens, gpt_config, quiet_trainer
-from throughput import DTensorGPT
+from benchmarks.memory.model_state import FullyShardedGPT
+from benchmarks.harness.launch import add_worker_flags, run_checked, torchrun, worker_env
+from benchmarks.harness.tables import MIB, format_rows
+from benchmarks.harness.training import SyntheticTokens, gpt_config, quiet_trainer
+from benchmarks.throughput import DTensorGPT
 
 DCP_SHARD_FILE = re.compile(r"__(\d+)_\d+\.distcp")  # torch's FileSystemWriter: __<rank>_<file>.distcp
 
@@ -306,7 +306,7 @@ def worker_main(args: argparse.Namespace) -> None:
 
 # ---------------------------------------------------------------------------- parent
 def launch(variant: Variant, args: argparse.Namespace, argv: list[str], result_dir: Path) -> dict:
-    cmd = torchrun(args.ranks, Path(__file__).resolve(), *argv, "--worker", variant.key, "--result-dir", str(result_dir))
+    cmd = torchrun(args.ranks, __spec__.name, *argv, "--worker", variant.key, "--result-dir", str(result_dir))
     run_checked(cmd, variant.label, result_dir, worker_env())
     return json.loads((result_dir / "result.json").read_text())
 
@@ -432,18 +432,19 @@ def footer(args: argparse.Namespace, variants: list[Variant], results: dict[str,
     return "\n".join(f"* {note}" for note in notes)
 
 
-def main() -> None:
-    args = parse_args()
+def main(argv: Optional[list[str]] = None) -> None:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parse_args(argv)
     if args.worker:
         worker_main(args)
         return
     variants = [v for v in VARIANTS if v.key in args.variants]
     if args.out_dir is not None:
         args.out_dir.mkdir(parents=True, exist_ok=True)
-        results = run_all(args, sys.argv[1:], variants, args.out_dir.resolve())
+        results = run_all(args, argv, variants, args.out_dir.resolve())
     else:
         with tempfile.TemporaryDirectory(prefix="checkpoint-bench-") as tmp:
-            results = run_all(args, sys.argv[1:], variants, Path(tmp))
+            results = run_all(args, argv, variants, Path(tmp))
     print(describe(args, results))
     print(format_table(args, variants, results))
     print(footer(args, variants, results))

@@ -30,7 +30,7 @@ how to get it). On a CPU-only torch, in a separate environment::
 
     python -m venv --system-site-packages /tmp/ds-venv
     /tmp/ds-venv/bin/pip install deepspeed          # pulls ninja, py-cpuinfo, hjson, ...; needs g++ on the PATH
-    DS_ACCELERATOR=cpu /tmp/ds-venv/bin/python benchmarks/cpu_adam.py
+    DS_ACCELERATOR=cpu /tmp/ds-venv/bin/python -m benchmarks.cpu_adam
 
 (deepspeed 0.19.8 here, with torch 2.13.0+cpu.) ``DS_ACCELERATOR=cpu`` names DeepSpeed's CPU accelerator (this
 script sets it when unset; without it DeepSpeed falls back to CPU with a warning when it finds no GPU). The first
@@ -40,9 +40,9 @@ it pre-builds ops at install time instead.
 
 Example::
 
-    python benchmarks/cpu_adam.py                     # 1e8 parameters: ~2 minutes on 2 idle cores, ~8 GB RAM
-    python benchmarks/cpu_adam.py --smoke             # tiny sizes, seconds: the test's run
-    python benchmarks/cpu_adam.py --params 3e8 --layouts flat --steps 20
+    python -m benchmarks.cpu_adam                     # 1e8 parameters: ~2 minutes on 2 idle cores, ~8 GB RAM
+    python -m benchmarks.cpu_adam --smoke             # tiny sizes, seconds: the test's run
+    python -m benchmarks.cpu_adam --params 3e8 --layouts flat --steps 20
 """
 
 from __future__ import annotations
@@ -53,8 +53,8 @@ import statistics
 import time
 from typing import Optional
 
-from harness.rounds import abba
-from harness.tables import format_rows
+from benchmarks.harness.rounds import abba
+from benchmarks.harness.tables import format_rows
 
 IMPLEMENTATIONS = ("deepspeed", "cpu_kernel", "fused", "for_loop", "foreach")
 HYPER = {"lr": 1e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}

@@ -30,9 +30,9 @@ say so. See ``benchmarks/README.md`` for the numbers measured here.
 
 Example::
 
-    python benchmarks/data.py                                  # 0.2, 1, 2 GB corpora, 4 ranks (~3 min, 3.2 GB disk)
-    python benchmarks/data.py --sizes-gb 0.01 --ranks 2 --quick   # seconds
-    python benchmarks/data.py --sizes-gb 0.572 --document-ends both   # peak RSS, with and without PREFIX.ends
+    python -m benchmarks.data                                  # 0.2, 1, 2 GB corpora, 4 ranks (~3 min, 3.2 GB disk)
+    python -m benchmarks.data --sizes-gb 0.01 --ranks 2 --quick   # seconds
+    python -m benchmarks.data --sizes-gb 0.572 --document-ends both   # peak RSS, with and without PREFIX.ends
 """
 
 from __future__ import annotations
@@ -46,8 +46,8 @@ import time
 import warnings
 from pathlib import Path
 
-from harness.launch import read_ranks, run_checked, torchrun, worker_env
-from data_peer import (  # the peer module lives next to this script
+from benchmarks.harness.launch import read_ranks, run_checked, torchrun, worker_env
+from benchmarks.data_peer import (  # the peer module lives next to this script
     build_megatron_core_dataset,
     loader_samples_per_second,
     megatron_core_available,
@@ -121,7 +121,7 @@ def memory_table(corpora: list[tuple[str, int]], args: argparse.Namespace, work:
         for variant in variants:
             result_dir = work / f"ranks-{Path(prefix).name}-{variant}"
             result_dir.mkdir(parents=True, exist_ok=True)
-            cmd = torchrun(args.ranks, Path(__file__).resolve(), "--worker", prefix, "--result-dir", str(result_dir),
+            cmd = torchrun(args.ranks, __spec__.name, "--worker", prefix, "--result-dir", str(result_dir),
                            "--steps", str(args.steps))
             sidecar, aside = Path(f"{prefix}.ends"), Path(f"{prefix}.ends.aside")
             if variant == "without" and sidecar.exists():

@@ -22,8 +22,8 @@ Run as a script it writes a ~50M-token corpus in a temporary folder, builds the 
 train split there (fresh cache, then again from the built cache), prints the build time
 scaled to a billion tokens, the read rates, and what one sample looks like::
 
-    python benchmarks/data_peer.py                       # 50M tokens, seq 2048
-    python benchmarks/data_peer.py --tokens 200e6 --seq-length 4096 --keep /tmp/peer
+    python -m benchmarks.data_peer                       # 50M tokens, seq 2048
+    python -m benchmarks.data_peer --tokens 200e6 --seq-length 4096 --keep /tmp/peer
 """
 
 from __future__ import annotations

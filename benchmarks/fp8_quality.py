@@ -21,8 +21,8 @@ GEMM, and the casts and amax reductions are extra work, so FP8 is slower here; i
 
 Example::
 
-    python benchmarks/fp8_quality.py --plot docs/fp8_quality.png   # 300 steps, 6-12 min on 2 busy cores
-    python benchmarks/fp8_quality.py --smoke --json                  # a few steps, for the tests
+    python -m benchmarks.fp8_quality --plot docs/fp8_quality.png   # 300 steps, 6-12 min on 2 busy cores
+    python -m benchmarks.fp8_quality --smoke --json                  # a few steps, for the tests
 """
 
 from __future__ import annotations
@@ -44,9 +44,9 @@ import torch
 from lightning_megatron import Megatron3DStrategy
 from lightning_megatron.data import GPTDataModule
 from lightning_megatron.models.gpt import GPT, GPTConfig
-from harness.launch import add_worker_flags, launch_workers
-from harness.tables import format_rows
-from harness.training import quiet_trainer
+from benchmarks.harness.launch import add_worker_flags, launch_workers
+from benchmarks.harness.tables import format_rows
+from benchmarks.harness.training import quiet_trainer
 
 MODEL = "llama-tiny"
 BASELINE = "bf16"
@@ -217,12 +217,13 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     return args
 
 
-def main() -> None:
-    args = parse_args()
+def main(argv: Optional[list[str]] = None) -> None:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parse_args(argv)
     if args.worker:
         worker_main(args)
         return
-    runs = summarize(launch_workers(__file__, args.ranks, args.threads, sys.argv[1:])[0])
+    runs = summarize(launch_workers(__spec__.name, args.ranks, args.threads, argv)[0])
     if args.plot:
         plot(runs, args.plot, f"{MODEL}, built-in corpus, dp{args.ranks}, {args.steps} steps: FP8 against {BASELINE}")
     if args.json:

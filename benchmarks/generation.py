@@ -9,8 +9,8 @@ rounds after a warm-up round, the two sides taking turns in every round.
 
 Example::
 
-    python benchmarks/generation.py                       # GPT-2 124M-shaped and Llama-shaped models, batch 1 and 8
-    python benchmarks/generation.py --quick               # tiny models, seconds
+    python -m benchmarks.generation                       # GPT-2 124M-shaped and Llama-shaped models, batch 1 and 8
+    python -m benchmarks.generation --quick               # tiny models, seconds
 """
 
 from __future__ import annotations

@@ -91,11 +91,11 @@ from typing import Any, Callable, Optional
 
 import lightning as L
 
-from harness import training
-from harness.launch import repo_env, torchrun
-from harness.tables import GIB, format_rows
-from harness.timing import Stopwatch, StopwatchCallback
-from harness.training import SyntheticTokens
+from benchmarks.harness import training
+from benchmarks.harness.launch import repo_env, torchrun
+from benchmarks.harness.tables import GIB, format_rows
+from benchmarks.harness.timing import Stopwatch, StopwatchCallback
+from benchmarks.harness.training import SyntheticTokens
 
 FP32_TOLERANCE = 1e-4  # loss vs the fp32 reference: the same math (the invariant is 1e-5 on CPU; GPU kernels vary)
 SIXTEEN_BIT_TOLERANCE = 5e-2  # bf16 / fp16 runs of a few steps: the same model, rounded
@@ -665,7 +665,7 @@ def plain_tokens_per_s(config, batch: int, sizes: Sizes, device) -> float:
 
     from lightning_megatron.models import GPT
 
-    import throughput
+    from benchmarks import throughput
 
     args = argparse.Namespace(model="gpt", hidden=config.hidden_size, layers=config.num_layers, heads=config.num_heads,
                               seq=sizes.speed_seq, batch=batch, vocab=config.vocab_size, warmup=sizes.speed_warmup,
@@ -1129,7 +1129,7 @@ def launch_two_ranks(sizes: Sizes, work: Path, timeout: float):
     """``torchrun --nproc-per-node=2`` of ``two_ranks_worker``; each rank's report, or why there is none."""
     out = work / "two_ranks"
     out.mkdir(parents=True, exist_ok=True)
-    cmd = torchrun(2, __file__, "--two-ranks-worker", "--out", str(out)) + ["--cpu"] * (sizes.device == "cpu")
+    cmd = torchrun(2, __spec__.name, "--two-ranks-worker", "--out", str(out)) + ["--cpu"] * (sizes.device == "cpu")
     proc, timed_out = run_with_timeout(cmd, timeout, work)
     # The worker runs in its group's folder, whose logs the parent keeps: the ranks' whole output lands there.
     Path("two_ranks.log").write_text(f"{proc.stdout}\n{proc.stderr}")
@@ -1306,7 +1306,7 @@ def run_group(rows: list[Row], args: argparse.Namespace, work: Path, deadline: f
                 if row.options.get("feature") == "reference fp32 z0" and "loss" in done.get(row.key, {})}
         spec.write_text(json.dumps({"rows": [asdict(row) for row in pending], "memo": memo}))
         stderr = open(work / f"{pending[0].group}-{attempt}.log", "w")
-        cmd = [sys.executable, __file__, "--worker", str(spec), "--results", str(results)] + ["--cpu"] * args.cpu
+        cmd = [sys.executable, "-m", __spec__.name, "--worker", str(spec), "--results", str(results)] + ["--cpu"] * args.cpu
         proc = subprocess.Popen(cmd, cwd=work, env=repo_env(), stdout=stderr, stderr=subprocess.STDOUT,
                                 start_new_session=True)
         current, since = None, time.monotonic()

@@ -7,7 +7,7 @@
 #   benchmarks/gpu_check.sh --json out.json --only features attention
 #
 # Needs only `pip install torch -e .[dev]`: nothing is downloaded (synthetic tokens, presets' shapes, random weights).
-# The driver, benchmarks/gpu_check.py, documents each row and its time budget; this wrapper checks the machine, sets
+# The driver, benchmarks/gpu_check.py (run as python -m benchmarks.gpu_check), documents each row and its time budget; this wrapper checks the machine, sets
 # the environment and bounds the whole run with `timeout` (GPU_CHECK_TIMEOUT seconds, default 350; the driver's own
 # budget, --budget 330, makes it print its table before that).
 set -euo pipefail
@@ -38,4 +38,4 @@ export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
 export TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}
 [[ $cpu == 1 ]] && export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} GPU_CHECK_CPU=1
 
-exec timeout --kill-after=10 "${GPU_CHECK_TIMEOUT:-350}" "$python" benchmarks/gpu_check.py "$@"
+exec timeout --kill-after=10 "${GPU_CHECK_TIMEOUT:-350}" "$python" -m benchmarks.gpu_check "$@"

@@ -23,9 +23,9 @@ Three tables from one invocation, each comparing its sides in the same run:
 
 Example::
 
-    python benchmarks/moe.py            # about 2 minutes on 2 idle cores
-    python benchmarks/moe.py --quick    # tiny settings, well under a minute (tests/test_benchmarks.py)
-    python benchmarks/moe.py --only grouped
+    python -m benchmarks.moe            # about 2 minutes on 2 idle cores
+    python -m benchmarks.moe --quick    # tiny settings, well under a minute (tests/test_benchmarks.py)
+    python -m benchmarks.moe --only grouped
 """
 
 from __future__ import annotations
@@ -52,10 +52,10 @@ from lightning_megatron.models.gpt import GPT, GPTConfig, GPTModel
 from lightning_megatron.models.mlp import GatedMLP
 from lightning_megatron.models.moe import MoEConfig, update_expert_biases
 from lightning_megatron.models.router import TopKRouter
-from harness.launch import add_worker_flags, read_ranks, run_checked, torchrun
-from harness.rounds import abba, slowest_rank_median
-from harness.tables import MIB, format_rows
-from harness.training import quiet_trainer
+from benchmarks.harness.launch import add_worker_flags, read_ranks, run_checked, torchrun
+from benchmarks.harness.rounds import abba, slowest_rank_median
+from benchmarks.harness.tables import MIB, format_rows
+from benchmarks.harness.training import quiet_trainer
 RANKS = 4
 EXPERT_PARALLEL_SIZES = (1, 2, 4)
 SECTIONS = ("ep", "balance", "grouped")
@@ -184,7 +184,7 @@ def worker_main(args: argparse.Namespace) -> None:
 def launch_layouts(args: argparse.Namespace) -> list[list[dict]]:
     """The per-rank results of one 4-rank launch that runs every layout."""
     with tempfile.TemporaryDirectory(prefix="moe-") as tmp:
-        cmd = torchrun(RANKS, Path(__file__).resolve(), *(["--quick"] if args.quick else []), f"--seed={args.seed}",
+        cmd = torchrun(RANKS, __spec__.name, *(["--quick"] if args.quick else []), f"--seed={args.seed}",
                        "--worker", f"--result-dir={tmp}")
         run_checked(cmd, "the expert-parallel launch", Path(tmp))
         return read_ranks(Path(tmp), RANKS)
@@ -438,8 +438,9 @@ def _grouped_table(args: argparse.Namespace) -> str:
     return format_rows(rows) + "\n" + "\n".join(f"* {note}" for note in notes)
 
 
-def main() -> None:
-    args = parse_args()
+def main(argv: Optional[list[str]] = None) -> None:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parse_args(argv)
     if args.worker:
         worker_main(args)
         return

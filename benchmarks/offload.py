@@ -23,10 +23,10 @@ are counted when the pages are dirtied). Step times are medians after the first 
 
 Example::
 
-    python benchmarks/offload.py                      # ~40M parameters, ~3 minutes on 2 CPU cores
-    python benchmarks/offload.py --path /mnt/nvme/offload --hidden 1024 --layers 12
-    python benchmarks/offload.py --accelerator gpu --path /mnt/nvme/offload   # PCIe in the loop (not yet measured)
-    python benchmarks/offload.py --smoke              # a tiny model, for the test suite
+    python -m benchmarks.offload                      # ~40M parameters, ~3 minutes on 2 CPU cores
+    python -m benchmarks.offload --path /mnt/nvme/offload --hidden 1024 --layers 12
+    python -m benchmarks.offload --accelerator gpu --path /mnt/nvme/offload   # PCIe in the loop (not yet measured)
+    python -m benchmarks.offload --smoke              # a tiny model, for the test suite
 """
 
 from __future__ import annotations
@@ -40,8 +40,8 @@ import threading
 import time
 from pathlib import Path
 
-from harness.launch import run_checked, worker_env
-from harness.tables import MIB
+from benchmarks.harness.launch import run_checked, worker_env
+from benchmarks.harness.tables import MIB
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -103,7 +103,7 @@ def child(options: dict) -> None:
     from lightning.pytorch.callbacks import ModelCheckpoint
     from torch.utils.data import DataLoader, Subset
 
-    from harness.training import SyntheticTokens
+    from benchmarks.harness.training import SyntheticTokens
     from lightning_megatron import Megatron3DStrategy
     from lightning_megatron.models import GPT, GPTConfig
 
@@ -182,7 +182,7 @@ def run(name: str, args: argparse.Namespace, work: Path, path: str, tier: str, r
     options = {**{k: getattr(args, k) for k in ("hidden", "layers", "heads", "vocab", "seq", "batch", "steps",
                                                 "buffer_mb", "accelerator")},
                "tier": tier, "path": path, "out": str(out), "resume": resume}
-    run_checked([sys.executable, __file__, "--child", json.dumps(options)], f"run {name}", env=worker_env(threads=0))
+    run_checked([sys.executable, "-m", __spec__.name, "--child", json.dumps(options)], f"run {name}", env=worker_env(threads=0))
     return {**json.loads((out / "record.json").read_text()), "out": out}
 
 

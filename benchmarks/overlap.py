@@ -29,9 +29,9 @@ are paid in the step that waits for them; a run's time is the median step, and t
 
 Example::
 
-    python benchmarks/overlap.py                          # CPU, dp=2, a few minutes on 2 idle cores
-    python benchmarks/overlap.py --only param_gather --repeats 5
-    python benchmarks/overlap.py --device cuda --ranks 8 --hidden 2048 --layers 8 --seq 1024 --batch 4 \
+    python -m benchmarks.overlap                          # CPU, dp=2, a few minutes on 2 idle cores
+    python -m benchmarks.overlap --only param_gather --repeats 5
+    python -m benchmarks.overlap --device cuda --ranks 8 --hidden 2048 --layers 8 --seq 1024 --batch 4 \
         --precision bf16-true
 """
 
@@ -49,11 +49,11 @@ import lightning as L
 import torch
 
 from lightning_megatron import Megatron3DStrategy
-from harness.launch import add_worker_flags, launch_workers, worker_rank_and_device
-from harness.rounds import abba, slowest_rank_median
-from harness.tables import format_rows
-from harness.timing import Stopwatch, StopwatchCallback
-from harness.training import gpt_config, make_loader, make_module, quiet_trainer
+from benchmarks.harness.launch import add_worker_flags, launch_workers, worker_rank_and_device
+from benchmarks.harness.rounds import abba, slowest_rank_median
+from benchmarks.harness.tables import format_rows
+from benchmarks.harness.timing import Stopwatch, StopwatchCallback
+from benchmarks.harness.training import gpt_config, make_loader, make_module, quiet_trainer
 
 
 @dataclass(frozen=True)
@@ -252,12 +252,13 @@ def describe(args: argparse.Namespace) -> str:
             f"computation).")
 
 
-def main() -> None:
-    args = parse_args()
+def main(argv: Optional[list[str]] = None) -> None:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parse_args(argv)
     if args.worker:
         worker_main(args)
         return
-    ranks = launch_workers(__file__, args.ranks, args.threads, sys.argv[1:])
+    ranks = launch_workers(__spec__.name, args.ranks, args.threads, argv)
     print(describe(args))
     print(format_table(args, ranks))
 

@@ -8,8 +8,8 @@ theory: ``(p-1)/m`` of the ideal time for 1F1B and GPipe, divided by ``v`` when 
 for the zero-bubble schedules, their own action table played out with these costs
 (``lightning_megatron.pipeline.timeline.simulated_bubble``).
 
-    python benchmarks/pipeline_bubble.py                 # 4 ranks, 8 micro-batches
-    python benchmarks/pipeline_bubble.py --ranks 4 --micro-batches 16 --plot docs/pipeline_timeline.png
+    python -m benchmarks.pipeline_bubble                 # 4 ranks, 8 micro-batches
+    python -m benchmarks.pipeline_bubble --ranks 4 --micro-batches 16 --plot docs/pipeline_timeline.png
 """
 
 from __future__ import annotations
@@ -17,15 +17,17 @@ from __future__ import annotations
 import argparse
 import json
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from harness.launch import torchrun, worker_env
+from benchmarks.harness.launch import torchrun, worker_env
 from lightning_megatron.pipeline.blocks import PipelineBatch
 from lightning_megatron.pipeline.layout import PipelineLayout
 from lightning_megatron.pipeline.runner import PipelineRunner
@@ -116,7 +118,8 @@ def worker(args) -> None:
     dist.destroy_process_group()
 
 
-def main() -> None:
+def main(argv: Optional[list[str]] = None) -> None:
+    argv = sys.argv[1:] if argv is None else list(argv)
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ranks", type=int, default=4)
     parser.add_argument("--micro-batches", type=int, default=8)
@@ -127,13 +130,13 @@ def main() -> None:
                         choices=sorted({name for name, _ in SCHEDULES}), help="the schedules to run (default: all)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", default="", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.worker:
         worker(args)
         return
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "bubble.json"
-        command = torchrun(args.ranks, __file__, "--worker", f"--out={out}", f"--micro-batches={args.micro_batches}",
+        command = torchrun(args.ranks, __spec__.name, "--worker", f"--out={out}", f"--micro-batches={args.micro_batches}",
                            f"--stage-ms={args.stage_ms}", f"--plot={args.plot}", f"--plot-schedule={args.plot_schedule}",
                            "--schedules", *args.schedules)
         subprocess.run(command, check=True, env=worker_env())

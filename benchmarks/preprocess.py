@@ -20,9 +20,9 @@ it is below the number of processes, and the speed-up with it.
 
 Example::
 
-    python benchmarks/preprocess.py                                 # BPE, 1 vs 2 processes, every format
-    python benchmarks/preprocess.py --workers 8 --megabytes 200 --formats jsonl
-    python benchmarks/preprocess.py --tokenizer byte
+    python -m benchmarks.preprocess                                 # BPE, 1 vs 2 processes, every format
+    python -m benchmarks.preprocess --workers 8 --megabytes 200 --formats jsonl
+    python -m benchmarks.preprocess --tokenizer byte
 """
 
 from __future__ import annotations

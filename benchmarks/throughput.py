@@ -21,9 +21,9 @@ falls on every variant alike. See ``benchmarks/README.md`` for how to read the t
 
 Example::
 
-    python benchmarks/throughput.py                      # small CPU default, 2-3 minutes
-    python benchmarks/throughput.py --model llama        # Llama-shaped, vocab 32,000
-    python benchmarks/throughput.py --device cuda --precision bf16-mixed \
+    python -m benchmarks.throughput                      # small CPU default, 2-3 minutes
+    python -m benchmarks.throughput --model llama        # Llama-shaped, vocab 32,000
+    python -m benchmarks.throughput --device cuda --precision bf16-mixed \
         --hidden 2048 --layers 24 --heads 16 --seq 2048 --batch 8 --vocab 51200
 """
 
@@ -51,11 +51,11 @@ from lightning_megatron.models.gpt import GPT, IGNORE_INDEX, GPTModel
 from lightning_megatron.models.mlp import GatedMLP
 from lightning_megatron.models.transformer import TransformerLayer
 
-from harness.launch import add_worker_flags, read_ranks, run_checked, torchrun, worker_env, worker_rank_and_device
-from harness.rounds import Run, abba
-from harness.tables import MIB, format_rows
-from harness.timing import PeakMemory, Stopwatch, StopwatchCallback
-from harness.training import (DEFAULT_VOCAB, gpt_config, make_loader, make_module, model_name, quiet_trainer,
+from benchmarks.harness.launch import add_worker_flags, read_ranks, run_checked, torchrun, worker_env, worker_rank_and_device
+from benchmarks.harness.rounds import Run, abba
+from benchmarks.harness.tables import MIB, format_rows
+from benchmarks.harness.timing import PeakMemory, Stopwatch, StopwatchCallback
+from benchmarks.harness.training import (DEFAULT_VOCAB, gpt_config, make_loader, make_module, model_name, quiet_trainer,
                               total_steps)
 
 MODELS = tuple(DEFAULT_VOCAB)
@@ -337,8 +337,8 @@ def worker_main(args: argparse.Namespace) -> None:
 def launch(variant: Variant, args: argparse.Namespace, argv: list[str], result_dir: Path) -> list[dict]:
     """One run of ``variant`` in fresh processes (one thread each by default: see ``worker_env``); the per-rank
     results. Single-rank variants run without torchrun."""
-    script = [str(Path(__file__).resolve()), *argv, "--worker", variant.key, "--result-dir", str(result_dir)]
-    cmd = [sys.executable, *script] if variant.processes == 1 else torchrun(variant.processes, *script)
+    script = [__spec__.name, *argv, "--worker", variant.key, "--result-dir", str(result_dir)]
+    cmd = [sys.executable, "-m", *script] if variant.processes == 1 else torchrun(variant.processes, *script)
     run_checked(cmd, variant.label, result_dir, worker_env(args.threads))
     return read_ranks(result_dir, variant.processes)
 

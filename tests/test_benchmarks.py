@@ -1,7 +1,14 @@
-"""The benchmark scripts keep running (tiny sizes; no timing is asserted)."""
+"""The benchmark tools keep running and measuring what they claim (tiny sizes; no timing is asserted).
+
+Each tool runs in this process through its ``main(argv)`` (``benchmarks`` is a package: ``from benchmarks import
+...``), its printed table read back from stdout; the tools start their own worker processes where they measure
+across ranks. Only ``gpu_check.sh`` (the shell wrapper is the subject) and the DTensor worker started by torchrun
+directly run as processes of their own.
+"""
 
 import json
 import math
+import os
 import re
 import subprocess
 import sys
@@ -15,15 +22,37 @@ from launch import child_env
 REPO = Path(__file__).resolve().parents[1]
 
 
+@pytest.fixture
+def run_tool(capsys):
+    """``run_tool(main, *argv)``: a tool's ``main(argv)`` here, its stdout returned; the environment variables, torch's
+    thread count and random state are what they were before (tools set ``OMP_NUM_THREADS``, ``PL_GLOBAL_SEED``,
+    ``torch.set_num_threads``)."""
+    environment, threads = dict(os.environ), torch.get_num_threads()
+
+    def run(main, *argv: str) -> str:
+        capsys.readouterr()
+        with torch.random.fork_rng():
+            main(list(argv))
+        return capsys.readouterr().out
+
+    yield run
+    os.environ.clear()
+    os.environ.update(environment)
+    torch.set_num_threads(threads)
+
+
+def table_rows(out: str) -> list[list[str]]:
+    """The cells of every table line of a tool's output."""
+    return [[cell.strip() for cell in line.split(" | ")] for line in out.splitlines() if " | " in line]
+
+
 @pytest.mark.slow
-def test_pipeline_bubble_benchmark_prints_its_table(tmp_path):
-    result = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "pipeline_bubble.py"), "--ranks=2", "--micro-batches=4",
-         "--stage-ms=2", f"--plot={tmp_path / 'timeline.png'}", "--schedules", "1f1b", "interleaved_1f1b", "zbv"],
-        capture_output=True, text=True, timeout=300, env=child_env(),
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    rows = [line.split() for line in result.stdout.splitlines()]
+def test_pipeline_bubble_benchmark_prints_its_table(tmp_path, run_tool):
+    from benchmarks import pipeline_bubble
+
+    out = run_tool(pipeline_bubble.main, "--ranks=2", "--micro-batches=4", "--stage-ms=2",
+                   f"--plot={tmp_path / 'timeline.png'}", "--schedules", "1f1b", "interleaved_1f1b", "zbv")
+    rows = [line.split() for line in out.splitlines()]
     theory = {row[0]: float(row[3].rstrip("%")) for row in rows[2:] if row}
     assert set(theory) == {"1f1b", "interleaved_1f1b", "zbv"}
     # p=2, m=4: 1F1B (1/4)/(1+1/4) = 20%, interleaved 11.1%; ZB-V's table played out with F = I = W: less.
@@ -32,58 +61,17 @@ def test_pipeline_bubble_benchmark_prints_its_table(tmp_path):
 
 
 @pytest.mark.slow
-def test_checkpoint_benchmark_saves_and_restores_both_sides(tmp_path):
-    result = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "checkpoint.py"), "--quick",
-         "--variants", "model_parallel", "megatron_sharded", f"--out-dir={tmp_path}"],
-        capture_output=True, text=True, timeout=300, env=child_env(),
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    rows = {line.split(" | ")[0].strip(): line.split(" | ") for line in result.stdout.splitlines() if " | " in line}
+def test_checkpoint_benchmark_saves_and_restores_both_sides(tmp_path, run_tool):
+    from benchmarks import checkpoint
+
+    out = run_tool(checkpoint.main, "--quick", "--variants", "model_parallel", "megatron_sharded",
+                   f"--out-dir={tmp_path}")
+    rows = {line.split(" | ")[0].strip(): line.split(" | ") for line in out.splitlines() if " | " in line}
     for label in ("ModelParallelStrategy (DCP)", "Megatron3DStrategy sharded"):
         assert rows[label][5].strip() == "weights+optim", rows[label]  # every rank got back exactly what it saved
     assert (next((tmp_path / "megatron_sharded" / "checkpoints").iterdir()) / "__1_0.distcp").stat().st_size > 0
 
 
-@pytest.mark.slow
-def test_nonfinite_check_benchmark_times_the_check_on_and_off_side_by_side():
-    result = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "nonfinite_check.py"), "--quick"],
-        capture_output=True, text=True, timeout=300, env=child_env(),
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    rows = [[cell.strip() for cell in line.split(" | ")] for line in result.stdout.splitlines() if " | " in line]
-    assert [(row[0], row[2]) for row in rows[1:]] == [("tiny", "on"), ("tiny", "off")], rows
-    assert all(row[-1] == "yes" for row in rows[1:]), "the check changed the training result"
-    assert all(float(row[5]) > 0 for row in rows[1:])
-
-
-@pytest.mark.slow
-def test_checkpoint_checks_benchmark_times_each_check_against_its_baseline(tmp_path):
-    result = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "checkpoint_checks.py"), "--megabytes=8", "--repeats=1",
-         f"--out-dir={tmp_path}"],
-        capture_output=True, text=True, timeout=300, env=child_env(),
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    rows = {line.split(" | ")[0].strip(): line.split(" | ") for line in result.stdout.splitlines() if " | " in line}
-    assert {"save with checksums", "verify every file's checksum", "finite check of what was read"} <= set(rows)
-    assert (tmp_path / "with.ckpt" / "megatron_3d.json").is_file()
-
-
-def load_benchmark(name: str):
-    """A benchmark script as a module (``benchmarks/`` is not a package)."""
-    import importlib
-
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    try:
-        return importlib.import_module(name)
-    finally:
-        sys.path.remove(str(REPO / "benchmarks"))
-
-
-def load_throughput():
-    return load_benchmark("throughput")
 
 
 def test_harness_summaries_tables_and_per_rank_batches():
@@ -92,7 +80,8 @@ def test_harness_summaries_tables_and_per_rank_batches():
     import argparse
     import statistics
 
-    rounds, tables, training = (load_benchmark(f"harness.{name}") for name in ("rounds", "tables", "training"))
+    from benchmarks.harness import rounds, tables, training
+
     steps = [[0.3, 0.1, 0.9, 0.2], [0.1, 0.4, 0.2, 0.2]]  # [rank][step]
     assert rounds.slowest_rank_median(steps) == statistics.median(max(a, b) for a, b in zip(*steps))
     assert [list(rounds.abba("abc", r)) for r in range(3)] == [list("abc"), list("cba"), list("abc")]
@@ -115,7 +104,8 @@ def test_throughput_interleaved_gate_up_makes_a_contiguous_dtensor_split_of_swig
 
     from lightning_megatron.models.mlp import GatedMLP
 
-    throughput = load_throughput()
+    from benchmarks import throughput
+
     torch.manual_seed(0)
     mlp, x = GatedMLP(8, 12), torch.randn(3, 8)
     expected = mlp(x)
@@ -138,12 +128,13 @@ def test_throughput_benchmark_dtensor_baseline_trains_the_same_model(model, tmp_
     import lightning as L
     import torch
 
-    throughput = load_throughput()
+    from benchmarks import throughput
+
     size = ["--model", model, "--hidden=64", "--heads=4", "--layers=2", "--seq=32", "--batch=4", "--vocab=512",
             "--steps=2", "--warmup=1"]
     result = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-         str(REPO / "benchmarks" / "throughput.py"), *size, "--worker", "model_parallel_tp2", f"--result-dir={tmp_path}"],
+         "-m", "benchmarks.throughput", *size, "--worker", "model_parallel_tp2", f"--result-dir={tmp_path}"],
         capture_output=True, text=True, timeout=300, env=child_env(), cwd=tmp_path,
     )
     assert result.returncode == 0, result.stderr[-3000:]
@@ -157,14 +148,11 @@ def test_throughput_benchmark_dtensor_baseline_trains_the_same_model(model, tmp_
 
 
 @pytest.mark.slow
-def test_data_benchmark_builds_and_reads_the_index_of_its_corpus(tmp_path):
-    result = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "data.py"), "--quick", "--sizes-gb", "0.004", "--seq-length", "128",
-         "--read-samples", "64", f"--dir={tmp_path}"],
-        capture_output=True, text=True, timeout=300, env=child_env(),
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    rows = [[cell.strip() for cell in line.split(" | ")] for line in result.stdout.splitlines() if " | " in line]
+def test_data_benchmark_builds_and_reads_the_index_of_its_corpus(tmp_path, run_tool):
+    from benchmarks import data
+
+    rows = table_rows(run_tool(data.main, "--quick", "--sizes-gb", "0.004", "--seq-length", "128",
+                               "--read-samples", "64", f"--dir={tmp_path}"))
     index = next(row for row in rows if row[0] == "lightning-megatron" and len(row) == 5)
     loader = next(row for row in rows if row[0] == "lightning-megatron" and len(row) == 4)
     assert int(index[1]) > 1000 and float(index[2]) > 0, index  # samples of a 2M-token corpus at seq_length 128
@@ -175,29 +163,24 @@ def test_data_benchmark_builds_and_reads_the_index_of_its_corpus(tmp_path):
 
 
 @pytest.mark.slow
-def test_generation_benchmark_generates_what_transformers_does():
-    result = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "generation.py"), "--quick", "--repeats=1", "--batch-sizes", "2"],
-        capture_output=True, text=True, timeout=300, env=child_env(),
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    rows = [[cell.strip() for cell in line.split(" | ")] for line in result.stdout.splitlines() if " | " in line][2:]
+def test_generation_benchmark_generates_what_transformers_does(run_tool):
+    from benchmarks import generation
+
+    rows = table_rows(run_tool(generation.main, "--quick", "--repeats=1", "--batch-sizes", "2"))[2:]
     assert [row[:2] for row in rows] == [["gpt2", "2"], ["llama", "2"]], rows
     assert all(row[-1] == "yes" and float(row[4]) > 0 for row in rows), rows
 
 
 @pytest.mark.slow
-def test_moe_benchmark_prints_its_three_tables():
+def test_moe_benchmark_prints_its_three_tables(run_tool):
     """ep 1/2/4 train the same model (same loss) with exactly 1/ep of the expert bytes per rank; the four load-balance
     runs start from the same routing; the grouped GEMM computes what the loop does."""
-    result = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "moe.py"), "--quick"],
-        capture_output=True, text=True, timeout=300, env=child_env(),
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
+    from benchmarks import moe
+
+    out = run_tool(moe.main, "--quick")
     tables: dict[str, list[list[str]]] = {}
     section = None
-    for line in result.stdout.splitlines():
+    for line in out.splitlines():
         if line.startswith("("):
             section = line[1]
         elif " | " in line and section:
@@ -215,22 +198,19 @@ def test_moe_benchmark_prints_its_three_tables():
     assert len(set(first)) == 1 and float(first[0]) >= 1.0, first  # the same seed and batch: the same first routing
     grouped = tables["3"][1:]
     assert [row[0] for row in grouped] == ["8", "4", "2"] and all(row[-1] == "yes" for row in grouped), grouped
-    assert "Verdict: " in result.stdout
+    assert "Verdict: " in out
 
 
 @pytest.mark.slow
-def test_memory_benchmark_activations_mode_divides_activation_bytes_by_cp():
-    """``memory.py --activations``: every layout's row, the same loss everywhere; the ring's saved activations per
+def test_memory_benchmark_activations_mode_divides_activation_bytes_by_cp(run_tool):
+    """``python -m benchmarks.memory activations``: every layout's row, the same loss everywhere; the ring's saved activations per
     rank within 5% above or 8% below 1/cp of the whole-sequence rank's (it keeps a compact ``v`` where SDPA at cp1
     keeps the whole ``qkv`` storage: see benchmarks/README.md); sequence parallelism's within 5% of 1/tp (1/(cp tp)
     with the ring): the column layers keep only their input's sequence chunk, rotary keeps no cos/sin; packed
     documents within 2% of the same layout's plain causal bytes (the ids only, no ``[S, S]`` mask)."""
-    result = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "memory.py"), "--activations", "--seq=512", "--hidden=32"],
-        capture_output=True, text=True, timeout=300, env=child_env(),
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    lines = [[cell.strip() for cell in line.split(" | ")] for line in result.stdout.splitlines() if " | " in line]
+    from benchmarks.memory import activations
+
+    lines = table_rows(run_tool(activations.main, "--seq=512", "--hidden=32"))
     header, rows = lines[0], {row[0]: dict(zip(lines[0], row)) for row in lines[1:]}
     packed = ["cp1 x dp4", "cp2 ring x dp2", "cp2 all-gather x dp2"]
     plain = ["cp1 x dp4", "cp2 ring x dp2", "cp4 ring", "cp2 all-gather x dp2", "cp4 all-gather", "tp2+SP x dp2",
@@ -259,16 +239,15 @@ def test_memory_benchmark_activations_mode_divides_activation_bytes_by_cp():
 
 
 @pytest.mark.slow
-def test_formulas_benchmark_measures_flops_bytes_and_activations_at_their_formulas():
-    """``formulas.py --smoke``: in one launch of four processes, ZeRO-3, tp2 with full recomputation, interleaved
+def test_formulas_benchmark_measures_flops_bytes_and_activations_at_their_formulas(run_tool):
+    """``python -m benchmarks.memory formulas --smoke``: in one launch of four processes, ZeRO-3, tp2 with full recomputation, interleaved
     pp2 x v2, the cp2 ring, ep2 (MoE) and a GPT-2-shaped model under ZeRO-1 each train a step under
     FlopCounterMode, the c10d byte counter and the saved-tensor hooks; each measured-to-formula ratio (summed over
     the ranks of a pipeline rank) is within issue 28's targets: FLOPs and bytes 1.00 +- 2%, activations +- 5%
     (measured: 1.000 on every one of these rows, ep2's activations 1.003)."""
-    result = subprocess.run([sys.executable, str(REPO / "benchmarks" / "formulas.py"), "--smoke", "--json"],
-                            capture_output=True, text=True, timeout=300, env=child_env())
-    assert result.returncode == 0, result.stderr[-3000:]
-    rows = json.loads(result.stdout)
+    from benchmarks.memory import formulas
+
+    rows = json.loads(run_tool(formulas.main, "--smoke", "--json"))
     assert [(row["layout"], row["pipeline_rank"]) for row in rows] == [
         ("dp4-z3", 0), ("tp2-full", 0), ("pp2-v2", 0), ("pp2-v2", 1), ("cp2", 0), ("ep2", 0), ("gpt2-dp4-z1", 0)], rows
     for row in rows:
@@ -318,7 +297,8 @@ def test_gpu_check_smoke_mode_prints_one_table_of_passing_rows(tmp_path, monkeyp
         name: ("n/a" if name == "gpt sequence_parallel" else "passed") for name in GPU_CHECK_ROWS}, rows
     assert "needs tensor_parallel_size > 1" in rows["gpt sequence_parallel"]["detail"]
     assert "flash" in rows["gpt kernel profiled"]["detail"]
-    gpu_check = load_benchmark("gpu_check")
+    from benchmarks import gpu_check, throughput
+
     two_ranks = ("tp2", "dp2 zero1", "cp2 all-gather", "cp2 ring")
     for name in ("gpt zero3", "gpt checkpoint save+resume", *two_ranks):  # fp32: the invariant's 1e-5
         assert abs(rows[name]["vs ref"]) < 1e-5, rows[name]
@@ -341,7 +321,7 @@ def test_gpu_check_smoke_mode_prints_one_table_of_passing_rows(tmp_path, monkeyp
     monkeypatch.delenv("PL_GLOBAL_SEED", raising=False)
     with torch.random.fork_rng():
         L.seed_everything(args.seed, verbose=False)  # as the driver's fit does
-        _, _, reference = load_throughput().run_plain(args, torch.device("cpu"))
+        _, _, reference = throughput.run_plain(args, torch.device("cpu"))
     assert abs(rows["gpt reference fp32 z0"]["loss"] - reference) < 1e-5, (rows["gpt reference fp32 z0"], reference)
 
 
@@ -352,7 +332,8 @@ def test_gpu_check_attention_rows_tell_a_fused_kernel_from_the_math_fallback():
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    gpu_check = load_benchmark("gpu_check")
+    from benchmarks import gpu_check
+
     cpu = torch.device("cpu")
     q, k, v = (torch.randn(1, 2, 16, 8, requires_grad=True) for _ in range(3))
     found = {}
@@ -373,7 +354,8 @@ def test_gpu_check_fp8_evidence_counts_the_scaled_mm_calls_and_fails_a_silent_fa
     from lightning_megatron.tensor_parallel.fp8 import Fp8Gemms, Fp8Recipe
     from lightning_megatron.tensor_parallel.layers import ColumnParallelLinear
 
-    gpu_check = load_benchmark("gpu_check")
+    from benchmarks import gpu_check
+
     fp8_layer, hp_layer = ColumnParallelLinear(32, 16), ColumnParallelLinear(32, 16)
     fp8_layer.gemms = Fp8Gemms(Fp8Recipe.named("tensorwise"), None, "output")
     calls = {}
@@ -392,14 +374,13 @@ def test_gpu_check_fp8_evidence_counts_the_scaled_mm_calls_and_fails_a_silent_fa
 
 
 @pytest.mark.slow
-def test_overlap_benchmark_measures_every_overlap_on_and_off_with_the_same_losses():
+def test_overlap_benchmark_measures_every_overlap_on_and_off_with_the_same_losses(run_tool):
     """``overlap.py --quick``: every registered overlap (ZeRO's parameter gathers, tensor-parallel communication under
     sequence parallelism, pipeline receives) trained on and off in one launch; the losses agree (exactly, or to fp32
     rounding where the overlap also splits a GEMM)."""
-    result = subprocess.run([sys.executable, str(REPO / "benchmarks" / "overlap.py"), "--quick"],
-                            capture_output=True, text=True, timeout=600, env=child_env())
-    assert result.returncode == 0, result.stderr[-3000:] + result.stdout[-3000:]
-    rows = [[cell.strip() for cell in line.split(" | ")] for line in result.stdout.splitlines() if " | " in line]
+    from benchmarks import overlap
+
+    rows = table_rows(run_tool(overlap.main, "--quick"))
     assert [row[:2] for row in rows[1:]] == [
         ["param_gather", "dp2 z1"], ["param_gather", "dp2 z2"], ["pipeline_p2p", "pp2 interleaved_zero_bubble"],
         ["tp_comm", "tp2 sp"]]
@@ -409,13 +390,11 @@ def test_overlap_benchmark_measures_every_overlap_on_and_off_with_the_same_losse
 
 
 @pytest.mark.slow
-def test_offload_benchmark_bounds_the_nvme_tiers_memory_and_resumes_the_same_run(monkeypatch):
+def test_offload_benchmark_bounds_the_nvme_tiers_memory_and_resumes_the_same_run():
     """The 'nvme' tier against the 'cpu' one (tiny model): the same losses and weights straight, resumed from its own
     checkpoint, and with the 'cpu' tier loading the 'nvme' checkpoint; its files moved exactly 2x the state per step
     and were all deleted; its memory growth is within the pool and headroom, the cpu tier's above its state."""
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    monkeypatch.setenv("PYTHONPATH", str(REPO))
-    import offload
+    from benchmarks import offload
 
     report = offload.main(["--smoke"])
     runs, state = report["runs"], report["state_bytes"]
@@ -429,18 +408,18 @@ def test_offload_benchmark_bounds_the_nvme_tiers_memory_and_resumes_the_same_run
 
 
 @pytest.mark.slow
-def test_cpu_adam_benchmark_compares_the_offloaded_step_with_torch_and_deepspeed():
-    result = subprocess.run([sys.executable, str(REPO / "benchmarks" / "cpu_adam.py"), "--smoke"],
-                            capture_output=True, text=True, timeout=300, env=child_env())
-    assert result.returncode == 0, result.stderr[-3000:]
-    rows = [[cell.strip() for cell in line.split(" | ")] for line in result.stdout.splitlines() if " | " in line]
+def test_cpu_adam_benchmark_compares_the_offloaded_step_with_torch_and_deepspeed(run_tool):
+    from benchmarks import cpu_adam
+
+    out = run_tool(cpu_adam.main, "--smoke")
+    rows = table_rows(out)
     names = {(row[0].split()[0], row[1]) for row in rows[1:]}
     try:
         import deepspeed.ops.adam  # noqa: F401  (only its row depends on it)
         expected = {"deepspeed", "cpu_kernel *", "fused", "for_loop", "foreach"}
     except ImportError:
         expected = {"cpu_kernel *", "fused", "for_loop", "foreach"}
-        assert "deepspeed: not importable here" in result.stdout
+        assert "deepspeed: not importable here" in out
     assert names == {(layout, name) for layout in ("list", "flat") for name in expected}, names
     for row in rows[1:]:
         assert float(row[2]) > 0 and float(row[-1]) < 1e-5, row  # every kernel ends where the for-loop does
@@ -469,7 +448,7 @@ def _fake_fp8_forward(linear, rowwise: bool):
 
 
 @pytest.mark.slow
-def test_fp8_quality_benchmark_first_losses_are_those_of_fp8_emulated_in_the_test(tmp_path):
+def test_fp8_quality_benchmark_first_losses_are_those_of_fp8_emulated_in_the_test(tmp_path, run_tool):
     """``fp8_quality.py --smoke``: the fp32, bf16 and bf16 + FP8 (tensorwise, rowwise) runs of llama-tiny at dp2
     train (finite, falling losses). Their first loss (the forward of the initial weights: the one every run shares)
     is recomputed here in one process from the same seed and each dp rank's first batch: plain, under bf16
@@ -480,12 +459,11 @@ def test_fp8_quality_benchmark_first_losses_are_those_of_fp8_emulated_in_the_tes
     from lightning_megatron.data import GPTDataModule
     from lightning_megatron.models.gpt import GPTConfig, GPTModel
 
+    from benchmarks import fp8_quality
+
     plot = tmp_path / "curves.png"
-    result = subprocess.run([sys.executable, str(REPO / "benchmarks" / "fp8_quality.py"), "--smoke", "--json",
-                             f"--plot={plot}"], capture_output=True, text=True, timeout=300, env=child_env())
-    assert result.returncode == 0, result.stderr[-3000:]
-    runs = {run["name"]: run for run in json.loads(result.stdout)}
-    args = load_benchmark("fp8_quality").parse_args(["--smoke"])
+    runs = {run["name"]: run for run in json.loads(run_tool(fp8_quality.main, "--smoke", "--json", f"--plot={plot}"))}
+    args = fp8_quality.parse_args(["--smoke"])
     assert list(runs) == args.runs and plot.stat().st_size > 10_000
     for run in runs.values():
         assert len(run["losses"]) == args.steps and not run["diverged"], run

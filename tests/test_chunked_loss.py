@@ -2,9 +2,7 @@
 the same logits from forward, a clear error for a bad chunk, and a peak that follows the chunk, not the sequence.
 (tp2 and tp2 + SP: tests/test_tensor_parallel_layers.py; layouts: tests/test_layout_invariance.py.)"""
 
-import sys
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 import torch
@@ -84,14 +82,11 @@ def test_a_bad_chunk_is_refused_with_the_value_and_the_fix(bad):
 
 
 def test_the_chunked_peak_follows_the_chunk_and_the_unchunked_peak_the_sequence():
-    """Measured (benchmarks/logits_peak.py's allocation log) in the same test: the unchunked head and loss hold three
-    fp32 ``[tokens, V]`` buffers at their peak (logits, log-softmax, its gradient), the chunked one three
+    """Measured (``plan.probes.head_loss_peak``'s allocation log) in the same test: the unchunked head and loss hold
+    three fp32 ``[tokens, V]`` buffers at their peak (logits, log-softmax, its gradient), the chunked one three
     ``[chunk, V]`` buffers (a chunk's logits, shifted, exponentiated) plus a few numbers per token."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    try:
-        from logits_peak import head_loss_peak
-    finally:
-        sys.path.pop(0)
+    from lightning_megatron.plan.probes import head_loss_peak
+
     tokens, vocab, chunk = 512, 8192, 64
     unchunked = head_loss_peak(tokens=tokens, hidden=16, vocab=vocab, chunk_tokens=None)
     chunked = head_loss_peak(tokens=tokens, hidden=16, vocab=vocab, chunk_tokens=chunk)

@@ -175,3 +175,13 @@ def test_clipping_by_the_checked_norm_gives_the_unchecked_losses(two_ranks, layo
         assert checked["error"] is None and len(checked["losses"]) == 3
         assert checked["losses"] == pytest.approx(unchecked["losses"], rel=1e-6, abs=0)
         assert checked["checksums"] == pytest.approx(unchecked["checksums"], rel=1e-6, abs=0)
+
+
+@pytest.mark.slow
+def test_the_check_without_clipping_gives_the_unchecked_losses(two_ranks):
+    """Clipping off: the check measures a norm of its own and must change nothing (what the retired
+    ``benchmarks/nonfinite_check.py`` smoke test compared, there in one process)."""
+    for ranks in two_ranks:
+        checked, unchecked = ranks["noclip-dp2-error"], ranks["noclip-dp2-ignore"]
+        assert checked["error"] is None and len(checked["losses"]) == 3
+        assert checked["losses"] == unchecked["losses"] and checked["checksums"] == unchecked["checksums"]

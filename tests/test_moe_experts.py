@@ -1,9 +1,6 @@
 """The routed experts as grouped GEMMs or as a loop (``models/experts.py``), and the MoE layer's host syncs: none
 with the experts on one process, whatever the number of layers and experts."""
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 from torch import nn
@@ -185,11 +182,8 @@ def test_a_moe_model_trains_alike_with_grouped_gemms_and_the_loop(monkeypatch, u
 
 def test_the_gpu_checks_moe_row_passes_its_cpu_self_test():
     """``benchmarks/moe_grouped_check.py`` (a row of the GPU check) runs here in fp32: its plumbing cannot fail there."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    try:
-        from moe_grouped_check import moe_device_check
-    finally:
-        sys.path.pop(0)
+    from benchmarks.moe_grouped_check import moe_device_check
+
     result = moe_device_check(torch.device("cpu"))
     assert result["status"] == "pass", result
     assert result["numbers"]["worst relative error"] < 1e-6

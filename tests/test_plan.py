@@ -111,12 +111,11 @@ def run_python(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
 
 @pytest.mark.slow
 def test_activation_peaks_are_predicted_within_15_percent():
-    """Every rank's measured peak of activation bytes on the CPU (``benchmarks/activation_peak.py``: tp 1/2, sequence
-    parallelism, pp 2 under 1F1B, no / selective / full recomputation, GPT- and Llama-shaped models of two sizes) and
-    the planner's ``activation_bytes`` for the same layout."""
-    script = ("import json, sys; sys.path.insert(0, 'benchmarks'); import planner_check as c; from activation_peak "
-              "import measure; print(json.dumps(c.activation_rows(measure())))")
-    result = run_python("-c", script)
+    """Every rank's measured peak of activation bytes on the CPU (``python -m benchmarks.memory peak``: tp 1/2,
+    sequence parallelism, pp 2 under 1F1B, no / selective / full recomputation, GPT- and Llama-shaped models of two
+    sizes) and the planner's ``activation_bytes`` for the same layout (``python -m benchmarks.memory planner
+    --activations``)."""
+    result = run_python("-m", "benchmarks.memory", "planner", "--activations", "--json")
     assert result.returncode == 0, result.stderr[-4000:]
     rows = json.loads(result.stdout.splitlines()[-1])
     assert len(rows) >= 28  # every layout, and both pipeline ranks of the pipelined ones
@@ -133,9 +132,9 @@ def test_activation_peaks_are_predicted_within_15_percent():
 
 @pytest.fixture(scope="module")
 def planner_report() -> dict:
-    """``benchmarks/planner_check.py --json``: the papers' runs, the published H100 runs at their own layouts and the
-    calibrations, from one process."""
-    result = run_python("benchmarks/planner_check.py", "--json")
+    """``python -m benchmarks.memory planner --json``: the papers' runs, the published H100 runs at their own layouts
+    and the calibrations, from one process."""
+    result = run_python("-m", "benchmarks.memory", "planner", "--json")
     assert result.returncode == 0, result.stderr[-4000:]
     return json.loads(result.stdout.splitlines()[-1])
 

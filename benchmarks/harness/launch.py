@@ -39,10 +39,11 @@ def worker_env(threads: int = 1, **extra: str) -> dict[str, str]:
     return env
 
 
-def torchrun(ranks: int, script: str | Path, *args: str) -> list[str]:
-    """The command that runs ``script args`` on ``ranks`` local processes (``torch.distributed.run --standalone``)."""
+def torchrun(ranks: int, module: str, *args: str) -> list[str]:
+    """The command that runs ``python -m module args`` on ``ranks`` local processes (``torch.distributed.run
+    --standalone``); a benchmark passes its own ``__spec__.name`` (``benchmarks.memory.peak``, ...)."""
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
-            str(script), *args]
+            "-m", module, *args]
 
 
 def run_checked(cmd: list[str], what: str, cwd: Optional[Path] = None, env: Optional[dict[str, str]] = None,
@@ -72,12 +73,12 @@ def add_worker_flags(parser: argparse.ArgumentParser, choices: Optional[Sequence
     parser.add_argument("--result-dir", type=Path, help=argparse.SUPPRESS)
 
 
-def launch_workers(script: str | Path, ranks: int, threads: int, argv: Sequence[str]) -> list:
-    """``script argv --worker --result-dir DIR`` on ``ranks`` torchrun processes (``DIR`` a temporary directory),
+def launch_workers(module: str, ranks: int, threads: int, argv: Sequence[str]) -> list:
+    """``python -m module argv --worker --result-dir DIR`` on ``ranks`` torchrun processes (``DIR`` a temporary directory),
     the per-rank results: the side-by-side benchmarks that train every variant in one launch (their workers report
     progress on stderr)."""
-    with tempfile.TemporaryDirectory(prefix=f"{Path(script).stem}-") as tmp:
-        cmd = torchrun(ranks, Path(script).resolve(), *argv, "--worker", "--result-dir", tmp)
+    with tempfile.TemporaryDirectory(prefix=f"{module.rsplit('.', 1)[-1]}-") as tmp:
+        cmd = torchrun(ranks, module, *argv, "--worker", "--result-dir", tmp)
         run_checked(cmd, "the benchmark worker", Path(tmp), worker_env(threads), capture_stderr=False)
         return read_ranks(Path(tmp), ranks)
 

@@ -120,7 +120,8 @@ def write_tensors(partial: Path, tensors: Entries, *, process_group: Optional[di
 
 
 def file_checksum(path: Path) -> str:
-    """The file's CRC-32 as recorded in ``megatron_3d.json`` (its cost: ``benchmarks/README.md``, "Recorded results")."""
+    """The file's CRC-32 as recorded in ``megatron_3d.json`` (its cost, measured once: ``benchmarks/README.md``,
+    "Recorded results")."""
     return f"{file_crc32(path):08x}"
 
 

@@ -66,7 +66,7 @@ def adamw_implementation(params: list[torch.Tensor], implementation: str = "auto
     ``"auto"``: one fused kernel per step over all tensors (torch has it for CPU and CUDA) when every parameter
     is a floating-point tensor on a device that has it; else the multi-tensor (foreach) kernels. Not torch's own
     default, which on CPU is a Python loop over the tensors, one kernel per operation and tensor
-    (``benchmarks/optimizer_step.py`` measures the three). The choice is made on the model's parameters and
+    (measured once: ``benchmarks/README.md``, "Recorded results"). The choice is made on the model's parameters and
     kept in the param groups, so it also applies once the distributed optimizer rebinds them to fp32 pieces
     (``optim.main_params``), which are floating-point tensors of the same device or, offloaded, of the CPU.
     ``mixed_precision``: the Trainer runs Lightning's ``MixedPrecision`` plugin (``16-mixed``, ``bf16-mixed``);

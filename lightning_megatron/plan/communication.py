@@ -1,5 +1,5 @@
 """Bytes each rank sends in a training step, by process group and collective: the one formula behind the planner's
-communication times (``plan.step_time``) and the measured-to-formula table of ``benchmarks/formulas.py``.
+communication times (``plan.step_time``) and the measured-to-formula table of ``python -m benchmarks.memory formulas``.
 
 A collective of ``n`` ranks over a tensor of ``B`` bytes (all-gather: the gathered tensor; reduce-scatter: its
 input) costs each rank, in a bandwidth-optimal ring algorithm (NCCL's), :data:`RING_SHARE` of ``B``: an all-reduce

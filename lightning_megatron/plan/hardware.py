@@ -49,7 +49,7 @@ efficiencies are uncalibrated: the A100's (``matmul_efficiency`` 0.781, attentio
 times are rough. AWS's A10G is not an A10 (its data sheet is not public): it is not in the catalogue.
 
 The efficiencies turn peaks into rates. ``matmul_efficiency`` is what large GEMMs sustain, calibrated on one
-published run per GPU (``benchmarks/planner_check.py``'s ``CALIBRATIONS``, which recomputes each): V100's on the
+published run per GPU (``benchmarks/memory/planner.py``'s ``CALIBRATIONS``, which recomputes each): V100's on the
 Megatron-LM paper's single-GPU baseline (the 1.2B GPT at 39 TFLOP/s on one V100 of a DGX-2H; Shoeybi et al.
 2019), A100's on the Megatron-LM README's 1.7B GPT on 32 A100s without model parallelism (137 TFLOP/s per GPU,
 counting recomputation; Narayanan et al. 2021), H100's on torchtitan's Llama-3.1-8B FSDP run on 8 H100s (5,762
@@ -156,7 +156,7 @@ class Hardware:
         return self.peak_fp8_flops * self.fp8_efficiency
 
 
-#: Calibrated on torchtitan's Llama-3.1-8B FSDP run (benchmarks/planner_check.py, ``CALIBRATIONS["h100"]``); FP8
+#: Calibrated on torchtitan's Llama-3.1-8B FSDP run (benchmarks/memory/planner.py, ``CALIBRATIONS["h100"]``); FP8
 #: GEMMs are assumed to reach the same fraction of their (twice as high) peak.
 H100_EFFICIENCY = 0.424
 GPUS: dict[str, Hardware] = {
@@ -170,7 +170,7 @@ GPUS: dict[str, Hardware] = {
 }
 GPUS["h200"] = replace(GPUS["h100"], name="h200", memory_bytes=141 * GB, memory_bandwidth=4800 * GB)  # H100's chip
 #: H100 under Megatron-Core + Transformer Engine: calibrated on Megatron Bridge's Llama-3-8B FP8 run
-#: (benchmarks/planner_check.py, ``CALIBRATIONS["h100-te"]``); attention: cuDNN's fused kernels (module docstring).
+#: (benchmarks/memory/planner.py, ``CALIBRATIONS["h100-te"]``); attention: cuDNN's fused kernels (module docstring).
 H100_TE_EFFICIENCY = 0.584
 GPUS["h100-te"] = replace(GPUS["h100"], name="h100-te", matmul_efficiency=H100_TE_EFFICIENCY,
                           fp8_efficiency=H100_TE_EFFICIENCY, attention_efficiency=0.5)

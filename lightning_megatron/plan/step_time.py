@@ -38,7 +38,7 @@ For the slowest pipeline rank and one micro-batch of ``T = micro_batch_size * se
   so only its excess over that shows; the fp32 gradients go through a file of their own (written, then read).
 
 The bytes and calls of every collective are ``plan.communication.step_collectives``'s (the formula
-``benchmarks/formulas.py`` checks against each rank's ``c10d`` ops); the pipeline's sends are those of the rank that
+``python -m benchmarks.memory formulas`` checks against each rank's ``c10d`` ops); the pipeline's sends are those of the rank that
 sends the most. Overlapped communication is hidden by at most ``overlap_efficiency`` of the compute it runs under (NCCL's
 kernels slow the compute they share the GPU with). Every collective also pays ``collective_latency``. A ring collective over ``k`` ranks moves
 ``2 (k - 1) / k`` (all-reduce) or ``(k - 1) / k`` (all-gather, reduce-scatter) of its bytes per rank at the

@@ -14,8 +14,7 @@ from pathlib import Path
 import lightning as L
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))  # as the scripts run: harness/ beside them
-from data import resident_kib  # noqa: E402  the benchmark's reading of /proc: the test and it measure alike
+from benchmarks.data import resident_kib  # the benchmark's reading of /proc: the test and it measure alike
 from lightning_megatron import Megatron3DStrategy
 from lightning_megatron.data import GPTDataModule
 from lightning_megatron.models import GPT, GPTConfig

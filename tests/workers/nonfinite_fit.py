@@ -54,6 +54,8 @@ def main(out_dir: Path, args: list[str]) -> None:
                          "tp2": TP2}.items():
         for mode in ("error", "ignore"):  # SGD: a wrongly counted norm would change every update
             results[f"clip-{name}-{mode}"] = run(layout, steps=3, clip=0.05, on_nonfinite=mode, faults={"sgd_lr": 1.0})
+    for mode in ("error", "ignore"):  # no clipping: the check's own norm must leave the gradients alone
+        results[f"noclip-dp2-{mode}"] = run(DP2, steps=3, clip=None, on_nonfinite=mode, faults={"sgd_lr": 1.0})
     (out_dir / f"rank{int(os.environ['RANK'])}.json").write_text(json.dumps(results))
     dist.barrier()
 

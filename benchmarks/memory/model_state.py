@@ -1,4 +1,5 @@
-"""Per-rank model-state bytes, peak memory and tokens/s of ZeRO stages 0-2 against Lightning's DDP and FSDP, in one table.
+"""``python -m benchmarks.memory model-state``: per-rank model-state bytes, peak memory and tokens/s of ZeRO stages 0-2
+against Lightning's DDP and FSDP, in one table.
 
 One GPT, config, per-rank batches, AdamW and learning-rate schedule, at data-parallel
 size N=2 (two processes), under five configurations: ``Megatron3DStrategy(zero_stage=0|1|2)``,
@@ -11,19 +12,13 @@ Every configuration runs in fresh processes under ``torchrun``: a peak RSS is a
 high-water mark that never goes down, so only a fresh process attributes it to one run.
 Each rank writes its measurements as JSON for the parent, which prints the table. The
 measuring tools (peak memory, step clock, synthetic tokens, the GPT recipe) are
-``throughput.py``'s, so both benchmarks measure alike. See ``benchmarks/README.md``.
-
-``--activations`` measures the other half of a rank's memory instead: the bytes autograd saves
-for backward (activations) per rank, at context parallelism 1/2/4 (ring and all-gather attention)
-on one long sequence next to tensor + sequence parallelism, all layouts in one ``torchrun`` launch
-of four processes, each against its expected share of the whole-sequence baseline.
+``benchmarks.harness``'s, so this and ``benchmarks.throughput`` measure alike. See ``benchmarks/README.md``.
 
 Example::
 
-    python benchmarks/memory.py                          # small CPU default, about 2 minutes on 2 idle cores
-    python benchmarks/memory.py --activations            # activation bytes per rank, Llama-shaped, 8192 tokens
-    python benchmarks/memory.py --only megatron_z2 fsdp --hidden 512
-    python benchmarks/memory.py --device cuda --hidden 2048 --layers 24 --heads 16 --seq 2048 --vocab 51200
+    python -m benchmarks.memory model-state                    # small CPU default, about 2 minutes on 2 idle cores
+    python -m benchmarks.memory model-state --only megatron_z2 fsdp --hidden 512
+    python -m benchmarks.memory model-state --device cuda --hidden 2048 --layers 24 --heads 16 --seq 2048 --vocab 51200
 """
 
 from __future__ import annotations
@@ -47,12 +42,12 @@ from torch.nn.parallel import DistributedDataParallel
 from lightning_megatron import Megatron3DStrategy
 from lightning_megatron.models.gpt import GPT
 from lightning_megatron.models.transformer import TransformerLayer
-from activation_memory import activation_worker, activations_main
-from harness.launch import add_worker_flags, read_ranks, run_checked, torchrun, worker_env, worker_rank_and_device
-from harness.rounds import Run
-from harness.tables import MIB, format_rows
-from harness.timing import PeakMemory, Stopwatch, StopwatchCallback
-from harness.training import make_loader, make_module, quiet_trainer, total_steps
+from benchmarks.memory import ENTRY
+from benchmarks.harness.launch import add_worker_flags, read_ranks, run_checked, torchrun, worker_env, worker_rank_and_device
+from benchmarks.harness.rounds import Run
+from benchmarks.harness.tables import MIB, format_rows
+from benchmarks.harness.timing import PeakMemory, Stopwatch, StopwatchCallback
+from benchmarks.harness.training import make_loader, make_module, quiet_trainer, total_steps
 
 DATA_PARALLEL_SIZE = 2
 CATEGORIES = ("parameters", "gradients", "main_parameters", "optimizer_state")
@@ -76,22 +71,17 @@ CONFIGURATIONS = (
 
 
 # ---------------------------------------------------------------------------- arguments
-def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--activations", action="store_true",
-                        help="measure the activation bytes per rank of context and sequence parallelism instead "
-                             "(defaults then: --hidden 64 --layers 2 --heads 8 --seq 8192 --pad-vocab 1; fp32 on the "
-                             "CPU, one sample per rank: --batch, --steps, --warmup, --precision, --only do not apply)")
-    parser.add_argument("--hidden", type=int, help="default 256 (--activations: 64)")
-    parser.add_argument("--layers", type=int, help="default 4 (--activations: 2)")
-    parser.add_argument("--heads", type=int, help="default 4 (--activations: 8, 4 key/value groups: tp4 splits them)")
-    parser.add_argument("--seq", type=int, help="default 128 (--activations: 8192)")
+def parse_args(argv: Optional[list[str]] = None, prog: Optional[str] = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--batch", type=int, default=4, help="samples per step on each rank (the global batch is N times this)")
     parser.add_argument("--vocab", type=int, default=256,
                         help="vocabulary size (256: a multiple of --pad-vocab, so every configuration has the same Ψ)")
-    parser.add_argument("--pad-vocab", type=int,
-                        help="Megatron3DStrategy's pad_vocab_to_multiple_of (1 = no padding); default 128 "
-                             "(--activations: 1, so that tp=4 holds exactly a quarter of the logits)")
+    parser.add_argument("--pad-vocab", type=int, default=128,
+                        help="Megatron3DStrategy's pad_vocab_to_multiple_of (1 = no padding)")
     parser.add_argument("--steps", type=int, default=15, help="measured optimizer steps per run")
     parser.add_argument("--warmup", type=int, default=3, help="optimizer steps run before the clock starts")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
@@ -102,17 +92,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                         help="keep glibc's dynamic mmap threshold (CPU): peaks then include freed memory glibc retains")
     parser.add_argument("--only", nargs="+", choices=[c.key for c in CONFIGURATIONS], help="run only these configurations")
     parser.add_argument("--seed", type=int, default=1234)
-    add_worker_flags(parser, [c.key for c in CONFIGURATIONS] + ["activations"])
-    args = parser.parse_args(argv)
-    defaults = ACTIVATION_DEFAULTS if args.activations or args.worker == "activations" else MODEL_STATE_DEFAULTS
-    for name, value in defaults.items():
-        if getattr(args, name) is None:
-            setattr(args, name, value)
-    return args
-
-
-MODEL_STATE_DEFAULTS = {"hidden": 256, "layers": 4, "heads": 4, "seq": 128, "pad_vocab": 128}
-ACTIVATION_DEFAULTS = {"hidden": 64, "layers": 2, "heads": 8, "seq": 8192, "pad_vocab": 1}
+    add_worker_flags(parser, [c.key for c in CONFIGURATIONS])
+    return parser.parse_args(argv)
 
 
 # ---------------------------------------------------------------------------- the ZeRO formulas
@@ -275,7 +256,7 @@ def memory_env(args: argparse.Namespace) -> dict[str, str]:
 
 def launch(configuration: Configuration, args: argparse.Namespace, argv: list[str], result_dir: Path) -> list[dict]:
     """One run of ``configuration`` on two fresh ranks; the per-rank results."""
-    cmd = torchrun(DATA_PARALLEL_SIZE, Path(__file__).resolve(), *argv, "--worker", configuration.key,
+    cmd = torchrun(DATA_PARALLEL_SIZE, ENTRY, "model-state", *argv, "--worker", configuration.key,
                    "--result-dir", str(result_dir))
     run_checked(cmd, configuration.label, result_dir, memory_env(args))
     return read_ranks(result_dir, DATA_PARALLEL_SIZE)
@@ -366,23 +347,14 @@ def runnable_configurations(args: argparse.Namespace) -> list[Configuration]:
     return [c for c in CONFIGURATIONS if not args.only or c.key in args.only]
 
 
-def main() -> None:
-    args = parse_args()
-    if args.worker == "activations":
-        activation_worker(args)
-        return
+def main(argv: Optional[list[str]] = None, prog: Optional[str] = None) -> None:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parse_args(argv, prog)
     if args.worker:
         worker_main(args)
         return
-    if args.activations:
-        activations_main(args, env=memory_env(args))
-        return
     configurations = runnable_configurations(args)
-    results = run_all(args, sys.argv[1:], configurations)
+    results = run_all(args, argv, configurations)
     print(describe(args))
     print(format_table(args, configurations, results))
     print(footer(args))
-
-
-if __name__ == "__main__":
-    main()

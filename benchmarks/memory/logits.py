@@ -1,21 +1,20 @@
-"""The peak memory of the output layer and its loss at Llama-3's vocabulary: unchunked against chunked.
+"""``python -m benchmarks.memory logits``: the peak memory of the output layer and its loss at Llama-3's vocabulary,
+unchunked against chunked.
 
 The unchunked head materialises the logits of every token (``[tokens, V/tp]``) and the vocab-parallel
 cross-entropy its fp32 softmax; the chunked loss (``GPTConfig.loss_chunk_tokens``,
 ``tensor_parallel.chunked_cross_entropy``) holds the logits of one chunk of tokens at a time. For each
 (tp, sequence parallelism, chunk) this measures, on the CPU, the peak of the bytes allocated during one forward
-and backward of ``head + loss`` and still alive (``activation_peak.LiveStorages``: exact bytes, allocator-free),
+and backward of ``head + loss`` and still alive (``plan.probes.LiveStorages``: exact bytes, allocator-free),
 leaving out the gradients the step leaves in ``.grad``, and prints it next to the unchunked peak of the same
 layout and next to the fp32 logits of the whole sequence and of one chunk, the two sizes the peaks follow.
 tp2 runs on 2 processes (``torch.distributed.run``, gloo). Example::
 
-    python benchmarks/logits_peak.py                   # vocab 128,256, 1024 tokens, hidden 64: about 1 minute
-    python benchmarks/logits_peak.py --tokens 1024 --chunks 256
+    python -m benchmarks.memory logits                   # vocab 128,256, 1024 tokens, hidden 64: about 1 minute
+    python -m benchmarks.memory logits --tokens 1024 --chunks 256
 
-From a test (``benchmarks/`` on ``sys.path``)::
-
-    from logits_peak import head_loss_peak
-    peak = head_loss_peak(tokens=512, hidden=16, vocab=8192, chunk_tokens=64)["peak_bytes"]
+The measurement is the package's ``lightning_megatron.plan.probes.head_loss_peak`` (``tests/test_chunked_loss.py``
+holds the chunked loss to it).
 """
 
 from __future__ import annotations
@@ -28,56 +27,14 @@ from pathlib import Path
 from typing import Optional
 
 import torch
-from torch import nn
 
-from activation_peak import LiveStorages
-from harness.launch import add_worker_flags, read_ranks, run_checked, torchrun
-from harness.tables import MIB, format_rows
+from benchmarks.harness.launch import add_worker_flags, read_ranks, run_checked, torchrun
+from benchmarks.harness.tables import MIB, format_rows
+from benchmarks.memory import ENTRY
+from lightning_megatron.plan.probes import head_loss_peak
 
 LLAMA3_VOCAB = 128256
 PAD_VOCAB = 128  # the strategy's default pad_vocab_to_multiple_of
-
-
-def head_loss_peak(*, tokens: int, hidden: int, vocab: int, chunk_tokens: Optional[int], group=None,
-                   sequence_parallel: bool = False, seed: int = 0) -> dict:
-    """Peak bytes of one forward and backward of the output layer and the summed cross-entropy of ``tokens``
-    tokens (fp32), unchunked (``chunk_tokens=None``) or chunked; ``group``: tensor parallelism over it (the
-    strategy's ``VocabParallelHead``), ``sequence_parallel``: each rank holds ``tokens / tp`` of the hidden
-    states. Also returns the loss, so that callers can check both paths computed the same thing."""
-    import torch.distributed as dist
-
-    from lightning_megatron.tensor_parallel import VocabParallelCrossEntropy, VocabParallelHead
-    from lightning_megatron.tensor_parallel.chunked_cross_entropy import ChunkedHeadLoss
-
-    generator = torch.Generator().manual_seed(seed)
-    tp = dist.get_world_size(group) if group is not None else 1
-    if group is None:
-        head = nn.Linear(hidden, vocab, bias=False)
-        unchunked = nn.CrossEntropyLoss(reduction="sum")
-    else:
-        head = VocabParallelHead(hidden, vocab, group=group, sequence_parallel=sequence_parallel,
-                                 pad_to_multiple_of=PAD_VOCAB)
-        unchunked = VocabParallelCrossEntropy(group=group, reduction="sum")
-    with torch.no_grad():
-        full = torch.randn(head.weight.tensor_shard.global_shape if group is not None else (vocab, hidden),
-                           generator=generator) * 0.02
-        head.weight.copy_(head.weight.tensor_shard.local_slice(full[:vocab]) if group is not None else full)
-    labels = torch.randint(0, vocab, (1, tokens), generator=generator)
-    states = torch.randn(1, tokens, hidden, generator=generator)
-    local = tokens // tp if sequence_parallel else tokens
-    rank = dist.get_rank(group) if sequence_parallel else 0
-    x = states[:, rank * local:(rank + 1) * local].clone().requires_grad_()
-    with LiveStorages() as live:
-        if chunk_tokens is None:
-            loss = unchunked(head(x).flatten(0, 1), labels.flatten())
-        else:
-            loss = ChunkedHeadLoss(chunk_tokens=chunk_tokens)(x, labels, head)
-        loss.backward()
-        excluded = live.ids_of([x.grad, head.weight.grad])
-    peak, at_peak = live.peak(excluded)
-    return {"peak_bytes": peak, "at_peak": at_peak, "loss": loss.item(), "tp": tp,
-            "sequence_parallel": sequence_parallel, "chunk_tokens": chunk_tokens,
-            "local_vocab": head.weight.shape[0]}
 
 
 def run_layouts(tokens: int, hidden: int, vocab: int, chunks: list[int], group=None) -> list[dict]:
@@ -85,7 +42,7 @@ def run_layouts(tokens: int, hidden: int, vocab: int, chunks: list[int], group=N
     for sequence_parallel in (False, True) if group is not None else (False,):
         for chunk in (None, *chunks):
             rows.append(head_loss_peak(tokens=tokens, hidden=hidden, vocab=vocab, chunk_tokens=chunk, group=group,
-                                       sequence_parallel=sequence_parallel))
+                                       sequence_parallel=sequence_parallel, pad_vocab_to_multiple_of=PAD_VOCAB))
     return rows
 
 
@@ -101,7 +58,7 @@ def worker(result_dir: Path, args: argparse.Namespace) -> None:
 
 def measure_tp2(args: argparse.Namespace) -> list[dict]:
     with tempfile.TemporaryDirectory(prefix="logits-peak-") as tmp:
-        cmd = torchrun(2, Path(__file__).resolve(), "--worker", "--result-dir", tmp, "--tokens", str(args.tokens),
+        cmd = torchrun(2, ENTRY, "logits", "--worker", "--result-dir", tmp, "--tokens", str(args.tokens),
                        "--hidden", str(args.hidden), "--vocab", str(args.vocab),
                        "--chunks", ",".join(map(str, args.chunks)))
         run_checked(cmd, "the tp2 workers", Path(tmp))
@@ -127,15 +84,15 @@ def format_table(rows: list[dict], tokens: int) -> str:
     return format_rows(table, left=(1, 2))
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: Optional[list[str]] = None, prog: Optional[str] = None) -> None:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=1024, help="tokens of the micro-batch (default 1024)")
     parser.add_argument("--hidden", type=int, default=64, help="hidden size (default 64: the head's GEMM is cheap)")
     parser.add_argument("--vocab", type=int, default=LLAMA3_VOCAB, help=f"vocabulary (default {LLAMA3_VOCAB})")
     parser.add_argument("--chunks", type=lambda text: [int(c) for c in text.split(",")], default=[128, 512],
                         help="comma list of chunk sizes in tokens (default 128,512)")
     add_worker_flags(parser)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.worker:
         worker(args.result_dir, args)
         return
@@ -146,6 +103,3 @@ def main() -> None:
           f"once among those allocated in the step, the input's and the weight's gradients left out; under sequence "
           f"parallelism a chunk is chunk tokens / tp of every rank's, gathered; torch {torch.__version__}.")
 
-
-if __name__ == "__main__":
-    main()

@@ -1,10 +1,12 @@
-"""The layout planner against measurement, the papers and published H100 runs, as three tables.
+"""``python -m benchmarks.memory planner``: the layout planner against measurement, the papers and published H100
+runs, as three tables.
 
-    python benchmarks/planner_check.py                # both tables (the activation one measures, ~1 min)
-    python benchmarks/planner_check.py --papers       # the papers only (seconds)
-    python benchmarks/planner_check.py --as-configured  # published H100 runs at their own layouts (seconds)
+    python -m benchmarks.memory planner                  # all three tables (the activation one measures, ~1 min)
+    python -m benchmarks.memory planner --papers         # the papers only (seconds)
+    python -m benchmarks.memory planner --as-configured  # published H100 runs at their own layouts (seconds)
+    python -m benchmarks.memory planner --activations --json   # the measured activation rows (tests/test_plan.py)
 
-**Activations.** ``activation_peak.py`` measures each rank's peak of activation bytes on the CPU (tp 1/2, sequence
+**Activations.** The ``peak`` mode measures each rank's peak of activation bytes on the CPU (tp 1/2, sequence
 parallelism, pp 2 under 1F1B, no / selective / full recomputation, GPT- and Llama-shaped, two sizes); the planner
 predicts the same rank's ``activation_bytes`` for the same layout, fp32.
 
@@ -31,22 +33,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Optional
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from harness.tables import MIB, format_rows  # noqa: E402
-
-from lightning_megatron.models import GPT, GPTConfig  # noqa: E402
-from lightning_megatron.parallel.shards import padded_size  # noqa: E402
-from lightning_megatron.plan import GPUS, Hardware, Layout, Planner, Workload  # noqa: E402
-from lightning_megatron.plan.activations import activation_bytes  # noqa: E402
-from lightning_megatron.plan.hardware import GB, TFLOPS  # noqa: E402
-from lightning_megatron.plan.planner import LayoutPlan  # noqa: E402
-from lightning_megatron.plan.shape import ModelShape  # noqa: E402
+from benchmarks.harness.tables import MIB, format_rows
+from benchmarks.memory.peak import LAYOUTS_BY_KEY, PAD_VOCAB, measure, model_config
+from lightning_megatron.models import GPT, GPTConfig
+from lightning_megatron.plan import GPUS, Hardware, Layout, Planner, Workload
+from lightning_megatron.plan.activations import activation_bytes
+from lightning_megatron.plan.hardware import GB, TFLOPS
+from lightning_megatron.plan.planner import LayoutPlan
+from lightning_megatron.plan.shape import ModelShape
+from lightning_megatron.parallel.shards import padded_size
 
 ACTIVATION_MARGIN = 0.15  # the stated bound: every prediction within 15% of the measured peak
 
@@ -284,9 +282,7 @@ def paper_rows() -> list[dict]:
 
 
 def activation_rows(measured: list[dict]) -> list[dict]:
-    """The planner's ``activation_bytes`` next to each measured (layout, pipeline rank) of ``activation_peak``."""
-    from activation_peak import LAYOUTS_BY_KEY, PAD_VOCAB, model_config
-
+    """The planner's ``activation_bytes`` next to each measured (layout, pipeline rank) of the ``peak`` mode."""
     rows, seen = [], set()
     for row in measured:
         key = (row["layout"], row["pipeline_rank"])
@@ -309,6 +305,14 @@ def activation_rows(measured: list[dict]) -> list[dict]:
     return rows
 
 
+def print_activation_rows(rows: list[dict]) -> None:
+    print(format_rows([["layout", "pp rank", "measured MiB", "predicted MiB", "deviation"],
+                       *[[r["layout"], str(r["pipeline_rank"]), f"{r['measured'] / MIB:.3f}",
+                          f"{r['predicted'] / MIB:.3f}", f"{r['deviation']:+.1%}"] for r in rows]]))
+    worst = max(abs(r["deviation"]) for r in rows)
+    print(f"worst deviation {worst:.1%} (stated bound {ACTIVATION_MARGIN:.0%})")
+
+
 def print_as_configured(rows: list[dict]) -> None:
     print(format_rows([["run", "its layout", "predicted", "published", "unit", "ratio", "where the time goes"],
                        *[[r["run"] + (" (calibration)" if r["calibration"] else ""), r["layout"],
@@ -320,13 +324,23 @@ def print_as_configured(rows: list[dict]) -> None:
               f"{calibrate(CALIBRATIONS[gpu]):.3f}; stated bound {H100_MARGIN:.0%})")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: Optional[list[str]] = None, prog: Optional[str] = None) -> None:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     parser.add_argument("--papers", action="store_true", help="only the paper checks (no measurement)")
     parser.add_argument("--as-configured", action="store_true",
                         help="only the published H100 runs, each at its own layout and settings")
-    parser.add_argument("--json", action="store_true", help="print the paper and H100 checks as JSON")
-    args = parser.parse_args()
+    parser.add_argument("--activations", action="store_true",
+                        help="only the planner's activation peaks against the measured ones (measures, ~1 min)")
+    parser.add_argument("--json", action="store_true",
+                        help="print the paper and H100 checks (with --activations: the activation rows) as JSON")
+    args = parser.parse_args(argv)
+    if args.activations:
+        rows = activation_rows(measure())
+        if args.json:
+            print(json.dumps(rows))
+        else:
+            print_activation_rows(rows)
+        return
     if args.json:
         print(json.dumps({"papers": paper_rows(), "as_configured": as_configured_rows(),
                           "calibrated": {gpu: calibrate(run) for gpu, run in CALIBRATIONS.items()}}))
@@ -335,14 +349,8 @@ def main() -> None:
         print_as_configured(as_configured_rows())
         return
     if not args.papers:
-        from activation_peak import measure
-
-        rows = activation_rows(measure())
-        print(format_rows([["layout", "pp rank", "measured MiB", "predicted MiB", "deviation"],
-                           *[[r["layout"], str(r["pipeline_rank"]), f"{r['measured'] / MIB:.3f}",
-                              f"{r['predicted'] / MIB:.3f}", f"{r['deviation']:+.1%}"] for r in rows]]))
-        worst = max(abs(r["deviation"]) for r in rows)
-        print(f"worst deviation {worst:.1%} (stated bound {ACTIVATION_MARGIN:.0%})\n")
+        print_activation_rows(activation_rows(measure()))
+        print()
     rows = paper_rows()
     print(format_rows([["run", "planner's layout", "predicted TFLOP/s/GPU", "reported", "ratio"],
                        *[[r["run"] + (" (calibration)" if r["calibration"] else ""), r["layout"],
@@ -357,6 +365,3 @@ def main() -> None:
         print()
         print_as_configured(as_configured_rows())
 
-
-if __name__ == "__main__":
-    main()

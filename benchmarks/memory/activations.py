@@ -1,9 +1,13 @@
-"""``benchmarks/memory.py --activations``: the bytes autograd saves for backward per rank under context
+"""``python -m benchmarks.memory activations``: the bytes autograd saves for backward per rank under context
 parallelism (ring and all-gather attention) and sequence parallelism, against the whole sequence on one rank.
 
-``memory.py`` is the entry point (its flags, its ``--worker activations`` re-launch under torchrun); this module
-is the mode itself: the layouts, the counting (``SavedActivations``), the worker and the table. See
-``benchmarks/README.md``.
+One ``torchrun`` launch of four processes builds every layout one after the other by the strategy's own steps and
+counts what one training forward + loss of one micro-batch saves (``lightning_megatron.plan.probes.SavedActivations``).
+CPU only (gloo; the counting does not depend on the device, but which SDPA kernel runs, and so what it saves, does).
+See ``benchmarks/README.md``. Example::
+
+    python -m benchmarks.memory activations               # h=64, 2 layers, 8 heads, 8192 tokens: 40-90 s on 2 cores
+    python -m benchmarks.memory activations --heads 4     # 2 key/value groups: tp4 replicates them
 """
 
 from __future__ import annotations
@@ -20,15 +24,16 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from benchmarks.harness.launch import add_worker_flags, read_ranks, run_checked, torchrun, worker_env
+from benchmarks.harness.tables import MIB, format_rows
+from benchmarks.memory import ENTRY
 from lightning_megatron.models.gpt import GPT
-from harness.launch import read_ranks, run_checked, torchrun
-from harness.tables import MIB, format_rows
+from lightning_megatron.plan.probes import SavedActivations
 
 ACTIVATION_RANKS = 4  # every activation layout runs over the same four processes, dp filling what it leaves
-ENTRY = Path(__file__).resolve().with_name("memory.py")
 
 
-# ---------------------------------------------------------------------------- --activations: the layouts
+# ---------------------------------------------------------------------------- the layouts
 @dataclass(frozen=True)
 class ActivationLayout:
     key: str
@@ -105,62 +110,7 @@ def activation_gpt_config(args: argparse.Namespace):
                                dropout=0.0, attention_dropout=0.0)
 
 
-# ---------------------------------------------------------------------------- --activations: counting
-def enter_counting(counter, modules) -> object:
-    """Start a saved-tensor counter: its ``_enter``/``_leave`` run around each of ``modules``' forwards (which
-    region a saved storage belongs to), its ``hooks`` (``saved_tensors_hooks``) see every tensor saved."""
-    for module in modules:
-        counter.handles += [module.register_forward_pre_hook(counter._enter), module.register_forward_hook(counter._leave)]
-    counter.hooks.__enter__()
-    return counter
-
-
-def exit_counting(counter, *exc) -> None:
-    counter.hooks.__exit__(*exc)
-    for handle in counter.handles:
-        handle.remove()
-
-
-class SavedActivations:
-    """The storages autograd saves for backward while active (``saved_tensors_hooks``), each counted once by its
-    ``data_ptr`` with its whole ``nbytes`` (a saved view keeps its whole storage alive; ``q``, ``k`` and ``v`` are
-    views of one ``qkv`` output), parameters' storages left out (model state, not activations). A storage is
-    attributed to ``attention core`` when it is first saved inside a ``CoreAttention`` forward (SDPA, the ring,
-    the all-gather of K/V), to ``rest`` otherwise."""
-
-    def __init__(self, module: torch.nn.Module) -> None:
-        from lightning_megatron.models.attention import CoreAttention
-
-        self.parameters = {p.untyped_storage().data_ptr() for p in module.parameters()}
-        self.storages: dict[int, tuple[int, str]] = {}
-        self.region = "rest"
-        self.cores = [m for m in module.modules() if isinstance(m, CoreAttention)]
-        self.handles: list = []
-        self.hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, lambda saved: saved)
-
-    def pack(self, tensor: Tensor) -> Tensor:
-        storage = tensor.untyped_storage()
-        pointer = storage.data_ptr()
-        if pointer not in self.parameters and pointer not in self.storages:
-            self.storages[pointer] = (storage.nbytes(), self.region)
-        return tensor
-
-    def _enter(self, *_) -> None:
-        self.region = "attention core"
-
-    def _leave(self, *_) -> None:
-        self.region = "rest"
-
-    def __enter__(self) -> "SavedActivations":
-        return enter_counting(self, self.cores)
-
-    def __exit__(self, *exc) -> None:
-        exit_counting(self, *exc)
-
-    def bytes(self, region: Optional[str] = None) -> int:
-        return sum(n for n, where in self.storages.values() if region is None or where == region)
-
-
+# ---------------------------------------------------------------------------- the batch
 def activation_batch(args: argparse.Namespace, documents: bool = False) -> dict[str, Tensor]:
     """One sample of ``--seq`` tokens, the same on every rank (so every layout computes the same loss); with
     ``documents``, packed from ~16 documents of random lengths (one starts at a token with probability 16 / seq)
@@ -228,22 +178,34 @@ def activation_worker(args: argparse.Namespace) -> None:
     os._exit(0)  # skip gloo's C++ teardown: with several meshes alive it aborts at random (torch 2.13)
 
 
-# ---------------------------------------------------------------------------- --activations: the parent
+# ---------------------------------------------------------------------------- the parent
+def parse_args(argv: Optional[list[str]] = None, prog: Optional[str] = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
+    parser.add_argument("--hidden", type=int, default=64)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--heads", type=int, default=8, help="default 8: 4 key/value groups, which tp4 splits")
+    parser.add_argument("--seq", type=int, default=8192, help="tokens of the one sample per rank (a multiple of 8)")
+    parser.add_argument("--vocab", type=int, default=256)
+    parser.add_argument("--pad-vocab", type=int, default=1,
+                        help="Megatron3DStrategy's pad_vocab_to_multiple_of (default 1: tp=4 holds exactly a quarter "
+                             "of the logits)")
+    parser.add_argument("--seed", type=int, default=1234)
+    add_worker_flags(parser)
+    return parser.parse_args(argv)
+
+
 def check_activation_args(args: argparse.Namespace) -> None:
-    if args.device != "cpu":
-        sys.exit("--activations runs on the CPU (gloo; the counting does not depend on the device, but which SDPA "
-                 "kernel runs, and so what it saves, does)")
     if args.seq % 8:  # cp4: 2 * 4 load-balanced chunks; cp2 x tp2+SP: 2 * 2 chunks, each rank's share over tp2
         sys.exit(f"--seq must be a multiple of 8 (cp4 cuts it into 8 chunks); got {args.seq}")
     if args.heads % 4 or args.vocab % 4:
         sys.exit("--heads and --vocab must divide by tp=4")
 
 
-def launch_activations(args: argparse.Namespace, result_dir: Path, env: dict[str, str]) -> list[dict]:
-    script = [str(ENTRY), "--worker", "activations", "--result-dir", str(result_dir),
+def launch_activations(args: argparse.Namespace, result_dir: Path) -> list[dict]:
+    script = [ENTRY, "activations", "--worker", "--result-dir", str(result_dir),
               *(f"--{name.replace('_', '-')}={getattr(args, name)}"
                 for name in ("hidden", "layers", "heads", "seq", "vocab", "pad_vocab", "seed"))]
-    run_checked(torchrun(ACTIVATION_RANKS, *script), "--activations", result_dir, env)
+    run_checked(torchrun(ACTIVATION_RANKS, *script), "the activations workers", result_dir, worker_env())
     return read_ranks(result_dir, ACTIVATION_RANKS)
 
 
@@ -309,12 +271,16 @@ def activation_footer() -> str:
     return "\n".join(f"* {note}" for note in notes)
 
 
-def activations_main(args: argparse.Namespace, env: dict[str, str]) -> None:
-    """Launch the workers (``env``: memory.py's worker environment), then print the table."""
+def main(argv: Optional[list[str]] = None, prog: Optional[str] = None) -> None:
+    """Launch the workers, then print the table (or, as a worker, measure every layout)."""
+    args = parse_args(argv, prog)
+    if args.worker:
+        activation_worker(args)
+        return
     check_activation_args(args)
     with tempfile.TemporaryDirectory(prefix="memory-activations-") as tmp:
         print(f"  {len(ACTIVATION_LAYOUTS)} layouts on {ACTIVATION_RANKS} ranks ...", file=sys.stderr, flush=True)
-        ranks = launch_activations(args, Path(tmp), env)
+        ranks = launch_activations(args, Path(tmp))
     print(describe_activations(args))
     print(format_activation_table(ranks, args))
     print(activation_footer())

@@ -1,12 +1,12 @@
-"""The peak activation memory per rank of one training step's forward and backward, on the CPU, for tensor,
-sequence and pipeline parallelism with and without activation recomputation.
+"""``python -m benchmarks.memory peak``: the peak activation memory per rank of one training step's forward and
+backward, on the CPU, for tensor, sequence and pipeline parallelism with and without activation recomputation.
 
-``benchmarks/memory.py --activations`` counts what autograd *saves* for backward; a rank's memory high-water mark is
+The ``activations`` mode counts what autograd *saves* for backward; a rank's memory high-water mark is
 more than that: the temporaries of the forward and of the backward (the logits' softmax, the gradients flowing back,
 a recomputed layer's activations) come on top, and under pipelining several micro-batches are in flight at once.
 This harness measures the peak itself: every storage an op allocates during the step, from its allocation until it
-dies, with a ``TorchDispatchMode`` (``LiveStorages``; the bookkeeping of ``torch.distributed._tools.mem_tracker``,
-without its module and reference-type tracking), so the peak is exact in bytes and does not depend on the allocator.
+dies, with a ``TorchDispatchMode`` (``lightning_megatron.plan.probes.LiveStorages``), so the peak is exact in bytes
+and does not depend on the allocator.
 
 Each layout is built as ``Megatron3DStrategy`` builds it (``parallelize``, ``apply_recompute``, ``split_pipeline``,
 ``initialize_parameters``, ``build_step_gradients``, the 1F1B runner of ``tests/workers/layout_runs.py``), without
@@ -20,18 +20,18 @@ backward (up to the last backward, not the optimizer step) of each of the next `
   before it). What existed before the step (parameters, buffers, optimizer state) is not counted.
 * ``forward_peak_bytes``: the same peak before the first backward op (for pp = 1 the forward and the loss; under
   1F1B the forwards this rank's stage runs before its first backward).
-* ``saved_bytes``: what ``activation_memory.SavedActivations`` counts for one micro-batch's forward (with its loss
+* ``saved_bytes``: what ``plan.probes.SavedActivations`` counts for one micro-batch's forward (with its loss
   on the last stage): the storages autograd saves for backward, parameters left out.
 
 Every layout runs over the same two processes (``torch.distributed.run``, gloo, one thread each), data parallelism
 filling what tensor and pipeline parallelism leave. Example::
 
-    python benchmarks/activation_peak.py                         # every layout, about 40 s on 2 cores
-    python benchmarks/activation_peak.py --layouts tp1-none,pp2-none --json
+    python -m benchmarks.memory peak                                     # every layout, about 40 s on 2 cores
+    python -m benchmarks.memory peak --layouts tp1-none,pp2-none --json
 
-From another script (``benchmarks/`` on ``sys.path``)::
+From another mode (``planner``)::
 
-    from activation_peak import measure
+    from benchmarks.memory.peak import measure
     rows = measure(["tp2-sp-none", "tp2-sp-full"])   # one dict per (layout, rank), as --json prints
 """
 
@@ -46,19 +46,18 @@ import subprocess
 import sys
 import tempfile
 import time
-import weakref
-from collections import Counter, deque
+from collections import deque
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional
 
 import torch
 from torch import Tensor, nn
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
-from harness.launch import REPO_ROOT, add_worker_flags, read_ranks, torchrun, worker_env
-from harness.tables import MIB, format_rows
+from benchmarks.harness.launch import REPO_ROOT, add_worker_flags, read_ranks, torchrun, worker_env
+from benchmarks.harness.tables import MIB, format_rows
+from benchmarks.memory import ENTRY
+from lightning_megatron.plan.probes import LiveStorages, SavedActivations
 
 RANKS = 2  # every layout runs over the same two processes
 SEED = 1234
@@ -152,87 +151,6 @@ def model_config(layout: Layout):
 
 
 # ---------------------------------------------------------------------------- counting
-class LiveStorages(TorchDispatchMode):
-    """The storages the ops allocate while active, as an event log of ``(+nbytes, id)`` at allocation and
-    ``(-nbytes, id)`` when the storage dies (a ``weakref.finalize`` on it: torch keeps one Python object per
-    storage for as long as the storage lives, so it dies with the storage, not with a Python reference).
-
-    A storage is new when an op returns it and none of the op's inputs holds it: views, in-place results and
-    ``out=`` arguments are storages seen before, or storages from before the mode, which are not counted. Each
-    new storage is named by the op that allocated it and whether it ran in backward (the autograd engine's graph
-    task); ``backward_start`` is the log's length at the first backward op."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.events: list[tuple[int, int]] = []
-        self.nbytes: list[int] = []  # by id: the current size of each storage seen
-        self.names: list[str] = []  # by id: "op (fw|bw)"
-        self.backward_start: Optional[int] = None
-        self._ids: dict[int, int] = {}  # id() of a live storage -> its id; dropped when it dies, before id() is reused
-        self._finalizers: list[weakref.finalize] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        in_backward = torch._C._current_graph_task_id() != -1
-        if in_backward and self.backward_start is None:
-            self.backward_start = len(self.events)
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        inputs = {id(t.untyped_storage()) for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor)}
-        for tensor in tree_flatten(out)[0]:
-            if isinstance(tensor, Tensor):
-                self._see(tensor.untyped_storage(), inputs, f"{func} ({'bw' if in_backward else 'fw'})")
-        return out
-
-    def _see(self, storage: torch.UntypedStorage, inputs: set[int], name: str) -> None:
-        index = self._ids.get(id(storage))
-        if index is not None:  # resized in place (resize_, an out= argument)
-            grown = storage.nbytes() - self.nbytes[index]
-            if grown:
-                self.nbytes[index] += grown
-                self.events.append((grown, index))
-            return
-        if id(storage) in inputs or storage.nbytes() == 0:
-            return
-        index = len(self.nbytes)
-        self._ids[id(storage)] = index
-        self.nbytes.append(storage.nbytes())
-        self.names.append(name)
-        self.events.append((storage.nbytes(), index))
-        self._finalizers.append(weakref.finalize(storage, self._died, id(storage), index))
-
-    def _died(self, key: int, index: int) -> None:
-        del self._ids[key]
-        self.events.append((-self.nbytes[index], index))
-
-    def ids_of(self, tensors: list[Tensor]) -> set[int]:
-        """The ids of the counted storages that hold ``tensors`` (call before the mode exits: after it, storages
-        die unseen and their ``id()`` may be reused)."""
-        found = (self._ids.get(id(t.untyped_storage())) for t in tensors)
-        return {index for index in found if index is not None}
-
-    def __exit__(self, *exc) -> None:
-        super().__exit__(*exc)
-        for finalizer in self._finalizers:  # storages that outlive the step no longer log their deaths
-            finalizer.detach()
-
-    def peak(self, excluded: set[int], stop: Optional[int] = None) -> tuple[int, dict[str, int]]:
-        """The peak of the live bytes over ``events[:stop]`` without the ``excluded`` storages, and the five names
-        holding the most bytes at that moment."""
-        events = [(delta, index) for delta, index in self.events[:stop] if index not in excluded]
-        live = peak = peak_at = 0
-        for position, (delta, _) in enumerate(events, 1):
-            live += delta
-            if live > peak:
-                peak, peak_at = live, position
-        alive = Counter()
-        for delta, index in events[:peak_at]:
-            alive[index] += delta
-        by_name = Counter()
-        for index, nbytes in alive.items():
-            by_name[self.names[index]] += nbytes
-        return peak, {name: nbytes for name, nbytes in by_name.most_common(5) if nbytes}
-
-
 @contextlib.contextmanager
 def saving_first_forward(stage: nn.Module, saved):
     """``saved`` (a ``SavedActivations``) active from the pipeline stage's first forward to its second, so it sees
@@ -358,8 +276,6 @@ def gradient_tensors(built: Built) -> list[Tensor]:
 
 def measure_step(layout: Layout, built: Built, input_ids: Tensor, labels: Tensor) -> dict:
     """One step's forward and backward under ``LiveStorages`` and ``SavedActivations``: its peaks and saved bytes."""
-    from activation_memory import SavedActivations
-
     gc.collect()  # nothing an earlier step left in reference cycles dies inside this one
     saved = SavedActivations(built.module)
     with LiveStorages() as tracker:
@@ -425,7 +341,7 @@ def measure(layout_keys: Optional[list[str]] = None) -> list[dict]:
     if unknown:
         raise ValueError(f"unknown layouts {unknown}; known: {', '.join(LAYOUTS_BY_KEY)}")
     with tempfile.TemporaryDirectory(prefix="activation-peak-") as tmp:
-        cmd = torchrun(RANKS, Path(__file__).resolve(), "--worker", "--result-dir", tmp, "--layouts", ",".join(keys))
+        cmd = torchrun(RANKS, ENTRY, "peak", "--worker", "--result-dir", tmp, "--layouts", ",".join(keys))
         print(f"{len(keys)} layouts on {RANKS} ranks ...", file=sys.stderr, flush=True)
         proc = subprocess.Popen(cmd, env=worker_env(), cwd=tmp, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         tail: deque[str] = deque(maxlen=200)
@@ -477,12 +393,12 @@ def footer() -> str:
     return "\n".join(f"* {note}" for note in notes)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: Optional[list[str]] = None, prog: Optional[str] = None) -> None:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", action="store_true", help="print the results as a JSON list instead of the table")
     parser.add_argument("--layouts", help=f"a comma list of layouts (default: all): {', '.join(LAYOUTS_BY_KEY)}")
     add_worker_flags(parser)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     keys = args.layouts.split(",") if args.layouts else [layout.key for layout in LAYOUTS]
     if args.worker:
         worker(args.result_dir, keys)
@@ -494,6 +410,3 @@ def main() -> None:
     print(format_table(rows))
     print(footer())
 
-
-if __name__ == "__main__":
-    main()

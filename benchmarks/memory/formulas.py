@@ -1,5 +1,5 @@
-"""The per-layout proof table: FLOPs, bytes sent and activation bytes per rank of one training step, each measured
-and divided by its formula (issue 28's "what must show").
+"""``python -m benchmarks.memory formulas``: the per-layout proof table: FLOPs, bytes sent and activation bytes per
+rank of one training step, each measured and divided by its formula (issue 28's "what must show").
 
 One ``torch.distributed.run`` launch of four CPU processes (gloo) builds a tiny Llama-shaped GPT (an MoE one for
 expert parallelism) under each layout the way ``Megatron3DStrategy`` builds it (``parallelize``,
@@ -14,14 +14,14 @@ check and clip, the optimizer step and ZeRO's gathers. Three measurements, each 
 2. **Bytes sent**, by group and collective (``SentBytes``: a ``TorchDispatchMode`` that sees every ``c10d`` op,
    from ``torch.distributed``, FSDP2 and the pipeline schedule alike, each op's bytes on the wire of a ring
    algorithm) against ``plan.communication.step_traffic``, the planner's own formula.
-3. **Activations** saved for backward inside the transformer layers (``saved_tensors_hooks``, storages once,
+3. **Activations** saved for backward inside the transformer layers (``plan.probes.SavedInLayers``, storages once,
    parameters left out, the backward's recomputation left out) against ``plan.activations.layer_saved_bytes``
    (the planner's term-by-term model of this package's layers) and Korthikanti et al. 2022's GPT-2 formula.
 
 Example::
 
-    python benchmarks/formulas.py            # every layout (about a minute on 2 cores)
-    python benchmarks/formulas.py --smoke    # a subset, for tests/test_benchmarks.py
+    python -m benchmarks.memory formulas            # every layout (about a minute on 2 cores)
+    python -m benchmarks.memory formulas --smoke    # a subset, for tests/test_benchmarks.py
 """
 
 from __future__ import annotations
@@ -40,10 +40,11 @@ import torch
 from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from activation_memory import enter_counting, exit_counting
 
-from harness.launch import REPO_ROOT, add_worker_flags, read_ranks, run_checked, torchrun
-from harness.tables import format_rows
+from benchmarks.harness.launch import REPO_ROOT, add_worker_flags, read_ranks, run_checked, torchrun
+from benchmarks.harness.tables import format_rows
+from benchmarks.memory import ENTRY
+from lightning_megatron.plan.probes import SavedInLayers
 
 WORKERS = REPO_ROOT / "tests" / "workers"
 RANKS = 4
@@ -215,59 +216,6 @@ def _cpu_flash_flops():
             aten._grouped_mm: grouped_gemm_flops}  # MoE experts: torch has no formula for grouped GEMMs
 
 
-class SavedInLayers:
-    """Bytes autograd saves for backward during the forward inside the transformer layers (``saved_tensors_hooks``):
-    each storage once (a saved view keeps its whole storage) while it lives, parameters' storages left out (model
-    state; under ZeRO-3 the gathered ones too), what the backward saves again (recomputation) left out. Storages
-    saved outside the layers (embedding, final norm, head, loss, the pipeline's stage outputs) go to ``outside``."""
-
-    def __init__(self, module: nn.Module, layers: list[nn.Module]) -> None:
-        from torch.multiprocessing.reductions import StorageWeakRef
-
-        self.module, self.layers, self.weak = module, layers, StorageWeakRef
-        self.live: dict[int, object] = {}
-        self.bytes = {"layers": 0, "outside": 0}
-        self.depth = 0
-        self.handles: list = []
-        self.hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, lambda saved: saved)
-
-    def pack(self, tensor: Tensor) -> Tensor:
-        if torch._C._current_graph_task_id() != -1:  # inside backward: a recomputed forward
-            return tensor
-        storage = tensor.untyped_storage()
-        pointer = storage.data_ptr()
-        known = self.live.get(pointer)
-        if known is not None and not known.expired():
-            return tensor
-        if pointer in self._parameter_storages():
-            return tensor
-        self.live[pointer] = self.weak(storage)
-        self.bytes["layers" if self.depth else "outside"] += storage.nbytes()
-        return tensor
-
-    def _parameter_storages(self) -> set[int]:
-        """Where the parameters live now (ZeRO-3 swaps gathered ones in and out; a freed one has no storage)."""
-        pointers = set()
-        for parameter in self.module.parameters():
-            try:
-                pointers.add(parameter.untyped_storage().data_ptr())
-            except RuntimeError:
-                pass
-        return pointers
-
-    def _enter(self, *_) -> None:
-        self.depth += 1
-
-    def _leave(self, *_) -> None:
-        self.depth -= 1
-
-    def __enter__(self) -> "SavedInLayers":
-        return enter_counting(self, self.layers)
-
-    def __exit__(self, *exc) -> None:
-        exit_counting(self, *exc)
-
-
 # ---------------------------------------------------------------------------- building and stepping
 @dataclass
 class Built:
@@ -437,7 +385,7 @@ def worker(result_dir: Path, keys: list[str]) -> None:
 def launch(keys: list[str]) -> list[dict]:
     """One ``torch.distributed.run`` launch of ``RANKS`` processes for every layout in ``keys``."""
     with tempfile.TemporaryDirectory(prefix="formulas-") as tmp:
-        cmd = torchrun(RANKS, Path(__file__).resolve(), "--worker", "--result-dir", tmp, "--layouts", ",".join(keys))
+        cmd = torchrun(RANKS, ENTRY, "formulas", "--worker", "--result-dir", tmp, "--layouts", ",".join(keys))
         run_checked(cmd, "the workers", Path(tmp))
         return read_ranks(Path(tmp), RANKS)
 
@@ -563,13 +511,13 @@ def within_targets(row: dict) -> list[str]:
     return misses
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: Optional[list[str]] = None, prog: Optional[str] = None) -> None:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     add_worker_flags(parser)
     parser.add_argument("--layouts", help=f"comma list of layouts (default: all): {', '.join(ROWS_BY_KEY)}")
     parser.add_argument("--smoke", action="store_true", help=f"only {', '.join(SMOKE)}")
     parser.add_argument("--json", action="store_true", help="print the rows as JSON instead of the table")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     keys = args.layouts.split(",") if args.layouts else list(SMOKE if args.smoke else ROWS_BY_KEY)
     unknown = [key for key in keys if key not in ROWS_BY_KEY]
     if unknown:
@@ -596,6 +544,3 @@ def describe() -> str:
             f"{RANKS} CPU processes (gloo), every layout in one launch; one measured step after a warm-up step; "
             f"torch {torch.__version__}")
 
-
-if __name__ == "__main__":
-    main()
