@@ -48,7 +48,7 @@ def _timed(kind: str, worker: str, ranks: int, started: float) -> None:
 # Set by an in-process Trainer earlier in the session; a child must not inherit them (it would try to
 # join, or bind the port of, this process's process group).
 _DISTRIBUTED_ENV = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK",
-                    "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID", "PL_GLOBAL_SEED")
+                    "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID", "PL_GLOBAL_SEED", "PL_SEED_WORKERS")
 
 
 def child_env(**extra: str) -> dict[str, str]:

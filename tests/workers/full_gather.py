@@ -21,6 +21,7 @@ from zero3_training import build as build_zero3
 from lightning_megatron.checkpoint.full import (gather_full_state_dict, gather_full_state_dict_on_rank_zero,
                                                 merge_pipeline_stages)
 from lightning_megatron.parallel import ParallelConfig, ParallelState
+from lightning_megatron.strategy.options import StrategyOptions
 from entry import run_script
 
 LAYOUTS = {"tp2-pp2": ("gpt", dict(tensor_parallel_size=2, pipeline_parallel_size=2), False),
@@ -49,7 +50,7 @@ def main(out_dir: Path, args: list[str]) -> None:
         if zero3:
             model = build_zero3(state, pre=False, config=CONFIGS[model_name])[0]
         else:
-            model = build(state, 1, "1f1b", 1, config=CONFIGS[model_name])[0]
+            model = build(state, StrategyOptions(**sizes), {"model": model_name})[0]
         own = {name: (v.to_local() if isinstance(v, DTensor) else v) for name, v in model.state_dict().items()}
         new, new_bytes = measured(lambda: gather_full_state_dict_on_rank_zero(model, "cpu"))
         old, old_bytes = measured(lambda: merge_pipeline_stages(

@@ -50,7 +50,7 @@ def trainer_kwargs(options: dict) -> dict:
 def held_pieces(trainer) -> list:
     """Every tensor piece this rank holds for a checkpoint (weights, fp32 main params, optimizer state) as
     ``(key, offsets, piece)`` rows: what a resumed run must hold box for box."""
-    training = trainer.strategy._rank_training()
+    training = trainer.strategy._parts().rank_training()
     placements = training.placements()
     held = {**training.model_entries(), **entries.main_param_entries(training.main_params, placements)}
     for index, optimizer in enumerate(training.optimizers):
