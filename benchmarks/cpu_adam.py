@@ -16,8 +16,8 @@ AdamW hyper-parameters (lr 1e-3, betas (0.9, 0.95), eps 1e-8, weight decay 0.1, 
 - ``foreach``: ``torch.optim.AdamW(foreach=True)``, the multi-tensor kernels (several passes over memory).
 
 The row marked ``*`` is what the offloaded step runs: the optimizer the GPT/BERT recipe's
-``adam_implementation="auto"`` builds when the strategy offloads it (``models.optim_recipe.adamw_optimizer``), which
-``optim.main_params.MainParamOptimizer`` rebinds to fp32 pieces in host memory.
+``adam_implementation="auto"`` builds (``models.optim_recipe.adamw_optimizer``), which
+``optim.main_params.MainParamOptimizer`` rebinds to fp32 pieces in host memory, stepping them as it steps these.
 
 Every implementation steps once per round, in an order reversed every other round, so drift on a shared machine
 falls on all alike; ``--warmup`` rounds (state allocation, JIT compiles) are not timed; each cell is the median
@@ -114,12 +114,12 @@ def make_optimizer(name: str, params: list) -> Optional[object]:
 
 
 def offloaded_implementation() -> str:
-    """The row of the optimizer that the recipe's ``adam_implementation="auto"`` builds for an offloaded step."""
+    """The row of the optimizer that the recipe's ``adam_implementation="auto"`` builds, stepping host tensors."""
     import torch
     from lightning_megatron.models.optim_recipe import adamw_optimizer
     from lightning_megatron.optim.cpu_adam import CPUAdamW
 
-    optimizer = adamw_optimizer([{"params": [torch.nn.Parameter(torch.zeros(2))]}], "auto", offloaded=True, **HYPER)
+    optimizer = adamw_optimizer([{"params": [torch.nn.Parameter(torch.zeros(2))]}], "auto", **HYPER)
     if isinstance(optimizer, CPUAdamW):
         return "cpu_kernel"
     group = optimizer.param_groups[0]

@@ -1,4 +1,5 @@
-"""optim.cpu_adam.CPUAdamW: torch's AdamW to float32 rounding, with the same state, and the recipe's choice of it."""
+"""optim.cpu_adam.CPUAdamW: torch's AdamW to float32 rounding (bit for bit outside its kernel), with the same state,
+and the recipe's choice of it."""
 
 import pytest
 import torch
@@ -43,26 +44,39 @@ def test_matches_torch_adamw_to_float32_rounding(threads):
         torch.testing.assert_close(state["state"][index]["exp_avg_sq"], entry["exp_avg_sq"], rtol=2e-6, atol=1e-12)
 
 
-def test_tensors_outside_the_kernel_take_torchs_path():
-    """amsgrad is not in the kernel: those groups step exactly as torch's own AdamW does."""
-    ours, _ = train(CPUAdamW, amsgrad=True, foreach=False)
-    reference, _ = train(torch.optim.AdamW, amsgrad=True, foreach=False)
+@pytest.mark.parametrize("kernels", [{"foreach": False}, {"foreach": True}, {"fused": True}])
+@pytest.mark.parametrize("outside", ["amsgrad", "float64"])
+def test_tensors_outside_the_kernel_step_exactly_as_torch_adamw(outside, kernels):
+    """What the kernel does not cover (here amsgrad groups, float64 tensors; on an accelerator: every tensor of a
+    model that is not offloaded) steps bit for bit as torch's own AdamW, with the kernels the groups name."""
+    options = {"amsgrad": True} if outside == "amsgrad" else {"amsgrad": False}
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64 if outside == "float64" else torch.float32)
+    try:
+        ours, _ = train(CPUAdamW, **options, **kernels)
+        reference, _ = train(torch.optim.AdamW, **options, **kernels)
+    finally:
+        torch.set_default_dtype(default)
     assert all(torch.equal(a.detach(), b.detach()) for a, b in zip(ours, reference))
 
 
-def test_recipe_auto_picks_it_where_the_step_runs_on_the_cpu():
+def test_recipe_auto_builds_it_wherever_the_parameters_are():
+    """"auto" is the CPU kernel for whatever steps in host memory, wherever the model's parameters are; an explicit
+    choice is kept. The kernels for accelerator tensors are the ones torch's AdamW would get from "auto"."""
     cpu = [{"params": [torch.nn.Parameter(torch.zeros(4))]}]
     assert type(adamw_optimizer(cpu, "auto", lr=1e-3)) is CPUAdamW
     assert type(adamw_optimizer(cpu, "fused", lr=1e-3)) is torch.optim.AdamW
     meta = [{"params": [torch.nn.Parameter(torch.zeros(4, device="meta"))]}]  # an accelerator's parameters
-    assert type(adamw_optimizer(meta, "auto", lr=1e-3)) is torch.optim.AdamW
-    assert type(adamw_optimizer(meta, "auto", offloaded=True, lr=1e-3)) is CPUAdamW
+    optimizer = adamw_optimizer(meta, "auto", lr=1e-3)
+    assert type(optimizer) is CPUAdamW
+    assert (optimizer.defaults["fused"], optimizer.defaults["foreach"]) == (False, True)  # meta has no fused kernel
+    assert type(adamw_optimizer(meta, "foreach", lr=1e-3)) is torch.optim.AdamW
 
 
-@pytest.mark.parametrize("offload, expected", [(False, torch.optim.AdamW), ("cpu", CPUAdamW), ("nvme", CPUAdamW)])
-def test_recipe_reads_the_strategys_offload_tier(offload, expected, tmp_path):
-    """The GPT recipe under a Trainer: parameters on an accelerator (meta here) step on the host when the strategy
-    offloads the optimizer, to either tier."""
+@pytest.mark.parametrize("offload", [False, "cpu", "nvme"])
+def test_recipe_builds_the_same_optimizer_under_every_offload_tier(offload, tmp_path):
+    """The GPT recipe under a Trainer reads nothing of the strategy: with parameters on an accelerator (meta here),
+    every tier gets the same CPUAdamW, whose kernel steps the fp32 pieces the tier puts in host memory."""
     import lightning as L
 
     from lightning_megatron import Megatron3DStrategy
@@ -74,4 +88,6 @@ def test_recipe_reads_the_strategys_offload_tier(offload, expected, tmp_path):
     with torch.device("meta"):
         module.configure_model()
     module.trainer = trainer
-    assert type(module.configure_optimizers()["optimizer"]) is expected
+    optimizer = module.configure_optimizers()["optimizer"]
+    assert type(optimizer) is CPUAdamW
+    assert [(group["fused"], group["foreach"]) for group in optimizer.param_groups] == [(False, True)] * 2

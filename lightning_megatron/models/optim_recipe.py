@@ -22,7 +22,6 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
 from lightning_megatron.models.formats import HFFormat, sharded_checkpoint_reader
-from lightning_megatron.offload.settings import OffloadSettings
 from lightning_megatron.optim.cpu_adam import CPUAdamW
 from lightning_megatron.parallel.names import is_adapter_name
 
@@ -87,19 +86,19 @@ def adamw_implementation(params: list[torch.Tensor], implementation: str = "auto
 
 
 def adamw_optimizer(groups: list[dict], implementation: str = "auto", *, mixed_precision: bool = False,
-                    offloaded: bool = False, **hyper: Any) -> torch.optim.AdamW:
+                    **hyper: Any) -> torch.optim.AdamW:
     """AdamW over param ``groups`` (``hyper``: lr, betas, eps, weight_decay) with ``implementation``'s kernels.
 
     ``"cpu_kernel"``: :class:`~lightning_megatron.optim.cpu_adam.CPUAdamW`, one parallel pass over all float32 CPU
     tensors per step (as fast as DeepSpeed's ``DeepSpeedCPUAdam`` or faster, and faster than torch's fused CPU
     kernel: ``benchmarks/cpu_adam.py``), with :func:`adamw_implementation`'s ``"auto"`` kernels for other tensors.
-    ``"auto"`` takes it when the step runs on the CPU: every parameter is there, or ``offloaded`` (the strategy's
-    ``offload_optimizer``: the parameters are on the accelerator, but the optimizer is rebound to fp32 pieces in
-    host memory); else :func:`adamw_implementation`'s choice.
+    ``"auto"`` takes it too: its kernel steps whichever tensors are in host memory when it steps (CPU parameters,
+    or the fp32 pieces an offload tier rebinds it to: ``optim.main_params``) and leaves accelerator tensors to
+    :func:`adamw_implementation`'s kernels, so the recipe need not know where the strategy will step it.
+    DTensor parameters (another strategy's) get ``torch.optim.AdamW`` with torch's default kernels.
     """
     params = [p for group in groups for p in group["params"]]
-    on_cpu = offloaded or (bool(params) and all(p.device.type == "cpu" for p in params))
-    if implementation == "auto" and on_cpu and not any(isinstance(p, DTensor) for p in params):
+    if implementation == "auto" and not any(isinstance(p, DTensor) for p in params):
         implementation = "cpu_kernel"
     if implementation == "cpu_kernel":
         return CPUAdamW(groups, **hyper, **adamw_implementation(params, "auto", mixed_precision=mixed_precision))
@@ -125,7 +124,7 @@ def adamw_warmup_cosine(
     ends. When the Trainer has no last step (``max_time`` with ``max_steps=-1``, or ``max_epochs=-1``),
     the learning rate warms up and then holds at ``learning_rate`` (an info message says so): set
     ``Trainer(max_steps=...)`` for the cosine. ``implementation``: ``"auto"`` (this
-    package's CPU kernel where the step runs on the CPU, else fused where the device has it), ``"cpu_kernel"``,
+    package's CPU kernel for what steps on the CPU, else fused where the device has it), ``"cpu_kernel"``,
     ``"fused"``, ``"foreach"`` or ``"for_loop"`` (:func:`adamw_optimizer`).
     """
     params = [p for p in module.parameters() if p.requires_grad]  # frozen ones (a LoRA base) get no state
@@ -136,7 +135,6 @@ def adamw_warmup_cosine(
         ],
         implementation,
         mixed_precision=_lightning_mixed_precision(module),
-        offloaded=_offloads_optimizer(module),
         lr=learning_rate,
         betas=betas,
         eps=eps,
@@ -147,15 +145,6 @@ def adamw_warmup_cosine(
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
     return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
-
-
-def _offloads_optimizer(module: L.LightningModule) -> bool:
-    """Whether the Trainer's strategy steps the optimizer in host memory (``Megatron3DStrategy``'s
-    ``options.offload`` settings: ``offload_optimizer="cpu"`` or ``"nvme"``, whose tiles are stepped on the host
-    too)."""
-    options = getattr(module.trainer.strategy, "options", None) if module._trainer is not None else None
-    offload = getattr(options, "offload", None)
-    return isinstance(offload, OffloadSettings) and offload.optimizer != "none"
 
 
 def _lightning_mixed_precision(module: L.LightningModule) -> bool:

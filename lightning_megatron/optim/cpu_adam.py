@@ -103,7 +103,14 @@ class CPUAdamW(torch.optim.AdamW):
     Same arguments and state as AdamW (so ``optim.main_params`` wraps it and either loads the other's state dict);
     results equal torch's AdamW to float32 rounding. Tensors the kernel does not cover (not float32, not on the
     CPU, not contiguous, sparse or complex; groups with amsgrad, maximize, capturable or differentiable; steps
-    under a ``GradScaler``'s ``grad_scale``) take torch's AdamW path chosen by ``fused``/``foreach`` as usual.
+    under a ``GradScaler``'s ``grad_scale``) take torch's AdamW path chosen by ``fused``/``foreach`` as usual,
+    exactly as ``torch.optim.AdamW`` steps them.
+
+    Which tensors the kernel steps follows from where they are, so one optimizer serves every offload tier: the
+    parameters of a model trained on the CPU, or the fp32 main pieces that ``offload_optimizer="cpu"``/``"nvme"``
+    keeps in host memory (``optim.main_params`` rebinds the optimizer to them); a model on an accelerator that is
+    not offloaded steps entirely on torch's path (no kernel is built, no step counter read). This is why the
+    models' recipe (``adam_implementation="auto"``) builds it without asking the strategy where the step will run.
 
     Example::
 
@@ -118,26 +125,30 @@ class CPUAdamW(torch.optim.AdamW):
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:
         """AdamW's step: the kernel for the tensors it covers, torch's AdamW path for the rest."""
+        self._accelerator_graph_capture_health_check()  # as AdamW's own step: accelerator tensors step as there
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         scaled = getattr(self, "grad_scale", None) is not None or getattr(self, "found_inf", None) is not None
-        kernel = None if scaled else _kernel()
         for group in self.param_groups:
             lists: tuple[list[Tensor], ...] = ([], [], [], [], [], [])  # params, grads, m, v, max v, steps
             has_complex = self._init_group(group, *lists)
+            # Tensors on an accelerator (a model that is not offloaded) never need the kernel: nothing is built or read.
+            covered = [] if scaled else [i for i, (param, grad) in enumerate(zip(*lists[:2]))
+                                         if self._takes_kernel(group, param, grad)]
+            kernel = _kernel() if covered else None
             by_step: dict[float, list[int]] = {}  # one set of bias corrections per kernel call
-            # The step counters in one read, not one per parameter (tests/test_device_guards.py counts reads).
-            steps = torch.stack(lists[5]).tolist() if kernel is not None and lists[5] else []
-            for i, (param, grad) in enumerate(zip(*lists[:2])):
-                if kernel is not None and self._takes_kernel(group, param, grad):
-                    by_step.setdefault(steps[i] + 1, []).append(i)
+            if kernel is not None:
+                # The step counters in one read, not one per parameter (tests/test_device_guards.py counts reads).
+                for i, step in zip(covered, torch.stack([lists[5][i] for i in covered]).tolist()):
+                    by_step.setdefault(step + 1, []).append(i)
             for step, indices in by_step.items():
                 self._run_kernel(kernel, group, step, *([values[i] for i in indices] for values in lists[:4]))
                 torch._foreach_add_([lists[5][i] for i in indices], 1)
             stepped = {i for indices in by_step.values() for i in indices}
-            rest = tuple([value for i, value in enumerate(values) if i not in stepped] for values in lists)
+            rest = tuple([value for i, value in enumerate(values) if i not in stepped] for values in lists) \
+                if stepped else lists
             if rest[0]:
                 beta1, beta2 = group["betas"]
                 adam(*rest, amsgrad=group["amsgrad"], has_complex=has_complex, beta1=beta1, beta2=beta2,
