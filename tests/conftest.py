@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from launch import LAUNCHES, close_pools, launch
+from launch import LAUNCHES, close_pools, run_job
 
 # The single-process FP8 runs the fp8 layouts compare with (test_layout_invariance.py, test_zero3.py): one process,
 # the global batch in as many pieces as the layout has dp ranks x micro-batches, "-s1": the first step only
@@ -14,9 +14,10 @@ FP8_REFERENCES = ["tp1-dp1-mb2-fp8t-s1", "tp1-dp1-mb4-fp8t-s1", "tp1-dp1-mb2-fp8
 
 @pytest.fixture(scope="session")
 def fp8_reference(tmp_path_factory) -> dict[str, tuple[list[float], dict]]:
-    """``{layout: (losses, weights)}`` of the FP8 reference runs, trained once per session in one process."""
+    """``{layout: (losses, weights)}`` of the FP8 reference runs, trained once per session in one process (the
+    1-rank pool)."""
     out = tmp_path_factory.mktemp("fp8_reference")
-    launch("layout_invariance.py", 1, out, ",".join(FP8_REFERENCES))
+    run_job("layout_invariance", 1, out, ",".join(FP8_REFERENCES))
     results = {name: torch.load(out / f"{name}.pt", weights_only=True) for name in FP8_REFERENCES}
     return {name: (result["losses"], result["weights"]) for name, result in results.items()}
 
@@ -30,6 +31,15 @@ def one_rank_group():
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     yield dist.group.WORLD
     dist.destroy_process_group()
+
+
+@pytest.fixture
+def no_process_group():
+    """The layout planner builds shards over torch's fake process group, which needs a process without a default
+    group; an in-process Trainer earlier in the session may have left one (each Trainer makes its own when it
+    starts), which goes here."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def pytest_sessionfinish(session, exitstatus):

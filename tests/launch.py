@@ -5,7 +5,7 @@ Workers receive an output directory as their first argument; rank ``r`` writes
 ``weights_only=True``).
 
 ``run_job`` runs a worker function (``main(out_dir, args)``, see ``workers/entry.py``) as a job on a rank pool:
-one torchrun of 2, 4 or 8 ranks per session, started on first use, since starting processes and importing
+one torchrun of 1, 2, 4 or 8 ranks per session, started on first use, since starting processes and importing
 Lightning costs several seconds a launch. ``launch`` starts a torchrun of its own, for tests whose subject is the
 process itself (a stall, a kill, a signal, a crash, thread counts). Every start and job is timed (``LAUNCHES``;
 the session's summary prints them).
@@ -46,7 +46,7 @@ def _timed(kind: str, worker: str, ranks: int, started: float) -> None:
 
 
 # Set by an in-process Trainer earlier in the session; a child must not inherit them (it would try to
-# join, or bind the port of, this process's process group).
+# join, or bind the port of, this process's process group, or seed as that run was seeded).
 _DISTRIBUTED_ENV = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK",
                     "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID", "PL_GLOBAL_SEED", "PL_SEED_WORKERS")
 
@@ -219,7 +219,7 @@ def launch_nodes(worker: str, nodes: int, nproc: int, out_dir: Path, *args: str,
 
 
 # ------------------------------------------------------------------ rank pools
-POOL_SIZES = (2, 4, 8)
+POOL_SIZES = (1, 2, 4, 8)  # 1: the single-process references the layouts are compared with
 POOL_START_SECONDS = 300.0
 POOL_SYNC_SECONDS = 60.0
 
@@ -277,15 +277,19 @@ class RankPool:
         elif finished:
             self._abort()  # some ranks failed, the others may wait for them
         _timed("job", worker, self.nproc, started)
-        logs = "".join(f"--- rank {r}:\n{self._read(out_dir / f'job.rank{r}.log')}" for r in range(self.nproc))
-        if not finished:
-            logs += f"--- torchrun:\n{self._read(self.log.name)}"
-        proc = subprocess.CompletedProcess(worker, 0 if finished and not any(errors) else 1, logs, "")
+        outputs = [self._read(out_dir / f"job.rank{r}.log", whole=True) for r in range(self.nproc)]
+        torchrun = "" if finished else f"--- torchrun:\n{self._read(self.log.name)}"
+
+        def joined(texts):
+            return "".join(f"--- rank {r}:\n{text}" for r, text in enumerate(texts)) + torchrun
+
+        proc = subprocess.CompletedProcess(worker, 0 if finished and not any(errors) else 1, joined(outputs), "")
         if expect_failure:
             return [], proc
         if proc.returncode != 0:
             why = "failed" if finished else f"did not finish in {timeout} s"
-            raise AssertionError(f"{worker} {why} on the {self.nproc}-rank pool:\n{logs[-12000:]}")
+            tails = joined(output[-6000:] for output in outputs)  # every rank's last words
+            raise AssertionError(f"{worker} {why} on the {self.nproc}-rank pool:\n{tails[-12000:]}")
         return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(self.nproc)
                 if (out_dir / f"rank{r}.json").exists()], proc
 
@@ -318,9 +322,12 @@ class RankPool:
         self.process, self.pids = None, []
 
     @staticmethod
-    def _read(path) -> str:
+    def _read(path, whole: bool = False) -> str:
+        """The file's text, its last 6000 characters unless ``whole`` (a job's output: a test reads it whole, as
+        it reads a launch's stdout)."""
         try:
-            return Path(path).read_text(errors="replace")[-6000:]
+            text = Path(path).read_text(errors="replace")
+            return text if whole else text[-6000:]
         except FileNotFoundError:
             return "(no output)\n"
 

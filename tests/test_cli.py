@@ -1,6 +1,5 @@
 """The ``lightning-megatron`` command: config parsing and the default run, as a user types them."""
 
-import json
 import shutil
 import subprocess
 import sys
@@ -10,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from launch import child_env
+from launch import child_env, run_job
 from lightning_megatron.checkpoint import consolidated_state_dict, open_sharded
 from lightning_megatron.cli import main
 
@@ -27,45 +26,36 @@ def test_every_config_parses(config, capsys):
     assert "lightning_megatron.Megatron3DStrategy" in printed and "class_path: lightning_megatron.models." in printed
 
 
-PLAN_CONFIGS = """
-import json, pathlib, sys, yaml
-from lightning_megatron.plan import GPUS
-from lightning_megatron.commands.plan import configured_layout, planner_from_config
-from lightning_megatron.plan.layout import check_layout
-numbers = {}
-for path in sys.argv[1:]:
-    config = yaml.safe_load(pathlib.Path(path).read_text())
-    trainer = config["trainer"]
-    gpus = trainer.get("devices", 1) * trainer.get("num_nodes", 1)
-    planner = planner_from_config(config, gpus=gpus, hardware=GPUS["a100"])
-    layout = configured_layout(config, gpus, planner.workload)
-    check_layout(layout, planner.workload, planner.module, planner.shape.num_layers)  # the strategy's checks
-    ranks = planner.rank_memory(layout)
-    inventory = planner.inventory(layout.tensor_parallel_size, layout.expert_parallel_size)
-    held = [inventory.rank_parameters(pipeline_parallel_size=layout.pipeline_parallel_size,
-                                      virtual_pipeline_size=layout.virtual_pipeline_size, pipeline_rank=r)
-            for r in range(layout.pipeline_parallel_size)]
-    numbers[pathlib.Path(path).stem] = {
-        "peak_state": max(sum(rank.model_state_bytes.values()) for rank in ranks),
-        "peak_total": max(rank.total for rank in ranks),
-        "layers": [len({n.split(".")[2] for p in rank for n in p.entry.names if ".blocks." in n}) for rank in held],
-        "peak_parameters": max(sum(p.entry.numel for p in rank) for rank in held)}
-print(json.dumps(numbers))
-"""
-
-
 def planned_configs(paths) -> dict:
     """What the layout planner predicts for each config's own layout (``lightning-megatron plan --as-configured``).
-    It builds every rank's shards over torch's fake process group, which needs a process without a default group
-    (earlier tests in this one may have made one): a fresh one."""
-    result = subprocess.run([sys.executable, "-c", PLAN_CONFIGS, *map(str, paths)], capture_output=True, text=True,
-                            timeout=300, env=child_env())
-    assert result.returncode == 0, result.stderr[-3000:]
-    return json.loads(result.stdout.splitlines()[-1])
+    It builds every rank's shards over torch's fake process group: the test asks for ``no_process_group``."""
+    from lightning_megatron.commands.plan import configured_layout, planner_from_config
+    from lightning_megatron.plan import GPUS
+    from lightning_megatron.plan.layout import check_layout
+
+    numbers = {}
+    for path in paths:
+        config = yaml.safe_load(Path(path).read_text())
+        trainer = config["trainer"]
+        gpus = trainer.get("devices", 1) * trainer.get("num_nodes", 1)
+        planner = planner_from_config(config, gpus=gpus, hardware=GPUS["a100"])
+        layout = configured_layout(config, gpus, planner.workload)
+        check_layout(layout, planner.workload, planner.module, planner.shape.num_layers)  # the strategy's checks
+        ranks = planner.rank_memory(layout)
+        inventory = planner.inventory(layout.tensor_parallel_size, layout.expert_parallel_size)
+        held = [inventory.rank_parameters(pipeline_parallel_size=layout.pipeline_parallel_size,
+                                          virtual_pipeline_size=layout.virtual_pipeline_size, pipeline_rank=r)
+                for r in range(layout.pipeline_parallel_size)]
+        numbers[Path(path).stem] = {
+            "peak_state": max(sum(rank.model_state_bytes.values()) for rank in ranks),
+            "peak_total": max(rank.total for rank in ranks),
+            "layers": [len({n.split(".")[2] for p in rank for n in p.entry.names if ".blocks." in n}) for rank in held],
+            "peak_parameters": max(sum(p.entry.numel for p in rank) for rank in held)}
+    return numbers
 
 
 @pytest.mark.slow
-def test_every_config_layout_validates_and_fits_its_gpus():
+def test_every_config_layout_validates_and_fits_its_gpus(no_process_group):
     """The planner runs the strategy's layout checks on every config and predicts its memory per GPU: each fits an
     80 GB GPU (A100), the byte-exact model states and the predicted activations together."""
     reports = planned_configs(sorted((REPO / "configs").glob("*.yaml")))
@@ -108,21 +98,29 @@ def test_a_weighted_blend_parses_from_the_command_line_as_megatron_writes_it(cap
     assert printed["split"] == "969,30,1"
 
 
-def run_command(tmp_path, *args, show_warnings: bool = False):
+def console_command(tmp_path, *args):
+    """``lightning-megatron ARGS`` as a user types it, warnings shown: its own process, and Lightning's launcher
+    starts the config's second process."""
     executable = shutil.which("lightning-megatron")
     assert executable, "install the package (pip install -e .) so the lightning-megatron command exists"
-    env = child_env(**({"PYTHONWARNINGS": "default"} if show_warnings else {}))  # child_env hides warnings
+    env = child_env(PYTHONWARNINGS="default")  # child_env hides warnings
     result = subprocess.run([executable, *args], cwd=tmp_path, capture_output=True, text=True, timeout=600, env=env)
     assert result.returncode == 0, result.stderr[-5000:]
     return result
 
 
+def command_on_ranks(tmp_path, *args) -> str:
+    """``lightning-megatron ARGS`` for a config of 2 devices, as torchrun runs it: ``cli.main(ARGS)`` on each rank of
+    the 2-rank pool (``workers/cli_fit.py``); what the ranks printed."""
+    _, proc = run_job("cli_fit", 2, tmp_path, *args)
+    return proc.stdout + proc.stderr
+
+
 @pytest.mark.slow
-def test_default_run_trains_with_tensor_parallelism_and_saves_a_layout_free_checkpoint(tmp_path):
-    result = run_command(
+def test_default_run_trains_with_tensor_parallelism_and_saves_a_layout_free_checkpoint(tmp_path, no_process_group):
+    result = console_command(
         tmp_path, "fit", "--config", str(CONFIG), "--trainer.max_steps=4", "--trainer.val_check_interval=4",
         "--trainer.limit_val_batches=2", "--data.max_files=40", f"--trainer.default_root_dir={tmp_path}",
-        show_warnings=True,
     )
     assert "tp=2 pp=1 dp=1" in result.stdout + result.stderr
     # The console command, warnings shown: no warning that LightningCLI got both `args` and a command line.
@@ -144,7 +142,7 @@ def test_default_run_trains_with_tensor_parallelism_and_saves_a_layout_free_chec
 
 @pytest.mark.slow
 def test_bert_tiny_config_trains_two_steps(tmp_path):
-    run_command(
+    command_on_ranks(
         tmp_path, "fit", "--config", str(REPO / "configs" / "bert-tiny.yaml"), "--trainer.max_steps=2",
         "--trainer.val_check_interval=2", "--trainer.limit_val_batches=1", "--data.max_files=30",
         f"--trainer.default_root_dir={tmp_path}",
@@ -207,10 +205,10 @@ def test_tiny_sft_config_learns_the_taught_answer_format(tmp_path, capsys):
     from lightning_megatron.data.instructions import ANSWER_PATTERN
     from lightning_megatron.commands.generate import main as generate
 
-    run_command(tmp_path, "fit", "--config", str(REPO / "configs" / "llama-tiny-sft.yaml"), "--trainer.max_steps=150",
-                "--trainer.val_check_interval=150", "--trainer.limit_val_batches=2", "--trainer.log_every_n_steps=5",
-                "--trainer.logger=lightning.pytorch.loggers.CSVLogger", f"--trainer.logger.init_args.save_dir={tmp_path}",
-                f"--trainer.default_root_dir={tmp_path}")
+    command_on_ranks(tmp_path, "fit", "--config", str(REPO / "configs" / "llama-tiny-sft.yaml"),
+                     "--trainer.max_steps=150", "--trainer.val_check_interval=150", "--trainer.limit_val_batches=2",
+                     "--trainer.log_every_n_steps=5", "--trainer.logger=lightning.pytorch.loggers.CSVLogger",
+                     f"--trainer.logger.init_args.save_dir={tmp_path}", f"--trainer.default_root_dir={tmp_path}")
     rows = list(csv.DictReader(next(tmp_path.rglob("metrics.csv")).open()))
     losses = [float(row["train_loss"]) for row in rows if row.get("train_loss")]
     assert losses[-1] < 0.4 * losses[0], losses  # ~5.5 (uniform over bytes) down to ~1
@@ -332,9 +330,8 @@ def test_every_config_validates_within_a_short_run(config):
 def test_the_default_config_with_fewer_steps_than_its_val_check_interval(tmp_path):
     """The README's ``fit --config configs/gpt-tiny.yaml`` with ``--trainer.max_steps 3`` (its val_check_interval is
     100): it trains, validates after the last step, and its progress bar reads "Epoch 0", not "Epoch 0/-2"."""
-    result = run_command(tmp_path, "fit", "--config", str(CONFIG), "--trainer.max_steps", "3", "--data.max_files=40",
-                         f"--trainer.default_root_dir={tmp_path}")
-    output = result.stdout + result.stderr
+    output = command_on_ranks(tmp_path, "fit", "--config", str(CONFIG), "--trainer.max_steps", "3",
+                              "--data.max_files=40", f"--trainer.default_root_dir={tmp_path}")
     assert "val_check_interval=100 batches is more than this run's 3" in output
     assert "Epoch 0" in output and "Epoch 0/-2" not in output
     assert "val_loss:" in output  # the progress bar's metrics, after the validation at step 3

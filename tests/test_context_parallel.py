@@ -7,7 +7,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from launch import launch, run_job
+from launch import run_job
 from test_layout_invariance import _deviations
 from workers import bert_setup, gpt_setup
 from workers.cp_setup import BERT_CONFIG, MODELS, model_batches, model_loss
@@ -143,7 +143,7 @@ def fp8_single(tmp_path_factory):
     """The fp8 references: one process (cp1), the worker's own model and batches."""
     out = tmp_path_factory.mktemp("cp_fp8_single")
     references = sorted(set(FP8_LAYOUTS.values()))
-    launch("cp_layouts.py", 1, out, ",".join(references))
+    run_job("cp_layouts", 1, out, ",".join(references))
     return {name: torch.load(out / f"{name}.pt", weights_only=True) for name in references}
 
 

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from launch import launch
+from launch import run_job
 from workers.gpt_setup import (CLIP, CONFIG, DEEP_CONFIG, LLAMA_CONFIG, LORA, SEED, batches, document_batches,
                                optimizer, sgd_optimizer)
 from lightning_megatron.models import GPTModel
@@ -19,7 +19,7 @@ LAYOUTS = {
         "pp2-tp1-dp2-mb2", "tp1-dp4-z1", "tp1-dp4-mb2-z2-sgd", "tp2-dp2-sp-z1", "tp2-dp2-z2", "pp2-tp1-dp2-mb2-z1"],
     8: ["pp2-tp2-dp2-mb2", "pp2-vpp2-tp2-dp2-sp-mb4", "pp2-tp2-dp2-sp-mb2-z2"],
 }
-# The Llama-shaped model in the same launches (2 key/value groups: tp2 splits them, tp4 replicates each on 2 ranks).
+# The Llama-shaped model in the same jobs (2 key/value groups: tp2 splits them, tp4 replicates each on 2 ranks).
 LAYOUTS[2] += ["llama-tp2-dp1", "llama-tp2-dp1-sp-mb2", "llama-pp2-tp1-dp1-mb4", "llama-pp2-vpp2-tp1-dp1-mb4",
                "llama-tp1-dp2-z1"]
 LAYOUTS[4] += ["llama-tp4-dp1", "llama-tp4-dp1-sp-mb2", "llama-tp2-dp2-sp-z1", "llama-pp2-tp2-dp1-sp-mb2",
@@ -137,7 +137,7 @@ def _deviations(result, ref_losses, ref_weights, layout):
 @pytest.mark.slow
 @pytest.mark.parametrize("world", sorted(LAYOUTS))
 def test_layouts_match_single_process(world, reference, fp8_reference, tmp_path):
-    launch("layout_invariance.py", world, tmp_path, ",".join(LAYOUTS[world]))
+    run_job("layout_invariance", world, tmp_path, ",".join(LAYOUTS[world]))
     for layout, single in FP8_LAYOUTS.get(world, {}).items():
         _deviations(torch.load(tmp_path / f"{layout}.pt", weights_only=True), *fp8_reference[single], layout)
     for layout in [layout for layout in LAYOUTS[world] if layout not in FP8_LAYOUTS.get(world, {})]:

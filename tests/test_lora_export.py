@@ -4,8 +4,6 @@ oracles: tiny models built here with random weights, offline."""
 
 import json
 import shutil
-import subprocess
-import sys
 from dataclasses import asdict, replace
 
 import lightning as L
@@ -16,7 +14,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
 
-from launch import child_env, run_job  # noqa: E402
+from launch import run_job  # noqa: E402
 from workers.trainer_setup import datamodule, model, trainer_kwargs  # noqa: E402
 from lightning_megatron import Megatron3DStrategy  # noqa: E402
 from lightning_megatron.checkpoint.open import open_checkpoint  # noqa: E402
@@ -28,6 +26,7 @@ from lightning_megatron.commands.generate import load_gpt  # noqa: E402
 from lightning_megatron.huggingface.adapters import write_peft_adapter  # noqa: E402
 from lightning_megatron.models import GPT, GPTConfig  # noqa: E402
 from lightning_megatron.parallel.names import is_adapter_name  # noqa: E402
+from lightning_megatron.plan.inventory import Inventory  # noqa: E402
 
 LORA = {"rank": 4, "alpha": 8.0}
 TOKENS = torch.randint(0, 257, (2, 12), generator=torch.Generator().manual_seed(5))
@@ -271,28 +270,18 @@ def test_a_changed_base_is_refused_by_every_reader_naming_both(lora_run, llama_d
 
 
 # ----------------------------------------------------------------------------- the pretrained base's config
-PLAN_WITHOUT_WEIGHTS = """
-import json, sys
-from lightning_megatron.models import GPT
-from lightning_megatron.plan.inventory import Inventory
-inventory = Inventory.build(lambda: GPT(json.loads(sys.argv[1]), pretrained=sys.argv[2], lora={"rank": 4}),
-                            tensor_parallel_size=2)
-print(json.dumps([[e.names[0] for e in inventory.entries if e.requires_grad is trainable] for trainable in (False, True)]))
-"""
-
-
 @pytest.mark.slow
 def test_a_given_config_is_checked_against_the_base_when_its_weights_are_read_and_plans_without_them(llama_dir,
-                                                                                                   tmp_path):
+                                                                                                   tmp_path,
+                                                                                                   no_process_group):
     """A config file may name its base: ``GPT(config, pretrained)`` reads nothing when made, so the planner plans
     the config's shapes where the weights are not (here: a directory that does not exist); the weights' read checks
     the config against the base's and names the fields that differ."""
     config = GPT(pretrained=str(llama_dir)).config  # config.json only
-    # The planner needs a process without a default process group (earlier tests here may have made one).
-    plan = subprocess.run([sys.executable, "-c", PLAN_WITHOUT_WEIGHTS, json.dumps(asdict(config)),
-                           str(tmp_path / "not-there")], capture_output=True, text=True, timeout=300, env=child_env())
-    assert plan.returncode == 0, plan.stderr[-3000:]
-    frozen, adapters = json.loads(plan.stdout.splitlines()[-1])
+    inventory = Inventory.build(lambda: GPT(asdict(config), pretrained=str(tmp_path / "not-there"), lora={"rank": 4}),
+                                tensor_parallel_size=2)
+    frozen, adapters = ([e.names[0] for e in inventory.entries if e.requires_grad is trainable]
+                        for trainable in (False, True))
     assert frozen and adapters and all(".lora_" in name for name in adapters)
 
     other = GPT({**config.__dict__, "ffn_hidden_size": 64}, pretrained=str(llama_dir))

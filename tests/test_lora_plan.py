@@ -6,7 +6,6 @@ import copy
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from lightning_megatron.models import GPT, GPTConfig, GPTModel
@@ -134,12 +133,6 @@ def _without_adapters(model):
     for module in plain.modules():
         module._forward_hooks.clear()
     return plain
-
-
-@pytest.fixture
-def no_process_group():
-    if dist.is_initialized():  # an in-process Trainer earlier in the session may have left one
-        dist.destroy_process_group()
 
 
 def test_adapters_are_split_with_their_layers_at_tp4(no_process_group):

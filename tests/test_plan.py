@@ -1,17 +1,19 @@
 """The layout planner (``lightning_megatron.plan``): its model-state bytes against what the strategy reports, its
 activation peaks against measurement, its step times against the papers, and its command."""
 
+import contextlib
+import functools
 import inspect
+import io
 import json
 import math
-import shutil
-import subprocess
 import sys
 
 import pytest
+import torch
 import yaml
 
-from launch import REPO_ROOT, WORKERS, child_env, launch, run_job
+from launch import REPO_ROOT, WORKERS, launch, run_job
 
 from lightning_megatron import Megatron3DStrategy
 from lightning_megatron.optim.main_params import MODEL_STATE_KEYS
@@ -19,45 +21,26 @@ from lightning_megatron.optim.main_params import MODEL_STATE_KEYS
 sys.path.insert(0, str(WORKERS))
 from plan_layouts import BYTE_LAYOUTS, byte_model  # noqa: E402
 
-PREDICT_BYTES = """
-import json, sys
-sys.path.insert(0, sys.argv[1])
-from plan_layouts import BYTE_LAYOUTS, byte_model
-from lightning_megatron.plan import GPUS, Planner, Workload
-out = {}
-for key, case in BYTE_LAYOUTS.items():
-    workload = Workload(global_batch_size=8, seq_length=32, precision=case["precision"],
-                        bucket_size_mb=case["bucket_size_mb"])
-    planner = Planner(lambda: byte_model(case), workload, GPUS["a100"], world_size=4)
-    layout = planner.with_layout(**case["strategy"])
-    out[key] = {f"{p},{d},{c}": planner.model_state_bytes(layout, pipeline_rank=p, data_rank=d, context_rank=c)
-                for p in range(layout.pipeline_parallel_size) for d in range(layout.data_parallel_size)
-                for c in range(layout.context_parallel_size)}
-print(json.dumps(out))
-"""
-
-
-@pytest.fixture
-def no_process_group():
-    """The planner builds shards over torch's fake process group, which needs a process without a default group; an
-    in-process Trainer earlier in the session may have left one (each Trainer makes its own when it starts)."""
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
 
 def predicted_bytes() -> dict:
-    """The planner's bytes for every rank of every ``BYTE_LAYOUTS`` layout. It builds each rank's shards over torch's
-    fake process group, which needs a process without a default group: a fresh one."""
-    result = subprocess.run([sys.executable, "-c", PREDICT_BYTES, str(WORKERS)], capture_output=True, text=True,
-                            timeout=300, env=child_env(), cwd=REPO_ROOT)
-    assert result.returncode == 0, result.stderr[-4000:]
-    return json.loads(result.stdout.splitlines()[-1])
+    """The planner's bytes for every rank of every ``BYTE_LAYOUTS`` layout (over torch's fake process group: the
+    test asks for ``no_process_group``)."""
+    from lightning_megatron.plan import GPUS, Planner, Workload
+
+    out = {}
+    for key, case in BYTE_LAYOUTS.items():
+        workload = Workload(global_batch_size=8, seq_length=32, precision=case["precision"],
+                            bucket_size_mb=case["bucket_size_mb"])
+        planner = Planner(lambda: byte_model(case), workload, GPUS["a100"], world_size=4)
+        layout = planner.with_layout(**case["strategy"])
+        out[key] = {f"{p},{d},{c}": planner.model_state_bytes(layout, pipeline_rank=p, data_rank=d, context_rank=c)
+                    for p in range(layout.pipeline_parallel_size) for d in range(layout.data_parallel_size)
+                    for c in range(layout.context_parallel_size)}
+    return out
 
 
 @pytest.mark.slow
-def test_model_state_bytes_are_what_the_strategy_reports_on_every_rank(tmp_path):
+def test_model_state_bytes_are_what_the_strategy_reports_on_every_rank(tmp_path, no_process_group):
     """20 layouts (ZeRO 0-3, tp, pp, vpp, cp, ep, bf16-true / bf16-mixed / fp32, offload, tied and untied embeddings,
     grouped-query attention, MoE, LoRA) each trained one step through the Trainer on 4 ranks; on every rank the
     planner's prediction equals ``strategy.model_state_bytes`` byte for byte, and for LoRA both equal the formula."""
@@ -103,21 +86,18 @@ def _lora_formula(case, elements) -> dict:
             "main_parameters": 4 * adapters // dp, "optimizer_state": 8 * adapters // dp}
 
 
-def run_python(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    """A fresh process (the planner builds shards over torch's fake process group: no default group may exist)."""
-    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout, env=child_env(),
-                          cwd=REPO_ROOT)
-
-
 @pytest.mark.slow
-def test_activation_peaks_are_predicted_within_15_percent():
+def test_activation_peaks_are_predicted_within_15_percent(tmp_path):
     """Every rank's measured peak of activation bytes on the CPU (``python -m benchmarks.memory peak``: tp 1/2,
     sequence parallelism, pp 2 under 1F1B, no / selective / full recomputation, GPT- and Llama-shaped models of two
     sizes) and the planner's ``activation_bytes`` for the same layout (``python -m benchmarks.memory planner
-    --activations``)."""
-    result = run_python("-m", "benchmarks.memory", "planner", "--activations", "--json")
-    assert result.returncode == 0, result.stderr[-4000:]
-    rows = json.loads(result.stdout.splitlines()[-1])
+    --activations``'s rows; the measurement runs on the 2-rank pool instead of a launch of its own)."""
+    from benchmarks.memory.peak import LAYOUTS, RANKS, rows_of
+    from benchmarks.memory.planner import activation_rows
+
+    keys = [layout.key for layout in LAYOUTS]
+    measured, _ = run_job("activation_peak", RANKS, tmp_path, ",".join(keys), timeout=900)
+    rows = activation_rows(rows_of(measured, keys))
     assert len(rows) >= 28  # every layout, and both pipeline ranks of the pipelined ones
     assert {r["layout"].rsplit("-", 1)[-1] for r in rows} >= {"none", "selective", "full"}
     for row in rows:
@@ -130,21 +110,26 @@ def test_activation_peaks_are_predicted_within_15_percent():
         assert by_key[("pp2-none", 0)][key] > by_key[("pp2-none", 1)][key]
 
 
-@pytest.fixture(scope="module")
+@functools.cache
 def planner_report() -> dict:
     """``python -m benchmarks.memory planner --json``: the papers' runs, the published H100 runs at their own layouts
-    and the calibrations, from one process."""
-    result = run_python("-m", "benchmarks.memory", "planner", "--json")
-    assert result.returncode == 0, result.stderr[-4000:]
-    return json.loads(result.stdout.splitlines()[-1])
+    and the calibrations, computed here once (over torch's fake process group: the tests ask for
+    ``no_process_group``)."""
+    from benchmarks.memory import planner
+
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        planner.main(["--json"])
+    return json.loads(printed.getvalue().splitlines()[-1])
 
 
 @pytest.mark.slow
-def test_the_papers_runs_are_predicted_within_their_margins(planner_report):
+def test_the_papers_runs_are_predicted_within_their_margins(no_process_group):
     """Shoeybi et al. 2019: 8.3B on 512 V100s at 76% weak-scaling efficiency (within 5 points); Narayanan et al.
     2021: GPT-3 175B on 1024 A100s at 140 TFLOP/s per GPU (within 15%, the paper's layout and the planner's best
     under the paper's rules), and its table 2's PTD-P runs (within 15%). The calibrations reproduce their runs."""
-    rows = {row["run"]: row for row in planner_report["papers"]}
+    report = planner_report()
+    rows = {row["run"]: row for row in report["papers"]}
     scaling = rows["Megatron-LM 8.3B, 512 V100 (tp8 x dp64)"]
     assert abs(scaling["weak_scaling_efficiency"] - 0.76) <= 0.05, scaling
     for name, row in rows.items():
@@ -156,17 +141,17 @@ def test_the_papers_runs_are_predicted_within_their_margins(planner_report):
     assert paper["layout"].startswith("tp8 pp16")
     from lightning_megatron.plan import GPUS
 
-    for gpu, efficiency in planner_report["calibrated"].items():
+    for gpu, efficiency in report["calibrated"].items():
         assert abs(GPUS[gpu].matmul_efficiency - efficiency) < 0.005, (gpu, efficiency)
 
 
 @pytest.mark.slow
-def test_published_h100_runs_at_their_own_layouts_are_predicted_within_15_percent(planner_report):
+def test_published_h100_runs_at_their_own_layouts_are_predicted_within_15_percent(no_process_group):
     """torchtitan's Llama-3.1-8B FSDP run (5,762 tokens/s/GPU: H100's calibration) and its 70B FSDP x tp8 FP8 run
     (829); Megatron Bridge's Llama-3-8B FP8 run (744 TFLOP/s/GPU in its count: h100-te's calibration) and its 70B
     FP8 run on 64 H100s (731), each predicted at its own layout and settings: within 15%, or, for a run the check
     lists as a known gap, below what it reported. A calibration run reproduces its number."""
-    rows = {row["run"]: row for row in planner_report["as_configured"]}
+    rows = {row["run"]: row for row in planner_report()["as_configured"]}
     assert len(rows) == 4
     assert sum(row["calibration"] for row in rows.values()) == 2
     for row in rows.values():
@@ -183,20 +168,31 @@ def test_published_h100_runs_at_their_own_layouts_are_predicted_within_15_percen
 CONFIGS = REPO_ROOT / "configs"
 
 
-def plan_command(tmp_path, *args: str) -> subprocess.CompletedProcess:
-    executable = shutil.which("lightning-megatron")
-    assert executable, "install the package (pip install -e .) so the lightning-megatron command exists"
-    return subprocess.run([executable, "plan", *args], capture_output=True, text=True, timeout=600, env=child_env(),
-                          cwd=tmp_path)
+def plan_command(capsys, *args: str) -> tuple[int, str, str]:
+    """``lightning-megatron plan ARGS`` in this process (``cli.main``; the planner needs ``no_process_group``): the
+    exit code, stdout and stderr, a ``SystemExit`` message in stderr as the interpreter prints it."""
+    from lightning_megatron.cli import main
+
+    capsys.readouterr()
+    code, message = 0, ""
+    try:
+        main(["plan", *args])
+    except SystemExit as exit:
+        code = 0 if exit.code is None else exit.code if isinstance(exit.code, int) else 1
+        message = exit.code if isinstance(exit.code, str) else ""
+    printed = capsys.readouterr()
+    return code, printed.out, printed.err + message
 
 
 @pytest.mark.slow
-def test_plan_json_lists_every_valid_layout_in_the_strategys_words_ranked_by_tokens_per_second(tmp_path):
-    result = plan_command(tmp_path, "--config", str(CONFIGS / "gpt-tiny.yaml"), "--gpus", "4", "--gpu",
-                          "custom:memory=2.1548,base=a100", "--json", "--plot", "layouts.png")
-    assert result.returncode == 0, result.stderr[-3000:]
+def test_plan_json_lists_every_valid_layout_in_the_strategys_words_ranked_by_tokens_per_second(
+        tmp_path, capsys, monkeypatch, no_process_group):
+    monkeypatch.chdir(tmp_path)
+    code, out, err = plan_command(capsys, "--config", str(CONFIGS / "gpt-tiny.yaml"), "--gpus", "4", "--gpu",
+                                  "custom:memory=2.1548,base=a100", "--json", "--plot", "layouts.png")
+    assert code == 0, err[-3000:]
     assert (tmp_path / "layouts.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # the [plot] extra's picture
-    plans = json.loads(result.stdout)
+    plans = json.loads(out)
     assert len(plans) > 20
     strategy_arguments = set(inspect.signature(Megatron3DStrategy).parameters)
     for plan in plans:
@@ -221,55 +217,37 @@ def test_plan_json_lists_every_valid_layout_in_the_strategys_words_ranked_by_tok
 
 
 @pytest.mark.slow
-def test_plan_writes_a_config_that_trains(tmp_path):
-    """The best layout for 2 processes, written as a config; ``lightning-megatron fit`` runs it."""
+def test_plan_writes_a_config_that_trains(tmp_path, capsys, no_process_group):
+    """The best layout for 2 processes, written as a config; ``lightning-megatron fit`` runs it (on the 2-rank pool,
+    as torchrun runs the command: ``workers/cli_fit.py``)."""
     written = tmp_path / "best.yaml"
-    result = plan_command(tmp_path, "--config", str(CONFIGS / "gpt-tiny.yaml"), "--gpus", "2", "--gpu",
-                          "custom:memory=8,node=2,base=a100", "--write-config", str(written))
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "tokens/s" in result.stdout and written.exists()
+    code, out, err = plan_command(capsys, "--config", str(CONFIGS / "gpt-tiny.yaml"), "--gpus", "2", "--gpu",
+                                  "custom:memory=8,node=2,base=a100", "--write-config", str(written))
+    assert code == 0, err[-3000:]
+    assert "tokens/s" in out and written.exists()
     config = yaml.safe_load(written.read_text())
     assert config["trainer"]["devices"] * config["trainer"]["num_nodes"] == 2
     # It never overwrites.
-    again = plan_command(tmp_path, "--config", str(CONFIGS / "gpt-tiny.yaml"), "--gpus", "2", "--write-config",
-                         str(written))
-    assert again.returncode != 0 and "never overwrites" in again.stderr
-    fit = subprocess.run([shutil.which("lightning-megatron"), "fit", "--config", str(written), "--trainer.max_steps=2",
-                          "--trainer.val_check_interval=2", "--trainer.limit_val_batches=1", "--data.max_files=30",
-                          "--trainer.accelerator=cpu", f"--trainer.default_root_dir={tmp_path}"],
-                         capture_output=True, text=True, timeout=600, env=child_env(), cwd=tmp_path)
-    assert fit.returncode == 0, fit.stderr[-3000:]
+    code, _, err = plan_command(capsys, "--config", str(CONFIGS / "gpt-tiny.yaml"), "--gpus", "2", "--write-config",
+                                str(written))
+    assert code != 0 and "never overwrites" in err
+    _, fit = run_job("cli_fit", 2, tmp_path, "fit", "--config", str(written), "--trainer.max_steps=2",
+                     "--trainer.val_check_interval=2", "--trainer.limit_val_batches=1", "--data.max_files=30",
+                     "--trainer.accelerator=cpu", f"--trainer.default_root_dir={tmp_path}")
     chosen = config["trainer"]["strategy"]["init_args"]
     assert f"tp={chosen['tensor_parallel_size']} pp={chosen['pipeline_parallel_size']}" in fit.stdout + fit.stderr
 
 
-BAD_INPUT = """
-import contextlib, io, json, sys
-from lightning_megatron.commands.plan import main
-out = {}
-for name, argv in json.loads(sys.argv[1]).items():
-    err = io.StringIO()
-    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-        try:
-            main(argv)
-            code = 0
-        except SystemExit as exit:
-            code = exit.code if isinstance(exit.code, int) else 1
-            err.write(exit.code if isinstance(exit.code, str) else "")
-    out[name] = {"code": code, "stderr": err.getvalue()}
-print(json.dumps(out))
-"""
-
-
 @pytest.mark.slow
-def test_plan_says_why_nothing_fits_and_what_would():
-    """A model too big for the GPUs given, a GPU count no layout divides, an unknown GPU: one process, three runs."""
+def test_plan_says_why_nothing_fits_and_what_would(capsys, no_process_group):
+    """A model too big for the GPUs given, a GPU count no layout divides, an unknown GPU: three runs."""
     cases = {"too_small": ["--config", str(CONFIGS / "gpt-1.3b.yaml"), "--gpus", "2", "--gpu", "custom:memory=3,base=a100"],
              "invalid": ["--config", str(CONFIGS / "gpt-tiny.yaml"), "--gpus", "7"],
              "bad_gpu": ["--config", str(CONFIGS / "gpt-tiny.yaml"), "--gpus", "2", "--gpu", "b200"]}
-    result = run_python("-c", BAD_INPUT, json.dumps(cases))
-    assert result.returncode == 0, result.stderr[-3000:]
-    runs = json.loads(result.stdout.splitlines()[-1])
+    runs = {}
+    for name, argv in cases.items():
+        code, _, err = plan_command(capsys, *argv)
+        runs[name] = {"code": code, "stderr": err}
     too_small, invalid, bad_gpu = runs["too_small"], runs["invalid"], runs["bad_gpu"]
     assert too_small["code"] == 1
     assert "No layout fits in 2.8 GiB per GPU on 2 GPUs" in too_small["stderr"], too_small
@@ -284,9 +262,9 @@ def test_plan_says_why_nothing_fits_and_what_would():
 
 
 @pytest.mark.slow
-def test_auto_sizes_are_the_planners_choice_on_every_rank(tmp_path):
+def test_auto_sizes_are_the_planners_choice_on_every_rank(tmp_path, no_process_group):
     """``tensor_parallel_size="auto", pipeline_parallel_size="auto"`` on 2 CPU processes: the planner's best layout
-    (computed again here, in a fresh process) on both ranks, logged, then trained; a model that fits no layout
+    (computed again here) on both ranks, logged, then trained; a model that fits no layout
     raises the planner's explanation on every rank before any process group exists."""
     # fresh: the strategy plans over torch's fake process group before it makes the default one
     results, proc = launch("plan_auto.py", 2, tmp_path, timeout=600)
@@ -297,15 +275,16 @@ def test_auto_sizes_are_the_planners_choice_on_every_rank(tmp_path):
             assert result["chosen"][key] == results[0]["chosen"][key]
     chosen = results[0]["chosen"]
     assert "chose tp" in chosen["message"] and chosen["message"] in proc.stdout + proc.stderr
-    script = ("import json, sys, torch; sys.path.insert(0, sys.argv[1]); from trainer_setup import model; "
-              "from lightning_megatron.strategy.auto import choose_sizes; "
-              "c = choose_sizes(model({'layers': 4}), {'tensor_parallel_size': 'auto', 'pipeline_parallel_size': 'auto'},"
-              " world_size=2, device=torch.device('cpu'), gpus_per_node=2, global_batch_size=8, seq_length=32,"
-              " precision='32-true', settings=dict(zero_stage=0, sequence_parallel=False, activation_checkpointing="
-              "'none', offload_optimizer=False, micro_batch_size=1), bucket_size_mb=0.01); print(json.dumps(c.sizes))")
-    again = run_python("-c", script, str(WORKERS))
-    assert again.returncode == 0, again.stderr[-3000:]
-    assert json.loads(again.stdout.splitlines()[-1]) == chosen["sizes"]
+    from trainer_setup import model
+
+    from lightning_megatron.strategy.auto import choose_sizes
+
+    again = choose_sizes(model({"layers": 4}), {"tensor_parallel_size": "auto", "pipeline_parallel_size": "auto"},
+                         world_size=2, device=torch.device("cpu"), gpus_per_node=2, global_batch_size=8, seq_length=32,
+                         precision="32-true", settings=dict(zero_stage=0, sequence_parallel=False,
+                         activation_checkpointing="none", offload_optimizer=False, micro_batch_size=1),
+                         bucket_size_mb=0.01)
+    assert json.loads(json.dumps(again.sizes)) == chosen["sizes"]
     tp, pp, dp = chosen["layout"]
     assert [chosen["sizes"][k] for k in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size")] == \
         [tp, pp, dp]

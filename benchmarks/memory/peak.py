@@ -313,10 +313,19 @@ def measure_layout(layout: Layout) -> dict:
 
 
 def worker(result_dir: Path, keys: list[str]) -> None:
-    """Every layout in ``keys``, one after another over the same processes; ``rank{r}.json`` per rank."""
+    """A process of the ``peak`` mode's launch: the default group joined, :func:`measure_layouts`, and out."""
     import torch.distributed as dist
 
     dist.init_process_group("gloo")
+    measure_layouts(result_dir, keys)
+    os._exit(0)  # skip gloo's C++ teardown: with several meshes alive it aborts at random (torch 2.13)
+
+
+def measure_layouts(result_dir: Path, keys: list[str]) -> None:
+    """Every layout in ``keys``, one after another over the default group's ranks (joined already: a launch's, or a
+    test's rank pool's); ``rank{r}.json`` per rank."""
+    import torch.distributed as dist
+
     rank = dist.get_rank()
     results = {}
     for number, key in enumerate(keys, 1):
@@ -327,7 +336,6 @@ def worker(result_dir: Path, keys: list[str]) -> None:
                   file=sys.stderr, flush=True)
     (result_dir / f"rank{rank}.json").write_text(json.dumps(results))
     dist.barrier()
-    os._exit(0)  # skip gloo's C++ teardown: with several meshes alive it aborts at random (torch 2.13)
 
 
 # ---------------------------------------------------------------------------- the parent
@@ -352,7 +360,11 @@ def measure(layout_keys: Optional[list[str]] = None) -> list[dict]:
                 tail.append(line)
         if proc.wait() != 0:
             raise RuntimeError(f"the workers failed (exit code {proc.returncode}):\n{''.join(tail)}")
-        ranks = read_ranks(Path(tmp), RANKS)
+        return rows_of(read_ranks(Path(tmp), RANKS), keys)
+
+
+def rows_of(ranks: list[dict], keys: list[str]) -> list[dict]:
+    """One row per (layout, rank) from what each rank measured, layouts in the order of ``keys``."""
     return [results[key] for key in keys for results in ranks]
 
 

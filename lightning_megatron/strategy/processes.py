@@ -133,12 +133,17 @@ def exit_before_native_teardown(error: BaseException) -> None:
 
 CAUSE_WAIT_SECONDS = 3.0
 _REPORTED = "lightning_megatron/failure_reported/{rank}"
+_CAUSE = "lightning_megatron/failure_cause/{rank}"
 
 
 def _report_cause_last(kind, error, traceback) -> None:
     """``sys.excepthook`` after a failed run: a :class:`PeerFailed` rank first, in one line; the cause last. Each
-    rank notes in the store that it has printed, and waits for the others before it leaves too: under Lightning's
-    launcher rank 0's exit kills the other ranks, which may hold the cause."""
+    rank notes in the store what it is and when it has printed, and waits for the others before it leaves too:
+    under Lightning's launcher rank 0's exit kills the other ranks, which may hold the cause.
+
+    A rank with a cause of its own says so first, then waits only for the ranks that are neither causes nor done
+    printing: ranks that failed alike (every rank raising the same error) print at once, none waits for another
+    to print first (each would wait the whole ``CAUSE_WAIT_SECONDS`` for a peer doing the same)."""
     previous, rank = _report_cause_last.previous, _report_cause_last.rank
     if id(error) not in _FAILED:
         return previous(kind, error, traceback)
@@ -146,22 +151,31 @@ def _report_cause_last(kind, error, traceback) -> None:
     if isinstance(error, PeerFailed) or isinstance(error.__cause__, PeerFailed):
         print(f"[rank{rank}]: {type(error).__name__}: {error}", file=sys.stderr, flush=True)
         _tell(store, lambda: store.set(_REPORTED.format(rank=rank), "1"))
-        _wait_for_the_others(store, rank)
+        _wait_for_the_others(store, rank, (_REPORTED,))
         return None
-    _wait_for_the_others(store, rank)
+    _tell(store, lambda: store.set(_CAUSE.format(rank=rank), "1"))
+    _wait_for_the_others(store, rank, (_REPORTED, _CAUSE))  # the followers' one-liners first
     previous(kind, error, traceback)
     _tell(store, lambda: store.set(_REPORTED.format(rank=rank), "1"))
+    _wait_for_the_others(store, rank, (_REPORTED,), among=_CAUSE)  # the other causes, before this rank may end them
     return None
 
 
-def _wait_for_the_others(store: Optional[Any], rank: int) -> None:
-    """Until every other rank has printed its error (at most ``CAUSE_WAIT_SECONDS``; a rank that did not fail
-    never does)."""
+def _wait_for_the_others(store: Optional[Any], rank: int, marks: tuple[str, ...], among: Optional[str] = None) -> None:
+    """Until every other rank (``among``: every other rank with that mark) has one of ``marks`` in the store, at
+    most ``CAUSE_WAIT_SECONDS`` (a rank that did not fail never gets one)."""
     if store is None:
         return
-    keys = [_REPORTED.format(rank=peer) for peer in range(dist.get_world_size()) if peer != rank]
+
+    def marked(peer: int, mark: str) -> bool:
+        return _tell(store, lambda: store.check([mark.format(rank=peer)]), default=True)
+
+    waiting = [peer for peer in range(dist.get_world_size()) if peer != rank and (among is None or marked(peer, among))]
     deadline = time.monotonic() + CAUSE_WAIT_SECONDS
-    while keys and time.monotonic() < deadline and not _tell(store, lambda: store.check(keys), default=True):
+    while True:
+        waiting = [peer for peer in waiting if not any(marked(peer, mark) for mark in marks)]
+        if not waiting or time.monotonic() >= deadline:
+            return
         time.sleep(0.05)
 
 

@@ -1,6 +1,7 @@
 """Train the tiny GPT for a few steps under several layouts over the same processes, built and stepped by the strategy.
 
-argv: OUT_DIR LAYOUTS, a comma list of layout names: ``-``-separated words, each either a ``StrategyOptions``
+``main(out_dir, [LAYOUTS])`` (a rank-pool job, ``entry.py``; argv ``OUT_DIR LAYOUTS`` as a script), LAYOUTS a comma
+list of layout names: ``-``-separated words, each either a ``StrategyOptions``
 setting (:data:`SIZES`, :data:`SETTINGS`) or one of this worker's (:data:`MODELS`, ``doc``, ``mb{M}``, ``sgd``,
 ``fused``/``foreach``, ``s{N}``, ``lora``). The model is built as the strategy builds it: meta device (``lora``:
 ``gpt_setup.LORA``'s adapters on the frozen model, AdamW over them only), then ``strategy.preparation.prepare_model``
@@ -24,15 +25,16 @@ reference.
 
 import json
 import re
-import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch._dynamo.utils import counters
 
-from layout_runs import run_layouts, start_worker_pipeline
+from entry import run_script
+from layout_runs import layouts_job, start_worker_pipeline
 from gpt_setup import CLIP, CONFIGS, GLOBAL_BATCH, LORA, SEED, batches, document_batches, optimizer, sgd_optimizer
 from lightning_megatron.checkpoint import gather_full_state_dict, merge_pipeline_stages
 from lightning_megatron.models import GPTModel
@@ -68,8 +70,9 @@ MODELS = ("llama", "mqa", "deep", "chunk")
 WORKER_WORDS = re.compile(r"doc|sgd|fused|foreach|lora|mb\d+|s\d+")
 
 
-def parse(layout: str) -> tuple[StrategyOptions, dict]:
-    """The layout's strategy options and this worker's own settings (model, data, micro-batches, optimizer, steps)."""
+def parse(layout: str, out_dir: Path) -> tuple[StrategyOptions, dict]:
+    """The layout's strategy options and this worker's own settings (model, data, micro-batches, optimizer, steps);
+    an "nvme" tier's files go under ``out_dir``."""
     words = layout.split("-")
     model = words.pop(0) if words[0] in MODELS else "gpt"
     settings: dict = {"bucket_size_mb": 0.01}
@@ -90,7 +93,7 @@ def parse(layout: str) -> tuple[StrategyOptions, dict]:
         else:
             raise ValueError(f"{layout}: {word!r} is no layout word")
     if settings.get("offload_optimizer") == "nvme":
-        settings["offload_path"] = str(Path(sys.argv[1]) / "offload")
+        settings["offload_path"] = str(out_dir / "offload")
     if settings.get("virtual_pipeline_size", 1) > 1 and "pipeline_schedule" not in settings:
         settings["pipeline_schedule"] = "interleaved_1f1b"
     if settings.get("pipeline_parallel_size", 1) > 1:
@@ -117,8 +120,8 @@ def build(state: ParallelState, options: StrategyOptions, worker: dict):
     return model, params, opt, step, runner
 
 
-def train(layout: str) -> tuple[list[float], dict]:
-    options, worker = parse(layout)
+def train(out_dir: Path, layout: str) -> tuple[list[float], dict]:
+    options, worker = parse(layout, out_dir)
     if options.compile_options is not None:
         torch._dynamo.reset()  # this layout's compilations alone in the counters
         counters.clear()
@@ -172,7 +175,7 @@ def train(layout: str) -> tuple[list[float], dict]:
                 "state": sum(v.numel() for s in opt.state.values() for v in s.values() if v.dim() > 0),
                 "frozen_in_optimizer": any(p is q for p in frozen for q in stepped),
                 "sync": sum(p.numel() for p in step.sync.params)}
-        (Path(sys.argv[1]) / f"{layout}-frozen{dist.get_rank()}.json").write_text(json.dumps(held))
+        (out_dir / f"{layout}-frozen{dist.get_rank()}.json").write_text(json.dumps(held))
     if main is not None:
         main.wait_for_params()  # as the strategy does before reading weights (full_state_dict)
         if main.nvme is not None:
@@ -185,13 +188,17 @@ def train(layout: str) -> tuple[list[float], dict]:
     step.remove()  # the main parameters' too: the "nvme" tier's files go
     if main is not None and main.nvme is not None:
         moved["folder_removed"] = not files.folder.exists()
-        (Path(sys.argv[1]) / f"{layout}-offload{dist.get_rank()}.json").write_text(json.dumps(moved))
+        (out_dir / f"{layout}-offload{dist.get_rank()}.json").write_text(json.dumps(moved))
     if options.compile_options is not None:  # what dynamo made of the layers: graphs, breaks, recompilations
         dynamo = {"graphs": counters["stats"]["unique_graphs"], "frames": counters["frames"]["ok"],
                   "graph_breaks": sum(counters["graph_break"].values()), "recompiles": sum(counters["recompiles"].values())}
-        (Path(sys.argv[1]) / f"{layout}-dynamo{dist.get_rank()}.json").write_text(json.dumps(dynamo))
+        (out_dir / f"{layout}-dynamo{dist.get_rank()}.json").write_text(json.dumps(dynamo))
     return losses, weights
 
 
+def main(out_dir: Path, args: list[str]) -> None:
+    layouts_job(out_dir, args[0].split(","), partial(train, out_dir))
+
+
 if __name__ == "__main__":
-    run_layouts(train)
+    run_script(main)

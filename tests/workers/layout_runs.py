@@ -1,28 +1,19 @@
-"""What the layout workers share: the main loop (every layout named on the command line, one after another, over the
+"""What the layout workers share: the main loop (every layout of a job, one after another, over the
 same processes: starting processes and importing Lightning costs ~10 s a launch), and the pipeline schedule wired
 to the step's gradient bookkeeping as the strategy wires it.
 
-``layouts_job(out_dir, layouts, train, tools)`` (``run_layouts(train, tools)`` as a script: argv is ``OUT_DIR
-LAYOUTS``, a comma list). A layout starting with one of ``tools``' prefixes goes to that function, whose result is
-this rank's entry; any other goes to ``train(layout) -> (losses, weights)``, rank 0 writing ``{layout}.pt`` with
-both. Each rank writes its entries to ``rank{r}.json``.
+``layouts_job(out_dir, layouts, train, tools)`` is a layout worker's ``main`` (``entry.py``). A layout starting with
+one of ``tools``' prefixes goes to that function, whose result is this rank's entry; any other goes to
+``train(layout) -> (losses, weights)``, rank 0 writing ``{layout}.pt`` with both. Each rank writes its entries to
+``rank{r}.json``.
 """
 
 import json
-import os
-import sys
 from pathlib import Path
 from typing import Callable, Mapping
 
 import torch
 import torch.distributed as dist
-
-
-def run_layouts(train: Callable, tools: Mapping[str, Callable] = {}) -> None:
-    """As a script: the default group joined, ``layouts_job`` over argv, and ``os._exit(0)``."""
-    dist.init_process_group("gloo")
-    layouts_job(Path(sys.argv[1]), sys.argv[2].split(","), train, tools)
-    os._exit(0)  # skip gloo's C++ teardown: with several meshes alive it aborts at random (torch 2.13)
 
 
 def layouts_job(out_dir: Path, layouts: list[str], train: Callable, tools: Mapping[str, Callable] = {}) -> None:
