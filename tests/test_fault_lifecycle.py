@@ -50,7 +50,7 @@ def test_stalled_rank_times_out_naming_the_phase_and_step_without_hanging(tmp_pa
     assert note[2].startswith("Fix: find the stalled rank") and "timeout=timedelta" in note[2], note
     # The backend's own error is right above the note: the note explains it rather than replacing it.
     assert "Timed out" in (tmp_path / "rank0.stderr").read_text()
-    # torchrun stops the sleeping rank with SIGTERM (then SIGKILL): it says so, and never saves (no step comes).
+    # torchrun stops the sleeping rank with SIGTERM: it says so, and never saves (no step comes).
     rank1 = last_lines(tmp_path / "rank1.stderr", 1)
     assert rank1[0].startswith("lightning-megatron: SIGTERM received"), rank1
 

@@ -2,7 +2,7 @@
 
 Every rank's stderr goes to OUT_DIR/rank{r}.stderr (so a test reads exactly what that rank printed last).
 
-* ``stall``: tp=2 with timeout=STALL_TIMEOUT_SECONDS; rank 1 sleeps STALL_SECONDS in ``on_after_backward`` of
+* ``stall``: tp=2 with timeout=STALL_TIMEOUT_SECONDS; rank 1 stalls (up to STALL_SECONDS, until SIGTERM) in ``on_after_backward`` of
   step 2, so rank 0 waits in optimizer step 2 (the collectives after backward: gradient norm, clipping).
   Rank 1 writes ``stall_started`` (a time.time() stamp) first. The error is not caught.
 * ``meta_error``: tp=2 and a plan entry that names no submodule: the strategy's set-up fails while the model
@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from fault_models import MISNAMED_PLAN, STALL_SECONDS, STALL_TIMEOUT_SECONDS, Planned, Unplanned, trainer_kwargs
 from lightning_megatron import Megatron3DStrategy
+from lightning_megatron.strategy.requeue import StopOnSignal
 
 out_dir, scenario = Path(sys.argv[1]), sys.argv[2]
 rank = int(os.environ["RANK"])
@@ -40,7 +41,13 @@ class StallRankOne(L.Callback):
     def on_after_backward(self, trainer, pl_module):
         if trainer.global_step == 2 and trainer.global_rank == 1:
             (out_dir / "stall_started").write_text(repr(time.time()))
-            time.sleep(STALL_SECONDS)
+            # Stalled until torchrun, its peer gone, sends SIGTERM (the strategy's handler says so): then this rank
+            # leaves at once rather than after torchrun's 30 s grace and SIGKILL, which would only slow the test.
+            stop = next(c for c in trainer.callbacks if isinstance(c, StopOnSignal))
+            deadline = time.monotonic() + STALL_SECONDS
+            while time.monotonic() < deadline and not stop.received:
+                time.sleep(0.05)
+            os._exit(143)
 
 
 L.seed_everything(7)
