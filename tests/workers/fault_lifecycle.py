@@ -2,8 +2,9 @@
 
 Every rank's stderr goes to OUT_DIR/rank{r}.stderr (so a test reads exactly what that rank printed last).
 
-* ``stall``: tp=2 with timeout=STALL_TIMEOUT_SECONDS; rank 1 stalls (up to STALL_SECONDS, until SIGTERM) in ``on_after_backward`` of
-  step 2, so rank 0 waits in optimizer step 2 (the collectives after backward: gradient norm, clipping).
+* ``stall``: tp=2 with timeout=STALL_TIMEOUT_SECONDS; rank 1 stalls (up to STALL_SECONDS, until SIGTERM) in
+  ``on_after_backward`` of step 2, so rank 0 waits in optimizer step 2 (the collectives after backward: gradient
+  norm, clipping).
   Rank 1 writes ``stall_started`` (a time.time() stamp) first. The error is not caught.
 * ``meta_error``: tp=2 and a plan entry that names no submodule: the strategy's set-up fails while the model
   is on the meta device. The error is not caught.
