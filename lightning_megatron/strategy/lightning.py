@@ -258,11 +258,11 @@ class Megatron3DStrategy(ParallelStrategy):
                                state.expert_parallel_group if state.config.expert_parallel_size > 1 else None)
         self.barrier()
         self.setup_precision_plugin()
-        self.driver.bind(self.precision_plugin, self.root_device)  # also Lightning's clip seam (step.py)
+        self.driver.bind(self.precision_plugin, self.root_device, self.options)  # also Lightning's clip seam (step.py)
         if trainer.state.fn == TrainerFn.FITTING:
             add_stop_on_signal(trainer)  # SIGTERM, Ctrl-C: save last.ckpt at an agreed step, exit 143 / 130
             self.setup_optimizers(trainer)
-            self.driver.start(module, state, self.optimizers, zero3=self._zero3, device=self.root_device,
+            self.driver.start(module, state, self.optimizers, self.options, zero3=self._zero3, device=self.root_device,
                               ranks_sharing_host=max(self.num_processes, 1))
             if self.driver.main_params is not None and self.driver.main_params.nvme is not None:
                 rank_zero_info(self.driver.main_params.nvme.describe())

@@ -49,7 +49,6 @@ class StepDriver:
     """
 
     def __init__(self, options: StrategyOptions) -> None:
-        self.options = options
         self.nonfinite = NonFiniteCheck(options.on_nonfinite, options.max_consecutive_skips)
         self.loss_scaler: Optional[DynamicLossScaler] = None
         self.gradients: Optional[StepGradients] = None
@@ -63,26 +62,27 @@ class StepDriver:
         self._norm: Optional[Tensor] = None  # this step's norm: measured by the check, reused by the clip
 
     # ------------------------------------------------------------------ set-up
-    def bind(self, precision_plugin: Any, device: torch.device) -> None:
+    def bind(self, precision_plugin: Any, device: torch.device, options: StrategyOptions) -> None:
         """fp16's one overflow decision for the whole world, whichever precision flavour runs it; and Lightning's
         clip seam: its ``Precision.clip_gradients`` calls ``clip_grad_by_norm``, which now clips by the global norm."""
         precision = getattr(precision_plugin, "precision", "32-true")
         if precision == "16-true":
-            self.loss_scaler = DynamicLossScaler(**self.options.loss_scaler_settings)
+            self.loss_scaler = DynamicLossScaler(**options.loss_scaler_settings)
         self._grad_scaler = getattr(precision_plugin, "scaler", None)
         if precision == "16-mixed" and self._grad_scaler is not None:
             agree_on_overflow(self._grad_scaler, device)
         precision_plugin.clip_grad_by_norm = self.clip
 
-    def start(self, module: nn.Module, state: ParallelState, optimizers: list, *, zero3: Optional[ZeRO3],
-              device: torch.device, ranks_sharing_host: int) -> None:
-        """This fit's gradient path (``optim.step.build_step_gradients``), after Lightning built the optimizers."""
+    def start(self, module: nn.Module, state: ParallelState, optimizers: list, options: StrategyOptions, *,
+              zero3: Optional[ZeRO3], device: torch.device, ranks_sharing_host: int) -> None:
+        """This fit's gradient path (``optim.step.build_step_gradients``), after Lightning built the optimizers;
+        ``options``: the strategy's as they are now ("auto" sizes resolved)."""
         fp16 = self.loss_scaler is not None or self._grad_scaler is not None
         # fp16's loss scaler (ours, or Lightning's GradScaler, whose gradients are still scaled when the check
         # would run) skips overflowing steps itself.
         check = self.nonfinite if self.nonfinite.enabled and not fp16 else None
         self._module, self._zero3 = module, zero3
-        self.gradients = build_step_gradients(module, state, optimizers, self.options, zero3=zero3,
+        self.gradients = build_step_gradients(module, state, optimizers, options, zero3=zero3,
                                               loss_scaler=self.loss_scaler, nonfinite=check, device=device,
                                               ranks_sharing_host=ranks_sharing_host)
         self.main_params = self.gradients.main_params
