@@ -50,7 +50,11 @@ class SFTDataModule(TokenDataModule):
             model whose vocabulary does not fit the tokenizer is refused in ``setup``, naming both sizes.
         prompt_style: how conversations are written out: ``None`` for the tokenizer's chat template
             (``"plain"`` for the byte tokenizer), ``"plain"``, or a dict of ``system``, ``user`` and
-            ``assistant`` templates holding ``{content}`` (``data/prompt_styles.py``).
+            ``assistant`` templates holding ``{content}`` (``data/prompt_styles.py``). A chat template's
+            trained tokens are those its ``{% generation %}`` blocks mark (transformers' assistant masks)
+            when it has them, else each assistant turn with what the template writes after it up to the
+            next turn (ChatML's newline after ``<|im_end|>`` too): ``data/chat_templates.py``,
+            ``docs/chat_templates.md``.
         seq_length: positions per sample; every sample has exactly this many (padded).
         global_batch_size: samples per optimizer step over all data-parallel ranks.
         packing: several conversations per sample, each with its own positions and attention
@@ -213,8 +217,11 @@ class SFTDataModule(TokenDataModule):
                            f"A longer seq_length keeps them whole.")
         real, room = self.train_dataset.tokens()
         spec = self.tokenizer_choice()
-        written = ("its chat template" if isinstance(self.format, ChatTemplateFormat) else
-                   f"the prompt style {self.prompt_style or 'plain'!r}")
+        if isinstance(self.format, ChatTemplateFormat):
+            written = ("its chat template, trained where its {% generation %} blocks mark" if self.format.marked else
+                       "its chat template, each assistant turn found by prefixes (no {% generation %} markers)")
+        else:
+            written = f"the prompt style {self.prompt_style or 'plain'!r}"
         chosen = " (the model's pretrained directory)" if self.tokenizer_spec is None and spec != "byte" else ""
         rank_zero_info(f"SFT data: {total} conversations, {len(self.train_dataset)} training samples of "
                        f"{self.seq_length} ({'packed' if self.packing else 'one conversation each'}, "
