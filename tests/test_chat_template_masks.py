@@ -195,6 +195,9 @@ def test_markers_are_found_in_the_template_source_and_unusable_ones_are_refused(
         tokenizer.save_pretrained(tmp_path / name)
         return SFTDataModule(tokenizer=str(tmp_path / name))
 
+    # of several named templates, the one transformers renders with ("default") decides
+    assert with_template("named", {"default": CHATML_MARKED, "other": CHATML}).format.marked
+    assert not with_template("named_plain", {"default": CHATML, "other": CHATML_MARKED}).format.marked
     # markers that mark nothing (a role no message has)
     dm = with_template("nothing", CHATML_MARKED.replace("== 'assistant'", "== 'bot'"))
     with pytest.raises(ValueError, match=r"mark none of the tokens.*put \{% generation %\} before"):

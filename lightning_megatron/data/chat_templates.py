@@ -104,7 +104,7 @@ class ChatTemplateFormat:
                 f"them as plain text, or use a tokenizer that has one (an instruct model's)."
             )
         self.tokenizer = tokenizer
-        self.marked = has_generation_markers(tokenizer.chat_template)
+        self.marked = has_generation_markers(tokenizer.hf.get_chat_template())  # the one it renders with
         if self.marked and not tokenizer.hf.is_fast:
             raise ValueError(
                 f"The chat template of {tokenizer.path} marks the assistant's text with {{% generation %}} blocks, "
