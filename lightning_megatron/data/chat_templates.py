@@ -9,10 +9,10 @@ the assistant's, and so trained, is found by one of two rules, chosen by the tem
   ... ``{% endgeneration %}`` blocks (transformers' marker) says itself what a response is:
   the trained tokens are exactly those ``apply_chat_template(..., return_assistant_tokens_mask=True)``
   marks (``assistant_masks``: every token that overlaps a block's text), as transformers and
-  TRL train them. The marks come from token offsets, which only a fast tokenizer has (a
-  slow one is refused, naming the fix). A template whose blocks mark none of a
-  conversation's tokens, or leave out the end-of-sequence token (the model would not learn
-  to stop), is refused, naming the fix.
+  TRL train them. The marks come from token offsets, which only a fast tokenizer has: a
+  slow one is refused when it would train (its prompts need no marks), naming the fix. A
+  template whose blocks mark none of a conversation's tokens, or leave out the
+  end-of-sequence token (the model would not learn to stop), is refused, naming the fix.
 * **Prefixes** (a template without markers). For each assistant turn the conversation
   before it is rendered with the generation prompt (the assistant's header), and the
   conversation through it: the turn's tokens are those between the two, end-of-turn token
@@ -105,14 +105,6 @@ class ChatTemplateFormat:
             )
         self.tokenizer = tokenizer
         self.marked = has_generation_markers(tokenizer.hf.get_chat_template())  # the one it renders with
-        if self.marked and not tokenizer.hf.is_fast:
-            raise ValueError(
-                f"The chat template of {tokenizer.path} marks the assistant's text with {{% generation %}} blocks, "
-                f"whose tokens transformers finds from token offsets, which the slow tokenizer "
-                f"{type(tokenizer.hf).__name__} does not give; save the directory with a fast tokenizer (a "
-                f"tokenizer.json: AutoTokenizer.from_pretrained(...).save_pretrained(...) with `tokenizers` "
-                f"installed), or remove the markers to train each assistant turn by prefixes."
-            )
 
     def _chat(self, messages: Sequence[Message]) -> list[dict]:
         return [{"role": m.role, "content": m.content} for m in messages]
@@ -126,7 +118,15 @@ class ChatTemplateFormat:
 
     def _by_markers(self, messages: Sequence[Message]) -> Encoded:
         """The ids and transformers' ``assistant_masks``; refused when they mark nothing or a marked span lacks the
-        end-of-sequence id."""
+        end-of-sequence id. A slow tokenizer is refused here, not when the format is made: prompts need no marks."""
+        if not self.tokenizer.hf.is_fast:
+            raise ValueError(
+                f"The chat template of {self.tokenizer.path} marks the assistant's text with {{% generation %}} "
+                f"blocks, whose tokens transformers finds from token offsets, which the slow tokenizer "
+                f"{type(self.tokenizer.hf).__name__} does not give; save the directory with a fast tokenizer (a "
+                f"tokenizer.json: AutoTokenizer.from_pretrained(...).save_pretrained(...) with `tokenizers` "
+                f"installed), or remove the markers to train each assistant turn by prefixes."
+            )
         rendered = self.tokenizer.hf.apply_chat_template(self._chat(messages), tokenize=True, return_dict=True,
                                                          return_assistant_tokens_mask=True)
         ids, trained = list(rendered["input_ids"]), [bool(m) for m in rendered["assistant_masks"]]
