@@ -1,13 +1,13 @@
 """Tokenised conversations cached on disk: formatted and tokenised by one rank, read by every rank.
 
-A chat template renders each conversation once per assistant turn and once more whole (once
-with ``{% generation %}`` markers: ``data/chat_templates.py``), a few thousand conversations a
-second in Python: a large set would cost every rank minutes at every start. So, like the GPT index arrays, the result is
-an ``index_cache`` entry (``data/index_cache.py``: global rank 0 builds while the others wait;
-checked by size and CRC-32; rebuilt when anything it depends on changes): every
-conversation's ``ids`` and ``trained`` flags end to end, and the ``offsets`` where each
-starts, in the file's order. Its key holds the data file's size and modification time and
-the format's :meth:`identity` (the tokenizer's vocabulary, the template and its rule, or the prompt
+A chat template renders each conversation once per assistant turn and once more whole (once with
+``{% generation %}`` markers: ``data/chat_templates.py``), a few thousand conversations a second
+in Python: a large set would cost every rank minutes at every start. So, like the GPT index
+arrays, the result is an ``index_cache`` entry (``data/index_cache.py``: global rank 0 builds
+while the others wait; checked by size and CRC-32; rebuilt when anything it depends on changes):
+every conversation's ``ids`` and ``trained`` flags end to end, and the ``offsets`` where each
+starts, in the file's order. Its key holds the data file's size and modification time and the
+format's :meth:`identity` (the tokenizer's vocabulary, the template and its rule, or the prompt
 style).
 """
 
