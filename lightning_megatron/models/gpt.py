@@ -35,6 +35,7 @@ from lightning_megatron.models.rotary import RopeScaling, RotaryEmbedding
 from lightning_megatron.models.transformer import (
     TransformerLayer,
     TransformerSizes,
+    layer_fused_projections,
     layer_recompute_plan,
     layer_tensor_parallel_plan,
 )
@@ -360,6 +361,13 @@ class GPTModel(nn.Module):
 
     def tensor_parallel_plan(self) -> dict[str, object]:
         return gpt_tensor_parallel_plan(self.config)
+
+    def fused_projections(self) -> dict[str, tuple[str, ...]]:
+        """Layers fusing projections that the original architecture keeps apart (``peft.lora`` adapts each):
+        ``qkv`` of rotary models (Llama's ``q_proj``/``k_proj``/``v_proj``; GPT-2-shaped models, with learned
+        positions, have one ``c_attn``), a SwiGLU MLP's ``fc`` (``gate_proj``/``up_proj``)."""
+        return layer_fused_projections("blocks.*", separate_qkv=self.config.position_embedding_type == "rope",
+                                       gated_mlp=self.config.activation == "swiglu")
 
     @staticmethod
     def recompute_plan() -> dict[str, str]:
