@@ -494,7 +494,8 @@ def test_the_lora_config_fits_the_24gb_gpus_it_names_with_the_frozen_base_in_16_
     state = planner.rank_memory(configured_layout(config, 1, planner.workload))[0].model_state_bytes
     h, f, r = given.hidden_size, given.ffn_hidden_size, model["lora"]["rank"]
     qkv = (given.num_heads + 2 * given.num_query_groups) * given.head_dim
-    adapters = given.num_layers * r * ((h + qkv) + (h + h) + (h + 2 * f) + (f + h))  # qkv, proj, fc (gate|up), proj
+    # PEFT's adapters: q, k, v (an A each, B over the fused qkv's rows), o, gate and up (an A each), down
+    adapters = given.num_layers * r * ((3 * h + qkv) + (h + h) + (2 * h + 2 * f) + (f + h))
     assert state == {"parameters": 2 * (LLAMA_8B_PARAMETERS + adapters), "gradients": 2 * adapters,
                      "main_parameters": 4 * adapters, "optimizer_state": 8 * adapters}, (state, adapters)
     gpus = [key for key in presets_with_memory(24 * 10**9)]
