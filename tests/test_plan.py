@@ -67,16 +67,19 @@ def _lora_formula(case, elements) -> dict:
     """LoRA's model state per rank (``bf16-true``, AdamW, one bucket): the frozen base in 16 bits, parameters only;
     each adapter element 2 bytes of parameter and 2 of gradient (ZeRO-2: its 1/dp slice), and its 1/dp share of 4
     bytes of fp32 main copy and 8 of AdamW's moments (ZeRO-3: 1/dp of everything, the adapters' fp32 shards being
-    their main parameters). The rank's adapter elements are checked against LoRA's shapes:
-    per layer ``r (h + qkv / tp)`` (qkv), ``r (h / tp + h)`` (proj), ``r (h + 2 f / tp)`` (fc), ``r (f / tp + h)``."""
+    their main parameters). The rank's adapter elements are checked against LoRA's shapes, PEFT's adapter per
+    projection: per layer ``r (h + h / tp)`` (q), ``r (h + kv)`` (k and v each, ``kv`` the rank's key/value rows:
+    whole heads, or one replicated head), ``r (h / tp + h)`` (o), ``r (h + f / tp)`` (gate and up each),
+    ``r (f / tp + h)`` (down)."""
     layout = case["strategy"]
     tp, pp = layout.get("tensor_parallel_size", 1), layout.get("pipeline_parallel_size", 1)
     dp, zero = 4 // (tp * pp), layout["zero_stage"]
     gpt = byte_model(case)
     config, rank = gpt.config, gpt.lora.rank
     h, f = config.hidden_size, config.ffn_hidden_size
-    qkv = (config.num_heads + 2 * config.num_query_groups) * h // config.num_heads
-    per_layer = rank * ((h + qkv // tp) + (h // tp + h) + (h + 2 * f // tp) + (f // tp + h))
+    head_dim, groups = h // config.num_heads, config.num_query_groups
+    kv = groups * head_dim // tp if groups % tp == 0 else head_dim
+    per_layer = rank * ((h + h // tp) + 2 * (h + kv) + (h // tp + h) + 2 * (h + f // tp) + (f // tp + h))
     frozen, adapters = elements["frozen"], elements["trainable"]
     assert adapters == per_layer * config.num_layers // pp, (elements, per_layer)
     if zero == 3:  # every dim 0 divides over dp4: FSDP2's chunks are exact quarters; the trained ones fp32, no main
