@@ -18,6 +18,7 @@ transformers = pytest.importorskip("transformers")
 from launch import run_job  # noqa: E402
 from workers.trainer_setup import datamodule, model, trainer_kwargs  # noqa: E402
 from lightning_megatron import Megatron3DStrategy  # noqa: E402
+from lightning_megatron.checkpoint.base import load_adapters  # noqa: E402
 from lightning_megatron.checkpoint.open import open_checkpoint  # noqa: E402
 from lightning_megatron.huggingface.checkpoints import convert  # noqa: E402
 from lightning_megatron.checkpoint.replacement import INFO_FILE  # noqa: E402
@@ -221,6 +222,17 @@ def test_what_our_lora_does_not_compute_is_refused_by_name(llama_dir, tmp_path):
         GPT(pretrained=str(llama_dir), lora=str(tmp_path / "pickled"))
     with pytest.raises(ValueError, match=r"LoRA variant must be one of \['canonical', 'fused'\]"):
         GPT(pretrained=str(llama_dir), lora={"variant": "shared"})
+
+
+def test_adapters_saved_before_the_per_projection_default_name_the_fused_variant(llama_dir):
+    fused = GPT(pretrained=str(llama_dir), lora={**LORA, "variant": "fused"})
+    fused.configure_model()
+    saved = {name: value for name, value in fused.state_dict().items() if is_adapter_name(name)}
+    canonical = GPT(pretrained=str(llama_dir), lora=LORA)
+    canonical.configure_model()
+    with pytest.raises(RuntimeError, match=r"one adapter over each fused layer .*variant: fused"):
+        load_adapters(canonical, saved)
+    load_adapters(fused, saved)
 
 
 @pytest.mark.slow
