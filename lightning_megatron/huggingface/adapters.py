@@ -232,11 +232,12 @@ def _compact_targets(names: list[str], num_layers: int) -> list[str]:
     """``blocks.*.<rest>`` for what every layer adapts, the full names of the rest (``LoRAConfig.targets``)."""
     by_rest: dict[str, set[str]] = {}
     for name in names:
-        blocks, index, rest = name.split(".", 2)
-        by_rest.setdefault(rest, set()).add(index)
+        if name.startswith("blocks."):
+            _, index, rest = name.split(".", 2)
+            by_rest.setdefault(rest, set()).add(index)
     everywhere = {rest for rest, layers in by_rest.items() if layers == {str(i) for i in range(num_layers)}}
     return [f"blocks.*.{rest}" for rest in sorted(everywhere)] + \
-        sorted(name for name in names if name.split(".", 2)[2] not in everywhere)
+        sorted(name for name in names if not name.startswith("blocks.") or name.split(".", 2)[2] not in everywhere)
 
 
 def read_peft_adapter(directory: Union[str, os.PathLike], config: GPTConfig, *, base: Optional[str] = None,
