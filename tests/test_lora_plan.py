@@ -11,7 +11,9 @@ from torch import nn
 from lightning_megatron.models import GPT, GPTConfig, GPTModel
 from lightning_megatron.parallel import ParallelConfig, ParallelState
 from lightning_megatron.parallel.shards import shard_of
-from lightning_megatron.peft.lora import LoRAConfig, apply_lora
+from lightning_megatron.parallel.names import is_adapter_name
+from lightning_megatron.peft.lora import LoRAConfig, apply_lora, fused_layers
+from lightning_megatron.peft.merge import adapter_weight_names, layer_adapters, merged_projections_weight
 from lightning_megatron.peft.plan import adapter_plan
 from lightning_megatron.plan.inventory import fake_world
 from lightning_megatron.peft.plan import tensor_parallel_plan_of
@@ -238,3 +240,27 @@ def _rows(ranges, rank, size, world):
     if ranges is None:
         return list(range(rank * size // world, (rank + 1) * size // world))
     return [row for start, length in ranges[rank] for row in range(start, start + length)]
+
+
+def test_merging_projection_adapters_gives_the_weights_the_adapted_model_computes_with():
+    """``peft.merge``: each projection's ``scale B A`` laid out in the fused weight's rows (a projection left out
+    adds nothing) computes what the adapted model computes."""
+    torch.manual_seed(0)
+    lora = LoRAConfig(rank=4, targets=["*.attn.qkv.q", "*.attn.qkv.v", "*.mlp.fc.up"])
+    model = _lora_model(lora, device="cpu")
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if ".lora_b." in name:
+                param.normal_(0.0, 0.1)
+    state = model.state_dict()
+    merged = {name: value for name, value in state.items() if not is_adapter_name(name)}
+    for layer, (layout, parts) in fused_layers(model).items():
+        adapted = layer_adapters(state)[layer]
+        pairs = {part: tuple(state[name] for name in adapter_weight_names(layer, part)) for part in adapted}
+        merged[f"{layer}.weight"] = merged_projections_weight(state[f"{layer}.weight"], pairs, layout, parts, lora.scale)
+    assert layer_adapters(state)["blocks.0.attn.qkv"] == ("q", "v")
+    plain = _lora_model(LoRAConfig(rank=4, targets=["lm_head"]), device="cpu")  # adapters on the head only, B zero
+    plain.load_state_dict(merged, strict=False)
+    ids = torch.randint(0, 64, (2, 16))
+    torch.testing.assert_close(plain(ids), model(ids), atol=1e-5, rtol=0)
+    assert (plain(ids) - GPTModel.forward(_without_adapters(model), ids)).abs().max() > 1e-3
