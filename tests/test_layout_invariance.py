@@ -80,10 +80,11 @@ FP8_LAYOUTS = {2: {"tp2-dp1-sp-mb2-fp8t-s1": "tp1-dp1-mb2-fp8t-s1", "pp2-tp1-dp1
                    "pp2-tp1-dp2-mb2-z1-fp8r-s1": "tp1-dp1-mb4-fp8r-s1"}}
 for _world, _fp8 in FP8_LAYOUTS.items():
     LAYOUTS[_world] += list(_fp8)
-# LoRA (gpt_setup.LORA on qkv, proj, fc, proj of every layer; the base frozen), AdamW over the adapters with clipping:
+# LoRA (gpt_setup.LORA on qkv, proj, fc, proj of every layer, Llama's an adapter per projection, PEFT's; the base
+# frozen), AdamW over the adapters with clipping:
 # tp2 + SP on GPT ("column" fc) and Llama (QueryGroupColumn qkv, PackedColumn [gate | up]; with full recomputation),
 # pp2 (zero bubble: the weight-gradient pass of the adapters only), ZeRO-1 and 2 over dp, tp2 x dp2, and tp4, which
-# replicates each of the Llama model's 2 key/value heads on 2 ranks (and so the rows of lora_b that write them).
+# replicates each of the Llama model's 2 key/value heads on 2 ranks (and so the k and v adapters' B, KeyValueHeads).
 # Regional compilation passes too ("llama-tp2-dp1-sp-mb2-compile_aot-rc-lora", 8e-8), at a minute a run: not here.
 LORA_LAYOUTS = {2: ["tp2-dp1-sp-mb2-lora", "llama-tp2-dp1-sp-mb2-rc-lora", "llama-pp2-tp1-dp1-mb4-zb-lora",
                     "llama-tp1-dp2-z1-lora"],
@@ -207,8 +208,10 @@ def _check_lora(layout, world, result, tmp_path):
     assert {name for name in weights if not is_adapter_name(name)} == set(initial), layout
     for name, value in initial.items():
         assert torch.equal(weights[name], value), f"{layout}: frozen {name} changed"
-    assert all((weights[name] - start[name]).abs().max() > 1e-3 for name in adapters), layout  # A and B trained
-    assert len(adapters) == 4 * 4 * 2, adapters  # 4 layers x qkv, proj, fc, proj x (A, B)
+    # A and B trained (q and k's A move least: their gradients wait for B to leave zero, then by about lr a step)
+    assert all((weights[name] - start[name]).abs().max() > 1e-4 for name in adapters), layout
+    # 4 layers x (A, B) x qkv, proj, fc, proj; Llama's adapters are per projection: q, k, v, o, gate, up, down.
+    assert len(adapters) == 4 * 2 * (7 if layout.startswith("llama-") else 4), adapters
     for rank in range(world):
         held = json.loads((tmp_path / f"{layout}-frozen{rank}.json").read_text())
         assert held["frozen"] > held["trainable"] > 0 and held["frozen_grads"] == 0, (layout, rank, held)

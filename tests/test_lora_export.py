@@ -3,6 +3,7 @@ of ``lightning-megatron checkpoint convert`` (the merged model, a PEFT adapter).
 oracles: tiny models built here with random weights, offline."""
 
 import json
+import re
 import shutil
 from dataclasses import asdict, replace
 
@@ -17,13 +18,14 @@ transformers = pytest.importorskip("transformers")
 from launch import run_job  # noqa: E402
 from workers.trainer_setup import datamodule, model, trainer_kwargs  # noqa: E402
 from lightning_megatron import Megatron3DStrategy  # noqa: E402
+from lightning_megatron.checkpoint.base import load_adapters  # noqa: E402
 from lightning_megatron.checkpoint.open import open_checkpoint  # noqa: E402
 from lightning_megatron.huggingface.checkpoints import convert  # noqa: E402
 from lightning_megatron.checkpoint.replacement import INFO_FILE  # noqa: E402
 from lightning_megatron.checkpoint.sharded import file_checksum  # noqa: E402
 from lightning_megatron.cli import main as cli_main  # noqa: E402
 from lightning_megatron.commands.generate import load_gpt  # noqa: E402
-from lightning_megatron.huggingface.adapters import write_peft_adapter  # noqa: E402
+from lightning_megatron.huggingface.adapters import peft_adapter, read_peft_adapter, write_peft_adapter  # noqa: E402
 from lightning_megatron.models import GPT, GPTConfig  # noqa: E402
 from lightning_megatron.parallel.names import is_adapter_name  # noqa: E402
 from lightning_megatron.plan.inventory import Inventory  # noqa: E402
@@ -65,16 +67,19 @@ def logits_of(model, tokens=TOKENS) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------- the PEFT adapter, in memory
-@pytest.mark.parametrize("family, targets", [
-    ("llama", None),
-    ("qwen2", None),
-    ("mistral", None),
-    ("gpt2", None),
-    ("llama", ["blocks.1.attn.qkv", "*.mlp.fc"]),  # one layer's qkv only: PEFT gets full module names
+@pytest.mark.parametrize("family, settings", [
+    ("llama", {}),
+    ("qwen2", {}),
+    ("mistral", {}),
+    ("gpt2", {}),
+    ("llama", {"targets": ["blocks.1.attn.qkv", "*.mlp.fc"]}),  # one layer's qkv only: PEFT gets full module names
+    ("llama", {"targets": ["*.attn.qkv.q", "*.attn.qkv.v", "*.mlp.fc.up", "*.attn.proj"]}),  # some projections
+    ("llama", {"variant": "fused"}),  # one A shared by q, k and v (and by gate and up): written to each module
 ])
-def test_peft_loads_our_adapter_onto_the_hf_base_and_computes_our_lora_model(family, targets, tmp_path):
+def test_peft_loads_our_adapter_onto_the_hf_base_and_computes_our_lora_model(family, settings, tmp_path):
     base_dir = saved_base(tmp_path / "base", family)
-    ours = GPT(pretrained=str(base_dir), lora={**LORA, **({"targets": targets} if targets else {})})
+    targets = settings.get("targets")
+    ours = GPT(pretrained=str(base_dir), lora={**LORA, **settings})
     ours.configure_model()
     with torch.no_grad():  # B starts at zero: random adapters make every part of the mapping count
         for name, param in ours.model.named_parameters():
@@ -91,9 +96,143 @@ def test_peft_loads_our_adapter_onto_the_hf_base_and_computes_our_lora_model(fam
     got, expected = logits_of(ours.model), logits_of(adapted)
     assert (got - expected_base).abs().max() > 1e-2  # the adapters change the logits ...
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)  # ... as peft's adapters do
-    if targets:
+    if targets and targets[0] == "blocks.1.attn.qkv":
         assert "model.layers.1.self_attn.q_proj" in fields["target_modules"]
         assert "model.layers.0.self_attn.q_proj" not in fields["target_modules"]
+    elif targets:
+        assert fields["target_modules"] == ["o_proj", "q_proj", "up_proj", "v_proj"]
+
+
+# ----------------------------------------------------------------------------- PEFT's own LoRA, step for step
+PEFT_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def _train(model, parameters, batches):
+    """A plain torch loop: next-token cross-entropy, AdamW; the losses of each step."""
+    optimizer = torch.optim.AdamW(parameters, lr=1e-2, weight_decay=0.1)
+    losses = []
+    for ids in batches:
+        out = model(ids)
+        logits = out.logits if hasattr(out, "logits") else out
+        loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("variant", ["canonical", "fused"])
+def test_lora_trains_as_transformers_and_peft_do(variant):
+    """The default LoRA is PEFT's: a GQA Llama (4 heads, 2 key/value heads) with PEFT's adapters on every linear
+    layer, trained by the same loop from the same adapters, gives the same losses and adapters at every step, with
+    as many trained numbers. ``variant="fused"`` is PEFT's model with one ``A`` tied across q, k, v and across
+    gate, up: the shared-A LoRA this package trained before, and fewer numbers."""
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(config)
+    ours = GPT.from_hf(hf, lora={"rank": 8, "alpha": 16.0, "variant": variant})
+    theirs = peft.get_peft_model(hf, peft.LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0,
+                                                      target_modules=PEFT_TARGETS))
+    if variant == "fused":
+        for layer in theirs.base_model.model.model.layers:
+            attention, mlp = layer.self_attn, layer.mlp
+            attention.k_proj.lora_A.default.weight = attention.v_proj.lora_A.default.weight = \
+                attention.q_proj.lora_A.default.weight
+            mlp.up_proj.lora_A.default.weight = mlp.gate_proj.lora_A.default.weight
+    adapters = lambda: {n: p for n, p in ours.model.named_parameters() if is_adapter_name(n)}  # noqa: E731
+    peft.set_peft_model_state_dict(theirs, peft_adapter(ours.config, adapters())[0])  # ours' start, B zero
+    trained = [p for p in theirs.parameters() if p.requires_grad]
+    numbers = sum(p.numel() for p in adapters().values())
+    assert numbers == sum(p.numel() for p in trained)
+    # r (in + out) per adapter and layer: fused qkv 64 + 128, o 64 + 64, [gate | up] 64 + 192, down 96 + 64.
+    assert numbers == (theirs.get_nb_trainable_parameters()[0] if variant == "canonical" else
+                       2 * 8 * (192 + 128 + 256 + 160))
+    batches = [torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(step % 2)) for step in range(6)]
+    expected = _train(theirs, trained, batches)
+    got = _train(ours.model, list(adapters().values()), batches)
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), atol=1e-4, rtol=0)
+    assert expected[-1] < expected[0] - 0.05  # it trains
+    theirs_now = peft.get_peft_model_state_dict(theirs)
+    for name, value in peft_adapter(ours.config, {n: p.detach() for n, p in adapters().items()})[0].items():
+        torch.testing.assert_close(value, theirs_now[name], atol=1e-4, rtol=0)
+
+
+def peft_adapter_dir(directory, family: str, base_dir, target_modules, seed: int = 3):
+    """A PEFT adapter directory made by ``peft`` itself on ``family``'s base, B as random as A."""
+    torch.manual_seed(seed)
+    base = type(hf_model(family)).from_pretrained(base_dir)
+    adapted = peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8, target_modules=target_modules,
+                                                        fan_in_fan_out=family == "gpt2", lora_dropout=0.0))
+    with torch.no_grad():
+        for name, param in adapted.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0.0, 0.2)
+    adapted.save_pretrained(directory)
+    return adapted.eval()
+
+
+@pytest.mark.parametrize("family, target_modules", [("llama", ["q_proj", "v_proj", "down_proj", "up_proj"]),
+                                                    ("gpt2", ["c_attn", "c_proj", "c_fc"])])
+def test_a_peft_adapter_directory_loads_as_peft_computes_it_and_exports_back_exactly(family, target_modules,
+                                                                                      tmp_path):
+    base_dir = saved_base(tmp_path / "base", family)
+    theirs = peft_adapter_dir(tmp_path / "peft", family, base_dir, target_modules)
+    ours = GPT(pretrained=str(base_dir), lora=str(tmp_path / "peft"))
+    ours.configure_model()
+    assert ours.lora.variant == "canonical" and ours.hparams["lora"] == ours.lora.as_dict()
+    torch.testing.assert_close(logits_of(ours.model), logits_of(theirs), atol=1e-4, rtol=0)
+    adapters = {name: param.detach() for name, param in ours.model.named_parameters() if is_adapter_name(name)}
+    write_peft_adapter(tmp_path / "again", ours.config, adapters, ours.lora)
+    load = peft.utils.save_and_load.safe_load_file
+    written, original = load(tmp_path / "again" / "adapter_model.safetensors"), load(tmp_path / "peft" /
+                                                                                      "adapter_model.safetensors")
+    assert written.keys() == original.keys()
+    assert all(torch.equal(written[name], original[name]) for name in original)
+    fields = json.loads((tmp_path / "again" / "adapter_config.json").read_text())
+    assert sorted(fields["target_modules"]) == sorted(target_modules)
+    # ours -> PEFT -> ours is exact too
+    lora, back = read_peft_adapter(tmp_path / "again", ours.config)
+    assert lora == ours.lora and back.keys() == adapters.keys()
+    assert all(torch.equal(back[name], adapters[name]) for name in adapters)
+
+
+def test_what_our_lora_does_not_compute_is_refused_by_name(llama_dir, tmp_path):
+    peft_adapter_dir(tmp_path / "peft", "llama", llama_dir, ["q_proj", "o_proj"])
+    for field, value in [("use_dora", True), ("use_rslora", True), ("bias", "all"), ("modules_to_save", ["lm_head"]),
+                         ("rank_pattern", {"q_proj": 8}), ("layers_to_transform", [0])]:
+        changed = tmp_path / field
+        shutil.copytree(tmp_path / "peft", changed)
+        fields = json.loads((changed / "adapter_config.json").read_text())
+        (changed / "adapter_config.json").write_text(json.dumps({**fields, field: value}))
+        with pytest.raises(ValueError, match=re.escape(f"{field}={value!r}") + ".*merge_and_unload"):
+            GPT(pretrained=str(llama_dir), lora=str(changed))
+    other = saved_base(tmp_path / "other", "qwen2")  # another model's directory, recorded as the adapter's base
+    fields = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
+    (tmp_path / "peft" / "adapter_config.json").write_text(json.dumps({**fields, "base_model_name_or_path": str(other)}))
+    with pytest.raises(ValueError, match=r"was trained on .*other.*load it onto pretrained="):
+        GPT(pretrained=str(llama_dir), lora=str(tmp_path / "peft"))
+    with pytest.raises(ValueError, match=r"is a PEFT adapter directory, which adapts a base model: give pretrained="):
+        GPT(GPT(pretrained=str(llama_dir)).config, lora=str(tmp_path / "peft"))
+    (tmp_path / "pickled").mkdir()
+    shutil.copy(tmp_path / "peft" / "adapter_config.json", tmp_path / "pickled")
+    (tmp_path / "pickled" / "adapter_model.bin").write_bytes(b"")
+    with pytest.raises(ValueError, match=r"is not a PEFT adapter directory.*pickled adapter_model.bin files are not"):
+        GPT(pretrained=str(llama_dir), lora=str(tmp_path / "pickled"))
+    with pytest.raises(ValueError, match=r"LoRA variant must be one of \['canonical', 'fused'\]"):
+        GPT(pretrained=str(llama_dir), lora={"variant": "shared"})
+
+
+def test_adapters_saved_before_the_per_projection_default_name_the_fused_variant(llama_dir):
+    fused = GPT(pretrained=str(llama_dir), lora={**LORA, "variant": "fused"})
+    fused.configure_model()
+    saved = {name: value for name, value in fused.state_dict().items() if is_adapter_name(name)}
+    canonical = GPT(pretrained=str(llama_dir), lora=LORA)
+    canonical.configure_model()
+    with pytest.raises(RuntimeError, match=r"one adapter over each fused layer .*variant: fused"):
+        load_adapters(canonical, saved)
+    load_adapters(fused, saved)
 
 
 @pytest.mark.slow
@@ -236,6 +375,22 @@ def test_lora_on_a_pretrained_base_at_tp2_pp2_equals_one_process_and_its_checkpo
     assert all(is_adapter_name(key) for key in saved.specs if key.startswith("state_dict/"))
     _, resumed = fit(model(options), tmp_path / "resumed", 4, ckpt_path=tmp_path / "tp2pp2" / "step2.ckpt")
     torch.testing.assert_close(torch.tensor(resumed), torch.tensor(one[2:]), atol=1e-5, rtol=0)
+
+
+@pytest.mark.slow
+def test_a_peft_adapter_continues_training_at_tp2_as_in_one_process(llama_dir, tmp_path):
+    """Adapters made by peft, read by every rank and cut into its shards (not drawn from the seed): the same losses
+    as one process, which starts from the logits peft computes (the test above)."""
+    peft_adapter_dir(tmp_path / "peft", "llama", llama_dir, PEFT_TARGETS)
+    options = {"tp": 2, "sp": True, "steps": 3, "micro_batch_size": 2, "lora": str(tmp_path / "peft"),
+               "pretrained": str(llama_dir)}
+    results, _ = run_job("trainer_fit", 2, tmp_path / "tp2", json.dumps(options))
+    trainer, one = fit(model(options), tmp_path / "one", 3)
+    per_rank = torch.tensor([result["losses"] for result in results])
+    assert (per_rank == per_rank[0]).all()
+    torch.testing.assert_close(per_rank[0], torch.tensor(one), atol=1e-5, rtol=0)
+    _, seeded = fit(model({**options, "lora": trainer.lightning_module.lora.as_dict()}), tmp_path / "seeded", 1)
+    assert abs(seeded[0] - one[0]) > 1e-3  # peft's adapters, not the seeded start (B = 0: the base's loss)
 
 
 @pytest.mark.slow

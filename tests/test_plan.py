@@ -67,16 +67,19 @@ def _lora_formula(case, elements) -> dict:
     """LoRA's model state per rank (``bf16-true``, AdamW, one bucket): the frozen base in 16 bits, parameters only;
     each adapter element 2 bytes of parameter and 2 of gradient (ZeRO-2: its 1/dp slice), and its 1/dp share of 4
     bytes of fp32 main copy and 8 of AdamW's moments (ZeRO-3: 1/dp of everything, the adapters' fp32 shards being
-    their main parameters). The rank's adapter elements are checked against LoRA's shapes:
-    per layer ``r (h + qkv / tp)`` (qkv), ``r (h / tp + h)`` (proj), ``r (h + 2 f / tp)`` (fc), ``r (f / tp + h)``."""
+    their main parameters). The rank's adapter elements are checked against LoRA's shapes, PEFT's adapter per
+    projection: per layer ``r (h + h / tp)`` (q), ``r (h + kv)`` (k and v each, ``kv`` the rank's key/value rows:
+    whole heads, or one replicated head), ``r (h / tp + h)`` (o), ``r (h + f / tp)`` (gate and up each),
+    ``r (f / tp + h)`` (down)."""
     layout = case["strategy"]
     tp, pp = layout.get("tensor_parallel_size", 1), layout.get("pipeline_parallel_size", 1)
     dp, zero = 4 // (tp * pp), layout["zero_stage"]
     gpt = byte_model(case)
     config, rank = gpt.config, gpt.lora.rank
     h, f = config.hidden_size, config.ffn_hidden_size
-    qkv = (config.num_heads + 2 * config.num_query_groups) * h // config.num_heads
-    per_layer = rank * ((h + qkv // tp) + (h // tp + h) + (h + 2 * f // tp) + (f // tp + h))
+    head_dim, groups = h // config.num_heads, config.num_query_groups
+    kv = groups * head_dim // tp if groups % tp == 0 else head_dim
+    per_layer = rank * ((h + h // tp) + 2 * (h + kv) + (h // tp + h) + 2 * (h + f // tp) + (f // tp + h))
     frozen, adapters = elements["frozen"], elements["trainable"]
     assert adapters == per_layer * config.num_layers // pp, (elements, per_layer)
     if zero == 3:  # every dim 0 divides over dp4: FSDP2's chunks are exact quarters; the trained ones fp32, no main
@@ -494,7 +497,8 @@ def test_the_lora_config_fits_the_24gb_gpus_it_names_with_the_frozen_base_in_16_
     state = planner.rank_memory(configured_layout(config, 1, planner.workload))[0].model_state_bytes
     h, f, r = given.hidden_size, given.ffn_hidden_size, model["lora"]["rank"]
     qkv = (given.num_heads + 2 * given.num_query_groups) * given.head_dim
-    adapters = given.num_layers * r * ((h + qkv) + (h + h) + (h + 2 * f) + (f + h))  # qkv, proj, fc (gate|up), proj
+    # PEFT's adapters: q, k, v (an A each, B over the fused qkv's rows), o, gate and up (an A each), down
+    adapters = given.num_layers * r * ((3 * h + qkv) + (h + h) + (2 * h + 2 * f) + (f + h))
     assert state == {"parameters": 2 * (LLAMA_8B_PARAMETERS + adapters), "gradients": 2 * adapters,
                      "main_parameters": 4 * adapters, "optimizer_state": 8 * adapters}, (state, adapters)
     gpus = [key for key in presets_with_memory(24 * 10**9)]

@@ -34,6 +34,7 @@ from torch import nn
 
 from lightning_megatron.parallel.names import is_adapter_name
 from lightning_megatron.peft.adapters import adapted_layers
+from lightning_megatron.peft.merge import layer_adapters
 
 BASE_KEY = "megatron_3d_base"
 SAMPLE_BYTES = 2**20
@@ -127,5 +128,12 @@ def load_adapters(module: nn.Module, state_dict: Mapping[str, Any], *, strict: b
     missing, unexpected = module.load_state_dict(state_dict, strict=False)
     missing = [name for name in missing if is_adapter_name(name)]
     if strict and (missing or unexpected):
+        saved, built = layer_adapters(unexpected), layer_adapters(missing)
+        fused = any(parts and saved.get(layer) == () for layer, parts in built.items())
+        why = ("It holds one adapter over each fused layer (LoRA variant 'fused', what lightning-megatron trained "
+               "before an adapter per projection, PEFT's, became the default): build the module with the checkpoint's "
+               "lora settings and variant: fused (load_from_checkpoint(path, lora={..., 'variant': 'fused'}); in a "
+               "config file, variant: fused in the lora block)." if fused else
+               "It was saved with other LoRA targets or rank.")
         raise RuntimeError(f"The adapter-only checkpoint does not fit {type(module).__name__}: missing adapters "
-                           f"{missing[:4]}, unexpected {unexpected[:4]}. It was saved with other LoRA targets or rank.")
+                           f"{missing[:4]}, unexpected {unexpected[:4]}. {why}")

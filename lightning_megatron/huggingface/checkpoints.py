@@ -81,7 +81,7 @@ def convert(source: Union[str, Path], out: Union[str, Path], *, model_type: Opti
             write_peft_adapter(out, config, adapter_tensors(tensors), lora, base_model=base, model_type=model_type)
             return f"wrote a PEFT LoRA adapter to {out} (base model: {base or 'not recorded'})"
         if lora is not None:
-            tensors = merged_source(tensors, lora.scale, reference, where=f"Checkpoint {source}")
+            tensors = merged_source(tensors, lora.scale, reference, config, where=f"Checkpoint {source}")
         check_replaceable(out, what="Hugging Face model", hf_export=True)
         base = recorded_base(trainer_state)
         usable_base = base is not None and Path(base).is_dir()

@@ -1,6 +1,7 @@
 """What ``lightning-megatron checkpoint convert`` does with a checkpoint of a LoRA run (``hyper_parameters["lora"]``).
 
-* The merged model: every adapted weight becomes ``W + scale * B @ A`` (``peft.merge``), the adapters' own
+* The merged model: every adapted weight becomes ``W + scale * B @ A`` (``peft.merge``; a fused layer's per-projection
+  updates laid out as its rows), the adapters' own
   entries disappear, and the result is a plain model that ``write_hf`` exports like any other. The base ``W``
   comes from the checkpoint itself when it stores it (a LoRA run without ``pretrained``), read a few tensors at a
   time; from the Hugging Face directory its reference names when the checkpoint stores adapters only
@@ -13,13 +14,23 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Optional, Sequence
 
+import torch
 from torch import Tensor
 
 from lightning_megatron.checkpoint.base import check_base
 from lightning_megatron.huggingface.convert import read_hf
 from lightning_megatron.huggingface.family import TensorSource
+from lightning_megatron.models.gpt import GPTConfig, GPTModel
 from lightning_megatron.parallel.names import is_adapter_name
-from lightning_megatron.peft.merge import adapted_layer_names, adapter_weight_names, merged_weight
+from lightning_megatron.peft.lora import fused_layers
+from lightning_megatron.peft.merge import adapter_weight_names, layer_adapters, merged_projections_weight, merged_weight
+
+
+def fused_layouts(config: GPTConfig) -> dict[str, tuple[Any, tuple[str, ...]]]:
+    """The layers of ``config``'s model that fuse projections: layer -> (layout style, projection names)
+    (``peft.lora.fused_layers`` of the model, built on the meta device)."""
+    with torch.device("meta"):
+        return fused_layers(GPTModel(config))
 
 
 def adapter_tensors(tensors: TensorSource) -> dict[str, Tensor]:
@@ -39,20 +50,34 @@ def base_source(tensors: TensorSource, reference: Optional[Mapping[str, Any]], *
     return TensorSource.of(state_dict)
 
 
-def merged_source(tensors: TensorSource, scale: float, reference: Optional[Mapping[str, Any]], *,
+def merged_source(tensors: TensorSource, scale: float, reference: Optional[Mapping[str, Any]], config: GPTConfig, *,
                   where: str) -> TensorSource:
-    """The merged model's tensors (see the module), read a few at a time like ``tensors``."""
+    """The merged model's tensors (see the module), read a few at a time like ``tensors``; ``config``: the model's
+    (which layers fuse projections, for adapters per projection)."""
     base = base_source(tensors, reference, where=where)
-    adapted = set(adapted_layer_names(tensors.specs))
+    adapted, fused = layer_adapters(tensors.specs), fused_layouts(config)
+
+    def merged(layer: str, weight: Tensor) -> Tensor:
+        parts = adapted[layer]
+        if not parts:
+            names_a_b = adapter_weight_names(layer)
+            pair = tensors.read(list(names_a_b))
+            return merged_weight(weight, pair[names_a_b[0]], pair[names_a_b[1]], scale)
+        if layer not in fused:
+            raise ValueError(f"{where} holds adapters of the projections {list(parts)} of {layer}, which does not fuse "
+                             f"projections in this model.")
+        pairs = {part: adapter_weight_names(layer, part) for part in parts}
+        read_pairs = tensors.read([name for pair in pairs.values() for name in pair])
+        layout, all_parts = fused[layer]
+        return merged_projections_weight(weight, {part: (read_pairs[a], read_pairs[b]) for part, (a, b) in pairs.items()},
+                                         layout, all_parts, scale)
 
     def read(names: Sequence[str]) -> dict[str, Tensor]:
         values = dict(base.read(list(names)))
         for name in names:
             layer = name.removesuffix(".weight")
             if name.endswith(".weight") and layer in adapted:
-                names_a_b = adapter_weight_names(layer)
-                pair = tensors.read(list(names_a_b))
-                values[name] = merged_weight(values[name], pair[names_a_b[0]], pair[names_a_b[1]], scale)
+                values[name] = merged(layer, values[name])
         return values
 
     return TensorSource(base.specs, read)

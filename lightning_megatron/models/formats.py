@@ -16,11 +16,13 @@ from typing import Any, Callable, NamedTuple, Optional
 
 class HFFormat(NamedTuple):
     """``read(model_or_dir) -> (config, full state dict)``; ``write(out_dir, config, state_dict, **options)``;
-    ``read_config(directory) -> config`` (no weights read)."""
+    ``read_config(directory) -> config`` (no weights read); ``read_peft_adapter(directory, config, base=...) ->
+    (LoRAConfig, adapter tensors)`` where the family has LoRA adapters (a PEFT adapter directory)."""
 
     read: Callable[[Any], tuple[Any, dict]]
     write: Callable[..., list]
     read_config: Callable[[Any], Any]
+    read_peft_adapter: Optional[Callable[..., tuple[Any, dict]]] = None
 
 
 _HF_FORMATS: dict[type, HFFormat] = {}

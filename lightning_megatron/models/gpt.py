@@ -35,11 +35,12 @@ from lightning_megatron.models.rotary import RopeScaling, RotaryEmbedding
 from lightning_megatron.models.transformer import (
     TransformerLayer,
     TransformerSizes,
+    layer_fused_projections,
     layer_recompute_plan,
     layer_tensor_parallel_plan,
 )
 from lightning_megatron.parallel.initialize import INIT_STD, default_initializer, initialize_parameters
-from lightning_megatron.parallel.names import ADAPTER_MODULES
+from lightning_megatron.parallel.names import ADAPTER_MODULES, is_adapter_name
 from lightning_megatron.peft.adapters import adapted_layers
 from lightning_megatron.peft.lora import LoRAConfig, apply_lora
 from lightning_megatron.pipeline.blocks import PipelineBatch, PipelineBlocks
@@ -361,6 +362,13 @@ class GPTModel(nn.Module):
     def tensor_parallel_plan(self) -> dict[str, object]:
         return gpt_tensor_parallel_plan(self.config)
 
+    def fused_projections(self) -> dict[str, tuple[str, ...]]:
+        """Layers fusing projections that the original architecture keeps apart (``peft.lora`` adapts each):
+        ``qkv`` of rotary models (Llama's ``q_proj``/``k_proj``/``v_proj``; GPT-2-shaped models, with learned
+        positions, have one ``c_attn``), a SwiGLU MLP's ``fc`` (``gate_proj``/``up_proj``)."""
+        return layer_fused_projections("blocks.*", separate_qkv=self.config.position_embedding_type == "rope",
+                                       gated_mlp=self.config.activation == "swiglu")
+
     @staticmethod
     def recompute_plan() -> dict[str, str]:
         return layer_recompute_plan("blocks.*")
@@ -494,6 +502,12 @@ class GPT(BatchFlops, PretrainingRecipe):
 
         model = GPT(pretrained="hf_dir", lora={"rank": 8, "alpha": 16}, learning_rate=2e-4)
 
+    ``lora`` may also be a PEFT adapter directory (``adapter_config.json`` + ``adapter_model.safetensors``, made by
+    ``peft``'s ``save_pretrained`` for ``pretrained``'s model, or by ``checkpoint convert --peft``): its settings
+    give the ``LoRAConfig`` and the adapters start from its tensors (``huggingface.adapters.read_peft_adapter``,
+    which refuses by name what this LoRA does not compute), so training continues it at any layout. The
+    hyper-parameters record the ``LoRAConfig`` it gave: a checkpoint of the run rebuilds the module without it.
+
     ``pretrained``: a Hugging Face ``save_pretrained`` directory (Llama, Mistral, Qwen2, GPT-2, ...) whose weights
     the run starts from. Its ``config.json`` gives the config when ``config`` is None (neither given:
     ``"gpt-tiny"``) or a preset name: ``pretrained`` takes precedence over a preset (a config file's
@@ -521,7 +535,7 @@ class GPT(BatchFlops, PretrainingRecipe):
         adam_eps: float = 1e-8,
         warmup_steps: int = 20,
         adam_implementation: str = "auto",
-        lora: Optional[Union[LoRAConfig, dict]] = None,
+        lora: Optional[Union[LoRAConfig, dict, str, os.PathLike]] = None,
         pretrained: Optional[str] = None,
     ) -> None:
         super().__init__()
@@ -533,8 +547,14 @@ class GPT(BatchFlops, PretrainingRecipe):
         self.init_recipe(GPTConfig, config, learning_rate=learning_rate, min_learning_rate=min_learning_rate,
                          weight_decay=weight_decay, betas=betas, adam_eps=adam_eps, warmup_steps=warmup_steps,
                          adam_implementation=adam_implementation)
-        self.lora = LoRAConfig.of(lora)
         self.pretrained = pretrained
+        self.lora_start: Optional[dict[str, Tensor]] = None  # the adapters of a PEFT directory, our names
+        if isinstance(lora, (str, os.PathLike)):
+            if pretrained is None:
+                raise ValueError(f"lora={os.fspath(lora)!r} is a PEFT adapter directory, which adapts a base model: "
+                                 f"give pretrained=<the Hugging Face directory of that base> too.")
+            lora, self.lora_start = self.hf_format().read_peft_adapter(os.fspath(lora), self.config, base=pretrained)
+        self.lora = LoRAConfig.of(lora)
         self.save_hyperparameters({"lora": None if self.lora is None else self.lora.as_dict(),
                                    "pretrained": pretrained})
         self.model: Optional[GPTModel] = None
@@ -544,7 +564,8 @@ class GPT(BatchFlops, PretrainingRecipe):
         """Build the model (on the meta device under ``Megatron3DStrategy``; with ``pretrained``'s weights in host
         memory), with ``lora``'s adapters attached before any parallelism (``peft.lora``): only they train then.
         Under the strategy the adapters of a pretrained model are left on the meta device, so that the strategy
-        gives them their layout-invariant start from its seed, as it does without ``pretrained``."""
+        gives them their layout-invariant start from its seed, as it does without ``pretrained``; adapters read from
+        a PEFT directory stay real, and the strategy keeps each rank's shards of them as of the base weights."""
         if self.model is not None:
             return
         on_meta = torch.empty(()).is_meta  # inside the strategy's model_sharded_context
@@ -560,7 +581,12 @@ class GPT(BatchFlops, PretrainingRecipe):
                 load_base_weights(model, state_dict, what=f"The Hugging Face weights in {self.pretrained}")
                 if self.lora is not None:
                     apply_lora(model, self.lora)
-            if on_meta and self.lora is not None:
+                if self.lora_start is not None:  # names and shapes checked when read
+                    with torch.no_grad():
+                        for name, param in model.named_parameters():
+                            if is_adapter_name(name):
+                                param.copy_(self.lora_start[name])
+            if on_meta and self.lora is not None and self.lora_start is None:
                 for name in adapted_layers(model):  # the layer's own weights stay real: only its adapters move
                     for adapter in ADAPTER_MODULES:
                         getattr(model.get_submodule(name), adapter).to("meta")

@@ -73,6 +73,16 @@ def layer_tensor_parallel_plan(prefix: str, *, num_heads: int, num_query_groups:
     return plan
 
 
+def layer_fused_projections(prefix: str, *, separate_qkv: bool, gated_mlp: bool) -> dict[str, tuple[str, ...]]:
+    """The layers under ``prefix`` that fuse projections the original architecture has as separate modules, and
+    those projections in the fused layer's order: ``qkv`` when the original has ``q``, ``k`` and ``v`` apart
+    (Llama's ``q_proj``...; not GPT-2, whose ``c_attn`` is one module), a gated MLP's ``fc`` (``gate``, ``up``).
+    What a LoRA adapter per projection reads (``peft.lora``); where each part lies in the fused output is the
+    layer's tensor-parallel style's (``tensor_parallel.styles``)."""
+    return {**({f"{prefix}.attn.qkv": ("q", "k", "v")} if separate_qkv else {}),
+            **({f"{prefix}.mlp.fc": ("gate", "up")} if gated_mlp else {})}
+
+
 def layer_recompute_plan(prefix: str) -> dict[str, str]:
     """What ``activation_checkpointing="selective"`` recomputes in the layers under ``prefix``: attention's core,
     whose saved activations grow with the square of the sequence length (``transforms.recompute``)."""

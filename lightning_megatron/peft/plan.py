@@ -13,6 +13,12 @@ column (``"column"``,             replicated: every rank needs all ``r`` of     
                                   summed over tp                                     key/value rows included); a
                                                                                      column layer, which under SP
                                                                                      all-gathers its ``r``-wide input
+a fused layer's projections       each projection's ``A``: as above                  each projection's ``B`` by the
+(``"canonical"`` adapters)                                                           projection's own style
+                                                                                     (``part_styles()``: ``q``, ``gate``,
+                                                                                     ``up`` ``"column"``, ``k``/``v``
+                                                                                     ``KeyValueHeads``): the rows of
+                                                                                     the fused output the rank holds
 ``"row"``                         split by input (``"row"``): a row-parallel         replicated, ``"sequence_parallel"``
                                   layer whose ``r``-wide partial output is           (under SP it runs on the
                                   all-reduced (reduce-scattered under SP)            sequence chunk)
@@ -72,7 +78,6 @@ def adapter_plan(module: nn.Module, plan: Mapping[str, object], config: Parallel
     for name in adapted_layers(module):
         # The layer's own swap style (parallelize refuses more than one); region styles say nothing of its split.
         styles = [style for style in _styles_of(plan, name) if not isinstance(style, str) or style in SWAP_STYLES]
-        dropout = getattr(module.get_submodule(name), "lora_dropout", None) is not None
         if not styles:
             continue  # not split: the adapter stays replicated with its base
         style = styles[0]
@@ -81,15 +86,27 @@ def adapter_plan(module: nn.Module, plan: Mapping[str, object], config: Parallel
                 f"LoRA cannot adapt {name}: the tensor-parallel plan splits it as {style!r}, and adapters follow "
                 f"only column- and row-parallel layers ('column', 'row', PackedColumn, QueryGroupColumn). Narrow the "
                 f"LoRA targets so that they leave out {name} (e.g. targets=['*.attn.qkv', '*.mlp.fc']).")
-        if _is_column(style):
-            extended.update({f"{name}.lora_a": "sequence_parallel", f"{name}.lora_b": style})
-            if dropout:
-                _check_replicated_dropout(name, _enclosing_styles(plan, name), config)
-                extended[f"{name}.lora_dropout"] = "sequence_parallel"
-        else:
+        layer = module.get_submodule(name)
+        dropout = getattr(layer, "lora_dropout", None) is not None
+        if not _is_column(style):
             extended.update({f"{name}.lora_a": "row", f"{name}.lora_b": "sequence_parallel"})
             if dropout:
                 extended[f"{name}.lora_dropout"] = "sharded_dropout"
+            continue
+        if isinstance(layer.lora_b, nn.ModuleDict):  # an adapter per projection of a fused layer
+            if style != layer.lora_layout:
+                raise ValueError(f"LoRA adapted the projections of {name} as laid out by {layer.lora_layout!r}, but "
+                                 f"the tensor-parallel plan splits it as {style!r}; the adapters need the layout "
+                                 f"they were attached by (apply LoRA to the model whose plan this is).")
+            part_styles = dict(zip(layer.lora_parts, style.part_styles()))
+            for part in layer.lora_b:
+                extended.update({f"{name}.lora_a.{part}": "sequence_parallel",
+                                 f"{name}.lora_b.{part}": part_styles[part]})
+        else:
+            extended.update({f"{name}.lora_a": "sequence_parallel", f"{name}.lora_b": style})
+        if dropout:
+            _check_replicated_dropout(name, _enclosing_styles(plan, name), config)
+            extended[f"{name}.lora_dropout"] = "sequence_parallel"
     return extended
 
 

@@ -28,12 +28,13 @@ from lightning_megatron.tensor_parallel.mappings import (
 )
 from lightning_megatron.tensor_parallel.overlap import OverlappedSequenceParallelLinear, SequenceParallelLinear
 from lightning_megatron.tensor_parallel.plan import STYLES, parallelize
-from lightning_megatron.tensor_parallel.styles import PackedColumn, QueryGroupColumn
+from lightning_megatron.tensor_parallel.styles import KeyValueHeads, PackedColumn, QueryGroupColumn
 
 __all__ = [
     "Argmax",
     "ChunkedHeadLoss",
     "ColumnParallelLinear",
+    "KeyValueHeads",
     "OverlappedSequenceParallelLinear",
     "PackedColumn",
     "QueryGroupColumn",

@@ -21,6 +21,8 @@ style                effect
                      groups per rank when tp divides groups (as ``"column"``); with tp a
                      multiple of groups, a share of one group's q heads plus its k and v,
                      replicated on that group's ranks (their gradients summed over them)
+``KeyValueHeads(groups)`` the key or value projection alone, split as ``QueryGroupColumn``
+                     splits its rows of the fused qkv (a LoRA adapter per projection)
 ``"row"``            ``nn.Linear`` -> :class:`RowParallelLinear` (input features split)
 ``"vocab"``          ``nn.Embedding`` -> :class:`VocabParallelEmbedding`, ``nn.Linear`` ->
                      :class:`VocabParallelHead` (logits stay split), ``nn.CrossEntropyLoss``
@@ -81,12 +83,12 @@ from lightning_megatron.tensor_parallel.layers import (
 from lightning_megatron.tensor_parallel.mappings import gather_sequence_to_replicated, scatter_to_sequence
 from lightning_megatron.tensor_parallel.overlap import SequenceParallelLinear
 from lightning_megatron.tensor_parallel.region import InsideRegion, TensorParallelRegion
-from lightning_megatron.tensor_parallel.styles import LAYOUT_STYLES, PackedColumn, QueryGroupColumn
+from lightning_megatron.tensor_parallel.styles import LAYOUT_STYLES, KeyValueHeads, PackedColumn, QueryGroupColumn
 
 SWAP_STYLES = ("column", "row", "vocab")
 REGION_STYLES = ("sequence_scatter", "sequence_parallel", "sharded_dropout", "sequence_gather", "experts_region")
 STYLES = SWAP_STYLES + REGION_STYLES
-Style = Union[str, PackedColumn, QueryGroupColumn]
+Style = Union[str, PackedColumn, QueryGroupColumn, KeyValueHeads]
 
 
 def _is_swap(style: Style) -> bool:
@@ -100,7 +102,8 @@ def _styles_by_module(module: nn.Module, plan: Mapping[str, Style]) -> dict[str,
     for pattern, style in plan.items():
         if not isinstance(style, (*LAYOUT_STYLES, InsideRegion)) and not (isinstance(style, str) and style in STYLES):
             raise ValueError(f"Unknown tensor-parallel style {style!r} for {pattern!r}. Valid styles: "
-                             f"{', '.join(STYLES)}, PackedColumn(...), QueryGroupColumn(...).")
+                             f"{', '.join(STYLES)}, PackedColumn(...), QueryGroupColumn(...), "
+                             f"KeyValueHeads(...).")
         names = [name for name, _ in module.named_modules() if name and name_matches(pattern, name)]
         if not names:
             raise ValueError(

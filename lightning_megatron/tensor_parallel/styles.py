@@ -19,13 +19,27 @@ fused layouts are not like that; a plan names them with these objects instead of
 Each style turns ``(out_features, tp)`` into the per-rank ranges of a segmented
 :class:`~lightning_megatron.parallel.shards.TensorShard` (or ``None``: the plain
 contiguous split), raising a ``ValueError`` with the numbers and a fix when the sizes don't fit.
+
+The two fused styles also say what the fused layer is made of, for whatever computes its projections
+separately (a LoRA adapter per projection, ``peft.lora``): the projections' global sizes (``part_sizes``),
+each projection's own column style (``part_styles``: the rows of it that the fused split gives each rank,
+so a separate per-projection layer split by it lands on the rank that holds those rows of the fused one),
+their local sizes at a layout (``local_part_sizes``) and ``join``, which lays per-projection local outputs
+out as the fused layer's local output. A third style serves the key and value projections:
+
+* ``KeyValueHeads(num_query_groups)``: ``num_query_groups`` heads split by whole heads when tp divides
+  them, else each head on ``tp / groups`` consecutive ranks (exactly the k or v rows ``QueryGroupColumn``
+  gives each rank, replicated alike; ``optim.partial_grads`` sums their partial gradients the same way).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Optional, Sequence, Union
+
+import torch
+from torch import Tensor
 
 from lightning_megatron.parallel.shards import RankRanges
 
@@ -66,6 +80,21 @@ class PackedColumn:
         starts = [sum(sizes[:i]) for i in range(len(sizes))]
         return tuple(tuple((start + rank * (size // world), size // world) for start, size in zip(starts, sizes))
                      for rank in range(world))
+
+    def part_sizes(self, out_features: int) -> tuple[int, ...]:
+        """The chunks' global sizes (each chunk is one projection: ``[gate | up]``)."""
+        return self.chunk_sizes(out_features)
+
+    def part_styles(self) -> tuple[object, ...]:
+        """Each rank holds the ``r``-th ``1/tp`` of every chunk: a plain column split of each."""
+        return ("column",) * (self.chunks if isinstance(self.chunks, int) else len(self.chunks))
+
+    def local_part_sizes(self, local_features: int, out_features: int) -> tuple[int, ...]:
+        return tuple(size * local_features // out_features for size in self.chunk_sizes(out_features))
+
+    def join(self, parts: Sequence[Tensor], out_features: int) -> Tensor:
+        """The chunks' local outputs (last dimension) as the layer's local ``[c0 | c1 | ...]``."""
+        return torch.cat(list(parts), dim=-1)
 
 
 @dataclass(frozen=True)
@@ -113,4 +142,54 @@ class QueryGroupColumn:
                      for group, part in (divmod(rank, replicas) for rank in range(world)))
 
 
-LAYOUT_STYLES = (PackedColumn, QueryGroupColumn)
+    def part_sizes(self, out_features: int) -> tuple[int, ...]:
+        """``q``, ``k`` and ``v``'s global sizes: ``num_heads``, ``num_query_groups`` and ``num_query_groups``
+        heads."""
+        head_dim = out_features // (self.num_heads + 2 * self.num_query_groups)
+        return self.num_heads * head_dim, self.num_query_groups * head_dim, self.num_query_groups * head_dim
+
+    def part_styles(self) -> tuple[object, ...]:
+        """``q``: a plain column split (whole groups' heads, or a group's share of them, are the rank's
+        contiguous ``1/tp`` of the query heads); ``k`` and ``v``: :class:`KeyValueHeads`."""
+        return "column", KeyValueHeads(self.num_query_groups), KeyValueHeads(self.num_query_groups)
+
+    def local_part_sizes(self, local_features: int, out_features: int) -> tuple[int, ...]:
+        """The local ``q``, ``k``, ``v`` widths of a rank holding ``local_features`` rows (as
+        ``SelfAttention.local_layout`` reads them: whole groups, or one group's share of query heads)."""
+        head_dim = out_features // (self.num_heads + 2 * self.num_query_groups)
+        rows = local_features // head_dim
+        groups = max(1, rows // (self.heads_per_group + 2))
+        return (rows - 2 * groups) * head_dim, groups * head_dim, groups * head_dim
+
+    def join(self, parts: Sequence[Tensor], out_features: int) -> Tensor:
+        """Local ``q``, ``k``, ``v`` outputs (last dimension) as the local fused ``[group, (q heads, k, v), d]``."""
+        q, k, v = parts
+        head_dim = out_features // (self.num_heads + 2 * self.num_query_groups)
+        groups = k.shape[-1] // head_dim
+        pieces = [q.unflatten(-1, (groups, -1, head_dim)), k.unflatten(-1, (groups, 1, head_dim)),
+                  v.unflatten(-1, (groups, 1, head_dim))]
+        return torch.cat(pieces, dim=-2).flatten(-3)
+
+
+@dataclass(frozen=True)
+class KeyValueHeads:
+    """The key (or value) projection of grouped-query attention alone: ``num_query_groups`` heads, split as
+    :class:`QueryGroupColumn` splits them inside the fused ``qkv`` (whole heads per rank, or one head on each
+    block of ``tp / num_query_groups`` consecutive ranks, its gradients then partial sums over that block)."""
+
+    num_query_groups: int
+
+    def rank_ranges(self, out_features: int, world: int, *, name: str = "the layer") -> Optional[RankRanges]:
+        groups = self.num_query_groups
+        if out_features % groups:
+            raise ValueError(f"{name}: {out_features} output features are not {groups} key/value heads of equal size.")
+        if groups % world == 0:
+            return None  # whole heads per rank: the plain split
+        if world % groups:
+            raise ValueError(f"{name}: tensor_parallel_size={world} neither divides num_query_groups={groups} nor is "
+                             f"a multiple of it; every rank must hold whole key/value heads.")
+        head_dim, replicas = out_features // groups, world // groups
+        return tuple(((rank // replicas * head_dim, head_dim),) for rank in range(world))
+
+
+LAYOUT_STYLES = (PackedColumn, QueryGroupColumn, KeyValueHeads)
