@@ -32,6 +32,7 @@ from torch import Tensor, nn
 from lightning_megatron.parallel.initialize import local_initial_values
 from lightning_megatron.parallel.names import is_adapter_name
 from lightning_megatron.peft.adapters import adapted_layers, initialize_adapter
+from lightning_megatron.peft.nf4 import MARK as NF4_MARK, NF4Settings
 
 #: Megatron Bridge's default: every linear layer of attention and the MLP.
 DEFAULT_TARGETS = ("*.attn.qkv", "*.attn.proj", "*.mlp.fc", "*.mlp.proj")
@@ -46,6 +47,8 @@ class LoRAConfig:
         alpha: the update is scaled by ``alpha / rank`` (PEFT's ``lora_alpha``).
         dropout: dropout on the adapter's input (PEFT's ``lora_dropout``); 0 by default.
         targets: ``fnmatch`` patterns of the module names to adapt (relative to the model, ``*`` crosses dots).
+        quantize_base: ``"nf4"``: QLoRA, the adapted layers' frozen weights held in 4-bit NF4 (``peft.nf4``; or a
+            dict with its block sizes, ``peft.nf4.NF4Settings``); ``None``: as loaded.
 
     Example::
 
@@ -56,8 +59,10 @@ class LoRAConfig:
     alpha: float = 16.0
     dropout: float = 0.0
     targets: tuple[str, ...] = field(default=DEFAULT_TARGETS)
+    quantize_base: Optional[Union[str, dict, NF4Settings]] = None
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "quantize_base", NF4Settings.of(self.quantize_base))
         if isinstance(self.targets, str):  # a string is a sequence of one-letter patterns
             raise ValueError(f"LoRA targets must be a list of patterns, got the string {self.targets!r}; "
                              f"write targets=[{self.targets!r}].")
@@ -81,15 +86,17 @@ class LoRAConfig:
         if value is None or isinstance(value, cls):
             return value
         if isinstance(value, dict):
-            unknown = set(value) - {"rank", "alpha", "dropout", "targets"}
+            unknown = set(value) - {"rank", "alpha", "dropout", "targets", "quantize_base"}
             if unknown:
                 raise ValueError(f"Unknown LoRA settings {sorted(unknown)}; the settings are rank, alpha, dropout, "
-                                 f"targets.")
+                                 f"targets, quantize_base.")
             return cls(**value)
         raise ValueError(f"lora must be a LoRAConfig or a dict of its fields, got {type(value).__name__}.")
 
     def as_dict(self) -> dict[str, Any]:
-        return {"rank": self.rank, "alpha": self.alpha, "dropout": self.dropout, "targets": list(self.targets)}
+        quantize = None if self.quantize_base is None else self.quantize_base.as_setting()
+        return {"rank": self.rank, "alpha": self.alpha, "dropout": self.dropout, "targets": list(self.targets),
+                "quantize_base": quantize}
 
 
 def _add_low_rank_update(layer: nn.Module, args: tuple, output: Tensor) -> Tensor:
@@ -144,6 +151,8 @@ def apply_lora(module: nn.Module, config: LoRAConfig, *, seed: Optional[int] = N
             layer.lora_dropout = nn.Dropout(config.dropout)
         layer.lora_scale = config.scale
         layer.register_forward_hook(_add_low_rank_update)
+        if config.quantize_base is not None:  # quantised where the global weight is (peft.nf4)
+            setattr(layer, NF4_MARK, config.quantize_base)
     if not any(p.is_meta for p in module.parameters()):
         _initialize_adapters(module, torch.initial_seed() if seed is None else seed)
     return names
