@@ -157,15 +157,16 @@ def shard_nf4(name: str, weight: Tensor, shard: Optional[TensorShard], settings:
                      whole.scaler_mean.to(device), codes.to(device), whole.nf4.to(device))
 
 
-def nf4_bytes(local_shape: tuple[int, ...], name: str, global_shape: tuple[int, ...], shard: Optional[TensorShard],
-              settings: NF4Settings, element_size: int) -> int:
-    """Bytes of a rank's ``NF4Tensor`` (:func:`shard_nf4`) without quantising anything: codes (half a byte an
-    element), an int8 scaler a block, a factor per run of blocks, the mean and the 16 levels (``element_size``: the
-    weight's dtype, in which torchao keeps those)."""
-    ids = _local_block_ids(name, tuple(global_shape), shard, settings.block_size)
+def nf4_base_bytes(name: str, weight: Tensor, settings: NF4Settings) -> int:
+    """Bytes of the ``NF4Tensor`` :func:`shard_nf4` makes of a layer's ``weight`` (a parameter of the local shape,
+    tagged with its shard; meta is enough), without quantising: codes (half a byte an element), an int8 scaler a
+    block, a factor a run of blocks, the mean and the 16 levels (those in the weight's dtype, as torchao keeps them)."""
+    shard = shard_of(weight)
+    global_shape = tuple(weight.shape) if shard is None else shard.global_shape
+    check_quantizable(name, global_shape, settings)
+    ids = _local_block_ids(name, global_shape, shard, settings.block_size)
     run = _factor_run(ids, settings.scaler_block_size)
-    numel = math.prod(local_shape)
-    return numel // 2 + ids.numel() + (ids.numel() // run + 1 + 16) * element_size
+    return weight.numel() // 2 + ids.numel() + (ids.numel() // run + 1 + 16) * weight.element_size()
 
 
 def dequantized(weight: Tensor, dtype: torch.dtype) -> Tensor:

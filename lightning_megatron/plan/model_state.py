@@ -67,7 +67,17 @@ HOST_PROCESS_BYTES = 4 * 2**30
 
 def rank_model_state_bytes(parameters: Sequence[RankParameter], layout: Layout, workload: Workload, *,
                            state_bytes_per_element: int, data_rank: int = 0, context_rank: int = 0) -> dict[str, int]:
-    """``strategy.model_state_bytes`` of the rank at (``data_rank``, ``context_rank``) holding ``parameters``."""
+    """``strategy.model_state_bytes`` of the rank at (``data_rank``, ``context_rank``) holding ``parameters``. A
+    QLoRA base (``entry.stored_bytes``) is its NF4 pieces, on every replica alike (no parameter: ZeRO-3 leaves it)."""
+    quantized = sum(p.entry.stored_bytes for p in parameters if p.entry.stored_bytes is not None)
+    state = _dense_model_state_bytes([p for p in parameters if p.entry.stored_bytes is None], layout, workload,
+                                     state_bytes_per_element=state_bytes_per_element, data_rank=data_rank,
+                                     context_rank=context_rank)
+    return {**state, "parameters": state["parameters"] + quantized}
+
+
+def _dense_model_state_bytes(parameters: Sequence[RankParameter], layout: Layout, workload: Workload, *,
+                             state_bytes_per_element: int, data_rank: int, context_rank: int) -> dict[str, int]:
     config = layout
     replicas = config.replica_size
     replica_rank = data_rank * config.context_parallel_size + context_rank
