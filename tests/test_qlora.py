@@ -96,12 +96,20 @@ def test_qlora_at_tp2_pp2_tp4_and_dp2_pp2_equals_one_process_resumes_in_one_and_
         plan = planner.with_layout(tensor_parallel_size=layout["tp"], pipeline_parallel_size=layout.get("pp", 1),
                                    sequence_parallel=layout.get("sp", False), zero_stage=layout.get("zero_stage", 0))
         predicted[key] = [planner.model_state_bytes(plan, pipeline_rank=p) for p in range(plan.pipeline_parallel_size)]
-    _, one = fit(model(common), tmp_path / "one", 4)
+    trainer, one = fit(model(common), tmp_path / "one", 4)
+    adapters = {name: value for name, value in trainer.lightning_module.state_dict().items() if ".lora_" in name}
+    assert len(adapters) == 16
     for key, layout in layouts.items():
         results, _ = run_job("trainer_fit", 4, tmp_path / key, json.dumps({**common, **layout}))
         per_rank = torch.tensor([result["losses"] for result in results])
-        assert (per_rank == per_rank[0]).all(), key
-        torch.testing.assert_close(per_rank[0], torch.tensor(one), atol=1e-5, rtol=0, msg=key)
+        dp = 4 // (layout["tp"] * layout.get("pp", 1))
+        # ranks (pp, dp, tp), tp innermost: each data-parallel replica logs its own micro-batches' mean
+        replicas = per_rank.view(-1, dp, layout["tp"], per_rank.shape[-1]).transpose(0, 1).flatten(1, 2)
+        assert (replicas == replicas[:, :1]).all(), key
+        torch.testing.assert_close(replicas[:, 0].mean(0), torch.tensor(one), atol=1e-5, rtol=0, msg=key)
+        gathered = torch.load(tmp_path / key / "weights.pt", weights_only=True)
+        for name, value in adapters.items():
+            torch.testing.assert_close(gathered[name], value, atol=1e-5, rtol=0, msg=f"{key} {name}")
         for rank, result in enumerate(results):  # ranks: (pp, dp, tp), tp innermost
             pipeline_rank = rank // (4 // layout.get("pp", 1))
             assert predicted[key][pipeline_rank] == result["model_state_bytes"], (key, rank)

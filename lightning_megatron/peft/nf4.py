@@ -143,18 +143,18 @@ def shard_nf4(name: str, weight: Tensor, shard: Optional[TensorShard], settings:
     shape = tuple(weight.shape)
     check_quantizable(name, shape, settings)
     block = settings.block_size
-    whole = to_nf4(weight.detach().contiguous(), block, settings.scaler_block_size)
-    ids = _local_block_ids(name, shape, shard, block)
-    run = _factor_run(ids, settings.scaler_block_size)
     device = weight.device if device is None else torch.device(device)
+    # On the device the layer runs on (the whole weight there for a moment: one layer's), every rank alike.
+    whole = to_nf4(weight.detach().to(device).contiguous(), block, settings.scaler_block_size)
+    ids = _local_block_ids(name, shape, shard, block).to(device)
+    run = _factor_run(ids, settings.scaler_block_size)
     local_shape = shape if shard is None else shard.local_shape
     codes = whole.quantized_data.view(-1, block // 2).index_select(0, ids).flatten()
     scalers = whole.quantized_scalers.index_select(0, ids)
     factors = whole.quantization_factor.index_select(0, ids[::run] // settings.scaler_block_size)
     meta = importlib.import_module(NF4Tensor.__module__).SubclassTensorArgs(
         torch.Size(local_shape), (local_shape[1], 1), 0, weight.dtype, device, False)
-    return NF4Tensor(meta, block, ids.numel(), run, scalers.to(device), factors.to(device),
-                     whole.scaler_mean.to(device), codes.to(device), whole.nf4.to(device))
+    return NF4Tensor(meta, block, ids.numel(), run, scalers, factors, whole.scaler_mean, codes, whole.nf4)
 
 
 def nf4_base_bytes(name: str, weight: Tensor, settings: NF4Settings) -> int:
