@@ -525,10 +525,16 @@ def test_a_full_fine_tuning_that_fits_no_layout_names_lora_with_its_plan(capsys,
     assert lora is not None and float(lora.group(2)) <= 22.4, said
     assert "QLoRA" not in said  # LoRA fits: nothing more to plan
     # A 16 GB GPU in a 16 GB host: LoRA's 16-bit base fits neither on the GPU nor offloaded; QLoRA's 4-bit one fits.
-    with pytest.raises(SystemExit):
-        main(["--config", str(CONFIGS / "llama-3.1-8b.yaml"), "--gpus", "1", "--gpu-memory", "16GB",
-              "--host-memory", "16GB", "--global-batch-size", "16", "--seq-length", "4096"])
-    said = capsys.readouterr().err
+    import yaml
+
+    from lightning_megatron.commands.plan import planner_from_config
+    from lightning_megatron.plan.hardware import parse_gpu
+    from lightning_megatron.plan.no_fit import lora_alternative
+
+    planner = planner_from_config(yaml.safe_load((CONFIGS / "llama-3.1-8b.yaml").read_text()), gpus=1,
+                                  hardware=parse_gpu("a100", memory="16GB", host_memory="16GB"), global_batch_size=16,
+                                  seq_length=4096)
+    said = lora_alternative(planner)
     assert re.search(r"alpha: 32\} the same batch does not fit either: its smallest layout", said), said
     qlora = re.search(r"with model\.init_args\.lora: \{rank: 16, alpha: 32, quantize_base: nf4\} the same batch fits "
                       r"on this GPU as (tp1 [^(]*)\(([\d.]+) GiB per GPU", said)

@@ -48,7 +48,7 @@ def test_every_ranks_dequantised_shard_is_its_part_of_torchaos_round_trip_of_the
                 local = shard_nf4("w", weight, shard, settings)
                 assert torch.equal(local.get_original_weight(), shard.local_slice(whole)), (dim, style, world, rank)
                 runs.add(local.scaler_block_size)
-    assert runs == {64, 32, 16}  # a row split holds 1/tp of each global scaler block: a factor per 64 / tp blocks
+    assert runs == {64, 4, 2}  # row splits cut the 8-block rows into runs of 4 (tp2) and 2 (tp4): a factor per run
     # A shape torchao cannot block is refused by name, with sizes that fit.
     with pytest.raises(ValueError, match=r"w: its weight of shape \(64, 30\).*'block_size': 2"):
         shard_nf4("w", torch.randn(64, 30), None, settings)

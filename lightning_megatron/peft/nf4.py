@@ -108,6 +108,13 @@ def check_quantizable(name: str, shape: tuple[int, ...], settings: NF4Settings) 
             f"{math.gcd(scaler, max(numel // math.gcd(block, shape[-1]), 1))}}}, or leave {name} out of the LoRA targets.")
 
 
+def _check_row_tiling(name: str, shard: TensorShard, block: int) -> None:
+    if shard.rank_ranges is not None or shard.local_size % block:
+        raise ValueError(f"{name}: a row-parallel rank holds {shard.local_size} of the {shard.global_shape[1]} input "
+                         f"features, which NF4 blocks of {block} do not tile; choose a block_size that divides "
+                         f"{math.gcd(shard.local_size, shard.global_shape[1])}, or another tensor_parallel_size.")
+
+
 def _local_block_ids(name: str, shape: tuple[int, ...], shard: Optional[TensorShard], block: int) -> Tensor:
     """The global (row-major) block indices of this rank's blocks, in local order."""
     rows, columns = shape
@@ -115,24 +122,27 @@ def _local_block_ids(name: str, shape: tuple[int, ...], shard: Optional[TensorSh
     if shard is None:
         return grid.flatten()
     if shard.dim == 1:  # a row-parallel rank: the contiguous columns [rank * local, (rank + 1) * local)
-        if shard.rank_ranges is not None or shard.local_size % block:
-            raise ValueError(f"{name}: a row-parallel rank holds {shard.local_size} of the {columns} input features, "
-                             f"which NF4 blocks of {block} do not tile; choose a block_size that divides "
-                             f"{math.gcd(shard.local_size, columns)}, or another tensor_parallel_size.")
+        _check_row_tiling(name, shard, block)
         coarse = dataclasses.replace(shard, global_shape=(rows, columns // block), padded_size=shard.padded_size // block)
     else:
         coarse = dataclasses.replace(shard, global_shape=(rows, columns // block))
     return coarse.local_slice(grid).flatten()
 
 
-def _factor_run(block_ids: Tensor, scaler_block_size: int) -> int:
-    """The largest divisor of ``scaler_block_size`` such that each aligned run of that many local blocks lies in one
-    global scaler block (so one factor serves it)."""
-    groups = block_ids // scaler_block_size
-    for run in sorted((d for d in range(1, scaler_block_size + 1) if scaler_block_size % d == 0), reverse=True):
-        if groups.numel() % run == 0 and bool((groups.view(-1, run) == groups.view(-1, run)[:, :1]).all()):
-            return run
-    return 1
+def _factor_run(shape: tuple[int, ...], shard: Optional[TensorShard], settings: NF4Settings) -> int:
+    """How many consecutive local blocks share one factor: the greatest common divisor of ``scaler_block_size`` and
+    every start and length (in blocks) of the runs of global blocks the rank holds, so that each aligned run of
+    that many local blocks lies in one global scaler block (``scaler_block_size`` for whole-row splits; fewer where
+    a row-parallel split cuts the rows). From the shard's ranges alone: the planner counts it without quantising."""
+    rows, columns = shape
+    block = settings.block_size
+    if shard is None:
+        return math.gcd(settings.scaler_block_size, rows * columns // block)
+    if shard.dim == 0:
+        numbers = [n * columns // block for segment in shard.segments() for n in (segment.start, segment.size)]
+    else:  # a run per row: rows start columns // block blocks apart
+        numbers = [columns // block, *(n // block for segment in shard.segments() for n in (segment.start, segment.size))]
+    return math.gcd(settings.scaler_block_size, *numbers)
 
 
 def shard_nf4(name: str, weight: Tensor, shard: Optional[TensorShard], settings: NF4Settings, *,
@@ -147,7 +157,7 @@ def shard_nf4(name: str, weight: Tensor, shard: Optional[TensorShard], settings:
     # On the device the layer runs on (the whole weight there for a moment: one layer's), every rank alike.
     whole = to_nf4(weight.detach().to(device).contiguous(), block, settings.scaler_block_size)
     ids = _local_block_ids(name, shape, shard, block).to(device)
-    run = _factor_run(ids, settings.scaler_block_size)
+    run = _factor_run(shape, shard, settings)
     local_shape = shape if shard is None else shard.local_shape
     codes = whole.quantized_data.view(-1, block // 2).index_select(0, ids).flatten()
     scalers = whole.quantized_scalers.index_select(0, ids)
@@ -164,9 +174,11 @@ def nf4_base_bytes(name: str, weight: Tensor, settings: NF4Settings) -> int:
     shard = shard_of(weight)
     global_shape = tuple(weight.shape) if shard is None else shard.global_shape
     check_quantizable(name, global_shape, settings)
-    ids = _local_block_ids(name, global_shape, shard, settings.block_size)
-    run = _factor_run(ids, settings.scaler_block_size)
-    return weight.numel() // 2 + ids.numel() + (ids.numel() // run + 1 + 16) * weight.element_size()
+    if shard is not None and shard.dim == 1:
+        _check_row_tiling(name, shard, settings.block_size)
+    blocks = weight.numel() // settings.block_size
+    run = _factor_run(global_shape, shard, settings)
+    return weight.numel() // 2 + blocks + (blocks // run + 1 + 16) * weight.element_size()
 
 
 def dequantized(weight: Tensor, dtype: torch.dtype) -> Tensor:
