@@ -2,7 +2,7 @@
 layout. Each rank's dequantised shard is its part of torchao's round trip of the whole weight (column, row, packed
 and grouped-query splits, replicated key/value rows included); the quantised model computes what a plain model
 with torchao's round-tripped weights and the same adapters computes, forward and backward; training at tp2 x pp2
-at tp4 (replicated key/value heads, sequence parallel) and at dp2 x pp2 under ZeRO-3 (the base stays whole on each replica) gives one process's losses, and the adapter-only checkpoint resumes in one
+at tp4 (replicated key/value heads, sequence parallel, recomputation) and at dp2 x pp2 under ZeRO-3 (the base stays whole on each replica) gives one process's losses, and the adapter-only checkpoint resumes in one
 process (the base quantised again from ``pretrained``); the planner counts the base at its 4-bit bytes, as the
 strategy reports them on every rank."""
 
@@ -87,7 +87,7 @@ def test_the_quantised_model_computes_the_plain_model_with_torchaos_round_trippe
 def test_qlora_at_tp2_pp2_tp4_and_dp2_pp2_equals_one_process_resumes_in_one_and_the_planner_counts_its_bytes(
         llama_dir, tmp_path, no_process_group):
     common = {"steps": 4, "micro_batch_size": 2, "lora": QLORA, "pretrained": str(llama_dir)}
-    layouts = {"tp2pp2": {"tp": 2, "pp": 2, "save_at_step": 2}, "tp4": {"tp": 4, "sp": True},
+    layouts = {"tp2pp2": {"tp": 2, "pp": 2, "save_at_step": 2}, "tp4": {"tp": 4, "sp": True, "recompute": "full"},
                "dp2pp2": {"tp": 1, "pp": 2, "zero_stage": 3}}
     predicted = {}  # the planner's bytes of each pipeline rank (over the fake process group: before any Trainer)
     for key, layout in layouts.items():

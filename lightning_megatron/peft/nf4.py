@@ -253,8 +253,8 @@ def _install(layer: nn.Module, local: Tensor) -> None:
 
 def hold_global_weights(module: nn.Module) -> dict[str, Tensor]:
     """The full-precision weights of the marked layers, taken before ``parallelize`` cuts them (the strategy's first
-    step), so that :func:`quantize_bases` quantises each whole; layers still on the meta device (no ``pretrained``
-    base) are left to :func:`quantize_bases` too, from their initialised shards' global values."""
+    step), so that :func:`quantize_bases` quantises each whole. A base still on the meta device (no ``pretrained``
+    weights: only the strategy would draw them, shard by shard) is refused, on every rank alike."""
     held = {}
     for name, settings in marked_layers(module).items():
         weight = module.get_submodule(name).weight

@@ -22,8 +22,8 @@ PRESETS = ("llama-3.2-1b", "mistral-7b", "qwen2.5-7b", "llama-3.1-8b", "llama-3.
 
 @dataclass(frozen=True)
 class FineTuningFit:
-    """A preset on one GPU: its parameters, and the plan LoRA and QLoRA get (the fastest that fits, else the
-    smallest; ``None``: no valid layout)."""
+    """A preset on one GPU: its parameters, and LoRA's and QLoRA's layout that needs the least memory (it fits
+    when any does; ``None``: no valid layout)."""
 
     preset: str
     parameters: int
@@ -38,7 +38,7 @@ ON_THE_GPU = {"offload_optimizer": "none", "offload_parameters": "none"}
 
 def _one_gpu_plan(preset: str, lora: dict, workload: Workload, hardware: Hardware) -> Optional[LayoutPlan]:
     result = Planner(lambda: GPT(preset, lora=lora), workload, hardware, world_size=1, fixed=ON_THE_GPU).plan()
-    return result.best or result.nearest
+    return min(result.plans, key=lambda plan: plan.memory_per_gpu_bytes, default=None)
 
 
 def fine_tuning_fits(hardware: Hardware, *, seq_length: int = 4096, global_batch_size: int = 16,
@@ -57,13 +57,13 @@ def _cell(plan: Optional[LayoutPlan]) -> str:
     if plan is None:
         return "no valid layout"
     where = "fits" if plan.fits else "no"
-    return f"{where}: {plan.memory_per_gpu_bytes / GIB:.1f} GiB ({plan.layout.label()})"
+    return f"{where}: {plan.memory_per_gpu_bytes / GIB:.1f} GiB ({plan.layout.label()})"  # the least it needs
 
 
 def format_fits(fits: Sequence[FineTuningFit], hardware: Hardware) -> str:
     """A Markdown table of :func:`fine_tuning_fits` (GiB per GPU of the plan, and its layout)."""
     lines = [f"One {hardware.name} ({hardware.memory_bytes / GIB:.1f} GiB), rank-{ADAPTERS['rank']} adapters on every "
-             f"attention and MLP layer, bf16-true, no offload:", "",
+             f"attention and MLP layer, bf16-true, no offload; the least memory a layout needs:", "",
              "| model | parameters | LoRA (16-bit base) | QLoRA (NF4 base) |", "|---|---|---|---|"]
     lines += [f"| {fit.preset} | {fit.parameters / 1e9:.1f}B | {_cell(fit.lora)} | {_cell(fit.qlora)} |"
               for fit in fits]
