@@ -115,3 +115,20 @@ def test_qlora_at_tp2_pp2_tp4_and_dp2_pp2_equals_one_process_resumes_in_one_and_
             assert predicted[key][pipeline_rank] == result["model_state_bytes"], (key, rank)
     _, resumed = fit(model(common), tmp_path / "resumed", 4, ckpt_path=tmp_path / "tp2pp2" / "step2.ckpt")
     torch.testing.assert_close(torch.tensor(resumed), torch.tensor(one[2:]), atol=1e-5, rtol=0)
+
+
+def test_one_gpu_fine_tuning_plans_qlora_with_the_base_at_its_nf4_bytes():
+    """``plan --fine-tuning-fit``'s function: the same layout with LoRA and with QLoRA differs by the adapted
+    weights' 16-bit bytes less their NF4 bytes (codes, an int8 scaler per 64, an fp32 factor per 256 scalers, the
+    mean and 16 levels), computed here from Llama-3.2-1B's shapes."""
+    from lightning_megatron.models import GPTConfig
+    from lightning_megatron.plan.fine_tuning import fine_tuning_fits
+
+    (fit,) = fine_tuning_fits(GPUS["rtx-4090"], presets=("llama-3.2-1b",), seq_length=512, global_batch_size=1)
+    assert fit.lora.layout == fit.qlora.layout and fit.lora.fits and fit.qlora.fits
+    config = GPTConfig.from_name("llama-3.2-1b")
+    h, f, d = config.hidden_size, config.ffn_hidden_size, config.head_dim
+    shapes = [((config.num_heads + 2 * config.num_query_groups) * d, h), (h, h), (2 * f, h), (h, f)]
+    nf4 = sum(n // 2 + n // 64 + (n // 64 // 256 + 17) * 4 for n in (a * b for a, b in shapes))
+    saved = config.num_layers * (sum(2 * a * b for a, b in shapes) - nf4)
+    assert fit.lora.memory_per_gpu_bytes - fit.qlora.memory_per_gpu_bytes == saved

@@ -136,7 +136,7 @@ def _factor_run(shape: tuple[int, ...], shard: Optional[TensorShard], settings: 
     a row-parallel split cuts the rows). From the shard's ranges alone: the planner counts it without quantising."""
     rows, columns = shape
     block = settings.block_size
-    if shard is None:
+    if shard is None or shard.local_shape == shard.global_shape:  # the whole tensor: one run
         return math.gcd(settings.scaler_block_size, rows * columns // block)
     if shard.dim == 0:
         numbers = [n * columns // block for segment in shard.segments() for n in (segment.start, segment.size)]
