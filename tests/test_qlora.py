@@ -117,7 +117,7 @@ def test_qlora_at_tp2_pp2_tp4_and_dp2_pp2_equals_one_process_resumes_in_one_and_
     torch.testing.assert_close(torch.tensor(resumed), torch.tensor(one[2:]), atol=1e-5, rtol=0)
 
 
-def test_one_gpu_fine_tuning_plans_qlora_with_the_base_at_its_nf4_bytes():
+def test_one_gpu_fine_tuning_plans_qlora_with_the_base_at_its_nf4_bytes(no_process_group):
     """``plan --fine-tuning-fit``'s function: the same layout with LoRA and with QLoRA differs by the adapted
     weights' 16-bit bytes less their NF4 bytes (codes, an int8 scaler per 64, an fp32 factor per 256 scalers, the
     mean and 16 levels), computed here from Llama-3.2-1B's shapes."""
@@ -132,3 +132,21 @@ def test_one_gpu_fine_tuning_plans_qlora_with_the_base_at_its_nf4_bytes():
     nf4 = sum(n // 2 + n // 64 + (n // 64 // 256 + 17) * 4 for n in (a * b for a, b in shapes))
     saved = config.num_layers * (sum(2 * a * b for a, b in shapes) - nf4)
     assert fit.lora.memory_per_gpu_bytes - fit.qlora.memory_per_gpu_bytes == saved
+
+
+def test_what_a_quantised_base_cannot_run_with_is_refused_by_name(llama_dir):
+    """A base the strategy would draw shard by shard (no ``pretrained``), FP8 GEMMs and overlapped sequence-parallel
+    GEMMs are refused before anything runs, each with its fix."""
+    from lightning_megatron.peft.nf4 import check_nf4_options, hold_global_weights
+
+    module = GPT(GPT(pretrained=str(llama_dir)).config, lora=QLORA)
+    with torch.device("meta"):
+        module.configure_model()
+    with pytest.raises(ValueError, match=r"model\.blocks\.0\.attn\.qkv: quantize_base='nf4' quantises a pretrained base"):
+        hold_global_weights(module)
+    with pytest.raises(ValueError, match="set fp8=None"):
+        check_nf4_options(fp8=True, tp_comm_overlap=False)
+    with pytest.raises(ValueError, match="set tp_comm_overlap=False"):
+        check_nf4_options(fp8=False, tp_comm_overlap=True)
+    with pytest.raises(ValueError, match="quantize_base must be 'nf4'"):
+        GPT(pretrained=str(llama_dir), lora={**QLORA, "quantize_base": "int4"})
