@@ -512,8 +512,8 @@ def test_the_lora_config_fits_the_24gb_gpus_it_names_with_the_frozen_base_in_16_
 @pytest.mark.slow
 def test_a_full_fine_tuning_that_fits_no_layout_names_lora_with_its_plan(capsys, no_process_group):
     """Full fine-tuning of Llama-3.1-8B on one RTX 4090 with its workstation's 128 GB of RAM fits no layout; the
-    explanation adds what LoRA would need on the same GPU (planned, a layout that fits) and says QLoRA does not
-    exist here."""
+    explanation adds what LoRA would need on the same GPU (planned, a layout that fits); on a 16 GB GPU with 16 GB
+    of RAM LoRA does not fit either, and QLoRA (its base in NF4) is planned and fits."""
     import re
 
     from lightning_megatron.commands.plan import main
@@ -527,7 +527,22 @@ def test_a_full_fine_tuning_that_fits_no_layout_names_lora_with_its_plan(capsys,
     lora = re.search(r"with model\.init_args\.lora: \{rank: 16, alpha: 32\} the same batch fits on this GPU as "
                      r"(tp1 [^(]*)\(([\d.]+) GiB per GPU", said)
     assert lora is not None and float(lora.group(2)) <= 22.4, said
-    assert "QLoRA (a 4-bit base) is not available in this package yet." in said
+    assert "QLoRA" not in said  # LoRA fits: nothing more to plan
+    # A 16 GB GPU in a 16 GB host: LoRA's 16-bit base fits neither on the GPU nor offloaded; QLoRA's 4-bit one fits.
+    import yaml
+
+    from lightning_megatron.commands.plan import planner_from_config
+    from lightning_megatron.plan.hardware import parse_gpu
+    from lightning_megatron.plan.no_fit import lora_alternative
+
+    planner = planner_from_config(yaml.safe_load((CONFIGS / "llama-3.1-8b.yaml").read_text()), gpus=1,
+                                  hardware=parse_gpu("a100", memory="16GB", host_memory="16GB"), global_batch_size=16,
+                                  seq_length=4096)
+    said = lora_alternative(planner)
+    assert re.search(r"alpha: 32\} the same batch does not fit either: its smallest layout", said), said
+    qlora = re.search(r"with model\.init_args\.lora: \{rank: 16, alpha: 32, quantize_base: nf4\} the same batch fits "
+                      r"on this GPU as (tp1 [^(]*)\(([\d.]+) GiB per GPU", said)
+    assert qlora is not None and float(qlora.group(2)) <= 14.9, said
 
 
 def test_the_gpu_catalogue_names_each_gpu_by_its_own_name_and_memory():

@@ -4,13 +4,15 @@
     lightning-megatron plan --config configs/llama-3.1-70b.yaml --gpus 64 --gpu h100 --write-config best.yaml
     lightning-megatron plan --config configs/gpt-1.3b.yaml --gpus 8 --gpu-memory 40GB --json
     lightning-megatron plan --config configs/llama-3.1-8b.yaml --gpus 1 --gpu-memory 24GB --host-memory 64GB --disk 1TB
+    lightning-megatron plan --fine-tuning-fit --gpu rtx-4090
 
 The model, global batch, sequence length and precision come from the config (``--global-batch-size``,
 ``--seq-length`` and ``--precision`` override them); the layout is searched (``--keep`` keeps some of the
 config's strategy arguments as they are). The table lists the fastest layouts that fit, ranked by predicted
 tokens/s; ``--json`` prints every evaluated layout; ``--write-config`` writes the config with the best
 layout, which ``lightning-megatron fit --config`` runs; ``--plot`` draws memory and tokens/s per layout
-(``pip install lightning-megatron[plot]``). The offload tiers (``offload_optimizer``, ``offload_parameters``:
+(``pip install lightning-megatron[plot]``); ``--fine-tuning-fit`` plans published models on one ``--gpu`` with LoRA
+and QLoRA (``plan.fine_tuning``). The offload tiers (``offload_optimizer``, ``offload_parameters``:
 ``cpu``, ``nvme``) are searched too: ``--host-memory`` and ``--disk`` (a node's RAM and free NVMe) bound them.
 """
 
@@ -29,6 +31,7 @@ import yaml
 from lightning_megatron.plan.hardware import GIB, GPUS, Hardware, parse_gpu, presets_with_memory
 from lightning_megatron.offload.settings import DEFAULT_BUFFER_MB
 from lightning_megatron.plan.layout import OFFLOAD_PATH_PLACEHOLDER, Layout, Workload
+from lightning_megatron.plan.fine_tuning import fine_tuning_fits, format_fits
 from lightning_megatron.plan.no_fit import explain_no_fit
 from lightning_megatron.plan.planner import SEARCHED, LayoutPlan, Planner
 
@@ -213,7 +216,11 @@ def plot(plans: Sequence[LayoutPlan], hardware: Hardware, path: Path) -> None:
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
     parser = argparse.ArgumentParser(prog="lightning-megatron plan", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--config", type=Path, required=True, help="a lightning-megatron fit config (YAML)")
+    parser.add_argument("--config", type=Path, help="a lightning-megatron fit config (YAML)")
+    parser.add_argument("--fine-tuning-fit", action="store_true",
+                        help="instead of a config: which published models fine-tune on ONE --gpu with LoRA (16-bit "
+                             "base) and with QLoRA (4-bit NF4 base), rank-16 adapters (--seq-length, "
+                             "--global-batch-size: 4096 and 16 by default)")
     parser.add_argument("--gpus", type=int, help="GPUs in all (default: the config's devices x num_nodes)")
     parser.add_argument("--gpu", default="a100",
                         help=f"one of {', '.join(GPUS)} (default a100: the 80 GB SXM), or custom:peak=TFLOPS,hbm=GBPS,"
@@ -238,9 +245,16 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("--write-config", type=Path, help="write the config with the best layout here")
     parser.add_argument("--plot", type=Path, help="draw memory and tokens/s per layout into this image")
     args = parser.parse_args(argv)
+    if args.config is None and not args.fine_tuning_fit:
+        parser.error("give --config (a fit config to plan) or --fine-tuning-fit")
     try:
         hardware = parse_gpu(args.gpu, memory=args.gpu_memory, gpus_per_node=args.nodes_of,
                              host_memory=args.host_memory, disk=args.disk)
+        if args.fine_tuning_fit:
+            fits = fine_tuning_fits(hardware, seq_length=args.seq_length or 4096,
+                                    global_batch_size=args.global_batch_size or 16)
+            print(format_fits(fits, hardware))
+            return
         config = yaml.safe_load(args.config.read_text())
         trainer = config.get("trainer") or {}
         gpus = args.gpus or int(trainer.get("devices", 1)) * int(trainer.get("num_nodes", 1))

@@ -43,6 +43,7 @@ from lightning_megatron.parallel.initialize import INIT_STD, default_initializer
 from lightning_megatron.parallel.names import ADAPTER_MODULES, is_adapter_name
 from lightning_megatron.peft.adapters import adapted_layers
 from lightning_megatron.peft.lora import LoRAConfig, apply_lora
+from lightning_megatron.peft.nf4 import quantize_in_place
 from lightning_megatron.pipeline.blocks import PipelineBatch, PipelineBlocks
 from lightning_megatron.pipeline.layout import PipelineLayout
 from lightning_megatron.tensor_parallel.chunked_cross_entropy import ChunkedHeadLoss, check_chunk_tokens
@@ -590,6 +591,8 @@ class GPT(BatchFlops, PretrainingRecipe):
                 for name in adapted_layers(model):  # the layer's own weights stay real: only its adapters move
                     for adapter in ADAPTER_MODULES:
                         getattr(model.get_submodule(name), adapter).to("meta")
+        if not on_meta and self.lora is not None and self.lora.quantize_base is not None:
+            quantize_in_place(model)  # one process; under the strategy its preparation quantises (peft.nf4)
         self.model = model
 
     @classmethod

@@ -50,13 +50,14 @@ from torch import Tensor, nn
 from lightning_megatron.parallel.initialize import local_initial_values
 from lightning_megatron.parallel.names import is_adapter_name, name_matches
 from lightning_megatron.peft.adapters import adapted_layers, initialize_adapter
+from lightning_megatron.peft.nf4 import MARK as NF4_MARK, NF4Settings
 from lightning_megatron.tensor_parallel.styles import PackedColumn, QueryGroupColumn
 
 #: Megatron Bridge's default: every linear layer of attention and the MLP.
 DEFAULT_TARGETS = ("*.attn.qkv", "*.attn.proj", "*.mlp.fc", "*.mlp.proj")
 #: ``"canonical"``: an adapter per projection of the original architecture (PEFT's); ``"fused"``: one per layer.
 VARIANTS = ("canonical", "fused")
-FIELDS = ("rank", "alpha", "dropout", "targets", "variant")
+FIELDS = ("rank", "alpha", "dropout", "targets", "variant", "quantize_base")
 
 
 @dataclass(frozen=True)
@@ -72,6 +73,8 @@ class LoRAConfig:
         variant: ``"canonical"`` (an adapter per projection, PEFT's) or ``"fused"`` (one adapter over each fused
             layer, Megatron Bridge's performant LoRA; what this package trained before it had the canonical one):
             see the module.
+        quantize_base: ``"nf4"``: QLoRA, the adapted layers' frozen weights held in 4-bit NF4 (``peft.nf4``; or a
+            dict with its block sizes, ``peft.nf4.NF4Settings``); ``None``: as loaded.
 
     Example::
 
@@ -83,8 +86,10 @@ class LoRAConfig:
     dropout: float = 0.0
     targets: tuple[str, ...] = field(default=DEFAULT_TARGETS)
     variant: str = "canonical"
+    quantize_base: Optional[Union[str, dict, NF4Settings]] = None
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "quantize_base", NF4Settings.of(self.quantize_base))
         if isinstance(self.targets, str):  # a string is a sequence of one-letter patterns
             raise ValueError(f"LoRA targets must be a list of patterns, got the string {self.targets!r}; "
                              f"write targets=[{self.targets!r}].")
@@ -118,8 +123,9 @@ class LoRAConfig:
         raise ValueError(f"lora must be a LoRAConfig or a dict of its fields, got {type(value).__name__}.")
 
     def as_dict(self) -> dict[str, Any]:
+        quantize = None if self.quantize_base is None else self.quantize_base.as_setting()
         return {"rank": self.rank, "alpha": self.alpha, "dropout": self.dropout, "targets": list(self.targets),
-                "variant": self.variant}
+                "variant": self.variant, "quantize_base": quantize}
 
 
 def _dropped(layer: nn.Module, x: Tensor) -> Tensor:
@@ -227,6 +233,8 @@ def apply_lora(module: nn.Module, config: LoRAConfig, *, seed: Optional[int] = N
             layer.lora_dropout = nn.Dropout(config.dropout)
         layer.lora_scale = config.scale
         layer.register_forward_hook(_add_low_rank_update if parts is None else _add_projection_updates)
+        if config.quantize_base is not None:  # quantised where the global weight is (peft.nf4)
+            setattr(layer, NF4_MARK, config.quantize_base)
     names = list(targets)
     if not any(p.is_meta for p in module.parameters()):
         _initialize_adapters(module, torch.initial_seed() if seed is None else seed)

@@ -7,7 +7,8 @@ fake process group (real groups, no communication, no memory). That is done once
 those parameters each pipeline rank keeps is then asked of the pipeline split itself
 (``pipeline.stage.stage_contents``), so a search over hundreds of pipeline layouts builds each
 tensor-parallel model once. Tensor-parallel ranks hold equal shapes (the
-model's checks make every split even), so tp rank 0 stands for all.
+model's checks make every split even), so tp rank 0 stands for all. A QLoRA base (``LoRAConfig.quantize_base``)
+is entered with the bytes of its rank's NF4 pieces (``peft.nf4.nf4_base_bytes``), which is what it holds.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from lightning_megatron.pipeline.blocks import PipelineBlocks
 from lightning_megatron.pipeline.layout import PipelineLayout
 from lightning_megatron.pipeline.stage import split_across_stages, stage_contents
 from lightning_megatron.expert_parallel.apply import prepare_experts
+from lightning_megatron.peft.nf4 import marked_layers, nf4_base_bytes
 from lightning_megatron.peft.plan import tensor_parallel_plan_of
 from lightning_megatron.tensor_parallel.plan import parallelize
 
@@ -41,6 +43,7 @@ class ParameterEntry:
     shape: tuple[int, ...]
     expert: bool  # an expert of an MoE layer (reduced over the expert-data-parallel group)
     requires_grad: bool
+    stored_bytes: Optional[int] = None  # a QLoRA base: its NF4 pieces' bytes (``peft.nf4``), no parameter then
 
     @property
     def numel(self) -> int:
@@ -106,8 +109,11 @@ class Inventory:
         names_of: dict[int, list[str]] = {}
         for name, param in named:
             names_of.setdefault(id(param), []).append(name)
+        quantized = {id(module.get_submodule(name).weight): nf4_base_bytes(name, module.get_submodule(name).weight,
+                                                                            settings)
+                     for name, settings in marked_layers(module).items()}
         entry_of = {key: ParameterEntry(tuple(names), tuple(param.shape), bool(getattr(param, "expert_parallel", False)),
-                                        param.requires_grad)
+                                        param.requires_grad, quantized.get(key))
                     for key, names, param in ((id(p), names_of[id(p)], p) for _, p in named)}
         blocks = module.pipeline_blocks() if hasattr(module, "pipeline_blocks") else None
         num_layers = len(blocks.root_of(module).get_submodule(blocks.layers)) if blocks is not None else 0

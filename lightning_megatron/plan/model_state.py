@@ -67,7 +67,17 @@ HOST_PROCESS_BYTES = 4 * 2**30
 
 def rank_model_state_bytes(parameters: Sequence[RankParameter], layout: Layout, workload: Workload, *,
                            state_bytes_per_element: int, data_rank: int = 0, context_rank: int = 0) -> dict[str, int]:
-    """``strategy.model_state_bytes`` of the rank at (``data_rank``, ``context_rank``) holding ``parameters``."""
+    """``strategy.model_state_bytes`` of the rank at (``data_rank``, ``context_rank``) holding ``parameters``. A
+    QLoRA base (``entry.stored_bytes``) is its NF4 pieces, on every replica alike (no parameter: ZeRO-3 leaves it)."""
+    quantized = sum(p.entry.stored_bytes for p in parameters if p.entry.stored_bytes is not None)
+    state = _dense_model_state_bytes([p for p in parameters if p.entry.stored_bytes is None], layout, workload,
+                                     state_bytes_per_element=state_bytes_per_element, data_rank=data_rank,
+                                     context_rank=context_rank)
+    return {**state, "parameters": state["parameters"] + quantized}
+
+
+def _dense_model_state_bytes(parameters: Sequence[RankParameter], layout: Layout, workload: Workload, *,
+                             state_bytes_per_element: int, data_rank: int, context_rank: int) -> dict[str, int]:
     config = layout
     replicas = config.replica_size
     replica_rank = data_rank * config.context_parallel_size + context_rank
@@ -121,16 +131,19 @@ class Placement:
 
 
 def placement(state: dict[str, int], layout: Layout, *, state_bytes_per_element: int,
-              buffer_mb: float = DEFAULT_BUFFER_MB, gradient_bytes_per_element: int = 4) -> Placement:
+              buffer_mb: float = DEFAULT_BUFFER_MB, gradient_bytes_per_element: int = 4, resident: int = 0) -> Placement:
     """Where ``state`` (``rank_model_state_bytes``) lives under ``layout``'s offload tier (the module's table).
-    ``gradient_bytes_per_element``: the parameters' (and so the gradient buckets') element size."""
+    ``gradient_bytes_per_element``: the parameters' (and so the gradient buckets') element size. ``resident``: bytes
+    of ``state["parameters"]`` that stay on the device under every tier (a QLoRA base: no parameter, which ZeRO-3's
+    parameter offload does not move)."""
     tier = layout.offload_tier
     if tier == "none":
         return Placement(sum(state[key] for key in MODEL_STATE_KEYS), 0, 0)
     pool = nvme_pool_bytes(state_bytes_per_element, buffer_mb) if tier == "nvme" else 0
     if layout.zero_stage == 3:  # FSDP's fp32 shards are the main parameters; their gradients are fp32 on the host
-        stored = state["parameters"] + state["optimizer_state"]
-        return Placement(0, state["gradients"] + (stored if tier == "cpu" else pool), stored if tier == "nvme" else 0)
+        stored = state["parameters"] - resident + state["optimizer_state"]
+        return Placement(resident, state["gradients"] + (stored if tier == "cpu" else pool),
+                         stored if tier == "nvme" else 0)
     stored = state["main_parameters"] + state["optimizer_state"]
     owned = state["optimizer_state"] // state_bytes_per_element
     host_gradients = 4 * owned  # "nvme": in a file of their own

@@ -1,6 +1,6 @@
 """Why no layout fits or none is valid, in words a user can act on: the limit the nearest layout exceeds, the
 nearest GPU count that would run the model, and, for a model that could fine-tune with LoRA instead, what that
-would need. ``lightning-megatron plan`` prints it, and the strategy's ``"auto"`` sizes raise it (``plan.auto``).
+would need (and with QLoRA's 4-bit base, where LoRA's 16-bit one does not fit). ``lightning-megatron plan`` prints it, and the strategy's ``"auto"`` sizes raise it (``plan.auto``).
 """
 
 from __future__ import annotations
@@ -44,33 +44,45 @@ def explain_no_fit(result: PlanResult, planner: Planner) -> str:
 LORA_HINT = {"rank": 16, "alpha": 32}
 
 
+def _plan_with_lora(planner: Planner, hparams: dict, lora: dict) -> Optional[PlanResult]:
+    try:  # a subclass that its hyper-parameters do not rebuild: no estimate, the explanation above stands
+        return Planner(lambda: type(planner.module)(**copy.deepcopy({**hparams, "lora": lora})), planner.workload,
+                       planner.hardware, world_size=planner.world_size, fixed=planner.fixed).plan()
+    except (TypeError, ValueError):
+        return None
+
+
+def _found(result: Optional[PlanResult], planner: Planner) -> str:
+    if result is not None and result.best is not None:
+        where = "this GPU" if planner.world_size == 1 else f"these {planner.world_size} GPUs"
+        return (f"fits on {where} as {result.best.layout.label()} ({result.best.memory_per_gpu_bytes / GIB:.1f} GiB "
+                f"per GPU, {result.best.tokens_per_second:,.0f} tokens/s)")
+    if result is not None and result.nearest is not None:
+        return (f"does not fit either: its smallest layout, {result.nearest.layout.label()}, needs "
+                f"{result.nearest.memory_per_gpu_bytes / GIB:.1f} GiB per GPU")
+    return "has no valid layout on these GPUs either"
+
+
 def lora_alternative(planner: Planner) -> str:
     """For a model that trains in full and could train LoRA adapters instead (``lora=None`` in its hyper-parameters,
     as ``GPT``): what the same plan needs with ``LORA_HINT``'s adapters and the base frozen in 16 bits, from a plan of
-    that model; empty for any other module. QLoRA (a 4-bit base) does not exist in this package: it says so."""
-    module = planner.module
-    hparams = dict(getattr(module, "hparams", None) or {})
+    that model, and where that does not fit, with the base in 4-bit NF4 (QLoRA, ``peft.nf4``); empty for any other
+    module."""
+    hparams = dict(getattr(planner.module, "hparams", None) or {})
     if "lora" not in hparams or hparams["lora"] is not None:
         return ""
-    hparams["lora"] = dict(LORA_HINT)
-    try:  # a subclass that its hyper-parameters do not rebuild: no estimate, the explanation above stands
-        lora = Planner(lambda: type(module)(**copy.deepcopy(hparams)), planner.workload, planner.hardware,
-                       world_size=planner.world_size, fixed=planner.fixed).plan()
-    except (TypeError, ValueError):
+    lora = _plan_with_lora(planner, hparams, dict(LORA_HINT))
+    if lora is None:
         return ""
     setting = f"model.init_args.lora: {{rank: {LORA_HINT['rank']}, alpha: {LORA_HINT['alpha']}}}"
-    if lora.best is not None:
-        where = "this GPU" if planner.world_size == 1 else f"these {planner.world_size} GPUs"
-        found = (f"fits on {where} as {lora.best.layout.label()} ({lora.best.memory_per_gpu_bytes / GIB:.1f} GiB "
-                 f"per GPU, {lora.best.tokens_per_second:,.0f} tokens/s)")
-    elif lora.nearest is not None:
-        found = (f"does not fit either: its smallest layout, {lora.nearest.layout.label()}, needs "
-                 f"{lora.nearest.memory_per_gpu_bytes / GIB:.1f} GiB per GPU")
-    else:
-        found = "has no valid layout on these GPUs either"
-    return (f"\nFine-tuning a pretrained model? LoRA trains small adapters and keeps the base frozen in 16 bits "
-            f"(no gradients, fp32 copies or optimizer state for it): with {setting} the same batch {found}. "
-            f"QLoRA (a 4-bit base) is not available in this package yet.")
+    text = (f"\nFine-tuning a pretrained model? LoRA trains small adapters and keeps the base frozen in 16 bits "
+            f"(no gradients, fp32 copies or optimizer state for it): with {setting} the same batch "
+            f"{_found(lora, planner)}.")
+    if lora.best is None:
+        qlora = _plan_with_lora(planner, hparams, {**LORA_HINT, "quantize_base": "nf4"})
+        text += (f" QLoRA holds the frozen base in 4-bit NF4 (about 0.52 bytes a parameter): with "
+                 f"{setting[:-1]}, quantize_base: nf4}} the same batch {_found(qlora, planner)}.")
+    return text
 
 
 def nearest_world_with_layout(planner: Planner, *, must_fit: bool = False) -> Optional[tuple[int, LayoutPlan]]:

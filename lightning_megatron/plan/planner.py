@@ -162,11 +162,19 @@ class Planner:
             self._model_states[key] = self._count_model_state(layout, pipeline_rank, data_rank, context_rank)
         return self._model_states[key]
 
-    def _count_model_state(self, layout: Layout, pipeline_rank: int, data_rank: int, context_rank: int) -> dict[str, int]:
+    def _rank_parameters(self, layout: Layout, pipeline_rank: int) -> list:
         inventory = self.inventory(layout.tensor_parallel_size, layout.expert_parallel_size)
-        parameters = inventory.rank_parameters(
+        return inventory.rank_parameters(
             pipeline_parallel_size=layout.pipeline_parallel_size, virtual_pipeline_size=layout.virtual_pipeline_size,
             pipeline_layers_per_stage=layout.pipeline_layers_per_stage, pipeline_rank=pipeline_rank)
+
+    def quantized_base_bytes(self, layout: Layout, pipeline_rank: int = 0) -> int:
+        """Bytes of that rank's QLoRA base (NF4, ``peft.nf4``): part of its parameters, on the device whatever the
+        offload tier."""
+        return sum(p.entry.stored_bytes or 0 for p in self._rank_parameters(layout, pipeline_rank))
+
+    def _count_model_state(self, layout: Layout, pipeline_rank: int, data_rank: int, context_rank: int) -> dict[str, int]:
+        parameters = self._rank_parameters(layout, pipeline_rank)
         return rank_model_state_bytes(parameters, layout, self.workload, state_bytes_per_element=self.state_bytes_per_element,
                                       data_rank=data_rank, context_rank=context_rank)
 
@@ -181,7 +189,8 @@ class Planner:
             buffers = buffer_bytes(self.shape, layout, self.workload, state)
             where = placement(state, layout, state_bytes_per_element=self.state_bytes_per_element,
                               buffer_mb=self.workload.offload_buffer_mb,
-                              gradient_bytes_per_element=self.workload.parameter_bytes)
+                              gradient_bytes_per_element=self.workload.parameter_bytes,
+                              resident=self.quantized_base_bytes(layout, pipeline_rank))
             ranks.append(RankMemory(pipeline_rank, state, activations, buffers, where.device + activations + buffers,
                                     where.host + HOST_PROCESS_BYTES, where.disk))
         return ranks

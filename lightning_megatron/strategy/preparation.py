@@ -27,6 +27,9 @@ on the one before):
    context-parallel group in every attention core, and the batch splitter the strategy applies to each
    batch; before the split, so that every rank checks every layer and the model's declaration.
 4. :func:`split_pipeline`: delete the layers, embedding and head this rank's stages do not run.
+   ``quantize_bases`` (QLoRA, ``LoRAConfig.quantize_base``): each remaining adapted layer's frozen weight becomes
+   this rank's part of torchao's NF4 of the whole weight, which ``hold_global_weights`` kept from before step 1
+   (``peft.nf4``: the same base at every layout).
 5. :func:`shard_zero3` (``zero_stage=3``, its shards in host memory under ``offload_parameters="cpu"``) or
    ``initialize_parameters``: materialise only the local shards, with the layout-invariant initial values.
 6. :func:`start_pipeline` (``pp > 1``): the schedule behind the root model's ``loss()``; MoE layers
@@ -55,6 +58,7 @@ from lightning_megatron.strategy.options import StrategyOptions
 from lightning_megatron.parallel.initialize import initialize_parameters
 from lightning_megatron.parallel.random import TensorParallelRNG
 from lightning_megatron.parallel.state import ParallelState
+from lightning_megatron.peft.nf4 import check_nf4_options, hold_global_weights, quantize_bases
 from lightning_megatron.peft.plan import tensor_parallel_plan_of
 from lightning_megatron.pipeline.blocks import PipelineBlocks
 from lightning_megatron.pipeline.inference import PipelineInference
@@ -195,6 +199,9 @@ def prepare_model(module: nn.Module, state: ParallelState, options: StrategyOpti
     the strategy afterwards."""
     sequence_linear = overlapped_linear_for(state.config, options.tp_comm_overlap)  # refused first, on every rank alike
     plan = tensor_parallel_plan_of(module, state.config)
+    held = hold_global_weights(module)  # QLoRA: the whole weights, quantised once the layout has cut them
+    if held:
+        check_nf4_options(fp8=options.fp8_recipe is not None, tp_comm_overlap=options.tp_comm_overlap)
     warn_if_replicated(module, plan, state.config.tensor_parallel_size, state.config.data_parallel_size)
     parallelize(module, plan, state, rng=rng, pad_vocab_to_multiple_of=options.pad_vocab_to_multiple_of,
                 sequence_linear=sequence_linear)
@@ -205,6 +212,8 @@ def prepare_model(module: nn.Module, state: ParallelState, options: StrategyOpti
     prepare_experts(module, state)
     splitter = prepare_context_parallel(module, state, options.context_parallel_attention)
     split = split_pipeline(module, state, options.pipeline_schedule)
+    quantize_bases(module, held, device)  # this rank's layers only
+    del held
     zero3 = None
     if state.config.zero_stage == 3:
         # Already on the device; no .to(): FSDP would replace the sharded parameters and drop their tags.

@@ -32,6 +32,7 @@ from lightning_megatron.optim.main_params import MODEL_STATE_KEYS, model_state_b
 from lightning_megatron.optim.zero3 import local_tensor
 from lightning_megatron.parallel.config import ParallelConfig
 from lightning_megatron.parallel.shards import shard_of
+from lightning_megatron.peft.nf4 import quantized_base_bytes
 
 
 def layout_line(config: ParallelConfig, schedule: str, micro_batch_size: int, world_size: int) -> str:
@@ -188,16 +189,19 @@ def model_state_sizes(module: nn.Module, optimizer, step, zero3) -> dict[str, in
     """This rank's bytes of each of ``MODEL_STATE_KEYS`` (``step``: the strategy's ``StepGradients``, ``zero3``:
     its ``ZeRO3``, or ``None``); after a step, so that the optimizer state exists."""
     if zero3 is not None:
-        return {"main_parameters": 0, **zero3.model_state_bytes(optimizer)}
-    return model_state_bytes(list(module.parameters()), step.sync if step else None,
-                             step.main_params if step else None, optimizer)
+        sizes = {"main_parameters": 0, **zero3.model_state_bytes(optimizer)}
+    else:
+        sizes = model_state_bytes(list(module.parameters()), step.sync if step else None,
+                                  step.main_params if step else None, optimizer)
+    return {**sizes, "parameters": sizes["parameters"] + quantized_base_bytes(module)}  # QLoRA's 4-bit base too
 
 
 def frozen_parameter_bytes(module: nn.Module) -> int:
     """Bytes of this rank's parameters that do not train (``requires_grad=False``: a LoRA model's base), part of
-    ``model_state_sizes``'s ``"parameters"``; they have no gradients, main copies or optimizer state."""
+    ``model_state_sizes``'s ``"parameters"``; they have no gradients, main copies or optimizer state. A base
+    quantised to NF4 (``peft.nf4``, no parameter) counts its 4-bit pieces."""
     frozen = [local_tensor(p) for p in dict.fromkeys(module.parameters()) if not p.requires_grad]  # ZeRO-3: its shard
-    return sum(p.numel() * p.element_size() for p in frozen)
+    return sum(p.numel() * p.element_size() for p in frozen) + quantized_base_bytes(module)
 
 
 def model_state_line(sizes: dict[str, int], *, device: torch.device, module: Optional[nn.Module] = None) -> str:

@@ -98,6 +98,7 @@ def main(out_dir: Path, args: list[str]) -> None:
         torch.save(weights, out_dir / "weights.pt")
     result = {"losses": losses, "val_loss": val_loss, "val_losses": val_losses, "test_loss": test_loss, "predicted": predicted,
               "sampler_replicas": trainer.strategy.distributed_sampler_kwargs["num_replicas"],
+              "model_state_bytes": trainer.strategy.model_state_bytes,
               "sequence_linears": sorted({type(m.sequence_linear).__name__ for m in trainer.lightning_module.modules()
                                           if hasattr(m, "sequence_linear")})}
     if options.get("timeline"):
