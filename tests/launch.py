@@ -78,6 +78,44 @@ def launch(worker: str, nproc: int, out_dir: Path, *args: str, timeout: float = 
     return results, proc
 
 
+class Started:
+    """A command started now and read later, for tests that start several processes at once: a process that spends
+    most of its time importing, or waiting while its second rank imports, leaves a core idle. Its output goes to
+    files next to ``cwd`` (a pipe could fill up while another process is read); ``result()`` waits for it."""
+
+    def __init__(self, cmd: list[str], cwd: Path, timeout: float = 600, env: Optional[dict[str, str]] = None) -> None:
+        cwd.mkdir(parents=True, exist_ok=True)
+        self.cmd, self.timeout, self.started = cmd, timeout, time.monotonic()
+        self.logs = [open(cwd.with_name(f"{cwd.name}.{stream}"), "w+") for stream in ("stdout", "stderr")]
+        self.process = subprocess.Popen(cmd, cwd=cwd, env=child_env() if env is None else env, text=True,
+                                        stdout=self.logs[0], stderr=self.logs[1])
+        self.completed: Optional[subprocess.CompletedProcess] = None
+
+    def result(self) -> subprocess.CompletedProcess:
+        """The completed process (``subprocess.run``'s, output as text); AssertionError if it ran past its timeout."""
+        if self.completed is None:
+            try:
+                self.process.wait(timeout=max(self.started + self.timeout - time.monotonic(), 0))
+            except subprocess.TimeoutExpired:
+                self.stop()
+                raise AssertionError(f"{self.cmd} did not finish in {self.timeout} s") from None
+            stdout, stderr = [(log.seek(0), log.read())[1] for log in self.logs]
+            self.completed = subprocess.CompletedProcess(self.cmd, self.process.returncode, stdout, stderr)
+            self.stop()
+        return self.completed
+
+    def stop(self) -> None:
+        """End the process if it still runs (a test that failed before reading it), and time it."""
+        if self.logs[0].closed:
+            return
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+        for log in self.logs:
+            log.close()
+        _timed("started", Path(self.cmd[1]).name if len(self.cmd) > 1 else self.cmd[0], 1, self.started)
+
+
 def free_slurm_port() -> tuple[str, int]:
     """A SLURM job id whose derived port (Lightning's ``SLURMEnvironment``: 15000 + the id's last four digits)
     is free on this machine, and that port."""
