@@ -83,12 +83,13 @@ class Started:
     most of its time importing, or waiting while its second rank imports, leaves a core idle. Its output goes to
     files next to ``cwd`` (a pipe could fill up while another process is read); ``result()`` waits for it."""
 
-    def __init__(self, cmd: list[str], cwd: Path, timeout: float = 600, env: Optional[dict[str, str]] = None) -> None:
+    def __init__(self, cmd: list[str], cwd: Path, timeout: float = 600, env: Optional[dict[str, str]] = None,
+                 **popen) -> None:
         cwd.mkdir(parents=True, exist_ok=True)
-        self.cmd, self.timeout, self.started = cmd, timeout, time.monotonic()
+        self.cmd, self.cwd, self.timeout, self.started = cmd, cwd, timeout, time.monotonic()
         self.logs = [open(cwd.with_name(f"{cwd.name}.{stream}"), "w+") for stream in ("stdout", "stderr")]
         self.process = subprocess.Popen(cmd, cwd=cwd, env=child_env() if env is None else env, text=True,
-                                        stdout=self.logs[0], stderr=self.logs[1])
+                                        stdout=self.logs[0], stderr=self.logs[1], **popen)
         self.completed: Optional[subprocess.CompletedProcess] = None
 
     def result(self) -> subprocess.CompletedProcess:
