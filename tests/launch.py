@@ -7,8 +7,10 @@ Workers receive an output directory as their first argument; rank ``r`` writes
 ``run_job`` runs a worker function (``main(out_dir, args)``, see ``workers/entry.py``) as a job on a rank pool:
 one torchrun of 1, 2, 4 or 8 ranks per session, started on first use, since starting processes and importing
 Lightning costs several seconds a launch. ``launch`` starts a torchrun of its own, for tests whose subject is the
-process itself (a stall, a kill, a signal, a crash, thread counts). Every start and job is timed (``LAUNCHES``;
-the session's summary prints them).
+process itself (a stall, a kill, a signal, a crash, thread counts). ``Started`` starts a command that a test reads
+later: a module fixture starts several at its first test (``selected``: those of the tests the session runs), so
+that processes which leave a core idle (Lightning's launcher imports rank 1 only once rank 0 has) run side by side.
+Every start and job is timed (``LAUNCHES``; the session's summary prints them).
 """
 
 from __future__ import annotations
@@ -115,6 +117,14 @@ class Started:
         for log in self.logs:
             log.close()
         _timed("started", Path(self.cmd[1]).name if len(self.cmd) > 1 else self.cmd[0], 1, self.started)
+
+
+def selected(request, test: str, **params) -> bool:
+    """Whether this session runs ``test`` (a test function of the module that asks, with these parameters if given):
+    a module fixture that starts a test's process early starts it only then."""
+    return any(item.module is request.module and item.originalname == test
+               and all(item.callspec.params[name] == value for name, value in params.items())
+               for item in request.session.items)
 
 
 def free_slurm_port() -> tuple[str, int]:

@@ -10,7 +10,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "examples"))
 
 from custom_loss import PrefixFreeGPT  # noqa: E402
-from launch import Started  # noqa: E402
+from launch import Started, selected  # noqa: E402
 
 
 EXAMPLES = [
@@ -28,11 +28,9 @@ EXAMPLES = [
 def started(request, tmp_path_factory):
     """Every example this session runs, started together when the first one's test begins (an example's second
     process imports while its first waits: one example at a time leaves a core idle); each test reads its own."""
-    chosen = {item.callspec.params["script"] for item in request.session.items
-              if item.module is request.module and item.originalname == "test_example_runs"}
     runs = {script: Started([sys.executable, str(REPO / "examples" / script), *args],
                             tmp_path_factory.mktemp(Path(script).stem))
-            for script, args, _ in EXAMPLES if script in chosen}
+            for script, args, _ in EXAMPLES if selected(request, "test_example_runs", script=script)}
     yield runs
     for run in runs.values():
         run.stop()

@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from launch import REPO_ROOT, WORKERS, Started, child_env
+from launch import REPO_ROOT, WORKERS, Started, child_env, selected
 import pytest
 
 
@@ -54,6 +54,8 @@ def test_killing_the_launcher_kills_the_script_copies_it_started(tmp_path):
 
 
 STOP_SIGNALS = [(signal.SIGTERM, 143), (signal.SIGINT, 130)]
+STOP_TEST = "test_a_stop_by_signal_saves_at_one_step_on_every_rank_and_exits_with_128_plus_the_signal"
+DATA_ERROR_TEST = "test_a_data_error_on_one_rank_is_the_last_thing_printed_and_the_other_rank_says_one_line"
 
 
 def _run(script: str, out: Path, *args: str, **popen) -> Started:
@@ -64,15 +66,12 @@ def _run(script: str, out: Path, *args: str, **popen) -> Started:
 @pytest.fixture(scope="module", autouse=True)
 def started(request, tmp_path_factory):
     """The stop-by-signal and data-error runs of this session's selection, started at the module's first test."""
-    chosen = [item for item in request.session.items if item.module is request.module]
     runs = {}
     for signum, _ in STOP_SIGNALS:
-        if any(item.originalname == "test_a_stop_by_signal_saves_at_one_step_on_every_rank_and_exits_with_128_plus_the_"
-               "signal" and item.callspec.params["signum"] == signum for item in chosen):
-            # its own process group: Ctrl-C hits it alone
+        if selected(request, STOP_TEST, signum=signum):  # its own process group: Ctrl-C hits it alone
             runs[signum] = _run("stop_signal.py", tmp_path_factory.mktemp(signum.name), signum.name,
                                 start_new_session=True)
-    if any(item.originalname == DATA_ERROR_TEST for item in chosen):
+    if selected(request, DATA_ERROR_TEST):
         runs["data error"] = _run("bad_sft_data.py", tmp_path_factory.mktemp("data_error"))
     yield runs
     for run in runs.values():
@@ -96,8 +95,6 @@ def test_a_stop_by_signal_saves_at_one_step_on_every_rank_and_exits_with_128_plu
     assert f"{signum.name}: stopped at step 3; resume with fit(ckpt_path='last')" in run.stderr + run.stdout
     assert "terminate called" not in run.stderr
 
-
-DATA_ERROR_TEST = "test_a_data_error_on_one_rank_is_the_last_thing_printed_and_the_other_rank_says_one_line"
 
 
 @pytest.mark.slow
