@@ -353,7 +353,9 @@ class RankPool:
         """SIGABRT to every rank (Python's fault handler writes its stacks into the job's log), then the pool ends."""
         for pid in self.pids:
             _signal(pid, signal.SIGABRT)
-        time.sleep(2)
+        deadline = time.monotonic() + 2  # the stacks are written by then (a rank that ended sooner wrote them)
+        while any(_running(pid) for pid in self.pids) and time.monotonic() < deadline:
+            time.sleep(0.02)
         self.close()
 
     def close(self) -> None:
@@ -379,6 +381,14 @@ class RankPool:
             return text if whole else text[-6000:]
         except FileNotFoundError:
             return "(no output)\n"
+
+
+def _running(pid: int) -> bool:
+    """Whether process ``pid`` has not ended yet (a zombie, not yet reaped by torchrun, has)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
 
 
 def _signal(pid: int, signum: int) -> None:
