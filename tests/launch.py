@@ -7,8 +7,10 @@ Workers receive an output directory as their first argument; rank ``r`` writes
 ``run_job`` runs a worker function (``main(out_dir, args)``, see ``workers/entry.py``) as a job on a rank pool:
 one torchrun of 1, 2, 4 or 8 ranks per session, started on first use, since starting processes and importing
 Lightning costs several seconds a launch. ``launch`` starts a torchrun of its own, for tests whose subject is the
-process itself (a stall, a kill, a signal, a crash, thread counts). Every start and job is timed (``LAUNCHES``;
-the session's summary prints them).
+process itself (a stall, a kill, a signal, a crash, thread counts). ``Started`` starts a command that a test reads
+later: a module fixture starts several at its first test (``selected``: those of the tests the session runs), so
+that processes which leave a core idle (Lightning's launcher imports rank 1 only once rank 0 has) run side by side.
+Every start and job is timed (``LAUNCHES``; the session's summary prints them).
 """
 
 from __future__ import annotations
@@ -76,6 +78,53 @@ def launch(worker: str, nproc: int, out_dir: Path, *args: str, timeout: float = 
     results = [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(nproc)
                if (out_dir / f"rank{r}.json").exists()]
     return results, proc
+
+
+class Started:
+    """A command started now and read later, for tests that start several processes at once: a process that spends
+    most of its time importing, or waiting while its second rank imports, leaves a core idle. Its output goes to
+    files next to ``cwd`` (a pipe could fill up while another process is read); ``result()`` waits for it."""
+
+    def __init__(self, cmd: list[str], cwd: Path, timeout: float = 600, env: Optional[dict[str, str]] = None,
+                 **popen) -> None:
+        cwd.mkdir(parents=True, exist_ok=True)
+        self.cmd, self.cwd, self.timeout, self.started = cmd, cwd, timeout, time.monotonic()
+        self.logs = [open(cwd.with_name(f"{cwd.name}.{stream}"), "w+") for stream in ("stdout", "stderr")]
+        self.process = subprocess.Popen(cmd, cwd=cwd, env=child_env() if env is None else env, text=True,
+                                        stdout=self.logs[0], stderr=self.logs[1], **popen)
+        self.completed: Optional[subprocess.CompletedProcess] = None
+
+    def result(self) -> subprocess.CompletedProcess:
+        """The completed process (``subprocess.run``'s, output as text); AssertionError if it ran past its timeout."""
+        if self.completed is None:
+            try:
+                self.process.wait(timeout=max(self.started + self.timeout - time.monotonic(), 0))
+            except subprocess.TimeoutExpired:
+                self.stop()
+                raise AssertionError(f"{self.cmd} did not finish in {self.timeout} s") from None
+            stdout, stderr = [(log.seek(0), log.read())[1] for log in self.logs]
+            self.completed = subprocess.CompletedProcess(self.cmd, self.process.returncode, stdout, stderr)
+            self.stop()
+        return self.completed
+
+    def stop(self) -> None:
+        """End the process if it still runs (a test that failed before reading it), and time it."""
+        if self.logs[0].closed:
+            return
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+        for log in self.logs:
+            log.close()
+        _timed("started", Path(self.cmd[1]).name if len(self.cmd) > 1 else self.cmd[0], 1, self.started)
+
+
+def selected(request, test: str, **params) -> bool:
+    """Whether this session runs ``test`` (a test function of the module that asks, with these parameters if given):
+    a module fixture that starts a test's process early starts it only then."""
+    return any(item.module is request.module and item.originalname == test
+               and all(item.callspec.params[name] == value for name, value in params.items())
+               for item in request.session.items)
 
 
 def free_slurm_port() -> tuple[str, int]:
@@ -304,7 +353,9 @@ class RankPool:
         """SIGABRT to every rank (Python's fault handler writes its stacks into the job's log), then the pool ends."""
         for pid in self.pids:
             _signal(pid, signal.SIGABRT)
-        time.sleep(2)
+        deadline = time.monotonic() + 2  # the stacks are written by then (a rank that ended sooner wrote them)
+        while any(_running(pid) for pid in self.pids) and time.monotonic() < deadline:
+            time.sleep(0.02)
         self.close()
 
     def close(self) -> None:
@@ -330,6 +381,14 @@ class RankPool:
             return text if whole else text[-6000:]
         except FileNotFoundError:
             return "(no output)\n"
+
+
+def _running(pid: int) -> bool:
+    """Whether process ``pid`` has not ended yet (a zombie, not yet reaped by torchrun, has)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
 
 
 def _signal(pid: int, signum: int) -> None:

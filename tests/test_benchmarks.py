@@ -2,8 +2,8 @@
 
 Each tool runs in this process through its ``main(argv)`` (``benchmarks`` is a package: ``from benchmarks import
 ...``), its printed table read back from stdout; the tools start their own worker processes where they measure
-across ranks. Only ``gpu_check.sh`` (the shell wrapper is the subject) and the DTensor worker started by torchrun
-directly run as processes of their own.
+across ranks. Only ``gpu_check.sh`` (the shell wrapper is the subject; started at the module's first test, it runs
+next to the others) and the DTensor worker started by torchrun directly run as processes of their own.
 """
 
 import json
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from launch import child_env
+from launch import Started, child_env, selected
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -269,8 +269,25 @@ GPU_CHECK_ROWS = ("gpt reference fp32 z0", "gpt zero3", "gpt bf16-mixed", "gpt s
 FP8_ROWS = ("linear fp8 tensorwise", "gpt-1.3b fp8 tensorwise", "gpt-1.3b fp8 rowwise")
 
 
+GPU_CHECK_TEST = "test_gpu_check_smoke_mode_prints_one_table_of_passing_rows"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def gpu_check_run(request, tmp_path_factory):
+    """``gpu_check.sh``, when this session runs its test, started at the module's first test: its processes run one
+    after another and leave part of the two cores idle, which the other tools' tests use meanwhile."""
+    if not selected(request, GPU_CHECK_TEST):
+        yield None
+        return
+    out = tmp_path_factory.mktemp("gpu_check")
+    run = Started(["bash", str(REPO / "benchmarks" / "gpu_check.sh"), "--cpu", "--json", str(out / "check.json"),
+                   "--only", *GPU_CHECK_ROWS], out)
+    yield run
+    run.stop()
+
+
 @pytest.mark.slow
-def test_gpu_check_smoke_mode_prints_one_table_of_passing_rows(tmp_path, monkeypatch):
+def test_gpu_check_smoke_mode_prints_one_table_of_passing_rows(gpu_check_run, monkeypatch):
     """``gpu_check.sh --cpu`` on a subset of rows touching every family and process kind (the main worker, a speed
     row's own process, the fp8 process, the two-rank torchrun launch): the table parses, the JSON holds the same
     rows, every row passes (sequence parallelism at tp=1 is refused with the strategy's reason: n/a), the reference
@@ -282,11 +299,7 @@ def test_gpu_check_smoke_mode_prints_one_table_of_passing_rows(tmp_path, monkeyp
     import lightning as L
     import torch
 
-    result = subprocess.run(
-        ["bash", str(REPO / "benchmarks" / "gpu_check.sh"), "--cpu", "--json", str(tmp_path / "check.json"),
-         "--only", *GPU_CHECK_ROWS],
-        capture_output=True, text=True, timeout=600, env=child_env(), cwd=tmp_path,
-    )
+    result, tmp_path = gpu_check_run.result(), gpu_check_run.cwd
     assert result.returncode == 0, result.stderr[-3000:]
     lines = [[cell.strip() for cell in line.split(" | ")] for line in result.stdout.splitlines() if " | " in line]
     header, printed = lines[0], {row[1]: dict(zip(lines[0], row)) for row in lines[1:]}

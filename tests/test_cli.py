@@ -1,7 +1,6 @@
 """The ``lightning-megatron`` command: config parsing and the default run, as a user types them."""
 
 import shutil
-import subprocess
 import sys
 import warnings
 from pathlib import Path
@@ -9,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from launch import child_env, run_job
+from launch import Started, child_env, run_job, selected
 from lightning_megatron.checkpoint import consolidated_state_dict, open_sharded
 from lightning_megatron.cli import main
 
@@ -98,15 +97,26 @@ def test_a_weighted_blend_parses_from_the_command_line_as_megatron_writes_it(cap
     assert printed["split"] == "969,30,1"
 
 
-def console_command(tmp_path, *args):
-    """``lightning-megatron ARGS`` as a user types it, warnings shown: its own process, and Lightning's launcher
-    starts the config's second process."""
+DEFAULT_RUN_TEST = "test_default_run_trains_with_tensor_parallelism_and_saves_a_layout_free_checkpoint"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def default_run(request, tmp_path_factory):
+    """``lightning-megatron fit --config configs/gpt-tiny.yaml`` (shortened) as a user types it, warnings shown: its own
+    process, and Lightning's launcher starts the config's second process. Started at the module's first test when
+    this session runs its test: its second process imports while its first waits, a core the other tests use."""
+    if not selected(request, DEFAULT_RUN_TEST):
+        yield None
+        return
     executable = shutil.which("lightning-megatron")
     assert executable, "install the package (pip install -e .) so the lightning-megatron command exists"
-    env = child_env(PYTHONWARNINGS="default")  # child_env hides warnings
-    result = subprocess.run([executable, *args], cwd=tmp_path, capture_output=True, text=True, timeout=600, env=env)
-    assert result.returncode == 0, result.stderr[-5000:]
-    return result
+    out = tmp_path_factory.mktemp("default_run")
+    run = Started([executable, "fit", "--config", str(CONFIG), "--trainer.max_steps=4",
+                   "--trainer.val_check_interval=4", "--trainer.limit_val_batches=2", "--data.max_files=40",
+                   f"--trainer.default_root_dir={out}"], out,
+                  env=child_env(PYTHONWARNINGS="default"))  # child_env hides warnings
+    yield run
+    run.stop()
 
 
 def command_on_ranks(tmp_path, *args) -> str:
@@ -117,11 +127,9 @@ def command_on_ranks(tmp_path, *args) -> str:
 
 
 @pytest.mark.slow
-def test_default_run_trains_with_tensor_parallelism_and_saves_a_layout_free_checkpoint(tmp_path, no_process_group):
-    result = console_command(
-        tmp_path, "fit", "--config", str(CONFIG), "--trainer.max_steps=4", "--trainer.val_check_interval=4",
-        "--trainer.limit_val_batches=2", "--data.max_files=40", f"--trainer.default_root_dir={tmp_path}",
-    )
+def test_default_run_trains_with_tensor_parallelism_and_saves_a_layout_free_checkpoint(default_run, no_process_group):
+    result, tmp_path = default_run.result(), default_run.cwd
+    assert result.returncode == 0, result.stderr[-5000:]
     assert "tp=2 pp=1 dp=1" in result.stdout + result.stderr
     # The console command, warnings shown: no warning that LightningCLI got both `args` and a command line.
     assert ARGS_WARNING not in result.stderr, result.stderr[-3000:]

@@ -1,6 +1,5 @@
-"""The example scripts run as a user runs them (2 processes each, a few steps)."""
+"""The example scripts run as a user runs them (2 processes each, a few steps; all started at once)."""
 
-import subprocess
 import sys
 from pathlib import Path
 
@@ -11,25 +10,36 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "examples"))
 
 from custom_loss import PrefixFreeGPT  # noqa: E402
-from launch import child_env  # noqa: E402
+from launch import Started, selected  # noqa: E402
+
+
+EXAMPLES = [
+    # The Llama-shaped preset (RMSNorm, rotary, SwiGLU, GQA) with sequence parallelism; gpt-tiny's
+    # path through the same script is the CLI's default run.
+    ("train_gpt.py", ["--max-steps=2", "--max-files=30", "--pipeline-parallel-size=1", "--preset=llama-tiny",
+                      "--sequence-parallel"], "max_steps=2"),
+    ("train_bert.py", ["--max-steps=2"], "max_steps=2"),
+    ("custom_loss.py", ["--max-steps=2", "--max-files=30"], "max_steps=2"),
+    ("trainer_strategy_string.py", ["--max-steps=30"], "final train_loss"),
+]
+
+
+@pytest.fixture(scope="module")
+def started(request, tmp_path_factory):
+    """Every example this session runs, started together when the first one's test begins (an example's second
+    process imports while its first waits: one example at a time leaves a core idle); each test reads its own."""
+    runs = {script: Started([sys.executable, str(REPO / "examples" / script), *args],
+                            tmp_path_factory.mktemp(Path(script).stem))
+            for script, args, _ in EXAMPLES if selected(request, "test_example_runs", script=script)}
+    yield runs
+    for run in runs.values():
+        run.stop()
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "script, args, expect",
-    [
-        # The Llama-shaped preset (RMSNorm, rotary, SwiGLU, GQA) with sequence parallelism; gpt-tiny's
-        # path through the same script is the CLI's default run.
-        ("train_gpt.py", ["--max-steps=2", "--max-files=30", "--pipeline-parallel-size=1", "--preset=llama-tiny",
-                          "--sequence-parallel"], "max_steps=2"),
-        ("train_bert.py", ["--max-steps=2"], "max_steps=2"),
-        ("custom_loss.py", ["--max-steps=2", "--max-files=30"], "max_steps=2"),
-        ("trainer_strategy_string.py", ["--max-steps=30"], "final train_loss"),
-    ],
-)
-def test_example_runs(script, args, expect, tmp_path):
-    result = subprocess.run([sys.executable, str(REPO / "examples" / script), *args], cwd=tmp_path,
-                            capture_output=True, text=True, timeout=600, env=child_env())
+@pytest.mark.parametrize("script, args, expect", EXAMPLES)
+def test_example_runs(script, args, expect, started):
+    result = started[script].result()
     assert result.returncode == 0, result.stderr[-4000:]
     assert expect in result.stdout + result.stderr
 

@@ -8,7 +8,6 @@ back exactly as that rank printed it.
 import inspect
 import re
 import time
-from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 
 import lightning as L
@@ -69,21 +68,26 @@ def test_error_while_on_meta_is_the_last_error_on_one_process():
 
 @pytest.mark.slow
 def test_error_while_on_meta_is_the_last_error_on_every_rank(tmp_path):
-    """Ten 2-rank runs (three at a time): on every rank of every run the strategy's error is the last line. Left to
-    the interpreter, gloo's native teardown at exit sometimes aborted below it ("terminate called without an active
-    exception", exit code SIGABRT's), which the strategy now skips once the error is printed (issue 31)."""
-    runs = [tmp_path / f"run{i}" for i in range(10)]
-    with ThreadPoolExecutor(3) as pool:
-        procs = list(pool.map(lambda out: launch("fault_lifecycle.py", 2, out, "meta_error", timeout=300,
-                                                 expect_failure=True)[1], runs))
-    for out, proc in zip(runs, procs):
-        assert proc.returncode != 0
-        assert "SIGABRT" not in proc.stderr, proc.stderr[-2000:]  # torchrun's report: both ranks exited with 1
+    """Ten 2-rank runs: on every rank of every run the strategy's error is the last line and the exit code an
+    uncaught error's. Left to the interpreter, gloo's native teardown at exit sometimes aborted below it ("terminate
+    called without an active exception", exit code SIGABRT's), which the strategy now skips once the error is printed
+    (issue 31). One torchrun launch: each rank first forks nine copies of itself after its imports, one after
+    another, each pair of copies a run with its own store (hosted here, as torchrun's agent hosts the launch's); each
+    copy ends through the interpreter's exit as a fresh process does. The tenth run is the launch itself."""
+    stores = [dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False) for _ in range(9)]
+    _, proc = launch("fault_lifecycle.py", 2, tmp_path, "meta_error", ",".join(str(store.port) for store in stores),
+                     timeout=300, expect_failure=True)
+    assert proc.returncode != 0
+    assert "SIGABRT" not in proc.stderr, proc.stderr[-2000:]  # torchrun's report: both ranks exited with 1
+    runs = [tmp_path / f"run{i}" for i in range(9)] + [tmp_path]
+    for out in runs:
         for rank in range(2):
             printed = (out / f"rank{rank}.stderr").read_text()
             last = last_lines(out / f"rank{rank}.stderr", 1)[0]
             assert last.startswith(f"ValueError: {MISNAMED_ERROR}"), f"{out.name} rank {rank}: {printed[-2000:]}"
             assert "terminate called" not in printed and "Cannot copy out of meta tensor" not in printed
+            if out != tmp_path:  # a forked copy: its parent recorded how it ended (the launch's: torchrun's report)
+                assert (out / f"rank{rank}.exit").read_text() == "1", f"{out.name} rank {rank}: {printed[-2000:]}"
 
 
 @pytest.fixture(scope="module")

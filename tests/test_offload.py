@@ -247,10 +247,11 @@ def _run_offload_process(root, then: str, **popen):
 
 @pytest.mark.slow
 def test_the_next_tier_removes_the_files_of_a_killed_rank_and_leaves_a_live_runs(tmp_path, capfd):
+    # Both processes start at once (each spends seconds importing torch).
     killed = _run_offload_process(tmp_path, "os.kill(os.getpid(), signal.SIGKILL)\n")
+    alive = _run_offload_process(tmp_path, "sys.stdin.read()\n", stdin=subprocess.PIPE)
     killed_folder = killed.stdout.readline().strip()
     assert killed.wait(timeout=120) == -signal.SIGKILL
-    alive = _run_offload_process(tmp_path, "sys.stdin.read()\n", stdin=subprocess.PIPE)
     alive_folder = alive.stdout.readline().strip()
     foreign = tmp_path / "lightning-megatron-rank1-elsewhere"  # a run on another host sharing this folder
     foreign.mkdir()

@@ -246,10 +246,20 @@ def test_every_rank_checksums_the_files_it_wrote(fit_tp2_dp2, capsys):
     assert "every crc32 matches" in capsys.readouterr().out
 
 
+@pytest.fixture(scope="module")
+def not_divisible(tmp_path_factory):
+    """One fresh launch (the process must not have joined a process group: a pool's ranks have), two fits one after
+    another: heads no tp2 divides, then query groups tp2 can neither split nor replicate (each fit records whether
+    the process had joined a group when it failed, so the second also shows the first left none)."""
+    out = tmp_path_factory.mktemp("not_divisible")
+    launch("trainer_fit.py", 2, out, json.dumps({"tp": 2, "hidden": 48, "heads": 3}),
+           json.dumps({"tp": 2, "hidden": 48, "heads": 6, "groups": 3, "preset": "llama-tiny"}))
+    return [[json.loads((out / f"fit{fit}" / f"rank{rank}.json").read_text()) for rank in range(2)] for fit in range(2)]
+
+
 @pytest.mark.slow
-def test_heads_not_divisible_fails_on_every_rank_before_any_collective(tmp_path):
-    """A fresh launch: the process must not have joined a process group (a pool's ranks have)."""
-    results, _ = launch("trainer_fit.py", 2, tmp_path, json.dumps({"tp": 2, "hidden": 48, "heads": 3}))
+def test_heads_not_divisible_fails_on_every_rank_before_any_collective(not_divisible):
+    results = not_divisible[0]
     assert len(results) == 2
     for result in results:
         assert "tensor_parallel_size=2 does not divide num_heads=3" in result["error"]
@@ -258,10 +268,8 @@ def test_heads_not_divisible_fails_on_every_rank_before_any_collective(tmp_path)
 
 
 @pytest.mark.slow
-def test_query_groups_tp_can_neither_split_nor_replicate_fails_on_every_rank_before_any_collective(tmp_path):
-    """A fresh launch, as above."""
-    results, _ = launch("trainer_fit.py", 2, tmp_path,
-                        json.dumps({"tp": 2, "hidden": 48, "heads": 6, "groups": 3, "preset": "llama-tiny"}))
+def test_query_groups_tp_can_neither_split_nor_replicate_fails_on_every_rank_before_any_collective(not_divisible):
+    results = not_divisible[1]
     assert len(results) == 2
     for result in results:
         assert "tensor_parallel_size=2 can neither split num_query_groups=3" in result["error"]

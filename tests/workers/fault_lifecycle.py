@@ -6,8 +6,11 @@ Every rank's stderr goes to OUT_DIR/rank{r}.stderr (so a test reads exactly what
   ``on_after_backward`` of step 2, so rank 0 waits in optimizer step 2 (the collectives after backward: gradient
   norm, clipping).
   Rank 1 writes ``stall_started`` (a time.time() stamp) first. The error is not caught.
-* ``meta_error``: tp=2 and a plan entry that names no submodule: the strategy's set-up fails while the model
-  is on the meta device. The error is not caught.
+* ``meta_error [PORT,PORT,...]``: tp=2 and a plan entry that names no submodule: the strategy's set-up fails while
+  the model is on the meta device. The error is not caught. Given ports (of stores the test hosts), each rank first
+  forks a copy of itself per port, one after another, each pair of copies a run of its own (OUT_DIR/run{i}/
+  rank{r}.stderr, its exit code in run{i}/rank{r}.exit): each copy leaves through the interpreter's exit as a fresh
+  process does, without paying the imports again. Then the rank runs the scenario itself (what torchrun reports).
 * ``checks``: Trainer(devices=1) and Trainer(devices=4) against the 2 processes torchrun started (each error
   is recorded), then a tp=2 fit of a model without a plan and one with an empty plan (the warnings are
   recorded), the timeout of the world group and of the layout's groups, and last a dp=2 fit with the 'nvme'
@@ -51,6 +54,27 @@ class StallRankOne(L.Callback):
             os._exit(143)
 
 
+def forked_runs(ports: list[int]):
+    """One run per port, one after another: yield None in this process after its forked copy has ended; in the copy,
+    yield the run's folder (the caller then runs the scenario there). Forked before any process group exists, a
+    copy starts as a fresh process would after its imports; the run's store is the one at its port, hosted by the
+    test as torchrun's agent hosts the launch's: no rank's exit ends it (a store on rank 0 would go with rank 0, and
+    rank 1's last look at it print the store's error below its own)."""
+    for run, port in enumerate(ports):
+        run_dir = out_dir / f"run{run}"
+        run_dir.mkdir(exist_ok=True)
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+            os.dup2(os.open(run_dir / f"rank{rank}.stderr", os.O_WRONLY | os.O_CREAT | os.O_TRUNC), 2)
+            yield run_dir
+            return
+        _, status = os.waitpid(pid, 0)
+        (run_dir / f"rank{rank}.exit").write_text(str(os.waitstatus_to_exitcode(status)))
+        yield None
+
+
 L.seed_everything(7)
 if scenario == "stall":
     strategy = Megatron3DStrategy(tensor_parallel_size=2, timeout=timedelta(seconds=STALL_TIMEOUT_SECONDS))
@@ -58,6 +82,9 @@ if scenario == "stall":
                         **trainer_kwargs())
     trainer.fit(Planned())
 elif scenario == "meta_error":
+    for run_dir in forked_runs([int(port) for port in sys.argv[3].split(",")] if len(sys.argv) > 3 else []):
+        if run_dir is not None:  # this process is a forked copy: it runs the scenario as its run's rank and ends
+            break
     trainer = L.Trainer(devices=2, strategy=Megatron3DStrategy(tensor_parallel_size=2), max_steps=1, **trainer_kwargs())
     trainer.fit(Planned(MISNAMED_PLAN))
 elif scenario == "checks":

@@ -1,6 +1,6 @@
 """A full ``Trainer.fit`` under ``Megatron3DStrategy``, launched by torchrun.
 
-argv: OUT_DIR JSON_OPTIONS. Rank r writes rank{r}.json with its per-step training losses,
+argv: OUT_DIR JSON_OPTIONS [JSON_OPTIONS...] (several: one fit after another, fit i's files in OUT_DIR/fit{i}). Rank r writes rank{r}.json with its per-step training losses,
 the validation losses and the error it raised (if any); rank 0 also saves the gathered
 weights to weights.pt and a Lightning checkpoint to last.ckpt. ``save_at_step``: also a checkpoint
 ``step{k}.ckpt`` right after optimizer step k; ``late_rank``: that rank reaches every optimizer step
@@ -24,6 +24,11 @@ from entry import run_script
 
 
 def main(out_dir: Path, args: list[str]) -> None:
+    if len(args) > 1:  # several fits, one after another in this process: fit i's files in OUT_DIR/fit{i}
+        for number, arg in enumerate(args):
+            (out_dir / f"fit{number}").mkdir(exist_ok=True)
+            main(out_dir / f"fit{number}", [arg])
+        return
     options = json.loads(args[0])
     rank = int(os.environ["RANK"])
     losses, val_losses = [], []
