@@ -141,7 +141,6 @@ class QueryGroupColumn:
         return tuple(((group * block + part * share, share), (group * block + heads * head_dim, 2 * head_dim))
                      for group, part in (divmod(rank, replicas) for rank in range(world)))
 
-
     def part_sizes(self, out_features: int) -> tuple[int, ...]:
         """``q``, ``k`` and ``v``'s global sizes: ``num_heads``, ``num_query_groups`` and ``num_query_groups``
         heads."""
