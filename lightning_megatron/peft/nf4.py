@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-import logging
 import math
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Union
@@ -38,6 +37,7 @@ from torch import Tensor, nn
 
 from lightning_megatron.parallel.shards import TensorShard, shard_of
 from lightning_megatron.tensor_parallel.fp8 import HighPrecisionGemms
+from lightning_megatron.tensor_parallel.torchao_import import import_torchao
 
 #: What ``LoRAConfig.quantize_base`` marks on each adapted layer (a public attribute: it survives the swap).
 MARK = "base_quantization"
@@ -78,21 +78,10 @@ class NF4Settings:
 
 
 def require_torchao():
-    """torchao's NF4 (``torchao.quantization``), imported quietly (its CPU build logs a warning per CUDA library)."""
-    loggers = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
-    levels = [logger.level for logger in loggers]
-    try:
-        for logger in loggers:
-            logger.setLevel(logging.ERROR)
-        from torchao.quantization import NF4Tensor, to_nf4
-    except ImportError as error:
-        raise ImportError("QLoRA stores the frozen base in torchao's NF4; install it with "
-                          "`pip install 'lightning-megatron[qlora]'` (torchao>=0.18), or set quantize_base=None."
-                          ) from error
-    finally:
-        for logger, level in zip(loggers, levels):
-            logger.setLevel(level)
-    return NF4Tensor, to_nf4
+    """torchao's NF4 (``torchao.quantization``: ``NF4Tensor``, ``to_nf4``)."""
+    quantization = import_torchao("torchao.quantization", needed_for="QLoRA stores the frozen base in torchao's NF4",
+                                  extra="qlora", without="quantize_base=None")
+    return quantization.NF4Tensor, quantization.to_nf4
 
 
 def check_quantizable(name: str, shape: tuple[int, ...], settings: NF4Settings) -> None:

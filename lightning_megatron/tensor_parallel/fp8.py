@@ -60,7 +60,6 @@ CPU runs the same code).
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
@@ -70,6 +69,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from lightning_megatron.tensor_parallel.fp8_weights import Fp8WeightCache
+from lightning_megatron.tensor_parallel.torchao_import import import_torchao
 
 Group = Optional[dist.ProcessGroup]
 
@@ -83,26 +83,12 @@ _float8_utils = None  # torchao.float8.float8_utils, once imported
 def require_torchao():
     """torchao's float8 casting helpers (``pip install 'lightning-megatron[fp8]'``), imported once, eagerly: by
     ``fp8_plan.convert_to_fp8`` before anything is compiled (an import inside a ``torch.compile``-traced layer fails
-    in torchao's class registrations). Its import logs a warning per CUDA kernel library it cannot load on a CPU-only
-    build (none of which this uses) and torch a deprecation about torchao's pytree registration: both are held back,
-    so every rank's log stays readable."""
+    in torchao's class registrations)."""
     global _float8_utils
-    if _float8_utils is not None:
-        return _float8_utils
-    loggers = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
-    levels = [logger.level for logger in loggers]
-    try:
-        for logger in loggers:
-            logger.setLevel(logging.ERROR)
-        from torchao.float8 import float8_utils
-    except ImportError as error:
-        raise ImportError("FP8 training casts with torchao's float8 helpers; install them with "
-                          "`pip install 'lightning-megatron[fp8]'` (torchao>=0.18), or set fp8=None.") from error
-    finally:
-        for logger, level in zip(loggers, levels):
-            logger.setLevel(level)
-    _float8_utils = float8_utils
-    return float8_utils
+    if _float8_utils is None:
+        _float8_utils = import_torchao("torchao.float8.float8_utils", needed_for="FP8 training casts with torchao's "
+                                       "float8 helpers", extra="fp8", without="fp8=None")
+    return _float8_utils
 
 
 @dataclass(frozen=True)
