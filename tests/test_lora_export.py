@@ -66,6 +66,23 @@ def logits_of(model, tokens=TOKENS) -> torch.Tensor:
     return (out.logits if hasattr(out, "logits") else out).float()[..., :257]  # a trained model's vocab is padded
 
 
+def test_to_hf_of_a_lora_module_writes_the_model_with_its_adapters_merged(llama_dir, tmp_path):
+    """``GPT.to_hf`` of a module carrying adapters (per projection, some left out) writes the merged model, which
+    transformers computes as our adapted module does."""
+    module = GPT(pretrained=str(llama_dir), lora={**LORA, "targets": ["*.attn.qkv.q", "*.attn.qkv.v", "*.mlp.fc",
+                                                                          "*.attn.proj"]})
+    module.configure_model()
+    torch.manual_seed(2)
+    with torch.no_grad():
+        for name, param in module.named_parameters():
+            if ".lora_b." in name:
+                param.normal_(std=0.1)  # B != 0: the merge shows
+    module.to_hf(tmp_path / "merged")
+    merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
+    torch.testing.assert_close(logits_of(merged), logits_of(module.eval()), atol=1e-4, rtol=0)
+    assert not torch.allclose(logits_of(merged), logits_of(hf_model("llama")), atol=1e-3)
+
+
 # ----------------------------------------------------------------------------- the PEFT adapter, in memory
 @pytest.mark.parametrize("family, settings", [
     ("llama", {}),

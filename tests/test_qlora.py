@@ -151,3 +151,8 @@ def test_what_a_quantised_base_cannot_run_with_is_refused_by_name(llama_dir):
         check_nf4_options(fp8=False, tp_comm_overlap=True)
     with pytest.raises(ValueError, match="quantize_base must be 'nf4'"):
         GPT(pretrained=str(llama_dir), lora={**QLORA, "quantize_base": "int4"})
+    quantised = GPT(pretrained=str(llama_dir), lora=QLORA)  # to_hf: the 4-bit base is no weight to merge into
+    quantised.configure_model()
+    with pytest.raises(ValueError, match=r"to_hf of a QLoRA module.*lightning-megatron checkpoint convert"):
+        quantised.to_hf(llama_dir.parent / "never_written")
+    assert not (llama_dir.parent / "never_written").exists()

@@ -22,6 +22,7 @@ from lightning_megatron.huggingface.convert import (
     write_hf,
 )
 from lightning_megatron.huggingface.adapters import read_peft_adapter
+from lightning_megatron.huggingface.lora_export import write_merged_hf
 from lightning_megatron.huggingface.family import Family, TensorSource
 from lightning_megatron.models.bert import BERTConfig
 from lightning_megatron.models.formats import HFFormat, register_hf_format
@@ -31,7 +32,8 @@ from lightning_megatron.models.gpt import GPTConfig
 
 def _hf_format(config_class: type) -> HFFormat:
     types = model_types_of(config_class)
-    return HFFormat(read=partial(read_hf, model_types=types), write=write_hf,
+    return HFFormat(read=partial(read_hf, model_types=types),
+                    write=write_merged_hf if config_class is GPTConfig else write_hf,  # GPT modules carry LoRA
                     read_config=partial(read_hf_config_only, model_types=types),
                     read_peft_adapter=read_peft_adapter if config_class is GPTConfig else None)
 

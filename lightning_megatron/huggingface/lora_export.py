@@ -8,6 +8,9 @@
   (``checkpoint.base``), after checking that directory's fingerprint. That directory is read whole: the export
   then holds the base model in memory once.
 * The adapters alone, as a PEFT adapter directory (``huggingface.adapters``).
+
+``GPT.to_hf`` of a module that carries adapters writes the merged model the same way (``write_merged_hf``), from
+the module's own state dict.
 """
 
 from __future__ import annotations
@@ -18,11 +21,11 @@ import torch
 from torch import Tensor
 
 from lightning_megatron.checkpoint.base import check_base
-from lightning_megatron.huggingface.convert import read_hf
+from lightning_megatron.huggingface.convert import read_hf, write_hf
 from lightning_megatron.huggingface.family import TensorSource
 from lightning_megatron.models.gpt import GPTConfig, GPTModel
 from lightning_megatron.parallel.names import is_adapter_name
-from lightning_megatron.peft.lora import fused_layers
+from lightning_megatron.peft.lora import LoRAConfig, fused_layers
 from lightning_megatron.peft.merge import adapter_weight_names, layer_adapters, merged_projections_weight, merged_weight
 
 
@@ -81,3 +84,21 @@ def merged_source(tensors: TensorSource, scale: float, reference: Optional[Mappi
         return values
 
     return TensorSource(base.specs, read)
+
+
+def write_merged_hf(out_dir, config, state_dict: Mapping[str, Tensor], *, lora: Optional[LoRAConfig] = None,
+                    **kwargs: Any) -> list[str]:
+    """``write_hf`` of a module's state dict, its LoRA adapters (``lora``: their settings) merged into the weights
+    they adapt first, as ``checkpoint convert`` merges a checkpoint's. A QLoRA module holds its base in 4 bits, not
+    as weights to merge into: it is refused, naming the exports that read the base again."""
+    if not any(is_adapter_name(name) for name in state_dict):
+        return write_hf(out_dir, config, state_dict, **kwargs)
+    if lora is None:
+        raise ValueError("The state dict holds LoRA adapters: pass the LoRA settings (lora=...) to merge them.")
+    if lora.quantize_base is not None:
+        raise ValueError("to_hf of a QLoRA module: its base is held in 4-bit NF4, not as weights the adapters could be "
+                         "merged into. Export a checkpoint of the run instead: `lightning-megatron checkpoint convert "
+                         "CKPT out/` merges the adapters into the pretrained base (read again in full), and `... CKPT "
+                         "adapter/ --peft` writes the adapters alone.")
+    merged = merged_source(TensorSource.of(state_dict), lora.scale, None, config, where="The module's state dict")
+    return write_hf(out_dir, config, merged, **kwargs)

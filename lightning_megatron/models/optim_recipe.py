@@ -257,13 +257,15 @@ class PretrainingRecipe(L.LightningModule):
         default, ``"mistral"``, ``"qwen2"``); ``max_shard_size`` (default 5GB) splits the weights into
         ``model-0000k-of-0000N.safetensors`` files; ``hf_config``: extra ``config.json`` fields. A module made with
         ``pretrained=DIR`` takes DIR's tokenizer files, ``generation_config.json`` and special token ids along, so
-        ``transformers`` and ``lightning-megatron generate`` use the directory as is.
+        ``transformers`` and ``lightning-megatron generate`` use the directory as is. LoRA adapters are merged into
+        the weights they adapt (a QLoRA module is refused: export its checkpoint with ``checkpoint convert``).
         Under tensor or pipeline parallelism this module holds shards: gather on every rank, write on one::
 
             state_dict = trainer.strategy.full_state_dict()
             if trainer.is_global_zero:
                 model.to_hf("exported", state_dict=state_dict)
         """
+        lora = {"lora": self.lora} if getattr(self, "lora", None) is not None else {}  # merged into the weights
         self.hf_format().write(out_dir, self.config, self.state_dict() if state_dict is None else state_dict,
                                model_type=model_type, max_shard_size=max_shard_size,
-                               base=self.hparams.get("pretrained"), **hf_config)
+                               base=self.hparams.get("pretrained"), **lora, **hf_config)
