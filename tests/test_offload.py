@@ -138,6 +138,27 @@ def test_tiled_step_equals_the_optimizer_stepping_whole_tensors(name, dtype, tmp
     assert list(tmp_path.iterdir()) == []  # remove() deleted this tier's folder
 
 
+def test_an_lr_scheduler_made_before_the_nvme_tier_sees_its_steps_without_a_warning(tmp_path, recwarn):
+    """Lightning builds the scheduler with the optimizer, before the strategy adds the tier, which replaces the
+    instance's step: the scheduler's first step must find its wrapper's mark and the step it noted (it warned
+    "optimizer.step() has been overridden" on every 'nvme' run)."""
+    model = nn.Linear(4, 3)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1.0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.5 ** step)
+    sync = GradientSynchronizer(list(model.parameters()), data_parallel_group=None, bucket_size_mb=0.001, zero_stage=0)
+    main = MainParamOptimizer(optimizer, sync, offload=OffloadSettings("nvme", path=str(tmp_path)))
+    sync.start_micro_batch(sync=True)
+    model(torch.ones(2, 4)).sum().backward()
+    sync.finish(torch.tensor(1.0))
+    main.prepare_step()
+    optimizer.step()
+    main.finish_step()
+    scheduler.step()
+    main.remove()
+    assert not [str(w.message) for w in recwarn if "lr_scheduler" in str(w.message) or "optimizer.step" in str(w.message)]
+    assert optimizer.param_groups[0]["lr"] == 0.5
+
+
 def test_checkpoint_state_is_loaded_into_the_files(tmp_path):
     """``state_home``: where a checkpoint's optimizer state is read in place (the files, not fresh memory)."""
     model = nn.Linear(4, 3)

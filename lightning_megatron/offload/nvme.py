@@ -98,7 +98,19 @@ class NvmeOptimizerTier:
                 start += values.numel()
         self.engine = TiledStep(optimizer, self.mains, self.files, self.state_keys, tile_numel=tile,
                                 write_back=write_back, pin_memory=pin_memory)
-        optimizer.step = self.step  # the instance's step: Lightning, GradScaler and LR schedulers call this one
+        optimizer.step = self._instance_step()  # Lightning, GradScaler and LR schedulers call this one
+
+    def _instance_step(self) -> Callable:
+        """The step that replaces the optimizer instance's. An LR scheduler made before this tier wrapped the
+        instance's step to note that it ran, and warns at its first step when that wrapper is no longer the step it
+        finds; it still runs on every step here (it is ``inner_step``, called for each tile), so the replacement
+        carries its mark."""
+        def step(closure: Optional[Callable[[], object]] = None):
+            return self.step(closure)
+
+        if getattr(self.inner_step, "_wrapped_by_lr_sched", False):
+            step._wrapped_by_lr_sched = True  # torch.optim.lr_scheduler's mark of its wrapper
+        return step
 
     def step(self, closure: Optional[Callable[[], object]] = None):
         """``torch.optim.Optimizer.step``'s contract: run ``closure`` (with grad), then step every tile."""
