@@ -66,7 +66,8 @@ class GPTConfig(TransformerSizes):
     * ``num_query_groups``: key/value heads for grouped-query attention (1: multi-query; None:
       ``num_heads``, multi-head).
     * ``kv_channels``: the width of each attention head (``head_dim``), when it is not ``hidden_size /
-      num_heads`` (Qwen3: 128 at every size); the projections are then ``num_heads * kv_channels`` wide.
+      num_heads`` (Qwen3: 128 at every size); the projections are then ``num_heads * kv_channels`` wide. The
+      default width given explicitly is stored as None, so that configs of one model compare equal.
     * ``qk_layernorm``: an RMSNorm over each query and key head before rotary positions (Qwen3's ``q_norm`` and
       ``k_norm``: one gain of ``head_dim`` shared by all heads).
     * ``add_bias_linear``: biases on every linear layer; ``add_qkv_bias``: a bias on ``qkv`` even
@@ -110,6 +111,8 @@ class GPTConfig(TransformerSizes):
         elif self.kv_channels < 1:
             raise ValueError(f"GPTConfig.kv_channels={self.kv_channels}: a head needs at least one channel; None "
                              f"gives hidden_size / num_heads.")
+        elif self.kv_channels * self.num_heads == self.hidden_size:
+            object.__setattr__(self, "kv_channels", None)  # the default width: one spelling of one model
         if self.loss_chunk_tokens is not None:
             check_chunk_tokens(self.loss_chunk_tokens, name="GPTConfig.loss_chunk_tokens")
         if isinstance(self.rope_scaling, dict):  # from YAML / a dict config
