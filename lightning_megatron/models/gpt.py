@@ -132,10 +132,10 @@ class GPTConfig(TransformerSizes):
                 f"key/value head serves the same number of query heads. Use num_query_groups in "
                 f"{[g for g in range(1, self.num_heads + 1) if self.num_heads % g == 0]}.")
         if self.position_embedding_type == "rope" and self.head_dim % 2:
+            width = "kv_channels" if self.kv_channels else f"hidden_size / num_heads = {self.hidden_size} / {self.num_heads}"
             raise ValueError(
-                f"Rotary positions rotate pairs of channels, but head_dim = {self.head_dim} (kv_channels, else "
-                f"hidden_size / num_heads = {self.hidden_size} / {self.num_heads}) is odd. Choose an even head_dim "
-                f"or position_embedding_type='learned_absolute'.")
+                f"Rotary positions rotate pairs of channels, but head_dim = {width} = {self.head_dim} is odd. Choose "
+                f"an even head_dim or position_embedding_type='learned_absolute'.")
         if self.rope_scaling is not None and self.position_embedding_type != "rope":
             raise ValueError("rope_scaling scales rotary frequencies: set position_embedding_type='rope' or drop it.")
 
