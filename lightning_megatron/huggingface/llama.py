@@ -160,7 +160,7 @@ class Dialect:
             "rms_norm_eps": config.layer_norm_eps,
             "tie_word_embeddings": config.tie_embeddings,
             "attention_dropout": config.attention_dropout,
-            **({"head_dim": config.head_dim} if self.head_dim else {}),
+            **({"head_dim": config.head_dim} if config.kv_channels else {}),
             **_rotary_to_hf(config),
             **own,
         }

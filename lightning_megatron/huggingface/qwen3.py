@@ -30,7 +30,8 @@ def _qwen3_hf_fields(config: GPTConfig, problems: list[str]) -> dict[str, Any]:
     if config.qkv_bias:
         problems.append(f"add_bias_linear={config.add_bias_linear}, add_qkv_bias={config.add_qkv_bias}: "
                         f"Qwen3ForCausalLM as published has no biases")
-    return {"attention_bias": False, "use_sliding_window": False, "sliding_window": None}
+    # head_dim always: Qwen3Config's default (128) is not hidden_size / num_attention_heads
+    return {"head_dim": config.head_dim, "attention_bias": False, "use_sliding_window": False, "sliding_window": None}
 
 
 QWEN3 = Dialect(
