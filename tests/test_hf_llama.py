@@ -1,9 +1,10 @@
-"""Hugging Face Llama, Mistral and Qwen2: logits parity at tp=1 and exact round trips through from_pretrained for every
+"""Hugging Face Llama, Mistral, Qwen2 and Qwen3: logits parity at tp=1 and exact round trips through from_pretrained for every
 case of ``workers/hf_llama_setup.py``, both spellings of the rotary settings, the family chosen from our config, the
 published presets' configs, the sliding window, and clear errors for what cannot convert. The parallel layouts:
 ``test_hf_parity.py``; sharded exports and ``checkpoint convert``: ``test_hf_export.py``."""
 
 import warnings
+from dataclasses import replace
 
 import pytest
 import torch
@@ -13,7 +14,8 @@ from lightning_megatron.huggingface import family_for
 from lightning_megatron.huggingface.llama import hf_config_from_llama, hf_state_dict_from_llama, llama_config_from_hf
 from lightning_megatron.huggingface.mistral import hf_config_from_mistral, mistral_config_from_hf
 from lightning_megatron.huggingface.qwen2 import hf_config_from_qwen2, qwen2_config_from_hf
-from lightning_megatron.models import GPT, GPTConfig, RopeScaling
+from lightning_megatron.huggingface.qwen3 import hf_config_from_qwen3, qwen3_config_from_hf
+from lightning_megatron.models import GPT, GPTConfig, GPTModel, RopeScaling
 
 transformers = pytest.importorskip("transformers")
 BOOKKEEPING = {"_name_or_path", "architectures", "dtype", "transformers_version"}
@@ -38,7 +40,7 @@ def test_converted_model_matches_and_exports_back_exactly(case, tmp_path):
     assert deviation <= TOLERANCE
 
     hf_state = hf.state_dict()
-    back = hf_state_dict_from_llama(gpt.model.state_dict(), gpt.config)
+    back = family_for(gpt.config, MODEL_TYPES[case]).hf_state_dict(gpt.model.state_dict(), gpt.config)
     assert back.keys() == hf_state.keys()
     assert all(torch.equal(back[name], value) for name, value in hf_state.items())
 
@@ -73,11 +75,13 @@ def test_rotary_settings_read_in_both_spellings_and_json_defaults_fill_in():
     assert mistral_config_from_hf({"model_type": "mistral", "sliding_window": None}) == mistral_config_from_hf(
         transformers.MistralConfig(sliding_window=None))
     assert qwen2_config_from_hf({"model_type": "qwen2"}) == qwen2_config_from_hf(transformers.Qwen2Config())
+    assert qwen3_config_from_hf({"model_type": "qwen3"}) == qwen3_config_from_hf(transformers.Qwen3Config())
 
 
 @pytest.mark.parametrize("preset, model_type", [("llama-tiny", "llama"), ("llama-3.2-1b", "llama"),
                                                 ("llama-3.1-8b", "llama"), ("mistral-7b", "mistral"),
-                                                ("qwen2.5-7b", "qwen2")])
+                                                ("qwen2.5-7b", "qwen2"), ("qwen3-0.6b", "qwen3"),
+                                                ("qwen3-8b", "qwen3"), ("qwen3-32b", "qwen3")])
 def test_presets_export_configs_transformers_reads_back(preset, model_type):
     config = GPTConfig.from_name(preset)
     family = family_for(config, model_type)
@@ -91,7 +95,6 @@ def test_presets_export_configs_transformers_reads_back(preset, model_type):
 
 @pytest.mark.parametrize("field, value, message", [
     ("hidden_act", "gelu", "hidden_act='gelu': our SwiGLU MLP gates with SiLU"),
-    ("head_dim", 32, r"head_dim=32: our attention heads are hidden_size / num_attention_heads = 64 / 4"),
     ("rope_parameters", {"rope_type": "yarn", "factor": 4.0}, "rope_parameters.rope_type='yarn'"),
     ("rope_parameters", {"rope_type": "dynamic", "factor": 2.0}, "rope_parameters.rope_type='dynamic'"),
     ("rope_scaling", {"type": "linear", "factor": 2.0}, "rope_scaling.rope_type='linear'"),
@@ -104,6 +107,35 @@ def test_unconvertible_config_raises(field, value, message):
     fields = build_hf_model("llama-gqa").config.to_dict() | {field: value}
     with pytest.raises(ValueError, match=f"cannot be converted to our GPT \\(LlamaForCausalLM\\)(.|\n)*{message}"):
         llama_config_from_hf(fields)
+
+
+@pytest.mark.parametrize("preset", ["qwen3-0.6b", "qwen3-8b", "qwen3-32b"])
+def test_qwen3_presets_count_the_parameters_of_transformers_model(preset):
+    """The planner's count (the config's, and the model it builds) is transformers' Qwen3ForCausalLM's, built on
+    the meta device from the preset's exported config: 0.6B ties its embeddings, q/k norms add 2 x 128 a layer."""
+    config = GPTConfig.from_name(preset)
+    hf_config = transformers.AutoConfig.for_model(**hf_config_from_qwen3(config))
+    with torch.device("meta"):
+        expected = sum(p.numel() for p in transformers.Qwen3ForCausalLM(hf_config).parameters())
+        built = sum(p.numel() for p in GPTModel(config).parameters())
+    assert config.num_parameters() == expected == built
+    assert round(expected / 1e9, 1) == {"qwen3-0.6b": 0.6, "qwen3-8b": 8.2, "qwen3-32b": 32.8}[preset]
+
+
+def test_qwen3_head_width_and_qk_norm_export_only_where_the_family_holds_them():
+    qwen3 = GPTConfig.from_name("qwen3-8b")
+    assert family_for(qwen3).model_type == "qwen3"  # the q/k norms choose the family
+    with pytest.raises(ValueError, match="qk_layernorm=True \\(LlamaForCausalLM has False\\)"):
+        hf_config_from_llama(qwen3)
+    with pytest.raises(ValueError, match="qk_layernorm=False \\(Qwen3ForCausalLM has True\\)"):
+        hf_config_from_qwen3(GPTConfig.from_name("llama-tiny"))
+    wide = GPTConfig.from_name("qwen2.5-7b", kv_channels=256)
+    with pytest.raises(ValueError, match="kv_channels=256: Qwen2ForCausalLM's heads are hidden_size / num_heads"):
+        hf_config_from_qwen2(wide)
+    assert hf_config_from_llama(replace(qwen3, qk_layernorm=False))["head_dim"] == 128  # Llama holds the width
+    fields = build_hf_model("qwen3").config.to_dict()
+    with pytest.raises(ValueError, match="attention_bias=True: Qwen3's biases on q, k, v and o"):
+        qwen3_config_from_hf(fields | {"attention_bias": True})
 
 
 def test_family_is_chosen_from_the_config_and_refuses_what_it_cannot_hold():

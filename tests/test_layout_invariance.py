@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from launch import run_job
-from workers.gpt_setup import (CLIP, CONFIG, DEEP_CONFIG, LLAMA_CONFIG, LORA, SEED, batches, document_batches,
-                               optimizer, sgd_optimizer)
+from workers.gpt_setup import (CLIP, CONFIG, DEEP_CONFIG, LLAMA_CONFIG, LORA, QWEN3_CONFIG, SEED, batches,
+                               document_batches, optimizer, sgd_optimizer)
 from lightning_megatron.models import GPTModel
 from lightning_megatron.parallel.names import is_adapter_name
 from lightning_megatron.peft.lora import apply_lora
@@ -91,6 +91,12 @@ LORA_LAYOUTS = {2: ["tp2-dp1-sp-mb2-lora", "llama-tp2-dp1-sp-mb2-rc-lora", "llam
                 4: ["llama-tp2-dp2-lora", "llama-tp4-dp1-sp-mb2-lora", "llama-tp2-dp2-sp-mb2-z2-lora"]}
 for _world, _lora in LORA_LAYOUTS.items():
     LAYOUTS[_world] += _lora
+# Qwen3's per-head q/k norms: one gain each, replicated, applied by each tp rank to its own heads only, so its gradient
+# is summed over tp with or without sequence parallelism (tp4 replicates each key head on 2 ranks, which normalise it
+# alike); wider heads than hidden / heads. tp2 x dp2 (+ SP), tp4, pp2 x dp2, and LoRA per projection at tp2 x dp2.
+QWEN3_LAYOUTS = ["qwen3-tp2-dp2", "qwen3-tp2-dp2-sp-mb2", "qwen3-tp4-dp1", "qwen3-pp2-tp1-dp2-mb2", "qwen3-tp2-dp2-lora"]
+LAYOUTS[4] += QWEN3_LAYOUTS
+LORA_LAYOUTS[4].append("qwen3-tp2-dp2-lora")
 LOSS_TOL, WEIGHT_TOL = 1e-5, 1e-5
 
 
@@ -100,7 +106,8 @@ def reference():
     return {"adamw": _reference(optimizer, CONFIG), "sgd": _reference(sgd_optimizer, CONFIG),
             "llama": _reference(optimizer, LLAMA_CONFIG), "doc": _reference(optimizer, CONFIG, documents=True),
             "llama-doc": _reference(optimizer, LLAMA_CONFIG, documents=True), "deep": _reference(optimizer, DEEP_CONFIG),
-            "lora": _reference(optimizer, CONFIG, lora=LORA), "llama-lora": _reference(optimizer, LLAMA_CONFIG, lora=LORA)}
+            "lora": _reference(optimizer, CONFIG, lora=LORA), "llama-lora": _reference(optimizer, LLAMA_CONFIG, lora=LORA),
+            "qwen3": _reference(optimizer, QWEN3_CONFIG), "qwen3-lora": _reference(optimizer, QWEN3_CONFIG, lora=LORA)}
 
 
 def _reference(make_optimizer, config, documents=False, lora=None):
@@ -143,11 +150,11 @@ def test_layouts_match_single_process(world, reference, fp8_reference, tmp_path)
         _deviations(torch.load(tmp_path / f"{layout}.pt", weights_only=True), *fp8_reference[single], layout)
     for layout in [layout for layout in LAYOUTS[world] if layout not in FP8_LAYOUTS.get(world, {})]:
         kind = "llama" if layout.startswith("llama-") else "deep" if layout.startswith("deep-") else \
-            "sgd" if layout.endswith("-sgd") else "adamw"  # chunk-: the unchunked GPT's reference
+            "qwen3" if layout.startswith("qwen3-") else "sgd" if layout.endswith("-sgd") else "adamw"  # chunk-: GPT's
         if "doc-" in layout:
             kind = "llama-doc" if kind == "llama" else "doc"
         if layout.endswith("-lora"):
-            kind = "llama-lora" if kind == "llama" else "lora"
+            kind = f"{kind}-lora" if kind in ("llama", "qwen3") else "lora"
         _deviations(torch.load(tmp_path / f"{layout}.pt", weights_only=True), *reference[kind], layout)
 
     # Overlapping the parameter gathers moves when they complete, not what they compute: bit for bit the same run.
@@ -199,7 +206,8 @@ def _check_lora(layout, world, result, tmp_path):
     """Beyond matching the reference: the frozen base is bit for bit the initial one and holds no gradient, optimizer
     state or fp32 copy on any rank; the adapters trained (B away from its zero start, so A got gradients too)."""
     torch.manual_seed(SEED)
-    model = GPTModel(LLAMA_CONFIG if layout.startswith("llama-") else CONFIG)
+    per_projection = layout.startswith(("llama-", "qwen3-"))
+    model = GPTModel(QWEN3_CONFIG if layout.startswith("qwen3-") else LLAMA_CONFIG if per_projection else CONFIG)
     initial = {name: value.clone() for name, value in model.state_dict().items()}
     apply_lora(model, LORA, seed=SEED)
     start = {name: value for name, value in model.state_dict().items() if is_adapter_name(name)}
@@ -211,7 +219,7 @@ def _check_lora(layout, world, result, tmp_path):
     # A and B trained (q and k's A move least: their gradients wait for B to leave zero, then by about lr a step)
     assert all((weights[name] - start[name]).abs().max() > 1e-4 for name in adapters), layout
     # 4 layers x (A, B) x qkv, proj, fc, proj; Llama's adapters are per projection: q, k, v, o, gate, up, down.
-    assert len(adapters) == 4 * 2 * (7 if layout.startswith("llama-") else 4), adapters
+    assert len(adapters) == 4 * 2 * (7 if per_projection else 4), adapters
     for rank in range(world):
         held = json.loads((tmp_path / f"{layout}-frozen{rank}.json").read_text())
         assert held["frozen"] > held["trainable"] > 0 and held["frozen_grads"] == 0, (layout, rank, held)

@@ -45,6 +45,13 @@ def hf_model(family: str, seed: int = 0):
                  num_key_value_heads=2, max_position_embeddings=64)
     if family == "qwen2":  # biases on q, k and v
         return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**sizes)).eval()
+    if family == "qwen3":  # q/k norms, heads wider than hidden / heads (random gains: the norms count)
+        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**sizes, head_dim=16)).eval()
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    param.uniform_(0.5, 1.5)
+        return model
     if family == "mistral":
         return transformers.MistralForCausalLM(transformers.MistralConfig(**sizes, sliding_window=None)).eval()
     return transformers.LlamaForCausalLM(transformers.LlamaConfig(**sizes)).eval()
@@ -87,6 +94,7 @@ def test_to_hf_of_a_lora_module_writes_the_model_with_its_adapters_merged(llama_
 @pytest.mark.parametrize("family, settings", [
     ("llama", {}),
     ("qwen2", {}),
+    ("qwen3", {}),
     ("mistral", {}),
     ("gpt2", {}),
     ("llama", {"targets": ["blocks.1.attn.qkv", "*.mlp.fc"]}),  # one layer's qkv only: PEFT gets full module names

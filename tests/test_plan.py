@@ -570,3 +570,35 @@ def test_the_gpu_catalogue_names_each_gpu_by_its_own_name_and_memory():
                ("NVIDIA H100 80GB HBM3", 80): "h100", ("NVIDIA H200", 141): "h200", ("Tesla V100-SXM2-32GB", 32): "v100",
                ("NVIDIA GeForce RTX 3090", 24): None}
     assert {device: preset_for_device(device[0], device[1] * GB) for device in devices} == devices
+
+
+def test_qk_norms_add_the_saved_activations_the_formula_counts():
+    """Qwen3's per-head q/k RMSNorms keep what ``layer_saved_bytes`` adds for them (bf16, measured by the planner's
+    own probe over the transformer layers): the same model without them is the baseline, so every other term cancels."""
+    from dataclasses import replace
+
+    from lightning_megatron.models import GPTConfig, GPTModel
+    from lightning_megatron.plan.activations import layer_saved_bytes
+    from lightning_megatron.plan.layout import Layout
+    from lightning_megatron.plan.probes import SavedInLayers
+    from lightning_megatron.plan.shape import ModelShape
+
+    qwen3 = GPTConfig.from_name("qwen3-0.6b", vocab_size=64, max_seq_length=32, hidden_size=64, num_layers=2,
+                                num_heads=4, num_query_groups=2, ffn_hidden_size=96, kv_channels=32)
+    batch, seq, layout, w = 2, 32, Layout(), 2
+
+    def measured(config):
+        torch.manual_seed(0)
+        model = GPTModel(config).to(torch.bfloat16)
+        input_ids = torch.randint(0, 64, (batch, seq))
+        with SavedInLayers(model, list(model.blocks.values())) as saved:
+            model.loss(input_ids, input_ids)[0].backward()
+        return saved.bytes["layers"]
+
+    def predicted(config):
+        module = type("Module", (), {"config": config})()
+        return layer_saved_bytes(ModelShape.of(module), layout, w) * batch * seq * config.num_layers
+
+    plain = replace(qwen3, qk_layernorm=False)
+    added = predicted(qwen3) - predicted(plain)
+    assert added > 0 and measured(qwen3) - measured(plain) == added

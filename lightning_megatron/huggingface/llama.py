@@ -10,8 +10,10 @@ convention on both sides, so ``q_proj``/``k_proj`` need no permutation. The Mixt
 ``MixtralForCausalLM`` (``mixtral.py``) and ``Qwen2MoeForCausalLM`` (``qwen2_moe.py``), are dialects too:
 ``ExpertNames`` says how one spells an MoE layer, each expert converting like a dense MLP.
 
-Not modelled, so refused with the field named: activations other than SiLU, a ``head_dim`` other
-than ``hidden_size / num_attention_heads``, rotary types other than ``default`` and ``llama3``
+A ``head_dim`` other than ``hidden_size / num_attention_heads`` converts to ``GPTConfig.kv_channels``, and a
+family with per-head query and key norms (``Qwen3ForCausalLM``, ``qwen3.py``) to ``qk_layernorm``.
+
+Not modelled, so refused with the field named: activations other than SiLU, rotary types other than ``default`` and ``llama3``
 (``yarn``, ``dynamic``, ``linear``, ...), partial rotary embeddings, per-layer rotary parameters.
 A sliding window (Mistral, Qwen2) is not modelled either: the model converts with
 ``max_seq_length = min(max_position_embeddings, sliding_window)``, where full attention and a
@@ -89,7 +91,9 @@ class Dialect:
     * ``write_fields(config, problems)``: ``config.json`` fields, e.g. ``{"attention_bias": False}``.
 
     A Mixture-of-Experts family also names its MoE layers (``experts``) and may rename the names of its
-    models' state dicts to its checkpoints' (``hf_name``, see ``Family``).
+    models' state dicts to its checkpoints' (``hf_name``, see ``Family``). ``qk_norm``: every layer normalises
+    its query and key heads (``self_attn.q_norm``/``k_norm``, Qwen3's); ``head_dim``: the config class has a
+    ``head_dim`` field (Qwen2's has not: its heads are ``hidden_size / num_attention_heads`` wide).
     """
 
     model_type: str
@@ -99,6 +103,8 @@ class Dialect:
     write_fields: Callable[[GPTConfig, list[str]], dict[str, Any]]
     experts: Optional[ExpertNames] = None
     hf_name: Callable[[str], Optional[str]] = checkpoint_name
+    qk_norm: bool = False
+    head_dim: bool = True
 
     def config_from_hf(self, hf_config: Union[Fields, Any]) -> GPTConfig:
         """Our ``GPTConfig`` for this family's config (a ``transformers`` config, its ``to_dict()``, or a parsed
@@ -111,9 +117,6 @@ class Dialect:
             problems.append(f"hidden_act={fields['hidden_act']!r}: our SwiGLU MLP gates with SiLU ('silu')")
         hidden, heads = fields["hidden_size"], fields["num_attention_heads"]
         head_dim = fields["head_dim"] or hidden // heads
-        if head_dim * heads != hidden:
-            problems.append(f"head_dim={head_dim}: our attention heads are hidden_size / num_attention_heads = "
-                            f"{hidden} / {heads} channels wide")
         groups = fields["num_key_value_heads"] or heads
         pieces = {**_rotary_from_hf(fields, problems), **self.read_fields(fields, problems)}
         raise_problems(problems, what=f"This Hugging Face config cannot be converted to our GPT ({self.architecture})")
@@ -123,7 +126,8 @@ class Dialect:
             "ffn_hidden_size": fields["intermediate_size"], "dropout": 0.0,  # explicit, as SwiGLU presets state it
             "attention_dropout": float(fields["attention_dropout"]), "layer_norm_eps": fields["rms_norm_eps"],
             "num_query_groups": None if groups == heads else groups, "add_bias_linear": False,
-            "tie_embeddings": bool(fields["tie_word_embeddings"]), **DECODER_PIECES, **pieces})
+            "tie_embeddings": bool(fields["tie_word_embeddings"]), "qk_layernorm": self.qk_norm,
+            "kv_channels": None if head_dim * heads == hidden else head_dim, **DECODER_PIECES, **pieces})
 
     def hf_config(self, config: GPTConfig, **extra_fields: Any) -> dict[str, Any]:
         """The ``config.json`` fields (``transformers.AutoConfig.for_model(**fields)``) of our ``config``.
@@ -133,7 +137,11 @@ class Dialect:
         written in both spellings: ``rope_parameters`` (transformers 5) and ``rope_theta``/``rope_scaling``
         (transformers 4).
         """
-        problems = _decoder_problems(config, self.architecture, self.experts)
+        problems = _decoder_problems(config, self.architecture, self.experts, self.qk_norm)
+        if not self.head_dim and config.head_dim * config.num_heads != config.hidden_size:
+            problems.append(f"kv_channels={config.kv_channels}: {self.architecture}'s heads are hidden_size / "
+                            f"num_heads = {config.hidden_size} / {config.num_heads} channels wide; export with "
+                            f"model_type='llama' or 'mistral' (a head_dim field)")
         own = self.write_fields(config, problems)
         raise_problems(problems, what=f"This GPTConfig has no Hugging Face {self.architecture} equivalent",
                        fix=f"Configs with LayerNorm, learned positions and GELU export as 'gpt2'. The Llama-shaped "
@@ -152,6 +160,7 @@ class Dialect:
             "rms_norm_eps": config.layer_norm_eps,
             "tie_word_embeddings": config.tie_embeddings,
             "attention_dropout": config.attention_dropout,
+            **({"head_dim": config.head_dim} if config.kv_channels else {}),
             **_rotary_to_hf(config),
             **own,
         }
@@ -162,17 +171,18 @@ class Dialect:
         return Family(model_type=self.model_type, config_class=GPTConfig, lightning_module=GPT,
                       config_from_hf=lambda fields, weight_names: self.config_from_hf(fields),
                       hf_config=self.hf_config,
-                      mapping=lambda config: decoder_mapping(config, self.architecture, self.experts),
+                      mapping=lambda config: decoder_mapping(config, self.architecture, self.experts, self.qk_norm),
                       hf_name=self.hf_name, expected=f"a transformers {self.architecture}")
 
 
-DIALECT_NAMES = ("llama", "mistral", "qwen2", "mixtral", "qwen2_moe")
+DIALECT_NAMES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe")
 
 
 # ----------------------------------------------------------------------------- shared config pieces
-def _decoder_problems(config: GPTConfig, architecture: str, experts: Optional[ExpertNames] = None) -> list[str]:
+def _decoder_problems(config: GPTConfig, architecture: str, experts: Optional[ExpertNames] = None,
+                      qk_norm: bool = False) -> list[str]:
     problems = [f"{name}={getattr(config, name)!r} ({architecture} has {value!r})"
-                for name, value in DECODER_PIECES.items() if getattr(config, name) != value]
+                for name, value in {**DECODER_PIECES, "qk_layernorm": qk_norm}.items() if getattr(config, name) != value]
     return problems + _moe_problems(config, architecture, experts)
 
 
@@ -294,10 +304,10 @@ def _moe_rules(config: GPTConfig, names: ExpertNames) -> tuple[list[Rule], list[
 
 
 def decoder_mapping(config: GPTConfig, architecture: str = "LlamaForCausalLM",
-                    experts: Optional[ExpertNames] = None) -> StateDictMapping:
+                    experts: Optional[ExpertNames] = None, qk_norm: bool = False) -> StateDictMapping:
     """Our ``GPTModel`` names <-> those of a Llama-shaped ``...ForCausalLM`` (the same in every dialect; ``experts``:
-    how a Mixture-of-Experts family names its MoE layers)."""
-    raise_problems(_decoder_problems(config, architecture, experts),
+    how a Mixture-of-Experts family names its MoE layers; ``qk_norm``: its query and key norms, Qwen3's)."""
+    raise_problems(_decoder_problems(config, architecture, experts, qk_norm),
                    what=f"This GPTConfig has no {architecture} equivalent")
     layer = "model.layers.{i}"
     tied = config.tie_embeddings
@@ -309,6 +319,8 @@ def decoder_mapping(config: GPTConfig, architecture: str = "LlamaForCausalLM",
                *pair("blocks.{i}.attn.qkv", [f"{layer}.self_attn.{name}_proj" for name in "qkv"],
                      QueryGroups(config.num_heads, config.query_groups)),
                *pair("blocks.{i}.attn.proj", f"{layer}.self_attn.o_proj"),
+               *[rule for norm in ("q_norm", "k_norm") if qk_norm
+                 for rule in pair(f"blocks.{{i}}.attn.{norm}", f"{layer}.self_attn.{norm}")],
                *pair("blocks.{i}.ln_2", f"{layer}.post_attention_layernorm"),
                *_gated_mlp_rules("blocks.{i}.mlp", f"{layer}.mlp"), *moe_rules],
         last=pair("ln_f", "model.norm") + ([] if tied else pair("lm_head", "lm_head")),

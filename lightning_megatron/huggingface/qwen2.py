@@ -32,7 +32,7 @@ QWEN2 = Dialect(
     defaults={"vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 22016, "num_hidden_layers": 32,
               "num_attention_heads": 32, "num_key_value_heads": 32, "max_position_embeddings": 32768,
               "use_sliding_window": False, "sliding_window": 4096},
-    read_fields=_qwen2_fields, write_fields=_qwen2_hf_fields)
+    read_fields=_qwen2_fields, write_fields=_qwen2_hf_fields, head_dim=False)
 FAMILY = QWEN2.family()
 
 qwen2_config_from_hf = QWEN2.config_from_hf

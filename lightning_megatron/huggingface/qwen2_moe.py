@@ -74,7 +74,7 @@ QWEN2_MOE = Dialect(
               "use_sliding_window": False, "sliding_window": 4096, "decoder_sparse_step": 1, "mlp_only_layers": [],
               "moe_intermediate_size": 1408, "shared_expert_intermediate_size": 5632, "num_experts_per_tok": 4,
               "num_experts": 60, "norm_topk_prob": False, "router_aux_loss_coef": 0.001, "qkv_bias": True},
-    read_fields=_qwen2_moe_fields, write_fields=_qwen2_moe_hf_fields,
+    read_fields=_qwen2_moe_fields, write_fields=_qwen2_moe_hf_fields, head_dim=False,
     experts=ExpertNames("mlp", shared_expert=True))
 FAMILY = QWEN2_MOE.family()
 

@@ -12,7 +12,7 @@ and the module reads it from its weight, so one class serves every layout.
 
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import Callable, Optional, Union
 
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -75,7 +75,10 @@ class SelfAttention(nn.Module):
     ``num_query_groups`` (default ``num_heads``: multi-head) key/value heads are shared by
     ``num_heads / num_query_groups`` query heads each; 1 is multi-query attention.
     ``rotary``: a :class:`~lightning_megatron.models.rotary.RotaryEmbedding`, or ``None`` when
-    positions are added to the embeddings instead.
+    positions are added to the embeddings instead. ``head_dim``: each head's channels (default
+    ``hidden_size / num_heads``; Qwen3's are wider). ``qk_norm``: builds a norm over ``head_dim``
+    channels, applied to every query head (``q_norm``) and key head (``k_norm``) before rotary positions,
+    one gain shared by all heads (Qwen3's, OLMo's per-head form); ``None``: none.
     """
 
     def __init__(
@@ -89,15 +92,19 @@ class SelfAttention(nn.Module):
         qkv_bias: bool = True,
         proj_bias: bool = True,
         rotary: Optional[nn.Module] = None,
+        head_dim: Optional[int] = None,
+        qk_norm: Optional[Callable[[], nn.Module]] = None,
     ) -> None:
         super().__init__()
         groups = num_query_groups or num_heads
         if num_heads % groups:
             raise ValueError(f"num_heads={num_heads} is not a multiple of num_query_groups={groups}: each key/value "
                              f"head serves the same number of query heads.")
-        self.head_dim = hidden_size // num_heads
+        self.head_dim = head_dim or hidden_size // num_heads
         self.heads_per_group = num_heads // groups
         self.qkv = nn.Linear(hidden_size, (num_heads + 2 * groups) * self.head_dim, bias=qkv_bias)
+        self.q_norm = None if qk_norm is None else qk_norm()
+        self.k_norm = None if qk_norm is None else qk_norm()
         self.rotary = rotary
         self.core_attention = CoreAttention(attention_dropout=attention_dropout, causal=causal)
         self.proj = nn.Linear(num_heads * self.head_dim, hidden_size, bias=proj_bias)
@@ -121,6 +128,8 @@ class SelfAttention(nn.Module):
         q, k, v = qkv.split([heads_per_group, 1, 1], dim=3)
         q = q.reshape(batch, seq, groups * heads_per_group, self.head_dim).transpose(1, 2)
         k, v = k.squeeze(3).transpose(1, 2), v.squeeze(3).transpose(1, 2)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         if self.rotary is not None:
             q, k = self.rotary(q, k, positions)
             # Attention saves q, k and v for backward; v alone, a view, would keep the whole qkv output alive (its

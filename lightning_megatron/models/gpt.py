@@ -65,6 +65,11 @@ class GPTConfig(TransformerSizes):
       the width of each of gate and up).
     * ``num_query_groups``: key/value heads for grouped-query attention (1: multi-query; None:
       ``num_heads``, multi-head).
+    * ``kv_channels``: the width of each attention head (``head_dim``), when it is not ``hidden_size /
+      num_heads`` (Qwen3: 128 at every size); the projections are then ``num_heads * kv_channels`` wide. The
+      default width given explicitly is stored as None, so that configs of one model compare equal.
+    * ``qk_layernorm``: an RMSNorm over each query and key head before rotary positions (Qwen3's ``q_norm`` and
+      ``k_norm``: one gain of ``head_dim`` shared by all heads).
     * ``add_bias_linear``: biases on every linear layer; ``add_qkv_bias``: a bias on ``qkv`` even
       without them (Qwen2).
     * ``tie_embeddings``: the output layer shares the input embedding's weights.
@@ -95,11 +100,19 @@ class GPTConfig(TransformerSizes):
     add_bias_linear: bool = True
     add_qkv_bias: bool = False
     tie_embeddings: bool = True
+    kv_channels: Optional[int] = None
+    qk_layernorm: bool = False
     moe: Optional[MoEConfig] = None
     loss_chunk_tokens: Optional[int] = None
 
     def __post_init__(self) -> None:
-        self._check_heads()
+        if self.kv_channels is None:
+            self._check_heads()
+        elif self.kv_channels < 1:
+            raise ValueError(f"GPTConfig.kv_channels={self.kv_channels}: a head needs at least one channel; None "
+                             f"gives hidden_size / num_heads.")
+        elif self.kv_channels * self.num_heads == self.hidden_size:
+            object.__setattr__(self, "kv_channels", None)  # the default width: one spelling of one model
         if self.loss_chunk_tokens is not None:
             check_chunk_tokens(self.loss_chunk_tokens, name="GPTConfig.loss_chunk_tokens")
         if isinstance(self.rope_scaling, dict):  # from YAML / a dict config
@@ -119,10 +132,10 @@ class GPTConfig(TransformerSizes):
                 f"key/value head serves the same number of query heads. Use num_query_groups in "
                 f"{[g for g in range(1, self.num_heads + 1) if self.num_heads % g == 0]}.")
         if self.position_embedding_type == "rope" and self.head_dim % 2:
+            width = "kv_channels" if self.kv_channels else f"hidden_size / num_heads = {self.hidden_size} / {self.num_heads}"
             raise ValueError(
-                f"Rotary positions rotate pairs of channels, but head_dim = hidden_size / num_heads = "
-                f"{self.hidden_size} / {self.num_heads} = {self.head_dim} is odd. Choose an even head_dim or "
-                f"position_embedding_type='learned_absolute'.")
+                f"Rotary positions rotate pairs of channels, but head_dim = {width} = {self.head_dim} is odd. Choose "
+                f"an even head_dim or position_embedding_type='learned_absolute'.")
         if self.rope_scaling is not None and self.position_embedding_type != "rope":
             raise ValueError("rope_scaling scales rotary frequencies: set position_embedding_type='rope' or drop it.")
 
@@ -132,7 +145,8 @@ class GPTConfig(TransformerSizes):
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
+        """Channels of one attention head: ``kv_channels``, by default ``hidden_size / num_heads``."""
+        return self.kv_channels or self.hidden_size // self.num_heads
 
     @property
     def query_groups(self) -> int:
@@ -187,6 +201,7 @@ class GPTConfig(TransformerSizes):
         norm = 2 * h if self.normalization == "LayerNorm" else h
         qkv_rows = (self.num_heads + 2 * self.query_groups) * self.head_dim
         attention = qkv_rows * (h + self.qkv_bias) + h * self.num_heads * self.head_dim + h * bias
+        attention += 2 * self.head_dim * self.qk_layernorm  # q_norm, k_norm
         matrices = 3 if self.activation == "swiglu" else 2
 
         def mlp(width: int, with_bias: bool) -> int:
@@ -250,6 +265,14 @@ GPT_PRESETS.update({
     "qwen2.5-7b": GPTConfig(vocab_size=152064, max_seq_length=131072, hidden_size=3584, num_layers=28, num_heads=28,
                             num_query_groups=4, ffn_hidden_size=18944, rotary_base=1000000.0, layer_norm_eps=1e-6,
                             add_qkv_bias=True, tie_embeddings=False, **LLAMA),
+    # Qwen3 (Qwen/Qwen3-0.6B, -8B, -32B config.json on the Hugging Face Hub): Llama's pieces with per-head q/k RMSNorm
+    # and 128-channel heads whatever the width; no biases; the 0.6B model ties its embeddings.
+    **{name: GPTConfig(vocab_size=151936, max_seq_length=40960, hidden_size=h, num_layers=layers, num_heads=heads,
+                       num_query_groups=8, ffn_hidden_size=ffn, kv_channels=128, qk_layernorm=True,
+                       rotary_base=1000000.0, layer_norm_eps=1e-6, tie_embeddings=tied, **LLAMA)
+       for name, (h, layers, heads, ffn, tied) in {"qwen3-0.6b": (1024, 28, 16, 3072, True),
+                                                   "qwen3-8b": (4096, 36, 32, 12288, False),
+                                                   "qwen3-32b": (5120, 64, 64, 25600, False)}.items()},
     # Mixtures of Experts. For tests and the examples: llama-tiny with 8 experts of which each token uses 2.
     "mixtral-tiny": GPTConfig(hidden_size=64, num_layers=4, num_heads=4, num_query_groups=2, ffn_hidden_size=176,
                               tie_embeddings=False, moe=MoEConfig(num_experts=8, top_k=2, ffn_hidden_size=64,
@@ -291,9 +314,11 @@ def gpt_layer(config: GPTConfig, index: int = 0, aux_losses: Optional[AuxLosses]
     rotary = None
     if config.position_embedding_type == "rope":
         rotary = RotaryEmbedding(config.head_dim, base=config.rotary_base, scaling=config.rope_scaling)
+    qk_norm = partial(build_norm, config.normalization, config.head_dim, eps=config.layer_norm_eps)
     attention = SelfAttention(config.hidden_size, config.num_heads, num_query_groups=config.num_query_groups,
-                              attention_dropout=config.attention_dropout, causal=True, qkv_bias=config.qkv_bias,
-                              proj_bias=config.add_bias_linear, rotary=rotary)
+                              head_dim=config.head_dim, attention_dropout=config.attention_dropout, causal=True,
+                              qkv_bias=config.qkv_bias, proj_bias=config.add_bias_linear, rotary=rotary,
+                              qk_norm=qk_norm if config.qk_layernorm else None)
     if config.is_moe_layer(index):
         mlp = MoE(config.hidden_size, config.moe, default_ffn_size=config.ffn_size, activation=config.activation,
                   aux_losses=aux_losses)
@@ -309,13 +334,15 @@ def gpt_tensor_parallel_plan(config: GPTConfig) -> dict[str, object]:
     gated = config.activation == "swiglu"
     if config.moe is None:
         layers = layer_tensor_parallel_plan("blocks.*", num_heads=config.num_heads,
-                                            num_query_groups=config.num_query_groups, gated_mlp=gated)
+                                            num_query_groups=config.num_query_groups, gated_mlp=gated,
+                                            qk_norm=config.qk_layernorm)
     else:  # MoE and dense layers have different MLPs: one entry per layer
         layers = {}
         for index in range(config.num_layers):
             prefix, moe = f"blocks.{index}", config.is_moe_layer(index)
             layer = layer_tensor_parallel_plan(prefix, num_heads=config.num_heads,
-                                               num_query_groups=config.num_query_groups, gated_mlp=gated, mlp=not moe)
+                                               num_query_groups=config.num_query_groups, gated_mlp=gated, mlp=not moe,
+                                               qk_norm=config.qk_layernorm)
             layers.update(layer)
             if moe:
                 layers.update(moe_tensor_parallel_plan(f"{prefix}.mlp", config.moe, gated_mlp=gated))
@@ -609,8 +636,8 @@ class GPT(BatchFlops, PretrainingRecipe):
     @staticmethod
     def hf_format() -> HFFormat:
         """``from_hf``/``to_hf`` convert to and from ``transformers``' ``GPT2LMHeadModel``, ``LlamaForCausalLM``,
-        ``MistralForCausalLM``, ``Qwen2ForCausalLM``, ``MixtralForCausalLM`` and ``Qwen2MoeForCausalLM`` (reading: by
-        ``model_type``; writing: by the config)."""
+        ``MistralForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``, ``MixtralForCausalLM`` and
+        ``Qwen2MoeForCausalLM`` (reading: by ``model_type``; writing: by the config)."""
         return hf_format_for(GPTConfig)
 
     def tensor_parallel_plan(self) -> dict[str, object]:

@@ -30,6 +30,8 @@ MoE MLP (instead)                   ``top_k (3 h + MLP of f_e)``: the        ``t
                                     fp32 ``2 E + 2 top_k + 2`` and int64
                                     ``4 top_k`` (scores, ids, indices)
 dropout masks (dropout > 0)         ``2 h`` bytes                          ``q``
+q/k norms (``qk_layernorm``)        ``(a + g) d`` fp32 inputs and ``w``    ``t``
+                                    outputs, an fp32 rstd per head
 ==================================  =====================================  ==============================
 
 RMSNorm (``models.norms``, unfused) keeps more than the fused LayerNorm: its input in fp32 (``4 h`` bytes per norm)
@@ -81,7 +83,10 @@ def layer_saved_bytes(shape: ModelShape, layout: Layout, w: int, mode: Optional[
     masks = 2 * h / q if shape.dropout > 0 else 0.0
     # RMSNorm (models.norms) also keeps its input in fp32 (4 bytes; besides the normalised input in ``norms``).
     norm_fp32_inputs = 2 * h * 4 / q if shape.rms_norm else 0.0
-    return norm_fp32_inputs + norms + inputs + qkv + attention_out + lse + mlp + masks
+    # Per-head q/k RMSNorms (Qwen3's): each keeps its fp32 input and normalised output and an rstd per head
+    # (measured in bf16; in fp32 the input is a view that keeps the whole qkv output alive, a little more).
+    qk_norms = (a + kv_heads) / t * (d * (4 + w) + 4) if shape.qk_norm else 0.0
+    return norm_fp32_inputs + norms + inputs + qkv + attention_out + lse + mlp + masks + qk_norms
 
 
 def _mlp_saved(shape: ModelShape, t: int) -> float:

@@ -33,6 +33,7 @@ class ModelShape:
     shared_expert_size: int = 0
     moe_layers: int = 0
     head_transform: bool = False  # BERT's masked-LM dense layer + norm before the logits
+    qk_norm: bool = False  # an RMSNorm over every query and key head (Qwen3's q_norm/k_norm)
 
     @classmethod
     def of(cls, module: Any) -> "ModelShape":
@@ -49,7 +50,8 @@ class ModelShape:
                        num_experts=moe.num_experts if moe else 0, top_k=moe.top_k if moe else 0,
                        expert_ffn_size=config.moe_ffn_size if moe else 0,
                        shared_expert_size=moe.shared_expert_size if moe else 0,
-                       moe_layers=len(moe.moe_layers(config.num_layers)) if moe else 0)
+                       moe_layers=len(moe.moe_layers(config.num_layers)) if moe else 0,
+                       qk_norm=config.qk_layernorm)
         if isinstance(config, BERTConfig):
             return cls(config, False, config.hidden_size, config.num_layers, config.num_heads, config.num_heads,
                        config.hidden_size // config.num_heads, config.ffn_size, False, config.vocab_size, False, False,

@@ -32,7 +32,8 @@ Group = Optional[dist.ProcessGroup]
 
 
 def mark_sequence_parallel_grad(param: nn.Parameter) -> None:
-    """A replicated parameter applied to sequence chunks gets partial gradients: sum them over tp."""
+    """A replicated parameter applied to sequence chunks (or to this rank's heads only) gets partial gradients: sum
+    them over tp."""
     param.sequence_parallel_grad = True
 
 

@@ -33,6 +33,10 @@ style                effect
 ``"sequence_parallel"`` the module runs on sequence chunks when sequence parallelism is on:
                      its replicated parameters get their gradients summed over tp, and its
                      dropout draws from the per-rank stream
+``"replicated_with_grad_allreduce"`` the module's parameters are replicated but each rank
+                     applies them to its own heads only (a per-head q/k norm's gain): their
+                     gradients are partial sums, summed over tp with or without sequence
+                     parallelism (transformers' name for the same style)
 ``"sharded_dropout"`` the module's dropout acts on tensor-parallel shards (local attention
                      heads), so it draws from the per-rank stream
 ``"sequence_gather"`` the module's input leaves the sequence-parallel region: it is
@@ -86,7 +90,8 @@ from lightning_megatron.tensor_parallel.region import InsideRegion, TensorParall
 from lightning_megatron.tensor_parallel.styles import LAYOUT_STYLES, KeyValueHeads, PackedColumn, QueryGroupColumn
 
 SWAP_STYLES = ("column", "row", "vocab")
-REGION_STYLES = ("sequence_scatter", "sequence_parallel", "sharded_dropout", "sequence_gather", "experts_region")
+REGION_STYLES = ("sequence_scatter", "sequence_parallel", "replicated_with_grad_allreduce", "sharded_dropout",
+                 "sequence_gather", "experts_region")
 STYLES = SWAP_STYLES + REGION_STYLES
 Style = Union[str, PackedColumn, QueryGroupColumn, KeyValueHeads]
 
@@ -305,10 +310,11 @@ def parallelize(
             target.register_forward_pre_hook(_gather_input(group))
         if "experts_region" in module_styles and group is not None:
             target.region = TensorParallelRegion(group, sequence_parallel)
-        if "sequence_parallel" in module_styles and sequence_parallel:
+        if ("sequence_parallel" in module_styles and sequence_parallel) or \
+                ("replicated_with_grad_allreduce" in module_styles and group is not None):
             for param in target.parameters():
                 if shard_of(param) is None:
-                    mark_sequence_parallel_grad(param)
+                    mark_sequence_parallel_grad(param)  # the tag optim.partial_grads sums over tp
         forks = "sharded_dropout" in module_styles or ("sequence_parallel" in module_styles and sequence_parallel)
         if forks and rng is not None:
             _run_in_fork(target, rng)

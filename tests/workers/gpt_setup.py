@@ -24,7 +24,11 @@ DEEP_CONFIG = replace(CONFIG, num_layers=8)
 # The chunked loss (head and cross-entropy fused, 7 tokens of logits at a time, 3 of each rank's under tp2 + SP: no
 # micro-batch divides into them): its layouts compare with the unchunked single-process reference.
 CHUNKED_CONFIG = replace(CONFIG, loss_chunk_tokens=7)
-CONFIGS = {"gpt": CONFIG, "llama": LLAMA_CONFIG, "mqa": MQA_CONFIG, "deep": DEEP_CONFIG, "chunk": CHUNKED_CONFIG}
+# Qwen3-shaped: per-head q/k RMSNorm (one gain per norm, replicated, each tp rank normalising its own heads) and heads
+# 16 channels wide, not 32 / 4 = 8; no biases.
+QWEN3_CONFIG = replace(LLAMA_CONFIG, kv_channels=16, qk_layernorm=True, add_qkv_bias=False)
+CONFIGS = {"gpt": CONFIG, "llama": LLAMA_CONFIG, "mqa": MQA_CONFIG, "deep": DEEP_CONFIG, "chunk": CHUNKED_CONFIG,
+           "qwen3": QWEN3_CONFIG}
 
 # Llama-shaped, 4 layers of which 3 are MoE (layer 2 dense), 4 experts top-2 each 32 wide, a gated shared expert
 # (Qwen2-MoE's), and both auxiliary losses on so that their gradients are part of every comparison.

@@ -1,10 +1,11 @@
 """The small random Hugging Face Llama-shaped decoders shared by ``tests/test_hf_llama.py`` and ``hf_parity.py``.
 
-Five cases, each exercising one thing a mapping can get wrong: grouped-query attention (4 heads, 2
+Six cases, each exercising one thing a mapping can get wrong: grouped-query attention (4 heads, 2
 key/value groups: tp=4 replicates each group's key/value heads on 2 ranks), multi-query attention (1
 group), Mistral (its sliding window longer than the sequences), Qwen2 (biases on q, k, v; tied
-embeddings) and Llama-3.1's rotary frequency scaling (an original context short enough that the
-scaling changes the logits of these sequences: without it they move by ~5e-2).
+embeddings), Qwen3 (per-head q/k RMSNorm; heads of 32 channels, not 64 / 4 = 16) and Llama-3.1's rotary
+frequency scaling (an original context short enough that the scaling changes the logits of these sequences:
+without it they move by ~5e-2).
 
 Three Mixture-of-Experts cases (``MOE_CASES``, ``tests/test_hf_moe.py``): Mixtral (4 experts, top-2,
 renormalised weights, every layer MoE), Qwen2-MoE with MoE in every second layer
@@ -26,6 +27,7 @@ CASES = {  # name -> (transformers class, config fields)
     "llama-mqa": ("LlamaForCausalLM", {**BASE_FIELDS, "num_key_value_heads": 1}),
     "mistral": ("MistralForCausalLM", {**BASE_FIELDS, "sliding_window": 48}),
     "qwen2": ("Qwen2ForCausalLM", {**BASE_FIELDS, "tie_word_embeddings": True}),
+    "qwen3": ("Qwen3ForCausalLM", {**BASE_FIELDS, "head_dim": 32, "tie_word_embeddings": False}),
     "llama-3.1-rope": ("LlamaForCausalLM", {**BASE_FIELDS, "max_position_embeddings": 256,
                                             "rope_parameters": LLAMA_3_1_ROPE}),
 }
@@ -40,7 +42,7 @@ MOE_CASES = {
                                                "mlp_only_layers": [1], "norm_topk_prob": True,
                                                "tie_word_embeddings": True}),
 }
-MODEL_TYPES = {"llama-gqa": "llama", "llama-mqa": "llama", "mistral": "mistral", "qwen2": "qwen2",
+MODEL_TYPES = {"llama-gqa": "llama", "llama-mqa": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3",
                "llama-3.1-rope": "llama", "mixtral": "mixtral", "qwen2-moe": "qwen2_moe", "qwen2-moe-norm": "qwen2_moe"}
 BATCH, SEQ = 2, 32  # shorter than Mistral's window; splits over tp=2 under sequence parallelism
 TOLERANCE = 1e-4  # fp32; measured 0.0 at every layout (the same ops in the same order); MoE: see test_hf_moe.py
