@@ -597,6 +597,7 @@ class GPT(BatchFlops, PretrainingRecipe):
         if self.model is not None:
             return
         on_meta = torch.empty(()).is_meta  # inside the strategy's model_sharded_context
+        start, self.lora_start = self.lora_start, None  # a PEFT directory's adapters: copied in once, then let go
         if self.pretrained is None:
             model = GPTModel(self.config)
             if self.lora is not None:
@@ -609,12 +610,12 @@ class GPT(BatchFlops, PretrainingRecipe):
                 load_base_weights(model, state_dict, what=f"The Hugging Face weights in {self.pretrained}")
                 if self.lora is not None:
                     apply_lora(model, self.lora)
-                if self.lora_start is not None:  # names and shapes checked when read
+                if start is not None:  # names and shapes checked when read
                     with torch.no_grad():
                         for name, param in model.named_parameters():
                             if is_adapter_name(name):
-                                param.copy_(self.lora_start[name])
-            if on_meta and self.lora is not None and self.lora_start is None:
+                                param.copy_(start[name])
+            if on_meta and self.lora is not None and start is None:
                 for name in adapted_layers(model):  # the layer's own weights stay real: only its adapters move
                     for adapter in ADAPTER_MODULES:
                         getattr(model.get_submodule(name), adapter).to("meta")

@@ -36,11 +36,6 @@ def layer_adapters(names: Iterable[str]) -> dict[str, tuple[str, ...]]:
     return {layer: tuple(parts) for layer, parts in layers.items()}
 
 
-def adapted_layer_names(names: Iterable[str]) -> list[str]:
-    """The layers that carry an adapter, from the names of a state dict (or of a checkpoint's index)."""
-    return list(layer_adapters(names))
-
-
 def _delta(weight: Tensor, lora_a: Tensor, lora_b: Tensor, rows: int, what: str) -> Tensor:
     if lora_b.shape[0] != rows or lora_a.shape[1] != weight.shape[1] or lora_a.shape[0] != lora_b.shape[1]:
         raise ValueError(f"LoRA adapters A {tuple(lora_a.shape)} and B {tuple(lora_b.shape)} do not fit {what} of "

@@ -183,11 +183,11 @@ class _Nf4Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
         ctx.weight, ctx.has_bias = weight, bias is not None
-        return F.linear(x, dequantized(weight, x.dtype), bias)
+        return NF4_GEMMS.forward(x, weight, bias)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        grad_x = torch.matmul(grad, dequantized(ctx.weight, grad.dtype)) if ctx.needs_input_grad[0] else None
+        grad_x = NF4_GEMMS.grad_input(grad, ctx.weight) if ctx.needs_input_grad[0] else None
         grad_bias = grad.reshape(-1, grad.shape[-1]).sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return grad_x, None, grad_bias
 
