@@ -26,13 +26,14 @@ from lightning_megatron.models.attention import SelfAttention
 from lightning_megatron.models.batch_flops import BatchFlops
 from lightning_megatron.models.flops import gpt_flops_per_batch
 from lightning_megatron.models.formats import HFFormat, hf_format_for
-from lightning_megatron.models.mlp import ACTIVATIONS, build_mlp
+from lightning_megatron.models.mlp import ACTIVATIONS, build_mlp, is_gated
 from lightning_megatron.models.moe import MoE, AuxLosses, MoEConfig, moe_tensor_parallel_plan, update_expert_biases
 from lightning_megatron.models.norms import NORMALIZATIONS, build_norm
 from lightning_megatron.models.optim_recipe import PretrainingRecipe, load_base_weights
 from lightning_megatron.models.router import routing_uncounted
 from lightning_megatron.models.rotary import RopeScaling, RotaryEmbedding
 from lightning_megatron.models.transformer import (
+    NORM_POSITIONS,
     TransformerLayer,
     TransformerSizes,
     layer_fused_projections,
@@ -47,9 +48,12 @@ from lightning_megatron.peft.nf4 import quantize_in_place
 from lightning_megatron.pipeline.blocks import PipelineBatch, PipelineBlocks
 from lightning_megatron.pipeline.layout import PipelineLayout
 from lightning_megatron.tensor_parallel.chunked_cross_entropy import ChunkedHeadLoss, check_chunk_tokens
+from lightning_megatron.tensor_parallel.logits import soft_cap
 
 IGNORE_INDEX = -100
 POSITION_EMBEDDINGS = ("learned_absolute", "rope")
+#: The layer's norm orders a decoder may use (``TransformerLayer``'s but the post-norm one, a BERT's).
+GPT_NORM_POSITIONS = tuple(position for position in NORM_POSITIONS if position != "post")
 
 
 @dataclass(frozen=True)
@@ -58,11 +62,13 @@ class GPTConfig(TransformerSizes):
 
     The pieces, with Megatron-Core's names where it has one:
 
-    * ``normalization``: ``"LayerNorm"`` (GPT-2) or ``"RMSNorm"`` (Llama, Mistral, Qwen2).
+    * ``normalization``: ``"LayerNorm"`` (GPT-2), ``"RMSNorm"`` (Llama, Mistral, Qwen2) or ``"ZeroCenteredRMSNorm"``
+      (Gemma: the gain stored as its offset from one, ``(1 + weight)``, starting at zero; ``models.norms``). Every
+      norm of the model is of this kind, the q/k norms too.
     * ``position_embedding_type``: ``"learned_absolute"`` (a ``wpe`` table, GPT-2) or ``"rope"``
       (rotary, base ``rotary_base``; ``rope_scaling`` for Llama-3.1's long-context frequencies).
-    * ``activation``: ``"gelu"`` (tanh GELU MLP) or ``"swiglu"`` (gated SiLU; ``ffn_hidden_size`` is
-      the width of each of gate and up).
+    * ``activation``: ``"gelu"`` (tanh GELU MLP), ``"swiglu"`` (gated SiLU) or ``"geglu"`` (gated tanh GELU,
+      Gemma's); for the gated two ``ffn_hidden_size`` is the width of each of gate and up.
     * ``num_query_groups``: key/value heads for grouped-query attention (1: multi-query; None:
       ``num_heads``, multi-head).
     * ``kv_channels``: the width of each attention head (``head_dim``), when it is not ``hidden_size /
@@ -80,6 +86,13 @@ class GPTConfig(TransformerSizes):
       never held; same loss and gradients, one more head GEMM per token in backward. None (the default, as in
       Megatron-Core): the head's logits, then the cross-entropy. Forward, generation and prediction return
       logits either way.
+    * ``norm_position``: ``"pre"`` (a norm before attention and before the MLP) or ``"sandwich"`` (also one after
+      each, on the branch's output before the residual add: Gemma's four norms per layer;
+      ``models.transformer.TransformerLayer``).
+    * ``embedding_multiplier``: the token embeddings are multiplied by it (Gemma: ``sqrt(hidden_size)``), in the
+      embedding's dtype as transformers does (in bf16, ``sqrt(3072)`` is 55.5); None: not scaled.
+    * ``final_logit_softcapping``: the logits become ``cap * tanh(logits / cap)`` (Gemma 2: 30.0), wherever they are
+      made (forward, generation, the loss, the chunked loss); None: not capped.
     """
 
     vocab_size: int = 257
@@ -104,6 +117,9 @@ class GPTConfig(TransformerSizes):
     qk_layernorm: bool = False
     moe: Optional[MoEConfig] = None
     loss_chunk_tokens: Optional[int] = None
+    norm_position: str = "pre"
+    embedding_multiplier: Optional[float] = None
+    final_logit_softcapping: Optional[float] = None
 
     def __post_init__(self) -> None:
         if self.kv_channels is None:
@@ -122,7 +138,7 @@ class GPTConfig(TransformerSizes):
         if self.moe is not None:
             self.moe.moe_layers(self.num_layers)  # checks a 0/1 pattern's length
         choices = {"normalization": NORMALIZATIONS, "position_embedding_type": POSITION_EMBEDDINGS,
-                   "activation": ACTIVATIONS}
+                   "activation": ACTIVATIONS, "norm_position": GPT_NORM_POSITIONS}
         for field, valid in choices.items():
             if getattr(self, field) not in valid:
                 raise ValueError(f"GPTConfig.{field}={getattr(self, field)!r} is not one of {valid}.")
@@ -136,6 +152,11 @@ class GPTConfig(TransformerSizes):
             raise ValueError(
                 f"Rotary positions rotate pairs of channels, but head_dim = {width} = {self.head_dim} is odd. Choose "
                 f"an even head_dim or position_embedding_type='learned_absolute'.")
+        for field in ("embedding_multiplier", "final_logit_softcapping"):
+            value = getattr(self, field)
+            if value is not None and not (isinstance(value, (int, float)) and not isinstance(value, bool)
+                                          and math.isfinite(value) and value > 0):
+                raise ValueError(f"GPTConfig.{field}={value!r} must be a positive number, or None to leave it out.")
         if self.rope_scaling is not None and self.position_embedding_type != "rope":
             raise ValueError("rope_scaling scales rotary frequencies: set position_embedding_type='rope' or drop it.")
 
@@ -199,10 +220,11 @@ class GPTConfig(TransformerSizes):
     def _count_parameters(self, *, active: bool) -> int:
         h, ffn, bias = self.hidden_size, self.ffn_size, self.add_bias_linear
         norm = 2 * h if self.normalization == "LayerNorm" else h
+        norms_per_layer = 4 if self.norm_position == "sandwich" else 2
         qkv_rows = (self.num_heads + 2 * self.query_groups) * self.head_dim
         attention = qkv_rows * (h + self.qkv_bias) + h * self.num_heads * self.head_dim + h * bias
         attention += 2 * self.head_dim * self.qk_layernorm  # q_norm, k_norm
-        matrices = 3 if self.activation == "swiglu" else 2
+        matrices = 3 if is_gated(self.activation) else 2
 
         def mlp(width: int, with_bias: bool) -> int:
             return matrices * width * h + (with_bias * ((matrices - 1) * width + h))
@@ -217,7 +239,7 @@ class GPTConfig(TransformerSizes):
                            + h * moe.shared_expert_gate)
             else:
                 layers += mlp(ffn, bias)
-            layers += 2 * norm + attention
+            layers += norms_per_layer * norm + attention
         embeddings = self.vocab_size * h * (1 if self.tie_embeddings else 2)
         positions = self.max_seq_length * h if self.position_embedding_type == "learned_absolute" else 0
         return embeddings + positions + layers + norm
@@ -292,7 +314,8 @@ GPT_PRESETS.update({
 
 class GPTEmbedding(nn.Module):
     """Token embeddings, plus learned absolute positions when the config asks for them (rotary
-    positions are applied inside attention instead)."""
+    positions are applied inside attention instead). ``multiplier`` (``GPTConfig.embedding_multiplier``) scales
+    the token embeddings, rounded to their dtype first as transformers' ``Gemma3TextScaledWordEmbedding`` does."""
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
@@ -300,9 +323,12 @@ class GPTEmbedding(nn.Module):
         learned = config.position_embedding_type == "learned_absolute"
         self.wpe = nn.Embedding(config.max_seq_length, config.hidden_size) if learned else None
         self.drop = nn.Dropout(config.dropout)
+        self.multiplier = config.embedding_multiplier
 
     def forward(self, input_ids: Tensor, position_ids: Optional[Tensor] = None) -> Tensor:
         x = self.wte(input_ids)
+        if self.multiplier is not None:  # fp32 first, then the embedding's dtype: transformers' buffer, cast
+            x = x * torch.tensor(self.multiplier, dtype=torch.float32).to(x.dtype).item()
         if self.wpe is not None:
             positions = torch.arange(input_ids.shape[1], device=input_ids.device) if position_ids is None else position_ids
             x = x + self.wpe(positions)
@@ -325,13 +351,14 @@ def gpt_layer(config: GPTConfig, index: int = 0, aux_losses: Optional[AuxLosses]
     else:
         mlp = build_mlp(config.activation, config.hidden_size, config.ffn_size, bias=config.add_bias_linear)
     return TransformerLayer(attention, mlp, partial(build_norm, config.normalization, config.hidden_size,
-                                                    eps=config.layer_norm_eps), dropout=config.dropout)
+                                                    eps=config.layer_norm_eps), dropout=config.dropout,
+                            norm_position=config.norm_position)
 
 
 def gpt_tensor_parallel_plan(config: GPTConfig) -> dict[str, object]:
     """What tensor parallelism may split in a ``GPTModel`` of this config (names relative to the model). The
     chunked loss has nothing to swap: it reads the group and the vocabulary slice from the head."""
-    gated = config.activation == "swiglu"
+    gated = is_gated(config.activation)
     if config.moe is None:
         layers = layer_tensor_parallel_plan("blocks.*", num_heads=config.num_heads,
                                             num_query_groups=config.num_query_groups, gated_mlp=gated,
@@ -374,7 +401,8 @@ class GPTModel(nn.Module):
         if config.tie_embeddings:
             self.lm_head.weight = self.embedding.wte.weight
         if config.loss_chunk_tokens:
-            self.loss_fn = ChunkedHeadLoss(chunk_tokens=config.loss_chunk_tokens, ignore_index=IGNORE_INDEX)
+            self.loss_fn = ChunkedHeadLoss(chunk_tokens=config.loss_chunk_tokens, ignore_index=IGNORE_INDEX,
+                                           softcap=config.final_logit_softcapping)
         else:
             self.loss_fn = nn.CrossEntropyLoss(reduction="sum", ignore_index=IGNORE_INDEX)
         if not self.embedding.wte.weight.is_meta:
@@ -395,7 +423,7 @@ class GPTModel(nn.Module):
         ``qkv`` of rotary models (Llama's ``q_proj``/``k_proj``/``v_proj``; GPT-2-shaped models, with learned
         positions, have one ``c_attn``), a SwiGLU MLP's ``fc`` (``gate_proj``/``up_proj``)."""
         return layer_fused_projections("blocks.*", separate_qkv=self.config.position_embedding_type == "rope",
-                                       gated_mlp=self.config.activation == "swiglu")
+                                       gated_mlp=is_gated(self.config.activation))
 
     @staticmethod
     def recompute_plan() -> dict[str, str]:
@@ -427,10 +455,11 @@ class GPTModel(nn.Module):
         return kwargs
 
     def head(self, x: Tensor, *, logits_to_keep: int = 0, **side) -> Tensor:
-        """Logits of every position, or of the last ``logits_to_keep`` (generation needs only the last)."""
+        """Logits of every position, or of the last ``logits_to_keep`` (generation needs only the last); soft-capped
+        where the config says (``final_logit_softcapping``)."""
         if logits_to_keep:
             x = x[:, -logits_to_keep:]
-        return self.lm_head(self.ln_f(x))
+        return soft_cap(self.lm_head(self.ln_f(x)), self.config.final_logit_softcapping)
 
     def loss_head(self, x: Tensor, **side) -> Tensor:
         """What the last stage hands to :meth:`pipeline_loss`: the logits, or under ``loss_chunk_tokens`` the final

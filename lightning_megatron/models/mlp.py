@@ -1,11 +1,20 @@
-"""The feed-forward half of a transformer layer: GELU (GPT-2, BERT) or SwiGLU (Llama and its kin)."""
+"""The feed-forward half of a transformer layer: GELU (GPT-2, BERT), SwiGLU (Llama and its kin) or GeGLU (Gemma)."""
 
 from __future__ import annotations
+
+from functools import partial
 
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-ACTIVATIONS = ("gelu", "swiglu")
+ACTIVATIONS = ("gelu", "swiglu", "geglu")
+#: The gated MLPs (``GatedMLP``, ``fc`` = ``[gate | up]``) by config name, and the function of their gate.
+GATES = {"swiglu": F.silu, "geglu": partial(F.gelu, approximate="tanh")}
+
+
+def is_gated(activation: str) -> bool:
+    """Whether the MLP of ``activation`` is a :class:`GatedMLP` (three matrices, ``fc`` fused ``[gate | up]``)."""
+    return activation in GATES
 
 
 class MLP(nn.Module):
@@ -26,31 +35,38 @@ class MLP(nn.Module):
 
 
 class GatedMLP(nn.Module):
-    """SwiGLU (Shazeer 2020): ``proj(silu(gate(x)) * up(x))``, with gate and up fused in one ``fc``.
+    """A gated linear unit (Shazeer 2020): ``proj(gate_fn(gate(x)) * up(x))``, with gate and up fused in one ``fc``.
 
-    ``fc``'s output is ``[gate | up]``; under tensor parallelism the ``PackedColumn(2)`` style
-    gives each rank the same share of both halves, laid out ``[gate_r | up_r]``, so the local
-    ``chunk(2)`` pairs each gate channel with its own up channel at every layout.
+    ``gate``: the gate's function by config name, ``"swiglu"`` (SiLU: Llama) or ``"geglu"`` (the tanh GELU:
+    Gemma's ``gelu_pytorch_tanh``). ``fc``'s output is ``[gate | up]``; under tensor parallelism the
+    ``PackedColumn(2)`` style gives each rank the same share of both halves, laid out ``[gate_r | up_r]``, so the
+    local ``chunk(2)`` pairs each gate channel with its own up channel at every layout.
     """
 
-    def __init__(self, hidden_size: int, ffn_hidden_size: int, *, bias: bool = False) -> None:
+    def __init__(self, hidden_size: int, ffn_hidden_size: int, *, bias: bool = False, gate: str = "swiglu") -> None:
         super().__init__()
+        if gate not in GATES:
+            raise ValueError(f"gate={gate!r} is not one of {tuple(GATES)}.")
         self.fc = nn.Linear(hidden_size, 2 * ffn_hidden_size, bias=bias)
         self.proj = nn.Linear(ffn_hidden_size, hidden_size, bias=bias)
+        self.gate = gate
 
     def forward(self, x: Tensor) -> Tensor:
         return self.proj(self.activate(self.fc(x)))
 
     def activate(self, h: Tensor) -> Tensor:
-        """``fc``'s ``[gate | up]`` -> ``silu(gate) * up`` (also what an MoE layer's grouped GEMMs apply)."""
+        """``fc``'s ``[gate | up]`` -> ``gate_fn(gate) * up`` (also what an MoE layer's grouped GEMMs apply)."""
         gate, up = h.chunk(2, dim=-1)
-        return F.silu(gate) * up
+        return GATES[self.gate](gate) * up
+
+    def extra_repr(self) -> str:
+        return f"gate={self.gate!r}"
 
 
 def build_mlp(activation: str, hidden_size: int, ffn_hidden_size: int, *, bias: bool) -> nn.Module:
-    """An MLP by its config name: ``"gelu"`` (tanh approximation, GPT-2) or ``"swiglu"``."""
+    """An MLP by its config name: ``"gelu"`` (tanh approximation, GPT-2), ``"swiglu"`` or ``"geglu"``."""
     if activation == "gelu":
         return MLP(hidden_size, ffn_hidden_size, bias=bias)
-    if activation == "swiglu":
-        return GatedMLP(hidden_size, ffn_hidden_size, bias=bias)
+    if is_gated(activation):
+        return GatedMLP(hidden_size, ffn_hidden_size, bias=bias, gate=activation)
     raise ValueError(f"activation={activation!r} is not one of {ACTIVATIONS}.")

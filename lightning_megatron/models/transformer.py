@@ -18,9 +18,13 @@ from lightning_megatron.models.attention import CoreAttention, SelfAttention
 from lightning_megatron.models.mlp import MLP, GatedMLP
 from lightning_megatron.tensor_parallel.styles import PackedColumn, QueryGroupColumn
 
-__all__ = ["CoreAttention", "GatedMLP", "MLP", "SelfAttention", "TransformerLayer", "TransformerSizes",
+__all__ = ["NORM_POSITIONS", "CoreAttention", "GatedMLP", "MLP", "SelfAttention", "TransformerLayer", "TransformerSizes",
            "check_tensor_parallel_split", "dense_mlp_tensor_parallel_plan", "layer_recompute_plan",
            "layer_tensor_parallel_plan"]
+
+
+#: Where a ``TransformerLayer`` normalises (see its docstring).
+NORM_POSITIONS = ("pre", "post", "sandwich")
 
 
 class TransformerLayer(nn.Module):
@@ -29,19 +33,23 @@ class TransformerLayer(nn.Module):
     ``norm_position="post"`` gives the original Transformer/BERT order,
     ``ln(x + drop(attn(x)))`` then ``ln(x + drop(mlp(x)))``; pre-norm is what lets deep
     models train stably (Megatron-LM's BERT finding), post-norm matches Hugging Face BERT.
-    ``norm`` builds one normalisation (called twice: ``ln_1`` and ``ln_2``).
+    ``norm_position="sandwich"`` also normalises each branch's output before the residual add,
+    ``x + drop(post_attn_norm(attn(ln_1(x))))`` then ``x + drop(post_mlp_norm(mlp(ln_2(x))))`` (Gemma 2 and 3:
+    four norms per layer). ``norm`` builds one normalisation (called once per norm).
     """
 
     def __init__(self, attn: nn.Module, mlp: nn.Module, norm: Callable[[], nn.Module], *, dropout: float,
                  norm_position: str = "pre") -> None:
         super().__init__()
-        if norm_position not in ("pre", "post"):
-            raise ValueError(f"norm_position must be 'pre' or 'post', got {norm_position!r}.")
+        if norm_position not in NORM_POSITIONS:
+            raise ValueError(f"norm_position must be one of {NORM_POSITIONS}, got {norm_position!r}.")
         self.post_norm = norm_position == "post"
         self.ln_1 = norm()
         self.attn = attn
+        self.post_attn_norm = norm() if norm_position == "sandwich" else nn.Identity()
         self.ln_2 = norm()
         self.mlp = mlp
+        self.post_mlp_norm = norm() if norm_position == "sandwich" else nn.Identity()
         self.drop = nn.Dropout(dropout)
 
     def forward(self, x: Tensor, attention_mask: Optional[Tensor] = None, positions: Optional[Tensor] = None,
@@ -53,8 +61,8 @@ class TransformerLayer(nn.Module):
         if self.post_norm:
             x = self.ln_1(x + self.drop(self.attn(x, attention_mask, positions, kv_cache)))
             return self.ln_2(x + self.drop(self.mlp(x)))
-        x = x + self.drop(self.attn(self.ln_1(x), attention_mask, positions, kv_cache))
-        return x + self.drop(self.mlp(self.ln_2(x)))
+        x = x + self.drop(self.post_attn_norm(self.attn(self.ln_1(x), attention_mask, positions, kv_cache)))
+        return x + self.drop(self.post_mlp_norm(self.mlp(self.ln_2(x))))
 
 
 def layer_tensor_parallel_plan(prefix: str, *, num_heads: int, num_query_groups: Optional[int] = None,

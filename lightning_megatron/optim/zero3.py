@@ -140,6 +140,7 @@ from lightning_megatron.parallel.initialize import (
     initializer_owners,
     local_initial_values,
     original_name,
+    rule_for,
 )
 from lightning_megatron.parallel.names import name_matches
 from lightning_megatron.parallel.shards import shard_of
@@ -261,7 +262,7 @@ class ZeRO3:
                             continue
                         done.add(id(param))
                         name = original_name(param, f"{module_name}.{param_name}" if module_name else param_name)
-                        values = local_initial_values(param, name, seed, initializer)  # the tp shard, whole over dp
+                        values = local_initial_values(param, name, seed, rule_for(submodule, initializer))  # tp shard
                         local = local_tensor(param)
                         local.copy_(_dp_chunk(values, local.shape[0], dp_rank, dp_size))
 

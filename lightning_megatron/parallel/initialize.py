@@ -5,7 +5,9 @@ A parameter's initial value depends only on the seed and its global name
 from a generator seeded by the name, then keeps its own shard. Modules may define
 ``initialize_parameter(name, tensor, generator)`` to choose the distribution of their
 parameters (names are then relative to that module); others get
-:func:`default_initializer`. Parameters under a child module whose name has a declared rule
+:func:`default_initializer`. A module whose own parameters have a start that only it knows (a norm whose gain is
+stored as its offset from one starts at zero: ``models.norms.ZeroCenteredRMSNorm``) defines
+``initialize_own_parameter`` with the same signature, which :func:`rule_for` puts before its owner's. Parameters under a child module whose name has a declared rule
 (:func:`declare_child_initializer`: ``peft.adapters`` declares LoRA's ``lora_a``/``lora_b``) always follow that
 rule, whichever module owns them, so this module knows no adapter and the base layer imports nothing above it.
 
@@ -77,6 +79,12 @@ def default_initializer(name: str, tensor: Tensor, generator: torch.Generator) -
         tensor.zero_()
     else:
         tensor.fill_(1.0)
+
+
+def rule_for(module: nn.Module, owner_rule: Initializer) -> Initializer:
+    """The rule for ``module``'s own parameters: its ``initialize_own_parameter`` where it defines one, else its
+    owner's (the callers of :func:`local_initial_values` walk the modules and ask this for each)."""
+    return getattr(module, "initialize_own_parameter", owner_rule)
 
 
 def _is_within(name: str, prefix: str) -> bool:
@@ -282,7 +290,7 @@ def initialize_parameters(
                 if only_meta and not param.is_meta:
                     continue
                 name = f"{module_name}.{param_name}" if module_name else param_name
-                jobs.append((param, original_name(param, name), initializer))
+                jobs.append((param, original_name(param, name), rule_for(module, initializer)))
     # Each draw is one sequential generator; several run at once on the host's threads (normal_ releases the GIL).
     with ThreadPoolExecutor(max_workers=max(1, torch.get_num_threads())) as pool:
         drawn = pool.map(lambda job: local_initial_values(job[0], job[1], seed, job[2]), jobs)

@@ -21,6 +21,11 @@ head does). Without sequence parallelism the input is replicated and its gradien
 at a time (``chunk_tokens / tp`` tokens of each, so that a chunk's logits have the same size at every layout), in
 forward and again in backward, reduce-scattering that chunk's input gradient, so that no rank ever holds the
 gathered sequence (Megatron-Core's column layer does the same for its whole input).
+
+Soft-capping (``softcap``, ``GPTConfig.final_logit_softcapping``): each chunk's logits become
+``cap * tanh(logits / cap)`` in the compute dtype before the fp32 softmax, as ``logits.soft_cap`` does to the head's
+logits on the unchunked path; backward recomputes the chunk's ``tanh`` with its logits and multiplies the logits'
+gradient by ``1 - tanh^2``.
 """
 
 from __future__ import annotations
@@ -47,7 +52,7 @@ class ChunkedHeadLoss(nn.Module):
     """Summed cross-entropy of ``head(hidden)`` against ``labels``, ``chunk_tokens`` tokens of logits at a time.
 
     Same loss and gradients as ``CrossEntropyLoss(reduction="sum")`` (or ``VocabParallelCrossEntropy``) on the
-    head's logits, to fp32 rounding. ``hidden``: the final norm's output ``[batch, seq, hidden]`` (``seq / tp``
+    head's logits (soft-capped by ``softcap`` where given: ``logits.soft_cap``), to fp32 rounding. ``hidden``: the final norm's output ``[batch, seq, hidden]`` (``seq / tp``
     under sequence parallelism); ``labels`` ``[batch, seq]`` (the whole sequence); ``head``: the output layer, a
     bias-free ``nn.Linear`` or ``VocabParallelHead``.
 
@@ -57,10 +62,10 @@ class ChunkedHeadLoss(nn.Module):
         loss_sum = loss_fn(model.ln_f(x), labels, model.lm_head)
     """
 
-    def __init__(self, *, chunk_tokens: int, ignore_index: int = -100) -> None:
+    def __init__(self, *, chunk_tokens: int, ignore_index: int = -100, softcap: Optional[float] = None) -> None:
         super().__init__()
         check_chunk_tokens(chunk_tokens)
-        self.chunk_tokens, self.ignore_index = chunk_tokens, ignore_index
+        self.chunk_tokens, self.ignore_index, self.softcap = chunk_tokens, ignore_index, softcap
 
     def forward(self, hidden: Tensor, labels: Tensor, head: nn.Module) -> Tensor:
         return run_as_forward_of(head, self._head_loss, hidden, labels, head)
@@ -87,11 +92,12 @@ class ChunkedHeadLoss(nn.Module):
         # Under sequence parallelism a chunk is gathered from every rank: each gives chunk_tokens / tp of its own.
         chunk = max(1, self.chunk_tokens // ranks)
         losses = _ChunkedHeadCrossEntropy.apply(rows, head.weight, targets, shard, sequence_parallel, chunk,
-                                                self.ignore_index, compute_dtype)
+                                                self.ignore_index, compute_dtype, self.softcap)
         return losses.sum()
 
     def extra_repr(self) -> str:
-        return f"chunk_tokens={self.chunk_tokens}, ignore_index={self.ignore_index}"
+        softcap = "" if self.softcap is None else f", softcap={self.softcap}"
+        return f"chunk_tokens={self.chunk_tokens}, ignore_index={self.ignore_index}{softcap}"
 
 
 def run_as_forward_of(module: nn.Module, function, *args):
@@ -122,9 +128,9 @@ class _ChunkedHeadCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, rows: Tensor, weight: Tensor, targets: Tensor, shard: VocabShard, sequence_parallel: bool,
-                chunk: int, ignore_index: int, compute_dtype: torch.dtype) -> Tensor:
+                chunk: int, ignore_index: int, compute_dtype: torch.dtype, softcap: Optional[float]) -> Tensor:
         ctx.shard, ctx.sequence_parallel, ctx.chunk = shard, sequence_parallel, chunk
-        ctx.ignore_index, ctx.compute_dtype = ignore_index, compute_dtype
+        ctx.ignore_index, ctx.compute_dtype, ctx.softcap = ignore_index, compute_dtype, softcap
         losses, maxima, sums = (targets.new_empty(targets.shape, dtype=torch.float32) for _ in range(3))
         computed = weight.to(compute_dtype)  # cast once, not once per chunk (a copy under autocast only)
         for start in range(0, rows.shape[0], chunk):
@@ -146,12 +152,12 @@ class _ChunkedHeadCrossEntropy(torch.autograd.Function):
             span = slice(start, start + ctx.chunk)
             grad_rows[span] = _chunk_gradients(ctx, rows[span], computed, targets[:, span], maxima[:, span],
                                                sums[:, span], grad_losses[:, span], grad_weight)
-        return grad_rows, grad_weight, None, None, None, None, None, None
+        return grad_rows, grad_weight, None, None, None, None, None, None, None
 
 
 def _chunk_loss(ctx, rows: Tensor, weight: Tensor, targets: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """A chunk's per-token losses, logits maxima and sums of exponentials; its logits die on return."""
-    _, logits = _chunk_logits(ctx, rows, weight)
+    _, logits, _ = _chunk_logits(ctx, rows, weight)
     loss, _, logits_max, sum_exp, *_ = vocab_parallel_loss_terms(logits, targets.reshape(-1), ctx.shard.group,
                                                                  ctx.ignore_index)
     return loss, logits_max, sum_exp
@@ -161,14 +167,17 @@ def _chunk_gradients(ctx, rows: Tensor, weight: Tensor, targets: Tensor, maxima:
                      grad_losses: Tensor, grad_weight: Tensor) -> Tensor:
     """A chunk's input gradient (this rank's rows); adds its weight gradient to ``grad_weight``."""
     group, cast = ctx.shard.group, ctx.compute_dtype
-    inputs, logits = _chunk_logits(ctx, rows, weight)
+    inputs, logits, tanh = _chunk_logits(ctx, rows, weight)
     target = targets.reshape(-1)
     # The forward's softmax, rebuilt from its kept maximum and sum: the same operations on the same values.
     softmax = (logits - maxima.reshape(-1, 1)).exp_().div_(sums.reshape(-1, 1))
     del logits
     local_target, owned = local_targets(target, softmax.shape[-1], group)
     scale = grad_losses.reshape(-1) * (target != ctx.ignore_index)
-    grad_logits = logits_gradient(softmax, local_target, owned, scale).to(cast)
+    grad_logits = logits_gradient(softmax, local_target, owned, scale)
+    if tanh is not None:  # d(cap * tanh(z / cap)) / dz
+        grad_logits.mul_(1 - tanh.float().square())
+    grad_logits = grad_logits.to(cast)
     with _no_autocast(rows):
         if grad_weight.dtype == cast:
             grad_weight.addmm_(grad_logits.t(), inputs)
@@ -182,19 +191,26 @@ def _chunk_gradients(ctx, rows: Tensor, weight: Tensor, targets: Tensor, maxima:
     return scattered
 
 
-def _chunk_logits(ctx, rows: Tensor, weight: Tensor) -> tuple[Tensor, Tensor]:
-    """The chunk's head input (gathered over the group under sequence parallelism) and its fp32 logits, padding
-    columns at ``-inf`` as ``VocabParallelHead`` sets them; ``weight`` is already in the compute dtype."""
+def _chunk_logits(ctx, rows: Tensor, weight: Tensor) -> tuple[Tensor, Tensor, Optional[Tensor]]:
+    """The chunk's head input (gathered over the group under sequence parallelism), its fp32 logits (soft-capped in
+    the compute dtype where ``ctx.softcap`` says, as ``logits.soft_cap``), padding columns at ``-inf`` as
+    ``VocabParallelHead`` sets them, and the cap's ``tanh`` (None without a cap); ``weight`` is already in the compute
+    dtype."""
     inputs = rows.to(ctx.compute_dtype)
     if ctx.sequence_parallel:
         gathered = inputs.new_empty((inputs.shape[0] * dist.get_world_size(ctx.shard.group), inputs.shape[1]))
         all_gather_into(gathered, inputs.contiguous(), ctx.shard.group)
         inputs = gathered
     with _no_autocast(rows):
-        logits = F.linear(inputs, weight).float()
+        logits = F.linear(inputs, weight)
+    tanh = None
+    if ctx.softcap is not None:
+        tanh = torch.tanh(logits / ctx.softcap)
+        logits = tanh * ctx.softcap
+    logits = logits.float()
     if ctx.shard.size != logits.shape[-1]:
         logits[:, ctx.shard.size:] = float("-inf")
-    return inputs, logits
+    return inputs, logits, tanh
 
 
 def _no_autocast(like: Tensor):

@@ -93,6 +93,23 @@ def gather_vocab_logits(logits: Tensor, head: Optional[nn.Module] = None) -> Ten
     return full[..., : shard.vocab_size]
 
 
+def soft_cap(logits: Tensor, cap: Optional[float]) -> Tensor:
+    """``cap * tanh(logits / cap)`` (Gemma's final-logit soft-capping), in the logits' dtype and in transformers'
+    order of operations; ``cap=None``: the logits as they are. Element by element, so a rank's vocabulary slice is
+    capped alone and the vocab-parallel cross-entropy of the capped slices stays exact. Logits of a
+    ``VocabParallelHead`` keep their mark and their padding columns at ``-inf`` (``tanh`` would make them ``-cap``,
+    which a softmax would count)."""
+    if cap is None:
+        return logits
+    capped = torch.tanh(as_plain(logits) / cap) * cap
+    if not isinstance(logits, VocabParallelLogits):
+        return capped
+    shard = logits.vocab_shard
+    if shard.size != shard.local_width:
+        capped = capped.masked_fill(torch.arange(shard.local_width, device=capped.device) >= shard.size, float("-inf"))
+    return mark_vocab_parallel(capped, shard)
+
+
 def as_plain(logits: Tensor) -> Tensor:
     """The same tensor (same storage and autograd graph) without the vocab-parallel mark."""
     return logits.as_subclass(Tensor) if isinstance(logits, VocabParallelLogits) else logits
