@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from launch import run_job
-from workers.gpt_setup import (CLIP, CONFIG, DEEP_CONFIG, LLAMA_CONFIG, LORA, QWEN3_CONFIG, SEED, batches,
+from workers.gpt_setup import (CLIP, CONFIG, DEEP_CONFIG, GEMMA_CONFIG, LLAMA_CONFIG, LORA, QWEN3_CONFIG, SEED, batches,
                                document_batches, optimizer, sgd_optimizer)
 from lightning_megatron.models import GPTModel
 from lightning_megatron.parallel.names import is_adapter_name
@@ -97,6 +97,10 @@ for _world, _lora in LORA_LAYOUTS.items():
 QWEN3_LAYOUTS = ["qwen3-tp2-dp2", "qwen3-tp2-dp2-sp-mb2", "qwen3-tp4-dp1", "qwen3-pp2-tp1-dp2-mb2", "qwen3-tp2-dp2-lora"]
 LAYOUTS[4] += QWEN3_LAYOUTS
 LORA_LAYOUTS[4].append("qwen3-tp2-dp2-lora")
+# Gemma 3's pieces outside attention (gpt_setup.GEMMA_CONFIG): the extra norms replicated and, under SP, summed over tp
+# as ln_1/ln_2; the soft-capped logits of each rank's vocabulary slice (rank 1's mostly padding, kept at -inf) in the
+# vocab-parallel loss, unchunked and chunked; the scaled embedding on the first stage and the cap on the last under pp2.
+LAYOUTS[2] += ["gemma-tp2-dp1-sp-mb2", "gemma-pp2-tp1-dp1-mb4", "gemmachunk-tp2-dp1-sp-mb2"]
 LOSS_TOL, WEIGHT_TOL = 1e-5, 1e-5
 
 
@@ -107,7 +111,8 @@ def reference():
             "llama": _reference(optimizer, LLAMA_CONFIG), "doc": _reference(optimizer, CONFIG, documents=True),
             "llama-doc": _reference(optimizer, LLAMA_CONFIG, documents=True), "deep": _reference(optimizer, DEEP_CONFIG),
             "lora": _reference(optimizer, CONFIG, lora=LORA), "llama-lora": _reference(optimizer, LLAMA_CONFIG, lora=LORA),
-            "qwen3": _reference(optimizer, QWEN3_CONFIG), "qwen3-lora": _reference(optimizer, QWEN3_CONFIG, lora=LORA)}
+            "qwen3": _reference(optimizer, QWEN3_CONFIG), "qwen3-lora": _reference(optimizer, QWEN3_CONFIG, lora=LORA),
+            "gemma": _reference(optimizer, GEMMA_CONFIG)}
 
 
 def _reference(make_optimizer, config, documents=False, lora=None):
@@ -150,7 +155,8 @@ def test_layouts_match_single_process(world, reference, fp8_reference, tmp_path)
         _deviations(torch.load(tmp_path / f"{layout}.pt", weights_only=True), *fp8_reference[single], layout)
     for layout in [layout for layout in LAYOUTS[world] if layout not in FP8_LAYOUTS.get(world, {})]:
         kind = "llama" if layout.startswith("llama-") else "deep" if layout.startswith("deep-") else \
-            "qwen3" if layout.startswith("qwen3-") else "sgd" if layout.endswith("-sgd") else "adamw"  # chunk-: GPT's
+            "qwen3" if layout.startswith("qwen3-") else "gemma" if layout.startswith(("gemma-", "gemmachunk-")) else \
+            "sgd" if layout.endswith("-sgd") else "adamw"  # chunk-: GPT's; gemmachunk-: the unchunked gemma's
         if "doc-" in layout:
             kind = "llama-doc" if kind == "llama" else "doc"
         if layout.endswith("-lora"):

@@ -27,8 +27,14 @@ CHUNKED_CONFIG = replace(CONFIG, loss_chunk_tokens=7)
 # Qwen3-shaped: per-head q/k RMSNorm (one gain per norm, replicated, each tp rank normalising its own heads) and heads
 # 16 channels wide, not 32 / 4 = 8; no biases.
 QWEN3_CONFIG = replace(LLAMA_CONFIG, kv_channels=16, qk_layernorm=True, add_qkv_bias=False)
+# Gemma-3-shaped (its pieces outside attention): zero-centred RMSNorm, four norms per layer, GeGLU, the embedding scaled
+# by sqrt(hidden), tied head, and a final-logit cap low enough to bend the logits (Gemma 3's own configs have none);
+# "gemmachunk": the same with the chunked loss, compared with the unchunked reference.
+GEMMA_CONFIG = replace(QWEN3_CONFIG, normalization="ZeroCenteredRMSNorm", layer_norm_eps=1e-6, activation="geglu",
+                       norm_position="sandwich", embedding_multiplier=32 ** 0.5, tie_embeddings=True,
+                       final_logit_softcapping=2.0)
 CONFIGS = {"gpt": CONFIG, "llama": LLAMA_CONFIG, "mqa": MQA_CONFIG, "deep": DEEP_CONFIG, "chunk": CHUNKED_CONFIG,
-           "qwen3": QWEN3_CONFIG}
+           "qwen3": QWEN3_CONFIG, "gemma": GEMMA_CONFIG, "gemmachunk": replace(GEMMA_CONFIG, loss_chunk_tokens=7)}
 
 # Llama-shaped, 4 layers of which 3 are MoE (layer 2 dense), 4 experts top-2 each 32 wide, a gated shared expert
 # (Qwen2-MoE's), and both auxiliary losses on so that their gradients are part of every comparison.
