@@ -239,3 +239,55 @@ def test_chunked_loss_with_soft_capping_gives_the_unchunked_loss_and_gradients(c
     for name, grad in grads.items():
         assert (grad - ref_grads[name]).abs().max() < 1e-6 * max(1.0, ref_grads[name].abs().max()), name
     assert abs(step(uncapped)[0] - ref_loss) > 1e-3
+
+
+def test_the_pieces_add_the_saved_activations_the_planner_counts():
+    """bf16, measured by the planner's own probes against its formulas, each piece against the model without it (so
+    every other term cancels): the zero-centred norms keep their normalised input in fp32 (the q/k norms too), the
+    sandwich adds two norms per layer, GeGLU keeps what SwiGLU keeps, the scaled embedding nothing; the zero-centred
+    norms' fp32 gains ``1 + w``, one per norm call, are parameter-sized and left out of the per-token formula. The
+    soft-capped head keeps its ``tanh``'s output (``V / t`` per token), and the chunked loss nothing more at its peak."""
+    from lightning_megatron.plan.activations import _head_and_loss, layer_saved_bytes
+    from lightning_megatron.plan.layout import Layout
+    from lightning_megatron.plan.probes import SavedInLayers, head_loss_peak
+    from lightning_megatron.plan.shape import ModelShape
+
+    base = replace(GEMMA, normalization="RMSNorm", activation="swiglu", norm_position="pre", embedding_multiplier=None,
+                   final_logit_softcapping=None)
+    batch, seq, w = 2, 16, 2
+
+    def shape(config):
+        return ModelShape.of(type("Module", (), {"config": config})())
+
+    def measured(config):
+        torch.manual_seed(0)
+        model = GPTModel(config).to(torch.bfloat16)
+        ids = torch.randint(0, 96, (batch, seq))
+        with SavedInLayers(model, list(model.blocks.values())) as saved:
+            model.loss(ids, ids)[0].backward()
+        return saved.bytes
+
+    def predicted(config):
+        return layer_saved_bytes(shape(config), Layout(), w) * batch * seq * config.num_layers
+
+    reference = measured(base)
+    h, d, layers, tokens = GEMMA.hidden_size, GEMMA.head_dim, GEMMA.num_layers, batch * seq
+    gains = {"pre": 2 * h + 2 * d, "sandwich": 4 * h + 2 * d}  # fp32 elements of 1 + w per layer, zero-centred only
+    for overrides in [dict(normalization="ZeroCenteredRMSNorm"), dict(norm_position="sandwich"),
+                      dict(activation="geglu"), dict(embedding_multiplier=8.0),
+                      dict(normalization="ZeroCenteredRMSNorm", norm_position="sandwich", activation="geglu")]:
+        config = replace(base, **overrides)
+        zero_centred = config.normalization == "ZeroCenteredRMSNorm"
+        extra = layers * 4 * gains[config.norm_position] if zero_centred else 0
+        added = measured(config)["layers"] - reference["layers"]
+        assert added == predicted(config) - predicted(base) + extra, overrides
+        assert (added > 0) == (overrides.keys() & {"normalization", "norm_position"} != set()), overrides
+    capped = replace(base, final_logit_softcapping=2.0)
+    assert measured(capped)["outside"] - reference["outside"] == tokens * GEMMA.vocab_size * w
+    formula = [_head_and_loss(shape(config), tokens, GEMMA.vocab_size, h, w, 1, False)[0] for config in (base, capped)]
+    assert formula[1] - formula[0] == GEMMA.vocab_size * w
+    # fp32 probes of the head and loss alone: unchunked, one more [tokens, V] (the tanh's output); chunked, no more.
+    peaks = {(chunk, cap): head_loss_peak(tokens=128, hidden=16, vocab=1024, chunk_tokens=chunk, softcap=cap)["peak_bytes"]
+             for chunk in (None, 16) for cap in (None, 2.0)}
+    assert peaks[None, 2.0] - peaks[None, None] == 128 * 1024 * 4
+    assert peaks[16, 2.0] == peaks[16, None]

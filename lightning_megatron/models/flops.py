@@ -47,6 +47,8 @@ from __future__ import annotations
 from fractions import Fraction
 from typing import Any, Optional, Union
 
+from lightning_megatron.models.mlp import is_gated
+
 __all__ = ["bert_flops_per_batch", "flops_per_batch", "forward_flops_per_token", "gpt_flops_per_batch",
            "megatron_flops_per_batch", "mlp_forward_flops", "moe_forward_flops"]
 
@@ -82,7 +84,7 @@ def mlp_forward_flops(hidden_size: int, ffn_size: int, *, gated: bool) -> int:
 
 def moe_forward_flops(config: Any) -> int:
     """One token through an MoE layer of a ``GPTConfig``: the router, ``top_k`` experts, the shared expert and gate."""
-    h, moe, gated = config.hidden_size, config.moe, config.activation == "swiglu"
+    h, moe, gated = config.hidden_size, config.moe, is_gated(config.activation)
     shared = mlp_forward_flops(h, moe.shared_expert_size, gated=gated) + (2 * h if moe.shared_expert_gate else 0)
     return 2 * h * moe.num_experts + moe.top_k * mlp_forward_flops(h, config.moe_ffn_size, gated=gated) + shared
 
@@ -90,7 +92,7 @@ def moe_forward_flops(config: Any) -> int:
 def gpt_flops_per_batch(config: Any, batch_size: int, seq_length: int) -> int:
     """Training FLOPs (forward + backward, no recomputation) of ``batch_size`` sequences of ``seq_length`` tokens
     for a ``GPTConfig``: GPT-2, or Llama-shaped (grouped-query attention, SwiGLU, untied head), dense or MoE."""
-    gated = config.activation == "swiglu"
+    gated = is_gated(config.activation)
     per_token = forward_flops_per_token(
         hidden_size=config.hidden_size, num_layers=config.num_layers, num_heads=config.num_heads,
         num_query_groups=config.num_query_groups, head_dim=config.head_dim, seq_length=seq_length,

@@ -12,7 +12,7 @@ dtype, unless noted) for tensor-parallel size ``t`` and ``q = t`` under sequence
 ==================================  =====================================  ==============================
 tensor (who keeps it)               elements per token                     split by
 ==================================  =====================================  ==============================
-norm inputs (2 norms)               ``2 h`` (+ fp32 mean/rstd per norm)    ``q``
+norm inputs (2 norms; 4 sandwiched)  ``2 h`` (+ fp32 mean/rstd per norm)    ``q``
 qkv input, fc input                 ``2 h``                                ``q`` (under SP only the sequence
                                                                            chunk is kept, gathered again in
                                                                            backward)
@@ -35,11 +35,15 @@ q/k norms (``qk_layernorm``)        ``(a + g) d`` fp32 inputs and ``w``    ``t``
 ==================================  =====================================  ==============================
 
 RMSNorm (``models.norms``, unfused) keeps more than the fused LayerNorm: its input in fp32 (``4 h`` bytes per norm)
-besides the normalised input (``h``, the ``norm inputs`` row) and rstd.
+besides the normalised input (``h``, the ``norm inputs`` row) and rstd. The zero-centred RMSNorm (Gemma's, ``(1 + w)``
+applied in fp32) keeps its normalised input in fp32 (``4 h`` bytes, not ``w h``), the q/k norms' too. Sandwich norms
+(``norm_position="sandwich"``) are two more norms per layer, on the attention's and the MLP's outputs (under SP their
+sequence chunk).
 
 Full recomputation keeps only each layer's input (``h / q``). The first pipeline stage adds the
 embedding's token ids (8 bytes); the last the final norm's input, the head's input, the logits
-(``V / t``) and the vocab-parallel cross-entropy's fp32 softmax, or with the chunked loss (``loss_chunk_tokens``)
+(``V / t``) and the vocab-parallel cross-entropy's fp32 softmax (with final-logit soft-capping also the ``tanh``'s
+output, ``V / t`` in the compute dtype), or with the chunked loss (``loss_chunk_tokens``)
 the final norm's input and output and two fp32 numbers per token, the logits living one chunk at a time.
 
 Pipelining holds several micro-batches at once: under 1F1B pipeline rank ``r`` of ``p`` holds
@@ -74,7 +78,9 @@ def layer_saved_bytes(shape: ModelShape, layout: Layout, w: int, mode: Optional[
     mode = mode or layout.activation_checkpointing
     if mode == "full":
         return h / q * w
-    norms = 2 * (h * w + (4 if shape.rms_norm else 8)) / q
+    n = shape.norms_per_layer
+    normed = 4 if shape.zero_centered_norms else w  # the bytes of a norm's normalised input, which its gain's product keeps
+    norms = n * (h * normed + (4 if shape.rms_norm else 8)) / q
     inputs = 2 * h * w / q  # the column layers' inputs: under SP their sequence chunk (tensor_parallel.sequence_column)
     qkv = (a + 2 * kv_heads) * d / t * w
     attention_out = a * d / t * w  # the flash kernel's output, a view of which proj keeps
@@ -82,10 +88,10 @@ def layer_saved_bytes(shape: ModelShape, layout: Layout, w: int, mode: Optional[
     mlp = _mlp_saved(shape, t) * w + _router_saved_bytes(shape)
     masks = 2 * h / q if shape.dropout > 0 else 0.0
     # RMSNorm (models.norms) also keeps its input in fp32 (4 bytes; besides the normalised input in ``norms``).
-    norm_fp32_inputs = 2 * h * 4 / q if shape.rms_norm else 0.0
+    norm_fp32_inputs = n * h * 4 / q if shape.rms_norm else 0.0
     # Per-head q/k RMSNorms (Qwen3's): each keeps its fp32 input and normalised output and an rstd per head
     # (measured in bf16; in fp32 the input is a view that keeps the whole qkv output alive, a little more).
-    qk_norms = (a + kv_heads) / t * (d * (4 + w) + 4) if shape.qk_norm else 0.0
+    qk_norms = (a + kv_heads) / t * (d * (4 + normed) + 4) if shape.qk_norm else 0.0
     return norm_fp32_inputs + norms + inputs + qkv + attention_out + lse + mlp + masks + qk_norms
 
 
@@ -163,12 +169,15 @@ def _head_and_loss(shape: ModelShape, tokens: float, vocab: float, h: int, w: in
     parallelism, the targets regrouped by rank (int64); the transient is three fp32 chunks of logits in the forward
     (under sequence parallelism ``chunk / q`` tokens of every rank, gathered), two in the backward next to the head's
     weight gradient where it is made apart (``grad_apart``: before the dp buckets or the ``.grad`` accumulated over
-    passes take it; else it is the ``.grad``, model state): beside one chunk it is no longer small."""
+    passes take it; else it is the ``.grad``, model state): beside one chunk it is no longer small. Final-logit
+    soft-capping keeps the ``tanh``'s output unchunked (``V / t`` in the compute dtype) and adds a third fp32 chunk to
+    the chunked backward (the cap's slope, ``1 - tanh^2``)."""
     chunk = getattr(shape.config, "loss_chunk_tokens", None)
-    if not chunk:
-        return 2 * h * w / q + vocab * 4, tokens * 8 * vocab, vocab * w  # the head keeps its input's chunk under SP
+    if not chunk:  # the head keeps its input's chunk under SP
+        return 2 * h * w / q + vocab * 4 + (vocab * w if shape.logit_softcap else 0), tokens * 8 * vocab, vocab * w
     rows = q * min(max(1, chunk // q), tokens / q)
-    transient = max(12 * vocab * rows, 8 * vocab * rows + (vocab * h * w if grad_apart else 0))
+    backward = (12 if shape.logit_softcap else 8) * vocab * rows
+    transient = max(12 * vocab * rows, backward + (vocab * h * w if grad_apart else 0))
     return 2 * h * w / q + 8 + (8 if q > 1 else 0), transient, 0.0
 
 

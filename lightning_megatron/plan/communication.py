@@ -125,7 +125,7 @@ def step_collectives(shape: ModelShape, layout: Layout, workload: Workload, mode
         # The sequence-parallel parameters: each norm's weight (and LayerNorm's bias), the row layers' biases.
         per_norm = h * (1 if shape.rms_norm else 2)
         row_biases = 2 * h if getattr(shape.config, "add_bias_linear", False) else 0
-        replicated = layers * (2 * per_norm + row_biases) + last * per_norm
+        replicated = layers * (shape.norms_per_layer * per_norm + row_biases) + last * per_norm
         add("tp", "all_reduce", 1, replicated * workload.parameter_bytes, "sequence-parallel parameters' gradients")
     else:
         add("tp", "all_reduce", m * layers * (4 + (mode == "full")), x, "layers")

@@ -228,17 +228,20 @@ class LiveStorages(TorchDispatchMode):
 
 
 def head_loss_peak(*, tokens: int, hidden: int, vocab: int, chunk_tokens: Optional[int], group=None,
-                   sequence_parallel: bool = False, pad_vocab_to_multiple_of: int = 128, seed: int = 0) -> dict:
+                   sequence_parallel: bool = False, pad_vocab_to_multiple_of: int = 128, seed: int = 0,
+                   softcap: Optional[float] = None) -> dict:
     """Peak bytes of one forward and backward of the output layer and the summed cross-entropy of ``tokens``
     tokens (fp32), unchunked (``chunk_tokens=None``) or chunked (``GPTConfig.loss_chunk_tokens``'s
     ``ChunkedHeadLoss``), the input's and the weight's gradients left out; ``group``: tensor parallelism over it
     (the strategy's ``VocabParallelHead``, padded as the strategy pads), ``sequence_parallel``: each rank holds
-    ``tokens / tp`` of the hidden states. Also returns the loss, so that callers can check both paths computed the
+    ``tokens / tp`` of the hidden states; ``softcap``: the logits soft-capped (``GPTConfig.final_logit_softcapping``).
+    Also returns the loss, so that callers can check both paths computed the
     same thing."""
     import torch.distributed as dist
 
     from lightning_megatron.tensor_parallel import VocabParallelCrossEntropy, VocabParallelHead
     from lightning_megatron.tensor_parallel.chunked_cross_entropy import ChunkedHeadLoss
+    from lightning_megatron.tensor_parallel.logits import soft_cap
 
     generator = torch.Generator().manual_seed(seed)
     tp = dist.get_world_size(group) if group is not None else 1
@@ -260,9 +263,9 @@ def head_loss_peak(*, tokens: int, hidden: int, vocab: int, chunk_tokens: Option
     x = states[:, rank * local:(rank + 1) * local].clone().requires_grad_()
     with LiveStorages() as live:
         if chunk_tokens is None:
-            loss = unchunked(head(x).flatten(0, 1), labels.flatten())
+            loss = unchunked(soft_cap(head(x), softcap).flatten(0, 1), labels.flatten())
         else:
-            loss = ChunkedHeadLoss(chunk_tokens=chunk_tokens)(x, labels, head)
+            loss = ChunkedHeadLoss(chunk_tokens=chunk_tokens, softcap=softcap)(x, labels, head)
         loss.backward()
         excluded = live.ids_of([x.grad, head.weight.grad])
     peak, at_peak = live.peak(excluded)

@@ -34,6 +34,9 @@ class ModelShape:
     moe_layers: int = 0
     head_transform: bool = False  # BERT's masked-LM dense layer + norm before the logits
     qk_norm: bool = False  # an RMSNorm over every query and key head (Qwen3's q_norm/k_norm)
+    norms_per_layer: int = 2  # 4 with sandwich norms (Gemma's: after attention and after the MLP too)
+    zero_centered_norms: bool = False  # Gemma's (1 + w) RMSNorm: its normalised input kept in fp32
+    logit_softcap: bool = False  # final-logit soft-capping: the unchunked head keeps the tanh's output
 
     @classmethod
     def of(cls, module: Any) -> "ModelShape":
@@ -42,16 +45,21 @@ class ModelShape:
 
         config = getattr(module, "config", None)
         if isinstance(config, GPTConfig):
+            from lightning_megatron.models.mlp import is_gated
+
             moe = config.moe
             return cls(config, True, config.hidden_size, config.num_layers, config.num_heads, config.query_groups,
-                       config.head_dim, config.ffn_size, config.activation == "swiglu", config.vocab_size,
-                       config.normalization == "RMSNorm", config.position_embedding_type == "rope", config.dropout,
+                       config.head_dim, config.ffn_size, is_gated(config.activation), config.vocab_size,
+                       config.normalization in ("RMSNorm", "ZeroCenteredRMSNorm"),
+                       config.position_embedding_type == "rope", config.dropout,
                        config.attention_dropout,
                        num_experts=moe.num_experts if moe else 0, top_k=moe.top_k if moe else 0,
                        expert_ffn_size=config.moe_ffn_size if moe else 0,
                        shared_expert_size=moe.shared_expert_size if moe else 0,
                        moe_layers=len(moe.moe_layers(config.num_layers)) if moe else 0,
-                       qk_norm=config.qk_layernorm)
+                       qk_norm=config.qk_layernorm, norms_per_layer=4 if config.norm_position == "sandwich" else 2,
+                       zero_centered_norms=config.normalization == "ZeroCenteredRMSNorm",
+                       logit_softcap=config.final_logit_softcapping is not None)
         if isinstance(config, BERTConfig):
             return cls(config, False, config.hidden_size, config.num_layers, config.num_heads, config.num_heads,
                        config.hidden_size // config.num_heads, config.ffn_size, False, config.vocab_size, False, False,

@@ -9,7 +9,7 @@ For the slowest pipeline rank and one micro-batch of ``T = micro_batch_size * se
   under ``Workload.fp8``; attention's ``Q K^T`` and ``P V`` (again under either recomputation) at
   ``attention_efficiency`` (flash kernels, which skip causal attention's masked half; materialised scores: batched
   GEMMs at ``matmul_efficiency``); plus the element-wise kernels (norms, residual adds, dropout, the activation,
-  rotary, head transposes, the vocab-parallel cross-entropy) as bytes at ``memory_efficiency`` of the
+  rotary, head transposes, the vocab-parallel cross-entropy, final-logit soft-capping) as bytes at ``memory_efficiency`` of the
   memory bandwidth, ``/ tp`` where sequence parallelism splits them;
 * **tensor parallel**: Megatron's two all-reduces per layer forward and two backward (one more in a
   recomputed forward), or under sequence parallelism the all-gathers and reduce-scatters moving the same
@@ -115,8 +115,11 @@ def step_time(shape: ModelShape, layout: Layout, workload: Workload, hardware: H
     elementwise_forward = _layer_elementwise_bytes(shape, layout, w)
     if workload.attention == "materialized":  # the a x s scores of each token, /tp: written, soft-maxed, dropped
         elementwise_forward += MATERIALIZED_SCORE_BYTES * shape.num_heads * workload.seq_length / tp * w / 2
+    # The cross-entropy's fp32 passes over this rank's logits; soft-capping's three element-wise ops read and write
+    # them once in forward, twice in backward.
+    head_elementwise = (20 + (18 * w if shape.logit_softcap else 0)) * vocab
     elementwise = tokens * (layers * elementwise_forward * (3 + (layout.activation_checkpointing == "full"))
-                            + 20 * vocab)
+                            + head_elementwise)
     compute_mb = gemm_seconds + attention / core_rate + elementwise / memory_rate
 
     # ---- communication: the bytes and calls of plan.communication, per micro-batch
@@ -202,7 +205,8 @@ def _layer_elementwise_bytes(shape: ModelShape, layout: Layout, w: int) -> float
     tp = layout.tensor_parallel_size
     h = shape.hidden_size
     sequence_split = tp if layout.sequence_parallel else 1  # norms, residuals and dropout run on T / tp tokens
-    replicated = (4 * h + 6 * h + (5 * h if shape.dropout > 0 else 0)) * w / sequence_split
+    norms = 2 * shape.norms_per_layer * h  # each norm reads and writes the hidden state
+    replicated = (norms + 6 * h + (5 * h if shape.dropout > 0 else 0)) * w / sequence_split
     width = shape.ffn_size if not shape.moe_layers else shape.top_k * shape.expert_ffn_size
     activation = (3 if shape.gated_mlp else 2) * width / tp * w
     heads = (2 * (shape.num_heads + 2 * shape.query_groups) + 2 * shape.num_heads) * shape.head_dim / tp * w

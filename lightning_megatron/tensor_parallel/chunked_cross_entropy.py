@@ -157,7 +157,7 @@ class _ChunkedHeadCrossEntropy(torch.autograd.Function):
 
 def _chunk_loss(ctx, rows: Tensor, weight: Tensor, targets: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """A chunk's per-token losses, logits maxima and sums of exponentials; its logits die on return."""
-    _, logits, _ = _chunk_logits(ctx, rows, weight)
+    logits = _chunk_logits(ctx, rows, weight)[1]  # the cap's tanh is not needed (nor held) here
     loss, _, logits_max, sum_exp, *_ = vocab_parallel_loss_terms(logits, targets.reshape(-1), ctx.shard.group,
                                                                  ctx.ignore_index)
     return loss, logits_max, sum_exp
@@ -168,6 +168,9 @@ def _chunk_gradients(ctx, rows: Tensor, weight: Tensor, targets: Tensor, maxima:
     """A chunk's input gradient (this rank's rows); adds its weight gradient to ``grad_weight``."""
     group, cast = ctx.shard.group, ctx.compute_dtype
     inputs, logits, tanh = _chunk_logits(ctx, rows, weight)
+    # d(cap * tanh(z / cap)) / dz = 1 - tanh^2, made in place of tanh's (fp32) values: no more than a chunk of logits
+    slope = None if tanh is None else tanh.float().square_().neg_().add_(1)
+    del tanh
     target = targets.reshape(-1)
     # The forward's softmax, rebuilt from its kept maximum and sum: the same operations on the same values.
     softmax = (logits - maxima.reshape(-1, 1)).exp_().div_(sums.reshape(-1, 1))
@@ -175,8 +178,8 @@ def _chunk_gradients(ctx, rows: Tensor, weight: Tensor, targets: Tensor, maxima:
     local_target, owned = local_targets(target, softmax.shape[-1], group)
     scale = grad_losses.reshape(-1) * (target != ctx.ignore_index)
     grad_logits = logits_gradient(softmax, local_target, owned, scale)
-    if tanh is not None:  # d(cap * tanh(z / cap)) / dz
-        grad_logits.mul_(1 - tanh.float().square())
+    if slope is not None:
+        grad_logits.mul_(slope)
     grad_logits = grad_logits.to(cast)
     with _no_autocast(rows):
         if grad_weight.dtype == cast:
