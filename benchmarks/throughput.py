@@ -48,7 +48,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 from lightning_megatron import Megatron3DStrategy
 from lightning_megatron.models.gpt import GPT, IGNORE_INDEX, GPTModel
-from lightning_megatron.models.mlp import GatedMLP
+from lightning_megatron.models.mlp import GatedMLP, is_gated
 from lightning_megatron.models.transformer import TransformerLayer
 
 from benchmarks.harness.launch import add_worker_flags, read_ranks, run_checked, torchrun, worker_env, worker_rank_and_device
@@ -374,7 +374,7 @@ def flops_per_step(args: argparse.Namespace) -> float:
     config = gpt_config(args)
     h, d, layers = config.hidden_size, config.head_dim, config.num_layers
     qkv = h * (config.num_heads + 2 * config.query_groups) * d
-    mlp = (3 if config.activation == "swiglu" else 2) * config.ffn_size * h
+    mlp = (3 if is_gated(config.activation) else 2) * config.ffn_size * h
     per_token = 6 * (layers * (qkv + h * h + mlp) + config.vocab_size * h) + 12 * args.seq * layers * h
     return args.batch * args.seq * per_token
 

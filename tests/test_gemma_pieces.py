@@ -101,12 +101,14 @@ def test_zero_centered_rms_norm_is_gemma3s_to_the_bit(dtype):
 
 def test_zero_centered_norms_start_at_zero_at_every_place_of_the_model():
     """The initializer asks the norm (``initialize_own_parameter``): its gains start at zero, so every norm is the
-    identity gain, in the layers (four and the q/k norms) and the final one; other parameters are drawn as before."""
+    identity gain, in the layers (four and the q/k norms) and the final one; other parameters are drawn as before.
+    ``num_parameters`` counts what the model holds."""
     model = GPTModel(GEMMA)
     gains = {name: p for name, p in model.named_parameters() if p.dim() == 1}
     assert len(gains) == GEMMA.num_layers * 6 + 1
     assert all(not p.any() for p in gains.values())
     assert model.blocks["0"].mlp.fc.weight.std() > 0.01
+    assert sum(p.numel() for p in model.parameters()) == GEMMA.num_parameters()  # four norms a layer, q/k norms
     llama_norms = GPTModel(replace(GEMMA, normalization="RMSNorm"))
     assert all(torch.equal(p, torch.ones_like(p)) for p in llama_norms.parameters() if p.dim() == 1)
 
@@ -291,3 +293,15 @@ def test_the_pieces_add_the_saved_activations_the_planner_counts():
              for chunk in (None, 16) for cap in (None, 2.0)}
     assert peaks[None, 2.0] - peaks[None, None] == 128 * 1024 * 4
     assert peaks[16, 2.0] == peaks[16, None]
+
+
+@pytest.mark.parametrize("overrides", [dict(norm_position="sandwich"), dict(embedding_multiplier=8.0),
+                                       dict(final_logit_softcapping=30.0), dict(activation="geglu")])
+def test_a_llama_with_a_gemma_piece_is_not_exported_as_a_llama(overrides):
+    """The Llama-shaped families (and GPT-2) have none of these pieces: the export names the field instead of
+    writing a config.json that transformers would compute differently (the cap and the scale have no weights)."""
+    from lightning_megatron.huggingface.llama import LLAMA
+
+    field = next(iter(overrides))
+    with pytest.raises(ValueError, match=rf"{field}={overrides[field]!r} \(LlamaForCausalLM has"):
+        LLAMA.hf_config(GPTConfig.from_name("llama-tiny", **overrides))

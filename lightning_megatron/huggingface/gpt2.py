@@ -43,7 +43,8 @@ GPT2_DEFAULTS: dict[str, Any] = {
 }
 # Our GPTConfig's pieces that GPT-2 has (its defaults); any other value has no GPT-2 equivalent.
 GPT2_PIECES = {"normalization": "LayerNorm", "position_embedding_type": "learned_absolute", "activation": "gelu",
-               "rope_scaling": None, "add_bias_linear": True, "tie_embeddings": True}
+               "rope_scaling": None, "add_bias_linear": True, "tie_embeddings": True, "norm_position": "pre",
+               "embedding_multiplier": None, "final_logit_softcapping": None}
 GPT2_END_OF_TEXT = 50256
 TIED_WHY = "our GPT ties them, as GPT-2 does"
 _MASK_BUFFER = re.compile(r"transformer\.h\.\d+\.attn\.(bias|masked_bias)")  # causal masks in old checkpoints

@@ -51,7 +51,8 @@ from lightning_megatron.models.gpt import GPT, GPTConfig, GPTModel
 from lightning_megatron.models.rotary import RopeScaling
 
 # Our GPTConfig's pieces that every Llama-shaped family has.
-DECODER_PIECES = {"normalization": "RMSNorm", "position_embedding_type": "rope", "activation": "swiglu"}
+DECODER_PIECES = {"normalization": "RMSNorm", "position_embedding_type": "rope", "activation": "swiglu",
+                  "norm_position": "pre", "embedding_multiplier": None, "final_logit_softcapping": None}
 ROTARY_TYPES = ("default", "llama3")
 DEFAULT_ROPE_THETA = 10000.0
 TIED_WHY = "the config ties them (tie_word_embeddings=True)"
