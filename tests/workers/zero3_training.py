@@ -57,7 +57,7 @@ from lightning_megatron.tensor_parallel.fp8_plan import convert_to_fp8
 from lightning_megatron.tensor_parallel.overlap import overlapped_linear_for
 from entry import run_script
 
-LAYOUT = re.compile(r"(?:(llama|mqa|moe|chunk)-)?(?:pp(\d+)-)?tp(\d+)-dp(\d+)(-sp)?(?:-mb(\d+))?(-nosync)?(-pre)?(-sgd)?"
+LAYOUT = re.compile(r"(?:(llama|mqa|moe|chunk|gemma)-)?(?:pp(\d+)-)?tp(\d+)-dp(\d+)(-sp)?(?:-mb(\d+))?(-nosync)?(-pre)?(-sgd)?"
                     r"(-tpo)?(-cpu)?(-ckpt)?(?:-fp8(t|r))?(?:-s(\d+))?(-lora)?")
 FP8_RECIPES = {"t": "tensorwise", "r": "rowwise"}
 
