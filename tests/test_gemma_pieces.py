@@ -118,7 +118,7 @@ def test_geglu_is_gemma3s_mlp(dtype):
     """``[gate | up]`` fused in one ``fc`` and the tanh GELU: transformers' ``Gemma3MLP`` (``gelu_pytorch_tanh``)."""
     theirs = hf.Gemma3MLP(_hf_config(GEMMA))
     _randomise(theirs)
-    ours = GatedMLP(48, 64, gate="geglu")
+    ours = GatedMLP(48, 64, activation="geglu")
     ours.load_state_dict({"fc.weight": torch.cat([theirs.gate_proj.weight, theirs.up_proj.weight]),
                           "proj.weight": theirs.down_proj.weight})
     theirs, ours = theirs.to(dtype), ours.to(dtype)
@@ -128,10 +128,25 @@ def test_geglu_is_gemma3s_mlp(dtype):
     tolerance = 1e-6 if dtype == torch.float32 else 1e-2
     _close(out, ref, tolerance)
     _close(dx[0], ref_dx[0], tolerance)
-    swiglu = GatedMLP(48, 64, gate="swiglu").to(dtype)
+    swiglu = GatedMLP(48, 64, activation="swiglu").to(dtype)
     swiglu.load_state_dict(ours.state_dict())
     with pytest.raises(AssertionError):
         _close(swiglu(x).detach(), out, tolerance)
+
+
+def test_geglu_is_split_and_adapted_as_swiglu_is():
+    """The same tensor-parallel plan (``fc`` as ``PackedColumn(2)``: each rank its share of gate and of up) and the
+    same projections for LoRA (``gate``, ``up``) as the SwiGLU model; MoE experts and the shared expert GeGLU too."""
+    from lightning_megatron.models.moe import MoEConfig
+
+    swiglu = GPTModel(replace(GEMMA, activation="swiglu"))
+    geglu = GPTModel(GEMMA)
+    assert geglu.tensor_parallel_plan() == swiglu.tensor_parallel_plan()
+    assert geglu.fused_projections() == swiglu.fused_projections()
+    assert geglu.fused_projections()["blocks.*.mlp.fc"] == ("gate", "up")
+    moe = GPTModel(replace(GEMMA, moe=MoEConfig(num_experts=2, top_k=1, shared_expert_size=32)))
+    experts = [m for m in moe.modules() if isinstance(m, GatedMLP)]
+    assert len(experts) == 2 * 3 and {m.activation for m in experts} == {"geglu"}
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -37,19 +37,19 @@ class MLP(nn.Module):
 class GatedMLP(nn.Module):
     """A gated linear unit (Shazeer 2020): ``proj(gate_fn(gate(x)) * up(x))``, with gate and up fused in one ``fc``.
 
-    ``gate``: the gate's function by config name, ``"swiglu"`` (SiLU: Llama) or ``"geglu"`` (the tanh GELU:
-    Gemma's ``gelu_pytorch_tanh``). ``fc``'s output is ``[gate | up]``; under tensor parallelism the
+    ``activation``: the config's name, which says the gate's function: ``"swiglu"`` (SiLU: Llama) or ``"geglu"``
+    (the tanh GELU: Gemma's ``gelu_pytorch_tanh``). ``fc``'s output is ``[gate | up]``; under tensor parallelism the
     ``PackedColumn(2)`` style gives each rank the same share of both halves, laid out ``[gate_r | up_r]``, so the
     local ``chunk(2)`` pairs each gate channel with its own up channel at every layout.
     """
 
-    def __init__(self, hidden_size: int, ffn_hidden_size: int, *, bias: bool = False, gate: str = "swiglu") -> None:
+    def __init__(self, hidden_size: int, ffn_hidden_size: int, *, bias: bool = False, activation: str = "swiglu") -> None:
         super().__init__()
-        if gate not in GATES:
-            raise ValueError(f"gate={gate!r} is not one of {tuple(GATES)}.")
+        if activation not in GATES:
+            raise ValueError(f"activation={activation!r} is not one of the gated {tuple(GATES)}.")
         self.fc = nn.Linear(hidden_size, 2 * ffn_hidden_size, bias=bias)
         self.proj = nn.Linear(ffn_hidden_size, hidden_size, bias=bias)
-        self.gate = gate
+        self.activation = activation
 
     def forward(self, x: Tensor) -> Tensor:
         return self.proj(self.activate(self.fc(x)))
@@ -57,10 +57,10 @@ class GatedMLP(nn.Module):
     def activate(self, h: Tensor) -> Tensor:
         """``fc``'s ``[gate | up]`` -> ``gate_fn(gate) * up`` (also what an MoE layer's grouped GEMMs apply)."""
         gate, up = h.chunk(2, dim=-1)
-        return GATES[self.gate](gate) * up
+        return GATES[self.activation](gate) * up
 
     def extra_repr(self) -> str:
-        return f"gate={self.gate!r}"
+        return f"activation={self.activation!r}"
 
 
 def build_mlp(activation: str, hidden_size: int, ffn_hidden_size: int, *, bias: bool) -> nn.Module:
@@ -68,5 +68,5 @@ def build_mlp(activation: str, hidden_size: int, ffn_hidden_size: int, *, bias: 
     if activation == "gelu":
         return MLP(hidden_size, ffn_hidden_size, bias=bias)
     if is_gated(activation):
-        return GatedMLP(hidden_size, ffn_hidden_size, bias=bias, gate=activation)
+        return GatedMLP(hidden_size, ffn_hidden_size, bias=bias, activation=activation)
     raise ValueError(f"activation={activation!r} is not one of {ACTIVATIONS}.")
