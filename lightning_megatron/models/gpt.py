@@ -327,8 +327,9 @@ class GPTEmbedding(nn.Module):
 
     def forward(self, input_ids: Tensor, position_ids: Optional[Tensor] = None) -> Tensor:
         x = self.wte(input_ids)
-        if self.multiplier is not None:  # fp32 first, then the embedding's dtype: transformers' buffer, cast
-            x = x * torch.tensor(self.multiplier, dtype=torch.float32).to(x.dtype).item()
+        if self.multiplier is not None:  # fp32 first, then the embedding's dtype: transformers' buffer, cast. A CPU
+            # scalar tensor: the device reads it as a kernel argument, with no copy and no wait.
+            x = x * torch.tensor(self.multiplier, dtype=torch.float32).to(x.dtype)
         if self.wpe is not None:
             positions = torch.arange(input_ids.shape[1], device=input_ids.device) if position_ids is None else position_ids
             x = x + self.wpe(positions)
