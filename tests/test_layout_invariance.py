@@ -99,8 +99,9 @@ LAYOUTS[4] += QWEN3_LAYOUTS
 LORA_LAYOUTS[4].append("qwen3-tp2-dp2-lora")
 # Gemma 3's pieces outside attention (gpt_setup.GEMMA_CONFIG): the extra norms replicated and, under SP, summed over tp
 # as ln_1/ln_2; the soft-capped logits of each rank's vocabulary slice (rank 1's mostly padding, kept at -inf) in the
-# vocab-parallel loss, unchunked and chunked; the scaled embedding on the first stage and the cap on the last under pp2.
-LAYOUTS[2] += ["gemma-tp2-dp1-sp-mb2", "gemma-pp2-tp1-dp1-mb4", "gemmachunk-tp2-dp1-sp-mb2"]
+# vocab-parallel loss, unchunked and chunked; the scaled embedding on the first stage and the cap on the last under pp2;
+# full recomputation of the sandwich layers at tp2 + SP.
+LAYOUTS[2] += ["gemma-tp2-dp1-sp-mb2-rc", "gemma-pp2-tp1-dp1-mb4", "gemmachunk-tp2-dp1-sp-mb2"]
 LOSS_TOL, WEIGHT_TOL = 1e-5, 1e-5
 
 
