@@ -97,7 +97,7 @@ def test_presets_export_configs_transformers_reads_back(preset, model_type):
     ("hidden_act", "gelu", "hidden_act='gelu': our SwiGLU MLP gates with SiLU"),
     ("rope_parameters", {"rope_type": "yarn", "factor": 4.0}, "rope_parameters.rope_type='yarn'"),
     ("rope_parameters", {"rope_type": "dynamic", "factor": 2.0}, "rope_parameters.rope_type='dynamic'"),
-    ("rope_scaling", {"type": "linear", "factor": 2.0}, "rope_scaling.rope_type='linear'"),
+    ("rope_scaling", {"type": "longrope", "factor": 2.0}, "rope_scaling.rope_type='longrope'"),
     ("rope_parameters", {"rope_type": "default", "partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5"),
     ("rope_parameters", {"full_attention": {"rope_type": "default"}}, "rotary parameters per layer type"),
     ("attention_bias", True, "attention_bias=True with mlp_bias=False"),
