@@ -8,7 +8,9 @@ has shapes the formulas do not know, and is refused with that reason.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
+
+from lightning_megatron.models.flops import sliding_layers
 
 
 @dataclass(frozen=True)
@@ -34,6 +36,9 @@ class ModelShape:
     moe_layers: int = 0
     head_transform: bool = False  # BERT's masked-LM dense layer + norm before the logits
     qk_norm: bool = False  # an RMSNorm over every query and key head (Qwen3's q_norm/k_norm)
+    sliding_window: Optional[int] = None  # the window of the sliding layers
+    sliding_layers: int = 0  # layers that attend within sliding_window keys (GPTConfig.layer_types)
+    softcap: bool = False  # soft-capped scores: attention computed densely, its [s, s] probabilities kept
 
     @classmethod
     def of(cls, module: Any) -> "ModelShape":
@@ -51,7 +56,8 @@ class ModelShape:
                        expert_ffn_size=config.moe_ffn_size if moe else 0,
                        shared_expert_size=moe.shared_expert_size if moe else 0,
                        moe_layers=len(moe.moe_layers(config.num_layers)) if moe else 0,
-                       qk_norm=config.qk_layernorm)
+                       qk_norm=config.qk_layernorm, sliding_window=config.sliding_window,
+                       sliding_layers=sliding_layers(config), softcap=config.attn_logit_softcapping is not None)
         if isinstance(config, BERTConfig):
             return cls(config, False, config.hidden_size, config.num_layers, config.num_heads, config.num_heads,
                        config.hidden_size // config.num_heads, config.ffn_size, False, config.vocab_size, False, False,
