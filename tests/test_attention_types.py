@@ -184,14 +184,18 @@ def test_export_refuses_what_a_family_cannot_hold():
 
 
 def test_greedy_generation_beyond_the_window_matches_transformers():
+    """Left-padded prompts (the window counts cache positions, padding included, as transformers' does), 12 new
+    tokens past a window of 4."""
     hf = build_hf_model("mistral", sliding_window=4)
-    prompts = torch.randint(0, 300, (2, 6), generator=torch.Generator().manual_seed(5))
-    expected = hf.generate(prompts, max_new_tokens=12, do_sample=False, attention_mask=torch.ones_like(prompts))
+    prompts = torch.randint(1, 300, (2, 7), generator=torch.Generator().manual_seed(5))
+    mask = torch.ones_like(prompts)
+    mask[0, :3], prompts[0, :3] = 0, 0
+    settings = dict(max_new_tokens=12, do_sample=False, attention_mask=mask, pad_token_id=0)
+    expected = hf.generate(prompts, **settings)
     gpt = GPT.from_hf(hf).eval()
-    assert gpt.generate(prompts, max_new_tokens=12).tolist() == expected.tolist()
+    assert gpt.generate(prompts, max_new_tokens=12, attention_mask=mask, pad_id=0).tolist() == expected.tolist()
     unwindowed = build_hf_model("mistral", sliding_window=None)
-    assert unwindowed.generate(prompts, max_new_tokens=12, do_sample=False,
-                               attention_mask=torch.ones_like(prompts)).tolist() != expected.tolist()
+    assert unwindowed.generate(prompts, **settings).tolist() != expected.tolist()
 
 
 def test_cached_generation_with_window_and_softcap_is_greedy_over_whole_sequences():
