@@ -330,7 +330,7 @@ GPT_PRESETS.update({
                               num_query_groups=8, ffn_hidden_size=14336, tie_embeddings=False, **LLAMA_3_1_ROPE, **LLAMA),
     "llama-3.1-70b": GPTConfig(vocab_size=128256, max_seq_length=131072, hidden_size=8192, num_layers=80, num_heads=64,
                                num_query_groups=8, ffn_hidden_size=28672, tie_embeddings=False, **LLAMA_3_1_ROPE, **LLAMA),
-    # Mistral-7B-v0.3 (no sliding window; v0.1's 4096-token window is not modelled).
+    # Mistral-7B-v0.3 (no sliding window; v0.1's was sliding_window=4096).
     "mistral-7b": GPTConfig(vocab_size=32768, max_seq_length=32768, hidden_size=4096, num_layers=32, num_heads=32,
                             num_query_groups=8, ffn_hidden_size=14336, rotary_base=1000000.0, tie_embeddings=False, **LLAMA),
     "qwen2.5-7b": GPTConfig(vocab_size=152064, max_seq_length=131072, hidden_size=3584, num_layers=28, num_heads=28,
