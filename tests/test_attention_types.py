@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from workers.hf_llama_setup import build_hf_model
 from lightning_megatron.context_parallel.masks import BlockPattern
-from lightning_megatron.huggingface.llama import hf_config_from_llama
+from lightning_megatron.huggingface.llama import hf_config_from_llama, llama_config_from_hf
 from lightning_megatron.huggingface.mapping import QueryGroups
 from lightning_megatron.huggingface.mistral import hf_config_from_mistral
 from lightning_megatron.huggingface.qwen2 import hf_config_from_qwen2
@@ -210,3 +210,13 @@ def test_cached_generation_with_window_and_softcap_is_greedy_over_whole_sequence
     for _ in range(8):
         tokens = torch.cat([tokens, model(tokens)[:, -1].argmax(-1, keepdim=True)], dim=1)
     assert gpt.generate(prompt, max_new_tokens=8).tolist() == tokens.tolist()
+
+
+def test_linear_rope_scaling_reads_and_writes_back():
+    """Linear scaling (Gemma 3's global layers; checked against transformers above) in a Llama config.json."""
+    rope = {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}
+    config = llama_config_from_hf({"model_type": "llama", "rope_parameters": rope})
+    assert config.rope_scaling == RopeScaling(factor=2.0, rope_type="linear")
+    assert hf_config_from_llama(config)["rope_parameters"] == rope
+    with pytest.raises(ValueError, match=r"rope_type='ntk'\) is not one of \['linear', 'llama3'\]"):
+        RopeScaling(rope_type="ntk")
