@@ -101,9 +101,9 @@ class CoreAttention(nn.Module):
             return given
         lq, lk = q.shape[2], k.shape[2]
         positions = torch.arange(lk, device=q.device)
-        ids = None if documents is None else documents.ids
-        keep = BlockPattern(q_pos=positions[lk - lq:], k_pos=positions, causal=causal, window=window, q_ids=ids,
-                            k_ids=ids).keep()
+        keep = BlockPattern(q_pos=positions[lk - lq:], k_pos=positions, causal=causal, window=window).keep()
+        if documents is not None:
+            keep = keep & documents.dense(causal=False)
         return keep if given is None else keep & given
 
 
