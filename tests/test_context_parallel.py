@@ -35,6 +35,8 @@ LAYOUTS = [
     "doc-cp2-tp1-dp2-ag",           # the same with the all-gather attention
     "doc-cp4-tp1-dp1-sel",          # documents across the 2-token chunks of cp4, attention recomputed in backward
     "chunk-cp2-tp2-dp1-sp",         # the chunked loss on each rank's chunks, against the unchunked GPT's reference
+    "window-cp2-tp2-dp1-sp",        # sliding windows across the ring's chunks, tp2 + SP
+    "windowdoc-cp2-tp1-dp2-ag",     # the same over packed documents, all-gather attention
 ]
 COUNTS = ["count-gpt-cp4-tp1-dp1", "count-llama-cp2-tp1-dp2", "count-bert-cp2-tp2-dp1-sp", "count-llama-cp4-tp1-dp1-ag"]
 EXTRAS = ["kernels-gpt-cp4-tp1-dp1", "kernels-gpt-cp2-tp1-dp2", "gen-llama-cp2-tp2-dp1-sp", "errors-gpt-cp4-tp1-dp1"]
@@ -108,6 +110,10 @@ def test_models_the_split_attention_cannot_serve_are_refused_before_anything_run
     with pytest.raises(ValueError, match=r"sentence-order head .* BERTConfig\(binary_head=False\)"):
         BERT(BERTConfig(max_seq_length=16, hidden_size=32, num_layers=2, num_heads=4)).validate_parallel_config(
             state.config)
+    capped = GPT(replace(gpt_setup.CONFIG, attn_logit_softcapping=30.0))
+    capped.configure_model()
+    with pytest.raises(ValueError, match=r"soft-capped attention scores.*model.blocks.0.attn.core_attention, softcap=30.0"):
+        apply_context_parallel(capped, state)
     with pytest.raises(ValueError, match=r"Mixture-of-Experts model is not supported"):
         GPT(gpt_setup.CONFIGS["moe"]).validate_parallel_config(state.config)
 

@@ -57,7 +57,6 @@ def test_sharded_export_loads_and_replaces_our_previous_export(tmp_path):
         gpt.to_hf(out, max_shard_size="5 bananas")
 
 
-@pytest.mark.filterwarnings("ignore:sliding_window=48")  # Mistral's window: test_hf_llama.py checks the warning
 @pytest.mark.parametrize("case", ["llama-gqa", "mistral", "qwen2"])
 def test_checkpoint_convert_round_trips_to_identical_tensors(case, tmp_path):
     hf = build_hf_model(case)

@@ -1,9 +1,8 @@
 """Hugging Face Llama, Mistral, Qwen2 and Qwen3: logits parity at tp=1 and exact round trips through from_pretrained for every
 case of ``workers/hf_llama_setup.py``, both spellings of the rotary settings, the family chosen from our config, the
-published presets' configs, the sliding window, and clear errors for what cannot convert. The parallel layouts:
+published presets' configs, and clear errors for what cannot convert. The parallel layouts:
 ``test_hf_parity.py``; sharded exports and ``checkpoint convert``: ``test_hf_export.py``."""
 
-import warnings
 from dataclasses import replace
 
 import pytest
@@ -19,9 +18,6 @@ from lightning_megatron.models import GPT, GPTConfig, GPTModel, RopeScaling
 
 transformers = pytest.importorskip("transformers")
 BOOKKEEPING = {"_name_or_path", "architectures", "dtype", "transformers_version"}
-# What an export changes on purpose: Mistral's window is not modelled, so the model converts at the window's length
-# and exports as full attention (which is what it computes).
-CHANGED_ON_EXPORT = {"mistral": {"sliding_window": None, "max_position_embeddings": 48}}
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -30,9 +26,7 @@ def test_converted_model_matches_and_exports_back_exactly(case, tmp_path):
     input_ids = sample_input_ids()
     with torch.no_grad():
         expected = hf(input_ids).logits
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # Mistral's sliding window (test_sliding_window_limits_the_sequence_length)
-        gpt = GPT.from_hf(hf, learning_rate=1e-4).eval()
+    gpt = GPT.from_hf(hf, learning_rate=1e-4).eval()
     assert gpt.hparams.learning_rate == 1e-4 and gpt.config.normalization == "RMSNorm"
     with torch.no_grad():
         deviation = (gpt(input_ids) - expected).abs().max().item()
@@ -48,8 +42,7 @@ def test_converted_model_matches_and_exports_back_exactly(case, tmp_path):
     assert {p.name for p in tmp_path.iterdir()} == {"config.json", "model.safetensors"}
     reloaded = getattr(transformers, CASES[case][0]).from_pretrained(tmp_path).eval()
     assert reloaded.config.model_type == MODEL_TYPES[case]
-    changed = CHANGED_ON_EXPORT.get(case, {})
-    differing = {k for k, v in hf.config.to_dict().items() if reloaded.config.to_dict().get(k) != changed.get(k, v)}
+    differing = {k for k, v in hf.config.to_dict().items() if reloaded.config.to_dict().get(k) != v}
     assert not differing - BOOKKEEPING, differing
     assert reloaded.state_dict().keys() == hf_state.keys()
     assert all(torch.equal(reloaded.state_dict()[name], value) for name, value in hf_state.items())
@@ -97,7 +90,7 @@ def test_presets_export_configs_transformers_reads_back(preset, model_type):
     ("hidden_act", "gelu", "hidden_act='gelu': our SwiGLU MLP gates with SiLU"),
     ("rope_parameters", {"rope_type": "yarn", "factor": 4.0}, "rope_parameters.rope_type='yarn'"),
     ("rope_parameters", {"rope_type": "dynamic", "factor": 2.0}, "rope_parameters.rope_type='dynamic'"),
-    ("rope_scaling", {"type": "linear", "factor": 2.0}, "rope_scaling.rope_type='linear'"),
+    ("rope_scaling", {"type": "longrope", "factor": 2.0}, "rope_scaling.rope_type='longrope'"),
     ("rope_parameters", {"rope_type": "default", "partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5"),
     ("rope_parameters", {"full_attention": {"rope_type": "default"}}, "rotary parameters per layer type"),
     ("attention_bias", True, "attention_bias=True with mlp_bias=False"),
@@ -162,21 +155,6 @@ def test_family_is_chosen_from_the_config_and_refuses_what_it_cannot_hold():
         family_for(rotary).hf_config(rotary)
     with pytest.raises(ValueError, match=r"\['rope_theta'\] describe the architecture"):
         hf_config_from_llama(llama, rope_theta=1.0)
-
-
-def test_sliding_window_limits_the_sequence_length():
-    with pytest.warns(UserWarning, match=r"sliding_window=48: our attention is not windowed(.|\n)*max_seq_length=48 "
-                                         r"\(max_position_embeddings=64\)"):
-        gpt = GPT.from_hf(build_hf_model("mistral"))
-    assert gpt.config.max_seq_length == 48
-    with pytest.raises(ValueError, match="Sequence length 49 exceeds max_seq_length=48"):
-        gpt(torch.zeros(1, 49, dtype=torch.long))
-    with pytest.warns(UserWarning, match="sliding_window=16: (.|\n)*Qwen2's"):
-        assert qwen2_config_from_hf(build_hf_model("qwen2", use_sliding_window=True, sliding_window=16).config
-                                    ).max_seq_length == 16
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # a window that covers every position changes nothing and says nothing
-        assert mistral_config_from_hf(build_hf_model("mistral", sliding_window=64).config).max_seq_length == 64
 
 
 def test_state_dicts_that_cannot_convert_raise():

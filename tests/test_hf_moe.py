@@ -4,7 +4,6 @@ case of ``workers/hf_llama_setup.MOE_CASES``; every spelling of the experts read
 from our config; clear errors for what cannot convert. The tp=2 layouts: ``test_hf_parity.py``."""
 
 import json
-import warnings
 from dataclasses import replace
 
 import pytest
@@ -186,14 +185,11 @@ def test_unconvertible_config_raises(case, field, value, message):
         FAMILIES[MODEL_TYPES[case]].config_from_hf(fields, ())
 
 
-def test_sliding_window_limits_the_sequence_length_and_exports_as_full_attention(tmp_path):
-    with pytest.warns(UserWarning, match=r"sliding_window=48: (.|\n)*Mixtral's(.|\n)*max_seq_length=48"):
-        gpt = GPT.from_hf(build_hf_model("mixtral", sliding_window=48))
-    assert gpt.config.max_seq_length == 48
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        gpt.to_hf(tmp_path)
-    assert json.loads((tmp_path / "config.json").read_text())["sliding_window"] is None
+def test_sliding_window_converts_and_exports_back(tmp_path):
+    gpt = GPT.from_hf(build_hf_model("mixtral", sliding_window=8))
+    assert (gpt.config.sliding_window, gpt.config.layer_types, gpt.config.max_seq_length) == (8, None, 64)
+    gpt.to_hf(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["sliding_window"] == 8
 
 
 def test_state_dicts_that_cannot_convert_raise():

@@ -410,8 +410,12 @@ def test_rank_flops_share_out_the_model_flops_and_add_what_the_kernels_execute(n
     llama = GPTConfig.from_name("llama-tiny", hidden_size=64, num_layers=8, num_heads=4, num_query_groups=2,
                                 ffn_hidden_size=96, vocab_size=512, max_seq_length=128)
     moe = replace(llama, moe=MoEConfig(num_experts=4, top_k=2, ffn_hidden_size=32, layer_freq=2))
+    # Sliding windows of 32 keys in every second layer: a query there counts 32 keys, not 128 (models.flops).
+    windowed = replace(llama, sliding_window=32, layer_types=("sliding_attention", "full_attention") * 4)
+    assert gpt_flops_per_batch(llama, 16, 128) - gpt_flops_per_batch(windowed, 16, 128) == \
+        3 * 16 * 128 * 4 * (4 * llama.num_heads * llama.head_dim) * (128 - 32)
     workload = Workload(global_batch_size=16, seq_length=128, precision="32-true", pad_vocab_to_multiple_of=1)
-    for config in (llama, moe, GPTConfig.from_name("gpt-tiny")):
+    for config in (llama, moe, GPTConfig.from_name("gpt-tiny"), windowed):
         shape = ModelShape.of(GPT(config))
         expected = gpt_flops_per_batch(config, 16, 128)
         for sizes in ({"data_parallel_size": 8}, {"tensor_parallel_size": 2, "data_parallel_size": 4},
@@ -602,3 +606,41 @@ def test_qk_norms_add_the_saved_activations_the_formula_counts():
     plain = replace(qwen3, qk_layernorm=False)
     added = predicted(qwen3) - predicted(plain)
     assert added > 0 and measured(qwen3) - measured(plain) == added
+
+
+def test_soft_capped_attention_adds_the_saved_scores_the_formula_counts():
+    """Soft-capped attention (dense scores) keeps what ``layer_saved_bytes`` adds for it over the flash path, measured
+    as above in bf16 with grouped-query heads and packed documents (a mask per sample; the flash path keeps the
+    document ids instead, once for all layers, which the formula leaves out); under selective recomputation nothing
+    of it is kept."""
+    from dataclasses import replace
+
+    from lightning_megatron.models import GPTConfig, GPTModel
+    from lightning_megatron.plan.activations import layer_saved_bytes
+    from lightning_megatron.plan.layout import Layout
+    from lightning_megatron.plan.probes import SavedInLayers
+    from lightning_megatron.plan.shape import ModelShape
+
+    capped = GPTConfig.from_name("llama-tiny", vocab_size=64, max_seq_length=32, num_layers=2,
+                                 attn_logit_softcapping=20.0)
+    batch, seq, w = 2, 32, 2
+    documents = torch.arange(seq).div(12, rounding_mode="floor").repeat(batch, 1)
+
+    def measured(config):
+        torch.manual_seed(0)
+        model = GPTModel(config).to(torch.bfloat16)
+        input_ids = torch.randint(0, 64, (batch, seq))
+        with SavedInLayers(model, list(model.blocks.values())) as saved:
+            model.loss(input_ids, input_ids, document_ids=documents)[0].backward()
+        return saved.bytes["layers"]
+
+    def predicted(config, mode="none"):
+        module = type("Module", (), {"config": config})()
+        return layer_saved_bytes(ModelShape.of(module), Layout(activation_checkpointing=mode), w, seq_length=seq) \
+            * batch * seq * config.num_layers
+
+    plain = replace(capped, attn_logit_softcapping=None)
+    added = predicted(capped) - predicted(plain)
+    assert added > 0 and measured(capped) - measured(plain) + documents.nbytes == added
+    assert predicted(capped, "selective") == predicted(plain, "selective")
+

@@ -16,8 +16,8 @@ from lightning_megatron.parallel.state import ParallelState
 
 def apply_context_parallel(module: nn.Module, state: ParallelState, variant: str = "ring") -> None:
     """Install ring (or all-gather) attention over the context-parallel group in every ``CoreAttention`` of
-    ``module``. Raises, on every rank alike, when the model's attention is not ours or
-    uses attention dropout (which the split attention does not draw)."""
+    ``module``. Raises, on every rank alike, when the model's attention is not ours, uses
+    attention dropout (which the split attention does not draw) or soft-caps its scores."""
     size = state.config.context_parallel_size
     if size == 1:
         return
@@ -34,6 +34,13 @@ def apply_context_parallel(module: nn.Module, state: ParallelState, variant: str
             f"softmax block by block and draws no dropout mask), but {len(dropping)} attention module(s) have it "
             f"(first: {dropping[0]}, attention_dropout={dict(cores)[dropping[0]].attention_dropout}). Set attention_dropout=0 in "
             f"the model's config (Llama-family models train without it) or use context_parallel_size=1.")
+    capped = [name for name, m in cores if getattr(m, "softcap", None) is not None]
+    if capped:
+        raise ValueError(
+            f"context_parallel_size={size} does not support soft-capped attention scores (the split attention merges "
+            f"blocks by a log-sum-exp that its kernels compute without the cap), but {len(capped)} attention "
+            f"module(s) have one (first: {capped[0]}, softcap={dict(cores)[capped[0]].softcap}). Use "
+            f"context_parallel_size=1, or a model without attn_logit_softcapping.")
     attention = ContextParallelAttention(state.context_parallel_group, variant)
     for _, core in cores:
         core.context_parallel = attention

@@ -32,13 +32,15 @@ class ContextParallelAttention(nn.Module):
         self.size = dist.get_world_size(group)
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, attention_mask: Optional[Tensor], *, causal: bool,
-                local: Callable[..., Tensor]) -> Tensor:
+                local: Callable[..., Tensor], window: Optional[int] = None) -> Tensor:
+        """``window``: the attention's sliding window (each query sees the ``window`` keys ending at its global
+        position), None for none."""
         if sequences_are_whole():
             return local(q, k, v, attention_mask, causal)
         if isinstance(attention_mask, DocumentMask):
-            return VARIANTS[self.variant](q, k, v, causal=causal, group=self.group,
+            return VARIANTS[self.variant](q, k, v, causal=causal, group=self.group, window=window,
                                           documents=self._documents(attention_mask, q.shape[2]))
-        return VARIANTS[self.variant](q, k, v, causal=causal, group=self.group,
+        return VARIANTS[self.variant](q, k, v, causal=causal, group=self.group, window=window,
                                       key_mask=self._key_mask(attention_mask, q.shape[2]))
 
     def _documents(self, documents: DocumentMask, length: int) -> DocumentMask:

@@ -51,7 +51,7 @@ class DocumentMask:
 
     def dense(self, causal: bool) -> Tensor:
         """``[B, 1, S, S]`` booleans, True = attend: same document (and causal). Only for what the blocks cannot do:
-        attention dropout, which SDPA draws over the whole matrix."""
+        attention dropout, which SDPA draws over the whole matrix, and soft-capped scores (``models.softcap``)."""
         keep = self.ids[:, None, :, None] == self.ids[:, None, None, :]
         if causal:
             seq = self.ids.shape[1]

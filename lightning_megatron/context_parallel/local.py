@@ -1,7 +1,7 @@
 """Document-masked attention over a whole sequence on one rank: the ring's block attention with a ring of one.
 
 With the sequence whole (no context parallelism, or generation and prediction under it) the one block is the
-rank's own tokens, causal, masked by the document ids (``documents.py``) and an optional sliding window, on the
+rank's own tokens, causal, masked by the document ids (``documents.py``) and/or a sliding window, on the
 device's back end (``kernels.py``); no message is sent.
 Backward recomputes each block's probabilities from the saved output and log-sum-exp (``blocks.py``), so what is
 kept for backward grows linearly in the sequence length.
@@ -19,10 +19,11 @@ from lightning_megatron.context_parallel.documents import DocumentMask
 
 
 class LocalDocumentAttention(torch.autograd.Function):
-    """``q`` [B, H, S, D], ``k, v`` [B, G, S, D] (grouped-query when G < H); ``documents.ids`` [B, S]."""
+    """``q`` [B, H, S, D], ``k, v`` [B, G, S, D] (grouped-query when G < H); ``documents.ids`` [B, S], or None (a
+    sliding window over the whole sequence)."""
 
     @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, documents: DocumentMask, causal: bool,
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, documents: Optional[DocumentMask], causal: bool,
                 window: Optional[int]) -> Tensor:
         out, lse = start(q)
         _block(q, causal).forward(q, k, v, None, documents, out, lse, window=window)
@@ -44,11 +45,11 @@ def _block(q: Tensor, causal: bool) -> Block:
     return Block(step=0, rank=0, size=1, causal=causal, length=q.shape[2])
 
 
-def document_attention(q: Tensor, k: Tensor, v: Tensor, documents: DocumentMask, *, causal: bool,
+def document_attention(q: Tensor, k: Tensor, v: Tensor, documents: Optional[DocumentMask], *, causal: bool,
                        window: Optional[int] = None) -> Tensor:
-    """Softmax attention of each query over the keys of its own document (and, if ``causal``, not after it; with
-    a sliding ``window``, only the keys less than ``window`` positions away)."""
-    if documents.ids.shape != (q.shape[0], q.shape[2]):
+    """Softmax attention of each query over the keys of its own document (``documents`` None: one document) and,
+    if ``causal``, not after it; with a sliding ``window``, only the keys less than ``window`` positions away."""
+    if documents is not None and documents.ids.shape != (q.shape[0], q.shape[2]):
         raise ValueError(f"Document ids of shape {list(documents.ids.shape)} do not match the {q.shape[0]} sequences "
                          f"of {q.shape[2]} queries attention got: give one id per token, [batch, sequence].")
     return LocalDocumentAttention.apply(q, k, v, documents, causal, window)

@@ -13,11 +13,10 @@ convention on both sides, so ``q_proj``/``k_proj`` need no permutation. The Mixt
 A ``head_dim`` other than ``hidden_size / num_attention_heads`` converts to ``GPTConfig.kv_channels``, and a
 family with per-head query and key norms (``Qwen3ForCausalLM``, ``qwen3.py``) to ``qk_layernorm``.
 
-Not modelled, so refused with the field named: activations other than SiLU, rotary types other than ``default`` and ``llama3``
-(``yarn``, ``dynamic``, ``linear``, ...), partial rotary embeddings, per-layer rotary parameters.
-A sliding window (Mistral, Qwen2) is not modelled either: the model converts with
-``max_seq_length = min(max_position_embeddings, sliding_window)``, where full attention and a
-window of that length compute the same thing, and a warning says so. Hidden dropout is not a field
+Not modelled, so refused with the field named: activations other than SiLU, rotary types other than ``default``,
+``llama3`` and ``linear`` (``yarn``, ``dynamic``, ...), partial rotary embeddings, per-layer rotary parameters.
+A sliding window converts to ``GPTConfig.sliding_window`` (Mistral's and Mixtral's in every layer,
+Qwen2's, Qwen3's and Qwen2-MoE's in the layers their ``layer_types`` name). Hidden dropout is not a field
 of these families, so ``GPTConfig.dropout`` is not exported.
 
 Example::
@@ -28,7 +27,6 @@ Example::
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Mapping, Optional, Union
 
@@ -53,7 +51,7 @@ from lightning_megatron.models.rotary import RopeScaling
 # Our GPTConfig's pieces that every Llama-shaped family has.
 DECODER_PIECES = {"normalization": "RMSNorm", "position_embedding_type": "rope", "activation": "swiglu",
                   "norm_position": "pre", "embedding_multiplier": None, "final_logit_softcapping": None}
-ROTARY_TYPES = ("default", "llama3")
+ROTARY_TYPES = ("default", "llama3", "linear")
 DEFAULT_ROPE_THETA = 10000.0
 TIED_WHY = "the config ties them (tie_word_embeddings=True)"
 # What the fields the shared code reads default to in every family's config class (each dialect adds its own).
@@ -62,6 +60,9 @@ COMMON_DEFAULTS: dict[str, Any] = {"hidden_act": "silu", "num_key_value_heads": 
 
 Fields = Mapping[str, Any]
 DENSE_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+#: GPTConfig attention pieces no Llama-shaped family's config holds, and what these families compute instead.
+UNEXPRESSED = {"rotary_base_local": "one rotary base in every layer", "softmax_scale": "1 / sqrt(head_dim)",
+               "attn_logit_softcapping": "no soft-capping"}
 
 
 def checkpoint_name(name: str) -> Optional[str]:
@@ -184,6 +185,8 @@ def _decoder_problems(config: GPTConfig, architecture: str, experts: Optional[Ex
                       qk_norm: bool = False) -> list[str]:
     problems = [f"{name}={getattr(config, name)!r} ({architecture} has {value!r})"
                 for name, value in {**DECODER_PIECES, "qk_layernorm": qk_norm}.items() if getattr(config, name) != value]
+    problems += [f"{name}={getattr(config, name)!r} ({architecture} has {default})"
+                 for name, default in UNEXPRESSED.items() if getattr(config, name) is not None]
     return problems + _moe_problems(config, architecture, experts)
 
 
@@ -226,11 +229,13 @@ def _rotary_from_hf(fields: Fields, problems: list[str]) -> dict[str, Any]:
     if partial != 1.0:
         problems.append(f"partial_rotary_factor={partial}: our rotary embedding rotates every channel of a head (1.0)")
     if kind not in ROTARY_TYPES:
-        problems.append(f"{field}.rope_type={kind!r}: our rotary embedding computes {' and '.join(ROTARY_TYPES)} "
-                        f"(Llama-3.1's) frequencies only")
+        problems.append(f"{field}.rope_type={kind!r}: our rotary embedding computes {', '.join(ROTARY_TYPES)} "
+                        f"frequencies only")
         return {}
     if kind == "default":
         return {"rotary_base": theta}
+    if kind == "linear":
+        return {"rotary_base": theta, "rope_scaling": RopeScaling(factor=float(rope["factor"]), rope_type="linear")}
     missing = [key for key in ("factor", "low_freq_factor", "high_freq_factor") if key not in rope]
     if missing:
         problems.append(f"{field} of rope_type 'llama3' lacks {', '.join(missing)}")
@@ -243,21 +248,46 @@ def _rotary_from_hf(fields: Fields, problems: list[str]) -> dict[str, Any]:
 
 
 def _rotary_to_hf(config: GPTConfig) -> dict[str, Any]:
-    scaling = None if config.rope_scaling is None else {"rope_type": "llama3", **asdict(config.rope_scaling)}
+    scaling = None if config.rope_scaling is None else config.rope_scaling.hf_parameters()
     parameters = {"rope_type": "default", "rope_theta": config.rotary_base, **(scaling or {})}
     return {"rope_parameters": parameters, "rope_theta": config.rotary_base, "rope_scaling": scaling}
 
 
-def limit_to_window(fields: Fields, window: Optional[int], *, family: str) -> dict[str, Any]:
-    """``max_seq_length`` no longer than a sliding attention window (which we do not model), with a warning;
-    nothing when the window covers every position."""
-    positions = fields["max_position_embeddings"]
-    if window is None or window >= positions:
+def window_of_every_layer(fields: Fields) -> dict[str, Any]:
+    """Mistral's and Mixtral's ``sliding_window``: every layer slides (None: none does)."""
+    window = fields["sliding_window"]
+    return {} if window is None else {"sliding_window": int(window)}
+
+
+def window_to_every_layer(config: GPTConfig, architecture: str, problems: list[str]) -> dict[str, Any]:
+    """``config.json``'s ``sliding_window`` of a family whose layers all slide or none (Mistral, Mixtral)."""
+    if config.layer_types is not None:
+        problems.append(f"layer_types={list(config.layer_types)}: every {architecture} layer slides, or none does; "
+                        f"export with model_type='qwen2' (a window per layer type)")
+    return {"sliding_window": config.sliding_window}
+
+
+def windows_by_layer_type(fields: Fields) -> dict[str, Any]:
+    """Qwen2's, Qwen3's and Qwen2-MoE's window: ``sliding_window`` when ``use_sliding_window``, in the layers its
+    ``layer_types`` name (transformers 5), else in those from ``max_window_layers`` on (as transformers fills
+    ``layer_types`` in)."""
+    window = fields["sliding_window"] if fields["use_sliding_window"] else None
+    if window is None:
         return {}
-    warnings.warn(f"sliding_window={window}: our attention is not windowed. It computes what {family}'s does for "
-                  f"sequences of up to {window} tokens, so the model converts with max_seq_length={window} "
-                  f"(max_position_embeddings={positions}).", UserWarning, stacklevel=4)
-    return {"max_seq_length": int(window)}
+    types = fields.get("layer_types") or ["sliding_attention" if index >= fields["max_window_layers"]
+                                          else "full_attention" for index in range(fields["num_hidden_layers"])]
+    return {"sliding_window": int(window), "layer_types": tuple(types)}
+
+
+def windows_to_layer_types(config: GPTConfig) -> dict[str, Any]:
+    """``config.json``'s window fields for :func:`windows_by_layer_type`'s families: ``layer_types`` in full, and
+    ``max_window_layers`` the first sliding layer (which transformers 4 reads)."""
+    if config.sliding_window is None:
+        return {"use_sliding_window": False, "sliding_window": None}
+    types = [config.attention_type(index) for index in range(config.num_layers)]
+    first = types.index("sliding_attention") if "sliding_attention" in types else config.num_layers
+    return {"use_sliding_window": True, "sliding_window": config.sliding_window, "max_window_layers": first,
+            "layer_types": types}
 
 
 # ----------------------------------------------------------------------------- the Llama dialect
@@ -270,6 +300,9 @@ def _llama_fields(fields: Fields, problems: list[str]) -> dict[str, Any]:
 
 
 def _llama_hf_fields(config: GPTConfig, problems: list[str]) -> dict[str, Any]:
+    if config.sliding_window is not None:
+        problems.append(f"sliding_window={config.sliding_window}: LlamaForCausalLM attends to every earlier token; "
+                        f"export with model_type='mistral' (every layer sliding) or 'qwen2' (per layer type)")
     if config.add_qkv_bias and not config.add_bias_linear:
         problems.append("add_qkv_bias=True without add_bias_linear: Llama's attention_bias puts biases on q, k, v and "
                         "o together; export with model_type='qwen2' (biases on q, k and v only)")

@@ -1,21 +1,19 @@
 """Hugging Face ``MistralForCausalLM`` <-> our GPT: the Llama mapping (``llama.py``), with Mistral's config fields.
 
 Mistral has no biases and no ``attention_bias``/``mlp_bias`` fields. Its ``sliding_window`` (4096 in
-Mistral-7B-v0.1, ``null`` from v0.3) is not modelled: the model converts with ``max_seq_length`` no
-longer than the window, where the two compute the same thing, and a warning says so. An export
-writes ``sliding_window: null`` (full attention, which is what ours computes at every length).
+Mistral-7B-v0.1, ``null`` from v0.3) slides in every layer: ``GPTConfig.sliding_window``, written back as it is.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from lightning_megatron.huggingface.llama import Dialect, Fields, limit_to_window
+from lightning_megatron.huggingface.llama import Dialect, Fields, window_of_every_layer, window_to_every_layer
 from lightning_megatron.models.gpt import GPTConfig
 
 
 def _mistral_fields(fields: Fields, problems: list[str]) -> dict[str, Any]:
-    return limit_to_window(fields, fields["sliding_window"], family="Mistral")
+    return window_of_every_layer(fields)
 
 
 def _mistral_hf_fields(config: GPTConfig, problems: list[str]) -> dict[str, Any]:
@@ -23,7 +21,7 @@ def _mistral_hf_fields(config: GPTConfig, problems: list[str]) -> dict[str, Any]
         problems.append(f"add_bias_linear={config.add_bias_linear}, add_qkv_bias={config.add_qkv_bias}: "
                         f"MistralForCausalLM has no biases; export with model_type='llama' (add_bias_linear) or "
                         f"'qwen2' (add_qkv_bias)")
-    return {"head_dim": config.head_dim, "sliding_window": None}
+    return {"head_dim": config.head_dim, **window_to_every_layer(config, "MistralForCausalLM", problems)}
 
 
 MISTRAL = Dialect(

@@ -23,7 +23,8 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from lightning_megatron.huggingface.llama import Dialect, ExpertNames, Fields, checkpoint_name, limit_to_window
+from lightning_megatron.huggingface.llama import (Dialect, ExpertNames, Fields, checkpoint_name, window_of_every_layer,
+                                                  window_to_every_layer)
 from lightning_megatron.models.gpt import GPTConfig
 from lightning_megatron.models.moe import MoEConfig
 
@@ -35,7 +36,7 @@ def _mixtral_fields(fields: Fields, problems: list[str]) -> dict[str, Any]:
     moe = MoEConfig(num_experts=fields["num_local_experts"], top_k=fields["num_experts_per_tok"],
                     score_function="softmax", normalize_topk=True,
                     aux_loss_coeff=float(fields["router_aux_loss_coef"]))
-    return {"moe": moe, **limit_to_window(fields, fields["sliding_window"], family="Mixtral")}
+    return {"moe": moe, **window_of_every_layer(fields)}
 
 
 def _mixtral_hf_fields(config: GPTConfig, problems: list[str]) -> dict[str, Any]:
@@ -51,7 +52,8 @@ def _mixtral_hf_fields(config: GPTConfig, problems: list[str]) -> dict[str, Any]
                         f"(layers {dense} are dense)")
     if not moe.normalize_topk:
         problems.append("moe.normalize_topk=False: Mixtral renormalises the chosen experts' weights to sum to 1")
-    return {"intermediate_size": config.moe_ffn_size, "sliding_window": None,
+    return {"intermediate_size": config.moe_ffn_size,
+            **window_to_every_layer(config, "MixtralForCausalLM", problems),
             "num_local_experts": moe.num_experts, "num_experts_per_tok": moe.top_k,
             "router_aux_loss_coef": moe.aux_loss_coeff, "output_router_logits": False, "router_jitter_noise": 0.0}
 

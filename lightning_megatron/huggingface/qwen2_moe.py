@@ -23,7 +23,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from lightning_megatron.huggingface.llama import Dialect, ExpertNames, Fields, limit_to_window
+from lightning_megatron.huggingface.llama import (Dialect, ExpertNames, Fields, windows_by_layer_type,
+                                                  windows_to_layer_types)
 from lightning_megatron.models.gpt import GPTConfig
 from lightning_megatron.models.moe import MoEConfig
 
@@ -40,9 +41,7 @@ def _qwen2_moe_fields(fields: Fields, problems: list[str]) -> dict[str, Any]:
                     score_function="softmax", normalize_topk=normalize,
                     aux_loss_coeff=float(fields["router_aux_loss_coef"]), shared_expert_size=shared,
                     shared_expert_gate=bool(shared))
-    window = fields["sliding_window"] if fields["use_sliding_window"] else None
-    return {"add_qkv_bias": bool(fields["qkv_bias"]), "moe": moe,
-            **limit_to_window(fields, window, family="Qwen2-MoE")}
+    return {"add_qkv_bias": bool(fields["qkv_bias"]), "moe": moe, **windows_by_layer_type(fields)}
 
 
 def _layer_fields(config: GPTConfig) -> dict[str, Any]:
@@ -63,15 +62,14 @@ def _qwen2_moe_hf_fields(config: GPTConfig, problems: list[str]) -> dict[str, An
     return {"qkv_bias": config.add_qkv_bias, "num_experts": moe.num_experts, "num_experts_per_tok": moe.top_k,
             "moe_intermediate_size": config.moe_ffn_size, "shared_expert_intermediate_size": moe.shared_expert_size,
             "norm_topk_prob": moe.normalize_topk, "router_aux_loss_coef": moe.aux_loss_coeff,
-            "output_router_logits": False, **_layer_fields(config), "use_sliding_window": False,
-            "sliding_window": None}
+            "output_router_logits": False, **_layer_fields(config), **windows_to_layer_types(config)}
 
 
 QWEN2_MOE = Dialect(
     model_type="qwen2_moe", architecture="Qwen2MoeForCausalLM",
     defaults={"vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 24,
               "num_attention_heads": 16, "num_key_value_heads": 16, "max_position_embeddings": 32768,
-              "use_sliding_window": False, "sliding_window": 4096, "decoder_sparse_step": 1, "mlp_only_layers": [],
+              "use_sliding_window": False, "sliding_window": 4096, "max_window_layers": 28, "decoder_sparse_step": 1, "mlp_only_layers": [],
               "moe_intermediate_size": 1408, "shared_expert_intermediate_size": 5632, "num_experts_per_tok": 4,
               "num_experts": 60, "norm_topk_prob": False, "router_aux_loss_coef": 0.001, "qkv_bias": True},
     read_fields=_qwen2_moe_fields, write_fields=_qwen2_moe_hf_fields, head_dim=False,

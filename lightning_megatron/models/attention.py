@@ -12,13 +12,17 @@ and the module reads it from its weight, so one class serves every layout.
 
 from __future__ import annotations
 
+import math
 from typing import Callable, Optional, Union
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_megatron.context_parallel.documents import DocumentMask
 from lightning_megatron.context_parallel.local import document_attention
+from lightning_megatron.context_parallel.masks import BlockPattern
+from lightning_megatron.models.softcap import softcapped_attention
 
 
 class CoreAttention(nn.Module):
@@ -29,11 +33,21 @@ class CoreAttention(nn.Module):
     sequence length while its FLOPs are a small share of the layer's. With fewer key/value
     heads than query heads, SDPA's grouped-query path (``enable_gqa``) reads each key/value
     head for its group of query heads without materialising repeated copies.
+
+    ``window``: a sliding window, each query sees the ``window`` keys ending at its own position (transformers'
+    ``kv_idx > q_idx - window``); the queries are the last ``Lq`` positions of the ``Lk`` keys (the whole sequence, or
+    a generation step's new tokens after the cached ones). Causal, without dropout, it runs the block attention of
+    ``context_parallel.local`` (O(S) memory, tiles outside the window skipped); otherwise SDPA over a boolean mask.
+    ``softmax_scale``: the factor of ``q k^T`` (None: ``1 / sqrt(d)``), applied by scaling ``q`` so that every
+    kernel, context parallelism's included, computes it. ``softcap``: scores become ``cap * tanh(scores / cap)``
+    before the mask (``models.softcap``: dense scores, kept for backward; refused under context parallelism).
     """
 
-    def __init__(self, *, attention_dropout: float, causal: bool) -> None:
+    def __init__(self, *, attention_dropout: float, causal: bool, window: Optional[int] = None,
+                 softmax_scale: Optional[float] = None, softcap: Optional[float] = None) -> None:
         super().__init__()
         self.attention_dropout, self.causal = attention_dropout, causal
+        self.window, self.softmax_scale, self.softcap = window, softmax_scale, softcap
         # Set by a context-parallel layout (lightning_megatron.context_parallel): attention of this rank's part of
         # the sequence over every rank's keys. It is given :meth:`attend` for calls on whole sequences.
         self.context_parallel: Optional[nn.Module] = None
@@ -43,20 +57,28 @@ class CoreAttention(nn.Module):
         """``attention_mask``: booleans (True = attend), or the document ids of packed samples; ``causal``:
         overrides the module's pattern (generation: one new query attends to every cached key)."""
         causal = self.causal if causal is None else causal
+        if self.softmax_scale is not None:  # the kernels divide by sqrt(d): q k^T * softmax_scale in all of them
+            q = q * (self.softmax_scale * math.sqrt(q.shape[-1]))
         if self.context_parallel is not None:
-            return self.context_parallel(q, k, v, attention_mask, causal=causal, local=self.attend)
+            return self.context_parallel(q, k, v, attention_mask, causal=causal, local=self.attend, window=self.window)
         return self.attend(q, k, v, attention_mask, causal)
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, attention_mask: Union[Tensor, DocumentMask, None],
                causal: bool) -> Tensor:
-        """SDPA over the keys given; a :class:`DocumentMask` in O(S) memory by ``document_attention`` (torch's CPU
-        flash kernel tile by tile on CPU, FlexAttention's fused kernels on CUDA: ``context_parallel/kernels.py``),
-        except under attention dropout, which only SDPA draws, over the dense mask."""
+        """SDPA over the keys given; a :class:`DocumentMask` or a sliding window in O(S) memory by
+        ``document_attention`` (torch's CPU flash kernel tile by tile on CPU, FlexAttention's fused kernels on CUDA:
+        ``context_parallel/kernels.py``), except under attention dropout, which only SDPA draws, over the dense
+        mask; soft-capped scores by ``models.softcap`` over the dense mask."""
         dropout = self.attention_dropout if self.training else 0.0
-        if isinstance(attention_mask, DocumentMask):
-            if not dropout:
-                return document_attention(q, k, v, attention_mask, causal=causal)
-            attention_mask, causal = attention_mask.dense(causal), False
+        window = self.window if self.window is not None and self.window < k.shape[2] else None  # else: no effect
+        if self.softcap is not None:
+            return softcapped_attention(q, k, v, self._keep(q, k, attention_mask, causal, window), cap=self.softcap,
+                                        dropout=dropout)
+        whole = causal and q.shape[2] == k.shape[2] and not dropout
+        if isinstance(attention_mask, DocumentMask) and not dropout or (window and whole and attention_mask is None):
+            return document_attention(q, k, v, attention_mask, causal=causal, window=window)
+        if isinstance(attention_mask, DocumentMask) or window:
+            attention_mask, causal = self._keep(q, k, attention_mask, causal, window), False
         grouped = q.shape[1] != k.shape[1]
         return F.scaled_dot_product_attention(
             q,
@@ -68,6 +90,22 @@ class CoreAttention(nn.Module):
             **({"enable_gqa": True} if grouped else {}),
         )
 
+    @staticmethod
+    def _keep(q: Tensor, k: Tensor, attention_mask: Union[Tensor, DocumentMask, None], causal: bool,
+              window: Optional[int]) -> Optional[Tensor]:
+        """``[B or 1, 1, Lq, Lk]`` booleans (True = attend) of the pattern: causal, the window, the documents, and a
+        boolean ``attention_mask``'s own (the queries being the last ``Lq`` of the ``Lk`` key positions)."""
+        documents = attention_mask if isinstance(attention_mask, DocumentMask) else None
+        given = None if documents is not None else attention_mask
+        if not causal and window is None and documents is None:
+            return given
+        lq, lk = q.shape[2], k.shape[2]
+        positions = torch.arange(lk, device=q.device)
+        keep = BlockPattern(q_pos=positions[lk - lq:], k_pos=positions, causal=causal, window=window).keep()
+        if documents is not None:
+            keep = keep & documents.dense(causal=False)
+        return keep if given is None else keep & given
+
 
 class SelfAttention(nn.Module):
     """``proj(attention(rotary(q), rotary(k), v))`` with ``q, k, v`` from one fused projection.
@@ -78,7 +116,8 @@ class SelfAttention(nn.Module):
     positions are added to the embeddings instead. ``head_dim``: each head's channels (default
     ``hidden_size / num_heads``; Qwen3's are wider). ``qk_norm``: builds a norm over ``head_dim``
     channels, applied to every query head (``q_norm``) and key head (``k_norm``) before rotary positions,
-    one gain shared by all heads (Qwen3's, OLMo's per-head form); ``None``: none.
+    one gain shared by all heads (Qwen3's, OLMo's per-head form); ``None``: none. ``window``, ``softmax_scale``,
+    ``softcap``: :class:`CoreAttention`'s (a sliding window, the scores' factor, tanh soft-capping).
     """
 
     def __init__(
@@ -94,6 +133,9 @@ class SelfAttention(nn.Module):
         rotary: Optional[nn.Module] = None,
         head_dim: Optional[int] = None,
         qk_norm: Optional[Callable[[], nn.Module]] = None,
+        window: Optional[int] = None,
+        softmax_scale: Optional[float] = None,
+        softcap: Optional[float] = None,
     ) -> None:
         super().__init__()
         groups = num_query_groups or num_heads
@@ -106,7 +148,8 @@ class SelfAttention(nn.Module):
         self.q_norm = None if qk_norm is None else qk_norm()
         self.k_norm = None if qk_norm is None else qk_norm()
         self.rotary = rotary
-        self.core_attention = CoreAttention(attention_dropout=attention_dropout, causal=causal)
+        self.core_attention = CoreAttention(attention_dropout=attention_dropout, causal=causal, window=window,
+                                            softmax_scale=softmax_scale, softcap=softcap)
         self.proj = nn.Linear(num_heads * self.head_dim, hidden_size, bias=proj_bias)
 
     def local_layout(self) -> tuple[int, int]:

@@ -24,7 +24,9 @@ logits (once, after layers)  ``2 h V``
 
 The backward pass costs twice the forward (a gradient for the input and one for the weight per
 multiply), so a training step is ``3 x`` the forward. The attention terms count the whole ``s x s``
-score matrix, as Megatron-LM and PaLM do, also for causal attention. Tied or untied output
+score matrix, as Megatron-LM and PaLM do, also for causal attention. A sliding-window layer (``GPTConfig.
+sliding_window``) counts ``min(window, s)`` keys per query in place of ``s``: the whole band, likewise without the
+causal discount, so that a long sequence does not count work no kernel does (:func:`attended_keys`). Tied or untied output
 layers cost the same (the logits are a multiply either way; an embedding lookup is not one).
 
 For GPT-2-shaped models (``a d = h``, ``g = a``, ``f = 4 h``, GELU) a layer is
@@ -56,25 +58,36 @@ __all__ = ["bert_flops_per_batch", "flops_per_batch", "forward_flops_per_token",
 FORWARD_AND_BACKWARD = 3
 
 
+def attended_keys(seq_length: int, window: Optional[int] = None, *, causal_half: bool = False) -> float:
+    """Keys per query of attention over ``seq_length`` tokens with a sliding ``window`` (None: none). The model FLOPs'
+    count (``causal_half=False``): ``s``, or ``min(window, s)``. What a causal kernel computes (``causal_half``):
+    ``s / 2``, or ``w (1 - w / 2s)`` with ``w = min(window, s)`` (``s / 2`` again when the window covers the
+    sequence, ``w`` when the sequence is much longer), the blocks' granularity left out."""
+    keys = seq_length if window is None else min(window, seq_length)
+    return keys * (1 - keys / (2 * seq_length)) if causal_half else float(keys)
+
+
 def forward_flops_per_token(*, hidden_size: int, num_layers: int, num_heads: int, seq_length: int, vocab_size: int,
                             ffn_size: int, num_query_groups: Optional[int] = None, head_dim: Optional[int] = None,
-                            gated_mlp: bool = False, head_transform: bool = False) -> int:
+                            gated_mlp: bool = False, head_transform: bool = False, sliding_window: Optional[int] = None,
+                            sliding_layers: int = 0) -> int:
     """Forward FLOPs of one token of a sequence of ``seq_length``: the table in this module's docstring.
 
     ``num_query_groups``: key/value heads (None: ``num_heads``, multi-head attention); ``head_dim``: None for
     ``hidden_size // num_heads``; ``gated_mlp``: three ``ffn_size`` matrices (SwiGLU) instead of two;
-    ``head_transform``: a ``hidden_size x hidden_size`` layer before the logits (BERT's masked-LM head).
+    ``head_transform``: a ``hidden_size x hidden_size`` layer before the logits (BERT's masked-LM head);
+    ``sliding_layers`` of the layers attend within ``sliding_window`` keys (:func:`attended_keys`).
     """
     h, s = hidden_size, seq_length
     groups = num_query_groups or num_heads
     d = head_dim or hidden_size // num_heads
     qkv = 2 * h * (num_heads + 2 * groups) * d
-    scores_and_values = 2 * (2 * s * num_heads * d)
+    per_key = 2 * (2 * num_heads * d)  # scores and values
+    keys = (num_layers - sliding_layers) * s + sliding_layers * attended_keys(s, sliding_window)
     projection = 2 * num_heads * d * h
     mlp = mlp_forward_flops(h, ffn_size, gated=gated_mlp)
-    layer = qkv + scores_and_values + projection + mlp
     logits = 2 * h * vocab_size + (2 * h * h if head_transform else 0)
-    return num_layers * layer + logits
+    return int(num_layers * (qkv + projection + mlp) + per_key * keys + logits)
 
 
 def mlp_forward_flops(hidden_size: int, ffn_size: int, *, gated: bool) -> int:
@@ -89,6 +102,11 @@ def moe_forward_flops(config: Any) -> int:
     return 2 * h * moe.num_experts + moe.top_k * mlp_forward_flops(h, config.moe_ffn_size, gated=gated) + shared
 
 
+def sliding_layers(config: Any) -> int:
+    """How many of a ``GPTConfig``'s layers attend within a sliding window."""
+    return sum(config.attention_window(index) is not None for index in range(config.num_layers))
+
+
 def gpt_flops_per_batch(config: Any, batch_size: int, seq_length: int) -> int:
     """Training FLOPs (forward + backward, no recomputation) of ``batch_size`` sequences of ``seq_length`` tokens
     for a ``GPTConfig``: GPT-2, or Llama-shaped (grouped-query attention, SwiGLU, untied head), dense or MoE."""
@@ -96,7 +114,8 @@ def gpt_flops_per_batch(config: Any, batch_size: int, seq_length: int) -> int:
     per_token = forward_flops_per_token(
         hidden_size=config.hidden_size, num_layers=config.num_layers, num_heads=config.num_heads,
         num_query_groups=config.num_query_groups, head_dim=config.head_dim, seq_length=seq_length,
-        vocab_size=config.vocab_size, ffn_size=config.ffn_size, gated_mlp=gated)
+        vocab_size=config.vocab_size, ffn_size=config.ffn_size, gated_mlp=gated,
+        sliding_window=config.sliding_window, sliding_layers=sliding_layers(config))
     if config.moe is not None:  # its layers' MLPs are MoE ones instead
         moe_layers = len(config.moe.moe_layers(config.num_layers))
         per_token += moe_layers * (moe_forward_flops(config) - mlp_forward_flops(config.hidden_size, config.ffn_size,

@@ -54,6 +54,8 @@ IGNORE_INDEX = -100
 POSITION_EMBEDDINGS = ("learned_absolute", "rope")
 #: The layer's norm orders a decoder may use (``TransformerLayer``'s but the post-norm one, a BERT's).
 GPT_NORM_POSITIONS = tuple(position for position in NORM_POSITIONS if position != "post")
+#: ``GPTConfig.layer_types`` values, transformers' names: attention over every earlier key, or a sliding window.
+ATTENTION_TYPES = ("full_attention", "sliding_attention")
 
 
 @dataclass(frozen=True)
@@ -93,6 +95,17 @@ class GPTConfig(TransformerSizes):
       embedding's dtype as transformers does (in bf16, ``sqrt(3072)`` is 55.5); None: not scaled.
     * ``final_logit_softcapping``: the logits become ``cap * tanh(logits / cap)`` (Gemma 2: 30.0), wherever they are
       made (forward, generation, the loss, the chunked loss); None: not capped.
+    * ``sliding_window``: a sliding layer's query sees the ``sliding_window`` keys ending at its own position
+      (transformers' ``kv_idx > q_idx - sliding_window``), at any sequence length, with packed documents, context
+      parallelism and the KV cache. ``layer_types``: per layer ``"full_attention"`` or ``"sliding_attention"``
+      (transformers' names; None: every layer sliding when ``sliding_window`` is set, else every layer full).
+    * ``rotary_base_local``: the rotary base of sliding layers, which then also go without ``rope_scaling``
+      (Gemma 3's ``rope_local_base_freq``); None: every layer uses ``rotary_base`` and ``rope_scaling``.
+    * ``softmax_scale``: the factor of ``q k^T`` (Gemma 3: ``query_pre_attn_scalar ** -0.5``); None:
+      ``1 / sqrt(head_dim)``.
+    * ``attn_logit_softcapping``: scores become ``cap * tanh(scores / cap)`` before the mask and softmax (Gemma 2).
+      That attention keeps its ``[S, S]`` probabilities for backward (``models.softcap``) and is refused under
+      context parallelism; None: none.
     """
 
     vocab_size: int = 257
@@ -120,6 +133,11 @@ class GPTConfig(TransformerSizes):
     norm_position: str = "pre"
     embedding_multiplier: Optional[float] = None
     final_logit_softcapping: Optional[float] = None
+    sliding_window: Optional[int] = None
+    layer_types: Optional[tuple[str, ...]] = None
+    rotary_base_local: Optional[float] = None
+    softmax_scale: Optional[float] = None
+    attn_logit_softcapping: Optional[float] = None
 
     def __post_init__(self) -> None:
         if self.kv_channels is None:
@@ -159,6 +177,59 @@ class GPTConfig(TransformerSizes):
                 raise ValueError(f"GPTConfig.{field}={value!r} must be a positive number, or None to leave it out.")
         if self.rope_scaling is not None and self.position_embedding_type != "rope":
             raise ValueError("rope_scaling scales rotary frequencies: set position_embedding_type='rope' or drop it.")
+        self._check_attention_types()
+
+    def _check_attention_types(self) -> None:
+        """``sliding_window``, ``layer_types`` (a YAML list made a tuple; the default pattern stored as None, one
+        spelling of one model), ``rotary_base_local``, ``softmax_scale`` and ``attn_logit_softcapping``."""
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"GPTConfig.sliding_window={self.sliding_window}: a query sees the keys less than "
+                             f"sliding_window positions before it, itself included, so it must be >= 1 (None: no window).")
+        if self.layer_types is not None:
+            types = tuple(self.layer_types)
+            object.__setattr__(self, "layer_types", types)
+            unknown = sorted({kind for kind in types if kind not in ATTENTION_TYPES})
+            if unknown:
+                raise ValueError(f"GPTConfig.layer_types has {unknown}: each layer's attention is one of "
+                                 f"{ATTENTION_TYPES} (transformers' names).")
+            if len(types) != self.num_layers:
+                raise ValueError(f"GPTConfig.layer_types names {len(types)} layers but num_layers={self.num_layers}: "
+                                 f"give one attention type per layer.")
+            if "sliding_attention" in types and self.sliding_window is None:
+                raise ValueError(f"GPTConfig.layer_types has sliding_attention layers "
+                                 f"{[i for i, kind in enumerate(types) if kind == 'sliding_attention']} but "
+                                 f"sliding_window=None: set the window's size, or make them 'full_attention'.")
+            default = ("sliding_attention" if self.sliding_window is not None else "full_attention",) * self.num_layers
+            if types == default:
+                object.__setattr__(self, "layer_types", None)
+        if self.rotary_base_local is not None and self.position_embedding_type != "rope":
+            raise ValueError("rotary_base_local is the rotary base of sliding-window layers: set "
+                             "position_embedding_type='rope' or drop it.")
+        for field in ("softmax_scale", "attn_logit_softcapping"):
+            value = getattr(self, field)
+            if value is not None and not value > 0:
+                raise ValueError(f"GPTConfig.{field}={value} must be positive (None: "
+                                 f"{'1 / sqrt(head_dim)' if field == 'softmax_scale' else 'no soft-capping'}).")
+
+    def attention_type(self, index: int) -> str:
+        """Layer ``index``'s attention: ``"sliding_attention"`` (a window of ``sliding_window`` keys) or
+        ``"full_attention"`` (``layer_types``; by default every layer sliding when ``sliding_window`` is set)."""
+        if self.layer_types is not None:
+            return self.layer_types[index]
+        return "sliding_attention" if self.sliding_window is not None else "full_attention"
+
+    def attention_window(self, index: int) -> Optional[int]:
+        """The keys layer ``index``'s queries see, counting back from their own position: ``sliding_window`` for a
+        sliding layer, None (all earlier keys) for a full one."""
+        return self.sliding_window if self.attention_type(index) == "sliding_attention" else None
+
+    def rotary_of(self, index: int) -> tuple[float, Optional[RopeScaling]]:
+        """``(base, scaling)`` of layer ``index``'s rotary positions. A sliding layer with ``rotary_base_local``
+        set uses that base and no scaling (Gemma 3's local layers: theta 10,000, unscaled, while its global layers
+        carry the long-context scaling); otherwise every layer uses ``rotary_base`` and ``rope_scaling``."""
+        if self.rotary_base_local is not None and self.attention_type(index) == "sliding_attention":
+            return self.rotary_base_local, None
+        return self.rotary_base, self.rope_scaling
 
     @classmethod
     def presets(cls) -> dict[str, "GPTConfig"]:
@@ -281,7 +352,7 @@ GPT_PRESETS.update({
                               num_query_groups=8, ffn_hidden_size=14336, tie_embeddings=False, **LLAMA_3_1_ROPE, **LLAMA),
     "llama-3.1-70b": GPTConfig(vocab_size=128256, max_seq_length=131072, hidden_size=8192, num_layers=80, num_heads=64,
                                num_query_groups=8, ffn_hidden_size=28672, tie_embeddings=False, **LLAMA_3_1_ROPE, **LLAMA),
-    # Mistral-7B-v0.3 (no sliding window; v0.1's 4096-token window is not modelled).
+    # Mistral-7B-v0.3 (no sliding window; v0.1's was sliding_window=4096).
     "mistral-7b": GPTConfig(vocab_size=32768, max_seq_length=32768, hidden_size=4096, num_layers=32, num_heads=32,
                             num_query_groups=8, ffn_hidden_size=14336, rotary_base=1000000.0, tie_embeddings=False, **LLAMA),
     "qwen2.5-7b": GPTConfig(vocab_size=152064, max_seq_length=131072, hidden_size=3584, num_layers=28, num_heads=28,
@@ -340,12 +411,15 @@ def gpt_layer(config: GPTConfig, index: int = 0, aux_losses: Optional[AuxLosses]
     """Decoder layer ``index`` with the pieces the config names (its MLP a Mixture of Experts where ``moe`` says)."""
     rotary = None
     if config.position_embedding_type == "rope":
-        rotary = RotaryEmbedding(config.head_dim, base=config.rotary_base, scaling=config.rope_scaling)
+        base, scaling = config.rotary_of(index)
+        rotary = RotaryEmbedding(config.head_dim, base=base, scaling=scaling)
     qk_norm = partial(build_norm, config.normalization, config.head_dim, eps=config.layer_norm_eps)
     attention = SelfAttention(config.hidden_size, config.num_heads, num_query_groups=config.num_query_groups,
                               head_dim=config.head_dim, attention_dropout=config.attention_dropout, causal=True,
                               qkv_bias=config.qkv_bias, proj_bias=config.add_bias_linear, rotary=rotary,
-                              qk_norm=qk_norm if config.qk_layernorm else None)
+                              qk_norm=qk_norm if config.qk_layernorm else None,
+                              window=config.attention_window(index), softmax_scale=config.softmax_scale,
+                              softcap=config.attn_logit_softcapping)
     if config.is_moe_layer(index):
         mlp = MoE(config.hidden_size, config.moe, default_ffn_size=config.ffn_size, activation=config.activation,
                   aux_losses=aux_losses)

@@ -1,4 +1,4 @@
-"""Rotary position embeddings (Su et al. 2021), with Llama-3.1's frequency scaling.
+"""Rotary position embeddings (Su et al. 2021), with Llama-3.1's and linear frequency scaling.
 
 Each head's channels are rotated in pairs ``(i, i + head_dim/2)`` by an angle proportional
 to the position (the "rotate half" convention of Hugging Face's Llama and Megatron-Core, so
@@ -25,32 +25,58 @@ from torch import Tensor, nn
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """Llama-3.1's scaling of the rotary frequencies for long contexts (``rope_type="llama3"``).
+    """A scaling of the rotary frequencies for long contexts, transformers' ``rope_type``:
 
-    Wavelengths longer than ``original_max_position_embeddings / low_freq_factor`` are
-    stretched by ``factor``, those shorter than ``... / high_freq_factor`` kept, and those in
-    between interpolated smoothly.
+    * ``"llama3"`` (Llama-3.1's): wavelengths longer than ``original_max_position_embeddings / low_freq_factor``
+      are stretched by ``factor``, those shorter than ``... / high_freq_factor`` kept, and those in between
+      interpolated smoothly.
+    * ``"linear"`` (position interpolation; Gemma 3's global layers): every frequency divided by ``factor``; the
+      other fields are not read.
     """
 
     factor: float = 8.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    rope_type: str = "llama3"
 
     def __post_init__(self) -> None:
+        if self.rope_type not in SCALINGS:
+            raise ValueError(f"RopeScaling(rope_type={self.rope_type!r}) is not one of {sorted(SCALINGS)}.")
         if self.factor < 1 or self.high_freq_factor <= self.low_freq_factor:
             raise ValueError(f"RopeScaling needs factor >= 1 and high_freq_factor > low_freq_factor, got {self}.")
 
     def apply(self, inv_freq: Tensor) -> Tensor:
-        wavelength = 2 * math.pi / inv_freq
-        low_freq_wavelength = self.original_max_position_embeddings / self.low_freq_factor
-        high_freq_wavelength = self.original_max_position_embeddings / self.high_freq_factor
-        scaled = torch.where(wavelength > low_freq_wavelength, inv_freq / self.factor, inv_freq)
-        smooth = (self.original_max_position_embeddings / wavelength - self.low_freq_factor) / (
-            self.high_freq_factor - self.low_freq_factor)
-        smoothed = (1 - smooth) * scaled / self.factor + smooth * scaled
-        medium = (wavelength >= high_freq_wavelength) & (wavelength <= low_freq_wavelength)
-        return torch.where(medium, smoothed, scaled)
+        return SCALINGS[self.rope_type](self, inv_freq)
+
+    def hf_parameters(self) -> dict:
+        """transformers' ``rope_parameters`` / ``rope_scaling`` entries of this scaling (``rope_type`` and the
+        fields it reads)."""
+        if self.rope_type == "linear":
+            return {"rope_type": "linear", "factor": self.factor}
+        return {"rope_type": self.rope_type, "factor": self.factor, "low_freq_factor": self.low_freq_factor,
+                "high_freq_factor": self.high_freq_factor,
+                "original_max_position_embeddings": self.original_max_position_embeddings}
+
+
+def _llama3(scaling: RopeScaling, inv_freq: Tensor) -> Tensor:
+    wavelength = 2 * math.pi / inv_freq
+    low_freq_wavelength = scaling.original_max_position_embeddings / scaling.low_freq_factor
+    high_freq_wavelength = scaling.original_max_position_embeddings / scaling.high_freq_factor
+    scaled = torch.where(wavelength > low_freq_wavelength, inv_freq / scaling.factor, inv_freq)
+    smooth = (scaling.original_max_position_embeddings / wavelength - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    medium = (wavelength >= high_freq_wavelength) & (wavelength <= low_freq_wavelength)
+    return torch.where(medium, smoothed, scaled)
+
+
+def _linear(scaling: RopeScaling, inv_freq: Tensor) -> Tensor:
+    return inv_freq / scaling.factor
+
+
+#: ``RopeScaling.rope_type`` -> how it scales the inverse frequencies.
+SCALINGS = {"llama3": _llama3, "linear": _linear}
 
 
 def rotate_half(x: Tensor) -> Tensor:

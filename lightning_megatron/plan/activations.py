@@ -32,7 +32,13 @@ MoE MLP (instead)                   ``top_k (3 h + MLP of f_e)``: the        ``t
 dropout masks (dropout > 0)         ``2 h`` bytes                          ``q``
 q/k norms (``qk_layernorm``)        ``(a + g) d`` fp32 inputs and ``w``    ``t``
                                     outputs, an fp32 rstd per head
+soft-capped attention               ``a s`` tanh outputs (``w``), fp32     ``t``; recomputed: selective
+(``attn_logit_softcapping``)        softmax and ``w`` probabilities, ``s``
+                                    mask bytes, ``2 (a - g) d`` repeated
+                                    keys/values; no log-sum-exp
 ==================================  =====================================  ==============================
+
+Sliding windows change what attention computes, not what it keeps: no term here (``plan.flops`` counts them).
 
 RMSNorm (``models.norms``, unfused) keeps more than the fused LayerNorm: its input in fp32 (``4 h`` bytes per norm)
 besides the normalised input (``h``, the ``norm inputs`` row) and rstd. The zero-centred RMSNorm (Gemma's, ``(1 + w)``
@@ -68,9 +74,11 @@ from lightning_megatron.plan.shape import ModelShape
 FRAMEWORK_BYTES = 2 * GIB
 
 
-def layer_saved_bytes(shape: ModelShape, layout: Layout, w: int, mode: Optional[str] = None) -> float:
+def layer_saved_bytes(shape: ModelShape, layout: Layout, w: int, mode: Optional[str] = None, *,
+                      seq_length: Optional[int] = None) -> float:
     """Bytes per token one layer keeps for backward (the table in the module docstring); ``mode``: the
-    recomputation (default: the layout's)."""
+    recomputation (default: the layout's); ``seq_length``: the sequence, which soft-capped attention's kept scores
+    grow with (needed only then)."""
     t = layout.tensor_parallel_size
     q = t if layout.sequence_parallel else 1
     h, a, g, d = shape.hidden_size, shape.num_heads, shape.query_groups, shape.head_dim
@@ -92,7 +100,22 @@ def layer_saved_bytes(shape: ModelShape, layout: Layout, w: int, mode: Optional[
     # Per-head q/k RMSNorms (Qwen3's): each keeps its fp32 input and normalised output and an rstd per head
     # (measured in bf16; in fp32 the input is a view that keeps the whole qkv output alive, a little more).
     qk_norms = (a + kv_heads) / t * (d * (4 + normed) + 4) if shape.qk_norm else 0.0
+    if shape.softcap and mode != "selective":
+        qkv, lse = qkv + _softcapped_extra(shape, t, w, seq_length), 0.0
     return norm_fp32_inputs + norms + inputs + qkv + attention_out + lse + mlp + masks + qk_norms
+
+
+def _softcapped_extra(shape: ModelShape, t: int, w: int, seq_length: Optional[int]) -> float:
+    """What soft-capped attention (``models.softcap``) keeps beyond the flash path's ``q, k, v`` and output, per token:
+    for each of its ``a / t`` heads and ``s`` keys the tanh's output (``w``), the fp32 softmax's and the probabilities
+    in ``w`` (the same tensor in fp32), the ``s`` booleans of the mask (one per query and key, shared by the heads),
+    and keys and values repeated for every query head (``2 (a - g) d``, grouped-query); no log-sum-exp."""
+    if seq_length is None:
+        raise ValueError("Soft-capped attention keeps its [s, s] scores: layer_saved_bytes needs seq_length.")
+    a, d = shape.num_heads / t, shape.head_dim
+    kv_heads = max(shape.query_groups, t) / t
+    scores = a * seq_length * (w + 4 + (w if w != 4 else 0)) + seq_length
+    return scores + 2 * (a - kv_heads) * d * w
 
 
 def _mlp_saved(shape: ModelShape, t: int) -> float:
@@ -149,13 +172,15 @@ def activation_bytes(shape: ModelShape, layout: Layout, workload: Workload, *, p
     # Gradients reach buffers, or accumulate over passes, so the head's weight gradient is made apart from them.
     grad_apart = layout.data_parallel_size * layout.context_parallel_size > 1 or layout.micro_batches(workload) > 1
     head, loss, last_output = _head_and_loss(shape, tokens, vocab, h, w, q, grad_apart) if last else (0.0, 0.0, 0.0)
-    per_micro_batch = shape.num_layers / pp * layer_saved_bytes(shape, layout, w) + head + (8.0 if first else 0.0)
+    seq = workload.seq_length
+    per_micro_batch = (shape.num_layers / pp * layer_saved_bytes(shape, layout, w, seq_length=seq) + head
+                       + (8.0 if first else 0.0))
     if pp > 1:  # torch's pipeline stage keeps each in-flight micro-batch's output for its backward
         per_micro_batch += last_output if last else h * w / q
     kept = tokens * per_micro_batch * in_flight(layout, workload, pipeline_rank)
     backward = 2 * h * w / q + _mlp_gradient(shape, t) * w  # the residual stream's gradient, the MLP's
     if layout.activation_checkpointing == "full":
-        backward += layer_saved_bytes(shape, layout, w, mode="none")  # the layer being recomputed
+        backward += layer_saved_bytes(shape, layout, w, mode="none", seq_length=seq)  # the layer being recomputed
     return int(kept + max(loss, tokens * (backward - head)))
 
 

@@ -15,12 +15,17 @@ Per token, forward, for the whole layer (``/ tp`` on a rank): the GEMMs outside 
   backward computes the scores again (``2.5 x`` the core's forward, not ``2 x``); a causal kernel counts its
   whole block; under context parallelism (ring or all-gather, ``context_parallel.blocks``) a rank computes its own
   block causally and only the needed half of each other rank's, ``(cp + 1) / (2 cp)`` of the ``T x s`` scores.
+* **sliding windows** (``GPTConfig.sliding_window``): a sliding layer's queries see at most ``window`` keys, and the
+  model FLOPs count ``min(window, s)`` keys per query, the whole band as Megatron counts the whole matrix
+  (:func:`attention_core_parts`); executed, a sliding layer counts that band whatever the context-parallel split
+  (the back ends skip tiles outside the window; tile granularity left out).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from lightning_megatron.models.flops import attended_keys
 from lightning_megatron.plan.layout import Layout, Workload
 from lightning_megatron.plan.shape import ModelShape
 
@@ -42,10 +47,19 @@ def layer_gemm_flops(shape: ModelShape) -> float:
 
 
 def attention_core_flops(shape: ModelShape, seq_length: int, *, skip_masked_half: bool = False) -> float:
-    """Forward FLOPs per token of ``Q K^T`` and ``P V`` (not /tp); ``skip_masked_half``: a causal flash kernel's
-    actual work (the planner's timing), else the whole score matrix (the model FLOPs' count)."""
-    full = 4 * seq_length * shape.num_heads * shape.head_dim
-    return full / 2 if skip_masked_half and shape.causal else full
+    """Forward FLOPs per token of ``Q K^T`` and ``P V`` of an average layer (not /tp); ``skip_masked_half``: a causal
+    flash kernel's actual work (the planner's timing), else the whole score matrix (the model FLOPs' count)."""
+    return sum(attention_core_parts(shape, seq_length, skip_masked_half=skip_masked_half))
+
+
+def attention_core_parts(shape: ModelShape, seq_length: int, *, skip_masked_half: bool = False) -> tuple[float, float]:
+    """:func:`attention_core_flops` as ``(full-attention layers' share, sliding layers' share)``: a sliding layer's
+    queries see at most ``sliding_window`` keys (``models.flops.attended_keys``)."""
+    half = skip_masked_half and shape.causal
+    per_key = 4 * shape.num_heads * shape.head_dim / shape.num_layers
+    full = (shape.num_layers - shape.sliding_layers) * attended_keys(seq_length, causal_half=half)
+    sliding = shape.sliding_layers * attended_keys(seq_length, shape.sliding_window, causal_half=half)
+    return per_key * full, per_key * sliding
 
 
 def pipeline_rank_layers(shape: ModelShape, layout: Layout, pipeline_rank: int) -> int:
@@ -72,7 +86,9 @@ def rank_step_flops(shape: ModelShape, layout: Layout, workload: Workload, *, pi
     tokens = workload.global_batch_size // layout.data_parallel_size * workload.seq_length / cp
     layers = pipeline_rank_layers(shape, layout, pipeline_rank)
     last = pipeline_rank == layout.pipeline_parallel_size - 1
-    gemm, core = layer_gemm_flops(shape) / tp, attention_core_flops(shape, workload.seq_length) / tp
+    gemm = layer_gemm_flops(shape) / tp
+    core_full, core_sliding = (part / tp for part in attention_core_parts(shape, workload.seq_length))
+    core = core_full + core_sliding
     logits = 2 * shape.hidden_size * shape.vocab_size / tp if last else 0.0
     model = 3 * tokens * (layers * (gemm + core) + logits)
     mode = layout.activation_checkpointing
@@ -81,7 +97,7 @@ def rank_step_flops(shape: ModelShape, layout: Layout, workload: Workload, *, pi
     recomputed_core = core if mode != "none" else 0.0
     recomputation = tokens * layers * (recomputed_gemm + recomputed_core)
     computed_blocks = (cp + 1) / (2 * cp) if shape.causal and cp > 1 else 1.0
-    core_executed = core * computed_blocks * (1 + FLASH_BACKWARD + (mode != "none"))
+    core_executed = (core_full * computed_blocks + core_sliding) * (1 + FLASH_BACKWARD + (mode != "none"))
     executed = tokens * (layers * (3 * gemm + recomputed_gemm + core_executed) + 3 * logits)
     return RankFlops(model, recomputation, executed)
 

@@ -8,7 +8,9 @@ has shapes the formulas do not know, and is refused with that reason.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
+
+from lightning_megatron.models.flops import sliding_layers
 
 
 @dataclass(frozen=True)
@@ -37,6 +39,9 @@ class ModelShape:
     norms_per_layer: int = 2  # 4 with sandwich norms (Gemma's: after attention and after the MLP too)
     zero_centered_norms: bool = False  # Gemma's (1 + w) RMSNorm: its normalised input kept in fp32
     logit_softcap: bool = False  # final-logit soft-capping: the unchunked head keeps the tanh's output
+    sliding_window: Optional[int] = None  # the window of the sliding layers
+    sliding_layers: int = 0  # layers that attend within sliding_window keys (GPTConfig.layer_types)
+    softcap: bool = False  # soft-capped scores: attention computed densely, its [s, s] probabilities kept
 
     @classmethod
     def of(cls, module: Any) -> "ModelShape":
@@ -59,7 +64,9 @@ class ModelShape:
                        moe_layers=len(moe.moe_layers(config.num_layers)) if moe else 0,
                        qk_norm=config.qk_layernorm, norms_per_layer=4 if config.norm_position == "sandwich" else 2,
                        zero_centered_norms=config.normalization == "ZeroCenteredRMSNorm",
-                       logit_softcap=config.final_logit_softcapping is not None)
+                       logit_softcap=config.final_logit_softcapping is not None,
+                       sliding_window=config.sliding_window, sliding_layers=sliding_layers(config),
+                       softcap=config.attn_logit_softcapping is not None)
         if isinstance(config, BERTConfig):
             return cls(config, False, config.hidden_size, config.num_layers, config.num_heads, config.num_heads,
                        config.hidden_size // config.num_heads, config.ffn_size, False, config.vocab_size, False, False,

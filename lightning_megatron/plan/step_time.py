@@ -104,16 +104,17 @@ def step_time(shape: ModelShape, layout: Layout, workload: Workload, hardware: H
     memory_rate = hardware.memory_bandwidth * hardware.memory_efficiency
 
     # ---- compute of one micro-batch on the slowest rank
-    core = attention_core_flops(shape, workload.seq_length, skip_masked_half=workload.attention == "flash") / tp
+    # Soft-capped scores (models.softcap) are materialised whatever the workload says.
+    flash = workload.attention == "flash" and not shape.softcap
+    core = attention_core_flops(shape, workload.seq_length, skip_masked_half=flash) / tp
     # Flash attention's fused kernels reach attention_efficiency of the peak; materialised scores are batched GEMMs.
-    core_rate = (hardware.peak(workload.sixteen_bit_compute) * hardware.attention_efficiency
-                 if workload.attention == "flash" else flops_rate)
+    core_rate = hardware.peak(workload.sixteen_bit_compute) * hardware.attention_efficiency if flash else flops_rate
     vocab = padded_size(shape.vocab_size, tp, workload.pad_vocab_to_multiple_of) / tp  # this rank's logits
     recomputed_core = core if layout.activation_checkpointing != "none" else 0.0
     gemm_seconds = _gemm_seconds(shape, layout, workload, hardware, tokens, layers, vocab)
     attention = tokens * layers * (3 * core + recomputed_core)
     elementwise_forward = _layer_elementwise_bytes(shape, layout, w)
-    if workload.attention == "materialized":  # the a x s scores of each token, /tp: written, soft-maxed, dropped
+    if not flash:  # the a x s scores of each token, /tp: written, soft-maxed, dropped
         elementwise_forward += MATERIALIZED_SCORE_BYTES * shape.num_heads * workload.seq_length / tp * w / 2
     # The cross-entropy's fp32 passes over this rank's logits; soft-capping's three element-wise ops read and write
     # them once in forward, twice in backward.

@@ -16,7 +16,9 @@ MODELS = {"gpt": lambda: GPT(gpt_setup.CONFIG), "llama": lambda: GPT(gpt_setup.L
           "bert": lambda: BERT(BERT_CONFIG),
           # Packed samples with Megatron-LM's document masks (document ids, restarting positions, no loss on eos).
           "doc": lambda: GPT(gpt_setup.CONFIG), "llamadoc": lambda: GPT(gpt_setup.LLAMA_CONFIG),
-          "chunk": lambda: GPT(gpt_setup.CHUNKED_CONFIG)}
+          "chunk": lambda: GPT(gpt_setup.CHUNKED_CONFIG),
+          # Sliding windows (and their rotary base, a softmax scale), alone and over packed documents.
+          "window": lambda: GPT(gpt_setup.WINDOW_CONFIG), "windowdoc": lambda: GPT(gpt_setup.WINDOW_CONFIG)}
 __all__ = ["BERT_CONFIG", "MODELS", "bert_setup", "gpt_setup", "model_batches", "model_loss"]
 
 

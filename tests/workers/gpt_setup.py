@@ -33,6 +33,10 @@ QWEN3_CONFIG = replace(LLAMA_CONFIG, kv_channels=16, qk_layernorm=True, add_qkv_
 GEMMA_CONFIG = replace(QWEN3_CONFIG, normalization="ZeroCenteredRMSNorm", layer_norm_eps=1e-6, activation="geglu",
                        norm_position="sandwich", embedding_multiplier=32 ** 0.5, tie_embeddings=True,
                        final_logit_softcapping=2.0)
+# Sliding windows (5 of the 16 positions) in layers 0, 2 and 3, their own rotary base, a softmax scale other than
+# 1/sqrt(head_dim): the window crosses the chunks of cp2 and the documents of packed samples.
+WINDOW_CONFIG = replace(LLAMA_CONFIG, sliding_window=5, rotary_base_local=100.0, softmax_scale=0.3,
+                        layer_types=("sliding_attention", "full_attention", "sliding_attention", "sliding_attention"))
 CONFIGS = {"gpt": CONFIG, "llama": LLAMA_CONFIG, "mqa": MQA_CONFIG, "deep": DEEP_CONFIG, "chunk": CHUNKED_CONFIG,
            "qwen3": QWEN3_CONFIG, "gemma": GEMMA_CONFIG, "gemmachunk": replace(GEMMA_CONFIG, loss_chunk_tokens=7)}
 
