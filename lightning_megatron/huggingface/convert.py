@@ -3,14 +3,15 @@
 ``read_hf`` picks the family by ``config.json``'s ``model_type``; ``write_hf`` by ``model_type`` when
 given, else by our config: a ``BERTConfig`` is BERT, a ``GPTConfig`` with learned positions is GPT-2,
 one with rotary positions is Llama-shaped: with Mixture-of-Experts layers ``qwen2_moe`` when they have
-a shared expert, else ``mixtral``; dense, ``qwen3`` when it normalises query and key heads (Qwen3's
+a shared expert, else ``mixtral``; dense, ``gemma3_text`` with four norms a layer (Gemma 3's
+``norm_position="sandwich"``), ``qwen3`` when it normalises query and key heads (Qwen3's
 ``qk_layernorm``), ``qwen2`` when it has biases on qkv alone (Qwen2's), else ``llama`` (``mistral`` only when asked for). The family then refuses, by name, any piece it lacks. State dicts are our
 models' own, full and unsharded (``GPTModel``/``BERTModel`` names, ``blocks.0.attn.qkv.weight``); a
 LightningModule's (names under ``model.``) is accepted too.
 
 Example::
 
-    config, state_dict = read_hf("path/to/hf_model")          # GPT-2, BERT, Llama, Mistral, Qwen2, Qwen3, ...
+    config, state_dict = read_hf("path/to/hf_model")          # GPT-2, BERT, Llama, Mistral, Qwen2, Qwen3, Gemma 3, ...
     module = lightning_module_for(config)(config)
     module.configure_model()
     module.model.load_state_dict(state_dict)
@@ -24,7 +25,7 @@ from typing import Any, Mapping, Optional, Sequence, Union
 
 from torch import Tensor, nn
 
-from lightning_megatron.huggingface import bert, gpt2, llama, mistral, mixtral, qwen2, qwen2_moe, qwen3
+from lightning_megatron.huggingface import bert, gemma3, gpt2, llama, mistral, mixtral, qwen2, qwen2_moe, qwen3
 from lightning_megatron.huggingface.companions import special_token_ids, write_companions
 from lightning_megatron.huggingface.family import Family, TensorSource
 from lightning_megatron.huggingface.io import DEFAULT_MAX_SHARD_SIZE, read_hf_config, weight_names
@@ -34,8 +35,14 @@ from lightning_megatron.models.gpt import GPTConfig
 ModelConfig = Union[GPTConfig, BERTConfig]
 FAMILIES: dict[str, Family] = {family.model_type: family for family in
                                (gpt2.FAMILY, bert.FAMILY, llama.FAMILY, mistral.FAMILY, qwen2.FAMILY,
-                                qwen3.FAMILY, mixtral.FAMILY, qwen2_moe.FAMILY)}
+                                qwen3.FAMILY, mixtral.FAMILY, qwen2_moe.FAMILY, gemma3.FAMILY)}
 HF_MODEL_TYPES = tuple(sorted(FAMILIES))
+#: Model types we read another way, and how.
+ELSEWHERE = {"gemma3": "It is the multimodal Gemma 3 (Gemma3ForConditionalGeneration): convert its text model, saved "
+                       "as a Gemma3ForCausalLM: m = Gemma3ForConditionalGeneration.from_pretrained(DIR); "
+                       "text = Gemma3ForCausalLM(m.config.text_config); "
+                       "text.model.load_state_dict(m.model.language_model.state_dict()); "
+                       "text.lm_head.load_state_dict(m.lm_head.state_dict()); text.save_pretrained(TEXT_DIR)."}
 
 
 def model_types_of(config_class: type) -> tuple[str, ...]:
@@ -67,7 +74,8 @@ def _config_and_family(model_or_dir: Union[str, os.PathLike, nn.Module],
     model_type = fields.get("model_type")
     if model_type not in model_types:
         other = (f" It is a {FAMILIES[model_type].config_class.__name__.removesuffix('Config')} model: read it with "
-                 f"{FAMILIES[model_type].lightning_module.__name__}.from_hf." if model_type in FAMILIES else "")
+                 f"{FAMILIES[model_type].lightning_module.__name__}.from_hf." if model_type in FAMILIES
+                 else " " + ELSEWHERE[model_type] if model_type in ELSEWHERE else "")
         raise ValueError(f"model_type={model_type!r} cannot be converted: supported Hugging Face model types are "
                          f"{', '.join(map(repr, model_types))}.{other}")
     return fields, FAMILIES[model_type]
@@ -84,6 +92,8 @@ def family_for(config: Any, model_type: Optional[str] = None) -> Family:
             model_type = "gpt2"
         elif config.moe is not None:
             model_type = "qwen2_moe" if config.moe.shared_expert_size else "mixtral"
+        elif config.norm_position == "sandwich":  # Gemma 3's four norms a layer
+            model_type = "gemma3_text"
         elif config.qk_layernorm:
             model_type = "qwen3"
         else:

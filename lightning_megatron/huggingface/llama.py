@@ -27,7 +27,7 @@ Example::
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional, Union
 
 from lightning_megatron.huggingface.family import Family
@@ -63,6 +63,10 @@ DENSE_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 #: GPTConfig attention pieces no Llama-shaped family's config holds, and what these families compute instead.
 UNEXPRESSED = {"rotary_base_local": "one rotary base in every layer", "softmax_scale": "1 / sqrt(head_dim)",
                "attn_logit_softcapping": "no soft-capping"}
+#: Our layer norms -> a Llama-shaped layer's (a norm before attention and one before the MLP).
+PRE_NORMS = {"ln_1": "input_layernorm", "ln_2": "post_attention_layernorm"}
+#: What gates each of our gated MLPs, for the error naming a family's other activation.
+GATES = {"swiglu": "our SwiGLU MLP gates with SiLU", "geglu": "our GeGLU MLP gates with tanh GELU"}
 
 
 def checkpoint_name(name: str) -> Optional[str]:
@@ -96,6 +100,11 @@ class Dialect:
     models' state dicts to its checkpoints' (``hf_name``, see ``Family``). ``qk_norm``: every layer normalises
     its query and key heads (``self_attn.q_norm``/``k_norm``, Qwen3's); ``head_dim``: the config class has a
     ``head_dim`` field (Qwen2's has not: its heads are ``hidden_size / num_attention_heads`` wide).
+
+    A family whose layers differ from Llama's in more than names (Gemma 3's, ``gemma3.py``) also says:
+    ``pieces``, our ``GPTConfig`` pieces every model of the family has; ``unexpressed``, the optional pieces its
+    config cannot hold (and what it computes instead); ``activation``, ``config.json``'s activation field and its
+    one value; ``norms``, our layer norms -> its layer's; ``rotary_from_hf``/``rotary_to_hf``, its rotary fields.
     """
 
     model_type: str
@@ -107,6 +116,12 @@ class Dialect:
     hf_name: Callable[[str], Optional[str]] = checkpoint_name
     qk_norm: bool = False
     head_dim: bool = True
+    pieces: Fields = field(default_factory=lambda: DECODER_PIECES)
+    unexpressed: Fields = field(default_factory=lambda: UNEXPRESSED)
+    activation: tuple[str, str] = ("hidden_act", "silu")
+    norms: Fields = field(default_factory=lambda: PRE_NORMS)
+    rotary_from_hf: Callable[[Fields, list[str]], dict[str, Any]] = lambda fields, problems: _rotary_from_hf(fields, problems)
+    rotary_to_hf: Callable[[GPTConfig], dict[str, Any]] = lambda config: _rotary_to_hf(config)
 
     def config_from_hf(self, hf_config: Union[Fields, Any]) -> GPTConfig:
         """Our ``GPTConfig`` for this family's config (a ``transformers`` config, its ``to_dict()``, or a parsed
@@ -115,12 +130,13 @@ class Dialect:
         problems = []
         if fields.get("model_type", self.model_type) != self.model_type:
             problems.append(f"model_type={fields['model_type']!r}: this converts {self.model_type!r} checkpoints")
-        if fields["hidden_act"] != "silu":
-            problems.append(f"hidden_act={fields['hidden_act']!r}: our SwiGLU MLP gates with SiLU ('silu')")
+        activation, gate = self.activation
+        if fields[activation] != gate:
+            problems.append(f"{activation}={fields[activation]!r}: {GATES[self.pieces['activation']]} ({gate!r})")
         hidden, heads = fields["hidden_size"], fields["num_attention_heads"]
         head_dim = fields["head_dim"] or hidden // heads
         groups = fields["num_key_value_heads"] or heads
-        pieces = {**_rotary_from_hf(fields, problems), **self.read_fields(fields, problems)}
+        pieces = {**self.rotary_from_hf(fields, problems), **self.read_fields(fields, problems)}
         raise_problems(problems, what=f"This Hugging Face config cannot be converted to our GPT ({self.architecture})")
         return GPTConfig(**{
             "vocab_size": fields["vocab_size"], "max_seq_length": fields["max_position_embeddings"],
@@ -129,7 +145,7 @@ class Dialect:
             "attention_dropout": float(fields["attention_dropout"]), "layer_norm_eps": fields["rms_norm_eps"],
             "num_query_groups": None if groups == heads else groups, "add_bias_linear": False,
             "tie_embeddings": bool(fields["tie_word_embeddings"]), "qk_layernorm": self.qk_norm,
-            "kv_channels": None if head_dim * heads == hidden else head_dim, **DECODER_PIECES, **pieces})
+            "kv_channels": None if head_dim * heads == hidden else head_dim, **self.pieces, **pieces})
 
     def hf_config(self, config: GPTConfig, **extra_fields: Any) -> dict[str, Any]:
         """The ``config.json`` fields (``transformers.AutoConfig.for_model(**fields)``) of our ``config``.
@@ -139,7 +155,7 @@ class Dialect:
         written in both spellings: ``rope_parameters`` (transformers 5) and ``rope_theta``/``rope_scaling``
         (transformers 4).
         """
-        problems = _decoder_problems(config, self.architecture, self.experts, self.qk_norm)
+        problems = _decoder_problems(config, self)
         if not self.head_dim and config.head_dim * config.num_heads != config.hidden_size:
             problems.append(f"kv_channels={config.kv_channels}: {self.architecture}'s heads are hidden_size / "
                             f"num_heads = {config.hidden_size} / {config.num_heads} channels wide; export with "
@@ -157,13 +173,13 @@ class Dialect:
             "num_hidden_layers": config.num_layers,
             "num_attention_heads": config.num_heads,
             "num_key_value_heads": config.query_groups,
-            "hidden_act": "silu",
+            self.activation[0]: self.activation[1],
             "max_position_embeddings": config.max_seq_length,
             "rms_norm_eps": config.layer_norm_eps,
             "tie_word_embeddings": config.tie_embeddings,
             "attention_dropout": config.attention_dropout,
             **({"head_dim": config.head_dim} if config.kv_channels else {}),
-            **_rotary_to_hf(config),
+            **self.rotary_to_hf(config),
             **own,
         }
         check_extra_fields(architecture, extra_fields, config=config)
@@ -173,21 +189,22 @@ class Dialect:
         return Family(model_type=self.model_type, config_class=GPTConfig, lightning_module=GPT,
                       config_from_hf=lambda fields, weight_names: self.config_from_hf(fields),
                       hf_config=self.hf_config,
-                      mapping=lambda config: decoder_mapping(config, self.architecture, self.experts, self.qk_norm),
+                      mapping=lambda config: decoder_mapping(config, self),
                       hf_name=self.hf_name, expected=f"a transformers {self.architecture}")
 
 
-DIALECT_NAMES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe")
+DIALECT_NAMES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "gemma3_text")
 
 
 # ----------------------------------------------------------------------------- shared config pieces
-def _decoder_problems(config: GPTConfig, architecture: str, experts: Optional[ExpertNames] = None,
-                      qk_norm: bool = False) -> list[str]:
+def _decoder_problems(config: GPTConfig, dialect: "Dialect") -> list[str]:
+    architecture = dialect.architecture
     problems = [f"{name}={getattr(config, name)!r} ({architecture} has {value!r})"
-                for name, value in {**DECODER_PIECES, "qk_layernorm": qk_norm}.items() if getattr(config, name) != value]
+                for name, value in {**dialect.pieces, "qk_layernorm": dialect.qk_norm}.items()
+                if getattr(config, name) != value]
     problems += [f"{name}={getattr(config, name)!r} ({architecture} has {default})"
-                 for name, default in UNEXPRESSED.items() if getattr(config, name) is not None]
-    return problems + _moe_problems(config, architecture, experts)
+                 for name, default in dialect.unexpressed.items() if getattr(config, name) is not None]
+    return problems + _moe_problems(config, architecture, dialect.experts)
 
 
 def _moe_problems(config: GPTConfig, architecture: str, experts: Optional[ExpertNames]) -> list[str]:
@@ -223,6 +240,12 @@ def _rotary_from_hf(fields: Fields, problems: list[str]) -> dict[str, Any]:
     if any(isinstance(value, dict) for value in rope.values()):
         problems.append(f"{field}={rope!r}: rotary parameters per layer type; our layers share one rotary embedding")
         return {}
+    return rotary_parameters(rope, field, fields, problems)
+
+
+def rotary_parameters(rope: Fields, field: str, fields: Fields, problems: list[str]) -> dict[str, Any]:
+    """``rotary_base`` and ``rope_scaling`` of one set of rotary parameters ``rope`` (``field`` names it in errors;
+    ``fields``: the config's, for what ``rope`` leaves out)."""
     theta = float(rope.get("rope_theta", fields.get("rope_theta", DEFAULT_ROPE_THETA)))
     kind = rope.get("rope_type", rope.get("type", "default"))
     partial = rope.get("partial_rotary_factor", fields.get("partial_rotary_factor", 1.0))
@@ -337,25 +360,25 @@ def _moe_rules(config: GPTConfig, names: ExpertNames) -> tuple[list[Rule], list[
     return rules, [Stacked(f"{block}.experts.gate_up_proj", (gate, up)), Stacked(f"{block}.experts.down_proj", (down,))]
 
 
-def decoder_mapping(config: GPTConfig, architecture: str = "LlamaForCausalLM",
-                    experts: Optional[ExpertNames] = None, qk_norm: bool = False) -> StateDictMapping:
-    """Our ``GPTModel`` names <-> those of a Llama-shaped ``...ForCausalLM`` (the same in every dialect; ``experts``:
-    how a Mixture-of-Experts family names its MoE layers; ``qk_norm``: its query and key norms, Qwen3's)."""
-    raise_problems(_decoder_problems(config, architecture, experts, qk_norm),
-                   what=f"This GPTConfig has no {architecture} equivalent")
+def decoder_mapping(config: GPTConfig, dialect: Optional[Dialect] = None) -> StateDictMapping:
+    """Our ``GPTModel`` names <-> those of a Llama-shaped ``...ForCausalLM`` (``dialect``'s, by default Llama's: its
+    ``experts``, how a Mixture-of-Experts family names its MoE layers; ``qk_norm``, its query and key norms;
+    ``norms``, its layer norms)."""
+    dialect = dialect or LLAMA
+    architecture, experts = dialect.architecture, dialect.experts
+    raise_problems(_decoder_problems(config, dialect), what=f"This GPTConfig has no {architecture} equivalent")
     layer = "model.layers.{i}"
     tied = config.tie_embeddings
     moe_rules, stacked = _moe_rules(config, experts) if experts is not None else ([], [])
     return StateDictMapping.build(
         state_dict_shapes(GPTModel, config), num_layers=config.num_layers,
         first=pair("embedding.wte", "model.embed_tokens"),
-        layer=[*pair("blocks.{i}.ln_1", f"{layer}.input_layernorm"),
+        layer=[*[rule for ours, theirs in dialect.norms.items() for rule in pair(f"blocks.{{i}}.{ours}", f"{layer}.{theirs}")],
                *pair("blocks.{i}.attn.qkv", [f"{layer}.self_attn.{name}_proj" for name in "qkv"],
                      QueryGroups(config.num_heads, config.query_groups)),
                *pair("blocks.{i}.attn.proj", f"{layer}.self_attn.o_proj"),
-               *[rule for norm in ("q_norm", "k_norm") if qk_norm
+               *[rule for norm in ("q_norm", "k_norm") if dialect.qk_norm
                  for rule in pair(f"blocks.{{i}}.attn.{norm}", f"{layer}.self_attn.{norm}")],
-               *pair("blocks.{i}.ln_2", f"{layer}.post_attention_layernorm"),
                *_gated_mlp_rules("blocks.{i}.mlp", f"{layer}.mlp"), *moe_rules],
         last=pair("ln_f", "model.norm") + ([] if tied else pair("lm_head", "lm_head")),
         our_ties=[Tie("lm_head.weight", "embedding.wte.weight", TIED_WHY)] if tied else [],

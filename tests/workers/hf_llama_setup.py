@@ -22,6 +22,13 @@ BASE_FIELDS = dict(vocab_size=300, hidden_size=64, num_attention_heads=4, num_ke
                    eos_token_id=None)
 LLAMA_3_1_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 4.0, "low_freq_factor": 1.0,
                   "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+#: Gemma 3: four layers of both types, a window shorter than the sequences, local/global rotary bases apart (the
+#: global one linearly scaled), query_pre_attn_scalar not head_dim, logits soft-capped hard enough to bend them.
+GEMMA3_FIELDS = {**BASE_FIELDS, "num_hidden_layers": 4, "head_dim": 24, "query_pre_attn_scalar": 20,
+                 "sliding_window": 6, "final_logit_softcapping": 5.0, "tie_word_embeddings": True, "pad_token_id": None,
+                 "layer_types": ["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"],
+                 "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+                                     "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0}}}
 CASES = {  # name -> (transformers class, config fields)
     "llama-gqa": ("LlamaForCausalLM", BASE_FIELDS),
     "llama-mqa": ("LlamaForCausalLM", {**BASE_FIELDS, "num_key_value_heads": 1}),
@@ -30,6 +37,7 @@ CASES = {  # name -> (transformers class, config fields)
     "qwen3": ("Qwen3ForCausalLM", {**BASE_FIELDS, "head_dim": 32, "tie_word_embeddings": False}),
     "llama-3.1-rope": ("LlamaForCausalLM", {**BASE_FIELDS, "max_position_embeddings": 256,
                                             "rope_parameters": LLAMA_3_1_ROPE}),
+    "gemma3": ("Gemma3ForCausalLM", GEMMA3_FIELDS),
 }
 QWEN2_MOE_FIELDS = {**BASE_FIELDS, "num_hidden_layers": 4, "decoder_sparse_step": 2, "num_experts": 8,
                     "num_experts_per_tok": 2, "moe_intermediate_size": 24, "shared_expert_intermediate_size": 40,
@@ -43,7 +51,7 @@ MOE_CASES = {
                                                "tie_word_embeddings": True}),
 }
 MODEL_TYPES = {"llama-gqa": "llama", "llama-mqa": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3",
-               "llama-3.1-rope": "llama", "mixtral": "mixtral", "qwen2-moe": "qwen2_moe", "qwen2-moe-norm": "qwen2_moe"}
+               "gemma3": "gemma3_text", "llama-3.1-rope": "llama", "mixtral": "mixtral", "qwen2-moe": "qwen2_moe", "qwen2-moe-norm": "qwen2_moe"}
 BATCH, SEQ = 2, 32  # shorter than Mistral's window; splits over tp=2 under sequence parallelism
 TOLERANCE = 1e-4  # fp32; measured 0.0 at every layout (the same ops in the same order); MoE: see test_hf_moe.py
 
@@ -55,7 +63,8 @@ def build_hf_model(case: str, **overrides):
     import transformers
 
     class_name, fields = {**CASES, **MOE_CASES}[case]
-    config_class = getattr(transformers, class_name.replace("ForCausalLM", "Config"))
+    config_class = getattr(transformers, class_name.replace("ForCausalLM", "TextConfig" if "Gemma" in class_name
+                                                              else "Config"))
     torch.manual_seed(SEED)
     model = getattr(transformers, class_name)(config_class(**{**fields, **overrides})).eval()
     with torch.no_grad():
