@@ -25,7 +25,7 @@ LAYOUTS = {"gpt2": ["tp2", "pp2", "tp2-pp2", "tp2-sp"], "llama-gqa": ["tp2", "pp
            "bert": ["tp2-sp", "pp2"]}
 
 
-@pytest.fixture(scope="module", params=["gpt2", "llama-gqa", "qwen3"])
+@pytest.fixture(scope="module", params=["gpt2", "llama-gqa", "qwen3", "gemma3"])
 def hf_and_ours(request):
     hf = hf_gpt2_setup.build_hf_model() if request.param == "gpt2" else hf_llama_setup.build_hf_model(request.param)
     return hf, GPT.from_hf(hf).eval()

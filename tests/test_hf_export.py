@@ -1,5 +1,5 @@
 """Hugging Face exports in shards: save_pretrained's files and index, replacing our previous export cleanly;
-``lightning-megatron checkpoint convert`` both ways for Llama, Mistral and Qwen2 (identical tensors); and an export of a
+``lightning-megatron checkpoint convert`` both ways for Llama, Mistral, Qwen2 and Gemma 3 (identical tensors); and an export of a
 sharded training checkpoint that holds about one shard of weights in memory, never the whole model."""
 
 import json
@@ -57,7 +57,7 @@ def test_sharded_export_loads_and_replaces_our_previous_export(tmp_path):
         gpt.to_hf(out, max_shard_size="5 bananas")
 
 
-@pytest.mark.parametrize("case", ["llama-gqa", "mistral", "qwen2"])
+@pytest.mark.parametrize("case", ["llama-gqa", "mistral", "qwen2", "gemma3"])
 def test_checkpoint_convert_round_trips_to_identical_tensors(case, tmp_path):
     hf = build_hf_model(case)
     hf.save_pretrained(tmp_path / "hf")
