@@ -52,6 +52,16 @@ def hf_model(family: str, seed: int = 0):
                 if name.endswith("norm.weight"):
                     param.uniform_(0.5, 1.5)
         return model
+    if family == "gemma3":  # four norms a layer, windows and rotary bases per layer type, soft-capped logits
+        config = transformers.Gemma3TextConfig(**sizes, head_dim=16, query_pre_attn_scalar=12, sliding_window=4,
+                                               final_logit_softcapping=3.0, pad_token_id=None,
+                                               layer_types=["sliding_attention", "full_attention"])
+        model = transformers.Gemma3ForCausalLM(config).eval()
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    param.uniform_(-0.5, 0.5)
+        return model
     if family == "mistral":
         return transformers.MistralForCausalLM(transformers.MistralConfig(**sizes, sliding_window=None)).eval()
     return transformers.LlamaForCausalLM(transformers.LlamaConfig(**sizes)).eval()
@@ -95,6 +105,7 @@ def test_to_hf_of_a_lora_module_writes_the_model_with_its_adapters_merged(llama_
     ("llama", {}),
     ("qwen2", {}),
     ("qwen3", {}),
+    ("gemma3", {}),
     ("mistral", {}),
     ("gpt2", {}),
     ("llama", {"targets": ["blocks.1.attn.qkv", "*.mlp.fc"]}),  # one layer's qkv only: PEFT gets full module names
