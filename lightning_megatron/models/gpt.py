@@ -340,6 +340,24 @@ GPT_PRESETS: dict[str, GPTConfig] = {
 LLAMA = dict(normalization="RMSNorm", position_embedding_type="rope", activation="swiglu", add_bias_linear=False)
 LLAMA_3_1_ROPE = dict(rotary_base=500000.0, rope_scaling=RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                                                                      original_max_position_embeddings=8192))
+
+
+def _gemma3(*, vocab: int, context: int, hidden: int, layers: int, heads: int, groups: int, ffn: int, head_dim: int,
+            scalar: int, window: int, rope_scaling: Optional[RopeScaling]) -> GPTConfig:
+    """A published Gemma 3 text model: four (1 + w) RMSNorms a layer, GeGLU, q/k norms, embeddings scaled by
+    sqrt(hidden), scores by ``query_pre_attn_scalar ** -0.5`` (``scalar``), every sixth layer full and the others
+    sliding over ``window`` keys with their own rotary base (10,000; full layers: 1,000,000, ``rope_scaling``), tied
+    embeddings, no soft-capping (Gemma 3 replaced Gemma 2's with the q/k norms)."""
+    return GPTConfig(vocab_size=vocab, max_seq_length=context, hidden_size=hidden, num_layers=layers, num_heads=heads,
+                     num_query_groups=groups, ffn_hidden_size=ffn, kv_channels=head_dim, qk_layernorm=True,
+                     normalization="ZeroCenteredRMSNorm", position_embedding_type="rope", activation="geglu",
+                     add_bias_linear=False, norm_position="sandwich", layer_norm_eps=1e-6, tie_embeddings=True,
+                     embedding_multiplier=hidden ** 0.5, softmax_scale=None if scalar == head_dim else scalar ** -0.5,
+                     rotary_base=1000000.0, rope_scaling=rope_scaling, rotary_base_local=10000.0, sliding_window=window,
+                     layer_types=tuple("full_attention" if (index + 1) % 6 == 0 else "sliding_attention"
+                                       for index in range(layers)))
+
+
 GPT_PRESETS.update({
     # For tests and the default examples: the byte vocabulary, 2 key/value groups (so tp=4 replicates them).
     "llama-tiny": GPTConfig(hidden_size=64, num_layers=4, num_heads=4, num_query_groups=2, ffn_hidden_size=176,
@@ -366,6 +384,13 @@ GPT_PRESETS.update({
        for name, (h, layers, heads, ffn, tied) in {"qwen3-0.6b": (1024, 28, 16, 3072, True),
                                                    "qwen3-8b": (4096, 36, 32, 12288, False),
                                                    "qwen3-32b": (5120, 64, 64, 25600, False)}.items()},
+    # Gemma 3's text models (google/gemma-3-1b-pt's config.json; the text_config of gemma-3-12b-pt and -27b-pt).
+    "gemma-3-1b": _gemma3(vocab=262144, context=32768, hidden=1152, layers=26, heads=4, groups=1, ffn=6912, head_dim=256,
+                          scalar=256, window=512, rope_scaling=None),
+    "gemma-3-12b": _gemma3(vocab=262208, context=131072, hidden=3840, layers=48, heads=16, groups=8, ffn=15360,
+                           head_dim=256, scalar=256, window=1024, rope_scaling=RopeScaling(factor=8.0, rope_type="linear")),
+    "gemma-3-27b": _gemma3(vocab=262208, context=131072, hidden=5376, layers=62, heads=32, groups=16, ffn=21504,
+                           head_dim=128, scalar=168, window=1024, rope_scaling=RopeScaling(factor=8.0, rope_type="linear")),
     # Mixtures of Experts. For tests and the examples: llama-tiny with 8 experts of which each token uses 2.
     "mixtral-tiny": GPTConfig(hidden_size=64, num_layers=4, num_heads=4, num_query_groups=2, ffn_hidden_size=176,
                               tie_embeddings=False, moe=MoEConfig(num_experts=8, top_k=2, ffn_hidden_size=64,
