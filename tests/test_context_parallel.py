@@ -37,6 +37,7 @@ LAYOUTS = [
     "chunk-cp2-tp2-dp1-sp",         # the chunked loss on each rank's chunks, against the unchunked GPT's reference
     "window-cp2-tp2-dp1-sp",        # sliding windows across the ring's chunks, tp2 + SP
     "windowdoc-cp2-tp1-dp2-ag",     # the same over packed documents, all-gather attention
+    "gemma3-cp2-tp1-dp2",           # Gemma 3 whole (test_layout_invariance.py: its reference is transformers')
 ]
 COUNTS = ["count-gpt-cp4-tp1-dp1", "count-llama-cp2-tp1-dp2", "count-bert-cp2-tp2-dp1-sp", "count-llama-cp4-tp1-dp1-ag"]
 EXTRAS = ["kernels-gpt-cp4-tp1-dp1", "kernels-gpt-cp2-tp1-dp2", "gen-llama-cp2-tp2-dp1-sp", "errors-gpt-cp4-tp1-dp1"]

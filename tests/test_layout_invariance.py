@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from launch import run_job
-from workers.gpt_setup import (CLIP, CONFIG, DEEP_CONFIG, GEMMA_CONFIG, LLAMA_CONFIG, LORA, QWEN3_CONFIG, SEED, batches,
-                               document_batches, optimizer, sgd_optimizer)
+from workers.gpt_setup import (CLIP, CONFIG, DEEP_CONFIG, GEMMA3_CONFIG, GEMMA_CONFIG, LLAMA_CONFIG, LORA, QWEN3_CONFIG,
+                               SEED, batches, document_batches, optimizer, sgd_optimizer)
 from lightning_megatron.models import GPTModel
 from lightning_megatron.parallel.names import is_adapter_name
 from lightning_megatron.peft.lora import apply_lora
@@ -102,6 +102,10 @@ LORA_LAYOUTS[4].append("qwen3-tp2-dp2-lora")
 # vocab-parallel loss, unchunked and chunked; the scaled embedding on the first stage and the cap on the last under pp2;
 # full recomputation of the sandwich layers at tp2 + SP.
 LAYOUTS[2] += ["gemma-tp2-dp1-sp-mb2-rc", "gemma-pp2-tp1-dp1-mb4", "gemmachunk-tp2-dp1-sp-mb2"]
+# Gemma 3 whole (gpt_setup.GEMMA3_CONFIG, a converted Gemma3ForCausalLM): its reference trains as transformers' model
+# does (test_gemma3_reference_trains_as_transformers_gemma3), so these layouts give transformers' losses; cp2:
+# test_context_parallel.py.
+LAYOUTS[4] += ["gemma3-tp2-dp2", "gemma3-pp2-tp1-dp2-mb2"]
 LOSS_TOL, WEIGHT_TOL = 1e-5, 1e-5
 
 
@@ -113,7 +117,39 @@ def reference():
             "llama-doc": _reference(optimizer, LLAMA_CONFIG, documents=True), "deep": _reference(optimizer, DEEP_CONFIG),
             "lora": _reference(optimizer, CONFIG, lora=LORA), "llama-lora": _reference(optimizer, LLAMA_CONFIG, lora=LORA),
             "qwen3": _reference(optimizer, QWEN3_CONFIG), "qwen3-lora": _reference(optimizer, QWEN3_CONFIG, lora=LORA),
-            "gemma": _reference(optimizer, GEMMA_CONFIG)}
+            "gemma": _reference(optimizer, GEMMA_CONFIG), "gemma3": _reference(optimizer, GEMMA3_CONFIG)}
+
+
+@pytest.mark.slow
+def test_gemma3_reference_trains_as_transformers_gemma3(reference):
+    """The Gemma 3 layouts' reference is transformers': its Gemma3ForCausalLM, loaded with the reference's initial
+    weights (exported), trained by the same AdamW with the same clipping on the same batches, gives its losses and
+    (converted back) its weights. fp32; measured 4.8e-7 (losses) and 2.5e-6 (weights)."""
+    transformers = pytest.importorskip("transformers")
+    from lightning_megatron.huggingface import family_for
+
+    family = family_for(GEMMA3_CONFIG)
+    torch.manual_seed(SEED)
+    initial = GPTModel(GEMMA3_CONFIG).state_dict()
+    hf = transformers.Gemma3ForCausalLM(transformers.AutoConfig.for_model(**family.hf_config(GEMMA3_CONFIG)))
+    hf.load_state_dict(family.hf_state_dict(initial, GEMMA3_CONFIG))
+    opt = optimizer(list(hf.parameters()))
+    losses = []
+    for input_ids, labels in batches():  # labels already shifted: the loss by hand, over the kept tokens
+        logits = hf(input_ids).logits
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(hf.parameters(), CLIP)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    ref_losses, ref_weights = reference["gemma3"]
+    back = family.state_dict_from_hf(hf.state_dict(), GEMMA3_CONFIG)
+    loss_dev = max(abs(a - b) for a, b in zip(losses, ref_losses))
+    weight_dev = max((back[name] - value).abs().max().item() for name, value in ref_weights.items())
+    print(f"gemma3 vs transformers: worst loss deviation {loss_dev:.2e}, worst weight deviation {weight_dev:.2e}")
+    assert loss_dev < LOSS_TOL and weight_dev < WEIGHT_TOL, (losses, ref_losses)
+    assert min((value - initial[name]).abs().max().item() for name, value in ref_weights.items()) > 1e-3  # all trained
 
 
 def _reference(make_optimizer, config, documents=False, lora=None):
@@ -157,6 +193,7 @@ def test_layouts_match_single_process(world, reference, fp8_reference, tmp_path)
     for layout in [layout for layout in LAYOUTS[world] if layout not in FP8_LAYOUTS.get(world, {})]:
         kind = "llama" if layout.startswith("llama-") else "deep" if layout.startswith("deep-") else \
             "qwen3" if layout.startswith("qwen3-") else "gemma" if layout.startswith(("gemma-", "gemmachunk-")) else \
+            "gemma3" if layout.startswith("gemma3-") else \
             "sgd" if layout.endswith("-sgd") else "adamw"  # chunk-: GPT's; gemmachunk-: the unchunked gemma's
         if "doc-" in layout:
             kind = "llama-doc" if kind == "llama" else "doc"

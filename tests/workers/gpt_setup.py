@@ -4,7 +4,7 @@ from dataclasses import replace
 
 import torch
 
-from lightning_megatron.models import GPTConfig
+from lightning_megatron.models import GPTConfig, RopeScaling
 from lightning_megatron.models.moe import MoEConfig
 from lightning_megatron.peft.lora import LoRAConfig
 
@@ -37,8 +37,13 @@ GEMMA_CONFIG = replace(QWEN3_CONFIG, normalization="ZeroCenteredRMSNorm", layer_
 # 1/sqrt(head_dim): the window crosses the chunks of cp2 and the documents of packed samples.
 WINDOW_CONFIG = replace(LLAMA_CONFIG, sliding_window=5, rotary_base_local=100.0, softmax_scale=0.3,
                         layer_types=("sliding_attention", "full_attention", "sliding_attention", "sliding_attention"))
+# Gemma 3 whole (what GPT.from_hf makes of a Gemma3ForCausalLM): GEMMA_CONFIG's pieces with WINDOW_CONFIG's layer
+# types, window and local rotary base, the full layers' rotary positions linearly scaled, query_pre_attn_scalar 12.
+GEMMA3_CONFIG = replace(GEMMA_CONFIG, sliding_window=5, layer_types=WINDOW_CONFIG.layer_types, rotary_base_local=100.0,
+                        softmax_scale=12 ** -0.5, rope_scaling=RopeScaling(factor=4.0, rope_type="linear"))
 CONFIGS = {"gpt": CONFIG, "llama": LLAMA_CONFIG, "mqa": MQA_CONFIG, "deep": DEEP_CONFIG, "chunk": CHUNKED_CONFIG,
-           "qwen3": QWEN3_CONFIG, "gemma": GEMMA_CONFIG, "gemmachunk": replace(GEMMA_CONFIG, loss_chunk_tokens=7)}
+           "qwen3": QWEN3_CONFIG, "gemma": GEMMA_CONFIG, "gemmachunk": replace(GEMMA_CONFIG, loss_chunk_tokens=7),
+           "gemma3": GEMMA3_CONFIG}
 
 # Llama-shaped, 4 layers of which 3 are MoE (layer 2 dense), 4 experts top-2 each 32 wide, a gated shared expert
 # (Qwen2-MoE's), and both auxiliary losses on so that their gradients are part of every comparison.

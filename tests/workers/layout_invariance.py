@@ -66,7 +66,7 @@ SETTINGS = {
     "fp8t": {"fp8": "tensorwise"},
     "fp8r": {"fp8": "rowwise"},
 }
-MODELS = ("llama", "mqa", "deep", "chunk", "qwen3", "gemma", "gemmachunk")
+MODELS = ("llama", "mqa", "deep", "chunk", "qwen3", "gemma", "gemmachunk", "gemma3")
 WORKER_WORDS = re.compile(r"doc|sgd|fused|foreach|lora|mb\d+|s\d+")
 
 
