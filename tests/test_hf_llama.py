@@ -1,4 +1,4 @@
-"""Hugging Face Llama, Mistral, Qwen2 and Qwen3: logits parity at tp=1 and exact round trips through from_pretrained for every
+"""Hugging Face Llama, Mistral, Qwen2, Qwen3 and Gemma 3 (its own configs: ``test_hf_gemma3.py``): logits parity at tp=1 and exact round trips through from_pretrained for every
 case of ``workers/hf_llama_setup.py``, both spellings of the rotary settings, the family chosen from our config, the
 published presets' configs, and clear errors for what cannot convert. The parallel layouts:
 ``test_hf_parity.py``; sharded exports and ``checkpoint convert``: ``test_hf_export.py``."""

@@ -2,7 +2,7 @@
 after conversion, and gathering the weights back and converting them to Hugging Face gives its state dict bit for bit.
 
 GPT-2 and BERT at tp=2 (with and without sequence parallelism) and pp=2; the Llama-shaped cases of
-``workers/hf_llama_setup.py`` (GQA, MQA, Mistral, Qwen2, Llama-3.1 rotary scaling) at tp=1, tp=2, tp=4
+``workers/hf_llama_setup.py`` (GQA, MQA, Mistral, Qwen2, Qwen3, Gemma 3, Llama-3.1 rotary scaling) at tp=1, tp=2, tp=4
 (more ranks than key/value groups: their heads are replicated), pp=2 and tp=2 x pp=2; the Mixture-of-Experts
 cases (``MOE_CASES``: Mixtral, Qwen2-MoE) at tp=2 with and without sequence parallelism (every expert split over
 tp inside one region); data parallelism takes the remaining ranks.

@@ -1,9 +1,11 @@
 """The small random Hugging Face Llama-shaped decoders shared by ``tests/test_hf_llama.py`` and ``hf_parity.py``.
 
-Six cases, each exercising one thing a mapping can get wrong: grouped-query attention (4 heads, 2
+Seven cases, each exercising one thing a mapping can get wrong: grouped-query attention (4 heads, 2
 key/value groups: tp=4 replicates each group's key/value heads on 2 ranks), multi-query attention (1
 group), Mistral (its sliding window longer than the sequences), Qwen2 (biases on q, k, v; tied
-embeddings), Qwen3 (per-head q/k RMSNorm; heads of 32 channels, not 64 / 4 = 16) and Llama-3.1's rotary
+embeddings), Qwen3 (per-head q/k RMSNorm; heads of 32 channels, not 64 / 4 = 16), Gemma 3 (four (1 + w) norms a
+layer, GeGLU, a window of 6 in three of four layers with their own rotary base, query_pre_attn_scalar 20 for heads of
+24 channels, soft-capped logits, tied embeddings) and Llama-3.1's rotary
 frequency scaling (an original context short enough that the scaling changes the logits of these sequences:
 without it they move by ~5e-2).
 
