@@ -42,8 +42,10 @@ from torchmetrics import MeanMetric
 
 from lightning_megatron.models.optim_recipe import PretrainingRecipe
 from lightning_megatron.parallel.initialize import default_initializer, initialize_parameters
+from lightning_megatron.parallel.names import name_matches
 from lightning_megatron.pipeline.blocks import PipelineBlocks, PipelineBatch
 from lightning_megatron.pipeline.layout import PipelineLayout
+from lightning_megatron.tensor_parallel.plan import REGION_STYLES
 from lightning_megatron.tensor_parallel.styles import PackedColumn
 
 IGNORE_INDEX = -100
@@ -243,8 +245,10 @@ class _LayerInputs:
                 def documents(batch, head, query, key):
                     return ids[batch, query] == ids[batch, key]
 
+            # No position_ids: from positions that restart transformers would infer packed documents (and window
+            # by positions); here, as in GPT, only document_ids confine attention, and windows count tokens.
             mask = getattr(masking, MASKS[attention_type])(
-                config=self.config, inputs_embeds=hidden, attention_mask=None, cache=None, position_ids=positions,
+                config=self.config, inputs_embeds=hidden, attention_mask=None, cache=None, position_ids=None,
                 and_mask_function=documents)
             by_type = "layer_type" in inspect.signature(self.rotary.forward).parameters
             rope = self.rotary(hidden, positions, attention_type) if by_type else self.rotary(hidden, positions)
@@ -287,6 +291,7 @@ class CausalLMStages(nn.Module):
         if tied:
             self.lm_head.weight = base.embed_tokens.weight
         self.loss_fn = nn.CrossEntropyLoss(reduction="sum", ignore_index=IGNORE_INDEX)
+        self.plan = _plan_of_present(self, causal_lm_plan(self.config))  # refused here, before any layout
         self.weights = weights
         names = {id(param): name for name, param in self.named_parameters()}
         self.fills = {names[key]: value for key, value in fills.items() if key in names}
@@ -315,7 +320,7 @@ class CausalLMStages(nn.Module):
                               last=("model.norm", "lm_head", "loss_fn"))
 
     def tensor_parallel_plan(self) -> dict[str, object]:
-        return causal_lm_plan(self.config)
+        return dict(self.plan)
 
     # The pipeline protocol (pipeline/blocks.py): side inputs are the optional position_ids and document_ids.
     def embed(self, input_ids: Tensor, **side: Tensor) -> Tensor:
@@ -357,6 +362,27 @@ class CausalLMStages(nn.Module):
         batch = self.pipeline_batch(input_ids, labels, **side)
         loss_sum, extras = self.pipeline_loss(self(input_ids, **batch.side), labels)
         return self.pipeline_result(loss_sum, batch.num_tokens, extras)
+
+
+def _plan_of_present(model: nn.Module, plan: Mapping[str, object]) -> dict[str, object]:
+    """The entries of ``plan`` that name submodules of ``model`` (transformers' plans name the layers of every variant
+    of a family: Qwen3-MoE's dense MLPs where a config has none); a ``ValueError`` naming an entry that names a
+    split module other than an ``nn.Linear`` (``nn.Embedding`` for ``"vocab"``) or parameters (a Mixture of Experts'
+    fused expert tensors): not layers this package splits."""
+    modules, kept = dict(model.named_modules()), {}
+    for pattern, style in plan.items():
+        found = [name for name in modules if name and name_matches(pattern, name)]
+        parameters = [name for name, _ in model.named_parameters() if name_matches(pattern, name)]
+        wrong = {name: type(modules[name]).__name__ for name in found if style not in REGION_STYLES
+                 and not isinstance(modules[name], (nn.Linear, nn.Embedding, nn.CrossEntropyLoss))}
+        if wrong or parameters:
+            raise ValueError(
+                f"model_type={model.config.model_type!r}: the plan entry {pattern!r} ({style!r}) names "
+                f"{wrong or parameters}, not linear layers, which is what HFCausalLM splits (a Mixture of Experts' "
+                f"fused expert tensors need expert parallelism: the native GPT has it where the family converts).")
+        if found:
+            kept[pattern] = style
+    return kept
 
 
 def build_causal_lm(config, *, weights: Optional[SafetensorsWeights] = None,
@@ -440,7 +466,7 @@ class HFCausalLM(PretrainingRecipe):
         return module
 
     def tensor_parallel_plan(self) -> dict[str, object]:
-        return {f"model.{pattern}": style for pattern, style in causal_lm_plan(self.config).items()}
+        return {f"model.{pattern}": style for pattern, style in self.model.tensor_parallel_plan().items()}
 
     @staticmethod
     def recompute_plan() -> dict[str, str]:

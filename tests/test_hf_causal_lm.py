@@ -1,0 +1,145 @@
+"""``HFCausalLM``: transformers' own modules, split by the plans their configs carry, against transformers itself (one
+process: logits, loss, packed documents) and against one process at tp2 x dp2 / pp2 x dp2 with ZeRO (the pooled
+job)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from launch import run_job
+from workers.gpt_setup import CLIP, SEED, batches, document_batches, optimizer
+from workers.hf_causal_setup import FAMILIES, save_family
+from lightning_megatron.models.hf_causal_lm import HFCausalLM, TP_STYLES, read_config
+from lightning_megatron.parallel import ParallelConfig
+
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def family_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hf_families")
+    for name in FAMILIES:
+        save_family(name, root / name)
+    return root
+
+
+def _reference_model(directory):
+    return transformers.AutoModelForCausalLM.from_pretrained(directory, attn_implementation="sdpa").eval()
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_logits_and_loss_are_transformers(family, family_dirs):
+    """Every family's logits (1e-4) and loss (1e-5) are transformers' own, -100 labels ignored; a packed sample's
+    second document (document ids, positions restarting) gives the logits transformers gives that document alone
+    (Gemma 3: through its sliding window)."""
+    reference, module = _reference_model(family_dirs / family), HFCausalLM.from_hf(family_dirs / family)
+    input_ids, labels = batches()[0]
+    with torch.no_grad():
+        expected = reference(input_ids).logits
+        logits = module(input_ids)
+        loss_sum, tokens = module.model.loss(input_ids, labels)
+        expected_loss = F.cross_entropy(expected.flatten(0, 1), labels.flatten(), ignore_index=-100)
+        # transformers' own loss of the same tokens: its labels are shifted inside (the last position has none)
+        hf_loss = reference(input_ids, labels=input_ids).loss
+        ours_shifted = F.cross_entropy(logits[:, :-1].flatten(0, 1), input_ids[:, 1:].flatten())
+        split = 7
+        positions = torch.cat([torch.arange(split), torch.arange(16 - split)]).expand(8, -1)
+        documents = torch.cat([torch.zeros(split), torch.ones(16 - split)]).long().expand(8, -1)
+        packed = module(input_ids, position_ids=positions, document_ids=documents)
+        alone = reference(input_ids[:, split:]).logits
+    assert (logits - expected).abs().max() < 1e-4
+    assert abs(loss_sum / tokens - expected_loss) < 1e-5 and tokens == (labels != -100).sum()
+    assert abs(ours_shifted - hf_loss) < 1e-5
+    assert (packed[:, split:] - alone).abs().max() < 1e-4
+    assert (packed[:, :split] - logits[:, :split]).abs().max() < 1e-4
+
+
+def test_families_and_layouts_it_cannot_split_are_refused(family_dirs):
+    with pytest.raises(ValueError, match=r"model_type='gpt2'.*no base_model_tp_plan.*GPT\.from_hf"):
+        HFCausalLM(config={"model_type": "gpt2", "n_embd": 32, "n_layer": 2, "n_head": 4})
+    with pytest.raises(ValueError, match=r"model_type='deepseek_v3'.*no mapping for.*'mla_kv_a_proj'"):
+        HFCausalLM(config={"model_type": "deepseek_v3"})
+    with pytest.raises(ValueError, match=r"needs its 'model_type'"):
+        HFCausalLM(config={"hidden_size": 32})
+    module = HFCausalLM(pretrained=family_dirs / "qwen3")
+    for layout, refused in [(dict(tensor_parallel_size=2, sequence_parallel=True), "sequence_parallel"),
+                            (dict(context_parallel_size=2), "context_parallel_size")]:
+        with pytest.raises(ValueError, match=rf"{refused} is not available on this route"):
+            module.validate_parallel_config(ParallelConfig(**layout))
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=4 does not divide \{'num_key_value_heads': 2\}"):
+        module.validate_parallel_config(ParallelConfig(tensor_parallel_size=4))
+    module.validate_parallel_config(ParallelConfig(tensor_parallel_size=2, pipeline_parallel_size=2))
+    assert set(TP_STYLES) >= {"colwise", "rowwise", "colwise_gather_output", "rowwise_split_input", "packed_colwise",
+                              "embedding_rowwise", "replicated_with_grad_allreduce", "sequence_parallel"}
+
+
+def test_a_config_alone_starts_as_transformers_initialises_it():
+    """Matrices N(0, initializer_range), norm gains as their constructors set them (Gemma's (1 + w): zeros; Qwen3's:
+    ones), the same values for the same seed; the hyper-parameters rebuild the module."""
+    gains = {}
+    for family in ("gemma3", "qwen3"):
+        torch.manual_seed(SEED)
+        module = HFCausalLM(config=FAMILIES[family])
+        module.configure_model()
+        params = dict(module.model.named_parameters())
+        gains[family] = params["model.layers.0.input_layernorm.weight"]
+        weight = params["model.layers.1.mlp.down_proj.weight"]
+        assert abs(weight.std().item() - module.config.initializer_range) < 0.2 * module.config.initializer_range
+        torch.manual_seed(SEED)
+        again = HFCausalLM(**module.hparams)
+        again.configure_model()
+        assert again.config.to_dict() == module.config.to_dict()
+        assert all(torch.equal(p, q) for p, q in zip(module.model.parameters(), again.model.parameters()))
+    assert torch.equal(gains["gemma3"], torch.zeros(32)) and torch.equal(gains["qwen3"], torch.ones(32))
+    assert read_config(FAMILIES["qwen3"]).head_dim == 16
+
+
+# The layouts of the pooled job: tp2 x dp2 with ZeRO 1-3 over the four families (Phi-3 and OLMo 2 through the
+# gathering styles), packed documents, pp2 x dp2 (Gemma 3's tied embedding on the first and last stage), tp2 x pp2.
+HF_LAYOUTS = ["qwen3-tp2-dp2-z1", "phi3-tp2-dp2-z2", "olmo2-tp2-dp2", "gemma3-tp2-dp2-z3", "qwen3-doc-tp2-dp2-s2",
+              "gemma3-pp2-tp1-dp2-mb2", "phi3-pp2-tp2-dp1-mb2"]
+STEPS = 3
+
+
+def _one_process(directory, steps, documents=False):
+    torch.manual_seed(SEED)
+    module = HFCausalLM.from_hf(directory)
+    model = module.model
+    opt = optimizer(list(model.parameters()))
+    losses = []
+    for input_ids, labels, side in document_batches()[:steps] if documents else [(*b, {}) for b in batches()[:steps]]:
+        loss_sum, tokens = model.loss(input_ids, labels, **side)
+        (loss_sum / tokens).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        opt.step()
+        opt.zero_grad()
+        losses.append((loss_sum / tokens).item())
+    return losses, {name: value.detach().clone() for name, value in model.state_dict().items()}
+
+
+@pytest.mark.slow
+def test_layouts_give_one_process_and_transformers(family_dirs, tmp_path):
+    """The core invariant for transformers' modules: every layout's losses and gathered weights are one process's
+    (1e-5), and the first loss is transformers' own."""
+    run_job("hf_causal_layouts", 4, tmp_path, ",".join(f"{layout}-s{STEPS}" if "-s" not in layout else layout
+                                                      for layout in HF_LAYOUTS), str(family_dirs))
+    references = {}
+    for layout in HF_LAYOUTS:
+        name = layout if "-s" in layout else f"{layout}-s{STEPS}"
+        family = layout.split("-")[0]
+        result = torch.load(tmp_path / f"{name}.pt", weights_only=True)
+        if "-doc-" in layout:  # packed documents (position ids restarting, document ids): the worker's batches
+            family = f"{family}-doc"
+            references.setdefault(family, _one_process(family_dirs / layout.split("-")[0], 2, documents=True))
+        elif family not in references:
+            references[family] = _one_process(family_dirs / family, STEPS)
+            input_ids, labels = batches()[0]
+            with torch.no_grad():
+                logits = _reference_model(family_dirs / family)(input_ids).logits
+            first = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100).item()
+            assert abs(references[family][0][0] - first) < 1e-5
+        losses, weights = references[family]
+        assert max(abs(a - b) for a, b in zip(result["losses"], losses)) < 1e-5, (layout, result["losses"], losses)
+        assert result["weights"].keys() == weights.keys(), layout
+        worst = max((result["weights"][k] - weights[k]).abs().max().item() for k in weights)
+        assert worst < 1e-5, (layout, worst)
