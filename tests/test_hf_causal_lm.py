@@ -2,6 +2,8 @@
 process: logits, loss, packed documents) and against one process at tp2 x dp2 / pp2 x dp2 with ZeRO (the pooled
 job)."""
 
+import json
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -95,10 +97,10 @@ def test_a_config_alone_starts_as_transformers_initialises_it():
 
 
 # The layouts of the pooled job: tp2 x dp2 with ZeRO 1-2 over the four families (Phi-3 and OLMo 2 through the
-# gathering styles), packed documents, pp2 x dp2 (Gemma 3's tied embedding on the first and last stage), tp2 x pp2.
-HF_LAYOUTS = ["qwen3-tp2-dp2-z1", "phi3-tp2-dp2-z2", "olmo2-tp2-dp2", "gemma3-tp2-dp2-z2", "qwen3-doc-tp2-dp2-s2",
-              "gemma3-pp2-tp1-dp2-mb2", "phi3-pp2-tp2-dp1-mb2"]
-STEPS = 3
+# gathering styles), packed documents, pp2 x dp2 (Gemma 3's tied embedding on the first and last stage), tp2 x pp2;
+# 3 steps each (the packed documents 2). And Trainer.fit at tp2 x dp2 with ZeRO-3 (hf_causal_setup.FIT).
+HF_LAYOUTS = ["qwen3-tp2-dp2-z1-s3", "phi3-tp2-dp2-z2-s3", "olmo2-tp2-dp2-s3", "gemma3-tp2-dp2-z2-s3",
+              "qwen3-doc-tp2-dp2-s2", "gemma3-pp2-tp1-dp2-mb2-s3", "phi3-pp2-tp2-dp1-mb2-s3"]
 
 
 def _one_process(directory, steps, documents=False):
@@ -117,29 +119,64 @@ def _one_process(directory, steps, documents=False):
     return losses, {name: value.detach().clone() for name, value in model.state_dict().items()}
 
 
+def _one_process_fit(directory):
+    import lightning as L
+
+    from workers.hf_causal_setup import FIT, fit_module
+    from workers.trainer_setup import datamodule, trainer_kwargs
+
+    class Losses(L.Callback):
+        losses = []
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            self.losses.append(outputs["loss"].item())
+
+    L.seed_everything(FIT["seed"])
+    module = fit_module(directory)
+    L.Trainer(accelerator="cpu", devices=1, callbacks=[Losses()], **trainer_kwargs(FIT)).fit(module,
+                                                                                         datamodule=datamodule(FIT))
+    return Losses.losses, module
+
+
+def _close(result, reference, what):
+    losses, weights = reference
+    assert max(abs(a - b) for a, b in zip(result["losses"], losses, strict=True)) < 1e-5, (what, result["losses"], losses)
+    assert result["weights"].keys() == weights.keys(), what
+    worst = max((result["weights"][k] - weights[k]).abs().max().item() for k in weights)
+    assert worst < 1e-5, (what, worst)
+
+
 @pytest.mark.slow
 def test_layouts_give_one_process_and_transformers(family_dirs, tmp_path):
     """The core invariant for transformers' modules: every layout's losses and gathered weights are one process's
-    (1e-5), and the first loss is transformers' own."""
-    run_job("hf_causal_layouts", 4, tmp_path, ",".join(f"{layout}-s{STEPS}" if "-s" not in layout else layout
-                                                      for layout in HF_LAYOUTS), str(family_dirs))
+    (1e-5), and the first loss is transformers' own. Trainer.fit at tp2 x dp2 with ZeRO-3 gives one process's
+    losses; its sharded checkpoint loads into one process with that process's weights, and its export is read by
+    transformers' from_pretrained with the same logits."""
+    run_job("hf_causal_layouts", 4, tmp_path, ",".join(HF_LAYOUTS + ["fit-qwen3"]), str(family_dirs))
     references = {}
     for layout in HF_LAYOUTS:
-        name = layout if "-s" in layout else f"{layout}-s{STEPS}"
         family = layout.split("-")[0]
-        result = torch.load(tmp_path / f"{name}.pt", weights_only=True)
         if "-doc-" in layout:  # packed documents (position ids restarting, document ids): the worker's batches
-            family = f"{family}-doc"
-            references.setdefault(family, _one_process(family_dirs / layout.split("-")[0], 2, documents=True))
-        elif family not in references:
-            references[family] = _one_process(family_dirs / family, STEPS)
-            input_ids, labels = batches()[0]
-            with torch.no_grad():
-                logits = _reference_model(family_dirs / family)(input_ids).logits
-            first = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100).item()
-            assert abs(references[family][0][0] - first) < 1e-5
-        losses, weights = references[family]
-        assert max(abs(a - b) for a, b in zip(result["losses"], losses)) < 1e-5, (layout, result["losses"], losses)
-        assert result["weights"].keys() == weights.keys(), layout
-        worst = max((result["weights"][k] - weights[k]).abs().max().item() for k in weights)
-        assert worst < 1e-5, (layout, worst)
+            reference = _one_process(family_dirs / family, 2, documents=True)
+        else:
+            if family not in references:
+                references[family] = _one_process(family_dirs / family, 3)
+                input_ids, labels = batches()[0]
+                with torch.no_grad():
+                    logits = _reference_model(family_dirs / family)(input_ids).logits
+                first = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100).item()
+                assert abs(references[family][0][0] - first) < 1e-5
+            reference = references[family]
+        _close(torch.load(tmp_path / f"{layout}.pt", weights_only=True), reference, layout)
+
+    losses, fitted = _one_process_fit(family_dirs / "qwen3")
+    summary = json.loads((tmp_path / "rank0.json").read_text())
+    assert max(abs(a - b) for a, b in zip(summary["fit-qwen3"], losses, strict=True)) < 1e-5, (summary, losses)
+    loaded = HFCausalLM.load_from_checkpoint(tmp_path / "fit.ckpt")
+    expected = fitted.state_dict()
+    assert loaded.state_dict().keys() == expected.keys()
+    assert max((loaded.state_dict()[k] - expected[k]).abs().max().item() for k in expected) < 1e-5
+    exported = _reference_model(tmp_path / "exported")
+    input_ids, _ = batches()[0]
+    with torch.no_grad():
+        assert (exported(input_ids).logits - loaded(input_ids)).abs().max() < 1e-4

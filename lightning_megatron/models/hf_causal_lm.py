@@ -247,9 +247,8 @@ class _LayerInputs:
 
             # No position_ids: from positions that restart transformers would infer packed documents (and window
             # by positions); here, as in GPT, only document_ids confine attention, and windows count tokens.
-            mask = getattr(masking, MASKS[attention_type])(
-                config=self.config, inputs_embeds=hidden, attention_mask=None, cache=None, position_ids=None,
-                and_mask_function=documents)
+            mask = getattr(masking, MASKS[attention_type])(  # config, embeddings, padding mask, cache
+                self.config, hidden, None, None, position_ids=None, and_mask_function=documents)
             by_type = "layer_type" in inspect.signature(self.rotary.forward).parameters
             rope = self.rotary(hidden, positions, attention_type) if by_type else self.rotary(hidden, positions)
             self.made[attention_type] = {"attention_mask": mask, "position_embeddings": rope,
@@ -464,6 +463,30 @@ class HFCausalLM(PretrainingRecipe):
         module = cls(pretrained=model_or_dir, **kwargs)
         module.configure_model()
         return module
+
+    def to_hf(self, out_dir: Union[str, os.PathLike], *, state_dict: Optional[Mapping[str, Tensor]] = None,
+              max_shard_size: Union[int, str] = "5GB") -> None:
+        """Write a ``save_pretrained`` directory of this model (transformers' own writer): the weights of
+        ``state_dict`` (this module's names; default: its own) in ``config``'s ``AutoModelForCausalLM``. Under tensor or
+        pipeline parallelism this module holds shards: gather on every rank, write on one::
+
+            state_dict = trainer.strategy.full_state_dict(rank_zero_only=True)
+            if trainer.is_global_zero:
+                model.to_hf("exported", state_dict=state_dict)
+        """
+        state_dict = self.state_dict() if state_dict is None else state_dict
+        weights = {name.removeprefix("model."): value for name, value in state_dict.items() if name.startswith("model.")}
+        auto = transformers_module().AutoModelForCausalLM
+        with torch.device("cpu"), _ParametersOnMeta():
+            causal_lm = auto.from_config(self.config, dtype=torch.float32)
+        missing, unexpected = causal_lm.load_state_dict(weights, strict=False, assign=True)
+        tied = {key for key in missing if getattr(causal_lm.config, "tie_word_embeddings", False)
+                and key == "lm_head.weight"}
+        if set(missing) - tied or unexpected:
+            raise ValueError(f"The weights do not fit {type(causal_lm).__name__}: missing {sorted(set(missing) - tied)}, "
+                             f"unexpected {sorted(unexpected)}.")
+        causal_lm.tie_weights()
+        causal_lm.save_pretrained(os.fspath(out_dir), max_shard_size=max_shard_size)
 
     def tensor_parallel_plan(self) -> dict[str, object]:
         return {f"model.{pattern}": style for pattern, style in self.model.tensor_parallel_plan().items()}

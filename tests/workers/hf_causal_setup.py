@@ -30,3 +30,13 @@ def save_family(name: str, directory, seed: int = 0) -> None:
             if param.dim() == 1:
                 param.add_(0.1 * torch.randn_like(param))
     model.save_pretrained(directory)
+
+
+#: The Trainer run of the pooled job (``hf_causal_layouts``' ``fit-``) and of its one-process reference.
+FIT = {"steps": 3, "clip": 0.5, "seed": 7, "strategy": {"tensor_parallel_size": 2, "zero_stage": 3}}
+
+
+def fit_module(directory):
+    from lightning_megatron.models import HFCausalLM
+
+    return HFCausalLM(pretrained=directory, learning_rate=3e-3, warmup_steps=2, adam_eps=1e-6)
