@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from launch import run_job
-from workers.gpt_setup import CLIP, SEED, batches, document_batches, optimizer
+from workers.gpt_setup import CLIP, LORA, SEED, batches, document_batches, optimizer
 from workers.hf_causal_setup import FAMILIES, save_family
 from lightning_megatron.models.hf_causal_lm import HFCausalLM, TP_STYLES, read_config
 from lightning_megatron.parallel import ParallelConfig
@@ -96,18 +96,50 @@ def test_a_config_alone_starts_as_transformers_initialises_it():
     assert read_config(FAMILIES["qwen3"]).head_dim == 16
 
 
+@pytest.mark.parametrize("family", ["qwen3", "phi3"])
+def test_lora_is_peft_on_transformers_projections(family, family_dirs, tmp_path):
+    """LoRA's adapters land on transformers' own projections (Phi-3: one over its fused qkv_proj, as PEFT's), train
+    alone, and give PEFT's logits with the same adapters; the export merges them, and transformers reads it back with
+    the same logits."""
+    peft = pytest.importorskip("peft")
+    module = HFCausalLM.from_hf(family_dirs / family, lora={"rank": 4, "alpha": 8.0})
+    trained = {name for name, param in module.model.named_parameters() if param.requires_grad}
+    projections = {name.split(".")[-3] for name in trained}
+    assert projections == ({"qkv_proj", "o_proj", "gate_up_proj", "down_proj"} if family == "phi3" else
+                           {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"})
+    assert all(".lora_a." in name or ".lora_b." in name for name in trained)
+    with torch.no_grad():
+        for name, param in module.model.named_parameters():
+            if ".lora_b." in name:
+                param.normal_(0.0, 0.05)
+    reference = peft.get_peft_model(_reference_model(family_dirs / family), peft.LoraConfig(
+        r=4, lora_alpha=8, target_modules=sorted(projections)))
+    adapters = {f"base_model.model.{name}".replace("lora_a.weight", "lora_A.default.weight")
+                .replace("lora_b.weight", "lora_B.default.weight"): param
+                for name, param in module.model.named_parameters() if name in trained}
+    assert not reference.load_state_dict(adapters, strict=False).unexpected_keys
+    input_ids, _ = batches()[0]
+    module.to_hf(tmp_path / "merged")
+    with torch.no_grad():
+        logits = module(input_ids)
+        assert (reference(input_ids).logits - logits).abs().max() < 1e-5
+        assert (_reference_model(tmp_path / "merged")(input_ids).logits - logits).abs().max() < 1e-4
+
+
 # The layouts of the pooled job: tp2 x dp2 with ZeRO 1-2 over the four families (Phi-3 and OLMo 2 through the
 # gathering styles), packed documents, pp2 x dp2 (Gemma 3's tied embedding on the first and last stage), tp2 x pp2;
-# 3 steps each (the packed documents 2). And Trainer.fit at tp2 x dp2 with ZeRO-3 (hf_causal_setup.FIT).
+# 3 steps each (the packed documents 2); LoRA on every projection at tp2 x dp2 (Phi-3's adapters replicated beside
+# its gathered layers). And Trainer.fit at tp2 x dp2 with ZeRO-3 (hf_causal_setup.FIT).
 HF_LAYOUTS = ["qwen3-tp2-dp2-z1-s3", "phi3-tp2-dp2-z2-s3", "olmo2-tp2-dp2-s3", "gemma3-tp2-dp2-z2-s3",
-              "qwen3-doc-tp2-dp2-s2", "gemma3-pp2-tp1-dp2-mb2-s3", "phi3-pp2-tp2-dp1-mb2-s3"]
+              "qwen3-doc-tp2-dp2-s2", "gemma3-pp2-tp1-dp2-mb2-s3", "phi3-pp2-tp2-dp1-mb2-s3",
+              "qwen3-tp2-dp2-lora-s3", "phi3-tp2-dp2-z1-lora-s3"]
 
 
-def _one_process(directory, steps, documents=False):
+def _one_process(directory, steps, documents=False, lora=None):
     torch.manual_seed(SEED)
-    module = HFCausalLM.from_hf(directory)
+    module = HFCausalLM.from_hf(directory, lora=lora)
     model = module.model
-    opt = optimizer(list(model.parameters()))
+    opt = optimizer([p for p in model.parameters() if p.requires_grad])
     losses = []
     for input_ids, labels, side in document_batches()[:steps] if documents else [(*b, {}) for b in batches()[:steps]]:
         loss_sum, tokens = model.loss(input_ids, labels, **side)
@@ -158,6 +190,8 @@ def test_layouts_give_one_process_and_transformers(family_dirs, tmp_path):
         family = layout.split("-")[0]
         if "-doc-" in layout:  # packed documents (position ids restarting, document ids): the worker's batches
             reference = _one_process(family_dirs / family, 2, documents=True)
+        elif "-lora-" in layout:
+            reference = _one_process(family_dirs / family, 3, lora=LORA)
         else:
             if family not in references:
                 references[family] = _one_process(family_dirs / family, 3)

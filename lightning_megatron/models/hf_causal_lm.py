@@ -33,6 +33,7 @@ from __future__ import annotations
 import inspect
 import json
 import os
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Mapping, Optional, Union
 
@@ -43,6 +44,8 @@ from torchmetrics import MeanMetric
 from lightning_megatron.models.optim_recipe import PretrainingRecipe
 from lightning_megatron.parallel.initialize import default_initializer, initialize_parameters
 from lightning_megatron.parallel.names import name_matches
+from lightning_megatron.peft.lora import DEFAULT_TARGETS, LoRAConfig, apply_lora
+from lightning_megatron.peft.merge import adapter_weight_names, layer_adapters, merged_weight
 from lightning_megatron.pipeline.blocks import PipelineBlocks, PipelineBatch
 from lightning_megatron.pipeline.layout import PipelineLayout
 from lightning_megatron.tensor_parallel.plan import REGION_STYLES
@@ -69,6 +72,9 @@ TP_STYLES: dict[str, object] = {
 #: The attention types (``config.layer_types``) whose masks transformers makes with these functions.
 MASKS = {"full_attention": "create_causal_mask", "sliding_attention": "create_sliding_window_causal_mask"}
 BASE_MODULES = ("embed_tokens", "layers", "norm")
+#: LoRA's default targets here: those of transformers' attention and MLP projections the model has (PEFT's names).
+LORA_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj", "gate_proj", "up_proj", "gate_up_proj",
+                    "down_proj")
 
 
 def transformers_module():
@@ -384,6 +390,15 @@ def _plan_of_present(model: nn.Module, plan: Mapping[str, object]) -> dict[str, 
     return kept
 
 
+def lora_for(model: nn.Module, lora: LoRAConfig) -> LoRAConfig:
+    """``lora`` with, in place of the GPT's default targets, every attention and MLP projection ``model`` has
+    (:data:`LORA_PROJECTIONS`: ``q_proj`` ... ``down_proj``, Phi-3's fused ``qkv_proj`` and ``gate_up_proj``)."""
+    if tuple(lora.targets) != DEFAULT_TARGETS:
+        return lora
+    names = {name.rsplit(".", 1)[-1] for name, module in model.named_modules() if isinstance(module, nn.Linear)}
+    return replace(lora, targets=[f"*.{name}" for name in LORA_PROJECTIONS if name in names])
+
+
 def build_causal_lm(config, *, weights: Optional[SafetensorsWeights] = None,
                     attn_implementation: str = "sdpa") -> CausalLMStages:
     """``config``'s ``AutoModelForCausalLM`` with its parameters on the meta device, as :class:`CausalLMStages`."""
@@ -411,7 +426,9 @@ class HFCausalLM(PretrainingRecipe):
     the tensors of its pipeline stage, one at a time, and keeps its shard of each. ``config``: the model without
     weights (a directory's ``config.json``, a dict of its fields with ``model_type``, or a ``transformers`` config),
     initialised as transformers does. ``attn_implementation``: transformers' attention kernel (``"sdpa"``,
-    ``"eager"``, ...). ``training_step`` returns ``{"loss", "num_tokens"}`` as ``GPT``'s does.
+    ``"eager"``, ...). ``lora``: a :class:`~lightning_megatron.peft.lora.LoRAConfig` (or its fields): adapters on
+    transformers' own projection layers (by default every attention and MLP projection, PEFT's ``q_proj`` ...
+    ``down_proj``), trained alone; ``to_hf`` merges them into the weights. ``training_step`` returns ``{"loss", "num_tokens"}`` as ``GPT``'s does.
 
     A family whose config has no plan, or whose plan uses a style with no mapping (:data:`TP_STYLES`), is refused
     by name (``ValueError``) when the module is built; so are layouts this route cannot split (module docstring).
@@ -423,6 +440,7 @@ class HFCausalLM(PretrainingRecipe):
         *,
         pretrained: Optional[Union[str, os.PathLike]] = None,
         attn_implementation: str = "sdpa",
+        lora: Optional[Union[LoRAConfig, dict]] = None,
         learning_rate: float = 1e-3,
         min_learning_rate: float = 1e-4,
         weight_decay: float = 0.1,
@@ -441,7 +459,9 @@ class HFCausalLM(PretrainingRecipe):
                          min_learning_rate=min_learning_rate, weight_decay=weight_decay, betas=betas,
                          adam_eps=adam_eps, warmup_steps=warmup_steps, adam_implementation=adam_implementation)
         self.pretrained, self.attn_implementation = pretrained, attn_implementation
-        self.save_hyperparameters({"pretrained": pretrained, "attn_implementation": attn_implementation})
+        self.lora = LoRAConfig.of(lora)
+        self.save_hyperparameters({"pretrained": pretrained, "attn_implementation": attn_implementation,
+                                   "lora": None if self.lora is None else self.lora.as_dict()})
         self.model: Optional[CausalLMStages] = None
         self.val_loss = MeanMetric()
 
@@ -453,6 +473,9 @@ class HFCausalLM(PretrainingRecipe):
         on_meta = torch.empty(()).is_meta  # inside the strategy's model_sharded_context
         weights = None if self.pretrained is None else SafetensorsWeights(self.pretrained)
         model = build_causal_lm(self.config, weights=weights, attn_implementation=self.attn_implementation)
+        if self.lora is not None:
+            self.lora = lora_for(model, self.lora)
+            apply_lora(model, self.lora)  # on the meta device: the adapters start by their own rule, per name
         if not on_meta:
             initialize_parameters(model, seed=torch.initial_seed(), device="cpu", only_meta=True)
         self.model = model
@@ -467,7 +490,8 @@ class HFCausalLM(PretrainingRecipe):
     def to_hf(self, out_dir: Union[str, os.PathLike], *, state_dict: Optional[Mapping[str, Tensor]] = None,
               max_shard_size: Union[int, str] = "5GB") -> None:
         """Write a ``save_pretrained`` directory of this model (transformers' own writer): the weights of
-        ``state_dict`` (this module's names; default: its own) in ``config``'s ``AutoModelForCausalLM``. Under tensor or
+        ``state_dict`` (this module's names; default: its own; LoRA adapters merged into the weights they adapt) in
+        ``config``'s ``AutoModelForCausalLM``. Under tensor or
         pipeline parallelism this module holds shards: gather on every rank, write on one::
 
             state_dict = trainer.strategy.full_state_dict(rank_zero_only=True)
@@ -476,6 +500,10 @@ class HFCausalLM(PretrainingRecipe):
         """
         state_dict = self.state_dict() if state_dict is None else state_dict
         weights = {name.removeprefix("model."): value for name, value in state_dict.items() if name.startswith("model.")}
+        for layer in layer_adapters(weights):  # LoRA: W + scale * B A, as PEFT's merge_and_unload
+            lora_a, lora_b = adapter_weight_names(layer)
+            weights[f"{layer}.weight"] = merged_weight(weights[f"{layer}.weight"], weights.pop(lora_a),
+                                                       weights.pop(lora_b), self.lora.scale)
         auto = transformers_module().AutoModelForCausalLM
         with torch.device("cpu"), _ParametersOnMeta():
             causal_lm = auto.from_config(self.config, dtype=torch.float32)

@@ -1,7 +1,8 @@
 """``HFCausalLM``'s modules (transformers' own layers) trained under several layouts over the same processes, as
 ``layout_invariance`` trains the GPT: ``main(out_dir, [LAYOUTS, DIRECTORY])``, each layout ``{family}-{layout words}``
 (``hf_causal_setup.FAMILIES``; the words are ``layout_invariance``'s), the family's ``save_pretrained`` directory
-``DIRECTORY/{family}``, read by every rank for its own shards. Rank 0 writes ``{layout}.pt`` (losses, gathered
+``DIRECTORY/{family}``, read by every rank for its own shards; the word ``lora``: ``gpt_setup.LORA``'s adapters on
+every attention and MLP projection (``hf_causal_lm.lora_for``). Rank 0 writes ``{layout}.pt`` (losses, gathered
 weights).
 
 ``fit-{family}``: ``Trainer.fit`` of ``HFCausalLM(pretrained=...)`` under ``Megatron3DStrategy`` at tp2 x dp2 with
@@ -16,19 +17,28 @@ import lightning as L
 import torch.distributed as dist
 
 from entry import run_script
+from gpt_setup import LORA
 from hf_causal_setup import FAMILIES, FIT, fit_module
 from layout_invariance import build, train
 from layout_runs import layouts_job
 from trainer_setup import datamodule, trainer_kwargs
 from lightning_megatron import Megatron3DStrategy
-from lightning_megatron.models.hf_causal_lm import SafetensorsWeights, build_causal_lm, read_config
+from lightning_megatron.models.hf_causal_lm import SafetensorsWeights, build_causal_lm, lora_for, read_config
+from lightning_megatron.peft.lora import apply_lora
+
+
+def make_model(source: Path, lora: bool):
+    model = build_causal_lm(read_config(source), weights=SafetensorsWeights(source))
+    if lora:
+        apply_lora(model, lora_for(model, LORA))
+    return model
 
 
 def train_family(out_dir: Path, directory: Path, layout: str):
-    family, words = layout.split("-", 1)
+    family, *words = layout.split("-")
     assert family in FAMILIES, f"{layout}: {family!r} is no family of hf_causal_setup"
-    source = directory / family
-    make = partial(build_causal_lm, read_config(source), weights=SafetensorsWeights(source))
+    make = partial(make_model, directory / family, "lora" in words)
+    words = "-".join(word for word in words if word != "lora")  # the adapters on transformers' projections
     return train(out_dir, words, build_model=partial(build, make_model=make))
 
 
