@@ -428,7 +428,8 @@ class HFCausalLM(PretrainingRecipe):
     initialised as transformers does. ``attn_implementation``: transformers' attention kernel (``"sdpa"``,
     ``"eager"``, ...). ``lora``: a :class:`~lightning_megatron.peft.lora.LoRAConfig` (or its fields): adapters on
     transformers' own projection layers (by default every attention and MLP projection, PEFT's ``q_proj`` ...
-    ``down_proj``), trained alone; ``to_hf`` merges them into the weights. ``training_step`` returns ``{"loss", "num_tokens"}`` as ``GPT``'s does.
+    ``down_proj``), trained alone; ``to_hf`` merges them into the weights. ``training_step`` returns ``{"loss",
+    "num_tokens"}`` as ``GPT``'s does.
 
     A family whose config has no plan, or whose plan uses a style with no mapping (:data:`TP_STYLES`), is refused
     by name (``ValueError``) when the module is built; so are layouts this route cannot split (module docstring).
@@ -499,7 +500,8 @@ class HFCausalLM(PretrainingRecipe):
                 model.to_hf("exported", state_dict=state_dict)
         """
         state_dict = self.state_dict() if state_dict is None else state_dict
-        weights = {name.removeprefix("model."): value for name, value in state_dict.items() if name.startswith("model.")}
+        weights = {name.removeprefix("model."): value for name, value in state_dict.items()
+                   if name.startswith("model.")}
         for layer in layer_adapters(weights):  # LoRA: W + scale * B A, as PEFT's merge_and_unload
             lora_a, lora_b = adapter_weight_names(layer)
             weights[f"{layer}.weight"] = merged_weight(weights[f"{layer}.weight"], weights.pop(lora_a),
@@ -511,8 +513,8 @@ class HFCausalLM(PretrainingRecipe):
         tied = {key for key in missing if getattr(causal_lm.config, "tie_word_embeddings", False)
                 and key == "lm_head.weight"}
         if set(missing) - tied or unexpected:
-            raise ValueError(f"The weights do not fit {type(causal_lm).__name__}: missing {sorted(set(missing) - tied)}, "
-                             f"unexpected {sorted(unexpected)}.")
+            raise ValueError(f"The weights do not fit {type(causal_lm).__name__}: missing "
+                             f"{sorted(set(missing) - tied)}, unexpected {sorted(unexpected)}.")
         causal_lm.tie_weights()
         causal_lm.save_pretrained(os.fspath(out_dir), max_shard_size=max_shard_size)
 
