@@ -15,8 +15,9 @@ strategy splits it like any model here, by the plans the model declares:
   by transformers' own functions, once per forward and stage, and handed to each layer by a forward pre-hook.
 
 Parameter names are transformers' (``model.layers.0.self_attn.q_proj.weight``, ``lm_head.weight``), so a
-``save_pretrained`` directory loads tensor by tensor: each rank reads only the tensors of its own stage, one at a
-time, and keeps its shard (:class:`SafetensorsWeights`). A model built from a config alone starts as transformers
+``save_pretrained`` directory loads tensor by tensor, where the strategy materialises each parameter: a rank reads
+the tensors of its own pipeline stage only, one whole tensor at a time (memory-mapped), and keeps its tensor-parallel
+and ZeRO-3 shard of it (:class:`SafetensorsWeights`); it never holds the whole model. A model built from a config alone starts as transformers
 initialises it (weights ``N(0, initializer_range)``, biases zero, norm gains as their constructors set them),
 drawn per parameter name, so every layout starts alike.
 
@@ -423,7 +424,8 @@ class HFCausalLM(PretrainingRecipe):
         trainer = L.Trainer(strategy=Megatron3DStrategy(tensor_parallel_size=2, pipeline_parallel_size=2), devices=8)
 
     ``pretrained``: a ``save_pretrained`` directory (safetensors): the model and its weights; each rank reads only
-    the tensors of its pipeline stage, one at a time, and keeps its shard of each. ``config``: the model without
+    the tensors of its pipeline stage, one at a time, and keeps its shard of each. The path is saved in the
+    hyper-parameters, so ``load_from_checkpoint`` and a resumed run rebuild the same module. ``config``: the model without
     weights (a directory's ``config.json``, a dict of its fields with ``model_type``, or a ``transformers`` config),
     initialised as transformers does. ``attn_implementation``: transformers' attention kernel (``"sdpa"``,
     ``"eager"``, ...). ``lora``: a :class:`~lightning_megatron.peft.lora.LoRAConfig` (or its fields): adapters on
