@@ -126,6 +126,35 @@ def test_lora_is_peft_on_transformers_projections(family, family_dirs, tmp_path)
         assert (_reference_model(tmp_path / "merged")(input_ids).logits - logits).abs().max() < 1e-4
 
 
+def test_packed_sft_batches_train_each_conversation_as_transformers_sees_it_alone(family_dirs, tmp_path):
+    """SFTDataModule's packed batches (the built-in instructions, byte tokens, prompts labelled -100, positions and
+    document ids restarting per conversation) go in as they are: the loss is the sum of transformers' losses of each
+    conversation alone over its response tokens (Gemma 3: sliding window, pad token)."""
+    from types import SimpleNamespace
+
+    from lightning_megatron.data import SFTDataModule
+
+    module, reference = HFCausalLM.from_hf(family_dirs / "gemma3"), _reference_model(family_dirs / "gemma3")
+    data = SFTDataModule(seq_length=48, global_batch_size=2, packing=True, split="1", index_cache_dir=str(tmp_path))
+    data.trainer = SimpleNamespace(lightning_module=module, max_steps=-1, strategy=SimpleNamespace(
+        distributed_sampler_kwargs={"num_replicas": 1, "rank": 0}))
+    data.setup("fit")
+    batch = next(iter(data.train_dataloader()))
+    assert batch["document_ids"].amax() > 0 and (batch["labels"] == -100).any()
+    expected, counted = 0.0, 0
+    with torch.no_grad():
+        loss_sum, tokens = module.model.loss(batch["input_ids"], batch["labels"], position_ids=batch["position_ids"],
+                                             document_ids=batch["document_ids"])
+        for row in range(2):
+            for document in batch["document_ids"][row].unique():
+                keep = batch["document_ids"][row] == document
+                labels = batch["labels"][row][keep]
+                logits = reference(batch["input_ids"][row][keep][None]).logits[0]
+                expected += F.cross_entropy(logits, labels, ignore_index=-100, reduction="sum").item()
+                counted += int((labels != -100).sum())
+    assert int(tokens) == counted and abs(loss_sum.item() - expected) < 1e-5 * expected
+
+
 # The layouts of the pooled job, 3 steps each: tp2 x dp2 with ZeRO 1-2 over the four families (Phi-3 and OLMo 2
 # through the gathering styles; Gemma 3 with full recomputation of its layers), packed documents (2 steps), pp2 x dp2
 # (Gemma 3's tied embedding on the first and last stage), pp2 x tp2, LoRA on every projection at tp2 x dp2 (Phi-3's
