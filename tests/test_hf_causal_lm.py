@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from launch import run_job
 from workers.gpt_setup import CLIP, LORA, SEED, batches, document_batches, optimizer
 from workers.hf_causal_setup import FAMILIES, save_family
-from lightning_megatron.models.hf_causal_lm import HFCausalLM, TP_STYLES, read_config
+from lightning_megatron.models.hf_causal_lm import HFCausalLM, SafetensorsWeights, TP_STYLES, read_config
 from lightning_megatron.parallel import ParallelConfig
 
 transformers = pytest.importorskip("transformers")
@@ -54,6 +54,25 @@ def test_logits_and_loss_are_transformers(family, family_dirs):
     assert abs(ours_shifted - hf_loss) < 1e-5
     assert (packed[:, split:] - alone).abs().max() < 1e-4
     assert (packed[:, :split] - logits[:, :split]).abs().max() < 1e-4
+
+
+def test_a_rank_reads_its_part_of_each_tensor(family_dirs):
+    """The reader gives each rank its part of a tensor, read by slices of the file (padded vocabulary rows zero, a
+    segmented split, a split of the columns): what slicing the whole tensor gives."""
+    from lightning_megatron.parallel.shards import TensorShard
+
+    weights = SafetensorsWeights(family_dirs / "phi3")
+    name = "model.layers.0.self_attn.qkv_proj.weight"
+    full = weights.read_local(name, None, (64, 32))
+    embedding = weights.read_local("model.embed_tokens.weight", None, (257, 32))
+    segmented = (((0, 16), (32, 16)), ((16, 16), (48, 16)))
+    shards = [(name, TensorShard(0, (64, 32), 64, 1, 2, rank_ranges=segmented)), (name, TensorShard(1, (64, 32), 32, 0, 4)),
+              ("model.embed_tokens.weight", TensorShard(0, (257, 32), 512, 1, 2))]
+    for tensor, shard in shards:
+        whole = full if tensor == name else embedding
+        assert torch.equal(weights.read_local(tensor, shard, shard.global_shape), shard.local_slice(whole))
+    with pytest.raises(ValueError, match=r"has shape \(64, 32\), the model built from its config \(32, 64\)"):
+        weights.read_local(name, None, (32, 64))
 
 
 def test_families_and_layouts_it_cannot_split_are_refused(family_dirs):

@@ -45,6 +45,7 @@ from torchmetrics import MeanMetric
 from lightning_megatron.models.optim_recipe import PretrainingRecipe
 from lightning_megatron.parallel.initialize import default_initializer, initialize_parameters
 from lightning_megatron.parallel.names import name_matches
+from lightning_megatron.parallel.shards import TensorShard
 from lightning_megatron.peft.lora import DEFAULT_TARGETS, LoRAConfig, apply_lora
 from lightning_megatron.peft.merge import adapter_weight_names, layer_adapters, merged_weight
 from lightning_megatron.pipeline.blocks import PipelineBlocks, PipelineBatch
@@ -141,7 +142,7 @@ def check_family(config) -> None:
 
 class SafetensorsWeights:
     """The tensors of a ``save_pretrained`` directory (``model.safetensors`` or sharded with an index), read one at
-    a time by name: each read maps only that tensor's bytes."""
+    a time by name, a rank's part of each only (``read_local``): the initialiser of a model's parameters."""
 
     def __init__(self, directory: Union[str, os.PathLike]) -> None:
         self.directory = Path(directory)
@@ -156,12 +157,33 @@ class SafetensorsWeights:
             raise FileNotFoundError(f"{self.directory} holds no safetensors weights (model.safetensors or "
                                     f"model.safetensors.index.json, as save_pretrained writes them).")
 
-    def read(self, name: str) -> Tensor:
+    def read_local(self, name: str, shard: Optional[TensorShard], global_shape: tuple[int, ...]) -> Tensor:
+        """This rank's part of tensor ``name`` (``shard``: its tensor-parallel split; None: the whole), in fp32 with
+        zero padding, as ``parallel.initialize.local_initial_values`` returns it; reads only the part's rows (or
+        columns) of the file."""
+        with self._open(name) as weights:
+            part = weights.get_slice(name)
+            if tuple(part.get_shape()) != tuple(global_shape):
+                raise ValueError(f"{self.directory}: {name} has shape {tuple(part.get_shape())}, the model built "
+                                 f"from its config {tuple(global_shape)}.")
+            if shard is None:
+                return part[:].to(torch.float32)
+            local = torch.zeros(shard.local_shape, dtype=torch.float32)
+            for segment in shard.segments():
+                rows = [slice(None)] * len(global_shape)
+                rows[shard.dim] = slice(segment.start, segment.start + segment.size)
+                local.narrow(shard.dim, segment.local_start, segment.size).copy_(part[tuple(rows)])
+            return local
+
+    def __call__(self, name: str, tensor: Tensor, generator: torch.Generator) -> None:
+        """As an initialiser (``initialize_parameter``) of the whole tensor: ``read_local`` serves every caller."""
+        tensor.copy_(self.read_local(name, None, tuple(tensor.shape)))
+
+    def _open(self, name: str):
         if name not in self.files:
             raise KeyError(f"{self.directory} has no tensor {name!r} (it has e.g. {sorted(self.files)[:4]}).")
         from safetensors import safe_open
-        with safe_open(str(self.directory / self.files[name]), framework="pt") as weights:
-            return weights.get_tensor(name)
+        return safe_open(str(self.directory / self.files[name]), framework="pt")
 
 
 def causal_lm_plan(config) -> dict[str, object]:
@@ -298,22 +320,16 @@ class CausalLMStages(nn.Module):
             self.lm_head.weight = base.embed_tokens.weight
         self.loss_fn = nn.CrossEntropyLoss(reduction="sum", ignore_index=IGNORE_INDEX)
         self.plan = _plan_of_present(self, causal_lm_plan(self.config))  # refused here, before any layout
-        self.weights = weights
+        if weights is not None:
+            self.initialize_parameter = weights  # read, not drawn: SafetensorsWeights.read_local
         names = {id(param): name for name, param in self.named_parameters()}
         self.fills = {names[key]: value for key, value in fills.items() if key in names}
 
     def initialize_parameter(self, name: str, tensor: Tensor, generator: torch.Generator) -> None:
-        """The start of parameter ``name`` (transformers' name): read from ``weights``, else transformers' rule."""
-        if self.weights is not None:
-            if tensor.is_meta:  # the initialiser's probe (parallel.initialize): not one draw, so the whole tensor
-                tensor.copy_(tensor)
-                return
-            value = self.weights.read(name)
-            if tuple(value.shape) != tuple(tensor.shape):
-                raise ValueError(f"{self.weights.directory}: {name} has shape {tuple(value.shape)}, the model "
-                                 f"built from its config {tuple(tensor.shape)}.")
-            tensor.copy_(value)
-        elif tensor.dim() >= 2:
+        """Transformers' start of parameter ``name`` (its name): matrices ``N(0, initializer_range)``, biases zero,
+        other vectors their constructor's constant. With ``weights``, the instance's ``initialize_parameter`` is
+        that reader instead (``__init__``), which reads each rank's part of the file."""
+        if tensor.dim() >= 2:
             tensor.normal_(0.0, self.config.initializer_range, generator=generator)
         elif name in self.fills and not name.endswith("bias"):
             tensor.fill_(self.fills[name])
