@@ -66,7 +66,8 @@ def test_a_rank_reads_its_part_of_each_tensor(family_dirs):
     full = weights.read_local(name, None, (64, 32))
     embedding = weights.read_local("model.embed_tokens.weight", None, (257, 32))
     segmented = (((0, 16), (32, 16)), ((16, 16), (48, 16)))
-    shards = [(name, TensorShard(0, (64, 32), 64, 1, 2, rank_ranges=segmented)), (name, TensorShard(1, (64, 32), 32, 0, 4)),
+    shards = [(name, TensorShard(0, (64, 32), 64, 1, 2, rank_ranges=segmented)),
+              (name, TensorShard(1, (64, 32), 32, 0, 4)),
               ("model.embed_tokens.weight", TensorShard(0, (257, 32), 512, 1, 2))]
     for tensor, shard in shards:
         whole = full if tensor == name else embedding

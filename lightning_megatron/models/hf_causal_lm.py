@@ -16,10 +16,10 @@ strategy splits it like any model here, by the plans the model declares:
 
 Parameter names are transformers' (``model.layers.0.self_attn.q_proj.weight``, ``lm_head.weight``), so a
 ``save_pretrained`` directory loads tensor by tensor, where the strategy materialises each parameter: a rank reads
-the tensors of its own pipeline stage only, one whole tensor at a time (memory-mapped), and keeps its tensor-parallel
-and ZeRO-3 shard of it (:class:`SafetensorsWeights`); it never holds the whole model. A model built from a config alone starts as transformers
-initialises it (weights ``N(0, initializer_range)``, biases zero, norm gains as their constructors set them),
-drawn per parameter name, so every layout starts alike.
+only its part (its tensor-parallel rows or columns) of the tensors of its own pipeline stage, by slices of the
+memory-mapped file (:class:`SafetensorsWeights`), and never holds the whole model or a whole split tensor. A model
+built from a config alone starts as transformers initialises it (weights ``N(0, initializer_range)``, biases zero,
+norm gains as their constructors set them), drawn per parameter name, so every layout starts alike.
 
 What this route gives up against the native one, said when refused: sequence and context parallelism
 (transformers' plans for these families have no ``sequence_parallel`` entries, and its attention takes whole
@@ -440,11 +440,11 @@ class HFCausalLM(PretrainingRecipe):
         trainer = L.Trainer(strategy=Megatron3DStrategy(tensor_parallel_size=2, pipeline_parallel_size=2), devices=8)
 
     ``pretrained``: a ``save_pretrained`` directory (safetensors): the model and its weights; each rank reads only
-    the tensors of its pipeline stage, one at a time, and keeps its shard of each. The path is saved in the
-    hyper-parameters, so ``load_from_checkpoint`` and a resumed run rebuild the same module. ``config``: the model without
-    weights (a directory's ``config.json``, a dict of its fields with ``model_type``, or a ``transformers`` config),
-    initialised as transformers does. ``attn_implementation``: transformers' attention kernel (``"sdpa"``,
-    ``"eager"``, ...). ``lora``: a :class:`~lightning_megatron.peft.lora.LoRAConfig` (or its fields): adapters on
+    its part of the tensors of its pipeline stage. The path is saved in the hyper-parameters, so
+    ``load_from_checkpoint`` and a resumed run rebuild the same module. ``config``: the model without weights (a
+    directory's ``config.json``, a dict of its fields with ``model_type``, or a ``transformers`` config), initialised
+    as transformers does. ``attn_implementation``: transformers' attention kernel (``"sdpa"``, ``"eager"``, ...).
+    ``lora``: a :class:`~lightning_megatron.peft.lora.LoRAConfig` (or its fields): adapters on
     transformers' own projection layers (by default every attention and MLP projection, PEFT's ``q_proj`` ...
     ``down_proj``), trained alone; ``to_hf`` merges them into the weights. ``training_step`` returns ``{"loss",
     "num_tokens"}`` as ``GPT``'s does.
