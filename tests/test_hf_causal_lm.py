@@ -178,7 +178,8 @@ def test_packed_sft_batches_train_each_conversation_as_transformers_sees_it_alon
 # The layouts of the pooled job, 3 steps each: tp2 x dp2 with ZeRO 1-2 over the four families (Phi-3 and OLMo 2
 # through the gathering styles; Gemma 3 with full recomputation of its layers), packed documents (2 steps), pp2 x dp2
 # (Gemma 3's tied embedding on the first and last stage), pp2 x tp2, LoRA on every projection at tp2 x dp2 (Phi-3's
-# adapters replicated beside its gathered layers). And Trainer.fit at tp2 x dp2 with ZeRO-3 (hf_causal_setup.FIT).
+# adapters replicated beside its gathered layers). And Trainer.fit at tp2 x dp2 with ZeRO-3, resumed at pp2 x dp2
+# (hf_causal_setup.FIT).
 HF_LAYOUTS = ["qwen3-tp2-dp2-z1-s3", "phi3-tp2-dp2-z2-s3", "olmo2-tp2-dp2-s3", "gemma3-tp2-dp2-z2-rc-s3",
               "qwen3-doc-tp2-dp2-s2", "gemma3-pp2-tp1-dp2-mb2-s3", "phi3-pp2-tp2-dp1-mb2-s3",
               "qwen3-tp2-dp2-lora-s3", "phi3-tp2-dp2-z1-lora-s3"]
@@ -201,22 +202,25 @@ def _one_process(directory, steps, documents=False, lora=None):
 
 
 def _one_process_fit(directory):
+    """The losses of FIT's steps in one process, and the weights after all but the last (where the pooled run saved
+    its checkpoint)."""
     import lightning as L
 
     from workers.hf_causal_setup import FIT, fit_module
     from workers.trainer_setup import datamodule, trainer_kwargs
 
-    class Losses(L.Callback):
-        losses = []
+    class Record(L.Callback):
+        losses, saved = [], {}
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             self.losses.append(outputs["loss"].item())
+            if trainer.global_step == FIT["steps"] - 1:
+                self.saved.update({k: v.detach().clone() for k, v in pl_module.state_dict().items()})
 
     L.seed_everything(FIT["seed"])
-    module = fit_module(directory)
-    L.Trainer(accelerator="cpu", devices=1, callbacks=[Losses()], **trainer_kwargs(FIT)).fit(module,
-                                                                                         datamodule=datamodule(FIT))
-    return Losses.losses, module
+    L.Trainer(accelerator="cpu", devices=1, callbacks=[Record()], **trainer_kwargs(FIT)).fit(
+        fit_module(directory), datamodule=datamodule(FIT))
+    return Record.losses, Record.saved
 
 
 def _close(result, reference, what):
@@ -231,9 +235,9 @@ def _close(result, reference, what):
 @pytest.mark.slow
 def test_layouts_give_one_process_and_transformers(family_dirs, tmp_path):
     """The core invariant for transformers' modules: every layout's losses and gathered weights are one process's
-    (1e-5), and the first loss is transformers' own. Trainer.fit at tp2 x dp2 with ZeRO-3 gives one process's
-    losses; its sharded checkpoint loads into one process with that process's weights, and its export is read by
-    transformers' from_pretrained with the same logits."""
+    (1e-5), and the first loss is transformers' own. Trainer.fit at tp2 x dp2 with ZeRO-3, then resumed from its
+    sharded checkpoint at pp2 x dp2, gives one process's losses; the checkpoint loads into one process with that
+    process's weights, and the export is read by transformers' from_pretrained with the same logits."""
     run_job("hf_causal_layouts", 4, tmp_path, ",".join(HF_LAYOUTS + ["fit-qwen3"]), str(family_dirs))
     references = {}
     for layout in HF_LAYOUTS:
@@ -253,11 +257,10 @@ def test_layouts_give_one_process_and_transformers(family_dirs, tmp_path):
             reference = references[family]
         _close(torch.load(tmp_path / f"{layout}.pt", weights_only=True), reference, layout)
 
-    losses, fitted = _one_process_fit(family_dirs / "qwen3")
+    losses, expected = _one_process_fit(family_dirs / "qwen3")
     summary = json.loads((tmp_path / "rank0.json").read_text())
     assert max(abs(a - b) for a, b in zip(summary["fit-qwen3"], losses, strict=True)) < 1e-5, (summary, losses)
     loaded = HFCausalLM.load_from_checkpoint(tmp_path / "fit.ckpt")
-    expected = fitted.state_dict()
     assert loaded.state_dict().keys() == expected.keys()
     assert max((loaded.state_dict()[k] - expected[k]).abs().max().item() for k in expected) < 1e-5
     exported = _reference_model(tmp_path / "exported")

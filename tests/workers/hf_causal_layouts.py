@@ -6,8 +6,9 @@ every attention and MLP projection (``hf_causal_lm.lora_for``). Rank 0 writes ``
 weights).
 
 ``fit-{family}``: ``Trainer.fit`` of ``HFCausalLM(pretrained=...)`` under ``Megatron3DStrategy`` at tp2 x dp2 with
-ZeRO-3 (``hf_causal_setup.FIT``), which then saves a sharded checkpoint (``fit.ckpt``) and, from the gathered weights,
-a ``save_pretrained`` export (``exported``); the entry is the global batches' losses.
+ZeRO-3 (``hf_causal_setup.FIT``) for all steps but the last, then a sharded checkpoint (``fit.ckpt``) and, from the
+gathered weights, a ``save_pretrained`` export (``exported``); the last step resumed from the checkpoint at pp2 x dp2
+(ZeRO-1). The entry is the global batches' losses.
 """
 
 from functools import partial
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import lightning as L
 import torch.distributed as dist
+from lightning.pytorch.callbacks import ModelCheckpoint
 
 from entry import run_script
 from gpt_setup import LORA
@@ -43,26 +45,37 @@ def train_family(out_dir: Path, directory: Path, layout: str):
 
 
 class Losses(L.Callback):
-    def __init__(self) -> None:
-        self.losses = []
+    """The global batches' losses; ``stop_after``: the run stops after that many steps."""
+
+    def __init__(self, stop_after=None) -> None:
+        self.losses, self.stop_after = [], stop_after
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.losses.append(float(trainer.strategy.reduce(outputs["loss"].detach(), reduce_op="mean")))
+        if trainer.global_step == self.stop_after:
+            trainer.should_stop = True
 
 
 def fit(out_dir: Path, directory: Path, layout: str) -> list[float]:
-    L.seed_everything(FIT["seed"])
-    losses = Losses()
-    trainer = L.Trainer(accelerator="cpu", devices=dist.get_world_size(), callbacks=[losses],
-                        strategy=Megatron3DStrategy(**FIT["strategy"]), **trainer_kwargs(FIT))
-    module = fit_module(directory / layout.split("-", 1)[1])
-    trainer.fit(module, datamodule=datamodule(FIT))
-    trainer.save_checkpoint(out_dir / "fit.ckpt")
-    state_dict = trainer.strategy.full_state_dict(rank_zero_only=True)
-    if trainer.is_global_zero:
-        module.to_hf(out_dir / "exported", state_dict=state_dict)
-    dist.barrier()
-    return losses.losses
+    """FIT's steps but the last at its first layout, saving a checkpoint (Lightning's ModelCheckpoint, mid-epoch) and an
+    export there; the last step resumed from the checkpoint at the second layout."""
+    losses, checkpoint = [], out_dir / "fit.ckpt"
+    for strategy, resume in zip(FIT["strategies"], (None, checkpoint)):
+        L.seed_everything(FIT["seed"])
+        record = Losses(stop_after=FIT["steps"] - 1 if resume is None else None)
+        saving = [] if resume else [ModelCheckpoint(dirpath=out_dir, filename="fit", every_n_train_steps=FIT["steps"] - 1)]
+        trainer = L.Trainer(accelerator="cpu", devices=dist.get_world_size(), callbacks=[record, *saving],
+                            strategy=Megatron3DStrategy(**strategy),
+                            **{**trainer_kwargs(FIT), "enable_checkpointing": not resume, "limit_val_batches": 0})
+        module = fit_module(directory / layout.split("-", 1)[1])
+        trainer.fit(module, datamodule=datamodule(FIT), ckpt_path=resume)
+        losses += record.losses
+        if resume is None:
+            state_dict = trainer.strategy.full_state_dict(rank_zero_only=True)
+            if trainer.is_global_zero:
+                module.to_hf(out_dir / "exported", state_dict=state_dict)
+            dist.barrier()
+    return losses
 
 
 def main(out_dir: Path, args: list[str]) -> None:

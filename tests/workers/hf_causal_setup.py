@@ -33,7 +33,9 @@ def save_family(name: str, directory, seed: int = 0) -> None:
 
 
 #: The Trainer run of the pooled job (``hf_causal_layouts``' ``fit-``) and of its one-process reference.
-FIT = {"steps": 3, "clip": 0.5, "seed": 7, "strategy": {"tensor_parallel_size": 2, "zero_stage": 3}}
+FIT = {"steps": 4, "clip": 0.5, "seed": 7,
+       "strategies": [{"tensor_parallel_size": 2, "zero_stage": 3},
+                      {"pipeline_parallel_size": 2, "zero_stage": 1, "micro_batch_size": 2}]}
 
 
 def fit_module(directory):
