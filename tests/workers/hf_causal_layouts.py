@@ -63,7 +63,8 @@ def fit(out_dir: Path, directory: Path, layout: str) -> list[float]:
     for strategy, resume in zip(FIT["strategies"], (None, checkpoint)):
         L.seed_everything(FIT["seed"])
         record = Losses(stop_after=FIT["steps"] - 1 if resume is None else None)
-        saving = [] if resume else [ModelCheckpoint(dirpath=out_dir, filename="fit", every_n_train_steps=FIT["steps"] - 1)]
+        saving = [] if resume else [ModelCheckpoint(dirpath=out_dir, filename="fit",
+                                                    every_n_train_steps=FIT["steps"] - 1)]
         trainer = L.Trainer(accelerator="cpu", devices=dist.get_world_size(), callbacks=[record, *saving],
                             strategy=Megatron3DStrategy(**strategy),
                             **{**trainer_kwargs(FIT), "enable_checkpointing": not resume, "limit_val_batches": 0})
