@@ -11,7 +11,9 @@ import torch.nn.functional as F
 from launch import run_job
 from workers.gpt_setup import CLIP, LORA, SEED, batches, document_batches, optimizer
 from workers.hf_causal_setup import FAMILIES, save_family
-from lightning_megatron.models.hf_causal_lm import HFCausalLM, SafetensorsWeights, TP_STYLES, read_config
+from lightning_megatron.models import HFCausalLM
+from lightning_megatron.models.hf_family import TP_STYLES, read_config
+from lightning_megatron.models.hf_weights import SafetensorsWeights
 from lightning_megatron.parallel import ParallelConfig
 
 transformers = pytest.importorskip("transformers")

@@ -25,7 +25,9 @@ from layout_invariance import build, train
 from layout_runs import layouts_job
 from trainer_setup import datamodule, trainer_kwargs
 from lightning_megatron import Megatron3DStrategy
-from lightning_megatron.models.hf_causal_lm import SafetensorsWeights, build_causal_lm, lora_for, read_config
+from lightning_megatron.models.hf_family import read_config
+from lightning_megatron.models.hf_stages import build_causal_lm, lora_for
+from lightning_megatron.models.hf_weights import SafetensorsWeights
 from lightning_megatron.peft.lora import apply_lora
 
 
