@@ -106,7 +106,7 @@ def local_initial_values(param: Tensor, name: str, seed: int, initializer: Initi
     (an adapter's: ``B = 0``, so the adapted model starts as the base model) by that rule, whichever module owns it,
     here for every caller (ZeRO-3's too). Only the shard's own values are drawn where the initialiser allows it
     (see the module docstring). An initialiser with a ``read_local(name, shard, global_shape)`` (values read from
-    files: ``models.hf_causal_lm``) returns this rank's part itself (fp32, padding zero), so no full tensor is made."""
+    files: ``models.hf_weights``) returns this rank's part itself (fp32, padding zero), so no full tensor is made."""
     shard = shard_of(param)
     global_shape = shard.global_shape if shard is not None else tuple(param.shape)
     rule = _declared_rule(name) or initializer
