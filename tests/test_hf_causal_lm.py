@@ -52,6 +52,7 @@ def test_logits_and_loss_are_transformers(family, family_dirs):
         packed = module(input_ids, position_ids=positions, document_ids=documents)
         alone = reference(input_ids[:, split:]).logits
     assert (logits - expected).abs().max() < 1e-4
+    assert (module.predict_step({"input_ids": input_ids})["logits"] - expected).abs().max() < 1e-4
     assert abs(loss_sum / tokens - expected_loss) < 1e-5 and tokens == (labels != -100).sum()
     assert abs(ours_shifted - hf_loss) < 1e-5
     assert (packed[:, split:] - alone).abs().max() < 1e-4

@@ -23,8 +23,9 @@ norm gains as their constructors set them), drawn per parameter name, so every l
 
 What this route gives up against the native one, said when refused: sequence and context parallelism
 (transformers' plans for these families have no ``sequence_parallel`` entries, and its attention takes whole
-sequences), expert parallelism, the chunked loss, FP8, selective recomputation (``"full"`` works) and a final
-logit soft-cap. Dropout inside transformers' layers draws from the default stream at every layout.
+sequences), expert parallelism, the chunked loss, FP8, selective recomputation (``"full"`` works), a final logit
+soft-cap and generation (``predict_step`` gives the logits of samples). Dropout inside transformers' layers draws
+from the default stream at every layout.
 
 ``transformers`` is needed by this module only: ``pip install 'lightning-megatron[transformers]'``.
 """
@@ -38,6 +39,7 @@ import torch
 from torch import Tensor
 from torchmetrics import MeanMetric
 
+from lightning_megatron.generation import full_logits
 from lightning_megatron.models.hf_family import check_family, read_config, transformers_module
 from lightning_megatron.models.hf_stages import CausalLMStages, build_causal_lm, lora_for
 from lightning_megatron.models.hf_weights import ParametersOnMeta, SafetensorsWeights
@@ -209,6 +211,11 @@ class HFCausalLM(PretrainingRecipe):
     def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
         loss_sum, num_tokens = self.model.loss(batch["input_ids"], batch["labels"], **self._side(batch))
         self.val_loss.update(loss_sum / num_tokens.clamp(min=1), weight=num_tokens)
+
+    def predict_step(self, batch: dict[str, Tensor], batch_idx: int = 0) -> dict[str, Tensor]:
+        """``{"logits": [B, S, vocab_size]}`` of a batch of samples, in fp32 over the whole, unpadded vocabulary, on
+        every rank at every layout (as ``GPT``'s for samples; generation is the native route's)."""
+        return {"logits": full_logits(self.model, batch["input_ids"], **self._side(batch))}
 
     def on_validation_epoch_end(self) -> None:
         loss = self.val_loss.compute()
