@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from launch import run_job
 from workers.gpt_setup import CLIP, LORA, SEED, batches, document_batches, optimizer
-from workers.hf_causal_setup import FAMILIES, save_family
+from workers.hf_causal_setup import FAMILIES, PREDICT_IDS, save_family
 from lightning_megatron.models import HFCausalLM
 from lightning_megatron.models.hf_family import TP_STYLES, read_config
 from lightning_megatron.models.hf_weights import SafetensorsWeights
@@ -221,9 +221,10 @@ def _one_process_fit(directory):
                 self.saved.update({k: v.detach().clone() for k, v in pl_module.state_dict().items()})
 
     L.seed_everything(FIT["seed"])
+    module = fit_module(directory)
     L.Trainer(accelerator="cpu", devices=1, callbacks=[Record()], **trainer_kwargs(FIT)).fit(
-        fit_module(directory), datamodule=datamodule(FIT))
-    return Record.losses, Record.saved
+        module, datamodule=datamodule(FIT))
+    return Record.losses, Record.saved, module
 
 
 def _close(result, reference, what):
@@ -239,8 +240,9 @@ def _close(result, reference, what):
 def test_layouts_give_one_process_and_transformers(family_dirs, tmp_path):
     """The core invariant for transformers' modules: every layout's losses and gathered weights are one process's
     (1e-5), and the first loss is transformers' own. Trainer.fit at tp2 x dp2 with ZeRO-3, then resumed from its
-    sharded checkpoint at pp2 x dp2, gives one process's losses; the checkpoint loads into one process with that
-    process's weights, and the export is read by transformers' from_pretrained with the same logits."""
+    sharded checkpoint at pp2 x dp2, gives one process's losses and (predict_step, every rank) logits; the checkpoint
+    loads into one process with that process's weights, and the export is read by transformers' from_pretrained with
+    the same logits."""
     run_job("hf_causal_layouts", 4, tmp_path, ",".join(HF_LAYOUTS + ["fit-qwen3"]), str(family_dirs))
     references = {}
     for layout in HF_LAYOUTS:
@@ -260,12 +262,16 @@ def test_layouts_give_one_process_and_transformers(family_dirs, tmp_path):
             reference = references[family]
         _close(torch.load(tmp_path / f"{layout}.pt", weights_only=True), reference, layout)
 
-    losses, expected = _one_process_fit(family_dirs / "qwen3")
+    losses, expected, fitted = _one_process_fit(family_dirs / "qwen3")
     summary = json.loads((tmp_path / "rank0.json").read_text())
     assert max(abs(a - b) for a, b in zip(summary["fit-qwen3"], losses, strict=True)) < 1e-5, (summary, losses)
     loaded = HFCausalLM.load_from_checkpoint(tmp_path / "fit.ckpt")
     assert loaded.state_dict().keys() == expected.keys()
     assert max((loaded.state_dict()[k] - expected[k]).abs().max().item() for k in expected) < 1e-5
+    with torch.no_grad():
+        logits = fitted(PREDICT_IDS)
+    for rank in range(4):  # every rank of the resumed pp2 x dp2 run predicts the whole logits
+        assert (torch.load(tmp_path / f"fit-logits{rank}.pt", weights_only=True) - logits).abs().max() < 1e-4
     exported = _reference_model(tmp_path / "exported")
     input_ids, _ = batches()[0]
     with torch.no_grad():

@@ -8,19 +8,21 @@ weights).
 ``fit-{family}``: ``Trainer.fit`` of ``HFCausalLM(pretrained=...)`` under ``Megatron3DStrategy`` at tp2 x dp2 with
 ZeRO-3 (``hf_causal_setup.FIT``) for all steps but the last, then a sharded checkpoint (``fit.ckpt``) and, from the
 gathered weights, a ``save_pretrained`` export (``exported``); the last step resumed from the checkpoint at pp2 x dp2
-(ZeRO-1). The entry is the global batches' losses.
+(ZeRO-1), whose ``predict_step`` logits of ``PREDICT_IDS`` every rank writes (``fit-logits{rank}.pt``). The entry is
+the global batches' losses.
 """
 
 from functools import partial
 from pathlib import Path
 
 import lightning as L
+import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from entry import run_script
 from gpt_setup import LORA
-from hf_causal_setup import FAMILIES, FIT, fit_module
+from hf_causal_setup import FAMILIES, FIT, PREDICT_IDS, fit_module
 from layout_invariance import build, train
 from layout_runs import layouts_job
 from trainer_setup import datamodule, trainer_kwargs
@@ -73,6 +75,9 @@ def fit(out_dir: Path, directory: Path, layout: str) -> list[float]:
         module = fit_module(directory / layout.split("-", 1)[1])
         trainer.fit(module, datamodule=datamodule(FIT), ckpt_path=resume)
         losses += record.losses
+        if resume is not None:  # the logits of the resumed model at pp2 x dp2, on every rank
+            torch.save(module.predict_step({"input_ids": PREDICT_IDS})["logits"],
+                       out_dir / f"fit-logits{dist.get_rank()}.pt")
         if resume is None:
             state_dict = trainer.strategy.full_state_dict(rank_zero_only=True)
             if trainer.is_global_zero:

@@ -42,3 +42,4 @@ def fit_module(directory):
     from lightning_megatron.models import HFCausalLM
 
     return HFCausalLM(pretrained=directory, learning_rate=3e-3, warmup_steps=2, adam_eps=1e-6)
+PREDICT_IDS = torch.arange(2 * 12).reshape(2, 12) * 7 % 257  # what the resumed run predicts the logits of
