@@ -233,6 +233,7 @@ def _close(result, reference, what):
     assert deviation < 1e-5, (what, result["losses"], losses)
     assert result["weights"].keys() == weights.keys(), what
     worst = max((result["weights"][k] - weights[k]).abs().max().item() for k in weights)
+    print(f"{what}: worst loss deviation {deviation:.1e}, worst weight deviation {worst:.1e}")
     assert worst < 1e-5, (what, worst)
 
 
