@@ -16,7 +16,9 @@ MODELS = {"gpt": lambda: GPT(gpt_setup.CONFIG), "llama": lambda: GPT(gpt_setup.L
           "bert": lambda: BERT(BERT_CONFIG),
           # Packed samples with Megatron-LM's document masks (document ids, restarting positions, no loss on eos).
           "doc": lambda: GPT(gpt_setup.CONFIG), "llamadoc": lambda: GPT(gpt_setup.LLAMA_CONFIG),
-          "chunk": lambda: GPT(gpt_setup.CHUNKED_CONFIG)}
+          "chunk": lambda: GPT(gpt_setup.CHUNKED_CONFIG),
+          # Qwen3-shaped: per-head q/k norms, heads wider than hidden / heads.
+          "qwen3": lambda: GPT(gpt_setup.QWEN3_CONFIG)}
 __all__ = ["BERT_CONFIG", "MODELS", "bert_setup", "gpt_setup", "model_batches", "model_loss"]
 
 
