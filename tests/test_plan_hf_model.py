@@ -50,6 +50,24 @@ def test_a_config_json_plans_the_parameters_of_the_transformers_model_it_describ
         assert "planned as the Llama-shaped GPTConfig" in model.notes[0] and "num_key_value_heads=2" in model.notes[0]
 
 
+def test_a_multimodal_configs_text_model_and_a_config_its_family_refuses_are_planned_as_equivalents(tmp_path):
+    """Gemma 3's multimodal config plans its text_config's model (the same as the text model's own config.json);
+    a Qwen3 config with biases on q, k, v and o (which our GPT cannot convert) plans as its equivalent, saying why."""
+    text = dict(TINY, head_dim=32)
+    transformers.Gemma3Config(text_config=text).save_pretrained(tmp_path / "multimodal")
+    transformers.Gemma3TextConfig(**text).save_pretrained(tmp_path / "text")
+    multimodal, alone = hf_model(tmp_path / "multimodal"), hf_model(tmp_path / "text")
+    assert multimodal.model_type == "gemma3_text" and not multimodal.native
+    assert multimodal.config == alone.config and multimodal.notes[1:] == alone.notes
+    assert "gemma3: a multimodal model; its text model (text_config) planned, not its other towers (vision_config)" \
+        in multimodal.notes[0]
+    transformers.Qwen3Config(**TINY, head_dim=32, attention_bias=True).save_pretrained(tmp_path / "biased")
+    biased = hf_model(tmp_path / "biased")
+    assert not biased.native and biased.config.kv_channels == 32 and not biased.config.add_bias_linear
+    assert re.match(r"qwen3 is a family we convert, but not this config \(.*attention_bias=True", biased.notes[0], re.S)
+    assert "not modelled: attention_bias=True" in "\n".join(biased.notes)
+
+
 def test_plan_model_prints_what_it_read_and_writes_a_config_of_the_pretrained_directory(tmp_path, capsys,
                                                                                          no_process_group):
     """``--model DIR`` (a Qwen3 directory) plans as ``--config`` does, says what it read and transformers' count, and

@@ -258,7 +258,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("--config", type=Path, help="a lightning-megatron fit config (YAML)")
     parser.add_argument("--model", type=Path,
                         help="instead of a config: a Hugging Face model directory or its config.json (sizes only, no "
-                             "weights read); needs --gpus, --seq-length and --global-batch-size")
+                             "weights read); needs --seq-length and --global-batch-size (--gpus: 1 by default)")
     parser.add_argument("--fine-tuning-fit", action="store_true",
                         help="instead of a config: which published models fine-tune on ONE --gpu with LoRA (16-bit "
                              "base) and with QLoRA (4-bit NF4 base), rank-16 adapters (--seq-length, "

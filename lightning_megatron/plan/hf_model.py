@@ -19,13 +19,15 @@ from __future__ import annotations
 import json
 import os
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Mapping, Optional, Union
+from typing import Any, Mapping, Optional, Sequence, Union
+
+import torch
 
 from lightning_megatron.huggingface.convert import FAMILIES
 from lightning_megatron.huggingface.io import weight_names
-from lightning_megatron.models.gpt import LLAMA, GPTConfig
+from lightning_megatron.models.gpt import GPT, LLAMA, GPTConfig
 
 #: The fields a decoder's ``config.json`` must have to be planned as its Llama-shaped equivalent.
 STANDARD_FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -49,7 +51,7 @@ EXPERT_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_in
 @dataclass(frozen=True)
 class HFModel:
     """A Hugging Face config's model for the planner: our config, the family, whether it converts natively
-    (``GPT(pretrained=DIR)`` trains it), and what the plan read and did not model, in words."""
+    (``GPT(pretrained=DIR)``, or BERT's, reads the directory), and what the plan read and did not model, in words."""
 
     path: Path
     model_type: str
@@ -60,8 +62,6 @@ class HFModel:
 
     @property
     def lightning_module(self) -> type:
-        from lightning_megatron.models import GPT
-
         return FAMILIES[self.model_type].lightning_module if self.native else GPT
 
     def make_module(self):
@@ -70,8 +70,6 @@ class HFModel:
 
     def parameters(self) -> int:
         """Parameters of our model of this config (no vocabulary padding), counted on the meta device."""
-        import torch
-
         with torch.device("meta"):
             module = self.make_module()
             module.configure_model()
@@ -93,17 +91,32 @@ def read_config_json(path: Union[str, os.PathLike]) -> tuple[Path, dict[str, Any
 
 def hf_model(path: Union[str, os.PathLike]) -> HFModel:
     """The model ``path``'s config.json describes (no weights read; a directory's safetensors headers give the
-    weight names a family may need, e.g. BERT's next-sentence head)."""
+    weight names a family may need, e.g. BERT's next-sentence head). A multimodal model's config (Gemma 3's 4B-27B:
+    its sizes under ``text_config``) gives its text model, which is what trains on text."""
     file, fields = read_config_json(path)
     model_type = fields.get("model_type")
+    text = fields.get("text_config")
+    if model_type not in FAMILIES and isinstance(text, dict) and any(name not in fields for name in STANDARD_FIELDS):
+        towers = sorted(name for name in fields if name.endswith("_config") and name != "text_config")
+        model = _model_of(text, file, ())  # the checkpoint's weight names are not its text model's
+        said = (f"{model_type}: a multimodal model; its text model (text_config) planned, not its other towers "
+                f"({', '.join(towers) or 'none'}); GPT(pretrained=...) does not read this directory")
+        return replace(model, native=False, notes=(said, *model.notes))
     directory = file.parent if file.name == "config.json" else None
+    return _model_of(fields, file, weight_names(directory) if directory else ())
+
+
+def _model_of(fields: Mapping[str, Any], file: Path, names: Sequence[str]) -> HFModel:
+    """A family we convert, by its own translation; else (or where it refuses this config) the Llama-shaped
+    equivalent."""
+    model_type = fields.get("model_type")
     native_error = None
     if model_type in FAMILIES:
         family = FAMILIES[model_type]
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             try:
-                config = family.config_from_hf(fields, weight_names(directory) if directory else ())
+                config = family.config_from_hf(fields, names)
             except ValueError as error:
                 native_error = str(error)
             else:
@@ -160,7 +173,8 @@ def llama_shaped_equivalent(fields: Mapping[str, Any], file: Path) -> tuple[GPTC
         notes.append(f"activation {activation!r}: planned as SwiGLU's gated MLP (the same GEMMs and stored tensors)")
     for name, why in NOT_MODELLED.items():
         value = fields.get(name)
-        if value not in (None, False, 1.0, 0.0) and not (name == "layer_types" and set(value) <= {"full_attention"}):
+        unset = value is None or value is False or (not isinstance(value, bool) and value in (0, 1))  # 1: all of it
+        if not unset and not (name == "layer_types" and set(value) <= {"full_attention"}):
             shown = f"{len(value)} entries" if isinstance(value, list) else repr(value)
             notes.append(f"not modelled: {name}={shown}: {why}")
     return config, notes
@@ -170,7 +184,6 @@ def transformers_parameters(fields: Mapping[str, Any]) -> Optional[tuple[str, in
     """(class name, parameters) of ``transformers``' causal LM built from these fields on the meta device; None
     where ``transformers`` is not installed or has no causal LM of this config."""
     try:
-        import torch
         import transformers
     except ImportError:
         return None
