@@ -9,8 +9,9 @@ text model, ...) is planned as the Llama-shaped ``GPTConfig`` of the same sizes 
 so: which fields it read and which it did not model (``HFModel.notes``). The bytes the planner counts are those
 of the weights' matrices, their optimizer states and the activations they store, which fused projections
 (Phi-3's ``qkv_proj``) or norms placed after a sub-layer (OLMo 2) do not change; gains of extra norms are a few
-parameters per layer, stated by ``transformers_parameters`` where ``transformers`` is installed. A config
-without those fields, of an encoder, an encoder-decoder or a Mixture-of-Experts family we do not convert, is
+parameters per layer, stated by ``transformers_parameters`` where ``transformers`` is installed. A multimodal
+model's config (sizes under ``text_config``: Gemma 3's 4B-27B) plans its text model. A config without those
+fields, of an encoder, an encoder-decoder, a classifier or a Mixture-of-Experts family we do not convert, is
 refused by name.
 """
 
