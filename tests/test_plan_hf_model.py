@@ -89,7 +89,8 @@ def test_plan_model_prints_what_it_read_and_writes_a_config_of_the_pretrained_di
 
 def test_plan_model_refuses_what_it_cannot_plan_by_name(tmp_path, capsys):
     """An encoder (no key/value heads), a classifier, an encoder-decoder, a Mixture-of-Experts family we do not convert,
-    a missing batch, and a config to write for a model fit would not train from its weights: each refused by name."""
+    a missing batch or one longer than the model's positions, and a config to write for a model fit would not train
+    from its weights: each refused by name."""
     cases = {"roberta": (transformers.RobertaConfig(), r"model_type='roberta' cannot be planned: it lacks "
                                                        r"num_key_value_heads"),
              "classifier": (transformers.Phi3Config(**TINY, pad_token_id=0,
@@ -107,6 +108,8 @@ def test_plan_model_refuses_what_it_cannot_plan_by_name(tmp_path, capsys):
     transformers.Phi3Config(**TINY, pad_token_id=0).save_pretrained(tmp_path / "phi3")
     with pytest.raises(SystemExit, match=r"--write-config: .*phi3.* not a Hugging Face directory of a family we convert"):
         main(["--model", str(tmp_path / "phi3"), *arguments, "--write-config", str(tmp_path / "out.yaml")])
+    with pytest.raises(SystemExit, match=r"--seq-length 128 exceeds the 64 positions of .*phi3"):
+        main(["--model", str(tmp_path / "phi3"), "--seq-length", "128", "--global-batch-size", "4"])
     with pytest.raises(SystemExit, match=r"--model needs --global-batch-size and --seq-length"):
         main(["--model", str(tmp_path / "phi3"), "--gpus", "2"])
     with pytest.raises(SystemExit):

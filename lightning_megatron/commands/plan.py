@@ -91,6 +91,9 @@ def model_config(model: HFModel, *, gpus: int, global_batch_size: Optional[int],
                if value is None]
     if missing:
         raise ValueError(f"--model needs {' and '.join(missing)} (a config.json has no batch).")
+    if seq_length > model.config.max_seq_length:
+        raise ValueError(f"--seq-length {seq_length} exceeds the {model.config.max_seq_length} positions of {model.path} "
+                         f"(max_position_embeddings), which training would refuse; plan at most that many tokens.")
     init_args = {"pretrained": os.fspath(model.path.parent)} if model.native and model.path.name == "config.json" \
         else {}
     module = model.lightning_module
