@@ -37,6 +37,7 @@ LAYOUTS = [
     "chunk-cp2-tp2-dp1-sp",         # the chunked loss on each rank's chunks, against the unchunked GPT's reference
     "window-cp2-tp2-dp1-sp",        # sliding windows across the ring's chunks, tp2 + SP
     "windowdoc-cp2-tp1-dp2-ag",     # the same over packed documents, all-gather attention
+    "qwen3-cp2-tp2-dp1-sp",         # q/k norms on each rank's heads and chunks, 16-channel heads of a 32-wide model
     "gemma3-cp2-tp1-dp2",           # Gemma 3 whole (test_layout_invariance.py: its reference is transformers')
 ]
 COUNTS = ["count-gpt-cp4-tp1-dp1", "count-llama-cp2-tp1-dp2", "count-bert-cp2-tp2-dp1-sp", "count-llama-cp4-tp1-dp1-ag"]
@@ -46,7 +47,9 @@ EXTRAS = ["kernels-gpt-cp4-tp1-dp1", "kernels-gpt-cp2-tp1-dp2", "gen-llama-cp2-t
 FP8_LAYOUTS = {"gpt-cp2-tp1-dp2-fp8t-s1": "gpt-cp1-tp1-dp1-mb2-fp8t-s1",
                "gpt-cp2-tp2-dp1-sp-fp8r-s1": "gpt-cp1-tp1-dp1-fp8r-s1",
                "gpt-cp4-tp1-dp1-fp8t-s1": "gpt-cp1-tp1-dp1-fp8t-s1",
-               "gpt-cp2-tp1-dp2-ag-fp8r-s1": "gpt-cp1-tp1-dp1-mb2-fp8r-s1"}
+               "gpt-cp2-tp1-dp2-ag-fp8r-s1": "gpt-cp1-tp1-dp1-mb2-fp8r-s1",
+               # Qwen3's q/k norms stay in high precision, its wider heads' qkv and proj run in FP8
+               "qwen3-cp2-tp1-dp2-fp8r-s1": "qwen3-cp1-tp1-dp1-mb2-fp8r-s1"}
 
 
 def test_each_rank_holds_an_early_and_a_late_chunk_and_together_every_position():

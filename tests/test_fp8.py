@@ -257,6 +257,36 @@ def test_convert_to_fp8_converts_the_plan_linears_but_the_head_and_the_excluded(
     assert convert_to_fp8(block, None, state, ()) == []
 
 
+def test_qwen3_runs_its_wider_heads_projections_in_fp8_and_keeps_its_qk_norms_in_high_precision():
+    """Qwen3's qkv (heads 16 channels wide in a 32-wide model: 8 x 16 rows) and output projections are plan linears
+    like any other; its q/k norms are not, and keep their fp32 gains and gradients (``fp8_plan``'s rule: norms stay in
+    high precision). One step's loss is within FP8's error of the high-precision model's, and not equal to it."""
+    from workers.gpt_setup import QWEN3_CONFIG, batches
+    from lightning_megatron.models import GPT
+
+    losses, grads = {}, {}
+    for fp8 in (False, True):
+        torch.manual_seed(0)
+        module = GPT(QWEN3_CONFIG)
+        module.configure_model()
+        state = ParallelState.create(ParallelConfig(), "cpu")
+        parallelize(module, module.tensor_parallel_plan(), state)
+        if fp8:
+            converted = convert_to_fp8(module, Fp8Recipe.named("rowwise"), state)
+            assert converted == [f"model.blocks.{i}.{name}" for i in range(QWEN3_CONFIG.num_layers)
+                                 for name in ("attn.qkv", "attn.proj", "mlp.fc", "mlp.proj")]
+            assert module.model.blocks["0"].attn.qkv.weight.shape == (8 * 16, 32)
+        input_ids, labels = batches()[0]
+        loss_sum, tokens = module.model.loss(input_ids, labels)[:2]
+        (loss_sum / tokens).backward()
+        losses[fp8] = (loss_sum / tokens).item()
+        norm = module.model.blocks["0"].attn.q_norm.weight
+        assert norm.dtype == torch.float32 and norm.grad.dtype == torch.float32 and norm.grad.abs().sum() > 0
+        grads[fp8] = norm.grad.clone()
+    assert losses[True] != losses[False] and abs(losses[True] - losses[False]) < 1e-3 * losses[False], losses
+    assert not torch.equal(grads[True], grads[False]) and relative(grads[True], grads[False]) < 0.2
+
+
 @pytest.mark.parametrize("hidden, ffn, exclude, message", [
     (32, 24, (), r"FP8 cannot run fc: its local output features 24 \(at tensor_parallel_size=1\) are not multiples "
                  r"of 16, .*\(add its name to fp8_exclude\), or pick sizes whose per-rank slices are multiples of 16"),

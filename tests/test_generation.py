@@ -1,7 +1,7 @@
 """Generation with a key/value cache: token for token equal to ``transformers``' ``generate`` (GPT-2, Llama, Qwen3 and
-Gemma 3 beyond its window, batched prompts of different lengths) in one process and at tp 2/4, pp 2, tp2 x pp2 and sequence parallelism; seeded
-sampling identical across layouts and distributed as the filtered softmax; full-vocabulary logits; and the refusal of
-full-vocabulary functions on vocab-parallel logits."""
+Gemma 3 beyond its window, batched prompts of different lengths) in one process and at tp 2/4, pp 2, tp2 x pp2 and
+sequence parallelism; seeded sampling identical across layouts and distributed as the filtered softmax;
+full-vocabulary logits; and the refusal of full-vocabulary functions on vocab-parallel logits."""
 
 import sys
 from pathlib import Path

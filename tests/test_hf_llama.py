@@ -102,7 +102,7 @@ def test_unconvertible_config_raises(field, value, message):
         llama_config_from_hf(fields)
 
 
-@pytest.mark.parametrize("preset", ["qwen3-0.6b", "qwen3-8b", "qwen3-32b"])
+@pytest.mark.parametrize("preset", ["qwen3-0.6b", "qwen3-4b", "qwen3-8b", "qwen3-14b", "qwen3-32b"])
 def test_qwen3_presets_count_the_parameters_of_transformers_model(preset):
     """The planner's count (the config's, and the model it builds) is transformers' Qwen3ForCausalLM's, built on
     the meta device from the preset's exported config: 0.6B ties its embeddings, q/k norms add 2 x 128 a layer."""
@@ -112,7 +112,9 @@ def test_qwen3_presets_count_the_parameters_of_transformers_model(preset):
         expected = sum(p.numel() for p in transformers.Qwen3ForCausalLM(hf_config).parameters())
         built = sum(p.numel() for p in GPTModel(config).parameters())
     assert config.num_parameters() == expected == built
-    assert round(expected / 1e9, 1) == {"qwen3-0.6b": 0.6, "qwen3-8b": 8.2, "qwen3-32b": 32.8}[preset]
+    # The model cards' "Number of Parameters"
+    assert round(expected / 1e9, 1) == {"qwen3-0.6b": 0.6, "qwen3-4b": 4.0, "qwen3-8b": 8.2, "qwen3-14b": 14.8,
+                                        "qwen3-32b": 32.8}[preset]
 
 
 def test_qwen3_head_width_and_qk_norm_export_only_where_the_family_holds_them():

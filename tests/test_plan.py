@@ -93,7 +93,7 @@ def _lora_formula(case, elements) -> dict:
 def test_activation_peaks_are_predicted_within_15_percent(tmp_path):
     """Every rank's measured peak of activation bytes on the CPU (``python -m benchmarks.memory peak``: tp 1/2,
     sequence parallelism, pp 2 under 1F1B, no / selective / full recomputation, GPT- and Llama-shaped models of two
-    sizes) and the planner's ``activation_bytes`` for the same layout (``python -m benchmarks.memory planner
+    sizes, Qwen3's q/k norms and wider heads) and the planner's ``activation_bytes`` for the same layout (``python -m benchmarks.memory planner
     --activations``'s rows; the measurement runs on the 2-rank pool instead of a launch of its own)."""
     from benchmarks.memory.peak import LAYOUTS, RANKS, rows_of
     from benchmarks.memory.planner import activation_rows
@@ -103,6 +103,7 @@ def test_activation_peaks_are_predicted_within_15_percent(tmp_path):
     rows = activation_rows(rows_of(measured, keys))
     assert len(rows) >= 28  # every layout, and both pipeline ranks of the pipelined ones
     assert {r["layout"].rsplit("-", 1)[-1] for r in rows} >= {"none", "selective", "full"}
+    assert "qwen3-tp2-sp-none" in {r["layout"] for r in rows}
     for row in rows:
         assert abs(row["deviation"]) <= 0.15, row
     # Recomputation and sequence parallelism move the peak, and the prediction follows.

@@ -74,7 +74,8 @@ REPEATS = 3  # measured steps per layout (see measure_layout)
 @dataclass(frozen=True)
 class Layout:
     key: str
-    model: str  # "gpt" (learned positions, GELU, LayerNorm, tied embeddings) or "llama" (the llama-tiny preset)
+    model: str  # "gpt" (learned positions, GELU, LayerNorm, tied embeddings), "llama" (the llama-tiny preset) or
+    # "qwen3" (llama with Qwen3's per-head q/k norms and heads twice hidden / heads wide)
     tensor_parallel_size: int = 1
     sequence_parallel: bool = False
     pipeline_parallel_size: int = 1
@@ -126,6 +127,7 @@ LAYOUTS = (
     Layout("llama-tp2-sp-full", "llama", tensor_parallel_size=2, sequence_parallel=True,
            activation_checkpointing="full"),
     Layout("llama-pp2-none", "llama", **PIPELINE),
+    Layout("qwen3-tp2-sp-none", "qwen3", tensor_parallel_size=2, sequence_parallel=True),
     # Other sizes than the ones above, so that a prediction tuned to one shape shows it (the planner's check).
     *(Layout(f"wide-{key}", model, seq_length=384, hidden_size=96, num_layers=2, num_heads=6, **settings)
       for key, model, settings in (
@@ -146,8 +148,10 @@ def model_config(layout: Layout):
                  num_layers=layout.num_layers, num_heads=layout.num_heads, dropout=0.0, attention_dropout=0.0)
     if layout.model == "gpt":
         return GPTConfig(**sizes)
+    qwen3 = dict(kv_channels=2 * layout.hidden_size // layout.num_heads, qk_layernorm=True) if layout.model == "qwen3" \
+        else {}
     return GPTConfig.from_name("llama-tiny", **sizes, num_query_groups=layout.num_heads // 2,
-                               ffn_hidden_size=176 * layout.hidden_size // 64)
+                               ffn_hidden_size=176 * layout.hidden_size // 64, **qwen3)
 
 
 # ---------------------------------------------------------------------------- counting
@@ -391,7 +395,7 @@ def footer() -> str:
     notes = [
         f"GPT: h=64, 4 layers, 4 heads, vocab {VOCAB} (padded to a multiple of {PAD_VOCAB}), learned positions, "
         "GELU, LayerNorm, tied embeddings; llama: the llama-tiny preset at the same sizes (2 key/value groups, "
-        "SwiGLU 176, RMSNorm, rotary, untied). fp32, dropout 0, AdamW; micro-batches: per step and rank x samples "
+        "SwiGLU 176, RMSNorm, rotary, untied); qwen3: llama with per-head q/k RMSNorms and 32-channel heads. fp32, dropout 0, AdamW; micro-batches: per step and rank x samples "
         f"of 512 tokens; {RANKS} processes, data parallelism filling what tp x pp leave; torch {torch.__version__}.",
         "peak: the most bytes alive at once among the storages allocated during a step's forward and backward, "
         "leaving out the gradients and gradient buffers that hold model state at its end, the least over "

@@ -5,6 +5,7 @@
     lightning-megatron plan --config configs/gpt-1.3b.yaml --gpus 8 --gpu-memory 40GB --json
     lightning-megatron plan --config configs/llama-3.1-8b.yaml --gpus 1 --gpu-memory 24GB --host-memory 64GB --disk 1TB
     lightning-megatron plan --fine-tuning-fit --gpu rtx-4090
+    lightning-megatron plan --model path/to/Qwen3-8B --gpus 8 --gpu h100 --seq-length 4096 --global-batch-size 64
 
 The model, global batch, sequence length and precision come from the config (``--global-batch-size``,
 ``--seq-length`` and ``--precision`` override them); the layout is searched (``--keep`` keeps some of the
@@ -12,7 +13,9 @@ config's strategy arguments as they are). The table lists the fastest layouts th
 tokens/s; ``--json`` prints every evaluated layout; ``--write-config`` writes the config with the best
 layout, which ``lightning-megatron fit --config`` runs; ``--plot`` draws memory and tokens/s per layout
 (``pip install lightning-megatron[plot]``); ``--fine-tuning-fit`` plans published models on one ``--gpu`` with LoRA
-and QLoRA (``plan.fine_tuning``). The offload tiers (``offload_optimizer``, ``offload_parameters``:
+and QLoRA (``plan.fine_tuning``); ``--model`` plans a Hugging Face directory's (or a bare ``config.json``'s) model
+from its sizes (``plan.hf_model``: the families we convert as ``pretrained=`` reads them, other decoders as their
+Llama-shaped equivalent, said in the output). The offload tiers (``offload_optimizer``, ``offload_parameters``:
 ``cpu``, ``nvme``) are searched too: ``--host-memory`` and ``--disk`` (a node's RAM and free NVMe) bound them.
 """
 
@@ -22,6 +25,7 @@ import argparse
 import copy
 import importlib
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
@@ -32,6 +36,7 @@ from lightning_megatron.plan.hardware import GIB, GPUS, Hardware, parse_gpu, pre
 from lightning_megatron.offload.settings import DEFAULT_BUFFER_MB
 from lightning_megatron.plan.layout import OFFLOAD_PATH_PLACEHOLDER, Layout, Workload
 from lightning_megatron.plan.fine_tuning import fine_tuning_fits, format_fits
+from lightning_megatron.plan.hf_model import HFModel, hf_model, transformers_parameters
 from lightning_megatron.plan.no_fit import explain_no_fit
 from lightning_megatron.plan.planner import SEARCHED, LayoutPlan, Planner
 
@@ -51,7 +56,8 @@ def module_factory(model_section: dict) -> Callable[[], Any]:
 
 def planner_from_config(config: dict, *, gpus: int, hardware: Hardware, global_batch_size: Optional[int] = None,
                         seq_length: Optional[int] = None, precision: Optional[str] = None,
-                        keep: Sequence[str] = ()) -> Planner:
+                        keep: Sequence[str] = (), make_module: Optional[Callable[[], Any]] = None) -> Planner:
+    """The planner of a fit config (``make_module``, when given, builds the model instead of its model section)."""
     trainer = config.get("trainer") or {}
     strategy = _strategy_arguments(config)
     data = (config.get("data") or {}).get("init_args") or {}
@@ -73,7 +79,43 @@ def planner_from_config(config: dict, *, gpus: int, hardware: Hardware, global_b
         pad_vocab_to_multiple_of=int(strategy.get("pad_vocab_to_multiple_of", 128)),
         offload_buffer_mb=float(strategy.get("offload_buffer_mb", DEFAULT_BUFFER_MB)),
         fp8=bool(strategy.get("fp8")))
-    return Planner(module_factory(config.get("model") or {}), workload, hardware, world_size=gpus, fixed=fixed)
+    return Planner(make_module or module_factory(config.get("model") or {}), workload, hardware, world_size=gpus,
+                   fixed=fixed)
+
+
+def model_config(model: HFModel, *, gpus: int, global_batch_size: Optional[int], seq_length: Optional[int],
+                 precision: Optional[str]) -> dict:
+    """The fit config ``--model`` plans: the directory's model (``pretrained``, where it converts natively), the
+    batch and sequence length given, no strategy arguments."""
+    missing = [flag for flag, value in (("--global-batch-size", global_batch_size), ("--seq-length", seq_length))
+               if value is None]
+    if missing:
+        raise ValueError(f"--model needs {' and '.join(missing)} (a config.json has no batch).")
+    if seq_length > model.config.max_seq_length:
+        raise ValueError(f"--seq-length {seq_length} exceeds the {model.config.max_seq_length} positions of {model.path} "
+                         f"(max_position_embeddings), which training would refuse; plan at most that many tokens.")
+    init_args = {"pretrained": os.fspath(model.path.parent)} if model.native and model.path.name == "config.json" \
+        else {}
+    module = model.lightning_module
+    return {"model": {"class_path": f"{module.__module__.rsplit('.', 1)[0]}.{module.__name__}", "init_args": init_args},
+            "trainer": {"devices": gpus, "precision": precision or "bf16-true"},
+            "data": {"init_args": {"global_batch_size": global_batch_size, "seq_length": seq_length}}}
+
+
+def describe_model(model: HFModel) -> str:
+    """What ``--model`` read and did not model, and ``transformers``' own count of the model's parameters against
+    the planned model's (without the vocabulary padding the strategy adds, which the plan counts)."""
+    lines = [f"  {note}" for note in model.notes]
+    counted = transformers_parameters(model.fields)
+    if counted is not None:
+        name, count = counted
+        planned = model.parameters()
+        difference = planned - count
+        lines.append(f"  transformers' {name} of this config: {count:,} parameters; the planned model {planned:,} "
+                     f"before vocabulary padding"
+                     + (f" ({difference:+,}: pieces not modelled, {abs(difference) / count:.3%})" if difference
+                        else " (the same)"))
+    return "\n".join(lines)
 
 
 def _strategy_arguments(config: dict) -> dict:
@@ -217,6 +259,9 @@ def plot(plans: Sequence[LayoutPlan], hardware: Hardware, path: Path) -> None:
 def main(argv: Optional[Sequence[str]] = None) -> None:
     parser = argparse.ArgumentParser(prog="lightning-megatron plan", description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", type=Path, help="a lightning-megatron fit config (YAML)")
+    parser.add_argument("--model", type=Path,
+                        help="instead of a config: a Hugging Face model directory or its config.json (sizes only, no "
+                             "weights read); needs --seq-length and --global-batch-size (--gpus: 1 by default)")
     parser.add_argument("--fine-tuning-fit", action="store_true",
                         help="instead of a config: which published models fine-tune on ONE --gpu with LoRA (16-bit "
                              "base) and with QLoRA (4-bit NF4 base), rank-16 adapters (--seq-length, "
@@ -245,8 +290,11 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("--write-config", type=Path, help="write the config with the best layout here")
     parser.add_argument("--plot", type=Path, help="draw memory and tokens/s per layout into this image")
     args = parser.parse_args(argv)
-    if args.config is None and not args.fine_tuning_fit:
-        parser.error("give --config (a fit config to plan) or --fine-tuning-fit")
+    if [args.config is not None, args.model is not None, args.fine_tuning_fit].count(True) != 1:
+        parser.error("give one of --config (a fit config to plan), --model (a Hugging Face directory or config.json) "
+                     "or --fine-tuning-fit")
+    if args.model is not None and (args.keep or args.as_configured):
+        parser.error("--keep and --as-configured read a config's strategy; --model has none: use --config")
     try:
         hardware = parse_gpu(args.gpu, memory=args.gpu_memory, gpus_per_node=args.nodes_of,
                              host_memory=args.host_memory, disk=args.disk)
@@ -255,12 +303,23 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                                     global_batch_size=args.global_batch_size or 16)
             print(format_fits(fits, hardware))
             return
-        config = yaml.safe_load(args.config.read_text())
+        model = None
+        if args.model is not None:
+            model = hf_model(args.model)
+            config = model_config(model, gpus=args.gpus or 1, global_batch_size=args.global_batch_size,
+                                  seq_length=args.seq_length, precision=args.precision)
+            if args.write_config is not None and not config["model"]["init_args"]:
+                raise ValueError(f"--write-config: {args.model} is not a Hugging Face directory of a family we convert "
+                                 f"({model.model_type}): its plan is that of an equivalent model, which fit would "
+                                 f"train from random weights. Plan a directory GPT(pretrained=...) reads, or --config.")
+        else:
+            config = yaml.safe_load(args.config.read_text())
         trainer = config.get("trainer") or {}
         gpus = args.gpus or int(trainer.get("devices", 1)) * int(trainer.get("num_nodes", 1))
         planner = planner_from_config(config, gpus=gpus, hardware=hardware, global_batch_size=args.global_batch_size,
                                       seq_length=args.seq_length, precision=args.precision,
-                                      keep=[k for k in args.keep.split(",") if k])
+                                      keep=[k for k in args.keep.split(",") if k],
+                                      make_module=model and model.make_module)
         if args.as_configured:
             print(describe_configured(planner, configured_layout(config, gpus, planner.workload)))
             if " rates with " in hardware.name:
@@ -275,9 +334,11 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         shape = planner.shape
         total = planner.inventory(1).total_parameters
         count = f"{total / 1e9:.2f}B" if total >= 1e9 else f"{total / 1e6:.2f}M"
-        print(f"{args.config.name}: {count} parameters, {shape.num_layers} layers, "
+        print(f"{(args.model or args.config).name}: {count} parameters, {shape.num_layers} layers, "
               f"hidden {shape.hidden_size}; global batch {planner.workload.global_batch_size} x "
               f"{planner.workload.seq_length} tokens, {planner.workload.precision}, {planner.optimizer_name}")
+        if model is not None:
+            print(describe_model(model))
         print(f"{gpus} x {hardware.name} ({hardware.memory_bytes / GIB:.1f} GiB, {hardware.gpus_per_node} per node; "
               f"{hardware.host_memory_bytes / GIB:,.0f} GiB host memory, {hardware.disk_bytes / GIB:,.0f} GiB disk per "
               f"node): {len(result.plans)} valid layouts, {len(result.fitting)} fit")

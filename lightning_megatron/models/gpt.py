@@ -376,13 +376,15 @@ GPT_PRESETS.update({
     "qwen2.5-7b": GPTConfig(vocab_size=152064, max_seq_length=131072, hidden_size=3584, num_layers=28, num_heads=28,
                             num_query_groups=4, ffn_hidden_size=18944, rotary_base=1000000.0, layer_norm_eps=1e-6,
                             add_qkv_bias=True, tie_embeddings=False, **LLAMA),
-    # Qwen3 (Qwen/Qwen3-0.6B, -8B, -32B config.json on the Hugging Face Hub): Llama's pieces with per-head q/k RMSNorm
-    # and 128-channel heads whatever the width; no biases; the 0.6B model ties its embeddings.
+    # Qwen3 (Qwen/Qwen3-0.6B, -4B, -8B, -14B, -32B config.json on the Hugging Face Hub): Llama's pieces with per-head
+    # q/k RMSNorm and 128-channel heads whatever the width; no biases; 0.6B and 4B tie their embeddings.
     **{name: GPTConfig(vocab_size=151936, max_seq_length=40960, hidden_size=h, num_layers=layers, num_heads=heads,
                        num_query_groups=8, ffn_hidden_size=ffn, kv_channels=128, qk_layernorm=True,
                        rotary_base=1000000.0, layer_norm_eps=1e-6, tie_embeddings=tied, **LLAMA)
        for name, (h, layers, heads, ffn, tied) in {"qwen3-0.6b": (1024, 28, 16, 3072, True),
+                                                   "qwen3-4b": (2560, 36, 32, 9728, True),
                                                    "qwen3-8b": (4096, 36, 32, 12288, False),
+                                                   "qwen3-14b": (5120, 40, 40, 17408, False),
                                                    "qwen3-32b": (5120, 64, 64, 25600, False)}.items()},
     # Gemma 3's text models (google/gemma-3-1b-pt's config.json; the text_config of gemma-3-12b-pt and -27b-pt).
     "gemma-3-1b": _gemma3(vocab=262144, context=32768, hidden=1152, layers=26, heads=4, groups=1, ffn=6912, head_dim=256,

@@ -180,16 +180,18 @@ class PretrainingRecipe(L.LightningModule):
     hyper-parameters saved under the names ``__init__`` takes (so ``load_from_checkpoint``
     rebuilds the same module)."""
 
-    def init_recipe(self, config_class: type, config: Any, **recipe: Any) -> None:
+    def init_recipe(self, config_class: type, config: Any, *, config_fields: Callable[[Any], dict] = asdict,
+                    **recipe: Any) -> None:
         """``config``: a preset name, a dict of fields, or a config object; ``recipe``: learning_rate,
-        min_learning_rate, weight_decay, betas, adam_eps, warmup_steps, adam_implementation."""
+        min_learning_rate, weight_decay, betas, adam_eps, warmup_steps, adam_implementation. ``config_fields``: the
+        config as the dict of fields saved in the hyper-parameters (a dataclass's ``asdict`` by default)."""
         if isinstance(config, str):
             config = config_class.from_name(config)
         elif isinstance(config, dict):
             config = config_class(**config)
         self.config = config
         adamw_implementation([], recipe.get("adam_implementation", "auto"))  # a bad name fails here, not at fit
-        self.save_hyperparameters({"config": asdict(config), **recipe})
+        self.save_hyperparameters({"config": config_fields(config), **recipe})
         names = {"adam_eps": "eps", "adam_implementation": "implementation"}
         self.optimizer_settings = {names.get(name, name): value for name, value in recipe.items()}
 

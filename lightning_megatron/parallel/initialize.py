@@ -113,10 +113,14 @@ def local_initial_values(param: Tensor, name: str, seed: int, initializer: Initi
     """This rank's shard of the full initial value of parameter ``name``; one under a child with a declared rule
     (an adapter's: ``B = 0``, so the adapted model starts as the base model) by that rule, whichever module owns it,
     here for every caller (ZeRO-3's too). Only the shard's own values are drawn where the initialiser allows it
-    (see the module docstring)."""
+    (see the module docstring). An initialiser with a ``read_local(name, shard, global_shape)`` (values read from
+    files: ``models.hf_weights``) returns this rank's part itself (fp32, padding zero), so no full tensor is made."""
     shard = shard_of(param)
     global_shape = shard.global_shape if shard is not None else tuple(param.shape)
     rule = _declared_rule(name) or initializer
+    read_local = getattr(rule, "read_local", None)
+    if read_local is not None:  # values read, not drawn (a checkpoint's tensors): it reads this rank's part itself
+        return read_local(name, shard, global_shape)
     generator = torch.Generator().manual_seed(parameter_seed(seed, name))
     draw = _draw_of(rule, name, global_shape) if shard is not None else None
     if draw is not None:

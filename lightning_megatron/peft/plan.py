@@ -31,7 +31,9 @@ replicated without it (the default stream, which every rank draws alike). A colu
 that runs on the per-rank stream (attention's ``qkv`` in ``"sharded_dropout"`` attention) would draw its replicated
 mask from the per-rank stream, so that case is refused at tp > 1 without SP.
 
-Layers the plan does not split stay replicated, and so do their adapters (exactly as their base weights: the plan's
+Layers whose input and output are whole on every rank (``"column_gather_output"``, ``"row_split_input"``: every rank
+computes what follows or precedes them alike) keep whole adapters, replicated, whose gradients are then the same on
+every rank. Layers the plan does not split stay replicated, and so do their adapters (exactly as their base weights: the plan's
 ``"sequence_parallel"`` on an enclosing module sums their gradients alike). A base the plan splits another way (the
 vocabulary head, an expert inside an MoE region) is refused: narrow the LoRA targets.
 """
@@ -88,6 +90,8 @@ def adapter_plan(module: nn.Module, plan: Mapping[str, object], config: Parallel
                 f"LoRA targets so that they leave out {name} (e.g. targets=['*.attn.qkv', '*.mlp.fc']).")
         layer = module.get_submodule(name)
         dropout = getattr(layer, "lora_dropout", None) is not None
+        if style in ("column_gather_output", "row_split_input"):
+            continue  # the layer's input and output are whole on every rank: its adapter stays replicated alike
         if not _is_column(style):
             extended.update({f"{name}.lora_a": "row", f"{name}.lora_b": "sequence_parallel"})
             if dropout:

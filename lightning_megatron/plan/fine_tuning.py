@@ -17,8 +17,8 @@ from lightning_megatron.plan.planner import LayoutPlan, Planner
 #: The adapters planned: rank 16 on every attention and MLP linear layer (``LoRAConfig``'s default targets).
 ADAPTERS = {"rank": 16, "alpha": 32}
 #: Dense decoder presets of published models, smallest first (LoRA does not adapt MoE experts).
-PRESETS = ("gemma-3-1b", "llama-3.2-1b", "mistral-7b", "qwen2.5-7b", "llama-3.1-8b", "gemma-3-12b", "gemma-3-27b",
-           "llama-3.1-70b")
+PRESETS = ("qwen3-0.6b", "gemma-3-1b", "llama-3.2-1b", "qwen3-4b", "mistral-7b", "qwen2.5-7b", "llama-3.1-8b", "qwen3-8b",
+           "gemma-3-12b", "qwen3-14b", "gemma-3-27b", "qwen3-32b", "llama-3.1-70b")
 
 
 @dataclass(frozen=True)

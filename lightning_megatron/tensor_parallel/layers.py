@@ -23,6 +23,7 @@ from lightning_megatron.tensor_parallel.mappings import (
     copy_to_tensor_parallel,
     gather_from_tensor_parallel,
     reduce_from_tensor_parallel,
+    scatter_to_tensor_parallel,
 )
 from lightning_megatron.tensor_parallel.fp8 import HIGH_PRECISION, HighPrecisionGemms
 from lightning_megatron.tensor_parallel.logits import VocabShard, mark_vocab_parallel
@@ -101,7 +102,8 @@ class RowParallelLinear(nn.Module):
     """``y = x A^T + b`` with ``A`` split along its columns; the input arrives already split. ``communicates =
     False``: the partial outputs stay partial (an enclosing module leaves the region, ``tensor_parallel.region``).
     ``sequence_linear``: how the GEMM and the sequence reduce-scatter run under ``sequence_parallel``; ``gemms``: as
-    :class:`ColumnParallelLinear`'s."""
+    :class:`ColumnParallelLinear`'s. ``split_input``: the input arrives whole (replicated, e.g. after a column layer
+    with ``gather_output``) and each rank keeps its own slice of it first (its gradient all-gathered backward)."""
 
     communicates = True
     gemms: HighPrecisionGemms = HIGH_PRECISION
@@ -115,12 +117,16 @@ class RowParallelLinear(nn.Module):
         group: Group = None,
         sequence_parallel: bool = False,
         sequence_linear: Optional[SequenceParallelLinear] = None,
+        split_input: bool = False,
         device=None,
         dtype=None,
     ) -> None:
         super().__init__()
+        if split_input and sequence_parallel:
+            raise ValueError("split_input=True takes a whole, replicated input; under sequence parallelism the input "
+                             "of a row-parallel layer is already split.")
         self.in_features, self.out_features = in_features, out_features
-        self.group, self.sequence_parallel = group, sequence_parallel
+        self.group, self.sequence_parallel, self.split_input = group, sequence_parallel, split_input
         self.sequence_linear = sequence_linear or SequenceParallelLinear()
         shard = make_shard(group, dim=1, global_shape=(out_features, in_features))
         self.weight = new_parameter(shard, None, device=device, dtype=dtype)
@@ -132,6 +138,8 @@ class RowParallelLinear(nn.Module):
             self.register_parameter("bias", None)
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.split_input:
+            x = scatter_to_tensor_parallel(x, self.group)
         if self.group is None:  # one rank: nothing to reduce, so the bias joins the matmul (addmm), as in nn.Linear
             return self.gemms.linear(x, self.weight, self.bias)
         if not self.communicates:

@@ -187,6 +187,17 @@ class _GatherFromTensorParallel(torch.autograd.Function):
         return _own_chunk(grad, ctx.group, grad.dim() - 1), None
 
 
+class _ScatterToTensorParallel(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, group: Group) -> Tensor:
+        ctx.group = group
+        return _own_chunk(x, group, x.dim() - 1)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return _all_gather(grad, ctx.group, grad.dim() - 1), None
+
+
 def copy_to_tensor_parallel(x: Tensor, group: Group) -> Tensor:
     """Megatron's f: enter a tensor-parallel region with a replicated input."""
     return x if group is None else _CopyToTensorParallel.apply(x, group)
@@ -233,3 +244,9 @@ def gather_sequence_to_replicated(x: Tensor, group: Group, dim: int = 1) -> Tens
 def gather_from_tensor_parallel(x: Tensor, group: Group) -> Tensor:
     """Concatenate last-dimension shards, e.g. vocab-parallel logits for generation."""
     return x if group is None else _GatherFromTensorParallel.apply(x, group)
+
+
+def scatter_to_tensor_parallel(x: Tensor, group: Group) -> Tensor:
+    """Keep this rank's contiguous last-dimension shard of a replicated tensor (all-gather backward): the input of a
+    row-parallel layer that follows a replicated computation (transformers' ``rowwise_split_input``)."""
+    return x if group is None else _ScatterToTensorParallel.apply(x, group)

@@ -24,6 +24,11 @@ style                effect
 ``KeyValueHeads(groups)`` the key or value projection alone, split as ``QueryGroupColumn``
                      splits its rows of the fused qkv (a LoRA adapter per projection)
 ``"row"``            ``nn.Linear`` -> :class:`RowParallelLinear` (input features split)
+``"column_gather_output"`` ``nn.Linear`` -> :class:`ColumnParallelLinear` whose output is all-gathered
+                     (every rank then holds the whole output: for a model that reads it whole,
+                     e.g. a norm over all heads; transformers' ``colwise_gather_output``)
+``"row_split_input"`` ``nn.Linear`` -> :class:`RowParallelLinear` that takes a whole, replicated
+                     input and keeps its own slice (transformers' ``rowwise_split_input``)
 ``"vocab"``          ``nn.Embedding`` -> :class:`VocabParallelEmbedding`, ``nn.Linear`` ->
                      :class:`VocabParallelHead` (logits stay split), ``nn.CrossEntropyLoss``
                      -> :class:`VocabParallelCrossEntropy`, :class:`Argmax` ->
@@ -89,7 +94,7 @@ from lightning_megatron.tensor_parallel.overlap import SequenceParallelLinear
 from lightning_megatron.tensor_parallel.region import InsideRegion, TensorParallelRegion
 from lightning_megatron.tensor_parallel.styles import LAYOUT_STYLES, KeyValueHeads, PackedColumn, QueryGroupColumn
 
-SWAP_STYLES = ("column", "row", "vocab")
+SWAP_STYLES = ("column", "row", "vocab", "column_gather_output", "row_split_input")
 REGION_STYLES = ("sequence_scatter", "sequence_parallel", "replicated_with_grad_allreduce", "sharded_dropout",
                  "sequence_gather", "experts_region")
 STYLES = SWAP_STYLES + REGION_STYLES
@@ -136,6 +141,14 @@ def _swap(old: nn.Module, style: Style, name: str, state: ParallelState, vocab_m
         rank_ranges = style.rank_ranges(old.out_features, state.config.tensor_parallel_size, name=name)
         return ColumnParallelLinear(old.in_features, old.out_features, old.bias is not None, group=group,
                                     sequence_parallel=sequence_parallel, rank_ranges=rank_ranges, **linear_kwargs)
+    if isinstance(old, nn.Linear) and style in ("column_gather_output", "row_split_input"):
+        if sequence_parallel:
+            raise ValueError(f"{name}: style {style!r} computes on whole, replicated activations, which sequence "
+                             f"parallelism splits along the sequence; use sequence_parallel=False.")
+        layer = ColumnParallelLinear if style == "column_gather_output" else RowParallelLinear
+        gathered = {"gather_output": True} if style == "column_gather_output" else {"split_input": True}
+        return layer(old.in_features, old.out_features, old.bias is not None, group=group, **gathered,
+                     **linear_kwargs)
     if isinstance(old, nn.Linear) and style in ("column", "row", "vocab"):
         has_bias = old.bias is not None
         if style == "column":
@@ -159,8 +172,8 @@ def _swap(old: nn.Module, style: Style, name: str, state: ParallelState, vocab_m
     if isinstance(old, Argmax) and style == "vocab":
         return VocabParallelArgmax(group=group)
     raise ValueError(
-        f"{name}: style {style!r} cannot be applied to {type(old).__name__}. 'column', 'row', PackedColumn and "
-        f"QueryGroupColumn take nn.Linear; "
+        f"{name}: style {style!r} cannot be applied to {type(old).__name__}. 'column', 'row', "
+        f"'column_gather_output', 'row_split_input', PackedColumn and QueryGroupColumn take nn.Linear; "
         f"'vocab' takes nn.Embedding, nn.Linear (the output head), nn.CrossEntropyLoss or Argmax."
     )
 

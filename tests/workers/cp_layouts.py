@@ -3,7 +3,9 @@ processes, count the ring's messages, and generate under context parallelism.
 
 argv: OUT_DIR LAYOUTS, a comma list of
 ``<model>-cp{C}[-pp{P}]-tp{T}-dp{D}[-sp][-mb{M}][-z{Z}][-rc|-sel][-ag][-fp8t|-fp8r][-s{N}]``
-(models: ``gpt`` learned positions, ``llama`` rotary + grouped-query, ``bert`` bidirectional with padding, ``doc`` and
+(models: ``gpt`` learned positions, ``llama`` rotary + grouped-query, ``qwen3`` with q/k norms and wider heads, ``gemma3``
+Gemma 3 whole (windows, per-layer rotary bases, sandwich norms, capped logits),
+``bert`` bidirectional with padding, ``doc`` and
 ``llamadoc`` the first two on packed samples with document masks; ``rc``
 full and ``sel`` selective recomputation; ``ag`` the all-gather attention; ``fp8t`` / ``fp8r``: the linears in FP8,
 tensorwise or rowwise; ``s{N}``: the first N steps), ``count-<layout>`` for the

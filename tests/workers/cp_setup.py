@@ -19,6 +19,8 @@ MODELS = {"gpt": lambda: GPT(gpt_setup.CONFIG), "llama": lambda: GPT(gpt_setup.L
           "chunk": lambda: GPT(gpt_setup.CHUNKED_CONFIG),
           # Sliding windows (and their rotary base, a softmax scale), alone and over packed documents.
           "window": lambda: GPT(gpt_setup.WINDOW_CONFIG), "windowdoc": lambda: GPT(gpt_setup.WINDOW_CONFIG),
+          # Qwen3-shaped: per-head q/k norms, heads wider than hidden / heads.
+          "qwen3": lambda: GPT(gpt_setup.QWEN3_CONFIG),
           # Gemma 3 whole: its windows, rotary bases and scale with the sandwich norms and the capped logits.
           "gemma3": lambda: GPT(gpt_setup.GEMMA3_CONFIG)}
 __all__ = ["BERT_CONFIG", "MODELS", "bert_setup", "gpt_setup", "model_batches", "model_loss"]

@@ -101,10 +101,11 @@ def parse(layout: str, out_dir: Path) -> tuple[StrategyOptions, dict]:
     return StrategyOptions(**settings), worker
 
 
-def build(state: ParallelState, options: StrategyOptions, worker: dict):
-    """The model as the strategy builds it, and its optimizer and step bookkeeping as the strategy makes them."""
+def build(state: ParallelState, options: StrategyOptions, worker: dict, make_model=None):
+    """The model as the strategy builds it, and its optimizer and step bookkeeping as the strategy makes them;
+    ``make_model()``: the model on the meta device (default: the worker's ``GPTModel``)."""
     with torch.device("meta"):
-        model = GPTModel(CONFIGS[worker["model"]])
+        model = GPTModel(CONFIGS[worker["model"]]) if make_model is None else make_model()
         if worker.get("lora"):
             apply_lora(model, LORA)
     rng = TensorParallelRNG(SEED, state.tensor_parallel_rank, torch.device("cpu"))
@@ -120,7 +121,9 @@ def build(state: ParallelState, options: StrategyOptions, worker: dict):
     return model, params, opt, step, runner
 
 
-def train(out_dir: Path, layout: str) -> tuple[list[float], dict]:
+def train(out_dir: Path, layout: str, build_model=build) -> tuple[list[float], dict]:
+    """One layout's losses and gathered weights; ``build_model(state, options, worker)``: the model and its step
+    bookkeeping (:func:`build`'s; ``hf_causal_layouts`` builds transformers' modules instead)."""
     options, worker = parse(layout, out_dir)
     if options.compile_options is not None:
         torch._dynamo.reset()  # this layout's compilations alone in the counters
@@ -128,7 +131,7 @@ def train(out_dir: Path, layout: str) -> tuple[list[float], dict]:
     requested = options.requested
     config = ParallelConfig(**{name: requested[name] for name in (*SIZES.values(), "sequence_parallel")})
     state = ParallelState.create(config, "cpu")
-    model, params, opt, step, runner = build(state, options, worker)
+    model, params, opt, step, runner = build_model(state, options, worker)
     main, dp, micro_batches = step.main_params, config.data_parallel_size, worker["micro_batches"]
     late = options.overlap_param_gather and state.data_parallel_rank == dp - 1
 
