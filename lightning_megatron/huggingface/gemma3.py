@@ -94,7 +94,7 @@ def _gemma3_fields(fields: Fields, problems: list[str]) -> dict[str, Any]:
         problems.append("sliding_window=None: transformers' Gemma3ForCausalLM always builds a sliding mask")
     head_dim = fields["head_dim"] or fields["hidden_size"] // fields["num_attention_heads"]
     scalar = fields["query_pre_attn_scalar"]
-    return {"sliding_window": window, "layer_types": types if window is not None else None,
+    return {"sliding_window": window, "layer_types": types,
             "softmax_scale": None if scalar == head_dim else float(scalar) ** -0.5,
             "embedding_multiplier": fields["hidden_size"] ** 0.5,
             "final_logit_softcapping": fields["final_logit_softcapping"]}
@@ -133,8 +133,9 @@ GEMMA3 = Dialect(
               "sliding_window": 4096, "layer_types": None, "final_logit_softcapping": None,
               "attn_logit_softcapping": None, "use_bidirectional_attention": False},
     read_fields=_gemma3_fields, write_fields=_gemma3_hf_fields, qk_norm=True, pieces=GEMMA3_PIECES,
-    unexpressed={"attn_logit_softcapping": "no soft-capping of scores"}, activation=("hidden_activation", "gelu_pytorch_tanh"),
-    norms=SANDWICH_NORMS, rotary_from_hf=_gemma3_rotary, rotary_to_hf=_gemma3_rotary_to_hf)
+    unexpressed={"attn_logit_softcapping": "no soft-capping of scores"},
+    activation=("hidden_activation", "gelu_pytorch_tanh"), norms=SANDWICH_NORMS, rotary_from_hf=_gemma3_rotary,
+    rotary_to_hf=_gemma3_rotary_to_hf)
 FAMILY = GEMMA3.family()
 
 gemma3_config_from_hf = GEMMA3.config_from_hf

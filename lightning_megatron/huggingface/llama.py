@@ -11,10 +11,13 @@ convention on both sides, so ``q_proj``/``k_proj`` need no permutation. The Mixt
 ``ExpertNames`` says how one spells an MoE layer, each expert converting like a dense MLP.
 
 A ``head_dim`` other than ``hidden_size / num_attention_heads`` converts to ``GPTConfig.kv_channels``, and a
-family with per-head query and key norms (``Qwen3ForCausalLM``, ``qwen3.py``) to ``qk_layernorm``.
+family with per-head query and key norms (``Qwen3ForCausalLM``, ``qwen3.py``) to ``qk_layernorm``. A dialect may
+also bring its own pieces, layer norms and rotary fields: ``Gemma3ForCausalLM`` (``gemma3.py``: four norms a layer,
+GeGLU, rotary parameters per layer type).
 
 Not modelled, so refused with the field named: activations other than SiLU, rotary types other than ``default``,
-``llama3`` and ``linear`` (``yarn``, ``dynamic``, ...), partial rotary embeddings, per-layer rotary parameters.
+``llama3`` and ``linear`` (``yarn``, ``dynamic``, ...), partial rotary embeddings, per-layer rotary parameters
+(but Gemma 3's).
 A sliding window converts to ``GPTConfig.sliding_window`` (Mistral's and Mixtral's in every layer,
 Qwen2's, Qwen3's and Qwen2-MoE's in the layers their ``layer_types`` name). Hidden dropout is not a field
 of these families, so ``GPTConfig.dropout`` is not exported.
@@ -27,7 +30,8 @@ Example::
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import dataclasses
+from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional, Union
 
 from lightning_megatron.huggingface.family import Family
@@ -116,11 +120,13 @@ class Dialect:
     hf_name: Callable[[str], Optional[str]] = checkpoint_name
     qk_norm: bool = False
     head_dim: bool = True
-    pieces: Fields = field(default_factory=lambda: DECODER_PIECES)
-    unexpressed: Fields = field(default_factory=lambda: UNEXPRESSED)
+    pieces: Fields = dataclasses.field(default_factory=lambda: DECODER_PIECES)
+    unexpressed: Fields = dataclasses.field(default_factory=lambda: UNEXPRESSED)
     activation: tuple[str, str] = ("hidden_act", "silu")
-    norms: Fields = field(default_factory=lambda: PRE_NORMS)
-    rotary_from_hf: Callable[[Fields, list[str]], dict[str, Any]] = lambda fields, problems: _rotary_from_hf(fields, problems)
+    norms: Fields = dataclasses.field(default_factory=lambda: PRE_NORMS)
+    # One rotary embedding in every layer (the functions are defined below)
+    rotary_from_hf: Callable[[Fields, list[str]], dict[str, Any]] = lambda fields, problems: _rotary_from_hf(
+        fields, problems)
     rotary_to_hf: Callable[[GPTConfig], dict[str, Any]] = lambda config: _rotary_to_hf(config)
 
     def config_from_hf(self, hf_config: Union[Fields, Any]) -> GPTConfig:
@@ -197,7 +203,7 @@ DIALECT_NAMES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "
 
 
 # ----------------------------------------------------------------------------- shared config pieces
-def _decoder_problems(config: GPTConfig, dialect: "Dialect") -> list[str]:
+def _decoder_problems(config: GPTConfig, dialect: Dialect) -> list[str]:
     architecture = dialect.architecture
     problems = [f"{name}={getattr(config, name)!r} ({architecture} has {value!r})"
                 for name, value in {**dialect.pieces, "qk_layernorm": dialect.qk_norm}.items()
