@@ -62,7 +62,8 @@ def test_checkpoint_convert_round_trips_to_identical_tensors(case, tmp_path):
     hf = build_hf_model(case)
     hf.save_pretrained(tmp_path / "hf")
     cli_main(["checkpoint", "convert", str(tmp_path / "hf"), str(tmp_path / "ours.ckpt")])
-    choice = ["--model-type", MODEL_TYPES[case]] if case == "mistral" else []  # the others follow from the config
+    # Mistral only when asked for; the others follow from the config (Gemma 3's named too: every family is a choice)
+    choice = ["--model-type", MODEL_TYPES[case]] if case in ("mistral", "gemma3") else []
     cli_main(["checkpoint", "convert", str(tmp_path / "ours.ckpt"), str(tmp_path / "back"), "--max-shard-size", "40KB",
               *choice])
     assert json.loads((tmp_path / "back" / "config.json").read_text())["model_type"] == MODEL_TYPES[case]

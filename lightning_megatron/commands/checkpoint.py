@@ -58,6 +58,8 @@ from lightning_megatron.checkpoint.replacement import (
 )
 from lightning_megatron.checkpoint.sharded import open_sharded, verify_checksums, write_atomically
 from lightning_megatron.huggingface.checkpoints import convert
+from lightning_megatron.huggingface.convert import model_types_of
+from lightning_megatron.models.gpt import GPTConfig
 from lightning_megatron.huggingface.io import DEFAULT_MAX_SHARD_SIZE, safetensors_torch
 
 
@@ -182,9 +184,9 @@ def main(argv: Sequence[str]) -> None:
                                             "PEFT adapter), or from one to a weights-only checkpoint")
     p.add_argument("source")
     p.add_argument("out")
-    p.add_argument("--model-type", choices=("llama", "mistral", "qwen2"), default=None,
-                   help="the Hugging Face family of a Llama-shaped GPT export (default: qwen2 for biases on qkv alone, "
-                        "else llama)")
+    p.add_argument("--model-type", choices=model_types_of(GPTConfig), default=None,
+                   help="the Hugging Face family of a GPT export (default: the one its config describes, e.g. qwen2 "
+                        "for biases on qkv alone, gemma3_text for four norms a layer, else llama)")
     p.add_argument("--peft", action="store_true",
                    help="a LoRA run's checkpoint: write its adapters as a PEFT adapter directory (adapter_config.json, "
                         "adapter_model.safetensors) instead of the merged model")
