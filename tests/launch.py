@@ -116,7 +116,8 @@ class Started:
             self.process.wait()
         for log in self.logs:
             log.close()
-        _timed("started", Path(self.cmd[1]).name if len(self.cmd) > 1 else self.cmd[0], 1, self.started)
+        scripts = [arg for arg in self.cmd[1:] if arg.endswith((".py", ".sh"))]  # a torchrun's: after its flags
+        _timed("started", Path((scripts or self.cmd[1:] or self.cmd)[0]).name, 1, self.started)
 
 
 def selected(request, test: str, **params) -> bool:
