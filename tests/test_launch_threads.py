@@ -6,11 +6,10 @@ The two torchrun launches start together at the module's first test and run next
 torchrun imports torch on one core before its processes start)."""
 
 import json
-import sys
 
 import pytest
 
-from launch import WORKERS, Started, child_env, launch_slurm, selected
+from launch import Started, child_env, launch_slurm, selected, torchrun_command
 
 CORES, PROCESSES = 6, 2
 WITHOUT_OMP_TEST = "test_torchrun_workers_get_their_share_of_the_cores_not_torchruns_one_thread"
@@ -27,9 +26,7 @@ def torchruns(request, tmp_path_factory):
                             ("user OMP", USER_OMP_TEST, child_env())):
         if selected(request, test):
             out = tmp_path_factory.mktemp(name.replace(" ", "_"))
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={PROCESSES}",
-                   str(WORKERS / "thread_count.py"), str(out), str(CORES)]
-            runs[name] = Started(cmd, out, env=env)
+            runs[name] = Started(torchrun_command("thread_count.py", PROCESSES, out, str(CORES)), out, env=env)
     yield runs
     for run in runs.values():
         run.stop()
