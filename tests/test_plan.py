@@ -13,30 +13,13 @@ import pytest
 import torch
 import yaml
 
-from launch import REPO_ROOT, WORKERS, Started, run_job, selected, torchrun_command
+from launch import REPO_ROOT, WORKERS, launch, run_job
 
 from lightning_megatron import Megatron3DStrategy
 from lightning_megatron.optim.main_params import MODEL_STATE_KEYS
 
 sys.path.insert(0, str(WORKERS))
 from plan_layouts import BYTE_LAYOUTS, byte_model  # noqa: E402
-
-
-AUTO_TEST = "test_auto_sizes_are_the_planners_choice_on_every_rank"
-
-
-@pytest.fixture(scope="module", autouse=True)
-def auto_launch(request, tmp_path_factory):
-    """``plan_auto.py``'s launch, when this session runs its test, started at the module's first test: a fresh one
-    (the strategy plans over torch's fake process group before it makes the default one: a pool's ranks have
-    joined theirs), it runs next to the planner's one-process tests."""
-    if not selected(request, AUTO_TEST):
-        yield None
-        return
-    out = tmp_path_factory.mktemp("plan_auto")
-    run = Started(torchrun_command("plan_auto.py", 2, out), out, timeout=600)
-    yield run
-    run.stop()
 
 
 def predicted_bytes() -> dict:
@@ -283,13 +266,12 @@ def test_plan_says_why_nothing_fits_and_what_would(capsys, no_process_group):
 
 
 @pytest.mark.slow
-def test_auto_sizes_are_the_planners_choice_on_every_rank(auto_launch, no_process_group):
+def test_auto_sizes_are_the_planners_choice_on_every_rank(tmp_path, no_process_group):
     """``tensor_parallel_size="auto", pipeline_parallel_size="auto"`` on 2 CPU processes: the planner's best layout
     (computed again here) on both ranks, logged, then trained; a model that fits no layout
     raises the planner's explanation on every rank before any process group exists."""
-    proc = auto_launch.result()
-    assert proc.returncode == 0, f"{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
-    results = [json.loads((auto_launch.cwd / f"rank{r}.json").read_text()) for r in range(2)]
+    # fresh: the strategy plans over torch's fake process group before it makes the default one
+    results, proc = launch("plan_auto.py", 2, tmp_path, timeout=600)
     for result in results:
         assert result["too_big"]["error"] is not None and not result["too_big"]["distributed_initialized"]
         assert "could not choose the 'auto' sizes: No layout fits" in result["too_big"]["error"]
