@@ -60,12 +60,17 @@ def child_env(**extra: str) -> dict[str, str]:
             "PYTHONFAULTHANDLER": "1", **extra}
 
 
+def torchrun_command(worker: str, nproc: int, out_dir: Path, *args: str) -> list[str]:
+    """The command that runs ``tests/workers/<worker>`` on ``nproc`` local ranks (a ``Started`` one runs it later)."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+            str(WORKERS / worker), str(out_dir), *args]
+
+
 def launch(worker: str, nproc: int, out_dir: Path, *args: str, timeout: float = 600, expect_failure: bool = False):
     """Run ``tests/workers/<worker>`` on ``nproc`` ranks; return (per-rank JSON results, completed process)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     env = child_env()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           str(WORKERS / worker), str(out_dir), *args]
+    cmd = torchrun_command(worker, nproc, out_dir, *args)
     started = time.monotonic()
     try:
         proc = subprocess.run(cmd, env=env, cwd=out_dir, capture_output=True, text=True, timeout=timeout)
@@ -116,7 +121,8 @@ class Started:
             self.process.wait()
         for log in self.logs:
             log.close()
-        _timed("started", Path(self.cmd[1]).name if len(self.cmd) > 1 else self.cmd[0], 1, self.started)
+        scripts = [arg for arg in self.cmd[1:] if arg.endswith((".py", ".sh"))]  # a torchrun's: after its flags
+        _timed("started", Path((scripts or self.cmd[1:] or self.cmd)[0]).name, 1, self.started)
 
 
 def selected(request, test: str, **params) -> bool:

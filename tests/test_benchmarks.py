@@ -3,21 +3,19 @@
 Each tool runs in this process through its ``main(argv)`` (``benchmarks`` is a package: ``from benchmarks import
 ...``), its printed table read back from stdout; the tools start their own worker processes where they measure
 across ranks. Only ``gpu_check.sh`` (the shell wrapper is the subject; started at the module's first test, it runs
-next to the others) and the DTensor worker started by torchrun directly run as processes of their own.
+next to the others) runs as a process of its own; the DTensor baseline's worker runs as a job of the 2-rank pool.
 """
 
 import json
 import math
 import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from launch import Started, child_env, selected
+from launch import Started, run_job, selected
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -116,34 +114,39 @@ def test_throughput_interleaved_gate_up_makes_a_contiguous_dtensor_split_of_swig
     assert torch.allclose(sum(partial), expected, atol=1e-6)
 
 
+DTENSOR_TEST = "test_throughput_benchmark_dtensor_baseline_trains_the_same_model"
+DTENSOR_MODELS = ["llama", "gpt"]
+DTENSOR_SIZE = ["--hidden=64", "--heads=4", "--layers=2", "--seq=32", "--batch=4", "--vocab=512", "--steps=2",
+                "--warmup=1"]
+
+
+@pytest.fixture(scope="module")
+def dtensor_runs(request, tmp_path_factory) -> dict[str, list[dict]]:
+    """``{model: per-rank results}`` of the DTensor baseline's worker (``--worker model_parallel_tp2``, what the
+    benchmark's parent launches under torchrun) for every model this session tests, in one job of the 2-rank pool."""
+    models = [model for model in DTENSOR_MODELS if selected(request, DTENSOR_TEST, model=model)]
+    out = tmp_path_factory.mktemp("dtensor_baseline")
+    run_job("dtensor_baseline", 2, out, json.dumps([["--model", model, *DTENSOR_SIZE] for model in models]))
+    return {model: [json.loads((out / f"run{number}" / f"rank{r}.json").read_text()) for r in range(2)]
+            for number, model in enumerate(models)}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("model", ["llama", "gpt"])
-def test_throughput_benchmark_dtensor_baseline_trains_the_same_model(model, tmp_path, monkeypatch):
+@pytest.mark.parametrize("model", DTENSOR_MODELS)
+def test_throughput_benchmark_dtensor_baseline_trains_the_same_model(model, dtensor_runs, monkeypatch):
     """The DTensor baseline (ModelParallelStrategy tp=2) ends at the single-process loss: its plan is right, and our
-    recipe's AdamW runs on its DTensor parameters (GPT's mix DTensors and plain tensors: torch's default kernel).
-
-    Its worker runs under torchrun directly (what the benchmark's parent launches, minus the parent's own imports)."""
-    import json
-
+    recipe's AdamW runs on its DTensor parameters (GPT's mix DTensors and plain tensors: torch's default kernel)."""
     import lightning as L
-    import torch
 
     from benchmarks import throughput
 
-    size = ["--model", model, "--hidden=64", "--heads=4", "--layers=2", "--seq=32", "--batch=4", "--vocab=512",
-            "--steps=2", "--warmup=1"]
-    result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-         "-m", "benchmarks.throughput", *size, "--worker", "model_parallel_tp2", f"--result-dir={tmp_path}"],
-        capture_output=True, text=True, timeout=300, env=child_env(), cwd=tmp_path,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    ranks = dtensor_runs[model]
     assert all(len(r["step_seconds"]) == 2 and min(r["step_seconds"]) > 0 for r in ranks), ranks
     monkeypatch.delenv("PL_GLOBAL_SEED", raising=False)  # seed_everything sets it; restored after the test
     with torch.random.fork_rng():
         L.seed_everything(1234, verbose=False)  # as the benchmark's worker does
-        _, _, reference = throughput.run_plain(throughput.parse_args(size), torch.device("cpu"))
+        _, _, reference = throughput.run_plain(throughput.parse_args(["--model", model, *DTENSOR_SIZE]),
+                                               torch.device("cpu"))
     assert abs(ranks[0]["loss"] - reference) < 1e-4, (ranks[0]["loss"], reference)
 
 

@@ -2,10 +2,13 @@
 model replicated over tp for want of a plan, and devices= that disagree with the processes torchrun started.
 
 Multi-rank runs are real torchrun launches (tests/workers/fault_lifecycle.py); each rank's stderr is read
-back exactly as that rank printed it.
+back exactly as that rank printed it. The launches that the tests only read afterwards (the checks, the uneven
+exit) start together at the module's first test and run next to the others (the stalled run waits out its timeout
+on an idle core).
 """
 
 import inspect
+import json
 import re
 import time
 from datetime import timedelta
@@ -15,7 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from launch import launch
+from launch import Started, child_env, launch, selected, torchrun_command
 from workers.fault_models import (MISNAMED_ERROR, MISNAMED_PLAN, STALL_SECONDS, STALL_TIMEOUT_SECONDS, Planned,
                                   trainer_kwargs)
 from lightning_megatron import Megatron3DStrategy
@@ -25,6 +28,28 @@ def last_lines(path, count: int) -> list[str]:
     """The last ``count`` lines a rank printed, without torch's ``[rankN]:`` prefix."""
     lines = [re.sub(r"^\[rank\d+\]: ", "", line) for line in path.read_text().splitlines() if line.strip()]
     return lines[-count:]
+
+
+CHECKS_TESTS = ("test_devices_that_disagree_with_torchrun_fail_on_every_rank",
+                "test_model_without_a_plan_at_tp2_warns_once_on_rank_zero",
+                "test_an_offload_path_one_rank_cannot_use_stops_every_rank_in_setup",
+                "test_default_timeout_reaches_every_group_of_the_layout")
+UNEVEN_TEST, UNEVEN_LAG = "test_ranks_that_finish_at_different_times_leave_together_and_cleanly", 2.0
+
+
+@pytest.fixture(scope="module", autouse=True)
+def started(request, tmp_path_factory):
+    """The 2-rank launches of this session's selection that tests only read: "checks" (one launch, several fits) and
+    "uneven exit", started at the module's first test."""
+    runs = {}
+    for name, test_names, worker, args in (("checks", CHECKS_TESTS, "fault_lifecycle.py", ["checks"]),
+                                           ("uneven exit", (UNEVEN_TEST,), "uneven_exit.py", [str(UNEVEN_LAG)])):
+        if any(selected(request, test) for test in test_names):
+            out = tmp_path_factory.mktemp(name.replace(" ", "_"))
+            runs[name] = Started(torchrun_command(worker, 2, out, *args), out, timeout=300, env=child_env())
+    yield runs
+    for run in runs.values():
+        run.stop()
 
 
 def test_default_timeout_is_ten_minutes():
@@ -90,12 +115,11 @@ def test_error_while_on_meta_is_the_last_error_on_every_rank(tmp_path):
                 assert (out / f"rank{rank}.exit").read_text() == "1", f"{out.name} rank {rank}: {printed[-2000:]}"
 
 
-@pytest.fixture(scope="module")
-def checks(tmp_path_factory):
-    out = tmp_path_factory.mktemp("checks")
-    results, _ = launch("fault_lifecycle.py", 2, out, "checks", timeout=300)
-    assert len(results) == 2
-    return results
+@pytest.fixture
+def checks(started):
+    proc = started["checks"].result()
+    assert proc.returncode == 0, f"{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
+    return [json.loads((started["checks"].cwd / f"rank{r}.json").read_text()) for r in range(2)]
 
 
 @pytest.mark.slow
@@ -196,11 +220,13 @@ def test_init_processes_sets_the_nccl_error_handling_before_joining(monkeypatch)
 
 
 @pytest.mark.slow
-def test_ranks_that_finish_at_different_times_leave_together_and_cleanly(tmp_path):
+def test_ranks_that_finish_at_different_times_leave_together_and_cleanly(started):
     """After a normal run every rank waits for the others at exit, then destroys the process groups itself (not
     the interpreter's finalisation): exit code 0 everywhere and no native abort below the output."""
-    lag = 2.0
-    results, proc = launch("uneven_exit.py", 2, tmp_path, str(lag))
+    run, lag = started["uneven exit"], UNEVEN_LAG
+    proc = run.result()
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    results = [json.loads((run.cwd / f"rank{r}.json").read_text()) for r in range(2)]
     assert [r["groups_at_exit"] for r in results] == [False, False], "the groups were left to the finalisation"
     assert results[0]["left_after"] >= lag * 0.9, "rank 0 left while rank 1 was still working"
     assert "terminate called" not in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-3000:]
