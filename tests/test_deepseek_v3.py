@@ -1,0 +1,122 @@
+"""DeepSeek-V3's pieces against transformers' modules with the same weights: multi-head latent attention
+(``models.latent_attention``) and the MoE layer with sigmoid routing, the score-correction bias, group-limited
+top-k, the routed scaling factor and a shared expert (``models.router``, ``models.moe``)."""
+
+import pytest
+import torch
+
+from lightning_megatron.context_parallel.documents import DocumentMask
+from lightning_megatron.models.gpt import GPTConfig, gpt_layer
+from lightning_megatron.models.moe import MoE, MoEConfig
+
+transformers = pytest.importorskip("transformers")
+from transformers import DeepseekV3Config  # noqa: E402
+from transformers.models.deepseek_v3.modeling_deepseek_v3 import (  # noqa: E402
+    DeepseekV3Attention,
+    DeepseekV3MoE,
+    DeepseekV3RotaryEmbedding,
+)
+
+MLA = dict(kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12)
+TINY = dict(hidden_size=64, num_heads=4, num_layers=1, normalization="RMSNorm", position_embedding_type="rope",
+            activation="swiglu", add_bias_linear=False, layer_norm_eps=1e-6, tie_embeddings=False)
+#: Our attention's modules <-> transformers'.
+ATTENTION_NAMES = {"kv_down": "kv_a_proj_with_mqa", "kv_down_norm": "kv_a_layernorm", "kv_up": "kv_b_proj",
+                   "proj": "o_proj", "q": "q_proj", "q_down": "q_a_proj", "q_down_norm": "q_a_layernorm",
+                   "q_up": "q_b_proj"}
+
+
+def hf_config(q_lora_rank, **overrides) -> DeepseekV3Config:
+    fields = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=q_lora_rank,
+                  rope_interleave=False, attn_implementation="eager", n_routed_experts=8, num_experts_per_tok=2,
+                  n_group=2, topk_group=1, moe_intermediate_size=16, n_shared_experts=2, routed_scaling_factor=2.5,
+                  **{key: value for key, value in MLA.items()})
+    return DeepseekV3Config(**{**fields, **overrides})
+
+
+def random_(module: torch.nn.Module, std: float = 0.3) -> None:
+    with torch.no_grad():
+        for param in module.parameters():
+            param.normal_(0.0, std)
+
+
+@pytest.mark.parametrize("q_lora_rank", [32, None])
+def test_latent_attention_is_transformers_deepseek_v3_attention(q_lora_rank):
+    torch.manual_seed(0)
+    config = hf_config(q_lora_rank)
+    theirs = DeepseekV3Attention(config, 0).float()
+    random_(theirs)
+    ours = gpt_layer(GPTConfig(**TINY, mla=dict(MLA, q_lora_rank=q_lora_rank)), 0).attn
+    with torch.no_grad():
+        for name, module in ours.named_children():
+            if name in ATTENTION_NAMES:
+                module.weight.copy_(getattr(theirs, ATTENTION_NAMES[name]).weight)
+    x = torch.randn(2, 12, 64, requires_grad=True)
+    cos, sin = DeepseekV3RotaryEmbedding(config)(x, torch.arange(12)[None])
+    expected, _ = theirs(x, (cos, sin), torch.full((12, 12), float("-inf")).triu(1)[None, None])
+    got = ours(x)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    # gradients too: the input's, and a down projection's, which every head's rotary key reaches
+    grad_x, grad_w = torch.autograd.grad(got.square().sum(), (x, ours.kv_down.weight))
+    expected_x, expected_w = torch.autograd.grad(expected.square().sum(), (x, theirs.kv_a_proj_with_mqa.weight))
+    torch.testing.assert_close(grad_x, expected_x, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(grad_w, expected_w, atol=1e-4, rtol=1e-4)
+
+
+def test_latent_attention_over_packed_documents_is_attention_over_each_document():
+    """Document masks (the O(S) block path, where values narrower than the keys are padded) give each document's
+    own attention: two packed documents = the two attended apart."""
+    torch.manual_seed(1)
+    attention = gpt_layer(GPTConfig(**TINY, mla=dict(MLA, q_lora_rank=32)), 0).attn
+    random_(attention)
+    x = torch.randn(1, 10, 64)
+    ids = torch.tensor([[0] * 6 + [1] * 4])
+    positions = torch.cat([torch.arange(6), torch.arange(4)])[None]
+    packed = attention(x, DocumentMask(ids), positions)
+    apart = torch.cat([attention(x[:, :6]), attention(x[:, 6:])], dim=1)
+    torch.testing.assert_close(packed, apart, atol=1e-5, rtol=1e-5)
+
+
+def test_deepseek_moe_is_transformers_with_groups_bias_scaling_and_shared_experts():
+    torch.manual_seed(2)
+    config = hf_config(None)
+    theirs = DeepseekV3MoE(config).float()
+    random_(theirs)
+    with torch.no_grad():  # the score-correction bias decides the choice: big enough to change it
+        theirs.gate.e_score_correction_bias.normal_(0.0, 0.5)
+    moe = MoEConfig(num_experts=8, top_k=2, ffn_hidden_size=16, score_function="sigmoid", expert_bias=True,
+                    shared_expert_size=32, router_num_groups=2, router_group_topk=1, router_topk_scaling_factor=2.5)
+    ours = MoE(64, moe, default_ffn_size=128, activation="swiglu").eval()
+    with torch.no_grad():
+        ours.router.weight.copy_(theirs.gate.weight)
+        ours.router.expert_bias.copy_(theirs.gate.e_score_correction_bias)
+        for index, expert in ours.experts.items():
+            expert.fc.weight.copy_(theirs.experts.gate_up_proj[int(index)])  # [gate; up], as ours
+            expert.proj.weight.copy_(theirs.experts.down_proj[int(index)])
+        shared = theirs.shared_experts
+        ours.shared_expert.fc.weight.copy_(torch.cat([shared.gate_proj.weight, shared.up_proj.weight]))
+        ours.shared_expert.proj.weight.copy_(shared.down_proj.weight)
+    x = torch.randn(3, 10, 64)
+    _, weights, ids = theirs.gate(x)
+    routing = ours.router(x)
+    assert torch.equal(routing.expert_ids.reshape(-1, 2).sort(-1).values, ids.sort(-1).values)
+    # one group of four experts per token: every choice lies in one group, and the bias moved some
+    assert torch.equal(ids.min(-1).values // 4, ids.max(-1).values // 4)
+    bias = ours.router.expert_bias.clone()
+    ours.router.expert_bias.zero_()
+    assert not torch.equal(ours.router(x).expert_ids, routing.expert_ids)  # so a bias read wrongly would show
+    ours.router.expert_bias.copy_(bias)
+    torch.testing.assert_close(routing.weights.reshape(-1, 2).sum(-1), torch.full((30,), 2.5))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x), theirs(x), atol=1e-5, rtol=1e-5)
+
+
+def test_group_settings_are_checked():
+    with pytest.raises(ValueError, match="needs both"):
+        MoEConfig(num_experts=8, router_num_groups=2)
+    with pytest.raises(ValueError, match="divide num_experts"):
+        MoEConfig(num_experts=8, router_num_groups=3, router_group_topk=1)
+    with pytest.raises(ValueError, match="at least top_k"):
+        MoEConfig(num_experts=8, top_k=4, router_num_groups=4, router_group_topk=1)
+    with pytest.raises(ValueError, match="has no meaning"):
+        GPTConfig(**{**TINY, "num_query_groups": 2}, mla=MLA)
