@@ -120,3 +120,85 @@ def test_group_settings_are_checked():
         MoEConfig(num_experts=8, top_k=4, router_num_groups=4, router_group_topk=1)
     with pytest.raises(ValueError, match="has no meaning"):
         GPTConfig(**{**TINY, "num_query_groups": 2}, mla=MLA)
+
+
+# ----------------------------------------------------------------------------- the DeepseekV3ForCausalLM dialect
+def tiny_hf_model():
+    """The issue's tiny random DeepseekV3ForCausalLM: 3 layers (one dense), 8 experts in 2 groups, interleaved rope
+    (transformers' default), random score-correction biases."""
+    torch.manual_seed(3)
+    config = DeepseekV3Config(vocab_size=97, hidden_size=64, intermediate_size=96, moe_intermediate_size=16,
+                              num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32,
+                              kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+                              n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1,
+                              first_k_dense_replace=1, n_shared_experts=1, max_position_embeddings=64,
+                              initializer_range=0.1)
+    hf = transformers.DeepseekV3ForCausalLM(config).float().eval()
+    with torch.no_grad():
+        for layer in hf.model.layers[1:]:
+            layer.mlp.gate.e_score_correction_bias.normal_(0.0, 0.1)
+    return hf
+
+
+def test_converted_deepseek_v3_gives_transformers_logits_and_exports_back(tmp_path):
+    from lightning_megatron.huggingface import FAMILIES
+    from lightning_megatron.models import GPT
+
+    hf = tiny_hf_model()
+    input_ids = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = hf(input_ids).logits
+    gpt = GPT.from_hf(hf).eval()
+    assert gpt.config.moe.layer_freq == (0, 1, 1) and gpt.config.num_parameters() == sum(
+        p.numel() for p in hf.parameters())
+    with torch.no_grad():
+        torch.testing.assert_close(gpt(input_ids), expected, atol=1e-4, rtol=0)
+    family = FAMILIES["deepseek_v3"]
+    stored = family.canonical_hf_state_dict(hf.state_dict(), gpt.config)  # one tensor per expert
+    back = family.hf_state_dict(gpt.model.state_dict(), gpt.config)
+    assert back.keys() == stored.keys() and all(torch.equal(back[name], value) for name, value in stored.items())
+    gpt.to_hf(tmp_path)  # written as save_pretrained writes it; transformers loads it and computes the same
+    reloaded = transformers.DeepseekV3ForCausalLM.from_pretrained(tmp_path).float().eval()
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(input_ids).logits, expected, atol=1e-5, rtol=0)
+    assert GPT.from_hf(tmp_path).config == gpt.config
+
+
+def test_interleaved_rope_rows_are_permuted_not_copied():
+    """Read with the rope rows as they are (no permutation), the logits differ: the test above sees the layout."""
+    from lightning_megatron.huggingface.deepseek_v3 import InterleavedRope
+
+    rope = InterleavedRope(heads=2, nope=3, rope=4)
+    weight = torch.arange(14.0)[:, None]
+    ours = rope.to_ours([weight]).flatten().tolist()
+    assert ours == [0, 1, 2, 3, 5, 4, 6, 7, 8, 9, 10, 12, 11, 13]
+    assert torch.equal(rope.to_hf(rope.to_ours([weight]))[0], weight)
+
+
+def test_deepseek_v3_preset_counts_transformers_parameters():
+    """The 671B preset's total and active parameters are those of transformers' model of its exported config
+    (built on the meta device): 671,026,404,352 and 37,552,282,624 (8 of 256 experts in 58 MoE layers)."""
+    from lightning_megatron.huggingface import FAMILIES
+
+    config = GPTConfig.from_name("deepseek-v3")
+    fields = FAMILIES["deepseek_v3"].hf_config(config)
+    with torch.device("meta"):
+        hf = transformers.DeepseekV3ForCausalLM(DeepseekV3Config(**{k: v for k, v in fields.items()
+                                                                   if k != "architectures"}))
+    total = sum(p.numel() for p in hf.parameters())
+    moe = config.moe
+    idle = sum((layer.mlp.experts.gate_up_proj.numel() + layer.mlp.experts.down_proj.numel())
+               * (moe.num_experts - moe.top_k) // moe.num_experts
+               for layer in hf.model.layers if hasattr(layer.mlp, "experts"))
+    assert (config.num_parameters(), config.num_active_parameters()) == (total, total - idle)
+    assert (total, total - idle) == (671_026_404_352, 37_552_282_624)
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("rope_interleave", False, "rope_interleave=False"), ("attention_bias", True, "attention_bias=True"),
+    ("rms_norm_eps", 1e-5, "rms_norm_eps=1e-05"), ("hidden_act", "gelu", "hidden_act='gelu'")])
+def test_unconvertible_deepseek_v3_configs_are_refused_by_name(field, value, message):
+    from lightning_megatron.huggingface.deepseek_v3 import config_from_hf
+
+    with pytest.raises(ValueError, match=message):
+        config_from_hf({**tiny_hf_model().config.to_dict(), field: value})

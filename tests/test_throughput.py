@@ -104,7 +104,8 @@ def test_formula_is_six_n_plus_attention_for_every_preset(name):
     n = sum(share(name) * module.weight.numel() for name, module in model.named_modules() if isinstance(module, nn.Linear))
     n += sum(module.weight.numel() for name, module in model.named_modules() if name.endswith("router"))
     batch, seq = 2, 4096
-    attention = 12 * config.num_layers * seq * config.num_heads * config.head_dim
+    widths = (config.mla.qk_head_dim + config.mla.v_head_dim) if config.mla else 2 * config.head_dim  # q k, v
+    attention = 6 * config.num_layers * seq * config.num_heads * widths
     assert gpt_flops_per_batch(config, batch, seq) == batch * seq * (6 * n + attention)
 
 

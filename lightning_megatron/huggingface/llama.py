@@ -62,7 +62,7 @@ Fields = Mapping[str, Any]
 DENSE_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 #: GPTConfig attention pieces no Llama-shaped family's config holds, and what these families compute instead.
 UNEXPRESSED = {"rotary_base_local": "one rotary base in every layer", "softmax_scale": "1 / sqrt(head_dim)",
-               "attn_logit_softcapping": "no soft-capping"}
+               "attn_logit_softcapping": "no soft-capping", "mla": "grouped-query attention"}
 
 
 def checkpoint_name(name: str) -> Optional[str]:

@@ -408,6 +408,27 @@ GPT_PRESETS.update({
                                    moe=MoEConfig(num_experts=60, top_k=4, ffn_hidden_size=1408, normalize_topk=False,
                                                  aux_loss_coeff=1e-3, shared_expert_size=5632, shared_expert_gate=True),
                                    **LLAMA),
+    # DeepSeek-V3 (deepseek-ai/DeepSeek-V3 config.json): multi-head latent attention, 3 dense layers then 58 MoE
+    # layers of 256 sigmoid-routed experts (8 per token among the 4 best of 8 groups, weights x 2.5, the
+    # aux-loss-free bias) and one shared expert; the sequence-wise balance loss at the paper's 1e-4. Published with
+    # YaRN (factor 40 over 4,096 positions), which this preset leaves out until RopeScaling has "yarn".
+    "deepseek-v3": GPTConfig(vocab_size=129280, max_seq_length=163840, hidden_size=7168, num_layers=61, num_heads=128,
+                             ffn_hidden_size=18432, layer_norm_eps=1e-6, tie_embeddings=False,
+                             mla=MLAConfig(q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
+                                           qk_rope_head_dim=64, v_head_dim=128),
+                             moe=MoEConfig(num_experts=256, top_k=8, ffn_hidden_size=2048, layer_freq=(0,) * 3 + (1,) * 58,
+                                           score_function="sigmoid", expert_bias=True, aux_loss_coeff=1e-4,
+                                           shared_expert_size=2048, router_num_groups=8, router_group_topk=4,
+                                           router_topk_scaling_factor=2.5), **LLAMA),
+    # For tests and examples: DeepSeek-V3's pieces at llama-tiny's width, one dense layer then three MoE layers.
+    "deepseek-v3-tiny": GPTConfig(hidden_size=64, num_layers=4, num_heads=4, ffn_hidden_size=96, layer_norm_eps=1e-6,
+                                  tie_embeddings=False,
+                                  mla=MLAConfig(q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16,
+                                                qk_rope_head_dim=8, v_head_dim=16),
+                                  moe=MoEConfig(num_experts=8, top_k=2, ffn_hidden_size=16, layer_freq=(0, 1, 1, 1),
+                                                score_function="sigmoid", expert_bias=True, shared_expert_size=16,
+                                                router_num_groups=2, router_group_topk=1,
+                                                router_topk_scaling_factor=2.5), **LLAMA),
 })
 
 
