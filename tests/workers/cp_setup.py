@@ -20,7 +20,9 @@ MODELS = {"gpt": lambda: GPT(gpt_setup.CONFIG), "llama": lambda: GPT(gpt_setup.L
           # Sliding windows (and their rotary base, a softmax scale), alone and over packed documents.
           "window": lambda: GPT(gpt_setup.WINDOW_CONFIG), "windowdoc": lambda: GPT(gpt_setup.WINDOW_CONFIG),
           # Qwen3-shaped: per-head q/k norms, heads wider than hidden / heads.
-          "qwen3": lambda: GPT(gpt_setup.QWEN3_CONFIG)}
+          "qwen3": lambda: GPT(gpt_setup.QWEN3_CONFIG),
+          # DeepSeek-V3's latent attention (values narrower than the heads) over packed documents.
+          "mladoc": lambda: GPT(gpt_setup.MLA_CONFIG)}
 __all__ = ["BERT_CONFIG", "MODELS", "bert_setup", "gpt_setup", "model_batches", "model_loss"]
 
 
