@@ -171,7 +171,7 @@ class GPTConfig(TransformerSizes):
                 f"num_heads={self.num_heads} is not a multiple of num_query_groups={self.num_query_groups}: each "
                 f"key/value head serves the same number of query heads. Use num_query_groups in "
                 f"{[g for g in range(1, self.num_heads + 1) if self.num_heads % g == 0]}.")
-        if self.position_embedding_type == "rope" and self.head_dim % 2:
+        if self.position_embedding_type == "rope" and self.mla is None and self.head_dim % 2:  # (mla: its own check)
             width = "kv_channels" if self.kv_channels else f"hidden_size / num_heads = {self.hidden_size} / {self.num_heads}"
             raise ValueError(
                 f"Rotary positions rotate pairs of channels, but head_dim = {width} = {self.head_dim} is odd. Choose "
