@@ -39,6 +39,7 @@ LAYOUTS = [
     "windowdoc-cp2-tp1-dp2-ag",     # the same over packed documents, all-gather attention
     "qwen3-cp2-tp2-dp1-sp",         # q/k norms on each rank's heads and chunks, 16-channel heads of a 32-wide model
     "gemma3-cp2-tp1-dp2",           # Gemma 3 whole (test_layout_invariance.py: its reference is transformers')
+    "mladoc-cp2-tp2-dp1-sp",        # latent attention (padded values, one shared rotary key) over packed documents
 ]
 COUNTS = ["count-gpt-cp4-tp1-dp1", "count-llama-cp2-tp1-dp2", "count-bert-cp2-tp2-dp1-sp", "count-llama-cp4-tp1-dp1-ag"]
 EXTRAS = ["kernels-gpt-cp4-tp1-dp1", "kernels-gpt-cp2-tp1-dp2", "gen-llama-cp2-tp2-dp1-sp", "errors-gpt-cp4-tp1-dp1"]

@@ -128,7 +128,7 @@ def test_read_hf_and_write_hf_dispatch_on_the_model_type(hf_model, tmp_path):
         r"'mistral', 'mixtral', 'qwen2', 'qwen2_moe', 'qwen3'\. It is a BERT model: read it with BERT\.from_hf"):
         GPT.from_hf(tmp_path / "bert")
     (tmp_path / "bert" / "config.json").write_text('{"model_type": "gpt_neox"}')
-    with pytest.raises(ValueError, match=r"model_type='gpt_neox' cannot be converted: supported .* 'bert', 'gemma3_text', 'gpt2'"):
+    with pytest.raises(ValueError, match=r"model_type='gpt_neox' cannot be converted: supported .* 'bert', 'deepseek_v3', 'gemma3_text', 'gpt2'"):
         read_hf(tmp_path / "bert")
     with pytest.raises(TypeError, match="Expected a GPTConfig or BERTConfig, got dict"):
         write_hf(tmp_path / "x", {}, {})

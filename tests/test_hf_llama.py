@@ -139,8 +139,8 @@ def test_family_is_chosen_from_the_config_and_refuses_what_it_cannot_hold():
     assert family_for(GPTConfig.from_name("qwen2.5-7b")).model_type == "qwen2"  # biases on qkv alone
     assert family_for(llama, "mistral").model_type == "mistral"
     assert family_for(GPTConfig()).model_type == "gpt2"
-    with pytest.raises(ValueError, match="model_type='bert' cannot hold a GPTConfig: choose one of 'gemma3_text', "
-                                         "'gpt2', 'llama'"):
+    with pytest.raises(ValueError, match="model_type='bert' cannot hold a GPTConfig: choose one of 'deepseek_v3', "
+                                         "'gemma3_text', 'gpt2', 'llama'"):
         family_for(llama, "bert")
     with pytest.raises(ValueError, match="add_qkv_bias=True without add_bias_linear(.|\n)*model_type='qwen2'"):
         hf_config_from_llama(GPTConfig.from_name("qwen2.5-7b"))

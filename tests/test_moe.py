@@ -30,6 +30,9 @@ LAYOUTS = [
     "bias-ep2-pp2-tp1-dp2-mb2-rc",  # recomputed MoE layers replay their all-to-alls, counted once
     "bias-ep2-pp2-tp1-dp2-mb2-rc-zb",  # ... under the zero-bubble schedule: aux losses through its weight pass
     "plain-ep2-tp2-dp2-z1",       # Qwen2-MoE's routing (no renormalisation), no shared expert
+    "mla-ep2-tp2-dp2",            # DeepSeek-V3-shaped: latent attention split by heads, its latents entering tp once
+    "mla-ep2-tp2-dp2-sp-mb2",     # ... gathered along the sequence once
+    "mla-ep2-pp2-tp1-dp2-mb2",    # ... over two pipeline stages (the dense first layer and an MoE one on stage 0)
 ]
 COUNTS = ["count-ep2-tp1-dp4", "count-ep2-tp2-dp2", "count-ep2-tp2-dp2-sp"]
 GENERATION = ["gen-ep2-tp1-dp4", "gen-ep2-pp2-tp1-dp2", "gen-ep2-tp2-dp2-sp"]
@@ -78,8 +81,9 @@ def test_expert_parallel_layouts_match_one_process(launched, layout):
     worst = max(weight_dev, key=weight_dev.get)
     print(f"{layout}: loss deviation {loss_dev:.2e}, worst weight deviation {weight_dev[worst]:.2e} ({worst})")
     assert weight_dev[worst] < WEIGHT_TOL, f"{layout}: {worst} deviates by {weight_dev[worst]:.2e}"
-    if name == "bias":  # the bias moved (and alike at every layout): the check above covers its values
-        assert ref_weights["blocks.0.mlp.router.expert_bias"].abs().sum() > 0
+    if name in ("bias", "mla"):  # the bias moved (and alike at every layout): the check above covers its values
+        first = CONFIGS[name].moe.moe_layers(CONFIGS[name].num_layers)[0]
+        assert ref_weights[f"blocks.{first}.mlp.router.expert_bias"].abs().sum() > 0
 
 
 @pytest.mark.slow

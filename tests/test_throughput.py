@@ -107,7 +107,8 @@ def test_formula_is_six_n_plus_attention_for_every_preset(name):
     batch, seq = 2, 4096
     keys = sum(seq if window is None else min(window, seq)
                for window in map(config.attention_window, range(config.num_layers)))
-    attention = 12 * keys * config.num_heads * config.head_dim
+    widths = (config.mla.qk_head_dim + config.mla.v_head_dim) if config.mla else 2 * config.head_dim  # q k, v
+    attention = 6 * keys * config.num_heads * widths
     assert gpt_flops_per_batch(config, batch, seq) == batch * seq * (6 * n + attention)
 
 

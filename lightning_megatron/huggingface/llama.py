@@ -66,7 +66,7 @@ Fields = Mapping[str, Any]
 DENSE_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 #: GPTConfig attention pieces no Llama-shaped family's config holds, and what these families compute instead.
 UNEXPRESSED = {"rotary_base_local": "one rotary base in every layer", "softmax_scale": "1 / sqrt(head_dim)",
-               "attn_logit_softcapping": "no soft-capping"}
+               "attn_logit_softcapping": "no soft-capping", "mla": "grouped-query attention"}
 #: Our layer norms -> a Llama-shaped layer's (a norm before attention and one before the MLP).
 PRE_NORMS = {"ln_1": "input_layernorm", "ln_2": "post_attention_layernorm"}
 #: What gates each of our gated MLPs, for the error naming a family's other activation.

@@ -22,6 +22,12 @@ MoE MLP (instead)            router ``2 h E``, the ``top_k`` chosen experts' MLP
 logits (once, after layers)  ``2 h V``
 ===========================  ====================================
 
+Multi-head latent attention (``GPTConfig.mla``) replaces the first four rows: its projections, ``2 h r_q +
+2 r_q a (n + r)`` for the queries (``2 h a (n + r)`` without a query latent), ``2 h (r_kv + r) + 2 r_kv a (n + v)``
+for the keys and values and ``2 a v h`` out, with ``n``, ``r`` and ``v`` the heads' non-rotary, rotary and value
+widths and ``r_q``, ``r_kv`` the latents'; ``2 s a (n + r)`` for the scores and ``2 s a v`` over the values (the zeros
+that pad narrower values to the heads' width are not model FLOPs).
+
 The backward pass costs twice the forward (a gradient for the input and one for the weight per
 multiply), so a training step is ``3 x`` the forward. The attention terms count the whole ``s x s``
 score matrix, as Megatron-LM and PaLM do, also for causal attention. A sliding-window layer (``GPTConfig.
@@ -70,13 +76,14 @@ def attended_keys(seq_length: int, window: Optional[int] = None, *, causal_half:
 def forward_flops_per_token(*, hidden_size: int, num_layers: int, num_heads: int, seq_length: int, vocab_size: int,
                             ffn_size: int, num_query_groups: Optional[int] = None, head_dim: Optional[int] = None,
                             gated_mlp: bool = False, head_transform: bool = False, sliding_window: Optional[int] = None,
-                            sliding_layers: int = 0) -> int:
+                            sliding_layers: int = 0, latent_attention: Any = None) -> int:
     """Forward FLOPs of one token of a sequence of ``seq_length``: the table in this module's docstring.
 
     ``num_query_groups``: key/value heads (None: ``num_heads``, multi-head attention); ``head_dim``: None for
     ``hidden_size // num_heads``; ``gated_mlp``: three ``ffn_size`` matrices (SwiGLU) instead of two;
     ``head_transform``: a ``hidden_size x hidden_size`` layer before the logits (BERT's masked-LM head);
-    ``sliding_layers`` of the layers attend within ``sliding_window`` keys (:func:`attended_keys`).
+    ``sliding_layers`` of the layers attend within ``sliding_window`` keys (:func:`attended_keys`);
+    ``latent_attention``: the ``MLAConfig`` of multi-head latent attention (the module docstring's last paragraph).
     """
     h, s = hidden_size, seq_length
     groups = num_query_groups or num_heads
@@ -85,9 +92,21 @@ def forward_flops_per_token(*, hidden_size: int, num_layers: int, num_heads: int
     per_key = 2 * (2 * num_heads * d)  # scores and values
     keys = (num_layers - sliding_layers) * s + sliding_layers * attended_keys(s, sliding_window)
     projection = 2 * num_heads * d * h
+    if latent_attention is not None:
+        qkv, per_key, projection = _latent_attention_flops(latent_attention, h, num_heads)
     mlp = mlp_forward_flops(h, ffn_size, gated=gated_mlp)
     logits = 2 * h * vocab_size + (2 * h * h if head_transform else 0)
     return int(num_layers * (qkv + projection + mlp) + per_key * keys + logits)
+
+
+def _latent_attention_flops(mla: Any, hidden_size: int, num_heads: int) -> tuple[int, int, int]:
+    """Multi-head latent attention's ``(query, key and value projections, FLOPs per attended key, output
+    projection)`` for one token (the module docstring's last paragraph)."""
+    h, a, qk = hidden_size, num_heads, mla.qk_nope_head_dim + mla.qk_rope_head_dim
+    queries = 2 * h * a * qk if mla.q_lora_rank is None else 2 * mla.q_lora_rank * (h + a * qk)
+    keys_values = 2 * h * (mla.kv_lora_rank + mla.qk_rope_head_dim) + 2 * mla.kv_lora_rank * a * (
+        mla.qk_nope_head_dim + mla.v_head_dim)
+    return queries + keys_values, 2 * a * (qk + mla.v_head_dim), 2 * a * mla.v_head_dim * h
 
 
 def mlp_forward_flops(hidden_size: int, ffn_size: int, *, gated: bool) -> int:
@@ -115,7 +134,8 @@ def gpt_flops_per_batch(config: Any, batch_size: int, seq_length: int) -> int:
         hidden_size=config.hidden_size, num_layers=config.num_layers, num_heads=config.num_heads,
         num_query_groups=config.num_query_groups, head_dim=config.head_dim, seq_length=seq_length,
         vocab_size=config.vocab_size, ffn_size=config.ffn_size, gated_mlp=gated,
-        sliding_window=config.sliding_window, sliding_layers=sliding_layers(config))
+        sliding_window=config.sliding_window, sliding_layers=sliding_layers(config),
+        latent_attention=getattr(config, "mla", None))
     if config.moe is not None:  # its layers' MLPs are MoE ones instead
         moe_layers = len(config.moe.moe_layers(config.num_layers))
         per_token += moe_layers * (moe_forward_flops(config) - mlp_forward_flops(config.hidden_size, config.ffn_size,

@@ -26,6 +26,7 @@ from lightning_megatron.models.attention import SelfAttention
 from lightning_megatron.models.batch_flops import BatchFlops
 from lightning_megatron.models.flops import gpt_flops_per_batch
 from lightning_megatron.models.formats import HFFormat, hf_format_for
+from lightning_megatron.models.latent_attention import MLAConfig, MultiLatentAttention, mla_tensor_parallel_plan
 from lightning_megatron.models.mlp import ACTIVATIONS, build_mlp, is_gated
 from lightning_megatron.models.moe import MoE, AuxLosses, MoEConfig, moe_tensor_parallel_plan, update_expert_biases
 from lightning_megatron.models.norms import NORMALIZATIONS, build_norm
@@ -106,6 +107,10 @@ class GPTConfig(TransformerSizes):
     * ``attn_logit_softcapping``: scores become ``cap * tanh(scores / cap)`` before the mask and softmax (Gemma 2).
       That attention keeps its ``[S, S]`` probabilities for backward (``models.softcap``) and is refused under
       context parallelism; None: none.
+    * ``mla``: an :class:`~lightning_megatron.models.latent_attention.MLAConfig` (or a dict of its fields) makes every
+      attention multi-head latent attention (DeepSeek-V2/V3: queries, keys and values from low-rank latents, one
+      rotary key shared by the heads; ``models.latent_attention``), with rotary positions and without
+      ``num_query_groups``, ``kv_channels``, ``qk_layernorm`` or ``add_qkv_bias``; None: ``SelfAttention``.
     """
 
     vocab_size: int = 257
@@ -138,6 +143,7 @@ class GPTConfig(TransformerSizes):
     rotary_base_local: Optional[float] = None
     softmax_scale: Optional[float] = None
     attn_logit_softcapping: Optional[float] = None
+    mla: Optional[MLAConfig] = None
 
     def __post_init__(self) -> None:
         if self.kv_channels is None:
@@ -165,7 +171,7 @@ class GPTConfig(TransformerSizes):
                 f"num_heads={self.num_heads} is not a multiple of num_query_groups={self.num_query_groups}: each "
                 f"key/value head serves the same number of query heads. Use num_query_groups in "
                 f"{[g for g in range(1, self.num_heads + 1) if self.num_heads % g == 0]}.")
-        if self.position_embedding_type == "rope" and self.head_dim % 2:
+        if self.position_embedding_type == "rope" and self.mla is None and self.head_dim % 2:  # (mla: its own check)
             width = "kv_channels" if self.kv_channels else f"hidden_size / num_heads = {self.hidden_size} / {self.num_heads}"
             raise ValueError(
                 f"Rotary positions rotate pairs of channels, but head_dim = {width} = {self.head_dim} is odd. Choose "
@@ -178,6 +184,24 @@ class GPTConfig(TransformerSizes):
         if self.rope_scaling is not None and self.position_embedding_type != "rope":
             raise ValueError("rope_scaling scales rotary frequencies: set position_embedding_type='rope' or drop it.")
         self._check_attention_types()
+        self._check_latent_attention()
+
+    def _check_latent_attention(self) -> None:
+        """``mla``: a dict (YAML) made an ``MLAConfig``; the attention fields it replaces must be left unset."""
+        if isinstance(self.mla, dict):
+            object.__setattr__(self, "mla", MLAConfig(**self.mla))
+        if self.mla is None:
+            return
+        clashes = [f"{name}={getattr(self, name)!r}" for name, unset in
+                   (("num_query_groups", None), ("kv_channels", None), ("qk_layernorm", False),
+                    ("add_qkv_bias", False)) if getattr(self, name) != unset]
+        if self.position_embedding_type != "rope":
+            clashes.append(f"position_embedding_type={self.position_embedding_type!r}")
+        if clashes:
+            raise ValueError(f"GPTConfig.mla gives every head its own keys and values from latents and rotary "
+                             f"positions on qk_rope_head_dim channels, so {', '.join(clashes)} has no meaning with "
+                             f"it: leave num_query_groups, kv_channels, add_qkv_bias unset, qk_layernorm=False and "
+                             f"use position_embedding_type='rope'.")
 
     def _check_attention_types(self) -> None:
         """``sliding_window``, ``layer_types`` (a YAML list made a tuple; the default pattern stored as None, one
@@ -295,6 +319,8 @@ class GPTConfig(TransformerSizes):
         qkv_rows = (self.num_heads + 2 * self.query_groups) * self.head_dim
         attention = qkv_rows * (h + self.qkv_bias) + h * self.num_heads * self.head_dim + h * bias
         attention += 2 * self.head_dim * self.qk_layernorm  # q_norm, k_norm
+        if self.mla is not None:
+            attention = self.mla.num_parameters(h, self.num_heads, bias=bias)
         matrices = 3 if is_gated(self.activation) else 2
 
         def mlp(width: int, with_bias: bool) -> int:
@@ -407,6 +433,27 @@ GPT_PRESETS.update({
                                    moe=MoEConfig(num_experts=60, top_k=4, ffn_hidden_size=1408, normalize_topk=False,
                                                  aux_loss_coeff=1e-3, shared_expert_size=5632, shared_expert_gate=True),
                                    **LLAMA),
+    # DeepSeek-V3 (deepseek-ai/DeepSeek-V3 config.json): multi-head latent attention, 3 dense layers then 58 MoE
+    # layers of 256 sigmoid-routed experts (8 per token among the 4 best of 8 groups, weights x 2.5, the
+    # aux-loss-free bias) and one shared expert; the sequence-wise balance loss at the paper's 1e-4. Published with
+    # YaRN (factor 40 over 4,096 positions), which this preset leaves out until RopeScaling has "yarn".
+    "deepseek-v3": GPTConfig(vocab_size=129280, max_seq_length=163840, hidden_size=7168, num_layers=61, num_heads=128,
+                             ffn_hidden_size=18432, layer_norm_eps=1e-6, tie_embeddings=False,
+                             mla=MLAConfig(q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
+                                           qk_rope_head_dim=64, v_head_dim=128),
+                             moe=MoEConfig(num_experts=256, top_k=8, ffn_hidden_size=2048, layer_freq=(0,) * 3 + (1,) * 58,
+                                           score_function="sigmoid", expert_bias=True, aux_loss_coeff=1e-4,
+                                           shared_expert_size=2048, router_num_groups=8, router_group_topk=4,
+                                           router_topk_scaling_factor=2.5), **LLAMA),
+    # For tests and examples: DeepSeek-V3's pieces at llama-tiny's width, one dense layer then three MoE layers.
+    "deepseek-v3-tiny": GPTConfig(hidden_size=64, num_layers=4, num_heads=4, ffn_hidden_size=96, layer_norm_eps=1e-6,
+                                  tie_embeddings=False,
+                                  mla=MLAConfig(q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16,
+                                                qk_rope_head_dim=8, v_head_dim=16),
+                                  moe=MoEConfig(num_experts=8, top_k=2, ffn_hidden_size=16, layer_freq=(0, 1, 1, 1),
+                                                score_function="sigmoid", expert_bias=True, shared_expert_size=16,
+                                                router_num_groups=2, router_group_topk=1,
+                                                router_topk_scaling_factor=2.5), **LLAMA),
 })
 
 
@@ -439,14 +486,23 @@ def gpt_layer(config: GPTConfig, index: int = 0, aux_losses: Optional[AuxLosses]
     rotary = None
     if config.position_embedding_type == "rope":
         base, scaling = config.rotary_of(index)
-        rotary = RotaryEmbedding(config.head_dim, base=base, scaling=scaling)
+        rotary = RotaryEmbedding(config.mla.qk_rope_head_dim if config.mla else config.head_dim, base=base,
+                                 scaling=scaling)
     qk_norm = partial(build_norm, config.normalization, config.head_dim, eps=config.layer_norm_eps)
-    attention = SelfAttention(config.hidden_size, config.num_heads, num_query_groups=config.num_query_groups,
-                              head_dim=config.head_dim, attention_dropout=config.attention_dropout, causal=True,
-                              qkv_bias=config.qkv_bias, proj_bias=config.add_bias_linear, rotary=rotary,
-                              qk_norm=qk_norm if config.qk_layernorm else None,
-                              window=config.attention_window(index), softmax_scale=config.softmax_scale,
-                              softcap=config.attn_logit_softcapping)
+    if config.mla is not None:
+        attention = MultiLatentAttention(
+            config.hidden_size, config.num_heads, config.mla,
+            norm=partial(build_norm, config.normalization, eps=config.layer_norm_eps), rotary=rotary,
+            attention_dropout=config.attention_dropout, bias=config.add_bias_linear,
+            window=config.attention_window(index), softmax_scale=config.softmax_scale,
+            softcap=config.attn_logit_softcapping)
+    else:
+        attention = SelfAttention(config.hidden_size, config.num_heads, num_query_groups=config.num_query_groups,
+                                  head_dim=config.head_dim, attention_dropout=config.attention_dropout, causal=True,
+                                  qkv_bias=config.qkv_bias, proj_bias=config.add_bias_linear, rotary=rotary,
+                                  qk_norm=qk_norm if config.qk_layernorm else None,
+                                  window=config.attention_window(index), softmax_scale=config.softmax_scale,
+                                  softcap=config.attn_logit_softcapping)
     if config.is_moe_layer(index):
         mlp = MoE(config.hidden_size, config.moe, default_ffn_size=config.ffn_size, activation=config.activation,
                   aux_losses=aux_losses)
@@ -461,18 +517,22 @@ def gpt_tensor_parallel_plan(config: GPTConfig) -> dict[str, object]:
     """What tensor parallelism may split in a ``GPTModel`` of this config (names relative to the model). The
     chunked loss has nothing to swap: it reads the group and the vocabulary slice from the head."""
     gated = is_gated(config.activation)
+    attention = config.mla is None
     if config.moe is None:
         layers = layer_tensor_parallel_plan("blocks.*", num_heads=config.num_heads,
                                             num_query_groups=config.num_query_groups, gated_mlp=gated,
-                                            qk_norm=config.qk_layernorm)
+                                            qk_norm=config.qk_layernorm, attention=attention)
+        layers.update({} if attention else mla_tensor_parallel_plan("blocks.*", config.mla))
     else:  # MoE and dense layers have different MLPs: one entry per layer
         layers = {}
         for index in range(config.num_layers):
             prefix, moe = f"blocks.{index}", config.is_moe_layer(index)
             layer = layer_tensor_parallel_plan(prefix, num_heads=config.num_heads,
                                                num_query_groups=config.num_query_groups, gated_mlp=gated, mlp=not moe,
-                                               qk_norm=config.qk_layernorm)
+                                               qk_norm=config.qk_layernorm, attention=attention)
             layers.update(layer)
+            if not attention:
+                layers.update(mla_tensor_parallel_plan(prefix, config.mla))
             if moe:
                 layers.update(moe_tensor_parallel_plan(f"{prefix}.mlp", config.moe, gated_mlp=gated))
     return {
@@ -524,7 +584,8 @@ class GPTModel(nn.Module):
         """Layers fusing projections that the original architecture keeps apart (``peft.lora`` adapts each):
         ``qkv`` of rotary models (Llama's ``q_proj``/``k_proj``/``v_proj``; GPT-2-shaped models, with learned
         positions, have one ``c_attn``), a SwiGLU MLP's ``fc`` (``gate_proj``/``up_proj``)."""
-        return layer_fused_projections("blocks.*", separate_qkv=self.config.position_embedding_type == "rope",
+        return layer_fused_projections("blocks.*", separate_qkv=self.config.position_embedding_type == "rope"
+                                       and self.config.mla is None,
                                        gated_mlp=is_gated(self.config.activation))
 
     @staticmethod

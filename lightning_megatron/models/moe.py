@@ -75,6 +75,11 @@ class MoEConfig:
       choice, moved by ``expert_bias_update_rate`` after each optimizer step toward equal loads.
     * ``shared_expert_size``: width of an always-on shared expert (0: none; DeepSeek and Qwen-MoE
       use one); ``shared_expert_gate``: Qwen2-MoE's per-token ``sigmoid(gate(x))`` on its output.
+    * ``router_num_groups``, ``router_group_topk``: group-limited routing (DeepSeek-V3's ``n_group``,
+      ``topk_group``): the experts form ``router_num_groups`` equal groups and a token chooses its ``top_k`` among
+      the ``router_group_topk`` groups whose two best scores sum highest (``models.router``); None: no groups.
+    * ``router_topk_scaling_factor``: the combine weights are multiplied by it after any renormalisation
+      (DeepSeek-V3's ``routed_scaling_factor``, 2.5); None: 1.
     """
 
     num_experts: int
@@ -90,6 +95,9 @@ class MoEConfig:
     expert_bias_update_rate: float = 1e-3
     shared_expert_size: int = 0
     shared_expert_gate: bool = False
+    router_num_groups: Optional[int] = None
+    router_group_topk: Optional[int] = None
+    router_topk_scaling_factor: Optional[float] = None
 
     def __post_init__(self) -> None:
         if isinstance(self.layer_freq, list):  # from YAML
@@ -107,6 +115,25 @@ class MoEConfig:
             raise ValueError("MoEConfig.shared_expert_gate gates the shared expert: set shared_expert_size too.")
         if isinstance(self.layer_freq, int) and self.layer_freq < 1:
             raise ValueError(f"MoEConfig.layer_freq must be >= 1 or a 0/1 pattern, got {self.layer_freq}.")
+        self._check_groups()
+
+    def _check_groups(self) -> None:
+        groups, chosen = self.router_num_groups, self.router_group_topk
+        if (groups is None) != (chosen is None):
+            raise ValueError(f"MoEConfig.router_num_groups={groups} and router_group_topk={chosen}: group-limited "
+                             f"routing needs both (or neither).")
+        if groups is not None:
+            if groups < 1 or self.num_experts % groups:
+                raise ValueError(f"MoEConfig.router_num_groups={groups} must divide num_experts={self.num_experts} "
+                                 f"into equal groups.")
+            if not 1 <= chosen <= groups or self.top_k > chosen * (self.num_experts // groups):
+                raise ValueError(f"MoEConfig.router_group_topk={chosen}: a token chooses top_k={self.top_k} experts "
+                                 f"among router_group_topk of router_num_groups={groups} groups of "
+                                 f"{self.num_experts // groups}; it must be between 1 and {groups} and leave at "
+                                 f"least top_k experts to choose from.")
+        factor = self.router_topk_scaling_factor
+        if factor is not None and not factor > 0:
+            raise ValueError(f"MoEConfig.router_topk_scaling_factor={factor} must be positive (None: 1).")
 
     def is_moe_layer(self, index: int, num_layers: int) -> bool:
         if isinstance(self.layer_freq, int):
@@ -252,7 +279,9 @@ class MoE(nn.Module):
         self.config = config
         ffn = config.ffn_hidden_size or default_ffn_size
         self.router = TopKRouter(hidden_size, config.num_experts, config.top_k, score_function=config.score_function,
-                                 normalize_topk=config.normalize_topk, expert_bias=config.expert_bias)
+                                 normalize_topk=config.normalize_topk, expert_bias=config.expert_bias,
+                                 num_groups=config.router_num_groups, group_topk=config.router_group_topk,
+                                 scaling_factor=config.router_topk_scaling_factor)
         self.experts = nn.ModuleDict({str(e): build_mlp(activation, hidden_size, ffn, bias=False)
                                       for e in range(config.num_experts)})
         self.shared_expert = (build_mlp(activation, hidden_size, config.shared_expert_size, bias=False)

@@ -4,7 +4,13 @@ Scores are computed in fp32 from the router's logits: ``"softmax"`` over the exp
 Qwen-MoE) or ``"sigmoid"`` per expert (DeepSeek-V3). The ``top_k`` experts with the highest
 score are chosen (with the aux-loss-free ``expert_bias`` added for the choice only, DeepSeek-V3's
 load balancing), and their scores become the combine weights, renormalised to sum to one when
-``normalize_topk`` (Mixtral, DeepSeek-V3) or left as they are (Qwen2-MoE's default).
+``normalize_topk`` (Mixtral, DeepSeek-V3) or left as they are (Qwen2-MoE's default), then multiplied by
+``scaling_factor`` (DeepSeek-V3's ``routed_scaling_factor``).
+
+Group-limited routing (DeepSeek-V3's ``n_group``/``topk_group``): the experts form ``num_groups`` equal groups,
+each group is scored by the sum of its two best choice scores (bias included), and a token's ``top_k`` experts are
+chosen among the experts of its ``group_topk`` best groups only (transformers' rule; Megatron-Core sums the best
+``top_k / group_topk`` of each group, the same two for DeepSeek-V3's 8 of 256 experts in 4 of 8 groups).
 
 Two auxiliary losses keep the routing healthy; both are returned in *token-sum* units (like the
 language-model loss before it is divided by the global token count), so that micro-batching and
@@ -25,7 +31,7 @@ sequence chunk, the sum over chunks is then the full loss (each chunk's share is
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, NamedTuple
+from typing import Iterator, NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -50,12 +56,14 @@ class TopKRouter(nn.Module):
     optimizer step, never by gradients."""
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, *, score_function: str = "softmax",
-                 normalize_topk: bool = True, expert_bias: bool = False) -> None:
+                 normalize_topk: bool = True, expert_bias: bool = False, num_groups: Optional[int] = None,
+                 group_topk: Optional[int] = None, scaling_factor: Optional[float] = None) -> None:
         super().__init__()
         if score_function not in SCORE_FUNCTIONS:
             raise ValueError(f"score_function={score_function!r} is not one of {SCORE_FUNCTIONS}.")
         self.num_experts, self.top_k = num_experts, top_k
         self.score_function, self.normalize_topk = score_function, normalize_topk
+        self.num_groups, self.group_topk, self.scaling_factor = num_groups, group_topk, scaling_factor
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
         if expert_bias:
             self.register_buffer("expert_bias", torch.zeros(num_experts, dtype=torch.float32))
@@ -87,13 +95,26 @@ class TopKRouter(nn.Module):
         else:
             scores = torch.sigmoid(logits)
         choice = scores if self.expert_bias is None else scores + self.expert_bias
+        if self.num_groups is not None:
+            choice = self._within_best_groups(choice)
         _, expert_ids = torch.topk(choice, self.top_k, dim=-1)
         weights = scores.gather(-1, expert_ids)
         if self.normalize_topk:  # (one expert per token then weighs 1, as Mixtral's and Switch's routers give it)
             weights = weights / weights.sum(dim=-1, keepdim=True)
+        if self.scaling_factor is not None:
+            weights = weights * self.scaling_factor
         if self.score_function == "sigmoid":  # the balance loss reads a distribution over experts
             scores = scores / scores.sum(dim=-1, keepdim=True)
         return Routing(expert_ids, weights, scores, logits)
+
+    def _within_best_groups(self, choice: Tensor) -> Tensor:
+        """``choice`` with the experts outside each token's ``group_topk`` best groups at ``-inf`` (a group's score:
+        the sum of its two best choice scores, or its one expert's)."""
+        groups = choice.unflatten(-1, (self.num_groups, -1))  # [..., G, E / G]
+        group_scores = groups.topk(min(2, groups.shape[-1]), dim=-1).values.sum(dim=-1)
+        best = group_scores.topk(self.group_topk, dim=-1).indices
+        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(-1, best, True)
+        return groups.masked_fill(~keep.unsqueeze(-1), float("-inf")).flatten(-2)
 
     def count_tokens(self, expert_ids: Tensor) -> Tensor:
         """Tokens per expert ``[E]`` of whole sequences' routing; accumulated for the expert-bias update in training.

@@ -49,6 +49,10 @@ class ModelShape:
         from lightning_megatron.models.gpt import GPTConfig
 
         config = getattr(module, "config", None)
+        if isinstance(config, GPTConfig) and config.mla is not None:
+            raise ValueError("The layout planner's formulas count grouped-query attention; multi-head latent attention "
+                             "(GPTConfig.mla, DeepSeek-V3's) is not modelled in them yet. Its FLOPs and parameters: "
+                             "GPTConfig.flops_per_batch, num_parameters and num_active_parameters.")
         if isinstance(config, GPTConfig):
             from lightning_megatron.models.mlp import is_gated
 

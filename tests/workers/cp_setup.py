@@ -22,7 +22,9 @@ MODELS = {"gpt": lambda: GPT(gpt_setup.CONFIG), "llama": lambda: GPT(gpt_setup.L
           # Qwen3-shaped: per-head q/k norms, heads wider than hidden / heads.
           "qwen3": lambda: GPT(gpt_setup.QWEN3_CONFIG),
           # Gemma 3 whole: its windows, rotary bases and scale with the sandwich norms and the capped logits.
-          "gemma3": lambda: GPT(gpt_setup.GEMMA3_CONFIG)}
+          "gemma3": lambda: GPT(gpt_setup.GEMMA3_CONFIG),
+          # DeepSeek-V3's latent attention (values narrower than the heads) over packed documents.
+          "mladoc": lambda: GPT(gpt_setup.MLA_CONFIG)}
 __all__ = ["BERT_CONFIG", "MODELS", "bert_setup", "gpt_setup", "model_batches", "model_loss"]
 
 

@@ -5,6 +5,7 @@ from dataclasses import replace
 import torch
 
 from lightning_megatron.models import GPTConfig, RopeScaling
+from lightning_megatron.models.latent_attention import MLAConfig
 from lightning_megatron.models.moe import MoEConfig
 from lightning_megatron.peft.lora import LoRAConfig
 
@@ -59,6 +60,16 @@ VARIANTS = {
     "plain": replace(MOE, normalize_topk=False, shared_expert_size=0, shared_expert_gate=False),
 }
 MOE_CONFIGS = {name: replace(LLAMA_CONFIG, moe=moe) for name, moe in VARIANTS.items()}
+# DeepSeek-V3-shaped: multi-head latent attention (values narrower than the heads, so padded) over a dense first layer
+# and three MoE layers with sigmoid scores, the expert bias, group-limited top-k (2 of 4 experts in 1 of 2 groups), the
+# routed scaling factor and an ungated shared expert.
+MOE_CONFIGS["mla"] = replace(
+    LLAMA_CONFIG, num_query_groups=None, add_qkv_bias=False,
+    mla=MLAConfig(q_lora_rank=16, kv_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6),
+    moe=replace(VARIANTS["bias"], layer_freq=(0, 1, 1, 1), shared_expert_gate=False, router_num_groups=2,
+                router_group_topk=1, router_topk_scaling_factor=2.5))
+# Its attention alone, in dense layers (context parallelism refuses MoE layers).
+MLA_CONFIG = replace(MOE_CONFIGS["mla"], moe=None)
 CONFIGS["moe"] = MOE_CONFIGS["moe"]
 
 LR, WEIGHT_DECAY, CLIP = 1e-2, 0.1, 0.5
