@@ -22,7 +22,8 @@ class ParallelConfig:
     Context parallelism splits every sample's sequence over ``context_parallel_size`` ranks that hold the same
     weights, so the weights are replicated over ``dp x cp`` (:attr:`replica_size`). Expert parallelism is
     carved out of data parallelism: ``expert_parallel_size`` divides ``data_parallel_size``, and data-parallel
-    rank ``d`` is expert-parallel rank ``d % ep`` of expert-data-parallel rank ``d // ep``.
+    rank ``d`` is expert-parallel rank ``d % ep`` of expert-data-parallel rank ``d // ep``. Under ZeRO-3 the dense
+    parameters are sharded over dp and the experts' over their expert-data-parallel group (``dp / ep`` ranks).
 
     Example::
 
@@ -55,11 +56,6 @@ class ParallelConfig:
                 f"expert_parallel_size={ep} must divide data_parallel_size={dp}: the experts are split over groups of "
                 f"{ep} data-parallel ranks (Megatron-Core's layout), each rank holding 1/{ep} of them. Use an "
                 f"expert_parallel_size in {[d for d in range(1, dp + 1) if dp % d == 0]} or more data-parallel ranks.")
-        if ep > 1 and self.zero_stage == 3:
-            raise ValueError(
-                f"zero_stage=3 with expert_parallel_size={ep} is not supported: FSDP would shard the experts over all "
-                f"{dp} data-parallel ranks, not over their expert-data-parallel group of {dp // ep}. Use zero_stage=1 "
-                f"or 2 (sharded over each group), or expert_parallel_size=1.")
         _check_positive("virtual_pipeline_size", self.virtual_pipeline_size)
         if self.virtual_pipeline_size > 1 and self.pipeline_parallel_size == 1:
             raise ValueError(

@@ -38,6 +38,7 @@ class ParallelState:
     expert_parallel_group: Optional[dist.ProcessGroup] = None
     expert_data_parallel_group: Optional[dist.ProcessGroup] = None
     replica_mesh: Optional[DeviceMesh] = None
+    expert_data_mesh: Optional[DeviceMesh] = None
     timeout: Optional[timedelta] = None
     _subgroups: dict[int, Optional[dist.ProcessGroup]] = field(default_factory=dict, repr=False)
 
@@ -66,14 +67,17 @@ class ParallelState:
         replica_mesh = mesh["dp", "cp"]._flatten(REPLICA_DIM)  # kept: slicing a flattened dim from the root is deprecated
         model_parallel_group, embedding_group = _model_parallel_and_embedding_groups(config)
         expert_group, expert_data_group = _expert_groups(config, replica_mesh.get_group())
+        expert_data_mesh = _expert_data_mesh(config, mesh)
         if timeout is not None:
             groups = [mesh.get_group(dim) for dim in MESH_DIM_NAMES] + [replica_mesh.get_group(), model_parallel_group,
                                                                         embedding_group, expert_group, expert_data_group]
+            groups += [expert_data_mesh.get_group()] if expert_data_mesh is not None else []
             for group in {id(g): g for g in groups if g is not None}.values():
                 dist.distributed_c10d._set_pg_timeout(timeout, group)  # gloo and NCCL (set_timeout: gloo only)
         return cls(config=config, device=device, mesh=mesh, model_parallel_group=model_parallel_group,
                    embedding_group=embedding_group, expert_parallel_group=expert_group,
-                   expert_data_parallel_group=expert_data_group, replica_mesh=replica_mesh, timeout=timeout)
+                   expert_data_parallel_group=expert_data_group, replica_mesh=replica_mesh,
+                   expert_data_mesh=expert_data_mesh, timeout=timeout)
 
     def tensor_parallel_subgroup(self, size: int) -> Optional[dist.ProcessGroup]:
         """This rank's group of ``size`` consecutive tp ranks (tp ranks ``k * size`` to ``(k + 1) * size - 1``),
@@ -197,6 +201,16 @@ def _expert_groups(config: ParallelConfig, replica_group: Optional[dist.ProcessG
                 if rank in ranks:
                     expert_data_group = group
     return expert_group, expert_data_group
+
+
+def _expert_data_mesh(config: ParallelConfig, mesh: DeviceMesh) -> Optional[DeviceMesh]:
+    """The 1-D mesh of this rank's expert-data-parallel group (``dp / ep`` ranks, possibly one), over which ZeRO-3
+    shards the experts (``optim.zero3``); only for ZeRO-3 with expert parallelism (other layouts use the groups).
+    The dp dimension unflattened into ("edp", "ep"): dp rank ``d`` is ``(d // ep, d % ep)``, as :func:`_expert_groups`."""
+    ep = config.expert_parallel_size
+    if ep == 1 or config.zero_stage != 3:
+        return None
+    return mesh._unflatten("dp", (config.expert_data_parallel_size, ep), ("edp", "ep"))["edp"]
 
 
 def _model_parallel_and_embedding_groups(config: ParallelConfig):

@@ -34,7 +34,7 @@ from lightning_megatron.strategy.options import StrategyOptions
 from lightning_megatron.parallel import ParallelConfig, ParallelState, TensorParallelRNG
 from lightning_megatron.parallel.initialize import initialize_parameters
 from lightning_megatron.expert_parallel.apply import prepare_experts
-from lightning_megatron.strategy.preparation import apply_recompute, split_pipeline
+from lightning_megatron.strategy.preparation import apply_recompute, shard_zero3, split_pipeline
 from lightning_megatron.tensor_parallel import parallelize
 
 LAYOUT = re.compile(r"(\w+)-ep(\d+)(?:-pp(\d+))?-tp(\d+)-dp(\d+)(-sp)?(?:-mb(\d+))?(?:-z(\d))?(-og)?(-rc)?(-zb)?")
@@ -50,11 +50,15 @@ def build(name: str, config: ParallelConfig, micro_batches: int, recompute: str 
     apply_recompute(model, recompute, rng)
     prepare_experts(model, state)
     split = split_pipeline(model, state, schedule)
-    initialize_parameters(model, SEED, device="cpu", only_meta=True)
+    zero3 = None
+    if config.zero_stage == 3:  # the experts over their expert-data-parallel group, the rest over dp
+        zero3 = shard_zero3(model, state, precision="32-true", seed=SEED, device="cpu")
+    else:
+        initialize_parameters(model, SEED, device="cpu", only_meta=True)
     opt = optimizer(model.parameters())
     options = StrategyOptions(zero_stage=state.config.zero_stage, bucket_size_mb=0.01, overlap_param_gather=overlap)
-    step = build_step_gradients(model, state, [opt], options, loss_scaler=None, nonfinite=NonFiniteCheck("error", 10),
-                                device=torch.device("cpu"))
+    step = build_step_gradients(model, state, [opt], options, zero3=zero3, loss_scaler=None,
+                                nonfinite=NonFiniteCheck("error", 10), device=torch.device("cpu"))
     runner = None
     if split is not None:
         runner = start_worker_pipeline(split, state, step, GLOBAL_BATCH // config.data_parallel_size // micro_batches,
@@ -100,7 +104,10 @@ def train(layout: str):
         step.finish(accumulation=1 if runner is not None else micro_batches, loss_scale=1.0)
         # As the strategy: the non-finite check measures the global norm, the clip reuses it.
         norm, _ = step.check_finite(opt.param_groups, step=len(losses), epoch=0)
-        step.clip(opt.param_groups, CLIP, norm=norm)
+        if config.zero_stage == 3:  # as strategy.step: ZeRO-3 clips its own shards
+            step.sync.clip_grad_norm_(CLIP, norm=norm)
+        else:
+            step.clip(opt.param_groups, CLIP, norm=norm)
         opt.step()
         step.after_step()
         if moe.expert_bias:
