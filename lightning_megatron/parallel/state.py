@@ -160,13 +160,19 @@ class ParallelState:
         return self._local_rank("tp")
 
     @property
+    def expert_slot(self) -> int:
+        """This rank's :meth:`ParallelConfig.expert_slot`: its data-parallel rank (with ``expert_tensor_parallel_size
+        = 1``: its tp and dp ranks together)."""
+        return self.config.expert_slot(self.data_parallel_rank, self.tensor_parallel_rank)
+
+    @property
     def expert_parallel_rank(self) -> int:
-        """Which ``1/ep`` of the experts this rank holds: data-parallel rank ``d`` is expert-parallel rank ``d % ep``."""
-        return self.data_parallel_rank % self.config.expert_parallel_size
+        """Which ``1/ep`` of the experts this rank holds: slot ``j`` is expert-parallel rank ``j % ep``."""
+        return self.expert_slot % self.config.expert_parallel_size
 
     @property
     def expert_data_parallel_rank(self) -> int:
-        return self.data_parallel_rank // self.config.expert_parallel_size
+        return self.expert_slot // self.config.expert_parallel_size
 
     @property
     def data_parallel_rank(self) -> int:
@@ -178,28 +184,33 @@ class ParallelState:
 
 
 def _expert_groups(config: ParallelConfig, replica_group: Optional[dist.ProcessGroup]):
-    """The expert-parallel group (``ep`` consecutive dp ranks: they exchange tokens, each holding ``1/ep`` of the
-    experts) and the expert-data-parallel group (the dp ranks holding the same experts: they sum the experts'
-    gradients), for this rank; ``None`` for a group of one. Every rank creates every group, in the same order."""
+    """The expert-parallel group (``ep`` consecutive expert slots, ``ParallelConfig.expert_slot``: they exchange
+    tokens, each holding ``1/ep`` of the experts) and the expert-data-parallel group (the slots holding the same
+    experts: they sum the experts' gradients), for this rank; ``None`` for a group of one. The slots are the dp
+    ranks of one (pp, tp) coordinate, or with ``expert_tensor_parallel_size=1`` the tp x dp ranks of one pipeline
+    stage. Every rank creates every group, in the same order."""
     ep, edp = config.expert_parallel_size, config.expert_data_parallel_size
+    folded = config.expert_tensor_parallel < config.tensor_parallel_size
     if ep == 1:
         return None, replica_group
-    if edp == 1:  # (expert parallelism runs without context parallelism: the replicas are the dp ranks)
+    if edp == 1 and not folded:  # (expert parallelism runs without context parallelism: the replicas are the dp ranks)
         return replica_group, None
     rank = dist.get_rank()
     expert_group = expert_data_group = None
+    etp, tp, dp = config.expert_tensor_parallel, config.tensor_parallel_size, config.data_parallel_size
     for p in range(config.pipeline_parallel_size):
-        for t in range(config.tensor_parallel_size):
-            ranks_of = lambda dps: [config.rank_of(pipeline_rank=p, data_rank=d, tensor_rank=t) for d in dps]  # noqa: E731
-            for first in range(0, config.data_parallel_size, ep):
-                group = dist.new_group(ranks_of(range(first, first + ep)))
-                if rank in ranks_of(range(first, first + ep)):
+        for t0 in range(etp):  # the tp position inside an expert's split: its slots run over the other coordinates
+            slots = [config.rank_of(pipeline_rank=p, data_rank=d, tensor_rank=t) for d in range(dp)
+                     for t in range(t0, tp, etp)]
+            for first in range(0, len(slots), ep):
+                group = dist.new_group(slots[first:first + ep])
+                if rank in slots[first:first + ep]:
                     expert_group = group
-            for offset in range(ep):
-                ranks = ranks_of(range(offset, config.data_parallel_size, ep))
-                group = dist.new_group(ranks)
-                if rank in ranks:
-                    expert_data_group = group
+            if edp > 1:
+                for offset in range(ep):
+                    group = dist.new_group(slots[offset::ep])
+                    if rank in slots[offset::ep]:
+                        expert_data_group = group
     return expert_group, expert_data_group
 
 

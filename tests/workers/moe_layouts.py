@@ -1,7 +1,8 @@
 """Train the tiny MoE GPT for a few steps at several expert-parallel layouts over the same processes, and count
 the collectives of one step.
 
-argv: OUT_DIR LAYOUTS, a comma list of ``<variant>-ep{E}[-pp{P}]-tp{T}-dp{D}[-sp][-mb{M}][-z{Z}][-og][-rc][-zb]`` (``og``:
+argv: OUT_DIR LAYOUTS, a comma list of ``<variant>-ep{E}[-pp{P}]-tp{T}-dp{D}[-sp][-mb{M}][-z{Z}][-og][-rc][-zb][-etp1]``
+(``etp1``: expert_tensor_parallel_size=1, whole experts on each tp rank; ``og``:
 overlap_param_gather; ``rc``: full recomputation; ``zb``: the interleaved zero-bubble schedule, its backward
 split in two passes; variants:
 ``gpt_setup.VARIANTS``), or ``count-ep{E}-tp{T}-dp{D}[-sp]`` for a counting run, or ``gen-...`` for generation. The model is built by the
@@ -37,7 +38,7 @@ from lightning_megatron.expert_parallel.apply import prepare_experts
 from lightning_megatron.strategy.preparation import apply_recompute, shard_zero3, split_pipeline
 from lightning_megatron.tensor_parallel import parallelize
 
-LAYOUT = re.compile(r"(\w+)-ep(\d+)(?:-pp(\d+))?-tp(\d+)-dp(\d+)(-sp)?(?:-mb(\d+))?(?:-z(\d))?(-og)?(-rc)?(-zb)?")
+LAYOUT = re.compile(r"(\w+)-ep(\d+)(?:-pp(\d+))?-tp(\d+)-dp(\d+)(-sp)?(?:-mb(\d+))?(?:-z(\d))?(-og)?(-rc)?(-zb)?(-etp1)?")
 
 
 def build(name: str, config: ParallelConfig, micro_batches: int, recompute: str = "none", overlap: bool = False,
@@ -70,7 +71,8 @@ def parse(layout: str):
     match = LAYOUT.fullmatch(layout)
     ep, pp, tp, dp = int(match[2]), int(match[3] or 1), int(match[4]), int(match[5])
     config = ParallelConfig(tensor_parallel_size=tp, pipeline_parallel_size=pp, data_parallel_size=dp,
-                            sequence_parallel=bool(match[6]), zero_stage=int(match[8] or 0), expert_parallel_size=ep)
+                            sequence_parallel=bool(match[6]), zero_stage=int(match[8] or 0), expert_parallel_size=ep,
+                            expert_tensor_parallel_size=1 if match[12] else None)
     return (match[1], config, int(match[7] or 1), "full" if match[10] else "none", bool(match[9]),
             "interleaved_zero_bubble" if match[11] else "1f1b")
 
