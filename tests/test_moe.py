@@ -34,6 +34,7 @@ LAYOUTS = [
     "moe-ep2-tp2-dp2-sp-mb2-z3",  # ... over a group of one, tp-split experts, partial norms summed over tp
     "moe-ep2-tp2-dp2-etp1",       # whole experts on each tp rank: the tp pair is the expert-parallel group
     "cap-ep4-tp2-dp2-sp-z1-etp1",  # ... ep over tp x dp, sequence parallel, dropped assignments, ZeRO-1 over edp 1
+    "moe-ep2-tp2-dp2-sp-z3-etp1",  # ... ZeRO-3: whole experts' rows over their edp pair (tp x dp / ep)
 ]
 COUNTS = ["count-ep2-tp1-dp4", "count-ep2-tp2-dp2", "count-ep2-tp2-dp2-sp"]
 GENERATION = ["gen-ep2-tp1-dp4", "gen-ep2-pp2-tp1-dp2", "gen-ep2-tp2-dp2-sp"]
@@ -271,8 +272,6 @@ def test_parameter_counts():
     (dict(tensor_parallel_size=2, expert_tensor_parallel_size=1), "must hold different experts"),
     (dict(tensor_parallel_size=2, data_parallel_size=3, expert_parallel_size=4, expert_tensor_parallel_size=1),
      r"must divide tensor_parallel_size x data_parallel_size = 6"),
-    (dict(tensor_parallel_size=2, data_parallel_size=2, expert_parallel_size=2, expert_tensor_parallel_size=1,
-          zero_stage=3), "zero_stage=3 with expert_tensor_parallel_size=1"),
 ])
 def test_bad_expert_layouts_are_refused(sizes, message):
     with pytest.raises(ValueError, match=message):

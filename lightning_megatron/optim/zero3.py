@@ -341,8 +341,8 @@ class ZeRO3:
         for param in self.module.parameters():
             if param.grad is None or hasattr(param, "tied_names"):
                 continue  # no gradient, or the last stage's copy of a tied embedding
-            if shard_of(param) is None and not is_first_tensor_rank:
-                continue  # replicated over tp: counted on tp rank 0
+            if shard_of(param) is None and not is_first_tensor_rank and not _is_expert(param):
+                continue  # replicated over tp: counted on tp rank 0 (whole experts differ across tp ranks)
             flat_start = self._dp_flat_start(param) if isinstance(param, DTensor) else 0
             squares += counted_squares(local_tensor(param.grad), shard_of(param), flat_start=flat_start,
                                        dtype=torch.float64)

@@ -68,10 +68,6 @@ class ParallelConfig:
                 f"expert_tensor_parallel_size=1 with tensor_parallel_size={tp} keeps every expert whole, so the {tp} "
                 f"tp ranks must hold different experts: set expert_parallel_size to a divisor of tp x dp = {tp * dp} "
                 f"above 1, or expert_tensor_parallel_size={tp}.")
-        if etp < tp and self.zero_stage == 3:
-            raise ValueError(
-                f"zero_stage=3 with expert_tensor_parallel_size=1 (tensor_parallel_size={tp}) is not supported yet. "
-                f"Use zero_stage 0-2, or expert_tensor_parallel_size={tp}.")
         if etp < tp:
             if (tp * dp) % ep:
                 raise ValueError(

@@ -215,12 +215,16 @@ def _expert_groups(config: ParallelConfig, replica_group: Optional[dist.ProcessG
 
 
 def _expert_data_mesh(config: ParallelConfig, mesh: DeviceMesh) -> Optional[DeviceMesh]:
-    """The 1-D mesh of this rank's expert-data-parallel group (``dp / ep`` ranks, possibly one), over which ZeRO-3
+    """The 1-D mesh of this rank's expert-data-parallel group (``slots / ep`` ranks, possibly one), over which ZeRO-3
     shards the experts (``optim.zero3``); only for ZeRO-3 with expert parallelism (other layouts use the groups).
-    The dp dimension unflattened into ("edp", "ep"): dp rank ``d`` is ``(d // ep, d % ep)``, as :func:`_expert_groups`."""
+    The expert slots (dp, or dp x tp with whole experts) unflattened into ("edp", "ep"): slot ``j`` is
+    ``(j // ep, j % ep)``, as :func:`_expert_groups`."""
     ep = config.expert_parallel_size
     if ep == 1 or config.zero_stage != 3:
         return None
+    if config.expert_tensor_parallel < config.tensor_parallel_size:  # the slots run over dp and tp (cp is 1 with ep)
+        slots = mesh["dp", "cp", "tp"]._flatten("expert_slots")
+        return slots._unflatten(0, (config.expert_data_parallel_size, ep), ("edp", "ep"))["edp"]
     return mesh._unflatten("dp", (config.expert_data_parallel_size, ep), ("edp", "ep"))["edp"]
 
 

@@ -79,7 +79,7 @@ class StrategyOptions:
         'tensor-parallel ranks that split each expert (Megatron-Core\'s ``expert_tensor_parallel_size``): None '
         '(``tensor_parallel_size``, every expert split like a dense MLP) or 1: each tp rank holds whole experts and the '
         'tp ranks join the dp ranks in expert parallelism (``expert_parallel_size`` then divides tp x dp), attention '
-        'still split over tp. ZeRO 0-2.'))
+        'still split over tp.'))
     context_parallel_size: Union[int, str] = field(default=1, metadata=_doc(
         "ranks that split every sample's sequence (long context): each holds two of ``2 * cp`` chunks (Megatron's "
         'causal load balancing), attention is exact over the whole sequence (``context_parallel_attention``), and '
