@@ -43,6 +43,13 @@ replica (``"dp_cp"``) mesh, one group per layer plus one for the rest (embedding
   shard (``QueryGroupColumn``'s key/value rows), summed over their tp subgroup: each is a
   flat range of the tp-local tensor, cut to the rows of this rank's dp chunk
   (``optim.partial_grads``, the groups built once in :func:`apply_zero3`).
+* Expert parallelism (torchtitan's and Megatron-Core's layout, :func:`shard_experts`): an expert lives on one
+  expert-parallel rank and is replicated over its expert-data-parallel group (``ParallelState.expert_data_mesh``),
+  so each MoE layer's experts are one FSDP group on that mesh (its router and shared expert get dp groups of their
+  own first), nested in the layer's dp group. Every parameter's row chunk, initial value, checkpoint placement
+  and full-state-dict slice is that of the mesh sharding it (:func:`shard_coordinates`). Every dp rank still holds
+  a distinct piece of every tensor (an expert: one of ``dp / ep`` row chunks on one of ``ep`` ranks), so the norm
+  below is unchanged; experts kept whole on each tp rank (``expert_tensor_parallel_size=1``) count on every tp rank.
 * Global-norm clipping: squares of the local gradient shards, sharded tp parameters on
   every tp rank (a replicated range of a segmented shard on its primary only), tp-replicated
   ones on tp rank 0 only, a pipeline-tied copy on the first stage only; summed over dp and
