@@ -14,7 +14,7 @@ from lightning_megatron.models.moe import MoEConfig, capacity_mask, update_exper
 from lightning_megatron.models.router import TopKRouter
 from lightning_megatron.parallel import ParallelConfig
 
-# <variant>-ep{E}[-pp{P}]-tp{T}-dp{D}[-sp][-mb{M}][-z{Z}][-og][-rc][-zb] on 4 ranks (tests/workers/moe_layouts.py).
+# <variant>-ep{E}[-pp{P}]-tp{T}-dp{D}[-sp][-mb{M}][-z{Z}][-og][-rc][-zb][-etp1] on 4 ranks (tests/workers/moe_layouts.py).
 LAYOUTS = [
     "moe-ep2-tp1-dp4",            # 2 replicas of each expert: expert gradients summed over the expert-data-parallel group
     "moe-ep4-tp1-dp4",            # one expert per rank
@@ -33,6 +33,11 @@ LAYOUTS = [
     "mla-ep2-tp2-dp2",            # DeepSeek-V3-shaped: latent attention split by heads, its latents entering tp once
     "mla-ep2-tp2-dp2-sp-mb2",     # ... gathered along the sequence once
     "mla-ep2-pp2-tp1-dp2-mb2",    # ... over two pipeline stages (the dense first layer and an MoE one on stage 0)
+    "moe-ep2-tp1-dp4-z3",         # ZeRO-3: experts sharded over their expert-data-parallel group (2), the rest over dp
+    "moe-ep2-tp2-dp2-sp-mb2-z3",  # ... over a group of one, tp-split experts, partial norms summed over tp
+    "moe-ep2-tp2-dp2-etp1",       # whole experts on each tp rank: the tp pair is the expert-parallel group
+    "cap-ep4-tp2-dp2-sp-z1-etp1",  # ... ep over tp x dp, sequence parallel, dropped assignments, ZeRO-1 over edp 1
+    "moe-ep2-tp2-dp2-sp-z3-etp1",  # ... ZeRO-3: whole experts' rows over their edp pair (tp x dp / ep)
 ]
 COUNTS = ["count-ep2-tp1-dp4", "count-ep2-tp2-dp2", "count-ep2-tp2-dp2-sp"]
 GENERATION = ["gen-ep2-tp1-dp4", "gen-ep2-pp2-tp1-dp2", "gen-ep2-tp2-dp2-sp"]
@@ -267,7 +272,10 @@ def test_parameter_counts():
 
 @pytest.mark.parametrize("sizes, message", [
     (dict(data_parallel_size=4, expert_parallel_size=3), "must divide data_parallel_size=4"),
-    (dict(data_parallel_size=2, expert_parallel_size=2, zero_stage=3), "zero_stage=3 with expert_parallel_size=2"),
+    (dict(tensor_parallel_size=4, expert_tensor_parallel_size=2), "expert_tensor_parallel_size=2 with tensor_parallel"),
+    (dict(tensor_parallel_size=2, expert_tensor_parallel_size=1), "must hold different experts"),
+    (dict(tensor_parallel_size=2, data_parallel_size=3, expert_parallel_size=4, expert_tensor_parallel_size=1),
+     r"must divide tensor_parallel_size x data_parallel_size = 6"),
 ])
 def test_bad_expert_layouts_are_refused(sizes, message):
     with pytest.raises(ValueError, match=message):

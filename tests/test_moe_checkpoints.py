@@ -1,5 +1,6 @@
 """Mixture-of-Experts checkpoints: the tiny MoE GPT trained by the Trainer at ep2 x tp2 (dp2, ZeRO-1, AdamW), a
-sharded checkpoint of an interrupted run, resumed at ep1 and at ep4 with the uninterrupted run's losses."""
+sharded checkpoint of an interrupted run, resumed at ep1, at ep4, at ep2 x dp4 under ZeRO-3 and at ep4 over
+tp2 x dp2 with whole experts (expert_tensor_parallel_size=1) with the uninterrupted run's losses."""
 
 import json
 
@@ -13,10 +14,12 @@ from workers.gpt_setup import MOE_CONFIGS
 STEPS, STOP_AT = 4, 2
 SAVED = "save/epoch=0-step=2.ckpt"
 SHORT = "short/epoch=0-step=2.ckpt"
-RESUMED = {  # run name: (tp, ep) on 4 ranks, dp = 4 / tp
-    "ep2": (2, 2),  # the saving layout: exact
-    "ep1": (2, 1),  # every rank holds all 4 experts, reduced and ZeRO-sharded over dp2
-    "ep4": (1, 4),  # one expert per rank, no tp
+RESUMED = {  # run name: (tp, ep, zero_stage, expert_tensor_parallel_size) on 4 ranks, dp = 4 / tp
+    "ep2": (2, 2, 1, None),  # the saving layout: exact
+    "ep1": (2, 1, 1, None),  # every rank holds all 4 experts, reduced and ZeRO-sharded over dp2
+    "ep4": (1, 4, 1, None),  # one expert per rank, no tp
+    "ep2-z3": (1, 2, 3, None),  # ZeRO-3: experts' rows over their expert-data-parallel pair, the rest over dp4
+    "ep4-etp1": (2, 4, 1, 1),  # whole experts, one per rank of tp x dp, attention still split over tp
 }
 
 
@@ -26,8 +29,8 @@ def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("moe")
     plan = [{"name": "straight", "tp": 2, "ep": 2, "steps": STEPS},
             {"name": "save", "tp": 2, "ep": 2, "steps": STEPS, "stop_at": STOP_AT, "save_every": STOP_AT}]
-    plan += [{"name": name, "tp": tp, "ep": ep, "steps": STEPS, "ckpt_path": str(out / SAVED)}
-             for name, (tp, ep) in RESUMED.items()]
+    plan += [{"name": name, "tp": tp, "ep": ep, "zero": zero, "etp": etp, "steps": STEPS, "ckpt_path": str(out / SAVED)}
+             for name, (tp, ep, zero, etp) in RESUMED.items()]
     # A run that ended at max_steps=2, continued with max_steps=4: the data index is rebuilt for 4 steps.
     plan += [{"name": "short", "tp": 2, "ep": 2, "steps": STOP_AT, "save_every": STOP_AT},
              {"name": "extended", "tp": 2, "ep": 2, "steps": STEPS, "ckpt_path": str(out / SHORT)}]

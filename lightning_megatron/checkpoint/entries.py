@@ -25,7 +25,7 @@ from torch.optim import Optimizer
 
 from lightning_megatron.checkpoint.pieces import Placement, ShardedEntry
 from lightning_megatron.optim.main_params import MainParamOptimizer
-from lightning_megatron.optim.zero3 import dp_chunk_start, local_tensor
+from lightning_megatron.optim.zero3 import dp_chunk_start, local_tensor, shard_coordinates
 from lightning_megatron.parallel.initialize import original_name
 from lightning_megatron.parallel.shards import shard_of
 
@@ -33,19 +33,20 @@ MODEL, MAIN_PARAMS, OPTIMIZER = "state_dict", "main_params", "optimizer"
 Placements = dict[int, tuple[str, Placement]]
 
 
-def placement_of(tensor: Tensor, data_parallel_rank: int, data_parallel_size: int, shard=None) -> Placement:
-    """Where ``tensor`` (a parameter, a buffer or a ZeRO-3 DTensor over dp) sits in its global tensor."""
+def placement_of(tensor: Tensor, shard=None) -> Placement:
+    """Where ``tensor`` (a parameter, a buffer or a ZeRO-3 DTensor over dp, or over the expert-data-parallel group
+    for an expert) sits in its global tensor."""
     shard = shard if shard is not None else shard_of(tensor)
     global_shape = shard.global_shape if shard is not None else tuple(tensor.shape)
     if not isinstance(tensor, DTensor):
         return Placement(global_shape, shard)
-    rows = tensor.shape[0]  # ZeRO-3: FSDP2 gives each dp rank a block of rows of the tp shard
+    rows = tensor.shape[0]  # ZeRO-3: FSDP2 gives each rank of its mesh a block of rows of the tp shard
     row_size = math.prod(tensor.shape[1:])
-    start = dp_chunk_start(rows, data_parallel_rank, data_parallel_size) * row_size
+    start = dp_chunk_start(rows, *shard_coordinates(tensor)) * row_size
     return Placement(global_shape, shard, start, start + tensor.to_local().numel())
 
 
-def model_entries(module: nn.Module, data_parallel_rank: int, data_parallel_size: int) -> dict[str, ShardedEntry]:
+def model_entries(module: nn.Module) -> dict[str, ShardedEntry]:
     """This rank's part of every tensor in ``module.state_dict()``, under ``state_dict/<name>``."""
     # Shard specs from the parameters themselves: FSDP's state-dict hooks may hand out other objects.
     shards = {name: shard_of(p) for name, p in module.named_parameters(remove_duplicate=False)}
@@ -54,18 +55,16 @@ def model_entries(module: nn.Module, data_parallel_rank: int, data_parallel_size
         if not isinstance(value, Tensor):
             raise TypeError(f"{type(module).__name__}.state_dict() entry {name!r} is a {type(value).__name__}; "
                             f"sharded checkpoints hold tensors (keep other state in on_save_checkpoint).")
-        placement = placement_of(value, data_parallel_rank, data_parallel_size, shards.get(name))
+        placement = placement_of(value, shards.get(name))
         entries[f"{MODEL}/{name}"] = ShardedEntry(local_tensor(value), placement)
     return entries
 
 
-def parameter_placements(module: nn.Module, data_parallel_rank: int, data_parallel_size: int,
-                         main_params: Optional[MainParamOptimizer] = None) -> Placements:
+def parameter_placements(module: nn.Module, main_params: Optional[MainParamOptimizer] = None) -> Placements:
     """Global name and placement of every tensor an optimizer may step: parameters and fp32 main pieces."""
     placements: Placements = {}
     for name, param in module.named_parameters():
-        placements[id(param)] = (original_name(param, name),
-                                 placement_of(param, data_parallel_rank, data_parallel_size))
+        placements[id(param)] = (original_name(param, name), placement_of(param))
     for piece, main in main_params.pieces if main_params is not None else ():
         name, whole = placements[id(piece.param)]
         placements[id(main)] = (name, Placement(whole.global_shape, whole.shard, piece.start, piece.stop))

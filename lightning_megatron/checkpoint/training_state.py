@@ -53,11 +53,10 @@ class RankTraining:
     rng: Optional[TensorParallelRNG] = None
 
     def placements(self) -> E.Placements:
-        return E.parameter_placements(self.module, self.state.replica_rank,
-                                      self.state.config.replica_size, self.main_params)
+        return E.parameter_placements(self.module, self.main_params)
 
     def model_entries(self) -> dict:
-        return E.model_entries(self.module, self.state.replica_rank, self.state.config.replica_size)
+        return E.model_entries(self.module)
 
 
 def _rng_state(rng: Optional[TensorParallelRNG]) -> dict[str, Any]:

@@ -6,7 +6,10 @@ while every parameter is still on the meta device: each MoE layer keeps experts
 values and checkpoint keys, keep the global expert index) and dispatches with an all-to-all.
 Their parameters are tagged ``expert_parallel``: they are summed over the expert-data-parallel
 group (the ranks with the same experts), not over all of dp, and counted once per expert in the
-global gradient norm.
+global gradient norm. With ``expert_tensor_parallel_size=1`` the experts stay whole (the tensor-parallel
+plan leaves them alone), the tp ranks of a pipeline stage join the dp ranks as expert-parallel ranks
+(``ParallelConfig.expert_slot``), and each tp rank dispatches its share of the layer's assignments
+(``dispatcher.TensorParallelShareDispatcher``).
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from __future__ import annotations
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from lightning_megatron.expert_parallel.dispatcher import AllToAllDispatcher
+from lightning_megatron.expert_parallel.dispatcher import AllToAllDispatcher, TensorParallelShareDispatcher
 from lightning_megatron.models.moe import AuxLosses, MoE
 from lightning_megatron.parallel.state import ParallelState
 
@@ -43,9 +46,15 @@ def apply_expert_parallel(module: nn.Module, state: ParallelState) -> None:
         for key in list(layer.experts.keys()):
             if key not in keep:
                 del layer.experts[key]
+        whole = state.config.expert_tensor_parallel < state.config.tensor_parallel_size  # whole experts on each tp rank
         for param in layer.experts.parameters():
             param.expert_parallel = True
+            if whole:  # the layer's sequence-parallel tag does not apply: each tp rank's gradient is its experts' own
+                param.__dict__.pop("sequence_parallel_grad", None)
         layer.dispatcher = AllToAllDispatcher(state.expert_parallel_group, local)
+        if whole:
+            layer.dispatcher = TensorParallelShareDispatcher(layer.dispatcher, state.tensor_parallel_rank,
+                                                             state.config.tensor_parallel_size)
     # Generation stops early only when every rank of the group is done (``generation.generate``); every rank's
     # model root gets the group, also on a pipeline stage without MoE layers (it follows the others' tokens).
     for m in module.modules():

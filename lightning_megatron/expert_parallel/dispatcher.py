@@ -83,3 +83,32 @@ class AllToAllDispatcher:
         back = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
         out = all_to_all(expert_output.index_select(0, back), send, recv, self.group)
         return F.pad(out, (0, 0, 0, rows - out.shape[0])) if rows > out.shape[0] else out
+
+
+class TensorParallelShareDispatcher:
+    """Experts whole on every tp rank (``expert_tensor_parallel_size=1``): inside the MoE layer's tensor-parallel
+    region every tp rank holds the same routed assignments, so tp rank ``r`` of ``size`` dispatches only rows
+    ``[r N / size, (r + 1) N / size)`` of them (sorted by expert: a contiguous share of each expert's) through
+    ``inner`` (an :class:`AllToAllDispatcher` over tp x dp ranks), and gives back zeros for the others. The
+    region's leave then sums the tp ranks' shares (g, or the reduce-scatter) into every row's output, and its
+    enter sums the tokens' gradients (f's backward), as it does for experts split over tp."""
+
+    def __init__(self, inner: AllToAllDispatcher, rank: int, size: int) -> None:
+        self.inner, self.rank, self.size = inner, rank, size
+        self._rows: Optional[tuple[int, int, int]] = None
+
+    def dispatch(self, tokens: Tensor, tokens_per_expert: Tensor) -> tuple[Tensor, Tensor]:
+        rows = tokens.shape[0]
+        lo, hi = self.rank * rows // self.size, (self.rank + 1) * rows // self.size
+        ends = torch.cumsum(tokens_per_expert.to(torch.int64), 0)
+        starts = ends - tokens_per_expert.to(torch.int64)
+        # Each expert's rows inside [lo, hi), on the device (rows past the counted ones, dropped, count for none).
+        share = (torch.minimum(ends, torch.tensor(hi, device=ends.device))
+                 - torch.maximum(starts, torch.tensor(lo, device=ends.device))).clamp_(min=0)
+        self._rows = (lo, hi, rows)
+        return self.inner.dispatch(tokens[lo:hi], share)
+
+    def combine(self, expert_output: Tensor) -> Tensor:
+        lo, hi, rows = self._rows
+        self._rows = None
+        return F.pad(self.inner.combine(expert_output), (0, 0, lo, rows - hi))

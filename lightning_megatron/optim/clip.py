@@ -9,7 +9,9 @@ model-parallel group (tp x pp). After an all-reduce every dp rank holds the same
 gradients, so no dp reduction is needed; under ZeRO each dp rank holds different pieces,
 and the squares are summed over dp too. Under expert parallelism without ZeRO the dp ranks
 hold different experts, so the squares are summed over dp as well, each replica counted once
-(``replicas``: dense parameters on dp rank 0, experts on expert-data-parallel rank 0).
+(``replicas``: dense parameters on dp rank 0, experts on expert-data-parallel rank 0). Experts kept whole
+on each tp rank (``expert_tensor_parallel_size=1``) are different experts there, not replicas: each tp rank
+counts its own.
 """
 
 from __future__ import annotations
@@ -61,8 +63,8 @@ class NormCounting:
         self.segmented: list[tuple[nn.Parameter, TensorShard, int]] = []
         for param in dict.fromkeys(params):
             shard = shard_of(param)
-            if shard is None and not is_first_tensor_rank:
-                continue  # replicated over tp: counted on tp rank 0
+            if shard is None and not is_first_tensor_rank and not getattr(param, "expert_parallel", False):
+                continue  # replicated over tp: counted on tp rank 0 (whole experts differ across tp ranks)
             if hasattr(param, "tied_names"):  # the last stage's copy of a tied embedding
                 continue
             if shard is None or shard.counted_flat_ranges() is None:

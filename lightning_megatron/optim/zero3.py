@@ -43,6 +43,13 @@ replica (``"dp_cp"``) mesh, one group per layer plus one for the rest (embedding
   shard (``QueryGroupColumn``'s key/value rows), summed over their tp subgroup: each is a
   flat range of the tp-local tensor, cut to the rows of this rank's dp chunk
   (``optim.partial_grads``, the groups built once in :func:`apply_zero3`).
+* Expert parallelism (torchtitan's and Megatron-Core's layout, :func:`shard_experts`): an expert lives on one
+  expert-parallel rank and is replicated over its expert-data-parallel group (``ParallelState.expert_data_mesh``),
+  so each MoE layer's experts are one FSDP group on that mesh (its router and shared expert get dp groups of their
+  own first), nested in the layer's dp group. Every parameter's row chunk, initial value, checkpoint placement
+  and full-state-dict slice is that of the mesh sharding it (:func:`shard_coordinates`). Every dp rank still holds
+  a distinct piece of every tensor (an expert: one of ``dp / ep`` row chunks on one of ``ep`` ranks), so the norm
+  below is unchanged; experts kept whole on each tp rank (``expert_tensor_parallel_size=1``) count on every tp rank.
 * Global-norm clipping: squares of the local gradient shards, sharded tp parameters on
   every tp rank (a replicated range of a segmented shard on its primary only), tp-replicated
   ones on tp rank 0 only, a pipeline-tied copy on the first stage only; summed over dp and
@@ -166,6 +173,12 @@ def _dp_chunk(values: Tensor, local_rows: int, dp_rank: int, dp_size: int) -> Te
     return values.narrow(0, dp_chunk_start(values.shape[0], dp_rank, dp_size), local_rows)
 
 
+def shard_coordinates(param: DTensor) -> tuple[int, int]:
+    """(rank, size) of the 1-D mesh that shards ``param``'s rows: dp (x cp), or an expert's expert-data-parallel
+    group under expert parallelism."""
+    return param.device_mesh.get_local_rank(), param.device_mesh.size()
+
+
 def offload_policy(offload: OffloadSettings, device_type: str) -> OffloadPolicy:
     """FSDP2's policy for ``offload.parameters``, the tier of ZeRO-3's parameters, on a ``device_type`` mesh.
 
@@ -251,7 +264,6 @@ class ZeRO3:
         done = {id(named[name]) for name in keep}
         owners = [(owner, owner.initialize_parameter) for _, owner in initializer_owners(self.module)]
         owners.append((self.module, default_initializer))
-        dp_rank, dp_size = self.state.replica_rank, self.state.config.replica_size
         with torch.no_grad():
             for name, values in keep.items():
                 local_tensor(named[name]).copy_(values)
@@ -264,7 +276,7 @@ class ZeRO3:
                         name = original_name(param, f"{module_name}.{param_name}" if module_name else param_name)
                         values = local_initial_values(param, name, seed, rule_for(submodule, initializer))  # tp shard
                         local = local_tensor(param)
-                        local.copy_(_dp_chunk(values, local.shape[0], dp_rank, dp_size))
+                        local.copy_(_dp_chunk(values, local.shape[0], *shard_coordinates(param)))
 
     # ---------------------------------------------------------------- one step
     def start_micro_batch(self, *, sync: bool, backward_passes: int = 1) -> None:
@@ -301,7 +313,7 @@ class ZeRO3:
     def _dp_flat_start(self, param: nn.Parameter) -> int:
         """Where this rank's dp chunk of ``param`` begins in the flat tp-local tensor."""
         rows = param.shape[0]
-        start = dp_chunk_start(rows, self.state.replica_rank, self.state.config.replica_size)
+        start = dp_chunk_start(rows, *shard_coordinates(param))
         return start * (param.numel() // rows if rows else 0)
 
     def _local_part(self, param: nn.Parameter, start: int, stop: int) -> list[Tensor]:
@@ -336,8 +348,8 @@ class ZeRO3:
         for param in self.module.parameters():
             if param.grad is None or hasattr(param, "tied_names"):
                 continue  # no gradient, or the last stage's copy of a tied embedding
-            if shard_of(param) is None and not is_first_tensor_rank:
-                continue  # replicated over tp: counted on tp rank 0
+            if shard_of(param) is None and not is_first_tensor_rank and not _is_expert(param):
+                continue  # replicated over tp: counted on tp rank 0 (whole experts differ across tp ranks)
             flat_start = self._dp_flat_start(param) if isinstance(param, DTensor) else 0
             squares += counted_squares(local_tensor(param.grad), shard_of(param), flat_start=flat_start,
                                        dtype=torch.float64)
@@ -425,7 +437,11 @@ def apply_zero3(
     kwargs: dict[str, Any] = {"mesh": state.replica_mesh, "offload_policy": policy}
     if mixed_precision is not None:
         kwargs["mp_policy"] = mixed_precision
-    fsdp_modules = [fully_shard(layer, reshard_after_forward=reshard_after_forward, **kwargs) for layer in layers]
+    fsdp_modules = []
+    if state.expert_data_mesh is not None:  # inside the layers: their experts over the expert-data-parallel group
+        fsdp_modules += shard_experts(layers, dict(kwargs, reshard_after_forward=reshard_after_forward),
+                                      state.expert_data_mesh)
+    fsdp_modules += [fully_shard(layer, reshard_after_forward=reshard_after_forward, **kwargs) for layer in layers]
     if other_groups is None:
         fsdp_modules.append(fully_shard(module, **kwargs))  # the rest; as FSDP's root it keeps them gathered until backward
     else:
@@ -442,9 +458,53 @@ def apply_zero3(
     return ZeRO3(module, state, fsdp_modules, tags, offload.parameters)
 
 
-def load_full_state_dict(module: nn.Module, full: Mapping[str, Tensor], state: ParallelState) -> None:
+def _is_expert(param: nn.Parameter) -> bool:
+    return getattr(param, "expert_parallel", False)
+
+
+def expert_holders(layers: Sequence[nn.Module]) -> list[nn.Module]:
+    """The modules of ``layers`` (an MoE layer) that hold experts among their children: submodules whose parameters
+    are all tagged ``expert_parallel`` (``expert_parallel.apply``); the holder's forward runs every step, where
+    the experts' own may not (an expert without tokens, or grouped GEMMs that read the weights)."""
+    holders = []
+    for layer in layers:
+        for module in layer.modules():
+            children = [c for c in module.children() if any(True for _ in c.parameters())]
+            if any(all(_is_expert(p) for p in c.parameters()) for c in children) and not all(
+                    _is_expert(p) for p in module.parameters()):
+                holders.append(module)
+    return holders
+
+
+def shard_experts(layers: Sequence[nn.Module], kwargs: dict[str, Any], expert_mesh) -> list[FSDPModule]:
+    """ZeRO-3 under expert parallelism (torchtitan's and Megatron-Core's layout): every expert is held by one
+    expert-parallel rank and replicated over its expert-data-parallel group (``dp / ep`` ranks), so its parameters
+    are sharded, and its gradients reduce-scattered, over that group (``expert_mesh``), not over dp.
+
+    Each expert holder (:func:`expert_holders`, the ``MoE``) becomes one FSDP group on ``expert_mesh`` that manages
+    its experts; its other children (router, shared expert, gate) become groups of their own on the dp mesh first,
+    so that the holder's group manages the experts only. The layer's group (dp) then takes what is left. A
+    holder's own parameters, or a child mixing experts with dense parameters, would fall in the wrong group:
+    refused. Then every dp rank holds a distinct piece of every tensor (the experts: 1/ep of them, each cut in
+    dp/ep row chunks), so the global norm is the squares summed over dp, as without experts."""
+    groups = []
+    for holder in expert_holders(layers):
+        direct = [name for name, p in holder.named_parameters(recurse=False) if not _is_expert(p)]
+        mixed = [name for name, child in holder.named_children()
+                 if len({_is_expert(p) for p in child.parameters()}) > 1]
+        if direct or mixed:
+            raise ValueError(f"ZeRO-3 with expert parallelism shards the experts of {type(holder).__name__} over "
+                             f"their expert-data-parallel group and its other parameters over dp, one FSDP group "
+                             f"each, but {direct + mixed} mix the two. Keep the experts in a child module of their own.")
+        for child in holder.children():
+            if any(True for _ in child.parameters()) and not any(_is_expert(p) for p in child.parameters()):
+                groups.append(fully_shard(child, **kwargs))
+        groups.append(fully_shard(holder, **dict(kwargs, mesh=expert_mesh)))
+    return groups
+
+
+def load_full_state_dict(module: nn.Module, full: Mapping[str, Tensor]) -> None:
     """Copy this rank's tp shard, dp chunk of each entry of ``full`` into ``module``'s (sharded) tensors."""
-    dp_rank, dp_size = state.replica_rank, state.config.replica_size
     with torch.no_grad():
         for name, value in module.state_dict(keep_vars=True).items():
             if name not in full or not isinstance(value, Tensor):
@@ -453,5 +513,5 @@ def load_full_state_dict(module: nn.Module, full: Mapping[str, Tensor], state: P
             source = full[name] if shard is None else shard.local_slice(full[name])
             local = local_tensor(value)
             if isinstance(value, DTensor):
-                source = _dp_chunk(source, local.shape[0], dp_rank, dp_size)
+                source = _dp_chunk(source, local.shape[0], *shard_coordinates(value))
             local.copy_(source)

@@ -22,7 +22,11 @@ class ParallelConfig:
     Context parallelism splits every sample's sequence over ``context_parallel_size`` ranks that hold the same
     weights, so the weights are replicated over ``dp x cp`` (:attr:`replica_size`). Expert parallelism is
     carved out of data parallelism: ``expert_parallel_size`` divides ``data_parallel_size``, and data-parallel
-    rank ``d`` is expert-parallel rank ``d % ep`` of expert-data-parallel rank ``d // ep``.
+    rank ``d`` is expert-parallel rank ``d % ep`` of expert-data-parallel rank ``d // ep``. Under ZeRO-3 the dense
+    parameters are sharded over dp and the experts' over their expert-data-parallel group (``dp / ep`` ranks).
+    ``expert_tensor_parallel_size=1`` (Megatron-Core's MoE parallel folding, its ``etp=1`` case) keeps every expert
+    whole on each tp rank: the tp x dp ranks of a pipeline stage are then the expert slots (:meth:`expert_slot`)
+    that ``expert_parallel_size`` divides, while attention stays split over tp.
 
     Example::
 
@@ -39,27 +43,42 @@ class ParallelConfig:
     pipeline_layers_per_stage: Optional[tuple[int, ...]] = None
     expert_parallel_size: int = 1
     context_parallel_size: int = 1
+    expert_tensor_parallel_size: Optional[int] = None
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size", "expert_parallel_size",
                      "context_parallel_size"):
             _check_positive(name, getattr(self, name))
+        if self.expert_tensor_parallel_size is not None:
+            _check_positive("expert_tensor_parallel_size", self.expert_tensor_parallel_size)
         if self.context_parallel_size > 1 and self.expert_parallel_size > 1:
             raise ValueError(
                 f"context_parallel_size={self.context_parallel_size} with expert_parallel_size="
                 f"{self.expert_parallel_size} is not supported: the MoE routing statistics and capacity are per "
                 f"sequence, and under context parallelism a sequence is split over ranks. Use one of the two.")
-        ep, dp = self.expert_parallel_size, self.data_parallel_size
-        if dp % ep:
+        ep, dp, tp = self.expert_parallel_size, self.data_parallel_size, self.tensor_parallel_size
+        etp = self.expert_tensor_parallel
+        if etp not in (1, tp):
+            raise ValueError(
+                f"expert_tensor_parallel_size={etp} with tensor_parallel_size={tp} is not supported: the experts are "
+                f"split over all tp ranks (expert_tensor_parallel_size=None or {tp}) or kept whole on each "
+                f"(expert_tensor_parallel_size=1, the tp ranks then hold different experts).")
+        if etp < tp and ep == 1:
+            raise ValueError(
+                f"expert_tensor_parallel_size=1 with tensor_parallel_size={tp} keeps every expert whole, so the {tp} "
+                f"tp ranks must hold different experts: set expert_parallel_size to a divisor of tp x dp = {tp * dp} "
+                f"above 1, or expert_tensor_parallel_size={tp}.")
+        if etp < tp:
+            if (tp * dp) % ep:
+                raise ValueError(
+                    f"expert_parallel_size={ep} must divide tensor_parallel_size x data_parallel_size = {tp * dp} "
+                    f"with expert_tensor_parallel_size=1 (the experts are spread over the tp and dp ranks). Use "
+                    f"an expert_parallel_size in {[d for d in range(2, tp * dp + 1) if (tp * dp) % d == 0]}.")
+        elif dp % ep:
             raise ValueError(
                 f"expert_parallel_size={ep} must divide data_parallel_size={dp}: the experts are split over groups of "
                 f"{ep} data-parallel ranks (Megatron-Core's layout), each rank holding 1/{ep} of them. Use an "
                 f"expert_parallel_size in {[d for d in range(1, dp + 1) if dp % d == 0]} or more data-parallel ranks.")
-        if ep > 1 and self.zero_stage == 3:
-            raise ValueError(
-                f"zero_stage=3 with expert_parallel_size={ep} is not supported: FSDP would shard the experts over all "
-                f"{dp} data-parallel ranks, not over their expert-data-parallel group of {dp // ep}. Use zero_stage=1 "
-                f"or 2 (sharded over each group), or expert_parallel_size=1.")
         _check_positive("virtual_pipeline_size", self.virtual_pipeline_size)
         if self.virtual_pipeline_size > 1 and self.pipeline_parallel_size == 1:
             raise ValueError(
@@ -89,9 +108,27 @@ class ParallelConfig:
         return self.data_parallel_size * self.context_parallel_size
 
     @property
+    def expert_tensor_parallel(self) -> int:
+        """Over how many tp ranks each expert is split (Megatron-Core's ``expert_tensor_parallel_size``): tp (the
+        default) or 1, where each tp rank holds whole experts and the tp ranks join expert parallelism."""
+        return self.tensor_parallel_size if self.expert_tensor_parallel_size is None else self.expert_tensor_parallel_size
+
+    @property
+    def expert_slots(self) -> int:
+        """Ranks of one pipeline stage that hold different experts or replicas of them (Megatron-Core's "MoE
+        parallel folding"): dp, or tp x dp when the experts are whole on each tp rank. ``expert_parallel_size``
+        divides it; slot ``j`` is expert-parallel rank ``j % ep`` of expert-data-parallel rank ``j // ep``."""
+        return self.data_parallel_size * self.tensor_parallel_size // self.expert_tensor_parallel
+
+    def expert_slot(self, data_rank: int, tensor_rank: int) -> int:
+        """The slot of the rank at (``data_rank``, ``tensor_rank``): dp-major, its tp ranks next to each other."""
+        folded = self.tensor_parallel_size // self.expert_tensor_parallel
+        return data_rank * folded + tensor_rank // self.expert_tensor_parallel
+
+    @property
     def expert_data_parallel_size(self) -> int:
-        """Replicas of each expert: the data-parallel ranks left once the experts are split ``expert_parallel_size`` ways."""
-        return self.data_parallel_size // self.expert_parallel_size
+        """Replicas of each expert: the slots left once the experts are split ``expert_parallel_size`` ways."""
+        return self.expert_slots // self.expert_parallel_size
 
     @classmethod
     def for_world(
@@ -107,6 +144,7 @@ class ParallelConfig:
         pipeline_layers_per_stage: Optional[tuple[int, ...]] = None,
         expert_parallel_size: int = 1,
         context_parallel_size: int = 1,
+        expert_tensor_parallel_size: Optional[int] = None,
     ) -> "ParallelConfig":
         """Build a config for ``world_size`` processes; ``data_parallel_size="auto"`` takes what is left."""
         _check_positive("tensor_parallel_size", tensor_parallel_size)
@@ -132,6 +170,7 @@ class ParallelConfig:
             pipeline_layers_per_stage=pipeline_layers_per_stage,
             expert_parallel_size=expert_parallel_size,
             context_parallel_size=context_parallel_size,
+            expert_tensor_parallel_size=expert_tensor_parallel_size,
         )
         if config.world_size != world_size:
             raise ValueError(
@@ -160,7 +199,8 @@ class ParallelConfig:
 def requested_layout(*, tensor_parallel_size: int | str, pipeline_parallel_size: int | str,
                      data_parallel_size: int | str, sequence_parallel: bool, zero_stage: int,
                      virtual_pipeline_size: int | str, pipeline_layers_per_stage: Optional[Sequence[int]],
-                     expert_parallel_size: int | str, context_parallel_size: int | str) -> dict[str, Any]:
+                     expert_parallel_size: int | str, context_parallel_size: int | str,
+                     expert_tensor_parallel_size: Optional[int] = None) -> dict[str, Any]:
     """``Megatron3DStrategy``'s layout arguments as given, checked as far as they can be before any process exists
     (the world size is known only then): ``"auto"`` sizes, which the layout planner fills in, count as 1 here;
     ``data_parallel_size="auto"`` takes what the others leave. What :meth:`ParallelConfig.for_world` takes."""
@@ -171,6 +211,9 @@ def requested_layout(*, tensor_parallel_size: int | str, pipeline_parallel_size:
                  context_parallel_size=context_parallel_size)
     known = {name: 1 if value == "auto" else value for name, value in sizes.items()}
     ParallelConfig(data_parallel_size=known["expert_parallel_size"] if data_parallel_size == "auto" else data_parallel_size,
-                   sequence_parallel=sequence_parallel and tensor_parallel_size != "auto", zero_stage=zero_stage, **known)
+                   sequence_parallel=sequence_parallel and tensor_parallel_size != "auto", zero_stage=zero_stage,
+                   expert_tensor_parallel_size=None if tensor_parallel_size == "auto" else expert_tensor_parallel_size,
+                   **known)
     return dict(sizes, data_parallel_size=data_parallel_size, sequence_parallel=sequence_parallel, zero_stage=zero_stage,
-                pipeline_layers_per_stage=tuple(pipeline_layers_per_stage) if pipeline_layers_per_stage else None)
+                pipeline_layers_per_stage=tuple(pipeline_layers_per_stage) if pipeline_layers_per_stage else None,
+                expert_tensor_parallel_size=expert_tensor_parallel_size)

@@ -38,6 +38,7 @@ class ParallelState:
     expert_parallel_group: Optional[dist.ProcessGroup] = None
     expert_data_parallel_group: Optional[dist.ProcessGroup] = None
     replica_mesh: Optional[DeviceMesh] = None
+    expert_data_mesh: Optional[DeviceMesh] = None
     timeout: Optional[timedelta] = None
     _subgroups: dict[int, Optional[dist.ProcessGroup]] = field(default_factory=dict, repr=False)
 
@@ -66,14 +67,17 @@ class ParallelState:
         replica_mesh = mesh["dp", "cp"]._flatten(REPLICA_DIM)  # kept: slicing a flattened dim from the root is deprecated
         model_parallel_group, embedding_group = _model_parallel_and_embedding_groups(config)
         expert_group, expert_data_group = _expert_groups(config, replica_mesh.get_group())
+        expert_data_mesh = _expert_data_mesh(config, mesh)
         if timeout is not None:
             groups = [mesh.get_group(dim) for dim in MESH_DIM_NAMES] + [replica_mesh.get_group(), model_parallel_group,
                                                                         embedding_group, expert_group, expert_data_group]
+            groups += [expert_data_mesh.get_group()] if expert_data_mesh is not None else []
             for group in {id(g): g for g in groups if g is not None}.values():
                 dist.distributed_c10d._set_pg_timeout(timeout, group)  # gloo and NCCL (set_timeout: gloo only)
         return cls(config=config, device=device, mesh=mesh, model_parallel_group=model_parallel_group,
                    embedding_group=embedding_group, expert_parallel_group=expert_group,
-                   expert_data_parallel_group=expert_data_group, replica_mesh=replica_mesh, timeout=timeout)
+                   expert_data_parallel_group=expert_data_group, replica_mesh=replica_mesh,
+                   expert_data_mesh=expert_data_mesh, timeout=timeout)
 
     def tensor_parallel_subgroup(self, size: int) -> Optional[dist.ProcessGroup]:
         """This rank's group of ``size`` consecutive tp ranks (tp ranks ``k * size`` to ``(k + 1) * size - 1``),
@@ -156,13 +160,19 @@ class ParallelState:
         return self._local_rank("tp")
 
     @property
+    def expert_slot(self) -> int:
+        """This rank's :meth:`ParallelConfig.expert_slot`: its data-parallel rank (with ``expert_tensor_parallel_size
+        = 1``: its tp and dp ranks together)."""
+        return self.config.expert_slot(self.data_parallel_rank, self.tensor_parallel_rank)
+
+    @property
     def expert_parallel_rank(self) -> int:
-        """Which ``1/ep`` of the experts this rank holds: data-parallel rank ``d`` is expert-parallel rank ``d % ep``."""
-        return self.data_parallel_rank % self.config.expert_parallel_size
+        """Which ``1/ep`` of the experts this rank holds: slot ``j`` is expert-parallel rank ``j % ep``."""
+        return self.expert_slot % self.config.expert_parallel_size
 
     @property
     def expert_data_parallel_rank(self) -> int:
-        return self.data_parallel_rank // self.config.expert_parallel_size
+        return self.expert_slot // self.config.expert_parallel_size
 
     @property
     def data_parallel_rank(self) -> int:
@@ -174,29 +184,48 @@ class ParallelState:
 
 
 def _expert_groups(config: ParallelConfig, replica_group: Optional[dist.ProcessGroup]):
-    """The expert-parallel group (``ep`` consecutive dp ranks: they exchange tokens, each holding ``1/ep`` of the
-    experts) and the expert-data-parallel group (the dp ranks holding the same experts: they sum the experts'
-    gradients), for this rank; ``None`` for a group of one. Every rank creates every group, in the same order."""
+    """The expert-parallel group (``ep`` consecutive expert slots, ``ParallelConfig.expert_slot``: they exchange
+    tokens, each holding ``1/ep`` of the experts) and the expert-data-parallel group (the slots holding the same
+    experts: they sum the experts' gradients), for this rank; ``None`` for a group of one. The slots are the dp
+    ranks of one (pp, tp) coordinate, or with ``expert_tensor_parallel_size=1`` the tp x dp ranks of one pipeline
+    stage. Every rank creates every group, in the same order."""
     ep, edp = config.expert_parallel_size, config.expert_data_parallel_size
+    folded = config.expert_tensor_parallel < config.tensor_parallel_size
     if ep == 1:
         return None, replica_group
-    if edp == 1:  # (expert parallelism runs without context parallelism: the replicas are the dp ranks)
+    if edp == 1 and not folded:  # (expert parallelism runs without context parallelism: the replicas are the dp ranks)
         return replica_group, None
     rank = dist.get_rank()
     expert_group = expert_data_group = None
+    etp, tp, dp = config.expert_tensor_parallel, config.tensor_parallel_size, config.data_parallel_size
     for p in range(config.pipeline_parallel_size):
-        for t in range(config.tensor_parallel_size):
-            ranks_of = lambda dps: [config.rank_of(pipeline_rank=p, data_rank=d, tensor_rank=t) for d in dps]  # noqa: E731
-            for first in range(0, config.data_parallel_size, ep):
-                group = dist.new_group(ranks_of(range(first, first + ep)))
-                if rank in ranks_of(range(first, first + ep)):
+        for t0 in range(etp):  # the tp position inside an expert's split: its slots run over the other coordinates
+            slots = [config.rank_of(pipeline_rank=p, data_rank=d, tensor_rank=t) for d in range(dp)
+                     for t in range(t0, tp, etp)]
+            for first in range(0, len(slots), ep):
+                group = dist.new_group(slots[first:first + ep])
+                if rank in slots[first:first + ep]:
                     expert_group = group
-            for offset in range(ep):
-                ranks = ranks_of(range(offset, config.data_parallel_size, ep))
-                group = dist.new_group(ranks)
-                if rank in ranks:
-                    expert_data_group = group
+            if edp > 1:
+                for offset in range(ep):
+                    group = dist.new_group(slots[offset::ep])
+                    if rank in slots[offset::ep]:
+                        expert_data_group = group
     return expert_group, expert_data_group
+
+
+def _expert_data_mesh(config: ParallelConfig, mesh: DeviceMesh) -> Optional[DeviceMesh]:
+    """The 1-D mesh of this rank's expert-data-parallel group (``slots / ep`` ranks, possibly one), over which ZeRO-3
+    shards the experts (``optim.zero3``); only for ZeRO-3 with expert parallelism (other layouts use the groups).
+    The expert slots (dp, or dp x tp with whole experts) unflattened into ("edp", "ep"): slot ``j`` is
+    ``(j // ep, j % ep)``, as :func:`_expert_groups`."""
+    ep = config.expert_parallel_size
+    if ep == 1 or config.zero_stage != 3:
+        return None
+    if config.expert_tensor_parallel < config.tensor_parallel_size:  # the slots run over dp and tp (cp is 1 with ep)
+        slots = mesh["dp", "cp", "tp"]._flatten("expert_slots")
+        return slots._unflatten(0, (config.expert_data_parallel_size, ep), ("edp", "ep"))["edp"]
+    return mesh._unflatten("dp", (config.expert_data_parallel_size, ep), ("edp", "ep"))["edp"]
 
 
 def _model_parallel_and_embedding_groups(config: ParallelConfig):

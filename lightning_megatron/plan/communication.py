@@ -34,7 +34,8 @@ dp           per step over ``dp x cp`` replicas: ZeRO-0 all-reduces the gradient
              their ``dp / ep`` replicas), ZeRO-1 reduce-scatters them and all-gathers the updated parameters,
              ZeRO-2 reduce-scatters every micro-batch; ZeRO-3 (FSDP2) all-gathers every layer in forward and again
              in backward (the root group, embedding, final norm and head, stays gathered) in the compute dtype
-             and reduce-scatters the fp32 gradients, every micro-batch.
+             and reduce-scatters the fp32 gradients, every micro-batch; under expert parallelism the experts'
+             over their ``dp / ep`` replicas.
 ===========  ===================================================================================================
 
 Scalars (token counts, the gradient norm, the non-finite flag, the loss totals the pipeline broadcasts) are left out:
@@ -160,12 +161,16 @@ def step_collectives(shape: ModelShape, layout: Layout, workload: Workload, mode
         full = gradients * (sizes["dp"] if layout.zero_stage == 2 else 1)  # ZeRO-2 keeps its slice only
         add("dp", "reduce_scatter", m if layout.zero_stage == 2 else 1, full, "gradients")
         add("dp", "all_gather", 1, full, "updated parameters")
-    else:
+    else:  # the experts' fp32 shards over their edp replicas, the rest over dp x cp
         n = sizes["dp"]
-        parameters = model_state["parameters"] * n / 4 * w  # fp32 shards, gathered in the compute dtype
+        experts = expert / workload.parameter_bytes  # elements of the rank's experts, whole
+        dense_shards = model_state["parameters"] - 4 * experts / sizes["edp"]
+        parameters = dense_shards * n / 4 * w  # fp32 shards, gathered in the compute dtype
         root = _root_parameter_elements(shape, layout, workload, first, last) * w
         add("dp", "all_gather", m, 2 * parameters - root, "layers (forward, backward), root group (once)")
-        add("dp", "reduce_scatter", m, model_state["gradients"] * n, "fp32 gradients")
+        add("dp", "reduce_scatter", m, (model_state["gradients"] - 4 * experts / sizes["edp"]) * n, "fp32 gradients")
+        add("edp", "all_gather", m, 2 * experts * w, "experts (forward, backward)")
+        add("edp", "reduce_scatter", m, 4 * experts, "experts' fp32 gradients")
     return out
 
 

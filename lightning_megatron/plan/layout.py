@@ -168,6 +168,10 @@ def check_layout(layout: Layout, workload: Workload, module: Any, num_layers: in
     if validate is not None:
         validate(layout)  # a Layout is the ParallelConfig the strategy hands the model
     check_schedule(layout.pipeline_schedule, layout.virtual_pipeline_size, zero_stage=layout.zero_stage)
+    if layout.expert_tensor_parallel < layout.tensor_parallel_size:
+        raise ValueError(f"The planner models experts split over all {layout.tensor_parallel_size} tp ranks; "
+                         f"expert_tensor_parallel_size=1 (whole experts on each tp rank) is not planned yet. Plan "
+                         f"with expert_tensor_parallel_size=None and set it in the config.")
     if SCHEDULE_SPECS[layout.pipeline_schedule].split_backward:
         raise ValueError(f"The planner models 1f1b, interleaved_1f1b and gpipe; pipeline_schedule="
                          f"{layout.pipeline_schedule!r} (a split backward, another stage placement and bubble) is not "

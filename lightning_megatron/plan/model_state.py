@@ -11,7 +11,8 @@ buffers out with, called on meta tensors of the rank's parameters), the fp32 mai
   ZeRO-2 keeps only this rank's slice), fp32 main copies of this rank's owned slices unless they are views
   of fp32 parameters, and the optimizer's state for those slices;
 * ZeRO-3: FSDP2's dim-0 chunk of every (fp32) parameter, its gradient and its optimizer state; a frozen
-  parameter's chunk only, in the parameter dtype.
+  parameter's chunk only, in the parameter dtype. Chunks over dp x cp, an expert's over its expert-data-parallel
+  group (``dp / ep`` ranks).
 
 Optimizer state is ``optimizer_state_bytes_per_element`` per element stepped (AdamW: 8).
 
@@ -84,10 +85,13 @@ def _dense_model_state_bytes(parameters: Sequence[RankParameter], layout: Layout
     trainable = [p for p in parameters if p.entry.requires_grad]
     if layout.zero_stage == 3:
         # FSDP2 shards dim 0 of every parameter over the replicas, torch.chunk's way: the trained ones in fp32 (the
-        # main parameters), frozen ones (a LoRA base) in the parameter dtype (``preparation.shard_zero3``).
-        grads = sum(_fsdp_chunk(p.entry.shape, replicas, replica_rank) for p in trainable)
-        frozen = sum(_fsdp_chunk(p.entry.shape, replicas, replica_rank)
-                     for p in parameters if not p.entry.requires_grad)
+        # main parameters), frozen ones (a LoRA base) in the parameter dtype (``preparation.shard_zero3``); the
+        # experts over their expert-data-parallel group under expert parallelism (``optim.zero3.shard_experts``).
+        ep = config.expert_parallel_size
+        chunk = lambda p: (_fsdp_chunk(p.entry.shape, config.expert_data_parallel_size, data_rank // ep)  # noqa: E731
+                           if ep > 1 and p.entry.expert else _fsdp_chunk(p.entry.shape, replicas, replica_rank))
+        grads = sum(chunk(p) for p in trainable)
+        frozen = sum(chunk(p) for p in parameters if not p.entry.requires_grad)
         return {"parameters": 4 * grads + workload.parameter_bytes * frozen, "gradients": 4 * grads,
                 "main_parameters": 0, "optimizer_state": state_bytes_per_element * grads}
     element = workload.parameter_bytes

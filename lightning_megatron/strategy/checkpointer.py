@@ -204,7 +204,7 @@ class Checkpointer:
         reference = checkpoint.get(BASE_KEY)
         check_module_base(reference, module, where="This checkpoint")  # before any tensor is loaded
         if parts.zero3 is not None:
-            load_zero3_state_dict(module, checkpoint["state_dict"], parts.state)
+            load_zero3_state_dict(module, checkpoint["state_dict"])
         else:
             local = local_state_dict_from_full(module, checkpoint["state_dict"])
             if reference is None:

@@ -84,6 +84,7 @@ class Megatron3DStrategy(ParallelStrategy):
         *,
         virtual_pipeline_size: Union[int, str] = 1,
         expert_parallel_size: Union[int, str] = 1,
+        expert_tensor_parallel_size: Optional[int] = None,
         context_parallel_size: Union[int, str] = 1,
         context_parallel_attention: str = "ring",
         pipeline_schedule: str = "1f1b",

@@ -75,6 +75,11 @@ class StrategyOptions:
         'ranks that split the experts of Mixture-of-Experts layers, carved out of dp (it must divide '
         "``data_parallel_size``); tokens reach their experts by all-to-all, and the experts' gradients are "
         'reduced over the ranks holding the same experts (ZeRO 1/2 shards them there).'))
+    expert_tensor_parallel_size: Optional[int] = field(default=None, metadata=_doc(
+        'tensor-parallel ranks that split each expert (Megatron-Core\'s ``expert_tensor_parallel_size``): None '
+        '(``tensor_parallel_size``, every expert split like a dense MLP) or 1: each tp rank holds whole experts and the '
+        'tp ranks join the dp ranks in expert parallelism (``expert_parallel_size`` then divides tp x dp), attention '
+        'still split over tp.'))
     context_parallel_size: Union[int, str] = field(default=1, metadata=_doc(
         "ranks that split every sample's sequence (long context): each holds two of ``2 * cp`` chunks (Megatron's "
         'causal load balancing), attention is exact over the whole sequence (``context_parallel_attention``), and '
@@ -228,7 +233,7 @@ class StrategyOptions:
             data_parallel_size=self.data_parallel_size, sequence_parallel=self.sequence_parallel,
             zero_stage=self.zero_stage, virtual_pipeline_size=self.virtual_pipeline_size,
             pipeline_layers_per_stage=self.pipeline_layers_per_stage, expert_parallel_size=self.expert_parallel_size,
-            context_parallel_size=self.context_parallel_size)
+            context_parallel_size=self.context_parallel_size, expert_tensor_parallel_size=self.expert_tensor_parallel_size)
         check_overlap_param_gather(self.overlap_param_gather, self.zero_stage)
         derived["loss_scaler_settings"] = dict(self.loss_scaler or {})
         DynamicLossScaler(**derived["loss_scaler_settings"])  # the settings are checked by building one

@@ -1,7 +1,8 @@
 """Train the tiny MoE GPT for a few steps at several expert-parallel layouts over the same processes, and count
 the collectives of one step.
 
-argv: OUT_DIR LAYOUTS, a comma list of ``<variant>-ep{E}[-pp{P}]-tp{T}-dp{D}[-sp][-mb{M}][-z{Z}][-og][-rc][-zb]`` (``og``:
+argv: OUT_DIR LAYOUTS, a comma list of ``<variant>-ep{E}[-pp{P}]-tp{T}-dp{D}[-sp][-mb{M}][-z{Z}][-og][-rc][-zb][-etp1]``
+(``etp1``: expert_tensor_parallel_size=1, whole experts on each tp rank; ``og``:
 overlap_param_gather; ``rc``: full recomputation; ``zb``: the interleaved zero-bubble schedule, its backward
 split in two passes; variants:
 ``gpt_setup.VARIANTS``), or ``count-ep{E}-tp{T}-dp{D}[-sp]`` for a counting run, or ``gen-...`` for generation. The model is built by the
@@ -34,10 +35,10 @@ from lightning_megatron.strategy.options import StrategyOptions
 from lightning_megatron.parallel import ParallelConfig, ParallelState, TensorParallelRNG
 from lightning_megatron.parallel.initialize import initialize_parameters
 from lightning_megatron.expert_parallel.apply import prepare_experts
-from lightning_megatron.strategy.preparation import apply_recompute, split_pipeline
+from lightning_megatron.strategy.preparation import apply_recompute, shard_zero3, split_pipeline
 from lightning_megatron.tensor_parallel import parallelize
 
-LAYOUT = re.compile(r"(\w+)-ep(\d+)(?:-pp(\d+))?-tp(\d+)-dp(\d+)(-sp)?(?:-mb(\d+))?(?:-z(\d))?(-og)?(-rc)?(-zb)?")
+LAYOUT = re.compile(r"(\w+)-ep(\d+)(?:-pp(\d+))?-tp(\d+)-dp(\d+)(-sp)?(?:-mb(\d+))?(?:-z(\d))?(-og)?(-rc)?(-zb)?(-etp1)?")
 
 
 def build(name: str, config: ParallelConfig, micro_batches: int, recompute: str = "none", overlap: bool = False,
@@ -50,11 +51,15 @@ def build(name: str, config: ParallelConfig, micro_batches: int, recompute: str 
     apply_recompute(model, recompute, rng)
     prepare_experts(model, state)
     split = split_pipeline(model, state, schedule)
-    initialize_parameters(model, SEED, device="cpu", only_meta=True)
+    zero3 = None
+    if config.zero_stage == 3:  # the experts over their expert-data-parallel group, the rest over dp
+        zero3 = shard_zero3(model, state, precision="32-true", seed=SEED, device="cpu")
+    else:
+        initialize_parameters(model, SEED, device="cpu", only_meta=True)
     opt = optimizer(model.parameters())
     options = StrategyOptions(zero_stage=state.config.zero_stage, bucket_size_mb=0.01, overlap_param_gather=overlap)
-    step = build_step_gradients(model, state, [opt], options, loss_scaler=None, nonfinite=NonFiniteCheck("error", 10),
-                                device=torch.device("cpu"))
+    step = build_step_gradients(model, state, [opt], options, zero3=zero3, loss_scaler=None,
+                                nonfinite=NonFiniteCheck("error", 10), device=torch.device("cpu"))
     runner = None
     if split is not None:
         runner = start_worker_pipeline(split, state, step, GLOBAL_BATCH // config.data_parallel_size // micro_batches,
@@ -66,7 +71,8 @@ def parse(layout: str):
     match = LAYOUT.fullmatch(layout)
     ep, pp, tp, dp = int(match[2]), int(match[3] or 1), int(match[4]), int(match[5])
     config = ParallelConfig(tensor_parallel_size=tp, pipeline_parallel_size=pp, data_parallel_size=dp,
-                            sequence_parallel=bool(match[6]), zero_stage=int(match[8] or 0), expert_parallel_size=ep)
+                            sequence_parallel=bool(match[6]), zero_stage=int(match[8] or 0), expert_parallel_size=ep,
+                            expert_tensor_parallel_size=1 if match[12] else None)
     return (match[1], config, int(match[7] or 1), "full" if match[10] else "none", bool(match[9]),
             "interleaved_zero_bubble" if match[11] else "1f1b")
 
@@ -100,7 +106,10 @@ def train(layout: str):
         step.finish(accumulation=1 if runner is not None else micro_batches, loss_scale=1.0)
         # As the strategy: the non-finite check measures the global norm, the clip reuses it.
         norm, _ = step.check_finite(opt.param_groups, step=len(losses), epoch=0)
-        step.clip(opt.param_groups, CLIP, norm=norm)
+        if config.zero_stage == 3:  # as strategy.step: ZeRO-3 clips its own shards
+            step.sync.clip_grad_norm_(CLIP, norm=norm)
+        else:
+            step.clip(opt.param_groups, CLIP, norm=norm)
         opt.step()
         step.after_step()
         if moe.expert_bias:

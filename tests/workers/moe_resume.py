@@ -1,5 +1,6 @@
 """The tiny MoE GPT (``gpt_setup.MOE_CONFIGS[variant]``) under the real Trainer and ``Megatron3DStrategy``: several
-fits one after another over the same 4 processes, each at its own (tp, ep) layout (dp = world / tp), ZeRO-1.
+fits one after another over the same 4 processes, each at its own (tp, ep) layout (dp = world / tp), ZeRO-1
+unless the run gives ``zero``; ``etp``: expert_tensor_parallel_size.
 
 argv: OUT_DIR JSON_OPTIONS: ``{"variant": "moe", "runs": [run, ...]}``, a run being ``{"name", "tp", "ep",
 "steps"}`` (``steps``: the Trainer's max_steps) plus optionally ``stop_at`` (stop after that step, as an
@@ -55,7 +56,8 @@ def main(out_dir: Path, args: list[str]) -> None:
 
     def fit(run: dict) -> tuple[list[float], list[float]]:
         L.seed_everything(7)
-        strategy = Megatron3DStrategy(tensor_parallel_size=run["tp"], expert_parallel_size=run["ep"], zero_stage=1,
+        strategy = Megatron3DStrategy(tensor_parallel_size=run["tp"], expert_parallel_size=run["ep"],
+                                      zero_stage=run.get("zero", 1), expert_tensor_parallel_size=run.get("etp"),
                                       bucket_size_mb=0.01)
         record = Record(run["name"], bool(run.get("ckpt_path")), run.get("stop_at"))
         callbacks = [record]

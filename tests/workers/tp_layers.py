@@ -272,7 +272,7 @@ def main(out_dir: Path, args: list[str]) -> None:
         pad1["full_state_error"] = max((full_state[name] - t).abs().max().item() for name, t in lm_ref.state_dict().items())
         if rank == 0:
             torch.save({name: t.detach().clone() for name, t in lm_ref.state_dict().items()}, out_dir / "pad1_reference.pt")
-        save_sharded(out_dir / "pad1_checkpoint", model_entries(lm, 0, 1), {}, {})
+        save_sharded(out_dir / "pad1_checkpoint", model_entries(lm), {}, {})
 
     # The chunked loss (GPTConfig.loss_chunk_tokens) at tp2 and tp2+SP against the unchunked single-process model on
     # the whole batch: vocabulary 257 pads to 512 (rank 1 holds one real id and 255 padding rows), tied and untied, a

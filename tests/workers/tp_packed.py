@@ -208,9 +208,9 @@ def main(out_dir: Path, args: list[str]) -> None:
 
     def save(case, name, *, with_optimizer=False):
         state, model = case["state"], case["model"]
-        entries = model_entries(model, state.data_parallel_rank, state.config.data_parallel_size)
+        entries = model_entries(model)
         if with_optimizer:
-            placements = parameter_placements(model, state.data_parallel_rank, state.config.data_parallel_size, case["main"])
+            placements = parameter_placements(model, case["main"])
             entries.update(optimizer_entries(case["opt"], 0, placements))
         save_sharded(out_dir / name, entries, {}, {})
         return out_dir / name
@@ -220,9 +220,9 @@ def main(out_dir: Path, args: list[str]) -> None:
         layout; compare the gathered weights and every local piece of optimizer state with the reference."""
         model, opt, main, state = fresh(make, plan, state_name, main_params=momenta is not None)
         saved = open_sharded(path)
-        entries = model_entries(model, state.data_parallel_rank, state.config.data_parallel_size)
+        entries = model_entries(model)
         if momenta is not None:
-            placements = parameter_placements(model, state.data_parallel_rank, state.config.data_parallel_size, main)
+            placements = parameter_placements(model, main)
             allocate_optimizer_state(opt, 0, placements, saved.tensors())
             entries.update(optimizer_entries(opt, 0, placements))
         read_tensors(saved, entries)

@@ -163,7 +163,7 @@ def train(layout: str, check_load: bool, out_dir: Path):
     load_ok = None
     if check_load:  # a fresh ZeRO-3 model at this layout takes the full weights back exactly
         fresh, _, _ = build(state, pre=False)
-        load_full_state_dict(fresh, weights, state)
+        load_full_state_dict(fresh, weights)
         again = merge_pipeline_stages(gather_full_state_dict(fresh, state.tensor_parallel_group),
                                       state.pipeline_parallel_group)
         load_ok = all(torch.equal(again[k], weights[k]) for k in weights)
