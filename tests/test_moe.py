@@ -5,6 +5,7 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from launch import run_job
 from workers.gpt_setup import CLIP, MOE, SEED, batches, optimizer
@@ -30,6 +31,8 @@ LAYOUTS = [
     "bias-ep2-pp2-tp1-dp2-mb2-rc",  # recomputed MoE layers replay their all-to-alls, counted once
     "bias-ep2-pp2-tp1-dp2-mb2-rc-zb",  # ... under the zero-bubble schedule: aux losses through its weight pass
     "plain-ep2-tp2-dp2-z1",       # Qwen2-MoE's routing (no renormalisation), no shared expert
+    "qwen3moe-ep2-tp2-dp2",       # Qwen3-MoE: q/k norms on each rank's heads, experts split over tp and ep
+    "qwen3moe-ep2-pp2-tp1-dp2-mb2",  # ... over two stages, the dense layer on the second
 ]
 COUNTS = ["count-ep2-tp1-dp4", "count-ep2-tp2-dp2", "count-ep2-tp2-dp2-sp"]
 GENERATION = ["gen-ep2-tp1-dp4", "gen-ep2-pp2-tp1-dp2", "gen-ep2-tp2-dp2-sp"]
@@ -80,6 +83,26 @@ def test_expert_parallel_layouts_match_one_process(launched, layout):
     assert weight_dev[worst] < WEIGHT_TOL, f"{layout}: {worst} deviates by {weight_dev[worst]:.2e}"
     if name == "bias":  # the bias moved (and alike at every layout): the check above covers its values
         assert ref_weights["blocks.0.mlp.router.expert_bias"].abs().sum() > 0
+
+
+@pytest.mark.slow
+def test_qwen3_moe_layouts_start_from_the_loss_of_transformers_model(launched, tmp_path):
+    """The first step's loss at each Qwen3-MoE layout is that of transformers' Qwen3MoeForCausalLM loaded from the
+    same initial weights (exported by the qwen3_moe family), on the same batch (the load-balancing loss only adds
+    to the gradients, as transformers' does with output_router_logits off)."""
+    transformers = pytest.importorskip("transformers")
+    out, _ = launched
+    torch.manual_seed(SEED)
+    initial = GPT(CONFIGS["qwen3moe"])
+    initial.configure_model()
+    initial.to_hf(tmp_path)
+    hf = transformers.Qwen3MoeForCausalLM.from_pretrained(tmp_path).eval()
+    input_ids, labels = batches()[0]
+    with torch.no_grad():
+        expected = F.cross_entropy(hf(input_ids).logits.flatten(0, 1), labels.flatten(), ignore_index=-100).item()
+    for layout in (layout for layout in LAYOUTS if layout.startswith("qwen3moe-")):
+        first = torch.load(out / f"{layout}.pt", weights_only=True)["losses"][0]
+        assert abs(first - expected) < LOSS_TOL, (layout, first, expected)
 
 
 @pytest.mark.slow

@@ -54,6 +54,10 @@ VARIANTS = {
     "plain": replace(MOE, normalize_topk=False, shared_expert_size=0, shared_expert_gate=False),
 }
 MOE_CONFIGS = {name: replace(LLAMA_CONFIG, moe=moe) for name, moe in VARIANTS.items()}
+# Qwen3-MoE-shaped: Qwen3's attention (q/k norms, 16-channel heads, no biases), MoE layers without a shared expert
+# (layer 2 dense, as mlp_only_layers=[2]), weights renormalised, the load-balancing loss on, no z-loss.
+MOE_CONFIGS["qwen3moe"] = replace(QWEN3_CONFIG, moe=replace(MOE, z_loss_coeff=0.0, shared_expert_size=0,
+                                                            shared_expert_gate=False))
 CONFIGS["moe"] = MOE_CONFIGS["moe"]
 
 LR, WEIGHT_DECAY, CLIP = 1e-2, 0.1, 0.5
