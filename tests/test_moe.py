@@ -1,6 +1,7 @@
 """Mixture of Experts and expert parallelism: the layer's pieces in one process, then the layout matrix (every
 expert-parallel layout against one process) and the collectives of one step, in one 4-rank launch."""
 
+import functools
 import math
 
 import pytest
@@ -39,8 +40,10 @@ GENERATION = ["gen-ep2-tp1-dp4", "gen-ep2-pp2-tp1-dp2", "gen-ep2-tp2-dp2-sp"]
 LOSS_TOL, WEIGHT_TOL = 1e-5, 1e-5
 
 
+@functools.cache
 def _reference(name):
-    """Plain PyTorch, one process, the whole global batch, torch's own clipping (what every layout must give)."""
+    """Plain PyTorch, one process, the whole global batch, torch's own clipping (what every layout must give); once
+    per variant (the layouts of a variant only read it)."""
     torch.manual_seed(SEED)
     config = CONFIGS[name]
     model = GPTModel(config)
