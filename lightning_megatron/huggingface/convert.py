@@ -3,7 +3,8 @@
 ``read_hf`` picks the family by ``config.json``'s ``model_type``; ``write_hf`` by ``model_type`` when
 given, else by our config: a ``BERTConfig`` is BERT, a ``GPTConfig`` with learned positions is GPT-2,
 one with rotary positions is Llama-shaped: with Mixture-of-Experts layers ``qwen2_moe`` when they have
-a shared expert, else ``qwen3_moe`` when it normalises query and key heads, else ``mixtral``; dense, ``qwen3`` when it normalises query and key heads (Qwen3's
+a shared expert, else ``qwen3_moe`` when it normalises query and key heads, else ``mixtral``;
+dense, ``qwen3`` when it normalises query and key heads (Qwen3's
 ``qk_layernorm``), ``qwen2`` when it has biases on qkv alone (Qwen2's), else ``llama`` (``mistral`` only when asked for). The family then refuses, by name, any piece it lacks. State dicts are our
 models' own, full and unsharded (``GPTModel``/``BERTModel`` names, ``blocks.0.attn.qkv.weight``); a
 LightningModule's (names under ``model.``) is accepted too.
@@ -83,7 +84,8 @@ def family_for(config: Any, model_type: Optional[str] = None) -> Family:
         elif config.position_embedding_type == "learned_absolute":  # GPT-2's; its checks name any other piece
             model_type = "gpt2"
         elif config.moe is not None:
-            model_type = "qwen2_moe" if config.moe.shared_expert_size else "qwen3_moe" if config.qk_layernorm else "mixtral"
+            model_type = ("qwen2_moe" if config.moe.shared_expert_size else "qwen3_moe" if config.qk_layernorm
+                          else "mixtral")
         elif config.qk_layernorm:
             model_type = "qwen3"
         else:

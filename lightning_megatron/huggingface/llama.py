@@ -198,7 +198,8 @@ def _moe_problems(config: GPTConfig, architecture: str, experts: Optional[Expert
     moe = config.moe
     if experts is None:
         return [] if moe is None else [f"moe=MoEConfig(num_experts={moe.num_experts}, ...): {architecture}'s MLPs "
-                                       f"are dense; MoE models export with model_type='mixtral', 'qwen2_moe' or 'qwen3_moe'"]
+                                       f"are dense; MoE models export with model_type='mixtral', 'qwen2_moe' or "
+                                       f"'qwen3_moe'"]
     if moe is None:
         return [f"moe=None: {architecture}'s MLPs are Mixtures of Experts; dense models export with "
                 f"model_type='llama', 'mistral' or 'qwen2'"]

@@ -382,16 +382,14 @@ GPT_PRESETS.update({
                                    moe=MoEConfig(num_experts=60, top_k=4, ffn_hidden_size=1408, normalize_topk=False,
                                                  aux_loss_coeff=1e-3, shared_expert_size=5632, shared_expert_gate=True),
                                    **LLAMA),
-    # Qwen3-MoE (Qwen/Qwen3-30B-A3B, -235B-A22B config.json): Qwen3's attention (q/k norms, 128-channel heads, 4 key/
-    # value heads), every layer MoE, 128 experts of which 8 per token, weights renormalised, no shared expert;
-    # 30.5B parameters with 3.3B active, 235.1B with 22.2B (the model cards' numbers; embeddings and head counted).
-    **{name: GPTConfig(vocab_size=151936, max_seq_length=40960, hidden_size=h, num_layers=layers, num_heads=heads,
-                       num_query_groups=4, ffn_hidden_size=ffn, kv_channels=128, qk_layernorm=True,
-                       rotary_base=1000000.0, layer_norm_eps=1e-6, tie_embeddings=False,
-                       moe=MoEConfig(num_experts=128, top_k=8, ffn_hidden_size=moe_ffn, normalize_topk=True,
-                                     aux_loss_coeff=1e-3), **LLAMA)
-       for name, (h, layers, heads, ffn, moe_ffn) in {"qwen3-30b-a3b": (2048, 48, 32, 6144, 768),
-                                                      "qwen3-235b-a22b": (4096, 94, 64, 12288, 1536)}.items()},
+    # Qwen3-30B-A3B (Qwen/Qwen3-30B-A3B config.json): Qwen3's attention (q/k norms, 128-channel heads, 4 key/value
+    # heads), every layer MoE, 128 experts of width 768 of which 8 per token, weights renormalised, no shared expert;
+    # 30.5B parameters, 3.3B active (the model card's numbers; embedding and head counted).
+    "qwen3-30b-a3b": GPTConfig(vocab_size=151936, max_seq_length=40960, hidden_size=2048, num_layers=48, num_heads=32,
+                               num_query_groups=4, ffn_hidden_size=6144, kv_channels=128, qk_layernorm=True,
+                               rotary_base=1000000.0, layer_norm_eps=1e-6, tie_embeddings=False,
+                               moe=MoEConfig(num_experts=128, top_k=8, ffn_hidden_size=768, normalize_topk=True,
+                                             aux_loss_coeff=1e-3), **LLAMA),
 })
 
 
