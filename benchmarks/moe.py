@@ -12,7 +12,8 @@ Three tables from one invocation, each comparing its sides in the same run:
     model state), ratios against ep=1, and rank 0's last loss (must agree across layouts).
 (2) **Load balance.** One process, a plain loop (``GPTModel`` + AdamW) on byte tokens of the built-in
     corpus, the same seed and batches under ``aux_loss_coeff`` 0, 1e-2 (Megatron-Core's usual value) and
-    1e-1, and ``expert_bias=True`` (aux-loss-free): the max/mean expert load of each layer over each
+    1e-1, ``expert_bias=True`` (aux-loss-free), and each family's router as its published config sets it
+    (Qwen3-MoE: renormalised, 1e-3): the max/mean expert load of each layer over each
     step's batch (a forward hook on every ``TopKRouter``), at the first step and over the last steps,
     and the band each run ends in.
 (3) **Loop vs grouped GEMM.** Forward + backward of E_local SwiGLU experts on the tokens a rank holds
@@ -257,6 +258,8 @@ BALANCE_VARIANTS: dict[str, dict] = {
     "aux 1e-2": dict(aux_loss_coeff=1e-2),
     "aux 1e-1": dict(aux_loss_coeff=1e-1),
     "expert_bias (aux-free)": dict(expert_bias=True),
+    # Qwen3-MoE's router (Qwen3-30B-A3B's config): softmax, top-k weights renormalised, router_aux_loss_coef 1e-3
+    "qwen3-moe router": dict(normalize_topk=True, aux_loss_coeff=1e-3),
 }
 
 
@@ -453,7 +456,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     if "balance" in sections:
         print("  (2) load balance ...", file=sys.stderr, flush=True)
         print("\n(2) Load balance: max/mean expert load per layer, aux_loss_coeff 0 / 1e-2 / 1e-1 / aux-loss-free "
-              "expert bias")
+              "expert bias / the families' routers")
         print(balance_table(args))
     if "grouped" in sections:
         print("  (3) loop vs grouped GEMM ...", file=sys.stderr, flush=True)

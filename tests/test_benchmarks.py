@@ -196,7 +196,8 @@ def test_moe_benchmark_prints_its_three_tables(run_tool):
         assert abs(float(row["last loss"]) - float(layouts["1"]["last loss"])) < 1e-4, layouts
     assert [layouts[ep]["params vs ep1"] for ep in layouts] == ["1.000", "0.500", "0.250"]  # exact bytes: 1/ep
     balance = {row[0]: row[1:] for row in tables["2"][1:]}
-    assert tables["2"][0][1:] == ["aux 0", "aux 1e-2", "aux 1e-1", "expert_bias (aux-free)"], tables["2"][0]
+    assert tables["2"][0][1:] == ["aux 0", "aux 1e-2", "aux 1e-1", "expert_bias (aux-free)", "qwen3-moe router"], \
+        tables["2"][0]
     first = balance["max/mean load, step 1, worst layer"]
     assert len(set(first)) == 1 and float(first[0]) >= 1.0, first  # the same seed and batch: the same first routing
     grouped = tables["3"][1:]

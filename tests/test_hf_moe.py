@@ -4,6 +4,7 @@ case of ``workers/hf_llama_setup.MOE_CASES``; every spelling of the experts read
 from our config; clear errors for what cannot convert. The tp=2 layouts: ``test_hf_parity.py``."""
 
 import json
+import math
 from dataclasses import replace
 
 import pytest
@@ -15,6 +16,7 @@ from lightning_megatron.huggingface import FAMILIES, family_for
 from lightning_megatron.huggingface.io import read_weights, safetensors_torch
 from lightning_megatron.huggingface.mixtral import mixtral_config_from_hf
 from lightning_megatron.huggingface.qwen2_moe import hf_config_from_qwen2_moe, qwen2_moe_config_from_hf
+from lightning_megatron.huggingface.qwen3_moe import hf_config_from_qwen3_moe, qwen3_moe_config_from_hf
 from lightning_megatron.models import GPT, GPTConfig
 from lightning_megatron.models.moe import MoEConfig
 
@@ -22,7 +24,9 @@ transformers = pytest.importorskip("transformers")
 BOOKKEEPING = {"_name_or_path", "architectures", "dtype", "transformers_version"}
 STORED_EXPERT = {"mixtral": "model.layers.0.block_sparse_moe.experts.3.w3.weight",  # how checkpoints name an expert
                  "qwen2-moe": "model.layers.1.mlp.experts.7.up_proj.weight",
-                 "qwen2-moe-norm": "model.layers.2.mlp.experts.7.down_proj.weight"}
+                 "qwen2-moe-norm": "model.layers.2.mlp.experts.7.down_proj.weight",
+                 "qwen3-moe": "model.layers.2.mlp.experts.7.gate_proj.weight",
+                 "qwen3-moe-step": "model.layers.1.mlp.experts.7.up_proj.weight"}
 
 
 def routed_experts(hf, input_ids) -> dict[int, set[int]]:
@@ -137,6 +141,9 @@ def test_configs_read_json_defaults_and_map_the_routing():
     ("qwen1.5-moe-a2.7b", {"num_experts": 60, "num_experts_per_tok": 4, "moe_intermediate_size": 1408,
                            "shared_expert_intermediate_size": 5632, "intermediate_size": 5632, "norm_topk_prob": False,
                            "decoder_sparse_step": 1, "mlp_only_layers": [], "qkv_bias": True}),
+    ("qwen3-30b-a3b", {"num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768, "head_dim": 128,
+                       "num_key_value_heads": 4, "norm_topk_prob": True, "decoder_sparse_step": 1,
+                       "mlp_only_layers": [], "max_position_embeddings": 40960}),
 ])
 def test_presets_export_the_published_configs(preset, published):
     config = GPTConfig.from_name(preset)
@@ -146,10 +153,79 @@ def test_presets_export_the_published_configs(preset, published):
     assert family.config_from_hf(hf_config, ()) == config
 
 
+# Qwen/Qwen3-30B-A3B's config.json on the Hugging Face Hub (transformers 4.51's spelling: num_experts, rope_theta).
+QWEN3_30B_A3B = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "attention_bias": False,
+                 "attention_dropout": 0.0, "bos_token_id": 151643, "eos_token_id": 151645, "decoder_sparse_step": 1,
+                 "head_dim": 128, "hidden_act": "silu", "hidden_size": 2048, "intermediate_size": 6144,
+                 "max_position_embeddings": 40960, "max_window_layers": 48, "mlp_only_layers": [],
+                 "moe_intermediate_size": 768, "norm_topk_prob": True, "num_attention_heads": 32, "num_experts": 128,
+                 "num_experts_per_tok": 8, "num_hidden_layers": 48, "num_key_value_heads": 4,
+                 "output_router_logits": False, "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 1000000.0,
+                 "router_aux_loss_coef": 0.001, "sliding_window": None, "tie_word_embeddings": False,
+                 "use_sliding_window": False, "vocab_size": 151936}
+
+
+def test_qwen3_moe_configs_read_the_published_config_both_expert_spellings_and_the_window():
+    published = qwen3_moe_config_from_hf(QWEN3_30B_A3B)
+    assert published == GPTConfig.from_name("qwen3-30b-a3b")
+    # transformers 5 writes the expert count as num_local_experts (its attribute map), the Hub's files num_experts
+    respelled = transformers.Qwen3MoeConfig(**{k: v for k, v in QWEN3_30B_A3B.items() if k != "num_experts"},
+                                            num_experts=128).to_dict()
+    assert "num_local_experts" in respelled and "num_experts" not in respelled
+    assert qwen3_moe_config_from_hf(respelled) == published
+    assert qwen3_moe_config_from_hf({"model_type": "qwen3_moe", "num_hidden_layers": 4}) == qwen3_moe_config_from_hf(
+        transformers.Qwen3MoeConfig(num_hidden_layers=4))
+    # dense layers among MoE ones, as Qwen2-MoE: mlp_only_layers, else every decoder_sparse_step-th layer
+    for dense, pattern, written in (([], (0, 1, 0, 1), (2, [])), ([1], (0, 0, 0, 1), (4, [])),
+                                    ([3], (1, 1, 1, 0), (1, [3]))):
+        step = 1 if dense == [3] else 2
+        config = qwen3_moe_config_from_hf(build_hf_model("qwen3-moe", num_hidden_layers=4, decoder_sparse_step=step,
+                                                         mlp_only_layers=dense).config)
+        assert (config.moe.layer_freq, config.ffn_hidden_size, config.moe_ffn_size, config.kv_channels) == (
+            pattern, 96, 24, 32)
+        fields = hf_config_from_qwen3_moe(config)  # a decoder_sparse_step where one describes the pattern
+        assert (fields["decoder_sparse_step"], fields["mlp_only_layers"]) == written
+    # transformers 5 slides in every layer when use_sliding_window (max_window_layers ignored); so does an export
+    windowed = qwen3_moe_config_from_hf({**QWEN3_30B_A3B, "use_sliding_window": True, "sliding_window": 8})
+    assert (windowed.sliding_window, windowed.layer_types) == (8, None)
+    fields = hf_config_from_qwen3_moe(windowed)
+    assert (fields["use_sliding_window"], fields["sliding_window"], fields["max_window_layers"]) == (True, 8, 0)
+    hf = transformers.Qwen3MoeConfig(**fields)
+    assert hf.sliding_window == 8 and qwen3_moe_config_from_hf(hf) == windowed
+
+
+# Qwen/Qwen3-235B-A22B's shape (its config.json): not a preset, whose every-preset tests would build its 12,032
+# experts on the meta device.
+QWEN3_235B_A22B = GPTConfig.from_name("qwen3-30b-a3b", hidden_size=4096, num_layers=94, num_heads=64,
+                                      ffn_hidden_size=12288, moe=MoEConfig(num_experts=128, top_k=8,
+                                                                           ffn_hidden_size=1536, aux_loss_coeff=1e-3))
+
+
+@pytest.mark.parametrize("config, card", [(GPTConfig.from_name("qwen3-30b-a3b"), ("30.5", "3.3")),
+                                          (QWEN3_235B_A22B, ("235", "22"))], ids=["30b-a3b", "235b-a22b"])
+def test_qwen3_moe_shapes_count_the_parameters_of_transformers_model(config, card):
+    """All and active parameters (``num_active_parameters``: the top-k experts of each MoE layer) equal those of
+    transformers' Qwen3MoeForCausalLM built on the meta device from the exported config, active ones counted from its
+    stacked experts; cut to the model cards' digits, their numbers (embedding and head counted; 30,532,122,624 and
+    3,353,032,704, 235,093,634,560 and 22,190,763,520)."""
+    hf_config = transformers.AutoConfig.for_model(**hf_config_from_qwen3_moe(config))
+    with torch.device("meta"):
+        hf = transformers.Qwen3MoeForCausalLM(hf_config)
+    expected = sum(p.numel() for p in hf.parameters())
+    idle = sum((layer.mlp.experts.gate_up_proj.numel() + layer.mlp.experts.down_proj.numel())
+               * (hf_config.num_experts - hf_config.num_experts_per_tok) // hf_config.num_experts
+               for layer in hf.model.layers)
+    assert (config.num_parameters(), config.num_active_parameters()) == (expected, expected - idle)
+    digits = [len(number.partition(".")[2]) for number in card]
+    assert [math.floor(count / 10 ** (9 - d)) / 10 ** d for count, d in zip((expected, expected - idle), digits)] == [
+        float(number) for number in card]
+
+
 def test_family_is_chosen_from_the_config_and_refuses_what_it_cannot_hold(tmp_path):
     mixtral = GPT.from_hf(build_hf_model("mixtral")).config
     qwen = GPT.from_hf(build_hf_model("qwen2-moe")).config
-    assert (family_for(mixtral).model_type, family_for(qwen).model_type) == ("mixtral", "qwen2_moe")
+    qwen3 = GPTConfig.from_name("qwen3-30b-a3b")
+    assert [family_for(config).model_type for config in (mixtral, qwen, qwen3)] == ["mixtral", "qwen2_moe", "qwen3_moe"]
     refusals = [
         (mixtral, "llama", "LlamaForCausalLM's MLPs are dense; MoE models export with model_type='mixtral'"),
         (GPTConfig.from_name("llama-tiny"), "mixtral", "moe=None: MixtralForCausalLM's MLPs are Mixtures of Experts"),
@@ -160,6 +236,13 @@ def test_family_is_chosen_from_the_config_and_refuses_what_it_cannot_hold(tmp_pa
         (qwen, "mixtral", "shared_expert_size=40: MixtralForCausalLM has no shared expert(.|\n)*'qwen2_moe'"),
         (mixtral, "qwen2_moe", "shared_expert_size=0, shared_expert_gate=False: every Qwen2MoeForCausalLM MoE layer"),
         (replace(qwen, add_bias_linear=True), "qwen2_moe", "add_bias_linear=True: Qwen2MoeForCausalLM has biases on q"),
+        (qwen3, "mixtral", r"qk_layernorm=True \(MixtralForCausalLM has False\)"),
+        (mixtral, "qwen3_moe", r"qk_layernorm=False \(Qwen3MoeForCausalLM has True\)"),
+        (replace(qwen, qk_layernorm=True), "qwen3_moe", "shared_expert_size=40: Qwen3MoeForCausalLM has no shared "
+                                                        "expert(.|\n)*'qwen2_moe'"),
+        (replace(qwen3, add_qkv_bias=True), "qwen3_moe", "add_qkv_bias=True: Qwen3MoeForCausalLM as published has no"),
+        (replace(qwen3, num_layers=2, sliding_window=8, layer_types=("sliding_attention", "full_attention")),
+         "qwen3_moe", "every Qwen3MoeForCausalLM layer slides, or none does"),
     ]
     for config, model_type, message in refusals:
         with pytest.raises(ValueError, match=f"no Hugging Face [A-Za-z0-9]+ equivalent(.|\n)*{message}"):
@@ -178,6 +261,8 @@ def test_family_is_chosen_from_the_config_and_refuses_what_it_cannot_hold(tmp_pa
     ("mixtral", "router_jitter_noise", 0.1, "router_jitter_noise=0.1: our router does not perturb its inputs"),
     ("mixtral", "hidden_act", "gelu", "hidden_act='gelu'"),
     ("qwen2-moe", "shared_expert_intermediate_size", 0, "shared_expert_intermediate_size=0"),
+    ("qwen3-moe", "attention_bias", True, "attention_bias=True: Qwen3-MoE's biases on q, k, v and o"),
+    ("qwen3-moe", "num_local_experts", 0, "num_experts=0: every layer is dense; read it as model_type='qwen3'"),
 ])
 def test_unconvertible_config_raises(case, field, value, message):
     fields = build_hf_model(case).config.to_dict() | {field: value}

@@ -1,10 +1,12 @@
 """Mixture of Experts and expert parallelism: the layer's pieces in one process, then the layout matrix (every
 expert-parallel layout against one process) and the collectives of one step, in one 4-rank launch."""
 
+import functools
 import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from launch import run_job
 from workers.gpt_setup import CLIP, MOE, SEED, batches, optimizer
@@ -38,14 +40,18 @@ LAYOUTS = [
     "moe-ep2-tp2-dp2-etp1",       # whole experts on each tp rank: the tp pair is the expert-parallel group
     "cap-ep4-tp2-dp2-sp-z1-etp1",  # ... ep over tp x dp, sequence parallel, dropped assignments, ZeRO-1 over edp 1
     "moe-ep2-tp2-dp2-sp-z3-etp1",  # ... ZeRO-3: whole experts' rows over their edp pair (tp x dp / ep)
+    "qwen3moe-ep2-tp2-dp2",       # Qwen3-MoE: q/k norms on each rank's heads, experts split over tp and ep
+    "qwen3moe-ep2-pp2-tp1-dp2-mb2",  # ... over two stages, the dense layer on the second
 ]
 COUNTS = ["count-ep2-tp1-dp4", "count-ep2-tp2-dp2", "count-ep2-tp2-dp2-sp"]
 GENERATION = ["gen-ep2-tp1-dp4", "gen-ep2-pp2-tp1-dp2", "gen-ep2-tp2-dp2-sp"]
 LOSS_TOL, WEIGHT_TOL = 1e-5, 1e-5
 
 
+@functools.cache
 def _reference(name):
-    """Plain PyTorch, one process, the whole global batch, torch's own clipping (what every layout must give)."""
+    """Plain PyTorch, one process, the whole global batch, torch's own clipping (what every layout must give); once
+    per variant (the layouts of a variant only read it)."""
     torch.manual_seed(SEED)
     config = CONFIGS[name]
     model = GPTModel(config)
@@ -89,6 +95,26 @@ def test_expert_parallel_layouts_match_one_process(launched, layout):
     if name in ("bias", "mla"):  # the bias moved (and alike at every layout): the check above covers its values
         first = CONFIGS[name].moe.moe_layers(CONFIGS[name].num_layers)[0]
         assert ref_weights[f"blocks.{first}.mlp.router.expert_bias"].abs().sum() > 0
+
+
+@pytest.mark.slow
+def test_qwen3_moe_layouts_start_from_the_loss_of_transformers_model(launched, tmp_path):
+    """The first step's loss at each Qwen3-MoE layout is that of transformers' Qwen3MoeForCausalLM loaded from the
+    same initial weights (exported by the qwen3_moe family), on the same batch (the load-balancing loss only adds
+    to the gradients, as transformers' does with output_router_logits off)."""
+    transformers = pytest.importorskip("transformers")
+    out, _ = launched
+    torch.manual_seed(SEED)
+    initial = GPT(CONFIGS["qwen3moe"])
+    initial.configure_model()
+    initial.to_hf(tmp_path)
+    hf = transformers.Qwen3MoeForCausalLM.from_pretrained(tmp_path).eval()
+    input_ids, labels = batches()[0]
+    with torch.no_grad():
+        expected = F.cross_entropy(hf(input_ids).logits.flatten(0, 1), labels.flatten(), ignore_index=-100).item()
+    for layout in (layout for layout in LAYOUTS if layout.startswith("qwen3moe-")):
+        first = torch.load(out / f"{layout}.pt", weights_only=True)["losses"][0]
+        assert abs(first - expected) < LOSS_TOL, (layout, first, expected)
 
 
 @pytest.mark.slow

@@ -1,6 +1,7 @@
 """Mixture-of-Experts checkpoints: the tiny MoE GPT trained by the Trainer at ep2 x tp2 (dp2, ZeRO-1, AdamW), a
 sharded checkpoint of an interrupted run, resumed at ep1, at ep4, at ep2 x dp4 under ZeRO-3 and at ep4 over
-tp2 x dp2 with whole experts (expert_tensor_parallel_size=1) with the uninterrupted run's losses."""
+tp2 x dp2 with whole experts (expert_tensor_parallel_size=1) with the uninterrupted run's losses; the Qwen3-MoE-shaped
+one (q/k norms, no shared expert) saved mid-run at ep2 x tp2 and resumed at ep4 x tp1."""
 
 import json
 
@@ -14,6 +15,7 @@ from workers.gpt_setup import MOE_CONFIGS
 STEPS, STOP_AT = 4, 2
 SAVED = "save/epoch=0-step=2.ckpt"
 SHORT = "short/epoch=0-step=2.ckpt"
+QWEN3_MOE_SAVED = "qwen3moe/epoch=0-step=2.ckpt"
 RESUMED = {  # run name: (tp, ep, zero_stage, expert_tensor_parallel_size) on 4 ranks, dp = 4 / tp
     "ep2": (2, 2, 1, None),  # the saving layout: exact
     "ep1": (2, 1, 1, None),  # every rank holds all 4 experts, reduced and ZeRO-sharded over dp2
@@ -34,6 +36,10 @@ def runs(tmp_path_factory):
     # A run that ended at max_steps=2, continued with max_steps=4: the data index is rebuilt for 4 steps.
     plan += [{"name": "short", "tp": 2, "ep": 2, "steps": STOP_AT, "save_every": STOP_AT},
              {"name": "extended", "tp": 2, "ep": 2, "steps": STEPS, "ckpt_path": str(out / SHORT)}]
+    # Qwen3-MoE: a run that saves at step 2 and goes on, and its checkpoint resumed at another (tp, ep, dp)
+    plan += [{"name": "qwen3moe", "variant": "qwen3moe", "tp": 2, "ep": 2, "steps": STEPS, "save_every": STOP_AT},
+             {"name": "qwen3moe-ep4", "variant": "qwen3moe", "tp": 1, "ep": 4, "steps": STEPS,
+              "ckpt_path": str(out / QWEN3_MOE_SAVED)}]
     results, _ = run_job("moe_resume", 4, out, json.dumps({"variant": "moe", "runs": plan}))
     assert len(results) == 4 and all("error" not in run for result in results for run in result.values()), results
     return out, results[0]
@@ -100,6 +106,21 @@ def test_resume_at_another_expert_parallel_size_continues_the_uninterrupted_run(
             assert torch.equal(piece, saved[key][region]), (rank, key, offsets)
             covered[key][region] = True
     assert all(covered[key].all() for key in covered), [key for key in covered if not covered[key].all()]
+
+
+@pytest.mark.slow
+def test_a_qwen3_moe_checkpoint_resumes_at_another_layout(runs):
+    """Saved at ep2 x tp2 x dp2 (each rank a half of its q/k norms' heads, two experts a layer), resumed at
+    ep4 x tp1 x dp4: the steps after it give the saving run's losses and weights."""
+    out, result = runs
+    saving, resumed = result["qwen3moe"], result["qwen3moe-ep4"]
+    assert resumed["samples"] == saving["samples"][STOP_AT:]
+    assert resumed["losses"] == pytest.approx(saving["losses"][STOP_AT:], abs=1e-5)
+    final = torch.load(out / "qwen3moe-ep4.pt", weights_only=True)["weights"]
+    expected = torch.load(out / "qwen3moe.pt", weights_only=True)["weights"]
+    assert final.keys() == expected.keys() and "model.blocks.0.attn.q_norm.weight" in final
+    worst = max((final[key] - expected[key]).abs().max().item() for key in expected)
+    assert worst < 1e-5, f"weights deviate by {worst:.2e}"
 
 
 @pytest.mark.slow

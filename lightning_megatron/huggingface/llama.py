@@ -7,11 +7,12 @@ mapping and configs: a ``Dialect`` declares only the config fields a family spel
 fused by query group where theirs are ``q_proj``/``k_proj``/``v_proj``, and our ``mlp.fc`` is
 ``[gate; up]`` where theirs are ``gate_proj``/``up_proj``. Rotary positions use the "rotate half"
 convention on both sides, so ``q_proj``/``k_proj`` need no permutation. The Mixture-of-Experts families,
-``MixtralForCausalLM`` (``mixtral.py``) and ``Qwen2MoeForCausalLM`` (``qwen2_moe.py``), are dialects too:
-``ExpertNames`` says how one spells an MoE layer, each expert converting like a dense MLP.
+``MixtralForCausalLM`` (``mixtral.py``), ``Qwen2MoeForCausalLM`` (``qwen2_moe.py``) and ``Qwen3MoeForCausalLM``
+(``qwen3_moe.py``), are dialects too: ``ExpertNames`` says how one spells an MoE layer, each expert converting
+like a dense MLP.
 
 A ``head_dim`` other than ``hidden_size / num_attention_heads`` converts to ``GPTConfig.kv_channels``, and a
-family with per-head query and key norms (``Qwen3ForCausalLM``, ``qwen3.py``) to ``qk_layernorm``. A dialect may
+family with per-head query and key norms (``Qwen3ForCausalLM``, ``qwen3.py``; ``Qwen3MoeForCausalLM``) to ``qk_layernorm``. A dialect may
 also bring its own pieces, layer norms and rotary fields: ``Gemma3ForCausalLM`` (``gemma3.py``: four norms a layer,
 GeGLU, rotary parameters per layer type).
 
@@ -199,7 +200,7 @@ class Dialect:
                       hf_name=self.hf_name, expected=f"a transformers {self.architecture}")
 
 
-DIALECT_NAMES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "gemma3_text")
+DIALECT_NAMES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "gemma3_text")
 
 
 # ----------------------------------------------------------------------------- shared config pieces
@@ -219,7 +220,8 @@ def _moe_problems(config: GPTConfig, architecture: str, experts: Optional[Expert
     moe = config.moe
     if experts is None:
         return [] if moe is None else [f"moe=MoEConfig(num_experts={moe.num_experts}, ...): {architecture}'s MLPs "
-                                       f"are dense; MoE models export with model_type='mixtral' or 'qwen2_moe'"]
+                                       f"are dense; MoE models export with model_type='mixtral', 'qwen2_moe' or "
+                                       f"'qwen3_moe'"]
     if moe is None:
         return [f"moe=None: {architecture}'s MLPs are Mixtures of Experts; dense models export with "
                 f"model_type='llama', 'mistral' or 'qwen2'"]

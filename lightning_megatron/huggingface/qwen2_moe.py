@@ -21,7 +21,7 @@ per-expert tensors, as ``save_pretrained`` does. ``router_aux_loss_coef``, the s
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Union
 
 from lightning_megatron.huggingface.llama import (Dialect, ExpertNames, Fields, windows_by_layer_type,
                                                   windows_to_layer_types)
@@ -29,22 +29,27 @@ from lightning_megatron.models.gpt import GPTConfig
 from lightning_megatron.models.moe import MoEConfig
 
 
-def _qwen2_moe_fields(fields: Fields, problems: list[str]) -> dict[str, Any]:
+def sparse_layer_pattern(fields: Fields) -> Union[int, tuple[int, ...]]:
+    """``MoEConfig.layer_freq`` of ``decoder_sparse_step`` and ``mlp_only_layers`` (Qwen2-MoE's and Qwen3-MoE's)."""
     step, dense = fields["decoder_sparse_step"], set(fields["mlp_only_layers"] or ())
     pattern = tuple(int(index not in dense and (index + 1) % step == 0) for index in range(fields["num_hidden_layers"]))
+    return 1 if all(pattern) else pattern
+
+
+def _qwen2_moe_fields(fields: Fields, problems: list[str]) -> dict[str, Any]:
     shared, normalize = fields["shared_expert_intermediate_size"], bool(fields["norm_topk_prob"])
     if not shared:
         problems.append("shared_expert_intermediate_size=0: our MoE layers have a shared expert of some width or none "
                         "(and then no shared_expert_gate)")
     moe = MoEConfig(num_experts=fields["num_experts"], top_k=fields["num_experts_per_tok"],
-                    ffn_hidden_size=fields["moe_intermediate_size"], layer_freq=1 if all(pattern) else pattern,
+                    ffn_hidden_size=fields["moe_intermediate_size"], layer_freq=sparse_layer_pattern(fields),
                     score_function="softmax", normalize_topk=normalize,
                     aux_loss_coeff=float(fields["router_aux_loss_coef"]), shared_expert_size=shared,
                     shared_expert_gate=bool(shared))
     return {"add_qkv_bias": bool(fields["qkv_bias"]), "moe": moe, **windows_by_layer_type(fields)}
 
 
-def _layer_fields(config: GPTConfig) -> dict[str, Any]:
+def sparse_layer_fields(config: GPTConfig) -> dict[str, Any]:
     """Which layers are MoE: a ``decoder_sparse_step`` where one describes them, else ``mlp_only_layers``."""
     moe = [config.is_moe_layer(index) for index in range(config.num_layers)]
     for step in range(1, config.num_layers + 1):
@@ -62,7 +67,7 @@ def _qwen2_moe_hf_fields(config: GPTConfig, problems: list[str]) -> dict[str, An
     return {"qkv_bias": config.add_qkv_bias, "num_experts": moe.num_experts, "num_experts_per_tok": moe.top_k,
             "moe_intermediate_size": config.moe_ffn_size, "shared_expert_intermediate_size": moe.shared_expert_size,
             "norm_topk_prob": moe.normalize_topk, "router_aux_loss_coef": moe.aux_loss_coeff,
-            "output_router_logits": False, **_layer_fields(config), **windows_to_layer_types(config)}
+            "output_router_logits": False, **sparse_layer_fields(config), **windows_to_layer_types(config)}
 
 
 QWEN2_MOE = Dialect(

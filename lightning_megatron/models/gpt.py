@@ -433,6 +433,14 @@ GPT_PRESETS.update({
                                    moe=MoEConfig(num_experts=60, top_k=4, ffn_hidden_size=1408, normalize_topk=False,
                                                  aux_loss_coeff=1e-3, shared_expert_size=5632, shared_expert_gate=True),
                                    **LLAMA),
+    # Qwen3-30B-A3B (Qwen/Qwen3-30B-A3B config.json): Qwen3's attention (q/k norms, 128-channel heads, 4 key/value
+    # heads), every layer MoE, 128 experts of width 768 of which 8 per token, weights renormalised, no shared expert;
+    # 30.5B parameters, 3.3B active (the model card's numbers; embedding and head counted).
+    "qwen3-30b-a3b": GPTConfig(vocab_size=151936, max_seq_length=40960, hidden_size=2048, num_layers=48, num_heads=32,
+                               num_query_groups=4, ffn_hidden_size=6144, kv_channels=128, qk_layernorm=True,
+                               rotary_base=1000000.0, layer_norm_eps=1e-6, tie_embeddings=False,
+                               moe=MoEConfig(num_experts=128, top_k=8, ffn_hidden_size=768, normalize_topk=True,
+                                             aux_loss_coeff=1e-3), **LLAMA),
     # DeepSeek-V3 (deepseek-ai/DeepSeek-V3 config.json): multi-head latent attention, 3 dense layers then 58 MoE
     # layers of 256 sigmoid-routed experts (8 per token among the 4 best of 8 groups, weights x 2.5, the
     # aux-loss-free bias) and one shared expert; the sequence-wise balance loss at the paper's 1e-4. Published with

@@ -70,6 +70,10 @@ MOE_CONFIGS["mla"] = replace(
                 router_group_topk=1, router_topk_scaling_factor=2.5))
 # Its attention alone, in dense layers (context parallelism refuses MoE layers).
 MLA_CONFIG = replace(MOE_CONFIGS["mla"], moe=None)
+# Qwen3-MoE-shaped: Qwen3's attention (q/k norms, 16-channel heads, no biases), MoE layers without a shared expert
+# (layer 2 dense, as mlp_only_layers=[2]), weights renormalised, the load-balancing loss on, no z-loss.
+MOE_CONFIGS["qwen3moe"] = replace(QWEN3_CONFIG, moe=replace(MOE, z_loss_coeff=0.0, shared_expert_size=0,
+                                                            shared_expert_gate=False))
 CONFIGS["moe"] = MOE_CONFIGS["moe"]
 
 LR, WEIGHT_DECAY, CLIP = 1e-2, 0.1, 0.5

@@ -13,7 +13,9 @@ Three Mixture-of-Experts cases (``MOE_CASES``, ``tests/test_hf_moe.py``): Mixtra
 renormalised weights, every layer MoE), Qwen2-MoE with MoE in every second layer
 (``decoder_sparse_step=2``: layers 1 and 3 of 4; 8 experts, weights not renormalised, a gated shared
 expert), and Qwen2-MoE with a dense layer named by ``mlp_only_layers``, ``norm_topk_prob=True`` and
-tied embeddings. Every width and the heads split over tp=2.
+tied embeddings. Two Qwen3-MoE cases (q/k norms, heads 32 wide, no shared expert): 8 experts top-4 renormalised with
+the middle of 3 layers dense (``mlp_only_layers``), and top-2 not renormalised in every second layer
+(``decoder_sparse_step=2``) with tied embeddings. Every width and the heads split over tp=2.
 """
 
 import torch
@@ -44,6 +46,9 @@ CASES = {  # name -> (transformers class, config fields)
 QWEN2_MOE_FIELDS = {**BASE_FIELDS, "num_hidden_layers": 4, "decoder_sparse_step": 2, "num_experts": 8,
                     "num_experts_per_tok": 2, "moe_intermediate_size": 24, "shared_expert_intermediate_size": 40,
                     "norm_topk_prob": False}
+QWEN3_MOE_FIELDS = {**BASE_FIELDS, "head_dim": 32, "num_hidden_layers": 3, "mlp_only_layers": [1], "num_experts": 8,
+                    "num_experts_per_tok": 4, "moe_intermediate_size": 24, "norm_topk_prob": True,
+                    "tie_word_embeddings": False}
 MOE_CASES = {
     "mixtral": ("MixtralForCausalLM", {**BASE_FIELDS, "intermediate_size": 48, "num_local_experts": 4,
                                        "num_experts_per_tok": 2}),
@@ -51,9 +56,14 @@ MOE_CASES = {
     "qwen2-moe-norm": ("Qwen2MoeForCausalLM", {**QWEN2_MOE_FIELDS, "num_hidden_layers": 3, "decoder_sparse_step": 1,
                                                "mlp_only_layers": [1], "norm_topk_prob": True,
                                                "tie_word_embeddings": True}),
+    "qwen3-moe": ("Qwen3MoeForCausalLM", QWEN3_MOE_FIELDS),
+    "qwen3-moe-step": ("Qwen3MoeForCausalLM", {**QWEN3_MOE_FIELDS, "num_hidden_layers": 2, "mlp_only_layers": [],
+                                               "decoder_sparse_step": 2, "num_experts_per_tok": 2,
+                                               "norm_topk_prob": False, "tie_word_embeddings": True}),
 }
 MODEL_TYPES = {"llama-gqa": "llama", "llama-mqa": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3",
-               "gemma3": "gemma3_text", "llama-3.1-rope": "llama", "mixtral": "mixtral", "qwen2-moe": "qwen2_moe", "qwen2-moe-norm": "qwen2_moe"}
+               "gemma3": "gemma3_text", "llama-3.1-rope": "llama", "mixtral": "mixtral", "qwen2-moe": "qwen2_moe", "qwen2-moe-norm": "qwen2_moe",
+               "qwen3-moe": "qwen3_moe", "qwen3-moe-step": "qwen3_moe"}
 BATCH, SEQ = 2, 32  # shorter than Mistral's window; splits over tp=2 under sequence parallelism
 TOLERANCE = 1e-4  # fp32; measured 0.0 at every layout (the same ops in the same order); MoE: see test_hf_moe.py
 

@@ -3,7 +3,7 @@ fits one after another over the same 4 processes, each at its own (tp, ep) layou
 unless the run gives ``zero``; ``etp``: expert_tensor_parallel_size.
 
 argv: OUT_DIR JSON_OPTIONS: ``{"variant": "moe", "runs": [run, ...]}``, a run being ``{"name", "tp", "ep",
-"steps"}`` (``steps``: the Trainer's max_steps) plus optionally ``stop_at`` (stop after that step, as an
+"steps"}`` (``steps``: the Trainer's max_steps) plus optionally ``variant`` (this run's, else the options'), ``stop_at`` (stop after that step, as an
 interrupted run: its LR schedule and data index still span max_steps), ``save_every`` (sharded checkpoints into
 OUT_DIR/{name}/) and ``ckpt_path`` (resume from it). After each run rank 0 writes ``{name}.pt``: its per-step
 losses (of the global batch) and the full weights (gathered over tp and ep). A resumed run also writes, per rank,
@@ -68,7 +68,8 @@ def main(out_dir: Path, args: list[str]) -> None:
                   "limit_val_batches": 0}
         trainer = L.Trainer(accelerator="cpu", devices=world, strategy=strategy, callbacks=callbacks, **kwargs)
         # adam_eps 1e-6 as trainer_setup's (AdamW turns rounding noise in near-zero gradients into updates otherwise).
-        model = GPT(MOE_CONFIGS[options.get("variant", "moe")], learning_rate=3e-3, warmup_steps=2, adam_eps=1e-6)
+        model = GPT(MOE_CONFIGS[run.get("variant", options.get("variant", "moe"))], learning_rate=3e-3, warmup_steps=2,
+                    adam_eps=1e-6)
         data = GPTDataModule(seq_length=16, global_batch_size=8, max_files=24, seed=3, split="80,10,10")
         trainer.fit(model, datamodule=data, ckpt_path=run.get("ckpt_path"))
         weights = trainer.strategy.full_state_dict()
