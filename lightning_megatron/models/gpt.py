@@ -106,6 +106,11 @@ class GPTConfig(TransformerSizes):
     * ``attn_logit_softcapping``: scores become ``cap * tanh(scores / cap)`` before the mask and softmax (Gemma 2).
       That attention keeps its ``[S, S]`` probabilities for backward (``models.softcap``) and is refused under
       context parallelism; None: none.
+    * ``add_attention_bias``: biases on the attention's ``qkv`` and ``proj`` but not on the MLP (GPT-OSS's
+      ``attention_bias``; ``add_bias_linear`` puts them on every linear layer, ``add_qkv_bias`` on ``qkv`` alone).
+    * ``attention_sinks``: every attention head has a learned sink logit in its softmax's denominator (GPT-OSS's
+      ``sinks``; ``models.softcap``'s dense attention, as for the cap: ``[S, S]`` probabilities kept for backward).
+      Not yet split over tensor-parallel ranks nor merged by context parallelism's ring: both refused.
     """
 
     vocab_size: int = 257
@@ -138,6 +143,8 @@ class GPTConfig(TransformerSizes):
     rotary_base_local: Optional[float] = None
     softmax_scale: Optional[float] = None
     attn_logit_softcapping: Optional[float] = None
+    add_attention_bias: bool = False
+    attention_sinks: bool = False
 
     def __post_init__(self) -> None:
         if self.kv_channels is None:
@@ -247,7 +254,12 @@ class GPTConfig(TransformerSizes):
 
     @property
     def qkv_bias(self) -> bool:
-        return self.add_bias_linear or self.add_qkv_bias
+        return self.add_bias_linear or self.add_qkv_bias or self.add_attention_bias
+
+    @property
+    def proj_bias(self) -> bool:
+        """A bias on the attention's output projection (``add_bias_linear`` or ``add_attention_bias``)."""
+        return self.add_bias_linear or self.add_attention_bias
 
     def validate_expert_layout(self, tensor_parallel_size: int, expert_parallel_size: int) -> None:
         """Experts split over ``expert_parallel_size`` ranks and each expert over ``tensor_parallel_size``."""
@@ -293,8 +305,9 @@ class GPTConfig(TransformerSizes):
         norm = 2 * h if self.normalization == "LayerNorm" else h
         norms_per_layer = 4 if self.norm_position == "sandwich" else 2
         qkv_rows = (self.num_heads + 2 * self.query_groups) * self.head_dim
-        attention = qkv_rows * (h + self.qkv_bias) + h * self.num_heads * self.head_dim + h * bias
+        attention = qkv_rows * (h + self.qkv_bias) + h * self.num_heads * self.head_dim + h * self.proj_bias
         attention += 2 * self.head_dim * self.qk_layernorm  # q_norm, k_norm
+        attention += self.num_heads * self.attention_sinks
         matrices = 3 if is_gated(self.activation) else 2
 
         def mlp(width: int, with_bias: bool) -> int:
@@ -305,7 +318,7 @@ class GPTConfig(TransformerSizes):
             if self.is_moe_layer(index):
                 moe = self.moe
                 experts = moe.top_k if active else moe.num_experts
-                layers += (moe.num_experts * h + experts * mlp(self.moe_ffn_size, False)
+                layers += (moe.num_experts * (h + moe.router_bias) + experts * mlp(self.moe_ffn_size, moe.add_bias_linear)
                            + (mlp(moe.shared_expert_size, False) if moe.shared_expert_size else 0)
                            + h * moe.shared_expert_gate)
             else:
@@ -418,10 +431,10 @@ def gpt_layer(config: GPTConfig, index: int = 0, aux_losses: Optional[AuxLosses]
     qk_norm = partial(build_norm, config.normalization, config.head_dim, eps=config.layer_norm_eps)
     attention = SelfAttention(config.hidden_size, config.num_heads, num_query_groups=config.num_query_groups,
                               head_dim=config.head_dim, attention_dropout=config.attention_dropout, causal=True,
-                              qkv_bias=config.qkv_bias, proj_bias=config.add_bias_linear, rotary=rotary,
+                              qkv_bias=config.qkv_bias, proj_bias=config.proj_bias, rotary=rotary,
                               qk_norm=qk_norm if config.qk_layernorm else None,
                               window=config.attention_window(index), softmax_scale=config.softmax_scale,
-                              softcap=config.attn_logit_softcapping)
+                              softcap=config.attn_logit_softcapping, sinks=config.attention_sinks)
     if config.is_moe_layer(index):
         mlp = MoE(config.hidden_size, config.moe, default_ffn_size=config.ffn_size, activation=config.activation,
                   aux_losses=aux_losses)
@@ -489,6 +502,8 @@ class GPTModel(nn.Module):
         """GPT-2 init; output projections of residual branches scaled by 1/sqrt(2 * layers) (Radford et al. 2019)."""
         if name.endswith(("attn.proj.weight", "mlp.proj.weight")):
             tensor.normal_(0.0, INIT_STD / math.sqrt(2 * self.config.num_layers), generator=generator)
+        elif name.endswith("attn.sinks"):  # no pull of a sink at first
+            tensor.zero_()
         else:
             default_initializer(name, tensor, generator)
 
@@ -760,6 +775,13 @@ class GPT(BatchFlops, PretrainingRecipe):
     def validate_parallel_config(self, parallel_config) -> None:
         self.config.validate_tensor_parallel_size(parallel_config.tensor_parallel_size)
         self.config.validate_expert_layout(parallel_config.tensor_parallel_size, parallel_config.expert_parallel_size)
+        split = {name: getattr(parallel_config, name) for name in ("tensor_parallel_size", "context_parallel_size")}
+        if self.config.attention_sinks and any(size > 1 for size in split.values()):
+            raise ValueError(
+                f"{', '.join(f'{name}={size}' for name, size in split.items())} with attention_sinks=True is not "
+                f"supported yet: the sinks are not split with the heads over tensor-parallel ranks, and context "
+                f"parallelism's block merge does not add them. Use tensor_parallel_size=1 and context_parallel_size=1 "
+                f"(data, pipeline and expert parallelism work).")
         if parallel_config.context_parallel_size > 1 and self.config.moe is not None:
             raise ValueError(
                 f"context_parallel_size={parallel_config.context_parallel_size} with a Mixture-of-Experts model is not "

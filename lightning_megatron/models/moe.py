@@ -75,6 +75,14 @@ class MoEConfig:
       choice, moved by ``expert_bias_update_rate`` after each optimizer step toward equal loads.
     * ``shared_expert_size``: width of an always-on shared expert (0: none; DeepSeek and Qwen-MoE
       use one); ``shared_expert_gate``: Qwen2-MoE's per-token ``sigmoid(gate(x))`` on its output.
+    * ``router_bias``: the router's logits have a learned bias (GPT-OSS's; trained by gradients, unlike
+      ``expert_bias``, which only steers the choice).
+    * ``add_bias_linear``: biases on the routed experts' linear layers (GPT-OSS's); they run as a loop of their
+      modules (``models.experts``).
+
+    GPT-OSS routes by a softmax over the top-k logits only; that is ``score_function="softmax"`` with
+    ``normalize_topk=True`` (the full softmax's top-k renormalised: the same experts, the same weights, up to
+    rounding), so there is no option for it. Megatron-Core's ``moe_router_pre_softmax`` names the same choice.
     """
 
     num_experts: int
@@ -90,6 +98,8 @@ class MoEConfig:
     expert_bias_update_rate: float = 1e-3
     shared_expert_size: int = 0
     shared_expert_gate: bool = False
+    router_bias: bool = False
+    add_bias_linear: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.layer_freq, list):  # from YAML
@@ -252,8 +262,9 @@ class MoE(nn.Module):
         self.config = config
         ffn = config.ffn_hidden_size or default_ffn_size
         self.router = TopKRouter(hidden_size, config.num_experts, config.top_k, score_function=config.score_function,
-                                 normalize_topk=config.normalize_topk, expert_bias=config.expert_bias)
-        self.experts = nn.ModuleDict({str(e): build_mlp(activation, hidden_size, ffn, bias=False)
+                                 normalize_topk=config.normalize_topk, expert_bias=config.expert_bias,
+                                 bias=config.router_bias)
+        self.experts = nn.ModuleDict({str(e): build_mlp(activation, hidden_size, ffn, bias=config.add_bias_linear)
                                       for e in range(config.num_experts)})
         self.shared_expert = (build_mlp(activation, hidden_size, config.shared_expert_size, bias=False)
                               if config.shared_expert_size else None)
