@@ -2,7 +2,7 @@
 
 ``read_hf`` picks the family by ``config.json``'s ``model_type``; ``write_hf`` by ``model_type`` when
 given, else by our config: a ``BERTConfig`` is BERT, a ``GPTConfig`` with learned positions is GPT-2,
-one with rotary positions is Llama-shaped: with Mixture-of-Experts layers ``qwen2_moe`` when they have
+one with rotary positions is Llama-shaped: ``gpt_oss`` with attention sinks; with Mixture-of-Experts layers ``qwen2_moe`` when they have
 a shared expert, else ``mixtral``; dense, ``qwen3`` when it normalises query and key heads (Qwen3's
 ``qk_layernorm``), ``qwen2`` when it has biases on qkv alone (Qwen2's), else ``llama`` (``mistral`` only when asked for). The family then refuses, by name, any piece it lacks. State dicts are our
 models' own, full and unsharded (``GPTModel``/``BERTModel`` names, ``blocks.0.attn.qkv.weight``); a
@@ -24,7 +24,7 @@ from typing import Any, Mapping, Optional, Sequence, Union
 
 from torch import Tensor, nn
 
-from lightning_megatron.huggingface import bert, gpt2, llama, mistral, mixtral, qwen2, qwen2_moe, qwen3
+from lightning_megatron.huggingface import bert, gpt2, gpt_oss, llama, mistral, mixtral, qwen2, qwen2_moe, qwen3
 from lightning_megatron.huggingface.companions import special_token_ids, write_companions
 from lightning_megatron.huggingface.family import Family, TensorSource
 from lightning_megatron.huggingface.io import DEFAULT_MAX_SHARD_SIZE, read_hf_config, weight_names
@@ -34,7 +34,7 @@ from lightning_megatron.models.gpt import GPTConfig
 ModelConfig = Union[GPTConfig, BERTConfig]
 FAMILIES: dict[str, Family] = {family.model_type: family for family in
                                (gpt2.FAMILY, bert.FAMILY, llama.FAMILY, mistral.FAMILY, qwen2.FAMILY,
-                                qwen3.FAMILY, mixtral.FAMILY, qwen2_moe.FAMILY)}
+                                qwen3.FAMILY, mixtral.FAMILY, qwen2_moe.FAMILY, gpt_oss.FAMILY)}
 HF_MODEL_TYPES = tuple(sorted(FAMILIES))
 
 
@@ -82,6 +82,8 @@ def family_for(config: Any, model_type: Optional[str] = None) -> Family:
             model_type = "bert"
         elif config.position_embedding_type == "learned_absolute":  # GPT-2's; its checks name any other piece
             model_type = "gpt2"
+        elif config.attention_sinks:
+            model_type = "gpt_oss"
         elif config.moe is not None:
             model_type = "qwen2_moe" if config.moe.shared_expert_size else "mixtral"
         elif config.qk_layernorm:

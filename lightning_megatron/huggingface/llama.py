@@ -14,7 +14,8 @@ A ``head_dim`` other than ``hidden_size / num_attention_heads`` converts to ``GP
 family with per-head query and key norms (``Qwen3ForCausalLM``, ``qwen3.py``) to ``qk_layernorm``.
 
 Not modelled, so refused with the field named: activations other than SiLU, rotary types other than ``default``,
-``llama3`` and ``linear`` (``yarn``, ``dynamic``, ...), partial rotary embeddings, per-layer rotary parameters.
+``llama3``, ``linear`` and ``yarn`` (``dynamic``, ``longrope``, YaRN's ``mscale``/``mscale_all_dim``, ...), partial
+rotary embeddings, per-layer rotary parameters.
 A sliding window converts to ``GPTConfig.sliding_window`` (Mistral's and Mixtral's in every layer,
 Qwen2's, Qwen3's and Qwen2-MoE's in the layers their ``layer_types`` name). Hidden dropout is not a field
 of these families, so ``GPTConfig.dropout`` is not exported.
@@ -27,7 +28,7 @@ Example::
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Mapping, Optional, Union
 
 from lightning_megatron.huggingface.family import Family
@@ -50,8 +51,9 @@ from lightning_megatron.models.rotary import RopeScaling
 
 # Our GPTConfig's pieces that every Llama-shaped family has.
 DECODER_PIECES = {"normalization": "RMSNorm", "position_embedding_type": "rope", "activation": "swiglu",
-                  "norm_position": "pre", "embedding_multiplier": None, "final_logit_softcapping": None}
-ROTARY_TYPES = ("default", "llama3", "linear")
+                  "norm_position": "pre", "embedding_multiplier": None, "final_logit_softcapping": None,
+                  "add_attention_bias": False, "attention_sinks": False}
+ROTARY_TYPES = ("default", "llama3", "linear", "yarn")
 DEFAULT_ROPE_THETA = 10000.0
 TIED_WHY = "the config ties them (tie_word_embeddings=True)"
 # What the fields the shared code reads default to in every family's config class (each dialect adds its own).
@@ -76,11 +78,15 @@ class ExpertNames:
     Mixtral's ``block_sparse_moe``) with the router (``gate``) and the experts (``experts.{e}``);
     ``projections``: an expert's gate, up and down projections (Mixtral's ``w1``, ``w3``, ``w2``);
     ``shared_expert``: every MoE layer also has a gated shared expert (Qwen2-MoE's ``shared_expert``, spelled
-    like the experts, and ``shared_expert_gate``)."""
+    like the experts, and ``shared_expert_gate``); ``router``: the router's module (GPT-OSS's ``router``);
+    ``rules``: a family that stores its experts otherwise (GPT-OSS's stacked, interleaved ``gate_up_proj``) gives
+    its own rules and stacked tensors of a layer's experts, ``rules(config) -> (rules, stacked)``."""
 
     block: str
     projections: tuple[str, str, str] = DENSE_PROJECTIONS
     shared_expert: bool = False
+    router: str = "gate"
+    rules: Optional[Callable[[GPTConfig], tuple[list[Rule], list[Stacked]]]] = None
 
 
 @dataclass(frozen=True)
@@ -95,7 +101,9 @@ class Dialect:
     A Mixture-of-Experts family also names its MoE layers (``experts``) and may rename the names of its
     models' state dicts to its checkpoints' (``hf_name``, see ``Family``). ``qk_norm``: every layer normalises
     its query and key heads (``self_attn.q_norm``/``k_norm``, Qwen3's); ``head_dim``: the config class has a
-    ``head_dim`` field (Qwen2's has not: its heads are ``hidden_size / num_attention_heads`` wide).
+    ``head_dim`` field (Qwen2's has not: its heads are ``hidden_size / num_attention_heads`` wide); ``pieces``:
+    ``GPTConfig`` pieces where the family differs from ``DECODER_PIECES`` (GPT-OSS: ``activation="clamped_swiglu"``,
+    ``attention_sinks=True``; a value None: the family's config field decides, ``read_fields`` reads it).
     """
 
     model_type: str
@@ -107,6 +115,7 @@ class Dialect:
     hf_name: Callable[[str], Optional[str]] = checkpoint_name
     qk_norm: bool = False
     head_dim: bool = True
+    pieces: Fields = field(default_factory=dict)
 
     def config_from_hf(self, hf_config: Union[Fields, Any]) -> GPTConfig:
         """Our ``GPTConfig`` for this family's config (a ``transformers`` config, its ``to_dict()``, or a parsed
@@ -129,7 +138,9 @@ class Dialect:
             "attention_dropout": float(fields["attention_dropout"]), "layer_norm_eps": fields["rms_norm_eps"],
             "num_query_groups": None if groups == heads else groups, "add_bias_linear": False,
             "tie_embeddings": bool(fields["tie_word_embeddings"]), "qk_layernorm": self.qk_norm,
-            "kv_channels": None if head_dim * heads == hidden else head_dim, **DECODER_PIECES, **pieces})
+            "kv_channels": None if head_dim * heads == hidden else head_dim,
+            **{name: value for name, value in {**DECODER_PIECES, **self.pieces}.items() if value is not None},
+            **pieces})
 
     def hf_config(self, config: GPTConfig, **extra_fields: Any) -> dict[str, Any]:
         """The ``config.json`` fields (``transformers.AutoConfig.for_model(**fields)``) of our ``config``.
@@ -139,7 +150,7 @@ class Dialect:
         written in both spellings: ``rope_parameters`` (transformers 5) and ``rope_theta``/``rope_scaling``
         (transformers 4).
         """
-        problems = _decoder_problems(config, self.architecture, self.experts, self.qk_norm)
+        problems = _decoder_problems(config, self.architecture, self.experts, self.qk_norm, self.pieces)
         if not self.head_dim and config.head_dim * config.num_heads != config.hidden_size:
             problems.append(f"kv_channels={config.kv_channels}: {self.architecture}'s heads are hidden_size / "
                             f"num_heads = {config.hidden_size} / {config.num_heads} channels wide; export with "
@@ -173,18 +184,20 @@ class Dialect:
         return Family(model_type=self.model_type, config_class=GPTConfig, lightning_module=GPT,
                       config_from_hf=lambda fields, weight_names: self.config_from_hf(fields),
                       hf_config=self.hf_config,
-                      mapping=lambda config: decoder_mapping(config, self.architecture, self.experts, self.qk_norm),
+                      mapping=lambda config: decoder_mapping(config, self.architecture, self.experts, self.qk_norm,
+                                                             self.pieces),
                       hf_name=self.hf_name, expected=f"a transformers {self.architecture}")
 
 
-DIALECT_NAMES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe")
+DIALECT_NAMES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "gpt_oss")
 
 
 # ----------------------------------------------------------------------------- shared config pieces
 def _decoder_problems(config: GPTConfig, architecture: str, experts: Optional[ExpertNames] = None,
-                      qk_norm: bool = False) -> list[str]:
+                      qk_norm: bool = False, own_pieces: Fields = {}) -> list[str]:
+    pieces = {**DECODER_PIECES, **own_pieces, "qk_layernorm": qk_norm}
     problems = [f"{name}={getattr(config, name)!r} ({architecture} has {value!r})"
-                for name, value in {**DECODER_PIECES, "qk_layernorm": qk_norm}.items() if getattr(config, name) != value]
+                for name, value in pieces.items() if value is not None and getattr(config, name) != value]
     problems += [f"{name}={getattr(config, name)!r} ({architecture} has {default})"
                  for name, default in UNEXPRESSED.items() if getattr(config, name) is not None]
     return problems + _moe_problems(config, architecture, experts)
@@ -236,6 +249,8 @@ def _rotary_from_hf(fields: Fields, problems: list[str]) -> dict[str, Any]:
         return {"rotary_base": theta}
     if kind == "linear":
         return {"rotary_base": theta, "rope_scaling": RopeScaling(factor=float(rope["factor"]), rope_type="linear")}
+    if kind == "yarn":
+        return {"rotary_base": theta, "rope_scaling": _yarn_from_hf(rope, fields, field, problems)}
     missing = [key for key in ("factor", "low_freq_factor", "high_freq_factor") if key not in rope]
     if missing:
         problems.append(f"{field} of rope_type 'llama3' lacks {', '.join(missing)}")
@@ -245,6 +260,22 @@ def _rotary_from_hf(fields: Fields, problems: list[str]) -> dict[str, Any]:
         high_freq_factor=float(rope["high_freq_factor"]),
         original_max_position_embeddings=int(rope.get("original_max_position_embeddings",
                                                       fields["max_position_embeddings"])))}
+
+
+def _yarn_from_hf(rope: Fields, fields: Fields, field: str, problems: list[str]) -> Optional[RopeScaling]:
+    """transformers' ``yarn`` parameters (its defaults: ``beta_fast`` 32, ``beta_slow`` 1, ``truncate`` True, the
+    attention factor from ``factor``); DeepSeek's ``mscale``/``mscale_all_dim`` refused by name."""
+    scaled = [key for key in ("mscale", "mscale_all_dim") if rope.get(key)]
+    if scaled:
+        problems.append(f"{field} of rope_type 'yarn' has {', '.join(scaled)}: our YaRN takes attention_factor only")
+        return None
+    original = int(rope.get("original_max_position_embeddings") or fields["max_position_embeddings"])
+    factor = rope.get("factor") or fields["max_position_embeddings"] / original
+    attention_factor = rope.get("attention_factor")
+    return RopeScaling(rope_type="yarn", factor=float(factor), original_max_position_embeddings=original,
+                       beta_fast=float(rope.get("beta_fast") or 32.0), beta_slow=float(rope.get("beta_slow") or 1.0),
+                       truncate=bool(rope.get("truncate", True)),
+                       attention_factor=None if attention_factor is None else float(attention_factor))
 
 
 def _rotary_to_hf(config: GPTConfig) -> dict[str, Any]:
@@ -328,7 +359,10 @@ def _moe_rules(config: GPTConfig, names: ExpertNames) -> tuple[list[Rule], list[
     """An MoE layer's rules, and the tensors ``transformers`` 5 stacks in memory. A layer's rules are expanded for
     every layer and skipped where our model lacks the name, so dense and MoE layers can alternate."""
     block = "model.layers.{i}." + names.block
-    rules = pair("blocks.{i}.mlp.router", f"{block}.gate")
+    rules = pair("blocks.{i}.mlp.router", f"{block}.{names.router}")
+    if names.rules is not None:
+        own, stacked = names.rules(config)
+        return rules + own, stacked
     for index in range(config.moe.num_experts):
         rules += _gated_mlp_rules(f"blocks.{{i}}.mlp.experts.{index}", f"{block}.experts.{index}", names.projections)
     rules += _gated_mlp_rules("blocks.{i}.mlp.shared_expert", f"{block}.shared_expert", names.projections)
@@ -338,10 +372,12 @@ def _moe_rules(config: GPTConfig, names: ExpertNames) -> tuple[list[Rule], list[
 
 
 def decoder_mapping(config: GPTConfig, architecture: str = "LlamaForCausalLM",
-                    experts: Optional[ExpertNames] = None, qk_norm: bool = False) -> StateDictMapping:
+                    experts: Optional[ExpertNames] = None, qk_norm: bool = False,
+                    pieces: Fields = {}) -> StateDictMapping:
     """Our ``GPTModel`` names <-> those of a Llama-shaped ``...ForCausalLM`` (the same in every dialect; ``experts``:
-    how a Mixture-of-Experts family names its MoE layers; ``qk_norm``: its query and key norms, Qwen3's)."""
-    raise_problems(_decoder_problems(config, architecture, experts, qk_norm),
+    how a Mixture-of-Experts family names its MoE layers; ``qk_norm``: its query and key norms, Qwen3's;
+    ``pieces``: the family's own (``Dialect.pieces``); attention sinks are GPT-OSS's ``self_attn.sinks``)."""
+    raise_problems(_decoder_problems(config, architecture, experts, qk_norm, pieces),
                    what=f"This GPTConfig has no {architecture} equivalent")
     layer = "model.layers.{i}"
     tied = config.tie_embeddings
@@ -353,6 +389,7 @@ def decoder_mapping(config: GPTConfig, architecture: str = "LlamaForCausalLM",
                *pair("blocks.{i}.attn.qkv", [f"{layer}.self_attn.{name}_proj" for name in "qkv"],
                      QueryGroups(config.num_heads, config.query_groups)),
                *pair("blocks.{i}.attn.proj", f"{layer}.self_attn.o_proj"),
+               Rule("blocks.{i}.attn.sinks", (f"{layer}.self_attn.sinks",)),
                *[rule for norm in ("q_norm", "k_norm") if qk_norm
                  for rule in pair(f"blocks.{{i}}.attn.{norm}", f"{layer}.self_attn.{norm}")],
                *pair("blocks.{i}.ln_2", f"{layer}.post_attention_layernorm"),
