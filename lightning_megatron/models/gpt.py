@@ -397,6 +397,22 @@ GPT_PRESETS.update({
                                    **LLAMA),
 })
 
+# OpenAI's gpt-oss (openai/gpt-oss-20b and -120b config.json): every layer a Mixture of Experts of clamped-SwiGLU experts
+# with biases (top-4, a router bias), attention with sinks and biases, 64 heads of 64 channels over 8 key/value
+# heads, sliding-window (128) and full layers alternating, YaRN (factor 32 over 4096 positions, theta 150,000).
+GPT_OSS = dict(vocab_size=201088, max_seq_length=131072, hidden_size=2880, num_heads=64, num_query_groups=8,
+               kv_channels=64, ffn_hidden_size=2880, rotary_base=150000.0, layer_norm_eps=1e-5, tie_embeddings=False,
+               rope_scaling=RopeScaling(rope_type="yarn", factor=32.0, original_max_position_embeddings=4096,
+                                        beta_fast=32.0, beta_slow=1.0, truncate=False),
+               add_attention_bias=True, attention_sinks=True, sliding_window=128,
+               **{**LLAMA, "activation": "clamped_swiglu"})
+GPT_PRESETS.update({
+    name: GPTConfig(num_layers=layers, layer_types=("sliding_attention", "full_attention") * (layers // 2),
+                    moe=MoEConfig(num_experts=experts, top_k=4, aux_loss_coeff=0.9, router_bias=True,
+                                  add_bias_linear=True), **GPT_OSS)
+    for name, (layers, experts) in {"gpt-oss-20b": (24, 32), "gpt-oss-120b": (36, 128)}.items()
+})
+
 
 class GPTEmbedding(nn.Module):
     """Token embeddings, plus learned absolute positions when the config asks for them (rotary
