@@ -30,6 +30,7 @@ LAYOUTS = [
     "bias-ep2-pp2-tp1-dp2-mb2-rc",  # recomputed MoE layers replay their all-to-alls, counted once
     "bias-ep2-pp2-tp1-dp2-mb2-rc-zb",  # ... under the zero-bubble schedule: aux losses through its weight pass
     "plain-ep2-tp2-dp2-z1",       # Qwen2-MoE's routing (no renormalisation), no shared expert
+    "oss-ep2-pp2-tp1-dp2-mb2",    # GPT-OSS's pieces: sinks, attention/router/expert biases, clamped SwiGLU, YaRN, windows
 ]
 COUNTS = ["count-ep2-tp1-dp4", "count-ep2-tp2-dp2", "count-ep2-tp2-dp2-sp"]
 GENERATION = ["gen-ep2-tp1-dp4", "gen-ep2-pp2-tp1-dp2", "gen-ep2-tp2-dp2-sp"]

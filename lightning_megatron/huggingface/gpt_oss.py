@@ -31,7 +31,7 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor
 
-from lightning_megatron.huggingface.llama import Dialect, ExpertNames, Fields
+from lightning_megatron.huggingface.llama import FROM_FIELDS, Dialect, ExpertNames, Fields
 from lightning_megatron.huggingface.mapping import Rule, Shape, Stacked, Transform, Transpose
 from lightning_megatron.models.gpt import GPTConfig
 from lightning_megatron.models.mlp import CLAMPED_SWIGLU_ALPHA, CLAMPED_SWIGLU_LIMIT
@@ -135,7 +135,7 @@ GPT_OSS = Dialect(
                                   "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 4096}},
     read_fields=_gpt_oss_fields, write_fields=_gpt_oss_hf_fields,
     experts=ExpertNames("mlp", router="router", rules=_expert_rules),
-    pieces={"activation": "clamped_swiglu", "attention_sinks": True, "add_attention_bias": None})
+    pieces={"activation": "clamped_swiglu", "attention_sinks": True, "add_attention_bias": FROM_FIELDS})
 FAMILY = GPT_OSS.family()
 
 gpt_oss_config_from_hf = GPT_OSS.config_from_hf

@@ -53,6 +53,8 @@ from lightning_megatron.models.rotary import RopeScaling
 DECODER_PIECES = {"normalization": "RMSNorm", "position_embedding_type": "rope", "activation": "swiglu",
                   "norm_position": "pre", "embedding_multiplier": None, "final_logit_softcapping": None,
                   "add_attention_bias": False, "attention_sinks": False}
+#: A ``Dialect.pieces`` value: the family's config field decides this piece (its ``read_fields`` reads it).
+FROM_FIELDS = object()
 ROTARY_TYPES = ("default", "llama3", "linear", "yarn")
 DEFAULT_ROPE_THETA = 10000.0
 TIED_WHY = "the config ties them (tie_word_embeddings=True)"
@@ -103,7 +105,7 @@ class Dialect:
     its query and key heads (``self_attn.q_norm``/``k_norm``, Qwen3's); ``head_dim``: the config class has a
     ``head_dim`` field (Qwen2's has not: its heads are ``hidden_size / num_attention_heads`` wide); ``pieces``:
     ``GPTConfig`` pieces where the family differs from ``DECODER_PIECES`` (GPT-OSS: ``activation="clamped_swiglu"``,
-    ``attention_sinks=True``; a value None: the family's config field decides, ``read_fields`` reads it).
+    ``attention_sinks=True``; a value ``FROM_FIELDS``: the family's config field decides, ``read_fields`` reads it).
     """
 
     model_type: str
@@ -139,7 +141,7 @@ class Dialect:
             "num_query_groups": None if groups == heads else groups, "add_bias_linear": False,
             "tie_embeddings": bool(fields["tie_word_embeddings"]), "qk_layernorm": self.qk_norm,
             "kv_channels": None if head_dim * heads == hidden else head_dim,
-            **{name: value for name, value in {**DECODER_PIECES, **self.pieces}.items() if value is not None},
+            **{name: value for name, value in {**DECODER_PIECES, **self.pieces}.items() if value is not FROM_FIELDS},
             **pieces})
 
     def hf_config(self, config: GPTConfig, **extra_fields: Any) -> dict[str, Any]:
@@ -197,7 +199,7 @@ def _decoder_problems(config: GPTConfig, architecture: str, experts: Optional[Ex
                       qk_norm: bool = False, own_pieces: Fields = {}) -> list[str]:
     pieces = {**DECODER_PIECES, **own_pieces, "qk_layernorm": qk_norm}
     problems = [f"{name}={getattr(config, name)!r} ({architecture} has {value!r})"
-                for name, value in pieces.items() if value is not None and getattr(config, name) != value]
+                for name, value in pieces.items() if value is not FROM_FIELDS and getattr(config, name) != value]
     problems += [f"{name}={getattr(config, name)!r} ({architecture} has {default})"
                  for name, default in UNEXPRESSED.items() if getattr(config, name) is not None]
     return problems + _moe_problems(config, architecture, experts)

@@ -6,6 +6,7 @@ import torch
 
 from lightning_megatron.models import GPTConfig
 from lightning_megatron.models.moe import MoEConfig
+from lightning_megatron.models.rotary import RopeScaling
 from lightning_megatron.peft.lora import LoRAConfig
 
 SEED = 1234
@@ -54,6 +55,13 @@ VARIANTS = {
     "plain": replace(MOE, normalize_topk=False, shared_expert_size=0, shared_expert_gate=False),
 }
 MOE_CONFIGS = {name: replace(LLAMA_CONFIG, moe=moe) for name, moe in VARIANTS.items()}
+# GPT-OSS's pieces on the same sizes: attention sinks and biases, YaRN, sliding and full layers alternating, clamped-SwiGLU
+# experts with biases and a router bias (no shared expert). Sinks are not split over tp yet (refused there).
+MOE_CONFIGS["oss"] = replace(
+    LLAMA_CONFIG, add_qkv_bias=False, add_attention_bias=True, attention_sinks=True, activation="clamped_swiglu",
+    sliding_window=4, layer_types=("sliding_attention", "full_attention") * 2,
+    rope_scaling=RopeScaling(rope_type="yarn", factor=4.0, original_max_position_embeddings=8),
+    moe=replace(MOE, router_bias=True, add_bias_linear=True, shared_expert_size=0, shared_expert_gate=False))
 CONFIGS["moe"] = MOE_CONFIGS["moe"]
 
 LR, WEIGHT_DECAY, CLIP = 1e-2, 0.1, 0.5
