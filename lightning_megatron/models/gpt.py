@@ -798,6 +798,12 @@ class GPT(BatchFlops, PretrainingRecipe):
                 f"supported yet: the sinks are not split with the heads over tensor-parallel ranks, and context "
                 f"parallelism's block merge does not add them. Use tensor_parallel_size=1 and context_parallel_size=1 "
                 f"(data, pipeline and expert parallelism work).")
+        moe, tp = self.config.moe, parallel_config.tensor_parallel_size
+        if moe is not None and moe.add_bias_linear and tp > 1:
+            raise ValueError(f"tensor_parallel_size={tp} with MoEConfig.add_bias_linear=True is not supported yet: the "
+                             f"experts' row-parallel outputs are partial sums inside their region, and their bias "
+                             f"would be added on every rank. Use tensor_parallel_size=1 (expert_parallel_size splits "
+                             f"the experts).")
         if parallel_config.context_parallel_size > 1 and self.config.moe is not None:
             raise ValueError(
                 f"context_parallel_size={parallel_config.context_parallel_size} with a Mixture-of-Experts model is not "
