@@ -1,8 +1,8 @@
-"""Hugging Face ``transformers`` interop: GPT-2, BERT, Llama, Mistral, Qwen2, Qwen3, Mixtral and Qwen2-MoE
+"""Hugging Face ``transformers`` interop: GPT-2, BERT, Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen2-MoE and GPT-OSS
 checkpoints, both ways.
 
 One module per family (``gpt2``, ``bert``, ``llama`` and its dialects ``mistral``, ``qwen2``, ``qwen3``,
-``mixtral``, ``qwen2_moe``) over one name/shape mapping mechanism (``mapping``); ``io`` reads and writes
+``mixtral``, ``qwen2_moe``, ``gpt_oss``) over one name/shape mapping mechanism (``mapping``); ``io`` reads and writes
 ``save_pretrained`` directories; ``companions`` gives an export its base's tokenizer files and generation settings;
 ``convert`` picks the family. Importing this package registers the converters behind
 ``GPT.from_hf``/``to_hf`` and ``BERT.from_hf``/``to_hf`` (``models/formats.py``): the models never

@@ -774,8 +774,8 @@ class GPT(BatchFlops, PretrainingRecipe):
     @staticmethod
     def hf_format() -> HFFormat:
         """``from_hf``/``to_hf`` convert to and from ``transformers``' ``GPT2LMHeadModel``, ``LlamaForCausalLM``,
-        ``MistralForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``, ``MixtralForCausalLM`` and
-        ``Qwen2MoeForCausalLM`` (reading: by ``model_type``; writing: by the config)."""
+        ``MistralForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``, ``MixtralForCausalLM``,
+        ``Qwen2MoeForCausalLM`` and ``GptOssForCausalLM`` (reading: by ``model_type``; writing: by the config)."""
         return hf_format_for(GPTConfig)
 
     def tensor_parallel_plan(self) -> dict[str, object]:
