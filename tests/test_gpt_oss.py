@@ -120,3 +120,25 @@ def test_what_gpt_oss_cannot_compute_is_refused_by_name():
         GPT(config).validate_parallel_config(ParallelConfig(tensor_parallel_size=2))
     with pytest.raises(ValueError, match="attention_sinks=True"):  # a Llama has no sinks
         family_for(config, "llama").hf_config(config)
+
+
+@pytest.mark.parametrize("window,packed", [(None, False), (4, True)])
+def test_sinks_on_the_block_attention_path_match_the_dense_path(window, packed):
+    """The sink merged last into the online softmax (``context_parallel.local``, O(S) memory) gives the dense
+    attention's output and gradients, the sinks' own included, with a window and with packed documents."""
+    from lightning_megatron.context_parallel.documents import DocumentMask
+    from lightning_megatron.models.attention import CoreAttention
+    from lightning_megatron.models.softcap import softcapped_attention
+
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, heads, SEQ, 8, generator=generator, requires_grad=True) for heads in (4, 2, 2))
+    sinks = torch.randn(4, generator=generator, requires_grad=True)
+    documents = DocumentMask(torch.tensor([[0] * 5 + [1] * 11, [0] * 16])) if packed else None
+    core = CoreAttention(attention_dropout=0.0, causal=True, window=window)
+    grad = torch.randn(2, 4, SEQ, 8, generator=generator)
+    blockwise = core(q, k, v, documents, sinks=sinks)
+    dense = softcapped_attention(q, k, v, core._keep(q, k, documents, True, window), cap=None, sinks=sinks)
+    assert torch.allclose(blockwise, dense, atol=1e-5)
+    for ours, reference in zip(torch.autograd.grad(blockwise, (q, k, v, sinks), grad),
+                               torch.autograd.grad(dense, (q, k, v, sinks), grad)):
+        assert torch.allclose(ours, reference, atol=1e-5)

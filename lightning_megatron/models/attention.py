@@ -43,7 +43,9 @@ class CoreAttention(nn.Module):
     kernel, context parallelism's included, computes it. ``softcap``: scores become ``cap * tanh(scores / cap)``
     before the mask (``models.softcap``: dense scores, kept for backward; refused under context parallelism).
     ``sinks`` (a forward argument, the owning attention's parameter: this module has none): a learned logit per
-    head in each softmax's denominator (GPT-OSS), computed on the same dense path as ``softcap``.
+    head in each softmax's denominator (GPT-OSS): merged last into the block attention's online softmax where that
+    runs (whole causal sequences, packed documents, windows: O(S) memory), else (a KV cache, a boolean mask,
+    attention dropout) on the same dense path as ``softcap``.
     """
 
     def __init__(self, *, attention_dropout: float, causal: bool, window: Optional[int] = None,
@@ -76,10 +78,13 @@ class CoreAttention(nn.Module):
         mask; soft-capped scores by ``models.softcap`` over the dense mask."""
         dropout = self.attention_dropout if self.training else 0.0
         window = self.window if self.window is not None and self.window < k.shape[2] else None  # else: no effect
+        whole = causal and q.shape[2] == k.shape[2] and not dropout
+        blockwise = isinstance(attention_mask, DocumentMask) and not dropout or (whole and attention_mask is None)
+        if sinks is not None and self.softcap is None and blockwise:
+            return document_attention(q, k, v, attention_mask, causal=causal, window=window, sinks=sinks)
         if self.softcap is not None or sinks is not None:
             return softcapped_attention(q, k, v, self._keep(q, k, attention_mask, causal, window), cap=self.softcap,
                                         dropout=dropout, sinks=sinks)
-        whole = causal and q.shape[2] == k.shape[2] and not dropout
         if isinstance(attention_mask, DocumentMask) and not dropout or (window and whole and attention_mask is None):
             return document_attention(q, k, v, attention_mask, causal=causal, window=window)
         if isinstance(attention_mask, DocumentMask) or window:

@@ -109,8 +109,9 @@ class GPTConfig(TransformerSizes):
     * ``add_attention_bias``: biases on the attention's ``qkv`` and ``proj`` but not on the MLP (GPT-OSS's
       ``attention_bias``; ``add_bias_linear`` puts them on every linear layer, ``add_qkv_bias`` on ``qkv`` alone).
     * ``attention_sinks``: every attention head has a learned sink logit in its softmax's denominator (GPT-OSS's
-      ``sinks``; ``models.softcap``'s dense attention, as for the cap: ``[S, S]`` probabilities kept for backward).
-      Not yet split over tensor-parallel ranks nor merged by context parallelism's ring: both refused.
+      ``sinks``): merged last into the block attention's online softmax in training (``context_parallel.local``:
+      windows and packed documents, O(S) memory), the dense path of ``models.softcap`` with a KV cache. Not yet
+      split over tensor-parallel ranks nor merged by context parallelism's ring: both refused.
     """
 
     vocab_size: int = 257

@@ -11,7 +11,8 @@ log-sum-exp its kernels compute without the cap.
 
 A sink is one more key per head whose score is the learned ``s_h`` and whose value is zero: it takes a share of
 each query's probability and gives nothing back, so a query may attend to "nothing" (Xiao et al. 2023; GPT-OSS).
-The same dense scores take it as one more column, dropped after the softmax, as transformers' eager attention does.
+The same dense scores take it as one more column, dropped after the softmax, as transformers' eager attention does
+(the path of sinks where the block attention does not run: a KV cache, a boolean mask, attention dropout).
 """
 
 from __future__ import annotations

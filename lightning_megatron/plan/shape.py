@@ -41,7 +41,7 @@ class ModelShape:
     logit_softcap: bool = False  # final-logit soft-capping: the unchunked head keeps the tanh's output
     sliding_window: Optional[int] = None  # the window of the sliding layers
     sliding_layers: int = 0  # layers that attend within sliding_window keys (GPTConfig.layer_types)
-    softcap: bool = False  # soft-capped scores or sinks: attention computed densely, its [s, s] probabilities kept
+    softcap: bool = False  # soft-capped scores: attention computed densely, its [s, s] probabilities kept
 
     @classmethod
     def of(cls, module: Any) -> "ModelShape":
@@ -66,8 +66,7 @@ class ModelShape:
                        zero_centered_norms=config.normalization == "ZeroCenteredRMSNorm",
                        logit_softcap=config.final_logit_softcapping is not None,
                        sliding_window=config.sliding_window, sliding_layers=sliding_layers(config),
-                       # attention sinks take the same dense path (their [s, s + 1] scores in place of the tanh's)
-                       softcap=config.attn_logit_softcapping is not None or config.attention_sinks)
+                       softcap=config.attn_logit_softcapping is not None)
         if isinstance(config, BERTConfig):
             return cls(config, False, config.hidden_size, config.num_layers, config.num_heads, config.num_heads,
                        config.hidden_size // config.num_heads, config.ffn_size, False, config.vocab_size, False, False,
