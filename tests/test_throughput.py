@@ -94,7 +94,7 @@ def test_bert_formula_counts_what_torch_counts(config):
 @pytest.mark.parametrize("name", sorted(GPTConfig.presets()))
 def test_formula_is_six_n_plus_attention_for_every_preset(name):
     """The 6N rule (N: matrix-multiply weights, the output layer's included) plus 12 l s (heads x head_dim) per
-    token, with N read off the model built on the meta device."""
+    token (a sliding layer's s: its window), with N read off the model built on the meta device."""
     config = GPTConfig.from_name(name)
     with torch.device("meta"):
         model = GPTModel(config)
@@ -104,7 +104,8 @@ def test_formula_is_six_n_plus_attention_for_every_preset(name):
     n = sum(share(name) * module.weight.numel() for name, module in model.named_modules() if isinstance(module, nn.Linear))
     n += sum(module.weight.numel() for name, module in model.named_modules() if name.endswith("router"))
     batch, seq = 2, 4096
-    attention = 12 * config.num_layers * seq * config.num_heads * config.head_dim
+    keys = sum(min(config.attention_window(index) or seq, seq) for index in range(config.num_layers))  # windows
+    attention = 12 * keys * config.num_heads * config.head_dim
     assert gpt_flops_per_batch(config, batch, seq) == batch * seq * (6 * n + attention)
 
 
