@@ -218,5 +218,5 @@ def test_linear_rope_scaling_reads_and_writes_back():
     config = llama_config_from_hf({"model_type": "llama", "rope_parameters": rope})
     assert config.rope_scaling == RopeScaling(factor=2.0, rope_type="linear")
     assert hf_config_from_llama(config)["rope_parameters"] == rope
-    with pytest.raises(ValueError, match=r"rope_type='ntk'\) is not one of \['linear', 'llama3'\]"):
+    with pytest.raises(ValueError, match=r"rope_type='ntk'\) is not one of \['linear', 'llama3', 'yarn'\]"):
         RopeScaling(rope_type="ntk")

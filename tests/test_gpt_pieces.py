@@ -34,7 +34,7 @@ def test_every_preset_counts_its_own_parameters():
     (dict(num_heads=4, num_query_groups=3), r"num_heads=4 is not a multiple of num_query_groups=3.*\[1, 2, 4\]"),
     (dict(hidden_size=36, num_heads=4), r"head_dim = hidden_size / num_heads = 36 / 4 = 9 is odd"),
     (dict(normalization="BatchNorm"), r"normalization='BatchNorm' is not one of \('LayerNorm', 'RMSNorm', 'ZeroCenteredRMSNorm'\)"),
-    (dict(activation="relu"), r"activation='relu' is not one of \('gelu', 'swiglu', 'geglu'\)"),
+    (dict(activation="relu"), r"activation='relu' is not one of \('gelu', 'swiglu', 'geglu', 'clamped_swiglu'\)"),
     (dict(norm_position="post"), r"norm_position='post' is not one of \('pre', 'sandwich'\)"),
     (dict(embedding_multiplier=0.0), r"embedding_multiplier=0.0 must be a positive number, or None"),
     (dict(final_logit_softcapping=float("inf")), r"final_logit_softcapping=inf must be a positive number, or None"),

@@ -88,7 +88,7 @@ def test_presets_export_configs_transformers_reads_back(preset, model_type):
 
 @pytest.mark.parametrize("field, value, message", [
     ("hidden_act", "gelu", "hidden_act='gelu': our SwiGLU MLP gates with SiLU"),
-    ("rope_parameters", {"rope_type": "yarn", "factor": 4.0}, "rope_parameters.rope_type='yarn'"),
+    ("rope_parameters", {"rope_type": "dynamic", "factor": 4.0}, "rope_parameters.rope_type='dynamic'"),
     ("rope_parameters", {"rope_type": "dynamic", "factor": 2.0}, "rope_parameters.rope_type='dynamic'"),
     ("rope_scaling", {"type": "longrope", "factor": 2.0}, "rope_scaling.rope_type='longrope'"),
     ("rope_parameters", {"rope_type": "default", "partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5"),
@@ -139,8 +139,7 @@ def test_family_is_chosen_from_the_config_and_refuses_what_it_cannot_hold():
     assert family_for(GPTConfig.from_name("qwen2.5-7b")).model_type == "qwen2"  # biases on qkv alone
     assert family_for(llama, "mistral").model_type == "mistral"
     assert family_for(GPTConfig()).model_type == "gpt2"
-    with pytest.raises(ValueError, match="model_type='bert' cannot hold a GPTConfig: choose one of 'deepseek_v3', "
-                                         "'gemma3_text', 'gpt2', 'llama'"):
+    with pytest.raises(ValueError, match="model_type='bert' cannot hold a GPTConfig: choose one of .*'gpt2', .*'llama'"):
         family_for(llama, "bert")
     with pytest.raises(ValueError, match="add_qkv_bias=True without add_bias_linear(.|\n)*model_type='qwen2'"):
         hf_config_from_llama(GPTConfig.from_name("qwen2.5-7b"))

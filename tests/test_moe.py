@@ -42,6 +42,7 @@ LAYOUTS = [
     "moe-ep2-tp2-dp2-sp-z3-etp1",  # ... ZeRO-3: whole experts' rows over their edp pair (tp x dp / ep)
     "qwen3moe-ep2-tp2-dp2",       # Qwen3-MoE: q/k norms on each rank's heads, experts split over tp and ep
     "qwen3moe-ep2-pp2-tp1-dp2-mb2",  # ... over two stages, the dense layer on the second
+    "oss-ep2-pp2-tp1-dp2-mb2",    # GPT-OSS's pieces: sinks, attention/router/expert biases, clamped SwiGLU, YaRN, windows
 ]
 COUNTS = ["count-ep2-tp1-dp4", "count-ep2-tp2-dp2", "count-ep2-tp2-dp2-sp"]
 GENERATION = ["gen-ep2-tp1-dp4", "gen-ep2-pp2-tp1-dp2", "gen-ep2-tp2-dp2-sp"]

@@ -14,9 +14,15 @@ from lightning_megatron.parallel.guards import count_host_syncs
 HIDDEN, FFN = 16, 24
 
 
-def _experts(activation: str, number: int = 4) -> list[nn.Module]:
+def _experts(activation: str, number: int = 4, bias: bool = False) -> list[nn.Module]:
     torch.manual_seed(0)
-    return [build_mlp(activation, HIDDEN, FFN, bias=False) for _ in range(number)]
+    experts = [build_mlp(activation, HIDDEN, FFN, bias=bias) for _ in range(number)]
+    with torch.no_grad():
+        for expert in experts:
+            for layer in (expert.fc, expert.proj):
+                if layer.bias is not None:
+                    layer.bias.normal_()
+    return experts
 
 
 def _grads(fn, experts, tokens, counts, upstream):
@@ -29,12 +35,12 @@ def _grads(fn, experts, tokens, counts, upstream):
     return out, grads
 
 
-@pytest.mark.parametrize("activation", ["gelu", "swiglu"])
+@pytest.mark.parametrize("activation,bias", [("gelu", False), ("swiglu", False), ("clamped_swiglu", True)])
 @pytest.mark.parametrize("counts, extra_rows", [([3, 0, 5, 2], 0), ([0, 0, 7, 0], 3), ([0, 0, 0, 0], 2)])
-def test_grouped_and_looped_experts_agree_forward_and_backward(activation, counts, extra_rows):
+def test_grouped_and_looped_experts_agree_forward_and_backward(activation, bias, counts, extra_rows):
     """Empty experts, and rows past the counted ones (dropped assignments): the counted rows' outputs and every
-    gradient are the loop's; the experts that got no token get zero gradients."""
-    experts = _experts(activation)
+    gradient are the loop's; the experts that got no token get zero gradients. With biases (GPT-OSS's experts) too."""
+    experts = _experts(activation, bias=bias)
     counts = torch.tensor(counts)
     rows = int(counts.sum()) + extra_rows
     generator = torch.Generator().manual_seed(1)
@@ -49,9 +55,10 @@ def test_grouped_and_looped_experts_agree_forward_and_backward(activation, count
     torch.testing.assert_close(grouped[0][counted], loop[0][counted], rtol=1e-6, atol=1e-6)
     for g, l in zip(grouped[1:], loop[1:]):
         torch.testing.assert_close(g, l, rtol=1e-6, atol=1e-6)
+    per_expert = len(list(experts[0].parameters()))
     for index, n in enumerate(counts.tolist()):
-        if n == 0:  # both weights of an expert that got no token
-            assert all(torch.count_nonzero(g) == 0 for g in grouped[1 + 2 * index:3 + 2 * index])
+        if n == 0:  # every parameter of an expert that got no token
+            assert all(torch.count_nonzero(g) == 0 for g in grouped[1 + per_expert * index:1 + per_expert * (index + 1)])
 
 
 def test_grouped_experts_take_any_gradient_layout():
@@ -107,7 +114,8 @@ def test_grouped_gemms_run_only_where_they_give_the_loops_numbers():
     with torch.autocast("cpu", dtype=torch.bfloat16):  # CPU bf16: the loop (its numbers are F.linear's)
         assert not grouped_gemm_supported(experts, tokens)
     biased = [build_mlp("gelu", HIDDEN, FFN, bias=True) for _ in range(2)]
-    assert not grouped_gemm_supported(biased, tokens)
+    assert grouped_gemm_supported(biased, tokens)  # a bias per expert, added by row
+    assert not grouped_gemm_supported([*biased, *_experts("gelu", 1)], tokens)
     adapted = _experts("gelu", 2)
     adapted[1].proj.lora_a = nn.Linear(FFN, 2, bias=False)  # an adapted layer runs its own forward
     assert not grouped_gemm_supported(adapted, tokens)

@@ -5,6 +5,12 @@ rank's own tokens, causal, masked by the document ids (``documents.py``) and/or 
 device's back end (``kernels.py``); no message is sent.
 Backward recomputes each block's probabilities from the saved output and log-sum-exp (``blocks.py``), so what is
 kept for backward grows linearly in the sequence length.
+
+Attention sinks (GPT-OSS: a learned logit ``s_h`` per head in every softmax's denominator) are one more key of logit
+``s_h`` and value zero: merged last into the online softmax, they scale the output by ``exp(L - L')`` and make the
+log-sum-exp ``L' = logaddexp(L, s_h)``. Backward with that output and ``L'`` is then the sink attention's own (the
+sink's zero value adds nothing to ``dv``), and the sink's gradient is ``-sum over queries of exp(s_h - L') D``,
+``D = rowsum(grad * out)``, as for any key's score.
 """
 
 from __future__ import annotations
@@ -24,11 +30,17 @@ class LocalDocumentAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, documents: Optional[DocumentMask], causal: bool,
-                window: Optional[int]) -> Tensor:
+                window: Optional[int], sinks: Optional[Tensor] = None) -> Tensor:
         out, lse = start(q)
         _block(q, causal).forward(q, k, v, None, documents, out, lse, window=window)
+        if sinks is not None:  # the sink, merged last: a key of logit s_h and value zero (module docstring)
+            merged = torch.logaddexp(lse, _sink_logits(sinks, lse))
+            out, lse = out * torch.exp(lse - merged)[..., None], merged
         out = out.to(q.dtype)
         save_for_backward(ctx, q, k, v, out, lse, None, documents, causal, None, window)
+        ctx.sinks = sinks is not None
+        if sinks is not None:
+            ctx.sink_values = sinks.detach()
         return out
 
     @staticmethod
@@ -38,7 +50,18 @@ class LocalDocumentAttention(torch.autograd.Function):
         dq, dk, dv = (torch.zeros(t.shape, dtype=dtype, device=t.device) for t in (q, k, v))
         _block(q, causal).backward(grad_out.contiguous(), q, k, v, out, lse, None, documents, dq, dk, dv,
                                    window=window)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+        dsinks = None
+        if ctx.sinks:
+            sinks = ctx.sink_values
+            rows = (grad_out.to(dtype) * out.to(dtype)).sum(-1)  # D of every query [B, H, S]
+            share = torch.exp(_sink_logits(sinks, lse) - lse)
+            dsinks = -(share * rows).sum(dim=(0, 2)).to(sinks.dtype)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, dsinks
+
+
+def _sink_logits(sinks: Tensor, lse: Tensor) -> Tensor:
+    """``[H]`` sink logits broadcast to the log-sum-exp's ``[B, H, S]``, in its dtype."""
+    return sinks.to(lse.dtype)[None, :, None].expand_as(lse)
 
 
 def _block(q: Tensor, causal: bool) -> Block:
@@ -46,10 +69,11 @@ def _block(q: Tensor, causal: bool) -> Block:
 
 
 def document_attention(q: Tensor, k: Tensor, v: Tensor, documents: Optional[DocumentMask], *, causal: bool,
-                       window: Optional[int] = None) -> Tensor:
+                       window: Optional[int] = None, sinks: Optional[Tensor] = None) -> Tensor:
     """Softmax attention of each query over the keys of its own document (``documents`` None: one document) and,
-    if ``causal``, not after it; with a sliding ``window``, only the keys less than ``window`` positions away."""
+    if ``causal``, not after it; with a sliding ``window``, only the keys less than ``window`` positions away;
+    ``sinks`` ``[H]``: each head's sink logit in the softmax's denominator (module docstring)."""
     if documents is not None and documents.ids.shape != (q.shape[0], q.shape[2]):
         raise ValueError(f"Document ids of shape {list(documents.ids.shape)} do not match the {q.shape[0]} sequences "
                          f"of {q.shape[2]} queries attention got: give one id per token, [batch, sequence].")
-    return LocalDocumentAttention.apply(q, k, v, documents, causal, window)
+    return LocalDocumentAttention.apply(q, k, v, documents, causal, window, sinks)

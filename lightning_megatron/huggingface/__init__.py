@@ -1,8 +1,8 @@
 """Hugging Face ``transformers`` interop: GPT-2, BERT, Llama, Mistral, Qwen2, Qwen3, Gemma 3, Mixtral, Qwen2-MoE,
-Qwen3-MoE and DeepSeek-V3 checkpoints, both ways.
+Qwen3-MoE, GPT-OSS and DeepSeek-V3 checkpoints, both ways.
 
 One module per family (``gpt2``, ``bert``, ``llama`` and its dialects ``mistral``, ``qwen2``, ``qwen3``,
-``gemma3``, ``mixtral``, ``qwen2_moe``, ``qwen3_moe``; ``deepseek_v3``) over one name/shape mapping mechanism
+``gemma3``, ``mixtral``, ``qwen2_moe``, ``qwen3_moe``, ``gpt_oss``; ``deepseek_v3``) over one name/shape mapping mechanism
 (``mapping``); ``io`` reads and writes
 ``save_pretrained`` directories; ``companions`` gives an export its base's tokenizer files and generation settings;
 ``convert`` picks the family. Importing this package registers the converters behind

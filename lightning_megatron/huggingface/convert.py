@@ -2,7 +2,7 @@
 
 ``read_hf`` picks the family by ``config.json``'s ``model_type``; ``write_hf`` by ``model_type`` when
 given, else by our config: a ``BERTConfig`` is BERT, a ``GPTConfig`` with learned positions is GPT-2,
-one with latent attention (``mla``) is ``deepseek_v3``, one with rotary positions is Llama-shaped: with
+one with latent attention (``mla``) is ``deepseek_v3``, one with rotary positions is Llama-shaped: ``gpt_oss`` with attention sinks; with
 Mixture-of-Experts layers ``qwen2_moe`` when they have a shared expert, else ``qwen3_moe`` when it
 normalises query and key heads, else ``mixtral``; dense,
 ``gemma3_text`` with four norms a layer (Gemma 3's ``norm_position="sandwich"``), ``qwen3`` when it
@@ -28,8 +28,8 @@ from typing import Any, Mapping, Optional, Sequence, Union
 
 from torch import Tensor, nn
 
-from lightning_megatron.huggingface import (bert, deepseek_v3, gemma3, gpt2, llama, mistral, mixtral, qwen2, qwen2_moe,
-                                             qwen3, qwen3_moe)
+from lightning_megatron.huggingface import (bert, deepseek_v3, gemma3, gpt2, gpt_oss, llama, mistral, mixtral, qwen2,
+                                             qwen2_moe, qwen3, qwen3_moe)
 from lightning_megatron.huggingface.companions import special_token_ids, write_companions
 from lightning_megatron.huggingface.family import Family, TensorSource
 from lightning_megatron.huggingface.io import DEFAULT_MAX_SHARD_SIZE, read_hf_config, weight_names
@@ -40,7 +40,7 @@ ModelConfig = Union[GPTConfig, BERTConfig]
 FAMILIES: dict[str, Family] = {family.model_type: family for family in
                                (gpt2.FAMILY, bert.FAMILY, llama.FAMILY, mistral.FAMILY, qwen2.FAMILY,
                                 qwen3.FAMILY, mixtral.FAMILY, qwen2_moe.FAMILY, gemma3.FAMILY,
-                                deepseek_v3.FAMILY, qwen3_moe.FAMILY)}
+                                deepseek_v3.FAMILY, qwen3_moe.FAMILY, gpt_oss.FAMILY)}
 HF_MODEL_TYPES = tuple(sorted(FAMILIES))
 #: Model types we read another way, and how.
 ELSEWHERE = {"gemma3": "It is the multimodal Gemma 3 (Gemma3ForConditionalGeneration): convert its text model, saved "
@@ -97,6 +97,8 @@ def family_for(config: Any, model_type: Optional[str] = None) -> Family:
             model_type = "gpt2"
         elif config.mla is not None:
             model_type = "deepseek_v3"
+        elif config.attention_sinks:
+            model_type = "gpt_oss"
         elif config.moe is not None:
             model_type = ("qwen2_moe" if config.moe.shared_expert_size else "qwen3_moe" if config.qk_layernorm
                           else "mixtral")

@@ -36,7 +36,7 @@ from lightning_megatron.huggingface.llama import Dialect, Fields, rotary_paramet
 from lightning_megatron.models.gpt import GPTConfig
 
 GEMMA3_PIECES = {"normalization": "ZeroCenteredRMSNorm", "position_embedding_type": "rope", "activation": "geglu",
-                 "norm_position": "sandwich"}
+                 "norm_position": "sandwich", "add_attention_bias": False, "attention_sinks": False}
 SANDWICH_NORMS = {"ln_1": "input_layernorm", "post_attn_norm": "post_attention_layernorm",
                   "ln_2": "pre_feedforward_layernorm", "post_mlp_norm": "post_feedforward_layernorm"}
 GLOBAL_THETA, LOCAL_THETA = 1_000_000.0, 10_000.0  # Gemma3TextConfig's defaults of full and sliding layers

@@ -17,8 +17,8 @@ also bring its own pieces, layer norms and rotary fields: ``Gemma3ForCausalLM`` 
 GeGLU, rotary parameters per layer type).
 
 Not modelled, so refused with the field named: activations other than SiLU, rotary types other than ``default``,
-``llama3`` and ``linear`` (``yarn``, ``dynamic``, ...), partial rotary embeddings, per-layer rotary parameters
-(but Gemma 3's).
+``llama3``, ``linear`` and ``yarn`` (``dynamic``, ``longrope``, YaRN's ``mscale``/``mscale_all_dim``, ...), partial
+rotary embeddings, per-layer rotary parameters (but Gemma 3's).
 A sliding window converts to ``GPTConfig.sliding_window`` (Mistral's and Mixtral's in every layer,
 Qwen2's, Qwen3's and Qwen2-MoE's in the layers their ``layer_types`` name). Hidden dropout is not a field
 of these families, so ``GPTConfig.dropout`` is not exported.
@@ -55,8 +55,11 @@ from lightning_megatron.models.rotary import RopeScaling
 
 # Our GPTConfig's pieces that every Llama-shaped family has.
 DECODER_PIECES = {"normalization": "RMSNorm", "position_embedding_type": "rope", "activation": "swiglu",
-                  "norm_position": "pre", "embedding_multiplier": None, "final_logit_softcapping": None}
-ROTARY_TYPES = ("default", "llama3", "linear")
+                  "norm_position": "pre", "embedding_multiplier": None, "final_logit_softcapping": None,
+                  "add_attention_bias": False, "attention_sinks": False}
+#: A ``Dialect.pieces`` value: the family's config field decides this piece (its ``read_fields`` reads it).
+FROM_FIELDS = object()
+ROTARY_TYPES = ("default", "llama3", "linear", "yarn")
 DEFAULT_ROPE_THETA = 10000.0
 TIED_WHY = "the config ties them (tie_word_embeddings=True)"
 # What the fields the shared code reads default to in every family's config class (each dialect adds its own).
@@ -85,11 +88,15 @@ class ExpertNames:
     Mixtral's ``block_sparse_moe``) with the router (``gate``) and the experts (``experts.{e}``);
     ``projections``: an expert's gate, up and down projections (Mixtral's ``w1``, ``w3``, ``w2``);
     ``shared_expert``: every MoE layer also has a gated shared expert (Qwen2-MoE's ``shared_expert``, spelled
-    like the experts, and ``shared_expert_gate``)."""
+    like the experts, and ``shared_expert_gate``); ``router``: the router's module (GPT-OSS's ``router``);
+    ``rules``: a family that stores its experts otherwise (GPT-OSS's stacked, interleaved ``gate_up_proj``) gives
+    its own rules and stacked tensors of a layer's experts, ``rules(config) -> (rules, stacked)``."""
 
     block: str
     projections: tuple[str, str, str] = DENSE_PROJECTIONS
     shared_expert: bool = False
+    router: str = "gate"
+    rules: Optional[Callable[[GPTConfig], tuple[list[Rule], list[Stacked]]]] = None
 
 
 @dataclass(frozen=True)
@@ -110,6 +117,8 @@ class Dialect:
     ``pieces``, our ``GPTConfig`` pieces every model of the family has; ``unexpressed``, the optional pieces its
     config cannot hold (and what it computes instead); ``activation``, ``config.json``'s activation field and its
     one value; ``norms``, our layer norms -> its layer's; ``rotary_from_hf``/``rotary_to_hf``, its rotary fields.
+    A piece's value may be ``FROM_FIELDS``: the family's config field decides it, and ``read_fields`` reads it
+    (GPT-OSS's ``add_attention_bias``).
     """
 
     model_type: str
@@ -152,7 +161,8 @@ class Dialect:
             "attention_dropout": float(fields["attention_dropout"]), "layer_norm_eps": fields["rms_norm_eps"],
             "num_query_groups": None if groups == heads else groups, "add_bias_linear": False,
             "tie_embeddings": bool(fields["tie_word_embeddings"]), "qk_layernorm": self.qk_norm,
-            "kv_channels": None if head_dim * heads == hidden else head_dim, **self.pieces, **pieces})
+            "kv_channels": None if head_dim * heads == hidden else head_dim,
+            **{name: value for name, value in self.pieces.items() if value is not FROM_FIELDS}, **pieces})
 
     def hf_config(self, config: GPTConfig, **extra_fields: Any) -> dict[str, Any]:
         """The ``config.json`` fields (``transformers.AutoConfig.for_model(**fields)``) of our ``config``.
@@ -200,7 +210,7 @@ class Dialect:
                       hf_name=self.hf_name, expected=f"a transformers {self.architecture}")
 
 
-DIALECT_NAMES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "gemma3_text")
+DIALECT_NAMES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "gemma3_text", "gpt_oss")
 
 
 # ----------------------------------------------------------------------------- shared config pieces
@@ -208,7 +218,7 @@ def _decoder_problems(config: GPTConfig, dialect: Dialect) -> list[str]:
     architecture = dialect.architecture
     problems = [f"{name}={getattr(config, name)!r} ({architecture} has {value!r})"
                 for name, value in {**dialect.pieces, "qk_layernorm": dialect.qk_norm}.items()
-                if getattr(config, name) != value]
+                if value is not FROM_FIELDS and getattr(config, name) != value]
     problems += [f"{name}={getattr(config, name)!r} ({architecture} has {default})"
                  for name, default in dialect.unexpressed.items() if getattr(config, name) is not None]
     return problems + _moe_problems(config, architecture, dialect.experts)
@@ -267,6 +277,8 @@ def rotary_parameters(rope: Fields, field: str, fields: Fields, problems: list[s
         return {"rotary_base": theta}
     if kind == "linear":
         return {"rotary_base": theta, "rope_scaling": RopeScaling(factor=float(rope["factor"]), rope_type="linear")}
+    if kind == "yarn":
+        return {"rotary_base": theta, "rope_scaling": _yarn_from_hf(rope, fields, field, problems)}
     missing = [key for key in ("factor", "low_freq_factor", "high_freq_factor") if key not in rope]
     if missing:
         problems.append(f"{field} of rope_type 'llama3' lacks {', '.join(missing)}")
@@ -276,6 +288,22 @@ def rotary_parameters(rope: Fields, field: str, fields: Fields, problems: list[s
         high_freq_factor=float(rope["high_freq_factor"]),
         original_max_position_embeddings=int(rope.get("original_max_position_embeddings",
                                                       fields["max_position_embeddings"])))}
+
+
+def _yarn_from_hf(rope: Fields, fields: Fields, field: str, problems: list[str]) -> Optional[RopeScaling]:
+    """transformers' ``yarn`` parameters (its defaults: ``beta_fast`` 32, ``beta_slow`` 1, ``truncate`` True, the
+    attention factor from ``factor``); DeepSeek's ``mscale``/``mscale_all_dim`` refused by name."""
+    scaled = [key for key in ("mscale", "mscale_all_dim") if rope.get(key)]
+    if scaled:
+        problems.append(f"{field} of rope_type 'yarn' has {', '.join(scaled)}: our YaRN takes attention_factor only")
+        return None
+    original = int(rope.get("original_max_position_embeddings") or fields["max_position_embeddings"])
+    factor = rope.get("factor") or fields["max_position_embeddings"] / original
+    attention_factor = rope.get("attention_factor")
+    return RopeScaling(rope_type="yarn", factor=float(factor), original_max_position_embeddings=original,
+                       beta_fast=float(rope.get("beta_fast") or 32.0), beta_slow=float(rope.get("beta_slow") or 1.0),
+                       truncate=bool(rope.get("truncate", True)),
+                       attention_factor=None if attention_factor is None else float(attention_factor))
 
 
 def _rotary_to_hf(config: GPTConfig) -> dict[str, Any]:
@@ -359,7 +387,10 @@ def _moe_rules(config: GPTConfig, names: ExpertNames) -> tuple[list[Rule], list[
     """An MoE layer's rules, and the tensors ``transformers`` 5 stacks in memory. A layer's rules are expanded for
     every layer and skipped where our model lacks the name, so dense and MoE layers can alternate."""
     block = "model.layers.{i}." + names.block
-    rules = pair("blocks.{i}.mlp.router", f"{block}.gate")
+    rules = pair("blocks.{i}.mlp.router", f"{block}.{names.router}")
+    if names.rules is not None:
+        own, stacked = names.rules(config)
+        return rules + own, stacked
     for index in range(config.moe.num_experts):
         rules += _gated_mlp_rules(f"blocks.{{i}}.mlp.experts.{index}", f"{block}.experts.{index}", names.projections)
     rules += _gated_mlp_rules("blocks.{i}.mlp.shared_expert", f"{block}.shared_expert", names.projections)
@@ -385,6 +416,7 @@ def decoder_mapping(config: GPTConfig, dialect: Optional[Dialect] = None) -> Sta
                *pair("blocks.{i}.attn.qkv", [f"{layer}.self_attn.{name}_proj" for name in "qkv"],
                      QueryGroups(config.num_heads, config.query_groups)),
                *pair("blocks.{i}.attn.proj", f"{layer}.self_attn.o_proj"),
+               Rule("blocks.{i}.attn.sinks", (f"{layer}.self_attn.sinks",)),
                *[rule for norm in ("q_norm", "k_norm") if dialect.qk_norm
                  for rule in pair(f"blocks.{{i}}.attn.{norm}", f"{layer}.self_attn.{norm}")],
                *_gated_mlp_rules("blocks.{i}.mlp", f"{layer}.mlp"), *moe_rules],

@@ -14,6 +14,7 @@ an export read and write a few tensors at a time (``plan_shards``, ``hf_tensors`
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping, Sequence, Union
 
@@ -164,10 +165,28 @@ class Stacked:
     stacks when it loads. The rules name the stored tensors, so every entry stays one of our tensors (an
     expert's ``fc``) and its parts and an export writes what ``save_pretrained`` writes; reading splits stacked
     tensors first (``StateDictMapping.unstacked``), so a model's own state dict converts too.
+
+    ``written``: the family's checkpoints store the stack itself (GPT-OSS's ``experts.gate_up_proj``): the parts are
+    then names of the rules only, and an export stacks them back (every expert of a layer in one shard).
     """
 
     stacked: str  # e.g. "model.layers.{i}.mlp.experts.gate_up_proj"
     parts: tuple[str, ...]  # e.g. ("model.layers.{i}.mlp.experts.{e}.gate_proj.weight", "...up_proj.weight")
+    written: bool = False
+
+    def part_pattern(self, layer: int) -> "re.Pattern[str]":
+        """Matches the names of this stack's parts in ``layer``, any expert."""
+        return re.compile("|".join(re.escape(part.format(i=layer, e="EXPERT")).replace("EXPERT", r"\d+")
+                                   for part in self.parts))
+
+    def stack(self, hf: dict[str, Tensor], layer: int) -> None:
+        """Replace the parts of ``layer`` in ``hf`` (experts ``0, 1, ...`` while there) by the stacked tensor."""
+        experts = []
+        while self.parts[0].format(i=layer, e=len(experts)) in hf:
+            expert = len(experts)
+            experts.append(torch.cat([hf.pop(part.format(i=layer, e=expert)) for part in self.parts]))
+        if experts:
+            hf[self.stacked.format(i=layer)] = torch.stack(experts)
 
 
 @dataclass(frozen=True)
@@ -327,6 +346,9 @@ class StateDictMapping:
         hf = {}
         for entry in entries:
             hf.update(zip(entry.theirs, entry.transform.to_hf(tensors.pop(entry.ours))))
+        for stack, layer in self.stacks:
+            if stack.written:
+                stack.stack(hf, layer)
         return hf
 
     def to_hf(self, state: Mapping[str, Tensor]) -> dict[str, Tensor]:
@@ -341,14 +363,19 @@ class StateDictMapping:
         ``specs`` gives each of our tensors' size (meta tensors will do)."""
         shards: list[list[Entry]] = []
         size = 0
+        written = [(stack.part_pattern(layer), layer) for stack, layer in self.stacks if stack.written]
+        previous = None
         for entry in self.entries:
             spec = specs[entry.ours]
             nbytes = spec.numel() * spec.element_size()
-            if not shards or size + nbytes > max_bytes:
+            # the layer whose written stacks this entry is a part of: never cut between two of its entries
+            stack = next((layer for pattern, layer in written if pattern.fullmatch(entry.theirs[0])), None)
+            if not shards or (size + nbytes > max_bytes and (stack is None or stack != previous)):
                 shards.append([])
                 size = 0
             shards[-1].append(entry)
             size += nbytes
+            previous = stack
         return shards
 
     def dtype(self, specs: Mapping[str, Tensor]) -> torch.dtype:

@@ -13,6 +13,7 @@ and the module reads it from its weight, so one class serves every layout.
 from __future__ import annotations
 
 import math
+from functools import partial
 from typing import Callable, Optional, Union
 
 import torch
@@ -41,6 +42,10 @@ class CoreAttention(nn.Module):
     ``softmax_scale``: the factor of ``q k^T`` (None: ``1 / sqrt(d)``), applied by scaling ``q`` so that every
     kernel, context parallelism's included, computes it. ``softcap``: scores become ``cap * tanh(scores / cap)``
     before the mask (``models.softcap``: dense scores, kept for backward; refused under context parallelism).
+    ``sinks`` (a forward argument, the owning attention's parameter: this module has none): a learned logit per
+    head in each softmax's denominator (GPT-OSS): merged last into the block attention's online softmax where that
+    runs (whole causal sequences, packed documents, windows: O(S) memory), else (a KV cache, a boolean mask,
+    attention dropout) on the same dense path as ``softcap``.
     """
 
     def __init__(self, *, attention_dropout: float, causal: bool, window: Optional[int] = None,
@@ -53,28 +58,33 @@ class CoreAttention(nn.Module):
         self.context_parallel: Optional[nn.Module] = None
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, attention_mask: Union[Tensor, DocumentMask, None] = None, *,
-                causal: Optional[bool] = None) -> Tensor:
+                causal: Optional[bool] = None, sinks: Optional[Tensor] = None) -> Tensor:
         """``attention_mask``: booleans (True = attend), or the document ids of packed samples; ``causal``:
-        overrides the module's pattern (generation: one new query attends to every cached key)."""
+        overrides the module's pattern (generation: one new query attends to every cached key); ``sinks``:
+        ``[heads]`` sink logits of this rank's heads, or None."""
         causal = self.causal if causal is None else causal
         if self.softmax_scale is not None:  # the kernels divide by sqrt(d): q k^T * softmax_scale in all of them
             q = q * (self.softmax_scale * math.sqrt(q.shape[-1]))
         if self.context_parallel is not None:
-            return self.context_parallel(q, k, v, attention_mask, causal=causal, local=self.attend, window=self.window)
-        return self.attend(q, k, v, attention_mask, causal)
+            return self.context_parallel(q, k, v, attention_mask, causal=causal, local=partial(self.attend, sinks=sinks),
+                                         window=self.window)
+        return self.attend(q, k, v, attention_mask, causal, sinks=sinks)
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, attention_mask: Union[Tensor, DocumentMask, None],
-               causal: bool) -> Tensor:
+               causal: bool, sinks: Optional[Tensor] = None) -> Tensor:
         """SDPA over the keys given; a :class:`DocumentMask` or a sliding window in O(S) memory by
         ``document_attention`` (torch's CPU flash kernel tile by tile on CPU, FlexAttention's fused kernels on CUDA:
         ``context_parallel/kernels.py``), except under attention dropout, which only SDPA draws, over the dense
         mask; soft-capped scores by ``models.softcap`` over the dense mask."""
         dropout = self.attention_dropout if self.training else 0.0
         window = self.window if self.window is not None and self.window < k.shape[2] else None  # else: no effect
-        if self.softcap is not None:
-            return softcapped_attention(q, k, v, self._keep(q, k, attention_mask, causal, window), cap=self.softcap,
-                                        dropout=dropout)
         whole = causal and q.shape[2] == k.shape[2] and not dropout
+        blockwise = isinstance(attention_mask, DocumentMask) and not dropout or (whole and attention_mask is None)
+        if sinks is not None and self.softcap is None and blockwise:
+            return document_attention(q, k, v, attention_mask, causal=causal, window=window, sinks=sinks)
+        if self.softcap is not None or sinks is not None:
+            return softcapped_attention(q, k, v, self._keep(q, k, attention_mask, causal, window), cap=self.softcap,
+                                        dropout=dropout, sinks=sinks)
         if isinstance(attention_mask, DocumentMask) and not dropout or (window and whole and attention_mask is None):
             return document_attention(q, k, v, attention_mask, causal=causal, window=window)
         if isinstance(attention_mask, DocumentMask) or window:
@@ -117,7 +127,9 @@ class SelfAttention(nn.Module):
     ``hidden_size / num_heads``; Qwen3's are wider). ``qk_norm``: builds a norm over ``head_dim``
     channels, applied to every query head (``q_norm``) and key head (``k_norm``) before rotary positions,
     one gain shared by all heads (Qwen3's, OLMo's per-head form); ``None``: none. ``window``, ``softmax_scale``,
-    ``softcap``: :class:`CoreAttention`'s (a sliding window, the scores' factor, tanh soft-capping).
+    ``softcap``: :class:`CoreAttention`'s (a sliding window, the scores' factor, tanh soft-capping). ``sinks``: a
+    learned sink logit per query head (``self.sinks`` ``[num_heads]``, GPT-OSS's; zeros at init, as no sink at all
+    is ``-inf``), which :class:`CoreAttention` adds to each softmax's denominator.
     """
 
     def __init__(
@@ -136,6 +148,7 @@ class SelfAttention(nn.Module):
         window: Optional[int] = None,
         softmax_scale: Optional[float] = None,
         softcap: Optional[float] = None,
+        sinks: bool = False,
     ) -> None:
         super().__init__()
         groups = num_query_groups or num_heads
@@ -151,6 +164,7 @@ class SelfAttention(nn.Module):
         self.core_attention = CoreAttention(attention_dropout=attention_dropout, causal=causal, window=window,
                                             softmax_scale=softmax_scale, softcap=softcap)
         self.proj = nn.Linear(num_heads * self.head_dim, hidden_size, bias=proj_bias)
+        self.sinks = nn.Parameter(torch.zeros(num_heads)) if sinks else None
 
     def local_layout(self) -> tuple[int, int]:
         """(query groups, query heads per group) in this rank's ``qkv`` rows: whole groups, or a part of one
@@ -182,5 +196,5 @@ class SelfAttention(nn.Module):
         if kv_cache is not None:
             k, v = kv_cache.append(self, k, v)
             attention_mask, causal = kv_cache.mask, kv_cache.causal
-        y = self.core_attention(q, k, v, attention_mask, causal=causal)
+        y = self.core_attention(q, k, v, attention_mask, causal=causal, sinks=self.sinks)
         return self.proj(y.transpose(1, 2).reshape(batch, seq, groups * heads_per_group * self.head_dim))

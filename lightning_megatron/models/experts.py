@@ -6,15 +6,17 @@ decides), giving the same numbers:
 
 * **grouped**: each expert matrix of all experts in one ``torch._grouped_mm`` (one kernel for ``fc``, one for
   ``proj``, and likewise in backward), the groups delimited by int32 offsets read on the device: no host sync.
+  Experts with biases (GPT-OSS's) add each row's expert's bias after each GEMM, the row's expert found from the
+  offsets on the device.
   The experts' weights (``nn.Linear`` layout ``[out, in]``) are stacked to ``[E, out, in]`` for each GEMM and
   read transposed; backward saves the weights, not the stack. Where: CUDA in bf16 (``bf16-true`` or
   ``bf16-mixed``'s autocast) on compute capability 9.x/10.x (Hopper, Blackwell: torch's CUTLASS kernel; elsewhere
   torch falls back to a loop that reads the offsets on the host, once per GEMM), every width a multiple of 8
   (torch asks 16-byte aligned strides); and the CPU in fp32 (measured on torch 2.13: bitwise equal to the loop,
-  forward and backward).
+  forward and backward; with biases within rounding, the loop's ``F.linear`` fusing the add).
 * **loop**: each expert's own module on its slice of the tokens. The slices need the counts on the host: one
   read per layer, free on the CPU. Everywhere else (fp16, fp64, CPU bf16, other GPUs), and for experts that
-  are not plain linears (FP8 GEMMs, LoRA adapters, biases): they run through their own forward.
+  are not plain linears (FP8 GEMMs, LoRA adapters): they run through their own forward.
 
 Rows after the counted ones (assignments a capacity factor dropped) are zeros in the loop's output and
 uninitialised memory in the grouped one; the caller masks them (``MoE._routed_experts``).
@@ -61,6 +63,8 @@ def grouped_gemm_supported(experts: Sequence[nn.Module], tokens: Tensor) -> bool
         return False
     if len({type(e) for e in experts}) != 1 or len({e.fc.weight.dtype for e in experts} | {tokens.dtype}) != 1:
         return False
+    if len({(e.fc.bias is None, e.proj.bias is None) for e in experts}) != 1:
+        return False
     dtype = compute_dtype(tokens)
     if tokens.device.type == "cuda":
         widths = (*experts[0].fc.weight.shape, experts[0].proj.weight.shape[1])
@@ -80,7 +84,19 @@ def grouped_experts(experts: Sequence[nn.Module], tokens: Tensor, counts: Tensor
     dtype = compute_dtype(tokens)
     offsets = torch.cumsum(counts.to(tokens.device, non_blocking=True), 0, dtype=torch.int32)
     hidden = grouped_linear(tokens.to(dtype), [e.fc.weight for e in experts], offsets, dtype)
-    return grouped_linear(experts[0].activate(hidden), [e.proj.weight for e in experts], offsets, dtype)
+    rows = None
+    if experts[0].fc.bias is not None:  # each row's expert (E past the counted rows): searched on the device
+        rows = torch.bucketize(torch.arange(tokens.shape[0], device=tokens.device, dtype=torch.int32), offsets,
+                               right=True)
+        hidden = hidden + _row_biases([e.fc.bias for e in experts], rows, dtype)
+    out = grouped_linear(experts[0].activate(hidden), [e.proj.weight for e in experts], offsets, dtype)
+    return out if rows is None else out + _row_biases([e.proj.bias for e in experts], rows, dtype)
+
+
+def _row_biases(biases: Sequence[Tensor], rows: Tensor, dtype: torch.dtype) -> Tensor:
+    """``[N, out]``: the bias of each row's expert (``rows``; ``E``, past the counted rows, gets zeros)."""
+    table = torch.stack([b.to(dtype) for b in biases])
+    return torch.cat([table, table.new_zeros(1, table.shape[1])])[rows]
 
 
 def grouped_linear(x: Tensor, weights: Sequence[Tensor], offsets: Tensor, dtype: torch.dtype) -> Tensor:
@@ -136,9 +152,9 @@ def _plain_mlp(expert: nn.Module) -> bool:
 
 
 def _plain_linear(layer: nn.Module) -> bool:
-    """A bias-free linear whose forward is ``F.linear(x, layer.weight)``: ``nn.Linear``, or a tensor-parallel layer
-    inside the experts' region (no communication of its own) in high precision; not FP8, not LoRA-adapted."""
-    if layer.bias is not None or hasattr(layer, "lora_a"):
+    """A linear whose forward is ``F.linear(x, layer.weight, layer.bias)``: ``nn.Linear``, or a tensor-parallel
+    layer inside the experts' region (no communication of its own) in high precision; not FP8, not LoRA-adapted."""
+    if hasattr(layer, "lora_a"):
         return False
     if type(layer) is nn.Linear:
         return True

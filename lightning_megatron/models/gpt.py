@@ -111,6 +111,12 @@ class GPTConfig(TransformerSizes):
       attention multi-head latent attention (DeepSeek-V2/V3: queries, keys and values from low-rank latents, one
       rotary key shared by the heads; ``models.latent_attention``), with rotary positions and without
       ``num_query_groups``, ``kv_channels``, ``qk_layernorm`` or ``add_qkv_bias``; None: ``SelfAttention``.
+    * ``add_attention_bias``: biases on the attention's ``qkv`` and ``proj`` but not on the MLP (GPT-OSS's
+      ``attention_bias``; ``add_bias_linear`` puts them on every linear layer, ``add_qkv_bias`` on ``qkv`` alone).
+    * ``attention_sinks``: every attention head has a learned sink logit in its softmax's denominator (GPT-OSS's
+      ``sinks``): merged last into the block attention's online softmax in training (``context_parallel.local``:
+      windows and packed documents, O(S) memory), the dense path of ``models.softcap`` with a KV cache. Not yet
+      split over tensor-parallel ranks nor merged by context parallelism's ring: both refused.
     """
 
     vocab_size: int = 257
@@ -144,6 +150,8 @@ class GPTConfig(TransformerSizes):
     softmax_scale: Optional[float] = None
     attn_logit_softcapping: Optional[float] = None
     mla: Optional[MLAConfig] = None
+    add_attention_bias: bool = False
+    attention_sinks: bool = False
 
     def __post_init__(self) -> None:
         if self.kv_channels is None:
@@ -271,7 +279,12 @@ class GPTConfig(TransformerSizes):
 
     @property
     def qkv_bias(self) -> bool:
-        return self.add_bias_linear or self.add_qkv_bias
+        return self.add_bias_linear or self.add_qkv_bias or self.add_attention_bias
+
+    @property
+    def proj_bias(self) -> bool:
+        """A bias on the attention's output projection (``add_bias_linear`` or ``add_attention_bias``)."""
+        return self.add_bias_linear or self.add_attention_bias
 
     def validate_expert_layout(self, tensor_parallel_size: int, expert_parallel_size: int) -> None:
         """Experts split over ``expert_parallel_size`` ranks and each expert over ``tensor_parallel_size``."""
@@ -317,10 +330,11 @@ class GPTConfig(TransformerSizes):
         norm = 2 * h if self.normalization == "LayerNorm" else h
         norms_per_layer = 4 if self.norm_position == "sandwich" else 2
         qkv_rows = (self.num_heads + 2 * self.query_groups) * self.head_dim
-        attention = qkv_rows * (h + self.qkv_bias) + h * self.num_heads * self.head_dim + h * bias
+        attention = qkv_rows * (h + self.qkv_bias) + h * self.num_heads * self.head_dim + h * self.proj_bias
         attention += 2 * self.head_dim * self.qk_layernorm  # q_norm, k_norm
         if self.mla is not None:
             attention = self.mla.num_parameters(h, self.num_heads, bias=bias)
+        attention += self.num_heads * self.attention_sinks
         matrices = 3 if is_gated(self.activation) else 2
 
         def mlp(width: int, with_bias: bool) -> int:
@@ -331,7 +345,7 @@ class GPTConfig(TransformerSizes):
             if self.is_moe_layer(index):
                 moe = self.moe
                 experts = moe.top_k if active else moe.num_experts
-                layers += (moe.num_experts * h + experts * mlp(self.moe_ffn_size, False)
+                layers += (moe.num_experts * (h + moe.router_bias) + experts * mlp(self.moe_ffn_size, moe.add_bias_linear)
                            + (mlp(moe.shared_expert_size, False) if moe.shared_expert_size else 0)
                            + h * moe.shared_expert_gate)
             else:
@@ -464,6 +478,22 @@ GPT_PRESETS.update({
                                                 router_topk_scaling_factor=2.5), **LLAMA),
 })
 
+# OpenAI's gpt-oss (openai/gpt-oss-20b and -120b config.json): every layer a Mixture of Experts of clamped-SwiGLU experts
+# with biases (top-4, a router bias), attention with sinks and biases, 64 heads of 64 channels over 8 key/value
+# heads, sliding-window (128) and full layers alternating, YaRN (factor 32 over 4096 positions, theta 150,000).
+GPT_OSS = dict(vocab_size=201088, max_seq_length=131072, hidden_size=2880, num_heads=64, num_query_groups=8,
+               kv_channels=64, ffn_hidden_size=2880, rotary_base=150000.0, layer_norm_eps=1e-5, tie_embeddings=False,
+               rope_scaling=RopeScaling(rope_type="yarn", factor=32.0, original_max_position_embeddings=4096,
+                                        beta_fast=32.0, beta_slow=1.0, truncate=False),
+               add_attention_bias=True, attention_sinks=True, sliding_window=128,
+               **{**LLAMA, "activation": "clamped_swiglu"})
+GPT_PRESETS.update({
+    name: GPTConfig(num_layers=layers, layer_types=("sliding_attention", "full_attention") * (layers // 2),
+                    moe=MoEConfig(num_experts=experts, top_k=4, aux_loss_coeff=0.9, router_bias=True,
+                                  add_bias_linear=True), **GPT_OSS)
+    for name, (layers, experts) in {"gpt-oss-20b": (24, 32), "gpt-oss-120b": (36, 128)}.items()
+})
+
 
 class GPTEmbedding(nn.Module):
     """Token embeddings, plus learned absolute positions when the config asks for them (rotary
@@ -507,10 +537,10 @@ def gpt_layer(config: GPTConfig, index: int = 0, aux_losses: Optional[AuxLosses]
     else:
         attention = SelfAttention(config.hidden_size, config.num_heads, num_query_groups=config.num_query_groups,
                                   head_dim=config.head_dim, attention_dropout=config.attention_dropout, causal=True,
-                                  qkv_bias=config.qkv_bias, proj_bias=config.add_bias_linear, rotary=rotary,
+                                  qkv_bias=config.qkv_bias, proj_bias=config.proj_bias, rotary=rotary,
                                   qk_norm=qk_norm if config.qk_layernorm else None,
                                   window=config.attention_window(index), softmax_scale=config.softmax_scale,
-                                  softcap=config.attn_logit_softcapping)
+                                  softcap=config.attn_logit_softcapping, sinks=config.attention_sinks)
     if config.is_moe_layer(index):
         mlp = MoE(config.hidden_size, config.moe, default_ffn_size=config.ffn_size, activation=config.activation,
                   aux_losses=aux_losses)
@@ -582,6 +612,8 @@ class GPTModel(nn.Module):
         """GPT-2 init; output projections of residual branches scaled by 1/sqrt(2 * layers) (Radford et al. 2019)."""
         if name.endswith(("attn.proj.weight", "mlp.proj.weight")):
             tensor.normal_(0.0, INIT_STD / math.sqrt(2 * self.config.num_layers), generator=generator)
+        elif name.endswith("attn.sinks"):  # no pull of a sink at first
+            tensor.zero_()
         else:
             default_initializer(name, tensor, generator)
 
@@ -837,8 +869,8 @@ class GPT(BatchFlops, PretrainingRecipe):
     @staticmethod
     def hf_format() -> HFFormat:
         """``from_hf``/``to_hf`` convert to and from ``transformers``' ``GPT2LMHeadModel``, ``LlamaForCausalLM``,
-        ``MistralForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``, ``MixtralForCausalLM`` and
-        ``Qwen2MoeForCausalLM`` (reading: by ``model_type``; writing: by the config)."""
+        ``MistralForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``, ``MixtralForCausalLM``,
+        ``Qwen2MoeForCausalLM`` and ``GptOssForCausalLM`` (reading: by ``model_type``; writing: by the config)."""
         return hf_format_for(GPTConfig)
 
     def tensor_parallel_plan(self) -> dict[str, object]:
@@ -854,6 +886,19 @@ class GPT(BatchFlops, PretrainingRecipe):
     def validate_parallel_config(self, parallel_config) -> None:
         self.config.validate_tensor_parallel_size(parallel_config.tensor_parallel_size)
         self.config.validate_expert_layout(parallel_config.tensor_parallel_size, parallel_config.expert_parallel_size)
+        split = {name: getattr(parallel_config, name) for name in ("tensor_parallel_size", "context_parallel_size")}
+        if self.config.attention_sinks and any(size > 1 for size in split.values()):
+            raise ValueError(
+                f"{', '.join(f'{name}={size}' for name, size in split.items())} with attention_sinks=True is not "
+                f"supported yet: the sinks are not split with the heads over tensor-parallel ranks, and context "
+                f"parallelism's block merge does not add them. Use tensor_parallel_size=1 and context_parallel_size=1 "
+                f"(data, pipeline and expert parallelism work).")
+        moe, tp = self.config.moe, parallel_config.tensor_parallel_size
+        if moe is not None and moe.add_bias_linear and tp > 1:
+            raise ValueError(f"tensor_parallel_size={tp} with MoEConfig.add_bias_linear=True is not supported yet: the "
+                             f"experts' row-parallel outputs are partial sums inside their region, and their bias "
+                             f"would be added on every rank. Use tensor_parallel_size=1 (expert_parallel_size splits "
+                             f"the experts).")
         if parallel_config.context_parallel_size > 1 and self.config.moe is not None:
             raise ValueError(
                 f"context_parallel_size={parallel_config.context_parallel_size} with a Mixture-of-Experts model is not "

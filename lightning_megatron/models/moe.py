@@ -80,6 +80,14 @@ class MoEConfig:
       the ``router_group_topk`` groups whose two best scores sum highest (``models.router``); None: no groups.
     * ``router_topk_scaling_factor``: the combine weights are multiplied by it after any renormalisation
       (DeepSeek-V3's ``routed_scaling_factor``, 2.5); None: 1.
+    * ``router_bias``: the router's logits have a learned bias (GPT-OSS's; trained by gradients, unlike
+      ``expert_bias``, which only steers the choice).
+    * ``add_bias_linear``: biases on the routed experts' linear layers (GPT-OSS's); they run as a loop of their
+      modules (``models.experts``).
+
+    GPT-OSS routes by a softmax over the top-k logits only; that is ``score_function="softmax"`` with
+    ``normalize_topk=True`` (the full softmax's top-k renormalised: the same experts, the same weights, up to
+    rounding), so there is no option for it. Megatron-Core's ``moe_router_pre_softmax`` names the same choice.
     """
 
     num_experts: int
@@ -98,6 +106,8 @@ class MoEConfig:
     router_num_groups: Optional[int] = None
     router_group_topk: Optional[int] = None
     router_topk_scaling_factor: Optional[float] = None
+    router_bias: bool = False
+    add_bias_linear: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.layer_freq, list):  # from YAML
@@ -281,8 +291,9 @@ class MoE(nn.Module):
         self.router = TopKRouter(hidden_size, config.num_experts, config.top_k, score_function=config.score_function,
                                  normalize_topk=config.normalize_topk, expert_bias=config.expert_bias,
                                  num_groups=config.router_num_groups, group_topk=config.router_group_topk,
-                                 scaling_factor=config.router_topk_scaling_factor)
-        self.experts = nn.ModuleDict({str(e): build_mlp(activation, hidden_size, ffn, bias=False)
+                                 scaling_factor=config.router_topk_scaling_factor,
+                                 bias=config.router_bias)
+        self.experts = nn.ModuleDict({str(e): build_mlp(activation, hidden_size, ffn, bias=config.add_bias_linear)
                                       for e in range(config.num_experts)})
         self.shared_expert = (build_mlp(activation, hidden_size, config.shared_expert_size, bias=False)
                               if config.shared_expert_size else None)

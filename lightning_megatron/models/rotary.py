@@ -1,4 +1,4 @@
-"""Rotary position embeddings (Su et al. 2021), with Llama-3.1's and linear frequency scaling.
+"""Rotary position embeddings (Su et al. 2021), with Llama-3.1's, linear and YaRN frequency scaling.
 
 Each head's channels are rotated in pairs ``(i, i + head_dim/2)`` by an angle proportional
 to the position (the "rotate half" convention of Hugging Face's Llama and Megatron-Core, so
@@ -32,6 +32,11 @@ class RopeScaling:
       interpolated smoothly.
     * ``"linear"`` (position interpolation; Gemma 3's global layers): every frequency divided by ``factor``; the
       other fields are not read.
+    * ``"yarn"`` (Peng et al. 2023; GPT-OSS): channel pairs that turn fewer than ``beta_slow`` times over
+      ``original_max_position_embeddings`` positions are divided by ``factor``, those turning more than ``beta_fast``
+      times kept, a linear ramp between (its ends rounded outward when ``truncate``, transformers' default); ``cos``
+      and ``sin`` are multiplied by ``attention_factor`` (None: ``0.1 ln(factor) + 1``, the paper's), which scales
+      every attention score by its square.
     """
 
     factor: float = 8.0
@@ -39,6 +44,10 @@ class RopeScaling:
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
     rope_type: str = "llama3"
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    attention_factor: Optional[float] = None
 
     def __post_init__(self) -> None:
         if self.rope_type not in SCALINGS:
@@ -46,20 +55,34 @@ class RopeScaling:
         if self.factor < 1 or self.high_freq_factor <= self.low_freq_factor:
             raise ValueError(f"RopeScaling needs factor >= 1 and high_freq_factor > low_freq_factor, got {self}.")
 
-    def apply(self, inv_freq: Tensor) -> Tensor:
-        return SCALINGS[self.rope_type](self, inv_freq)
+    def apply(self, inv_freq: Tensor, base: float) -> Tensor:
+        """The scaled ``inv_freq`` (``[head_dim / 2]``, of rotary ``base``)."""
+        return SCALINGS[self.rope_type](self, inv_freq, base)
+
+    def cos_sin_factor(self) -> float:
+        """What ``cos`` and ``sin`` are multiplied by: YaRN's attention factor, else 1."""
+        if self.rope_type != "yarn":
+            return 1.0
+        if self.attention_factor is not None:
+            return self.attention_factor
+        return 0.1 * math.log(self.factor) + 1.0 if self.factor > 1 else 1.0
 
     def hf_parameters(self) -> dict:
         """transformers' ``rope_parameters`` / ``rope_scaling`` entries of this scaling (``rope_type`` and the
         fields it reads)."""
         if self.rope_type == "linear":
             return {"rope_type": "linear", "factor": self.factor}
+        if self.rope_type == "yarn":
+            return {"rope_type": "yarn", "factor": self.factor, "beta_fast": self.beta_fast,
+                    "beta_slow": self.beta_slow, "truncate": self.truncate,
+                    "original_max_position_embeddings": self.original_max_position_embeddings,
+                    **({} if self.attention_factor is None else {"attention_factor": self.attention_factor})}
         return {"rope_type": self.rope_type, "factor": self.factor, "low_freq_factor": self.low_freq_factor,
                 "high_freq_factor": self.high_freq_factor,
                 "original_max_position_embeddings": self.original_max_position_embeddings}
 
 
-def _llama3(scaling: RopeScaling, inv_freq: Tensor) -> Tensor:
+def _llama3(scaling: RopeScaling, inv_freq: Tensor, base: float) -> Tensor:
     wavelength = 2 * math.pi / inv_freq
     low_freq_wavelength = scaling.original_max_position_embeddings / scaling.low_freq_factor
     high_freq_wavelength = scaling.original_max_position_embeddings / scaling.high_freq_factor
@@ -71,12 +94,30 @@ def _llama3(scaling: RopeScaling, inv_freq: Tensor) -> Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
-def _linear(scaling: RopeScaling, inv_freq: Tensor) -> Tensor:
+def _linear(scaling: RopeScaling, inv_freq: Tensor, base: float) -> Tensor:
     return inv_freq / scaling.factor
 
 
+def _yarn(scaling: RopeScaling, inv_freq: Tensor, base: float) -> Tensor:
+    """YaRN's blend of interpolated (``inv_freq / factor``) and kept frequencies, pair by pair (``RopeScaling``)."""
+    dim = 2 * inv_freq.shape[0]
+
+    def pair_turning(rotations: float) -> float:  # the (fractional) pair index that turns ``rotations`` times
+        length = scaling.original_max_position_embeddings
+        return dim * math.log(length / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = pair_turning(scaling.beta_fast), pair_turning(scaling.beta_slow)
+    if scaling.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # a step, not a division by zero
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device=inv_freq.device) - low) / (high - low)).clamp(0, 1)
+    return inv_freq / scaling.factor * ramp + inv_freq * (1 - ramp)
+
+
 #: ``RopeScaling.rope_type`` -> how it scales the inverse frequencies.
-SCALINGS = {"llama3": _llama3, "linear": _linear}
+SCALINGS = {"llama3": _llama3, "linear": _linear, "yarn": _yarn}
 
 
 def rotate_half(x: Tensor) -> Tensor:
@@ -88,14 +129,22 @@ def inverse_frequencies(head_dim: int, base: float, scaling: Optional[RopeScalin
     """The rotation speed of each channel pair, ``[head_dim / 2]`` fp32."""
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim
     inv_freq = 1.0 / (base ** exponents)
-    return inv_freq if scaling is None else scaling.apply(inv_freq)
+    return inv_freq if scaling is None else scaling.apply(inv_freq, base)
 
 
-def cos_sin(positions: Tensor, inv_freq: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """``cos`` and ``sin`` of every position's angles, ``[*positions.shape, head_dim]`` in ``dtype``."""
+def cos_sin(positions: Tensor, inv_freq: Tensor, dtype: torch.dtype, factor: float = 1.0) -> tuple[Tensor, Tensor]:
+    """``cos`` and ``sin`` of every position's angles, ``[*positions.shape, head_dim]`` in ``dtype``, times ``factor``
+    (YaRN's attention factor) in fp32 first."""
     angles = positions.float()[..., None] * inv_freq
     angles = torch.cat((angles, angles), dim=-1)
-    return angles.cos().to(dtype), angles.sin().to(dtype)
+    cos, sin = angles.cos(), angles.sin()
+    if factor != 1.0:
+        cos, sin = cos * factor, sin * factor
+    return cos.to(dtype), sin.to(dtype)
+
+
+def _factor(scaling: Optional[RopeScaling]) -> float:
+    return 1.0 if scaling is None else scaling.cos_sin_factor()
 
 
 @functools.lru_cache(maxsize=4)
@@ -103,7 +152,8 @@ def _cos_sin_from_zero(length: int, head_dim: int, base: float, scaling: Optiona
                        dtype: torch.dtype, inference: bool) -> tuple[Tensor, Tensor]:
     """The tables of positions ``0 .. length-1``: one copy for every layer (they all ask for the same ones, in
     forward and again in backward). ``inference``: tensors made under inference mode must stay there."""
-    return cos_sin(torch.arange(length, device=device), inverse_frequencies(head_dim, base, scaling, device), dtype)
+    return cos_sin(torch.arange(length, device=device), inverse_frequencies(head_dim, base, scaling, device), dtype,
+                   _factor(scaling))
 
 
 class RotaryEmbedding(nn.Module):
@@ -127,7 +177,7 @@ class RotaryEmbedding(nn.Module):
             return _cos_sin_from_zero(seq_length, self.head_dim, self.base, self.scaling, torch.device(device), dtype,
                                       torch.is_inference_mode_enabled())
         cos, sin = cos_sin(positions, inverse_frequencies(self.head_dim, self.base, self.scaling, positions.device),
-                           dtype)
+                           dtype, _factor(self.scaling))
         if positions.dim() == 2:  # [B, S, D] -> [B, 1, S, D]: the same angles for every head
             cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         return cos, sin

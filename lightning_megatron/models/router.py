@@ -51,13 +51,14 @@ class Routing(NamedTuple):
 
 
 class TopKRouter(nn.Module):
-    """``weight`` ``[E, hidden]`` (Megatron-Core's and Hugging Face's router layout); ``expert_bias``, when
-    enabled, is a persistent buffer (saved in checkpoints) moved by :meth:`update_expert_bias` after each
-    optimizer step, never by gradients."""
+    """``weight`` ``[E, hidden]`` (Megatron-Core's and Hugging Face's router layout), and with ``bias`` a learned
+    ``bias`` ``[E]`` added to the logits (GPT-OSS); ``expert_bias``, when enabled, is a persistent buffer (saved
+    in checkpoints) moved by :meth:`update_expert_bias` after each optimizer step, never by gradients."""
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, *, score_function: str = "softmax",
                  normalize_topk: bool = True, expert_bias: bool = False, num_groups: Optional[int] = None,
-                 group_topk: Optional[int] = None, scaling_factor: Optional[float] = None) -> None:
+                 group_topk: Optional[int] = None, scaling_factor: Optional[float] = None,
+                 bias: bool = False) -> None:
         super().__init__()
         if score_function not in SCORE_FUNCTIONS:
             raise ValueError(f"score_function={score_function!r} is not one of {SCORE_FUNCTIONS}.")
@@ -65,6 +66,7 @@ class TopKRouter(nn.Module):
         self.score_function, self.normalize_topk = score_function, normalize_topk
         self.num_groups, self.group_topk, self.scaling_factor = num_groups, group_topk, scaling_factor
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
+        self.bias = nn.Parameter(torch.zeros(num_experts)) if bias else None
         if expert_bias:
             self.register_buffer("expert_bias", torch.zeros(num_experts, dtype=torch.float32))
             # Tokens routed to each expert since the last update (training forwards only; integers, which a
@@ -89,7 +91,7 @@ class TopKRouter(nn.Module):
             buffer.zero_()
 
     def forward(self, x: Tensor) -> Routing:
-        logits = F.linear(x, self.weight).float()
+        logits = F.linear(x, self.weight, self.bias).float()
         if self.score_function == "softmax":
             scores = torch.softmax(logits, dim=-1)
         else:

@@ -148,7 +148,7 @@ def llama_shaped_equivalent(fields: Mapping[str, Any], file: Path) -> tuple[GPTC
     experts = {name: fields[name] for name in EXPERT_FIELDS if fields.get(name)}
     if experts:
         problems.append(f"{', '.join(f'{k}={v}' for k, v in experts.items())}: a Mixture-of-Experts model; the "
-                        f"equivalent is dense (MoE families we convert: mixtral, qwen2_moe, qwen3_moe)")
+                        f"equivalent is dense (MoE families we convert: mixtral, qwen2_moe, qwen3_moe, gpt_oss)")
     if problems:
         raise ValueError(f"{file}: model_type={model_type!r} cannot be planned: {'; '.join(problems)}. The planner "
                          f"reads the families we convert ({', '.join(sorted(FAMILIES))}) and causal LMs with the "

@@ -131,9 +131,10 @@ def _swap(old: nn.Module, style: Style, name: str, state: ParallelState, vocab_m
     factory_kwargs = {"device": "meta"}
     linear_kwargs = dict(factory_kwargs, sequence_linear=sequence_linear)
     if isinstance(old, nn.Linear) and isinstance(style, InsideRegion):
-        if old.bias is not None and style.style == "row":
+        if old.bias is not None and style.style == "row" and state.config.tensor_parallel_size > 1:
             raise ValueError(f"{name}: a row-parallel layer inside a region has partial outputs until the region is "
-                             f"left, so a bias would be added once per rank; build it without a bias.")
+                             f"left, so a bias would be added once per rank; build it without a bias, or use "
+                             f"tensor_parallel_size=1.")
         new = _swap(old, style.style, name, state, vocab_multiple, sequence_linear)
         new.communicates = False
         return new

@@ -7,6 +7,7 @@ import torch
 from lightning_megatron.models import GPTConfig, RopeScaling
 from lightning_megatron.models.latent_attention import MLAConfig
 from lightning_megatron.models.moe import MoEConfig
+from lightning_megatron.models.rotary import RopeScaling
 from lightning_megatron.peft.lora import LoRAConfig
 
 SEED = 1234
@@ -74,6 +75,13 @@ MLA_CONFIG = replace(MOE_CONFIGS["mla"], moe=None)
 # (layer 2 dense, as mlp_only_layers=[2]), weights renormalised, the load-balancing loss on, no z-loss.
 MOE_CONFIGS["qwen3moe"] = replace(QWEN3_CONFIG, moe=replace(MOE, z_loss_coeff=0.0, shared_expert_size=0,
                                                             shared_expert_gate=False))
+# GPT-OSS's pieces on the same sizes: attention sinks and biases, YaRN, sliding and full layers alternating, clamped-SwiGLU
+# experts with biases and a router bias (no shared expert). Sinks are not split over tp yet (refused there).
+MOE_CONFIGS["oss"] = replace(
+    LLAMA_CONFIG, add_qkv_bias=False, add_attention_bias=True, attention_sinks=True, activation="clamped_swiglu",
+    sliding_window=4, layer_types=("sliding_attention", "full_attention") * 2,
+    rope_scaling=RopeScaling(rope_type="yarn", factor=4.0, original_max_position_embeddings=8),
+    moe=replace(MOE, router_bias=True, add_bias_linear=True, shared_expert_size=0, shared_expert_gate=False))
 CONFIGS["moe"] = MOE_CONFIGS["moe"]
 
 LR, WEIGHT_DECAY, CLIP = 1e-2, 0.1, 0.5
