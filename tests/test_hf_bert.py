@@ -125,7 +125,7 @@ def test_read_hf_and_write_hf_dispatch_on_the_model_type(hf_model, tmp_path):
         assert all(torch.equal(state_again[k], v) for k, v in state_dict.items())
 
     with pytest.raises(ValueError, match=r"model_type='bert' cannot be converted: supported .* 'gpt2', .*'llama', "
-        r"'mistral', 'mixtral', .*'qwen3'\. It is a BERT model: read it with BERT\.from_hf"):
+        r"'mistral', 'mixtral', .*'qwen3', 'qwen3_moe'\. It is a BERT model: read it with BERT\.from_hf"):
         GPT.from_hf(tmp_path / "bert")
     (tmp_path / "bert" / "config.json").write_text('{"model_type": "gpt_neox"}')
     with pytest.raises(ValueError, match=r"model_type='gpt_neox' cannot be converted: supported .* 'bert', 'deepseek_v3', 'gemma3_text', 'gpt2'"):

@@ -68,8 +68,8 @@ def test_presets_count_the_parameters_of_transformers_model_and_read_back(preset
                          "full_attention": {"rope_type": "default", "rope_theta": 1e6}},
      "our sliding layers scale no rotary frequencies"),
     ("rope_parameters", {"sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
-                         "full_attention": {"rope_type": "yarn", "factor": 2.0, "rope_theta": 1e6}},
-     r"rope_parameters\['full_attention'\]\.rope_type='yarn'"),
+                         "full_attention": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e6}},
+     r"rope_parameters\['full_attention'\]\.rope_type='dynamic'"),
     ("rope_parameters", {"rope_type": "default", "rope_theta": 1e6}, "Gemma 3's are per layer type"),
 ])
 def test_unconvertible_config_raises(field, value, message):
