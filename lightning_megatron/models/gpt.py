@@ -458,7 +458,7 @@ GPT_PRESETS.update({
     # DeepSeek-V3 (deepseek-ai/DeepSeek-V3 config.json): multi-head latent attention, 3 dense layers then 58 MoE
     # layers of 256 sigmoid-routed experts (8 per token among the 4 best of 8 groups, weights x 2.5, the
     # aux-loss-free bias) and one shared expert; the sequence-wise balance loss at the paper's 1e-4. Published with
-    # YaRN (factor 40 over 4,096 positions, with DeepSeek's mscale on the softmax scale), which this preset leaves out
+    # YaRN (factor 40 over 4,096 positions, DeepSeek's mscale on the softmax scale): not in this preset yet.
     "deepseek-v3": GPTConfig(vocab_size=129280, max_seq_length=163840, hidden_size=7168, num_layers=61, num_heads=128,
                              ffn_hidden_size=18432, layer_norm_eps=1e-6, tie_embeddings=False,
                              mla=MLAConfig(q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
