@@ -928,21 +928,13 @@ class GPT(BatchFlops, PretrainingRecipe):
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> dict[str, Tensor]:
         loss_sum, num_tokens = self.model.loss(batch["input_ids"], batch["labels"], **self._side(batch))
         loss = loss_sum / num_tokens.clamp(min=1)
-        self.log("train_loss", self._global_token_mean(loss_sum, num_tokens), prog_bar=True)
+        self.log("train_loss", self.global_token_mean(loss_sum, num_tokens), prog_bar=True)
         if self.config.moe is not None:
             statistics = self.model.moe_aux_losses.statistics()  # every rank: it sums over the model-parallel ranks
             self.log("moe_load_balancing", statistics[0], sync_dist=True)
             self.log("moe_z_loss", statistics[1], sync_dist=True)
             self.log("moe_max_load", statistics[2], sync_dist=True)
         return {"loss": loss, "num_tokens": num_tokens}
-
-    def _global_token_mean(self, loss_sum: Tensor, num_tokens: Tensor) -> Tensor:
-        """The batch's loss per counted token over all data-parallel ranks: not the mean of the ranks' means, which
-        differs when ranks count different numbers of tokens (SFT's response-only labels, packed samples)."""
-        totals = torch.stack([loss_sum.detach().float(), num_tokens.detach().float()])
-        if self._trainer is not None:
-            totals = self.trainer.strategy.reduce(totals, reduce_op="sum")
-        return totals[0] / totals[1].clamp(min=1)
 
     def optimizer_step(self, *args, **kwargs) -> None:
         super().optimizer_step(*args, **kwargs)

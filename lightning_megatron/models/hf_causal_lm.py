@@ -205,7 +205,7 @@ class HFCausalLM(PretrainingRecipe):
 
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> dict[str, Tensor]:
         loss_sum, num_tokens = self.model.loss(batch["input_ids"], batch["labels"], **self._side(batch))
-        self.log("train_loss", loss_sum.detach() / num_tokens.clamp(min=1), prog_bar=True, sync_dist=True)
+        self.log("train_loss", self.global_token_mean(loss_sum, num_tokens), prog_bar=True)
         return {"loss": loss_sum / num_tokens.clamp(min=1), "num_tokens": num_tokens}
 
     def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:

@@ -19,7 +19,7 @@ import torch
 from torch.distributed.tensor import DTensor
 from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
-from torch import nn
+from torch import Tensor, nn
 
 from lightning_megatron.models.formats import HFFormat, sharded_checkpoint_reader
 from lightning_megatron.optim.cpu_adam import CPUAdamW
@@ -197,6 +197,15 @@ class PretrainingRecipe(L.LightningModule):
 
     def configure_optimizers(self):
         return adamw_warmup_cosine(self, **self.optimizer_settings)
+
+    def global_token_mean(self, loss_sum: Tensor, num_tokens: Tensor) -> Tensor:
+        """The batch's loss per counted token over all data-parallel ranks (what ``train_loss`` logs): not the mean
+        of the ranks' means, which differs when ranks count different numbers of tokens (SFT's response-only labels,
+        packed samples)."""
+        totals = torch.stack([loss_sum.detach().float(), num_tokens.detach().float()])
+        if self._trainer is not None:
+            totals = self.trainer.strategy.reduce(totals, reduce_op="sum")
+        return totals[0] / totals[1].clamp(min=1)
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         """Logs ``consumed_tokens/<dataset>`` when the data module reports them (a blend of datasets: see
