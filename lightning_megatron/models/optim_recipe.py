@@ -176,9 +176,9 @@ def load_base_weights(model: nn.Module, state_dict: Mapping[str, torch.Tensor], 
 
 
 class PretrainingRecipe(L.LightningModule):
-    """What the GPT and BERT LightningModules share: the config, their AdamW recipe, and
+    """What the GPT, BERT and HFCausalLM LightningModules share: the config, their AdamW recipe,
     hyper-parameters saved under the names ``__init__`` takes (so ``load_from_checkpoint``
-    rebuilds the same module)."""
+    rebuilds the same module), and the logged loss per counted token of the global batch."""
 
     def init_recipe(self, config_class: type, config: Any, *, config_fields: Callable[[Any], dict] = asdict,
                     **recipe: Any) -> None:
