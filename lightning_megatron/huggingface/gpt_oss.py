@@ -31,7 +31,8 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor
 
-from lightning_megatron.huggingface.llama import DECODER_PIECES, FROM_FIELDS, Dialect, ExpertNames, Fields
+from lightning_megatron.huggingface.llama import (DECODER_PIECES, FROM_FIELDS, Dialect, ExpertNames, Fields,
+                                                  dense_layer_problems)
 from lightning_megatron.huggingface.mapping import Rule, Shape, Stacked, Transform, Transpose
 from lightning_megatron.models.gpt import GPTConfig
 from lightning_megatron.models.mlp import CLAMPED_SWIGLU_ALPHA, CLAMPED_SWIGLU_LIMIT
@@ -107,10 +108,7 @@ def _gpt_oss_hf_fields(config: GPTConfig, problems: list[str]) -> dict[str, Any]
     moe = config.moe
     if moe is None:  # named by the checks every dialect shares
         return {}
-    dense = [index for index in range(config.num_layers) if not config.is_moe_layer(index)]
-    if dense:
-        problems.append(f"moe.layer_freq={moe.layer_freq!r}: every GPT-OSS layer is a Mixture of Experts (layers "
-                        f"{dense} are dense)")
+    problems += dense_layer_problems(config, "GPT-OSS")
     for name, value, theirs in (("normalize_topk", moe.normalize_topk, "softmax over the top-k logits"),
                                 ("router_bias", moe.router_bias, "a router bias"),
                                 ("add_bias_linear", moe.add_bias_linear, "biases on the experts")):

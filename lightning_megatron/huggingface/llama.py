@@ -318,6 +318,13 @@ def window_of_every_layer(fields: Fields) -> dict[str, Any]:
     return {} if window is None else {"sliding_window": int(window)}
 
 
+def dense_layer_problems(config: GPTConfig, family: str) -> list[str]:
+    """A family whose every layer is a Mixture of Experts (Mixtral, GPT-OSS) cannot hold our dense layers."""
+    dense = [index for index in range(config.num_layers) if not config.is_moe_layer(index)]
+    return [f"moe.layer_freq={config.moe.layer_freq!r}: every {family} layer is a Mixture of Experts (layers {dense} "
+            f"are dense)"] if dense else []
+
+
 def window_to_every_layer(config: GPTConfig, architecture: str, problems: list[str]) -> dict[str, Any]:
     """``config.json``'s ``sliding_window`` of a family whose layers all slide or none (Mistral, Mixtral)."""
     if config.layer_types is not None:

@@ -23,8 +23,8 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from lightning_megatron.huggingface.llama import (Dialect, ExpertNames, Fields, checkpoint_name, window_of_every_layer,
-                                                  window_to_every_layer)
+from lightning_megatron.huggingface.llama import (Dialect, ExpertNames, Fields, checkpoint_name, dense_layer_problems,
+                                                  window_of_every_layer, window_to_every_layer)
 from lightning_megatron.models.gpt import GPTConfig
 from lightning_megatron.models.moe import MoEConfig
 
@@ -46,10 +46,7 @@ def _mixtral_hf_fields(config: GPTConfig, problems: list[str]) -> dict[str, Any]
     moe = config.moe
     if moe is None:  # named by the checks every dialect shares
         return {}
-    dense = [index for index in range(config.num_layers) if not config.is_moe_layer(index)]
-    if dense:
-        problems.append(f"moe.layer_freq={moe.layer_freq!r}: every Mixtral layer is a Mixture of Experts "
-                        f"(layers {dense} are dense)")
+    problems += dense_layer_problems(config, "Mixtral")
     if not moe.normalize_topk:
         problems.append("moe.normalize_topk=False: Mixtral renormalises the chosen experts' weights to sum to 1")
     return {"intermediate_size": config.moe_ffn_size,

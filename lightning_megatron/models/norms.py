@@ -9,6 +9,12 @@ from torch import Tensor, nn
 NORMALIZATIONS = ("LayerNorm", "RMSNorm", "ZeroCenteredRMSNorm")
 
 
+def rms_normalized(x: Tensor, eps: float) -> Tensor:
+    """``x / sqrt(mean(x^2) + eps)`` in fp32, whatever ``x``'s dtype: what both RMSNorms scale by their gains."""
+    x32 = x.float()
+    return x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+
+
 class RMSNorm(nn.Module):
     """``weight * x / sqrt(mean(x^2) + eps)`` (Zhang & Sennrich 2019): LayerNorm without centring or bias.
 
@@ -22,9 +28,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size))
 
     def forward(self, x: Tensor) -> Tensor:
-        x32 = x.float()
-        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * normed.to(x.dtype)
+        return self.weight * rms_normalized(x, self.eps).to(x.dtype)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"
@@ -45,9 +49,7 @@ class ZeroCenteredRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(size))
 
     def forward(self, x: Tensor) -> Tensor:
-        x32 = x.float()
-        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (normed * (1.0 + self.weight.float())).to(x.dtype)
+        return (rms_normalized(x, self.eps) * (1.0 + self.weight.float())).to(x.dtype)
 
     @staticmethod
     def initialize_own_parameter(name: str, tensor: Tensor, generator: torch.Generator) -> None:
