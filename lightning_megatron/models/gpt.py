@@ -12,7 +12,7 @@ import math
 import os
 from dataclasses import asdict, dataclass
 from functools import partial
-from typing import ContextManager, Optional, Union
+from typing import ContextManager, Mapping, Optional, Union
 
 import torch
 from lightning.pytorch.utilities import rank_zero_info
@@ -745,6 +745,11 @@ def _present(**side: Optional[Tensor]) -> dict[str, Tensor]:
 SIDE_INPUTS = ("position_ids", "document_ids")
 
 
+def side_inputs(batch: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """The batch's ``SIDE_INPUTS`` that it has (packed samples carry both; plain ones neither)."""
+    return {name: batch[name] for name in SIDE_INPUTS if name in batch}
+
+
 class GPT(BatchFlops, PretrainingRecipe):
     """A GPT LightningModule to train as is or to subclass.
 
@@ -921,12 +926,8 @@ class GPT(BatchFlops, PretrainingRecipe):
     def forward(self, input_ids: Tensor, **side: Tensor) -> Tensor:
         return self.model(input_ids, **side)
 
-    @staticmethod
-    def _side(batch: dict[str, Tensor]) -> dict[str, Tensor]:
-        return {name: batch[name] for name in SIDE_INPUTS if name in batch}
-
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> dict[str, Tensor]:
-        loss_sum, num_tokens = self.model.loss(batch["input_ids"], batch["labels"], **self._side(batch))
+        loss_sum, num_tokens = self.model.loss(batch["input_ids"], batch["labels"], **side_inputs(batch))
         loss = loss_sum / num_tokens.clamp(min=1)
         self.log("train_loss", self.global_token_mean(loss_sum, num_tokens), prog_bar=True)
         if self.config.moe is not None:
@@ -944,7 +945,7 @@ class GPT(BatchFlops, PretrainingRecipe):
                                  reduce=lambda counts: self.trainer.strategy.reduce(counts, reduce_op="sum"))
 
     def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
-        loss_sum, num_tokens = self.model.loss(batch["input_ids"], batch["labels"], **self._side(batch))
+        loss_sum, num_tokens = self.model.loss(batch["input_ids"], batch["labels"], **side_inputs(batch))
         self.val_loss.update(loss_sum / num_tokens.clamp(min=1), weight=num_tokens)
 
     def on_validation_epoch_end(self) -> None:
@@ -981,7 +982,7 @@ class GPT(BatchFlops, PretrainingRecipe):
             mask = batch["attention_mask"].bool()
             prompts = [row[keep].tolist() for row, keep in zip(batch["input_ids"], mask)]
             return {"tokens": self.generate(prompts, **batch.get("generation", {}))}
-        return {"logits": full_logits(self.model, batch["input_ids"], **self._side(batch))}
+        return {"logits": full_logits(self.model, batch["input_ids"], **side_inputs(batch))}
 
     def _log_held_out(self, split: str) -> None:
         """Per-token loss and perplexity over the whole split (the metric syncs over dp)."""

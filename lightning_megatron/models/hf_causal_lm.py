@@ -40,6 +40,7 @@ from torch import Tensor
 from torchmetrics import MeanMetric
 
 from lightning_megatron.generation import full_logits
+from lightning_megatron.models.gpt import side_inputs
 from lightning_megatron.models.hf_family import check_family, read_config, transformers_module
 from lightning_megatron.models.hf_stages import CausalLMStages, build_causal_lm, lora_for
 from lightning_megatron.models.hf_weights import ParametersOnMeta, SafetensorsWeights
@@ -49,9 +50,6 @@ from lightning_megatron.peft.lora import LoRAConfig, apply_lora
 from lightning_megatron.peft.merge import adapter_weight_names, layer_adapters, merged_weight
 from lightning_megatron.pipeline.blocks import PipelineBlocks
 from lightning_megatron.pipeline.layout import PipelineLayout
-
-#: The keys of a batch, besides ``input_ids`` and ``labels``, that the model takes (as ``GPT``'s).
-SIDE_INPUTS = ("position_ids", "document_ids")
 
 
 class HFCausalLM(PretrainingRecipe):
@@ -199,23 +197,19 @@ class HFCausalLM(PretrainingRecipe):
     def forward(self, input_ids: Tensor, **side: Tensor) -> Tensor:
         return self.model(input_ids, **side)
 
-    @staticmethod
-    def _side(batch: Mapping[str, Tensor]) -> dict[str, Tensor]:
-        return {name: batch[name] for name in SIDE_INPUTS if name in batch}
-
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> dict[str, Tensor]:
-        loss_sum, num_tokens = self.model.loss(batch["input_ids"], batch["labels"], **self._side(batch))
+        loss_sum, num_tokens = self.model.loss(batch["input_ids"], batch["labels"], **side_inputs(batch))
         self.log("train_loss", self.global_token_mean(loss_sum, num_tokens), prog_bar=True)
         return {"loss": loss_sum / num_tokens.clamp(min=1), "num_tokens": num_tokens}
 
     def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
-        loss_sum, num_tokens = self.model.loss(batch["input_ids"], batch["labels"], **self._side(batch))
+        loss_sum, num_tokens = self.model.loss(batch["input_ids"], batch["labels"], **side_inputs(batch))
         self.val_loss.update(loss_sum / num_tokens.clamp(min=1), weight=num_tokens)
 
     def predict_step(self, batch: dict[str, Tensor], batch_idx: int = 0) -> dict[str, Tensor]:
         """``{"logits": [B, S, vocab_size]}`` of a batch of samples, in fp32 over the whole, unpadded vocabulary, on
         every rank at every layout (as ``GPT``'s for samples; generation is the native route's)."""
-        return {"logits": full_logits(self.model, batch["input_ids"], **self._side(batch))}
+        return {"logits": full_logits(self.model, batch["input_ids"], **side_inputs(batch))}
 
     def on_validation_epoch_end(self) -> None:
         loss = self.val_loss.compute()
