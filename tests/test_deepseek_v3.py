@@ -2,6 +2,8 @@
 (``models.latent_attention``) and the MoE layer with sigmoid routing, the score-correction bias, group-limited
 top-k, the routed scaling factor and a shared expert (``models.router``, ``models.moe``)."""
 
+import math
+
 import pytest
 import torch
 
@@ -123,11 +125,16 @@ def test_group_settings_are_checked():
 
 
 # ----------------------------------------------------------------------------- the DeepseekV3ForCausalLM dialect
-def tiny_hf_model():
+#: deepseek-ai/DeepSeek-V3's config.json: rope_theta and rope_scaling (YaRN with DeepSeek's mscale and mscale_all_dim).
+PUBLISHED_ROPE = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "original_max_position_embeddings": 4096,
+                  "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}
+
+
+def tiny_hf_model(**overrides):
     """The issue's tiny random DeepseekV3ForCausalLM: 3 layers (one dense), 8 experts in 2 groups, interleaved rope
     (transformers' default), random score-correction biases."""
     torch.manual_seed(3)
-    config = DeepseekV3Config(vocab_size=97, hidden_size=64, intermediate_size=96, moe_intermediate_size=16,
+    config = DeepseekV3Config(**overrides,vocab_size=97, hidden_size=64, intermediate_size=96, moe_intermediate_size=16,
                               num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32,
                               kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
                               n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1,
@@ -140,15 +147,23 @@ def tiny_hf_model():
     return hf
 
 
-def test_converted_deepseek_v3_gives_transformers_logits_and_exports_back(tmp_path):
+@pytest.mark.parametrize("rope", [None, PUBLISHED_ROPE, {**PUBLISHED_ROPE, "mscale": 0.707}],
+                         ids=["unscaled", "published-yarn", "yarn-mscale-0.707"])
+def test_converted_deepseek_v3_gives_transformers_logits_and_exports_back(tmp_path, rope):
+    """Also with the published model's YaRN (mscale = mscale_all_dim = 1: cos/sin unscaled, the softmax scale times
+    (0.1 ln 40 + 1) ** 2) and with mscale 0.707 (cos/sin scaled too), both of which change the logits."""
     from lightning_megatron.huggingface import FAMILIES
     from lightning_megatron.models import GPT
 
-    hf = tiny_hf_model()
+    hf = tiny_hf_model(**({} if rope is None else {"rope_parameters": rope}))
     input_ids = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         expected = hf(input_ids).logits
     gpt = GPT.from_hf(hf).eval()
+    if rope is not None:
+        assert gpt.config.rope_scaling.cos_sin_factor() == (1.0 if rope["mscale"] == 1.0 else pytest.approx(
+            (0.707 * 0.1 * math.log(40) + 1) / (0.1 * math.log(40) + 1)))
+        assert gpt.config.softmax_scale == pytest.approx(24 ** -0.5 * (0.1 * math.log(40) + 1) ** 2)
     assert gpt.config.moe.layer_freq == (0, 1, 1) and gpt.config.num_parameters() == sum(
         p.numel() for p in hf.parameters())
     with torch.no_grad():
@@ -192,6 +207,32 @@ def test_deepseek_v3_preset_counts_transformers_parameters():
                for layer in hf.model.layers if hasattr(layer.mlp, "experts"))
     assert (config.num_parameters(), config.num_active_parameters()) == (total, total - idle)
     assert (total, total - idle) == (671_026_404_352, 37_552_282_624)
+    assert (fields["max_position_embeddings"], fields["rope_theta"]) == (163840, PUBLISHED_ROPE["rope_theta"])
+    published = {key: value for key, value in PUBLISHED_ROPE.items() if key != "rope_theta"}
+    assert {key: fields["rope_scaling"][key] for key in published} == published
+    assert hf.model.layers[0].self_attn.scaling == config.softmax_scale  # transformers' own softmax scale
+
+
+@pytest.mark.parametrize("mscale, mscale_all_dim", [(None, None), (1.0, 1.0), (0.707, 1.0), (None, 0.5), (0.0, 1.0),
+                                                    (0.8, None)])
+def test_yarn_mscale_factors_are_transformers(mscale, mscale_all_dim):
+    """``RopeScaling``'s cos/sin factor is transformers' YaRN attention factor and its softmax factor what
+    ``yarn_apply_mscale`` multiplies the softmax scale by, for every way of setting (or not) the two mscales."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, yarn_apply_mscale
+
+    from lightning_megatron.models.rotary import RopeScaling
+
+    mscales = {key: value for key, value in (("mscale", mscale), ("mscale_all_dim", mscale_all_dim))
+               if value is not None}
+    rope = {**PUBLISHED_ROPE, "mscale": None, "mscale_all_dim": None, **mscales}
+    config = DeepseekV3Config(rope_parameters={k: v for k, v in rope.items() if v is not None}, qk_rope_head_dim=8)
+    _, attention_factor = ROPE_INIT_FUNCTIONS["yarn"](config)
+    scaling = RopeScaling(rope_type="yarn", factor=40.0, original_max_position_embeddings=4096, mscale=mscale,
+                          mscale_all_dim=mscale_all_dim)
+    assert scaling.cos_sin_factor() == pytest.approx(attention_factor, rel=1e-12)
+    assert scaling.softmax_scale_factor() == pytest.approx(yarn_apply_mscale(config.rope_parameters, 1.0), rel=1e-12)
+    with pytest.raises(ValueError, match="mscale and mscale_all_dim are YaRN's"):
+        RopeScaling(rope_type="linear", factor=4.0, mscale_all_dim=1.0)
 
 
 @pytest.mark.parametrize("field, value, message", [

@@ -16,10 +16,16 @@ query head and of the shared key are rotated in adjacent pairs ``(2j, 2j + 1)``;
 rows of ``q_b_proj`` (``q_proj``) and ``kv_a_proj_with_mqa`` that make the rope channels are permuted on the way in
 (evens, then odds) and back on the way out, which gives the same scores; an export writes ``rope_interleave: true``.
 
+YaRN with DeepSeek's ``mscale``/``mscale_all_dim`` (the published model's ``rope_scaling``): the rotary part is
+``RopeScaling``'s (the attention factor on ``cos``/``sin``); the softmax scale, which transformers'
+DeepseekV3Attention multiplies by ``RopeScaling.softmax_scale_factor()``, is our ``softmax_scale``: set on the way
+in (``MLAConfig.softmax_scale``: ``qk_head_dim ** -0.5`` times that factor; None when it is 1), required to be
+that on the way out.
+
 ``num_key_value_heads`` is not read (latent attention makes every head's keys and values; transformers' class
 defaults it to 128 whatever the heads): an export writes the query heads' count. Not modelled, so refused by name:
-``rope_interleave=False`` checkpoints, ``attention_bias``, rotary types other than ours (YaRN, which the published model uses, comes with
-``RopeScaling``'s ``"yarn"``), an ``rms_norm_eps`` other than 1e-6 (transformers normalises the latents with 1e-6
+``rope_interleave=False`` checkpoints, ``attention_bias``, rotary types other than ours, ``mscale_all_dim`` with a rotary type other than YaRN, an
+``rms_norm_eps`` other than 1e-6 (transformers normalises the latents with 1e-6
 whatever it says; ours with the model's one eps), and multi-token prediction layers
 (``num_nextn_predict_layers`` is read as absent: an export writes 0).
 """
@@ -99,6 +105,10 @@ def config_from_hf(hf_config: Union[Mapping[str, Any], Any]) -> GPTConfig:
                "n_shared_experts": (not fields["n_shared_experts"], "our DeepSeek-V3 has a shared expert (>= 1)")}
     problems += [f"{name}={fields[name]!r}: {why}" for name, (bad, why) in refused.items() if bad]
     rotary = _rotary_from_hf(fields, problems)
+    rope = fields.get("rope_scaling") or fields.get("rope_parameters") or {}
+    if rope.get("mscale_all_dim") and getattr(rotary.get("rope_scaling"), "rope_type", None) != "yarn":
+        problems.append(f"mscale_all_dim={rope['mscale_all_dim']!r} with rope_type={rope.get('rope_type')!r}: "
+                        f"ours scales the softmax by mscale_all_dim with YaRN only")
     raise_problems(problems, what=f"This Hugging Face config cannot be converted to our GPT ({ARCHITECTURE})")
     layers, dense = fields["num_hidden_layers"], min(fields["first_k_dense_replace"] or 0, fields["num_hidden_layers"])
     pattern = (0,) * dense + (1,) * (layers - dense)
@@ -114,7 +124,8 @@ def config_from_hf(hf_config: Union[Mapping[str, Any], Any]) -> GPTConfig:
     mla = MLAConfig(q_lora_rank=fields["q_lora_rank"], kv_lora_rank=fields["kv_lora_rank"],
                     qk_nope_head_dim=fields["qk_nope_head_dim"], qk_rope_head_dim=fields["qk_rope_head_dim"],
                     v_head_dim=fields["v_head_dim"])
-    return GPTConfig(vocab_size=fields["vocab_size"], max_seq_length=fields["max_position_embeddings"],
+    return GPTConfig(softmax_scale=mla.softmax_scale(rotary.get("rope_scaling")),
+                     vocab_size=fields["vocab_size"], max_seq_length=fields["max_position_embeddings"],
                      hidden_size=fields["hidden_size"], num_layers=layers, num_heads=heads,
                      ffn_hidden_size=fields["intermediate_size"], dropout=0.0,
                      attention_dropout=float(fields["attention_dropout"]), layer_norm_eps=fields["rms_norm_eps"],
@@ -127,7 +138,12 @@ def _problems(config: GPTConfig) -> list[str]:
     problems = [f"{name}={getattr(config, name)!r} ({ARCHITECTURE} has {value!r})"
                 for name, value in DECODER_PIECES.items() if getattr(config, name) != value]
     problems += [f"{name}={getattr(config, name)!r} ({ARCHITECTURE} has {default})"
-                 for name, default in UNEXPRESSED.items() if name != "mla" and getattr(config, name) is not None]
+                 for name, default in UNEXPRESSED.items()
+                 if name not in ("mla", "softmax_scale") and getattr(config, name) is not None]
+    expected = None if config.mla is None else config.mla.softmax_scale(config.rope_scaling)
+    if config.mla is not None and config.softmax_scale != expected:
+        problems.append(f"softmax_scale={config.softmax_scale!r}: {ARCHITECTURE}'s is qk_head_dim ** -0.5 times "
+                        f"YaRN's mscale_all_dim factor, {expected!r} here (MLAConfig.softmax_scale)")
     if config.sliding_window is not None:
         problems.append(f"sliding_window={config.sliding_window}: {ARCHITECTURE} attends to every earlier token")
     if config.add_bias_linear:

@@ -278,7 +278,7 @@ def rotary_parameters(rope: Fields, field: str, fields: Fields, problems: list[s
     if kind == "linear":
         return {"rotary_base": theta, "rope_scaling": RopeScaling(factor=float(rope["factor"]), rope_type="linear")}
     if kind == "yarn":
-        return {"rotary_base": theta, "rope_scaling": _yarn_from_hf(rope, fields, field, problems)}
+        return {"rotary_base": theta, "rope_scaling": _yarn_from_hf(rope, fields)}
     missing = [key for key in ("factor", "low_freq_factor", "high_freq_factor") if key not in rope]
     if missing:
         problems.append(f"{field} of rope_type 'llama3' lacks {', '.join(missing)}")
@@ -290,20 +290,18 @@ def rotary_parameters(rope: Fields, field: str, fields: Fields, problems: list[s
                                                       fields["max_position_embeddings"])))}
 
 
-def _yarn_from_hf(rope: Fields, fields: Fields, field: str, problems: list[str]) -> Optional[RopeScaling]:
+def _yarn_from_hf(rope: Fields, fields: Fields) -> RopeScaling:
     """transformers' ``yarn`` parameters (its defaults: ``beta_fast`` 32, ``beta_slow`` 1, ``truncate`` True, the
-    attention factor from ``factor``); DeepSeek's ``mscale``/``mscale_all_dim`` refused by name."""
-    scaled = [key for key in ("mscale", "mscale_all_dim") if rope.get(key)]
-    if scaled:
-        problems.append(f"{field} of rope_type 'yarn' has {', '.join(scaled)}: our YaRN takes attention_factor only")
-        return None
+    attention factor from ``factor`` and DeepSeek's ``mscale``/``mscale_all_dim``, which are kept as given: only
+    DeepSeek's attention also scales its softmax by them, which its converter reads)."""
+    mscales = {key: None if rope.get(key) is None else float(rope[key]) for key in ("mscale", "mscale_all_dim")}
     original = int(rope.get("original_max_position_embeddings") or fields["max_position_embeddings"])
     factor = rope.get("factor") or fields["max_position_embeddings"] / original
     attention_factor = rope.get("attention_factor")
     return RopeScaling(rope_type="yarn", factor=float(factor), original_max_position_embeddings=original,
                        beta_fast=float(rope.get("beta_fast") or 32.0), beta_slow=float(rope.get("beta_slow") or 1.0),
                        truncate=bool(rope.get("truncate", True)),
-                       attention_factor=None if attention_factor is None else float(attention_factor))
+                       attention_factor=None if attention_factor is None else float(attention_factor), **mscales)
 
 
 def _rotary_to_hf(config: GPTConfig) -> dict[str, Any]:

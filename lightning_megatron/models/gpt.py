@@ -378,6 +378,10 @@ GPT_PRESETS: dict[str, GPTConfig] = {
 
 # Llama-shaped decoders: RMSNorm, rotary positions, SwiGLU, grouped-query attention, no biases (MoE ones below).
 LLAMA = dict(normalization="RMSNorm", position_embedding_type="rope", activation="swiglu", add_bias_linear=False)
+DEEPSEEK_V3_MLA = MLAConfig(q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+                            v_head_dim=128)
+DEEPSEEK_V3_YARN = RopeScaling(rope_type="yarn", factor=40.0, original_max_position_embeddings=4096, beta_fast=32.0,
+                               beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0)
 LLAMA_3_1_ROPE = dict(rotary_base=500000.0, rope_scaling=RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                                                                      original_max_position_embeddings=8192))
 
@@ -457,12 +461,13 @@ GPT_PRESETS.update({
                                              aux_loss_coeff=1e-3), **LLAMA),
     # DeepSeek-V3 (deepseek-ai/DeepSeek-V3 config.json): multi-head latent attention, 3 dense layers then 58 MoE
     # layers of 256 sigmoid-routed experts (8 per token among the 4 best of 8 groups, weights x 2.5, the
-    # aux-loss-free bias) and one shared expert; the sequence-wise balance loss at the paper's 1e-4. Published with
-    # YaRN (factor 40 over 4,096 positions, DeepSeek's mscale on the softmax scale): not in this preset yet.
+    # aux-loss-free bias) and one shared expert; the sequence-wise balance loss at the paper's 1e-4. YaRN over
+    # 4,096 positions by 40 with DeepSeek's mscale and mscale_all_dim 1: cos/sin unscaled, the softmax scale
+    # 192 ** -0.5 times (0.1 ln 40 + 1) ** 2 (MLAConfig.softmax_scale).
     "deepseek-v3": GPTConfig(vocab_size=129280, max_seq_length=163840, hidden_size=7168, num_layers=61, num_heads=128,
                              ffn_hidden_size=18432, layer_norm_eps=1e-6, tie_embeddings=False,
-                             mla=MLAConfig(q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
-                                           qk_rope_head_dim=64, v_head_dim=128),
+                             mla=DEEPSEEK_V3_MLA, rope_scaling=DEEPSEEK_V3_YARN,
+                             softmax_scale=DEEPSEEK_V3_MLA.softmax_scale(DEEPSEEK_V3_YARN),
                              moe=MoEConfig(num_experts=256, top_k=8, ffn_hidden_size=2048, layer_freq=(0,) * 3 + (1,) * 58,
                                            score_function="sigmoid", expert_bias=True, aux_loss_coeff=1e-4,
                                            shared_expert_size=2048, router_num_groups=8, router_group_topk=4,

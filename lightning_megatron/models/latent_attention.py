@@ -32,6 +32,7 @@ from torch import Tensor, nn
 
 from lightning_megatron.models.attention import CoreAttention
 from lightning_megatron.models.moe import OneProcessRegion
+from lightning_megatron.models.rotary import RopeScaling
 from lightning_megatron.tensor_parallel.region import InsideRegion
 
 
@@ -64,6 +65,12 @@ class MLAConfig:
     def qk_head_dim(self) -> int:
         """Channels of one query or key head: ``qk_nope_head_dim + qk_rope_head_dim``."""
         return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    def softmax_scale(self, rope_scaling: Optional[RopeScaling]) -> Optional[float]:
+        """``GPTConfig.softmax_scale`` of DeepSeek's attention under ``rope_scaling``: ``qk_head_dim ** -0.5`` times
+        YaRN's ``RopeScaling.softmax_scale_factor()`` (``mscale_all_dim``); None (that default) when the factor is 1."""
+        factor = 1.0 if rope_scaling is None else rope_scaling.softmax_scale_factor()
+        return None if factor == 1.0 else self.qk_head_dim ** -0.5 * factor
 
     def num_parameters(self, hidden_size: int, num_heads: int, *, bias: bool) -> int:
         """Weights of one attention: the projections, the latents' norm gains (and the biases of the down

@@ -37,6 +37,13 @@ class RopeScaling:
       times kept, a linear ramp between (its ends rounded outward when ``truncate``, transformers' default); ``cos``
       and ``sin`` are multiplied by ``attention_factor`` (None: ``0.1 ln(factor) + 1``, the paper's), which scales
       every attention score by its square.
+
+    DeepSeek's YaRN adds ``mscale`` and ``mscale_all_dim`` (None: unset, as in transformers). With both set, the
+    default ``attention_factor`` is ``m(mscale) / m(mscale_all_dim)``, ``m(x) = 0.1 x ln(factor) + 1``
+    (DeepSeek-V3's 1.0 and 1.0 make it 1); ``mscale_all_dim`` alone leaves it the paper's. DeepSeek's attention also
+    multiplies its softmax scale by ``m(mscale_all_dim) ** 2`` (:meth:`softmax_scale_factor`), every channel's
+    scores, not just the rotary ones: that belongs to the attention, so a model carries it in
+    ``GPTConfig.softmax_scale`` (the DeepSeek-V3 converter and preset set it).
     """
 
     factor: float = 8.0
@@ -48,10 +55,16 @@ class RopeScaling:
     beta_slow: float = 1.0
     truncate: bool = True
     attention_factor: Optional[float] = None
+    mscale: Optional[float] = None
+    mscale_all_dim: Optional[float] = None
 
     def __post_init__(self) -> None:
         if self.rope_type not in SCALINGS:
             raise ValueError(f"RopeScaling(rope_type={self.rope_type!r}) is not one of {sorted(SCALINGS)}.")
+        if self.rope_type != "yarn" and (self.mscale, self.mscale_all_dim) != (None, None):
+            raise ValueError(f"RopeScaling(rope_type={self.rope_type!r}, mscale={self.mscale}, mscale_all_dim="
+                             f"{self.mscale_all_dim}): mscale and mscale_all_dim are YaRN's; use rope_type='yarn' or "
+                             f"leave them None.")
         if self.factor < 1 or self.high_freq_factor <= self.low_freq_factor:
             raise ValueError(f"RopeScaling needs factor >= 1 and high_freq_factor > low_freq_factor, got {self}.")
 
@@ -65,7 +78,20 @@ class RopeScaling:
             return 1.0
         if self.attention_factor is not None:
             return self.attention_factor
-        return 0.1 * math.log(self.factor) + 1.0 if self.factor > 1 else 1.0
+        if self.mscale and self.mscale_all_dim:
+            return self._yarn_mscale(self.mscale) / self._yarn_mscale(self.mscale_all_dim)
+        return self._yarn_mscale(1.0)
+
+    def softmax_scale_factor(self) -> float:
+        """What DeepSeek's attention multiplies its softmax scale by: ``m(mscale_all_dim) ** 2`` when YaRN's
+        ``mscale_all_dim`` is set (and not 0), else 1 (class docstring)."""
+        if self.rope_type != "yarn" or not self.mscale_all_dim:
+            return 1.0
+        return self._yarn_mscale(self.mscale_all_dim) ** 2
+
+    def _yarn_mscale(self, mscale: float) -> float:
+        """YaRN's ``0.1 mscale ln(factor) + 1`` (1 when ``factor`` <= 1)."""
+        return 0.1 * mscale * math.log(self.factor) + 1.0 if self.factor > 1 else 1.0
 
     def hf_parameters(self) -> dict:
         """transformers' ``rope_parameters`` / ``rope_scaling`` entries of this scaling (``rope_type`` and the
@@ -76,7 +102,9 @@ class RopeScaling:
             return {"rope_type": "yarn", "factor": self.factor, "beta_fast": self.beta_fast,
                     "beta_slow": self.beta_slow, "truncate": self.truncate,
                     "original_max_position_embeddings": self.original_max_position_embeddings,
-                    **({} if self.attention_factor is None else {"attention_factor": self.attention_factor})}
+                    **{name: value for name, value in (("attention_factor", self.attention_factor),
+                                                       ("mscale", self.mscale), ("mscale_all_dim", self.mscale_all_dim))
+                       if value is not None}}
         return {"rope_type": self.rope_type, "factor": self.factor, "low_freq_factor": self.low_freq_factor,
                 "high_freq_factor": self.high_freq_factor,
                 "original_max_position_embeddings": self.original_max_position_embeddings}
