@@ -369,8 +369,8 @@ def moe_tensor_parallel_plan(prefix: str, config: MoEConfig, *, gated_mlp: bool)
     the shared expert a dense MLP with its own communication; the router stays replicated."""
     plan = {
         prefix: "experts_region",
-        f"{prefix}.experts.*.fc": InsideRegion(PackedColumn(2) if gated_mlp else "column"),
-        f"{prefix}.experts.*.proj": InsideRegion("row"),
+        f"{prefix}.experts.*.fc": InsideRegion(PackedColumn(2) if gated_mlp else "column", experts=True),
+        f"{prefix}.experts.*.proj": InsideRegion("row", experts=True),
     }
     if config.shared_expert_size:
         plan.update(dense_mlp_tensor_parallel_plan(f"{prefix}.shared_expert", gated_mlp=gated_mlp))

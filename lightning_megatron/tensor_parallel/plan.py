@@ -282,11 +282,12 @@ def parallelize(
         plan = {"attn.qkv": PackedColumn(3), "attn.proj": "row", "mlp.fc": "column", "mlp.proj": "row"}
         parallelize(model, plan, state)
 
-    With ``expert_tensor_parallel_size=1`` the ``InsideRegion`` entries (an MoE layer's experts) are left out:
+    With ``expert_tensor_parallel_size=1`` the experts' ``InsideRegion`` entries (``experts=True``) are left out:
     each tp rank holds whole experts (``expert_parallel``); the MoE layer still enters and leaves its region.
     """
     if state.config.expert_tensor_parallel < state.config.tensor_parallel_size:
-        plan = {pattern: style for pattern, style in plan.items() if not isinstance(style, InsideRegion)}
+        plan = {pattern: style for pattern, style in plan.items()
+                if not (isinstance(style, InsideRegion) and style.experts)}
     styles = _styles_by_module(module, plan)
     tied: dict[int, list[tuple[str, str]]] = {}
     for module_name, owner in module.named_modules(remove_duplicate=False):

@@ -35,9 +35,12 @@ from lightning_megatron.tensor_parallel.styles import PackedColumn
 @dataclass(frozen=True)
 class InsideRegion:
     """Split a layer as ``style`` (``"column"``, ``"row"`` or ``PackedColumn``) with no communication of its
-    own: an enclosing module (``TensorParallelRegion``) enters and leaves the region for it."""
+    own: an enclosing module (``TensorParallelRegion``) enters and leaves the region for it. ``experts``: the layer
+    is an MoE layer's expert, left whole when ``expert_tensor_parallel_size`` is below tp (the region's other
+    users, e.g. latent attention's up projections, are split by tp whatever the experts do)."""
 
     style: Union[str, PackedColumn]
+    experts: bool = False
 
     def __post_init__(self) -> None:
         if self.style not in ("column", "row") and not isinstance(self.style, PackedColumn):
