@@ -43,6 +43,8 @@ LAYOUTS = [
     "qwen3moe-ep2-tp2-dp2",       # Qwen3-MoE: q/k norms on each rank's heads, experts split over tp and ep
     "qwen3moe-ep2-pp2-tp1-dp2-mb2",  # ... over two stages, the dense layer on the second
     "oss-ep2-pp2-tp1-dp2-mb2",    # GPT-OSS's pieces: sinks, attention/router/expert biases, clamped SwiGLU, YaRN, windows
+    "mla-ep2-tp1-dp4-z3",         # DeepSeek-V3-shaped under ZeRO-3: experts over their edp pair, latents over dp4
+    "mla-ep2-tp2-dp2-sp-z3-etp1",  # ... whole experts on each tp rank, latent attention split by heads, SP
 ]
 COUNTS = ["count-ep2-tp1-dp4", "count-ep2-tp2-dp2", "count-ep2-tp2-dp2-sp"]
 GENERATION = ["gen-ep2-tp1-dp4", "gen-ep2-pp2-tp1-dp2", "gen-ep2-tp2-dp2-sp"]
@@ -99,21 +101,24 @@ def test_expert_parallel_layouts_match_one_process(launched, layout):
 
 
 @pytest.mark.slow
-def test_qwen3_moe_layouts_start_from_the_loss_of_transformers_model(launched, tmp_path):
-    """The first step's loss at each Qwen3-MoE layout is that of transformers' Qwen3MoeForCausalLM loaded from the
-    same initial weights (exported by the qwen3_moe family), on the same batch (the load-balancing loss only adds
-    to the gradients, as transformers' does with output_router_logits off)."""
+@pytest.mark.parametrize("variant, architecture", [("qwen3moe", "Qwen3MoeForCausalLM"),
+                                                   ("mla", "DeepseekV3ForCausalLM")])
+def test_qwen3_moe_layouts_start_from_the_loss_of_transformers_model(launched, tmp_path, variant, architecture):
+    """The first step's loss at each Qwen3-MoE (DeepSeek-V3-shaped) layout is that of transformers'
+    Qwen3MoeForCausalLM (DeepseekV3ForCausalLM) loaded from the same initial weights (exported by its family), on
+    the same batch (the auxiliary losses only add to the gradients, as transformers' do with output_router_logits
+    off)."""
     transformers = pytest.importorskip("transformers")
     out, _ = launched
     torch.manual_seed(SEED)
-    initial = GPT(CONFIGS["qwen3moe"])
+    initial = GPT(CONFIGS[variant])
     initial.configure_model()
     initial.to_hf(tmp_path)
-    hf = transformers.Qwen3MoeForCausalLM.from_pretrained(tmp_path).eval()
+    hf = getattr(transformers, architecture).from_pretrained(tmp_path).eval()
     input_ids, labels = batches()[0]
     with torch.no_grad():
         expected = F.cross_entropy(hf(input_ids).logits.flatten(0, 1), labels.flatten(), ignore_index=-100).item()
-    for layout in (layout for layout in LAYOUTS if layout.startswith("qwen3moe-")):
+    for layout in (layout for layout in LAYOUTS if layout.startswith(f"{variant}-")):
         first = torch.load(out / f"{layout}.pt", weights_only=True)["losses"][0]
         assert abs(first - expected) < LOSS_TOL, (layout, first, expected)
 

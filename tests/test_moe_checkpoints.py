@@ -1,7 +1,9 @@
 """Mixture-of-Experts checkpoints: the tiny MoE GPT trained by the Trainer at ep2 x tp2 (dp2, ZeRO-1, AdamW), a
 sharded checkpoint of an interrupted run, resumed at ep1, at ep4, at ep2 x dp4 under ZeRO-3 and at ep4 over
 tp2 x dp2 with whole experts (expert_tensor_parallel_size=1) with the uninterrupted run's losses; the Qwen3-MoE-shaped
-one (q/k norms, no shared expert) saved mid-run at ep2 x tp2 and resumed at ep4 x tp1."""
+one (q/k norms, no shared expert) saved mid-run at ep2 x tp2 and resumed at ep4 x tp1; the DeepSeek-V3-shaped one
+(latent attention, grouped sigmoid routing, the expert bias) saved at ep2 x tp2 x dp2 and resumed at
+pp2 x ep2 x dp2."""
 
 import json
 
@@ -16,6 +18,7 @@ STEPS, STOP_AT = 4, 2
 SAVED = "save/epoch=0-step=2.ckpt"
 SHORT = "short/epoch=0-step=2.ckpt"
 QWEN3_MOE_SAVED = "qwen3moe/epoch=0-step=2.ckpt"
+MLA_SAVED = "mla/epoch=0-step=2.ckpt"
 RESUMED = {  # run name: (tp, ep, zero_stage, expert_tensor_parallel_size) on 4 ranks, dp = 4 / tp
     "ep2": (2, 2, 1, None),  # the saving layout: exact
     "ep1": (2, 1, 1, None),  # every rank holds all 4 experts, reduced and ZeRO-sharded over dp2
@@ -40,6 +43,10 @@ def runs(tmp_path_factory):
     plan += [{"name": "qwen3moe", "variant": "qwen3moe", "tp": 2, "ep": 2, "steps": STEPS, "save_every": STOP_AT},
              {"name": "qwen3moe-ep4", "variant": "qwen3moe", "tp": 1, "ep": 4, "steps": STEPS,
               "ckpt_path": str(out / QWEN3_MOE_SAVED)}]
+    # DeepSeek-V3-shaped: saved at tp2 x ep2 x dp2, resumed over two pipeline stages at tp1 x ep2 x dp2
+    plan += [{"name": "mla", "variant": "mla", "tp": 2, "ep": 2, "steps": STEPS, "save_every": STOP_AT},
+             {"name": "mla-pp2", "variant": "mla", "tp": 1, "pp": 2, "ep": 2, "steps": STEPS,
+              "ckpt_path": str(out / MLA_SAVED)}]
     results, _ = run_job("moe_resume", 4, out, json.dumps({"variant": "moe", "runs": plan}))
     assert len(results) == 4 and all("error" not in run for result in results for run in result.values()), results
     return out, results[0]
@@ -109,16 +116,21 @@ def test_resume_at_another_expert_parallel_size_continues_the_uninterrupted_run(
 
 
 @pytest.mark.slow
-def test_a_qwen3_moe_checkpoint_resumes_at_another_layout(runs):
-    """Saved at ep2 x tp2 x dp2 (each rank a half of its q/k norms' heads, two experts a layer), resumed at
-    ep4 x tp1 x dp4: the steps after it give the saving run's losses and weights."""
+@pytest.mark.parametrize("saving_run, resumed_run, family_weight", [
+    ("qwen3moe", "qwen3moe-ep4", "model.blocks.0.attn.q_norm.weight"),
+    ("mla", "mla-pp2", "model.blocks.3.mlp.router.expert_bias")])
+def test_a_qwen3_moe_checkpoint_resumes_at_another_layout(runs, saving_run, resumed_run, family_weight):
+    """Qwen3-MoE: saved at ep2 x tp2 x dp2 (each rank a half of its q/k norms' heads, two experts a layer), resumed
+    at ep4 x tp1 x dp4. DeepSeek-V3-shaped: saved at ep2 x tp2 x dp2 (latent attention split by heads), resumed at
+    pp2 x ep2 x tp1 x dp2 (the dense layer and an MoE one per stage). The steps after it give the saving run's
+    losses and weights (``family_weight``: one of the family's own weights, there in both)."""
     out, result = runs
-    saving, resumed = result["qwen3moe"], result["qwen3moe-ep4"]
+    saving, resumed = result[saving_run], result[resumed_run]
     assert resumed["samples"] == saving["samples"][STOP_AT:]
     assert resumed["losses"] == pytest.approx(saving["losses"][STOP_AT:], abs=1e-5)
-    final = torch.load(out / "qwen3moe-ep4.pt", weights_only=True)["weights"]
-    expected = torch.load(out / "qwen3moe.pt", weights_only=True)["weights"]
-    assert final.keys() == expected.keys() and "model.blocks.0.attn.q_norm.weight" in final
+    final = torch.load(out / f"{resumed_run}.pt", weights_only=True)["weights"]
+    expected = torch.load(out / f"{saving_run}.pt", weights_only=True)["weights"]
+    assert final.keys() == expected.keys() and family_weight in final
     worst = max((final[key] - expected[key]).abs().max().item() for key in expected)
     assert worst < 1e-5, f"weights deviate by {worst:.2e}"
 

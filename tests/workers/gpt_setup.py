@@ -63,10 +63,14 @@ VARIANTS = {
 MOE_CONFIGS = {name: replace(LLAMA_CONFIG, moe=moe) for name, moe in VARIANTS.items()}
 # DeepSeek-V3-shaped: multi-head latent attention (values narrower than the heads, so padded) over a dense first layer
 # and three MoE layers with sigmoid scores, the expert bias, group-limited top-k (2 of 4 experts in 1 of 2 groups), the
-# routed scaling factor and an ungated shared expert.
+# routed scaling factor and an ungated shared expert; YaRN with DeepSeek's mscale and mscale_all_dim (cos/sin and the
+# softmax scale both scaled) and DeepSeek's norm eps, so that it exports as a DeepseekV3ForCausalLM.
+MLA = MLAConfig(q_lora_rank=16, kv_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6)
+MLA_YARN = RopeScaling(rope_type="yarn", factor=2.0, original_max_position_embeddings=8, mscale=0.707,
+                       mscale_all_dim=1.0)
 MOE_CONFIGS["mla"] = replace(
-    LLAMA_CONFIG, num_query_groups=None, add_qkv_bias=False,
-    mla=MLAConfig(q_lora_rank=16, kv_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6),
+    LLAMA_CONFIG, num_query_groups=None, add_qkv_bias=False, layer_norm_eps=1e-6, mla=MLA, rope_scaling=MLA_YARN,
+    softmax_scale=MLA.softmax_scale(MLA_YARN),
     moe=replace(VARIANTS["bias"], layer_freq=(0, 1, 1, 1), shared_expert_gate=False, router_num_groups=2,
                 router_group_topk=1, router_topk_scaling_factor=2.5))
 # Its attention alone, in dense layers (context parallelism refuses MoE layers).

@@ -1,6 +1,6 @@
 """The tiny MoE GPT (``gpt_setup.MOE_CONFIGS[variant]``) under the real Trainer and ``Megatron3DStrategy``: several
-fits one after another over the same 4 processes, each at its own (tp, ep) layout (dp = world / tp), ZeRO-1
-unless the run gives ``zero``; ``etp``: expert_tensor_parallel_size.
+fits one after another over the same 4 processes, each at its own (tp, ep) layout (dp = world / tp / pp), ZeRO-1
+unless the run gives ``zero``; ``etp``: expert_tensor_parallel_size; ``pp``: pipeline stages (1 unless given).
 
 argv: OUT_DIR JSON_OPTIONS: ``{"variant": "moe", "runs": [run, ...]}``, a run being ``{"name", "tp", "ep",
 "steps"}`` (``steps``: the Trainer's max_steps) plus optionally ``variant`` (this run's, else the options'), ``stop_at`` (stop after that step, as an
@@ -58,6 +58,7 @@ def main(out_dir: Path, args: list[str]) -> None:
         L.seed_everything(7)
         strategy = Megatron3DStrategy(tensor_parallel_size=run["tp"], expert_parallel_size=run["ep"],
                                       zero_stage=run.get("zero", 1), expert_tensor_parallel_size=run.get("etp"),
+                                      pipeline_parallel_size=run.get("pp", 1),
                                       bucket_size_mb=0.01)
         record = Record(run["name"], bool(run.get("ckpt_path")), run.get("stop_at"))
         callbacks = [record]
