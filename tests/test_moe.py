@@ -102,7 +102,7 @@ def test_expert_parallel_layouts_match_one_process(launched, layout):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("variant, architecture", [("qwen3moe", "Qwen3MoeForCausalLM"),
-                                                   ("mla", "DeepseekV3ForCausalLM")])
+                                                   ("mla", "DeepseekV3ForCausalLM")], ids=["qwen3moe", "deepseek"])
 def test_qwen3_moe_layouts_start_from_the_loss_of_transformers_model(launched, tmp_path, variant, architecture):
     """The first step's loss at each Qwen3-MoE (DeepSeek-V3-shaped) layout is that of transformers'
     Qwen3MoeForCausalLM (DeepseekV3ForCausalLM) loaded from the same initial weights (exported by its family), on

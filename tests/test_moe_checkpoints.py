@@ -118,7 +118,7 @@ def test_resume_at_another_expert_parallel_size_continues_the_uninterrupted_run(
 @pytest.mark.slow
 @pytest.mark.parametrize("saving_run, resumed_run, family_weight", [
     ("qwen3moe", "qwen3moe-ep4", "model.blocks.0.attn.q_norm.weight"),
-    ("mla", "mla-pp2", "model.blocks.3.mlp.router.expert_bias")])
+    ("mla", "mla-pp2", "model.blocks.3.mlp.router.expert_bias")], ids=["qwen3moe", "deepseek"])
 def test_a_qwen3_moe_checkpoint_resumes_at_another_layout(runs, saving_run, resumed_run, family_weight):
     """Qwen3-MoE: saved at ep2 x tp2 x dp2 (each rank a half of its q/k norms' heads, two experts a layer), resumed
     at ep4 x tp1 x dp4. DeepSeek-V3-shaped: saved at ep2 x tp2 x dp2 (latent attention split by heads), resumed at
