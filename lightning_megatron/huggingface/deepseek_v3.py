@@ -24,10 +24,10 @@ that on the way out.
 
 ``num_key_value_heads`` is not read (latent attention makes every head's keys and values; transformers' class
 defaults it to 128 whatever the heads): an export writes the query heads' count. Not modelled, so refused by name:
-``rope_interleave=False`` checkpoints, ``attention_bias``, rotary types other than ours, ``mscale_all_dim`` with a rotary type other than YaRN, an
-``rms_norm_eps`` other than 1e-6 (transformers normalises the latents with 1e-6
-whatever it says; ours with the model's one eps), and multi-token prediction layers
-(``num_nextn_predict_layers`` is read as absent: an export writes 0).
+``rope_interleave=False`` checkpoints, ``attention_bias``, rotary types other than ours, ``mscale_all_dim`` with a
+rotary type other than YaRN, an ``rms_norm_eps`` other than 1e-6 (transformers normalises the latents with 1e-6
+whatever it says; ours with the model's one eps), and multi-token prediction layers (``num_nextn_predict_layers``
+is read as absent: an export writes 0).
 """
 
 from __future__ import annotations
