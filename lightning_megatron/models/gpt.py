@@ -102,8 +102,8 @@ class GPTConfig(TransformerSizes):
       (transformers' names; None: every layer sliding when ``sliding_window`` is set, else every layer full).
     * ``rotary_base_local``: the rotary base of sliding layers, which then also go without ``rope_scaling``
       (Gemma 3's ``rope_local_base_freq``); None: every layer uses ``rotary_base`` and ``rope_scaling``.
-    * ``softmax_scale``: the factor of ``q k^T`` (Gemma 3: ``query_pre_attn_scalar ** -0.5``); None:
-      ``1 / sqrt(head_dim)``.
+    * ``softmax_scale``: the factor of ``q k^T`` (Gemma 3: ``query_pre_attn_scalar ** -0.5``; DeepSeek-V3 under YaRN
+      with ``mscale_all_dim``: ``MLAConfig.softmax_scale(rope_scaling)``); None: ``1 / sqrt(head_dim)``.
     * ``attn_logit_softcapping``: scores become ``cap * tanh(scores / cap)`` before the mask and softmax (Gemma 2).
       That attention keeps its ``[S, S]`` probabilities for backward (``models.softcap``) and is refused under
       context parallelism; None: none.
