@@ -76,7 +76,7 @@ MLA_CONFIG = replace(MOE_CONFIGS["mla"], moe=None)
 MOE_CONFIGS["qwen3moe"] = replace(QWEN3_CONFIG, moe=replace(MOE, z_loss_coeff=0.0, shared_expert_size=0,
                                                             shared_expert_gate=False))
 # GPT-OSS's pieces on the same sizes: attention sinks and biases, YaRN, sliding and full layers alternating, clamped-SwiGLU
-# experts with biases and a router bias (no shared expert). Sinks are not split over tp yet (refused there).
+# experts with biases and a router bias (no shared expert).
 MOE_CONFIGS["oss"] = replace(
     LLAMA_CONFIG, add_qkv_bias=False, add_attention_bias=True, attention_sinks=True, activation="clamped_swiglu",
     sliding_window=4, layer_types=("sliding_attention", "full_attention") * 2,
