@@ -103,21 +103,23 @@ def test_expert_parallel_layouts_match_one_process(launched, layout):
 
 
 @pytest.mark.slow
-def test_qwen3_moe_layouts_start_from_the_loss_of_transformers_model(launched, tmp_path):
-    """The first step's loss at each Qwen3-MoE layout is that of transformers' Qwen3MoeForCausalLM loaded from the
-    same initial weights (exported by the qwen3_moe family), on the same batch (the load-balancing loss only adds
-    to the gradients, as transformers' does with output_router_logits off)."""
+@pytest.mark.parametrize("variant,hf_class", [("qwen3moe", "Qwen3MoeForCausalLM"), ("oss", "GptOssForCausalLM")])
+def test_moe_layouts_start_from_the_loss_of_transformers_model(launched, tmp_path, variant, hf_class):
+    """The first step's loss at each Qwen3-MoE (GPT-OSS) layout is that of transformers' Qwen3MoeForCausalLM
+    (GptOssForCausalLM) loaded from the same initial weights (exported by the qwen3_moe / gpt_oss family), on the
+    same batch (the load-balancing loss only adds to the gradients, as transformers' does with output_router_logits
+    off)."""
     transformers = pytest.importorskip("transformers")
     out, _ = launched
     torch.manual_seed(SEED)
-    initial = GPT(CONFIGS["qwen3moe"])
+    initial = GPT(CONFIGS[variant])
     initial.configure_model()
     initial.to_hf(tmp_path)
-    hf = transformers.Qwen3MoeForCausalLM.from_pretrained(tmp_path).eval()
+    hf = getattr(transformers, hf_class).from_pretrained(tmp_path).eval()
     input_ids, labels = batches()[0]
     with torch.no_grad():
         expected = F.cross_entropy(hf(input_ids).logits.flatten(0, 1), labels.flatten(), ignore_index=-100).item()
-    for layout in (layout for layout in LAYOUTS if layout.startswith("qwen3moe-")):
+    for layout in (layout for layout in LAYOUTS if layout.startswith(f"{variant}-")):
         first = torch.load(out / f"{layout}.pt", weights_only=True)["losses"][0]
         assert abs(first - expected) < LOSS_TOL, (layout, first, expected)
 
