@@ -121,7 +121,7 @@ def _styles_by_module(module: nn.Module, plan: Mapping[str, Style]) -> dict[str,
                              f"{', '.join(STYLES)}, PackedColumn(...), QueryGroupColumn(...), "
                              f"KeyValueHeads(...).")
         if style in PARAMETER_STYLES:
-            continue  # a parameter's style (_parameters_by_style)
+            continue  # a parameter's style (_per_head_parameters)
         names = [name for name, _ in module.named_modules() if name and name_matches(pattern, name)]
         if not names:
             raise ValueError(
@@ -133,18 +133,18 @@ def _styles_by_module(module: nn.Module, plan: Mapping[str, Style]) -> dict[str,
     return found
 
 
-def _parameters_by_style(module: nn.Module, plan: Mapping[str, Style]) -> dict[str, str]:
-    """Parameter name -> its style, for the plan's parameter styles (``"per_head"``)."""
-    found: dict[str, str] = {}
+def _per_head_parameters(module: nn.Module, plan: Mapping[str, Style]) -> list[str]:
+    """The names of the parameters the plan's ``"per_head"`` entries match."""
+    found: dict[str, None] = {}
     for pattern, style in plan.items():
-        if not (isinstance(style, str) and style in PARAMETER_STYLES):
+        if not (isinstance(style, str) and style == "per_head"):
             continue
         names = [name for name, _ in module.named_parameters() if name_matches(pattern, name)]
         if not names:
             raise ValueError(f"The tensor-parallel plan entry {pattern!r} ({style!r}) matches no parameter of "
                              f"{type(module).__name__}. Check the name against `[n for n, _ in model.named_parameters()]`.")
-        found.update(dict.fromkeys(names, style))
-    return found
+        found.update(dict.fromkeys(names))
+    return list(found)
 
 
 def _split_by_heads(module: nn.Module, name: str, group) -> None:
@@ -323,7 +323,7 @@ def parallelize(
     """
     if state.config.expert_tensor_parallel < state.config.tensor_parallel_size:
         plan = {pattern: style for pattern, style in plan.items() if not isinstance(style, InsideRegion)}
-    styles, per_head = _styles_by_module(module, plan), _parameters_by_style(module, plan)
+    styles, per_head = _styles_by_module(module, plan), _per_head_parameters(module, plan)
     tied: dict[int, list[tuple[str, str]]] = {}
     for module_name, owner in module.named_modules(remove_duplicate=False):
         for param_name, param in owner.named_parameters(recurse=False):
