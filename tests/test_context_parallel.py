@@ -40,6 +40,7 @@ LAYOUTS = [
     "qwen3-cp2-tp2-dp1-sp",         # q/k norms on each rank's heads and chunks, 16-channel heads of a 32-wide model
     "gemma3-cp2-tp1-dp2",           # Gemma 3 whole (test_layout_invariance.py: its reference is transformers')
     "mladoc-cp2-tp2-dp1-sp",        # latent attention (padded values, one shared rotary key) over packed documents
+    "sinkwindow-cp2-tp2-dp1-sp",    # GPT-OSS's sinks split with the heads over tp, merged once by the ring, windows
 ]
 COUNTS = ["count-gpt-cp4-tp1-dp1", "count-llama-cp2-tp1-dp2", "count-bert-cp2-tp2-dp1-sp", "count-llama-cp4-tp1-dp1-ag"]
 EXTRAS = ["kernels-gpt-cp4-tp1-dp1", "kernels-gpt-cp2-tp1-dp2", "gen-llama-cp2-tp2-dp1-sp", "errors-gpt-cp4-tp1-dp1"]
@@ -193,8 +194,9 @@ def test_ring_and_all_gather_attention_equal_sdpa_in_fp64(launched):
     for layout in ("kernels-gpt-cp4-tp1-dp1", "kernels-gpt-cp2-tp1-dp2"):
         for rank, result in enumerate(results):
             worst = result[layout]
-            # both attentions x causal / bidirectional / padded / documents / documents in a window x MHA / GQA / MQA
-            assert len(worst) == 2 * 5 * 3
+            # both attentions x causal / bidirectional / padded / documents / documents in a window / the same with
+            # sinks x MHA / GQA / MQA
+            assert len(worst) == 2 * 6 * 3
             assert max(worst.values()) < 1e-12, (layout, rank, worst)
 
 

@@ -45,6 +45,9 @@ LAYOUTS = [
     "oss-ep2-pp2-tp1-dp2-mb2",    # GPT-OSS's pieces: sinks, attention/router/expert biases, clamped SwiGLU, YaRN, windows
     "mla-ep2-tp1-dp4-z3",         # DeepSeek-V3-shaped under ZeRO-3: experts over their edp pair, latents over dp4
     "mla-ep2-tp2-dp2-sp-z3-etp1",  # ... whole experts on each tp rank, latent attention split by heads, SP
+    "oss-ep2-tp2-dp2",            # ... sinks split with the heads, the experts' down-projection biases added once after tp
+    "oss-ep2-tp2-dp2-sp-mb2",     # ... added to each rank's sequence chunk, their gradients summed over tp
+    "oss-ep2-tp1-dp4-z3",         # ... ZeRO-3 with ep2
 ]
 COUNTS = ["count-ep2-tp1-dp4", "count-ep2-tp2-dp2", "count-ep2-tp2-dp2-sp"]
 GENERATION = ["gen-ep2-tp1-dp4", "gen-ep2-pp2-tp1-dp2", "gen-ep2-tp2-dp2-sp"]
@@ -101,13 +104,13 @@ def test_expert_parallel_layouts_match_one_process(launched, layout):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("variant, architecture", [("qwen3moe", "Qwen3MoeForCausalLM"),
-                                                   ("mla", "DeepseekV3ForCausalLM")], ids=["qwen3moe", "deepseek"])
-def test_qwen3_moe_layouts_start_from_the_loss_of_transformers_model(launched, tmp_path, variant, architecture):
-    """The first step's loss at each Qwen3-MoE (DeepSeek-V3-shaped) layout is that of transformers'
-    Qwen3MoeForCausalLM (DeepseekV3ForCausalLM) loaded from the same initial weights (exported by its family), on
-    the same batch (the auxiliary losses only add to the gradients, as transformers' do with output_router_logits
-    off)."""
+@pytest.mark.parametrize("variant, architecture", [("qwen3moe", "Qwen3MoeForCausalLM"), ("oss", "GptOssForCausalLM"),
+                                                   ("mla", "DeepseekV3ForCausalLM")], ids=["qwen3moe", "gpt_oss", "deepseek"])
+def test_moe_layouts_start_from_the_loss_of_transformers_model(launched, tmp_path, variant, architecture):
+    """The first step's loss at each Qwen3-MoE (GPT-OSS, DeepSeek-V3-shaped) layout is that of transformers'
+    Qwen3MoeForCausalLM (GptOssForCausalLM, DeepseekV3ForCausalLM) loaded from the same initial weights (exported by
+    its family), on the same batch (the auxiliary losses only add to the gradients, as transformers' do with
+    output_router_logits off)."""
     transformers = pytest.importorskip("transformers")
     out, _ = launched
     torch.manual_seed(SEED)

@@ -1,9 +1,9 @@
 """Mixture-of-Experts checkpoints: the tiny MoE GPT trained by the Trainer at ep2 x tp2 (dp2, ZeRO-1, AdamW), a
 sharded checkpoint of an interrupted run, resumed at ep1, at ep4, at ep2 x dp4 under ZeRO-3 and at ep4 over
 tp2 x dp2 with whole experts (expert_tensor_parallel_size=1) with the uninterrupted run's losses; the Qwen3-MoE-shaped
-one (q/k norms, no shared expert) saved mid-run at ep2 x tp2 and resumed at ep4 x tp1; the DeepSeek-V3-shaped one
-(latent attention, grouped sigmoid routing, the expert bias) saved at ep2 x tp2 x dp2 and resumed at
-pp2 x ep2 x dp2."""
+one (q/k norms, no shared expert) saved mid-run at ep2 x tp2 and resumed at ep4 x tp1; GPT-OSS's likewise (sinks
+split with the heads, expert biases); the DeepSeek-V3-shaped one (latent attention, grouped sigmoid routing, the
+expert bias) saved at ep2 x tp2 x dp2 and resumed at pp2 x ep2 x dp2.
 
 import json
 
@@ -19,6 +19,7 @@ SAVED = "save/epoch=0-step=2.ckpt"
 SHORT = "short/epoch=0-step=2.ckpt"
 QWEN3_MOE_SAVED = "qwen3moe/epoch=0-step=2.ckpt"
 MLA_SAVED = "mla/epoch=0-step=2.ckpt"
+OSS_SAVED = "oss/epoch=0-step=2.ckpt"
 RESUMED = {  # run name: (tp, ep, zero_stage, expert_tensor_parallel_size) on 4 ranks, dp = 4 / tp
     "ep2": (2, 2, 1, None),  # the saving layout: exact
     "ep1": (2, 1, 1, None),  # every rank holds all 4 experts, reduced and ZeRO-sharded over dp2
@@ -47,6 +48,9 @@ def runs(tmp_path_factory):
     plan += [{"name": "mla", "variant": "mla", "tp": 2, "ep": 2, "steps": STEPS, "save_every": STOP_AT},
              {"name": "mla-pp2", "variant": "mla", "tp": 1, "pp": 2, "ep": 2, "steps": STEPS,
               "ckpt_path": str(out / MLA_SAVED)}]
+    # GPT-OSS (sinks split with the heads, expert biases): saved at tp2 x ep2 x dp2, resumed at tp1 x ep4 x dp4
+    plan += [{"name": "oss", "variant": "oss", "tp": 2, "ep": 2, "steps": STEPS, "save_every": STOP_AT},
+             {"name": "oss-ep4", "variant": "oss", "tp": 1, "ep": 4, "steps": STEPS, "ckpt_path": str(out / OSS_SAVED)}]
     results, _ = run_job("moe_resume", 4, out, json.dumps({"variant": "moe", "runs": plan}))
     assert len(results) == 4 and all("error" not in run for result in results for run in result.values()), results
     return out, results[0]
@@ -131,6 +135,34 @@ def test_a_qwen3_moe_checkpoint_resumes_at_another_layout(runs, saving_run, resu
     final = torch.load(out / f"{resumed_run}.pt", weights_only=True)["weights"]
     expected = torch.load(out / f"{saving_run}.pt", weights_only=True)["weights"]
     assert final.keys() == expected.keys() and family_weight in final
+    worst = max((final[key] - expected[key]).abs().max().item() for key in expected)
+    assert worst < 1e-5, f"weights deviate by {worst:.2e}"
+
+
+@pytest.mark.slow
+def test_a_gpt_oss_checkpoint_holds_the_global_sinks_and_resumes_at_another_layout(runs):
+    """Saved at tp2 x ep2 x dp2 (each tp rank half of every layer's sinks, the experts' down-projection biases whole
+    on both), the checkpoint holds each layer's sinks under their global name and shape, written in two halves, and
+    each expert's biases once; resumed at tp1 x ep4 x dp4 the steps after it give the saving run's losses and
+    weights."""
+    out, result = runs
+    config = MOE_CONFIGS["oss"]
+    tensors = open_sharded(out / OSS_SAVED).tensors()
+    for layer in range(config.num_layers):
+        for key in (f"state_dict/model.blocks.{layer}.attn.sinks", f"optimizer/0/model.blocks.{layer}.attn.sinks/exp_avg"):
+            assert tuple(tensors[key].size) == (config.num_heads,), key
+            assert sorted(tuple(chunk.offsets) for chunk in tensors[key].chunks) == [(0,), (config.num_heads // 2,)]
+    for layer in range(config.num_layers):  # every layer MoE
+        for expert in range(config.moe.num_experts):
+            bias = tensors[f"state_dict/model.blocks.{layer}.mlp.experts.{expert}.proj.bias"]
+            assert tuple(bias.size) == (config.hidden_size,) and len(bias.chunks) == 1
+    saving, resumed = result["oss"], result["oss-ep4"]
+    assert resumed["samples"] == saving["samples"][STOP_AT:]
+    assert resumed["losses"] == pytest.approx(saving["losses"][STOP_AT:], abs=1e-5)
+    final = torch.load(out / "oss-ep4.pt", weights_only=True)["weights"]
+    expected = torch.load(out / "oss.pt", weights_only=True)["weights"]
+    assert final.keys() == expected.keys()
+    assert expected["model.blocks.0.attn.sinks"].abs().min() > 0  # trained: the halves' order is checked too
     worst = max((final[key] - expected[key]).abs().max().item() for key in expected)
     assert worst < 1e-5, f"weights deviate by {worst:.2e}"
 

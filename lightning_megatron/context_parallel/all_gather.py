@@ -16,7 +16,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_megatron.context_parallel.blocks import Block, compute_dtype, save_for_backward, saved, start
+from lightning_megatron.context_parallel.blocks import (Block, compute_dtype, merge_sinks, save_for_backward, saved,
+                                                        sinks_grad, start)
 from lightning_megatron.context_parallel.documents import DocumentMask
 
 
@@ -42,14 +43,17 @@ class AllGatherAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, key_mask: Optional[Tensor], documents: Optional[DocumentMask],
-                causal: bool, group: dist.ProcessGroup, window: Optional[int]) -> Tensor:
+                causal: bool, group: dist.ProcessGroup, window: Optional[int],
+                sinks: Optional[Tensor] = None) -> Tensor:
         rank, size, length = dist.get_rank(group), dist.get_world_size(group), q.shape[2]
         keys, values = _gather(k, group), _gather(v, group)
         out, lse = start(q)
         for step in range(size):
             block = Block(step=step, rank=rank, size=size, causal=causal, length=length)
             block.forward(q, keys[block.source], values[block.source], key_mask, documents, out, lse, window=window)
+        out, lse = merge_sinks(out, lse, sinks)  # once, after every source's block
         out = out.to(q.dtype)
+        ctx.sink_values = None if sinks is None else sinks.detach()
         save_for_backward(ctx, q, keys, values, out, lse, key_mask, documents, causal, group, window)
         return out
 
@@ -67,11 +71,13 @@ class AllGatherAttention(torch.autograd.Function):
             block.backward(grad_out, q, keys[s], values[s], out, lse, key_mask, documents, dq, dkeys[s], dvalues[s],
                            window=window)
         dk, dv = (_reduce_scatter(t, group).to(keys.dtype) for t in (dkeys, dvalues))
-        return dq.to(q.dtype), dk, dv, None, None, None, None, None
+        sinks = ctx.sink_values
+        dsinks = None if sinks is None else sinks_grad(grad_out, out, lse, sinks)
+        return dq.to(q.dtype), dk, dv, None, None, None, None, None, dsinks
 
 
 def all_gather_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool, group: dist.ProcessGroup,
                          key_mask: Optional[Tensor] = None, documents: Optional[DocumentMask] = None,
-                   window: Optional[int] = None) -> Tensor:
+                   window: Optional[int] = None, sinks: Optional[Tensor] = None) -> Tensor:
     """Exact softmax attention of this rank's queries (``[B, H, S_l, D]``) over every rank's keys and values."""
-    return AllGatherAttention.apply(q, k, v, key_mask, documents, causal, group, window)
+    return AllGatherAttention.apply(q, k, v, key_mask, documents, causal, group, window, sinks)

@@ -32,15 +32,16 @@ class ContextParallelAttention(nn.Module):
         self.size = dist.get_world_size(group)
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, attention_mask: Optional[Tensor], *, causal: bool,
-                local: Callable[..., Tensor], window: Optional[int] = None) -> Tensor:
+                local: Callable[..., Tensor], window: Optional[int] = None, sinks: Optional[Tensor] = None) -> Tensor:
         """``window``: the attention's sliding window (each query sees the ``window`` keys ending at its global
-        position), None for none."""
+        position), None for none; ``sinks``: ``[H]`` sink logits of the heads (merged once into each query's
+        softmax, after every rank's keys: ``blocks.merge_sinks``), None for none; ``local`` takes them itself."""
         if sequences_are_whole():
             return local(q, k, v, attention_mask, causal)
         if isinstance(attention_mask, DocumentMask):
-            return VARIANTS[self.variant](q, k, v, causal=causal, group=self.group, window=window,
+            return VARIANTS[self.variant](q, k, v, causal=causal, group=self.group, window=window, sinks=sinks,
                                           documents=self._documents(attention_mask, q.shape[2]))
-        return VARIANTS[self.variant](q, k, v, causal=causal, group=self.group, window=window,
+        return VARIANTS[self.variant](q, k, v, causal=causal, group=self.group, window=window, sinks=sinks,
                                       key_mask=self._key_mask(attention_mask, q.shape[2]))
 
     def _documents(self, documents: DocumentMask, length: int) -> DocumentMask:

@@ -128,6 +128,30 @@ def start(q: Tensor) -> tuple[Tensor, Tensor]:
             torch.full(q.shape[:-1], NEG_INF, dtype=dtype, device=q.device))
 
 
+def merge_sinks(out: Tensor, lse: Tensor, sinks: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+    """The attention sinks (``[H]`` logits; None: none) merged last into the whole attention's output and
+    log-sum-exp: one more key of logit ``s_h`` and value zero per query (``local.py``'s docstring). Each rank merges
+    them into its own queries' rows once, after every block, so each softmax has the sink exactly once."""
+    if sinks is None:
+        return out, lse
+    merged = torch.logaddexp(lse, _sink_logits(sinks, lse))
+    return out * torch.exp(lse - merged)[..., None], merged
+
+
+def sinks_grad(grad_out: Tensor, out: Tensor, lse: Tensor, sinks: Tensor) -> Tensor:
+    """The sinks' gradient from this rank's queries, given the merged output and log-sum-exp (:func:`merge_sinks`):
+    ``-sum over queries of exp(s_h - L') D``, ``D = rowsum(grad * out)``, as for any key's score."""
+    dtype = compute_dtype(out.dtype)
+    rows = (grad_out.to(dtype) * out.to(dtype)).sum(-1)  # D of every query [B, H, S]
+    share = torch.exp(_sink_logits(sinks, lse) - lse)
+    return -(share * rows).sum(dim=(0, 2)).to(sinks.dtype)
+
+
+def _sink_logits(sinks: Tensor, lse: Tensor) -> Tensor:
+    """``[H]`` sink logits broadcast to the log-sum-exp's ``[B, H, S]``, in its dtype."""
+    return sinks.to(lse.dtype)[None, :, None].expand_as(lse)
+
+
 def save_for_backward(ctx, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, key_mask: Optional[Tensor],
                       documents: Optional[DocumentMask], causal: bool, group, window: Optional[int] = None) -> None:
     """What the block attentions' backward needs: the inputs, the whole output and log-sum-exp, the pattern (the

@@ -20,7 +20,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from lightning_megatron.context_parallel.blocks import Block, compute_dtype, save_for_backward, saved, start
+from lightning_megatron.context_parallel.blocks import (Block, compute_dtype, merge_sinks, save_for_backward, saved,
+                                                        sinks_grad, start)
 from lightning_megatron.context_parallel.documents import DocumentMask
 
 
@@ -33,14 +34,10 @@ class LocalDocumentAttention(torch.autograd.Function):
                 window: Optional[int], sinks: Optional[Tensor] = None) -> Tensor:
         out, lse = start(q)
         _block(q, causal).forward(q, k, v, None, documents, out, lse, window=window)
-        if sinks is not None:  # the sink, merged last: a key of logit s_h and value zero (module docstring)
-            merged = torch.logaddexp(lse, _sink_logits(sinks, lse))
-            out, lse = out * torch.exp(lse - merged)[..., None], merged
+        out, lse = merge_sinks(out, lse, sinks)  # the sink, merged last (module docstring)
         out = out.to(q.dtype)
         save_for_backward(ctx, q, k, v, out, lse, None, documents, causal, None, window)
-        ctx.sinks = sinks is not None
-        if sinks is not None:
-            ctx.sink_values = sinks.detach()
+        ctx.sink_values = None if sinks is None else sinks.detach()
         return out
 
     @staticmethod
@@ -50,18 +47,9 @@ class LocalDocumentAttention(torch.autograd.Function):
         dq, dk, dv = (torch.zeros(t.shape, dtype=dtype, device=t.device) for t in (q, k, v))
         _block(q, causal).backward(grad_out.contiguous(), q, k, v, out, lse, None, documents, dq, dk, dv,
                                    window=window)
-        dsinks = None
-        if ctx.sinks:
-            sinks = ctx.sink_values
-            rows = (grad_out.to(dtype) * out.to(dtype)).sum(-1)  # D of every query [B, H, S]
-            share = torch.exp(_sink_logits(sinks, lse) - lse)
-            dsinks = -(share * rows).sum(dim=(0, 2)).to(sinks.dtype)
+        sinks = ctx.sink_values
+        dsinks = None if sinks is None else sinks_grad(grad_out, out, lse, sinks)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, dsinks
-
-
-def _sink_logits(sinks: Tensor, lse: Tensor) -> Tensor:
-    """``[H]`` sink logits broadcast to the log-sum-exp's ``[B, H, S]``, in its dtype."""
-    return sinks.to(lse.dtype)[None, :, None].expand_as(lse)
 
 
 def _block(q: Tensor, causal: bool) -> Block:

@@ -22,7 +22,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_megatron.context_parallel.blocks import Block, compute_dtype, save_for_backward, saved, start
+from lightning_megatron.context_parallel.blocks import (Block, compute_dtype, merge_sinks, save_for_backward, saved,
+                                                        sinks_grad, start)
 from lightning_megatron.context_parallel.documents import DocumentMask
 
 
@@ -47,7 +48,8 @@ class RingAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, key_mask: Optional[Tensor], documents: Optional[DocumentMask],
-                causal: bool, group: dist.ProcessGroup, window: Optional[int]) -> Tensor:
+                causal: bool, group: dist.ProcessGroup, window: Optional[int],
+                sinks: Optional[Tensor] = None) -> Tensor:
         rank, size, length = dist.get_rank(group), dist.get_world_size(group), q.shape[2]
         out, lse = start(q)
         k, v = k.contiguous(), v.contiguous()
@@ -61,7 +63,9 @@ class RingAttention(torch.autograd.Function):
             _wait(works)
             if step < size - 1:
                 current = following
+        out, lse = merge_sinks(out, lse, sinks)  # once, after every source's block
         out = out.to(q.dtype)
+        ctx.sink_values = None if sinks is None else sinks.detach()
         save_for_backward(ctx, q, k, v, out, lse, key_mask, documents, causal, group, window)
         return out
 
@@ -92,11 +96,13 @@ class RingAttention(torch.autograd.Function):
         received, receiving, _sent = incoming
         _wait(receiving)
         dk, dv = (t.to(k.dtype) for t in received)
-        return dq.to(q.dtype), dk, dv, None, None, None, None, None
+        sinks = ctx.sink_values
+        dsinks = None if sinks is None else sinks_grad(grad_out, out, lse, sinks)
+        return dq.to(q.dtype), dk, dv, None, None, None, None, None, dsinks
 
 
 def ring_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool, group: dist.ProcessGroup,
                    key_mask: Optional[Tensor] = None, documents: Optional[DocumentMask] = None,
-                   window: Optional[int] = None) -> Tensor:
+                   window: Optional[int] = None, sinks: Optional[Tensor] = None) -> Tensor:
     """Exact softmax attention of this rank's queries over every rank's keys (see the module docstring)."""
-    return RingAttention.apply(q, k, v, key_mask, documents, causal, group, window)
+    return RingAttention.apply(q, k, v, key_mask, documents, causal, group, window, sinks)

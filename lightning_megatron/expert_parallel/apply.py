@@ -6,7 +6,8 @@ while every parameter is still on the meta device: each MoE layer keeps experts
 values and checkpoint keys, keep the global expert index) and dispatches with an all-to-all.
 Their parameters are tagged ``expert_parallel``: they are summed over the expert-data-parallel
 group (the ranks with the same experts), not over all of dp, and counted once per expert in the
-global gradient norm. With ``expert_tensor_parallel_size=1`` the experts stay whole (the tensor-parallel
+global gradient norm (``whole_expert`` too when each tp rank holds other experts whole: counted on every tp rank,
+where an expert split over tp has its unsplit row bias counted on tp rank 0 alone). With ``expert_tensor_parallel_size=1`` the experts stay whole (the tensor-parallel
 plan leaves them alone), the tp ranks of a pipeline stage join the dp ranks as expert-parallel ranks
 (``ParallelConfig.expert_slot``), and each tp rank dispatches its share of the layer's assignments
 (``dispatcher.TensorParallelShareDispatcher``).
@@ -51,6 +52,7 @@ def apply_expert_parallel(module: nn.Module, state: ParallelState) -> None:
             param.expert_parallel = True
             if whole:  # the layer's sequence-parallel tag does not apply: each tp rank's gradient is its experts' own
                 param.__dict__.pop("sequence_parallel_grad", None)
+                param.whole_expert = True  # not a replica of another tp rank's (optim.clip counts it on each)
         layer.dispatcher = AllToAllDispatcher(state.expert_parallel_group, local)
         if whole:
             layer.dispatcher = TensorParallelShareDispatcher(layer.dispatcher, state.tensor_parallel_rank,

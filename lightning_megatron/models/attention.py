@@ -67,7 +67,7 @@ class CoreAttention(nn.Module):
             q = q * (self.softmax_scale * math.sqrt(q.shape[-1]))
         if self.context_parallel is not None:
             return self.context_parallel(q, k, v, attention_mask, causal=causal, local=partial(self.attend, sinks=sinks),
-                                         window=self.window)
+                                         window=self.window, sinks=sinks)
         return self.attend(q, k, v, attention_mask, causal, sinks=sinks)
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, attention_mask: Union[Tensor, DocumentMask, None],

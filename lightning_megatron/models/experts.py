@@ -18,13 +18,17 @@ decides), giving the same numbers:
   read per layer, free on the CPU. Everywhere else (fp16, fp64, CPU bf16, other GPUs), and for experts that
   are not plain linears (FP8 GEMMs, LoRA adapters): they run through their own forward.
 
+Under tensor parallelism the experts' down projections (row-parallel inside the MoE layer's region) give partial
+sums, so they leave their biases out; :func:`deferred_biases` gives each row's bias for the MoE layer to add once,
+after the region is left.
+
 Rows after the counted ones (assignments a capacity factor dropped) are zeros in the loop's output and
 uninitialised memory in the grouped one; the caller masks them (``MoE._routed_experts``).
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -90,7 +94,29 @@ def grouped_experts(experts: Sequence[nn.Module], tokens: Tensor, counts: Tensor
                                right=True)
         hidden = hidden + _row_biases([e.fc.bias for e in experts], rows, dtype)
     out = grouped_linear(experts[0].activate(hidden), [e.proj.weight for e in experts], offsets, dtype)
-    return out if rows is None else out + _row_biases([e.proj.bias for e in experts], rows, dtype)
+    if rows is None or defers_bias(experts[0].proj):
+        return out
+    return out + _row_biases([e.proj.bias for e in experts], rows, dtype)
+
+
+def defers_bias(layer: nn.Module) -> bool:
+    """Whether ``layer`` leaves its bias out of its output: a row-parallel layer with a bias inside the experts'
+    region over several tp ranks, whose outputs are partial sums until the region is left (the MoE layer adds the
+    bias after: :func:`deferred_biases`)."""
+    return (isinstance(layer, RowParallelLinear) and not layer.communicates and layer.group is not None
+            and layer.bias is not None)
+
+
+def deferred_biases(experts: Sequence[nn.Module], tokens: Tensor, counts: Tensor) -> Optional[Tensor]:
+    """``[N, h]``: each row of ``tokens`` (grouped by expert as :func:`run_experts` takes them) with its expert's
+    down-projection bias where the experts defer it (:func:`defers_bias`; zeros past the counted rows), in the
+    experts' compute dtype; None where the experts add their biases themselves."""
+    if not experts or not defers_bias(experts[0].proj):
+        return None
+    offsets = torch.cumsum(counts.to(tokens.device, non_blocking=True), 0, dtype=torch.int32)
+    rows = torch.bucketize(torch.arange(tokens.shape[0], device=tokens.device, dtype=torch.int32), offsets,
+                           right=True)
+    return _row_biases([e.proj.bias for e in experts], rows, compute_dtype(tokens))
 
 
 def _row_biases(biases: Sequence[Tensor], rows: Tensor, dtype: torch.dtype) -> Tensor:

@@ -115,8 +115,9 @@ class GPTConfig(TransformerSizes):
       ``attention_bias``; ``add_bias_linear`` puts them on every linear layer, ``add_qkv_bias`` on ``qkv`` alone).
     * ``attention_sinks``: every attention head has a learned sink logit in its softmax's denominator (GPT-OSS's
       ``sinks``): merged last into the block attention's online softmax in training (``context_parallel.local``:
-      windows and packed documents, O(S) memory), the dense path of ``models.softcap`` with a KV cache. Not yet
-      split over tensor-parallel ranks nor merged by context parallelism's ring: both refused.
+      windows and packed documents, O(S) memory), the dense path of ``models.softcap`` with a KV cache. Split with
+      the query heads over tensor-parallel ranks (``"per_head"``); merged once, after every rank's keys, by context
+      parallelism's ring and all-gather attention (``context_parallel.blocks.merge_sinks``).
     """
 
     vocab_size: int = 257
@@ -564,7 +565,8 @@ def gpt_tensor_parallel_plan(config: GPTConfig) -> dict[str, object]:
     if config.moe is None:
         layers = layer_tensor_parallel_plan("blocks.*", num_heads=config.num_heads,
                                             num_query_groups=config.num_query_groups, gated_mlp=gated,
-                                            qk_norm=config.qk_layernorm, attention=attention)
+                                            qk_norm=config.qk_layernorm, attention=attention,
+                                            sinks=config.attention_sinks)
         layers.update({} if attention else mla_tensor_parallel_plan("blocks.*", config.mla))
     else:  # MoE and dense layers have different MLPs: one entry per layer
         layers = {}
@@ -572,7 +574,8 @@ def gpt_tensor_parallel_plan(config: GPTConfig) -> dict[str, object]:
             prefix, moe = f"blocks.{index}", config.is_moe_layer(index)
             layer = layer_tensor_parallel_plan(prefix, num_heads=config.num_heads,
                                                num_query_groups=config.num_query_groups, gated_mlp=gated, mlp=not moe,
-                                               qk_norm=config.qk_layernorm, attention=attention)
+                                               qk_norm=config.qk_layernorm, attention=attention,
+                                               sinks=config.attention_sinks)
             layers.update(layer)
             if not attention:
                 layers.update(mla_tensor_parallel_plan(prefix, config.mla))
@@ -896,19 +899,6 @@ class GPT(BatchFlops, PretrainingRecipe):
     def validate_parallel_config(self, parallel_config) -> None:
         self.config.validate_tensor_parallel_size(parallel_config.tensor_parallel_size)
         self.config.validate_expert_layout(parallel_config.tensor_parallel_size, parallel_config.expert_parallel_size)
-        split = {name: getattr(parallel_config, name) for name in ("tensor_parallel_size", "context_parallel_size")}
-        if self.config.attention_sinks and any(size > 1 for size in split.values()):
-            raise ValueError(
-                f"{', '.join(f'{name}={size}' for name, size in split.items())} with attention_sinks=True is not "
-                f"supported yet: the sinks are not split with the heads over tensor-parallel ranks, and context "
-                f"parallelism's block merge does not add them. Use tensor_parallel_size=1 and context_parallel_size=1 "
-                f"(data, pipeline and expert parallelism work).")
-        moe, tp = self.config.moe, parallel_config.tensor_parallel_size
-        if moe is not None and moe.add_bias_linear and tp > 1:
-            raise ValueError(f"tensor_parallel_size={tp} with MoEConfig.add_bias_linear=True is not supported yet: the "
-                             f"experts' row-parallel outputs are partial sums inside their region, and their bias "
-                             f"would be added on every rank. Use tensor_parallel_size=1 (expert_parallel_size splits "
-                             f"the experts).")
         if parallel_config.context_parallel_size > 1 and self.config.moe is not None:
             raise ValueError(
                 f"context_parallel_size={parallel_config.context_parallel_size} with a Mixture-of-Experts model is not "

@@ -44,7 +44,7 @@ from typing import Callable, Optional, Union
 import torch
 from torch import Tensor, nn
 
-from lightning_megatron.models.experts import run_experts
+from lightning_megatron.models.experts import deferred_biases, run_experts
 from lightning_megatron.models.mlp import build_mlp
 from lightning_megatron.models.transformer import dense_mlp_tensor_parallel_plan
 from lightning_megatron.models.router import (
@@ -82,8 +82,9 @@ class MoEConfig:
       (DeepSeek-V3's ``routed_scaling_factor``, 2.5); None: 1.
     * ``router_bias``: the router's logits have a learned bias (GPT-OSS's; trained by gradients, unlike
       ``expert_bias``, which only steers the choice).
-    * ``add_bias_linear``: biases on the routed experts' linear layers (GPT-OSS's); they run as a loop of their
-      modules (``models.experts``).
+    * ``add_bias_linear``: biases on the routed experts' linear layers (GPT-OSS's), added after each GEMM
+      (``models.experts``); under tensor parallelism the down projection's once, after the partial sums are summed
+      (``tensor_parallel.region``), the gate/up ones split with their columns.
 
     GPT-OSS routes by a softmax over the top-k logits only; that is ``score_function="softmax"`` with
     ``normalize_topk=True`` (the full softmax's top-k renormalised: the same experts, the same weights, up to
@@ -169,6 +170,9 @@ class OneProcessRegion:
         return ids
 
     def leave(self, x: Tensor) -> Tensor:
+        return x
+
+    def own_part(self, x: Tensor) -> Tensor:
         return x
 
 
@@ -315,11 +319,15 @@ class MoE(nn.Module):
         if self.config.capacity_factor is not None and self.training:
             capacity = math.ceil(self.config.capacity_factor * seq * self.config.top_k / self.config.num_experts)
             keep = capacity_mask(expert_ids, weights, self.config.num_experts, capacity)
-        out = self._routed_experts(tokens.reshape(-1, hidden), expert_ids.reshape(-1), keep).view(
-            batch, seq, self.config.top_k, hidden)
+        out, biases = self._routed_experts(tokens.reshape(-1, hidden), expert_ids.reshape(-1), keep)
         combine = weights if keep is None else weights * keep
-        out = (out * combine.unsqueeze(-1).to(out.dtype)).sum(dim=2)
+        out = (out.view(batch, seq, self.config.top_k, hidden) * combine.unsqueeze(-1).to(out.dtype)).sum(dim=2)
         out = self.region.leave(out)
+        if biases is not None:  # the down projections' biases, once, after the partial sums (tensor_parallel.region)
+            own = self.region.own_part
+            combine = routing.weights if keep is None else routing.weights * own(keep)  # this rank's, not entered
+            biases = own(biases.view(batch, seq, self.config.top_k, hidden))
+            out = out + (biases * combine.unsqueeze(-1).to(biases.dtype)).sum(dim=2)
         if self.shared_expert is not None:
             shared = self.shared_expert(x)
             if self.shared_expert_gate is not None:
@@ -327,8 +335,11 @@ class MoE(nn.Module):
             out = out + shared
         return self.aux_losses.add(out, aux_loss)
 
-    def _routed_experts(self, tokens: Tensor, expert_ids: Tensor, keep: Optional[Tensor]) -> Tensor:
-        """``[T * k, hidden]``: each assignment's expert output (zeros where dropped), in assignment order.
+    def _routed_experts(self, tokens: Tensor, expert_ids: Tensor,
+                        keep: Optional[Tensor]) -> tuple[Tensor, Optional[Tensor]]:
+        """``[T * k, hidden]``: each assignment's expert output (zeros where dropped), in assignment order; and its
+        expert's down-projection bias where the experts leave it out of their partial sums (tp-split experts with
+        biases, ``models.experts.deferred_biases``: back through the same combine), else None.
 
         Every shape here is fixed by ``T * k``, never by the routing, and the counts stay on the device: with the
         experts on this rank (and grouped GEMMs, ``models.experts``) the layer never waits for the device. An
@@ -345,10 +356,16 @@ class MoE(nn.Module):
         if dropped_rows is not None:
             routed = routed.masked_fill(dropped_rows, 0.0)
         local_tokens, local_counts = self.dispatcher.dispatch(routed, tokens_per_expert)
-        expert_output = self.dispatcher.combine(run_experts(list(self.experts.values()), local_tokens, local_counts))
+        experts = list(self.experts.values())
+        expert_output = run_experts(experts, local_tokens, local_counts)
+        biases = deferred_biases(experts, local_tokens, local_counts)
+        outputs = [self.dispatcher.combine(expert_output)] if biases is None else \
+            self.dispatcher.combine(torch.cat([expert_output, biases], dim=-1)).chunk(2, dim=-1)
         if dropped_rows is not None:
-            expert_output = expert_output.masked_fill(dropped_rows, 0.0)
-        return expert_output.new_zeros(expert_ids.numel(), tokens.shape[1]).index_copy(0, order, expert_output)
+            outputs = [output.masked_fill(dropped_rows, 0.0) for output in outputs]
+        outputs = [output.new_zeros(expert_ids.numel(), tokens.shape[1]).index_copy(0, order, output)
+                   for output in outputs]
+        return outputs[0], (outputs[1] if len(outputs) > 1 else None)
 
     def _auxiliary_loss(self, routing, expert_ids: Tensor, seq: int) -> Optional[Tensor]:
         """This rank's share (its tokens) of the balance and z-losses in token-sum units; records the statistics."""

@@ -67,19 +67,22 @@ class TransformerLayer(nn.Module):
 
 def layer_tensor_parallel_plan(prefix: str, *, num_heads: int, num_query_groups: Optional[int] = None,
                                gated_mlp: bool = False, mlp: bool = True, qk_norm: bool = False,
-                               attention: bool = True) -> dict[str, object]:
+                               attention: bool = True, sinks: bool = False) -> dict[str, object]:
     """The plan of every ``TransformerLayer`` under ``prefix`` (e.g. ``"blocks.*"``): Megatron's split, the
     fused ``qkv`` by query group, a gated MLP's ``[gate | up]`` chunk by chunk. ``mlp=False``: the layer's MLP
     is another piece with a plan of its own (an MoE layer: ``models.moe.moe_tensor_parallel_plan``).
     ``qk_norm``: the attention's per-head query and key norms, one gain shared by every head, replicated; each rank
     normalises only its own heads, so their gradients are summed over tp (``"replicated_with_grad_allreduce"``).
     ``attention=False``: the attention is another piece with a plan of its own (multi-head latent attention:
-    ``models.latent_attention.mla_tensor_parallel_plan``)."""
+    ``models.latent_attention.mla_tensor_parallel_plan``). ``sinks``: the attention's per-head sink logits
+    (GPT-OSS's ``attn.sinks``), split with the query heads (``"per_head"``)."""
     plan = {prefix: "sequence_parallel"}
     if attention:
         plan.update({f"{prefix}.attn": "sharded_dropout",
                      f"{prefix}.attn.qkv": QueryGroupColumn(num_heads, num_query_groups or num_heads),
                      f"{prefix}.attn.proj": "row"})
+    if attention and sinks:
+        plan[f"{prefix}.attn.sinks"] = "per_head"
     if qk_norm:
         plan.update({f"{prefix}.attn.{norm}": "replicated_with_grad_allreduce" for norm in ("q_norm", "k_norm")})
     if mlp:

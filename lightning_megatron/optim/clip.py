@@ -63,8 +63,8 @@ class NormCounting:
         self.segmented: list[tuple[nn.Parameter, TensorShard, int]] = []
         for param in dict.fromkeys(params):
             shard = shard_of(param)
-            if shard is None and not is_first_tensor_rank and not getattr(param, "expert_parallel", False):
-                continue  # replicated over tp: counted on tp rank 0 (whole experts differ across tp ranks)
+            if shard is None and not is_first_tensor_rank and not getattr(param, "whole_expert", False):
+                continue  # replicated over tp (an expert split over tp: its row bias too): counted on tp rank 0
             if hasattr(param, "tied_names"):  # the last stage's copy of a tied embedding
                 continue
             if shard is None or shard.counted_flat_ranges() is None:

@@ -43,7 +43,7 @@ ELEMENTWISE_OPTIMIZERS = (
     torch.optim.RMSprop,
     torch.optim.Adagrad,
 )
-_TAGS = ("tensor_shard", "tied_names", "expert_parallel")
+_TAGS = ("tensor_shard", "tied_names", "expert_parallel", "whole_expert")
 
 
 def check_wrappable(optimizer: Optimizer, zero_stage: int) -> None:

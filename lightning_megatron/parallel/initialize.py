@@ -46,7 +46,7 @@ Initializer = Callable[[str, Tensor, torch.Generator], None]
 INIT_STD = 0.02
 # Python attributes our code puts on parameters; whatever replaces a parameter must carry them over.
 PARAMETER_TAGS = ("tensor_shard", "sequence_parallel_grad", "pipeline_tied", "pipeline_stage_uses", "tied_names",
-                  "expert_parallel")
+                  "expert_parallel", "whole_expert")
 
 
 # child-module name -> the rule for every parameter under such a child (see declare_child_initializer)

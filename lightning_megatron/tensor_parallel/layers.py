@@ -100,7 +100,8 @@ class ColumnParallelLinear(nn.Module):
 
 class RowParallelLinear(nn.Module):
     """``y = x A^T + b`` with ``A`` split along its columns; the input arrives already split. ``communicates =
-    False``: the partial outputs stay partial (an enclosing module leaves the region, ``tensor_parallel.region``).
+    False``: the partial outputs stay partial and the bias is left out (an enclosing module leaves the region and
+    adds it once after the sum, ``tensor_parallel.region``).
     ``sequence_linear``: how the GEMM and the sequence reduce-scatter run under ``sequence_parallel``; ``gemms``: as
     :class:`ColumnParallelLinear`'s. ``split_input``: the input arrives whole (replicated, e.g. after a column layer
     with ``gather_output``) and each rank keeps its own slice of it first (its gradient all-gathered backward)."""
@@ -143,7 +144,7 @@ class RowParallelLinear(nn.Module):
         if self.group is None:  # one rank: nothing to reduce, so the bias joins the matmul (addmm), as in nn.Linear
             return self.gemms.linear(x, self.weight, self.bias)
         if not self.communicates:
-            return self.gemms.linear(x, self.weight)  # no bias: the plan refuses one inside a region
+            return self.gemms.linear(x, self.weight)  # partial sums: the enclosing module adds the bias after them
         if self.sequence_parallel:
             y = self.sequence_linear.row(x, self.weight, self.group, self.gemms)
         else:

@@ -52,6 +52,11 @@ style                effect
                      layer's experts; ``tensor_parallel.region``)
 ``"experts_region"`` the module (an MoE layer) gets a ``TensorParallelRegion`` as its ``region``:
                      it enters the region once for all its experts and leaves it once
+``"per_head"``       names a *parameter*, not a module: one entry per query head (GPT-OSS's
+                     attention sinks), split along dim 0 into tp contiguous blocks as the
+                     column-parallel query heads are (rank ``r`` holds heads ``[r H/tp, (r+1) H/tp)``,
+                     also when grouped-query attention replicates the key/value heads); each
+                     rank's gradient is its heads' own, so nothing is summed over tp
 ==================== =====================================================================
 
 Swapped layers keep the parameter names of the layers they replace, so a parameter's
@@ -78,7 +83,7 @@ from torch import nn
 
 from lightning_megatron.parallel.names import name_matches
 from lightning_megatron.parallel.random import TensorParallelRNG
-from lightning_megatron.parallel.shards import shard_of
+from lightning_megatron.parallel.shards import make_shard, new_parameter, shard_of
 from lightning_megatron.parallel.state import ParallelState
 from lightning_megatron.tensor_parallel.argmax import Argmax, VocabParallelArgmax
 from lightning_megatron.tensor_parallel.cross_entropy import VocabParallelCrossEntropy
@@ -97,7 +102,8 @@ from lightning_megatron.tensor_parallel.styles import LAYOUT_STYLES, KeyValueHea
 SWAP_STYLES = ("column", "row", "vocab", "column_gather_output", "row_split_input")
 REGION_STYLES = ("sequence_scatter", "sequence_parallel", "replicated_with_grad_allreduce", "sharded_dropout",
                  "sequence_gather", "experts_region")
-STYLES = SWAP_STYLES + REGION_STYLES
+PARAMETER_STYLES = ("per_head",)
+STYLES = SWAP_STYLES + REGION_STYLES + PARAMETER_STYLES
 Style = Union[str, PackedColumn, QueryGroupColumn, KeyValueHeads]
 
 
@@ -114,6 +120,8 @@ def _styles_by_module(module: nn.Module, plan: Mapping[str, Style]) -> dict[str,
             raise ValueError(f"Unknown tensor-parallel style {style!r} for {pattern!r}. Valid styles: "
                              f"{', '.join(STYLES)}, PackedColumn(...), QueryGroupColumn(...), "
                              f"KeyValueHeads(...).")
+        if style in PARAMETER_STYLES:
+            continue  # a parameter's style (_per_head_parameters)
         names = [name for name, _ in module.named_modules() if name and name_matches(pattern, name)]
         if not names:
             raise ValueError(
@@ -125,16 +133,44 @@ def _styles_by_module(module: nn.Module, plan: Mapping[str, Style]) -> dict[str,
     return found
 
 
+def _per_head_parameters(module: nn.Module, plan: Mapping[str, Style]) -> list[str]:
+    """The names of the parameters the plan's ``"per_head"`` entries match."""
+    found: dict[str, None] = {}
+    for pattern, style in plan.items():
+        if not (isinstance(style, str) and style == "per_head"):
+            continue
+        names = [name for name, _ in module.named_parameters() if name_matches(pattern, name)]
+        if not names:
+            raise ValueError(f"The tensor-parallel plan entry {pattern!r} ({style!r}) matches no parameter of "
+                             f"{type(module).__name__}. Check the name against `[n for n, _ in model.named_parameters()]`.")
+        found.update(dict.fromkeys(names))
+    return list(found)
+
+
+def _split_by_heads(module: nn.Module, name: str, group) -> None:
+    """Replace the parameter ``name`` (one entry per query head) by this rank's contiguous block of its heads, tagged
+    with its shard (its initial value, checkpoint key and global shape stay the global parameter's)."""
+    owner_name, _, param_name = name.rpartition(".")
+    owner = module.get_submodule(owner_name) if owner_name else module
+    param = getattr(owner, param_name)
+    shard = make_shard(group, dim=0, global_shape=tuple(param.shape))
+    if param.is_meta:
+        local = new_parameter(shard, None, device="meta", dtype=param.dtype)
+    else:
+        local = nn.Parameter(shard.local_slice(param.detach()).clone())
+        local.tensor_shard = shard
+    local.requires_grad_(param.requires_grad)
+    setattr(owner, param_name, local)
+
+
 def _swap(old: nn.Module, style: Style, name: str, state: ParallelState, vocab_multiple: int,
           sequence_linear: Optional[SequenceParallelLinear]) -> nn.Module:
     group, sequence_parallel = state.tensor_parallel_group, state.config.sequence_parallel
     factory_kwargs = {"device": "meta"}
     linear_kwargs = dict(factory_kwargs, sequence_linear=sequence_linear)
     if isinstance(old, nn.Linear) and isinstance(style, InsideRegion):
-        if old.bias is not None and style.style == "row" and state.config.tensor_parallel_size > 1:
-            raise ValueError(f"{name}: a row-parallel layer inside a region has partial outputs until the region is "
-                             f"left, so a bias would be added once per rank; build it without a bias, or use "
-                             f"tensor_parallel_size=1.")
+        # A row-parallel layer inside a region leaves its bias out (its outputs are partial sums until the region is
+        # left): the enclosing module adds it once, after leaving (an MoE layer's experts: models.moe).
         new = _swap(old, style.style, name, state, vocab_multiple, sequence_linear)
         new.communicates = False
         return new
@@ -288,7 +324,7 @@ def parallelize(
     if state.config.expert_tensor_parallel < state.config.tensor_parallel_size:
         plan = {pattern: style for pattern, style in plan.items()
                 if not (isinstance(style, InsideRegion) and style.experts)}
-    styles = _styles_by_module(module, plan)
+    styles, per_head = _styles_by_module(module, plan), _per_head_parameters(module, plan)
     tied: dict[int, list[tuple[str, str]]] = {}
     for module_name, owner in module.named_modules(remove_duplicate=False):
         for param_name, param in owner.named_parameters(recurse=False):
@@ -304,6 +340,9 @@ def parallelize(
             _copy_existing_values(old, new)
             _carry_attachments(old, new, name)
             _set_submodule(module, name, new)
+    if state.tensor_parallel_group is not None:  # before any tag: the split parameters' gradients are whole
+        for name in per_head:
+            _split_by_heads(module, name, state.tensor_parallel_group)
 
     for names in tied.values():
         if len(names) < 2:

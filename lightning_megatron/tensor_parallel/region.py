@@ -14,6 +14,11 @@ tensor parallelism       f: identity / all-reduce       g: all-reduce / identity
 sequence parallelism     all-gather / reduce-scatter    reduce-scatter / all-gather
 ======================  =============================  =============================
 
+A row-parallel layer inside the region leaves its bias out (``RowParallelLinear`` with ``communicates=False``):
+added per rank it would be summed ``tp`` times. The MoE layer adds the experts' down-projection biases once, after
+leaving (as Megatron-Core's ``RowParallelLinear`` adds its bias after the reduction), to this rank's part of the
+output (:meth:`TensorParallelRegion.own_part`).
+
 The router runs before the region on the tokens this rank holds, so its gradient is whole on
 every rank (tp) or this sequence chunk's share (sequence parallelism, summed over tp like a
 norm's); the combine weights enter with the tokens so that their gradient, computed from the
@@ -68,3 +73,11 @@ class TensorParallelRegion:
         if self.sequence_parallel:
             return mappings.reduce_scatter_to_sequence(x, self.group)
         return mappings.reduce_from_tensor_parallel(x, self.group)
+
+    def own_part(self, x: Tensor) -> Tensor:
+        """This rank's part, as :meth:`leave` cuts its output, of ``x`` ``[B, S, ...]``: the same on every rank of the
+        region and no partial sum (the experts' deferred biases). Its sequence chunk under sequence parallelism, a
+        plain slice whose gradient is this chunk's share (summed over tp like a norm's), else all of it."""
+        if not self.sequence_parallel or mappings.sequences_are_whole() or self.group is None:
+            return x
+        return x.chunk(dist.get_world_size(self.group), dim=1)[dist.get_rank(self.group)]

@@ -152,6 +152,7 @@ def kernels(layout: str) -> dict:
     from lightning_megatron.context_parallel.all_gather import all_gather_attention
     from lightning_megatron.context_parallel.documents import DocumentMask
     from lightning_megatron.context_parallel.ring import ring_attention
+    from lightning_megatron.models.softcap import softcapped_attention
 
     _, config, _, _, _, _, _ = parse(layout.removeprefix("kernels-"))
     state = ParallelState.create(config, "cpu")
@@ -170,23 +171,35 @@ def kernels(layout: str) -> dict:
         mine, order = chunk_indices(seq, size, rank), ring_order(seq, size)
         positions = torch.arange(seq)
         band = (positions[:, None] - positions[None, :]) < WINDOW  # with causal: the WINDOW latest keys
-        for case in ("causal", "bidirectional", "padded", "documents", "window"):
-            causal = case in ("causal", "documents", "window")
+        # "sinks": GPT-OSS's sink logits (merged once into each query's softmax, after every rank's keys) over
+        # documents in a window, against the dense softmax with the sink column (models.softcap), sinks' gradients too
+        sinks = torch.randn(heads, generator=generator, dtype=torch.float64)
+        for case in ("causal", "bidirectional", "padded", "documents", "window", "sinks"):
+            causal = case in ("causal", "documents", "window", "sinks")
+            windowed = case in ("window", "sinks")
             mask = {"padded": padding[:, None, None, :], "documents": documents.dense(causal=True),
-                    "window": documents.dense(causal=True) & band}.get(case)
-            full = [t.clone().requires_grad_() for t in (q, k, v)]
-            expected = F.scaled_dot_product_attention(*full, attn_mask=mask, is_causal=case == "causal",
-                                                      enable_gqa=groups != heads)
+                    "window": documents.dense(causal=True) & band, "sinks": documents.dense(causal=True) & band}.get(case)
+            full = [t.clone().requires_grad_() for t in (q, k, v, sinks)]
+            if case == "sinks":
+                expected = softcapped_attention(*full[:3], mask, cap=None, sinks=full[3])
+            else:
+                expected = F.scaled_dot_product_attention(*full[:3], attn_mask=mask, is_causal=case == "causal",
+                                                          enable_gqa=groups != heads)
             (expected * grad).sum().backward()
             for name, attention in (("ring", ring_attention), ("all_gather", all_gather_attention)):
                 local = [t[:, :, mine].clone().requires_grad_() for t in (q, k, v)]
+                local_sinks = sinks.clone().requires_grad_() if case == "sinks" else None
                 out = attention(*local, causal=causal, group=group,
                                 key_mask=padding[:, order] if case == "padded" else None,
-                                documents=DocumentMask(documents.ids[:, order], 3) if case in ("documents", "window")
-                                else None, window=WINDOW if case == "window" else None)
+                                documents=DocumentMask(documents.ids[:, order], 3) if case in ("documents", "window",
+                                                                                             "sinks") else None,
+                                window=WINDOW if windowed else None, sinks=local_sinks)
                 (out * grad[:, :, mine]).sum().backward()
                 deviations = [(out - expected[:, :, mine]).abs().max()] + [
                     (mine_t.grad - full_t.grad[:, :, mine]).abs().max() for mine_t, full_t in zip(local, full)]
+                if local_sinks is not None:  # this rank's queries' share, summed over cp as the gradients are
+                    dist.all_reduce(local_sinks.grad, group=group)
+                    deviations.append((local_sinks.grad - full[3].grad).abs().max())
                 worst[f"{name}-{case}-{heads}h{groups}g"] = max(float(d) for d in deviations)
     return worst
 

@@ -24,7 +24,9 @@ MODELS = {"gpt": lambda: GPT(gpt_setup.CONFIG), "llama": lambda: GPT(gpt_setup.L
           # Gemma 3 whole: its windows, rotary bases and scale with the sandwich norms and the capped logits.
           "gemma3": lambda: GPT(gpt_setup.GEMMA3_CONFIG),
           # DeepSeek-V3's latent attention (values narrower than the heads) over packed documents.
-          "mladoc": lambda: GPT(gpt_setup.MLA_CONFIG)}
+          "mladoc": lambda: GPT(gpt_setup.MLA_CONFIG),
+          # GPT-OSS's attention sinks (a logit per head, split with the heads over tp) with WINDOW_CONFIG's windows.
+          "sinkwindow": lambda: GPT(replace(gpt_setup.WINDOW_CONFIG, attention_sinks=True))}
 __all__ = ["BERT_CONFIG", "MODELS", "bert_setup", "gpt_setup", "model_batches", "model_loss"]
 
 

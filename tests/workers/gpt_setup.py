@@ -80,12 +80,14 @@ MLA_CONFIG = replace(MOE_CONFIGS["mla"], moe=None)
 MOE_CONFIGS["qwen3moe"] = replace(QWEN3_CONFIG, moe=replace(MOE, z_loss_coeff=0.0, shared_expert_size=0,
                                                             shared_expert_gate=False))
 # GPT-OSS's pieces on the same sizes: attention sinks and biases, YaRN, sliding and full layers alternating, clamped-SwiGLU
-# experts with biases and a router bias (no shared expert). Sinks are not split over tp yet (refused there).
+# experts with biases and a router bias (no shared expert), in every layer as GPT-OSS has them (so that the gpt_oss
+# family exports it: test_moe.py starts from transformers' loss).
 MOE_CONFIGS["oss"] = replace(
     LLAMA_CONFIG, add_qkv_bias=False, add_attention_bias=True, attention_sinks=True, activation="clamped_swiglu",
     sliding_window=4, layer_types=("sliding_attention", "full_attention") * 2,
     rope_scaling=RopeScaling(rope_type="yarn", factor=4.0, original_max_position_embeddings=8),
-    moe=replace(MOE, router_bias=True, add_bias_linear=True, shared_expert_size=0, shared_expert_gate=False))
+    moe=replace(MOE, layer_freq=1, router_bias=True, add_bias_linear=True, shared_expert_size=0,
+                shared_expert_gate=False))
 CONFIGS["moe"] = MOE_CONFIGS["moe"]
 
 LR, WEIGHT_DECAY, CLIP = 1e-2, 0.1, 0.5
