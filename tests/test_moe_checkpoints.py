@@ -3,7 +3,7 @@ sharded checkpoint of an interrupted run, resumed at ep1, at ep4, at ep2 x dp4 u
 tp2 x dp2 with whole experts (expert_tensor_parallel_size=1) with the uninterrupted run's losses; the Qwen3-MoE-shaped
 one (q/k norms, no shared expert) saved mid-run at ep2 x tp2 and resumed at ep4 x tp1; GPT-OSS's likewise (sinks
 split with the heads, expert biases); the DeepSeek-V3-shaped one (latent attention, grouped sigmoid routing, the
-expert bias) saved at ep2 x tp2 x dp2 and resumed at pp2 x ep2 x dp2.
+expert bias) saved at ep2 x tp2 x dp2 and resumed at pp2 x ep2 x dp2."""
 
 import json
 
