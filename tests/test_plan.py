@@ -416,7 +416,10 @@ def test_rank_flops_share_out_the_model_flops_and_add_what_the_kernels_execute(n
     assert gpt_flops_per_batch(llama, 16, 128) - gpt_flops_per_batch(windowed, 16, 128) == \
         3 * 16 * 128 * 4 * (4 * llama.num_heads * llama.head_dim) * (128 - 32)
     workload = Workload(global_batch_size=16, seq_length=128, precision="32-true", pad_vocab_to_multiple_of=1)
-    for config in (llama, moe, GPTConfig.from_name("gpt-tiny"), windowed):
+    # Multi-head latent attention, a dense first layer, sigmoid-routed experts and a shared expert (DeepSeek-V3's).
+    latent = GPTConfig.from_name("deepseek-v3-tiny", num_layers=8, max_seq_length=128, vocab_size=512,
+                                 moe=replace(GPTConfig.from_name("deepseek-v3-tiny").moe, layer_freq=(0,) + (1,) * 7))
+    for config in (llama, moe, GPTConfig.from_name("gpt-tiny"), windowed, latent):
         shape = ModelShape.of(GPT(config))
         expected = gpt_flops_per_batch(config, 16, 128)
         for sizes in ({"data_parallel_size": 8}, {"tensor_parallel_size": 2, "data_parallel_size": 4},
@@ -607,6 +610,41 @@ def test_qk_norms_add_the_saved_activations_the_formula_counts():
     plain = replace(qwen3, qk_layernorm=False)
     added = predicted(qwen3) - predicted(plain)
     assert added > 0 and measured(qwen3) - measured(plain) == added
+
+
+def test_latent_attention_keeps_what_the_formula_counts():
+    """Multi-head latent attention (DeepSeek-V3's, ``models.latent_attention``) keeps what ``layer_saved_bytes`` counts,
+    byte for byte (bf16, the planner's probe over the transformer layers), without and with selective recomputation:
+    with the query latent, without it, and with values as wide as the query/key heads (nothing padded)."""
+    from dataclasses import replace
+
+    from lightning_megatron.models import GPTConfig, GPTModel
+    from lightning_megatron.plan.activations import layer_saved_bytes
+    from lightning_megatron.plan.layout import Layout
+    from lightning_megatron.plan.probes import SavedInLayers
+    from lightning_megatron.plan.shape import ModelShape
+    from lightning_megatron.transforms.recompute import apply_activation_checkpointing
+
+    latent = GPTConfig.from_name("deepseek-v3-tiny", vocab_size=64, max_seq_length=32, num_layers=2, moe=None)
+    batch, seq, w = 2, 32, 2
+
+    def measured(config, mode):
+        torch.manual_seed(0)
+        model = apply_activation_checkpointing(GPTModel(config).to(torch.bfloat16), mode=mode, layer_pattern="blocks.*")
+        input_ids = torch.randint(0, 64, (batch, seq))
+        with SavedInLayers(model, list(model.blocks.values())) as saved:
+            model.loss(input_ids, input_ids)[0].backward()
+        return saved.bytes["layers"]
+
+    def predicted(config, mode):
+        module = type("Module", (), {"config": config})()
+        return layer_saved_bytes(ModelShape.of(module), Layout(activation_checkpointing=mode), w) \
+            * batch * seq * config.num_layers
+
+    for mla in (latent.mla, replace(latent.mla, q_lora_rank=None), replace(latent.mla, v_head_dim=24)):
+        config = replace(latent, mla=mla)
+        for mode in ("none", "selective"):
+            assert measured(config, mode) == predicted(config, mode), (mla, mode)
 
 
 def test_soft_capped_attention_adds_the_saved_scores_the_formula_counts():

@@ -38,6 +38,12 @@ soft-capped attention               ``a s`` tanh outputs (``w``), fp32     ``t``
                                     keys/values; no log-sum-exp
 ==================================  =====================================  ==============================
 
+Multi-head latent attention (``GPTConfig.mla``) keeps, in place of the ``q, k, v`` and attention rows: its latents'
+norms (as the layer's, on ``r_q + r_kv`` channels, split by ``q``), the latents and the shared rotary key that
+enter the tensor-parallel region (``r_q + r_kv + r``, not split: every rank's heads read them), the kernel's ``q, k,
+v`` and output on heads padded to the wider of ``qk_head_dim`` and ``v_head_dim`` (``/ t``), and ``proj``'s input
+(``a v / t``).
+
 Sliding windows change what attention computes, not what it keeps: no term here (``plan.flops`` counts them).
 
 RMSNorm (``models.norms``, unfused) keeps more than the fused LayerNorm: its input in fp32 (``4 h`` bytes per norm)
@@ -102,7 +108,27 @@ def layer_saved_bytes(shape: ModelShape, layout: Layout, w: int, mode: Optional[
     qk_norms = (a + kv_heads) / t * (d * (4 + normed) + 4) if shape.qk_norm else 0.0
     if shape.softcap and mode != "selective":
         qkv, lse = qkv + _softcapped_extra(shape, t, w, seq_length), 0.0
+    if shape.mla is not None:
+        qkv, attention_out = _latent_attention_saved(shape, t, q, w, mode, normed), 0.0
     return norm_fp32_inputs + norms + inputs + qkv + attention_out + lse + mlp + masks + qk_norms
+
+
+def _latent_attention_saved(shape: ModelShape, t: int, q: int, w: int, mode: str, normed: float) -> float:
+    """Bytes per token multi-head latent attention (``models.latent_attention``) keeps besides the layer's input:
+    the latents' norms (as the layer's norms: an fp32 input under RMSNorm, the normalised input, the rstd; on the
+    sequence chunk under SP), the latents and the rotary key entering the tensor-parallel region (``r_q + r_kv + r``,
+    whole sequence: the up projections and rotary keep views of it), the kernel's ``q, k, v`` of this rank's heads
+    padded to the wider width (a ``v`` that needs no padding is a view of ``kv_up``'s output, whose keys it keeps
+    too), its output (kept by the kernel, not under recomputation) and ``proj``'s input (the output cut to
+    ``v_head_dim``, made contiguous)."""
+    mla, heads, width = shape.mla, shape.num_heads / t, shape.attention_width
+    latents = [mla.kv_lora_rank] + ([] if mla.q_lora_rank is None else [mla.q_lora_rank])
+    per_norm = 4 if shape.rms_norm else 8
+    norms = sum(r * (normed + (4 if shape.rms_norm else 0)) + per_norm for r in latents) / q
+    entered = (sum(latents) + mla.qk_rope_head_dim) * w
+    values = width if mla.v_head_dim < mla.qk_head_dim else mla.qk_nope_head_dim + mla.v_head_dim
+    kernel = heads * (2 * width + values + (width if mode == "none" else 0)) * w
+    return norms + entered + kernel + heads * mla.v_head_dim * w
 
 
 def _softcapped_extra(shape: ModelShape, t: int, w: int, seq_length: Optional[int]) -> float:
