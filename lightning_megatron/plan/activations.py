@@ -99,7 +99,7 @@ def layer_saved_bytes(shape: ModelShape, layout: Layout, w: int, mode: Optional[
     qkv = (a + 2 * kv_heads) * d / t * w
     attention_out = a * d / t * w  # the flash kernel's output, a view of which proj keeps
     lse = a / t * 4 if mode == "none" else 0.0
-    mlp = _mlp_saved(shape, t) * w + _router_saved_bytes(shape)
+    mlp = _mlp_saved(shape, t, layout.expert_tensor_parallel) * w + _router_saved_bytes(shape)
     masks = 2 * h / q if shape.dropout > 0 else 0.0
     # RMSNorm (models.norms) also keeps its input in fp32 (4 bytes; besides the normalised input in ``norms``).
     norm_fp32_inputs = n * h * 4 / q if shape.rms_norm else 0.0
@@ -144,7 +144,7 @@ def _softcapped_extra(shape: ModelShape, t: int, w: int, seq_length: Optional[in
     return scores + 2 * (a - kv_heads) * d * w
 
 
-def _mlp_saved(shape: ModelShape, t: int) -> float:
+def _mlp_saved(shape: ModelShape, t: int, etp: Optional[int] = None) -> float:
     """Elements per token an MLP keeps: GELU fc's output and the GELU's (2 f); SwiGLU the gate|up output, the
     SiLU's and the product (4 f; the SiLU's input is a view of gate|up; measured on ``models.mlp.GatedMLP``). An MoE
     layer's experts keep that of each of the ``top_k`` copies of a token, and the layer the copies that arrive, the
@@ -153,7 +153,8 @@ def _mlp_saved(shape: ModelShape, t: int) -> float:
     if not shape.moe_layers:
         return per_width * shape.ffn_size / t
     dense = per_width * shape.ffn_size / t
-    moe = shape.top_k * (3 * shape.hidden_size + per_width * shape.expert_ffn_size / t) \
+    etp = etp or t  # whole experts (etp 1): each tp rank takes 1/t of the copies, at the experts' whole width
+    moe = shape.top_k * etp / t * (3 * shape.hidden_size + per_width * shape.expert_ffn_size / etp) \
         + per_width * shape.shared_expert_size / t
     return (shape.dense_layers * dense + shape.moe_layers * moe) / shape.num_layers
 

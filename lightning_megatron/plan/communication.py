@@ -168,7 +168,9 @@ def step_collectives(shape: ModelShape, layout: Layout, workload: Workload, mode
     add("pp", "send", m * sends, x / (tp if sp else 1), "stage outputs, input gradients")
 
     # ---- expert parallel
-    add("ep", "all_to_all", m * moe_layers * 4, tokens * shape.top_k * h * w, "routed tokens", sent_share=routed_away)
+    fold = tp // layout.expert_tensor_parallel  # whole experts: each tp rank dispatches 1/tp of the copies
+    add("ep", "all_to_all", m * moe_layers * 4, tokens * shape.top_k * h * w / fold, "routed tokens",
+        sent_share=routed_away)
     add("ep", "all_gather", m * moe_layers, ep * shape.num_experts * 8, "tokens per expert")
 
     # ---- data parallel (dp x cp replicas)
@@ -213,7 +215,7 @@ def _expert_gradient_bytes(shape: ModelShape, layout: Layout, workload: Workload
     if not shape.moe_layers or layout.expert_parallel_size == 1:
         return 0.0
     matrices = 3 if shape.gated_mlp else 2
-    per_expert = matrices * shape.hidden_size * shape.expert_ffn_size / layout.tensor_parallel_size
+    per_expert = matrices * shape.hidden_size * shape.expert_ffn_size / layout.expert_tensor_parallel
     local = shape.num_experts // layout.expert_parallel_size
     return shape.moe_layers * layers / shape.num_layers * local * per_expert * workload.parameter_bytes
 
