@@ -613,6 +613,63 @@ def test_qk_norms_add_the_saved_activations_the_formula_counts():
     assert added > 0 and measured(qwen3) - measured(plain) == added
 
 
+def test_the_published_moe_presets_plan_with_their_parameters_active_parameters_and_flops(no_process_group):
+    """Qwen3-30B-A3B, GPT-OSS-20B/120B and DeepSeek-V3: the parameters and active parameters the plan states
+    (``GPTConfig.num_parameters`` / ``num_active_parameters``) are the model's on meta, counted layer kind by layer
+    kind (one layer of each kind built: the embedding, head and norms, a dense or MoE layer, sliding or full; experts
+    count ``top_k / num_experts`` when active), so a 671B model is never built whole; the training FLOPs a token behind
+    MFU are ``6 x`` the active matrix parameters (embedding lookup, norms, biases and sinks aside) plus attention's
+    core; the planner's ranks add up to them; and the planner plans each preset's pieces (MLA, sinks, sliding windows,
+    expert biases, whole experts on each tp rank) at tp2 x dp2 with ep2."""
+    from dataclasses import replace
+
+    from lightning_megatron.models import GPT, GPTConfig, GPTModel
+    from lightning_megatron.models.flops import flops_per_batch
+    from lightning_megatron.plan import GPUS, Layout, Planner, Workload
+    from lightning_megatron.plan.flops import attention_core_flops, rank_step_flops
+    from lightning_megatron.plan.shape import ModelShape
+
+    seq = 4096
+    for name, pattern in {"qwen3-30b-a3b": {}, "gpt-oss-20b": {}, "gpt-oss-120b": {},
+                          "deepseek-v3": {"first_k_dense": 3}}.items():
+        config = GPTConfig.from_name(name)
+        moe = config.moe
+        kinds = [(config.is_moe_layer(i), config.attention_window(i)) for i in range(config.num_layers)]
+        shown = list(dict.fromkeys(kinds))  # one layer of each kind, in order
+        small = replace(config, num_layers=len(shown), layer_types=config.layer_types and tuple(
+            "sliding_attention" if window else "full_attention" for _, window in shown),
+                        moe=replace(moe, layer_freq=tuple(int(is_moe) for is_moe, _ in shown)))
+        with torch.device("meta"):
+            model = GPTModel(small)
+        counts = {"total": 0, "active": 0}
+        per_kind = {kind: {"total": 0, "active": 0} for kind in shown}
+        for param_name, param in model.named_parameters():
+            share = moe.top_k / moe.num_experts if ".experts." in param_name else 1
+            where = per_kind[shown[int(param_name.split(".")[1])]] if param_name.startswith("blocks.") else counts
+            where["total"] += param.numel()
+            where["active"] += param.numel() * share
+        for kind in kinds:
+            counts = {key: counts[key] + per_kind[kind][key] for key in counts}
+        assert (counts["total"], counts["active"]) == (config.num_parameters(), config.num_active_parameters()), name
+        assert pattern.get("first_k_dense", 0) == sum(not is_moe for is_moe, _ in kinds), name
+
+        shape = ModelShape.of(GPT(config))
+        training = flops_per_batch(config, 1, seq) / seq
+        core = attention_core_flops(shape, seq) * config.num_layers
+        matrices = config.num_active_parameters() - config.vocab_size * config.hidden_size  # the embedding: a lookup
+        assert 6 * matrices == pytest.approx(training - 3 * core, rel=2e-3), name
+        workload = Workload(global_batch_size=32, seq_length=seq)
+        layout = Layout(data_parallel_size=32, accumulate_grad_batches=1)
+        assert rank_step_flops(shape, layout, workload).model * 32 == pytest.approx(flops_per_batch(config, 32, seq))
+
+        planner = Planner(lambda: GPT(small), Workload(global_batch_size=4, seq_length=1024), GPUS["h100"],
+                          world_size=4)
+        for etp in (1,) if moe.add_bias_linear else (None, 1):  # expert biases split over tp: not yet (GPT-OSS)
+            plan = planner.evaluate(Layout(tensor_parallel_size=2, data_parallel_size=2, expert_parallel_size=2,
+                                           expert_tensor_parallel_size=etp, zero_stage=1, accumulate_grad_batches=2))
+            assert plan.memory_per_gpu_bytes > sum(plan.model_state_bytes.values()) > 0 and 0 < plan.mfu < 1, name
+
+
 def test_latent_attention_keeps_what_the_formula_counts():
     """Multi-head latent attention (DeepSeek-V3's, ``models.latent_attention``) keeps what ``layer_saved_bytes`` counts,
     byte for byte (bf16, the planner's probe over the transformer layers), without and with selective recomputation:

@@ -139,7 +139,7 @@ class Planner:
         self.module = make_module()  # not configured: its config, validation and optimizer recipe
         self.shape = ModelShape.of(self.module)
         self.state_bytes_per_element, self.optimizer_name = optimizer_state_bytes_per_element(self.module)
-        self._inventories: dict[tuple[int, int, Optional[int]], Inventory] = {}
+        self._inventories: dict[tuple[int, int, Optional[int]], Inventory | ValueError] = {}
         self._model_states: dict[tuple, dict[str, int]] = {}
 
     # ------------------------------------------------------------------ model state
@@ -148,10 +148,17 @@ class Planner:
         whole = expert_tensor_parallel_size is not None and expert_tensor_parallel_size < tensor_parallel_size
         key = (tensor_parallel_size, expert_parallel_size, 1 if whole else None)
         if key not in self._inventories:
-            self._inventories[key] = Inventory.build(
-                self.make_module, tensor_parallel_size=tensor_parallel_size, expert_parallel_size=expert_parallel_size,
-                pad_vocab_to_multiple_of=self.workload.pad_vocab_to_multiple_of, expert_tensor_parallel_size=key[2])
-        return self._inventories[key]
+            try:
+                self._inventories[key] = Inventory.build(
+                    self.make_module, tensor_parallel_size=tensor_parallel_size,
+                    expert_parallel_size=expert_parallel_size,
+                    pad_vocab_to_multiple_of=self.workload.pad_vocab_to_multiple_of, expert_tensor_parallel_size=key[2])
+            except ValueError as error:  # what the strategy's parallelize raises at setup: the same sizes again fail
+                self._inventories[key] = error
+        inventory = self._inventories[key]
+        if isinstance(inventory, ValueError):
+            raise inventory
+        return inventory
 
     def model_state_bytes(self, layout: Layout, *, pipeline_rank: int = 0, data_rank: int = 0,
                           context_rank: int = 0) -> dict[str, int]:
@@ -288,10 +295,10 @@ class Planner:
             try:
                 layout = Layout(**fields)  # ParallelConfig's checks
                 check_layout(layout, self.workload, self.module, self.shape.num_layers)
+                plans.append(self.evaluate(layout))  # its shards are built as parallelize builds them, or refused
             except ValueError as error:
                 refused.setdefault(str(error)[:60], str(error))  # one message per kind of refusal
                 continue
-            plans.append(self.evaluate(layout))
         plans.sort(key=lambda p: (not p.fits, -p.tokens_per_second if p.fits else p.memory_per_gpu_bytes))
         return PlanResult(plans, refused)
 
