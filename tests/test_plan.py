@@ -613,7 +613,7 @@ def test_qk_norms_add_the_saved_activations_the_formula_counts():
     assert added > 0 and measured(qwen3) - measured(plain) == added
 
 
-def test_the_published_moe_presets_plan_with_their_parameters_active_parameters_and_flops(no_process_group):
+def test_the_published_moe_presets_plan_with_their_parameters_active_parameters_and_flops(capsys, no_process_group):
     """Qwen3-30B-A3B, GPT-OSS-20B/120B and DeepSeek-V3: the parameters and active parameters the plan states
     (``GPTConfig.num_parameters`` / ``num_active_parameters``) are the model's on meta, counted layer kind by layer
     kind (one layer of each kind built: the embedding, head and norms, a dense or MoE layer, sliding or full; experts
@@ -668,6 +668,18 @@ def test_the_published_moe_presets_plan_with_their_parameters_active_parameters_
             plan = planner.evaluate(Layout(tensor_parallel_size=2, data_parallel_size=2, expert_parallel_size=2,
                                            expert_tensor_parallel_size=etp, zero_stage=1, accumulate_grad_batches=2))
             assert plan.memory_per_gpu_bytes > sum(plan.model_state_bytes.values()) > 0 and 0 < plan.mfu < 1, name
+
+    from lightning_megatron.commands.plan import main as plan_main
+
+    tiny = GPTConfig.from_name("deepseek-v3-tiny")
+    plan_main(["--model-name", "deepseek-v3-tiny", "--gpus", "1", "--seq-length", "32", "--global-batch-size", "2",
+               "--gpu", "h100", "--top", "1"])
+    header = capsys.readouterr().out.splitlines()[0]
+    assert header.startswith(f"deepseek-v3-tiny: {tiny.num_parameters() / 1e6:.2f}M parameters "
+                             f"({tiny.num_active_parameters() / 1e6:.2f}M active a token; "
+                             f"{flops_per_batch(tiny, 1, 32) / 32 / 1e9:.3g} GFLOPs a token"), header
+    with pytest.raises(SystemExit, match="not a GPTConfig preset"):
+        plan_main(["--model-name", "qwen3-30b", "--seq-length", "32", "--global-batch-size", "2"])
 
 
 def test_latent_attention_keeps_what_the_formula_counts():

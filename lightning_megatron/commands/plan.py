@@ -126,14 +126,16 @@ def preset_config(name: str, *, gpus: int, global_batch_size: Optional[int], seq
 def describe_parameters(planner: Planner) -> str:
     """The planned model's parameters (vocabulary padding included) and, for a Mixture of Experts, those one token
     uses and its training FLOPs (forward and backward: the model FLOPs behind MFU)."""
-    total = planner.inventory(1).total_parameters
-    text = f"{total / 1e9:.2f}B" if total >= 1e9 else f"{total / 1e6:.2f}M"
+    def count(n: float) -> str:
+        return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
+
+    text = f"{count(planner.inventory(1).total_parameters)} parameters"
     config = planner.shape.config
     if planner.shape.num_experts and hasattr(config, "num_active_parameters"):
         seq = planner.workload.seq_length
         per_token = flops_per_batch(config, 1, seq) / seq
-        text += (f" ({config.num_active_parameters() / 1e9:.2f}B active a token, {per_token / 1e9:.1f} GFLOPs a "
-                 f"token to train at {seq} tokens)")
+        text += (f" ({count(config.num_active_parameters())} active a token; {per_token / 1e9:.3g} GFLOPs a token to "
+                 f"train at {seq} tokens)")
     return text
 
 
@@ -376,7 +378,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     else:
         shape = planner.shape
         name = args.model_name or (args.model or args.config).name
-        print(f"{name}: {describe_parameters(planner)} parameters, {shape.num_layers} layers, "
+        print(f"{name}: {describe_parameters(planner)}, {shape.num_layers} layers, "
               f"hidden {shape.hidden_size}; global batch {planner.workload.global_batch_size} x "
               f"{planner.workload.seq_length} tokens, {planner.workload.precision}, {planner.optimizer_name}")
         if model is not None:
