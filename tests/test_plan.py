@@ -94,8 +94,9 @@ def _lora_formula(case, elements) -> dict:
 def test_activation_peaks_are_predicted_within_15_percent(tmp_path):
     """Every rank's measured peak of activation bytes on the CPU (``python -m benchmarks.memory peak``: tp 1/2,
     sequence parallelism, pp 2 under 1F1B, no / selective / full recomputation, GPT- and Llama-shaped models of two
-    sizes, Qwen3's q/k norms and wider heads, DeepSeek-V3's latent attention at tp2 + SP) and the planner's ``activation_bytes`` for the same layout (``python -m benchmarks.memory planner
-    --activations``'s rows; the measurement runs on the 2-rank pool instead of a launch of its own)."""
+    sizes, Qwen3's q/k norms and wider heads, DeepSeek-V3's latent attention at tp2 + SP) and the planner's
+    ``activation_bytes`` for the same layout (``python -m benchmarks.memory planner --activations``'s rows; the
+    measurement runs on the 2-rank pool instead of a launch of its own)."""
     from benchmarks.memory.peak import LAYOUTS, RANKS, rows_of
     from benchmarks.memory.planner import activation_rows
 
