@@ -718,6 +718,40 @@ def test_latent_attention_keeps_what_the_formula_counts():
             assert measured(config, mode) == predicted(config, mode), (mla, mode)
 
 
+def test_sigmoid_group_limited_routing_keeps_what_the_formula_adds():
+    """DeepSeek-V3's router (sigmoid scores normalised for the balance loss, group-limited top-k) keeps what
+    ``layer_saved_bytes`` adds over a softmax router's, measured as above (the same model otherwise: every other
+    term cancels)."""
+    from dataclasses import replace
+
+    from lightning_megatron.models import GPTConfig, GPTModel
+    from lightning_megatron.plan.activations import layer_saved_bytes
+    from lightning_megatron.plan.layout import Layout
+    from lightning_megatron.plan.probes import SavedInLayers
+    from lightning_megatron.plan.shape import ModelShape
+
+    grouped = GPTConfig.from_name("deepseek-v3-tiny", vocab_size=64, max_seq_length=32)
+    grouped = replace(grouped, num_layers=2, moe=replace(grouped.moe, layer_freq=1, expert_bias=False))
+    softmax = replace(grouped, moe=replace(grouped.moe, score_function="softmax", router_num_groups=None,
+                                           router_group_topk=None))
+    batch, seq = 2, 32
+
+    def measured(config):
+        torch.manual_seed(0)
+        model = GPTModel(config).to(torch.bfloat16)
+        input_ids = torch.randint(0, 64, (batch, seq))
+        with SavedInLayers(model, list(model.blocks.values())) as saved:
+            model.loss(input_ids, input_ids)[0].backward()
+        return saved.bytes["layers"]
+
+    def predicted(config):
+        module = type("Module", (), {"config": config})()
+        return layer_saved_bytes(ModelShape.of(module), Layout(), 2) * batch * seq * config.num_layers
+
+    added = predicted(grouped) - predicted(softmax)
+    assert added > 0 and measured(grouped) - measured(softmax) == added
+
+
 def test_soft_capped_attention_adds_the_saved_scores_the_formula_counts():
     """Soft-capped attention (dense scores) keeps what ``layer_saved_bytes`` adds for it over the flash path, measured
     as above in bf16 with grouped-query heads and packed documents (a mask per sample; the flash path keeps the

@@ -161,8 +161,13 @@ def _mlp_saved(shape: ModelShape, t: int, etp: Optional[int] = None) -> float:
 
 def _router_saved_bytes(shape: ModelShape) -> float:
     """Bytes per token an average layer's router keeps (MoE layers only): fp32 scores and probabilities
-    (``2 E``), the chosen weights (twice) and two per-token sums; int64 expert ids and the dispatch's indices."""
+    (``2 E``), the chosen weights (twice) and two per-token sums; int64 expert ids and the dispatch's indices. A
+    sigmoid router also keeps the sum its scores are normalised by; group-limited routing (``models.router``) the
+    indices of each group's two best scores and of the kept groups (int64) and the groups' mask (bool), measured."""
     per_moe_layer = (2 * shape.num_experts + 2 * shape.top_k + 2) * 4 + 4 * shape.top_k * 8
+    per_moe_layer += 4 * shape.sigmoid_router
+    if shape.router_groups:
+        per_moe_layer += (2 * shape.router_groups + shape.router_group_topk) * 8 + shape.router_groups
     return per_moe_layer * shape.moe_layers / shape.num_layers
 
 

@@ -46,6 +46,9 @@ class ModelShape:
     softcap: bool = False  # soft-capped scores: attention computed densely, its [s, s] probabilities kept
     mla: Any = None  # multi-head latent attention's MLAConfig (DeepSeek-V3's), None: grouped-query attention
     shared_expert_gate: bool = False  # Qwen2-MoE's sigmoid gate on the shared expert (a 2 h GEMM per token)
+    sigmoid_router: bool = False  # sigmoid scores, normalised for the balance loss (DeepSeek-V3's)
+    router_groups: int = 0  # group-limited routing: the experts' groups and the groups kept per token
+    router_group_topk: int = 0
 
     @classmethod
     def of(cls, module: Any) -> "ModelShape":
@@ -71,7 +74,10 @@ class ModelShape:
                        logit_softcap=config.final_logit_softcapping is not None,
                        sliding_window=config.sliding_window, sliding_layers=sliding_layers(config),
                        softcap=config.attn_logit_softcapping is not None, mla=config.mla,
-                       shared_expert_gate=bool(moe and moe.shared_expert_gate))
+                       shared_expert_gate=bool(moe and moe.shared_expert_gate),
+                       sigmoid_router=bool(moe and moe.score_function == "sigmoid"),
+                       router_groups=(moe.router_num_groups or 0) if moe else 0,
+                       router_group_topk=(moe.router_group_topk or 0) if moe else 0)
         if isinstance(config, BERTConfig):
             return cls(config, False, config.hidden_size, config.num_layers, config.num_heads, config.num_heads,
                        config.hidden_size // config.num_heads, config.ffn_size, False, config.vocab_size, False, False,
