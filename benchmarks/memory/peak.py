@@ -151,7 +151,8 @@ def model_config(layout: Layout):
     if layout.model == "gpt":
         return GPTConfig(**sizes)
     if layout.model == "mla":
-        return GPTConfig.from_name("deepseek-v3-tiny", **sizes, ffn_hidden_size=176 * layout.hidden_size // 64, moe=None)
+        return GPTConfig.from_name("deepseek-v3-tiny", **sizes, ffn_hidden_size=176 * layout.hidden_size // 64,
+                                   moe=None)
     qwen3 = dict(kv_channels=2 * layout.hidden_size // layout.num_heads, qk_layernorm=True) if layout.model == "qwen3" \
         else {}
     return GPTConfig.from_name("llama-tiny", **sizes, num_query_groups=layout.num_heads // 2,

@@ -16,10 +16,11 @@ layout, which ``lightning-megatron fit --config`` runs; ``--plot`` draws memory 
 (``pip install lightning-megatron[plot]``); ``--fine-tuning-fit`` plans published models on one ``--gpu`` with LoRA
 and QLoRA (``plan.fine_tuning``); ``--model`` plans a Hugging Face directory's (or a bare ``config.json``'s) model
 from its sizes (``plan.hf_model``: the families we convert as ``pretrained=`` reads them, other decoders as their
-Llama-shaped equivalent, said in the output); ``--model-name`` plans one of ``GPTConfig``'s presets (e.g. ``qwen3-30b-a3b``,
-``gpt-oss-120b``, ``deepseek-v3``), a Mixture of Experts with its active parameters and the model FLOPs of a token
-(its ``top_k`` experts, the shared ones and dense layers: what MFU counts). The offload tiers (``offload_optimizer``, ``offload_parameters``:
-``cpu``, ``nvme``) are searched too: ``--host-memory`` and ``--disk`` (a node's RAM and free NVMe) bound them.
+Llama-shaped equivalent, said in the output); ``--model-name`` plans one of ``GPTConfig``'s presets (e.g.
+``qwen3-30b-a3b``, ``gpt-oss-120b``, ``deepseek-v3``), a Mixture of Experts with its active parameters and the
+model FLOPs of a token (its ``top_k`` experts, the shared ones and dense layers: what MFU counts). The offload
+tiers (``offload_optimizer``, ``offload_parameters``: ``cpu``, ``nvme``) are searched too: ``--host-memory`` and
+``--disk`` (a node's RAM and free NVMe) bound them.
 """
 
 from __future__ import annotations
@@ -113,7 +114,8 @@ def preset_config(name: str, *, gpus: int, global_batch_size: Optional[int], seq
     from lightning_megatron.models.gpt import GPT_PRESETS
 
     if name not in GPT_PRESETS:
-        raise ValueError(f"--model-name {name!r} is not a GPTConfig preset; choose one of {', '.join(sorted(GPT_PRESETS))}.")
+        raise ValueError(f"--model-name {name!r} is not a GPTConfig preset; choose one of "
+                         f"{', '.join(sorted(GPT_PRESETS))}.")
     missing = [flag for flag, value in (("--global-batch-size", global_batch_size), ("--seq-length", seq_length))
                if value is None]
     if missing:
