@@ -1,6 +1,6 @@
 """Mixture of Experts: tokens/s and per-rank expert bytes at ep 1/2/4, load balance, loop vs grouped GEMM.
 
-Three tables from one invocation, each comparing its sides in the same run:
+Four tables from one invocation, each comparing its sides in the same run:
 
 (1) **Expert parallelism.** One Llama-shaped MoE GPT (every layer MoE, 8 experts top-2) trained with
     the real ``Trainer`` + ``Megatron3DStrategy(expert_parallel_size=ep)`` at ep = 1, 2, 4 on the same
@@ -21,6 +21,10 @@ Three tables from one invocation, each comparing its sides in the same run:
     ``torch.stack`` of their weights + ``F.grouped_mm`` (what a grouped GEMM costs with the per-expert
     parameters the checkpoints are keyed by), and ``F.grouped_mm`` on weights already stored stacked
     (the best a layout change could give). Same inputs, outputs checked equal; one thread, like a rank.
+(4) **The families' routers.** The model of (2) with each family's router as its preset sets it (Mixtral's softmax
+    top-2, Qwen3-MoE's renormalised top-k over many experts, GPT-OSS's softmax of the top-k logits with a router
+    bias, DeepSeek-V3's sigmoid group-limited top-k with the score-correction bias and routed scaling): per-expert
+    load over the last steps, min/mean, max/mean and CV of the worst layer, and every token's top-k assignments.
 
 Example::
 
@@ -38,6 +42,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from dataclasses import replace
 from typing import Callable, Optional
 
 import lightning as L
@@ -59,7 +64,7 @@ from benchmarks.harness.tables import MIB, format_rows
 from benchmarks.harness.training import quiet_trainer
 RANKS = 4
 EXPERT_PARALLEL_SIZES = (1, 2, 4)
-SECTIONS = ("ep", "balance", "grouped")
+SECTIONS = ("ep", "balance", "grouped", "routers")
 
 
 # ---------------------------------------------------------------------------- arguments and sizes
@@ -76,6 +81,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     args.warmup, args.steps, args.rounds = (1, 2, 1) if quick else (2, 8, 3)
     # (2) load balance
     args.balance_steps, args.balance_batch, args.balance_seq = (10, 4, 32) if quick else (200, 8, 128)
+    # (4) the families' routers: steps (the same batches as (2))
+    args.router_steps = 4 if quick else 200
     # (3) loop vs grouped GEMM: assignments a rank's experts get, rounds
     args.assignments, args.grouped_rounds = ((256,), 3) if quick else ((1024, 8192), 25)
     return args
@@ -83,8 +90,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
 
 def moe_config(args: argparse.Namespace, **moe: object) -> GPTConfig:
     """Llama-shaped (RMSNorm, rotary, SwiGLU experts, untied head), byte vocabulary; every layer MoE, 8 experts
-    top-2."""
-    experts = MoEConfig(num_experts=8, top_k=2, ffn_hidden_size=64 if args.quick else 128, **moe)
+    top-2 unless ``moe`` says otherwise."""
+    experts = MoEConfig(**{"num_experts": 8, "top_k": 2, "ffn_hidden_size": 64 if args.quick else 128, **moe})
     return GPTConfig.from_name("llama-tiny", hidden_size=64, num_layers=2 if args.quick else 4, num_heads=4,
                                num_query_groups=2, ffn_hidden_size=176, max_seq_length=max(args.seq, args.balance_seq),
                                moe=experts)
@@ -276,7 +283,7 @@ def train_balance(args: argparse.Namespace, moe: dict, input_ids: Tensor, labels
         step_counts.append(torch.bincount(routing.expert_ids.reshape(-1), minlength=router.num_experts).float())
 
     hooks = [router.register_forward_hook(record) for router in routers]
-    loads, balance, losses = [], [], []
+    loads, balance, losses, per_expert = [], [], [], []
     for step in range(args.balance_steps):
         rows = slice(step * args.balance_batch, (step + 1) * args.balance_batch)
         step_counts.clear()
@@ -287,12 +294,13 @@ def train_balance(args: argparse.Namespace, moe: dict, input_ids: Tensor, labels
         if config.moe.expert_bias:
             update_expert_biases(model, config.moe.expert_bias_update_rate)
         counts = torch.stack(step_counts)  # [layers, E]
+        per_expert.append(counts)
         loads.append((counts.max(dim=1).values / counts.mean(dim=1)).tolist())
         balance.append(float(model.moe_aux_losses.statistics()[0]))
         losses.append(float(loss_sum.detach() / tokens))
     for hook in hooks:
         hook.remove()
-    return {"loads": loads, "balance": balance, "losses": losses}
+    return {"loads": loads, "balance": balance, "losses": losses, "counts": per_expert}
 
 
 def balance_table(args: argparse.Namespace) -> str:
@@ -340,6 +348,48 @@ def balance_table(args: argparse.Namespace) -> str:
         f"{config.moe.num_experts / config.moe.top_k:.0f}.0: every token on the same experts).",
         f"Band over the last {tail} steps: {band}.",
     ]
+    return format_rows(rows) + "\n" + "\n".join(f"* {note}" for note in notes)
+
+
+# ---------------------------------------------------------------------------- (4) the families' routers
+def family_routers() -> dict[str, MoEConfig]:
+    """Each family's router as its published preset sets it (``GPTConfig`` presets), at the benchmark's width: Mixtral's
+    softmax top-2 of 8 (renormalised), Qwen3-MoE's renormalised softmax top-k over many experts (top-4 of 32: its
+    1 in 16), GPT-OSS-20B's softmax of the top-4 logits of 32 with the router's bias, DeepSeek-V3's sigmoid scores,
+    group-limited top-k (the tiny preset's 2 groups, 1 kept) with the aux-loss-free score-correction bias and the
+    routed scaling 2.5. The experts' widths and layer pattern are the benchmark's (every layer MoE)."""
+    presets = {"mixtral": (GPTConfig.from_name("mixtral-tiny").moe, {}),
+               "qwen3-moe": (GPTConfig.from_name("qwen3-30b-a3b").moe, dict(num_experts=32, top_k=4)),
+               "gpt-oss": (GPTConfig.from_name("gpt-oss-20b").moe, {}),
+               "deepseek-v3": (GPTConfig.from_name("deepseek-v3-tiny").moe, dict(shared_expert_size=0))}
+    return {name: replace(moe, layer_freq=1, **changes) for name, (moe, changes) in presets.items()}
+
+
+def router_table(args: argparse.Namespace) -> str:
+    """Per family: the tokens each expert received over the last steps (per layer), as min/mean, max/mean and the
+    coefficient of variation (std/mean), the worst layer's; every token's ``top_k`` assignments are counted."""
+    input_ids, labels = corpus_windows(args.router_steps * args.balance_batch, args.balance_seq)
+    tail = max(1, args.router_steps // 2)
+    rows = [["router", "experts", "top-k", "assignments/layer", "min/mean load", "max/mean load", "CV of load",
+             "LM loss, last"]]
+    for name, moe in family_routers().items():
+        fields = {field: getattr(moe, field) for field in MoEConfig.__dataclass_fields__ if field != "ffn_hidden_size"}
+        run = train_balance(argparse.Namespace(**{**vars(args), "balance_steps": args.router_steps}), fields,
+                            input_ids, labels)
+        loads = torch.stack(run["counts"][-tail:]).sum(dim=0)  # [layers, E] over the last steps
+        mean = loads.mean(dim=1)
+        assignments = {int(total) for total in loads.sum(dim=1)}
+        rows.append([name, str(moe.num_experts), str(moe.top_k), ",".join(f"{a:,}" for a in sorted(assignments)),
+                     f"{float((loads.min(dim=1).values / mean).min()):.3f}",
+                     f"{float((loads.max(dim=1).values / mean).max()):.3f}",
+                     f"{float((loads.std(dim=1, unbiased=False) / mean).max()):.3f}", f"{run['losses'][-1]:.4f}"])
+    tokens = args.balance_batch * args.balance_seq
+    notes = [f"Model: as (2), every layer MoE with each family's router (its preset's MoEConfig: score function, "
+             f"renormalisation, router bias, groups, score-correction bias and its update, scaling, aux-loss "
+             f"coefficient); {args.router_steps} steps of {tokens} byte tokens, the same batches for every router.",
+             f"load = tokens routed to an expert over the last {tail} steps, per layer; the worst layer's min/mean, "
+             f"max/mean and CV (std/mean; 0: even). assignments/layer = tokens x top-k x {tail} steps: every token "
+             f"reaches exactly top-k experts."]
     return format_rows(rows) + "\n" + "\n".join(f"* {note}" for note in notes)
 
 
@@ -462,6 +512,10 @@ def main(argv: Optional[list[str]] = None) -> None:
         print("  (3) loop vs grouped GEMM ...", file=sys.stderr, flush=True)
         print("\n(3) Experts: the MoE layer's loop vs one grouped GEMM (F.grouped_mm), forward + backward")
         print(grouped_table(args))
+    if "routers" in sections:
+        print("  (4) the families' routers ...", file=sys.stderr, flush=True)
+        print("\n(4) Routers: per-expert load of each family's router on the tiny model")
+        print(router_table(args))
 
 
 if __name__ == "__main__":

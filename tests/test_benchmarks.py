@@ -175,9 +175,10 @@ def test_generation_benchmark_generates_what_transformers_does(run_tool):
 
 
 @pytest.mark.slow
-def test_moe_benchmark_prints_its_three_tables(run_tool):
+def test_moe_benchmark_prints_its_four_tables(run_tool):
     """ep 1/2/4 train the same model (same loss) with exactly 1/ep of the expert bytes per rank; the four load-balance
-    runs start from the same routing; the grouped GEMM computes what the loop does."""
+    runs start from the same routing; the grouped GEMM computes what the loop does; each family's router sends every
+    token to exactly its top-k experts, with loads between none and all of them."""
     from benchmarks import moe
 
     out = run_tool(moe.main, "--quick")
@@ -203,6 +204,19 @@ def test_moe_benchmark_prints_its_three_tables(run_tool):
     grouped = tables["3"][1:]
     assert [row[0] for row in grouped] == ["8", "4", "2"] and all(row[-1] == "yes" for row in grouped), grouped
     assert "Verdict: " in out
+    assert tables["4"][0] == ["router", "experts", "top-k", "assignments/layer", "min/mean load", "max/mean load",
+                              "CV of load", "LM loss, last"], tables["4"][0]
+    routers = {row[0]: dict(zip(tables["4"][0], row)) for row in tables["4"][1:]}
+    shapes = {"mixtral": (8, 2), "qwen3-moe": (32, 4), "gpt-oss": (32, 4), "deepseek-v3": (8, 2)}
+    args = moe.parse_args(["--quick"])
+    for name, row in routers.items():
+        experts, top_k = shapes[name]
+        assert (int(row["experts"]), int(row["top-k"])) == (experts, top_k), row
+        tokens = args.balance_batch * args.balance_seq * max(1, args.router_steps // 2)  # the last steps' tokens
+        assert row["assignments/layer"] == f"{tokens * top_k:,}", row  # one number: every layer alike
+        low, high, cv = float(row["min/mean load"]), float(row["max/mean load"]), float(row["CV of load"])
+        assert 0 <= low <= 1 <= high <= experts / top_k and 0 <= cv < experts, row
+    assert list(routers) == list(shapes), routers
 
 
 @pytest.mark.slow

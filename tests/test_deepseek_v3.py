@@ -245,14 +245,6 @@ def test_unconvertible_deepseek_v3_configs_are_refused_by_name(field, value, mes
         config_from_hf({**tiny_hf_model().config.to_dict(), field: value})
 
 
-def test_the_planner_refuses_latent_attention_by_name():
-    from lightning_megatron.models import GPT
-    from lightning_megatron.plan.shape import ModelShape
-
-    with pytest.raises(ValueError, match="multi-head latent attention"):
-        ModelShape.of(GPT("deepseek-v3-tiny"))
-
-
 def test_generation_with_the_kv_cache_is_greedy_decoding_of_whole_sequences():
     """The cache holds each head's keys and (padded) values: cached steps give the tokens full forwards give."""
     from lightning_megatron.models import GPT

@@ -41,7 +41,8 @@ def predicted_bytes() -> dict:
 
 @pytest.mark.slow
 def test_model_state_bytes_are_what_the_strategy_reports_on_every_rank(tmp_path, no_process_group):
-    """20 layouts (ZeRO 0-3, tp, pp, vpp, cp, ep, bf16-true / bf16-mixed / fp32, offload, tied and untied embeddings,
+    """22 layouts (ZeRO 0-3, tp, pp, vpp, cp, ep, whole experts on each tp rank (expert_tensor_parallel_size=1),
+    bf16-true / bf16-mixed / fp32, offload, tied and untied embeddings,
     grouped-query attention, MoE, LoRA) each trained one step through the Trainer on 4 ranks; on every rank the
     planner's prediction equals ``strategy.model_state_bytes`` byte for byte, and for LoRA both equal the formula."""
     keys = list(BYTE_LAYOUTS)
@@ -93,8 +94,9 @@ def _lora_formula(case, elements) -> dict:
 def test_activation_peaks_are_predicted_within_15_percent(tmp_path):
     """Every rank's measured peak of activation bytes on the CPU (``python -m benchmarks.memory peak``: tp 1/2,
     sequence parallelism, pp 2 under 1F1B, no / selective / full recomputation, GPT- and Llama-shaped models of two
-    sizes, Qwen3's q/k norms and wider heads) and the planner's ``activation_bytes`` for the same layout (``python -m benchmarks.memory planner
-    --activations``'s rows; the measurement runs on the 2-rank pool instead of a launch of its own)."""
+    sizes, Qwen3's q/k norms and wider heads, DeepSeek-V3's latent attention at tp2 + SP) and the planner's
+    ``activation_bytes`` for the same layout (``python -m benchmarks.memory planner --activations``'s rows; the
+    measurement runs on the 2-rank pool instead of a launch of its own)."""
     from benchmarks.memory.peak import LAYOUTS, RANKS, rows_of
     from benchmarks.memory.planner import activation_rows
 
@@ -416,7 +418,10 @@ def test_rank_flops_share_out_the_model_flops_and_add_what_the_kernels_execute(n
     assert gpt_flops_per_batch(llama, 16, 128) - gpt_flops_per_batch(windowed, 16, 128) == \
         3 * 16 * 128 * 4 * (4 * llama.num_heads * llama.head_dim) * (128 - 32)
     workload = Workload(global_batch_size=16, seq_length=128, precision="32-true", pad_vocab_to_multiple_of=1)
-    for config in (llama, moe, GPTConfig.from_name("gpt-tiny"), windowed):
+    # Multi-head latent attention, a dense first layer, sigmoid-routed experts and a shared expert (DeepSeek-V3's).
+    latent = GPTConfig.from_name("deepseek-v3-tiny", num_layers=8, max_seq_length=128, vocab_size=512,
+                                 moe=replace(GPTConfig.from_name("deepseek-v3-tiny").moe, layer_freq=(0,) + (1,) * 7))
+    for config in (llama, moe, GPTConfig.from_name("gpt-tiny"), windowed, latent):
         shape = ModelShape.of(GPT(config))
         expected = gpt_flops_per_batch(config, 16, 128)
         for sizes in ({"data_parallel_size": 8}, {"tensor_parallel_size": 2, "data_parallel_size": 4},
@@ -607,6 +612,144 @@ def test_qk_norms_add_the_saved_activations_the_formula_counts():
     plain = replace(qwen3, qk_layernorm=False)
     added = predicted(qwen3) - predicted(plain)
     assert added > 0 and measured(qwen3) - measured(plain) == added
+
+
+def test_the_published_moe_presets_plan_with_their_parameters_active_parameters_and_flops(capsys, no_process_group):
+    """Qwen3-30B-A3B, GPT-OSS-20B/120B and DeepSeek-V3: the parameters and active parameters the plan states
+    (``GPTConfig.num_parameters`` / ``num_active_parameters``) are the model's on meta, counted layer kind by layer
+    kind (one layer of each kind built: the embedding, head and norms, a dense or MoE layer, sliding or full; experts
+    count ``top_k / num_experts`` when active), so a 671B model is never built whole; the training FLOPs a token behind
+    MFU are ``6 x`` the active matrix parameters (embedding lookup, norms, biases and sinks aside) plus attention's
+    core; the planner's ranks add up to them; and the planner plans each preset's pieces (MLA, sinks, sliding windows,
+    expert biases, whole experts on each tp rank) at tp2 x dp2 with ep2."""
+    from dataclasses import replace
+
+    from lightning_megatron.models import GPT, GPTConfig, GPTModel
+    from lightning_megatron.models.flops import flops_per_batch
+    from lightning_megatron.plan import GPUS, Layout, Planner, Workload
+    from lightning_megatron.plan.flops import attention_core_flops, rank_step_flops
+    from lightning_megatron.plan.shape import ModelShape
+
+    seq = 4096
+    for name, pattern in {"qwen3-30b-a3b": {}, "gpt-oss-20b": {}, "gpt-oss-120b": {},
+                          "deepseek-v3": {"first_k_dense": 3}}.items():
+        config = GPTConfig.from_name(name)
+        moe = config.moe
+        kinds = [(config.is_moe_layer(i), config.attention_window(i)) for i in range(config.num_layers)]
+        shown = list(dict.fromkeys(kinds))  # one layer of each kind, in order
+        small = replace(config, num_layers=len(shown), layer_types=config.layer_types and tuple(
+            "sliding_attention" if window else "full_attention" for _, window in shown),
+                        moe=replace(moe, layer_freq=tuple(int(is_moe) for is_moe, _ in shown)))
+        with torch.device("meta"):
+            model = GPTModel(small)
+        counts = {"total": 0, "active": 0}
+        per_kind = {kind: {"total": 0, "active": 0} for kind in shown}
+        for param_name, param in model.named_parameters():
+            share = moe.top_k / moe.num_experts if ".experts." in param_name else 1
+            where = per_kind[shown[int(param_name.split(".")[1])]] if param_name.startswith("blocks.") else counts
+            where["total"] += param.numel()
+            where["active"] += param.numel() * share
+        for kind in kinds:
+            counts = {key: counts[key] + per_kind[kind][key] for key in counts}
+        assert (counts["total"], counts["active"]) == (config.num_parameters(), config.num_active_parameters()), name
+        assert pattern.get("first_k_dense", 0) == sum(not is_moe for is_moe, _ in kinds), name
+
+        shape = ModelShape.of(GPT(config))
+        training = flops_per_batch(config, 1, seq) / seq
+        core = attention_core_flops(shape, seq) * config.num_layers
+        matrices = config.num_active_parameters() - config.vocab_size * config.hidden_size  # the embedding: a lookup
+        assert 6 * matrices == pytest.approx(training - 3 * core, rel=2e-3), name
+        workload = Workload(global_batch_size=32, seq_length=seq)
+        layout = Layout(data_parallel_size=32, accumulate_grad_batches=1)
+        assert rank_step_flops(shape, layout, workload).model * 32 == pytest.approx(flops_per_batch(config, 32, seq))
+
+        planner = Planner(lambda: GPT(small), Workload(global_batch_size=4, seq_length=1024), GPUS["h100"],
+                          world_size=4)
+        for etp in (1,) if moe.add_bias_linear else (None, 1):  # expert biases split over tp: not yet (GPT-OSS)
+            plan = planner.evaluate(Layout(tensor_parallel_size=2, data_parallel_size=2, expert_parallel_size=2,
+                                           expert_tensor_parallel_size=etp, zero_stage=1, accumulate_grad_batches=2))
+            assert plan.memory_per_gpu_bytes > sum(plan.model_state_bytes.values()) > 0 and 0 < plan.mfu < 1, name
+
+    from lightning_megatron.commands.plan import main as plan_main
+
+    tiny = GPTConfig.from_name("deepseek-v3-tiny")
+    plan_main(["--model-name", "deepseek-v3-tiny", "--gpus", "1", "--seq-length", "32", "--global-batch-size", "2",
+               "--gpu", "h100", "--top", "1"])
+    header = capsys.readouterr().out.splitlines()[0]
+    assert header.startswith("deepseek-v3-tiny: ") and (  # its parameters: with the vocabulary padding
+        f" parameters ({tiny.num_active_parameters() / 1e6:.2f}M active a token; "
+        f"{flops_per_batch(tiny, 1, 32) / 32 / 1e9:.3g} GFLOPs a token to train at 32 tokens)") in header, header
+    with pytest.raises(SystemExit, match="not a GPTConfig preset"):
+        plan_main(["--model-name", "qwen3-30b", "--seq-length", "32", "--global-batch-size", "2"])
+
+
+def test_latent_attention_keeps_what_the_formula_counts():
+    """Multi-head latent attention (DeepSeek-V3's, ``models.latent_attention``) keeps what ``layer_saved_bytes`` counts,
+    byte for byte (bf16, the planner's probe over the transformer layers), without and with selective recomputation:
+    with the query latent, without it, and with values as wide as the query/key heads (nothing padded)."""
+    from dataclasses import replace
+
+    from lightning_megatron.models import GPTConfig, GPTModel
+    from lightning_megatron.plan.activations import layer_saved_bytes
+    from lightning_megatron.plan.layout import Layout
+    from lightning_megatron.plan.probes import SavedInLayers
+    from lightning_megatron.plan.shape import ModelShape
+    from lightning_megatron.transforms.recompute import apply_activation_checkpointing
+
+    latent = GPTConfig.from_name("deepseek-v3-tiny", vocab_size=64, max_seq_length=32, num_layers=2, moe=None)
+    batch, seq, w = 2, 32, 2
+
+    def measured(config, mode):
+        torch.manual_seed(0)
+        model = apply_activation_checkpointing(GPTModel(config).to(torch.bfloat16), mode=mode, layer_pattern="blocks.*")
+        input_ids = torch.randint(0, 64, (batch, seq))
+        with SavedInLayers(model, list(model.blocks.values())) as saved:
+            model.loss(input_ids, input_ids)[0].backward()
+        return saved.bytes["layers"]
+
+    def predicted(config, mode):
+        module = type("Module", (), {"config": config})()
+        return layer_saved_bytes(ModelShape.of(module), Layout(activation_checkpointing=mode), w) \
+            * batch * seq * config.num_layers
+
+    for mla in (latent.mla, replace(latent.mla, q_lora_rank=None), replace(latent.mla, v_head_dim=24)):
+        config = replace(latent, mla=mla)
+        for mode in ("none", "selective"):
+            assert measured(config, mode) == predicted(config, mode), (mla, mode)
+
+
+def test_sigmoid_group_limited_routing_keeps_what_the_formula_adds():
+    """DeepSeek-V3's router (sigmoid scores normalised for the balance loss, group-limited top-k) keeps what
+    ``layer_saved_bytes`` adds over a softmax router's, measured as above (the same model otherwise: every other
+    term cancels)."""
+    from dataclasses import replace
+
+    from lightning_megatron.models import GPTConfig, GPTModel
+    from lightning_megatron.plan.activations import layer_saved_bytes
+    from lightning_megatron.plan.layout import Layout
+    from lightning_megatron.plan.probes import SavedInLayers
+    from lightning_megatron.plan.shape import ModelShape
+
+    grouped = GPTConfig.from_name("deepseek-v3-tiny", vocab_size=64, max_seq_length=32)
+    grouped = replace(grouped, num_layers=2, moe=replace(grouped.moe, layer_freq=1, expert_bias=False))
+    softmax = replace(grouped, moe=replace(grouped.moe, score_function="softmax", router_num_groups=None,
+                                           router_group_topk=None))
+    batch, seq = 2, 32
+
+    def measured(config):
+        torch.manual_seed(0)
+        model = GPTModel(config).to(torch.bfloat16)
+        input_ids = torch.randint(0, 64, (batch, seq))
+        with SavedInLayers(model, list(model.blocks.values())) as saved:
+            model.loss(input_ids, input_ids)[0].backward()
+        return saved.bytes["layers"]
+
+    def predicted(config):
+        module = type("Module", (), {"config": config})()
+        return layer_saved_bytes(ModelShape.of(module), Layout(), 2) * batch * seq * config.num_layers
+
+    added = predicted(grouped) - predicted(softmax)
+    assert added > 0 and measured(grouped) - measured(softmax) == added
 
 
 def test_soft_capped_attention_adds_the_saved_scores_the_formula_counts():

@@ -75,7 +75,8 @@ REPEATS = 3  # measured steps per layout (see measure_layout)
 class Layout:
     key: str
     model: str  # "gpt" (learned positions, GELU, LayerNorm, tied embeddings), "llama" (the llama-tiny preset) or
-    # "qwen3" (llama with Qwen3's per-head q/k norms and heads twice hidden / heads wide)
+    # "qwen3" (llama with Qwen3's per-head q/k norms and heads twice hidden / heads wide) or "mla" (deepseek-v3-tiny's
+    # multi-head latent attention and dense SwiGLU layers)
     tensor_parallel_size: int = 1
     sequence_parallel: bool = False
     pipeline_parallel_size: int = 1
@@ -128,6 +129,7 @@ LAYOUTS = (
            activation_checkpointing="full"),
     Layout("llama-pp2-none", "llama", **PIPELINE),
     Layout("qwen3-tp2-sp-none", "qwen3", tensor_parallel_size=2, sequence_parallel=True),
+    Layout("mla-tp2-sp-none", "mla", tensor_parallel_size=2, sequence_parallel=True),
     # Other sizes than the ones above, so that a prediction tuned to one shape shows it (the planner's check).
     *(Layout(f"wide-{key}", model, seq_length=384, hidden_size=96, num_layers=2, num_heads=6, **settings)
       for key, model, settings in (
@@ -148,6 +150,9 @@ def model_config(layout: Layout):
                  num_layers=layout.num_layers, num_heads=layout.num_heads, dropout=0.0, attention_dropout=0.0)
     if layout.model == "gpt":
         return GPTConfig(**sizes)
+    if layout.model == "mla":
+        return GPTConfig.from_name("deepseek-v3-tiny", **sizes, ffn_hidden_size=176 * layout.hidden_size // 64,
+                                   moe=None)
     qwen3 = dict(kv_channels=2 * layout.hidden_size // layout.num_heads, qk_layernorm=True) if layout.model == "qwen3" \
         else {}
     return GPTConfig.from_name("llama-tiny", **sizes, num_query_groups=layout.num_heads // 2,

@@ -6,6 +6,7 @@
     lightning-megatron plan --config configs/llama-3.1-8b.yaml --gpus 1 --gpu-memory 24GB --host-memory 64GB --disk 1TB
     lightning-megatron plan --fine-tuning-fit --gpu rtx-4090
     lightning-megatron plan --model path/to/Qwen3-8B --gpus 8 --gpu h100 --seq-length 4096 --global-batch-size 64
+    lightning-megatron plan --model-name deepseek-v3 --gpus 1024 --gpu h100 --seq-length 4096 --global-batch-size 4096
 
 The model, global batch, sequence length and precision come from the config (``--global-batch-size``,
 ``--seq-length`` and ``--precision`` override them); the layout is searched (``--keep`` keeps some of the
@@ -15,8 +16,11 @@ layout, which ``lightning-megatron fit --config`` runs; ``--plot`` draws memory 
 (``pip install lightning-megatron[plot]``); ``--fine-tuning-fit`` plans published models on one ``--gpu`` with LoRA
 and QLoRA (``plan.fine_tuning``); ``--model`` plans a Hugging Face directory's (or a bare ``config.json``'s) model
 from its sizes (``plan.hf_model``: the families we convert as ``pretrained=`` reads them, other decoders as their
-Llama-shaped equivalent, said in the output). The offload tiers (``offload_optimizer``, ``offload_parameters``:
-``cpu``, ``nvme``) are searched too: ``--host-memory`` and ``--disk`` (a node's RAM and free NVMe) bound them.
+Llama-shaped equivalent, said in the output); ``--model-name`` plans one of ``GPTConfig``'s presets (e.g.
+``qwen3-30b-a3b``, ``gpt-oss-120b``, ``deepseek-v3``), a Mixture of Experts with its active parameters and the
+model FLOPs of a token (its ``top_k`` experts, the shared ones and dense layers: what MFU counts). The offload
+tiers (``offload_optimizer``, ``offload_parameters``: ``cpu``, ``nvme``) are searched too: ``--host-memory`` and
+``--disk`` (a node's RAM and free NVMe) bound them.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import yaml
 
+from lightning_megatron.models.flops import flops_per_batch
 from lightning_megatron.plan.hardware import GIB, GPUS, Hardware, parse_gpu, presets_with_memory
 from lightning_megatron.offload.settings import DEFAULT_BUFFER_MB
 from lightning_megatron.plan.layout import OFFLOAD_PATH_PLACEHOLDER, Layout, Workload
@@ -100,6 +105,40 @@ def model_config(model: HFModel, *, gpus: int, global_batch_size: Optional[int],
     return {"model": {"class_path": f"{module.__module__.rsplit('.', 1)[0]}.{module.__name__}", "init_args": init_args},
             "trainer": {"devices": gpus, "precision": precision or "bf16-true"},
             "data": {"init_args": {"global_batch_size": global_batch_size, "seq_length": seq_length}}}
+
+
+def preset_config(name: str, *, gpus: int, global_batch_size: Optional[int], seq_length: Optional[int],
+                  precision: Optional[str]) -> dict:
+    """The fit config ``--model-name`` plans: ``GPT(config=name)``, a ``GPTConfig`` preset, with the batch and sequence
+    length given and no strategy arguments."""
+    from lightning_megatron.models.gpt import GPT_PRESETS
+
+    if name not in GPT_PRESETS:
+        raise ValueError(f"--model-name {name!r} is not a GPTConfig preset; choose one of "
+                         f"{', '.join(sorted(GPT_PRESETS))}.")
+    missing = [flag for flag, value in (("--global-batch-size", global_batch_size), ("--seq-length", seq_length))
+               if value is None]
+    if missing:
+        raise ValueError(f"--model-name needs {' and '.join(missing)} (a preset has no batch).")
+    return {"model": {"class_path": "lightning_megatron.models.GPT", "init_args": {"config": name}},
+            "trainer": {"devices": gpus, "precision": precision or "bf16-true"},
+            "data": {"init_args": {"global_batch_size": global_batch_size, "seq_length": seq_length}}}
+
+
+def describe_parameters(planner: Planner) -> str:
+    """The planned model's parameters (vocabulary padding included) and, for a Mixture of Experts, those one token
+    uses and its training FLOPs (forward and backward: the model FLOPs behind MFU)."""
+    def count(n: float) -> str:
+        return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
+
+    text = f"{count(planner.inventory(1).total_parameters)} parameters"
+    config = planner.shape.config
+    if planner.shape.num_experts and hasattr(config, "num_active_parameters"):
+        seq = planner.workload.seq_length
+        per_token = flops_per_batch(config, 1, seq) / seq
+        text += (f" ({count(config.num_active_parameters())} active a token; {per_token / 1e9:.3g} GFLOPs a token to "
+                 f"train at {seq} tokens)")
+    return text
 
 
 def describe_model(model: HFModel) -> str:
@@ -262,6 +301,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("--model", type=Path,
                         help="instead of a config: a Hugging Face model directory or its config.json (sizes only, no "
                              "weights read); needs --seq-length and --global-batch-size (--gpus: 1 by default)")
+    parser.add_argument("--model-name",
+                        help="instead of a config: a GPTConfig preset (e.g. qwen3-30b-a3b, gpt-oss-120b, deepseek-v3); "
+                             "needs --seq-length and --global-batch-size (--gpus: 1 by default)")
     parser.add_argument("--fine-tuning-fit", action="store_true",
                         help="instead of a config: which published models fine-tune on ONE --gpu with LoRA (16-bit "
                              "base) and with QLoRA (4-bit NF4 base), rank-16 adapters (--seq-length, "
@@ -290,11 +332,13 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("--write-config", type=Path, help="write the config with the best layout here")
     parser.add_argument("--plot", type=Path, help="draw memory and tokens/s per layout into this image")
     args = parser.parse_args(argv)
-    if [args.config is not None, args.model is not None, args.fine_tuning_fit].count(True) != 1:
-        parser.error("give one of --config (a fit config to plan), --model (a Hugging Face directory or config.json) "
-                     "or --fine-tuning-fit")
-    if args.model is not None and (args.keep or args.as_configured):
-        parser.error("--keep and --as-configured read a config's strategy; --model has none: use --config")
+    if [args.config is not None, args.model is not None, args.model_name is not None,
+            args.fine_tuning_fit].count(True) != 1:
+        parser.error("give one of --config (a fit config to plan), --model (a Hugging Face directory or config.json), "
+                     "--model-name (a GPTConfig preset) or --fine-tuning-fit")
+    if (args.model is not None or args.model_name is not None) and (args.keep or args.as_configured):
+        parser.error("--keep and --as-configured read a config's strategy; --model and --model-name have none: use "
+                     "--config")
     try:
         hardware = parse_gpu(args.gpu, memory=args.gpu_memory, gpus_per_node=args.nodes_of,
                              host_memory=args.host_memory, disk=args.disk)
@@ -312,6 +356,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                 raise ValueError(f"--write-config: {args.model} is not a Hugging Face directory of a family we convert "
                                  f"({model.model_type}): its plan is that of an equivalent model, which fit would "
                                  f"train from random weights. Plan a directory GPT(pretrained=...) reads, or --config.")
+        elif args.model_name is not None:
+            config = preset_config(args.model_name, gpus=args.gpus or 1, global_batch_size=args.global_batch_size,
+                                   seq_length=args.seq_length, precision=args.precision)
         else:
             config = yaml.safe_load(args.config.read_text())
         trainer = config.get("trainer") or {}
@@ -332,9 +379,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         print(json.dumps([p.to_json(planner.workload.precision) for p in result.plans], indent=1))
     else:
         shape = planner.shape
-        total = planner.inventory(1).total_parameters
-        count = f"{total / 1e9:.2f}B" if total >= 1e9 else f"{total / 1e6:.2f}M"
-        print(f"{(args.model or args.config).name}: {count} parameters, {shape.num_layers} layers, "
+        name = args.model_name or (args.model or args.config).name
+        print(f"{name}: {describe_parameters(planner)}, {shape.num_layers} layers, "
               f"hidden {shape.hidden_size}; global batch {planner.workload.global_batch_size} x "
               f"{planner.workload.seq_length} tokens, {planner.workload.precision}, {planner.optimizer_name}")
         if model is not None:

@@ -58,7 +58,7 @@ from typing import Any, Optional, Union
 from lightning_megatron.models.mlp import is_gated
 
 __all__ = ["bert_flops_per_batch", "flops_per_batch", "forward_flops_per_token", "gpt_flops_per_batch",
-           "megatron_flops_per_batch", "mlp_forward_flops", "moe_forward_flops"]
+           "latent_attention_flops", "megatron_flops_per_batch", "mlp_forward_flops", "moe_forward_flops"]
 
 #: Forward + backward: the backward pass does two multiplies (input and weight gradient) per forward one.
 FORWARD_AND_BACKWARD = 3
@@ -93,13 +93,13 @@ def forward_flops_per_token(*, hidden_size: int, num_layers: int, num_heads: int
     keys = (num_layers - sliding_layers) * s + sliding_layers * attended_keys(s, sliding_window)
     projection = 2 * num_heads * d * h
     if latent_attention is not None:
-        qkv, per_key, projection = _latent_attention_flops(latent_attention, h, num_heads)
+        qkv, per_key, projection = latent_attention_flops(latent_attention, h, num_heads)
     mlp = mlp_forward_flops(h, ffn_size, gated=gated_mlp)
     logits = 2 * h * vocab_size + (2 * h * h if head_transform else 0)
     return int(num_layers * (qkv + projection + mlp) + per_key * keys + logits)
 
 
-def _latent_attention_flops(mla: Any, hidden_size: int, num_heads: int) -> tuple[int, int, int]:
+def latent_attention_flops(mla: Any, hidden_size: int, num_heads: int) -> tuple[int, int, int]:
     """Multi-head latent attention's ``(query, key and value projections, FLOPs per attended key, output
     projection)`` for one token (the module docstring's last paragraph)."""
     h, a, qk = hidden_size, num_heads, mla.qk_nope_head_dim + mla.qk_rope_head_dim

@@ -38,6 +38,12 @@ soft-capped attention               ``a s`` tanh outputs (``w``), fp32     ``t``
                                     keys/values; no log-sum-exp
 ==================================  =====================================  ==============================
 
+Multi-head latent attention (``GPTConfig.mla``) keeps, in place of the ``q, k, v`` and attention rows: its latents'
+norms (as the layer's, on ``r_q + r_kv`` channels, split by ``q``), the latents and the shared rotary key that
+enter the tensor-parallel region (``r_q + r_kv + r``, not split: every rank's heads read them), the kernel's ``q, k,
+v`` and output on heads padded to the wider of ``qk_head_dim`` and ``v_head_dim`` (``/ t``), and ``proj``'s input
+(``a v / t``).
+
 Sliding windows change what attention computes, not what it keeps: no term here (``plan.flops`` counts them).
 
 RMSNorm (``models.norms``, unfused) keeps more than the fused LayerNorm: its input in fp32 (``4 h`` bytes per norm)
@@ -93,7 +99,7 @@ def layer_saved_bytes(shape: ModelShape, layout: Layout, w: int, mode: Optional[
     qkv = (a + 2 * kv_heads) * d / t * w
     attention_out = a * d / t * w  # the flash kernel's output, a view of which proj keeps
     lse = a / t * 4 if mode == "none" else 0.0
-    mlp = _mlp_saved(shape, t) * w + _router_saved_bytes(shape)
+    mlp = _mlp_saved(shape, t, layout.expert_tensor_parallel) * w + _router_saved_bytes(shape)
     masks = 2 * h / q if shape.dropout > 0 else 0.0
     # RMSNorm (models.norms) also keeps its input in fp32 (4 bytes; besides the normalised input in ``norms``).
     norm_fp32_inputs = n * h * 4 / q if shape.rms_norm else 0.0
@@ -102,7 +108,27 @@ def layer_saved_bytes(shape: ModelShape, layout: Layout, w: int, mode: Optional[
     qk_norms = (a + kv_heads) / t * (d * (4 + normed) + 4) if shape.qk_norm else 0.0
     if shape.softcap and mode != "selective":
         qkv, lse = qkv + _softcapped_extra(shape, t, w, seq_length), 0.0
+    if shape.mla is not None:
+        qkv, attention_out = _latent_attention_saved(shape, t, q, w, mode, normed), 0.0
     return norm_fp32_inputs + norms + inputs + qkv + attention_out + lse + mlp + masks + qk_norms
+
+
+def _latent_attention_saved(shape: ModelShape, t: int, q: int, w: int, mode: str, normed: float) -> float:
+    """Bytes per token multi-head latent attention (``models.latent_attention``) keeps besides the layer's input:
+    the latents' norms (as the layer's norms: an fp32 input under RMSNorm, the normalised input, the rstd; on the
+    sequence chunk under SP), the latents and the rotary key entering the tensor-parallel region (``r_q + r_kv + r``,
+    whole sequence: the up projections and rotary keep views of it), the kernel's ``q, k, v`` of this rank's heads
+    padded to the wider width (a ``v`` that needs no padding is a view of ``kv_up``'s output, whose keys it keeps
+    too), its output (kept by the kernel, not under recomputation) and ``proj``'s input (the output cut to
+    ``v_head_dim``, made contiguous)."""
+    mla, heads, width = shape.mla, shape.num_heads / t, shape.attention_width
+    latents = [mla.kv_lora_rank] + ([] if mla.q_lora_rank is None else [mla.q_lora_rank])
+    per_norm = 4 if shape.rms_norm else 8
+    norms = sum(r * (normed + (4 if shape.rms_norm else 0)) + per_norm for r in latents) / q
+    entered = (sum(latents) + mla.qk_rope_head_dim) * w
+    values = width if mla.v_head_dim < mla.qk_head_dim else mla.qk_nope_head_dim + mla.v_head_dim
+    kernel = heads * (2 * width + values + (width if mode == "none" else 0)) * w
+    return norms + entered + kernel + heads * mla.v_head_dim * w
 
 
 def _softcapped_extra(shape: ModelShape, t: int, w: int, seq_length: Optional[int]) -> float:
@@ -118,7 +144,7 @@ def _softcapped_extra(shape: ModelShape, t: int, w: int, seq_length: Optional[in
     return scores + 2 * (a - kv_heads) * d * w
 
 
-def _mlp_saved(shape: ModelShape, t: int) -> float:
+def _mlp_saved(shape: ModelShape, t: int, etp: Optional[int] = None) -> float:
     """Elements per token an MLP keeps: GELU fc's output and the GELU's (2 f); SwiGLU the gate|up output, the
     SiLU's and the product (4 f; the SiLU's input is a view of gate|up; measured on ``models.mlp.GatedMLP``). An MoE
     layer's experts keep that of each of the ``top_k`` copies of a token, and the layer the copies that arrive, the
@@ -127,15 +153,21 @@ def _mlp_saved(shape: ModelShape, t: int) -> float:
     if not shape.moe_layers:
         return per_width * shape.ffn_size / t
     dense = per_width * shape.ffn_size / t
-    moe = shape.top_k * (3 * shape.hidden_size + per_width * shape.expert_ffn_size / t) \
+    etp = etp or t  # whole experts (etp 1): each tp rank takes 1/t of the copies, at the experts' whole width
+    moe = shape.top_k * etp / t * (3 * shape.hidden_size + per_width * shape.expert_ffn_size / etp) \
         + per_width * shape.shared_expert_size / t
     return (shape.dense_layers * dense + shape.moe_layers * moe) / shape.num_layers
 
 
 def _router_saved_bytes(shape: ModelShape) -> float:
     """Bytes per token an average layer's router keeps (MoE layers only): fp32 scores and probabilities
-    (``2 E``), the chosen weights (twice) and two per-token sums; int64 expert ids and the dispatch's indices."""
+    (``2 E``), the chosen weights (twice) and two per-token sums; int64 expert ids and the dispatch's indices. A
+    sigmoid router also keeps the sum its scores are normalised by; group-limited routing (``models.router``) the
+    indices of each group's two best scores and of the kept groups (int64) and the groups' mask (bool), measured."""
     per_moe_layer = (2 * shape.num_experts + 2 * shape.top_k + 2) * 4 + 4 * shape.top_k * 8
+    per_moe_layer += 4 * shape.sigmoid_router
+    if shape.router_groups:
+        per_moe_layer += (2 * shape.router_groups + shape.router_group_topk) * 8 + shape.router_groups
     return per_moe_layer * shape.moe_layers / shape.num_layers
 
 

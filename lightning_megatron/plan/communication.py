@@ -20,7 +20,10 @@ tp           each layer: forward two all-reduces of ``X`` (the row-parallel outp
              cross-entropy's three ``[T]`` fp32 all-reduces (max, target logit, sum of exponentials). Full
              recomputation runs a layer's forward collectives again but the last (``plan.flops``: the checkpoint
              stops before the MLP's output projection). Per step under SP: the all-reduce of the
-             sequence-parallel parameters' gradients (norms, row layers' biases).
+             sequence-parallel parameters' gradients (norms, row layers' biases). Multi-head latent attention:
+             its latents (``r_q + r_kv + r`` channels) enter the region in place of attention's input (an all-reduce
+             of their gradient; SP: gathered once and kept, their gradient reduce-scattered), and under SP its
+             replicated down projections and latent norms join the per-step all-reduce.
 cp           ring: each layer's keys and values go ``cp - 1`` hops forward and ``cp - 1`` again in backward with
              their gradients' ``cp`` hops: ``2 (3 cp - 2)`` sends of ``T g d w`` (``g``: this rank's key/value
              heads), ``2 (cp - 1)`` more where the core is recomputed; all-gather attention: the keys and values
@@ -114,7 +117,15 @@ def step_collectives(shape: ModelShape, layout: Layout, workload: Workload, mode
     x = tokens * h * w
 
     # ---- tensor parallel
-    if sp:
+    mla = shape.mla
+    if sp and mla is not None:  # the latents enter once (kept gathered) in place of attention's input
+        latents = tokens * _latent_width(mla) * w
+        recomputed = (2, 1) if mode == "full" else (0, 0)
+        add("tp", "all_gather", m * layers * (4 + recomputed[0]), x, "layers' column inputs")
+        add("tp", "all_gather", m * layers, latents, "attention's latents")
+        add("tp", "reduce_scatter", m * layers * (3 + recomputed[1]), x, "layers' row outputs")
+        add("tp", "reduce_scatter", m * layers, latents, "attention's latents' gradient")
+    elif sp:
         recomputed = (2, 1) if mode == "full" else (0, 0)  # all-gathers, reduce-scatters of the recomputed forward
         # Forward and backward 2 all-gathers each, and backward gathers the 2 column layers' inputs again.
         add("tp", "all_gather", m * layers * (6 + recomputed[0]), x, "layers' column inputs")
@@ -127,7 +138,14 @@ def step_collectives(shape: ModelShape, layout: Layout, workload: Workload, mode
         per_norm = h * (1 if shape.rms_norm else 2)
         row_biases = 2 * h if getattr(shape.config, "add_bias_linear", False) else 0
         replicated = layers * (shape.norms_per_layer * per_norm + row_biases) + last * per_norm
+        if mla is not None:  # the replicated down projections and the latents' norms
+            down = _latent_width(mla) - mla.qk_rope_head_dim
+            replicated += layers * (h * _latent_width(mla) + down * (per_norm // h))
         add("tp", "all_reduce", 1, replicated * workload.parameter_bytes, "sequence-parallel parameters' gradients")
+    elif mla is not None:  # backward sums the latents' gradient over the heads' ranks, not the hidden state's
+        add("tp", "all_reduce", m * layers * (3 + (mode == "full")), x, "layers")
+        add("tp", "all_reduce", m * layers, tokens * _latent_width(mla) * w, "attention's latents' gradient")
+        add("tp", "all_reduce", m * (first + last), x, "embedding output, head input's gradient")
     else:
         add("tp", "all_reduce", m * layers * (4 + (mode == "full")), x, "layers")
         add("tp", "all_reduce", m * (first + last), x, "embedding output, head input's gradient")
@@ -135,6 +153,8 @@ def step_collectives(shape: ModelShape, layout: Layout, workload: Workload, mode
 
     # ---- context parallel
     kv = tokens * max(shape.query_groups, tp) // tp * shape.head_dim * w  # one of K, V
+    if mla is not None:  # every head's key and value, padded to the kernel's width
+        kv = tokens * shape.num_heads // tp * shape.attention_width * w
     recomputed_core = mode != "none"
     if context_parallel_attention == "all_gather":
         add("cp", "all_gather", m * layers * 2 * (1 + recomputed_core), cp * kv, "keys, values")
@@ -148,7 +168,9 @@ def step_collectives(shape: ModelShape, layout: Layout, workload: Workload, mode
     add("pp", "send", m * sends, x / (tp if sp else 1), "stage outputs, input gradients")
 
     # ---- expert parallel
-    add("ep", "all_to_all", m * moe_layers * 4, tokens * shape.top_k * h * w, "routed tokens", sent_share=routed_away)
+    fold = tp // layout.expert_tensor_parallel  # whole experts: each tp rank dispatches 1/tp of the copies
+    add("ep", "all_to_all", m * moe_layers * 4, tokens * shape.top_k * h * w / fold, "routed tokens",
+        sent_share=routed_away)
     add("ep", "all_gather", m * moe_layers, ep * shape.num_experts * 8, "tokens per expert")
 
     # ---- data parallel (dp x cp replicas)
@@ -182,12 +204,18 @@ def sent_by_group(collectives: list[Collective]) -> dict[str, float]:
     return dict(sent)
 
 
+def _latent_width(mla) -> int:
+    """Channels per token that enter multi-head latent attention's tensor-parallel region: the query latent (when
+    there is one), the key/value latent and the shared rotary key (``models.latent_attention``)."""
+    return (mla.q_lora_rank or 0) + mla.kv_lora_rank + mla.qk_rope_head_dim
+
+
 def _expert_gradient_bytes(shape: ModelShape, layout: Layout, workload: Workload, layers: int) -> float:
     """This rank's expert parameters' gradient bytes (its ``num_experts / ep`` experts of its MoE layers)."""
     if not shape.moe_layers or layout.expert_parallel_size == 1:
         return 0.0
     matrices = 3 if shape.gated_mlp else 2
-    per_expert = matrices * shape.hidden_size * shape.expert_ffn_size / layout.tensor_parallel_size
+    per_expert = matrices * shape.hidden_size * shape.expert_ffn_size / layout.expert_tensor_parallel
     local = shape.num_experts // layout.expert_parallel_size
     return shape.moe_layers * layers / shape.num_layers * local * per_expert * workload.parameter_bytes
 

@@ -15,6 +15,9 @@ Per token, forward, for the whole layer (``/ tp`` on a rank): the GEMMs outside 
   backward computes the scores again (``2.5 x`` the core's forward, not ``2 x``); a causal kernel counts its
   whole block; under context parallelism (ring or all-gather, ``context_parallel.blocks``) a rank computes its own
   block causally and only the needed half of each other rank's, ``(cp + 1) / (2 cp)`` of the ``T x s`` scores.
+* **multi-head latent attention** (``GPTConfig.mla``): the low-rank projections in place of ``qkv``
+  (``models.flops.latent_attention_flops``), scores over ``qk_head_dim`` and values over ``v_head_dim`` channels;
+  executed, the kernel runs on heads padded to the wider of the two (``models.latent_attention``).
 * **sliding windows** (``GPTConfig.sliding_window``): a sliding layer's queries see at most ``window`` keys, and the
   model FLOPs count ``min(window, s)`` keys per query, the whole band as Megatron counts the whole matrix
   (:func:`attention_core_parts`); executed, a sliding layer counts that band whatever the context-parallel split
@@ -25,7 +28,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lightning_megatron.models.flops import attended_keys
+from lightning_megatron.models.flops import attended_keys, latent_attention_flops
 from lightning_megatron.plan.layout import Layout, Workload
 from lightning_megatron.plan.shape import ModelShape
 
@@ -38,10 +41,12 @@ def layer_gemm_flops(shape: ModelShape) -> float:
     h, d = shape.hidden_size, shape.head_dim
     qkv = 2 * h * (shape.num_heads + 2 * shape.query_groups) * d
     proj = 2 * shape.num_heads * d * h
+    if shape.mla is not None:  # the low-rank projections (models.flops)
+        qkv, _, proj = latent_attention_flops(shape.mla, h, shape.num_heads)
     matrices = 3 if shape.gated_mlp else 2
     dense_mlp = matrices * 2 * h * shape.ffn_size
     moe_mlp = (2 * h * shape.num_experts + shape.top_k * matrices * 2 * h * shape.expert_ffn_size
-               + matrices * 2 * h * shape.shared_expert_size)
+               + matrices * 2 * h * shape.shared_expert_size + (2 * h if shape.shared_expert_gate else 0))
     mlp = (shape.dense_layers * dense_mlp + shape.moe_layers * moe_mlp) / shape.num_layers
     return qkv + proj + mlp
 
@@ -56,7 +61,7 @@ def attention_core_parts(shape: ModelShape, seq_length: int, *, skip_masked_half
     """:func:`attention_core_flops` as ``(full-attention layers' share, sliding layers' share)``: a sliding layer's
     queries see at most ``sliding_window`` keys (``models.flops.attended_keys``)."""
     half = skip_masked_half and shape.causal
-    per_key = 4 * shape.num_heads * shape.head_dim / shape.num_layers
+    per_key = 2 * shape.num_heads * (shape.qk_head_dim + shape.v_head_dim) / shape.num_layers
     full = (shape.num_layers - shape.sliding_layers) * attended_keys(seq_length, causal_half=half)
     sliding = shape.sliding_layers * attended_keys(seq_length, shape.sliding_window, causal_half=half)
     return per_key * full, per_key * sliding
@@ -97,7 +102,8 @@ def rank_step_flops(shape: ModelShape, layout: Layout, workload: Workload, *, pi
     recomputed_core = core if mode != "none" else 0.0
     recomputation = tokens * layers * (recomputed_gemm + recomputed_core)
     computed_blocks = (cp + 1) / (2 * cp) if shape.causal and cp > 1 else 1.0
-    core_executed = (core_full * computed_blocks + core_sliding) * (1 + FLASH_BACKWARD + (mode != "none"))
+    padded = 2 * shape.attention_width / (shape.qk_head_dim + shape.v_head_dim)  # MLA's kernel runs padded heads
+    core_executed = (core_full * computed_blocks + core_sliding) * padded * (1 + FLASH_BACKWARD + (mode != "none"))
     executed = tokens * (layers * (3 * gemm + recomputed_gemm + core_executed) + 3 * logits)
     return RankFlops(model, recomputation, executed)
 

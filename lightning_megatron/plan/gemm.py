@@ -18,6 +18,8 @@ each see ``T k ep / E`` tokens (their share of the expert group's) and its route
 
 from __future__ import annotations
 
+from typing import Optional
+
 from lightning_megatron.plan.hardware import Hardware
 from lightning_megatron.plan.shape import ModelShape
 
@@ -41,22 +43,35 @@ def linear_seconds(tokens: float, inputs: float, outputs: float, rate: float, ha
     return passes * forward, backward
 
 
-def layer_linears(shape: ModelShape, tensor_parallel_size: int, expert_parallel_size: int,
-                  tokens: float) -> list[tuple[float, float, float, float]]:
+def layer_linears(shape: ModelShape, tensor_parallel_size: int, expert_parallel_size: int, tokens: float, *,
+                  expert_tensor_parallel_size: Optional[int] = None) -> list[tuple[float, float, float, float]]:
     """``(tokens, inputs, outputs, count)`` of an average layer's linears on a tensor-parallel rank (``count``:
-    the share of layers that have it, times how many there are)."""
+    the share of layers that have it, times how many there are). Multi-head latent attention's down projections are
+    replicated (counted on every token: under sequence parallelism they run on a chunk), its up projections split
+    by heads. ``expert_tensor_parallel_size`` (None: tp): over how many tp ranks an expert is split; 1 keeps experts
+    whole, the tp ranks dispatching a share of the assignments each."""
     h, d, tp = shape.hidden_size, shape.head_dim, tensor_parallel_size
-    linears = [(tokens, h, (shape.num_heads + 2 * shape.query_groups) * d / tp, 1.0),
-               (tokens, shape.num_heads * d / tp, h, 1.0)]
+    etp = expert_tensor_parallel_size or tp
+    mla = shape.mla
+    if mla is None:
+        linears = [(tokens, h, (shape.num_heads + 2 * shape.query_groups) * d / tp, 1.0),
+                   (tokens, shape.num_heads * d / tp, h, 1.0)]
+    else:
+        heads = shape.num_heads / tp
+        queries = ([(tokens, h, heads * mla.qk_head_dim, 1.0)] if mla.q_lora_rank is None else
+                   [(tokens, h, mla.q_lora_rank, 1.0), (tokens, mla.q_lora_rank, heads * mla.qk_head_dim, 1.0)])
+        linears = [*queries, (tokens, h, mla.kv_lora_rank + mla.qk_rope_head_dim, 1.0),
+                   (tokens, mla.kv_lora_rank, heads * (mla.qk_nope_head_dim + mla.v_head_dim), 1.0),
+                   (tokens, heads * mla.v_head_dim, h, 1.0)]
     gate = 2 if shape.gated_mlp else 1
     dense = shape.dense_layers / shape.num_layers
     if dense:
         linears += [(tokens, h, gate * shape.ffn_size / tp, dense), (tokens, shape.ffn_size / tp, h, dense)]
     if shape.moe_layers:
         moe = shape.moe_layers / shape.num_layers
-        expert_tokens = tokens * shape.top_k * expert_parallel_size / shape.num_experts
+        expert_tokens = tokens * shape.top_k * expert_parallel_size / shape.num_experts / (tp // etp)
         local_experts = shape.num_experts / expert_parallel_size
-        f = shape.expert_ffn_size / tp
+        f = shape.expert_ffn_size / etp
         linears += [(tokens, h, shape.num_experts, moe), (expert_tokens, h, gate * f, moe * local_experts),
                     (expert_tokens, f, h, moe * local_experts)]
         if shape.shared_expert_size:

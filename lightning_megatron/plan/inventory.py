@@ -91,10 +91,12 @@ class Inventory:
 
     @classmethod
     def build(cls, make_module: Callable[[], nn.Module], *, tensor_parallel_size: int, expert_parallel_size: int = 1,
-              pad_vocab_to_multiple_of: int = 128) -> "Inventory":
-        """``make_module()`` returns a new LightningModule (``configure_model`` not yet called)."""
+              pad_vocab_to_multiple_of: int = 128, expert_tensor_parallel_size: Optional[int] = None) -> "Inventory":
+        """``make_module()`` returns a new LightningModule (``configure_model`` not yet called);
+        ``expert_tensor_parallel_size=1``: whole experts on each tp rank (tp rank 0's are entered)."""
         config = ParallelConfig(tensor_parallel_size=tensor_parallel_size, data_parallel_size=expert_parallel_size,
-                                expert_parallel_size=expert_parallel_size)
+                                expert_parallel_size=expert_parallel_size,
+                                expert_tensor_parallel_size=expert_tensor_parallel_size)
         with fake_world(config.world_size):
             state = ParallelState.create(config, "cpu")
             with torch.device("meta"):

@@ -138,7 +138,8 @@ class Layout(ParallelConfig):
         return arguments
 
     def label(self) -> str:
-        """A short name: ``tp8 pp16v2 dp8 z1+cpu sp ac-sel mb1`` (``ac-``: activation checkpointing). After the ZeRO
+        """A short name: ``tp8 pp16v2 dp8 z1+cpu sp ac-sel mb1`` (``ac-``: activation checkpointing; ``ep8etp1``:
+        experts whole on each tp rank, ``expert_tensor_parallel_size=1``). After the ZeRO
         stage: ``+cpu``/``+nvme`` the optimizer's offload tier, ``+pcpu`` ZeRO-3's parameters' tier,
         ``+og`` the overlapped parameter gather."""
         parts = [f"tp{self.tensor_parallel_size}"]
@@ -149,7 +150,8 @@ class Layout(ParallelConfig):
             parts.append(f"cp{self.context_parallel_size}")
         parts.append(f"dp{self.data_parallel_size}")
         if self.expert_parallel_size > 1:
-            parts.append(f"ep{self.expert_parallel_size}")
+            parts.append(f"ep{self.expert_parallel_size}"
+                         + ("etp1" if self.expert_tensor_parallel < self.tensor_parallel_size else ""))
         offload = ("" if self.offload_optimizer == "none" else f"+{self.offload_optimizer}") + (
             "" if self.offload_parameters == "none" else f"+p{self.offload_parameters}")
         parts.append(f"z{self.zero_stage}{offload}" + ("+og" if self.overlap_param_gather else ""))
@@ -168,10 +170,6 @@ def check_layout(layout: Layout, workload: Workload, module: Any, num_layers: in
     if validate is not None:
         validate(layout)  # a Layout is the ParallelConfig the strategy hands the model
     check_schedule(layout.pipeline_schedule, layout.virtual_pipeline_size, zero_stage=layout.zero_stage)
-    if layout.expert_tensor_parallel < layout.tensor_parallel_size:
-        raise ValueError(f"The planner models experts split over all {layout.tensor_parallel_size} tp ranks; "
-                         f"expert_tensor_parallel_size=1 (whole experts on each tp rank) is not planned yet. Plan "
-                         f"with expert_tensor_parallel_size=None and set it in the config.")
     if SCHEDULE_SPECS[layout.pipeline_schedule].split_backward:
         raise ValueError(f"The planner models 1f1b, interleaved_1f1b and gpipe; pipeline_schedule="
                          f"{layout.pipeline_schedule!r} (a split backward, another stage placement and bubble) is not "

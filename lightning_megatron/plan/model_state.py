@@ -12,7 +12,8 @@ buffers out with, called on meta tensors of the rank's parameters), the fp32 mai
   of fp32 parameters, and the optimizer's state for those slices;
 * ZeRO-3: FSDP2's dim-0 chunk of every (fp32) parameter, its gradient and its optimizer state; a frozen
   parameter's chunk only, in the parameter dtype. Chunks over dp x cp, an expert's over its expert-data-parallel
-  group (``dp / ep`` ranks).
+  group (``dp / ep`` ranks; ``tp x dp / ep`` with whole experts on each tp rank, ``expert_tensor_parallel_size=1``,
+  whose experts the inventory enters whole).
 
 Optimizer state is ``optimizer_state_bytes_per_element`` per element stepped (AdamW: 8).
 
@@ -88,7 +89,8 @@ def _dense_model_state_bytes(parameters: Sequence[RankParameter], layout: Layout
         # main parameters), frozen ones (a LoRA base) in the parameter dtype (``preparation.shard_zero3``); the
         # experts over their expert-data-parallel group under expert parallelism (``optim.zero3.shard_experts``).
         ep = config.expert_parallel_size
-        chunk = lambda p: (_fsdp_chunk(p.entry.shape, config.expert_data_parallel_size, data_rank // ep)  # noqa: E731
+        expert_rank = config.expert_slot(data_rank, 0) // ep  # tp rank 0's (its expert-data-parallel rank)
+        chunk = lambda p: (_fsdp_chunk(p.entry.shape, config.expert_data_parallel_size, expert_rank)  # noqa: E731
                            if ep > 1 and p.entry.expert else _fsdp_chunk(p.entry.shape, replicas, replica_rank))
         grads = sum(chunk(p) for p in trainable)
         frozen = sum(chunk(p) for p in parameters if not p.entry.requires_grad)
@@ -107,7 +109,7 @@ def _dense_model_state_bytes(parameters: Sequence[RankParameter], layout: Layout
     ep = config.expert_parallel_size
     group_of = (lambda p: "experts" if p.expert_parallel else "dense") if ep > 1 else (lambda p: "dense")
     sizes = {"dense": replicas, "experts": config.expert_data_parallel_size}
-    ranks = {"dense": replica_rank, "experts": data_rank // ep}
+    ranks = {"dense": replica_rank, "experts": config.expert_slot(data_rank, 0) // ep}
     own_bucket = {id(p) for p in stepped if p.pipeline_tied}
     gradient_bytes = owned_elements = 0
     for bucket in cut_buckets(stepped, bucket_bytes=int(workload.bucket_size_mb * 2**20), group_of=group_of,

@@ -32,8 +32,8 @@ from lightning_megatron.transforms.recompute import MODES as RECOMPUTE_MODES
 MIN_CONTEXT_TOKENS = 2048
 #: Layout fields the search may choose; ``Planner(fixed=...)`` pins any of them.
 SEARCHED = ("tensor_parallel_size", "pipeline_parallel_size", "virtual_pipeline_size", "context_parallel_size",
-            "expert_parallel_size", "sequence_parallel", "zero_stage", "offload_optimizer", "offload_parameters",
-            "activation_checkpointing", "micro_batch_size")
+            "expert_parallel_size", "expert_tensor_parallel_size", "sequence_parallel", "zero_stage",
+            "offload_optimizer", "offload_parameters", "activation_checkpointing", "micro_batch_size")
 
 
 @dataclass(frozen=True)
@@ -139,22 +139,32 @@ class Planner:
         self.module = make_module()  # not configured: its config, validation and optimizer recipe
         self.shape = ModelShape.of(self.module)
         self.state_bytes_per_element, self.optimizer_name = optimizer_state_bytes_per_element(self.module)
-        self._inventories: dict[tuple[int, int], Inventory] = {}
+        self._inventories: dict[tuple[int, int, Optional[int]], Inventory | ValueError] = {}
         self._model_states: dict[tuple, dict[str, int]] = {}
 
     # ------------------------------------------------------------------ model state
-    def inventory(self, tensor_parallel_size: int, expert_parallel_size: int = 1) -> Inventory:
-        key = (tensor_parallel_size, expert_parallel_size)
+    def inventory(self, tensor_parallel_size: int, expert_parallel_size: int = 1,
+                  expert_tensor_parallel_size: Optional[int] = None) -> Inventory:
+        whole = expert_tensor_parallel_size is not None and expert_tensor_parallel_size < tensor_parallel_size
+        key = (tensor_parallel_size, expert_parallel_size, 1 if whole else None)
         if key not in self._inventories:
-            self._inventories[key] = Inventory.build(
-                self.make_module, tensor_parallel_size=tensor_parallel_size, expert_parallel_size=expert_parallel_size,
-                pad_vocab_to_multiple_of=self.workload.pad_vocab_to_multiple_of)
-        return self._inventories[key]
+            try:
+                self._inventories[key] = Inventory.build(
+                    self.make_module, tensor_parallel_size=tensor_parallel_size,
+                    expert_parallel_size=expert_parallel_size,
+                    pad_vocab_to_multiple_of=self.workload.pad_vocab_to_multiple_of, expert_tensor_parallel_size=key[2])
+            except ValueError as error:  # what the strategy's parallelize raises at setup: the same sizes again fail
+                self._inventories[key] = error
+        inventory = self._inventories[key]
+        if isinstance(inventory, ValueError):
+            raise inventory
+        return inventory
 
     def model_state_bytes(self, layout: Layout, *, pipeline_rank: int = 0, data_rank: int = 0,
                           context_rank: int = 0) -> dict[str, int]:
         """What ``strategy.model_state_bytes`` reports on that rank after the first step."""
-        key = (layout.tensor_parallel_size, layout.expert_parallel_size, layout.pipeline_parallel_size,
+        key = (layout.tensor_parallel_size, layout.expert_parallel_size, layout.expert_tensor_parallel,
+               layout.pipeline_parallel_size,
                layout.virtual_pipeline_size, layout.pipeline_layers_per_stage, layout.data_parallel_size,
                layout.context_parallel_size, layout.zero_stage, layout.offload_optimizer != "none", pipeline_rank,
                data_rank, context_rank)
@@ -163,7 +173,8 @@ class Planner:
         return self._model_states[key]
 
     def _rank_parameters(self, layout: Layout, pipeline_rank: int) -> list:
-        inventory = self.inventory(layout.tensor_parallel_size, layout.expert_parallel_size)
+        inventory = self.inventory(layout.tensor_parallel_size, layout.expert_parallel_size,
+                                   layout.expert_tensor_parallel)
         return inventory.rank_parameters(
             pipeline_parallel_size=layout.pipeline_parallel_size, virtual_pipeline_size=layout.virtual_pipeline_size,
             pipeline_layers_per_stage=layout.pipeline_layers_per_stage, pipeline_rank=pipeline_rank)
@@ -232,14 +243,20 @@ class Planner:
                         continue
                     vpps = [v for v in _divisors(shape.num_layers // pp) if v <= 8] if pp > 1 else [1]
                     for vpp in choices("virtual_pipeline_size", vpps):
-                        eps = [e for e in _divisors(dp) if shape.num_experts % e == 0] if shape.num_experts else [1]
-                        for ep in choices("expert_parallel_size", eps):
-                            yield from self._with_options(tp, pp, vpp, cp, dp, ep, batch, choices)
+                        # Experts split over tp (etp None), or whole on each tp rank (etp 1: ep spans tp x dp).
+                        etps = (None, 1) if shape.num_experts and tp > 1 else (None,)
+                        for etp in choices("expert_tensor_parallel_size", etps):
+                            slots = dp * tp if etp == 1 else dp
+                            eps = ([e for e in _divisors(slots) if shape.num_experts % e == 0 and (etp is None or e > 1)]
+                                   if shape.num_experts else [1])
+                            for ep in choices("expert_parallel_size", eps):
+                                yield from self._with_options(tp, pp, vpp, cp, dp, ep, batch, choices, etp)
 
-    def _with_options(self, tp, pp, vpp, cp, dp, ep, batch, choices) -> Iterator[dict[str, Any]]:
+    def _with_options(self, tp, pp, vpp, cp, dp, ep, batch, choices, etp=None) -> Iterator[dict[str, Any]]:
         if batch % dp:  # one candidate, for check_layout to say why
             yield dict(tensor_parallel_size=tp, pipeline_parallel_size=pp, data_parallel_size=dp,
-                       virtual_pipeline_size=vpp, context_parallel_size=cp, expert_parallel_size=ep)
+                       virtual_pipeline_size=vpp, context_parallel_size=cp, expert_parallel_size=ep,
+                       expert_tensor_parallel_size=etp)
             return
         per_rank = batch // dp
         micro = [m for m in (1, 2, 4, 8, 16) if per_rank % m == 0 and (pp == 1 or per_rank // m >= pp)]
@@ -264,6 +281,7 @@ class Planner:
                 continue
             yield dict(tensor_parallel_size=tp, pipeline_parallel_size=pp, data_parallel_size=dp, sequence_parallel=sp,
                        zero_stage=zero, virtual_pipeline_size=vpp, context_parallel_size=cp, expert_parallel_size=ep,
+                       expert_tensor_parallel_size=etp,
                        pipeline_schedule=schedule, micro_batch_size=mbs, activation_checkpointing=recompute,
                        offload_optimizer=optimizer_tier, offload_parameters=parameter_tier,
                        pipeline_layers_per_stage=self.fixed.get("pipeline_layers_per_stage"),
@@ -277,10 +295,10 @@ class Planner:
             try:
                 layout = Layout(**fields)  # ParallelConfig's checks
                 check_layout(layout, self.workload, self.module, self.shape.num_layers)
+                plans.append(self.evaluate(layout))  # its shards are built as parallelize builds them, or refused
             except ValueError as error:
                 refused.setdefault(str(error)[:60], str(error))  # one message per kind of refusal
                 continue
-            plans.append(self.evaluate(layout))
         plans.sort(key=lambda p: (not p.fits, -p.tokens_per_second if p.fits else p.memory_per_gpu_bytes))
         return PlanResult(plans, refused)
 

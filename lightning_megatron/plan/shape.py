@@ -2,7 +2,9 @@
 
 The planner predicts for this package's transformers (``models.GPT``, ``models.BERT`` and their subclasses:
 any LightningModule whose ``config`` is a ``GPTConfig`` or ``BERTConfig``). A module with another config
-has shapes the formulas do not know, and is refused with that reason.
+has shapes the formulas do not know, and is refused with that reason. Multi-head latent attention (``mla``) is
+described by its ``MLAConfig``: ``qk_head_dim`` and ``v_head_dim`` are then its heads' widths, ``head_dim`` the
+config's (unused by it).
 """
 
 from __future__ import annotations
@@ -42,6 +44,11 @@ class ModelShape:
     sliding_window: Optional[int] = None  # the window of the sliding layers
     sliding_layers: int = 0  # layers that attend within sliding_window keys (GPTConfig.layer_types)
     softcap: bool = False  # soft-capped scores: attention computed densely, its [s, s] probabilities kept
+    mla: Any = None  # multi-head latent attention's MLAConfig (DeepSeek-V3's), None: grouped-query attention
+    shared_expert_gate: bool = False  # Qwen2-MoE's sigmoid gate on the shared expert (a 2 h GEMM per token)
+    sigmoid_router: bool = False  # sigmoid scores, normalised for the balance loss (DeepSeek-V3's)
+    router_groups: int = 0  # group-limited routing: the experts' groups and the groups kept per token
+    router_group_topk: int = 0
 
     @classmethod
     def of(cls, module: Any) -> "ModelShape":
@@ -49,10 +56,6 @@ class ModelShape:
         from lightning_megatron.models.gpt import GPTConfig
 
         config = getattr(module, "config", None)
-        if isinstance(config, GPTConfig) and config.mla is not None:
-            raise ValueError("The layout planner's formulas count grouped-query attention; multi-head latent attention "
-                             "(GPTConfig.mla, DeepSeek-V3's) is not modelled in them yet. Its FLOPs and parameters: "
-                             "GPTConfig.flops_per_batch, num_parameters and num_active_parameters.")
         if isinstance(config, GPTConfig):
             from lightning_megatron.models.mlp import is_gated
 
@@ -70,7 +73,11 @@ class ModelShape:
                        zero_centered_norms=config.normalization == "ZeroCenteredRMSNorm",
                        logit_softcap=config.final_logit_softcapping is not None,
                        sliding_window=config.sliding_window, sliding_layers=sliding_layers(config),
-                       softcap=config.attn_logit_softcapping is not None)
+                       softcap=config.attn_logit_softcapping is not None, mla=config.mla,
+                       shared_expert_gate=bool(moe and moe.shared_expert_gate),
+                       sigmoid_router=bool(moe and moe.score_function == "sigmoid"),
+                       router_groups=(moe.router_num_groups or 0) if moe else 0,
+                       router_group_topk=(moe.router_group_topk or 0) if moe else 0)
         if isinstance(config, BERTConfig):
             return cls(config, False, config.hidden_size, config.num_layers, config.num_heads, config.num_heads,
                        config.hidden_size // config.num_heads, config.ffn_size, False, config.vocab_size, False, False,
@@ -79,6 +86,22 @@ class ModelShape:
                         f"whose config is a GPTConfig or BERTConfig); {type(module).__name__}.config is "
                         f"{type(config).__name__}. Subclass GPT or BERT, or plan with one of their configs of the same "
                         f"sizes.")
+
+    @property
+    def qk_head_dim(self) -> int:
+        """Channels of a query or key head: ``head_dim``, or MLA's ``qk_nope_head_dim + qk_rope_head_dim``."""
+        return self.mla.qk_head_dim if self.mla is not None else self.head_dim
+
+    @property
+    def v_head_dim(self) -> int:
+        """Channels of a value head (MLA's ``v_head_dim``; else ``head_dim``)."""
+        return self.mla.v_head_dim if self.mla is not None else self.head_dim
+
+    @property
+    def attention_width(self) -> int:
+        """Channels per head the attention kernel runs on: MLA pads the narrower of query/key and value heads to
+        the wider (``models.latent_attention``)."""
+        return max(self.qk_head_dim, self.v_head_dim)
 
     @property
     def dense_layers(self) -> int:

@@ -172,8 +172,9 @@ def _gemm_seconds(shape: ModelShape, layout: Layout, workload: Workload, hardwar
     layer_rate = hardware.fp8_flops() if workload.fp8 else sixteen_bit
     passes = 1 + (1.0 if layout.activation_checkpointing == "full" else workload.recomputed_gemm_share)
     seconds = 0.0
-    for rows, inputs, outputs, count in layer_linears(shape, layout.tensor_parallel_size,
-                                                      layout.expert_parallel_size, tokens):
+    for rows, inputs, outputs, count in layer_linears(
+            shape, layout.tensor_parallel_size, layout.expert_parallel_size, tokens,
+            expert_tensor_parallel_size=layout.expert_tensor_parallel):
         seconds += layers * count * sum(linear_seconds(rows, inputs, outputs, layer_rate, hardware, passes=passes))
     head = [(shape.hidden_size, vocab)] + ([(shape.hidden_size, shape.hidden_size)] if shape.head_transform else [])
     return seconds + sum(sum(linear_seconds(tokens, i, o, sixteen_bit, hardware)) for i, o in head)
@@ -210,8 +211,10 @@ def _layer_elementwise_bytes(shape: ModelShape, layout: Layout, w: int) -> float
     replicated = (norms + 6 * h + (5 * h if shape.dropout > 0 else 0)) * w / sequence_split
     width = shape.ffn_size if not shape.moe_layers else shape.top_k * shape.expert_ffn_size
     activation = (3 if shape.gated_mlp else 2) * width / tp * w
-    heads = (2 * (shape.num_heads + 2 * shape.query_groups) + 2 * shape.num_heads) * shape.head_dim / tp * w
+    heads = (2 * (shape.num_heads + 2 * shape.query_groups) + 2 * shape.num_heads) * shape.attention_width / tp * w
     rotary = 2 * (shape.num_heads + shape.query_groups) * shape.head_dim / tp * w if shape.rotary else 0
+    if shape.mla is not None:  # the rope channels of every query head and of the one shared key
+        rotary = 2 * (shape.num_heads / tp + 1) * shape.mla.qk_rope_head_dim * w if shape.rotary else 0
     return replicated + activation + heads + rotary
 
 

@@ -33,6 +33,9 @@ BYTE_LAYOUTS = {
     "llama-tp2-dp2-z1-bf16": _case("bf16-true", model="llama", tensor_parallel_size=2, zero_stage=1),
     "moe-dp4-ep2-z1": _case("32-true", model="moe", expert_parallel_size=2, zero_stage=1),
     "moe-dp4-ep2-z3-mixed": _case("bf16-mixed", model="moe", expert_parallel_size=2, zero_stage=3),
+    # Whole experts on each tp rank (MoE parallel folding): ep2 over the tp x dp slots, expert-data-parallel size 2.
+    "moe-tp2-dp2-ep2etp1-z1-bf16": _case("bf16-true", model="moe", tensor_parallel_size=2, expert_parallel_size=2,
+                                         expert_tensor_parallel_size=1, zero_stage=1),
     # LoRA on the Llama-shaped model (one bucket: the formula of tests/test_plan.py holds without bucket padding).
     "lora-tp2-dp2-z1-bf16": _case("bf16-true", model="lora", tensor_parallel_size=2, zero_stage=1, bucket_size_mb=25.0),
     "lora-pp2-dp2-z2-bf16": _case("bf16-true", model="lora", pipeline_parallel_size=2, zero_stage=2, micro_batch_size=2,
