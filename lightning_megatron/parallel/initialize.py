@@ -242,6 +242,29 @@ def _shard_values(shard: TensorShard, draw: _Draw, seed: int) -> Tensor:
     return local
 
 
+class _SkippedDefaultInit(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in _DEFAULT_DRAWS:
+            return args[0] if args else kwargs["tensor"]
+        return func(*args, **(kwargs or {}))
+
+
+# What torch's layers draw their default values with (nn.Linear: kaiming_uniform_ and uniform_; nn.Embedding:
+# normal_); every one of them defers to a TorchFunctionMode before it draws.
+_DEFAULT_DRAWS = {nn.init.uniform_, nn.init.normal_, nn.init.trunc_normal_, nn.init.kaiming_uniform_,
+                  nn.init.kaiming_normal_, nn.init.xavier_uniform_, nn.init.xavier_normal_}
+
+
+def without_default_init() -> TorchFunctionMode:
+    """A context in which torch's layers skip the random draws of their default initialisation (``nn.Linear``'s
+    ``reset_parameters``), for a model whose every parameter :func:`initialize_parameters` sets afterwards: the
+    draws would be overwritten, and they dominate the building of a large model (DeepSeek-V3's ~30k expert
+    matrices: ~70% of its build on the meta device; on the host, a pass over every weight). The parameters are
+    left as ``torch.empty`` made them until then; the global generator is left untouched (initialisation draws
+    from generators of its own). Only this thread's modules are affected."""
+    return _SkippedDefaultInit()
+
+
 def initialize_buffers(root: nn.Module, device: Optional[torch.device | str], *, only_meta: bool = True) -> None:
     """Modules that define ``initialize_buffers()`` (e.g. a router's expert bias, a persistent state that starts at
     zero) get their own buffers allocated on ``device`` and filled by it: those still on the meta device, or all of
