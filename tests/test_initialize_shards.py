@@ -3,6 +3,7 @@ drawing the full parameter and cutting the shard out of it, for every kind of sh
 vocabulary, fused projections' segments, sizes that are not multiples of torch's block of 16), while allocating
 about the shard instead of the full tensor."""
 
+import gc
 import math
 
 import pytest
@@ -12,7 +13,7 @@ from workers.allocation_meter import AllocationMeter
 from workers.gpt_setup import CONFIG
 from lightning_megatron.models import BERTConfig, BERTModel, GPTModel
 from lightning_megatron.parallel.initialize import (default_initializer, initialize_parameters, local_initial_values,
-                                                    without_default_init)
+                                                    uninitialised_build)
 from lightning_megatron.parallel.shards import TensorShard
 
 SEED = 11
@@ -87,10 +88,11 @@ def test_a_shard_of_a_large_layer_allocates_about_the_shard(dim, rank):
 
 
 def test_models_are_built_without_torchs_default_draws_and_start_at_the_seeded_values():
-    """GPTModel and BERTModel build their layers ``without_default_init`` (``initialize_parameters`` sets every
+    """GPTModel and BERTModel build their layers ``uninitialised_build`` (``initialize_parameters`` sets every
     parameter right after): torch's global generator is left where it was (``nn.Linear``'s kaiming draws would move
     it), and every parameter holds the value the seed gives it, as a model built on the meta device and initialised
-    there does. Outside the context a layer draws as torch's does."""
+    there does. Python's cyclic garbage collector waits until the model is built. Outside the context a layer
+    draws as torch's does."""
     for build in (lambda: GPTModel(CONFIG), lambda: BERTModel(BERTConfig(num_layers=2))):
         torch.manual_seed(SEED)
         state = torch.get_rng_state()
@@ -101,8 +103,9 @@ def test_models_are_built_without_torchs_default_draws_and_start_at_the_seeded_v
         initialize_parameters(expected, SEED, device="cpu", only_meta=True)
         for (name, value), (_, seeded) in zip(model.state_dict().items(), expected.state_dict().items()):
             assert torch.equal(value, seeded), name
-    with without_default_init():
+    with uninitialised_build():
         torch.nn.Linear(4, 4)
-    assert torch.equal(torch.get_rng_state(), state)
+        assert not gc.isenabled()  # every object made is kept: a collection would find nothing
+    assert gc.isenabled() and torch.equal(torch.get_rng_state(), state)
     torch.nn.Linear(4, 4)
     assert not torch.equal(torch.get_rng_state(), state)

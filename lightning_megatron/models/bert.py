@@ -38,7 +38,7 @@ from lightning_megatron.models.transformer import (
     layer_tensor_parallel_plan,
 )
 from lightning_megatron.parallel.initialize import (INIT_STD, default_initializer, initialize_parameters,
-                                                    without_default_init)
+                                                    uninitialised_build)
 from lightning_megatron.pipeline.blocks import PipelineBatch, PipelineBlocks
 from lightning_megatron.pipeline.layout import PipelineLayout
 from lightning_megatron.tensor_parallel.argmax import Argmax
@@ -186,7 +186,7 @@ class BERTModel(nn.Module):
     def __init__(self, config: BERTConfig) -> None:
         super().__init__()
         self.config = config
-        with without_default_init():  # initialize_parameters (below, or the strategy's) sets every parameter
+        with uninitialised_build():  # initialize_parameters (below, or the strategy's) sets every parameter
             self.embeddings = BERTEmbedding(config)
             # Keyed "0", "1", ... like GPTModel.blocks: parameter names stay blocks.7.mlp.fc.weight.
             self.blocks = nn.ModuleDict({

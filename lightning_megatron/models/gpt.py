@@ -42,7 +42,7 @@ from lightning_megatron.models.transformer import (
     layer_tensor_parallel_plan,
 )
 from lightning_megatron.parallel.initialize import (INIT_STD, default_initializer, initialize_parameters,
-                                                    without_default_init)
+                                                    uninitialised_build)
 from lightning_megatron.parallel.names import ADAPTER_MODULES, is_adapter_name
 from lightning_megatron.peft.adapters import adapted_layers
 from lightning_megatron.peft.lora import LoRAConfig, apply_lora
@@ -590,7 +590,7 @@ class GPTModel(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.config = config
-        with without_default_init():  # initialize_parameters (below, or the strategy's) sets every parameter
+        with uninitialised_build():  # initialize_parameters (below, or the strategy's) sets every parameter
             self.embedding = GPTEmbedding(config)
             # The MoE layers' load-balancing and z-losses (shared by all of them; see models/moe.py).
             self.moe_aux_losses = AuxLosses()
