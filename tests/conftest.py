@@ -1,10 +1,20 @@
 """Fixtures shared by several test modules."""
 
-import pytest
-import torch
-import torch.distributed as dist
+import os
 
-from launch import LAUNCHES, close_pools, run_job
+# One intra-op thread in this process, as in every rank and launch it starts (launch.child_env): the suite runs
+# processes beside it (rank pools, launches started early to fill a core), and torch's two threads on two busy cores
+# wait for each other at every op (a small linear: ~25 us on one thread, 0.6-3 ms on two beside one busy process).
+# The variable, not only set_num_threads: in-process Trainers keep what it says (strategy.launcher, Lightning's DDP).
+os.environ["OMP_NUM_THREADS"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from launch import LAUNCHES, close_pools, run_job  # noqa: E402
+
+torch.set_num_threads(1)  # in case a plugin imported torch before the variable was set
 
 # The single-process FP8 runs the fp8 layouts compare with (test_layout_invariance.py, test_zero3.py): one process,
 # the global batch in as many pieces as the layout has dp ranks x micro-batches, "-s1": the first step only

@@ -3,6 +3,7 @@ drawing the full parameter and cutting the shard out of it, for every kind of sh
 vocabulary, fused projections' segments, sizes that are not multiples of torch's block of 16), while allocating
 about the shard instead of the full tensor."""
 
+import gc
 import math
 
 import pytest
@@ -10,8 +11,9 @@ import torch
 
 from workers.allocation_meter import AllocationMeter
 from workers.gpt_setup import CONFIG
-from lightning_megatron.models import GPTModel
-from lightning_megatron.parallel.initialize import default_initializer, local_initial_values
+from lightning_megatron.models import BERTConfig, BERTModel, GPTModel
+from lightning_megatron.parallel.initialize import (default_initializer, initialize_parameters, local_initial_values,
+                                                    uninitialised_build)
 from lightning_megatron.parallel.shards import TensorShard
 
 SEED = 11
@@ -83,3 +85,27 @@ def test_a_shard_of_a_large_layer_allocates_about_the_shard(dim, rank):
     full_bytes, shard_bytes = 4 * math.prod(shape), 4 * math.prod(shape) // 8
     assert meter.bytes <= 2 * shard_bytes + 4 * 2**20 + 1024, (meter.bytes, shard_bytes)
     assert meter.bytes < full_bytes / 2
+
+
+def test_models_are_built_without_torchs_default_draws_and_start_at_the_seeded_values():
+    """GPTModel and BERTModel build their layers ``uninitialised_build`` (``initialize_parameters`` sets every
+    parameter right after): torch's global generator is left where it was (``nn.Linear``'s kaiming draws would move
+    it), and every parameter holds the value the seed gives it, as a model built on the meta device and initialised
+    there does. Python's cyclic garbage collector waits until the model is built. Outside the context a layer
+    draws as torch's does."""
+    for build in (lambda: GPTModel(CONFIG), lambda: BERTModel(BERTConfig(num_layers=2))):
+        torch.manual_seed(SEED)
+        state = torch.get_rng_state()
+        model = build()
+        assert torch.equal(torch.get_rng_state(), state)
+        with torch.device("meta"):
+            expected = build()
+        initialize_parameters(expected, SEED, device="cpu", only_meta=True)
+        for (name, value), (_, seeded) in zip(model.state_dict().items(), expected.state_dict().items()):
+            assert torch.equal(value, seeded), name
+    with uninitialised_build():
+        torch.nn.Linear(4, 4)
+        assert not gc.isenabled()  # every object made is kept: a collection would find nothing
+    assert gc.isenabled() and torch.equal(torch.get_rng_state(), state)
+    torch.nn.Linear(4, 4)
+    assert not torch.equal(torch.get_rng_state(), state)

@@ -37,7 +37,8 @@ from lightning_megatron.models.transformer import (
     layer_recompute_plan,
     layer_tensor_parallel_plan,
 )
-from lightning_megatron.parallel.initialize import INIT_STD, default_initializer, initialize_parameters
+from lightning_megatron.parallel.initialize import (INIT_STD, default_initializer, initialize_parameters,
+                                                    uninitialised_build)
 from lightning_megatron.pipeline.blocks import PipelineBatch, PipelineBlocks
 from lightning_megatron.pipeline.layout import PipelineLayout
 from lightning_megatron.tensor_parallel.argmax import Argmax
@@ -185,25 +186,26 @@ class BERTModel(nn.Module):
     def __init__(self, config: BERTConfig) -> None:
         super().__init__()
         self.config = config
-        self.embeddings = BERTEmbedding(config)
-        # Keyed "0", "1", ... like GPTModel.blocks: parameter names stay blocks.7.mlp.fc.weight.
-        self.blocks = nn.ModuleDict({
-            str(index): TransformerLayer(
-                SelfAttention(config.hidden_size, config.num_heads, attention_dropout=config.attention_dropout,
-                              causal=False),
-                MLP(config.hidden_size, config.ffn_size, gelu_approximate=config.gelu_approximate),
-                partial(nn.LayerNorm, config.hidden_size, eps=config.layer_norm_eps),
-                dropout=config.dropout,
-                norm_position=config.norm_position,
-            )
-            for index in range(config.num_layers)
-        })
-        pre = config.norm_position == "pre"
-        self.ln_f = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps) if pre else None
-        self.mlm_head = MaskedLMHead(config)
-        self.mlm_head.decoder.weight = self.embeddings.word_embeddings.weight
-        self.pooler = Pooler(config.hidden_size) if config.binary_head else None
-        self.binary_head = nn.Linear(config.hidden_size, 2) if config.binary_head else None
+        with uninitialised_build():  # initialize_parameters (below, or the strategy's) sets every parameter
+            self.embeddings = BERTEmbedding(config)
+            # Keyed "0", "1", ... like GPTModel.blocks: parameter names stay blocks.7.mlp.fc.weight.
+            self.blocks = nn.ModuleDict({
+                str(index): TransformerLayer(
+                    SelfAttention(config.hidden_size, config.num_heads, attention_dropout=config.attention_dropout,
+                                  causal=False),
+                    MLP(config.hidden_size, config.ffn_size, gelu_approximate=config.gelu_approximate),
+                    partial(nn.LayerNorm, config.hidden_size, eps=config.layer_norm_eps),
+                    dropout=config.dropout,
+                    norm_position=config.norm_position,
+                )
+                for index in range(config.num_layers)
+            })
+            pre = config.norm_position == "pre"
+            self.ln_f = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps) if pre else None
+            self.mlm_head = MaskedLMHead(config)
+            self.mlm_head.decoder.weight = self.embeddings.word_embeddings.weight
+            self.pooler = Pooler(config.hidden_size) if config.binary_head else None
+            self.binary_head = nn.Linear(config.hidden_size, 2) if config.binary_head else None
         self.loss_fn = nn.CrossEntropyLoss(reduction="sum", ignore_index=IGNORE_INDEX)
         self.argmax = Argmax()
         if not self.embeddings.word_embeddings.weight.is_meta:

@@ -41,7 +41,8 @@ from lightning_megatron.models.transformer import (
     layer_recompute_plan,
     layer_tensor_parallel_plan,
 )
-from lightning_megatron.parallel.initialize import INIT_STD, default_initializer, initialize_parameters
+from lightning_megatron.parallel.initialize import (INIT_STD, default_initializer, initialize_parameters,
+                                                    uninitialised_build)
 from lightning_megatron.parallel.names import ADAPTER_MODULES, is_adapter_name
 from lightning_megatron.peft.adapters import adapted_layers
 from lightning_megatron.peft.lora import LoRAConfig, apply_lora
@@ -597,15 +598,16 @@ class GPTModel(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.config = config
-        self.embedding = GPTEmbedding(config)
-        # The MoE layers' load-balancing and z-losses (shared by all of them; see models/moe.py).
-        self.moe_aux_losses = AuxLosses()
-        # A dict keyed "0", "1", ... (not a list): a pipeline stage keeps only its layers, and their
-        # parameter names (blocks.7.mlp.fc.weight) stay global.
-        self.blocks = nn.ModuleDict({str(index): gpt_layer(config, index, self.moe_aux_losses)
-                                     for index in range(config.num_layers)})
-        self.ln_f = build_norm(config.normalization, config.hidden_size, eps=config.layer_norm_eps)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        with uninitialised_build():  # initialize_parameters (below, or the strategy's) sets every parameter
+            self.embedding = GPTEmbedding(config)
+            # The MoE layers' load-balancing and z-losses (shared by all of them; see models/moe.py).
+            self.moe_aux_losses = AuxLosses()
+            # A dict keyed "0", "1", ... (not a list): a pipeline stage keeps only its layers, and their
+            # parameter names (blocks.7.mlp.fc.weight) stay global.
+            self.blocks = nn.ModuleDict({str(index): gpt_layer(config, index, self.moe_aux_losses)
+                                         for index in range(config.num_layers)})
+            self.ln_f = build_norm(config.normalization, config.hidden_size, eps=config.layer_norm_eps)
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.lm_head.weight = self.embedding.wte.weight
         if config.loss_chunk_tokens:
