@@ -57,7 +57,8 @@ def packed_batch(vocab: int, seq: int = 16):
     return input_ids, labels, document_ids, position_ids
 
 
-@pytest.mark.parametrize("base, depths, packed", [(LLAMA, 2, True), (GPT2, 1, True), (LLAMA, 1, False)])
+@pytest.mark.parametrize("base, depths, packed", [(LLAMA, 2, True), (GPT2, 1, True), (LLAMA, 1, False),
+                                                  ({**LLAMA, "loss_chunk_tokens": 5}, 2, True)])
 def test_loss_and_gradients_match_the_formula(base, depths, packed):
     torch.manual_seed(0)
     model = GPTModel(GPTConfig(**base, mtp=MTPConfig(num_layers=depths, loss_scaling_factor=0.3)))
@@ -112,6 +113,11 @@ def test_counts_configs_and_exports(tmp_path):
     from lightning_megatron.parallel.config import ParallelConfig
     with pytest.raises(ValueError, match=r"context_parallel_size=2 with multi-token prediction"):
         gpt.validate_parallel_config(ParallelConfig(context_parallel_size=2))
+    for schedule in ("interleaved_zero_bubble", "zbv", "dualpipev"):
+        with pytest.raises(ValueError, match=rf"pipeline_schedule='{schedule}' with multi-token prediction"):
+            gpt.validate_pipeline_schedule(schedule)
+    for schedule in ("1f1b", "gpipe", "interleaved_1f1b"):
+        gpt.validate_pipeline_schedule(schedule)
     with pytest.warns(UserWarning, match=r"multi-token prediction depths .* are left out"):
         gpt.to_hf(tmp_path)
     transformers = pytest.importorskip("transformers")

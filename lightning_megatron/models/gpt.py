@@ -48,7 +48,7 @@ from lightning_megatron.peft.adapters import adapted_layers
 from lightning_megatron.peft.lora import LoRAConfig, apply_lora
 from lightning_megatron.peft.nf4 import quantize_in_place
 from lightning_megatron.pipeline.blocks import PipelineBatch, PipelineBlocks
-from lightning_megatron.pipeline.layout import PipelineLayout
+from lightning_megatron.pipeline.layout import SCHEDULE_SPECS, PipelineLayout
 from lightning_megatron.tensor_parallel.chunked_cross_entropy import ChunkedHeadLoss, check_chunk_tokens
 from lightning_megatron.tensor_parallel.logits import soft_cap
 
@@ -1009,6 +1009,14 @@ class GPT(BatchFlops, PretrainingRecipe):
             virtual_pipeline_size=parallel_config.virtual_pipeline_size,
             layers_per_stage=parallel_config.pipeline_layers_per_stage,
         )
+
+    def validate_pipeline_schedule(self, schedule: str) -> None:
+        """Multi-token prediction runs under 1F1B, GPipe and interleaved 1F1B; the zero-bubble schedules' split
+        backward with the depths on the last stage is not built (their runs did not finish), so it is refused."""
+        if self.config.mtp is not None and SCHEDULE_SPECS[schedule].split_backward:
+            raise ValueError(f"pipeline_schedule={schedule!r} with multi-token prediction (GPTConfig.mtp) is not "
+                             f"supported: its split backward does not run the depths on the last stage. Use "
+                             f"'1f1b', 'gpipe' or 'interleaved_1f1b', or GPTConfig.mtp=None.")
 
     def sequence_inputs(self) -> SequenceInputs:
         """How context parallelism cuts a batch: tokens, labels and positions by position (learned and rotary
