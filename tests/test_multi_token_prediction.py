@@ -25,9 +25,10 @@ def reference_loss(model: GPTModel, input_ids, labels, document_ids=None, positi
     batch, seq = input_ids.shape
     sums = []
     for k, depth in enumerate(model.mtp.depths.values(), start=1):
-        ahead = torch.zeros_like(input_ids)
+        ahead, positions = torch.zeros_like(input_ids), torch.zeros_like(input_ids)
         ahead[:, :seq - k] = input_ids[:, k:]
-        embedded = model.embedding(ahead, position_ids)  # the shared table (and learned positions of t)
+        positions[:, :seq - k] = (torch.arange(seq) if position_ids is None else position_ids)[..., k:]
+        embedded = model.embedding(ahead, positions)  # the shared table (learned positions: those of t + k)
 
         def norm(module, x):
             return F.layer_norm(x, (x.shape[-1],), module.weight, module.bias, module.eps) if isinstance(

@@ -647,6 +647,7 @@ class GPTModel(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.lm_head.weight = self.embedding.wte.weight
+        self.mtp_statistics: Optional[tuple[Tensor, Tensor]] = None  # see pipeline_result
         self.mtp = None if config.mtp is None else MultiTokenPrediction(
             config.mtp, config.hidden_size, self.embedding,
             make_layer=lambda _: gpt_layer(config, config.mtp_layer_index, self.moe_aux_losses),

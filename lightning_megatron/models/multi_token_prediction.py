@@ -3,7 +3,8 @@
 Besides the next token, the model learns to predict tokens further ahead through ``D`` small sequential modules.
 Depth ``k`` (1..D) takes the previous depth's hidden states (depth 0: the main model's last layer's output, before
 its final norm, which belongs to the main output head as each depth's own final norm belongs to its head) and the
-embeddings of the input tokens ``k`` positions ahead; it RMS-normalises each (``hnorm``, ``enorm``), projects their
+embeddings of the input tokens ``k`` positions ahead (learned positions: theirs, ``t + k``, as Megatron-Core rolls the
+position ids with the tokens; rotary positions in the layer stay ``t``'s); it RMS-normalises each (``hnorm``, ``enorm``), projects their
 concatenation ``[embedding; hidden]`` from ``2h`` to ``h`` (``eh_proj``), runs one transformer layer of the model's
 kind (``layer``), and its own final norm (``norm``) feeds the model's output head, which is shared, as is the
 embedding table. Position ``t`` of depth ``k`` predicts token ``t + k + 1``, i.e. the main model's label at ``t + k``,
@@ -45,11 +46,15 @@ class MTPConfig:
             raise ValueError(f"MTPConfig.loss_scaling_factor={factor!r} must be a finite number >= 0.")
 
 
+def ahead(values: Tensor, k: int) -> Tensor:
+    """``values[:, t + k]`` at ``t``, 0 past the end (those positions are never counted, and a causal layer lets
+    nothing earlier see them)."""
+    return torch.nn.functional.pad(values[:, k:], (0, k))
+
+
 def shifted_tokens(input_ids: Tensor, depths: int) -> Tensor:
-    """``[B, D, S]``: for depth ``k`` (index ``k - 1``) the input tokens ``k`` positions ahead, 0 past the end (those
-    positions are never counted, and a causal layer lets nothing earlier see them)."""
-    rows = [torch.nn.functional.pad(input_ids[:, k:], (0, k)) for k in range(1, depths + 1)]
-    return torch.stack(rows, dim=1)
+    """``[B, D, S]``: for depth ``k`` (index ``k - 1``) the input tokens ``k`` positions ahead (:func:`ahead`)."""
+    return torch.stack([ahead(input_ids, k) for k in range(1, depths + 1)], dim=1)
 
 
 def shifted_labels(labels: Tensor, depths: int, document_ids: Optional[Tensor] = None) -> Tensor:
@@ -88,7 +93,6 @@ class MultiTokenPrediction(nn.Module):
     def __init__(self, config: MTPConfig, hidden_size: int, embedding: nn.Module, make_layer: Callable[[int], nn.Module],
                  make_norm: Callable[[], nn.Module]) -> None:
         super().__init__()
-        self.config = config
         self.embedding = embedding
         self.depths = nn.ModuleDict({str(k): MTPDepth(hidden_size, make_layer(k), make_norm)
                                      for k in range(config.num_layers)})
@@ -98,8 +102,10 @@ class MultiTokenPrediction(nn.Module):
         """Each depth's output after its ``norm`` (``[B, S, h]``, sequence-parallel shards under tensor
         parallelism), from the main model's last hidden states and ``shifted_tokens`` ``[B, D, S]``."""
         outputs = []
+        if position_ids is None:
+            position_ids = torch.arange(tokens.shape[-1], device=tokens.device).expand(tokens.shape[0], -1)
         for k, depth in enumerate(self.depths.values()):
-            embedded = self.embedding(tokens[:, k], position_ids)
+            embedded = self.embedding(tokens[:, k], ahead(position_ids, k + 1))
             hidden = depth(hidden, embedded, **(layer_kwargs or {}))
             outputs.append(depth.norm(hidden))
         return outputs
