@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from launch import run_job
-from workers.gpt_setup import (CLIP, CONFIG, DEEP_CONFIG, GEMMA3_CONFIG, GEMMA_CONFIG, LLAMA_CONFIG, LORA, QWEN3_CONFIG,
-                               SEED, batches, document_batches, optimizer, sgd_optimizer)
+from workers.gpt_setup import (CLIP, CONFIG, DEEP_CONFIG, GEMMA3_CONFIG, GEMMA_CONFIG, LLAMA_CONFIG, LORA, MTP_CONFIG,
+                               QWEN3_CONFIG, SEED, batches, document_batches, optimizer, sgd_optimizer)
 from lightning_megatron.models import GPTModel
 from lightning_megatron.parallel.names import is_adapter_name
 from lightning_megatron.peft.lora import apply_lora
@@ -106,6 +106,11 @@ LAYOUTS[2] += ["gemma-tp2-dp1-sp-mb2-rc", "gemma-pp2-tp1-dp1-mb4", "gemmachunk-t
 # does (test_gemma3_reference_trains_as_transformers_gemma3), so these layouts give transformers' losses; cp2:
 # test_context_parallel.py.
 LAYOUTS[4] += ["gemma3-tp2-dp2", "gemma3-pp2-tp1-dp2-mb2"]
+# Multi-token prediction (gpt_setup.MTP_CONFIG, 2 depths) on packed documents: its losses (main and MTP) and weights at
+# tp2 x dp2 + SP (the depths' norms and eh_proj on sequence shards) and pp2 x dp2 (the depths on the last stage, which
+# embeds the shifted tokens with its pipeline-tied copy of the embedding).
+MTP_LAYOUTS = ["mtp-doc-tp2-dp2-sp-mb2", "mtp-doc-pp2-tp1-dp2-mb2"]
+LAYOUTS[4] += MTP_LAYOUTS
 LOSS_TOL, WEIGHT_TOL = 1e-5, 1e-5
 
 
@@ -117,7 +122,11 @@ def reference():
             "llama-doc": _reference(optimizer, LLAMA_CONFIG, documents=True), "deep": _reference(optimizer, DEEP_CONFIG),
             "lora": _reference(optimizer, CONFIG, lora=LORA), "llama-lora": _reference(optimizer, LLAMA_CONFIG, lora=LORA),
             "qwen3": _reference(optimizer, QWEN3_CONFIG), "qwen3-lora": _reference(optimizer, QWEN3_CONFIG, lora=LORA),
-            "gemma": _reference(optimizer, GEMMA_CONFIG), "gemma3": _reference(optimizer, GEMMA3_CONFIG)}
+            "gemma": _reference(optimizer, GEMMA_CONFIG), "gemma3": _reference(optimizer, GEMMA3_CONFIG),
+            "mtp-doc": _reference(optimizer, MTP_CONFIG, documents=True, mtp_losses=MTP_REFERENCE_LOSSES)}
+
+
+MTP_REFERENCE_LOSSES: list[float] = []  # the "mtp-doc" reference's mtp_loss per step
 
 
 @pytest.mark.slow
@@ -152,7 +161,7 @@ def test_gemma3_reference_trains_as_transformers_gemma3(reference):
     assert min((value - initial[name]).abs().max().item() for name, value in ref_weights.items()) > 1e-3  # all trained
 
 
-def _reference(make_optimizer, config, documents=False, lora=None):
+def _reference(make_optimizer, config, documents=False, lora=None, mtp_losses=None):
     torch.manual_seed(SEED)
     model = GPTModel(config)
     if lora is not None:
@@ -163,6 +172,9 @@ def _reference(make_optimizer, config, documents=False, lora=None):
         loss_sum, tokens = model.loss(input_ids, labels, **side)
         loss = loss_sum / tokens
         loss.backward()
+        if mtp_losses is not None:
+            sums, counts = model.mtp_statistics
+            mtp_losses.append((sums.sum() / counts.sum()).item())
         torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
         opt.step()
         opt.zero_grad()
@@ -193,13 +205,19 @@ def test_layouts_match_single_process(world, reference, fp8_reference, tmp_path)
     for layout in [layout for layout in LAYOUTS[world] if layout not in FP8_LAYOUTS.get(world, {})]:
         kind = "llama" if layout.startswith("llama-") else "deep" if layout.startswith("deep-") else \
             "qwen3" if layout.startswith("qwen3-") else "gemma" if layout.startswith(("gemma-", "gemmachunk-")) else \
-            "gemma3" if layout.startswith("gemma3-") else \
+            "gemma3" if layout.startswith("gemma3-") else "mtp" if layout.startswith("mtp-") else \
             "sgd" if layout.endswith("-sgd") else "adamw"  # chunk-: GPT's; gemmachunk-: the unchunked gemma's
         if "doc-" in layout:
-            kind = "llama-doc" if kind == "llama" else "doc"
+            kind = {"llama": "llama-doc", "mtp": "mtp-doc"}.get(kind, "doc")
         if layout.endswith("-lora"):
             kind = f"{kind}-lora" if kind in ("llama", "qwen3") else "lora"
         _deviations(torch.load(tmp_path / f"{layout}.pt", weights_only=True), *reference[kind], layout)
+
+    for layout in [layout for layout in LAYOUTS[world] if layout in MTP_LAYOUTS]:
+        mtp_losses = json.loads((tmp_path / f"{layout}-mtp.json").read_text())
+        assert len(mtp_losses) == len(MTP_REFERENCE_LOSSES), layout
+        assert max(abs(a - b) for a, b in zip(mtp_losses, MTP_REFERENCE_LOSSES)) < LOSS_TOL, \
+            f"{layout}: mtp losses {mtp_losses} vs reference {MTP_REFERENCE_LOSSES}"
 
     # Overlapping the parameter gathers moves when they complete, not what they compute: bit for bit the same run.
     for layout in LAYOUTS[world]:

@@ -164,3 +164,24 @@ def test_full_checkpoint_gathers_on_rank_zero_alone(tmp_path):
         for rank in report[1:]:
             assert rank["new_keys"] == 0 and rank["new_bytes"] == 0, (layout, rank)
             assert rank["old_bytes"] > rank["own_bytes"]  # the every-rank gather: copies of every rank's pieces
+
+
+@pytest.mark.slow
+def test_multi_token_prediction_checkpoint_resumes_at_another_layout(tmp_path):
+    """A model with multi-token prediction saved at pp2 x dp2 (the depths and the last stage's tied copy of the
+    embedding on stage 1) resumes at tp2 (the depths split over tp, one embedding): the same main and MTP losses
+    (the Trainer's logged ``mtp_loss``) and weights as the run that went straight on."""
+    save = {"tp": 1, "pp": 2, "zero_stage": 1, "layers": 2, "steps": 4, "save_every": 2, "mtp": 1}
+    straight, _ = run_job("checkpoint_layouts", 4, tmp_path / "save", json.dumps(save))
+    resume = {"tp": 2, "pp": 1, "zero_stage": 0, "layers": 2, "steps": 4, "mtp": 1,
+              "ckpt_path": str(tmp_path / "save" / STEP2)}
+    resumed, _ = run_job("checkpoint_layouts", 2, tmp_path / "resume", json.dumps(resume))
+    assert all("error" not in r for r in straight + resumed), resumed
+    assert len(straight[0]["mtp_losses"]) == 4 and straight[0]["mtp_losses"] != straight[0]["losses"]
+    assert resumed[0]["losses"] == pytest.approx(straight[0]["losses"][2:], abs=1e-5)
+    assert resumed[0]["mtp_losses"] == pytest.approx(straight[0]["mtp_losses"][2:], abs=1e-5)
+    expected = torch.load(tmp_path / "save" / "weights.pt", weights_only=True)
+    weights = torch.load(tmp_path / "resume" / "weights.pt", weights_only=True)
+    assert weights.keys() == expected.keys() and any(k.startswith("model.mtp.depths.") for k in weights)
+    worst = max((weights[k] - expected[k]).abs().max().item() for k in expected)
+    assert worst < 1e-5, f"weights deviate by {worst:.2e}"

@@ -128,18 +128,27 @@ def sliding_layers(config: Any) -> int:
 
 def gpt_flops_per_batch(config: Any, batch_size: int, seq_length: int) -> int:
     """Training FLOPs (forward + backward, no recomputation) of ``batch_size`` sequences of ``seq_length`` tokens
-    for a ``GPTConfig``: GPT-2, or Llama-shaped (grouped-query attention, SwiGLU, untied head), dense or MoE."""
+    for a ``GPTConfig``: GPT-2, or Llama-shaped (grouped-query attention, SwiGLU, untied head), dense or MoE. Each
+    multi-token prediction depth (``GPTConfig.mtp``) adds its ``eh_proj`` (``2 * 2h * h``), a layer like the last
+    one and the logits once more."""
     gated = is_gated(config.activation)
-    per_token = forward_flops_per_token(
-        hidden_size=config.hidden_size, num_layers=config.num_layers, num_heads=config.num_heads,
-        num_query_groups=config.num_query_groups, head_dim=config.head_dim, seq_length=seq_length,
-        vocab_size=config.vocab_size, ffn_size=config.ffn_size, gated_mlp=gated,
-        sliding_window=config.sliding_window, sliding_layers=sliding_layers(config),
-        latent_attention=getattr(config, "mla", None))
-    if config.moe is not None:  # its layers' MLPs are MoE ones instead
-        moe_layers = len(config.moe.moe_layers(config.num_layers))
-        per_token += moe_layers * (moe_forward_flops(config) - mlp_forward_flops(config.hidden_size, config.ffn_size,
-                                                                                 gated=gated))
+    moe_extra = 0 if config.moe is None else \
+        moe_forward_flops(config) - mlp_forward_flops(config.hidden_size, config.ffn_size, gated=gated)
+
+    def forward(num_layers: int, sliding: int, moe_layers: int) -> int:
+        return moe_layers * moe_extra + forward_flops_per_token(
+            hidden_size=config.hidden_size, num_layers=num_layers, num_heads=config.num_heads,
+            num_query_groups=config.num_query_groups, head_dim=config.head_dim, seq_length=seq_length,
+            vocab_size=config.vocab_size, ffn_size=config.ffn_size, gated_mlp=gated,
+            sliding_window=config.sliding_window, sliding_layers=sliding, latent_attention=getattr(config, "mla", None))
+
+    moe_layers = 0 if config.moe is None else len(config.moe.moe_layers(config.num_layers))
+    per_token = forward(config.num_layers, sliding_layers(config), moe_layers)
+    mtp = getattr(config, "mtp", None)
+    if mtp is not None:
+        last = config.mtp_layer_index
+        depth = forward(1, int(config.attention_window(last) is not None), int(config.is_moe_layer(last)))
+        per_token += mtp.num_layers * (depth + 4 * config.hidden_size ** 2)
     return FORWARD_AND_BACKWARD * batch_size * seq_length * per_token
 
 

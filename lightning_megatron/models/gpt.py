@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from functools import partial
 from typing import ContextManager, Mapping, Optional, Union
 
 import torch
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 from torchmetrics import MeanMetric
 
@@ -29,6 +29,7 @@ from lightning_megatron.models.formats import HFFormat, hf_format_for
 from lightning_megatron.models.latent_attention import MLAConfig, MultiLatentAttention, mla_tensor_parallel_plan
 from lightning_megatron.models.mlp import ACTIVATIONS, build_mlp, is_gated
 from lightning_megatron.models.moe import MoE, AuxLosses, MoEConfig, moe_tensor_parallel_plan, update_expert_biases
+from lightning_megatron.models.multi_token_prediction import MTPConfig, MultiTokenPrediction, shifted_labels, shifted_tokens
 from lightning_megatron.models.norms import NORMALIZATIONS, build_norm
 from lightning_megatron.models.optim_recipe import PretrainingRecipe, load_base_weights
 from lightning_megatron.models.router import routing_uncounted
@@ -48,7 +49,7 @@ from lightning_megatron.peft.adapters import adapted_layers
 from lightning_megatron.peft.lora import LoRAConfig, apply_lora
 from lightning_megatron.peft.nf4 import quantize_in_place
 from lightning_megatron.pipeline.blocks import PipelineBatch, PipelineBlocks
-from lightning_megatron.pipeline.layout import PipelineLayout
+from lightning_megatron.pipeline.layout import SCHEDULE_SPECS, PipelineLayout
 from lightning_megatron.tensor_parallel.chunked_cross_entropy import ChunkedHeadLoss, check_chunk_tokens
 from lightning_megatron.tensor_parallel.logits import soft_cap
 
@@ -119,6 +120,12 @@ class GPTConfig(TransformerSizes):
       windows and packed documents, O(S) memory), the dense path of ``models.softcap`` with a KV cache. Split with
       the query heads over tensor-parallel ranks (``"per_head"``); merged once, after every rank's keys, by context
       parallelism's ring and all-gather attention (``context_parallel.blocks.merge_sinks``).
+    * ``mtp``: an :class:`~lightning_megatron.models.multi_token_prediction.MTPConfig` (or a dict of its fields) adds
+      DeepSeek-V3's multi-token prediction to training (Megatron-Core's ``mtp_num_layers``,
+      ``mtp_loss_scaling_factor``): ``num_layers`` depths of one layer each, of the kind of the model's last layer
+      (dense or MoE), sharing the embedding and the output head; their loss enters the gradient only (``mtp_loss`` is
+      logged apart). None (the default): none. The Hugging Face conversions leave the depths out (transformers
+      drops DeepSeek-V3's ``model.layers.61.*`` when it loads one).
     """
 
     vocab_size: int = 257
@@ -154,6 +161,7 @@ class GPTConfig(TransformerSizes):
     mla: Optional[MLAConfig] = None
     add_attention_bias: bool = False
     attention_sinks: bool = False
+    mtp: Optional[MTPConfig] = None
 
     def __post_init__(self) -> None:
         if self.kv_channels is None:
@@ -195,6 +203,8 @@ class GPTConfig(TransformerSizes):
             raise ValueError("rope_scaling scales rotary frequencies: set position_embedding_type='rope' or drop it.")
         self._check_attention_types()
         self._check_latent_attention()
+        if isinstance(self.mtp, dict):
+            object.__setattr__(self, "mtp", MTPConfig(**self.mtp))
 
     def _check_latent_attention(self) -> None:
         """``mla``: a dict (YAML) made an ``MLAConfig``; the attention fields it replaces must be left unset."""
@@ -315,6 +325,12 @@ class GPTConfig(TransformerSizes):
     def is_moe_layer(self, index: int) -> bool:
         return self.moe is not None and self.moe.is_moe_layer(index, self.num_layers)
 
+    @property
+    def mtp_layer_index(self) -> int:
+        """The decoder layer whose kind (dense or MoE, attention window, rotary base) each multi-token prediction
+        depth's layer takes: the last one (DeepSeek-V3's depth is an MoE layer, as its last layers are)."""
+        return self.num_layers - 1
+
     def flops_per_batch(self, batch_size: int, seq_length: int) -> int:
         """Training FLOPs of a batch (``models/flops.py``'s :func:`gpt_flops_per_batch`)."""
         return gpt_flops_per_batch(self, batch_size, seq_length)
@@ -342,17 +358,18 @@ class GPTConfig(TransformerSizes):
         def mlp(width: int, with_bias: bool) -> int:
             return matrices * width * h + (with_bias * ((matrices - 1) * width + h))
 
-        layers = 0
-        for index in range(self.num_layers):
+        def layer(index: int) -> int:
             if self.is_moe_layer(index):
                 moe = self.moe
                 experts = moe.top_k if active else moe.num_experts
-                layers += (moe.num_experts * (h + moe.router_bias) + experts * mlp(self.moe_ffn_size, moe.add_bias_linear)
-                           + (mlp(moe.shared_expert_size, False) if moe.shared_expert_size else 0)
-                           + h * moe.shared_expert_gate)
-            else:
-                layers += mlp(ffn, bias)
-            layers += norms_per_layer * norm + attention
+                return (moe.num_experts * (h + moe.router_bias) + experts * mlp(self.moe_ffn_size, moe.add_bias_linear)
+                        + (mlp(moe.shared_expert_size, False) if moe.shared_expert_size else 0)
+                        + h * moe.shared_expert_gate + norms_per_layer * norm + attention)
+            return mlp(ffn, bias) + norms_per_layer * norm + attention
+
+        layers = sum(layer(index) for index in range(self.num_layers))
+        if self.mtp is not None:  # per depth: enorm, hnorm, norm, eh_proj and a layer like the last one
+            layers += self.mtp.num_layers * (3 * norm + 2 * h * h + layer(self.mtp_layer_index))
         embeddings = self.vocab_size * h * (1 if self.tie_embeddings else 2)
         positions = self.max_seq_length * h if self.position_embedding_type == "learned_absolute" else 0
         return embeddings + positions + layers + norm
@@ -582,6 +599,8 @@ def gpt_tensor_parallel_plan(config: GPTConfig) -> dict[str, object]:
                 layers.update(mla_tensor_parallel_plan(prefix, config.mla))
             if moe:
                 layers.update(moe_tensor_parallel_plan(f"{prefix}.mlp", config.moe, gated_mlp=gated))
+    if config.mtp is not None:
+        layers.update(_mtp_tensor_parallel_plan(config, gated=gated, attention=attention))
     return {
         "embedding.wte": "vocab",
         "embedding": "sequence_scatter",
@@ -590,6 +609,26 @@ def gpt_tensor_parallel_plan(config: GPTConfig) -> dict[str, object]:
         "lm_head": "vocab",
         **({} if config.loss_chunk_tokens else {"loss_fn": "vocab"}),
     }
+
+
+def _mtp_tensor_parallel_plan(config: GPTConfig, *, gated: bool, attention: bool) -> dict[str, object]:
+    """The multi-token prediction depths: each layer split as a decoder layer; the norms and ``eh_proj`` replicated,
+    run on sequence chunks under sequence parallelism (their gradients summed over tp). The embedding is the model's
+    own module, split as ``embedding.wte``, its output scattered along the sequence as the model's input is."""
+    plan: dict[str, object] = {}
+    moe = config.is_moe_layer(config.mtp_layer_index)
+    for k in range(config.mtp.num_layers):
+        prefix = f"mtp.depths.{k}"
+        plan.update(layer_tensor_parallel_plan(f"{prefix}.layer", num_heads=config.num_heads,
+                                               num_query_groups=config.num_query_groups, gated_mlp=gated, mlp=not moe,
+                                               qk_norm=config.qk_layernorm, attention=attention,
+                                               sinks=config.attention_sinks))
+        if not attention:
+            plan.update(mla_tensor_parallel_plan(f"{prefix}.layer", config.mla))
+        if moe:
+            plan.update(moe_tensor_parallel_plan(f"{prefix}.layer.mlp", config.moe, gated_mlp=gated))
+        plan.update({f"{prefix}.{name}": "sequence_parallel" for name in ("enorm", "hnorm", "eh_proj", "norm")})
+    return plan
 
 
 class GPTModel(nn.Module):
@@ -610,6 +649,11 @@ class GPTModel(nn.Module):
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.lm_head.weight = self.embedding.wte.weight
+        self.mtp_statistics: Optional[tuple[Tensor, Tensor]] = None  # see pipeline_result
+        self.mtp = None if config.mtp is None else MultiTokenPrediction(
+            config.mtp, config.hidden_size, self.embedding,
+            make_layer=lambda _: gpt_layer(config, config.mtp_layer_index, self.moe_aux_losses),
+            make_norm=partial(build_norm, config.normalization, config.hidden_size, eps=config.layer_norm_eps))
         if config.loss_chunk_tokens:
             self.loss_fn = ChunkedHeadLoss(chunk_tokens=config.loss_chunk_tokens, ignore_index=IGNORE_INDEX,
                                            softcap=config.final_logit_softcapping)
@@ -644,7 +688,7 @@ class GPTModel(nn.Module):
 
     @staticmethod
     def pipeline_blocks() -> PipelineBlocks:
-        return PipelineBlocks(first=("embedding",), layers="blocks", last=("ln_f", "lm_head", "loss_fn"))
+        return PipelineBlocks(first=("embedding",), layers="blocks", last=("ln_f", "lm_head", "loss_fn", "mtp"))
 
     # The pipeline protocol (pipeline/blocks.py); forward and loss are built from it. The side inputs are the
     # per-document masks of packed samples (data/gpt_dataset.py): ``position_ids`` [B, S] that restart at every
@@ -672,24 +716,59 @@ class GPTModel(nn.Module):
         where the config says (``final_logit_softcapping``)."""
         if logits_to_keep:
             x = x[:, -logits_to_keep:]
-        return soft_cap(self.lm_head(self.ln_f(x)), self.config.final_logit_softcapping)
+        return self._logits(self.ln_f(x))
 
-    def loss_head(self, x: Tensor, **side) -> Tensor:
+    def _logits(self, normed: Tensor) -> Tensor:
+        return soft_cap(self.lm_head(normed), self.config.final_logit_softcapping)
+
+    def loss_head(self, x: Tensor, *, mtp_tokens: Optional[Tensor] = None, **side) -> Tensor:
         """What the last stage hands to :meth:`pipeline_loss`: the logits, or under ``loss_chunk_tokens`` the final
-        norm's output (the chunked loss applies the head itself)."""
-        return self.ln_f(x) if self.config.loss_chunk_tokens else self.head(x, **side)
+        norm's output (the chunked loss applies the head itself). With multi-token prediction (``mtp_tokens``, from
+        :meth:`pipeline_batch`) the depths' follow the main one's along a new dim 1: ``[B, 1 + D, S, ...]``."""
+        chunked = self.config.loss_chunk_tokens
+        main = self.ln_f(x) if chunked else self.head(x, **side)
+        if mtp_tokens is None:
+            return main
+        depths = self.mtp(x, mtp_tokens, position_ids=side.get("position_ids"), layer_kwargs=self.layer_kwargs(**side))
+        return torch.stack([main, *(depths if chunked else map(self._logits, depths))], dim=1)
 
     def pipeline_batch(self, input_ids: Tensor, labels: Tensor, *, position_ids: Optional[Tensor] = None,
                        document_ids: Optional[Tensor] = None) -> PipelineBatch:
-        return PipelineBatch(inputs=(input_ids,), target=labels, num_tokens=(labels != IGNORE_INDEX).sum(),
-                             side=_present(position_ids=position_ids, document_ids=document_ids))
+        """With multi-token prediction the target is ``[B, 1 + D, S]`` (the labels, then each depth's,
+        ``shifted_labels``) and the last stage also reads the shifted input tokens (``mtp_tokens``, ``[B, D, S]``)."""
+        num_tokens = (labels != IGNORE_INDEX).sum()
+        side = _present(position_ids=position_ids, document_ids=document_ids)
+        if self.config.mtp is None or not self.training:  # evaluation reports the main loss alone
+            return PipelineBatch(inputs=(input_ids,), target=labels, num_tokens=num_tokens, side=side)
+        depths = self.config.mtp.num_layers
+        target = torch.cat([labels[:, None], shifted_labels(labels, depths, document_ids)], dim=1)
+        return PipelineBatch(inputs=(input_ids,), target=target, num_tokens=num_tokens,
+                             side={**side, "mtp_tokens": shifted_tokens(input_ids, depths)})
 
     def pipeline_loss(self, outputs: Tensor, labels: Tensor) -> tuple[Tensor, dict]:
+        """The main loss's sum; with multi-token prediction (a ``[B, 1 + D, S]`` target) the depths' sums join it in
+        the gradient only, scaled by ``loss_scaling_factor / D``, and come back as ``extras`` (per depth: the sum of
+        token losses and the tokens counted)."""
+        if labels.dim() == 2:
+            return self._token_loss_sum(outputs, labels), {}
+        main = self._token_loss_sum(outputs[:, 0].contiguous(), labels[:, 0].contiguous())
+        depth_sums = torch.stack([self._token_loss_sum(outputs[:, k].contiguous(), labels[:, k].contiguous())
+                                  for k in range(1, labels.shape[1])])
+        scale = self.config.mtp.loss_scaling_factor / self.config.mtp.num_layers
+        mtp = scale * depth_sums.sum()
+        counts = (labels[:, 1:] != IGNORE_INDEX).sum(dim=(0, 2))
+        return main + (mtp - mtp.detach()), {"mtp_loss_sum": depth_sums.detach().float(), "mtp_tokens": counts}
+
+    def _token_loss_sum(self, outputs: Tensor, labels: Tensor) -> Tensor:
         if self.config.loss_chunk_tokens:
-            return self.loss_fn(outputs, labels, self.lm_head), {}
-        return self.loss_fn(outputs.flatten(0, 1), labels.flatten()), {}
+            return self.loss_fn(outputs, labels, self.lm_head)
+        return self.loss_fn(outputs.flatten(0, 1), labels.flatten())
 
     def pipeline_result(self, loss_sum: Tensor, num_tokens: Tensor, extras: dict) -> tuple[Tensor, Tensor]:
+        """``(loss_sum, num_tokens)``; the multi-token prediction's sums and counts of this batch (every rank's:
+        the pipeline runner broadcasts them from the last stage) are kept as ``mtp_statistics`` for logging."""
+        if "mtp_loss_sum" in extras:
+            self.mtp_statistics = (extras["mtp_loss_sum"], extras["mtp_tokens"])
         return loss_sum, num_tokens
 
     @staticmethod
@@ -699,7 +778,7 @@ class GPTModel(nn.Module):
 
     def forward(self, input_ids: Tensor, *, position_ids: Optional[Tensor] = None,
                 document_ids: Optional[Tensor] = None, kv_cache=None, logits_to_keep: int = 0,
-                for_loss: bool = False) -> Tensor:
+                for_loss: bool = False, mtp_tokens: Optional[Tensor] = None) -> Tensor:
         """``kv_cache`` and ``logits_to_keep``: generation's (``lightning_megatron.generation``); ``for_loss``: return
         what :meth:`pipeline_loss` takes (:meth:`loss_head`), for :meth:`loss`, which runs through ``__call__`` so
         that ZeRO-3's hooks gather the parameters."""
@@ -710,13 +789,13 @@ class GPTModel(nn.Module):
         layer_kwargs = self.layer_kwargs(**side)
         for block in self.blocks.values():
             x = block(x, **layer_kwargs)
-        return self.loss_head(x, **side) if for_loss else self.head(x, **side)
+        return self.loss_head(x, mtp_tokens=mtp_tokens, **side) if for_loss else self.head(x, **side)
 
     def loss(self, input_ids: Tensor, labels: Tensor, **side: Optional[Tensor]) -> tuple[Tensor, Tensor]:
         """``(sum of token losses, number of counted tokens)``; labels of ``-100`` are ignored. ``side``: the
         optional ``position_ids`` and ``document_ids`` of packed samples."""
         batch = self.pipeline_batch(input_ids, labels, **side)
-        loss_sum, extras = self.pipeline_loss(self(input_ids, **batch.side, for_loss=True), labels)
+        loss_sum, extras = self.pipeline_loss(self(input_ids, **batch.side, for_loss=True), batch.target)
         aux = self.moe_aux_losses.drain()
         if aux is not None:  # in the gradient, not in the value: the loss reported stays the language model's
             loss_sum = loss_sum + (aux - aux.detach())
@@ -888,6 +967,22 @@ class GPT(BatchFlops, PretrainingRecipe):
         ``Qwen2MoeForCausalLM`` and ``GptOssForCausalLM`` (reading: by ``model_type``; writing: by the config)."""
         return hf_format_for(GPTConfig)
 
+    def to_hf(self, out_dir, *, state_dict: Optional[Mapping[str, Tensor]] = None, **kwargs) -> None:
+        """``PretrainingRecipe.to_hf``; a model with multi-token prediction is written without its depths (one
+        warning says so): what transformers loads of DeepSeek-V3 too (it drops ``model.layers.61.*``), and what
+        inference and fine-tuning need. Refusing would leave such a run no export at all."""
+        if self.config.mtp is None:
+            return super().to_hf(out_dir, state_dict=state_dict, **kwargs)
+        state = self.state_dict() if state_dict is None else state_dict
+        rank_zero_warn(f"to_hf: the multi-token prediction depths (GPTConfig.mtp, {self.config.mtp.num_layers} "
+                       f"layer(s)) are left out of {os.fspath(out_dir)!r}: transformers' models have no place for them.")
+        kept = {name: value for name, value in state.items() if not name.startswith("model.mtp.")}
+        config, self.config = self.config, replace(self.config, mtp=None)
+        try:
+            super().to_hf(out_dir, state_dict=kept, **kwargs)
+        finally:
+            self.config = config
+
     def tensor_parallel_plan(self) -> dict[str, object]:
         return {f"model.{pattern}": style for pattern, style in gpt_tensor_parallel_plan(self.config).items()}
 
@@ -901,6 +996,11 @@ class GPT(BatchFlops, PretrainingRecipe):
     def validate_parallel_config(self, parallel_config) -> None:
         self.config.validate_tensor_parallel_size(parallel_config.tensor_parallel_size)
         self.config.validate_expert_layout(parallel_config.tensor_parallel_size, parallel_config.expert_parallel_size)
+        if parallel_config.context_parallel_size > 1 and self.config.mtp is not None:
+            raise ValueError(
+                f"context_parallel_size={parallel_config.context_parallel_size} with multi-token prediction "
+                f"(GPTConfig.mtp) is not supported: each depth reads the tokens k positions ahead, which cross the "
+                f"ranks' sequence chunks. Use context_parallel_size=1 or GPTConfig.mtp=None.")
         if parallel_config.context_parallel_size > 1 and self.config.moe is not None:
             raise ValueError(
                 f"context_parallel_size={parallel_config.context_parallel_size} with a Mixture-of-Experts model is not "
@@ -912,6 +1012,14 @@ class GPT(BatchFlops, PretrainingRecipe):
             virtual_pipeline_size=parallel_config.virtual_pipeline_size,
             layers_per_stage=parallel_config.pipeline_layers_per_stage,
         )
+
+    def validate_pipeline_schedule(self, schedule: str) -> None:
+        """Multi-token prediction runs under 1F1B, GPipe and interleaved 1F1B; the zero-bubble schedules' split
+        backward with the depths on the last stage is not built (their runs did not finish), so it is refused."""
+        if self.config.mtp is not None and SCHEDULE_SPECS[schedule].split_backward:
+            raise ValueError(f"pipeline_schedule={schedule!r} with multi-token prediction (GPTConfig.mtp) is not "
+                             f"supported: its split backward does not run the depths on the last stage. Use "
+                             f"'1f1b', 'gpipe' or 'interleaved_1f1b', or GPTConfig.mtp=None.")
 
     def sequence_inputs(self) -> SequenceInputs:
         """How context parallelism cuts a batch: tokens, labels and positions by position (learned and rotary
@@ -927,6 +1035,9 @@ class GPT(BatchFlops, PretrainingRecipe):
         loss_sum, num_tokens = self.model.loss(batch["input_ids"], batch["labels"], **side_inputs(batch))
         loss = loss_sum / num_tokens.clamp(min=1)
         self.log("train_loss", self.global_token_mean(loss_sum, num_tokens), prog_bar=True)
+        if self.config.mtp is not None:  # every depth's token losses per counted token (the gradient's scale aside)
+            depth_sums, depth_tokens = self.model.mtp_statistics
+            self.log("mtp_loss", self.global_token_mean(depth_sums.sum(), depth_tokens.sum()))
         if self.config.moe is not None:
             statistics = self.model.moe_aux_losses.statistics()  # every rank: it sums over the model-parallel ranks
             self.log("moe_load_balancing", statistics[0], sync_dist=True)

@@ -199,6 +199,9 @@ class Megatron3DStrategy(ParallelStrategy):
         validate = getattr(self.lightning_module, "validate_parallel_config", None)
         if validate is not None:
             validate(config)  # every rank raises the same error before any collective
+        validate_schedule = getattr(self.lightning_module, "validate_pipeline_schedule", None)
+        if validate_schedule is not None and config.pipeline_parallel_size > 1:
+            validate_schedule(self.options.pipeline_schedule)
         check_trainer_features(getattr(self.lightning_module, "_trainer", None), config)  # SWA, detect_anomaly
         reset_seed()
         self._parallel_state = init_processes(self.cluster_environment, config, self.root_device,

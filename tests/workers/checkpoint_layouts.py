@@ -1,6 +1,7 @@
 """Train under one layout, saving sharded checkpoints, or resume one saved under another layout.
 
-argv: OUT_DIR JSON_OPTIONS with tp, pp, zero_stage, steps, layers and optionally vpp, cp, async (save in the
+argv: OUT_DIR JSON_OPTIONS with tp, pp, zero_stage, steps, layers and optionally mtp (multi-token prediction depths:
+its logged ``mtp_loss`` per step joins the losses in rank{r}.json), vpp, cp, async (save in the
 background), offload ("cpu" or "nvme": the optimizer's tier; nvme's files under OUT_DIR/offload, in tiles of 1000
 elements), save_every (steps between
 checkpoints, into OUT_DIR/checkpoints), ckpt_path (resume from it) and snapshot_step (gather the full
@@ -28,7 +29,7 @@ from entry import run_script
 def main(out_dir: Path, args: list[str]) -> None:
     options = json.loads(args[0])
     rank = int(os.environ["RANK"])
-    losses = []
+    losses, mtp_losses = [], []
 
     class Record(L.Callback):
         def on_train_start(self, trainer, pl_module):
@@ -39,6 +40,8 @@ def main(out_dir: Path, args: list[str]) -> None:
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             losses.append(float(trainer.strategy.reduce(outputs["loss"].detach(), reduce_op="mean")))  # the global batch's
+            if "mtp" in options:
+                mtp_losses.append(float(trainer.callback_metrics["mtp_loss"]))
             if trainer.global_step == options.get("snapshot_step"):
                 weights = trainer.strategy.full_state_dict()
                 if rank == 0:
@@ -70,7 +73,8 @@ def main(out_dir: Path, args: list[str]) -> None:
         torch.save(weights, out_dir / "weights.pt")
     if options.get("ckpt_path"):  # saving works at this layout too
         trainer.save_checkpoint(out_dir / "final.ckpt")
-    (out_dir / f"rank{rank}.json").write_text(json.dumps({"losses": losses, "global_step": trainer.global_step}))
+    (out_dir / f"rank{rank}.json").write_text(json.dumps({"losses": losses, "global_step": trainer.global_step,
+                                                          "mtp_losses": mtp_losses}))
     dist.barrier()
 
 

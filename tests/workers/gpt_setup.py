@@ -7,6 +7,7 @@ import torch
 from lightning_megatron.models import GPTConfig, RopeScaling
 from lightning_megatron.models.latent_attention import MLAConfig
 from lightning_megatron.models.moe import MoEConfig
+from lightning_megatron.models.multi_token_prediction import MTPConfig
 from lightning_megatron.models.rotary import RopeScaling
 from lightning_megatron.peft.lora import LoRAConfig
 
@@ -43,9 +44,12 @@ WINDOW_CONFIG = replace(LLAMA_CONFIG, sliding_window=5, rotary_base_local=100.0,
 # types, window and local rotary base, the full layers' rotary positions linearly scaled, query_pre_attn_scalar 12.
 GEMMA3_CONFIG = replace(GEMMA_CONFIG, sliding_window=5, layer_types=WINDOW_CONFIG.layer_types, rotary_base_local=100.0,
                         softmax_scale=12 ** -0.5, rope_scaling=RopeScaling(factor=4.0, rope_type="linear"))
+# Multi-token prediction, 2 depths, on the untied Llama model: under pp2 the last stage embeds the shifted tokens with
+# its own copy of the first stage's embedding, kept equal only by the pipeline tie.
+MTP_CONFIG = replace(LLAMA_CONFIG, mtp=MTPConfig(num_layers=2, loss_scaling_factor=0.5))
 CONFIGS = {"gpt": CONFIG, "llama": LLAMA_CONFIG, "mqa": MQA_CONFIG, "deep": DEEP_CONFIG, "chunk": CHUNKED_CONFIG,
            "qwen3": QWEN3_CONFIG, "gemma": GEMMA_CONFIG, "gemmachunk": replace(GEMMA_CONFIG, loss_chunk_tokens=7),
-           "gemma3": GEMMA3_CONFIG}
+           "gemma3": GEMMA3_CONFIG, "mtp": MTP_CONFIG}
 
 # Llama-shaped, 4 layers of which 3 are MoE (layer 2 dense), 4 experts top-2 each 32 wide, a gated shared expert
 # (Qwen2-MoE's), and both auxiliary losses on so that their gradients are part of every comparison.

@@ -18,7 +18,9 @@ ZeRO); ``s{N}``: the first N steps only. ``ogather``: the last dp rank starts it
 forwards and final weights must wait for theirs. ``offnvme``: files in tiles of 1000 elements, so that pieces span
 tiles and tiles span pieces, ``{layout}-offload{rank}.json`` recording the bytes the files moved. ``compile`` /
 ``compile_aot``: ``{layout}-dynamo{rank}.json`` records what dynamo made of the layers. ``lora``:
-``{layout}-frozen{rank}.json`` records what the frozen parameters hold. For each layout, rank 0 writes the losses
+``{layout}-frozen{rank}.json`` records what the frozen parameters hold. A model with multi-token prediction
+(``mtp``): rank 0 writes each step's ``mtp_loss`` (per counted token, over the global batch) to ``{layout}-mtp.json``.
+For each layout, rank 0 writes the losses
 and the full (gathered) weights to ``{layout}.pt``; the pytest process compares them with a single-process
 reference.
 """
@@ -66,7 +68,7 @@ SETTINGS = {
     "fp8t": {"fp8": "tensorwise"},
     "fp8r": {"fp8": "rowwise"},
 }
-MODELS = ("llama", "mqa", "deep", "chunk", "qwen3", "gemma", "gemmachunk", "gemma3")
+MODELS = ("llama", "mqa", "deep", "chunk", "qwen3", "gemma", "gemmachunk", "gemma3", "mtp")
 WORKER_WORDS = re.compile(r"doc|sgd|fused|foreach|lora|mb\d+|s\d+")
 
 
@@ -135,7 +137,7 @@ def train(out_dir: Path, layout: str, build_model=build) -> tuple[list[float], d
     main, dp, micro_batches = step.main_params, config.data_parallel_size, worker["micro_batches"]
     late = options.overlap_param_gather and state.data_parallel_rank == dp - 1
 
-    losses = []
+    losses, mtp_losses = [], []
     steps = document_batches() if worker.get("doc") else [(ids, lbl, {}) for ids, lbl in batches()]
     steps = steps[:worker.get("steps", len(steps))]
     for input_ids, labels, side in steps:
@@ -144,8 +146,10 @@ def train(out_dir: Path, layout: str, build_model=build) -> tuple[list[float], d
         if runner is not None:
             step_sum, step_tokens = runner.loss(input_ids[rows], labels[rows], **side)
             step.add_tokens(step_tokens)
+            mtp_totals = mtp_statistics(model)
         else:
             step_sum, step_tokens = torch.zeros(()), torch.zeros((), dtype=torch.long)
+            mtp_totals = torch.zeros(2)
             chunked = {name: value.chunk(micro_batches) for name, value in side.items()}
             chunks = list(zip(input_ids[rows].chunk(micro_batches), labels[rows].chunk(micro_batches)))
             for i, (ids, lbl) in enumerate(chunks):
@@ -154,10 +158,12 @@ def train(out_dir: Path, layout: str, build_model=build) -> tuple[list[float], d
                 (loss_sum * step.backward_scale(tokens, accumulation=micro_batches, loss_scale=1.0)).backward()
                 step.add_tokens(tokens)
                 step_sum, step_tokens = step_sum + loss_sum.detach(), step_tokens + tokens
-        totals = torch.stack([step_sum.detach().float(), step_tokens.float()])
+                mtp_totals = mtp_totals + mtp_statistics(model)
+        totals = torch.cat([torch.stack([step_sum.detach().float(), step_tokens.float()]), mtp_totals])
         if state.data_parallel_group is not None:  # before the step: no dp collective between it and the forward
             dist.all_reduce(totals, group=state.data_parallel_group)
         losses.append((totals[0] / totals[1]).item())
+        mtp_losses.append((totals[2] / totals[3]).item())
         step.finish(accumulation=1 if runner is not None else micro_batches, loss_scale=1.0)
         norm, _ = step.check_finite(opt.param_groups, step=len(losses), epoch=0)
         step.clip(opt.param_groups, CLIP, norm=norm)
@@ -186,6 +192,8 @@ def train(out_dir: Path, layout: str, build_model=build) -> tuple[list[float], d
             moved = {"read": files.bytes_read, "written": files.bytes_written, "steps": len(losses),
                      "elements": sum(m.numel() for _, m in main.pieces), "tiles": len(main.nvme.engine.tiles),
                      "state_keys": sorted(main.nvme.state_keys), "on_cpu": all(m.device.type == "cpu" for _, m in main.pieces)}
+    if CONFIGS[worker["model"]].mtp is not None and dist.get_rank() == 0:
+        (out_dir / f"{layout}-mtp.json").write_text(json.dumps(mtp_losses))
     weights = merge_pipeline_stages(gather_full_state_dict(model, state.tensor_parallel_group),
                                     state.pipeline_parallel_group)
     step.remove()  # the main parameters' too: the "nvme" tier's files go
@@ -197,6 +205,14 @@ def train(out_dir: Path, layout: str, build_model=build) -> tuple[list[float], d
                   "graph_breaks": sum(counters["graph_break"].values()), "recompiles": sum(counters["recompiles"].values())}
         (out_dir / f"{layout}-dynamo{dist.get_rank()}.json").write_text(json.dumps(dynamo))
     return losses, weights
+
+
+def mtp_statistics(model) -> torch.Tensor:
+    """``[sum of the depths' token losses, their tokens]`` of the last loss (zeros without multi-token prediction)."""
+    if model.config.mtp is None:
+        return torch.zeros(2)
+    sums, tokens = model.mtp_statistics
+    return torch.stack([sums.sum().float(), tokens.sum().float()])
 
 
 def main(out_dir: Path, args: list[str]) -> None:

@@ -23,7 +23,7 @@ def model(options: dict) -> GPT:
         config = GPTConfig.from_name(options["preset"], **sizes, num_query_groups=options.get("groups"),
                                      ffn_hidden_size=options.get("ffn", 48))
     else:
-        config = GPTConfig(**sizes)
+        config = GPTConfig(**sizes, mtp={"num_layers": options["mtp"]} if "mtp" in options else None)
     # adam_eps 1e-6: with 1e-8, AdamW turns fp32 rounding in near-zero gradients into full-size updates.
     model_class = UnevenlyMaskedGPT if options.get("uneven_tokens") else GPT
     return model_class(config, learning_rate=3e-3, warmup_steps=2, adam_eps=options.get("adam_eps", 1e-6))
