@@ -21,7 +21,8 @@ def reference_loss(model: GPTModel, input_ids, labels, document_ids=None, positi
     hidden = model.embedding(input_ids, position_ids)
     for block in model.blocks.values():
         hidden = block(hidden, **layer_kwargs)
-    main = F.cross_entropy(model.lm_head(model.ln_f(hidden)).flatten(0, 1), labels.flatten(), reduction="sum")
+    hidden = model.ln_f(hidden)  # the first depth reads what the head reads (Megatron-Core's decoder output)
+    main = F.cross_entropy(model.lm_head(hidden).flatten(0, 1), labels.flatten(), reduction="sum")
     batch, seq = input_ids.shape
     sums = []
     for k, depth in enumerate(model.mtp.depths.values(), start=1):
@@ -35,8 +36,8 @@ def reference_loss(model: GPTModel, input_ids, labels, document_ids=None, positi
                 module, torch.nn.LayerNorm) else F.rms_norm(x, (x.shape[-1],), module.weight, module.eps)
 
         joined = torch.cat([norm(depth.enorm, embedded), norm(depth.hnorm, hidden)], dim=-1)
-        hidden = depth.layer(joined @ depth.eh_proj.weight.T, **layer_kwargs)
-        logits = norm(depth.norm, hidden) @ model.lm_head.weight.T
+        hidden = norm(depth.norm, depth.layer(joined @ depth.eh_proj.weight.T, **layer_kwargs))  # the next depth's input
+        logits = hidden @ model.lm_head.weight.T
         total = logits.new_zeros(())
         for b in range(batch):
             for t in range(seq - k):

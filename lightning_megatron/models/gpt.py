@@ -726,11 +726,12 @@ class GPTModel(nn.Module):
         norm's output (the chunked loss applies the head itself). With multi-token prediction (``mtp_tokens``, from
         :meth:`pipeline_batch`) the depths' follow the main one's along a new dim 1: ``[B, 1 + D, S, ...]``."""
         chunked = self.config.loss_chunk_tokens
-        main = self.ln_f(x) if chunked else self.head(x, **side)
         if mtp_tokens is None:
-            return main
-        depths = self.mtp(x, mtp_tokens, position_ids=side.get("position_ids"), layer_kwargs=self.layer_kwargs(**side))
-        return torch.stack([main, *(depths if chunked else map(self._logits, depths))], dim=1)
+            return self.ln_f(x) if chunked else self.head(x, **side)
+        normed = self.ln_f(x)  # what the head reads is what the first depth reads (Megatron-Core's decoder output)
+        depths = self.mtp(normed, mtp_tokens, position_ids=side.get("position_ids"),
+                          layer_kwargs=self.layer_kwargs(**side))
+        return torch.stack([normed, *depths] if chunked else list(map(self._logits, [normed, *depths])), dim=1)
 
     def pipeline_batch(self, input_ids: Tensor, labels: Tensor, *, position_ids: Optional[Tensor] = None,
                        document_ids: Optional[Tensor] = None) -> PipelineBatch:

@@ -1,14 +1,15 @@
 """Multi-token prediction (DeepSeek-V3, section 2.2; Megatron-Core's ``mtp_num_layers``): a training objective.
 
 Besides the next token, the model learns to predict tokens further ahead through ``D`` small sequential modules.
-Depth ``k`` (1..D) takes the previous depth's hidden states (depth 0: the main model's last layer's output, before
-its final norm, which belongs to the main output head as each depth's own final norm belongs to its head) and the
-embeddings of the input tokens ``k`` positions ahead (learned positions: theirs, ``t + k``, as Megatron-Core rolls the
-position ids with the tokens; rotary positions in the layer stay ``t``'s); it RMS-normalises each (``hnorm``, ``enorm``), projects their
-concatenation ``[embedding; hidden]`` from ``2h`` to ``h`` (``eh_proj``), runs one transformer layer of the model's
-kind (``layer``), and its own final norm (``norm``) feeds the model's output head, which is shared, as is the
-embedding table. Position ``t`` of depth ``k`` predicts token ``t + k + 1``, i.e. the main model's label at ``t + k``,
-counted only where ``t + k`` is inside the sequence and in the same document as ``t`` (packed samples).
+Depth ``k`` (1..D) takes the previous depth's output as its head reads it (depth 0: the main model's hidden states
+after its final norm; depth ``k``'s: after its own ``norm``), as Megatron-Core's decoder and MTP layers hand them on,
+and the embeddings of the input tokens ``k`` positions ahead (learned positions: theirs, ``t + k``, as Megatron-Core
+rolls the position ids with the tokens; rotary positions in the layer stay ``t``'s); it RMS-normalises each
+(``hnorm``, ``enorm``), projects their concatenation ``[embedding; hidden]`` from ``2h`` to ``h`` (``eh_proj``), runs
+one transformer layer of the model's kind (``layer``), and its own final norm (``norm``) feeds the model's output
+head, which is shared, as is the embedding table. Position ``t`` of depth ``k`` predicts token ``t + k + 1``, i.e. the
+main model's label at ``t + k``, counted only where ``t + k`` is inside the sequence and in the same document as ``t``
+(packed samples).
 
 The loss the gradient sees is ``L_main + loss_scaling_factor / D * sum_k L_k``, with each ``L_k`` a sum of token
 losses normalised like the main loss (by the global batch's count of the main loss's tokens, Megatron-Core's
@@ -100,12 +101,13 @@ class MultiTokenPrediction(nn.Module):
     def forward(self, hidden: Tensor, tokens: Tensor, *, position_ids: Optional[Tensor] = None,
                 layer_kwargs: Optional[dict] = None) -> list[Tensor]:
         """Each depth's output after its ``norm`` (``[B, S, h]``, sequence-parallel shards under tensor
-        parallelism), from the main model's last hidden states and ``shifted_tokens`` ``[B, D, S]``."""
+        parallelism; also the next depth's input), from the main model's normalised hidden states and
+        ``shifted_tokens`` ``[B, D, S]``."""
         outputs = []
         if position_ids is None:
             position_ids = torch.arange(tokens.shape[-1], device=tokens.device).expand(tokens.shape[0], -1)
         for k, depth in enumerate(self.depths.values()):
             embedded = self.embedding(tokens[:, k], ahead(position_ids, k + 1))
-            hidden = depth(hidden, embedded, **(layer_kwargs or {}))
-            outputs.append(depth.norm(hidden))
+            hidden = depth.norm(depth(hidden, embedded, **(layer_kwargs or {})))
+            outputs.append(hidden)
         return outputs
