@@ -208,10 +208,12 @@ def train(out_dir: Path, layout: str, build_model=build) -> tuple[list[float], d
 
 
 def mtp_statistics(model) -> torch.Tensor:
-    """``[sum of the depths' token losses, their tokens]`` of the last loss (zeros without multi-token prediction)."""
-    if model.config.mtp is None:
+    """``[sum of the depths' token losses, their tokens]`` of the last loss (zeros without multi-token prediction,
+    and for models that have none: transformers' own, ``tests/workers/hf_causal_layouts.py``)."""
+    statistics = getattr(model, "mtp_statistics", None)
+    if statistics is None:
         return torch.zeros(2)
-    sums, tokens = model.mtp_statistics
+    sums, tokens = statistics
     return torch.stack([sums.sum().float(), tokens.sum().float()])
 
 
