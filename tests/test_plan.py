@@ -582,36 +582,46 @@ def test_the_gpu_catalogue_names_each_gpu_by_its_own_name_and_memory():
     assert {device: preset_for_device(device[0], device[1] * GB) for device in devices} == devices
 
 
+def measured_layer_bytes(config, batch: int, seq: int, mode: str = "none", **side) -> int:
+    """What the transformer layers keep for backward (bytes, the planner's own probe): the model in bf16 under
+    ``mode``'s recomputation, one loss and backward over seeded random tokens."""
+    from lightning_megatron.models import GPTModel
+    from lightning_megatron.plan.probes import SavedInLayers
+    from lightning_megatron.transforms.recompute import apply_activation_checkpointing
+
+    torch.manual_seed(0)
+    model = apply_activation_checkpointing(GPTModel(config).to(torch.bfloat16), mode=mode, layer_pattern="blocks.*")
+    input_ids = torch.randint(0, config.vocab_size, (batch, seq))
+    with SavedInLayers(model, list(model.blocks.values())) as saved:
+        model.loss(input_ids, input_ids, **side)[0].backward()
+    return saved.bytes["layers"]
+
+
+def planned_layer_bytes(config, batch: int, seq: int, mode: str = "none", **kwargs) -> int:
+    """What ``layer_saved_bytes`` counts for the same model and batch (bf16)."""
+    from lightning_megatron.plan.activations import layer_saved_bytes
+    from lightning_megatron.plan.layout import Layout
+    from lightning_megatron.plan.shape import ModelShape
+
+    module = type("Module", (), {"config": config})()
+    return layer_saved_bytes(ModelShape.of(module), Layout(activation_checkpointing=mode), 2, **kwargs) \
+        * batch * seq * config.num_layers
+
+
 def test_qk_norms_add_the_saved_activations_the_formula_counts():
     """Qwen3's per-head q/k RMSNorms keep what ``layer_saved_bytes`` adds for them (bf16, measured by the planner's
     own probe over the transformer layers): the same model without them is the baseline, so every other term cancels."""
     from dataclasses import replace
 
-    from lightning_megatron.models import GPTConfig, GPTModel
-    from lightning_megatron.plan.activations import layer_saved_bytes
-    from lightning_megatron.plan.layout import Layout
-    from lightning_megatron.plan.probes import SavedInLayers
-    from lightning_megatron.plan.shape import ModelShape
+    from lightning_megatron.models import GPTConfig
 
     qwen3 = GPTConfig.from_name("qwen3-0.6b", vocab_size=64, max_seq_length=32, hidden_size=64, num_layers=2,
                                 num_heads=4, num_query_groups=2, ffn_hidden_size=96, kv_channels=32)
-    batch, seq, layout, w = 2, 32, Layout(), 2
-
-    def measured(config):
-        torch.manual_seed(0)
-        model = GPTModel(config).to(torch.bfloat16)
-        input_ids = torch.randint(0, 64, (batch, seq))
-        with SavedInLayers(model, list(model.blocks.values())) as saved:
-            model.loss(input_ids, input_ids)[0].backward()
-        return saved.bytes["layers"]
-
-    def predicted(config):
-        module = type("Module", (), {"config": config})()
-        return layer_saved_bytes(ModelShape.of(module), layout, w) * batch * seq * config.num_layers
+    batch, seq = 2, 32
 
     plain = replace(qwen3, qk_layernorm=False)
-    added = predicted(qwen3) - predicted(plain)
-    assert added > 0 and measured(qwen3) - measured(plain) == added
+    added = planned_layer_bytes(qwen3, batch, seq) - planned_layer_bytes(plain, batch, seq)
+    assert added > 0 and measured_layer_bytes(qwen3, batch, seq) - measured_layer_bytes(plain, batch, seq) == added
 
 
 def test_the_published_moe_presets_plan_with_their_parameters_active_parameters_and_flops(capsys, no_process_group):
@@ -689,33 +699,16 @@ def test_latent_attention_keeps_what_the_formula_counts():
     with the query latent, without it, and with values as wide as the query/key heads (nothing padded)."""
     from dataclasses import replace
 
-    from lightning_megatron.models import GPTConfig, GPTModel
-    from lightning_megatron.plan.activations import layer_saved_bytes
-    from lightning_megatron.plan.layout import Layout
-    from lightning_megatron.plan.probes import SavedInLayers
-    from lightning_megatron.plan.shape import ModelShape
-    from lightning_megatron.transforms.recompute import apply_activation_checkpointing
+    from lightning_megatron.models import GPTConfig
 
     latent = GPTConfig.from_name("deepseek-v3-tiny", vocab_size=64, max_seq_length=32, num_layers=2, moe=None)
-    batch, seq, w = 2, 32, 2
-
-    def measured(config, mode):
-        torch.manual_seed(0)
-        model = apply_activation_checkpointing(GPTModel(config).to(torch.bfloat16), mode=mode, layer_pattern="blocks.*")
-        input_ids = torch.randint(0, 64, (batch, seq))
-        with SavedInLayers(model, list(model.blocks.values())) as saved:
-            model.loss(input_ids, input_ids)[0].backward()
-        return saved.bytes["layers"]
-
-    def predicted(config, mode):
-        module = type("Module", (), {"config": config})()
-        return layer_saved_bytes(ModelShape.of(module), Layout(activation_checkpointing=mode), w) \
-            * batch * seq * config.num_layers
+    batch, seq = 2, 32
 
     for mla in (latent.mla, replace(latent.mla, q_lora_rank=None), replace(latent.mla, v_head_dim=24)):
         config = replace(latent, mla=mla)
         for mode in ("none", "selective"):
-            assert measured(config, mode) == predicted(config, mode), (mla, mode)
+            measured = measured_layer_bytes(config, batch, seq, mode)
+            assert measured == planned_layer_bytes(config, batch, seq, mode), (mla, mode)
 
 
 def test_sigmoid_group_limited_routing_keeps_what_the_formula_adds():
@@ -724,11 +717,7 @@ def test_sigmoid_group_limited_routing_keeps_what_the_formula_adds():
     term cancels)."""
     from dataclasses import replace
 
-    from lightning_megatron.models import GPTConfig, GPTModel
-    from lightning_megatron.plan.activations import layer_saved_bytes
-    from lightning_megatron.plan.layout import Layout
-    from lightning_megatron.plan.probes import SavedInLayers
-    from lightning_megatron.plan.shape import ModelShape
+    from lightning_megatron.models import GPTConfig
 
     grouped = GPTConfig.from_name("deepseek-v3-tiny", vocab_size=64, max_seq_length=32)
     grouped = replace(grouped, num_layers=2, moe=replace(grouped.moe, layer_freq=1, expert_bias=False))
@@ -736,20 +725,8 @@ def test_sigmoid_group_limited_routing_keeps_what_the_formula_adds():
                                            router_group_topk=None))
     batch, seq = 2, 32
 
-    def measured(config):
-        torch.manual_seed(0)
-        model = GPTModel(config).to(torch.bfloat16)
-        input_ids = torch.randint(0, 64, (batch, seq))
-        with SavedInLayers(model, list(model.blocks.values())) as saved:
-            model.loss(input_ids, input_ids)[0].backward()
-        return saved.bytes["layers"]
-
-    def predicted(config):
-        module = type("Module", (), {"config": config})()
-        return layer_saved_bytes(ModelShape.of(module), Layout(), 2) * batch * seq * config.num_layers
-
-    added = predicted(grouped) - predicted(softmax)
-    assert added > 0 and measured(grouped) - measured(softmax) == added
+    added = planned_layer_bytes(grouped, batch, seq) - planned_layer_bytes(softmax, batch, seq)
+    assert added > 0 and measured_layer_bytes(grouped, batch, seq) - measured_layer_bytes(softmax, batch, seq) == added
 
 
 def test_soft_capped_attention_adds_the_saved_scores_the_formula_counts():
@@ -759,29 +736,18 @@ def test_soft_capped_attention_adds_the_saved_scores_the_formula_counts():
     of it is kept."""
     from dataclasses import replace
 
-    from lightning_megatron.models import GPTConfig, GPTModel
-    from lightning_megatron.plan.activations import layer_saved_bytes
-    from lightning_megatron.plan.layout import Layout
-    from lightning_megatron.plan.probes import SavedInLayers
-    from lightning_megatron.plan.shape import ModelShape
+    from lightning_megatron.models import GPTConfig
 
     capped = GPTConfig.from_name("llama-tiny", vocab_size=64, max_seq_length=32, num_layers=2,
                                  attn_logit_softcapping=20.0)
-    batch, seq, w = 2, 32, 2
+    batch, seq = 2, 32
     documents = torch.arange(seq).div(12, rounding_mode="floor").repeat(batch, 1)
 
     def measured(config):
-        torch.manual_seed(0)
-        model = GPTModel(config).to(torch.bfloat16)
-        input_ids = torch.randint(0, 64, (batch, seq))
-        with SavedInLayers(model, list(model.blocks.values())) as saved:
-            model.loss(input_ids, input_ids, document_ids=documents)[0].backward()
-        return saved.bytes["layers"]
+        return measured_layer_bytes(config, batch, seq, document_ids=documents)
 
     def predicted(config, mode="none"):
-        module = type("Module", (), {"config": config})()
-        return layer_saved_bytes(ModelShape.of(module), Layout(activation_checkpointing=mode), w, seq_length=seq) \
-            * batch * seq * config.num_layers
+        return planned_layer_bytes(config, batch, seq, mode, seq_length=seq)
 
     plain = replace(capped, attn_logit_softcapping=None)
     added = predicted(capped) - predicted(plain)
