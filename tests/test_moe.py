@@ -48,6 +48,7 @@ LAYOUTS = [
     "oss-ep2-tp2-dp2",            # ... sinks split with the heads, the experts' down-projection biases added once after tp
     "oss-ep2-tp2-dp2-sp-mb2",     # ... added to each rank's sequence chunk, their gradients summed over tp
     "oss-ep2-tp1-dp4-z3",         # ... ZeRO-3 with ep2
+    "oss-ep2-tp2-dp2-z3",         # ... at tp2: the replicated down-projection biases counted once in the norm
 ]
 COUNTS = ["count-ep2-tp1-dp4", "count-ep2-tp2-dp2", "count-ep2-tp2-dp2-sp"]
 GENERATION = ["gen-ep2-tp1-dp4", "gen-ep2-pp2-tp1-dp2", "gen-ep2-tp2-dp2-sp"]

@@ -48,6 +48,12 @@ def first_replicas(params: Iterable[nn.Parameter], *, data_parallel_rank: int,
             if (expert_data_parallel_rank if getattr(p, "expert_parallel", False) else data_parallel_rank) == 0]
 
 
+def counted_on_this_tensor_rank(param: nn.Parameter, is_first_tensor_rank: bool) -> bool:
+    """Whether this tp rank counts ``param``'s gradient in the global norm: a tp shard on every rank; a parameter
+    replicated over tp (an expert split over tp: its row bias too) on tp rank 0 only; experts kept whole on each tp
+    rank (``whole_expert``: ``expert_tensor_parallel_size=1``) are different experts there, each counted by its own."""
+    return shard_of(param) is not None or is_first_tensor_rank or getattr(param, "whole_expert", False)
+
 class NormCounting:
     """What this rank counts in the global gradient norm, decided once for a list of parameters.
 
@@ -62,9 +68,9 @@ class NormCounting:
         self.whole: list[nn.Parameter] = []
         self.segmented: list[tuple[nn.Parameter, TensorShard, int]] = []
         for param in dict.fromkeys(params):
+            if not counted_on_this_tensor_rank(param, is_first_tensor_rank):
+                continue
             shard = shard_of(param)
-            if shard is None and not is_first_tensor_rank and not getattr(param, "whole_expert", False):
-                continue  # replicated over tp (an expert split over tp: its row bias too): counted on tp rank 0
             if hasattr(param, "tied_names"):  # the last stage's copy of a tied embedding
                 continue
             if shard is None or shard.counted_flat_ranges() is None:

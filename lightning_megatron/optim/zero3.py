@@ -137,7 +137,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.distributed.tensor import DTensor
 
 from lightning_megatron.offload.settings import OffloadSettings
-from lightning_megatron.optim.clip import counted_squares, reduce_squares
+from lightning_megatron.optim.clip import counted_on_this_tensor_rank, counted_squares, reduce_squares
 from lightning_megatron.optim.grad_sync import flat_part, sum_over_group, sum_tokens
 from lightning_megatron.optim.partial_grads import partial_grad_groups
 from lightning_megatron.parallel.initialize import (
@@ -348,8 +348,8 @@ class ZeRO3:
         for param in self.module.parameters():
             if param.grad is None or hasattr(param, "tied_names"):
                 continue  # no gradient, or the last stage's copy of a tied embedding
-            if shard_of(param) is None and not is_first_tensor_rank and not _is_expert(param):
-                continue  # replicated over tp: counted on tp rank 0 (whole experts differ across tp ranks)
+            if not counted_on_this_tensor_rank(param, is_first_tensor_rank):
+                continue
             flat_start = self._dp_flat_start(param) if isinstance(param, DTensor) else 0
             squares += counted_squares(local_tensor(param.grad), shard_of(param), flat_start=flat_start,
                                        dtype=torch.float64)
