@@ -42,7 +42,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from dataclasses import replace
+from dataclasses import asdict, replace
 from typing import Callable, Optional
 
 import lightning as L
@@ -373,7 +373,8 @@ def router_table(args: argparse.Namespace) -> str:
     rows = [["router", "experts", "top-k", "assignments/layer", "min/mean load", "max/mean load", "CV of load",
              "LM loss, last"]]
     for name, moe in family_routers().items():
-        fields = {field: getattr(moe, field) for field in MoEConfig.__dataclass_fields__ if field != "ffn_hidden_size"}
+        fields = asdict(moe)
+        del fields["ffn_hidden_size"]  # the benchmark model's own
         run = train_balance(argparse.Namespace(**{**vars(args), "balance_steps": args.router_steps}), fields,
                             input_ids, labels)
         loads = torch.stack(run["counts"][-tail:]).sum(dim=0)  # [layers, E] over the last steps

@@ -133,7 +133,7 @@ def describe_parameters(planner: Planner) -> str:
 
     text = f"{count(planner.inventory(1).total_parameters)} parameters"
     config = planner.shape.config
-    if planner.shape.num_experts and hasattr(config, "num_active_parameters"):
+    if planner.shape.num_experts:  # a GPTConfig (BERT has no experts)
         seq = planner.workload.seq_length
         per_token = flops_per_batch(config, 1, seq) / seq
         text += (f" ({count(config.num_active_parameters())} active a token; {per_token / 1e9:.3g} GFLOPs a token to "

@@ -47,7 +47,7 @@ def apply_expert_parallel(module: nn.Module, state: ParallelState) -> None:
         for key in list(layer.experts.keys()):
             if key not in keep:
                 del layer.experts[key]
-        whole = state.config.expert_tensor_parallel < state.config.tensor_parallel_size  # whole experts on each tp rank
+        whole = state.config.whole_experts
         for param in layer.experts.parameters():
             param.expert_parallel = True
             if whole:  # the layer's sequence-parallel tag does not apply: each tp rank's gradient is its experts' own

@@ -76,13 +76,15 @@ class InterleavedRope(Transform):
         rope = blocks[:, self.nope:].index_select(1, order)
         return torch.cat([blocks[:, :self.nope], rope], dim=1).flatten(0, 1)
 
+    def _rotate_half_order(self) -> Tensor:
+        """The interleaved rows (even, odd, even, ...) that make rotate-half's halves: evens first, then odds."""
+        return torch.cat([torch.arange(0, self.rope, 2), torch.arange(1, self.rope, 2)])
+
     def to_ours(self, tensors: Sequence[Tensor]) -> Tensor:
-        order = torch.cat([torch.arange(0, self.rope, 2), torch.arange(1, self.rope, 2)])
-        return self._permuted(tensors[0], order)
+        return self._permuted(tensors[0], self._rotate_half_order())
 
     def to_hf(self, tensor: Tensor) -> tuple[Tensor, ...]:
-        order = torch.cat([torch.arange(0, self.rope, 2), torch.arange(1, self.rope, 2)])
-        return (self._permuted(tensor, torch.argsort(order)),)
+        return (self._permuted(tensor, torch.argsort(self._rotate_half_order())),)
 
 
 # ----------------------------------------------------------------------------- configs

@@ -89,9 +89,8 @@ def grouped_experts(experts: Sequence[nn.Module], tokens: Tensor, counts: Tensor
     offsets = torch.cumsum(counts.to(tokens.device, non_blocking=True), 0, dtype=torch.int32)
     hidden = grouped_linear(tokens.to(dtype), [e.fc.weight for e in experts], offsets, dtype)
     rows = None
-    if experts[0].fc.bias is not None:  # each row's expert (E past the counted rows): searched on the device
-        rows = torch.bucketize(torch.arange(tokens.shape[0], device=tokens.device, dtype=torch.int32), offsets,
-                               right=True)
+    if experts[0].fc.bias is not None:
+        rows = _expert_rows(tokens, offsets)
         hidden = hidden + _row_biases([e.fc.bias for e in experts], rows, dtype)
     out = grouped_linear(experts[0].activate(hidden), [e.proj.weight for e in experts], offsets, dtype)
     if rows is None or defers_bias(experts[0].proj):
@@ -114,9 +113,13 @@ def deferred_biases(experts: Sequence[nn.Module], tokens: Tensor, counts: Tensor
     if not experts or not defers_bias(experts[0].proj):
         return None
     offsets = torch.cumsum(counts.to(tokens.device, non_blocking=True), 0, dtype=torch.int32)
-    rows = torch.bucketize(torch.arange(tokens.shape[0], device=tokens.device, dtype=torch.int32), offsets,
-                           right=True)
-    return _row_biases([e.proj.bias for e in experts], rows, compute_dtype(tokens))
+    return _row_biases([e.proj.bias for e in experts], _expert_rows(tokens, offsets), compute_dtype(tokens))
+
+
+def _expert_rows(tokens: Tensor, offsets: Tensor) -> Tensor:
+    """``[N]``: each row's expert (``E`` past the counted rows), from the experts' cumulative row ``offsets``:
+    searched on the device."""
+    return torch.bucketize(torch.arange(tokens.shape[0], device=tokens.device, dtype=torch.int32), offsets, right=True)
 
 
 def _row_biases(biases: Sequence[Tensor], rows: Tensor, dtype: torch.dtype) -> Tensor:

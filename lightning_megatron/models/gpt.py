@@ -578,29 +578,14 @@ def gpt_layer(config: GPTConfig, index: int = 0, aux_losses: Optional[AuxLosses]
 def gpt_tensor_parallel_plan(config: GPTConfig) -> dict[str, object]:
     """What tensor parallelism may split in a ``GPTModel`` of this config (names relative to the model). The
     chunked loss has nothing to swap: it reads the group and the vocabulary slice from the head."""
-    gated = is_gated(config.activation)
-    attention = config.mla is None
     if config.moe is None:
-        layers = layer_tensor_parallel_plan("blocks.*", num_heads=config.num_heads,
-                                            num_query_groups=config.num_query_groups, gated_mlp=gated,
-                                            qk_norm=config.qk_layernorm, attention=attention,
-                                            sinks=config.attention_sinks)
-        layers.update({} if attention else mla_tensor_parallel_plan("blocks.*", config.mla))
+        layers = _layer_tensor_parallel_plan(config, "blocks.*", moe=False)
     else:  # MoE and dense layers have different MLPs: one entry per layer
         layers = {}
         for index in range(config.num_layers):
-            prefix, moe = f"blocks.{index}", config.is_moe_layer(index)
-            layer = layer_tensor_parallel_plan(prefix, num_heads=config.num_heads,
-                                               num_query_groups=config.num_query_groups, gated_mlp=gated, mlp=not moe,
-                                               qk_norm=config.qk_layernorm, attention=attention,
-                                               sinks=config.attention_sinks)
-            layers.update(layer)
-            if not attention:
-                layers.update(mla_tensor_parallel_plan(prefix, config.mla))
-            if moe:
-                layers.update(moe_tensor_parallel_plan(f"{prefix}.mlp", config.moe, gated_mlp=gated))
+            layers.update(_layer_tensor_parallel_plan(config, f"blocks.{index}", moe=config.is_moe_layer(index)))
     if config.mtp is not None:
-        layers.update(_mtp_tensor_parallel_plan(config, gated=gated, attention=attention))
+        layers.update(_mtp_tensor_parallel_plan(config))
     return {
         "embedding.wte": "vocab",
         "embedding": "sequence_scatter",
@@ -611,7 +596,20 @@ def gpt_tensor_parallel_plan(config: GPTConfig) -> dict[str, object]:
     }
 
 
-def _mtp_tensor_parallel_plan(config: GPTConfig, *, gated: bool, attention: bool) -> dict[str, object]:
+def _layer_tensor_parallel_plan(config: GPTConfig, prefix: str, *, moe: bool) -> dict[str, object]:
+    """One decoder layer's entries under ``prefix``: attention (or latent attention) and a dense MLP or the MoE's."""
+    gated = is_gated(config.activation)
+    plan = layer_tensor_parallel_plan(prefix, num_heads=config.num_heads, num_query_groups=config.num_query_groups,
+                                      gated_mlp=gated, mlp=not moe, qk_norm=config.qk_layernorm,
+                                      attention=config.mla is None, sinks=config.attention_sinks)
+    if config.mla is not None:
+        plan.update(mla_tensor_parallel_plan(prefix, config.mla))
+    if moe:
+        plan.update(moe_tensor_parallel_plan(f"{prefix}.mlp", config.moe, gated_mlp=gated))
+    return plan
+
+
+def _mtp_tensor_parallel_plan(config: GPTConfig) -> dict[str, object]:
     """The multi-token prediction depths: each layer split as a decoder layer; the norms and ``eh_proj`` replicated,
     run on sequence chunks under sequence parallelism (their gradients summed over tp). The embedding is the model's
     own module, split as ``embedding.wte``, its output scattered along the sequence as the model's input is."""
@@ -619,14 +617,7 @@ def _mtp_tensor_parallel_plan(config: GPTConfig, *, gated: bool, attention: bool
     moe = config.is_moe_layer(config.mtp_layer_index)
     for k in range(config.mtp.num_layers):
         prefix = f"mtp.depths.{k}"
-        plan.update(layer_tensor_parallel_plan(f"{prefix}.layer", num_heads=config.num_heads,
-                                               num_query_groups=config.num_query_groups, gated_mlp=gated, mlp=not moe,
-                                               qk_norm=config.qk_layernorm, attention=attention,
-                                               sinks=config.attention_sinks))
-        if not attention:
-            plan.update(mla_tensor_parallel_plan(f"{prefix}.layer", config.mla))
-        if moe:
-            plan.update(moe_tensor_parallel_plan(f"{prefix}.layer.mlp", config.moe, gated_mlp=gated))
+        plan.update(_layer_tensor_parallel_plan(config, f"{prefix}.layer", moe=moe))
         plan.update({f"{prefix}.{name}": "sequence_parallel" for name in ("enorm", "hnorm", "eh_proj", "norm")})
     return plan
 

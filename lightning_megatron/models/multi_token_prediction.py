@@ -47,10 +47,10 @@ class MTPConfig:
             raise ValueError(f"MTPConfig.loss_scaling_factor={factor!r} must be a finite number >= 0.")
 
 
-def ahead(values: Tensor, k: int) -> Tensor:
-    """``values[:, t + k]`` at ``t``, 0 past the end (those positions are never counted, and a causal layer lets
-    nothing earlier see them)."""
-    return torch.nn.functional.pad(values[:, k:], (0, k))
+def ahead(values: Tensor, k: int, fill: int = 0) -> Tensor:
+    """``values[:, t + k]`` at ``t``, ``fill`` past the end (those positions are never counted, and a causal layer
+    lets nothing earlier see them)."""
+    return torch.nn.functional.pad(values[:, k:], (0, k), value=fill)
 
 
 def shifted_tokens(input_ids: Tensor, depths: int) -> Tensor:
@@ -63,11 +63,10 @@ def shifted_labels(labels: Tensor, depths: int, document_ids: Optional[Tensor] =
     where position ``t + k`` is in another document than ``t`` (``document_ids``, packed samples)."""
     rows = []
     for k in range(1, depths + 1):
-        ahead = torch.nn.functional.pad(labels[:, k:], (0, k), value=IGNORE_INDEX)
-        if document_ids is not None:
-            same = torch.nn.functional.pad(document_ids[:, k:] == document_ids[:, :-k], (0, k), value=False)
-            ahead = ahead.masked_fill(~same, IGNORE_INDEX)
-        rows.append(ahead)
+        targets = ahead(labels, k, IGNORE_INDEX)
+        if document_ids is not None:  # past the end the targets are already ignored
+            targets = targets.masked_fill(ahead(document_ids, k) != document_ids, IGNORE_INDEX)
+        rows.append(targets)
     return torch.stack(rows, dim=1)
 
 

@@ -63,12 +63,12 @@ class ParallelConfig:
                 f"expert_tensor_parallel_size={etp} with tensor_parallel_size={tp} is not supported: the experts are "
                 f"split over all tp ranks (expert_tensor_parallel_size=None or {tp}) or kept whole on each "
                 f"(expert_tensor_parallel_size=1, the tp ranks then hold different experts).")
-        if etp < tp and ep == 1:
+        if self.whole_experts and ep == 1:
             raise ValueError(
                 f"expert_tensor_parallel_size=1 with tensor_parallel_size={tp} keeps every expert whole, so the {tp} "
                 f"tp ranks must hold different experts: set expert_parallel_size to a divisor of tp x dp = {tp * dp} "
                 f"above 1, or expert_tensor_parallel_size={tp}.")
-        if etp < tp:
+        if self.whole_experts:
             if (tp * dp) % ep:
                 raise ValueError(
                     f"expert_parallel_size={ep} must divide tensor_parallel_size x data_parallel_size = {tp * dp} "
@@ -112,6 +112,12 @@ class ParallelConfig:
         """Over how many tp ranks each expert is split (Megatron-Core's ``expert_tensor_parallel_size``): tp (the
         default) or 1, where each tp rank holds whole experts and the tp ranks join expert parallelism."""
         return self.tensor_parallel_size if self.expert_tensor_parallel_size is None else self.expert_tensor_parallel_size
+
+    @property
+    def whole_experts(self) -> bool:
+        """Whether each tp rank holds whole experts (``expert_tensor_parallel_size=1`` at tp > 1): the tp ranks then
+        hold different experts and join expert parallelism."""
+        return self.expert_tensor_parallel < self.tensor_parallel_size
 
     @property
     def expert_slots(self) -> int:

@@ -190,7 +190,7 @@ def _expert_groups(config: ParallelConfig, replica_group: Optional[dist.ProcessG
     ranks of one (pp, tp) coordinate, or with ``expert_tensor_parallel_size=1`` the tp x dp ranks of one pipeline
     stage. Every rank creates every group, in the same order."""
     ep, edp = config.expert_parallel_size, config.expert_data_parallel_size
-    folded = config.expert_tensor_parallel < config.tensor_parallel_size
+    folded = config.whole_experts
     if ep == 1:
         return None, replica_group
     if edp == 1 and not folded:  # (expert parallelism runs without context parallelism: the replicas are the dp ranks)
@@ -222,7 +222,7 @@ def _expert_data_mesh(config: ParallelConfig, mesh: DeviceMesh) -> Optional[Devi
     ep = config.expert_parallel_size
     if ep == 1 or config.zero_stage != 3:
         return None
-    if config.expert_tensor_parallel < config.tensor_parallel_size:  # the slots run over dp and tp (cp is 1 with ep)
+    if config.whole_experts:  # the slots run over dp and tp (cp is 1 with ep)
         slots = mesh["dp", "cp", "tp"]._flatten("expert_slots")
         return slots._unflatten(0, (config.expert_data_parallel_size, ep), ("edp", "ep"))["edp"]
     return mesh._unflatten("dp", (config.expert_data_parallel_size, ep), ("edp", "ep"))["edp"]

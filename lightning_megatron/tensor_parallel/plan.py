@@ -321,7 +321,7 @@ def parallelize(
     With ``expert_tensor_parallel_size=1`` the experts' ``InsideRegion`` entries (``experts=True``) are left out:
     each tp rank holds whole experts (``expert_parallel``); the MoE layer still enters and leaves its region.
     """
-    if state.config.expert_tensor_parallel < state.config.tensor_parallel_size:
+    if state.config.whole_experts:
         plan = {pattern: style for pattern, style in plan.items()
                 if not (isinstance(style, InsideRegion) and style.experts)}
     styles, per_head = _styles_by_module(module, plan), _per_head_parameters(module, plan)
