@@ -40,8 +40,9 @@ from torch import Tensor
 
 from lightning_megatron.huggingface.family import Family
 from lightning_megatron.huggingface.io import config_fields
-from lightning_megatron.huggingface.llama import (DECODER_PIECES, TIED_WHY, UNEXPRESSED, _gated_mlp_rules,
+from lightning_megatron.huggingface.llama import (DECODER_PIECES, TIED_WHY, UNEXPRESSED, ExpertNames, _gated_mlp_rules,
                                                   _rotary_from_hf, _rotary_to_hf, checkpoint_name)
+from lightning_megatron.huggingface.llama import _moe_rules as llama_moe_rules
 from lightning_megatron.huggingface.mapping import (Rule, Stacked, StateDictMapping, Texts, Tie, Transform,
                                                     check_extra_fields, pair, raise_problems, state_dict_shapes)
 from lightning_megatron.models.gpt import GPT, GPTConfig, GPTModel
@@ -209,14 +210,11 @@ def _attention_rules(mla: MLAConfig, heads: int) -> list[Rule]:
 
 
 def _moe_rules(config: GPTConfig) -> tuple[list[Rule], list[Stacked]]:
-    block = "model.layers.{i}.mlp"
-    rules = [*pair("blocks.{i}.mlp.router", f"{block}.gate"),
-             Rule("blocks.{i}.mlp.router.expert_bias", (f"{block}.gate.e_score_correction_bias",))]
-    for index in range(config.moe.num_experts):
-        rules += _gated_mlp_rules(f"blocks.{{i}}.mlp.experts.{index}", f"{block}.experts.{index}")
-    rules += _gated_mlp_rules("blocks.{i}.mlp.shared_expert", f"{block}.shared_experts")
-    gate, up, down = (f"{block}.experts.{{e}}.{name}.weight" for name in ("gate_proj", "up_proj", "down_proj"))
-    return rules, [Stacked(f"{block}.experts.gate_up_proj", (gate, up)), Stacked(f"{block}.experts.down_proj", (down,))]
+    """The Llama-shaped MoE layer's rules (its shared expert spelled ``shared_experts``) and the router's
+    score-correction bias (our ``expert_bias``)."""
+    rules, stacked = llama_moe_rules(config, ExpertNames("mlp", shared_expert_name="shared_experts"))
+    bias = Rule("blocks.{i}.mlp.router.expert_bias", ("model.layers.{i}.mlp.gate.e_score_correction_bias",))
+    return [*rules, bias], stacked
 
 
 def mapping(config: GPTConfig) -> StateDictMapping:

@@ -90,13 +90,15 @@ class ExpertNames:
     ``shared_expert``: every MoE layer also has a gated shared expert (Qwen2-MoE's ``shared_expert``, spelled
     like the experts, and ``shared_expert_gate``); ``router``: the router's module (GPT-OSS's ``router``);
     ``rules``: a family that stores its experts otherwise (GPT-OSS's stacked, interleaved ``gate_up_proj``) gives
-    its own rules and stacked tensors of a layer's experts, ``rules(config) -> (rules, stacked)``."""
+    its own rules and stacked tensors of a layer's experts, ``rules(config) -> (rules, stacked)``;
+    ``shared_expert_name``: the shared expert's module (DeepSeek-V3's ``shared_experts``)."""
 
     block: str
     projections: tuple[str, str, str] = DENSE_PROJECTIONS
     shared_expert: bool = False
     router: str = "gate"
     rules: Optional[Callable[[GPTConfig], tuple[list[Rule], list[Stacked]]]] = None
+    shared_expert_name: str = "shared_expert"
 
 
 @dataclass(frozen=True)
@@ -398,7 +400,7 @@ def _moe_rules(config: GPTConfig, names: ExpertNames) -> tuple[list[Rule], list[
         return rules + own, stacked
     for index in range(config.moe.num_experts):
         rules += _gated_mlp_rules(f"blocks.{{i}}.mlp.experts.{index}", f"{block}.experts.{index}", names.projections)
-    rules += _gated_mlp_rules("blocks.{i}.mlp.shared_expert", f"{block}.shared_expert", names.projections)
+    rules += _gated_mlp_rules("blocks.{i}.mlp.shared_expert", f"{block}.{names.shared_expert_name}", names.projections)
     rules += pair("blocks.{i}.mlp.shared_expert_gate", f"{block}.shared_expert_gate")
     gate, up, down = (f"{block}.experts.{{e}}.{name}.weight" for name in names.projections)
     return rules, [Stacked(f"{block}.experts.gate_up_proj", (gate, up)), Stacked(f"{block}.experts.down_proj", (down,))]
