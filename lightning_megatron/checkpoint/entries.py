@@ -15,7 +15,6 @@ load time. Scalars (Adam's ``step``) are the same on every rank and written once
 
 from __future__ import annotations
 
-import math
 from typing import Any, Callable, Optional
 
 import torch
@@ -25,7 +24,7 @@ from torch.optim import Optimizer
 
 from lightning_megatron.checkpoint.pieces import Placement, ShardedEntry
 from lightning_megatron.optim.main_params import MainParamOptimizer
-from lightning_megatron.optim.zero3 import dp_chunk_start, local_tensor, shard_coordinates
+from lightning_megatron.optim.zero3 import flat_chunk_start, local_tensor
 from lightning_megatron.parallel.initialize import original_name
 from lightning_megatron.parallel.shards import shard_of
 
@@ -40,9 +39,7 @@ def placement_of(tensor: Tensor, shard=None) -> Placement:
     global_shape = shard.global_shape if shard is not None else tuple(tensor.shape)
     if not isinstance(tensor, DTensor):
         return Placement(global_shape, shard)
-    rows = tensor.shape[0]  # ZeRO-3: FSDP2 gives each rank of its mesh a block of rows of the tp shard
-    row_size = math.prod(tensor.shape[1:])
-    start = dp_chunk_start(rows, *shard_coordinates(tensor)) * row_size
+    start = flat_chunk_start(tensor)  # ZeRO-3: FSDP2 gives each rank of its mesh a block of rows of the tp shard
     return Placement(global_shape, shard, start, start + tensor.to_local().numel())
 
 

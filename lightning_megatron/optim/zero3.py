@@ -179,6 +179,13 @@ def shard_coordinates(param: DTensor) -> tuple[int, int]:
     return param.device_mesh.get_local_rank(), param.device_mesh.size()
 
 
+def flat_chunk_start(tensor: DTensor) -> int:
+    """Where this rank's chunk of ``tensor`` (FSDP2's block of rows over its mesh) begins in the flat tp-local
+    tensor."""
+    rows = tensor.shape[0]
+    return dp_chunk_start(rows, *shard_coordinates(tensor)) * (tensor.numel() // rows if rows else 0)
+
+
 def offload_policy(offload: OffloadSettings, device_type: str) -> OffloadPolicy:
     """FSDP2's policy for ``offload.parameters``, the tier of ZeRO-3's parameters, on a ``device_type`` mesh.
 
@@ -310,16 +317,10 @@ class ZeRO3:
                 local_tensor(param.grad).mul_(scale)
         return also_sum
 
-    def _dp_flat_start(self, param: nn.Parameter) -> int:
-        """Where this rank's dp chunk of ``param`` begins in the flat tp-local tensor."""
-        rows = param.shape[0]
-        start = dp_chunk_start(rows, *shard_coordinates(param))
-        return start * (param.numel() // rows if rows else 0)
-
     def _local_part(self, param: nn.Parameter, start: int, stop: int) -> list[Tensor]:
         """The elements ``[start, stop)`` of the tp-local gradient that this rank's dp chunk holds (a view)."""
         local = local_tensor(param.grad)
-        first = self._dp_flat_start(param) if isinstance(param, DTensor) else 0
+        first = flat_chunk_start(param) if isinstance(param, DTensor) else 0
         lo, hi = max(start, first), min(stop, first + local.numel())
         return [flat_part(local, lo - first, hi - first)] if lo < hi else []
 
@@ -350,7 +351,7 @@ class ZeRO3:
                 continue  # no gradient, or the last stage's copy of a tied embedding
             if not counted_on_this_tensor_rank(param, is_first_tensor_rank):
                 continue
-            flat_start = self._dp_flat_start(param) if isinstance(param, DTensor) else 0
+            flat_start = flat_chunk_start(param) if isinstance(param, DTensor) else 0
             squares += counted_squares(local_tensor(param.grad), shard_of(param), flat_start=flat_start,
                                        dtype=torch.float64)
         return squares
