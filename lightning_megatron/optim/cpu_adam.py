@@ -27,6 +27,7 @@ from typing import Any, Callable, Optional
 
 import torch
 from torch import Tensor
+from torch._subclasses.fake_tensor import is_fake
 from torch.optim.adam import adam
 
 _SOURCE = r"""
@@ -118,7 +119,8 @@ class CPUAdamW(torch.optim.AdamW):
     """
 
     def _takes_kernel(self, group: dict, param: Tensor, grad: Tensor) -> bool:
-        return (param.device.type == "cpu" and param.dtype == torch.float32 and grad.dtype == torch.float32
+        # A fake tensor (``lightning-megatron simulate``) has no memory for the kernel: torch's path steps it.
+        return (param.device.type == "cpu" and not is_fake(param) and param.dtype == torch.float32 and grad.dtype == torch.float32
                 and grad.layout == torch.strided and param.is_contiguous() and grad.is_contiguous()
                 and not (group["amsgrad"] or group["maximize"] or group["capturable"] or group["differentiable"]))
 

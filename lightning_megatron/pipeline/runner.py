@@ -212,7 +212,9 @@ class PipelineRunner:
                 clone = lambda t: t.clone()  # noqa: E731
                 schedule.eval(*map(clone, inputs), target=batch.target.clone(),
                               **{k: clone(v) for k, v in batch.side.items()})
-        totals = [None]
+        # What a receive leaves where no stage sends (the fake process group of ``lightning-megatron simulate``,
+        # which simulates one rank at a time): a loss sum and nothing else.
+        totals = [{"loss_sum": torch.zeros(())}]
         if self.has_last:
             # The last `micro_batches` calls: a schedule's first step may also call the loss while inferring shapes.
             extras = self._extras[-micro_batches:]

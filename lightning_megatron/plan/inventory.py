@@ -62,14 +62,15 @@ class RankParameter:
 @contextlib.contextmanager
 def fake_world(world_size: int, rank: int = 0) -> Iterator[None]:
     """torch's fake process group for one rank of ``world_size``: groups report real sizes and ranks, and no
-    collective moves data. Needs a process without a default group (the planner runs before the strategy
-    starts its processes)."""
+    collective moves data (the planner's inventories, and ``lightning-megatron simulate``'s ranks). Needs a process
+    without a default group (the planner runs before the strategy starts its processes)."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     if dist.is_initialized():
-        raise RuntimeError("The layout planner builds each rank's shards over torch's fake process group, which needs "
-                           "a process without a default process group; call it before torch.distributed is "
-                           "initialised (Megatron3DStrategy does, in setup_environment) or in a separate process.")
+        raise RuntimeError("The layout planner (and lightning-megatron simulate) builds each rank's shards over "
+                           "torch's fake process group, which needs a process without a default process group; call "
+                           "it before torch.distributed is initialised (Megatron3DStrategy does, in "
+                           "setup_environment) or in a separate process.")
     excepthook = sys.excepthook  # init_process_group wraps it to prefix "[rank0]:"; a planner is one process
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
