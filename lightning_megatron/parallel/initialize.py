@@ -41,6 +41,7 @@ from typing import Callable, Iterator, Optional
 import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from lightning_megatron.parallel.shards import TensorShard, shard_of
 
@@ -329,9 +330,12 @@ def initialize_parameters(
                     continue
                 name = f"{module_name}.{param_name}" if module_name else param_name
                 jobs.append((param, original_name(param, name), rule_for(module, initializer)))
-    # Each draw is one sequential generator; several run at once on the host's threads (normal_ releases the GIL).
+    # Each draw is one sequential generator; several run at once on the host's threads (normal_ releases the GIL),
+    # unless a dispatch mode is active: modes are per thread, and the draws must run under it (the fake tensors of
+    # ``lightning-megatron simulate``, a memory probe).
+    draw = lambda job: local_initial_values(job[0], job[1], seed, job[2])  # noqa: E731
     with ThreadPoolExecutor(max_workers=max(1, torch.get_num_threads())) as pool:
-        drawn = pool.map(lambda job: local_initial_values(job[0], job[1], seed, job[2]), jobs)
+        drawn = map(draw, jobs) if _get_current_dispatch_mode_stack() else pool.map(draw, jobs)
         replaced = {id(param): _materialise(param, values, device) for (param, _, _), values in zip(jobs, drawn)}
     for module in root.modules():  # every name of a parameter (tied ones too) gets its replacement
         for param_name, param in list(module._parameters.items()):

@@ -110,6 +110,20 @@ def _precision_plugin(precision: str, device: torch.device):
     return Precision()
 
 
+def _convert_module(plugin, module: nn.Module) -> None:
+    """The precision plugin's ``convert_module``: ``HalfPrecision`` casts the parameters and buffers to its dtype
+    (``module.to(dtype)``), done here by assigning ``.data``: ``nn.Module.to`` swaps fake parameters for new ones,
+    which torch refuses for a tensor something holds a weak reference to (the fake tensors' own bookkeeping)."""
+    dtype = getattr(plugin, "_desired_input_dtype", None)
+    if dtype is None:
+        plugin.convert_module(module)
+        return
+    with torch.no_grad():
+        for tensor in (*module.parameters(), *module.buffers()):
+            if tensor.is_floating_point():
+                tensor.data = tensor.data.to(dtype)
+
+
 def _coordinates(state: ParallelState) -> dict[str, int]:
     config = state.config
     coordinates = {"pp": state.pipeline_parallel_rank, "dp": state.data_parallel_rank,
@@ -177,7 +191,7 @@ def simulate_rank(job: Job, rank: int, mailbox: StageMailbox, steps: int = 2) ->
                                      precision=job.precision)
             plugin = _precision_plugin(job.precision, device)
             if prepared.zero3 is None:
-                module = plugin.convert_module(module)  # already on the device: materialised there
+                _convert_module(plugin, module)  # already on the device: materialised there
             driver = StepDriver(options)
             driver.bind(plugin, device, options)
             loop = _LoopState(job.accumulate_grad_batches)
