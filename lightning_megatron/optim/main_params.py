@@ -136,11 +136,12 @@ class MainParamOptimizer:
         return nn.Parameter(flat.to(dtype=torch.float32, copy=True))
 
     def _grad_home(self, index: int) -> Optional[Tensor]:
-        """Where piece ``index``'s fp32 gradient is copied every step when the main piece is in host memory and
-        cannot read the reduced gradient in place: the ``"nvme"`` tier's gradient file, else a host tensor made
-        here, once. None: read in place (fp32 on the host), or converted on the device (``"none"``)."""
+        """Where piece ``index``'s fp32 gradient is copied every step when the main piece is offloaded to host memory
+        and cannot read the reduced gradient in place: the ``"nvme"`` tier's gradient file, else a host tensor made
+        here, once. None: read in place (fp32 on the host), or converted where the model is (tier ``"none"``, a CPU
+        model's too: as on a GPU, a transient of the step, not a copy kept for the whole run)."""
         piece, main = self.pieces[index]
-        if main.device.type != "cpu" or (piece.param.dtype == torch.float32 and piece.param.device.type == "cpu"):
+        if self.tier == "none" or (piece.param.dtype == torch.float32 and piece.param.device.type == "cpu"):
             return None
         if self.nvme is not None:
             return self.nvme.grad_home(index)

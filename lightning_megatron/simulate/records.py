@@ -25,22 +25,23 @@ from torch.utils._pytree import tree_flatten
 from lightning_megatron.parallel.state import ParallelState
 from lightning_megatron.plan.probes import LiveStorages
 
-# The collective ops' names (c10d's and the functional ones) -> the kind reported.
-_KINDS = {
-    "allreduce_": "all_reduce", "all_reduce": "all_reduce", "all_reduce_": "all_reduce",
-    "_allgather_base_": "all_gather", "allgather_": "all_gather", "all_gather_into_tensor": "all_gather",
-    "allgather_into_tensor_coalesced_": "all_gather", "all_gather_into_tensor_coalesced": "all_gather",
-    "_reduce_scatter_base_": "reduce_scatter", "reduce_scatter_": "reduce_scatter",
-    "reduce_scatter_tensor": "reduce_scatter", "reduce_scatter_tensor_coalesced_": "reduce_scatter",
-    "reduce_scatter_tensor_coalesced": "reduce_scatter",
-    "alltoall_base_": "all_to_all", "all_to_all_single": "all_to_all", "alltoall_": "all_to_all",
-    "broadcast_": "broadcast", "broadcast": "broadcast", "send": "send", "recv_": "recv", "recv_any_source_": "recv",
-    "barrier": "barrier", "allreduce_coalesced_": "all_reduce", "reduce_": "reduce", "gather_": "gather",
-    "scatter_": "scatter",
+# The collective ops (c10d's and the functional ones) -> (the kind reported, which argument is the whole buffer, and
+# whether that argument is one rank's part of it: the functional all-gather's input, times the group's size).
+_OPS = {
+    "allreduce_": ("all_reduce", 0, False), "allreduce_coalesced_": ("all_reduce", 0, False),
+    "all_reduce": ("all_reduce", 0, False), "all_reduce_": ("all_reduce", 0, False),
+    "_allgather_base_": ("all_gather", 0, False), "allgather_": ("all_gather", 0, False),
+    "allgather_into_tensor_coalesced_": ("all_gather", 0, False),
+    "all_gather_into_tensor": ("all_gather", 0, True), "all_gather_into_tensor_coalesced": ("all_gather", 0, True),
+    "_reduce_scatter_base_": ("reduce_scatter", 1, False), "reduce_scatter_": ("reduce_scatter", 1, False),
+    "reduce_scatter_tensor_coalesced_": ("reduce_scatter", 1, False),
+    "reduce_scatter_tensor": ("reduce_scatter", 0, False), "reduce_scatter_tensor_coalesced": ("reduce_scatter", 0, False),
+    "alltoall_base_": ("all_to_all", 1, False), "alltoall_": ("all_to_all", 1, False),
+    "all_to_all_single": ("all_to_all", 0, False),
+    "broadcast_": ("broadcast", 0, False), "broadcast": ("broadcast", 0, False), "send": ("send", 0, False),
+    "recv_": ("recv", 0, False), "recv_any_source_": ("recv", 0, False), "reduce_": ("reduce", 0, False),
+    "gather_": ("gather", 1, False), "scatter_": ("scatter", 1, False), "barrier": ("barrier", 0, False),
 }
-# Kinds whose buffer is the output (the gathered tensor), not the input.
-_OUTPUT_SIZED = {"all_gather"}
-_WAITS = {"wait_tensor"}
 
 
 def group_names(state: ParallelState) -> dict[str, str]:
@@ -84,12 +85,14 @@ class CollectiveLog(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func.namespace in ("c10d", "_c10d_functional"):
-            kind = _KINDS.get(func._schema.name.split("::")[-1])
-            if kind is not None:
-                key = (kind, self._group_of(args, kwargs))
-                totals = self.totals[key]
+            known = _OPS.get(func._schema.name.split("::")[-1])
+            if known is not None:
+                kind, index, per_rank = known
+                totals = self.totals[(kind, self._group_of(args, kwargs))]
                 totals.count += 1
-                totals.bytes += self._buffer_bytes(kind, args)
+                tensors = [t for t in tree_flatten(args[index])[0] if isinstance(t, Tensor)] if len(args) > index else []
+                nbytes = sum(t.numel() * t.element_size() for t in tensors)
+                totals.bytes += nbytes * (args[1] if per_rank else 1)  # the functional ops' group size
         return func(*args, **kwargs)
 
     def _group_of(self, args, kwargs) -> str:
@@ -101,25 +104,17 @@ class CollectiveLog(TorchDispatchMode):
                 return self.names[value]
         return "?"
 
-    @staticmethod
-    def _buffer_bytes(kind: str, args) -> int:
-        tensors = [t for t in tree_flatten(args[:2] if kind in _OUTPUT_SIZED else args[:1])[0] if isinstance(t, Tensor)]
-        if not tensors:
-            return 0
-        if kind in _OUTPUT_SIZED:
-            tensors = tensors[:1]  # c10d's all-gather: (output, input); functional: input x group size
-        return sum(t.numel() * t.element_size() for t in tensors)
-
     def rows(self) -> list[dict]:
         return [{"kind": kind, "group": group, "count": totals.count, "bytes": totals.bytes}
                 for (kind, group), totals in sorted(self.totals.items(), key=lambda item: (item[0][1], item[0][0]))]
 
 
 def peak_by_category(live: LiveStorages, categories: dict[str, Iterable[Tensor]], *, start: int = 0
-                     ) -> tuple[int, dict[str, int]]:
+                     ) -> tuple[int, dict[str, int], dict[str, int]]:
     """The most bytes alive at once over ``live.events[start:]`` (counting what was alive at ``start``), and how
     they split among ``categories`` (each a set of tensors whose storages belong to it; the first category that
-    names a storage takes it) and ``"activations and temporaries"`` (everything else)."""
+    names a storage takes it) and ``"activations and temporaries"`` (everything else), whose five largest parts at
+    the peak are named by the op that allocated them."""
     owner: dict[int, str] = {}
     for name, tensors in categories.items():
         for index in live.ids_of([t for t in tensors if t is not None]):
@@ -136,6 +131,10 @@ def peak_by_category(live: LiveStorages, categories: dict[str, Iterable[Tensor]]
     for delta, index in live.events[start:peak_at]:
         alive[index] += delta
     split = Counter({name: 0 for name in categories})
+    largest: Counter = Counter()  # the rest by the op that allocated it ("aten.mm.default (fw)")
     for index, nbytes in alive.items():
-        split[owner.get(index, "activations and temporaries")] += nbytes
-    return peak, dict(split)
+        category = owner.get(index, "activations and temporaries")
+        split[category] += nbytes
+        if category == "activations and temporaries" and nbytes:
+            largest[live.names[index]] += nbytes
+    return peak, dict(split), dict(largest.most_common(5))

@@ -115,6 +115,9 @@ def format_report(results: Sequence[RankResult], *, tolerance: float = 0.05) -> 
         if planned:
             lines.append(f"  {'activations and temporaries':<28} {_gib(rest)} GiB at the peak (planned "
                          f"{_gib(planned['activation_bytes'])} activations + {_gib(planned['buffer_bytes'])} buffers)")
+        if result.largest_at_peak:
+            lines.append("    largest: " + ", ".join(f"{name} {nbytes / GIB:.2f}"
+                                                  for name, nbytes in result.largest_at_peak.items()))
         lines.append(f"  checkpoint shard plan: {result.checkpoint_entries} entries, "
                      f"{result.checkpoint_bytes / GIB:.2f} GiB written by this rank")
         lines.append(f"  host reads: {result.host_reads} ({result.stand_ins} answered with a healthy step's stand-in)")
