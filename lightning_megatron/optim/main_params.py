@@ -283,8 +283,9 @@ class MainParamOptimizer:
         files, cost nothing here (``nvme.disk_bytes``)."""
         if self.nvme is not None:
             return 0
+        # One storage or two (not data pointers: a fake tensor's, lightning-megatron simulate's, are all alike).
         return sum(main.numel() * main.element_size() for piece, main in self.pieces
-                   if main.data_ptr() != piece.param.view(-1)[piece.start : piece.stop].data_ptr())
+                   if main.untyped_storage()._cdata != piece.param.untyped_storage()._cdata)
 
 
 def uses_main_params(params: list[nn.Parameter], zero_stage: int, offload: OffloadSettings = OffloadSettings()) -> bool:

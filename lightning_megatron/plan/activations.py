@@ -240,7 +240,8 @@ def _head_and_loss(shape: ModelShape, tokens: float, vocab: float, h: int, w: in
                    grad_apart: bool) -> tuple[float, float, float]:
     """The last stage's ``(kept bytes per token, the loss's transient bytes, the stage output's bytes per token
     beyond those)``. Unchunked: the final norm's and the head's inputs and the fp32 log-softmax are kept, two more
-    fp32 ``[tokens, V/t]`` temporaries come at the loss, and the stage's output is the logits. Chunked
+    fp32 ``[tokens, V/t]`` temporaries come at the loss (three with 16-bit logits: their fp32 copy), and the stage's
+    output is the logits. Chunked
     (``loss_chunk_tokens``, ``tensor_parallel.chunked_cross_entropy``): the final norm's input and output (the loss's
     input, also the stage's output), the logits' maximum and sum of exponentials (fp32) and, under sequence
     parallelism, the targets regrouped by rank (int64); the transient is three fp32 chunks of logits in the forward
@@ -250,8 +251,9 @@ def _head_and_loss(shape: ModelShape, tokens: float, vocab: float, h: int, w: in
     soft-capping keeps the ``tanh``'s output unchunked (``V / t`` in the compute dtype) and adds a third fp32 chunk to
     the chunked backward (the cap's slope, ``1 - tanh^2``)."""
     chunk = getattr(shape.config, "loss_chunk_tokens", None)
-    if not chunk:  # the head keeps its input's chunk under SP
-        return 2 * h * w / q + vocab * 4 + (vocab * w if shape.logit_softcap else 0), tokens * 8 * vocab, vocab * w
+    if not chunk:  # the head keeps its input's chunk under SP; 16-bit logits are copied to fp32 first (simulate)
+        transient = tokens * (8 + (4 if w < 4 else 0)) * vocab
+        return 2 * h * w / q + vocab * 4 + (vocab * w if shape.logit_softcap else 0), transient, vocab * w
     rows = q * min(max(1, chunk // q), tokens / q)
     backward = (12 if shape.logit_softcap else 8) * vocab * rows
     transient = max(12 * vocab * rows, backward + (vocab * h * w if grad_apart else 0))
