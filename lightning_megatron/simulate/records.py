@@ -6,8 +6,8 @@
   all-gather; the input of a reduce-scatter or an all-to-all.
 * :func:`peak_by_category` reads ``plan.probes.LiveStorages``' log of every storage allocated while the simulation
   ran (the model's materialisation included, so everything the rank holds is in it) and splits the bytes alive at
-  the peak of a stretch of it into parameters, gradients, main parameters, optimizer state and the rest
-  (activations and temporaries).
+  the peak of a stretch of it into parameters, gradients, main parameters, optimizer state, activations (what
+  autograd saved for backward, :class:`SavedForBackward`) and temporaries (the rest).
 """
 
 from __future__ import annotations
@@ -109,12 +109,34 @@ class CollectiveLog(TorchDispatchMode):
                 for (kind, group), totals in sorted(self.totals.items(), key=lambda item: (item[0][1], item[0][0]))]
 
 
-def peak_by_category(live: LiveStorages, categories: dict[str, Iterable[Tensor]], *, start: int = 0
-                     ) -> tuple[int, dict[str, int], dict[str, int]]:
+class SavedForBackward:
+    """While active, notes which of ``live``'s storages autograd saves for backward: at the peak, those are the
+    activations, the rest of what is not model state the temporaries (``saved_tensors_hooks``; a recomputed
+    layer's own hooks take over inside it, and it saves nothing until its backward)."""
+
+    def __init__(self, live: LiveStorages) -> None:
+        self.live, self.ids = live, set()
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda tensor: tensor)
+
+    def _pack(self, tensor: Tensor) -> Tensor:
+        self.ids |= self.live.ids_of([tensor])
+        return tensor
+
+    def __enter__(self) -> "SavedForBackward":
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._hooks.__exit__(*exc)
+
+
+def peak_by_category(live: LiveStorages, categories: dict[str, Iterable[Tensor]], *, saved: set[int] = frozenset(),
+                     start: int = 0) -> tuple[int, dict[str, int], dict[str, int]]:
     """The most bytes alive at once over ``live.events[start:]`` (counting what was alive at ``start``), and how
     they split among ``categories`` (each a set of tensors whose storages belong to it; the first category that
-    names a storage takes it) and ``"activations and temporaries"`` (everything else), whose five largest parts at
-    the peak are named by the op that allocated them."""
+    names a storage takes it), ``"activations"`` (the ``saved`` storages: autograd keeps them for backward) and
+    ``"temporaries"`` (everything else); the five largest parts of the last two at the peak, named by the op that
+    allocated them."""
     owner: dict[int, str] = {}
     for name, tensors in categories.items():
         for index in live.ids_of([t for t in tensors if t is not None]):
@@ -130,11 +152,11 @@ def peak_by_category(live: LiveStorages, categories: dict[str, Iterable[Tensor]]
             peak, peak_at = current, position + 1
     for delta, index in live.events[start:peak_at]:
         alive[index] += delta
-    split = Counter({name: 0 for name in categories})
-    largest: Counter = Counter()  # the rest by the op that allocated it ("aten.mm.default (fw)")
+    split = Counter({name: 0 for name in (*categories, "activations", "temporaries")})
+    largest: Counter = Counter()  # activations and temporaries by the op that allocated them ("aten.mm.default (fw)")
     for index, nbytes in alive.items():
-        category = owner.get(index, "activations and temporaries")
+        category = owner.get(index) or ("activations" if index in saved else "temporaries")
         split[category] += nbytes
-        if category == "activations and temporaries" and nbytes:
+        if category not in categories and nbytes:
             largest[live.names[index]] += nbytes
     return peak, dict(split), dict(largest.most_common(5))

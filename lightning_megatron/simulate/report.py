@@ -111,10 +111,12 @@ def format_report(results: Sequence[RankResult], *, tolerance: float = 0.05) -> 
         for name in CATEGORIES:
             lines.append(f"  {name.replace('_', ' '):<28} {_gib(result.model_state_bytes.get(name))} GiB held"
                          f" (planned {_gib(state.get(name))}), {_gib(result.peak_by_category.get(name))} GiB at the peak")
-        rest = result.peak_by_category.get("activations and temporaries", 0)
-        if planned:
-            lines.append(f"  {'activations and temporaries':<28} {_gib(rest)} GiB at the peak (planned "
-                         f"{_gib(planned['activation_bytes'])} activations + {_gib(planned['buffer_bytes'])} buffers)")
+        split = result.peak_by_category
+        rest = split.get("activations", 0) + split.get("temporaries", 0)
+        lines.append(f"  {'activations + temporaries':<28} {_gib(split.get('activations'))} + "
+                     f"{_gib(split.get('temporaries'))} = {_gib(rest)} GiB at the peak"
+                     + (f" (planned {_gib(planned['activation_bytes'])} activations and transients + "
+                        f"{_gib(planned['buffer_bytes'])} buffers)" if planned else ""))
         if result.largest_at_peak:
             lines.append("    largest: " + ", ".join(f"{name} {nbytes / GIB:.2f}"
                                                   for name, nbytes in result.largest_at_peak.items()))

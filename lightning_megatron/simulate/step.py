@@ -35,7 +35,7 @@ from lightning_megatron.parallel.state import ParallelState
 from lightning_megatron.plan.inventory import fake_world
 from lightning_megatron.plan.probes import LiveStorages
 from lightning_megatron.simulate.fake_world import GPUAttention, KnownValues, StageMailbox, fake_tensors
-from lightning_megatron.simulate.records import CollectiveLog, group_names, peak_by_category
+from lightning_megatron.simulate.records import CollectiveLog, SavedForBackward, group_names, peak_by_category
 from lightning_megatron.strategy.options import StrategyOptions
 from lightning_megatron.strategy.preparation import prepare_model, start_pipeline
 from lightning_megatron.strategy.step import StepDriver
@@ -90,7 +90,7 @@ class RankResult:
     coordinates: dict[str, int]
     simulated_peak_bytes: int
     peak_by_category: dict[str, int]
-    largest_at_peak: dict[str, int]  # the activations and temporaries at the peak by the op that allocated them
+    largest_at_peak: dict[str, int]  # the activations and temporaries at the peak, by the op that allocated them
     model_state_bytes: dict[str, int]
     collectives: list[dict]
     checkpoint_entries: int
@@ -224,11 +224,12 @@ def simulate_rank(job: Job, rank: int, mailbox: StageMailbox) -> RankResult:
             gc.collect()  # what the warm-up left in reference cycles dies before the measured step
             measured_from = len(live.events)
             log.totals.clear()
-            _optimizer_step(module, optimizer, driver, plugin, _batch(job, job.rows_per_rank()), loop,
-                            job.gradient_clip_val)
+            with SavedForBackward(live) as saved:
+                _optimizer_step(module, optimizer, driver, plugin, _batch(job, job.rows_per_rank()), loop,
+                                job.gradient_clip_val)
             entries = _checkpoint_plan(module, optimizer, driver)
             categories = _category_tensors(module, optimizer, driver)
-            peak, split, largest = peak_by_category(live, categories, start=measured_from)
+            peak, split, largest = peak_by_category(live, categories, saved=saved.ids, start=measured_from)
             model_state = model_state_sizes(module, optimizer, driver.gradients, prepared.zero3)
             driver.remove()
         return RankResult(rank, _coordinates(state), peak, split, largest, model_state, log.rows(), len(entries),
