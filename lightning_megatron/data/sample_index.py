@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 _DOCUMENT_ORDER, _SAMPLE_ORDER = 0, 1  # the streams of randomness, per epoch
+_CHUNK = 1 << 16  # samples (or documents) per numpy pass: the temporaries stay ~1.5 MiB whatever the corpus
 
 
 def samples_starting_before(tokens: int, seq_length: int) -> int:
@@ -67,28 +68,53 @@ class SampleIndex:
 def build_sample_index(document_lengths: np.ndarray, *, seq_length: int, epochs: int, seed: int) -> SampleIndex:
     """The index of ``epochs`` data epochs over documents of ``document_lengths`` tokens (eos included).
 
-    Every array is built with whole-array numpy operations: the cost is a few passes over
-    ``epochs * len(document_lengths)`` documents and over the samples, never over the tokens.
+    The arrays are allocated once, at their final dtype, and filled ``_CHUNK`` samples at a
+    time with numpy, one epoch after the other (a sample's first document lies in the epoch
+    where it starts): the build holds the index itself (12 bytes per sample, 4 per document
+    and epoch) plus one epoch's document boundaries (8 bytes per document) and a fixed few
+    MiB, never an array of int64 per sample. The cost is a few passes over the documents of
+    each epoch and over the samples, never over the tokens.
     """
     num_documents = len(document_lengths)
     tokens_per_epoch = int(document_lengths.sum(dtype=np.int64))
     if tokens_per_epoch < seq_length + 1:
         raise ValueError(f"{tokens_per_epoch} tokens cannot make one sample of seq_length + 1 = {seq_length + 1}.")
-    position_dtype = _smallest_int(num_documents)
-    orders = [_epoch_rng(seed, epoch, _DOCUMENT_ORDER).permutation(num_documents).astype(position_dtype)
-              for epoch in range(epochs + 1)]  # one more epoch: the last samples run into it
-    document_order = np.concatenate(orders)
-    stream_ends = np.cumsum(document_lengths[document_order], dtype=np.int64)  # end of each document in the stream
-    num_samples = samples_starting_before(epochs * tokens_per_epoch, seq_length)
-    starts = np.arange(num_samples, dtype=np.int64) * seq_length
-    sample_document = np.searchsorted(stream_ends, starts, side="right")
-    document_start = np.where(sample_document > 0, stream_ends[np.maximum(sample_document - 1, 0)], 0)
-    sample_offset = starts - document_start
+    document_order = np.empty((epochs + 1) * num_documents, dtype=_smallest_int(num_documents))
+    for epoch in range(epochs + 1):  # one more epoch: the last samples run into it
+        _shuffle_range(document_order[epoch * num_documents:(epoch + 1) * num_documents], 0,
+                       _epoch_rng(seed, epoch, _DOCUMENT_ORDER))
 
     blocks = [samples_starting_before(epoch * tokens_per_epoch, seq_length) for epoch in range(epochs + 1)]
-    shuffle = np.concatenate([
-        first + _epoch_rng(seed, epoch, _SAMPLE_ORDER).permutation(end - first)
-        for epoch, (first, end) in enumerate(zip(blocks[:-1], blocks[1:]))
-    ]).astype(_smallest_int(num_samples))
-    return SampleIndex(document_order, sample_document.astype(_smallest_int(len(document_order))),
-                       sample_offset.astype(np.int32), shuffle)
+    num_samples = blocks[-1]
+    sample_document = np.empty(num_samples, dtype=_smallest_int(len(document_order)))
+    sample_offset = np.empty(num_samples, dtype=np.int32)  # documents are shorter than 2**31 tokens
+    shuffle = np.empty(num_samples, dtype=_smallest_int(num_samples))
+    bounds = np.empty(num_documents + 1, dtype=np.int64)  # where each document of the epoch starts, and its end
+    bounds[0] = 0
+    for epoch, (first, end) in enumerate(zip(blocks[:-1], blocks[1:])):
+        order = document_order[epoch * num_documents:(epoch + 1) * num_documents]
+        for at in range(0, num_documents, _CHUNK):
+            bounds[1 + at:1 + at + _CHUNK] = document_lengths[order[at:at + _CHUNK]]
+        np.cumsum(bounds[1:], out=bounds[1:])
+        for at in range(first, end, _CHUNK):
+            stop = min(at + _CHUNK, end)
+            starts = np.arange(at, stop, dtype=np.int64)
+            starts *= seq_length
+            starts -= epoch * tokens_per_epoch  # the samples' first tokens, counted from the epoch's start
+            document = np.searchsorted(bounds, starts, side="right")
+            document -= 1
+            starts -= bounds[document]
+            sample_offset[at:stop] = starts
+            document += epoch * num_documents
+            sample_document[at:stop] = document
+        _shuffle_range(shuffle[first:end], first, _epoch_rng(seed, epoch, _SAMPLE_ORDER))
+    return SampleIndex(document_order, sample_document, sample_offset, shuffle)
+
+
+def _shuffle_range(out: np.ndarray, first: int, rng: np.random.Generator) -> None:
+    """Fill ``out`` with ``first, first + 1, ...`` in the order of ``first + rng.permutation(len(out))``, in place
+    (``Generator.shuffle`` moves the same positions whatever the dtype: the int64 permutation is never made)."""
+    for at in range(0, len(out), _CHUNK):
+        stop = min(at + _CHUNK, len(out))
+        out[at:stop] = np.arange(first + at, first + stop, dtype=out.dtype)
+    rng.shuffle(out)
