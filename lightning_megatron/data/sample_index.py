@@ -68,12 +68,12 @@ class SampleIndex:
 def build_sample_index(document_lengths: np.ndarray, *, seq_length: int, epochs: int, seed: int) -> SampleIndex:
     """The index of ``epochs`` data epochs over documents of ``document_lengths`` tokens (eos included).
 
-    The arrays are allocated once, at their final dtype, and filled ``_CHUNK`` samples at a
-    time with numpy, one epoch after the other (a sample's first document lies in the epoch
-    where it starts): the build holds the index itself (12 bytes per sample, 4 per document
-    and epoch) plus one epoch's document boundaries (8 bytes per document) and a fixed few
-    MiB, never an array of int64 per sample. The cost is a few passes over the documents of
-    each epoch and over the samples, never over the tokens.
+    The arrays are allocated once, at their final dtype, and filled with numpy ``_CHUNK``
+    documents and samples at a time, in stream order (the samples that start in a chunk of
+    documents are found among those documents alone). The build therefore holds the index
+    itself, 12 bytes per sample and 4 per document and epoch (as much as Megatron-Core's
+    helpers keep), plus a fixed ~2 MiB, never an int64 array per sample or per document; its
+    cost is a pass over the documents of each epoch and over the samples, never the tokens.
     """
     num_documents = len(document_lengths)
     tokens_per_epoch = int(document_lengths.sum(dtype=np.int64))
@@ -89,25 +89,31 @@ def build_sample_index(document_lengths: np.ndarray, *, seq_length: int, epochs:
     sample_document = np.empty(num_samples, dtype=_smallest_int(len(document_order)))
     sample_offset = np.empty(num_samples, dtype=np.int32)  # documents are shorter than 2**31 tokens
     shuffle = np.empty(num_samples, dtype=_smallest_int(num_samples))
-    bounds = np.empty(num_documents + 1, dtype=np.int64)  # where each document of the epoch starts, and its end
-    bounds[0] = 0
-    for epoch, (first, end) in enumerate(zip(blocks[:-1], blocks[1:])):
+    bounds = np.empty(_CHUNK + 1, dtype=np.int64)  # where each document of a chunk starts, and where the last ends
+    for epoch in range(epochs):
+        epoch_start = epoch * tokens_per_epoch
         order = document_order[epoch * num_documents:(epoch + 1) * num_documents]
-        for at in range(0, num_documents, _CHUNK):
-            bounds[1 + at:1 + at + _CHUNK] = document_lengths[order[at:at + _CHUNK]]
-        np.cumsum(bounds[1:], out=bounds[1:])
-        for at in range(first, end, _CHUNK):
-            stop = min(at + _CHUNK, end)
-            starts = np.arange(at, stop, dtype=np.int64)
-            starts *= seq_length
-            starts -= epoch * tokens_per_epoch  # the samples' first tokens, counted from the epoch's start
-            document = np.searchsorted(bounds, starts, side="right")
-            document -= 1
-            starts -= bounds[document]
-            sample_offset[at:stop] = starts
-            document += epoch * num_documents
-            sample_document[at:stop] = document
-        _shuffle_range(shuffle[first:end], first, _epoch_rng(seed, epoch, _SAMPLE_ORDER))
+        bounds[0] = epoch_start
+        for first_document in range(0, num_documents, _CHUNK):
+            chunk = order[first_document:first_document + _CHUNK]
+            ends = bounds[1:len(chunk) + 1]
+            np.cumsum(document_lengths[chunk], dtype=np.int64, out=ends)
+            ends += bounds[0]
+            # the samples that start in these documents
+            first = samples_starting_before(int(bounds[0]), seq_length)
+            end = samples_starting_before(int(ends[-1]), seq_length)
+            for at in range(first, end, _CHUNK):
+                stop = min(at + _CHUNK, end)
+                starts = np.arange(at, stop, dtype=np.int64)
+                starts *= seq_length
+                document = np.searchsorted(bounds[:len(chunk) + 1], starts, side="right")
+                document -= 1
+                starts -= bounds[document]
+                sample_offset[at:stop] = starts
+                document += epoch * num_documents + first_document
+                sample_document[at:stop] = document
+            bounds[0] = ends[-1]
+        _shuffle_range(shuffle[blocks[epoch]:blocks[epoch + 1]], blocks[epoch], _epoch_rng(seed, epoch, _SAMPLE_ORDER))
     return SampleIndex(document_order, sample_document, sample_offset, shuffle)
 
 
