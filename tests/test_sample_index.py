@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from lightning_megatron.data import sample_index
-from lightning_megatron.data.sample_index import build_sample_index, samples_starting_before
+from lightning_megatron.data.sample_index import build_sample_index, index_bytes, samples_starting_before
 
 
 def _reference_index(lengths, *, seq_length, epochs, seed):
@@ -77,4 +77,6 @@ def test_build_holds_about_12_bytes_a_sample_at_its_peak():
     assert per_sample == 12 * samples
     assert peak / samples < 14, f"the build peaked at {peak / samples:.1f} bytes a sample"
     # beyond the arrays it returns (the document order too), a fixed few MiB of chunks
-    assert peak < per_sample + index.document_order.nbytes + 4 * 2**20, peak
+    kept = per_sample + index.document_order.nbytes
+    assert kept == index_bytes(len(lengths), tokens_per_epoch=int(lengths.sum()), seq_length=seq_length, epochs=epochs)
+    assert peak < kept + 4 * 2**20, peak

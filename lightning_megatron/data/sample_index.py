@@ -48,6 +48,25 @@ def _smallest_int(limit: int) -> type:
     return np.int32 if limit < 2**31 else np.int64
 
 
+def _dtypes(num_documents: int, epochs: int, num_samples: int) -> dict[str, type]:
+    """The dtype of each array of the index: int32 wherever the values fit."""
+    return {"document_order": _smallest_int(num_documents),
+            "sample_document": _smallest_int((epochs + 1) * num_documents),
+            "sample_offset": np.int32,  # documents are shorter than 2**31 tokens
+            "shuffle": _smallest_int(num_samples)}
+
+
+def index_bytes(num_documents: int, *, tokens_per_epoch: int, seq_length: int, epochs: int) -> int:
+    """The bytes of the arrays :func:`build_sample_index` returns, known without building them: what its cache
+    entry holds on disk and, within ~2 MiB, what the build peaks at (12 bytes a sample and 4 a document and epoch
+    while they fit int32; Megatron-Core keeps the same per sample)."""
+    num_samples = samples_starting_before(epochs * tokens_per_epoch, seq_length)
+    sizes = {"document_order": (epochs + 1) * num_documents, "sample_document": num_samples,
+             "sample_offset": num_samples, "shuffle": num_samples}
+    return sum(np.dtype(dtype).itemsize * sizes[name] for name, dtype in _dtypes(num_documents, epochs,
+                                                                                  num_samples).items())
+
+
 def _epoch_rng(seed: int, epoch: int, stream: int) -> np.random.Generator:
     return np.random.default_rng([seed, epoch, stream])
 
@@ -79,16 +98,15 @@ def build_sample_index(document_lengths: np.ndarray, *, seq_length: int, epochs:
     tokens_per_epoch = int(document_lengths.sum(dtype=np.int64))
     if tokens_per_epoch < seq_length + 1:
         raise ValueError(f"{tokens_per_epoch} tokens cannot make one sample of seq_length + 1 = {seq_length + 1}.")
-    document_order = np.empty((epochs + 1) * num_documents, dtype=_smallest_int(num_documents))
+    blocks = [samples_starting_before(epoch * tokens_per_epoch, seq_length) for epoch in range(epochs + 1)]
+    dtypes = _dtypes(num_documents, epochs, blocks[-1])
+    document_order = np.empty((epochs + 1) * num_documents, dtype=dtypes["document_order"])
     for epoch in range(epochs + 1):  # one more epoch: the last samples run into it
         _shuffle_range(document_order[epoch * num_documents:(epoch + 1) * num_documents], 0,
                        _epoch_rng(seed, epoch, _DOCUMENT_ORDER))
 
-    blocks = [samples_starting_before(epoch * tokens_per_epoch, seq_length) for epoch in range(epochs + 1)]
-    num_samples = blocks[-1]
-    sample_document = np.empty(num_samples, dtype=_smallest_int(len(document_order)))
-    sample_offset = np.empty(num_samples, dtype=np.int32)  # documents are shorter than 2**31 tokens
-    shuffle = np.empty(num_samples, dtype=_smallest_int(num_samples))
+    sample_document, sample_offset, shuffle = (np.empty(blocks[-1], dtype=dtypes[name])
+                                               for name in ("sample_document", "sample_offset", "shuffle"))
     bounds = np.empty(_CHUNK + 1, dtype=np.int64)  # where each document of a chunk starts, and where the last ends
     for epoch in range(epochs):
         epoch_start = epoch * tokens_per_epoch
