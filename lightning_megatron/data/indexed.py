@@ -32,7 +32,7 @@ import array as stdlib_array  # typed lists: an item costs its bytes, not a Pyth
 import os
 import struct
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from types import TracebackType
 
@@ -295,6 +295,7 @@ def _non_decreasing(values: np.ndarray, chunk: int = 1 << 20) -> bool:
 
 
 _SPOT_CHECKS = 16  # last tokens of PREFIX.ends compared with the .bin before the file is trusted
+_DOCUMENTS_PER_PASS = 1 << 16  # extents computed at a time by a pass over many documents: ~3 MiB of int64 arrays
 
 
 class IndexedDataset:
@@ -377,6 +378,14 @@ class IndexedDataset:
         starts[non_empty] = np.asarray(self.sequence_pointers[boundaries[:-1][non_empty]]) // self.dtype.itemsize
         return starts, stored
 
+    def extents_by_chunk(self, documents: range) -> Iterator[tuple[range, np.ndarray, np.ndarray]]:
+        """``(part, first token, tokens)``: :meth:`document_extents` of consecutive parts of ``documents``, so that a
+        pass over every document of a large corpus holds one part's int64 arrays, not ~40 bytes a document."""
+        self._check_range(documents)
+        for start in range(documents.start, documents.stop, _DOCUMENTS_PER_PASS):
+            part = range(start, min(start + _DOCUMENTS_PER_PASS, documents.stop))
+            yield (part, *self.document_extents(part))
+
     def last_tokens(self, documents: range) -> np.ndarray:
         """The last token of each document of ``documents`` (0 for an empty one).
 
@@ -423,10 +432,12 @@ class IndexedDataset:
         """The last token of each document of ``documents`` (0 for an empty one), read from the ``.bin`` by
         ``pread`` (``FileArray.gather``): a page or so per document, none of it mapped, so the pages stay in the
         kernel's shared page cache and out of this process."""
-        starts, stored = self.document_extents(documents)
-        last = np.zeros(len(stored), self.dtype)
-        non_empty = stored > 0
-        last[non_empty] = self._token_file().gather(starts[non_empty] + stored[non_empty] - 1)
+        last = np.zeros(len(documents), self.dtype)
+        tokens = self._token_file()
+        for part, starts, stored in self.extents_by_chunk(documents):
+            non_empty = stored > 0
+            last[part.start - documents.start:part.stop - documents.start][non_empty] = tokens.gather(
+                starts[non_empty] + stored[non_empty] - 1)
         return last
 
     def _check_range(self, documents: range) -> None:
