@@ -95,8 +95,6 @@ def _megatron_core(lengths: np.ndarray, seq_length: int) -> list[np.ndarray]:
 
 def _build_from_files(args: argparse.Namespace, cache: Path) -> dict:
     """A whole index build of every document of ``--prefix`` by each side's ``GPTDataset``, into ``cache``."""
-    import warnings
-
     if args.side == "ours-files":
         from lightning_megatron.data import GPTDataset, IndexedDataset
 
@@ -115,9 +113,7 @@ def _build_from_files(args: argparse.Namespace, cache: Path) -> dict:
     Path("/proc/self/clear_refs").write_text("5")
     before = _resident_kib("VmRSS")
     start = time.perf_counter()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        dataset = build()
+    dataset = build()
     seconds = time.perf_counter() - start
     peak_kib = _resident_kib("VmHWM") - before
     files = [path for path in cache.rglob("*") if path.is_file()]
@@ -130,11 +126,17 @@ def child(args: argparse.Namespace) -> None:
     """One side's build in this fresh process: JSON on stdout."""
     import warnings
 
-    warnings.simplefilter("ignore")  # megatron.core: Transformer Engine and Apex are absent
-    if args.side.endswith("-files"):
-        with tempfile.TemporaryDirectory(prefix="data-index-cache-") as cache:
-            print(json.dumps(_build_from_files(args, Path(cache))))
-        return
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # megatron.core: Transformer Engine and Apex are absent
+        if args.side.endswith("-files"):
+            with tempfile.TemporaryDirectory(prefix="data-index-cache-") as cache:
+                print(json.dumps(_build_from_files(args, Path(cache))))
+        else:
+            print(json.dumps(_build_index(args)))
+
+
+def _build_index(args: argparse.Namespace) -> dict:
+    """The index of ``--lengths`` by one side: its time, peak RSS growth and bytes (and for ours its numpy peak)."""
     build = _ours if args.side == "ours" else _megatron_core
     if args.side == "megatron-core":
         import megatron.core.datasets.gpt_dataset  # noqa: F401  imported before the measurement
@@ -163,9 +165,8 @@ def child(args: argparse.Namespace) -> None:
         build(lengths, args.seq_length)
         traced = tracemalloc.get_traced_memory()[1]
         tracemalloc.stop()
-    print(json.dumps({"samples": samples, "seconds": seconds, "peak_bytes": peak_kib * 1024, "kept_bytes": kept,
-                      "traced_bytes": traced, "tokens": int(lengths.sum(dtype=np.int64)),
-                      "documents": len(lengths)}))
+    return {"samples": samples, "seconds": seconds, "peak_bytes": peak_kib * 1024, "kept_bytes": kept,
+            "traced_bytes": traced, "tokens": int(lengths.sum(dtype=np.int64)), "documents": len(lengths)}
 
 
 # ------------------------------------------------------------------------------------------------ the tables (parent)
