@@ -61,10 +61,9 @@ def index_bytes(num_documents: int, *, tokens_per_epoch: int, seq_length: int, e
     entry holds on disk and, within ~2 MiB, what the build peaks at (12 bytes a sample and 4 a document and epoch
     while they fit int32; Megatron-Core keeps the same per sample)."""
     num_samples = samples_starting_before(epochs * tokens_per_epoch, seq_length)
-    sizes = {"document_order": (epochs + 1) * num_documents, "sample_document": num_samples,
-             "sample_offset": num_samples, "shuffle": num_samples}
-    return sum(np.dtype(dtype).itemsize * sizes[name] for name, dtype in _dtypes(num_documents, epochs,
-                                                                                  num_samples).items())
+    itemsize = {name: np.dtype(dtype).itemsize for name, dtype in _dtypes(num_documents, epochs, num_samples).items()}
+    per_sample = itemsize["sample_document"] + itemsize["sample_offset"] + itemsize["shuffle"]
+    return (epochs + 1) * num_documents * itemsize["document_order"] + num_samples * per_sample
 
 
 def _epoch_rng(seed: int, epoch: int, stream: int) -> np.random.Generator:
@@ -109,9 +108,8 @@ def build_sample_index(document_lengths: np.ndarray, *, seq_length: int, epochs:
                                                for name in ("sample_document", "sample_offset", "shuffle"))
     bounds = np.empty(_CHUNK + 1, dtype=np.int64)  # where each document of a chunk starts, and where the last ends
     for epoch in range(epochs):
-        epoch_start = epoch * tokens_per_epoch
         order = document_order[epoch * num_documents:(epoch + 1) * num_documents]
-        bounds[0] = epoch_start
+        bounds[0] = epoch * tokens_per_epoch
         for first_document in range(0, num_documents, _CHUNK):
             chunk = order[first_document:first_document + _CHUNK]
             ends = bounds[1:len(chunk) + 1]
