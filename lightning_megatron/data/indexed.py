@@ -294,6 +294,18 @@ def _non_decreasing(values: np.ndarray, chunk: int = 1 << 20) -> bool:
     return all(not np.any(np.diff(values[i : i + chunk + 1]) < 0) for i in range(0, max(len(values) - 1, 1), chunk))
 
 
+def _extents(boundaries: np.ndarray, lengths: np.ndarray, pointers: np.ndarray, itemsize: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(first token, tokens)`` of the documents whose first sequences are ``boundaries[:-1]`` (``boundaries[-1]``
+    ends the last), from the ``lengths`` and ``pointers`` of the sequences ``boundaries[0]`` to ``boundaries[-1]``."""
+    first = int(boundaries[0])
+    sequence_ends = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)])
+    stored = sequence_ends[boundaries[1:] - first] - sequence_ends[boundaries[:-1] - first]
+    starts = np.zeros(len(stored), np.int64)
+    non_empty = stored > 0  # an empty document may sit after the last sequence: it has no pointer
+    starts[non_empty] = np.asarray(pointers[boundaries[:-1][non_empty] - first]) // itemsize
+    return starts, stored
+
+
 _SPOT_CHECKS = 16  # last tokens of PREFIX.ends compared with the .bin before the file is trusted
 _DOCUMENTS_PER_PASS = 1 << 16  # extents computed at a time by a pass over many documents: ~3 MiB of int64 arrays
 
@@ -370,21 +382,23 @@ class IndexedDataset:
         empty document), from the ``.idx`` alone."""
         self._check_range(documents)
         boundaries = np.asarray(self.document_indices[documents.start : documents.stop + 1])
-        first = int(boundaries[0])
-        sequence_ends = np.concatenate([[0], np.cumsum(self.sequence_lengths[first : boundaries[-1]], dtype=np.int64)])
-        stored = sequence_ends[boundaries[1:] - first] - sequence_ends[boundaries[:-1] - first]
-        starts = np.zeros(len(stored), np.int64)
-        non_empty = stored > 0  # an empty document may sit after the last sequence: it has no pointer
-        starts[non_empty] = np.asarray(self.sequence_pointers[boundaries[:-1][non_empty]]) // self.dtype.itemsize
-        return starts, stored
+        span = slice(int(boundaries[0]), int(boundaries[-1]))
+        return _extents(boundaries, self.sequence_lengths[span], self.sequence_pointers[span], self.dtype.itemsize)
 
     def extents_by_chunk(self, documents: range) -> Iterator[tuple[range, np.ndarray, np.ndarray]]:
-        """``(part, first token, tokens)``: :meth:`document_extents` of consecutive parts of ``documents``, so that a
-        pass over every document of a large corpus holds one part's int64 arrays, not ~40 bytes a document."""
+        """``(part, first token, tokens)``: :meth:`document_extents` of consecutive parts of ``documents``, read from
+        the ``.idx`` by ``pread`` (not through its mapping), so that a pass over every document of a large corpus
+        holds one part's arrays and leaves none of the ``.idx``'s pages in this process."""
         self._check_range(documents)
+        path, count = index_file(self.prefix), len(self.sequence_lengths)
+        lengths = FileArray(path, np.int32, _HEADER.size, count)
+        pointers = FileArray(path, np.int64, _HEADER.size + 4 * count, count)
+        document_indices = FileArray(path, np.int64, _HEADER.size + 12 * count, self.num_documents + 1)
         for start in range(documents.start, documents.stop, _DOCUMENTS_PER_PASS):
             part = range(start, min(start + _DOCUMENTS_PER_PASS, documents.stop))
-            yield (part, *self.document_extents(part))
+            boundaries = document_indices[part.start : part.stop + 1]
+            first, end = int(boundaries[0]), int(boundaries[-1])
+            yield (part, *_extents(boundaries, lengths[first:end], pointers[first:end], self.dtype.itemsize))
 
     def last_tokens(self, documents: range) -> np.ndarray:
         """The last token of each document of ``documents`` (0 for an empty one).
