@@ -294,7 +294,8 @@ def _non_decreasing(values: np.ndarray, chunk: int = 1 << 20) -> bool:
     return all(not np.any(np.diff(values[i : i + chunk + 1]) < 0) for i in range(0, max(len(values) - 1, 1), chunk))
 
 
-def _extents(boundaries: np.ndarray, lengths: np.ndarray, pointers: np.ndarray, itemsize: int) -> tuple[np.ndarray, np.ndarray]:
+def _extents(boundaries: np.ndarray, lengths: np.ndarray, pointers: np.ndarray,
+             itemsize: int) -> tuple[np.ndarray, np.ndarray]:
     """``(first token, tokens)`` of the documents whose first sequences are ``boundaries[:-1]`` (``boundaries[-1]``
     ends the last), from the ``lengths`` and ``pointers`` of the sequences ``boundaries[0]`` to ``boundaries[-1]``."""
     first = int(boundaries[0])
