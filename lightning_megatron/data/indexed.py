@@ -289,7 +289,7 @@ def _index_arrays(index: np.ndarray, count: int) -> tuple[np.ndarray, np.ndarray
     return lengths, pointers, index[offset + 8 * count :].view(np.int64)
 
 
-def _non_decreasing(values: np.ndarray, chunk: int = 1 << 20) -> bool:
+def _non_decreasing(values: np.ndarray, chunk: int = 1 << 16) -> bool:
     """Checked a chunk at a time: a corpus of millions of documents costs no array of their size."""
     return all(not np.any(np.diff(values[i : i + chunk + 1]) < 0) for i in range(0, max(len(values) - 1, 1), chunk))
 
@@ -308,7 +308,7 @@ def _extents(boundaries: np.ndarray, lengths: np.ndarray, pointers: np.ndarray,
 
 
 _SPOT_CHECKS = 16  # last tokens of PREFIX.ends compared with the .bin before the file is trusted
-_DOCUMENTS_PER_PASS = 1 << 16  # extents computed at a time by a pass over many documents: ~3 MiB of int64 arrays
+_DOCUMENTS_PER_PASS = 1 << 14  # extents computed at a time by a pass over many documents: well under 1 MiB
 
 
 class IndexedDataset:
@@ -432,7 +432,7 @@ class IndexedDataset:
         spread = np.linspace(documents.start, documents.stop - 1, min(_SPOT_CHECKS, len(documents)))
         checked, positions = [], []
         for k in np.unique(spread.astype(np.int64)).tolist():
-            start, stored = self._extent(k)
+            _, (start,), (stored,) = next(self.extents_by_chunk(range(k, k + 1)))  # read, not mapped
             if stored:
                 checked.append(k)
                 positions.append(start + stored - 1)
@@ -459,12 +459,6 @@ class IndexedDataset:
         if documents.step != 1 or not 0 <= documents.start <= documents.stop <= self.num_documents:
             raise ValueError(f"documents={documents} is not a contiguous range of the {self.num_documents} documents "
                              f"of {self.prefix}.")
-
-    def _extent(self, document: int) -> tuple[int, int]:
-        """``(first token, tokens)`` of one document (see :meth:`document_extents`)."""
-        first, end = int(self.document_indices[document]), int(self.document_indices[document + 1])
-        stored = int(self.sequence_lengths[first:end].sum(dtype=np.int64))
-        return (int(self.sequence_pointers[first]) // self.dtype.itemsize if stored else 0), stored
 
     def _token_file(self) -> FileArray:
         return FileArray(data_file(self.prefix), self.dtype, 0, len(self._tokens))
