@@ -289,9 +289,13 @@ def _index_arrays(index: np.ndarray, count: int) -> tuple[np.ndarray, np.ndarray
     return lengths, pointers, index[offset + 8 * count :].view(np.int64)
 
 
-def _non_decreasing(values: np.ndarray, chunk: int = 1 << 16) -> bool:
-    """Checked a chunk at a time: a corpus of millions of documents costs no array of their size."""
-    return all(not np.any(np.diff(values[i : i + chunk + 1]) < 0) for i in range(0, max(len(values) - 1, 1), chunk))
+_CHECKED_PER_READ = 1 << 16  # items of the .idx read at a time by the checks of an IndexedDataset when it opens
+
+
+def _non_decreasing(values: FileArray) -> bool:
+    """Checked a part at a time: a corpus of millions of documents costs no array of their size."""
+    return all(not np.any(np.diff(values[i : i + _CHECKED_PER_READ + 1]) < 0)
+               for i in range(0, max(len(values) - 1, 1), _CHECKED_PER_READ))
 
 
 def _extents(boundaries: np.ndarray, lengths: np.ndarray, pointers: np.ndarray,
@@ -329,10 +333,12 @@ class IndexedDataset:
         self.prefix = os.fspath(prefix)
         idx_path, bin_path = index_file(prefix), data_file(prefix)
         check_dataset_files(prefix)
-        index = np.memmap(idx_path, dtype=np.uint8, mode="r") if idx_path.stat().st_size else np.empty(0, np.uint8)
-        if len(index) < _HEADER.size:
-            raise ValueError(f"{idx_path} is {len(index)} bytes, shorter than the {_HEADER.size}-byte header.")
-        magic, version, code, count, index_count = _HEADER.unpack(index[: _HEADER.size].tobytes())
+        size = idx_path.stat().st_size
+        with open(idx_path, "rb") as file:
+            header = file.read(_HEADER.size)
+        if len(header) < _HEADER.size:
+            raise ValueError(f"{idx_path} is {size} bytes, shorter than the {_HEADER.size}-byte header.")
+        magic, version, code, count, index_count = _HEADER.unpack(header)
         if magic != INDEX_MAGIC:
             raise ValueError(f"{idx_path} starts with {magic!r}, not the indexed-dataset magic {INDEX_MAGIC!r}.")
         if version != INDEX_VERSION:
@@ -340,26 +346,28 @@ class IndexedDataset:
         if code not in DTYPE_CODES:
             raise ValueError(f"{idx_path} has dtype code {code}; known codes are {sorted(DTYPE_CODES)}.")
         expected = _HEADER.size + 12 * count + 8 * index_count
-        if len(index) != expected:
+        if size != expected:
             raise ValueError(
-                f"{idx_path} is {len(index)} bytes but its header ({count} sequences, {index_count} document "
+                f"{idx_path} is {size} bytes but its header ({count} sequences, {index_count} document "
                 f"indices) implies {expected}; the index is truncated or not a plain-text Megatron index."
             )
         self.dtype: np.dtype = DTYPE_CODES[code]
-        lengths, _, docs = _index_arrays(index, count)
-        if len(docs) == 0 or docs[0] != 0 or docs[-1] != count or not _non_decreasing(docs):
+        # The checks read the .idx by pread, a part at a time: nothing of it is mapped into this process (the .idx
+        # of a corpus of a billion documents is 20 GB), and the arrays below are mapped afterwards, touched as used.
+        lengths = FileArray(idx_path, np.int32, _HEADER.size, count)
+        docs = FileArray(idx_path, np.int64, _HEADER.size + 12 * count, index_count)
+        if index_count == 0 or docs[0] != 0 or docs[-1] != count or not _non_decreasing(docs):
             raise ValueError(f"{idx_path} has invalid document indices: they must rise from 0 to {count}.")
 
-        num_bytes = int(lengths.sum(dtype=np.int64)) * self.dtype.itemsize
+        num_bytes = sum(int(lengths[i : i + _CHECKED_PER_READ].sum(dtype=np.int64))
+                        for i in range(0, count, _CHECKED_PER_READ)) * self.dtype.itemsize
         bin_size = bin_path.stat().st_size
         if bin_size != num_bytes:
             raise ValueError(
                 f"Index/bin mismatch: {idx_path} describes {num_bytes} bytes of {self.dtype} tokens but {bin_path} "
                 f"is {bin_size} bytes; the .bin is truncated or belongs to another index. Re-run the preprocessing."
             )
-        # The checks read the whole .idx through that mapping; a fresh one keeps those pages out of this
-        # process (the .idx of a corpus of millions of documents is tens of megabytes): reads touch what they use.
-        del index, lengths, docs
+        del lengths, docs
         index = np.memmap(idx_path, dtype=np.uint8, mode="r")
         self.sequence_lengths, self.sequence_pointers, self.document_indices = _index_arrays(index, count)
         self._tokens = np.memmap(bin_path, dtype=self.dtype, mode="r") if bin_size else np.empty(0, self.dtype)
