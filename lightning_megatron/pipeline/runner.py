@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 from typing import Callable, ContextManager, Optional
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -30,6 +31,8 @@ from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleD
                                           ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble,
                                           ScheduleZBVZeroBubble)
 from torch.distributed.pipelining._backward import _get_grad_fn_or_grad_acc, stage_backward_input
+from torch.distributed.pipelining import stage as torch_stage
+from torch.distributed.pipelining._utils import _make_tensor_from_meta
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti
 
 from lightning_megatron.pipeline.inference import PipelineInference
@@ -79,12 +82,37 @@ def accumulate_weight_gradients(params: list[nn.Parameter], param_groups: list[d
                 handle.remove()
 
 
+def _allocate(infos, device: torch.device) -> None:
+    """Give the receives of one micro-batch their buffers (those without one, that receive a tensor)."""
+    for info in infos:
+        if not info.is_root_arg and info.buffer is None and info.tensor_meta is not None:
+            info.buffer = _make_tensor_from_meta(info.tensor_meta, device)
+
+
+def _no_receive_buffers() -> ContextManager[None]:
+    """torch's stage module makes its receive buffers with ``_make_tensor_from_meta``: none while this is active."""
+    return mock.patch.object(torch_stage, "_make_tensor_from_meta", lambda meta, device: None)
+
+
+def _release(infos) -> None:
+    """Drop one micro-batch's receive buffers (what autograd still saves of them stays alive through it)."""
+    for info in infos:
+        if not info.is_root_arg and info.tensor_meta is not None:
+            info.buffer = None
+
+
 class _Stage(PipelineStage):
     """torch infers the stages' shapes on a schedule's first step by running each stage once more, on stand-in
     inputs (uninitialised ones after the first stage), forward and backward. That pass is not a training step: it
     runs inside the root's ``shape_inference()`` context where the model declares one (``pipeline/blocks.py``; an
     MoE model's counts no expert loads and no routing statistics). It keeps the training mode: its backward may
-    recompute checkpointed layers, which must see the forward they saved."""
+    recompute checkpointed layers, which must see the forward they saved.
+
+    torch allocates, when it builds a schedule, a receive buffer for every micro-batch: each input of a stage that
+    is not the first and each output gradient of one that is not the last, kept for the whole run (m x the hidden
+    states of a micro-batch, twice, per stage: 18 GiB a GPU for Llama-3.1-70B's layout in ``configs/``, found by
+    ``lightning-megatron simulate``). Here a micro-batch's buffers are made when its receive is posted and dropped
+    after its backward, so a rank holds those of the micro-batches in flight, as Megatron-LM does."""
 
     def __init__(self, *args, shape_inference: Callable[[], ContextManager], **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -93,6 +121,41 @@ class _Stage(PipelineStage):
     def _compute_outputs(self, *args, module: nn.Module, **kwargs):
         with self.shape_inference():
             return super()._compute_outputs(*args, module=module, **kwargs)
+
+    # torch 2.13's set-up of a schedule's receives (after shape inference), which would make every micro-batch's
+    # buffers at once: made without them here, each is made when its receive is posted.
+    def _setup_forward_recv_info(self, *args, **kwargs) -> None:
+        with _no_receive_buffers():
+            super()._setup_forward_recv_info(*args, **kwargs)
+
+    def _setup_backward_recv_info(self, *args, **kwargs) -> None:
+        with _no_receive_buffers():
+            super()._setup_backward_recv_info(*args, **kwargs)
+
+    def get_fwd_recv_ops(self, fwd_chunk_id: int):
+        _allocate(self.args_recv_info[fwd_chunk_id], self.device)
+        return super().get_fwd_recv_ops(fwd_chunk_id)
+
+    def get_bwd_recv_ops(self, bwd_chunk_id: int):
+        if self.has_backward and not self.is_last:
+            _allocate(self.grad_recv_info[bwd_chunk_id], self.device)
+        return super().get_bwd_recv_ops(bwd_chunk_id)
+
+    def forward_one_chunk(self, fwd_chunk_id: int, *args, **kwargs):
+        output = super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+        if not (self.has_backward and torch.is_grad_enabled()):  # evaluation: nothing comes back for the inputs
+            _release(self.args_recv_info[fwd_chunk_id])
+        return output
+
+    def backward_one_chunk(self, bwd_chunk_id: int, *args, **kwargs):
+        result = super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
+        loss = kwargs.get("loss")
+        if loss is not None:  # the schedule keeps every loss to the step's end: without its graph, which would keep
+            loss.detach_()  # the micro-batch's stage input (a leaf it reaches) and that input's gradient
+        _release(self.args_recv_info.get(bwd_chunk_id, ()))
+        if not self.is_last:
+            _release(self.grad_recv_info.get(bwd_chunk_id, ()))
+        return result
 
     def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, last_backward: bool = False):
         """A split backward's two passes over every parameter the stage uses (the root's embedding and head too),
@@ -165,12 +228,6 @@ class PipelineRunner:
             if self.recorder is not None and hasattr(self._schedules[key], "pipeline_order"):
                 self.recorder.action_tables[micro_batches] = self._schedules[key].pipeline_order
         return self._schedules[key]
-
-    def drop_schedules(self) -> None:
-        """Forget the schedules built so far, and with them their receive buffers (torch allocates one per
-        micro-batch when it builds a schedule): ``lightning-megatron simulate`` warms up with fewer micro-batches
-        than the step it measures, whose schedule alone a real run holds."""
-        self._schedules.clear()
 
     def _evaluate_stage_by_stage(self, batch, micro_batches: int) -> None:
         """Forward-only evaluation for the V placement, one micro-batch at a time through the stages in order

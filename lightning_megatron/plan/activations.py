@@ -72,7 +72,6 @@ from __future__ import annotations
 from typing import Optional
 
 from lightning_megatron.parallel.shards import padded_size
-from lightning_megatron.pipeline.layout import SCHEDULE_SPECS, rank_of_stage
 from lightning_megatron.plan.hardware import GIB
 from lightning_megatron.plan.layout import Layout, Workload
 from lightning_megatron.plan.shape import ModelShape
@@ -214,26 +213,7 @@ def activation_bytes(shape: ModelShape, layout: Layout, workload: Workload, *, p
     backward = 2 * h * w / q + _mlp_gradient(shape, t) * w  # the residual stream's gradient, the MLP's
     if layout.activation_checkpointing == "full":
         backward += layer_saved_bytes(shape, layout, w, mode="none", seq_length=seq)  # the layer being recomputed
-    return int(kept + max(loss, tokens * (backward - head)) + receive_buffer_bytes(shape, layout, workload, pipeline_rank))
-
-
-def receive_buffer_bytes(shape: ModelShape, layout: Layout, workload: Workload, pipeline_rank: int) -> float:
-    """torch's pipeline stages allocate, when the schedule is built, one receive buffer per micro-batch for each
-    input of a stage that is not the first (the previous stage's output) and for each output gradient of a stage
-    that is not the last, each a micro-batch's hidden states between two stages; they live as long as the schedule,
-    i.e. the whole run. (Found by ``lightning-megatron simulate``: 3.1-3.4 GiB a rank for GPT-3 175B's interleaved
-    layout on 1024 GPUs.)"""
-    pp = layout.pipeline_parallel_size
-    if pp == 1:
-        return 0.0
-    q = layout.tensor_parallel_size if layout.sequence_parallel else 1
-    boundary = layout.micro_batch_size * workload.seq_length / layout.context_parallel_size * shape.hidden_size \
-        * workload.compute_bytes / q
-    schedule = layout.pipeline_schedule
-    num_stages = pp * (2 if SCHEDULE_SPECS[schedule].placement == "v" else layout.virtual_pipeline_size)
-    stages = [stage for stage in range(num_stages) if rank_of_stage(stage, pp, schedule) == pipeline_rank]
-    buffers = sum(stage != 0 for stage in stages) + sum(stage != num_stages - 1 for stage in stages)
-    return buffers * layout.micro_batches(workload) * boundary
+    return int(kept + max(loss, tokens * (backward - head)))
 
 
 def _head_and_loss(shape: ModelShape, tokens: float, vocab: float, h: int, w: int, q: int,

@@ -8,14 +8,15 @@
 * :class:`KnownValues`: the values of *small* tensors (at most ``SMALL_NUMEL`` elements: flags, counts, sizes)
   computed for real beside their fake twins, so that the program's host reads (``.item()``, ``bool()``,
   ``.tolist()``) see what this rank would see where that does not depend on other ranks' data or on the big
-  tensors. A read of anything else (a loss, a gradient norm) is answered with a stand-in (``True``, 1) and counted:
-  the simulation follows the branch a healthy step takes;
+  tensors. A read of anything else is answered with a healthy step's stand-in and counted: ``True`` for a boolean
+  (all finite), 1 for a number (a count, a scale); and a healthy step's overflow check (fp16's) finds nothing: the
+  flag it writes keeps its known zero;
 * :class:`StageMailbox`: what pipeline stages tell each other as Python objects (torch's shape inference, the loss
   broadcast), carried from one simulated rank to the next in the order the simulation runs them.
 
 The device type of the fake tensors is the one torch can run autograd on here: ``cuda`` where torch was built
 with CUDA, else ``cpu`` (a CPU build of torch cannot run autograd on fake CUDA tensors). The kernels whose memory
-differs between the two are the attention's: on fake CPU tensors :class:`GPUAttention` sends scaled-dot-product
+differs between the two are the attention's: on fake CPU tensors :func:`gpu_attention` sends scaled-dot-product
 attention without a mask to FlashAttention's op, as a GPU runs it (its output, log-sum-exp and random state kept for
 backward, dropout included), not to the CPU's kernel, which under attention dropout falls back to materialising the
 ``s x s`` scores and mask.
@@ -24,7 +25,7 @@ backward, dropout included), not to the CPU's kernel, which under attention drop
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, Optional
+from typing import Any, ContextManager, Iterator, Optional
 from unittest import mock
 
 import torch
@@ -32,7 +33,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
-from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.weak import WeakTensorKeyDictionary
@@ -41,6 +41,8 @@ from torch.utils.weak import WeakTensorKeyDictionary
 SMALL_NUMEL = 64
 _HOST_READS = (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.is_nonzero.default)
 _COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional")
+# Checks that write a flag (a known zero) only when something is not finite: a healthy step leaves it as it was.
+_HEALTHY_CHECKS = (torch.ops.aten._amp_foreach_non_finite_check_and_unscale_.default,)
 
 
 def simulation_device() -> torch.device:
@@ -71,8 +73,8 @@ class KnownValues(TorchDispatchMode):
         if func in _HOST_READS:
             return self._read(func, args[0])
         out = func(*args, **kwargs)
-        if func.namespace in _COLLECTIVE_NAMESPACES:
-            return out  # the fake group moves nothing: each tensor keeps this rank's values
+        if func.namespace in _COLLECTIVE_NAMESPACES or func in _HEALTHY_CHECKS:
+            return out  # the fake group moves nothing, a healthy check sets no flag: the values stay as they were
         outputs = [t for t in tree_flatten(out)[0] if isinstance(t, Tensor)]
         written = [a for a, argument in zip(args, func._schema.arguments)
                    if isinstance(a, Tensor) and argument.alias_info is not None and argument.alias_info.is_write]
@@ -162,16 +164,19 @@ def fake_tensors() -> FakeTensorMode:
     return FakeTensorMode(allow_non_fake_inputs=True)
 
 
-class GPUAttention(TorchFunctionMode):
+def _flash_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Tensor] = None,
+                     dropout_p: float = 0.0, is_causal: bool = False, scale: Optional[float] = None,
+                     enable_gqa: bool = False, _sdpa=F.scaled_dot_product_attention) -> Tensor:
     """Scaled-dot-product attention without a mask as FlashAttention's op (``aten._scaled_dot_product_flash_attention``,
-    whose fake kernel needs no GPU): what a GPU runs, dropout and grouped key/value heads included."""
+    whose fake kernel needs no GPU; grouped key/value heads as they are); with a mask, torch's own choice."""
+    if attn_mask is not None:
+        return _sdpa(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+                     enable_gqa=enable_gqa)
+    return torch.ops.aten._scaled_dot_product_flash_attention(query, key, value, dropout_p, is_causal, False,
+                                                              scale=scale)[0]
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is F.scaled_dot_product_attention:
-            bound = dict(zip(("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale"), args), **kwargs)
-            if bound.get("attn_mask") is None:
-                return torch.ops.aten._scaled_dot_product_flash_attention(
-                    bound["query"], bound["key"], bound["value"], bound.get("dropout_p", 0.0),
-                    bound.get("is_causal", False), False, scale=bound.get("scale"))[0]
-        return func(*args, **kwargs)
+
+def gpu_attention() -> ContextManager:
+    """``F.scaled_dot_product_attention`` as a GPU runs it (:func:`_flash_attention`), for every caller while active
+    (a patch, not a function mode: a recomputed layer's forward runs in backward, where modes may not be)."""
+    return mock.patch.object(F, "scaled_dot_product_attention", _flash_attention)

@@ -10,8 +10,9 @@ every one but the last under ``block_backward_sync`` with its backward, the last
 closure; then the clip, the optimizer and the driver's ``after_step``. The checkpoint's shard plan (the entries
 this rank would write: its parameters, main parameters and optimizer state) is built after the last step.
 
-Two steps run: a warm-up step of the fewest sequences any schedule takes, which makes the optimizer state, then
-the measured step, with the config's whole batch: a step of the steady state, whose peak every later step repeats. See ``fake_world`` for what is fake and how host reads are answered.
+Two steps run: a warm-up step of one loader batch, which makes the optimizer state (and, pipelined, the schedule,
+whose first step infers the stages' shapes), then the measured step, the config's whole batch: a step of the steady
+state, whose peak every later step repeats. See ``fake_world`` for what is fake and how host reads are answered.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from lightning_megatron.parallel.random import TensorParallelRNG
 from lightning_megatron.parallel.state import ParallelState
 from lightning_megatron.plan.inventory import fake_world
 from lightning_megatron.plan.probes import LiveStorages
-from lightning_megatron.simulate.fake_world import GPUAttention, KnownValues, StageMailbox, fake_tensors
+from lightning_megatron.simulate.fake_world import KnownValues, StageMailbox, fake_tensors, gpu_attention
 from lightning_megatron.simulate.records import CollectiveLog, SavedForBackward, group_names, peak_by_category
 from lightning_megatron.strategy.options import StrategyOptions
 from lightning_megatron.strategy.preparation import prepare_model, start_pipeline
@@ -44,7 +45,7 @@ from lightning_megatron.strategy.summary import model_state_sizes
 SEED = 1234
 CATEGORIES = ("parameters", "gradients", "main_parameters", "optimizer_state")
 #: The precisions a simulation runs (Lightning's precision plugins, as the Trainer would make them).
-PRECISIONS = ("32-true", "bf16-true", "16-true", "bf16-mixed")
+PRECISIONS = ("32-true", "bf16-true", "16-true")
 
 
 @dataclass(frozen=True)
@@ -66,7 +67,12 @@ class Job:
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
             raise ValueError(f"lightning-megatron simulate runs precision {', '.join(map(repr, PRECISIONS))}, not "
-                             f"{self.precision!r}.")
+                             f"{self.precision!r} (Lightning's mixed-precision plugins need its Trainer around the "
+                             f"optimizer); simulate the layout at 'bf16-true', which holds the same model state.")
+        if self.options.zero_stage == 3:
+            raise ValueError("lightning-megatron simulate does not run zero_stage=3 yet: FSDP2 swaps parameters for "
+                             "new ones, which torch refuses for fake tensors; `lightning-megatron plan "
+                             "--as-configured` predicts its memory.")
 
     @property
     def parallel_config(self) -> ParallelConfig:
@@ -101,14 +107,10 @@ class RankResult:
     planned: dict[str, Any] = field(default_factory=dict)  # filled by report.compare_with_plan
 
 
-def _precision_plugin(precision: str, device: torch.device):
-    from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
+def _precision_plugin(precision: str):
+    from lightning.pytorch.plugins.precision import HalfPrecision, Precision
 
-    if precision in ("bf16-true", "16-true"):
-        return HalfPrecision(precision)
-    if precision == "bf16-mixed":
-        return MixedPrecision(precision, device.type)
-    return Precision()
+    return HalfPrecision(precision) if precision in ("bf16-true", "16-true") else Precision()
 
 
 def _convert_module(plugin, module: nn.Module) -> None:
@@ -140,15 +142,6 @@ def _batch(job: Job, rows: int) -> dict[str, Tensor]:
     """A loader batch of ``rows`` sequences (token ids: their values do not change what a step allocates)."""
     return {"input_ids": torch.randint(0, 2, (rows, job.seq_length), device=job.device),
             "labels": torch.randint(0, 2, (rows, job.seq_length), device=job.device)}
-
-
-def _warm_up_rows(job: Job) -> int:
-    """The first step only makes the optimizer state: the fewest sequences any schedule takes (one loader batch
-    without pipelining; two micro-batches per pipeline stage with it)."""
-    config = job.parallel_config
-    if config.pipeline_parallel_size == 1:
-        return job.rows_per_rank()
-    return min(job.rows_per_rank(), 2 * config.pipeline_parallel_size * job.options.micro_batch_size)
 
 
 class _LoopState:
@@ -192,13 +185,13 @@ def simulate_rank(job: Job, rank: int, mailbox: StageMailbox) -> RankResult:
         log = CollectiveLog(group_names(state))
         values = KnownValues()
         live = LiveStorages()
-        attention = GPUAttention() if device.type == "cpu" else contextlib.nullcontext()
+        attention = gpu_attention() if device.type == "cpu" else contextlib.nullcontext()
         with warnings.catch_warnings(), mailbox.delivering(), fake_tensors(), attention, values, log, live:
             warnings.simplefilter("ignore")  # Lightning's "self.log() without a Trainer", once per micro-batch
             rng = TensorParallelRNG(SEED, state.tensor_parallel_rank, device)
             prepared = prepare_model(module, state, options, rng=rng, seed=SEED, device=device,
                                      precision=job.precision)
-            plugin = _precision_plugin(job.precision, device)
+            plugin = _precision_plugin(job.precision)
             if prepared.zero3 is None:
                 _convert_module(plugin, module)  # already on the device: materialised there
             driver = StepDriver(options)
@@ -214,21 +207,20 @@ def simulate_rank(job: Job, rank: int, mailbox: StageMailbox) -> RankResult:
             driver.start(module, state, [optimizer], options, zero3=prepared.zero3, device=device,
                          ranks_sharing_host=1)
             module.train()
-            # The warm-up step: one loader batch of the fewest sequences, which makes the optimizer state.
+            # The warm-up step makes the optimizer state and, pipelined, the schedule of the measured step's
+            # micro-batch count (whose first step infers the stages' shapes): one loader batch, not accumulated.
+            batch = _batch(job, job.rows_per_rank())
             loop.accumulate_grad_batches = 1
-            _optimizer_step(module, optimizer, driver, plugin, _batch(job, _warm_up_rows(job)), loop,
-                            job.gradient_clip_val)
+            _optimizer_step(module, optimizer, driver, plugin, batch, loop, job.gradient_clip_val)
             loop.global_step, loop.accumulate_grad_batches = 1, job.accumulate_grad_batches
-            if driver.pipeline is not None:
-                driver.pipeline.drop_schedules()  # the warm-up's receive buffers: a real run holds one schedule's
             gc.collect()  # what the warm-up left in reference cycles dies before the measured step
             measured_from = len(live.events)
             log.totals.clear()
+            gradients: list[Tensor] = []  # before the step ends: without data parallelism it drops them
             with SavedForBackward(live) as saved:
-                _optimizer_step(module, optimizer, driver, plugin, _batch(job, job.rows_per_rank()), loop,
-                                job.gradient_clip_val)
+                _optimizer_step(module, optimizer, driver, plugin, batch, loop, job.gradient_clip_val, gradients)
             entries = _checkpoint_plan(module, optimizer, driver)
-            categories = _category_tensors(module, optimizer, driver)
+            categories = _category_tensors(module, optimizer, driver, gradients)
             peak, split, largest = peak_by_category(live, categories, saved=saved.ids, start=measured_from)
             model_state = model_state_sizes(module, optimizer, driver.gradients, prepared.zero3)
             driver.remove()
@@ -237,8 +229,9 @@ def simulate_rank(job: Job, rank: int, mailbox: StageMailbox) -> RankResult:
 
 
 def _optimizer_step(module, optimizer, driver: StepDriver, plugin, batch, loop: _LoopState,
-                    clip: Optional[float]) -> None:
-    """One optimizer step as Lightning's automatic optimisation runs it (see the module docstring)."""
+                    clip: Optional[float], gradients: Optional[list] = None) -> None:
+    """One optimizer step as Lightning's automatic optimisation runs it (see the module docstring); ``gradients``
+    receives the parameters' ``.grad`` as the optimizer saw them."""
     accumulation = loop.accumulate_grad_batches
 
     def micro_batch(index: int) -> Tensor:
@@ -262,17 +255,19 @@ def _optimizer_step(module, optimizer, driver: StepDriver, plugin, batch, loop: 
         if clip:
             plugin.clip_gradients(optimizer, clip)
         optimizer.step()
+        if gradients is not None:
+            gradients.extend(p.grad for p in module.parameters() if p.grad is not None)
         return result
 
     driver.step(optimizer, lambda: micro_batch(accumulation - 1), run, loop)
 
 
-def _category_tensors(module: nn.Module, optimizer, driver: StepDriver) -> dict[str, list[Tensor]]:
-    """The tensors of each model-state category, as the strategy's ``model_state_sizes`` counts them."""
-    from lightning_megatron.optim.zero3 import local_tensor
-
-    params = [local_tensor(p) for p in dict.fromkeys(module.parameters())]
-    grads = [p.grad for p in dict.fromkeys(module.parameters()) if p.grad is not None]
+def _category_tensors(module: nn.Module, optimizer, driver: StepDriver, gradients: list[Tensor]
+                      ) -> dict[str, list[Tensor]]:
+    """The tensors of each model-state category, as the strategy's ``model_state_sizes`` counts them
+    (``gradients``: the parameters' ``.grad`` during the step)."""
+    params = list(dict.fromkeys(module.parameters()))
+    grads = list(gradients)
     sync = driver.gradients.sync if driver.gradients is not None else None
     for bucket in getattr(sync, "buckets", ()):
         grads += [t for t in (getattr(bucket, "buffer", None), getattr(bucket, "shard", None)) if t is not None]
