@@ -279,11 +279,12 @@ class MainParamOptimizer:
 
     def main_param_bytes(self) -> int:
         """Bytes of fp32 copies in memory; pieces that are views of fp32 parameters, or in the ``"nvme"`` tier's
-        files, cost nothing here (``nvme.disk_bytes``)."""
+        files, cost nothing here (``nvme.disk_bytes``). A view is told by its storage, not its address: fake tensors
+        (``lightning-megatron simulate``) all have address 0."""
         if self.nvme is not None:
             return 0
         return sum(main.numel() * main.element_size() for piece, main in self.pieces
-                   if main.data_ptr() != piece.param.view(-1)[piece.start : piece.stop].data_ptr())
+                   if main.untyped_storage()._cdata != piece.param.untyped_storage()._cdata)
 
 
 def uses_main_params(params: list[nn.Parameter], zero_stage: int, offload: OffloadSettings = OffloadSettings()) -> bool:
