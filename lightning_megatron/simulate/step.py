@@ -29,7 +29,7 @@ from torch import Tensor, nn
 from lightning_megatron.checkpoint import entries as E
 from lightning_megatron.checkpoint.sharded import ShardedEntry
 from lightning_megatron.parallel.config import ParallelConfig
-from lightning_megatron.parallel.initialize import uninitialised_build
+from lightning_megatron.parallel.initialize import PARAMETER_TAGS, uninitialised_build
 from lightning_megatron.parallel.random import TensorParallelRNG
 from lightning_megatron.parallel.state import ParallelState
 from lightning_megatron.plan.inventory import fake_world
@@ -110,6 +110,21 @@ def _precision_plugin(precision: str, device: torch.device):
     return Precision()
 
 
+def _convert_module(plugin, module: nn.Module) -> nn.Module:
+    """``plugin.convert_module(module)`` keeping the parameters' tags (``PARAMETER_TAGS``: ``tensor_shard``,
+    ``sequence_parallel_grad``, ``pipeline_tied``, ...). On real tensors ``Module._apply`` sets each parameter's
+    ``.data`` and the tags stay; on fake ones it swaps the tensors' contents, and the tags go with the discarded
+    ones (then sequence parallelism's partial gradients, the tied embedding's sum and the clip's shard counting
+    would be missing from the simulated step)."""
+    tags = {name: {tag: getattr(p, tag) for tag in PARAMETER_TAGS if hasattr(p, tag)}
+            for name, p in module.named_parameters(remove_duplicate=False)}
+    module = plugin.convert_module(module)
+    for name, param in module.named_parameters(remove_duplicate=False):
+        for tag, value in tags[name].items():
+            setattr(param, tag, value)
+    return module
+
+
 def _coordinates(state: ParallelState) -> dict[str, int]:
     config = state.config
     coordinates = {"pp": state.pipeline_parallel_rank, "dp": state.data_parallel_rank,
@@ -177,7 +192,7 @@ def simulate_rank(job: Job, rank: int, mailbox: StageMailbox, steps: int = 2) ->
                                      precision=job.precision)
             plugin = _precision_plugin(job.precision, device)
             if prepared.zero3 is None:
-                module = plugin.convert_module(module)  # already on the device: materialised there
+                module = _convert_module(plugin, module)  # already on the device: materialised there
             driver = StepDriver(options)
             driver.bind(plugin, device, options)
             loop = _LoopState(job.accumulate_grad_batches)
