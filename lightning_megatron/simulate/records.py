@@ -89,7 +89,7 @@ class CollectiveLog(TorchDispatchMode):
                 key = (kind, self._group_of(args, kwargs))
                 totals = self.totals[key]
                 totals.count += 1
-                totals.bytes += self._buffer_bytes(kind, args)
+                totals.bytes += self._buffer_bytes(kind, args, func.namespace == "c10d")
         return func(*args, **kwargs)
 
     def _group_of(self, args, kwargs) -> str:
@@ -102,7 +102,9 @@ class CollectiveLog(TorchDispatchMode):
         return "?"
 
     @staticmethod
-    def _buffer_bytes(kind: str, args) -> int:
+    def _buffer_bytes(kind: str, args, c10d: bool) -> int:
+        if kind == "reduce_scatter" and c10d:
+            args = args[1:]  # c10d's reduce-scatters take (output, input): the input is the buffer
         tensors = [t for t in tree_flatten(args[:2] if kind in _OUTPUT_SIZED else args[:1])[0] if isinstance(t, Tensor)]
         if not tensors:
             return 0
