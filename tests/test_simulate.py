@@ -21,7 +21,7 @@ from lightning_megatron.strategy.options import StrategyOptions
 
 TP, PP, DP = 8, 4, 32
 WORLD = TP * PP * DP
-H, LAYERS, HEADS, FFN, VOCAB, SEQ = 64, 8, 8, 128, 256, 32
+H, LAYERS, HEADS, FFN, VOCAB, SEQ = 48, 8, 8, 128, 256, 32
 MICRO_BATCHES = 6  # per optimizer step and dp rank (micro_batch_size 1): more than pp, so 1F1B has a steady phase
 CHUNK = 16  # loss_chunk_tokens: the last stage's loss runs the head on 16 tokens at a time
 BUCKET_MB = 0.008  # ~8 KiB buckets: a stage's two layers are cut into several
@@ -29,8 +29,9 @@ BF16 = 2
 
 
 def tiny_gpt() -> GPT:
-    """Llama-shaped (RMSNorm, SwiGLU, rope, no biases), tied embeddings, 8 heads of 8 (one per tp rank and query
-    group), vocabulary 256 (padded to tp x 128 = 1,024 rows, 128 per tp rank)."""
+    """Llama-shaped (RMSNorm, SwiGLU, rope, no biases), tied embeddings, hidden 48: 8 heads of 6 (one per tp rank
+    and query group; a norm's 48 elements make bucket sizes that need ZeRO's padding), vocabulary 256 (padded to
+    tp x 128 = 1,024 rows, 128 per tp rank)."""
     return GPT(GPTConfig(vocab_size=VOCAB, max_seq_length=SEQ, hidden_size=H, num_layers=LAYERS, num_heads=HEADS,
                          num_query_groups=HEADS, ffn_hidden_size=FFN, dropout=0.0, normalization="RMSNorm",
                          position_embedding_type="rope", activation="swiglu", add_bias_linear=False,
@@ -77,7 +78,7 @@ def test_groups_at_1024_ranks_are_their_formulas(no_process_group):
 def stage_parameters(pp: int) -> list[tuple[str, int]]:
     """This stage's parameters (name, elements on one tp rank) in ``module.parameters()`` order: the embedding
     (vocabulary rows of this tp rank) on the first stage, then per layer the two norms (replicated), qkv (a head
-    and its key and value per tp rank: 3 x 8 rows), the output projection (8 of its 64 columns), SwiGLU's fused
+    and its key and value per tp rank: 3 x 6 rows), the output projection (6 of its 48 columns), SwiGLU's fused
     gate/up (2 x 128 / 8 rows) and down projection (16 columns); the final norm and the output layer (tied to the
     embedding, a copy of it on the last stage) last."""
     vocab_rows = math.ceil(VOCAB / (128 * TP)) * 128
