@@ -111,14 +111,20 @@ def _precision_plugin(precision: str, device: torch.device):
 
 
 def _convert_module(plugin, module: nn.Module) -> nn.Module:
-    """``plugin.convert_module(module)`` keeping the parameters' tags (``PARAMETER_TAGS``: ``tensor_shard``,
-    ``sequence_parallel_grad``, ``pipeline_tied``, ...). On real tensors ``Module._apply`` sets each parameter's
-    ``.data`` and the tags stay; on fake ones it swaps the tensors' contents, and the tags go with the discarded
-    ones (then sequence parallelism's partial gradients, the tied embedding's sum and the clip's shard counting
-    would be missing from the simulated step)."""
-    tags = {name: {tag: getattr(p, tag) for tag in PARAMETER_TAGS if hasattr(p, tag)}
-            for name, p in module.named_parameters(remove_duplicate=False)}
+    """``plugin.convert_module(module)`` keeping each parameter's tags (``PARAMETER_TAGS``: ``tensor_shard``,
+    ``sequence_parallel_grad``, ``pipeline_tied``, ...) and its ties. On real tensors ``Module._apply`` sets each
+    parameter's ``.data``: the objects, hence their tags and the weights tied by sharing one, stay. On fake ones it
+    swaps each module's tensors for new ones: the tags go with the discarded objects and a tied weight becomes two
+    (then sequence parallelism's partial gradients, the tied embedding's sum, the clip's shard counting and the
+    tied weight's bytes would be wrong in the simulated step)."""
+    named = list(module.named_parameters(remove_duplicate=False))
+    tags = {name: {tag: getattr(p, tag) for tag in PARAMETER_TAGS if hasattr(p, tag)} for name, p in named}
+    first_name = {id(p): name for name, p in reversed(named)}
+    tied = [(name, first_name[id(p)]) for name, p in named if first_name[id(p)] != name]
     module = plugin.convert_module(module)
+    for name, first in tied:
+        owner, _, leaf = name.rpartition(".")
+        setattr(module.get_submodule(owner), leaf, module.get_parameter(first))
     for name, param in module.named_parameters(remove_duplicate=False):
         for tag, value in tags[name].items():
             setattr(param, tag, value)
