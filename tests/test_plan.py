@@ -40,13 +40,13 @@ def predicted_bytes() -> dict:
 
 
 @pytest.mark.slow
-def test_model_state_bytes_are_what_the_strategy_reports_on_every_rank(tmp_path, no_process_group):
+def test_model_state_bytes_are_what_the_strategy_reports_on_every_rank(plan_bytes_job, no_process_group):
     """22 layouts (ZeRO 0-3, tp, pp, vpp, cp, ep, whole experts on each tp rank (expert_tensor_parallel_size=1),
     bf16-true / bf16-mixed / fp32, offload, tied and untied embeddings,
     grouped-query attention, MoE, LoRA) each trained one step through the Trainer on 4 ranks; on every rank the
     planner's prediction equals ``strategy.model_state_bytes`` byte for byte, and for LoRA both equal the formula."""
     keys = list(BYTE_LAYOUTS)
-    results, proc = run_job("plan_bytes", 4, tmp_path, ",".join(keys), timeout=900)
+    results, proc = plan_bytes_job  # the pooled job, once per session (conftest.py)
     predicted = predicted_bytes()
     assert len(results) == 4
     for key in keys:
