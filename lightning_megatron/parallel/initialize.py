@@ -41,6 +41,7 @@ from typing import Callable, Iterator, Optional
 import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from lightning_megatron.parallel.shards import TensorShard, shard_of
 
@@ -330,8 +331,11 @@ def initialize_parameters(
                 name = f"{module_name}.{param_name}" if module_name else param_name
                 jobs.append((param, original_name(param, name), rule_for(module, initializer)))
     # Each draw is one sequential generator; several run at once on the host's threads (normal_ releases the GIL).
+    # Not under a dispatch mode (``lightning-megatron simulate``'s fake tensors): modes are per thread, so the pool's
+    # draws would escape it and allocate every parameter, whole, for real.
+    draw = lambda job: local_initial_values(job[0], job[1], seed, job[2])  # noqa: E731
     with ThreadPoolExecutor(max_workers=max(1, torch.get_num_threads())) as pool:
-        drawn = pool.map(lambda job: local_initial_values(job[0], job[1], seed, job[2]), jobs)
+        drawn = map(draw, jobs) if _get_current_dispatch_mode_stack() else pool.map(draw, jobs)
         replaced = {id(param): _materialise(param, values, device) for (param, _, _), values in zip(jobs, drawn)}
     for module in root.modules():  # every name of a parameter (tied ones too) gets its replacement
         for param_name, param in list(module._parameters.items()):

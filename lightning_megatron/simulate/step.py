@@ -29,7 +29,7 @@ from torch import Tensor, nn
 from lightning_megatron.checkpoint import entries as E
 from lightning_megatron.checkpoint.sharded import ShardedEntry
 from lightning_megatron.parallel.config import ParallelConfig
-from lightning_megatron.parallel.initialize import PARAMETER_TAGS, uninitialised_build
+from lightning_megatron.parallel.initialize import uninitialised_build
 from lightning_megatron.parallel.random import TensorParallelRNG
 from lightning_megatron.parallel.state import ParallelState
 from lightning_megatron.plan.inventory import fake_world
@@ -110,24 +110,27 @@ def _precision_plugin(precision: str, device: torch.device):
     return Precision()
 
 
-def _convert_module(plugin, module: nn.Module) -> nn.Module:
-    """``plugin.convert_module(module)`` keeping each parameter's tags (``PARAMETER_TAGS``: ``tensor_shard``,
-    ``sequence_parallel_grad``, ``pipeline_tied``, ...) and its ties. On real tensors ``Module._apply`` sets each
-    parameter's ``.data``: the objects, hence their tags and the weights tied by sharing one, stay. On fake ones it
-    swaps each module's tensors for new ones: the tags go with the discarded objects and a tied weight becomes two
-    (then sequence parallelism's partial gradients, the tied embedding's sum, the clip's shard counting and the
-    tied weight's bytes would be wrong in the simulated step)."""
-    named = list(module.named_parameters(remove_duplicate=False))
-    tags = {name: {tag: getattr(p, tag) for tag in PARAMETER_TAGS if hasattr(p, tag)} for name, p in named}
-    first_name = {id(p): name for name, p in reversed(named)}
-    tied = [(name, first_name[id(p)]) for name, p in named if first_name[id(p)] != name]
-    module = plugin.convert_module(module)
-    for name, first in tied:
-        owner, _, leaf = name.rpartition(".")
-        setattr(module.get_submodule(owner), leaf, module.get_parameter(first))
-    for name, param in module.named_parameters(remove_duplicate=False):
-        for tag, value in tags[name].items():
-            setattr(param, tag, value)
+#: The precisions whose Lightning plugin (``HalfPrecision``) casts the module's floating-point tensors.
+_HALF_DTYPES = {"bf16-true": torch.bfloat16, "16-true": torch.float16}
+
+
+def _convert_module(module: nn.Module, precision: str) -> nn.Module:
+    """What Lightning's precision plugin does to the module (``HalfPrecision``: ``module.to(dtype)``; the others:
+    nothing), as ``Module._apply`` does it on real tensors: each parameter's ``.data`` is set, so the objects, their
+    tags (``PARAMETER_TAGS``: ``tensor_shard``, ``sequence_parallel_grad``, ``pipeline_tied``, ...) and the weights
+    tied by sharing one stay. On fake tensors ``Module._apply`` swaps each tensor for a new one instead
+    (``torch.utils.swap_tensors``), which fails on a tensor that has weak references (the fake mode's own)."""
+    dtype = _HALF_DTYPES.get(precision)
+    if dtype is None:
+        return module
+    with torch.no_grad():
+        for param in dict.fromkeys(module.parameters()):
+            if param.is_floating_point():
+                param.data = param.data.to(dtype)
+        for owner in module.modules():
+            for name, buffer in owner._buffers.items():
+                if buffer is not None and buffer.is_floating_point():
+                    owner._buffers[name] = buffer.to(dtype)
     return module
 
 
@@ -198,7 +201,7 @@ def simulate_rank(job: Job, rank: int, mailbox: StageMailbox, steps: int = 2) ->
                                      precision=job.precision)
             plugin = _precision_plugin(job.precision, device)
             if prepared.zero3 is None:
-                module = _convert_module(plugin, module)  # already on the device: materialised there
+                module = _convert_module(module, job.precision)  # already on the device: materialised there
             driver = StepDriver(options)
             driver.bind(plugin, device, options)
             loop = _LoopState(job.accumulate_grad_batches)
