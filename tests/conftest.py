@@ -45,6 +45,18 @@ def plan_bytes_job(tmp_path_factory):
     return run_job("plan_bytes", 4, tmp_path_factory.mktemp("plan_bytes"), ",".join(BYTE_LAYOUTS), timeout=900)
 
 
+@pytest.fixture(scope="session")
+def activation_peak_job(tmp_path_factory) -> list[dict]:
+    """Every ``benchmarks/memory/peak.py`` layout's measured peak of activation bytes on the 2-rank pool, once per
+    session (``tests/workers/activation_peak.py``): per rank, ``{layout: row}``. ``test_plan.py`` holds the
+    planner's activation bytes to it, ``test_simulate.py`` the simulation's."""
+    from benchmarks.memory.peak import LAYOUTS, RANKS
+
+    keys = ",".join(layout.key for layout in LAYOUTS)
+    measured, _ = run_job("activation_peak", RANKS, tmp_path_factory.mktemp("activation_peak"), keys, timeout=900)
+    return measured
+
+
 @pytest.fixture
 def one_rank_group():
     """A process group of this process alone (the session's default group when one exists)."""
