@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch._subclasses.fake_tensor import is_fake
 
 from lightning_megatron.tensor_parallel.mappings import gather_from_tensor_parallel
 
@@ -116,6 +117,8 @@ def as_plain(logits: Tensor) -> Tensor:
 
 
 def mark_vocab_parallel(logits: Tensor, shard: VocabShard) -> Tensor:
+    if is_fake(logits):  # lightning-megatron simulate: a FakeTensor cannot become another subclass; left unmarked
+        return logits
     marked = logits.as_subclass(VocabParallelLogits)
     marked.vocab_shard = shard
     return marked
