@@ -4,6 +4,8 @@ buckets, the collectives of one optimizer step per group), to the planner's mode
 what the strategy reports in a real 4-process run (the pooled ``plan_bytes`` job of ``tests/test_plan.py``)."""
 
 import math
+from dataclasses import replace
+from typing import Optional
 
 import pytest
 import torch.distributed as dist
@@ -28,14 +30,14 @@ BUCKET_MB = 0.008  # ~8 KiB buckets: a stage's two layers are cut into several
 BF16 = 2
 
 
-def tiny_gpt() -> GPT:
+def tiny_gpt(loss_chunk_tokens: Optional[int] = CHUNK) -> GPT:
     """Llama-shaped (RMSNorm, SwiGLU, rope, no biases), tied embeddings, hidden 48: 8 heads of 6 (one per tp rank
     and query group; a norm's 48 elements make bucket sizes that need ZeRO's padding), vocabulary 256 (padded to
     tp x 128 = 1,024 rows, 128 per tp rank)."""
     return GPT(GPTConfig(vocab_size=VOCAB, max_seq_length=SEQ, hidden_size=H, num_layers=LAYERS, num_heads=HEADS,
                          num_query_groups=HEADS, ffn_hidden_size=FFN, dropout=0.0, normalization="RMSNorm",
                          position_embedding_type="rope", activation="swiglu", add_bias_linear=False,
-                         tie_embeddings=True, loss_chunk_tokens=CHUNK))
+                         tie_embeddings=True, loss_chunk_tokens=loss_chunk_tokens))
 
 
 def rank_of(pp: int, dp: int, tp: int) -> int:
@@ -57,7 +59,8 @@ def test_groups_at_1024_ranks_are_their_formulas(no_process_group):
             assert members(state.data_parallel_group) == [rank_of(pp, d, tp) for d in range(DP)]
             assert members(state.replica_group) == members(state.data_parallel_group)
             assert members(state.pipeline_parallel_group) == [rank_of(p, dp, tp) for p in range(PP)]
-            assert members(state.model_parallel_group) == sorted(rank_of(p, dp, t) for p in range(PP) for t in range(TP))
+            assert members(state.model_parallel_group) == sorted(rank_of(p, dp, t) for p in range(PP)
+                                                                  for t in range(TP))
             if pp in (0, PP - 1):
                 assert members(state.embedding_group) == [rank_of(0, dp, tp), rank_of(PP - 1, dp, tp)]
             else:
@@ -70,7 +73,8 @@ def test_groups_at_1024_ranks_are_their_formulas(no_process_group):
             pp, dp, cp, tp = rank // 256, rank // 8 % 32, rank // 4 % 2, rank % 4
             assert (state.pipeline_parallel_rank, state.data_parallel_rank, state.context_parallel_rank,
                     state.tensor_parallel_rank) == (pp, dp, cp, tp)
-            assert dist.get_process_group_ranks(state.context_parallel_group) == [rank - 4 * cp + 4 * c for c in range(2)]
+            cp_group = dist.get_process_group_ranks(state.context_parallel_group)
+            assert cp_group == [rank - 4 * cp + 4 * c for c in range(2)]
             assert dist.get_process_group_ranks(state.replica_group) == [
                 pp * 256 + d * 8 + c * 4 + tp for d in range(32) for c in range(2)]
 
@@ -127,8 +131,9 @@ def padded(bucket) -> int:
     return math.ceil(sum(numel for _, numel in bucket) / DP) * DP
 
 
-def expected_step(pp: int, dp: int) -> tuple[dict, dict]:
-    """The model state and the collectives of one optimizer step of the rank at (pp, dp), from the layout."""
+def expected_step(pp: int, dp: int, chunk_tokens: int = CHUNK) -> tuple[dict, dict]:
+    """The model state and the collectives of one optimizer step of the rank at (pp, dp), from the layout; the loss
+    in chunks of ``chunk_tokens`` (the plain loss: one chunk of the whole sequence)."""
     params = stage_parameters(pp)
     buckets = buckets_of(params)
     owned = {}
@@ -137,7 +142,7 @@ def expected_step(pp: int, dp: int) -> tuple[dict, dict]:
     first, last = pp == 0, pp == PP - 1
     m, layers = MICRO_BATCHES, LAYERS // PP
     hidden = SEQ * H * BF16  # one micro-batch's hidden states, whole sequence ([S, 1, H] bf16)
-    chunks, chunk = SEQ // CHUNK, CHUNK * H * BF16  # the loss's chunks of tokens, the bytes of one's hidden states
+    chunks, chunk = SEQ // chunk_tokens, chunk_tokens * H * BF16  # the loss's chunks, the bytes of one's hidden states
     state = {"parameters": BF16 * sum(n for _, n in params), "gradients": BF16 * sum(map(padded, buckets)),
              "main_parameters": 4 * sum(owned.values()), "optimizer_state": 8 * sum(owned.values())}
     rows = {
@@ -154,8 +159,9 @@ def expected_step(pp: int, dp: int) -> tuple[dict, dict]:
         # their weight gradient, the output projections gather their output gradient: 6; the two projections'
         # outputs and the two column layers' input gradients are reduce-scattered: 4. The embedding's output is
         # all-reduced and its gradient gathered from the sequence shards; the chunked head gathers each chunk's
-        # input (16 tokens) forward and for its weight gradient and reduce-scatters its input gradient; the vocab-parallel
-        # cross-entropy all-reduces the max, the sum of exponentials and the target logit (fp32 per token).
+        # input (chunk_tokens) forward and for its weight gradient and reduce-scatters its input gradient; the
+        # vocab-parallel cross-entropy all-reduces the max, the sum of exponentials and the target logit (fp32 per
+        # token).
         ("all_gather", "tp"): (m * (6 * layers + first + 2 * chunks * last),
                                m * ((6 * layers + first) * hidden + 2 * chunks * last * chunk)),
         ("reduce_scatter", "tp"): (m * (4 * layers + chunks * last), m * (4 * layers * hidden + chunks * last * chunk)),
@@ -163,7 +169,7 @@ def expected_step(pp: int, dp: int) -> tuple[dict, dict]:
     # The norms' gradients are partial sums over tp under sequence parallelism: one all-reduce per step of the
     # elements this dp rank owns (none owned: no all-reduce).
     norm_owned = sum(n for name, n in owned.items() if name.endswith(("ln_1", "ln_2", "ln_f")))
-    tp_reduces = [(m * first, m * first * hidden), (3 * chunks * m * last, 3 * chunks * m * last * CHUNK * 4),
+    tp_reduces = [(m * first, m * first * hidden), (3 * chunks * m * last, 3 * chunks * m * last * chunk_tokens * 4),
                   (int(norm_owned > 0), BF16 * norm_owned)]
     rows[("all_reduce", "tp")] = tuple(map(sum, zip(*tp_reduces)))
     if first or last:  # the tied embedding's gradient: the owned slice summed over the first and last stage
@@ -174,7 +180,8 @@ def expected_step(pp: int, dp: int) -> tuple[dict, dict]:
 
 @pytest.fixture(scope="module")
 def simulated_1024():
-    """The first rank, a middle stage's last dp rank and the last rank of the 1,024-rank job, simulated once."""
+    """The first rank, a middle stage's last dp rank and the last rank of the 1,024-rank job, simulated once; and
+    the last rank again with the plain loss (``"plain"``)."""
     if dist.is_initialized():
         dist.destroy_process_group()  # an in-process Trainer earlier in the session (conftest's no_process_group)
     options = StrategyOptions(tensor_parallel_size=TP, pipeline_parallel_size=PP, sequence_parallel=True,
@@ -182,17 +189,20 @@ def simulated_1024():
     job = Job(tiny_gpt, options, world_size=WORLD, precision="bf16-true", loader_batch_size=DP * MICRO_BATCHES,
               seq_length=SEQ, gradient_clip_val=1.0)
     mailbox = StageMailbox()
-    return {rank: simulate_rank(job, rank, mailbox) for rank in (rank_of(0, 0, 0), rank_of(1, DP - 1, 3), WORLD - 1)}
+    results = {rank: simulate_rank(job, rank, mailbox) for rank in (rank_of(0, 0, 0), rank_of(1, DP - 1, 3), WORLD - 1)}
+    results["plain"] = simulate_rank(replace(job, make_module=lambda: tiny_gpt(None)), WORLD - 1, mailbox)
+    return results
 
 
-@pytest.mark.parametrize("rank", [rank_of(0, 0, 0), rank_of(1, DP - 1, 3), WORLD - 1])
+@pytest.mark.parametrize("rank", [rank_of(0, 0, 0), rank_of(1, DP - 1, 3), WORLD - 1, "plain"])
 def test_buckets_and_collectives_at_1024_ranks_are_their_formulas(simulated_1024, rank):
     """Model state (padded gradient buckets, owned fp32 slices) and every collective of the measured step, count and
     bytes per (kind, group), equal the formulas of :func:`expected_step`; nothing else is issued."""
     result = simulated_1024[rank]
+    rank, chunk_tokens = (WORLD - 1, SEQ) if rank == "plain" else (rank, CHUNK)
     pp, dp, tp = rank // (DP * TP), rank // TP % DP, rank % TP
     assert result.coordinates == {"pp": pp, "dp": dp, "tp": tp}
-    state, rows = expected_step(pp, dp)
+    state, rows = expected_step(pp, dp, chunk_tokens)
     assert result.model_state_bytes == state
     measured = {(row["kind"], row["group"]): (row["count"], row["bytes"]) for row in result.collectives}
     assert measured == rows
@@ -204,8 +214,6 @@ def test_buckets_and_collectives_at_1024_ranks_are_their_formulas(simulated_1024
 
 
 def llama_tiny(moe: bool = False) -> GPT:
-    from dataclasses import replace
-
     from lightning_megatron.models.moe import MoEConfig
 
     config = GPTConfig.from_name("llama-tiny", dropout=0.0, max_seq_length=SEQ)
@@ -289,7 +297,8 @@ def test_model_state_is_what_a_real_4_process_run_reported(plan_bytes_job, no_pr
         for rank in ranks:
             simulated = simulate_rank(job, rank, mailbox)
             pp, dp, cp, tp = results[rank][key]["coordinates"]
-            assert (simulated.coordinates["pp"], simulated.coordinates["dp"], simulated.coordinates["tp"]) == (pp, dp, tp)
+            where = simulated.coordinates
+            assert (where["pp"], where["dp"], where["tp"]) == (pp, dp, tp)
             assert simulated.model_state_bytes == results[rank][key]["bytes"], (key, rank)
 
 
@@ -316,7 +325,8 @@ def test_activation_peaks_are_what_the_real_2_process_run_measured(activation_pe
     for key in PEAK_LAYOUTS:
         layout = LAYOUTS_BY_KEY[key]
         assert layout.pipeline_parallel_size == 1
-        options = StrategyOptions(tensor_parallel_size=layout.tensor_parallel_size, sequence_parallel=layout.sequence_parallel,
+        options = StrategyOptions(tensor_parallel_size=layout.tensor_parallel_size,
+                                  sequence_parallel=layout.sequence_parallel,
                                   activation_checkpointing=layout.activation_checkpointing,
                                   micro_batch_size=layout.micro_batch_size, bucket_size_mb=25.0)
         rows = layout.micro_batch_size * layout.micro_batches
