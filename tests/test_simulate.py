@@ -271,14 +271,13 @@ def test_16_ranks_model_state_is_the_planners(key, no_process_group):
 # BYTE_LAYOUTS keys -> the ranks simulated: the last rank (last pipeline stage, last dp rank: the ZeRO slices with
 # the padding), and the first of a pipelined layout (stages in order). The layouts the simulation does not run yet:
 # ZeRO-3, and bf16-mixed with clipping, experts in fp32 (see the report of issue 44).
-MEASURED = {"dp4-z1": (3,), "dp4-z2-bf16": (3,), "tp2-cp2-z1": (3,), "pp2v2-dp2-z2-bf16": (0, 3),
-            "lora-tp2-dp2-z1-bf16": (3,)}
+MEASURED = {"dp4-z1": (3,), "dp4-z2-bf16": (3,), "pp2v2-dp2-z2-bf16": (0, 3), "lora-tp2-dp2-z1-bf16": (3,)}
 
 
 @pytest.mark.slow  # the 4-rank job (shared with tests/test_plan.py: conftest's plan_bytes_job, once a session)
 def test_model_state_is_what_a_real_4_process_run_reported(plan_bytes_job, no_process_group):
-    """ZeRO-1 in fp32 and ZeRO-2 in bf16 with tied embeddings, tp2 x cp2, interleaved pp2 x vpp2 under ZeRO-2, LoRA
-    (its base frozen) at tp2 under ZeRO-1: each simulated rank's model state is what ``strategy.model_state_bytes``
+    """ZeRO-1 in fp32 and ZeRO-2 in bf16 with tied embeddings, interleaved pp2 x vpp2 under ZeRO-2, LoRA (its base
+    frozen) at tp2 under ZeRO-1: each simulated rank's model state is what ``strategy.model_state_bytes``
     reported on that rank after a real step of the same layout and model (``tests/workers/plan_bytes.py``)."""
     import sys
 
