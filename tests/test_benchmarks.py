@@ -12,6 +12,7 @@ import os
 import re
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -163,6 +164,20 @@ def test_data_benchmark_builds_and_reads_the_index_of_its_corpus(tmp_path, run_t
     assert any(row[0].startswith("Megatron-Core") for row in rows)  # its row, or the line saying it is not installed
     probes = {row[0]: row for row in rows if row[0] in ("PREFIX.ends", "pread", "memory map")}
     assert len(probes) == 3 and len({row[1] for row in probes.values()}) == 1, probes  # the same documents each way
+
+
+def test_data_index_benchmark_measures_one_side_of_its_table(tmp_path, run_tool):
+    """A side's build as the benchmark runs it in each fresh child process (here in-process: a child imports the
+    package anew, seconds of the suite's budget), its JSON read back."""
+    from benchmarks import data_index
+
+    lengths = tmp_path / "lengths.npy"
+    np.save(lengths, np.random.default_rng(0).integers(1, 2000, size=2000).astype(np.int32))
+    out = run_tool(data_index.main, "--side", "ours", "--lengths", str(lengths), "--seq-length", "64", "--repeats", "2")
+    row = json.loads(out.strip().splitlines()[-1])
+    assert row["samples"] == -(-row["tokens"] // 64) and row["documents"] == 2000 and row["seconds"] > 0, row
+    assert row["kept_bytes"] == 12 * row["samples"] + 4 * 2 * 2000, row  # int32: two epochs of document order
+    assert row["kept_bytes"] < row["traced_bytes"] < row["kept_bytes"] + 4 * 2**20, row  # and a fixed few MiB
 
 
 @pytest.mark.slow

@@ -243,7 +243,7 @@ def test_help_lists_every_subcommand_and_tool_in_whole_sentences(capsys):
     printed = " ".join(capsys.readouterr().out.split())
     descriptions = {**TRAINER_COMMANDS, **{name: text for name, (text, _) in TOOLS.items()}}
     assert set(descriptions) == {"fit", "validate", "test", "predict", "preprocess", "document-ends",
-                                 "train-tokenizer", "checkpoint", "generate", "plan"}
+                                 "train-tokenizer", "checkpoint", "generate", "plan", "simulate"}
     for name, text in descriptions.items():
         assert text[0].isupper() and text.endswith("."), (name, text)
         assert f"{name} {text}" in printed, name

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from lightning_megatron.cli import main as cli_main
-from lightning_megatron.data import GPTDataset, IndexedDataset
+from lightning_megatron.data import GPTDataset, IndexedDataset, indexed
 from lightning_megatron.data.document_ends import document_ends_file
 from lightning_megatron.data.file_array import FileArray
 from lightning_megatron.data.gpt_dataset import split_documents
@@ -62,7 +62,8 @@ def _assert_same(arrays, reference):
         assert np.array_equal(arrays[name], reference[name]), name
 
 
-def test_the_index_build_gives_the_same_documents_with_the_record_without_it_and_by_the_old_memory_map(tmp_path):
+def test_the_index_build_gives_the_same_documents_with_the_record_without_it_and_by_the_old_memory_map(tmp_path,
+                                                                                                     monkeypatch):
     documents = _documents(0)
     prefix = _write(tmp_path / "corpus", documents)
     ends = document_ends_file(prefix)
@@ -78,6 +79,9 @@ def test_the_index_build_gives_the_same_documents_with_the_record_without_it_and
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # the record is used: nothing to say
             _assert_same(split_documents(dataset, split, EOS), reference)
+            with monkeypatch.context() as patch:  # read in parts of 3 documents, empty ones at their edges
+                patch.setattr(indexed, "_DOCUMENTS_PER_PASS", 3)
+                _assert_same(split_documents(dataset, split, EOS), reference)
 
     # without the record (Megatron-LM's files): read from the .bin, said once, the same arrays
     recorded = ends.read_bytes()
@@ -87,6 +91,9 @@ def test_the_index_build_gives_the_same_documents_with_the_record_without_it_and
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         _assert_same(split_documents(dataset, range(5, 23), EOS), _memory_map_reference(prefix, range(5, 23), EOS))
+        monkeypatch.setattr(indexed, "_DOCUMENTS_PER_PASS", 3)
+        _assert_same(split_documents(dataset, range(5, 23), EOS), _memory_map_reference(prefix, range(5, 23), EOS))
+        monkeypatch.undo()
 
     # the command writes the record the writer wrote, and keeps one that belongs to the dataset
     idx, data = index_file(prefix).read_bytes(), data_file(prefix).read_bytes()

@@ -31,8 +31,7 @@ LAYERS = [
     ["huggingface"],                                        # interop: conversion, export, LoRA export
     ["plan"],                                               # the planner library
     ["strategy"],                                           # the Lightning strategy package
-    ["simulate"],                                           # one rank's real step on fake tensors (simulate)
-    ["callbacks"],                                          # Lightning callbacks
+    ["callbacks", "simulate"],                              # Lightning callbacks; one rank's step, simulated
     ["commands"],                                           # command-line tools: plan, checkpoint, generate, ...
     ["cli_errors"],                                         # the command line's error reports
     [ROOT],                                                 # `import lightning_megatron`

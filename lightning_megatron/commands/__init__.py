@@ -14,6 +14,7 @@ from lightning_megatron.commands.generate import main as generate_main
 from lightning_megatron.commands.plan import main as plan_main
 from lightning_megatron.commands.preprocess import document_ends_main, train_tokenizer_main
 from lightning_megatron.commands.preprocess import main as preprocess_main
+from lightning_megatron.commands.simulate import main as simulate_main
 
 # name -> (help in whole sentences, main(argv) function)
 TOOLS: dict[str, tuple[str, Callable[[Sequence[str]], None]]] = {
@@ -28,6 +29,9 @@ TOOLS: dict[str, tuple[str, Callable[[Sequence[str]], None]]] = {
                  generate_main),
     "plan": ("Predict the memory per GPU and the step time of every valid layout of a config on N GPUs, and write "
              "a config that runs the best one (--write-config).", plan_main),
+    "simulate": ("Run a config's real training step for chosen ranks of an N-GPU job on this CPU (fake tensors, fake "
+                 "process group), and print each rank's peak memory beside the planner's and its collectives.",
+                 simulate_main),
 }
 
 __all__ = ["TOOLS"]

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import importlib
 import json
 import os
 import sys
@@ -44,19 +43,30 @@ from lightning_megatron.plan.fine_tuning import fine_tuning_fits, format_fits
 from lightning_megatron.plan.hf_model import HFModel, hf_model, transformers_parameters
 from lightning_megatron.plan.no_fit import explain_no_fit
 from lightning_megatron.plan.planner import SEARCHED, LayoutPlan, Planner
+from lightning_megatron.simulate.fake_world import StageMailbox, simulation_device
+from lightning_megatron.simulate.report import compare_with_plan, format_report, parse_ranks, ranks_that_differ
+from lightning_megatron.simulate.step import Job, RankResult, simulate_rank
+from lightning_megatron.strategy.options import StrategyOptions
 
 
 
 def module_factory(model_section: dict) -> Callable[[], Any]:
-    """A function building the config's LightningModule (``class_path`` and ``init_args``) anew."""
+    """A function building the config's LightningModule (``class_path`` and ``init_args``) anew, its arguments read
+    as LightningCLI reads them (jsonargparse: typed by the signature, so YAML's ``3e-05`` is a float)."""
+    from jsonargparse import ArgumentParser
+    from lightning.pytorch import LightningModule
+
     class_path = model_section.get("class_path")
     if not class_path or "." not in class_path:
         raise ValueError(f"The config's model section needs a class_path (e.g. lightning_megatron.models.GPT); "
                          f"got {model_section!r}.")
-    module_name, class_name = class_path.rsplit(".", 1)
-    cls = getattr(importlib.import_module(module_name), class_name)
-    init_args = dict(model_section.get("init_args") or {})
-    return lambda: cls(**copy.deepcopy(init_args))
+    parser = ArgumentParser(exit_on_error=False)
+    parser.add_subclass_arguments(LightningModule, "model")
+    try:
+        parsed = parser.parse_object({"model": model_section})
+    except Exception as error:  # jsonargparse's ArgumentError: the message names the argument
+        raise ValueError(f"The config's model section: {error}") from None
+    return lambda: parser.instantiate(parsed).model
 
 
 def planner_from_config(config: dict, *, gpus: int, hardware: Hardware, global_batch_size: Optional[int] = None,
@@ -206,6 +216,41 @@ def describe_configured(planner: Planner, layout: Layout) -> str:
     return "\n".join(lines)
 
 
+def job_of(config: dict, gpus: int) -> Job:
+    """The ``Job`` a fit config runs on ``gpus`` GPUs."""
+    trainer = config.get("trainer") or {}
+    strategy = trainer.get("strategy")
+    arguments = dict((strategy.get("init_args") or {}) if isinstance(strategy, dict) else {})
+    data = (config.get("data") or {}).get("init_args") or {}
+    for name in ("global_batch_size", "seq_length"):
+        if not data.get(name):
+            raise ValueError(f"The config's data section has no {name}, which the simulated batches need.")
+    return Job(module_factory(config.get("model") or {}), StrategyOptions(**arguments), world_size=gpus,
+               precision=str(trainer.get("precision", "32-true")), loader_batch_size=int(data["global_batch_size"]),
+               seq_length=int(data["seq_length"]), accumulate_grad_batches=int(trainer.get("accumulate_grad_batches", 1)),
+               gradient_clip_val=trainer.get("gradient_clip_val"), device=simulation_device())
+
+
+def simulate_config(config: dict, *, gpus: int, hardware: Hardware, ranks: Optional[str] = None,
+                    progress=None) -> list[RankResult]:
+    """Simulate ``ranks`` (``--ranks``' text; default: the ranks that differ) of ``config`` on ``gpus`` GPUs, each
+    with the planner's prediction for it (``RankResult.planned``)."""
+    job = job_of(config, gpus)
+    parallel = job.parallel_config
+    chosen = parse_ranks(ranks, parallel) if ranks else ranks_that_differ(parallel)
+    planner = planner_from_config(config, gpus=gpus, hardware=hardware)
+    layout = configured_layout(config, gpus, planner.workload)
+    mailbox = StageMailbox()
+    results = []
+    for number, rank in enumerate(chosen, 1):
+        if progress is not None:
+            progress(f"simulating rank {rank} ({number}/{len(chosen)}) of {gpus} ...")
+        result = simulate_rank(job, rank, mailbox)
+        compare_with_plan(result, planner, layout)
+        results.append(result)
+    return results
+
+
 def layout_config(config: dict, plan: LayoutPlan, workload: Workload, hardware: Hardware, world: int) -> dict:
     """``config`` with the strategy, devices and batch of ``plan``: what ``lightning-megatron fit`` runs."""
     out = copy.deepcopy(config)
@@ -331,6 +376,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("--json", action="store_true", help="print every evaluated layout as JSON instead")
     parser.add_argument("--write-config", type=Path, help="write the config with the best layout here")
     parser.add_argument("--plot", type=Path, help="draw memory and tokens/s per layout into this image")
+    parser.add_argument("--verify", action="store_true",
+                        help="run the best layout's training step for the ranks that differ (lightning-megatron "
+                             "simulate) and print each rank's simulated peak beside the prediction")
     args = parser.parse_args(argv)
     if [args.config is not None, args.model is not None, args.model_name is not None,
             args.fine_tuning_fit].count(True) != 1:
@@ -407,3 +455,11 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                   f"{result.best.disk_bytes_per_gpu / GIB:.1f} GiB free per GPU", file=sys.stderr)
     if args.plot is not None:
         plot(result.plans, hardware, args.plot)
+    if args.verify:
+        best = layout_config(config, result.best, planner.workload, hardware, gpus)
+        print(f"verifying {result.best.layout.label()} (lightning-megatron simulate):")
+        try:
+            print(format_report(simulate_config(best, gpus=gpus, hardware=hardware,
+                                                progress=lambda line: print(line, file=sys.stderr, flush=True))))
+        except (ValueError, TypeError) as error:
+            raise SystemExit(f"lightning-megatron plan --verify: {error}") from None

@@ -59,16 +59,23 @@ def split_documents(dataset: IndexedDataset, documents: range, eos_id: int) -> d
     token, which ``PREFIX.ends`` records (else it is read from the ``.bin`` without mapping it:
     ``IndexedDataset.last_tokens``). The ``.idx`` is read through the mappings of a fresh
     ``IndexedDataset`` that are closed again, so the pages read do not stay in this process (the builder's).
+    The build holds the 16 bytes a document it returns and the last tokens (one token a document).
     """
     dataset = IndexedDataset(dataset.prefix)
-    starts, stored = dataset.document_extents(documents)
-    ends_with_eos = dataset.last_tokens(documents) == eos_id
+    last_tokens = dataset.last_tokens(documents)
+    starts = np.empty(len(documents), np.int64)
+    stored, lengths = np.empty(len(documents), np.int32), np.empty(len(documents), np.int32)
+    kept = 0  # the arrays are filled a part of the documents at a time: no int64 temporaries per document
+    for part, part_starts, part_stored in dataset.extents_by_chunk(documents):
+        keep = part_stored > 0
+        end = kept + int(keep.sum())
+        starts[kept:end], stored[kept:end] = part_starts[keep], part_stored[keep]
+        adds_eos = last_tokens[part.start - documents.start:part.stop - documents.start][keep] != eos_id
+        np.add(stored[kept:end], adds_eos, out=lengths[kept:end])
+        kept = end
     del dataset
-    keep = stored > 0
-    starts, stored, ends_with_eos = starts[keep], stored[keep], ends_with_eos[keep]
-    lengths = (stored + ~ends_with_eos).astype(np.int32)
-    return {"starts": starts, "stored": stored.astype(np.int32), "lengths": lengths,
-            "tokens": np.array([lengths.sum(dtype=np.int64)])}
+    return {"starts": starts[:kept], "stored": stored[:kept], "lengths": lengths[:kept],
+            "tokens": np.array([lengths[:kept].sum(dtype=np.int64)])}
 
 
 def documents_key(dataset: IndexedDataset, documents: range, eos_id: int) -> dict:

@@ -32,7 +32,7 @@ import array as stdlib_array  # typed lists: an item costs its bytes, not a Pyth
 import os
 import struct
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from types import TracebackType
 
@@ -289,12 +289,30 @@ def _index_arrays(index: np.ndarray, count: int) -> tuple[np.ndarray, np.ndarray
     return lengths, pointers, index[offset + 8 * count :].view(np.int64)
 
 
-def _non_decreasing(values: np.ndarray, chunk: int = 1 << 20) -> bool:
-    """Checked a chunk at a time: a corpus of millions of documents costs no array of their size."""
-    return all(not np.any(np.diff(values[i : i + chunk + 1]) < 0) for i in range(0, max(len(values) - 1, 1), chunk))
+_CHECKED_PER_READ = 1 << 16  # items of the .idx read at a time by the checks of an IndexedDataset when it opens
+
+
+def _non_decreasing(values: FileArray) -> bool:
+    """Checked a part at a time: a corpus of millions of documents costs no array of their size."""
+    return all(not np.any(np.diff(values[i : i + _CHECKED_PER_READ + 1]) < 0)
+               for i in range(0, max(len(values) - 1, 1), _CHECKED_PER_READ))
+
+
+def _extents(boundaries: np.ndarray, lengths: np.ndarray, pointers: np.ndarray,
+             itemsize: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(first token, tokens)`` of the documents whose first sequences are ``boundaries[:-1]`` (``boundaries[-1]``
+    ends the last), from the ``lengths`` and ``pointers`` of the sequences ``boundaries[0]`` to ``boundaries[-1]``."""
+    first = int(boundaries[0])
+    sequence_ends = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)])
+    stored = sequence_ends[boundaries[1:] - first] - sequence_ends[boundaries[:-1] - first]
+    starts = np.zeros(len(stored), np.int64)
+    non_empty = stored > 0  # an empty document may sit after the last sequence: it has no pointer
+    starts[non_empty] = np.asarray(pointers[boundaries[:-1][non_empty] - first]) // itemsize
+    return starts, stored
 
 
 _SPOT_CHECKS = 16  # last tokens of PREFIX.ends compared with the .bin before the file is trusted
+_DOCUMENTS_PER_PASS = 1 << 14  # extents computed at a time by a pass over many documents: well under 1 MiB
 
 
 class IndexedDataset:
@@ -315,10 +333,12 @@ class IndexedDataset:
         self.prefix = os.fspath(prefix)
         idx_path, bin_path = index_file(prefix), data_file(prefix)
         check_dataset_files(prefix)
-        index = np.memmap(idx_path, dtype=np.uint8, mode="r") if idx_path.stat().st_size else np.empty(0, np.uint8)
-        if len(index) < _HEADER.size:
-            raise ValueError(f"{idx_path} is {len(index)} bytes, shorter than the {_HEADER.size}-byte header.")
-        magic, version, code, count, index_count = _HEADER.unpack(index[: _HEADER.size].tobytes())
+        size = idx_path.stat().st_size
+        with open(idx_path, "rb") as file:
+            header = file.read(_HEADER.size)
+        if len(header) < _HEADER.size:
+            raise ValueError(f"{idx_path} is {size} bytes, shorter than the {_HEADER.size}-byte header.")
+        magic, version, code, count, index_count = _HEADER.unpack(header)
         if magic != INDEX_MAGIC:
             raise ValueError(f"{idx_path} starts with {magic!r}, not the indexed-dataset magic {INDEX_MAGIC!r}.")
         if version != INDEX_VERSION:
@@ -326,26 +346,28 @@ class IndexedDataset:
         if code not in DTYPE_CODES:
             raise ValueError(f"{idx_path} has dtype code {code}; known codes are {sorted(DTYPE_CODES)}.")
         expected = _HEADER.size + 12 * count + 8 * index_count
-        if len(index) != expected:
+        if size != expected:
             raise ValueError(
-                f"{idx_path} is {len(index)} bytes but its header ({count} sequences, {index_count} document "
+                f"{idx_path} is {size} bytes but its header ({count} sequences, {index_count} document "
                 f"indices) implies {expected}; the index is truncated or not a plain-text Megatron index."
             )
         self.dtype: np.dtype = DTYPE_CODES[code]
-        lengths, _, docs = _index_arrays(index, count)
-        if len(docs) == 0 or docs[0] != 0 or docs[-1] != count or not _non_decreasing(docs):
+        # The checks read the .idx by pread, a part at a time: nothing of it is mapped into this process (the .idx
+        # of a corpus of a billion documents is 20 GB), and the arrays below are mapped afterwards, touched as used.
+        lengths = FileArray(idx_path, np.int32, _HEADER.size, count)
+        docs = FileArray(idx_path, np.int64, _HEADER.size + 12 * count, index_count)
+        if index_count == 0 or docs[0] != 0 or docs[-1] != count or not _non_decreasing(docs):
             raise ValueError(f"{idx_path} has invalid document indices: they must rise from 0 to {count}.")
 
-        num_bytes = int(lengths.sum(dtype=np.int64)) * self.dtype.itemsize
+        num_bytes = sum(int(lengths[i : i + _CHECKED_PER_READ].sum(dtype=np.int64))
+                        for i in range(0, count, _CHECKED_PER_READ)) * self.dtype.itemsize
         bin_size = bin_path.stat().st_size
         if bin_size != num_bytes:
             raise ValueError(
                 f"Index/bin mismatch: {idx_path} describes {num_bytes} bytes of {self.dtype} tokens but {bin_path} "
                 f"is {bin_size} bytes; the .bin is truncated or belongs to another index. Re-run the preprocessing."
             )
-        # The checks read the whole .idx through that mapping; a fresh one keeps those pages out of this
-        # process (the .idx of a corpus of millions of documents is tens of megabytes): reads touch what they use.
-        del index, lengths, docs
+        del lengths, docs
         index = np.memmap(idx_path, dtype=np.uint8, mode="r")
         self.sequence_lengths, self.sequence_pointers, self.document_indices = _index_arrays(index, count)
         self._tokens = np.memmap(bin_path, dtype=self.dtype, mode="r") if bin_size else np.empty(0, self.dtype)
@@ -369,13 +391,23 @@ class IndexedDataset:
         empty document), from the ``.idx`` alone."""
         self._check_range(documents)
         boundaries = np.asarray(self.document_indices[documents.start : documents.stop + 1])
-        first = int(boundaries[0])
-        sequence_ends = np.concatenate([[0], np.cumsum(self.sequence_lengths[first : boundaries[-1]], dtype=np.int64)])
-        stored = sequence_ends[boundaries[1:] - first] - sequence_ends[boundaries[:-1] - first]
-        starts = np.zeros(len(stored), np.int64)
-        non_empty = stored > 0  # an empty document may sit after the last sequence: it has no pointer
-        starts[non_empty] = np.asarray(self.sequence_pointers[boundaries[:-1][non_empty]]) // self.dtype.itemsize
-        return starts, stored
+        span = slice(int(boundaries[0]), int(boundaries[-1]))
+        return _extents(boundaries, self.sequence_lengths[span], self.sequence_pointers[span], self.dtype.itemsize)
+
+    def extents_by_chunk(self, documents: range) -> Iterator[tuple[range, np.ndarray, np.ndarray]]:
+        """``(part, first token, tokens)``: :meth:`document_extents` of consecutive parts of ``documents``, read from
+        the ``.idx`` by ``pread`` (not through its mapping), so that a pass over every document of a large corpus
+        holds one part's arrays and leaves none of the ``.idx``'s pages in this process."""
+        self._check_range(documents)
+        path, count = index_file(self.prefix), len(self.sequence_lengths)
+        lengths = FileArray(path, np.int32, _HEADER.size, count)
+        pointers = FileArray(path, np.int64, _HEADER.size + 4 * count, count)
+        document_indices = FileArray(path, np.int64, _HEADER.size + 12 * count, self.num_documents + 1)
+        for start in range(documents.start, documents.stop, _DOCUMENTS_PER_PASS):
+            part = range(start, min(start + _DOCUMENTS_PER_PASS, documents.stop))
+            boundaries = document_indices[part.start : part.stop + 1]
+            first, end = int(boundaries[0]), int(boundaries[-1])
+            yield (part, *_extents(boundaries, lengths[first:end], pointers[first:end], self.dtype.itemsize))
 
     def last_tokens(self, documents: range) -> np.ndarray:
         """The last token of each document of ``documents`` (0 for an empty one).
@@ -408,7 +440,7 @@ class IndexedDataset:
         spread = np.linspace(documents.start, documents.stop - 1, min(_SPOT_CHECKS, len(documents)))
         checked, positions = [], []
         for k in np.unique(spread.astype(np.int64)).tolist():
-            start, stored = self._extent(k)
+            _, (start,), (stored,) = next(self.extents_by_chunk(range(k, k + 1)))  # read, not mapped
             if stored:
                 checked.append(k)
                 positions.append(start + stored - 1)
@@ -423,22 +455,18 @@ class IndexedDataset:
         """The last token of each document of ``documents`` (0 for an empty one), read from the ``.bin`` by
         ``pread`` (``FileArray.gather``): a page or so per document, none of it mapped, so the pages stay in the
         kernel's shared page cache and out of this process."""
-        starts, stored = self.document_extents(documents)
-        last = np.zeros(len(stored), self.dtype)
-        non_empty = stored > 0
-        last[non_empty] = self._token_file().gather(starts[non_empty] + stored[non_empty] - 1)
+        last = np.zeros(len(documents), self.dtype)
+        tokens = self._token_file()
+        for part, starts, stored in self.extents_by_chunk(documents):
+            non_empty = stored > 0
+            last[part.start - documents.start:part.stop - documents.start][non_empty] = tokens.gather(
+                starts[non_empty] + stored[non_empty] - 1)
         return last
 
     def _check_range(self, documents: range) -> None:
         if documents.step != 1 or not 0 <= documents.start <= documents.stop <= self.num_documents:
             raise ValueError(f"documents={documents} is not a contiguous range of the {self.num_documents} documents "
                              f"of {self.prefix}.")
-
-    def _extent(self, document: int) -> tuple[int, int]:
-        """``(first token, tokens)`` of one document (see :meth:`document_extents`)."""
-        first, end = int(self.document_indices[document]), int(self.document_indices[document + 1])
-        stored = int(self.sequence_lengths[first:end].sum(dtype=np.int64))
-        return (int(self.sequence_pointers[first]) // self.dtype.itemsize if stored else 0), stored
 
     def _token_file(self) -> FileArray:
         return FileArray(data_file(self.prefix), self.dtype, 0, len(self._tokens))

@@ -136,11 +136,12 @@ class MainParamOptimizer:
         return nn.Parameter(flat.to(dtype=torch.float32, copy=True))
 
     def _grad_home(self, index: int) -> Optional[Tensor]:
-        """Where piece ``index``'s fp32 gradient is copied every step when the main piece is in host memory and
-        cannot read the reduced gradient in place: the ``"nvme"`` tier's gradient file, else a host tensor made
-        here, once. None: read in place (fp32 on the host), or converted on the device (``"none"``)."""
+        """Where piece ``index``'s fp32 gradient is copied every step when the main piece is offloaded to host memory
+        and cannot read the reduced gradient in place: the ``"nvme"`` tier's gradient file, else a host tensor made
+        here, once. None: read in place (fp32 on the host), or converted where the model is (tier ``"none"``, a CPU
+        model's too: as on a GPU, a transient of the step, not a copy kept for the whole run)."""
         piece, main = self.pieces[index]
-        if main.device.type != "cpu" or (piece.param.dtype == torch.float32 and piece.param.device.type == "cpu"):
+        if self.tier == "none" or (piece.param.dtype == torch.float32 and piece.param.device.type == "cpu"):
             return None
         if self.nvme is not None:
             return self.nvme.grad_home(index)
@@ -279,10 +280,10 @@ class MainParamOptimizer:
 
     def main_param_bytes(self) -> int:
         """Bytes of fp32 copies in memory; pieces that are views of fp32 parameters, or in the ``"nvme"`` tier's
-        files, cost nothing here (``nvme.disk_bytes``). A view is told by its storage, not its address: fake tensors
-        (``lightning-megatron simulate``) all have address 0."""
+        files, cost nothing here (``nvme.disk_bytes``)."""
         if self.nvme is not None:
             return 0
+        # One storage or two (not data pointers: a fake tensor's, lightning-megatron simulate's, are all alike).
         return sum(main.numel() * main.element_size() for piece, main in self.pieces
                    if main.untyped_storage()._cdata != piece.param.untyped_storage()._cdata)
 

@@ -330,9 +330,9 @@ def initialize_parameters(
                     continue
                 name = f"{module_name}.{param_name}" if module_name else param_name
                 jobs.append((param, original_name(param, name), rule_for(module, initializer)))
-    # Each draw is one sequential generator; several run at once on the host's threads (normal_ releases the GIL).
-    # Not under a dispatch mode (``lightning-megatron simulate``'s fake tensors): modes are per thread, so the pool's
-    # draws would escape it and allocate every parameter, whole, for real.
+    # Each draw is one sequential generator; several run at once on the host's threads (normal_ releases the GIL),
+    # unless a dispatch mode is active: modes are per thread, and the draws must run under it (the fake tensors of
+    # ``lightning-megatron simulate``, a memory probe).
     draw = lambda job: local_initial_values(job[0], job[1], seed, job[2])  # noqa: E731
     with ThreadPoolExecutor(max_workers=max(1, torch.get_num_threads())) as pool:
         drawn = map(draw, jobs) if _get_current_dispatch_mode_stack() else pool.map(draw, jobs)

@@ -166,6 +166,12 @@ class PipelineRunner:
                 self.recorder.action_tables[micro_batches] = self._schedules[key].pipeline_order
         return self._schedules[key]
 
+    def drop_schedules(self) -> None:
+        """Forget the schedules built so far, and with them their receive buffers (torch allocates one per
+        micro-batch when it builds a schedule): ``lightning-megatron simulate`` warms up with fewer micro-batches
+        than the step it measures, whose schedule alone a real run holds."""
+        self._schedules.clear()
+
     def _evaluate_stage_by_stage(self, batch, micro_batches: int) -> None:
         """Forward-only evaluation for the V placement, one micro-batch at a time through the stages in order
         (``PipelineInference``): torch 2.13's V-shaped schedules fail in ``eval()`` where one rank runs two

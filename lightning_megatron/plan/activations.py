@@ -72,6 +72,7 @@ from __future__ import annotations
 from typing import Optional
 
 from lightning_megatron.parallel.shards import padded_size
+from lightning_megatron.pipeline.layout import SCHEDULE_SPECS, rank_of_stage
 from lightning_megatron.plan.hardware import GIB
 from lightning_megatron.plan.layout import Layout, Workload
 from lightning_megatron.plan.shape import ModelShape
@@ -213,14 +214,34 @@ def activation_bytes(shape: ModelShape, layout: Layout, workload: Workload, *, p
     backward = 2 * h * w / q + _mlp_gradient(shape, t) * w  # the residual stream's gradient, the MLP's
     if layout.activation_checkpointing == "full":
         backward += layer_saved_bytes(shape, layout, w, mode="none", seq_length=seq)  # the layer being recomputed
-    return int(kept + max(loss, tokens * (backward - head)))
+    return int(kept + max(loss, tokens * (backward - head)) + receive_buffer_bytes(shape, layout, workload, pipeline_rank))
+
+
+def receive_buffer_bytes(shape: ModelShape, layout: Layout, workload: Workload, pipeline_rank: int) -> float:
+    """torch's pipeline stages allocate, when the schedule is built, one receive buffer per micro-batch for each
+    input of a stage that is not the first (the previous stage's output) and for each output gradient of a stage
+    that is not the last, each a micro-batch's hidden states between two stages; they live as long as the schedule,
+    i.e. the whole run. (Found by ``lightning-megatron simulate``: 3.1-3.4 GiB a rank for GPT-3 175B's interleaved
+    layout on 1024 GPUs.)"""
+    pp = layout.pipeline_parallel_size
+    if pp == 1:
+        return 0.0
+    q = layout.tensor_parallel_size if layout.sequence_parallel else 1
+    boundary = layout.micro_batch_size * workload.seq_length / layout.context_parallel_size * shape.hidden_size \
+        * workload.compute_bytes / q
+    schedule = layout.pipeline_schedule
+    num_stages = pp * (2 if SCHEDULE_SPECS[schedule].placement == "v" else layout.virtual_pipeline_size)
+    stages = [stage for stage in range(num_stages) if rank_of_stage(stage, pp, schedule) == pipeline_rank]
+    buffers = sum(stage != 0 for stage in stages) + sum(stage != num_stages - 1 for stage in stages)
+    return buffers * layout.micro_batches(workload) * boundary
 
 
 def _head_and_loss(shape: ModelShape, tokens: float, vocab: float, h: int, w: int, q: int,
                    grad_apart: bool) -> tuple[float, float, float]:
     """The last stage's ``(kept bytes per token, the loss's transient bytes, the stage output's bytes per token
     beyond those)``. Unchunked: the final norm's and the head's inputs and the fp32 log-softmax are kept, two more
-    fp32 ``[tokens, V/t]`` temporaries come at the loss, and the stage's output is the logits. Chunked
+    fp32 ``[tokens, V/t]`` temporaries come at the loss (three with 16-bit logits: their fp32 copy), and the stage's
+    output is the logits. Chunked
     (``loss_chunk_tokens``, ``tensor_parallel.chunked_cross_entropy``): the final norm's input and output (the loss's
     input, also the stage's output), the logits' maximum and sum of exponentials (fp32) and, under sequence
     parallelism, the targets regrouped by rank (int64); the transient is three fp32 chunks of logits in the forward
@@ -230,8 +251,9 @@ def _head_and_loss(shape: ModelShape, tokens: float, vocab: float, h: int, w: in
     soft-capping keeps the ``tanh``'s output unchunked (``V / t`` in the compute dtype) and adds a third fp32 chunk to
     the chunked backward (the cap's slope, ``1 - tanh^2``)."""
     chunk = getattr(shape.config, "loss_chunk_tokens", None)
-    if not chunk:  # the head keeps its input's chunk under SP
-        return 2 * h * w / q + vocab * 4 + (vocab * w if shape.logit_softcap else 0), tokens * 8 * vocab, vocab * w
+    if not chunk:  # the head keeps its input's chunk under SP; 16-bit logits are copied to fp32 first (simulate)
+        transient = tokens * (8 + (4 if w < 4 else 0)) * vocab
+        return 2 * h * w / q + vocab * 4 + (vocab * w if shape.logit_softcap else 0), transient, vocab * w
     rows = q * min(max(1, chunk // q), tokens / q)
     backward = (12 if shape.logit_softcap else 8) * vocab * rows
     transient = max(12 * vocab * rows, backward + (vocab * h * w if grad_apart else 0))

@@ -15,8 +15,10 @@
 
 The device type of the fake tensors is the one torch can run autograd on here: ``cuda`` where torch was built
 with CUDA, else ``cpu`` (a CPU build of torch cannot run autograd on fake CUDA tensors). The kernels whose memory
-differs between the two are the attention's: on both, scaled-dot-product attention takes its fused kernel, which
-keeps the output and the log-sum-exp for backward, not the score matrix.
+differs between the two are the attention's: on fake CPU tensors :class:`GPUAttention` sends scaled-dot-product
+attention without a mask to FlashAttention's op, as a GPU runs it (its output, log-sum-exp and random state kept for
+backward, dropout included), not to the CPU's kernel, which under attention dropout falls back to materialising the
+``s x s`` scores and mask.
 """
 
 from __future__ import annotations
@@ -27,8 +29,10 @@ from unittest import mock
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import Tensor
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.weak import WeakTensorKeyDictionary
@@ -156,3 +160,18 @@ class StageMailbox:
 def fake_tensors() -> FakeTensorMode:
     """Fake tensors that real ones (the program's constants) may meet."""
     return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+class GPUAttention(TorchFunctionMode):
+    """Scaled-dot-product attention without a mask as FlashAttention's op (``aten._scaled_dot_product_flash_attention``,
+    whose fake kernel needs no GPU): what a GPU runs, dropout and grouped key/value heads included."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            bound = dict(zip(("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale"), args), **kwargs)
+            if bound.get("attn_mask") is None:
+                return torch.ops.aten._scaled_dot_product_flash_attention(
+                    bound["query"], bound["key"], bound["value"], bound.get("dropout_p", 0.0),
+                    bound.get("is_causal", False), False, scale=bound.get("scale"))[0]
+        return func(*args, **kwargs)

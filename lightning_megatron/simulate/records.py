@@ -6,8 +6,8 @@
   all-gather; the input of a reduce-scatter or an all-to-all.
 * :func:`peak_by_category` reads ``plan.probes.LiveStorages``' log of every storage allocated while the simulation
   ran (the model's materialisation included, so everything the rank holds is in it) and splits the bytes alive at
-  the peak of a stretch of it into parameters, gradients, main parameters, optimizer state and the rest
-  (activations and temporaries).
+  the peak of a stretch of it into parameters, gradients, main parameters, optimizer state, activations (what
+  autograd saved for backward, :class:`SavedForBackward`) and temporaries (the rest).
 """
 
 from __future__ import annotations
@@ -25,22 +25,23 @@ from torch.utils._pytree import tree_flatten
 from lightning_megatron.parallel.state import ParallelState
 from lightning_megatron.plan.probes import LiveStorages
 
-# The collective ops' names (c10d's and the functional ones) -> the kind reported.
-_KINDS = {
-    "allreduce_": "all_reduce", "all_reduce": "all_reduce", "all_reduce_": "all_reduce",
-    "_allgather_base_": "all_gather", "allgather_": "all_gather", "all_gather_into_tensor": "all_gather",
-    "allgather_into_tensor_coalesced_": "all_gather", "all_gather_into_tensor_coalesced": "all_gather",
-    "_reduce_scatter_base_": "reduce_scatter", "reduce_scatter_": "reduce_scatter",
-    "reduce_scatter_tensor": "reduce_scatter", "reduce_scatter_tensor_coalesced_": "reduce_scatter",
-    "reduce_scatter_tensor_coalesced": "reduce_scatter",
-    "alltoall_base_": "all_to_all", "all_to_all_single": "all_to_all", "alltoall_": "all_to_all",
-    "broadcast_": "broadcast", "broadcast": "broadcast", "send": "send", "recv_": "recv", "recv_any_source_": "recv",
-    "barrier": "barrier", "allreduce_coalesced_": "all_reduce", "reduce_": "reduce", "gather_": "gather",
-    "scatter_": "scatter",
+# The collective ops (c10d's and the functional ones) -> (the kind reported, which argument is the whole buffer, and
+# whether that argument is one rank's part of it: the functional all-gather's input, times the group's size).
+_OPS = {
+    "allreduce_": ("all_reduce", 0, False), "allreduce_coalesced_": ("all_reduce", 0, False),
+    "all_reduce": ("all_reduce", 0, False), "all_reduce_": ("all_reduce", 0, False),
+    "_allgather_base_": ("all_gather", 0, False), "allgather_": ("all_gather", 0, False),
+    "allgather_into_tensor_coalesced_": ("all_gather", 0, False),
+    "all_gather_into_tensor": ("all_gather", 0, True), "all_gather_into_tensor_coalesced": ("all_gather", 0, True),
+    "_reduce_scatter_base_": ("reduce_scatter", 1, False), "reduce_scatter_": ("reduce_scatter", 1, False),
+    "reduce_scatter_tensor_coalesced_": ("reduce_scatter", 1, False),
+    "reduce_scatter_tensor": ("reduce_scatter", 0, False), "reduce_scatter_tensor_coalesced": ("reduce_scatter", 0, False),
+    "alltoall_base_": ("all_to_all", 1, False), "alltoall_": ("all_to_all", 1, False),
+    "all_to_all_single": ("all_to_all", 0, False),
+    "broadcast_": ("broadcast", 0, False), "broadcast": ("broadcast", 0, False), "send": ("send", 0, False),
+    "recv_": ("recv", 0, False), "recv_any_source_": ("recv", 0, False), "reduce_": ("reduce", 0, False),
+    "gather_": ("gather", 1, False), "scatter_": ("scatter", 1, False), "barrier": ("barrier", 0, False),
 }
-# Kinds whose buffer is the output (the gathered tensor), not the input.
-_OUTPUT_SIZED = {"all_gather"}
-_WAITS = {"wait_tensor"}
 
 
 def group_names(state: ParallelState) -> dict[str, str]:
@@ -84,12 +85,14 @@ class CollectiveLog(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func.namespace in ("c10d", "_c10d_functional"):
-            kind = _KINDS.get(func._schema.name.split("::")[-1])
-            if kind is not None:
-                key = (kind, self._group_of(args, kwargs))
-                totals = self.totals[key]
+            known = _OPS.get(func._schema.name.split("::")[-1])
+            if known is not None:
+                kind, index, per_rank = known
+                totals = self.totals[(kind, self._group_of(args, kwargs))]
                 totals.count += 1
-                totals.bytes += self._buffer_bytes(kind, args, func.namespace == "c10d")
+                tensors = [t for t in tree_flatten(args[index])[0] if isinstance(t, Tensor)] if len(args) > index else []
+                nbytes = sum(t.numel() * t.element_size() for t in tensors)
+                totals.bytes += nbytes * (args[1] if per_rank else 1)  # the functional ops' group size
         return func(*args, **kwargs)
 
     def _group_of(self, args, kwargs) -> str:
@@ -101,27 +104,39 @@ class CollectiveLog(TorchDispatchMode):
                 return self.names[value]
         return "?"
 
-    @staticmethod
-    def _buffer_bytes(kind: str, args, c10d: bool) -> int:
-        if kind == "reduce_scatter" and c10d:
-            args = args[1:]  # c10d's reduce-scatters take (output, input): the input is the buffer
-        tensors = [t for t in tree_flatten(args[:2] if kind in _OUTPUT_SIZED else args[:1])[0] if isinstance(t, Tensor)]
-        if not tensors:
-            return 0
-        if kind in _OUTPUT_SIZED:
-            tensors = tensors[:1]  # c10d's all-gather: (output, input); functional: input x group size
-        return sum(t.numel() * t.element_size() for t in tensors)
-
     def rows(self) -> list[dict]:
         return [{"kind": kind, "group": group, "count": totals.count, "bytes": totals.bytes}
                 for (kind, group), totals in sorted(self.totals.items(), key=lambda item: (item[0][1], item[0][0]))]
 
 
-def peak_by_category(live: LiveStorages, categories: dict[str, Iterable[Tensor]], *, start: int = 0
-                     ) -> tuple[int, dict[str, int]]:
+class SavedForBackward:
+    """While active, notes which of ``live``'s storages autograd saves for backward: at the peak, those are the
+    activations, the rest of what is not model state the temporaries (``saved_tensors_hooks``; a recomputed
+    layer's own hooks take over inside it, and it saves nothing until its backward)."""
+
+    def __init__(self, live: LiveStorages) -> None:
+        self.live, self.ids = live, set()
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda tensor: tensor)
+
+    def _pack(self, tensor: Tensor) -> Tensor:
+        self.ids |= self.live.ids_of([tensor])
+        return tensor
+
+    def __enter__(self) -> "SavedForBackward":
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._hooks.__exit__(*exc)
+
+
+def peak_by_category(live: LiveStorages, categories: dict[str, Iterable[Tensor]], *, saved: set[int] = frozenset(),
+                     start: int = 0) -> tuple[int, dict[str, int], dict[str, int]]:
     """The most bytes alive at once over ``live.events[start:]`` (counting what was alive at ``start``), and how
     they split among ``categories`` (each a set of tensors whose storages belong to it; the first category that
-    names a storage takes it) and ``"activations and temporaries"`` (everything else)."""
+    names a storage takes it), ``"activations"`` (the ``saved`` storages: autograd keeps them for backward) and
+    ``"temporaries"`` (everything else); the five largest parts of the last two at the peak, named by the op that
+    allocated them."""
     owner: dict[int, str] = {}
     for name, tensors in categories.items():
         for index in live.ids_of([t for t in tensors if t is not None]):
@@ -137,7 +152,11 @@ def peak_by_category(live: LiveStorages, categories: dict[str, Iterable[Tensor]]
             peak, peak_at = current, position + 1
     for delta, index in live.events[start:peak_at]:
         alive[index] += delta
-    split = Counter({name: 0 for name in categories})
+    split = Counter({name: 0 for name in (*categories, "activations", "temporaries")})
+    largest: Counter = Counter()  # activations and temporaries by the op that allocated them ("aten.mm.default (fw)")
     for index, nbytes in alive.items():
-        split[owner.get(index, "activations and temporaries")] += nbytes
-    return peak, dict(split)
+        category = owner.get(index) or ("activations" if index in saved else "temporaries")
+        split[category] += nbytes
+        if category not in categories and nbytes:
+            largest[live.names[index]] += nbytes
+    return peak, dict(split), dict(largest.most_common(5))

@@ -10,8 +10,8 @@ every one but the last under ``block_backward_sync`` with its backward, the last
 closure; then the clip, the optimizer and the driver's ``after_step``. The checkpoint's shard plan (the entries
 this rank would write: its parameters, main parameters and optimizer state) is built after the last step.
 
-Two steps run: the first makes the optimizer state, the second is a step of the steady state, whose peak is the
-one reported (what every later step repeats). See ``fake_world`` for what is fake and how host reads are answered.
+Two steps run: a warm-up step of the fewest sequences any schedule takes, which makes the optimizer state, then
+the measured step, with the config's whole batch: a step of the steady state, whose peak every later step repeats. See ``fake_world`` for what is fake and how host reads are answered.
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ from lightning_megatron.parallel.random import TensorParallelRNG
 from lightning_megatron.parallel.state import ParallelState
 from lightning_megatron.plan.inventory import fake_world
 from lightning_megatron.plan.probes import LiveStorages
-from lightning_megatron.simulate.fake_world import KnownValues, StageMailbox, fake_tensors
-from lightning_megatron.simulate.records import CollectiveLog, group_names, peak_by_category
+from lightning_megatron.simulate.fake_world import GPUAttention, KnownValues, StageMailbox, fake_tensors
+from lightning_megatron.simulate.records import CollectiveLog, SavedForBackward, group_names, peak_by_category
 from lightning_megatron.strategy.options import StrategyOptions
 from lightning_megatron.strategy.preparation import prepare_model, start_pipeline
 from lightning_megatron.strategy.step import StepDriver
@@ -90,6 +90,7 @@ class RankResult:
     coordinates: dict[str, int]
     simulated_peak_bytes: int
     peak_by_category: dict[str, int]
+    largest_at_peak: dict[str, int]  # the activations and temporaries at the peak, by the op that allocated them
     model_state_bytes: dict[str, int]
     collectives: list[dict]
     checkpoint_entries: int
@@ -110,28 +111,18 @@ def _precision_plugin(precision: str, device: torch.device):
     return Precision()
 
 
-#: The precisions whose Lightning plugin (``HalfPrecision``) casts the module's floating-point tensors.
-_HALF_DTYPES = {"bf16-true": torch.bfloat16, "16-true": torch.float16}
-
-
-def _convert_module(module: nn.Module, precision: str) -> nn.Module:
-    """What Lightning's precision plugin does to the module (``HalfPrecision``: ``module.to(dtype)``; the others:
-    nothing), as ``Module._apply`` does it on real tensors: each parameter's ``.data`` is set, so the objects, their
-    tags (``PARAMETER_TAGS``: ``tensor_shard``, ``sequence_parallel_grad``, ``pipeline_tied``, ...) and the weights
-    tied by sharing one stay. On fake tensors ``Module._apply`` swaps each tensor for a new one instead
-    (``torch.utils.swap_tensors``), which fails on a tensor that has weak references (the fake mode's own)."""
-    dtype = _HALF_DTYPES.get(precision)
+def _convert_module(plugin, module: nn.Module) -> None:
+    """The precision plugin's ``convert_module``: ``HalfPrecision`` casts the parameters and buffers to its dtype
+    (``module.to(dtype)``), done here by assigning ``.data``: ``nn.Module.to`` swaps fake parameters for new ones,
+    which torch refuses for a tensor something holds a weak reference to (the fake tensors' own bookkeeping)."""
+    dtype = getattr(plugin, "_desired_input_dtype", None)
     if dtype is None:
-        return module
+        plugin.convert_module(module)
+        return
     with torch.no_grad():
-        for param in dict.fromkeys(module.parameters()):
-            if param.is_floating_point():
-                param.data = param.data.to(dtype)
-        for owner in module.modules():
-            for name, buffer in owner._buffers.items():
-                if buffer is not None and buffer.is_floating_point():
-                    owner._buffers[name] = buffer.to(dtype)
-    return module
+        for tensor in (*module.parameters(), *module.buffers()):
+            if tensor.is_floating_point():
+                tensor.data = tensor.data.to(dtype)
 
 
 def _coordinates(state: ParallelState) -> dict[str, int]:
@@ -145,11 +136,19 @@ def _coordinates(state: ParallelState) -> dict[str, int]:
     return coordinates
 
 
-def _batch(job: Job) -> dict[str, Tensor]:
-    """A loader batch of this rank's shape (token ids: their values do not change what a step allocates)."""
-    rows, vocab = job.rows_per_rank(), 2
-    return {"input_ids": torch.randint(0, vocab, (rows, job.seq_length), device=job.device),
-            "labels": torch.randint(0, vocab, (rows, job.seq_length), device=job.device)}
+def _batch(job: Job, rows: int) -> dict[str, Tensor]:
+    """A loader batch of ``rows`` sequences (token ids: their values do not change what a step allocates)."""
+    return {"input_ids": torch.randint(0, 2, (rows, job.seq_length), device=job.device),
+            "labels": torch.randint(0, 2, (rows, job.seq_length), device=job.device)}
+
+
+def _warm_up_rows(job: Job) -> int:
+    """The first step only makes the optimizer state: the fewest sequences any schedule takes (one loader batch
+    without pipelining; two micro-batches per pipeline stage with it)."""
+    config = job.parallel_config
+    if config.pipeline_parallel_size == 1:
+        return job.rows_per_rank()
+    return min(job.rows_per_rank(), 2 * config.pipeline_parallel_size * job.options.micro_batch_size)
 
 
 class _LoopState:
@@ -175,9 +174,8 @@ def _entry_bytes(entries: dict) -> int:
                else value.numel() * value.element_size() for value in entries.values())
 
 
-def simulate_rank(job: Job, rank: int, mailbox: StageMailbox, steps: int = 2) -> RankResult:
-    """Rank ``rank`` of ``job``: set-up and ``steps`` optimizer steps (the last one measured); see the module
-    docstring. ``mailbox``: shared by the ranks one simulation runs (pipeline stages in order)."""
+def simulate_rank(job: Job, rank: int, mailbox: StageMailbox) -> RankResult:
+    """Rank ``rank`` of ``job``: set-up, a warm-up step and the measured optimizer step; see the module docstring. ``mailbox``: shared by the ranks one simulation runs (pipeline stages in order)."""
     started = time.perf_counter()
     options, device = job.options, job.device
     module = job.make_module()
@@ -194,14 +192,15 @@ def simulate_rank(job: Job, rank: int, mailbox: StageMailbox, steps: int = 2) ->
         log = CollectiveLog(group_names(state))
         values = KnownValues()
         live = LiveStorages()
-        with warnings.catch_warnings(), mailbox.delivering(), fake_tensors(), values, log, live:
+        attention = GPUAttention() if device.type == "cpu" else contextlib.nullcontext()
+        with warnings.catch_warnings(), mailbox.delivering(), fake_tensors(), attention, values, log, live:
             warnings.simplefilter("ignore")  # Lightning's "self.log() without a Trainer", once per micro-batch
             rng = TensorParallelRNG(SEED, state.tensor_parallel_rank, device)
             prepared = prepare_model(module, state, options, rng=rng, seed=SEED, device=device,
                                      precision=job.precision)
             plugin = _precision_plugin(job.precision, device)
             if prepared.zero3 is None:
-                module = _convert_module(module, job.precision)  # already on the device: materialised there
+                _convert_module(plugin, module)  # already on the device: materialised there
             driver = StepDriver(options)
             driver.bind(plugin, device, options)
             loop = _LoopState(job.accumulate_grad_batches)
@@ -215,21 +214,25 @@ def simulate_rank(job: Job, rank: int, mailbox: StageMailbox, steps: int = 2) ->
             driver.start(module, state, [optimizer], options, zero3=prepared.zero3, device=device,
                          ranks_sharing_host=1)
             module.train()
-            batch = _batch(job)
-            measured_from = 0
-            for step in range(steps):
-                if step == steps - 1:
-                    gc.collect()  # what the step before left in reference cycles dies before the measured step
-                    measured_from = len(live.events)
-                    log.totals.clear()
-                _optimizer_step(module, optimizer, driver, plugin, batch, loop, job.gradient_clip_val)
-                loop.global_step += 1
+            # The warm-up step: one loader batch of the fewest sequences, which makes the optimizer state.
+            loop.accumulate_grad_batches = 1
+            _optimizer_step(module, optimizer, driver, plugin, _batch(job, _warm_up_rows(job)), loop,
+                            job.gradient_clip_val)
+            loop.global_step, loop.accumulate_grad_batches = 1, job.accumulate_grad_batches
+            if driver.pipeline is not None:
+                driver.pipeline.drop_schedules()  # the warm-up's receive buffers: a real run holds one schedule's
+            gc.collect()  # what the warm-up left in reference cycles dies before the measured step
+            measured_from = len(live.events)
+            log.totals.clear()
+            with SavedForBackward(live) as saved:
+                _optimizer_step(module, optimizer, driver, plugin, _batch(job, job.rows_per_rank()), loop,
+                                job.gradient_clip_val)
             entries = _checkpoint_plan(module, optimizer, driver)
             categories = _category_tensors(module, optimizer, driver)
-            peak, split = peak_by_category(live, categories, start=measured_from)
+            peak, split, largest = peak_by_category(live, categories, saved=saved.ids, start=measured_from)
             model_state = model_state_sizes(module, optimizer, driver.gradients, prepared.zero3)
             driver.remove()
-        return RankResult(rank, _coordinates(state), peak, split, model_state, log.rows(), len(entries),
+        return RankResult(rank, _coordinates(state), peak, split, largest, model_state, log.rows(), len(entries),
                           _entry_bytes(entries), values.host_reads, values.stand_ins, time.perf_counter() - started)
 
 

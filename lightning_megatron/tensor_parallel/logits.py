@@ -117,7 +117,7 @@ def as_plain(logits: Tensor) -> Tensor:
 
 
 def mark_vocab_parallel(logits: Tensor, shard: VocabShard) -> Tensor:
-    if is_fake(logits):  # lightning-megatron simulate: a FakeTensor cannot become another subclass; left unmarked
+    if is_fake(logits):  # a fake tensor (lightning-megatron simulate) cannot become a second subclass: unmarked
         return logits
     marked = logits.as_subclass(VocabParallelLogits)
     marked.vocab_shard = shard
