@@ -20,8 +20,10 @@ import contextlib
 import gc
 import time
 import warnings
+from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
+from unittest import mock
 
 import torch
 from torch import Tensor, nn
@@ -35,7 +37,8 @@ from lightning_megatron.parallel.state import ParallelState
 from lightning_megatron.plan.inventory import fake_world
 from lightning_megatron.plan.probes import LiveStorages
 from lightning_megatron.simulate.fake_world import GPUAttention, KnownValues, StageMailbox, fake_tensors
-from lightning_megatron.simulate.records import CollectiveLog, SavedForBackward, group_names, peak_by_category
+from lightning_megatron.simulate.records import (CollectiveLog, CollectiveTotals, SavedForBackward, group_names,
+                                                 peak_by_category)
 from lightning_megatron.strategy.options import StrategyOptions
 from lightning_megatron.strategy.preparation import prepare_model, start_pipeline
 from lightning_megatron.strategy.step import StepDriver
@@ -224,7 +227,7 @@ def simulate_rank(job: Job, rank: int, mailbox: StageMailbox) -> RankResult:
             gc.collect()  # what the warm-up left in reference cycles dies before the measured step
             measured_from = len(live.events)
             log.totals.clear()
-            with SavedForBackward(live) as saved:
+            with SavedForBackward(live) as saved, _metadata_inference_uncounted(log):
                 _optimizer_step(module, optimizer, driver, plugin, _batch(job, job.rows_per_rank()), loop,
                                 job.gradient_clip_val)
             entries = _checkpoint_plan(module, optimizer, driver)
@@ -234,6 +237,30 @@ def simulate_rank(job: Job, rank: int, mailbox: StageMailbox) -> RankResult:
             driver.remove()
         return RankResult(rank, _coordinates(state), peak, split, largest, model_state, log.rows(), len(entries),
                           _entry_bytes(entries), values.host_reads, values.stand_ins, time.perf_counter() - started)
+
+
+@contextlib.contextmanager
+def _metadata_inference_uncounted(log: CollectiveLog) -> Iterator[None]:
+    """At a schedule's first step torch's pipeline stages vote on their neighbours (a 4-byte send and receive per
+    boundary) and infer the metadata of their inputs and outputs with a forward and a backward of one micro-batch,
+    collectives included. The measured step builds its schedule anew (the warm-up's is dropped), but a run's later
+    steps reuse theirs: those collectives are not the step's."""
+    from torch.distributed.pipelining.stage import PipelineStage
+
+    def uncounted(infer: Callable) -> Callable:
+        def run(stage, *args, **kwargs):
+            totals, log.totals = log.totals, defaultdict(CollectiveTotals)
+            try:
+                return infer(stage, *args, **kwargs)
+            finally:
+                log.totals = totals
+        return run
+
+    with contextlib.ExitStack() as stack:
+        for name in ("_warmup_forward_vote", "_warmup_backward_result", "_forward_metadata_inference",
+                     "_backward_metadata_inference"):
+            stack.enter_context(mock.patch.object(PipelineStage, name, uncounted(getattr(PipelineStage, name))))
+        yield
 
 
 def _optimizer_step(module, optimizer, driver: StepDriver, plugin, batch, loop: _LoopState,
