@@ -301,22 +301,21 @@ def test_model_state_is_what_a_real_4_process_run_reported(plan_bytes_job, no_pr
             assert simulated.model_state_bytes == results[rank][key]["bytes"], (key, rank)
 
 
-# benchmarks/memory/peak.py's layouts compared (pp 1; see the report of issue 44 for the pipelined ones): tp 1 and 2,
-# sequence parallelism, full recomputation, GPT- and Llama-shaped models, latent attention, the chunked loss at
+# benchmarks/memory/peak.py's layouts compared (pp 1 without recomputation; see the report of issue 44 for the
+# others): tp 1 and 2, sequence parallelism, GPT- and Llama-shaped models, latent attention, the chunked loss at
 # Llama-3's vocabulary.
-PEAK_LAYOUTS = ("tp1-none", "llama-tp2-sp-full", "mla-tp2-sp-none", "chunk-llama3-tp1-none")
+PEAK_LAYOUTS = ("tp1-none", "llama-tp2-sp-none", "mla-tp2-sp-none", "chunk-llama3-tp1-none")
 
 
 @pytest.mark.slow  # the 2-rank activation job (shared with tests/test_plan.py: conftest's activation_peak_job)
 def test_activation_peaks_are_what_the_real_2_process_run_measured(activation_peak_job, no_process_group):
     """Each layout simulated as ``benchmarks/memory/peak.py`` runs it (fp32, ZeRO 0, 2 ranks, AdamW, no clipping):
-    the simulated step's bytes other than model state at its peak are the measured peak of the forward and backward
+    the simulated step's activations and temporaries at its peak are the measured peak of the forward and backward
     (what they allocate and keep alive, model state left out) plus what the measurement leaves out as older than
-    the step: the rotary cos/sin tables (``[seq, head_dim]`` fp32 each, cached from the first step; the cache is
-    emptied first: it outlives a simulation), this rank's batch (input ids and labels, int64) and a few scalars (the
-    optimizer's step counters, the token count: under 256 bytes). The measured peak's bytes are dropped where the
-    grads of a dp = 1 layout are alive at the simulated peak: the simulation counts them with the activations
-    (``LocalGradients`` drops ``param.grad`` after the step), the measurement as model state."""
+    the step: the rotary cos/sin tables (``[seq, head_dim]`` fp32 each, cached from the warm-up step; the cache is
+    emptied first: it outlives a simulation), this rank's batch (input ids and labels, int64) and scalars (the
+    optimizer's step counters, token counts, flags: 4 or 8 bytes each, under 512 bytes in all). The simulation runs
+    FlashAttention's op where the measurement runs torch's CPU kernel: at these head widths both keep the same."""
     from benchmarks.memory.peak import LAYOUTS_BY_KEY, model_config
 
     from lightning_megatron.models.rotary import _cos_sin_from_zero
@@ -339,5 +338,6 @@ def test_activation_peaks_are_what_the_real_2_process_run_measured(activation_pe
         rotary = 0 if config.position_embedding_type != "rope" else 2 * layout.seq_length * (
             config.mla.qk_rope_head_dim if config.mla else config.hidden_size // config.num_heads) * 4
         older = rotary + 2 * rows * layout.seq_length * 8
-        extra = simulated.peak_by_category["activations and temporaries"] - measured - older
-        assert 0 <= extra < 256, (key, simulated.peak_by_category, measured, older)
+        split = simulated.peak_by_category
+        extra = split["activations"] + split["temporaries"] - measured - older
+        assert abs(extra) < 512, (key, split, measured, older)
