@@ -5,7 +5,6 @@ what the strategy reports in a real 4-process run (the pooled ``plan_bytes`` job
 
 import math
 from dataclasses import replace
-from typing import Optional
 
 import pytest
 import torch.distributed as dist
@@ -30,14 +29,14 @@ BUCKET_MB = 0.008  # ~8 KiB buckets: a stage's two layers are cut into several
 BF16 = 2
 
 
-def tiny_gpt(loss_chunk_tokens: Optional[int] = CHUNK) -> GPT:
+def tiny_gpt() -> GPT:
     """Llama-shaped (RMSNorm, SwiGLU, rope, no biases), tied embeddings, hidden 48: 8 heads of 6 (one per tp rank
     and query group; a norm's 48 elements make bucket sizes that need ZeRO's padding), vocabulary 256 (padded to
     tp x 128 = 1,024 rows, 128 per tp rank)."""
     return GPT(GPTConfig(vocab_size=VOCAB, max_seq_length=SEQ, hidden_size=H, num_layers=LAYERS, num_heads=HEADS,
                          num_query_groups=HEADS, ffn_hidden_size=FFN, dropout=0.0, normalization="RMSNorm",
                          position_embedding_type="rope", activation="swiglu", add_bias_linear=False,
-                         tie_embeddings=True, loss_chunk_tokens=loss_chunk_tokens))
+                         tie_embeddings=True, loss_chunk_tokens=CHUNK))
 
 
 def rank_of(pp: int, dp: int, tp: int) -> int:
@@ -131,9 +130,9 @@ def padded(bucket) -> int:
     return math.ceil(sum(numel for _, numel in bucket) / DP) * DP
 
 
-def expected_step(pp: int, dp: int, chunk_tokens: int = CHUNK) -> tuple[dict, dict]:
-    """The model state and the collectives of one optimizer step of the rank at (pp, dp), from the layout; the loss
-    in chunks of ``chunk_tokens`` (the plain loss: one chunk of the whole sequence)."""
+def expected_step(pp: int, dp: int) -> tuple[dict, dict]:
+    """The model state and the collectives of one optimizer step of the rank at (pp, dp), from the layout (the plain
+    loss is the chunked one with a single chunk of the whole sequence: ``CHUNK = SEQ``)."""
     params = stage_parameters(pp)
     buckets = buckets_of(params)
     owned = {}
@@ -142,7 +141,7 @@ def expected_step(pp: int, dp: int, chunk_tokens: int = CHUNK) -> tuple[dict, di
     first, last = pp == 0, pp == PP - 1
     m, layers = MICRO_BATCHES, LAYERS // PP
     hidden = SEQ * H * BF16  # one micro-batch's hidden states, whole sequence ([S, 1, H] bf16)
-    chunks, chunk = SEQ // chunk_tokens, chunk_tokens * H * BF16  # the loss's chunks, the bytes of one's hidden states
+    chunks, chunk = SEQ // CHUNK, CHUNK * H * BF16  # the loss's chunks, the bytes of one's hidden states
     state = {"parameters": BF16 * sum(n for _, n in params), "gradients": BF16 * sum(map(padded, buckets)),
              "main_parameters": 4 * sum(owned.values()), "optimizer_state": 8 * sum(owned.values())}
     rows = {
@@ -159,7 +158,7 @@ def expected_step(pp: int, dp: int, chunk_tokens: int = CHUNK) -> tuple[dict, di
         # their weight gradient, the output projections gather their output gradient: 6; the two projections'
         # outputs and the two column layers' input gradients are reduce-scattered: 4. The embedding's output is
         # all-reduced and its gradient gathered from the sequence shards; the chunked head gathers each chunk's
-        # input (chunk_tokens) forward and for its weight gradient and reduce-scatters its input gradient; the
+        # input (CHUNK tokens) forward and for its weight gradient and reduce-scatters its input gradient; the
         # vocab-parallel cross-entropy all-reduces the max, the sum of exponentials and the target logit (fp32 per
         # token).
         ("all_gather", "tp"): (m * (6 * layers + first + 2 * chunks * last),
@@ -169,7 +168,7 @@ def expected_step(pp: int, dp: int, chunk_tokens: int = CHUNK) -> tuple[dict, di
     # The norms' gradients are partial sums over tp under sequence parallelism: one all-reduce per step of the
     # elements this dp rank owns (none owned: no all-reduce).
     norm_owned = sum(n for name, n in owned.items() if name.endswith(("ln_1", "ln_2", "ln_f")))
-    tp_reduces = [(m * first, m * first * hidden), (3 * chunks * m * last, 3 * chunks * m * last * chunk_tokens * 4),
+    tp_reduces = [(m * first, m * first * hidden), (3 * chunks * m * last, 3 * chunks * m * last * CHUNK * 4),
                   (int(norm_owned > 0), BF16 * norm_owned)]
     rows[("all_reduce", "tp")] = tuple(map(sum, zip(*tp_reduces)))
     if first or last:  # the tied embedding's gradient: the owned slice summed over the first and last stage
@@ -180,8 +179,7 @@ def expected_step(pp: int, dp: int, chunk_tokens: int = CHUNK) -> tuple[dict, di
 
 @pytest.fixture(scope="module")
 def simulated_1024():
-    """The first rank, a middle stage's last dp rank and the last rank of the 1,024-rank job, simulated once; and
-    the last rank again with the plain loss (``"plain"``)."""
+    """The first rank, a middle stage's last dp rank and the last rank of the 1,024-rank job, simulated once."""
     if dist.is_initialized():
         dist.destroy_process_group()  # an in-process Trainer earlier in the session (conftest's no_process_group)
     options = StrategyOptions(tensor_parallel_size=TP, pipeline_parallel_size=PP, sequence_parallel=True,
@@ -189,20 +187,17 @@ def simulated_1024():
     job = Job(tiny_gpt, options, world_size=WORLD, precision="bf16-true", loader_batch_size=DP * MICRO_BATCHES,
               seq_length=SEQ, gradient_clip_val=1.0)
     mailbox = StageMailbox()
-    results = {rank: simulate_rank(job, rank, mailbox) for rank in (rank_of(0, 0, 0), rank_of(1, DP - 1, 3), WORLD - 1)}
-    results["plain"] = simulate_rank(replace(job, make_module=lambda: tiny_gpt(None)), WORLD - 1, mailbox)
-    return results
+    return {rank: simulate_rank(job, rank, mailbox) for rank in (rank_of(0, 0, 0), rank_of(1, DP - 1, 3), WORLD - 1)}
 
 
-@pytest.mark.parametrize("rank", [rank_of(0, 0, 0), rank_of(1, DP - 1, 3), WORLD - 1, "plain"])
+@pytest.mark.parametrize("rank", [rank_of(0, 0, 0), rank_of(1, DP - 1, 3), WORLD - 1])
 def test_buckets_and_collectives_at_1024_ranks_are_their_formulas(simulated_1024, rank):
     """Model state (padded gradient buckets, owned fp32 slices) and every collective of the measured step, count and
     bytes per (kind, group), equal the formulas of :func:`expected_step`; nothing else is issued."""
     result = simulated_1024[rank]
-    rank, chunk_tokens = (WORLD - 1, SEQ) if rank == "plain" else (rank, CHUNK)
     pp, dp, tp = rank // (DP * TP), rank // TP % DP, rank % TP
     assert result.coordinates == {"pp": pp, "dp": dp, "tp": tp}
-    state, rows = expected_step(pp, dp, chunk_tokens)
+    state, rows = expected_step(pp, dp)
     assert result.model_state_bytes == state
     measured = {(row["kind"], row["group"]): (row["count"], row["bytes"]) for row in result.collectives}
     assert measured == rows
@@ -226,8 +221,6 @@ def llama_tiny(moe: bool = False) -> GPT:
 LAYOUTS_16 = {
     "tp2-pp2-dp4-sp-z1": (dict(tensor_parallel_size=2, pipeline_parallel_size=2, sequence_parallel=True,
                                zero_stage=1, micro_batch_size=1), "bf16-true", False, 1, (0, 15)),
-    "pp2v2-dp8-z1": (dict(pipeline_parallel_size=2, virtual_pipeline_size=2, pipeline_schedule="interleaved_1f1b",
-                          zero_stage=1, micro_batch_size=1), "bf16-true", False, 1, (0, 15)),
     "tp2-dp8-z2-acc2": (dict(tensor_parallel_size=2, zero_stage=2), "bf16-true", False, 2, (15,)),
     "tp2-cp2-dp4-z1-fp32": (dict(tensor_parallel_size=2, context_parallel_size=2, zero_stage=1), "32-true", False, 1,
                             (15,)),
@@ -238,10 +231,10 @@ LAYOUTS_16 = {
 
 @pytest.mark.parametrize("key", list(LAYOUTS_16))
 def test_16_ranks_model_state_is_the_planners(key, no_process_group):
-    """tp2 x pp2 x dp4 with sequence parallelism (both pipeline stages), interleaved 1F1B, ZeRO-2 under gradient
-    accumulation, context parallelism in fp32 and experts over ep2 (bf16-true elsewhere, ~10 KiB buckets):
-    each simulated rank's model state is ``Planner.model_state_bytes`` at its coordinates. ZeRO-2 reduce-scatters
-    each bucket after every micro-batch, ZeRO-1 once a step; both all-gather the updated parameters once a step."""
+    """tp2 x pp2 x dp4 with sequence parallelism (both pipeline stages), ZeRO-2 under gradient accumulation,
+    context parallelism in fp32 and experts over ep2 (bf16-true elsewhere, ~10 KiB buckets): each simulated rank's
+    model state is ``Planner.model_state_bytes`` at its coordinates. ZeRO-2 reduce-scatters each bucket after every
+    micro-batch, ZeRO-1 once a step; both all-gather the updated parameters once a step."""
     from lightning_megatron.plan import GPUS, Planner, Workload
 
     strategy, precision, moe, accumulation, ranks = LAYOUTS_16[key]
