@@ -1,6 +1,7 @@
 """Fixtures shared by several test modules."""
 
 import os
+import sys
 
 # One intra-op thread in this process, as in every rank and launch it starts (launch.child_env): the suite runs
 # processes beside it (rank pools, launches started early to fill a core), and torch's two threads on two busy cores
@@ -12,7 +13,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from launch import LAUNCHES, close_pools, run_job  # noqa: E402
+from launch import LAUNCHES, WORKERS, close_pools, run_job  # noqa: E402
 
 torch.set_num_threads(1)  # in case a plugin imported torch before the variable was set
 
@@ -30,6 +31,30 @@ def fp8_reference(tmp_path_factory) -> dict[str, tuple[list[float], dict]]:
     run_job("layout_invariance", 1, out, ",".join(FP8_REFERENCES))
     results = {name: torch.load(out / f"{name}.pt", weights_only=True) for name in FP8_REFERENCES}
     return {name: (result["losses"], result["weights"]) for name, result in results.items()}
+
+
+@pytest.fixture(scope="session")
+def plan_bytes_job(tmp_path_factory):
+    """Every ``BYTE_LAYOUTS`` layout (``tests/workers/plan_layouts.py``) trained one step on the 4-rank pool, once per
+    session: ``(per-rank results, the job's process)`` of ``tests/workers/plan_bytes.py``. ``test_plan.py`` holds
+    the planner's model-state bytes to it, ``test_simulate.py`` the simulation's."""
+    if str(WORKERS) not in sys.path:
+        sys.path.insert(0, str(WORKERS))
+    from plan_layouts import BYTE_LAYOUTS
+
+    return run_job("plan_bytes", 4, tmp_path_factory.mktemp("plan_bytes"), ",".join(BYTE_LAYOUTS), timeout=900)
+
+
+@pytest.fixture(scope="session")
+def activation_peak_job(tmp_path_factory) -> list[dict]:
+    """Every ``benchmarks/memory/peak.py`` layout's measured peak of activation bytes on the 2-rank pool, once per
+    session (``tests/workers/activation_peak.py``): per rank, ``{layout: row}``. ``test_plan.py`` holds the
+    planner's activation bytes to it, ``test_simulate.py`` the simulation's."""
+    from benchmarks.memory.peak import LAYOUTS, RANKS
+
+    keys = ",".join(layout.key for layout in LAYOUTS)
+    measured, _ = run_job("activation_peak", RANKS, tmp_path_factory.mktemp("activation_peak"), keys, timeout=900)
+    return measured
 
 
 @pytest.fixture

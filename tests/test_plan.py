@@ -40,13 +40,13 @@ def predicted_bytes() -> dict:
 
 
 @pytest.mark.slow
-def test_model_state_bytes_are_what_the_strategy_reports_on_every_rank(tmp_path, no_process_group):
+def test_model_state_bytes_are_what_the_strategy_reports_on_every_rank(plan_bytes_job, no_process_group):
     """22 layouts (ZeRO 0-3, tp, pp, vpp, cp, ep, whole experts on each tp rank (expert_tensor_parallel_size=1),
     bf16-true / bf16-mixed / fp32, offload, tied and untied embeddings,
     grouped-query attention, MoE, LoRA) each trained one step through the Trainer on 4 ranks; on every rank the
     planner's prediction equals ``strategy.model_state_bytes`` byte for byte, and for LoRA both equal the formula."""
     keys = list(BYTE_LAYOUTS)
-    results, proc = run_job("plan_bytes", 4, tmp_path, ",".join(keys), timeout=900)
+    results, proc = plan_bytes_job  # the pooled job, once per session (conftest.py)
     predicted = predicted_bytes()
     assert len(results) == 4
     for key in keys:
@@ -91,18 +91,17 @@ def _lora_formula(case, elements) -> dict:
 
 
 @pytest.mark.slow
-def test_activation_peaks_are_predicted_within_15_percent(tmp_path):
+def test_activation_peaks_are_predicted_within_15_percent(activation_peak_job):
     """Every rank's measured peak of activation bytes on the CPU (``python -m benchmarks.memory peak``: tp 1/2,
     sequence parallelism, pp 2 under 1F1B, no / selective / full recomputation, GPT- and Llama-shaped models of two
     sizes, Qwen3's q/k norms and wider heads, DeepSeek-V3's latent attention at tp2 + SP) and the planner's
     ``activation_bytes`` for the same layout (``python -m benchmarks.memory planner --activations``'s rows; the
-    measurement runs on the 2-rank pool instead of a launch of its own)."""
-    from benchmarks.memory.peak import LAYOUTS, RANKS, rows_of
+    measurement runs on the 2-rank pool instead of a launch of its own, once a session: conftest.py)."""
+    from benchmarks.memory.peak import LAYOUTS, rows_of
     from benchmarks.memory.planner import activation_rows
 
     keys = [layout.key for layout in LAYOUTS]
-    measured, _ = run_job("activation_peak", RANKS, tmp_path, ",".join(keys), timeout=900)
-    rows = activation_rows(rows_of(measured, keys))
+    rows = activation_rows(rows_of(activation_peak_job, keys))  # the pooled job, once per session (conftest.py)
     assert len(rows) >= 28  # every layout, and both pipeline ranks of the pipelined ones
     assert {r["layout"].rsplit("-", 1)[-1] for r in rows} >= {"none", "selective", "full"}
     assert "qwen3-tp2-sp-none" in {r["layout"] for r in rows}

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
-from typing import Iterable, Optional
+from typing import Iterable
 
 import torch
 import torch.distributed as dist
