@@ -166,16 +166,20 @@ class LiveStorages(TorchDispatchMode):
         self._finalizers: list[weakref.finalize] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
         in_backward = torch._C._current_graph_task_id() != -1
+        out = func(*args, **kwargs)
+        self.observe(func, args, kwargs, out, in_backward)
+        return out
+
+    def observe(self, func, args, kwargs, out, in_backward: bool) -> None:
+        """Log the storages ``func`` allocated for ``out`` (another dispatch mode may call this for its ops)."""
         if in_backward and self.backward_start is None:
             self.backward_start = len(self.events)
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
         inputs = {id(t.untyped_storage()) for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor)}
         for tensor in tree_flatten(out)[0]:
             if isinstance(tensor, Tensor):
                 self._see(tensor.untyped_storage(), inputs, f"{func} ({'bw' if in_backward else 'fw'})")
-        return out
 
     def _see(self, storage: torch.UntypedStorage, inputs: set[int], name: str) -> None:
         index = self._ids.get(id(storage))
@@ -206,7 +210,11 @@ class LiveStorages(TorchDispatchMode):
 
     def __exit__(self, *exc) -> None:
         super().__exit__(*exc)
-        for finalizer in self._finalizers:  # storages that outlive the step no longer log their deaths
+        self.stop()
+
+    def stop(self) -> None:
+        """Storages that outlive the logging no longer log their deaths."""
+        for finalizer in self._finalizers:
             finalizer.detach()
 
     def peak(self, excluded: set[int], stop: Optional[int] = None) -> tuple[int, dict[str, int]]:

@@ -84,6 +84,11 @@ class CollectiveLog(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        self.note(func, args, kwargs)
+        return func(*args, **kwargs)
+
+    def note(self, func, args, kwargs) -> None:
+        """Count ``func`` if it is a collective (another dispatch mode may call this for its ops)."""
         if func.namespace in ("c10d", "_c10d_functional"):
             known = _OPS.get(func._schema.name.split("::")[-1])
             if known is not None:
@@ -93,7 +98,6 @@ class CollectiveLog(TorchDispatchMode):
                 tensors = [t for t in tree_flatten(args[index])[0] if isinstance(t, Tensor)] if len(args) > index else []
                 nbytes = sum(t.numel() * t.element_size() for t in tensors)
                 totals.bytes += nbytes * (args[1] if per_rank else 1)  # the functional ops' group size
-        return func(*args, **kwargs)
 
     def _group_of(self, args, kwargs) -> str:
         for value in (*args, *kwargs.values()):
@@ -160,3 +164,25 @@ def peak_by_category(live: LiveStorages, categories: dict[str, Iterable[Tensor]]
         if category not in categories and nbytes:
             largest[live.names[index]] += nbytes
     return peak, dict(split), dict(largest.most_common(5))
+
+
+class Observed(TorchDispatchMode):
+    """One dispatch mode running the simulation's three observers on every op (three modes would dispatch each op
+    three times more): the collectives counted, the op run by ``values`` (``fake_world.KnownValues``, which answers
+    host reads and keeps small values), the storages it allocated logged."""
+
+    def __init__(self, values, log: CollectiveLog, live: LiveStorages) -> None:
+        super().__init__()
+        self.values, self.log, self.live = values, log, live
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        self.log.note(func, args, kwargs)
+        in_backward = torch._C._current_graph_task_id() != -1
+        out = self.values.run(func, args, kwargs)
+        self.live.observe(func, args, kwargs, out, in_backward)
+        return out
+
+    def __exit__(self, *exc) -> None:
+        super().__exit__(*exc)
+        self.live.stop()

@@ -36,7 +36,8 @@ from lightning_megatron.parallel.state import ParallelState
 from lightning_megatron.plan.inventory import fake_world
 from lightning_megatron.plan.probes import LiveStorages
 from lightning_megatron.simulate.fake_world import KnownValues, StageMailbox, fake_tensors, gpu_attention
-from lightning_megatron.simulate.records import CollectiveLog, SavedForBackward, group_names, peak_by_category
+from lightning_megatron.simulate.records import (CollectiveLog, Observed, SavedForBackward, group_names,
+                                                 peak_by_category)
 from lightning_megatron.strategy.options import StrategyOptions
 from lightning_megatron.strategy.preparation import prepare_model, start_pipeline
 from lightning_megatron.strategy.step import StepDriver
@@ -186,7 +187,7 @@ def simulate_rank(job: Job, rank: int, mailbox: StageMailbox) -> RankResult:
         values = KnownValues()
         live = LiveStorages()
         attention = gpu_attention() if device.type == "cpu" else contextlib.nullcontext()
-        with warnings.catch_warnings(), mailbox.delivering(), fake_tensors(), attention, values, log, live:
+        with warnings.catch_warnings(), mailbox.delivering(), fake_tensors(), attention, Observed(values, log, live):
             warnings.simplefilter("ignore")  # Lightning's "self.log() without a Trainer", once per micro-batch
             rng = TensorParallelRNG(SEED, state.tensor_parallel_rank, device)
             prepared = prepare_model(module, state, options, rng=rng, seed=SEED, device=device,
