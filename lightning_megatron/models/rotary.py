@@ -184,6 +184,12 @@ def _cos_sin_from_zero(length: int, head_dim: int, base: float, scaling: Optiona
                    _factor(scaling))
 
 
+def forget_tables() -> None:
+    """Drop the cached position tables: a new world of fake tensors (``lightning-megatron simulate``, one rank after
+    another) must make and count its own."""
+    _cos_sin_from_zero.cache_clear()
+
+
 class RotaryEmbedding(nn.Module):
     """Rotates ``q`` ``[B, heads, S, D]`` and ``k`` ``[B, kv_heads, S, D]`` by their positions.
 

@@ -29,6 +29,7 @@ from torch import Tensor, nn
 
 from lightning_megatron.checkpoint import entries as E
 from lightning_megatron.checkpoint.sharded import ShardedEntry
+from lightning_megatron.models.rotary import forget_tables
 from lightning_megatron.parallel.config import ParallelConfig
 from lightning_megatron.parallel.initialize import uninitialised_build
 from lightning_megatron.parallel.random import TensorParallelRNG
@@ -189,6 +190,7 @@ def simulate_rank(job: Job, rank: int, mailbox: StageMailbox) -> RankResult:
         attention = gpu_attention() if device.type == "cpu" else contextlib.nullcontext()
         with warnings.catch_warnings(), mailbox.delivering(), fake_tensors(), attention, Observed(values, log, live):
             warnings.simplefilter("ignore")  # Lightning's "self.log() without a Trainer", once per micro-batch
+            forget_tables()  # the rotary tables an earlier rank's simulation cached
             rng = TensorParallelRNG(SEED, state.tensor_parallel_rank, device)
             prepared = prepare_model(module, state, options, rng=rng, seed=SEED, device=device,
                                      precision=job.precision)
