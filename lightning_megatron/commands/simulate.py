@@ -33,7 +33,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("--gpus", type=int, help="GPUs in all (default: the config's devices x num_nodes)")
     parser.add_argument("--gpu", default="a100", help="the GPU the planner's prediction is for (as for plan)")
     parser.add_argument("--ranks", help="comma list of ranks to simulate: numbers, first, last (default: the ranks "
-                                        "that differ: first and last pipeline stage, last data-parallel rank, ...)")
+                                        "that differ: first and last pipeline stage; without pipelining the last "
+                                        "data-parallel rank; with experts an expert-parallel rank)")
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     args = parser.parse_args(argv)
     try:

@@ -30,11 +30,12 @@ def rank_of(config: ParallelConfig, *, pipeline: int = 0, data: int = 0, context
 
 def ranks_that_differ(config: ParallelConfig) -> list[int]:
     """The ranks whose memory or traffic can differ, in pipeline order: the first data-parallel rank of the first
-    pipeline stage (the most micro-batches in flight, the embedding) and of the last (the output layer and the loss),
-    the last data-parallel rank of the first stage (ZeRO's padding and FSDP's shorter chunks fall on the last ranks)
-    and, with expert parallelism, the last rank of the first stage's expert group."""
-    ranks = {rank_of(config), rank_of(config, pipeline=config.pipeline_parallel_size - 1),
-             rank_of(config, data=config.data_parallel_size - 1)}
+    pipeline stage (the most micro-batches in flight, the embedding) and of the last (the output layer and the loss);
+    without pipelining, the last data-parallel rank (ZeRO's padding falls on the last ranks: pipelined, ``--ranks``
+    adds it, at a pipelined step's cost); with expert parallelism, the last rank of the first stage's expert group."""
+    ranks = {rank_of(config), rank_of(config, pipeline=config.pipeline_parallel_size - 1)}
+    if config.pipeline_parallel_size == 1:
+        ranks.add(rank_of(config, data=config.data_parallel_size - 1))
     if config.expert_parallel_size > 1:
         ranks.add(rank_of(config, data=config.expert_parallel_size - 1))
     stage_size = config.world_size // config.pipeline_parallel_size
