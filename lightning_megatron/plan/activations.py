@@ -206,11 +206,20 @@ def activation_bytes(shape: ModelShape, layout: Layout, workload: Workload, *, p
     grad_apart = layout.data_parallel_size * layout.context_parallel_size > 1 or layout.micro_batches(workload) > 1
     head, loss, last_output = _head_and_loss(shape, tokens, vocab, h, w, q, grad_apart) if last else (0.0, 0.0, 0.0)
     seq = workload.seq_length
-    per_micro_batch = (shape.num_layers / pp * layer_saved_bytes(shape, layout, w, seq_length=seq) + head
-                       + (8.0 if first else 0.0))
-    if pp > 1:  # torch's pipeline stage keeps each in-flight micro-batch's output for its backward
-        per_micro_batch += last_output if last else h * w / q
-    kept = tokens * per_micro_batch * in_flight(layout, workload, pipeline_rank)
+    flight = in_flight(layout, workload, pipeline_rank)
+    layers = shape.num_layers / pp * layer_saved_bytes(shape, layout, w, seq_length=seq) + (8.0 if first else 0.0)
+    kept = tokens * layers * flight
+    chunked = pp > 1 and layout.virtual_pipeline_size > 1 and SCHEDULE_SPECS[layout.pipeline_schedule].placement != "v"
+    if chunked and last:
+        # Interleaved: the head and the loss belong to the last virtual stage, whose 1F1B holds one micro-batch at a
+        # time; every other chunk in flight keeps its output (torch's stage, for its backward). (simulate: the 70B's
+        # last stage was planned 2.3 GiB over.)
+        chunks = flight * layout.virtual_pipeline_size
+        kept += tokens * (head + last_output + h * w / q * max(0.0, chunks - 1))
+    else:
+        kept += tokens * head * flight
+        if pp > 1:  # torch's pipeline stage keeps each in-flight micro-batch's output for its backward
+            kept += tokens * (last_output if last else h * w / q) * flight * (layout.virtual_pipeline_size if chunked else 1)
     backward = 2 * h * w / q + _mlp_gradient(shape, t) * w  # the residual stream's gradient, the MLP's
     if layout.activation_checkpointing == "full":
         backward += layer_saved_bytes(shape, layout, w, mode="none", seq_length=seq)  # the layer being recomputed
