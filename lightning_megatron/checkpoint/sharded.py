@@ -141,7 +141,7 @@ def serialize_trainer_state(trainer_state: Mapping[str, Any]) -> bytes:
     return buffer.getvalue()
 
 
-def _bytes(tensors: Entries) -> int:
+def entry_bytes(tensors: Entries) -> int:
     """The bytes of this rank's tensors (replicas included: DCP writes each box once)."""
     return sum(sum(piece.numel() * piece.element_size() for piece in value.pieces.values())
                if isinstance(value, ShardedEntry) else value.numel() * value.element_size() for value in tensors.values())
@@ -180,7 +180,7 @@ def write_sharded(partial: Path, path: PathLike, tensors: Entries, trainer_state
     every rank's shards are in its view of ``partial``, ``shared_storage``), the outcome of the rename."""
     path = Path(path)
     rank = dist.get_rank(process_group) if dist.is_initialized() else 0
-    needed = sum(all_gather_objects(_bytes(tensors), process_group))
+    needed = sum(all_gather_objects(entry_bytes(tensors), process_group))
     error: Optional[BaseException] = None
     try:
         write_tensors(partial, tensors, process_group=process_group)  # DCP raises a failure on every rank

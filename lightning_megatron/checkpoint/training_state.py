@@ -58,6 +58,14 @@ class RankTraining:
     def model_entries(self) -> dict:
         return E.model_entries(self.module)
 
+    def state_entries(self) -> dict:
+        """What a checkpoint holds beyond the model: the fp32 main pieces and every optimizer's state."""
+        placements = self.placements()
+        entries = E.main_param_entries(self.main_params, placements)
+        for index, optimizer in enumerate(self.optimizers):
+            entries.update(E.optimizer_entries(optimizer, index, placements))
+        return entries
+
 
 def _rng_state(rng: Optional[TensorParallelRNG]) -> dict[str, Any]:
     state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
@@ -87,16 +95,13 @@ def save_training_state(path, checkpoint: dict[str, Any], training: RankTraining
     any rank holds non-finite values or finds ``path`` taken by something that is not a checkpoint;
     then all of them raise the same error and nothing on disk changes."""
     checkpoint.pop("state_dict", None)
-    placements = training.placements()
     tensors = training.model_entries()
     reference = base_reference(training.module)
     if reference is not None:  # adapter-only: the frozen base is read back from the reference (checkpoint.base)
         tensors = trained_only(tensors)
         checkpoint[BASE_KEY] = info["base"] = reference
     if "optimizer_states" in checkpoint:  # not for weights-only saves
-        tensors.update(E.main_param_entries(training.main_params, placements))
-        for index, optimizer in enumerate(training.optimizers):
-            tensors.update(E.optimizer_entries(optimizer, index, placements))
+        tensors.update(training.state_entries())
     optimizers = checkpoint.get("optimizer_states", [])
     problem = _save_problem(path, tensors)
     mine = (_rng_state(training.rng), [hyper["param_names"] for hyper in optimizers], problem)

@@ -219,13 +219,11 @@ def describe_configured(planner: Planner, layout: Layout) -> str:
 def job_of(config: dict, gpus: int) -> Job:
     """The ``Job`` a fit config runs on ``gpus`` GPUs."""
     trainer = config.get("trainer") or {}
-    strategy = trainer.get("strategy")
-    arguments = dict((strategy.get("init_args") or {}) if isinstance(strategy, dict) else {})
     data = (config.get("data") or {}).get("init_args") or {}
     for name in ("global_batch_size", "seq_length"):
         if not data.get(name):
             raise ValueError(f"The config's data section has no {name}, which the simulated batches need.")
-    return Job(module_factory(config.get("model") or {}), StrategyOptions(**arguments), world_size=gpus,
+    return Job(module_factory(config.get("model") or {}), StrategyOptions(**_strategy_arguments(config)), world_size=gpus,
                precision=str(trainer.get("precision", "32-true")), loader_batch_size=int(data["global_batch_size"]),
                seq_length=int(data["seq_length"]), accumulate_grad_batches=int(trainer.get("accumulate_grad_batches", 1)),
                gradient_clip_val=trainer.get("gradient_clip_val"), device=simulation_device())

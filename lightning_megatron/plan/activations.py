@@ -223,24 +223,22 @@ def activation_bytes(shape: ModelShape, layout: Layout, workload: Workload, *, p
     backward = 2 * h * w / q + _mlp_gradient(shape, t) * w  # the residual stream's gradient, the MLP's
     if layout.activation_checkpointing == "full":
         backward += layer_saved_bytes(shape, layout, w, mode="none", seq_length=seq)  # the layer being recomputed
-    return int(kept + max(loss, tokens * (backward - head)) + posted_receive_bytes(shape, layout, workload, pipeline_rank))
+    posted = posted_receive_bytes(layout, workload, pipeline_rank, boundary=tokens * h * w / q)
+    return int(kept + max(loss, tokens * (backward - head)) + posted)
 
 
-def posted_receive_bytes(shape: ModelShape, layout: Layout, workload: Workload, pipeline_rank: int) -> float:
+def posted_receive_bytes(layout: Layout, workload: Workload, pipeline_rank: int, boundary: float) -> float:
     """Receive buffers posted ahead of their use: a multi-stage schedule under ``overlap_p2p_comm`` (the default)
     posts each receive as early as its action table allows, up to ``pp`` micro-batches ahead for each input of a
     local stage that is not the first and each output gradient of one that is not the last (our stages make a
-    micro-batch's buffers when its receive is posted: ``pipeline/runner.py``). Exact on rank 0 of the measured
-    interleaved layouts, 3 buffers over on rank 1."""
+    micro-batch's buffers when its receive is posted: ``pipeline/runner.py``). ``boundary``: a micro-batch's hidden
+    states between two stages, in bytes. Exact on rank 0 of the measured interleaved layouts, 3 buffers over on rank 1."""
     pp, schedule = layout.pipeline_parallel_size, layout.pipeline_schedule
     if pp == 1 or SCHEDULE_SPECS[schedule].virtual == "one":
         return 0.0
     num_stages = pp * (2 if SCHEDULE_SPECS[schedule].placement == "v" else layout.virtual_pipeline_size)
     stages = [stage for stage in range(num_stages) if rank_of_stage(stage, pp, schedule) == pipeline_rank]
     receives = sum(stage != 0 for stage in stages) + sum(stage != num_stages - 1 for stage in stages)
-    q = layout.tensor_parallel_size if layout.sequence_parallel else 1
-    boundary = layout.micro_batch_size * workload.seq_length / layout.context_parallel_size * shape.hidden_size \
-        * workload.compute_bytes / q
     return receives * min(layout.micro_batches(workload), pp) * boundary
 
 

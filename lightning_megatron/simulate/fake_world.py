@@ -33,14 +33,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.weak import WeakTensorKeyDictionary
 
 #: Tensors up to this many elements keep real values beside their fake twins (:class:`KnownValues`).
 SMALL_NUMEL = 64
 _HOST_READS = (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.is_nonzero.default)
-_COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional")
+COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional")
 # Checks that write a flag (a known zero) only when something is not finite: a healthy step leaves it as it was.
 _HEALTHY_CHECKS = (torch.ops.aten._amp_foreach_non_finite_check_and_unscale_.default,)
 
@@ -50,12 +49,12 @@ def simulation_device() -> torch.device:
     return torch.device("cuda" if torch.backends.cuda.is_built() else "cpu")
 
 
-class KnownValues(TorchDispatchMode):
+class KnownValues:
     """Runs each op whose tensors are all small and known for real too (see the module docstring), and answers the
-    host reads: from the real value where it is known, else with a stand-in (``stand_ins`` counts them)."""
+    host reads: from the real value where it is known, else with a stand-in (``stand_ins`` counts them). The
+    simulation's dispatch mode (``records.Observed``) hands it every op."""
 
     def __init__(self) -> None:
-        super().__init__()
         self.values = WeakTensorKeyDictionary()
         self.host_reads = 0
         self.stand_ins = 0
@@ -68,15 +67,12 @@ class KnownValues(TorchDispatchMode):
             raise LookupError
         return known
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        return self.run(func, args, kwargs or {})
-
     def run(self, func, args, kwargs) -> Any:
-        """``func``'s result (a host read's answer), its small results known (another mode may call this)."""
+        """``func``'s result (a host read's answer), its small results known."""
         if func in _HOST_READS:
             return self._read(func, args[0])
         out = func(*args, **kwargs)
-        if func.namespace in _COLLECTIVE_NAMESPACES or func in _HEALTHY_CHECKS:
+        if func.namespace in COLLECTIVE_NAMESPACES or func in _HEALTHY_CHECKS:
             return out  # the fake group moves nothing, a healthy check sets no flag: the values stay as they were
         outputs = [t for t in tree_flatten(out)[0] if isinstance(t, Tensor)]
         written = [a for a, argument in zip(args, func._schema.arguments)

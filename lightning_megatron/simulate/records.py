@@ -24,6 +24,7 @@ from torch.utils._pytree import tree_flatten
 
 from lightning_megatron.parallel.state import ParallelState
 from lightning_megatron.plan.probes import LiveStorages
+from lightning_megatron.simulate.fake_world import COLLECTIVE_NAMESPACES, KnownValues
 
 # The collective ops (c10d's and the functional ones) -> (the kind reported, which argument is the whole buffer, and
 # whether that argument is one rank's part of it: the functional all-gather's input, times the group's size).
@@ -73,23 +74,15 @@ class CollectiveTotals:
 
 
 @dataclass
-class CollectiveLog(TorchDispatchMode):
+class CollectiveLog:
     """Counts each collective op and its buffer's bytes by (kind, group name); see the module docstring."""
 
     names: dict[str, str] = field(default_factory=dict)
     totals: dict[tuple[str, str], CollectiveTotals] = field(default_factory=lambda: defaultdict(CollectiveTotals))
 
-    def __post_init__(self) -> None:
-        super().__init__()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        self.note(func, args, kwargs)
-        return func(*args, **kwargs)
-
     def note(self, func, args, kwargs) -> None:
-        """Count ``func`` if it is a collective (another dispatch mode may call this for its ops)."""
-        if func.namespace in ("c10d", "_c10d_functional"):
+        """Count ``func`` if it is a collective."""
+        if func.namespace in COLLECTIVE_NAMESPACES:
             known = _OPS.get(func._schema.name.split("::")[-1])
             if known is not None:
                 kind, index, per_rank = known
@@ -171,7 +164,7 @@ class Observed(TorchDispatchMode):
     three times more): the collectives counted, the op run by ``values`` (``fake_world.KnownValues``, which answers
     host reads and keeps small values), the storages it allocated logged."""
 
-    def __init__(self, values, log: CollectiveLog, live: LiveStorages) -> None:
+    def __init__(self, values: KnownValues, log: CollectiveLog, live: LiveStorages) -> None:
         super().__init__()
         self.values, self.log, self.live = values, log, live
 

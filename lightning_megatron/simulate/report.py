@@ -22,24 +22,20 @@ from lightning_megatron.plan.planner import Planner
 from lightning_megatron.simulate.step import CATEGORIES, RankResult
 
 
-def rank_of(config: ParallelConfig, *, pipeline: int = 0, data: int = 0, context: int = 0, tensor: int = 0) -> int:
-    """The global rank at these coordinates of the ("pp", "dp", "cp", "tp") mesh (tp innermost)."""
-    return ((pipeline * config.data_parallel_size + data) * config.context_parallel_size + context) \
-        * config.tensor_parallel_size + tensor
-
-
 def ranks_that_differ(config: ParallelConfig) -> list[int]:
     """The ranks whose memory or traffic can differ, in pipeline order: the first data-parallel rank of the first
     pipeline stage (the most micro-batches in flight, the embedding) and of the last (the output layer and the loss);
     without pipelining, the last data-parallel rank (ZeRO's padding falls on the last ranks: pipelined, ``--ranks``
     adds it, at a pipelined step's cost); with expert parallelism, the last rank of the first stage's expert group."""
-    ranks = {rank_of(config), rank_of(config, pipeline=config.pipeline_parallel_size - 1)}
+    def rank(pipeline_rank: int = 0, data_rank: int = 0) -> int:
+        return config.rank_of(pipeline_rank=pipeline_rank, data_rank=data_rank, tensor_rank=0)
+
+    ranks = {rank(), rank(pipeline_rank=config.pipeline_parallel_size - 1)}
     if config.pipeline_parallel_size == 1:
-        ranks.add(rank_of(config, data=config.data_parallel_size - 1))
+        ranks.add(rank(data_rank=config.data_parallel_size - 1))
     if config.expert_parallel_size > 1:
-        ranks.add(rank_of(config, data=config.expert_parallel_size - 1))
-    stage_size = config.world_size // config.pipeline_parallel_size
-    return sorted(ranks, key=lambda rank: (rank // stage_size, rank))
+        ranks.add(rank(data_rank=config.expert_parallel_size - 1))
+    return sorted(ranks)  # pipeline order: the pipeline is the mesh's outermost dimension
 
 
 def parse_ranks(text: str, config: ParallelConfig) -> list[int]:
@@ -59,10 +55,9 @@ def parse_ranks(text: str, config: ParallelConfig) -> list[int]:
         ranks.append(rank)
     if not ranks:
         raise ValueError("--ranks is empty; give ranks such as 0,last.")
-    stage_size = config.world_size // config.pipeline_parallel_size
-    if any(rank >= stage_size for rank in ranks) and not any(rank < stage_size for rank in ranks):
+    if min(ranks) >= config.world_size // config.pipeline_parallel_size:  # none of the first stage
         ranks.append(0)
-    return sorted(set(ranks), key=lambda rank: (rank // stage_size, rank))
+    return sorted(set(ranks))  # pipeline order: the pipeline is the mesh's outermost dimension
 
 
 def compare_with_plan(result: RankResult, planner: Planner, layout: Layout) -> None:

@@ -27,8 +27,8 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor, nn
 
-from lightning_megatron.checkpoint import entries as E
-from lightning_megatron.checkpoint.sharded import ShardedEntry
+from lightning_megatron.checkpoint.sharded import entry_bytes
+from lightning_megatron.checkpoint.training_state import RankTraining
 from lightning_megatron.models.rotary import forget_tables
 from lightning_megatron.parallel.config import ParallelConfig
 from lightning_megatron.parallel.initialize import uninitialised_build
@@ -155,20 +155,6 @@ class _LoopState:
         self.current_epoch = 0
 
 
-def _checkpoint_plan(module: nn.Module, optimizer, driver: StepDriver) -> dict[str, ShardedEntry]:
-    """The entries this rank writes in a sharded checkpoint: its parameters, main parameters and optimizer state."""
-    placements = E.parameter_placements(module, driver.main_params)
-    entries = E.model_entries(module)
-    entries.update(E.main_param_entries(driver.main_params, placements))
-    entries.update(E.optimizer_entries(optimizer, 0, placements))
-    return entries
-
-
-def _entry_bytes(entries: dict) -> int:
-    return sum(sum(p.numel() * p.element_size() for p in value.pieces.values()) if isinstance(value, ShardedEntry)
-               else value.numel() * value.element_size() for value in entries.values())
-
-
 def simulate_rank(job: Job, rank: int, mailbox: StageMailbox) -> RankResult:
     """Rank ``rank`` of ``job``: set-up, a warm-up step and the measured optimizer step; see the module docstring. ``mailbox``: shared by the ranks one simulation runs (pipeline stages in order)."""
     started = time.perf_counter()
@@ -222,13 +208,14 @@ def simulate_rank(job: Job, rank: int, mailbox: StageMailbox) -> RankResult:
             gradients: list[Tensor] = []  # before the step ends: without data parallelism it drops them
             with SavedForBackward(live) as saved:
                 _optimizer_step(module, optimizer, driver, plugin, batch, loop, job.gradient_clip_val, gradients)
-            entries = _checkpoint_plan(module, optimizer, driver)
+            training = RankTraining(module, [optimizer], state, driver.main_params)
+            entries = {**training.model_entries(), **training.state_entries()}  # what this rank's checkpoint holds
             categories = _category_tensors(module, optimizer, driver, gradients)
             peak, split, largest = peak_by_category(live, categories, saved=saved.ids, start=measured_from)
             model_state = model_state_sizes(module, optimizer, driver.gradients, prepared.zero3)
             driver.remove()
         return RankResult(rank, _coordinates(state), peak, split, largest, model_state, log.rows(), len(entries),
-                          _entry_bytes(entries), values.host_reads, values.stand_ins, time.perf_counter() - started)
+                          entry_bytes(entries), values.host_reads, values.stand_ins, time.perf_counter() - started)
 
 
 def _optimizer_step(module, optimizer, driver: StepDriver, plugin, batch, loop: _LoopState,
